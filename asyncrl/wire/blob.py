@@ -1,0 +1,283 @@
+"""Chunked pull of large tensor sets: ``BlobServer`` (ROUTER) and ``BlobClient`` (DEALER).
+
+The trainer puts each new weight version here and announces it on pub/sub; engines pull
+it at their own pace. A blob is a named ``{tensor_name: tensor}`` laid out in one byte
+space (each tensor 64-byte aligned) and cut into ``chunk_bytes`` chunks.
+
+Flow and loss rules
+-------------------
+- The client asks for the manifest, then keeps ``window`` chunk requests in flight (the
+  zmq file-transfer pattern with credits), so throughput is not bound by round trips and
+  memory in transit is at most ``window * chunk_bytes``.
+- The server sends views of the stored tensors (no copy); the client copies each chunk once,
+  into a single destination buffer, and returns tensors that are views into it.
+- A server keeps the newest ``keep`` blobs. Asking for a dropped one is a ``RemoteError``
+  naming the blobs it has, so a slow engine learns it must move to the latest version.
+- Stored tensors must not be modified while they are served: put a copy of live weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import math
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.wire.codec import Codec, Message, torch_dtype, torch_dtype_name
+from asyncrl.wire.errors import WireError
+from asyncrl.wire.rpc import RpcClient, RpcServer
+
+_ALIGN = 64
+
+
+class TensorEntry(Message):
+    """Where one tensor lives in a blob's byte space."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+class BlobManifest(Message):
+    """Everything a client needs to allocate and fill a blob."""
+
+    blob: str
+    total_bytes: int
+    chunk_bytes: int
+    entries: list[TensorEntry]
+
+    @property
+    def num_chunks(self) -> int:
+        """``ceil(total_bytes / chunk_bytes)``."""
+        return -(-self.total_bytes // self.chunk_bytes)
+
+
+class FetchManifest(Message):
+    """Ask for a blob's manifest."""
+
+    blob: str
+
+
+class FetchChunk(Message):
+    """Ask for chunk ``index`` (bytes ``[index*C, (index+1)*C)``) of a blob."""
+
+    blob: str
+    index: int
+
+
+class BlobChunk(Message):
+    """The pieces of one chunk: ``(offset in blob, bytes)`` per tensor it overlaps."""
+
+    blob: str
+    index: int
+    parts: list[tuple[int, np.ndarray]]
+
+
+BlobRequest = FetchManifest | FetchChunk
+BlobReply = BlobManifest | BlobChunk
+
+
+def layout(tensors: dict[str, torch.Tensor], chunk_bytes: int, blob: str) -> BlobManifest:
+    """Assign each tensor an aligned offset in one byte space."""
+    entries, offset = [], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        entries.append(
+            TensorEntry(
+                name=name,
+                dtype=torch_dtype_name(t.dtype),
+                shape=list(t.shape),
+                offset=offset,
+                nbytes=nbytes,
+            )
+        )
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return BlobManifest(blob=blob, total_bytes=offset, chunk_bytes=chunk_bytes, entries=entries)
+
+
+class _StoredBlob:
+    def __init__(self, manifest: BlobManifest, tensors: dict[str, torch.Tensor]) -> None:
+        self.manifest = manifest
+        self.views = [
+            tensors[e.name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            for e in manifest.entries
+        ]
+
+    def chunk(self, index: int) -> list[tuple[int, np.ndarray]]:
+        m = self.manifest
+        if not 0 <= index < m.num_chunks:
+            raise IndexError(f"chunk {index} out of range; {m.blob} has {m.num_chunks}")
+        lo, hi = index * m.chunk_bytes, min((index + 1) * m.chunk_bytes, m.total_bytes)
+        parts = []
+        for entry, view in zip(m.entries, self.views, strict=True):
+            start, end = max(lo, entry.offset), min(hi, entry.offset + entry.nbytes)
+            if start < end:
+                parts.append((start, view[start - entry.offset : end - entry.offset]))
+        return parts
+
+
+class BlobServer(RpcServer[BlobRequest, BlobReply]):
+    """Serves chunks of the newest ``keep`` blobs."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        chunk_bytes: int = 4 * 1024 * 1024,
+        keep: int = 2,
+        max_frame_bytes: int = 64 * 1024 * 1024,
+        name: str = "blob",
+        allow_remote: bool = False,
+    ) -> None:
+        if not 0 < chunk_bytes <= max_frame_bytes:
+            raise ValueError(f"chunk_bytes must be in (0, {max_frame_bytes}], got {chunk_bytes}")
+        codec_req = Codec(BlobRequest, max_frame_bytes=max_frame_bytes)
+        codec_rep = Codec(BlobReply, max_frame_bytes=max_frame_bytes)
+        super().__init__(
+            endpoint, codec_req, codec_rep, self._serve, name=name, allow_remote=allow_remote
+        )
+        self.chunk_bytes = chunk_bytes
+        self.keep = keep
+        self._blobs: OrderedDict[str, _StoredBlob] = OrderedDict()
+
+    def put(self, blob: str, tensors: dict[str, torch.Tensor]) -> BlobManifest:
+        """Store ``tensors`` under ``blob`` (dropping the oldest past ``keep``)."""
+        manifest = layout(tensors, self.chunk_bytes, blob)
+        self._blobs[blob] = _StoredBlob(manifest, tensors)
+        self._blobs.move_to_end(blob)
+        while len(self._blobs) > self.keep:
+            self._blobs.popitem(last=False)
+        return manifest
+
+    def remove(self, blob: str) -> None:
+        """Stop serving ``blob``."""
+        self._blobs.pop(blob, None)
+
+    @property
+    def blobs(self) -> list[str]:
+        """Names of the blobs served now, oldest first."""
+        return list(self._blobs)
+
+    async def _serve(self, req: BlobRequest, peer: bytes) -> BlobReply:
+        stored = self._blobs.get(req.blob)
+        if stored is None:
+            raise KeyError(f"blob {req.blob!r} is not served; available: {self.blobs}")
+        if isinstance(req, FetchManifest):
+            return stored.manifest
+        return BlobChunk(blob=req.blob, index=req.index, parts=stored.chunk(req.index))
+
+
+class BlobClient(RpcClient[BlobRequest, BlobReply]):
+    """Pulls blobs with ``window`` chunk requests in flight."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        window: int = 8,
+        max_frame_bytes: int = 64 * 1024 * 1024,
+        identity: str | None = None,
+        name: str = "blob",
+        allow_remote: bool = False,
+    ) -> None:
+        codec_req = Codec(BlobRequest, max_frame_bytes=max_frame_bytes)
+        codec_rep = Codec(BlobReply, max_frame_bytes=max_frame_bytes)
+        super().__init__(
+            endpoint,
+            codec_req,
+            codec_rep,
+            max_inflight=window,
+            identity=identity,
+            name=name,
+            allow_remote=allow_remote,
+        )
+        self.window = window
+
+    async def manifest(self, blob: str) -> BlobManifest:
+        """The manifest of ``blob``."""
+        reply = await self.call(FetchManifest(blob=blob))
+        if not isinstance(reply, BlobManifest):
+            raise WireError(f"expected BlobManifest for {blob!r}, got {type(reply).__name__}")
+        return reply
+
+    async def fetch(
+        self, blob: str, *, out: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Pull ``blob`` and return ``{name: tensor}``.
+
+        With ``out`` (tensors of the manifest's names, dtypes and shapes, on any device;
+        e.g. an engine's parameters or a staging buffer reused across versions), each chunk
+        is copied straight into them and ``out`` is returned. Without it, the tensors are
+        views into one fresh buffer.
+        """
+        m = await self.manifest(blob)
+        targets = _targets(m, out)
+        starts = [e.offset for e in m.entries]
+        todo = iter(range(m.num_chunks))
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(min(self.window, m.num_chunks)):
+                tg.create_task(self._pull_chunks(m, todo, starts, targets))
+        return {e.name: t for e, t in zip(m.entries, targets, strict=True)} if out is None else out
+
+    async def _pull_chunks(
+        self, m: BlobManifest, todo: Any, starts: list[int], targets: list[torch.Tensor]
+    ) -> None:
+        for index in todo:
+            reply = await self.call(FetchChunk(blob=m.blob, index=index))
+            if not isinstance(reply, BlobChunk) or reply.index != index:
+                raise WireError(f"bad reply for chunk {index} of {m.blob!r}")
+            lo, hi = index * m.chunk_bytes, min((index + 1) * m.chunk_bytes, m.total_bytes)
+            for offset, data in reply.parts:
+                i = bisect.bisect_right(starts, offset) - 1
+                entry = m.entries[i] if i >= 0 else None
+                end = offset + data.nbytes
+                if entry is None or not (
+                    lo <= offset and end <= min(hi, entry.offset + entry.nbytes)
+                ):
+                    raise WireError(f"chunk {index} part at {offset} is outside its tensor")
+                _copy_into(targets[i], offset - entry.offset, data)
+
+
+def _copy_into(target: torch.Tensor, start: int, data: np.ndarray) -> None:
+    """Copy ``data`` to byte ``start`` of ``target`` (any device)."""
+    target.view(-1).view(torch.uint8)[start : start + data.nbytes].copy_(torch.from_numpy(data))
+
+
+def _check_manifest(m: BlobManifest) -> None:
+    for e in m.entries:
+        dtype = torch_dtype(e.dtype)
+        if e.offset + e.nbytes > m.total_bytes or e.offset % _ALIGN:
+            raise WireError(f"manifest entry {e.name} at {e.offset} is out of bounds")
+        if min(e.shape, default=0) < 0 or math.prod(e.shape) * dtype.itemsize != e.nbytes:
+            raise WireError(f"manifest entry {e.name}: shape {e.shape} != {e.nbytes} bytes")
+
+
+def _targets(m: BlobManifest, out: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
+    """One destination tensor per manifest entry, checked against the manifest."""
+    _check_manifest(m)
+    if out is None:
+        base = torch.empty(m.total_bytes, dtype=torch.uint8)
+        return [
+            base[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).reshape(e.shape)
+            if e.nbytes
+            else torch.empty(e.shape, dtype=torch_dtype(e.dtype))
+            for e in m.entries
+        ]
+    targets = []
+    for e in m.entries:
+        t = out.get(e.name)
+        if t is None or t.dtype != torch_dtype(e.dtype) or list(t.shape) != e.shape:
+            raise ValueError(
+                f"out[{e.name!r}] must be a {e.dtype} tensor of shape {e.shape}, "
+                f"got {None if t is None else (t.dtype, list(t.shape))}"
+            )
+        if not t.is_contiguous():
+            raise ValueError(f"out[{e.name!r}] must be contiguous")
+        targets.append(t)
+    return targets

@@ -1,0 +1,112 @@
+"""ZeroMQ socket construction: one place that sets the options every channel relies on.
+
+Every socket gets ``linger=0`` (closing never blocks on undelivered messages; the reliable
+channels keep their own outbox), explicit send/receive high-water marks, and
+``MAXMSGSIZE`` as a hard cap above the codec's ``max_frame_bytes`` so libzmq never
+allocates an unbounded frame for a misbehaving peer.
+
+Endpoints are loopback unless a caller opts in with ``allow_remote=True``; binding a
+public interface without CurveZMQ keys is refused in ``asyncrl.wire.security``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+DEFAULT_HWM = 1000
+
+
+def context() -> zmq.asyncio.Context:
+    """The process-wide asyncio zmq context (created on first use)."""
+    return zmq.asyncio.Context.instance()
+
+
+def make_socket(
+    kind: int,
+    *,
+    hwm: int = DEFAULT_HWM,
+    max_frame_bytes: int | None = None,
+    routing_id: bytes | None = None,
+    ctx: zmq.asyncio.Context | None = None,
+) -> zmq.asyncio.Socket:
+    """Create an asyncio socket with the project's standard options."""
+    sock = (ctx or context()).socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if max_frame_bytes is not None:
+        # Hard cap only: the codec refuses oversize frames with a counted, logged drop;
+        # libzmq's cap (which disconnects the peer) is for frames far beyond that.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_frame_bytes + 4096)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    return sock
+
+
+def check_endpoint(endpoint: str, *, allow_remote: bool = False) -> None:
+    """Refuse a tcp endpoint on a non-loopback interface unless ``allow_remote``."""
+    parts = urlsplit(endpoint)
+    if parts.scheme in ("inproc", "ipc"):
+        return
+    if parts.scheme != "tcp" or not parts.hostname:
+        raise ValueError(f"endpoint {endpoint!r} is not tcp://HOST:PORT, ipc:// or inproc://")
+    if allow_remote or _is_loopback(parts.hostname):
+        return
+    raise ValueError(
+        f"endpoint {endpoint!r} is not on loopback; pass allow_remote=True "
+        "(and configure CurveZMQ keys) to expose a channel beyond this host"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(sock: zmq.asyncio.Socket, endpoint: str, *, allow_remote: bool = False) -> str:
+    """Bind ``endpoint`` (``tcp://127.0.0.1:0`` picks a free port); return the real address."""
+    check_endpoint(endpoint, allow_remote=allow_remote)
+    if endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1] in ("0", "*"):
+        endpoint = endpoint.rsplit(":", 1)[0] + ":*"
+    sock.bind(endpoint)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def connect(sock: zmq.asyncio.Socket, endpoint: str, *, allow_remote: bool = False) -> None:
+    """Connect to ``endpoint`` after the same loopback check as ``bind``."""
+    check_endpoint(endpoint, allow_remote=allow_remote)
+    sock.connect(endpoint)
+
+
+def send_now(sock: zmq.asyncio.Socket, frames: Sequence[object]) -> bool:
+    """Send without waiting. True if queued; False if the socket would block (EAGAIN).
+
+    pyzmq resolves a DONTWAIT send on an asyncio socket synchronously and keeps the
+    edge-triggered FD state consistent, so the caller's loop never awaits on the hot path.
+    """
+    fut = sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
+    if not fut.done():  # pragma: no cover - only when an awaited send is pending
+        return True
+    exc = fut.exception()
+    if exc is None:
+        return True
+    if isinstance(exc, zmq.Again):
+        return False
+    raise exc
+
+
+def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
+    """A ``tcp://host:port`` whose port was free a moment ago (for pre-assigned addresses)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"

@@ -1,0 +1,309 @@
+"""Wire throughput against raw pyzmq, measured side by side in one run.
+
+    python bench/wire.py [--messages 200000] [--payload-mb 64] [--repeats 3] [--out FILE]
+
+Two measurements, each a ratio of asyncrl to raw pyzmq between two processes on the
+same machine, taken alternately ``--repeats`` times (the median ratio is reported, since
+this machine is shared and absolute rates drift):
+
+1. **records**: ~1 KB sample records (token ids, log-probs, versions, ids) through a
+   ``ReliableSender`` -> ``ReliableReceiver`` channel (encode, batch, decode, validate,
+   ack, de-duplicate) against raw PUSH/PULL sending the same number of pre-encoded
+   1 KB byte strings. Rate = messages / (last arrival - first arrival) at the receiver.
+   Target: >= 0.5.
+2. **blob**: ``--payload-mb`` of float32/bf16 tensors pulled through ``BlobClient`` (manifest
+   round trip, chunked, credit-windowed, copied into the destination tensors as an engine
+   does on a weight update) against raw PUSH/PULL streaming the same bytes in frames of
+   the same chunk size that the receiver does not copy anywhere. Both sides move the
+   payload once untimed (connect, first-touch pages), then ``PULLS`` times timed.
+   Target: >= 0.7.
+
+Writes a JSON result (default ``bench/results/wire.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import uvloop
+import zmq
+
+from asyncrl.wire.blob import BlobClient, BlobServer
+from asyncrl.wire.codec import Codec, Message
+from asyncrl.wire.reliable import ReliableReceiver, ReliableSender
+from asyncrl.wire.sockets import free_tcp_endpoint
+
+CHUNK_BYTES = 4 * 1024 * 1024
+PULLS = 4  # timed payload transfers per measurement, after one untimed warm-up
+
+
+class SampleRecord(Message):
+    """The wire shape of a finished sample, sized to about 1 KB."""
+
+    uid: str
+    group_id: str
+    index: int
+    prompt_tokens: np.ndarray
+    response_tokens: np.ndarray
+    logprobs: np.ndarray
+    token_versions: np.ndarray
+    reward: float
+    status: str
+
+
+def make_record(i: int) -> SampleRecord:
+    rng = np.random.default_rng(i)
+    return SampleRecord(
+        uid=f"s-{i:08d}",
+        group_id=f"g-{i // 8:07d}",
+        index=i % 8,
+        prompt_tokens=rng.integers(0, 32000, 48, dtype=np.int32),
+        response_tokens=rng.integers(0, 32000, 64, dtype=np.int32),
+        logprobs=rng.standard_normal(64).astype(np.float32),
+        token_versions=np.full(64, 3, dtype=np.int32),
+        reward=1.0,
+        status="completed",
+    )
+
+
+def record_size() -> int:
+    return len(Codec(SampleRecord).encode(make_record(0))[0])
+
+
+# -- child roles ------------------------------------------------------------------------
+def child_raw_pull(endpoint: str, n: int) -> dict:
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.bind(endpoint)
+    print("READY", flush=True)
+    sock.recv()
+    t0 = time.perf_counter()
+    for _ in range(n - 1):
+        sock.recv()
+    return {"rate": (n - 1) / (time.perf_counter() - t0)}
+
+
+async def child_reliable_recv(endpoint: str, n: int) -> dict:
+    async with ReliableReceiver(endpoint, Codec(SampleRecord)) as rx:
+        print("READY", flush=True)
+        batch = await rx.receive_batch()
+        t0, got = time.perf_counter(), 0
+        while True:
+            batch.ack()
+            got += len(batch)
+            if got >= n:
+                break
+            batch = await rx.receive_batch()
+        rate = (n - 1) / (time.perf_counter() - t0)
+        await asyncio.sleep(0.2)  # let the last acks leave
+        return {"rate": rate, "duplicates": rx.stats.duplicates, "received": got}
+
+
+def child_raw_push_blob(endpoint: str, nbytes: int) -> dict:
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.bind(endpoint)
+    payload = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    view = memoryview(payload)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    for _ in range(PULLS + 1):
+        for off in range(0, nbytes, CHUNK_BYTES):
+            sock.send(view[off : off + CHUNK_BYTES], copy=False)
+    sys.stdin.readline()
+    return {}
+
+
+async def child_blob_server(endpoint: str, nbytes: int) -> dict:
+    tensors = make_tensors(nbytes)
+    async with BlobServer(endpoint, chunk_bytes=CHUNK_BYTES) as server:
+        server.put("weights-v1", tensors)
+        print("READY", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    return {}
+
+
+def make_tensors(nbytes: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    n_layers, out = 8, {}
+    per = nbytes // n_layers
+    for i in range(n_layers):
+        dtype = torch.float32 if i % 2 else torch.bfloat16
+        out[f"layers.{i}.weight"] = torch.randn(per // dtype.itemsize, generator=gen).to(dtype)
+    return out
+
+
+# -- parent measurements ----------------------------------------------------------------
+def spawn(role: str, endpoint: str, size: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--role", role, "--endpoint", endpoint, "--size", str(size)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+    return proc
+
+
+def finish(proc: subprocess.Popen) -> dict:
+    out, _ = proc.communicate(timeout=300)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def raw_records(n: int) -> float:
+    endpoint = free_tcp_endpoint()
+    proc = spawn("raw_pull", endpoint, n)
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(endpoint)
+    msg = b"x" * record_size()
+    for _ in range(n):
+        sock.send(msg)
+    result = finish(proc)
+    sock.close(linger=1000)
+    return result["rate"]
+
+
+def reliable_records(n: int) -> float:
+    endpoint = free_tcp_endpoint()
+    proc = spawn("reliable_recv", endpoint, n)
+    records = [make_record(i) for i in range(1024)]
+
+    async def send_all() -> None:
+        async with ReliableSender(endpoint, Codec(SampleRecord)) as tx:
+            for i in range(n):
+                await tx.send(records[i % 1024])
+            await tx.join()
+
+    uvloop.run(send_all())
+    result = finish(proc)
+    assert result["received"] == n, result
+    return result["rate"]
+
+
+def raw_blob(nbytes: int) -> float:
+    endpoint = free_tcp_endpoint()
+    proc = spawn("raw_push_blob", endpoint, nbytes)
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.connect(endpoint)
+    time.sleep(0.2)
+    assert proc.stdin is not None
+    t0 = time.perf_counter()
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    got = 0
+    while got < (PULLS + 1) * nbytes:
+        if got == nbytes:  # same warm-up as the pull: first payload not timed
+            t0 = time.perf_counter()
+        got += len(sock.recv(copy=False))
+    rate = PULLS * nbytes / (time.perf_counter() - t0)
+    proc.stdin.write("done\n")
+    proc.stdin.flush()
+    finish(proc)
+    sock.close(linger=0)
+    return rate
+
+
+def blob_pull(nbytes: int) -> float:
+    endpoint = free_tcp_endpoint()
+    proc = spawn("blob_server", endpoint, nbytes)
+    expected = make_tensors(nbytes)
+
+    async def pull() -> float:
+        # Like an engine: a connected client pulls each new version into the same tensors.
+        out = {name: torch.empty_like(t) for name, t in expected.items()}
+        async with BlobClient(endpoint) as client:
+            await client.fetch("weights-v1", out=out)  # warm-up: connect, touch pages
+            t0 = time.perf_counter()
+            for _ in range(PULLS):
+                await client.fetch("weights-v1", out=out)
+            rate = PULLS * nbytes / (time.perf_counter() - t0)
+        for name, t in expected.items():
+            assert torch.equal(out[name], t), name
+        return rate
+
+    rate = uvloop.run(pull())
+    assert proc.stdin is not None
+    proc.stdin.write("done\n")
+    proc.stdin.flush()
+    finish(proc)
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--messages", type=int, default=200_000)
+    ap.add_argument("--payload-mb", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/wire.json")
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", help=argparse.SUPPRESS)
+    ap.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role:
+        run_child(args.role, args.endpoint, args.size)
+        return
+    nbytes = args.payload_mb * 1024 * 1024
+    runs = {"raw_records": [], "reliable_records": [], "raw_blob": [], "blob_pull": []}
+    for _ in range(args.repeats):
+        runs["raw_records"].append(raw_records(args.messages))
+        runs["reliable_records"].append(reliable_records(args.messages))
+        runs["raw_blob"].append(raw_blob(nbytes))
+        runs["blob_pull"].append(blob_pull(nbytes))
+    report(args, runs)
+
+
+def run_child(role: str, endpoint: str, size: int) -> None:
+    if role == "raw_pull":
+        result = child_raw_pull(endpoint, size)
+    elif role == "reliable_recv":
+        result = uvloop.run(child_reliable_recv(endpoint, size))
+    elif role == "raw_push_blob":
+        result = child_raw_push_blob(endpoint, size)
+    else:
+        result = uvloop.run(child_blob_server(endpoint, size))
+    print(json.dumps(result), flush=True)
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[float]]) -> None:
+    rec = [r / b for r, b in zip(runs["reliable_records"], runs["raw_records"], strict=True)]
+    blob = [r / b for r, b in zip(runs["blob_pull"], runs["raw_blob"], strict=True)]
+    result = {
+        "bench": "wire",
+        "record_bytes": record_size(),
+        "messages": args.messages,
+        "payload_bytes": args.payload_mb * 1024 * 1024,
+        "chunk_bytes": CHUNK_BYTES,
+        "runs": runs,
+        "records_ratio": statistics.median(rec),
+        "blob_ratio": statistics.median(blob),
+        "targets": {"records_ratio": 0.5, "blob_ratio": 0.7},
+    }
+    mb = 1024 * 1024
+    print(f"{'measure':<34}{'raw pyzmq':>14}{'asyncrl':>14}{'ratio':>8}{'target':>8}")
+    print(
+        f"{'1 KB records, msgs/s (median)':<34}"
+        f"{statistics.median(runs['raw_records']):>14,.0f}"
+        f"{statistics.median(runs['reliable_records']):>14,.0f}"
+        f"{result['records_ratio']:>8.2f}{'>=0.5':>8}"
+    )
+    print(
+        f"{f'{args.payload_mb} MB tensors, MB/s (median)':<34}"
+        f"{statistics.median(runs['raw_blob']) / mb:>14,.0f}"
+        f"{statistics.median(runs['blob_pull']) / mb:>14,.0f}"
+        f"{result['blob_ratio']:>8.2f}{'>=0.7':>8}"
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
