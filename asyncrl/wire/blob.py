@@ -22,61 +22,19 @@ import asyncio
 import bisect
 import math
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from asyncrl.wire.codec import Codec, Message, torch_dtype, torch_dtype_name
+from asyncrl.wire.codec import Codec, torch_dtype, torch_dtype_name
 from asyncrl.wire.errors import WireError
+from asyncrl.wire.messages import BlobChunk, BlobManifest, FetchChunk, FetchManifest, TensorEntry
 from asyncrl.wire.rpc import RpcClient, RpcServer
 
 _ALIGN = 64
 
-
-class TensorEntry(Message):
-    """Where one tensor lives in a blob's byte space."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-    nbytes: int
-
-
-class BlobManifest(Message):
-    """Everything a client needs to allocate and fill a blob."""
-
-    blob: str
-    total_bytes: int
-    chunk_bytes: int
-    entries: list[TensorEntry]
-
-    @property
-    def num_chunks(self) -> int:
-        """``ceil(total_bytes / chunk_bytes)``."""
-        return -(-self.total_bytes // self.chunk_bytes)
-
-
-class FetchManifest(Message):
-    """Ask for a blob's manifest."""
-
-    blob: str
-
-
-class FetchChunk(Message):
-    """Ask for chunk ``index`` (bytes ``[index*C, (index+1)*C)``) of a blob."""
-
-    blob: str
-    index: int
-
-
-class BlobChunk(Message):
-    """The pieces of one chunk: ``(offset in blob, bytes)`` per tensor it overlaps."""
-
-    blob: str
-    index: int
-    parts: list[tuple[int, np.ndarray]]
+if TYPE_CHECKING:
+    import torch
 
 
 BlobRequest = FetchManifest | FetchChunk
@@ -103,6 +61,8 @@ def layout(tensors: dict[str, torch.Tensor], chunk_bytes: int, blob: str) -> Blo
 
 class _StoredBlob:
     def __init__(self, manifest: BlobManifest, tensors: dict[str, torch.Tensor]) -> None:
+        import torch
+
         self.manifest = manifest
         self.views = [
             tensors[e.name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -246,6 +206,8 @@ class BlobClient(RpcClient[BlobRequest, BlobReply]):
 
 def _copy_into(target: torch.Tensor, start: int, data: np.ndarray) -> None:
     """Copy ``data`` to byte ``start`` of ``target`` (any device)."""
+    import torch
+
     target.view(-1).view(torch.uint8)[start : start + data.nbytes].copy_(torch.from_numpy(data))
 
 
@@ -260,6 +222,8 @@ def _check_manifest(m: BlobManifest) -> None:
 
 def _targets(m: BlobManifest, out: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
     """One destination tensor per manifest entry, checked against the manifest."""
+    import torch
+
     _check_manifest(m)
     if out is None:
         base = torch.empty(m.total_bytes, dtype=torch.uint8)

@@ -79,7 +79,7 @@ class _Channel(ABC):
     def __init__(self) -> None:
         self.stats = ChannelStats()
         self._tg: asyncio.TaskGroup | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
 
     async def __aenter__(self) -> Self:
@@ -87,15 +87,23 @@ class _Channel(ABC):
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         for name, coro in self._background():
-            self._tasks.append(self._tg.create_task(coro, name=name))
+            self._spawn(coro, name)
         return self
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Start a task that closing the channel cancels (background loops, handlers)."""
+        assert self._tg is not None, "channel is not open"
+        task = self._tg.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def __aexit__(
         self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
         self._closed = True
         assert self._tg is not None
-        for task in self._tasks:
+        for task in list(self._tasks):
             task.cancel()
         try:
             return await self._tg.__aexit__(et, exc, tb)

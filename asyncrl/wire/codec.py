@@ -22,18 +22,22 @@ buffer's write-ahead log).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import struct
+import sys
 from collections.abc import Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 import numpy as np
-import torch
 from msgspec import msgpack
 
 from asyncrl.wire.errors import FrameTooLarge, WireError
+
+if TYPE_CHECKING:
+    import torch
 
 #: Bumped when the framing (not a message schema) changes incompatibly.
 WIRE_VERSION = 1
@@ -87,16 +91,22 @@ _DTYPE_NAMES = (
     "float8_e4m3fn",
     "float8_e5m2",
 )
-_NP_BY_CODE: dict[int, np.dtype] = {}
-_TORCH_BY_CODE: dict[int, torch.dtype] = {}
-for _code, _name in enumerate(_DTYPE_NAMES):
-    if _name in np.sctypeDict:
-        _NP_BY_CODE[_code] = np.dtype(_name)
-    if isinstance(getattr(torch, _name, None), torch.dtype):
-        _TORCH_BY_CODE[_code] = getattr(torch, _name)
+_NP_BY_CODE = {c: np.dtype(n) for c, n in enumerate(_DTYPE_NAMES) if n in np.sctypeDict}
 _NP_CODE = {dtype: code for code, dtype in _NP_BY_CODE.items()}
-_TORCH_CODE = {dtype: code for code, dtype in _TORCH_BY_CODE.items()}
-_TORCH_BY_NAME = {_DTYPE_NAMES[c]: d for c, d in _TORCH_BY_CODE.items()}
+
+
+@functools.cache
+def _torch_tables() -> tuple[dict[int, torch.dtype], dict[torch.dtype, int]]:
+    """Code <-> torch dtype maps; torch is imported only once a tensor is involved."""
+    import torch
+
+    by_code = {
+        c: getattr(torch, n)
+        for c, n in enumerate(_DTYPE_NAMES)
+        if isinstance(getattr(torch, n, None), torch.dtype)
+    }
+    return by_code, {dtype: code for code, dtype in by_code.items()}
+
 
 # Ext payload: u8 dtype code, u8 ndim, ndim x u64 dims, then the bytes (inline) or a
 # u32 buffer-frame index (framed). Precompiled headers for the common ranks.
@@ -107,7 +117,8 @@ _INDEX = struct.Struct("<I")
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype called ``name`` (``"bfloat16"``); ``WireError`` if not a wire dtype."""
-    dtype = _TORCH_BY_NAME.get(name)
+    code = _DTYPE_NAMES.index(name) if name in _DTYPE_NAMES else -1
+    dtype = _torch_tables()[0].get(code)
     if dtype is None:
         raise WireError(f"unknown torch dtype {name!r}")
     return dtype
@@ -115,7 +126,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a torch dtype; ``WireError`` if it cannot travel."""
-    code = _TORCH_CODE.get(dtype)
+    code = _torch_tables()[1].get(dtype)
     if code is None:
         raise WireError(f"torch dtype {dtype} cannot travel on the wire")
     return _DTYPE_NAMES[code]
@@ -158,12 +169,20 @@ def _ndarray_payload(arr: np.ndarray) -> tuple[int, tuple[int, ...], np.ndarray]
 
 
 def _tensor_payload(t: torch.Tensor) -> tuple[int, tuple[int, ...], np.ndarray]:
-    code = _TORCH_CODE.get(t.dtype)
+    import torch
+
+    code = _torch_tables()[1].get(t.dtype)
     if code is None:
         raise WireError(f"torch dtype {t.dtype} cannot travel on the wire")
     # .cpu() is a copy only for device tensors; GPU weights take the NCCL path instead.
     t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
     return code, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _is_tensor(obj: Any) -> bool:
+    # No object can be a tensor unless torch is already imported: never import it here.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def _check_nbytes(shape: tuple[int, ...], itemsize: int, nbytes: int) -> None:
@@ -233,7 +252,7 @@ class Codec(Generic[T]):
         if isinstance(obj, np.ndarray):
             code, shape, arr = _ndarray_payload(obj)
             inline, framed = _EXT_NDARRAY_INLINE, _EXT_NDARRAY_FRAME
-        elif isinstance(obj, torch.Tensor):
+        elif _is_tensor(obj):
             code, shape, arr = _tensor_payload(obj)
             inline, framed = _EXT_TENSOR_INLINE, _EXT_TENSOR_FRAME
         else:
@@ -261,7 +280,7 @@ class Codec(Generic[T]):
             return decoder.decode(body)
         except msgspec.ValidationError as exc:
             raise WireError(str(exc)) from None
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise WireError(f"malformed MessagePack: {exc}") from None
 
     def decode(self, frames: Sequence[Buffer]) -> T:
@@ -279,7 +298,7 @@ class Codec(Generic[T]):
             msg = self._decoder.decode(body)
         except msgspec.ValidationError as exc:
             raise WireError(_with_field_names(str(exc), body)) from None
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise WireError(f"malformed MessagePack: {exc}") from None
         finally:
             self._in = ()
@@ -315,7 +334,9 @@ class Codec(Generic[T]):
             _check_nbytes(shape, np_dtype.itemsize, len(payload))
             arr = np.frombuffer(payload, np_dtype)
             return (arr.copy() if inline else arr).reshape(shape)
-        dtype = _TORCH_BY_CODE.get(dcode)
+        import torch
+
+        dtype = _torch_tables()[0].get(dcode)
         if dtype is None:
             raise WireError(f"unknown torch dtype code {dcode}")
         _check_nbytes(shape, dtype.itemsize, len(payload))
@@ -355,13 +376,14 @@ def _with_field_names(error: str, body: Buffer) -> str:
     alongside the path: a list whose first item is a known ``Message`` tag maps index
     ``i`` to that class's field ``i - 1``.
     """
-    match = _PATH_RE.search(error)
-    if match is None:
-        return error
     try:
         node: Any = _raw_decoder.decode(body)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, UnicodeDecodeError):
         return error
+    match = _PATH_RE.search(error)
+    if match is None:
+        cls = _message_class(node)
+        return f"{cls.__name__}: {error}" if cls is not None else error
     named = ""
     for index, key, other in _STEP_RE.findall(match.group(1)):
         if index:

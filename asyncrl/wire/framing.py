@@ -139,7 +139,7 @@ def unpack(frame: Any, expected: type | tuple[type, ...]) -> Any:
     """Decode and type-check an envelope; raises ``WireError`` with the reason."""
     try:
         env = _decoder.decode(frame)
-    except msgspec.MsgspecError as exc:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
         raise WireError(f"malformed envelope: {exc}") from None
     if env.v != WIRE_VERSION:
         raise WireError(f"peer speaks wire version {env.v}, this side {WIRE_VERSION}")

@@ -61,7 +61,7 @@ class _OutBatch:
 
     first: int
     bodies: list[bytes] = dataclasses.field(default_factory=list)
-    buffers: list[list[memoryview]] = dataclasses.field(default_factory=list)
+    buffers: list[list[memoryview]] | None = None  # None: no message has buffer frames
     nbytes: int = 0
     sent_at: float = 0.0
     attempts: int = 0
@@ -179,9 +179,9 @@ class ReliableSender(SendChannel[T]):
         batch = self._open_batch
         if batch is None:
             batch = self._open_batch = _OutBatch(first=self._next_seq)
-        if buffers and not batch.buffers:
+        if buffers and batch.buffers is None:
             batch.buffers = [[] for _ in batch.bodies]
-        if batch.buffers:
+        if batch.buffers is not None:
             batch.buffers.append(buffers)
             batch.nbytes += sum(b.nbytes for b in buffers)
         batch.bodies.append(body)
@@ -230,7 +230,7 @@ class ReliableSender(SendChannel[T]):
 
     def _send_run(self, batch: _OutBatch, start: int, stop: int) -> bool:
         bodies = batch.bodies[start:stop] if start or stop < len(batch.bodies) else batch.bodies
-        buffers = batch.buffers[start:stop]
+        buffers = batch.buffers[start:stop] if batch.buffers is not None else []
         nbufs = [len(b) for b in buffers]
         env = framing.pack_batch(self.stream, batch.first + start, nbufs, bodies)
         frames = [env, *(f for bufs in buffers for f in bufs)]
@@ -355,7 +355,8 @@ class Delivery(Generic[T]):
 
 @dataclasses.dataclass(slots=True)
 class _StreamState:
-    seen: RangeSet = dataclasses.field(default_factory=RangeSet)
+    seen: RangeSet = dataclasses.field(default_factory=RangeSet)  # received (maybe queued)
+    delivered: RangeSet = dataclasses.field(default_factory=RangeSet)  # handed to the app
     unacked: RangeSet = dataclasses.field(default_factory=RangeSet)
     to_ack: RangeSet = dataclasses.field(default_factory=RangeSet)
     route: bytes = b""
@@ -393,7 +394,7 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
         self._room.set()
         self._typed = codec.decoder_for(framing.typed_batch(codec.types))
         for stream, ranges in (dedup_state or {}).items():
-            self._streams[stream] = _StreamState(seen=RangeSet(ranges))
+            self._streams[stream] = _StreamState(seen=RangeSet(ranges), delivered=RangeSet(ranges))
 
     def _open(self) -> None:
         self._sock = make_socket(
@@ -432,7 +433,7 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
         if self._head == len(head.msgs):
             self._queue.popleft()
             self._head = 0
-        self._took(1)
+        self._took(head.stream, seq, 1)
         return Delivery(msg, head.stream, seq, self)
 
     async def receive_batch(self) -> Received[T]:
@@ -442,7 +443,7 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
         if self._head:
             head = Received(head.msgs[self._head :], head.stream, head.first_seq + self._head, self)
             self._head = 0
-        self._took(len(head.msgs))
+        self._took(head.stream, head.first_seq, len(head.msgs))
         return head
 
     async def _wait_ready(self) -> None:
@@ -458,14 +459,19 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
                 raise ChannelClosed("reliable receiver is closed")
             raise WouldBlock("no message queued")
 
-    def _took(self, n: int) -> None:
+    def _took(self, stream: str, first: int, n: int) -> None:
+        self._streams[stream].delivered.add(first, first + n - 1)
         self._queued -= n
         if self._queued < self.max_queued:
             self._room.set()
 
     def dedup_state(self) -> dict[str, list[tuple[int, int]]]:
-        """``{stream: seen seq ranges}``; save it with the state the messages changed."""
-        return {s: list(st.seen) for s, st in self._streams.items()}
+        """``{stream: seq ranges handed to the application}``.
+
+        Save it together with the state those messages changed. Messages still queued in
+        the channel are not in it: after a restart they are delivered again, once.
+        """
+        return {s: list(st.delivered) for s, st in self._streams.items() if st.delivered}
 
     # -- acks -----------------------------------------------------------------------
     def _ack(self, stream: str, lo: int, hi: int) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
@@ -66,7 +67,8 @@ class RpcClient(_Channel, Generic[Req, Rep]):
         self.endpoint = endpoint
         self.request_codec, self.reply_codec = request_codec, reply_codec
         self.max_inflight = max_inflight
-        self.identity = identity
+        # A readable identity: servers log and account work per client by it.
+        self.identity = identity or f"{name}-{uuid.uuid4().hex[:12]}"
         self._hwm, self._allow_remote = hwm, allow_remote
         self._drops = DropLog(name, self.stats)
         self._credits = asyncio.Semaphore(max_inflight)
@@ -74,12 +76,11 @@ class RpcClient(_Channel, Generic[Req, Rep]):
         self._ids = itertools.count(1)
 
     def _open(self) -> None:
-        rid = self.identity.encode() if self.identity else None
         self._sock = make_socket(
             zmq.DEALER,
             hwm=self._hwm,
             max_frame_bytes=self.reply_codec.max_frame_bytes,
-            routing_id=rid,
+            routing_id=self.identity.encode(),
         )
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         connect(self._sock, self.endpoint, allow_remote=self._allow_remote)
@@ -203,7 +204,6 @@ class RpcServer(_Channel, Generic[Req, Rep]):
         self._sock.close(linger=0)
 
     async def _serve_loop(self) -> None:
-        assert self._tg is not None
         while True:
             await self._slots.acquire()
             frames = await self._sock.recv_multipart(copy=False)
@@ -213,7 +213,7 @@ class RpcServer(_Channel, Generic[Req, Rep]):
                 self._slots.release()
                 continue
             call_id, msg = request
-            self._tg.create_task(self._handle(peer, call_id, msg), name=f"{self.name}.call")
+            self._spawn(self._handle(peer, call_id, msg), f"{self.name}.call")
 
     def _parse(self, peer: bytes, frames: list[zmq.Frame]) -> tuple[int, Req] | None:
         limit = self.request_codec.max_frame_bytes

@@ -20,6 +20,9 @@ import zmq
 import zmq.asyncio
 
 DEFAULT_HWM = 1000
+#: libzmq disconnects a peer whose frame exceeds max_frame_bytes + this. Below it, the
+#: channels count and log the oversized frame themselves.
+HARD_CAP_SLACK = 1024 * 1024
 
 
 def context() -> zmq.asyncio.Context:
@@ -41,9 +44,9 @@ def make_socket(
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     if max_frame_bytes is not None:
-        # Hard cap only: the codec refuses oversize frames with a counted, logged drop;
+        # Hard cap only: the channels refuse oversize frames with a counted, logged drop;
         # libzmq's cap (which disconnects the peer) is for frames far beyond that.
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_frame_bytes + 4096)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + HARD_CAP_SLACK)
     if routing_id is not None:
         sock.setsockopt(zmq.ROUTING_ID, routing_id)
     return sock

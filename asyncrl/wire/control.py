@@ -1,0 +1,177 @@
+"""The control channel: ``ControlHub`` (controller, ROUTER) and ``ControlLink`` (actor, DEALER).
+
+Every actor connects one ``ControlLink`` to the controller's hub, with its actor name as
+its zmq identity. Two kinds of traffic share it:
+
+- notifications, actor -> hub (``Hello``, ``Heartbeat``, ``Bye``): fire-and-forget. When
+  the hub is slow and the link's queue is at ``hwm`` a notification is dropped and
+  counted; heartbeats are periodic, so the next one carries the news.
+- commands, hub -> actor (``Command``), each answered by a ``CommandResult``. A command
+  to an actor that is gone fails with ``PeerLost`` after the caller's timeout; the hub
+  never blocks on one slow actor.
+
+Envelopes are ``Request``/``Reply``; a notification is a ``Request`` with id 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Coroutine
+from typing import Any
+
+import zmq
+from msgspec import Raw
+
+from asyncrl.wire import framing
+from asyncrl.wire.channels import DropLog, _Channel
+from asyncrl.wire.codec import WIRE_VERSION, Codec
+from asyncrl.wire.errors import ChannelClosed, PeerLost, RemoteError, WireError
+from asyncrl.wire.messages import Bye, Command, CommandResult, Heartbeat, Hello
+from asyncrl.wire.sockets import bind, connect, make_socket, send_now
+
+Notification = Hello | Heartbeat | Bye
+_notify_codec: Codec[Notification] = Codec(Notification)
+_command_codec: Codec[Command] = Codec(Command)
+_result_codec: Codec[CommandResult] = Codec(CommandResult)
+
+
+class ControlHub(_Channel):
+    """The controller's end: receives notifications, sends commands to named actors."""
+
+    def __init__(self, endpoint: str, *, hwm: int = 10000, allow_remote: bool = False) -> None:
+        super().__init__()
+        self.endpoint = endpoint
+        self._hwm, self._allow_remote = hwm, allow_remote
+        self._drops = DropLog("control", self.stats)
+        self._inbox: asyncio.Queue[tuple[str, Notification]] = asyncio.Queue(maxsize=hwm)
+        self._waiting: dict[int, asyncio.Future[CommandResult]] = {}
+        self._ids = itertools.count(1)
+
+    def _open(self) -> None:
+        self._sock = make_socket(zmq.ROUTER, hwm=self._hwm)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.endpoint = bind(self._sock, self.endpoint, allow_remote=self._allow_remote)
+
+    def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        return [("control.hub", self._read_loop())]
+
+    def _close_sockets(self) -> None:
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(ChannelClosed("control hub closed"))
+        self._sock.close(linger=0)
+
+    async def receive(self) -> tuple[str, Notification]:
+        """The next ``(actor name, notification)``."""
+        return await self._inbox.get()
+
+    async def command(self, actor: str, cmd: Command) -> CommandResult:
+        """Send ``cmd`` to ``actor`` and wait for its result (bound it with ``asyncio.timeout``).
+
+        Raises ``PeerLost`` if the actor is not connected, ``RemoteError`` if it failed.
+        """
+        call_id = next(self._ids)
+        fut: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = fut
+        body, _ = _command_codec.encode_parts(cmd)
+        env = framing.Request(v=WIRE_VERSION, id=call_id, nbuf=0, body=Raw(body))
+        try:
+            try:
+                sent = send_now(self._sock, [actor.encode(), framing.pack(env)])
+            except zmq.ZMQError as exc:  # EHOSTUNREACH under ROUTER_MANDATORY
+                raise PeerLost(f"actor {actor!r} is not connected") from exc
+            if not sent:
+                raise PeerLost(f"actor {actor!r} is not reading its control channel")
+            result = await fut
+        finally:
+            self._waiting.pop(call_id, None)
+        if not result.ok:
+            raise RemoteError(f"{actor}: {result.error}")
+        return result
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                self._dispatch(frames)
+            except WireError as exc:
+                self._drops.drop("malformed", str(exc))
+
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 2:
+            raise WireError(f"control message of {len(frames)} frames")
+        actor = frames[0].bytes.decode(errors="replace")
+        env = framing.unpack(frames[1].buffer, (framing.Request, framing.Reply))
+        if isinstance(env, framing.Reply):
+            fut = self._waiting.get(env.id)
+            if fut is not None and not fut.done():
+                fut.set_result(_result_codec.decode_parts(env.body))
+            return
+        msg = _notify_codec.decode_parts(env.body)
+        self.stats.received += 1
+        try:
+            self._inbox.put_nowait((actor, msg))
+        except asyncio.QueueFull:
+            self._drops.drop("inbox_full", "controller is not reading notifications")
+
+
+class ControlLink(_Channel):
+    """An actor's end: sends notifications, receives commands and answers them."""
+
+    def __init__(
+        self, endpoint: str, actor: str, *, hwm: int = 1000, allow_remote: bool = False
+    ) -> None:
+        super().__init__()
+        self.endpoint, self.actor = endpoint, actor
+        self._hwm, self._allow_remote = hwm, allow_remote
+        self._drops = DropLog("control", self.stats)
+        self._commands: asyncio.Queue[tuple[int, Command]] = asyncio.Queue(maxsize=64)
+
+    def _open(self) -> None:
+        self._sock = make_socket(zmq.DEALER, hwm=self._hwm, routing_id=self.actor.encode())
+        connect(self._sock, self.endpoint, allow_remote=self._allow_remote)
+
+    def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        return [("control.link", self._read_loop())]
+
+    def _close_sockets(self) -> None:
+        # A short linger lets the last notification (the actor's Bye) leave.
+        self._sock.close(linger=500)
+
+    def notify(self, msg: Notification) -> bool:
+        """Send a notification without waiting; False (and counted) if it was dropped."""
+        body, _ = _notify_codec.encode_parts(msg)
+        env = framing.Request(v=WIRE_VERSION, id=0, nbuf=0, body=Raw(body))
+        if send_now(self._sock, [framing.pack(env)]):
+            self.stats.sent += 1
+            return True
+        self._drops.drop("blocked", "controller is not reading; notification dropped")
+        return False
+
+    async def next_command(self) -> tuple[int, Command]:
+        """The next ``(command id, command)`` from the controller."""
+        return await self._commands.get()
+
+    def reply(self, command_id: int, result: CommandResult) -> None:
+        """Answer command ``command_id``."""
+        body, _ = _result_codec.encode_parts(result)
+        env = framing.Reply(v=WIRE_VERSION, id=command_id, nbuf=0, body=Raw(body), error=None)
+        send_now(self._sock, [framing.pack(env)])
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                if len(frames) != 1:
+                    raise WireError(f"command of {len(frames)} frames")
+                env = framing.unpack(frames[0].buffer, framing.Request)
+                cmd = _command_codec.decode_parts(env.body)
+            except WireError as exc:
+                self._drops.drop("malformed", str(exc))
+                continue
+            if self._commands.full():
+                self.reply(env.id, CommandResult(ok=False, error="actor command queue full"))
+                continue
+            self._commands.put_nowait((env.id, cmd))

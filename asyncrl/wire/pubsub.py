@@ -1,0 +1,294 @@
+"""Publish/subscribe of latest-wins state with sequence numbers: ``Publisher`` and ``Subscriber``.
+
+Used for weight-version announcements (``WeightVersion``) from the trainer to every
+engine and rollout actor.
+
+Pattern and loss rules
+----------------------
+- PUB/SUB is lossy by design: a PUB socket drops messages for a subscriber whose queue
+  is past ``hwm``, and a subscriber that connects late misses what came before.
+- Each topic has a sequence number ``1, 2, ...`` and the publisher an ``epoch`` (random
+  at start), so a subscriber knows exactly what it missed: ``Update.skipped`` counts the
+  updates between the previous one it delivered and this one. Nothing is missed silently.
+- The publisher keeps the latest update of each topic and serves it on a second socket
+  (ROUTER, the *snapshot* endpoint). A subscriber asks for it on joining (no slow-joiner
+  window), and whenever a ``Beat`` (sent every ``beat_interval``) shows a newer seq than
+  the last it saw, i.e. when the newest update itself was lost.
+- Delivery is conflated: a subscriber holds at most one pending update per topic; a newer
+  one replaces it (its ``skipped`` grows). Memory is bounded by the number of topics.
+- A new ``epoch`` (the publisher restarted) resets the subscriber's seq for that topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Coroutine, Sequence
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+from msgspec import Raw
+
+from asyncrl.wire import framing
+from asyncrl.wire.channels import DropLog, ReceiveChannel, _Channel
+from asyncrl.wire.codec import WIRE_VERSION, Codec
+from asyncrl.wire.errors import ChannelClosed, WireError, WouldBlock
+from asyncrl.wire.sockets import bind, connect, make_socket, send_now
+
+T = TypeVar("T")
+_BEAT_TOPIC = b"\x00beat"
+_topic_encoder = msgspec.msgpack.Encoder()
+_topic_decoder = msgspec.msgpack.Decoder(str)
+
+
+def _topic_frame(topic: str) -> bytes:
+    if not topic or "\x00" in topic:
+        raise ValueError(f"topic must be a non-empty string without NUL, got {topic!r}")
+    # NUL-terminated so that SUB's prefix match is an exact match ("w" never gets "w2").
+    return topic.encode() + b"\x00"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Update(Generic[T]):
+    """One delivered update of ``topic``; ``skipped`` updates before it were never delivered."""
+
+    topic: str
+    seq: int
+    msg: T
+    skipped: int
+    epoch: int
+
+
+class Publisher(_Channel, Generic[T]):
+    """Publishes latest-wins updates per topic and serves the latest on request."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        snapshot_endpoint: str,
+        codec: Codec[T],
+        *,
+        beat_interval: float = 1.0,
+        hwm: int = 1000,
+        name: str = "pub",
+        allow_remote: bool = False,
+    ) -> None:
+        super().__init__()
+        self.endpoint, self.snapshot_endpoint = endpoint, snapshot_endpoint
+        self.codec = codec
+        self.beat_interval = beat_interval
+        self.epoch = int.from_bytes(os.urandom(6), "big")
+        self._hwm, self._allow_remote, self._name = hwm, allow_remote, name
+        self._drops = DropLog(name, self.stats)
+        self._latest: dict[str, tuple[int, bytes, list[memoryview]]] = {}
+
+    def _open(self) -> None:
+        self._pub = make_socket(zmq.PUB, hwm=self._hwm)
+        self._snap = make_socket(zmq.ROUTER, hwm=self._hwm)
+        self.endpoint = bind(self._pub, self.endpoint, allow_remote=self._allow_remote)
+        self.snapshot_endpoint = bind(
+            self._snap, self.snapshot_endpoint, allow_remote=self._allow_remote
+        )
+
+    def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        return [(f"{self._name}.beat", self._beat_loop()), (f"{self._name}.snap", self._serve())]
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        self._snap.close(linger=0)
+
+    def publish(self, topic: str, msg: T) -> int:
+        """Publish ``msg`` as the new state of ``topic``; returns its seq. Never blocks."""
+        if self._closed:
+            raise ChannelClosed("publisher is closed")
+        frame = _topic_frame(topic)
+        body, buffers = self.codec.encode_parts(msg)
+        seq = self._latest.get(topic, (0,))[0] + 1
+        self._latest[topic] = (seq, body, buffers)
+        self._send(self._pub, [frame, *self._publish_frames(topic)])
+        return seq
+
+    def latest_seq(self, topic: str) -> int:
+        """The seq of the newest update of ``topic`` (0 if none)."""
+        return self._latest.get(topic, (0,))[0]
+
+    def _publish_frames(self, topic: str) -> list[Any]:
+        seq, body, buffers = self._latest.get(topic, (0, b"\xc0", []))
+        env = framing.Publish(
+            v=WIRE_VERSION,
+            epoch=self.epoch,
+            topic=topic,
+            seq=seq,
+            nbuf=len(buffers),
+            body=Raw(body),
+        )
+        return [framing.pack(env), *buffers]
+
+    def _send(self, sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
+        if send_now(sock, frames):
+            self.stats.sent += 1
+        else:  # pragma: no cover - PUB never blocks; ROUTER drops unroutable replies
+            self._drops.drop("blocked", "socket would block")
+
+    async def _beat_loop(self) -> None:
+        while True:
+            seqs = {topic: entry[0] for topic, entry in self._latest.items()}
+            beat = framing.Beat(v=WIRE_VERSION, epoch=self.epoch, seqs=seqs)
+            send_now(self._pub, [_BEAT_TOPIC, framing.pack(beat)])
+            await asyncio.sleep(self.beat_interval)
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self._snap.recv_multipart(copy=False)
+            try:
+                if len(frames) != 2:
+                    raise WireError(f"snapshot request of {len(frames)} frames")
+                req = framing.unpack(frames[1].buffer, framing.Request)
+                topic = _topic_decoder.decode(req.body)
+            except (WireError, msgspec.MsgspecError, UnicodeDecodeError) as exc:
+                self._drops.drop("malformed", str(exc))
+                continue
+            self._send(self._snap, [frames[0].bytes, *self._publish_frames(topic)])
+
+
+@dataclasses.dataclass(slots=True)
+class _TopicState:
+    epoch: int = 0
+    seq: int = 0
+    asked_at: float = 0.0
+
+
+class Subscriber(ReceiveChannel[Update[T]]):
+    """Receives the updates of ``topics``; see the module docstring for what it guarantees."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        snapshot_endpoint: str,
+        codec: Codec[T],
+        topics: Sequence[str],
+        *,
+        hwm: int = 1000,
+        snapshot_retry: float = 1.0,
+        name: str = "sub",
+        allow_remote: bool = False,
+    ) -> None:
+        super().__init__()
+        if not topics:
+            raise ValueError("a subscriber needs at least one topic")
+        self.endpoint, self.snapshot_endpoint = endpoint, snapshot_endpoint
+        self.codec = codec
+        self.topics = list(topics)
+        self.snapshot_retry = snapshot_retry
+        self.gaps = 0
+        self._hwm, self._allow_remote, self._name = hwm, allow_remote, name
+        self._drops = DropLog(name, self.stats)
+        self._state = {t: _TopicState() for t in self.topics}
+        self._pending: OrderedDict[str, Update[T]] = OrderedDict()
+        self._latest: dict[str, Update[T]] = {}
+        self._ready = asyncio.Event()
+
+    def _open(self) -> None:
+        self._sub = make_socket(zmq.SUB, hwm=self._hwm, max_frame_bytes=self.codec.max_frame_bytes)
+        self._snap = make_socket(
+            zmq.DEALER, hwm=self._hwm, max_frame_bytes=self.codec.max_frame_bytes
+        )
+        for topic in self.topics:
+            self._sub.setsockopt(zmq.SUBSCRIBE, _topic_frame(topic))
+        self._sub.setsockopt(zmq.SUBSCRIBE, _BEAT_TOPIC)
+        connect(self._sub, self.endpoint, allow_remote=self._allow_remote)
+        connect(self._snap, self.snapshot_endpoint, allow_remote=self._allow_remote)
+        for topic in self.topics:  # late joiners start from the latest state
+            self._ask_snapshot(topic)
+
+    def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        return [
+            (f"{self._name}.updates", self._read(self._sub, with_topic=True)),
+            (f"{self._name}.snapshots", self._read(self._snap, with_topic=False)),
+        ]
+
+    def _close_sockets(self) -> None:
+        self._ready.set()
+        self._sub.close(linger=0)
+        self._snap.close(linger=0)
+
+    # -- receiving ------------------------------------------------------------------
+    async def receive(self) -> Update[T]:
+        """The oldest pending update (one per topic at most)."""
+        while not self._pending:
+            if self._closed:
+                raise ChannelClosed("subscriber is closed")
+            self._ready.clear()
+            await self._ready.wait()
+        return self._pending.popitem(last=False)[1]
+
+    def receive_nowait(self) -> Update[T]:
+        """The oldest pending update or ``WouldBlock``."""
+        if not self._pending:
+            if self._closed:
+                raise ChannelClosed("subscriber is closed")
+            raise WouldBlock("no pending update")
+        return self._pending.popitem(last=False)[1]
+
+    def latest(self, topic: str) -> Update[T] | None:
+        """The newest update of ``topic`` received so far, delivered or not."""
+        return self._latest.get(topic)
+
+    # -- internals --------------------------------------------------------------------
+    def _ask_snapshot(self, topic: str) -> None:
+        st = self._state[topic]
+        now = time.monotonic()
+        if now - st.asked_at < self.snapshot_retry:
+            return  # one outstanding request per topic and retry period
+        st.asked_at = now
+        req = framing.Request(v=WIRE_VERSION, id=0, nbuf=0, body=Raw(_topic_encoder.encode(topic)))
+        send_now(self._snap, [framing.pack(req)])
+
+    async def _read(self, sock: zmq.asyncio.Socket, *, with_topic: bool) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            if with_topic:
+                frames = frames[1:]
+            try:
+                if not frames:
+                    raise WireError("empty message")
+                env = framing.unpack(frames[0].buffer, (framing.Publish, framing.Beat))
+                if isinstance(env, framing.Beat):
+                    self._on_beat(env)
+                else:
+                    self._on_publish(env, frames[1:])
+            except WireError as exc:
+                self._drops.drop("malformed", str(exc))
+
+    def _on_beat(self, beat: framing.Beat) -> None:
+        for topic, st in self._state.items():
+            if beat.epoch != st.epoch or beat.seqs.get(topic, 0) > st.seq:
+                if beat.seqs.get(topic, 0) > 0:
+                    self._ask_snapshot(topic)
+
+    def _on_publish(self, env: framing.Publish, buffers: list[zmq.Frame]) -> None:
+        st = self._state.get(env.topic)
+        if st is None or env.seq == 0:
+            return  # not ours, or a snapshot of a topic with nothing published yet
+        if env.epoch == st.epoch and env.seq <= st.seq:
+            self.stats.duplicates += 1
+            return
+        if env.nbuf != len(buffers):
+            raise WireError(f"update announces {env.nbuf} buffers, {len(buffers)} came")
+        msg = self.codec.decode_parts(env.body, [f.buffer for f in buffers])
+        skipped = env.seq - st.seq - 1 if env.epoch == st.epoch and st.seq else 0
+        if skipped:
+            self.gaps += 1
+        st.epoch, st.seq = env.epoch, env.seq
+        previous = self._pending.pop(env.topic, None)
+        if previous is not None:  # conflated: the app never saw `previous`
+            skipped += previous.skipped + 1
+        update = Update(env.topic, env.seq, msg, skipped, env.epoch)
+        self._pending[env.topic] = update
+        self._latest[env.topic] = update
+        self.stats.received += 1
+        self._ready.set()

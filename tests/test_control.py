@@ -1,0 +1,50 @@
+"""The control channel: notifications up, commands down, unknown actors refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrl.wire.control import ControlHub, ControlLink
+from asyncrl.wire.errors import PeerLost, RemoteError
+from asyncrl.wire.messages import Command, CommandResult, Heartbeat, Hello
+
+
+async def test_notifications_reach_the_hub_tagged_with_the_actor_name(endpoint: str):
+    async with ControlHub(endpoint) as hub, ControlLink(hub.endpoint, "rollout-3") as link:
+        link.notify(Hello(actor="rollout-3", role="rollout", pid=11, host="h"))
+        link.notify(Heartbeat(actor="rollout-3", pid=11, seq=0, state="running", version=2))
+        async with asyncio.timeout(5):
+            first, second = await hub.receive(), await hub.receive()
+        assert first[0] == second[0] == "rollout-3"
+        assert isinstance(first[1], Hello) and second[1].version == 2
+
+
+async def test_commands_are_answered_by_the_named_actor(endpoint: str):
+    async with ControlHub(endpoint) as hub, ControlLink(hub.endpoint, "trainer") as link:
+        link.notify(Hello(actor="trainer", role="trainer", pid=1, host="h"))
+        await hub.receive()
+
+        async def serve() -> None:
+            cid, cmd = await link.next_command()
+            ok = cmd.kind != "stop"
+            link.reply(
+                cid, CommandResult(ok=ok, error=None if ok else "busy", data={"kind": cmd.kind})
+            )
+
+        async with asyncio.timeout(5):
+            task = asyncio.create_task(serve())
+            result = await hub.command("trainer", Command(kind="ping"))
+            await task
+            assert result.data == {"kind": "ping"}
+            task = asyncio.create_task(serve())
+            with pytest.raises(RemoteError, match="trainer: busy"):
+                await hub.command("trainer", Command(kind="stop"))
+            await task
+
+
+async def test_a_command_to_an_unknown_actor_fails_at_once(endpoint: str):
+    async with ControlHub(endpoint) as hub:
+        with pytest.raises(PeerLost, match="'ghost' is not connected"):
+            await hub.command("ghost", Command(kind="ping"))
