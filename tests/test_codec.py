@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import msgpack
 import msgspec
@@ -31,11 +32,14 @@ class Outer(Message):
     items: list[Record]
 
 
+_ADDRESSES = itertools.count()
+
+
 def roundtrip(codec: Codec, msg: object) -> object:
     """Encode, push through a real zmq socket pair without copies, decode."""
     ctx = zmq.Context.instance()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    addr = f"inproc://codec-{id(msg)}"
+    addr = f"inproc://codec-{next(_ADDRESSES)}"
     a.bind(addr)
     b.connect(addr)
     try:
@@ -194,9 +198,9 @@ def test_unknown_message_type_and_wrong_arity_are_wire_errors():
     codec = Codec(messages.Hello)
     with pytest.raises(WireError, match="Invalid value 'Nope'"):
         codec.decode([msgspec.msgpack.encode(["Nope", "a", "r", 1, "h"])])
-    with pytest.raises(WireError, match="^Hello: Expected `array` of at least length 5"):
+    with pytest.raises(WireError, match=r"^Hello: Expected `array` of at least length 5"):
         codec.decode([msgspec.msgpack.encode(["Hello", "a"])])
-    with pytest.raises(WireError, match="unexpected|too many|Expected"):
+    with pytest.raises(WireError, match=r"Expected `array` of length at most|Expected"):
         codec.decode([msgspec.msgpack.encode(["Hello", "a", "r", 1, "h", {}, "extra"])])
 
 

@@ -1,9 +1,10 @@
-"""The reliable channel on real sockets: no loss, no duplicate, bounded memory, bad frames dropped."""
+"""The reliable channel on real sockets: nothing lost or repeated, bounded memory, bad input."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -128,13 +129,18 @@ async def test_acks_in_any_order_release_the_window_exactly(endpoint: str):
             deliveries = [await rx.receive() for _ in range(100)]
             for d in reversed(deliveries[50:]):
                 d.ack()
-            while tx.in_flight != 50:
-                await asyncio.sleep(0.01)
+            await until(lambda: tx.in_flight == 50)
             for d in deliveries[:50]:
                 d.ack()
                 d.ack()  # idempotent
             await tx.join()
         assert tx.in_flight == 0
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll a condition that no event signals (counters inside the channel)."""
+    while not condition():  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
 
 
 def _rss_bytes() -> int:
@@ -168,8 +174,7 @@ async def test_a_stalled_consumer_blocks_the_sender_and_memory_stays_flat(endpoi
         for _ in range(10):
             (await rx.receive_batch()).ack()
         async with asyncio.timeout(10):
-            while sent <= 64:
-                await asyncio.sleep(0.01)
+            await until(lambda: sent > 64)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
