@@ -83,7 +83,7 @@ class _Channel(ABC):
         self._closed = False
 
     async def __aenter__(self) -> Self:
-        self._open()
+        await self._open()
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         for name, coro in self._background():
@@ -120,7 +120,7 @@ class _Channel(ABC):
         return self._closed
 
     @abstractmethod
-    def _open(self) -> None:
+    async def _open(self) -> None:
         """Create and bind or connect sockets."""
 
     def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:

@@ -28,7 +28,7 @@ from asyncrl.wire.channels import DropLog, _Channel
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.errors import ChannelClosed, PeerLost, RemoteError, WireError
 from asyncrl.wire.messages import Bye, Command, CommandResult, Heartbeat, Hello
-from asyncrl.wire.sockets import bind, connect, make_socket, send_now
+from asyncrl.wire.sockets import abind, connect, make_socket, send_now
 
 Notification = Hello | Heartbeat | Bye
 _notify_codec: Codec[Notification] = Codec(Notification)
@@ -48,11 +48,11 @@ class ControlHub(_Channel):
         self._waiting: dict[int, asyncio.Future[CommandResult]] = {}
         self._ids = itertools.count(1)
 
-    def _open(self) -> None:
+    async def _open(self) -> None:
         self._sock = make_socket(zmq.ROUTER, hwm=self._hwm)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.endpoint = bind(self._sock, self.endpoint, allow_remote=self._allow_remote)
+        self.endpoint = await abind(self._sock, self.endpoint, allow_remote=self._allow_remote)
 
     def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
         return [("control.hub", self._read_loop())]
@@ -129,7 +129,7 @@ class ControlLink(_Channel):
         self._drops = DropLog("control", self.stats)
         self._commands: asyncio.Queue[tuple[int, Command]] = asyncio.Queue(maxsize=64)
 
-    def _open(self) -> None:
+    async def _open(self) -> None:
         self._sock = make_socket(zmq.DEALER, hwm=self._hwm, routing_id=self.actor.encode())
         connect(self._sock, self.endpoint, allow_remote=self._allow_remote)
 

@@ -37,7 +37,7 @@ from asyncrl.wire import framing
 from asyncrl.wire.channels import DropLog, ReceiveChannel, _Channel
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.errors import ChannelClosed, WireError, WouldBlock
-from asyncrl.wire.sockets import bind, connect, make_socket, send_now
+from asyncrl.wire.sockets import abind, connect, make_socket, send_now
 
 T = TypeVar("T")
 _BEAT_TOPIC = b"\x00beat"
@@ -86,11 +86,11 @@ class Publisher(_Channel, Generic[T]):
         self._drops = DropLog(name, self.stats)
         self._latest: dict[str, tuple[int, bytes, list[memoryview]]] = {}
 
-    def _open(self) -> None:
+    async def _open(self) -> None:
         self._pub = make_socket(zmq.PUB, hwm=self._hwm)
         self._snap = make_socket(zmq.ROUTER, hwm=self._hwm)
-        self.endpoint = bind(self._pub, self.endpoint, allow_remote=self._allow_remote)
-        self.snapshot_endpoint = bind(
+        self.endpoint = await abind(self._pub, self.endpoint, allow_remote=self._allow_remote)
+        self.snapshot_endpoint = await abind(
             self._snap, self.snapshot_endpoint, allow_remote=self._allow_remote
         )
 
@@ -192,7 +192,7 @@ class Subscriber(ReceiveChannel[Update[T]]):
         self._latest: dict[str, Update[T]] = {}
         self._ready = asyncio.Event()
 
-    def _open(self) -> None:
+    async def _open(self) -> None:
         self._sub = make_socket(zmq.SUB, hwm=self._hwm, max_frame_bytes=self.codec.max_frame_bytes)
         self._snap = make_socket(
             zmq.DEALER, hwm=self._hwm, max_frame_bytes=self.codec.max_frame_bytes

@@ -48,7 +48,7 @@ from asyncrl.wire.channels import DropLog, ReceiveChannel, SendChannel
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.errors import ChannelClosed, WireError, WouldBlock
 from asyncrl.wire.ranges import RangeSet
-from asyncrl.wire.sockets import bind, connect, make_socket, send_now
+from asyncrl.wire.sockets import abind, connect, make_socket, send_now
 
 T = TypeVar("T")
 _ENVELOPE_SLACK = 64 * 1024
@@ -116,7 +116,7 @@ class ReliableSender(SendChannel[T]):
         self._all_acked.set()
 
     # -- lifecycle ------------------------------------------------------------------
-    def _open(self) -> None:
+    async def _open(self) -> None:
         self._sock = make_socket(
             zmq.DEALER,
             hwm=self._hwm,
@@ -126,7 +126,7 @@ class ReliableSender(SendChannel[T]):
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         if self._bind:
-            self.endpoint = bind(self._sock, self.endpoint, allow_remote=self._allow_remote)
+            self.endpoint = await abind(self._sock, self.endpoint, allow_remote=self._allow_remote)
         else:
             connect(self._sock, self.endpoint, allow_remote=self._allow_remote)
 
@@ -396,13 +396,13 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
         for stream, ranges in (dedup_state or {}).items():
             self._streams[stream] = _StreamState(seen=RangeSet(ranges), delivered=RangeSet(ranges))
 
-    def _open(self) -> None:
+    async def _open(self) -> None:
         self._sock = make_socket(
             zmq.ROUTER, hwm=self._hwm, max_frame_bytes=self.codec.max_frame_bytes
         )
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self._bind:
-            self.endpoint = bind(self._sock, self.endpoint, allow_remote=self._allow_remote)
+            self.endpoint = await abind(self._sock, self.endpoint, allow_remote=self._allow_remote)
         else:
             connect(self._sock, self.endpoint, allow_remote=self._allow_remote)
 

@@ -38,7 +38,7 @@ from asyncrl.wire import framing
 from asyncrl.wire.channels import DropLog, _Channel
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.errors import ChannelClosed, PeerLost, RemoteError, WireError
-from asyncrl.wire.sockets import bind, connect, make_socket, send_now
+from asyncrl.wire.sockets import abind, connect, make_socket, send_now
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
@@ -75,7 +75,7 @@ class RpcClient(_Channel, Generic[Req, Rep]):
         self._waiting: dict[int, asyncio.Future[Rep]] = {}
         self._ids = itertools.count(1)
 
-    def _open(self) -> None:
+    async def _open(self) -> None:
         self._sock = make_socket(
             zmq.DEALER,
             hwm=self._hwm,
@@ -190,12 +190,12 @@ class RpcServer(_Channel, Generic[Req, Rep]):
         self._drops = DropLog(name, self.stats)
         self._slots = asyncio.Semaphore(max_concurrency)
 
-    def _open(self) -> None:
+    async def _open(self) -> None:
         self._sock = make_socket(
             zmq.ROUTER, hwm=self._hwm, max_frame_bytes=self.request_codec.max_frame_bytes
         )
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.endpoint = bind(self._sock, self.endpoint, allow_remote=self._allow_remote)
+        self.endpoint = await abind(self._sock, self.endpoint, allow_remote=self._allow_remote)
 
     def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
         return [(f"{self.name}.serve", self._serve_loop())]

@@ -11,8 +11,11 @@ public interface without CurveZMQ keys is refused in ``asyncrl.wire.security``.
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import ipaddress
 import socket
+import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
@@ -83,6 +86,24 @@ def bind(sock: zmq.asyncio.Socket, endpoint: str, *, allow_remote: bool = False)
         endpoint = endpoint.rsplit(":", 1)[0] + ":*"
     sock.bind(endpoint)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+async def abind(
+    sock: zmq.asyncio.Socket, endpoint: str, *, allow_remote: bool = False, retry_for: float = 5.0
+) -> str:
+    """``bind``, retrying while the address is still held by a socket being closed.
+
+    libzmq closes sockets asynchronously, so an actor restarted on its old address (or a
+    channel reopened in-process) can briefly see EADDRINUSE.
+    """
+    deadline = time.monotonic() + retry_for
+    while True:
+        try:
+            return bind(sock, endpoint, allow_remote=allow_remote)
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
 
 
 def connect(sock: zmq.asyncio.Socket, endpoint: str, *, allow_remote: bool = False) -> None:

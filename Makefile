@@ -1,0 +1,35 @@
+# One-command set-up. `make demo` and `make test` each create .venv when missing.
+# torch goes in first, pinned to the CPU build on this machine's disk: anything that
+# asks for torch without a pin would otherwise pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench-wire clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install "$(TORCH)" 2>&1 | grep -v "is ignored" || true
+	$(PY) -c "import torch" 
+	$(PIP) install -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+	$(PY) -c "import asyncrl.wire, msgspec, zmq, pytest"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/asyncrl train examples/dry_run/config.yaml --dry-run
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check asyncrl tests bench examples
+	$(VENV)/bin/ruff format --check asyncrl tests bench examples
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+bench-wire: $(STAMP)
+	$(PY) bench/wire.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache runs

@@ -1,0 +1,294 @@
+"""The actor lifecycle every asyncrl process follows: start, run, drain, stop.
+
+An actor is one process (or Ray actor) that owns its state and talks to others only
+through channels. ``Actor.main()`` drives it:
+
+    setup()                       open channels (``await self.open(channel, "name")``)
+    run()   | heartbeats          the actor's work, beside a heartbeat loop and a
+            | commands            command loop on the control channel
+    drain()                       on stop (command, SIGTERM, SIGINT): take no new work,
+                                  finish in-flight work, bounded by ``drain_timeout``
+    teardown()                    then every opened channel is closed (LIFO)
+
+Every task runs under an ``asyncio.TaskGroup``: if ``run()`` or a background loop
+raises, the others are cancelled, ``Bye(ok=False, reason=...)`` is sent and ``main()``
+returns exit code 1. A ``run()`` that returns ends the actor cleanly (exit code 0).
+Log lines carry ``actor``, ``role``, ``pid`` and, once set, ``version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from abc import ABC, abstractmethod
+from typing import Any, TypeVar
+
+import msgspec
+
+from asyncrl.observe.logs import bind_context, get_logger
+from asyncrl.wire.channels import _Channel
+from asyncrl.wire.control import ControlLink
+from asyncrl.wire.messages import (
+    ActorStateName,
+    Bye,
+    Command,
+    CommandResult,
+    Heartbeat,
+    Hello,
+    Scalar,
+)
+
+C = TypeVar("C", bound=_Channel)
+log = get_logger("asyncrl.actor")
+
+
+class ActorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Everything a process needs to become an actor. Sent to the child as JSON."""
+
+    name: str
+    role: str
+    cls: str  # "package.module:ClassName"
+    control: str | None = None  # the controller's ControlHub endpoint
+    endpoints: dict[str, str] = msgspec.field(default_factory=dict)  # channel -> address
+    heartbeat_interval: float = 1.0
+    drain_timeout: float = 10.0
+    log_level: str = "info"
+    log_format: str = "console"
+    log_file: str | None = None
+    config: dict[str, Any] = msgspec.field(default_factory=dict)  # resolved run config
+    params: dict[str, Any] = msgspec.field(default_factory=dict)  # role-specific settings
+
+
+class Actor(ABC):
+    """Base class: subclass, implement ``run()``, optionally the other hooks."""
+
+    def __init__(self, spec: ActorSpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.state: ActorStateName = "starting"
+        self.link: ControlLink | None = None
+        self.paused = asyncio.Event()
+        self._version = 0
+        bind_context(version=0)
+        self._stop = asyncio.Event()
+        self._stop_reason = ""
+        self._channels: dict[str, _Channel] = {}
+        self._stack = contextlib.AsyncExitStack()
+        self._loop_lag = 0.0
+
+    # -- hooks for subclasses -------------------------------------------------------
+    async def setup(self) -> None:  # noqa: B027 - optional hook
+        """Open channels and load state. Runs before ``run()``."""
+
+    @abstractmethod
+    async def run(self) -> None:
+        """The actor's work. Check ``self.stopping`` to stop taking new work."""
+
+    async def drain(self) -> None:  # noqa: B027 - optional hook
+        """Finish in-flight work after a stop request (bounded by ``drain_timeout``)."""
+
+    async def teardown(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; runs after ``run()`` has ended, even on failure."""
+
+    def stats(self) -> dict[str, float]:
+        """Actor-specific numbers for heartbeats (channel stats are added by the base)."""
+        return {}
+
+    async def on_command(self, cmd: Command) -> dict[str, Scalar]:
+        """Handle ``cmd``; override to add kinds, call ``super()`` for the rest."""
+        if cmd.kind == "stop":
+            self.request_stop("stop command")
+        elif cmd.kind == "pause":
+            self.paused.set()
+        elif cmd.kind == "resume":
+            self.paused.clear()
+        elif cmd.kind == "stats":
+            return dict(self.all_stats())
+        return {"pid": os.getpid(), "state": self.state}
+
+    # -- services for subclasses ----------------------------------------------------
+    async def open(self, channel: C, name: str) -> C:
+        """Enter ``channel``; it is closed after ``teardown()``, and its stats are reported."""
+        if name in self._channels:
+            raise ValueError(f"channel name {name!r} already used by {self.name}")
+        await self._stack.enter_async_context(channel)
+        self._channels[name] = channel
+        return channel
+
+    @property
+    def stopping(self) -> bool:
+        """True once a stop was requested: take no new work."""
+        return self._stop.is_set()
+
+    async def wait_stopping(self) -> None:
+        """Return when a stop is requested."""
+        await self._stop.wait()
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the actor to drain and stop (idempotent)."""
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            log.info("stop requested", reason=reason)
+            self._stop.set()
+
+    @property
+    def version(self) -> int:
+        """The weight version this actor holds; bound into every log line."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._version = value
+        bind_context(version=value)
+
+    def all_stats(self) -> dict[str, float]:
+        """Actor stats plus ``<channel>.<counter>`` for every opened channel."""
+        out = {"loop_lag_ms": self._loop_lag * 1000.0}
+        for name, channel in self._channels.items():
+            out.update({f"{name}.{k}": float(v) for k, v in channel.stats.snapshot().items()})
+        out.update(self.stats())
+        return out
+
+    # -- lifecycle ------------------------------------------------------------------
+    async def main(self) -> int:
+        """Run the whole lifecycle; returns the process exit code (0 ok, 1 failed)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+        ok, reason, said_bye = True, "stopped", False
+        try:
+            async with self._stack:
+                try:
+                    await self._with_control()
+                except* Exception as group:
+                    ok, reason = False, self._failed(group)
+                said_bye = self._say_bye(ok, reason)
+        except* Exception as group:  # a channel failed, or failed to close
+            ok, reason = False, self._failed(group)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        if not said_bye and self.spec.control:
+            with contextlib.suppress(Exception):
+                _send_bye(self.spec.control, self.name, self._bye(ok, reason))
+        log.info("actor exiting", ok=ok, reason=reason)
+        return 0 if ok else 1
+
+    def _failed(self, group: BaseException) -> str:
+        self.state = "failed"
+        reason = _describe(group)
+        log.error("actor failed", error=reason, exc_info=group)
+        return reason
+
+    async def _with_control(self) -> None:
+        if self.spec.control:
+            self.link = await self.open(ControlLink(self.spec.control, self.name), "control")
+            self.link.notify(
+                Hello(
+                    actor=self.name,
+                    role=self.spec.role,
+                    pid=os.getpid(),
+                    host=socket.gethostname(),
+                    endpoints=self.spec.endpoints,
+                )
+            )
+        async with asyncio.TaskGroup() as tg:
+            helpers = [tg.create_task(self._heartbeats(), name=f"{self.name}.heartbeats")]
+            if self.link is not None:
+                helpers.append(tg.create_task(self._commands(), name=f"{self.name}.commands"))
+            try:
+                await self._lifecycle()
+            finally:
+                for task in helpers:
+                    task.cancel()
+
+    async def _lifecycle(self) -> None:
+        log.info("actor starting", role=self.spec.role)
+        try:
+            await self.setup()
+            self.state = "running"
+            log.info("actor running")
+            await self._run_until_stopped()
+            self.state = "stopped"
+        finally:
+            await self.teardown()
+
+    async def _run_until_stopped(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            work = tg.create_task(self.run(), name=f"{self.name}.run")
+            stop = tg.create_task(self._stop.wait(), name=f"{self.name}.stop")
+            await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                self.state = "draining"
+                log.info("draining", reason=self._stop_reason)
+                try:
+                    async with asyncio.timeout(self.spec.drain_timeout):
+                        await self.drain()
+                except TimeoutError:
+                    log.warning("drain timed out; cancelling", timeout=self.spec.drain_timeout)
+                work.cancel()
+            stop.cancel()
+
+    async def _heartbeats(self) -> None:
+        seq, interval = 0, self.spec.heartbeat_interval
+        while True:
+            if self.link is not None:
+                self.link.notify(
+                    Heartbeat(
+                        actor=self.name,
+                        pid=os.getpid(),
+                        seq=seq,
+                        state=self.state,
+                        version=self._version,
+                        stats=self.all_stats(),
+                    )
+                )
+            seq += 1
+            start = time.monotonic()
+            await asyncio.sleep(interval)
+            # How late the loop woke us: a blocked event loop shows up here first.
+            self._loop_lag = max(0.0, time.monotonic() - start - interval)
+
+    async def _commands(self) -> None:
+        assert self.link is not None
+        while True:
+            command_id, cmd = await self.link.next_command()
+            try:
+                data = await self.on_command(cmd)
+                self.link.reply(command_id, CommandResult(ok=True, data=data))
+            except Exception as exc:
+                self.link.reply(command_id, CommandResult(ok=False, error=_describe(exc)))
+
+    def _bye(self, ok: bool, reason: str) -> Bye:
+        return Bye(actor=self.name, pid=os.getpid(), reason=reason, ok=ok)
+
+    def _say_bye(self, ok: bool, reason: str) -> bool:
+        """Tell the controller why we exit, through the still-open link."""
+        return self.link is not None and self.link.notify(self._bye(ok, reason))
+
+
+def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
+    """Fallback when the link is already closed: a one-shot socket with the same identity."""
+    import zmq
+
+    from asyncrl.wire import framing
+    from asyncrl.wire.codec import WIRE_VERSION, Codec
+
+    body, _ = Codec(Bye).encode_parts(bye)
+    env = framing.Request(v=WIRE_VERSION, id=0, nbuf=0, body=msgspec.Raw(body))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, actor.encode())
+    sock.setsockopt(zmq.LINGER, 500)  # give the goodbye half a second to leave
+    sock.connect(endpoint)
+    sock.send(framing.pack(env))
+    sock.close()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,72 @@
+"""Entry point of an actor process: ``python -m asyncrl.runtime.child < spec.json``.
+
+The local runtime starts one of these per actor and writes the ``ActorSpec`` as JSON to
+its stdin. The child configures logging (console on stderr for the runtime's log tail,
+JSON lines to ``spec.log_file``), asks the kernel to SIGTERM it when its parent dies
+(no orphan actors), imports the actor class and runs it on uvloop.
+
+Exit codes: 0 stopped cleanly, 1 the actor failed, 2 the spec or class could not load.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+import msgspec
+import uvloop
+
+from asyncrl.actors.base import Actor, ActorSpec
+from asyncrl.observe.logs import configure_logging
+from asyncrl.plugins import load_object
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the parent exits, so no actor outlives its job."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the heartbeat timeout still catches it
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def load_actor(raw: bytes) -> Actor:
+    """Decode a spec and build its actor; ``ValueError`` with the reason otherwise."""
+    try:
+        spec = msgspec.json.decode(raw, type=ActorSpec)
+    except msgspec.MsgspecError as exc:
+        raise ValueError(f"invalid actor spec: {exc}") from None
+    cls = load_object(spec.cls, what="actor class")
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise ValueError(f"{spec.cls} is not an asyncrl Actor subclass")
+    configure_logging(
+        level=spec.log_level,
+        fmt=spec.log_format,
+        file=spec.log_file,
+        actor=spec.name,
+        role=spec.role,
+        pid=os.getpid(),
+    )
+    return cls(spec)
+
+
+def main() -> None:
+    """Read the spec from stdin, run the actor, exit with its code."""
+    _die_with_parent()
+    try:
+        actor = load_actor(sys.stdin.buffer.read())
+    except ValueError as exc:
+        print(f"asyncrl actor: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.exit(uvloop.run(actor.main()))
+
+
+if __name__ == "__main__":
+    main()

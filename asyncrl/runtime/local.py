@@ -1,0 +1,131 @@
+"""Local runtime: every actor is a child process of the controller on this machine.
+
+Each child runs ``python -m asyncrl.runtime.child`` with its ``ActorSpec`` as JSON on
+stdin. Its stdout and stderr are read line by line: the last ``tail_lines`` are kept for
+death reports and everything is appended to ``<run_dir>/logs/<actor>.out``. Leaving the
+runtime's ``async with`` kills every child still alive, so a job never leaves orphans
+(the children also get SIGTERM from the kernel if the controller itself dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections import deque
+from pathlib import Path
+from types import TracebackType
+
+import msgspec
+
+from asyncrl.actors.base import ActorSpec
+
+
+class LocalActor:
+    """A child process running one actor (implements ``runtime.base.ActorHandle``)."""
+
+    def __init__(self, spec: ActorSpec, proc: asyncio.subprocess.Process, tail_lines: int):
+        self.spec = spec
+        self.proc = proc
+        self._tail: deque[str] = deque(maxlen=tail_lines)
+        self._drained = asyncio.Event()
+
+    @property
+    def pid(self) -> int | None:
+        """The child's pid."""
+        return self.proc.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while running; negative when killed by a signal."""
+        return self.proc.returncode
+
+    async def wait(self) -> int:
+        """Wait for exit and for the last output lines to be read."""
+        code = await self.proc.wait()
+        await self._drained.wait()
+        return code
+
+    def tail(self, n: int = 20) -> list[str]:
+        """The last ``n`` output lines."""
+        return list(self._tail)[-n:]
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` unless the process is gone."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+    async def pump(self, log_path: Path) -> None:
+        """Copy output lines to the log file and the tail until EOF."""
+        assert self.proc.stdout is not None
+        try:
+            with log_path.open("ab") as out:
+                async for line in self.proc.stdout:
+                    out.write(line)
+                    out.flush()
+                    self._tail.append(line.decode(errors="replace").rstrip())
+        finally:
+            self._drained.set()
+
+
+class LocalRuntime:
+    """Starts actors as local child processes; use as ``async with LocalRuntime(dir)``."""
+
+    def __init__(
+        self, run_dir: str | Path, *, tail_lines: int = 40, env: dict[str, str] | None = None
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.tail_lines = tail_lines
+        self.env = {**os.environ, **(env or {})}
+        self.actors: list[LocalActor] = []
+        self._tg = asyncio.TaskGroup()
+
+    async def __aenter__(self) -> LocalRuntime:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        for actor in self.actors:
+            actor.signal(signal.SIGKILL)
+        return await self._tg.__aexit__(et, exc, tb)
+
+    async def start(self, spec: ActorSpec) -> LocalActor:
+        """Launch a child for ``spec``."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "asyncrl.runtime.child",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=self.env,
+            cwd=os.getcwd(),
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(msgspec.json.encode(spec))
+        proc.stdin.close()
+        actor = LocalActor(spec, proc, self.tail_lines)
+        self.actors.append(actor)
+        log_path = self.run_dir / "logs" / f"{spec.name}.out"
+        self._tg.create_task(actor.pump(log_path), name=f"pump.{spec.name}")
+        return actor
+
+    async def stop(self, handle: LocalActor, grace: float) -> int:  # type: ignore[override]
+        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL."""
+        handle.signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(grace):
+                return await handle.wait()
+        except TimeoutError:
+            handle.signal(signal.SIGKILL)
+            return await handle.wait()
+
+    def kill(self, handle: LocalActor) -> None:  # type: ignore[override]
+        """SIGKILL now."""
+        handle.signal(signal.SIGKILL)

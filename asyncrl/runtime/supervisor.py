@@ -1,0 +1,232 @@
+"""The supervisor: starts actors through a runtime and watches them over the control hub.
+
+It knows each actor's status from its notifications (``Hello``, ``Heartbeat``, ``Bye``)
+and its process exit, and turns trouble into one exception with the evidence:
+
+- ``ActorDied``: the process exited while the job was running, with its exit code, its
+  ``Bye`` reason when it sent one, and its last log lines;
+- ``ActorHung``: no heartbeat for ``heartbeat_timeout`` seconds (the actor is killed).
+
+``wait_until(predicate)`` raises the first such failure, so a controller that waits for
+progress never waits on a dead actor. Restart policies build on these events.
+``stop_all()`` asks every actor to stop (command, then SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+import msgspec
+
+from asyncrl.actors.base import ActorSpec
+from asyncrl.observe.logs import get_logger
+from asyncrl.runtime.base import ActorHandle, Runtime
+from asyncrl.wire.control import ControlHub
+from asyncrl.wire.errors import PeerLost, RemoteError
+from asyncrl.wire.messages import Bye, Command, Heartbeat, Hello
+
+log = get_logger("asyncrl.supervisor")
+
+
+@dataclasses.dataclass
+class ActorStatus:
+    """What the supervisor knows about one actor."""
+
+    name: str
+    role: str
+    pid: int | None = None
+    state: str = "launched"
+    version: int = 0
+    heartbeats: int = 0
+    last_seen: float = dataclasses.field(default_factory=time.monotonic)
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    exit_code: int | None = None
+    bye: Bye | None = None
+    hello: bool = False
+
+
+class ActorDied(RuntimeError):
+    """An actor exited while the job needed it."""
+
+    def __init__(self, name: str, exit_code: int | None, reason: str, tail: Sequence[str]):
+        self.name, self.exit_code, self.reason, self.tail = name, exit_code, reason, list(tail)
+        lines = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
+        super().__init__(
+            f"actor {name} exited with code {exit_code} ({reason}); last log lines:\n{lines}"
+        )
+
+
+class ActorHung(ActorDied):
+    """An actor stopped sending heartbeats."""
+
+
+class Supervisor:
+    """Launch, watch and stop a set of actors. Use as ``async with Supervisor(...)``."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        hub: ControlHub,
+        *,
+        heartbeat_timeout: float = 10.0,
+        startup_timeout: float = 120.0,
+    ) -> None:
+        self.runtime, self.hub = runtime, hub
+        self.heartbeat_timeout = heartbeat_timeout
+        self.startup_timeout = startup_timeout
+        self.status: dict[str, ActorStatus] = {}
+        self.handles: dict[str, ActorHandle] = {}
+        self.failure: ActorDied | None = None
+        self._changed = asyncio.Event()
+        self._stopping = False
+        self._tg = asyncio.TaskGroup()
+
+    async def __aenter__(self) -> Supervisor:
+        await self._tg.__aenter__()
+        self._tasks = [
+            self._tg.create_task(self._notifications(), name="supervisor.notifications"),
+            self._tg.create_task(self._liveness(), name="supervisor.liveness"),
+        ]
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        if not self._stopping:
+            with contextlib.suppress(Exception):
+                await self.stop_all(grace=5.0)
+        for task in self._tasks:
+            task.cancel()
+        return await self._tg.__aexit__(et, exc, tb)
+
+    # -- launching ------------------------------------------------------------------
+    async def launch(self, specs: Sequence[ActorSpec]) -> None:
+        """Start every actor and wait until each has said Hello.
+
+        Each spec's ``control`` is set to this supervisor's hub.
+        """
+        specs = [msgspec.structs.replace(s, control=self.hub.endpoint) for s in specs]
+        for spec in specs:
+            if spec.name in self.status:
+                raise ValueError(f"actor name {spec.name!r} used twice")
+            self.status[spec.name] = ActorStatus(spec.name, spec.role)
+            handle = await self.runtime.start(spec)
+            self.handles[spec.name] = handle
+            self.status[spec.name].pid = handle.pid
+            self._tg.create_task(self._watch_exit(handle), name=f"supervisor.exit.{spec.name}")
+        names = [s.name for s in specs]
+        try:
+            async with asyncio.timeout(self.startup_timeout):
+                await self.wait_until(lambda st: all(st[n].hello for n in names))
+        except TimeoutError:
+            late = [n for n in names if not self.status[n].hello]
+            raise TimeoutError(
+                f"actors {late} did not start within {self.startup_timeout}s"
+            ) from None
+        log.info("actors up", actors=names)
+
+    # -- waiting --------------------------------------------------------------------
+    async def wait_until(self, predicate: Callable[[dict[str, ActorStatus]], bool]) -> None:
+        """Wait until ``predicate(status)`` holds; raises the first actor failure."""
+        while True:
+            if self.failure is not None:
+                raise self.failure
+            if predicate(self.status):
+                return
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _fail(self, failure: ActorDied) -> None:
+        if self.failure is None and not self._stopping:
+            log.error(
+                "actor lost", actor=failure.name, exit_code=failure.exit_code, reason=failure.reason
+            )
+            self.failure = failure
+        self._changed.set()
+
+    # -- stopping -------------------------------------------------------------------
+    async def stop_all(self, grace: float = 10.0) -> dict[str, int | None]:
+        """Stop every actor: stop command, then SIGTERM, then SIGKILL. Returns exit codes.
+
+        Each step gives the actor ``grace`` seconds.
+        """
+        self._stopping = True
+        alive = [n for n, h in self.handles.items() if h.exit_code is None]
+        async with asyncio.TaskGroup() as tg:
+            for name in alive:
+                tg.create_task(self._stop_one(name, grace), name=f"supervisor.stop.{name}")
+        return {n: h.exit_code for n, h in self.handles.items()}
+
+    async def _stop_one(self, name: str, grace: float) -> None:
+        handle = self.handles[name]
+        with contextlib.suppress(PeerLost, RemoteError, TimeoutError):
+            async with asyncio.timeout(min(grace, 5.0)):
+                await self.hub.command(name, Command(kind="stop"))
+        try:
+            async with asyncio.timeout(grace):
+                await handle.wait()
+        except TimeoutError:
+            log.warning("actor ignored stop; terminating", actor=name)
+            await self.runtime.stop(handle, grace=grace)
+
+    # -- background -----------------------------------------------------------------
+    async def _notifications(self) -> None:
+        while True:
+            actor, msg = await self.hub.receive()
+            st = self.status.get(actor)
+            if st is None:
+                log.warning("notification from unknown actor", actor=actor)
+                continue
+            st.last_seen = time.monotonic()
+            if isinstance(msg, Hello):
+                st.hello, st.pid = True, msg.pid
+            elif isinstance(msg, Heartbeat):
+                st.state, st.version, st.stats = msg.state, msg.version, msg.stats
+                st.heartbeats += 1
+            elif isinstance(msg, Bye):
+                st.bye, st.state = msg, "stopped" if msg.ok else "failed"
+            self._changed.set()
+
+    async def _watch_exit(self, handle: ActorHandle) -> None:
+        code = await handle.wait()
+        st = self.status[handle.spec.name]
+        st.exit_code = code
+        if st.bye is None or st.state not in ("stopped", "failed"):
+            st.state = "exited"
+        reason = st.bye.reason if st.bye else _signal_reason(code)
+        if self._stopping and code != 0:
+            log.warning(
+                "actor stopped uncleanly", actor=handle.spec.name, exit_code=code, reason=reason
+            )
+        self._fail(ActorDied(handle.spec.name, code, reason, handle.tail()))
+
+    async def _liveness(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_timeout / 4)
+            now = time.monotonic()
+            for name, st in self.status.items():
+                handle = self.handles.get(name)
+                silent = now - st.last_seen
+                if (
+                    handle
+                    and handle.exit_code is None
+                    and st.hello
+                    and silent > (self.heartbeat_timeout)
+                ):
+                    self._fail(
+                        ActorHung(name, None, f"no heartbeat for {silent:.1f}s", handle.tail())
+                    )
+                    self.runtime.kill(handle)
+
+
+def _signal_reason(code: int) -> str:
+    if code < 0:
+        import signal
+
+        return f"killed by {signal.Signals(-code).name}"
+    return "exited without saying why" if code else "exited"

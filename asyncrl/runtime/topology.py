@@ -1,0 +1,69 @@
+"""The job's topology: which actors exist, which endpoints they bind, who connects where.
+
+    controller  hub: control  <- every actor's ControlLink
+    buffer      binds: buffer.work (rpc), buffer.results (reliable), buffer.batches (rpc)
+    rollout-i   connects: buffer.work, buffer.results, trainer.weights(+_snapshot), trainer.blob
+    trainer     binds: trainer.weights(+_snapshot) (pub/sub), trainer.blob (blob pull);
+                connects: buffer.batches
+
+Endpoints are assigned before any actor starts and travel in each ``ActorSpec``, so a
+restarted actor binds the same address and its peers reconnect by themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from asyncrl.actors.base import ActorSpec
+from asyncrl.wire.sockets import free_tcp_endpoint
+
+ENDPOINTS = (
+    "control",
+    "buffer.work",
+    "buffer.results",
+    "buffer.batches",
+    "trainer.weights",
+    "trainer.weights_snapshot",
+    "trainer.blob",
+)
+
+
+def allocate_endpoints(host: str = "127.0.0.1") -> dict[str, str]:
+    """One free tcp endpoint on ``host`` for each name in ``ENDPOINTS``."""
+    return {name: free_tcp_endpoint(host) for name in ENDPOINTS}
+
+
+def job_specs(
+    *,
+    classes: Mapping[str, str],
+    num_rollout_actors: int,
+    endpoints: Mapping[str, str],
+    run_dir: Path,
+    config: Mapping[str, Any],
+    common: Mapping[str, Any],
+    params: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[ActorSpec]:
+    """Specs for the buffer, ``num_rollout_actors`` rollout actors and the trainer.
+
+    ``classes`` maps role -> actor class path; ``common`` holds ``ActorSpec`` fields shared
+    by all (heartbeat interval, log settings); ``params`` role -> role-specific settings.
+    """
+    names = [("buffer", "buffer")]
+    names += [(f"rollout-{i}", "rollout") for i in range(num_rollout_actors)]
+    names += [("trainer", "trainer")]
+    return [
+        ActorSpec(
+            name=name,
+            role=role,
+            cls=classes[role],
+            control=endpoints["control"],
+            endpoints=dict(endpoints),
+            config=dict(config),
+            log_file=str(run_dir / "logs" / f"{name}.jsonl"),
+            params=dict((params or {}).get(role, {})),
+            **common,
+        )
+        for name, role in names
+    ]

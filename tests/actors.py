@@ -1,0 +1,81 @@
+"""Small actors for lifecycle and supervision tests (imported by child processes too)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.actors.base import Actor
+from asyncrl.wire.messages import Command, Scalar
+
+
+class Recorder(Actor):
+    """Idles until stopped; appends each lifecycle step to ``params["journal"]``."""
+
+    def note(self, step: str) -> None:
+        journal = self.spec.params.get("journal")
+        if journal:
+            with Path(journal).open("a") as f:
+                f.write(step + "\n")
+
+    async def setup(self) -> None:
+        self.ticks = 0
+        self.note("setup")
+
+    async def run(self) -> None:
+        self.note("run")
+        self.version = int(self.spec.params.get("version", 0))
+        while not self.stopping:
+            self.ticks += 1
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(float(self.spec.params.get("linger", 0)))
+
+    async def drain(self) -> None:
+        self.note("drain")
+        await asyncio.sleep(float(self.spec.params.get("drain_seconds", 0)))
+        self.note("drained")
+
+    async def teardown(self) -> None:
+        self.note("teardown")
+
+    def stats(self) -> dict[str, float]:
+        return {"ticks": float(self.ticks)}
+
+    async def on_command(self, cmd: Command) -> dict[str, Scalar]:
+        self.note(f"command:{cmd.kind}")
+        return await super().on_command(cmd)
+
+
+class Crasher(Recorder):
+    """Raises from ``run()`` after a few ticks."""
+
+    async def run(self) -> None:
+        print("crasher: about to fail", flush=True)
+        await asyncio.sleep(float(self.spec.params.get("after", 0.2)))
+        raise RuntimeError("boom at step 3")
+
+
+class HardExit(Recorder):
+    """Leaves with ``os._exit(3)``: no Bye, no cleanup, like a segfaulting extension."""
+
+    async def run(self) -> None:
+        print("hard-exit: last words", flush=True)
+        sys.stdout.flush()
+        await asyncio.sleep(0.3)
+        os._exit(3)
+
+
+class Hanger(Recorder):
+    """Blocks its event loop: no heartbeat leaves any more."""
+
+    async def run(self) -> None:
+        await asyncio.sleep(0.5)
+        print("hanger: blocking the loop", flush=True)
+        time.sleep(3600)  # noqa: ASYNC251 - the point: a blocked event loop
+
+
+class NotAnActor:
+    """Named in a spec by mistake."""

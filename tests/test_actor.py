@@ -1,0 +1,91 @@
+"""The actor lifecycle in-process: setup, run, drain, teardown, failure, channels, context."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.actors.base import ActorSpec
+from asyncrl.observe.logs import configure_logging
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.messages import Probe
+from asyncrl.wire.reliable import ReliableReceiver
+from tests.actors import Crasher, Recorder
+
+
+def spec(tmp_path: Path, cls: str = "tests.actors:Recorder", **params: object) -> ActorSpec:
+    return ActorSpec(
+        name="unit",
+        role="test",
+        cls=cls,
+        drain_timeout=1.0,
+        heartbeat_interval=0.05,
+        params={"journal": str(tmp_path / "j"), **params},
+    )
+
+
+def journal(tmp_path: Path) -> list[str]:
+    return (tmp_path / "j").read_text().split()
+
+
+async def test_a_stop_request_drains_then_tears_down_and_exits_zero(tmp_path: Path):
+    actor = Recorder(spec(tmp_path))
+    main = asyncio.create_task(actor.main())
+    await asyncio.sleep(0.2)
+    assert actor.state == "running" and actor.stats()["ticks"] > 0
+    actor.request_stop("test")
+    assert await main == 0
+    assert journal(tmp_path) == ["setup", "run", "drain", "drained", "teardown"]
+    assert actor.state == "stopped"
+
+
+async def test_a_run_that_raises_fails_the_actor_but_still_tears_down(tmp_path: Path):
+    actor = Crasher(spec(tmp_path, "tests.actors:Crasher", after=0.05))
+    assert await actor.main() == 1
+    assert actor.state == "failed"
+    assert journal(tmp_path) == ["setup", "teardown"]
+
+
+async def test_a_drain_that_overruns_its_timeout_is_cut_short(tmp_path: Path):
+    actor = Recorder(spec(tmp_path, drain_seconds=30, linger=30))
+    main = asyncio.create_task(actor.main())
+    await asyncio.sleep(0.1)
+    actor.request_stop("test")
+    async with asyncio.timeout(5):
+        assert await main == 0
+    assert "drained" not in journal(tmp_path) and journal(tmp_path)[-1] == "teardown"
+
+
+class WithChannel(Recorder):
+    async def setup(self) -> None:
+        await super().setup()
+        self.rx = await self.open(ReliableReceiver("tcp://127.0.0.1:0", Codec(Probe)), "results")
+
+
+async def test_opened_channels_report_stats_and_close_after_teardown(tmp_path: Path):
+    actor = WithChannel(spec(tmp_path))
+    main = asyncio.create_task(actor.main())
+    await asyncio.sleep(0.2)
+    stats = actor.all_stats()
+    assert {"results.received", "results.dropped", "ticks", "loop_lag_ms"} <= set(stats)
+    with pytest.raises(ValueError, match="already used"):
+        await actor.open(ReliableReceiver("tcp://127.0.0.1:0", Codec(Probe)), "results")
+    actor.request_stop("test")
+    assert await main == 0
+    assert actor.rx.closed
+
+
+async def test_log_lines_carry_actor_role_pid_and_version(tmp_path: Path):
+    log_file = tmp_path / "actor.jsonl"
+    configure_logging(level="info", fmt="json", file=log_file, actor="unit", role="test", pid=4242)
+    actor = Recorder(spec(tmp_path, version=7))
+    main = asyncio.create_task(actor.main())
+    await asyncio.sleep(0.1)
+    actor.request_stop("test")
+    assert await main == 0
+    lines = [json.loads(line) for line in log_file.read_text().splitlines()]
+    stop = next(line for line in lines if line["event"] == "stop requested")
+    assert (stop["actor"], stop["role"], stop["pid"], stop["version"]) == ("unit", "test", 4242, 7)

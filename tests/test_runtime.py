@@ -1,0 +1,108 @@
+"""Local runtime + supervisor with real child processes: start, watch, report deaths, stop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from asyncrl.actors.base import ActorSpec
+from asyncrl.runtime.local import LocalRuntime
+from asyncrl.runtime.supervisor import ActorDied, ActorHung, Supervisor
+from asyncrl.wire.control import ControlHub
+
+
+def spec(name: str, cls: str, tmp_path: Path, **params: object) -> ActorSpec:
+    return ActorSpec(
+        name=name,
+        role="test",
+        cls=f"tests.actors:{cls}",
+        heartbeat_interval=0.2,
+        drain_timeout=2.0,
+        log_file=str(tmp_path / f"{name}.jsonl"),
+        params={"journal": str(tmp_path / f"{name}.journal"), **params},
+    )
+
+
+@pytest.fixture
+async def supervisor(tmp_path: Path) -> AsyncIterator[Supervisor]:
+    async with ControlHub("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
+        async with Supervisor(runtime, hub, heartbeat_timeout=2.0, startup_timeout=60) as sup:
+            yield sup
+            await sup.stop_all(grace=5)
+
+
+async def test_actors_start_send_heartbeats_and_stop_cleanly(
+    supervisor: Supervisor, tmp_path: Path
+):
+    specs = [spec(f"a{i}", "Recorder", tmp_path) for i in range(2)]
+    specs[0] = spec("a0", "Recorder", tmp_path, version=3)
+    async with asyncio.timeout(60):
+        await supervisor.launch(specs)
+        await supervisor.wait_until(lambda st: all(s.heartbeats >= 2 for s in st.values()))
+    a0 = supervisor.status["a0"]
+    assert a0.state == "running" and a0.version == 3 and a0.stats["ticks"] > 0
+    assert "control.sent" in a0.stats
+    codes = await supervisor.stop_all(grace=10)
+    assert codes == {"a0": 0, "a1": 0}
+    assert supervisor.status["a0"].bye.ok and supervisor.status["a0"].bye.reason == "stopped"
+    steps = (tmp_path / "a0.journal").read_text().split()
+    assert steps == ["setup", "run", "command:stop", "drain", "drained", "teardown"]
+    assert supervisor.failure is None
+    assert (tmp_path / "logs" / "a0.out").stat().st_size > 0
+
+
+async def test_sigterm_drains_and_exits_zero(supervisor: Supervisor, tmp_path: Path):
+    await supervisor.launch([spec("t", "Recorder", tmp_path)])
+    handle = supervisor.handles["t"]
+    code = await supervisor.runtime.stop(handle, grace=10)
+    assert code == 0
+    assert (tmp_path / "t.journal").read_text().split()[-3:] == ["drain", "drained", "teardown"]
+
+
+async def test_a_crash_is_reported_with_exit_code_reason_and_last_lines(
+    supervisor: Supervisor, tmp_path: Path
+):
+    await supervisor.launch([spec("c", "Crasher", tmp_path, after=0.3)])
+    with pytest.raises(ActorDied) as info:
+        async with asyncio.timeout(30):
+            await supervisor.wait_until(lambda st: False)
+    died = info.value
+    assert died.name == "c" and died.exit_code == 1
+    assert "RuntimeError: boom at step 3" in died.reason
+    assert any("crasher: about to fail" in line for line in died.tail)
+    assert "last log lines" in str(died)
+
+
+async def test_an_exit_without_goodbye_is_reported_with_its_code(
+    supervisor: Supervisor, tmp_path: Path
+):
+    await supervisor.launch([spec("x", "HardExit", tmp_path)])
+    with pytest.raises(ActorDied) as info:
+        async with asyncio.timeout(30):
+            await supervisor.wait_until(lambda st: False)
+    assert info.value.exit_code == 3 and info.value.reason == "exited without saying why"
+    assert any("hard-exit: last words" in line for line in info.value.tail)
+
+
+async def test_an_actor_that_stops_heartbeating_is_declared_hung_and_killed(
+    supervisor: Supervisor, tmp_path: Path
+):
+    await supervisor.launch([spec("h", "Hanger", tmp_path)])
+    with pytest.raises(ActorHung) as info:
+        async with asyncio.timeout(30):
+            await supervisor.wait_until(lambda st: False)
+    assert "no heartbeat for" in info.value.reason
+    async with asyncio.timeout(10):
+        assert await supervisor.handles["h"].wait() == -9
+
+
+async def test_a_spec_naming_a_non_actor_fails_at_start_with_a_clear_message(
+    supervisor: Supervisor, tmp_path: Path
+):
+    with pytest.raises(ActorDied) as info:
+        await supervisor.launch([spec("bad", "NotAnActor", tmp_path)])
+    assert info.value.exit_code == 2
+    assert any("is not an asyncrl Actor subclass" in line for line in info.value.tail)
