@@ -15,6 +15,8 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
+_TRAIN_OPTIONS = ("--help", "--preset", "--dry-run")
+
 
 def _parser() -> argparse.ArgumentParser:
     from asyncrl.config import add_arguments
@@ -42,22 +44,43 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    args, unknown = parser.parse_known_args(argv)
+    if argv[:1] == ["train"] and (unknown := _unknown_options(argv[1:])):
+        print(f"asyncrl train: config error:\n{unknown}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     if args.command == "version":
         from asyncrl import __version__
 
         print(__version__)
         return 0
-    return _train(parser, args, unknown)
+    return _train(args)
 
 
-def _train(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> int:
+def _unknown_options(tokens: list[str]) -> str:
+    """Unknown ``--options``, each with a did-you-mean (argparse would eat their values)."""
+    import difflib
+
+    from asyncrl.config import flag_table
+
+    known = [*_TRAIN_OPTIONS, *flag_table()]
+    problems = []
+    for token in tokens:
+        flag = token.partition("=")[0]
+        if flag.startswith("--") and flag not in known:
+            match = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            problems.append(
+                f"unknown option {flag}" + (f" (did you mean {match[0]}?)" if match else "")
+            )
+    return "\n".join(problems)
+
+
+def _train(args: argparse.Namespace) -> int:
     from asyncrl.config import ConfigError, load_config, overrides_from_namespace
 
-    overrides = [tok for pair in overrides_from_namespace(args).items() for tok in pair]
     try:
-        cfg = load_config(args.config, [*overrides, *unknown], preset=args.preset)
+        cfg = load_config(args.config, overrides_from_namespace(args), preset=args.preset)
     except ConfigError as exc:
         print(f"asyncrl train: config error:\n{exc}", file=sys.stderr)
         return 2

@@ -101,7 +101,8 @@ class MultiSink:
         self.sinks = sinks
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Write to every sink."""
+        """Write to every sink, stamped with one ``time`` so the copies agree."""
+        record = {"time": time.time(), **record}
         for sink in self.sinks:
             sink.write(record)
 

@@ -1,0 +1,78 @@
+"""The ``asyncrl`` command end to end: help, config errors before start, a full dry run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.cli import main
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=cwd,
+    )
+
+
+def test_train_help_lists_every_option_with_its_default(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--rollout-num-actors INT number of rollout actors (default: 2)" in text
+    assert "--dry-run" in text and "--runtime {local,ray}" in text
+
+
+def test_a_bad_config_is_refused_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    code = main(
+        [
+            "train",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--rollout-num-actors",
+            "0",
+            "--runtime-hwm",
+            "3",
+            "--dry-run",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "unknown option --runtime-hwm (did you mean" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_dry_run_starts_every_actor_moves_traffic_and_stops_cleanly(tmp_path: Path):
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        f"name: t\noutput_dir: {tmp_path / 'run'}\nrollout:\n  num_actors: 2\n"
+        "runtime:\n  heartbeat_interval: 0.3\n"
+    )
+    result = run_cli("train", str(config), "--dry-run", cwd=Path.cwd())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "dry run ok" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if "stopped" in line]
+    assert len(rows) == 4  # buffer, rollout-0, rollout-1, trainer: all said goodbye
+    run = tmp_path / "run"
+    assert json.loads((run / "config.json").read_text())["rollout"]["num_actors"] == 2
+    for actor in ("buffer", "rollout-0", "rollout-1", "trainer"):
+        lines = [json.loads(x) for x in (run / "logs" / f"{actor}.jsonl").read_text().splitlines()]
+        assert lines[-1]["event"] == "actor exiting" and lines[-1]["ok"] is True
+        assert all(line["actor"] == actor for line in lines)
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]):
+    from asyncrl import __version__
+
+    assert main(["version"]) == 0
+    assert capsys.readouterr().out.strip() == __version__
