@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import subprocess
@@ -93,6 +94,7 @@ def child_raw_pull(endpoint: str, n: int) -> dict:
 
 async def child_reliable_recv(endpoint: str, n: int) -> dict:
     async with ReliableReceiver(endpoint, Codec(SampleRecord)) as rx:
+        gc.freeze()  # as every actor does after setup (actors/base.py)
         print("READY", flush=True)
         batch = await rx.receive_batch()
         t0, got = time.perf_counter(), 0
@@ -177,6 +179,7 @@ def reliable_records(n: int) -> float:
 
     async def send_all() -> None:
         async with ReliableSender(endpoint, Codec(SampleRecord)) as tx:
+            gc.freeze()
             for i in range(n):
                 await tx.send(records[i % 1024])
             await tx.join()

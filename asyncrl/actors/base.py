@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -210,6 +211,10 @@ class Actor(ABC):
         log.info("actor starting", role=self.spec.role)
         try:
             await self.setup()
+            # Everything alive now (imports, setup) is permanent: keep it out of every
+            # later collection. Without this, full GC passes over ~10^5 import-time
+            # objects made decoding 3x slower once decoded messages stayed alive.
+            gc.freeze()
             self.state = "running"
             log.info("actor running")
             await self._run_until_stopped()

@@ -90,23 +90,6 @@ class Beat(Envelope, tag="H"):
     seqs: dict[str, int]
 
 
-def typed_batch(message_types: Any) -> type:
-    """A ``Batch`` twin whose items decode straight to ``message_types`` in one call."""
-    return msgspec.defstruct(
-        "TypedBatch",
-        [
-            ("v", int),
-            ("stream", str),
-            ("first_seq", int),
-            ("nbufs", list[int]),
-            ("items", list[message_types]),
-        ],
-        array_like=True,
-        tag="B",
-        frozen=True,
-    )
-
-
 def pack_batch(stream: str, first_seq: int, nbufs: list[int], bodies: Sequence[bytes]) -> bytes:
     """Encode a ``Batch`` by joining already-encoded bodies (no per-message objects).
 

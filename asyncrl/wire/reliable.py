@@ -392,7 +392,6 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
         self._ready = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
-        self._typed = codec.decoder_for(framing.typed_batch(codec.types))
         for stream, ranges in (dedup_state or {}).items():
             self._streams[stream] = _StreamState(seen=RangeSet(ranges), delivered=RangeSet(ranges))
 
@@ -515,26 +514,11 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
             self._drops.drop("bad_frames", f"{len(frames)} frames or one over {limit} bytes")
             return
         before = self._queued
-        if len(frames) > 2 or not self._handle_typed(frames[0].bytes, frames[1].buffer):
-            self._handle_raw(frames)
+        self._handle_batch(frames)
         if self._queued > before:
             self._ready.set()
 
-    def _handle_typed(self, route: bytes, body: memoryview) -> bool:
-        """Fast path: a batch without buffer frames decodes in one call. False on error."""
-        try:
-            batch = self.codec.decode_with(self._typed, body)
-        except WireError:
-            return False  # the raw path finds and drops the bad items one by one
-        if batch.v != WIRE_VERSION or batch.nbufs or not batch.items:
-            return False
-        st = self._stream(batch.stream, route)
-        for lo, hi in self._admit(batch.stream, st, batch.first_seq, len(batch.items)):
-            msgs = batch.items[lo - batch.first_seq : hi - batch.first_seq + 1]
-            self._deliver(batch.stream, st, lo, msgs)
-        return True
-
-    def _handle_raw(self, frames: list[zmq.Frame]) -> None:
+    def _handle_batch(self, frames: list[zmq.Frame]) -> None:
         try:
             batch = framing.unpack(frames[1].buffer, framing.Batch)
             nbufs = batch.nbufs or [0] * len(batch.items)
@@ -550,7 +534,7 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
             for seq in range(lo, hi + 1):
                 i = seq - batch.first_seq
                 try:
-                    buffers = [f.buffer for f in parts[i]]
+                    buffers = [f.buffer for f in parts[i]] if parts[i] else ()
                     run.append(self.codec.decode_parts(batch.items[i], buffers))
                 except WireError as exc:
                     self._drops.drop("malformed", str(exc), stream=batch.stream, seq=seq)

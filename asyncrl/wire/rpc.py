@@ -37,7 +37,7 @@ from zmq.utils.monitor import parse_monitor_message
 from asyncrl.wire import framing
 from asyncrl.wire.channels import DropLog, _Channel
 from asyncrl.wire.codec import WIRE_VERSION, Codec
-from asyncrl.wire.errors import ChannelClosed, PeerLost, RemoteError, WireError
+from asyncrl.wire.errors import ChannelClosed, PeerLost, RemoteError, WireError, WouldBlock
 from asyncrl.wire.sockets import abind, connect, make_socket, send_now
 
 Req = TypeVar("Req")
@@ -121,6 +121,26 @@ class RpcClient(_Channel, Generic[Req, Rep]):
                 return await fut
             finally:
                 self._waiting.pop(call_id, None)
+
+    def start_call(self, msg: Req) -> asyncio.Future[Rep]:
+        """Send ``msg`` now and return the future of its reply, without taking a credit.
+
+        For callers that keep their own window of calls in flight (the blob pull sends
+        request ``k + window`` the moment reply ``k`` arrives). Raises ``WouldBlock`` when
+        the socket is full. Cancelling the future abandons the call.
+        """
+        if self._closed:
+            raise ChannelClosed("rpc client closed")
+        body, buffers = self.request_codec.encode_parts(msg)
+        call_id = next(self._ids)
+        env = framing.Request(v=WIRE_VERSION, id=call_id, nbuf=len(buffers), body=Raw(body))
+        if not send_now(self._sock, [framing.pack(env), *buffers]):
+            raise WouldBlock(f"{self.endpoint}: request queue full")
+        self.stats.sent += 1
+        fut: asyncio.Future[Rep] = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = fut
+        fut.add_done_callback(lambda _: self._waiting.pop(call_id, None))
+        return fut
 
     async def _reply_loop(self) -> None:
         while True:
