@@ -1,0 +1,20 @@
+"""Actors: long-running processes that own their state and talk only through channels.
+
+    DataSource -> buffer --work (rpc)-------------> rollout-i --HTTP--> engines
+                    ^  <--results (reliable, acked)--'    ^
+                    |                                     | weights (pub/sub + blob pull)
+                    '--batches (rpc)--> trainer ----------'
+
+| actor      | consumes                         | produces                        |
+|------------|----------------------------------|---------------------------------|
+| buffer     | results from rollout actors      | work items, train batches       |
+| rollout-i  | work items, weight versions      | results (groups of samples)     |
+| trainer    | train batches                    | weight versions                 |
+| controller | heartbeats, Bye                  | commands (stop, pause, resume)  |
+
+Each actor waits only on its channels: a rollout actor blocks when it has no credits for
+work, the trainer when the buffer has no batch, the buffer never (it answers requests as
+state allows). ``base.py`` holds the lifecycle every actor follows; ``probe.py`` stands
+in for each role in ``asyncrl train --dry-run``. The buffer, rollout, trainer and
+controller actors arrive with their issues.
+"""

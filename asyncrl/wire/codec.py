@@ -51,6 +51,7 @@ _EXT_TENSOR_FRAME = 4
 _MAX_NDIM = 32
 
 Buffer = bytes | bytearray | memoryview
+_NO_BUFFERS: list[memoryview] = []  # shared, never mutated: callers only read it
 
 
 class Message(
@@ -222,11 +223,13 @@ class Codec(Generic[T]):
 
     def encode_parts(self, msg: T) -> tuple[bytes, list[memoryview]]:
         """Like ``encode`` but returns the body and the buffer frames separately."""
-        self._out = []
         try:
             body = self._encoder.encode(msg)
         except (TypeError, OverflowError) as exc:
+            self._out = []
             raise WireError(f"cannot encode {type(msg).__name__}: {exc}") from exc
+        if not self._out and len(body) <= self.max_frame_bytes:
+            return body, _NO_BUFFERS  # the common case: no per-call allocations
         buffers, self._out = self._out, []
         self._check_sizes(type(msg).__name__, len(body), buffers)
         return body, buffers
