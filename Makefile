@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH)" 2>&1 | grep -v "is ignored" || true
-	$(PY) -c "import torch" 
+	$(PY) -W ignore -c "import torch; print('torch', torch.__version__)"
 	$(PIP) install -e ".[dev]" 2>&1 | grep -v "is ignored" || true
 	$(PY) -c "import asyncrl.wire, msgspec, zmq, pytest"
 	touch $(STAMP)

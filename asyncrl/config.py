@@ -1,16 +1,21 @@
 """One typed config tree for a job, loaded from a preset, a YAML file and ``--flag`` values.
 
-Precedence, lowest first: the section defaults, a preset (``debug_cpu``), the YAML file,
-command-line flags. Every leaf has one flag: ``rollout.num_actors`` is
-``--rollout-num-actors``; a field may take slime's name instead (``json_schema_extra=
-{"flag": ...}``, DESIGN section 10). ``asyncrl train --help`` lists them all with their
-defaults (``add_arguments``).
+Precedence, lowest first: section defaults, a preset (a function in ``PRESETS``), the YAML
+file, then flags (a later flag beats an earlier one). Every leaf has one flag: ``seed`` is
+``--seed``, ``rollout.num_actors`` is ``--rollout-num-actors``, ``a.b.c_d`` is ``--a-b-c-d``;
+``json_schema_extra={"flag": ..., "aliases": [...]}`` gives slime's name instead (DESIGN
+section 10). A field typed as a pydantic model is a section; anything else is a leaf. Every
+flag takes a value, read as YAML (``--seed 3``, ``--x "[1, 2]"``, ``--x true``) except for
+string leaves, which keep it verbatim (``--name 007``).
 
-Everything is checked before any process starts: an unknown key or flag is a
-``ConfigError`` with a did-you-mean, a bad value names its key, its flag, the value and
-what was expected, and all problems are reported at once.
+From argparse: ``add_arguments`` registers each flag with ``default=argparse.SUPPRESS``,
+``overrides_from_namespace`` returns what the user typed as ``{"--flag": "text"}``, and
+``load_config`` takes that mapping or a ``["--flag", "value", "--flag=value"]`` list.
 
-Called by the CLI; the validated tree travels to every actor as JSON in its spec.
+Every problem becomes one line of a single ``ConfigError``, raised before any process
+starts: unknown keys and flags get a did-you-mean, bad values name key, flag, expectation
+and value, and values from the file name file and line. Called by the CLI; the validated
+tree travels to every actor as JSON. Components own their sections; ``RunConfig`` composes.
 """
 
 from __future__ import annotations
@@ -19,19 +24,25 @@ import argparse
 import dataclasses
 import difflib
 import json
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from pathlib import Path, PurePath
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, overload
 
 import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import ErrorDetails
 
 KiB, MiB = 1024, 1024 * 1024
+M = TypeVar("M", bound=BaseModel)
+Overrides = Sequence[str] | Mapping[str, Any]
+_DEST = "config:"
+_MISSING = object()
 
 
 class ConfigError(ValueError):
-    """A config problem, with the key, the flag and a hint in the message."""
+    """A config problem, one line each, naming the key, the flag, the value and a hint."""
 
 
 class Section(BaseModel):
@@ -41,11 +52,11 @@ class Section(BaseModel):
 
 
 class RuntimeConfig(Section):
-    """Where and how actors run."""
+    """Where actors run and how the supervisor watches them."""
 
     type: Literal["local", "ray"] = Field(
         "local",
-        description="runtime for the actors: local processes or a Ray cluster",
+        description="runtime for the actors: local child processes or a Ray cluster",
         json_schema_extra={"flag": "runtime"},
     )
     host: str = Field("127.0.0.1", description="address the job's channels bind to")
@@ -58,7 +69,7 @@ class RuntimeConfig(Section):
     )
     ray_address: str | None = Field(
         None,
-        description="Ray cluster address (ray runtime only)",
+        description="Ray cluster address (ray runtime only; null starts a local cluster)",
         json_schema_extra={"flag": "ray-address"},
     )
 
@@ -67,36 +78,43 @@ class RuntimeConfig(Section):
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must be greater than "
-                f"heartbeat_interval ({self.heartbeat_interval})"
+                f"heartbeat_interval ({self.heartbeat_interval}), or a healthy actor "
+                "would count as hung between two heartbeats"
             )
         return self
 
 
 class WireConfig(Section):
-    """Channel limits (see ``asyncrl.wire``)."""
+    """Limits of the channels between actors (see ``asyncrl.wire``)."""
 
-    max_frame_bytes: int = Field(256 * MiB, ge=MiB, description="largest frame accepted")
-    hwm: int = Field(1000, ge=1, description="zmq high-water mark of every socket")
-    batch_bytes: int = Field(256 * KiB, gt=0, description="reliable-channel batch size")
+    max_frame_bytes: int = Field(256 * MiB, ge=MiB, description="largest frame accepted, bytes")
+    hwm: int = Field(1000, ge=1, description="zmq high-water mark of every socket, messages")
+    batch_bytes: int = Field(256 * KiB, gt=0, description="reliable-channel batch size, bytes")
     window: int = Field(8192, ge=1, description="max unacknowledged reliable messages")
-    redeliver_after: float = Field(2.0, gt=0, description="seconds before a resend")
-    chunk_bytes: int = Field(4 * MiB, gt=0, description="chunk size of the blob pull")
+    redeliver_after: float = Field(2.0, gt=0, description="seconds before an unacked resend")
+    chunk_bytes: int = Field(4 * MiB, gt=0, description="chunk size of the blob pull, bytes")
 
     @model_validator(mode="after")
     def _fit_in_frames(self) -> WireConfig:
-        for name in ("batch_bytes", "chunk_bytes"):
-            if getattr(self, name) > self.max_frame_bytes:
-                raise ValueError(
-                    f"{name} ({getattr(self, name)}) must not exceed "
-                    f"max_frame_bytes ({self.max_frame_bytes})"
-                )
+        too_big = [
+            f"{name} ({getattr(self, name)})"
+            for name in ("batch_bytes", "chunk_bytes")
+            if getattr(self, name) > self.max_frame_bytes
+        ]
+        if too_big:
+            raise ValueError(
+                f"{' and '.join(too_big)} must not exceed max_frame_bytes "
+                f"({self.max_frame_bytes}), since each is sent as one frame"
+            )
         return self
 
 
 class LogConfig(Section):
     """Logging of the controller and every actor."""
 
-    level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="lowest level written", json_schema_extra={"flag": "log-level"}
+    )
     format: Literal["console", "json"] = Field(
         "console", description="console output for people or JSON lines for machines"
     )
@@ -109,209 +127,323 @@ class RolloutConfig(Section):
 
 
 class RunConfig(Section):
-    """The root of a job's configuration."""
+    """The root of a job's configuration: run identity plus one section per component."""
 
     name: str = Field("asyncrl", min_length=1, description="run name")
     output_dir: str = Field("runs/{name}", description="run directory; {name} is replaced")
     seed: int = Field(0, description="random seed of the job")
-    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
-    wire: WireConfig = Field(default_factory=WireConfig)
-    log: LogConfig = Field(default_factory=LogConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="actor runtime")
+    wire: WireConfig = Field(default_factory=WireConfig, description="channel limits")
+    log: LogConfig = Field(default_factory=LogConfig, description="logging")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout actors")
 
     def resolved_output_dir(self) -> Path:
-        """``output_dir`` with ``{name}`` filled in."""
-        return Path(self.output_dir.replace("{name}", self.name))
+        """``output_dir`` with ``{name}`` filled in and ``~`` expanded."""
+        return Path(self.output_dir.replace("{name}", self.name)).expanduser()
 
 
-# -- presets (Python, not YAML) ---------------------------------------------------------
 def debug_cpu() -> RunConfig:
-    """A tiny CPU job: two rollout actors, fast heartbeats."""
+    """A tiny CPU dry run: two rollout actors, fast heartbeats, quick stops."""
     return RunConfig(
-        name="debug-cpu", runtime=RuntimeConfig(heartbeat_interval=0.5, heartbeat_timeout=10.0)
+        name="debug-cpu",
+        runtime=RuntimeConfig(heartbeat_interval=0.5, stop_timeout=5.0),
+        rollout=RolloutConfig(num_actors=2),
     )
 
 
-PRESETS: dict[str, Callable[[], RunConfig]] = {"debug_cpu": debug_cpu}
+PRESETS: dict[str, Callable[[], BaseModel]] = {"debug_cpu": debug_cpu}
 
 
-# -- the flag table ---------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class FlagSpec:
-    """One leaf of the tree as a command-line option."""
+    """One leaf of the tree as a command-line option (a row of ``flag_table``)."""
 
     flag: str
     path: tuple[str, ...]
     annotation: str
     default: Any
     description: str
-    choices: tuple[str, ...] | None = None
+    metavar: str
+    aliases: tuple[str, ...]
+    required: bool
+    parse: Callable[[str], Any] = dataclasses.field(repr=False, compare=False)
+
+
+def flag_table(model: type[BaseModel] = RunConfig) -> dict[str, FlagSpec]:
+    """``{"--flag": FlagSpec}`` for every leaf of ``model``, aliases included.
+
+    Used by ``load_config``, ``add_arguments`` and the CLI's unknown-option check. Two
+    leaves claiming one flag is a programming error and raises ``ValueError``.
+    """
+    table: dict[str, FlagSpec] = {}
+    for spec in _leaves(model):
+        for flag in (spec.flag, *spec.aliases):
+            if flag in table:
+                raise ValueError(
+                    f"{flag} names both {'.'.join(table[flag].path)} and {'.'.join(spec.path)}"
+                )
+            table[flag] = spec
+    return table
 
 
 def _leaves(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[FlagSpec]:
     for name, field in model.model_fields.items():
-        path = (*prefix, name)
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            yield from _leaves(ann, path)
-            continue
-        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        flag = str(extra.get("flag", "-".join(path).replace("_", "-")))
-        default = field.get_default(call_default_factory=True)
-        choices = getattr(ann, "__args__", None) if str(ann).startswith("typing.Literal") else None
-        yield FlagSpec(
-            f"--{flag}",
-            path,
-            _type_name(ann),
-            default,
-            field.description or "",
-            tuple(map(str, choices)) if choices else None,
-        )
-        for alias in extra.get("aliases", ()):
-            yield FlagSpec(f"--{alias}", path, _type_name(ann), default, f"alias of --{flag}", None)
+        section = _section_model(field.annotation)
+        if section is not None:
+            yield from _leaves(section, (*prefix, name))
+        else:
+            yield _leaf_spec((*prefix, name), field)
 
 
-def _type_name(ann: Any) -> str:
-    return getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+def _leaf_spec(path: tuple[str, ...], field: pydantic.fields.FieldInfo) -> FlagSpec:
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    required = field.is_required()
+    return FlagSpec(
+        flag=_as_flag(str(extra.get("flag") or "-".join(path))),
+        path=path,
+        annotation=_type_text(field.annotation),
+        default=None if required else field.get_default(call_default_factory=True),
+        description=field.description or "",
+        metavar=_metavar(field.annotation),
+        aliases=tuple(_as_flag(str(a)) for a in extra.get("aliases") or ()),
+        required=required,
+        parse=_value_parser(field.annotation),
+    )
 
 
-def flag_table(model: type[BaseModel] = RunConfig) -> dict[str, FlagSpec]:
-    """``{"--flag": FlagSpec}`` for every leaf of ``model``; duplicate flags raise."""
-    table: dict[str, FlagSpec] = {}
-    for spec in _leaves(model):
-        if spec.flag in table:
-            raise ValueError(
-                f"{spec.flag} names both {'.'.join(table[spec.flag].path)} "
-                f"and {'.'.join(spec.path)}"
-            )
-        table[spec.flag] = spec
-    return table
+def _section_model(ann: Any) -> type[BaseModel] | None:
+    is_model = get_origin(ann) is None and isinstance(ann, type) and issubclass(ann, BaseModel)
+    return ann if is_model else None
 
 
-def add_arguments(parser: argparse.ArgumentParser, model: type[BaseModel] = RunConfig) -> None:
-    """Add every config flag to ``parser`` (one group per section) for ``--help``."""
-    groups: dict[str, Any] = {}
-    for spec in flag_table(model).values():
-        section = ".".join(spec.path[:-1]) or "run"
-        group = groups.get(section) or groups.setdefault(
-            section, parser.add_argument_group(f"{section} options")
-        )
-        metavar = "{" + ",".join(spec.choices) + "}" if spec.choices else spec.annotation.upper()
-        group.add_argument(
-            spec.flag,
-            dest=f"cfg:{spec.flag}",
-            default=argparse.SUPPRESS,
-            metavar=metavar,
-            help=f"{spec.description} (default: {spec.default})",
-        )
+def _as_flag(name: str) -> str:
+    return "--" + name.lstrip("-").replace("_", "-")
 
 
-def overrides_from_namespace(ns: argparse.Namespace) -> dict[str, str]:
-    """The ``{"--flag": raw value}`` pairs given on the command line."""
-    return {k.removeprefix("cfg:"): v for k, v in vars(ns).items() if k.startswith("cfg:")}
+def _type_text(ann: Any) -> str:
+    if get_origin(ann) is None and isinstance(ann, type):
+        return ann.__name__
+    return str(ann).replace("typing.", "")
 
 
-# -- loading ----------------------------------------------------------------------------
-def load_config(
-    path: str | Path | None = None,
-    overrides: Sequence[str] | Mapping[str, str] = (),
-    *,
-    preset: str | None = None,
-    model: type[BaseModel] = RunConfig,
-) -> Any:
-    """Build and validate the config; raises ``ConfigError`` listing every problem.
+def _non_null(ann: Any) -> list[Any]:
+    """The members of a union other than None; ``[ann]`` for anything else."""
+    if get_origin(ann) in (Union, types.UnionType):
+        return [a for a in get_args(ann) if a is not type(None)]
+    return [ann]
 
-    ``overrides`` is either ``["--flag", "value", "--flag2=value"]`` or ``{"--flag": value}``;
-    values are read as YAML (``3`` is an int, ``[1, 2]`` a list).
-    """
-    data = _preset(preset, model)
-    if path is not None:
-        _merge(data, _read_yaml(Path(path), model))
-    table = flag_table(model)
-    pairs = overrides.items() if isinstance(overrides, Mapping) else _pairs(overrides, table)
-    for flag, raw in pairs:
-        _set(data, table[_known(flag, table)].path, _parse_value(raw))
+
+def _metavar(ann: Any) -> str:
+    members = _non_null(ann)
+    if len(members) != 1:
+        return "VALUE"
+    ann = members[0]
+    origin = get_origin(ann) or ann
+    if origin is Literal:
+        return "{" + ",".join(_show(a) for a in get_args(ann)) + "}"
+    if ann is bool:
+        return "{true,false}"
+    if origin in (list, tuple, set, frozenset):
+        return "LIST"
+    if origin is dict:
+        return "MAP"
+    return ann.__name__.upper() if isinstance(ann, type) else "VALUE"
+
+
+def _is_text(ann: Any) -> bool:
+    if get_origin(ann) is Literal:
+        return all(isinstance(a, str) for a in get_args(ann))
+    return isinstance(ann, type) and issubclass(ann, str | PurePath)
+
+
+def _value_parser(ann: Any) -> Callable[[str], Any]:
+    """How a flag's raw text becomes a value: verbatim for strings, YAML for the rest."""
+    if not all(_is_text(a) for a in _non_null(ann)):
+        return _parse_yaml
+    if type(None) in get_args(ann):
+        return lambda raw: None if raw in ("null", "~") else raw
+    return str
+
+
+def _parse_yaml(raw: str) -> Any:
     try:
-        return model.model_validate(data)
-    except pydantic.ValidationError as exc:
-        raise ConfigError(_format_errors(exc, table, path)) from None
-
-
-def _preset(name: str | None, model: type[BaseModel]) -> dict[str, Any]:
-    if name is None:
-        return {}
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}{_did_you_mean(name, PRESETS)}")
-    return PRESETS[name]().model_dump(exclude_unset=True)
-
-
-def _read_yaml(path: Path, model: type[BaseModel]) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: invalid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{path}: the top level must be a mapping of keys, got {type(data).__name__}"
-        )
-    problems = list(_unknown_keys(data, model, ()))
-    if problems:
-        raise ConfigError("\n".join(f"{path}: {p}" for p in problems))
-    return data
-
-
-def _unknown_keys(
-    data: dict[str, Any], model: type[BaseModel], prefix: tuple[str, ...]
-) -> Iterator[str]:
-    for key, value in data.items():
-        field = model.model_fields.get(key)
-        dotted = ".".join((*prefix, str(key)))
-        if field is None:
-            yield f"unknown key '{dotted}'{_did_you_mean(str(key), model.model_fields, prefix)}"
-        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            if isinstance(value, dict):
-                yield from _unknown_keys(value, field.annotation, (*prefix, key))
-
-
-def _did_you_mean(word: str, options: Any, prefix: tuple[str, ...] = ()) -> str:
-    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f" (did you mean '{'.'.join((*prefix, match[0]))}'?)" if match else ""
-
-
-def _pairs(tokens: Sequence[str], table: dict[str, FlagSpec]) -> Iterator[tuple[str, str]]:
-    it = iter(tokens)
-    for token in it:
-        if not token.startswith("--"):
-            raise ConfigError(f"expected an option like --flag, got {token!r}")
-        flag, sep, value = token.partition("=")
-        if not sep:
-            _known(flag, table)
-            value = next(it, None)
-            if value is None:
-                raise ConfigError(f"option {flag} needs a value")
-        yield flag, value
-
-
-def _known(flag: str, table: dict[str, FlagSpec]) -> str:
-    if flag not in table:
-        match = difflib.get_close_matches(flag, list(table), n=1, cutoff=0.6)
-        hint = f" (did you mean {match[0]}?)" if match else ""
-        raise ConfigError(f"unknown option {flag}{hint}")
-    return flag
-
-
-def _parse_value(raw: str) -> Any:
-    try:
-        return yaml.safe_load(raw) if isinstance(raw, str) else raw
+        return yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
 
 
-def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+def _show(value: Any) -> str:
+    """A value as the user would type it: strings bare, the rest as JSON (null, true)."""
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def add_arguments(parser: argparse.ArgumentParser, model: type[BaseModel] = RunConfig) -> None:
+    """Add every flag of ``model`` to ``parser``, one argument group per section.
+
+    Called by the CLI so ``asyncrl train --help`` lists every option with its meaning and
+    default. Values stay raw text; read them back with ``overrides_from_namespace``.
+    """
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for spec in {spec.path: spec for spec in flag_table(model).values()}.values():
+        section = ".".join(spec.path[:-1]) or "general"
+        if section not in groups:
+            groups[section] = parser.add_argument_group(section)
+        groups[section].add_argument(
+            spec.flag,
+            *spec.aliases,
+            dest=_DEST + spec.flag,
+            default=argparse.SUPPRESS,
+            metavar=spec.metavar,
+            help=_help_text(spec),
+        )
+
+
+def _help_text(spec: FlagSpec) -> str:
+    default = "required" if spec.required else f"default: {_show(spec.default)}"
+    return f"{spec.description} ({default})".replace("%", "%%")
+
+
+def overrides_from_namespace(ns: argparse.Namespace) -> dict[str, str]:
+    """``{"--flag": raw text}`` for the config flags the user gave, for ``load_config``."""
+    return {key.removeprefix(_DEST): v for key, v in vars(ns).items() if key.startswith(_DEST)}
+
+
+@overload
+def load_config(
+    path: str | Path | None = None, overrides: Overrides = (), *, preset: str | None = None
+) -> RunConfig: ...
+@overload
+def load_config(
+    path: str | Path | None = None,
+    overrides: Overrides = (),
+    *,
+    preset: str | None = None,
+    model: type[M],
+) -> M: ...
+def load_config(
+    path: str | Path | None = None,
+    overrides: Overrides = (),
+    *,
+    preset: str | None = None,
+    model: type[BaseModel] = RunConfig,
+) -> BaseModel:
+    """Build and validate the config of a job; raises ``ConfigError`` listing every problem.
+
+    ``preset`` names a base in ``PRESETS``; ``path`` is a YAML file (or None); ``overrides``
+    is ``["--flag", "value", "--flag=value", ...]`` or ``{"--flag": value}`` (from
+    ``overrides_from_namespace``). Called by the CLI and by tests.
+    """
+    table = flag_table(model)
+    data, origins = _preset_data(preset, model), {}
+    if path is not None:
+        file_data, origins = _read_yaml(Path(path))
+        _merge(data, file_data)
+    values, problems = _flag_values(overrides, table)
+    for spec, raw in values:
+        _set(data, spec.path, spec.parse(raw) if isinstance(raw, str) else raw)
+        for depth in range(1, len(spec.path) + 1):
+            origins.pop(spec.path[:depth], None)
+    try:
+        cfg = model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        problems += [_explain(err, model, table, origins) for err in exc.errors()]
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return cfg
+
+
+def _preset_data(name: str | None, model: type[BaseModel]) -> dict[str, Any]:
+    if name is None:
+        return {}
+    if name not in PRESETS:
+        known = ", ".join(PRESETS)
+        raise ConfigError(f"unknown preset {name!r}{_hint(name, PRESETS)} (known: {known})")
+    base = PRESETS[name]()
+    if not isinstance(base, model):
+        raise ConfigError(f"preset {name!r} builds a {type(base).__name__}, not a {model.__name__}")
+    return base.model_dump()
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
+    """The mapping in ``path`` and, for every key in it, ``"file:line"``."""
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    text = path.read_text()
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}{_yaml_problem(exc)}") from None
+    if node is None:
+        return {}, {}
+    if not isinstance(node, yaml.MappingNode):
+        raise ConfigError(
+            f"{path}:{node.start_mark.line + 1}: the top level must be a mapping "
+            f"(key: value lines), got a {type(data).__name__}"
+        )
+    return data, {key: f"{path}:{line}" for key, line in _key_lines(node, ())}
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return f": invalid YAML: {exc}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    where = f" ({context} that starts at line {context_mark.line + 1})" if context_mark else ""
+    return f":{mark.line + 1}:{mark.column + 1}: invalid YAML: {problem}{where}"
+
+
+def _key_lines(
+    node: yaml.MappingNode, prefix: tuple[str, ...]
+) -> Iterator[tuple[tuple[str, ...], int]]:
+    for key, value in node.value:
+        path = (*prefix, str(key.value))
+        yield path, key.start_mark.line + 1
+        if isinstance(value, yaml.MappingNode):
+            yield from _key_lines(value, path)
+
+
+def _flag_values(
+    overrides: Overrides, table: dict[str, FlagSpec]
+) -> tuple[list[tuple[FlagSpec, Any]], list[str]]:
+    """Known ``(spec, raw value)`` pairs in order, and one problem line per bad option."""
+    pairs = overrides.items() if isinstance(overrides, Mapping) else _split_options(overrides)
+    values: list[tuple[FlagSpec, Any]] = []
+    problems: list[str] = []
+    for flag, raw in pairs:
+        if not flag.startswith("--"):
+            problems.append(f"expected an option like --flag VALUE, got {flag!r}")
+        elif flag not in table:
+            problems.append(f"unknown option {flag}{_hint(flag, table, quote=False)}")
+        elif raw is _MISSING:
+            problems.append(f"option {flag} needs a value (every flag takes one, e.g. {flag} 1)")
+        else:
+            values.append((table[flag], raw))
+    return values, problems
+
+
+def _split_options(tokens: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """``--flag value`` and ``--flag=value`` as pairs; a value never starts with ``--``."""
+    rest = list(tokens)
+    while rest:
+        token = rest.pop(0)
+        flag, eq, value = token.partition("=")
+        if token.startswith("--") and eq:
+            yield flag, value
+        elif token.startswith("--") and rest and not rest[0].startswith("--"):
+            yield token, rest.pop(0)
+        else:
+            yield token, _MISSING
+
+
+def _hint(word: str, options: Any, *, quote: bool = True) -> str:
+    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    if not match:
+        return ""
+    return f" (did you mean '{match[0]}'?)" if quote else f" (did you mean {match[0]}?)"
+
+
+def _merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
     for key, value in new.items():
         if isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value)
@@ -321,27 +453,52 @@ def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
 
 def _set(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     for key in path[:-1]:
-        data = data.setdefault(key, {})
+        if not isinstance(data.get(key), dict):
+            data[key] = {}
+        data = data[key]
     data[path[-1]] = value
 
 
-def _format_errors(
-    exc: pydantic.ValidationError, table: dict[str, FlagSpec], path: str | Path | None
+def _explain(
+    err: ErrorDetails, model: type[BaseModel], table: dict[str, FlagSpec], origins: dict[tuple, str]
 ) -> str:
-    by_path = {spec.path: spec.flag for spec in table.values()}
-    lines = []
-    for err in exc.errors():
-        loc = tuple(str(p) for p in err["loc"])
-        flag = by_path.get(loc)
-        where = ".".join(loc) or "config"
-        where += f" ({flag})" if flag else ""
-        msg = err["msg"].removeprefix("Value error, ")
-        got = f", got {json.dumps(err['input'], default=str)}" if loc and "input" in err else ""
-        lines.append(f"{where}: {msg}{got}")
-    return "\n".join(lines)
+    """One pydantic error as a line: where it came from, key (flag), expectation, value."""
+    loc = tuple(str(part) for part in err["loc"])
+    source = _longest_prefix(origins, loc)
+    prefix = f"{source}: " if source else ""
+    if err["type"] == "extra_forbidden":
+        return f"{prefix}unknown key '{'.'.join(loc)}'{_key_hint(loc, model, table)}"
+    spec = _longest_prefix({s.path: s for s in table.values()}, loc)
+    head = ".".join(loc) or "config"
+    head += f" ({spec.flag})" if spec else ""
+    message = err["msg"].removeprefix("Value error, ")
+    hide = err["type"] == "missing" or (spec is None and isinstance(err.get("input"), dict))
+    got = "" if hide else f", got {json.dumps(err.get('input'), default=str)}"
+    return f"{prefix}{head}: {message}{got}"
+
+
+def _longest_prefix(mapping: Mapping[tuple, Any], loc: tuple[str, ...]) -> Any:
+    return next((mapping[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in mapping), None)
+
+
+def _key_hint(loc: tuple[str, ...], model: type[BaseModel], table: dict[str, FlagSpec]) -> str:
+    """Did-you-mean for an unknown key: a sibling first, else a leaf elsewhere in the tree."""
+    parent: type[BaseModel] | None = model
+    for key in loc[:-1]:
+        field = parent.model_fields.get(key) if parent else None
+        parent = _section_model(field.annotation) if field else None
+    if parent is None:
+        return ""
+    siblings = {".".join((*loc[:-1], name)): name for name in parent.model_fields}
+    leaves = {".".join(spec.path): spec.path[-1] for spec in table.values()}
+    for names in (siblings, leaves):
+        match = difflib.get_close_matches(loc[-1], list(names.values()), n=1, cutoff=0.6)
+        if match:
+            return f" (did you mean '{next(k for k, v in names.items() if v == match[0])}'?)"
+    return ""
 
 
 def dump_resolved(cfg: BaseModel, path: str | Path) -> None:
-    """Write the full resolved config as JSON (nulls kept) next to the run's outputs."""
+    """Write the full resolved config as JSON (nulls kept); the CLI calls it per run."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(cfg.model_dump_json(indent=2))
+    Path(path).write_text(cfg.model_dump_json(indent=2) + "\n")

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+import zmq
+import zmq.asyncio
 
 from asyncrl.actors.base import ActorSpec
 from asyncrl.observe.logs import configure_logging
+from asyncrl.wire import framing
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import Probe
-from asyncrl.wire.reliable import ReliableReceiver
+from asyncrl.wire.reliable import ReliableReceiver, ReliableSender
 from tests.actors import Crasher, Recorder
 
 
@@ -89,3 +94,25 @@ async def test_log_lines_carry_actor_role_pid_and_version(tmp_path: Path):
     lines = [json.loads(line) for line in log_file.read_text().splitlines()]
     stop = next(line for line in lines if line["event"] == "stop requested")
     assert (stop["actor"], stop["role"], stop["pid"], stop["version"]) == ("unit", "test", 4242, 7)
+
+
+async def test_an_actor_keeps_serving_while_garbage_arrives_on_its_channels(tmp_path: Path):
+    actor = WithChannel(spec(tmp_path))
+    main = asyncio.create_task(actor.main())
+    await asyncio.sleep(0.2)
+    attacker = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(actor.rx.endpoint)
+    for frame in (b"", b"\xc1", os.urandom(200), framing.pack_batch("x", 1, [], [b"\xc1"])):
+        await attacker.send_multipart([frame])
+    async with ReliableSender(actor.rx.endpoint, Codec(Probe)) as tx:
+        await tx.send(Probe(sender="ok", seq=1, payload=np.arange(3)))
+        async with asyncio.timeout(5):
+            delivery = await actor.rx.receive()
+            delivery.ack()
+            await tx.join()
+    assert delivery.msg.sender == "ok" and actor.state == "running"
+    assert actor.all_stats()["results.dropped"] >= 4
+    attacker.close()
+    actor.request_stop("test")
+    assert await main == 0
