@@ -96,16 +96,12 @@ class WireConfig(Section):
 
     @model_validator(mode="after")
     def _fit_in_frames(self) -> WireConfig:
-        too_big = [
-            f"{name} ({getattr(self, name)})"
-            for name in ("batch_bytes", "chunk_bytes")
-            if getattr(self, name) > self.max_frame_bytes
-        ]
-        if too_big:
-            raise ValueError(
-                f"{' and '.join(too_big)} must not exceed max_frame_bytes "
-                f"({self.max_frame_bytes}), since each is sent as one frame"
-            )
+        for name in ("batch_bytes", "chunk_bytes"):
+            if getattr(self, name) > self.max_frame_bytes:
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) must not exceed max_frame_bytes "
+                    f"({self.max_frame_bytes}), since it travels in one frame"
+                )
         return self
 
 
@@ -235,19 +231,12 @@ def _non_null(ann: Any) -> list[Any]:
 
 def _metavar(ann: Any) -> str:
     members = _non_null(ann)
-    if len(members) != 1:
-        return "VALUE"
-    ann = members[0]
+    ann = members[0] if len(members) == 1 else Any
     origin = get_origin(ann) or ann
     if origin is Literal:
         return "{" + ",".join(_show(a) for a in get_args(ann)) + "}"
-    if ann is bool:
-        return "{true,false}"
-    if origin in (list, tuple, set, frozenset):
-        return "LIST"
-    if origin is dict:
-        return "MAP"
-    return ann.__name__.upper() if isinstance(ann, type) else "VALUE"
+    named = {bool: "{true,false}", list: "LIST", tuple: "LIST", set: "LIST", dict: "MAP"}
+    return named.get(origin) or (ann.__name__.upper() if isinstance(ann, type) else "VALUE")
 
 
 def _is_text(ann: Any) -> bool:
@@ -334,7 +323,8 @@ def load_config(
     ``overrides_from_namespace``). Called by the CLI and by tests.
     """
     table = flag_table(model)
-    data, origins = _preset_data(preset, model), {}
+    data = _preset_data(preset)
+    origins: dict[tuple[str, ...], str] = {}
     if path is not None:
         file_data, origins = _read_yaml(Path(path))
         _merge(data, file_data)
@@ -346,22 +336,19 @@ def load_config(
     try:
         cfg = model.model_validate(data)
     except pydantic.ValidationError as exc:
-        problems += [_explain(err, model, table, origins) for err in exc.errors()]
+        problems += [_explain(err, table, origins) for err in exc.errors()]
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg
 
 
-def _preset_data(name: str | None, model: type[BaseModel]) -> dict[str, Any]:
+def _preset_data(name: str | None) -> dict[str, Any]:
     if name is None:
         return {}
     if name not in PRESETS:
         known = ", ".join(PRESETS)
         raise ConfigError(f"unknown preset {name!r}{_hint(name, PRESETS)} (known: {known})")
-    base = PRESETS[name]()
-    if not isinstance(base, model):
-        raise ConfigError(f"preset {name!r} builds a {type(base).__name__}, not a {model.__name__}")
-    return base.model_dump()
+    return PRESETS[name]().model_dump()
 
 
 def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
@@ -459,15 +446,13 @@ def _set(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     data[path[-1]] = value
 
 
-def _explain(
-    err: ErrorDetails, model: type[BaseModel], table: dict[str, FlagSpec], origins: dict[tuple, str]
-) -> str:
+def _explain(err: ErrorDetails, table: dict[str, FlagSpec], origins: dict[tuple, str]) -> str:
     """One pydantic error as a line: where it came from, key (flag), expectation, value."""
     loc = tuple(str(part) for part in err["loc"])
     source = _longest_prefix(origins, loc)
     prefix = f"{source}: " if source else ""
     if err["type"] == "extra_forbidden":
-        return f"{prefix}unknown key '{'.'.join(loc)}'{_key_hint(loc, model, table)}"
+        return f"{prefix}unknown key '{'.'.join(loc)}'{_key_hint(loc, table)}"
     spec = _longest_prefix({s.path: s for s in table.values()}, loc)
     head = ".".join(loc) or "config"
     head += f" ({spec.flag})" if spec else ""
@@ -481,21 +466,10 @@ def _longest_prefix(mapping: Mapping[tuple, Any], loc: tuple[str, ...]) -> Any:
     return next((mapping[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in mapping), None)
 
 
-def _key_hint(loc: tuple[str, ...], model: type[BaseModel], table: dict[str, FlagSpec]) -> str:
-    """Did-you-mean for an unknown key: a sibling first, else a leaf elsewhere in the tree."""
-    parent: type[BaseModel] | None = model
-    for key in loc[:-1]:
-        field = parent.model_fields.get(key) if parent else None
-        parent = _section_model(field.annotation) if field else None
-    if parent is None:
-        return ""
-    siblings = {".".join((*loc[:-1], name)): name for name in parent.model_fields}
-    leaves = {".".join(spec.path): spec.path[-1] for spec in table.values()}
-    for names in (siblings, leaves):
-        match = difflib.get_close_matches(loc[-1], list(names.values()), n=1, cutoff=0.6)
-        if match:
-            return f" (did you mean '{next(k for k, v in names.items() if v == match[0])}'?)"
-    return ""
+def _key_hint(loc: tuple[str, ...], table: dict[str, FlagSpec]) -> str:
+    """Did-you-mean for an unknown key, against every section and leaf path of the tree."""
+    paths = {".".join(s.path[:n]) for s in table.values() for n in range(1, len(s.path) + 1)}
+    return _hint(".".join(loc), sorted(paths))
 
 
 def dump_resolved(cfg: BaseModel, path: str | Path) -> None:

@@ -1,19 +1,24 @@
-"""The config tree: precedence, flags, and errors that name the key, flag and value."""
+"""The config tree: precedence, flags, help, and errors that name the key, flag and value."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
+from typing import Any
 
+import pydantic
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from asyncrl.config import (
+    PRESETS,
     ConfigError,
     RunConfig,
     Section,
     add_arguments,
+    debug_cpu,
     dump_resolved,
     flag_table,
     load_config,
@@ -27,148 +32,265 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_defaults_need_no_file_or_flags():
+def problems(*args: Any, **kwargs: Any) -> list[str]:
+    """The lines of the ConfigError that ``load_config(*args, **kwargs)`` raises."""
+    with pytest.raises(ConfigError) as info:
+        load_config(*args, **kwargs)
+    return str(info.value).splitlines()
+
+
+def leaf_paths(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    paths: set[tuple[str, ...]] = set()
+    for key, value in data.items():
+        if isinstance(value, dict):
+            paths |= leaf_paths(value, (*prefix, key))
+        else:
+            paths.add((*prefix, key))
+    return paths
+
+
+def test_defaults_need_no_file_preset_or_flags():
     cfg = load_config()
     assert cfg == RunConfig()
+    assert (cfg.runtime.type, cfg.runtime.ray_address, cfg.rollout.num_actors) == ("local", None, 2)
+    assert (cfg.wire.max_frame_bytes, cfg.wire.batch_bytes) == (256 * 1024 * 1024, 256 * 1024)
     assert cfg.resolved_output_dir() == Path("runs/asyncrl")
+    assert load_config(overrides=["--name", "x"]).resolved_output_dir() == Path("runs/x")
 
 
 def test_flags_beat_the_file_which_beats_the_preset(tmp_path: Path):
-    path = write(tmp_path, "name: from-file\nruntime:\n  heartbeat_interval: 2.0\n")
-    cfg = load_config(path, ["--name", "from-flag", "--rollout-num-actors=4"], preset="debug_cpu")
+    path = write(tmp_path, "name: from-file\nseed: 5\nruntime:\n  stop_timeout: 7\n")
+    cfg = load_config(path, ["--name", "from-flag", "--seed", "6", "--seed=8"], preset="debug_cpu")
     assert cfg.name == "from-flag"
-    assert cfg.runtime.heartbeat_interval == 2.0  # file over preset's 0.5
-    assert cfg.runtime.heartbeat_timeout == 10.0  # preset over default
-    assert cfg.rollout.num_actors == 4
+    assert cfg.seed == 8  # the later of two flags wins
+    assert cfg.runtime.stop_timeout == 7.0  # the file over the preset's 5.0
+    assert cfg.runtime.heartbeat_interval == 0.5  # the preset over the default 1.0
+    assert load_config(path).runtime.heartbeat_interval == 1.0
 
 
-def test_values_from_flags_are_read_as_yaml_and_validated():
+def test_flag_values_are_read_as_yaml_in_both_forms_and_from_a_mapping():
+    cfg = load_config(overrides=["--rollout-num-actors=4", "--wire-redeliver-after", "0.25"])
+    assert (cfg.rollout.num_actors, cfg.wire.redeliver_after) == (4, 0.25)
     cfg = load_config(overrides={"--seed": "7", "--runtime": "ray", "--ray-address": "auto"})
     assert (cfg.seed, cfg.runtime.type, cfg.runtime.ray_address) == (7, "ray", "auto")
 
 
-def test_an_unknown_nested_key_names_its_path_and_suggests_the_right_one(tmp_path: Path):
-    path = write(tmp_path, "rollout:\n  num_actor: 3\nseeed: 1\n")
-    with pytest.raises(ConfigError) as info:
-        load_config(path)
-    msg = str(info.value)
-    assert "unknown key 'rollout.num_actor' (did you mean 'rollout.num_actors'?)" in msg
-    assert "unknown key 'seeed' (did you mean 'seed'?)" in msg
-    assert str(path) in msg
+def test_string_leaves_keep_their_text_and_optional_ones_accept_null():
+    cfg = load_config(overrides=["--name", "007", "--output-dir", "2024", "--ray-address", "x"])
+    assert (cfg.name, cfg.output_dir) == ("007", "2024")
+    assert (
+        load_config(overrides=["--ray-address", "x", "--ray-address", "null"]).runtime.ray_address
+        is None
+    )
+
+
+def test_an_unknown_nested_key_names_file_and_line_and_suggests_the_right_one(tmp_path: Path):
+    path = write(tmp_path, "seed: 1\nrollout:\n  num_actor: 3\nheartbeat_interval: 2\n")
+    assert problems(path) == [
+        f"{path}:3: unknown key 'rollout.num_actor' (did you mean 'rollout.num_actors'?)",
+        f"{path}:4: unknown key 'heartbeat_interval' (did you mean 'runtime.heartbeat_interval'?)",
+    ]
 
 
 def test_an_unknown_flag_suggests_the_closest_one():
-    with pytest.raises(
-        ConfigError,
-        match=r"unknown option --rollout-num-actor \(did you mean "
-        r"--rollout-num-actors\?\)",
-    ):
-        load_config(overrides=["--rollout-num-actor", "3"])
+    assert problems(overrides=["--rollout-num-actor", "3"]) == [
+        "unknown option --rollout-num-actor (did you mean --rollout-num-actors?)"
+    ]
+    assert problems(overrides={"--sed": "1"}) == ["unknown option --sed (did you mean --seed?)"]
 
 
-def test_bad_values_name_key_flag_value_and_expectation_all_at_once():
-    with pytest.raises(ConfigError) as info:
-        load_config(
-            overrides=["--rollout-num-actors", "-1", "--log-level", "loud", "--wire-hwm", "many"]
-        )
-    lines = sorted(str(info.value).splitlines())
-    assert len(lines) == 3
-    assert lines[0].startswith("log.level (--log-level): Input should be") and '"loud"' in lines[0]
-    assert lines[1] == (
+def test_bad_values_name_key_flag_expectation_and_value():
+    assert problems(overrides=["--rollout-num-actors", "-1"]) == [
         "rollout.num_actors (--rollout-num-actors): Input should be "
         "greater than or equal to 1, got -1"
-    )
-    assert lines[2].startswith("wire.hwm (--wire-hwm): Input should be a valid integer")
-
-
-def test_cross_field_rules_are_explained_in_a_sentence():
-    with pytest.raises(
-        ConfigError,
-        match=r"heartbeat_timeout \(1.0\) must be greater than "
-        r"heartbeat_interval \(2.0\)",
-    ):
-        load_config(
-            overrides=["--runtime-heartbeat-interval", "2", "--runtime-heartbeat-timeout", "1"]
-        )
-
-
-def test_a_flag_without_a_value_is_an_error():
-    with pytest.raises(ConfigError, match="--seed needs a value"):
-        load_config(overrides=["--seed"])
-
-
-def test_broken_yaml_names_file_and_line(tmp_path: Path):
-    path = write(tmp_path, "name: ok\nruntime:\n  host: [unclosed\n")
-    with pytest.raises(ConfigError, match=rf"{path}:\d+: invalid YAML"):
-        load_config(path)
-
-
-def test_a_top_level_that_is_not_a_mapping_is_refused(tmp_path: Path):
-    with pytest.raises(ConfigError, match="top level must be a mapping of keys, got list"):
-        load_config(write(tmp_path, "- a\n- b\n"))
-
-
-def test_a_missing_file_or_preset_is_refused():
-    with pytest.raises(ConfigError, match=r"config file 'nope\.yaml' does not exist"):
-        load_config("nope.yaml")
-    with pytest.raises(ConfigError, match=r"unknown preset 'debug_gpu' .*'debug_cpu'"):
-        load_config(preset="debug_gpu")
-
-
-def test_every_leaf_has_a_unique_flag_and_a_description():
-    table = flag_table()
-    assert len({spec.path for spec in table.values()}) == len(table)
-    assert all(spec.description for spec in table.values()), [
-        f for f, s in table.items() if not s.description
     ]
-    assert {"--runtime", "--ray-address", "--log-level", "--rollout-num-actors", "--seed"} <= set(
-        table
+    [line] = problems(overrides=["--wire-hwm", "many"])
+    assert line.startswith("wire.hwm (--wire-hwm): Input should be a valid integer")
+    assert line.endswith('got "many"')
+    assert problems(overrides=["--runtime", "k8s"]) == [
+        "runtime.type (--runtime): Input should be 'local' or 'ray', got \"k8s\""
+    ]
+
+
+def test_a_bad_value_from_the_file_names_the_file_and_line_unless_a_flag_replaced_it(
+    tmp_path: Path,
+):
+    path = write(tmp_path, "wire:\n  window: 8\n  hwm: 0\n")
+    assert problems(path) == [
+        f"{path}:3: wire.hwm (--wire-hwm): Input should be greater than or equal to 1, got 0"
+    ]
+    assert problems(path, ["--wire-hwm", "-5"]) == [
+        "wire.hwm (--wire-hwm): Input should be greater than or equal to 1, got -5"
+    ]
+    assert load_config(path, ["--wire-hwm", "5"]).wire.hwm == 5
+
+
+def test_the_heartbeat_timeout_must_exceed_the_interval():
+    assert problems(
+        overrides=["--runtime-heartbeat-interval", "2", "--runtime-heartbeat-timeout", "2"]
+    ) == [
+        "runtime: heartbeat_timeout (2.0) must be greater than heartbeat_interval (2.0), "
+        "or a healthy actor would count as hung between two heartbeats"
+    ]
+    cfg = load_config(overrides=["--runtime-heartbeat-interval", "2"])
+    with pytest.raises(pydantic.ValidationError, match="must be greater than"):
+        cfg.runtime.heartbeat_timeout = 1.0  # assignments are validated too
+
+
+def test_frames_must_fit_the_batch_and_the_chunk():
+    [line] = problems(overrides=["--wire-chunk-bytes", str(512 * 1024 * 1024)])
+    assert line.startswith("wire: chunk_bytes (536870912) must not exceed max_frame_bytes")
+
+
+def test_every_problem_is_reported_in_one_error(tmp_path: Path):
+    path = write(tmp_path, "rollout:\n  num_actorz: 3\n")
+    lines = problems(
+        path, ["--sedd", "1", "--log-level", "loud", "--wire-window", "0", "stray", "--seed"]
     )
+    assert len(lines) == 6, lines
+    assert lines[:3] == [
+        "unknown option --sedd (did you mean --seed?)",
+        "expected an option like --flag VALUE, got 'stray'",
+        "option --seed needs a value (every flag takes one, e.g. --seed 1)",
+    ]
+    assert lines[3].startswith("wire.window (--wire-window): Input should be greater than")
+    assert lines[4].startswith("log.level (--log-level): Input should be 'debug', 'info'")
+    assert lines[5].startswith(f"{path}:2: unknown key 'rollout.num_actorz'")
+
+
+def test_a_flag_followed_by_another_flag_has_no_value():
+    assert problems(overrides=["--seed", "--name", "x"]) == [
+        "option --seed needs a value (every flag takes one, e.g. --seed 1)"
+    ]
+
+
+def test_broken_yaml_names_file_line_and_column(tmp_path: Path):
+    path = write(tmp_path, "name: ok\nruntime:\n  host: [unclosed\n")
+    [line] = problems(path)
+    assert line.startswith(f"{path}:4:1: invalid YAML: expected ',' or ']'")
+    assert "flow sequence that starts at line 3" in line
+
+
+def test_a_top_level_that_is_not_a_mapping_names_file_and_line(tmp_path: Path):
+    path = write(tmp_path, "# a list by mistake\n- seed: 1\n")
+    assert problems(path) == [
+        f"{path}:2: the top level must be a mapping (key: value lines), got a list"
+    ]
+
+
+def test_an_empty_file_means_all_defaults(tmp_path: Path):
+    assert load_config(write(tmp_path, "# nothing set\n")) == RunConfig()
+
+
+def test_a_missing_file_or_preset_is_refused(tmp_path: Path):
+    assert problems(tmp_path / "x.yaml") == [f"config file '{tmp_path / 'x.yaml'}' does not exist"]
+    assert problems(preset="debug_gpu") == [
+        "unknown preset 'debug_gpu' (did you mean 'debug_cpu'?) (known: debug_cpu)"
+    ]
+
+
+def test_every_preset_builds_a_valid_config():
+    for name, build in PRESETS.items():
+        assert load_config(preset=name) == build(), name
+    cfg = debug_cpu()
+    assert (cfg.rollout.num_actors, cfg.runtime.heartbeat_interval) == (2, 0.5)
+
+
+def test_every_leaf_has_exactly_one_flag_and_a_description():
+    table = flag_table()
+    assert {spec.path for spec in table.values()} == leaf_paths(RunConfig().model_dump())
+    assert len(table) == len(leaf_paths(RunConfig().model_dump()))
+    assert [flag for flag, spec in table.items() if not spec.description] == []
+    assert table["--runtime"].path == ("runtime", "type")
+    assert table["--ray-address"].path == ("runtime", "ray_address")
+    assert table["--log-level"].path == ("log", "level")
+    assert table["--rollout-num-actors"].path == ("rollout", "num_actors")
 
 
 class Inner(Section):
     deep_value: int = Field(1, description="three levels down")
+    sizes: list[int] = Field(default_factory=lambda: [1], description="a list leaf")
+    label: str = Field("x", description="aliased", json_schema_extra={"aliases": ["tag"]})
 
 
 class Middle(Section):
-    inner: Inner = Field(default_factory=Inner)
+    inner: Inner = Field(default_factory=Inner, description="the inner section")
 
 
 class Outer(Section):
-    middle: Middle = Field(default_factory=Middle)
+    middle: Middle = Field(default_factory=Middle, description="the middle section")
 
 
-def test_flags_follow_the_rule_at_any_depth():
-    assert set(flag_table(Outer)) == {"--middle-inner-deep-value"}
-    cfg = load_config(overrides=["--middle-inner-deep-value", "5"], model=Outer)
-    assert cfg.middle.inner.deep_value == 5
+def test_flags_follow_the_rule_at_any_depth_and_aliases_work():
+    table = flag_table(Outer)
+    assert set(table) == {
+        "--middle-inner-deep-value",
+        "--middle-inner-sizes",
+        "--middle-inner-label",
+        "--tag",
+    }
+    assert table["--tag"] is table["--middle-inner-label"]
+    cfg = load_config(
+        overrides=["--middle-inner-deep-value", "5", "--middle-inner-sizes", "[2, 3]", "--tag=y"],
+        model=Outer,
+    )
+    assert (cfg.middle.inner.deep_value, cfg.middle.inner.sizes, cfg.middle.inner.label) == (
+        5,
+        [2, 3],
+        "y",
+    )
 
 
-class Clash(BaseModel):
+class Clash(Section):
     a_b: int = Field(0, description="x")
-    a: Inner = Field(default_factory=Inner, json_schema_extra={})
     c: int = Field(0, description="y", json_schema_extra={"flag": "a-b"})
+
+
+class AliasClash(Section):
+    a: int = Field(0, description="x")
+    b: int = Field(0, description="y", json_schema_extra={"aliases": ["a"]})
 
 
 def test_two_fields_with_one_flag_are_a_programming_error():
     with pytest.raises(ValueError, match="--a-b names both a_b and c"):
         flag_table(Clash)
+    with pytest.raises(ValueError, match="--a names both a and b"):
+        flag_table(AliasClash)
 
 
-def test_help_lists_every_flag_with_its_default():
+def test_help_lists_every_flag_with_its_type_and_default():
     parser = argparse.ArgumentParser(prog="t")
     add_arguments(parser)
     text = " ".join(parser.format_help().split())
-    for flag in flag_table():
-        assert flag in text
-    assert "(default: 127.0.0.1)" in text and "{local,ray}" in text
-    ns = parser.parse_args(["--seed", "3", "--log-level", "debug"])
-    assert overrides_from_namespace(ns) == {"--seed": "3", "--log-level": "debug"}
+    assert set(flag_table()) <= set(re.findall(r"--[a-z][a-z0-9-]*", text))
+    assert "--rollout-num-actors INT number of rollout actors (default: 2)" in text
+    assert "--runtime {local,ray}" in text and "--runtime-host STR" in text
+    assert "(default: 127.0.0.1)" in text and "(default: null)" in text
+    assert "(default: 268435456)" in text
+
+
+def test_the_parsed_namespace_feeds_load_config():
+    parser = argparse.ArgumentParser(prog="t")
+    parser.add_argument("--dry-run", action="store_true")
+    add_arguments(parser)
+    ns = parser.parse_args(["--seed", "3", "--dry-run", "--log-level", "debug", "--seed", "4"])
+    assert overrides_from_namespace(ns) == {"--seed": "4", "--log-level": "debug"}
+    cfg = load_config(overrides=overrides_from_namespace(ns))
+    assert (cfg.seed, cfg.log.level) == (4, "debug")
+
+
+def test_an_alias_reaches_the_same_field_through_argparse():
+    parser = argparse.ArgumentParser(prog="t")
+    add_arguments(parser, Outer)
+    ns = parser.parse_args(["--middle-inner-label", "a", "--tag", "b"])
+    assert (
+        load_config(overrides=overrides_from_namespace(ns), model=Outer).middle.inner.label == "b"
+    )
 
 
 def test_the_resolved_config_round_trips_as_json(tmp_path: Path):
-    cfg = load_config(overrides=["--seed", "9"])
-    dump_resolved(cfg, tmp_path / "out" / "config.json")
-    data = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert data["runtime"]["ray_address"] is None  # nulls kept
-    assert RunConfig.model_validate_json((tmp_path / "out" / "config.json").read_text()) == cfg
+    cfg = load_config(overrides=["--seed", "9", "--runtime", "ray"], preset="debug_cpu")
+    out = tmp_path / "run" / "config.json"
+    dump_resolved(cfg, out)
+    assert json.loads(out.read_text())["runtime"]["ray_address"] is None  # nulls kept
+    assert RunConfig.model_validate_json(out.read_text()) == cfg

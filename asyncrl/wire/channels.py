@@ -16,13 +16,15 @@ import asyncio
 import dataclasses
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
 import structlog
+import zmq
+import zmq.asyncio
 
-from asyncrl.wire.errors import ChannelClosed, EndOfStream
+from asyncrl.wire.errors import ChannelClosed, EndOfStream, WireError
 
 T = TypeVar("T")
 log = structlog.get_logger("asyncrl.wire")
@@ -76,8 +78,9 @@ class DropLog:
 class _Channel(ABC):
     """Shared lifecycle: background tasks under a TaskGroup entered by ``__aenter__``."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
         self.stats = ChannelStats()
+        self._drops = DropLog(name, self.stats)
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -118,6 +121,21 @@ class _Channel(ABC):
     def closed(self) -> bool:
         """True once this side has closed the channel."""
         return self._closed
+
+    async def _receive_each(
+        self, sock: zmq.asyncio.Socket, handle: Callable[[list[zmq.Frame]], None]
+    ) -> None:
+        """Feed every incoming message to ``handle``; a ``WireError`` drops and counts it.
+
+        The one place where malformed input is turned into a logged, counted drop, so that
+        no frame can stop a channel's reader.
+        """
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                handle(frames)
+            except WireError as exc:
+                self._drops.drop("malformed", str(exc))
 
     @abstractmethod
     async def _open(self) -> None:

@@ -24,7 +24,7 @@ import zmq
 from msgspec import Raw
 
 from asyncrl.wire import framing
-from asyncrl.wire.channels import DropLog, _Channel
+from asyncrl.wire.channels import _Channel
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.errors import ChannelClosed, PeerLost, RemoteError, WireError
 from asyncrl.wire.messages import Bye, Command, CommandResult, Heartbeat, Hello
@@ -40,10 +40,9 @@ class ControlHub(_Channel):
     """The controller's end: receives notifications, sends commands to named actors."""
 
     def __init__(self, endpoint: str, *, hwm: int = 10000, allow_remote: bool = False) -> None:
-        super().__init__()
+        super().__init__("control")
         self.endpoint = endpoint
         self._hwm, self._allow_remote = hwm, allow_remote
-        self._drops = DropLog("control", self.stats)
         self._inbox: asyncio.Queue[tuple[str, Notification]] = asyncio.Queue(maxsize=hwm)
         self._waiting: dict[int, asyncio.Future[CommandResult]] = {}
         self._ids = itertools.count(1)
@@ -55,7 +54,7 @@ class ControlHub(_Channel):
         self.endpoint = await abind(self._sock, self.endpoint, allow_remote=self._allow_remote)
 
     def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
-        return [("control.hub", self._read_loop())]
+        return [("control.hub", self._receive_each(self._sock, self._dispatch))]
 
     def _close_sockets(self) -> None:
         for fut in self._waiting.values():
@@ -91,14 +90,6 @@ class ControlHub(_Channel):
             raise RemoteError(f"{actor}: {result.error}")
         return result
 
-    async def _read_loop(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            try:
-                self._dispatch(frames)
-            except WireError as exc:
-                self._drops.drop("malformed", str(exc))
-
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         if len(frames) != 2:
             raise WireError(f"control message of {len(frames)} frames")
@@ -123,10 +114,9 @@ class ControlLink(_Channel):
     def __init__(
         self, endpoint: str, actor: str, *, hwm: int = 1000, allow_remote: bool = False
     ) -> None:
-        super().__init__()
+        super().__init__("control")
         self.endpoint, self.actor = endpoint, actor
         self._hwm, self._allow_remote = hwm, allow_remote
-        self._drops = DropLog("control", self.stats)
         self._commands: asyncio.Queue[tuple[int, Command]] = asyncio.Queue(maxsize=64)
 
     async def _open(self) -> None:
@@ -134,7 +124,7 @@ class ControlLink(_Channel):
         connect(self._sock, self.endpoint, allow_remote=self._allow_remote)
 
     def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
-        return [("control.link", self._read_loop())]
+        return [("control.link", self._receive_each(self._sock, self._on_command))]
 
     def _close_sockets(self) -> None:
         # A short linger lets the last notification (the actor's Bye) leave.
@@ -160,18 +150,12 @@ class ControlLink(_Channel):
         env = framing.Reply(v=WIRE_VERSION, id=command_id, nbuf=0, body=Raw(body), error=None)
         send_now(self._sock, [framing.pack(env)])
 
-    async def _read_loop(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            try:
-                if len(frames) != 1:
-                    raise WireError(f"command of {len(frames)} frames")
-                env = framing.unpack(frames[0].buffer, framing.Request)
-                cmd = _command_codec.decode_parts(env.body)
-            except WireError as exc:
-                self._drops.drop("malformed", str(exc))
-                continue
-            if self._commands.full():
-                self.reply(env.id, CommandResult(ok=False, error="actor command queue full"))
-                continue
-            self._commands.put_nowait((env.id, cmd))
+    def _on_command(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 1:
+            raise WireError(f"command of {len(frames)} frames")
+        env = framing.unpack(frames[0].buffer, framing.Request)
+        cmd = _command_codec.decode_parts(env.body)
+        if self._commands.full():
+            self.reply(env.id, CommandResult(ok=False, error="actor command queue full"))
+            return
+        self._commands.put_nowait((env.id, cmd))

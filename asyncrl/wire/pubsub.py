@@ -34,7 +34,7 @@ import zmq
 from msgspec import Raw
 
 from asyncrl.wire import framing
-from asyncrl.wire.channels import DropLog, ReceiveChannel, _Channel
+from asyncrl.wire.channels import ReceiveChannel, _Channel
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.errors import ChannelClosed, WireError, WouldBlock
 from asyncrl.wire.sockets import abind, connect, make_socket, send_now
@@ -77,13 +77,12 @@ class Publisher(_Channel, Generic[T]):
         name: str = "pub",
         allow_remote: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(name)
         self.endpoint, self.snapshot_endpoint = endpoint, snapshot_endpoint
         self.codec = codec
         self.beat_interval = beat_interval
         self.epoch = int.from_bytes(os.urandom(6), "big")
         self._hwm, self._allow_remote, self._name = hwm, allow_remote, name
-        self._drops = DropLog(name, self.stats)
         self._latest: dict[str, tuple[int, bytes, list[memoryview]]] = {}
 
     async def _open(self) -> None:
@@ -95,7 +94,10 @@ class Publisher(_Channel, Generic[T]):
         )
 
     def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
-        return [(f"{self._name}.beat", self._beat_loop()), (f"{self._name}.snap", self._serve())]
+        return [
+            (f"{self._name}.beat", self._beat_loop()),
+            (f"{self._name}.snap", self._receive_each(self._snap, self._on_snapshot_request)),
+        ]
 
     def _close_sockets(self) -> None:
         self._pub.close(linger=0)
@@ -141,18 +143,15 @@ class Publisher(_Channel, Generic[T]):
             send_now(self._pub, [_BEAT_TOPIC, framing.pack(beat)])
             await asyncio.sleep(self.beat_interval)
 
-    async def _serve(self) -> None:
-        while True:
-            frames = await self._snap.recv_multipart(copy=False)
-            try:
-                if len(frames) != 2:
-                    raise WireError(f"snapshot request of {len(frames)} frames")
-                req = framing.unpack(frames[1].buffer, framing.Request)
-                topic = _topic_decoder.decode(req.body)
-            except (WireError, msgspec.MsgspecError, UnicodeDecodeError) as exc:
-                self._drops.drop("malformed", str(exc))
-                continue
-            self._send(self._snap, [frames[0].bytes, *self._publish_frames(topic)])
+    def _on_snapshot_request(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 2:
+            raise WireError(f"snapshot request of {len(frames)} frames")
+        req = framing.unpack(frames[1].buffer, framing.Request)
+        try:
+            topic = _topic_decoder.decode(req.body)
+        except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
+            raise WireError(f"bad snapshot topic: {exc}") from None
+        self._send(self._snap, [frames[0].bytes, *self._publish_frames(topic)])
 
 
 @dataclasses.dataclass(slots=True)
@@ -177,7 +176,7 @@ class Subscriber(ReceiveChannel[Update[T]]):
         name: str = "sub",
         allow_remote: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(name)
         if not topics:
             raise ValueError("a subscriber needs at least one topic")
         self.endpoint, self.snapshot_endpoint = endpoint, snapshot_endpoint
@@ -186,7 +185,6 @@ class Subscriber(ReceiveChannel[Update[T]]):
         self.snapshot_retry = snapshot_retry
         self.gaps = 0
         self._hwm, self._allow_remote, self._name = hwm, allow_remote, name
-        self._drops = DropLog(name, self.stats)
         self._state = {t: _TopicState() for t in self.topics}
         self._pending: OrderedDict[str, Update[T]] = OrderedDict()
         self._latest: dict[str, Update[T]] = {}
@@ -207,8 +205,11 @@ class Subscriber(ReceiveChannel[Update[T]]):
 
     def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
         return [
-            (f"{self._name}.updates", self._read(self._sub, with_topic=True)),
-            (f"{self._name}.snapshots", self._read(self._snap, with_topic=False)),
+            (
+                f"{self._name}.updates",
+                self._receive_each(self._sub, lambda frames: self._on_update(frames[1:])),
+            ),
+            (f"{self._name}.snapshots", self._receive_each(self._snap, self._on_update)),
         ]
 
     def _close_sockets(self) -> None:
@@ -248,21 +249,15 @@ class Subscriber(ReceiveChannel[Update[T]]):
         req = framing.Request(v=WIRE_VERSION, id=0, nbuf=0, body=Raw(_topic_encoder.encode(topic)))
         send_now(self._snap, [framing.pack(req)])
 
-    async def _read(self, sock: zmq.asyncio.Socket, *, with_topic: bool) -> None:
-        while True:
-            frames = await sock.recv_multipart(copy=False)
-            if with_topic:
-                frames = frames[1:]
-            try:
-                if not frames:
-                    raise WireError("empty message")
-                env = framing.unpack(frames[0].buffer, (framing.Publish, framing.Beat))
-                if isinstance(env, framing.Beat):
-                    self._on_beat(env)
-                else:
-                    self._on_publish(env, frames[1:])
-            except WireError as exc:
-                self._drops.drop("malformed", str(exc))
+    def _on_update(self, frames: list[zmq.Frame]) -> None:
+        """A PUB message (topic frame first) or a snapshot reply (no topic frame)."""
+        if not frames:
+            raise WireError("empty message")
+        env = framing.unpack(frames[0].buffer, (framing.Publish, framing.Beat))
+        if isinstance(env, framing.Beat):
+            self._on_beat(env)
+        else:
+            self._on_publish(env, frames[1:])
 
     def _on_beat(self, beat: framing.Beat) -> None:
         for topic, st in self._state.items():

@@ -44,7 +44,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from asyncrl.wire import framing
-from asyncrl.wire.channels import DropLog, ReceiveChannel, SendChannel
+from asyncrl.wire.channels import ReceiveChannel, SendChannel
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.errors import ChannelClosed, WireError, WouldBlock
 from asyncrl.wire.ranges import RangeSet
@@ -90,7 +90,7 @@ class ReliableSender(SendChannel[T]):
         name: str = "reliable",
         allow_remote: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(name)
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.endpoint = endpoint
@@ -101,7 +101,6 @@ class ReliableSender(SendChannel[T]):
         self.max_redeliver_after = max_redeliver_after
         self.stream = stream or f"{name}-{uuid.uuid4().hex[:12]}"
         self._hwm, self._bind, self._allow_remote = hwm, bind, allow_remote
-        self._drops = DropLog(name, self.stats)
         self._open_batch: _OutBatch | None = None
         self._inflight: deque[_OutBatch] = deque()
         self._to_send: deque[_OutBatch] = deque()
@@ -132,7 +131,7 @@ class ReliableSender(SendChannel[T]):
 
     def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
         return [
-            (f"{self.stream}.acks", self._ack_loop()),
+            (f"{self.stream}.acks", self._receive_each(self._sock, self._on_ack)),
             (f"{self.stream}.redeliver", self._redeliver_loop()),
             (f"{self.stream}.reconnect", self._reconnect_loop()),
             (f"{self.stream}.unstall", self._unstall_loop()),
@@ -272,15 +271,8 @@ class ReliableSender(SendChannel[T]):
             self._all_acked.set()
 
     # -- background loops -----------------------------------------------------------
-    async def _ack_loop(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            try:
-                ack = framing.unpack(frames[0].buffer, framing.Ack)
-            except WireError as exc:
-                self._drops.drop("malformed", str(exc))
-                continue
-            self._apply_ack(ack.ranges)
+    def _on_ack(self, frames: list[zmq.Frame]) -> None:
+        self._apply_ack(framing.unpack(frames[0].buffer, framing.Ack).ranges)
 
     async def _redeliver_loop(self) -> None:
         while True:
@@ -377,12 +369,11 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
         dedup_state: dict[str, list[tuple[int, int]]] | None = None,
         allow_remote: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(name)
         self.endpoint = endpoint
         self.codec = codec
         self.max_queued = max_queued
         self._hwm, self._bind, self._allow_remote = hwm, bind, allow_remote
-        self._drops = DropLog(name, self.stats)
         self._queue: deque[Received[T]] = deque()
         self._queued = 0
         self._head = 0  # messages of self._queue[0] already handed out by receive()

@@ -35,7 +35,7 @@ from msgspec import Raw
 from zmq.utils.monitor import parse_monitor_message
 
 from asyncrl.wire import framing
-from asyncrl.wire.channels import DropLog, _Channel
+from asyncrl.wire.channels import _Channel
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.errors import ChannelClosed, PeerLost, RemoteError, WireError, WouldBlock
 from asyncrl.wire.sockets import abind, connect, make_socket, send_now
@@ -61,7 +61,7 @@ class RpcClient(_Channel, Generic[Req, Rep]):
         name: str = "rpc",
         allow_remote: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(name)
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.endpoint = endpoint
@@ -70,7 +70,6 @@ class RpcClient(_Channel, Generic[Req, Rep]):
         # A readable identity: servers log and account work per client by it.
         self.identity = identity or f"{name}-{uuid.uuid4().hex[:12]}"
         self._hwm, self._allow_remote = hwm, allow_remote
-        self._drops = DropLog(name, self.stats)
         self._credits = asyncio.Semaphore(max_inflight)
         self._waiting: dict[int, asyncio.Future[Rep]] = {}
         self._ids = itertools.count(1)
@@ -86,7 +85,10 @@ class RpcClient(_Channel, Generic[Req, Rep]):
         connect(self._sock, self.endpoint, allow_remote=self._allow_remote)
 
     def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
-        return [("rpc.replies", self._reply_loop()), ("rpc.monitor", self._monitor_loop())]
+        return [
+            ("rpc.replies", self._receive_each(self._sock, self._on_reply)),
+            ("rpc.monitor", self._monitor_loop()),
+        ]
 
     def _close_sockets(self) -> None:
         self._fail_all(ChannelClosed("rpc client closed"))
@@ -142,20 +144,14 @@ class RpcClient(_Channel, Generic[Req, Rep]):
         fut.add_done_callback(lambda _: self._waiting.pop(call_id, None))
         return fut
 
-    async def _reply_loop(self) -> None:
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            try:
-                rep = framing.unpack(frames[0].buffer, framing.Reply)
-            except WireError as exc:
-                self._drops.drop("malformed", str(exc))
-                continue
-            fut = self._waiting.get(rep.id)
-            if fut is None or fut.done():
-                self._drops.drop("late_reply", f"no caller waits for reply {rep.id}")
-                continue
-            self.stats.received += 1
-            self._resolve(fut, rep, frames[1:])
+    def _on_reply(self, frames: list[zmq.Frame]) -> None:
+        rep = framing.unpack(frames[0].buffer, framing.Reply)
+        fut = self._waiting.get(rep.id)
+        if fut is None or fut.done():
+            self._drops.drop("late_reply", f"no caller waits for reply {rep.id}")
+            return
+        self.stats.received += 1
+        self._resolve(fut, rep, frames[1:])
 
     def _resolve(self, fut: asyncio.Future[Rep], rep: framing.Reply, buffers: list) -> None:
         if rep.error is not None:
@@ -201,13 +197,12 @@ class RpcServer(_Channel, Generic[Req, Rep]):
         name: str = "rpc",
         allow_remote: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(name)
         self.endpoint = endpoint
         self.request_codec, self.reply_codec = request_codec, reply_codec
         self.handler = handler
         self.name = name
         self._hwm, self._allow_remote = hwm, allow_remote
-        self._drops = DropLog(name, self.stats)
         self._slots = asyncio.Semaphore(max_concurrency)
 
     async def _open(self) -> None:
