@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import ErrorDetails
 
 KiB, MiB = 1024, 1024 * 1024
-M = TypeVar("M", bound=BaseModel)
+ModelT = TypeVar("ModelT", bound=BaseModel)
 Overrides = Sequence[str] | Mapping[str, Any]
 _DEST = "config:"
 _MISSING = object()
@@ -307,8 +307,8 @@ def load_config(
     overrides: Overrides = (),
     *,
     preset: str | None = None,
-    model: type[M],
-) -> M: ...
+    model: type[ModelT],
+) -> ModelT: ...
 def load_config(
     path: str | Path | None = None,
     overrides: Overrides = (),
@@ -403,7 +403,7 @@ def _flag_values(
         elif flag not in table:
             problems.append(f"unknown option {flag}{_hint(flag, table, quote=False)}")
         elif raw is _MISSING:
-            problems.append(f"option {flag} needs a value (every flag takes one, e.g. {flag} 1)")
+            problems.append(f"option {flag} needs a value: {flag} {table[flag].metavar}")
         else:
             values.append((table[flag], raw))
     return values, problems
@@ -411,7 +411,7 @@ def _flag_values(
 
 def _split_options(tokens: Sequence[str]) -> Iterator[tuple[str, Any]]:
     """``--flag value`` and ``--flag=value`` as pairs; a value never starts with ``--``."""
-    rest = list(tokens)
+    rest = [tokens] if isinstance(tokens, str) else list(tokens)
     while rest:
         token = rest.pop(0)
         flag, eq, value = token.partition("=")

@@ -69,8 +69,10 @@ def test_flags_beat_the_file_which_beats_the_preset(tmp_path: Path):
 
 
 def test_flag_values_are_read_as_yaml_in_both_forms_and_from_a_mapping():
-    cfg = load_config(overrides=["--rollout-num-actors=4", "--wire-redeliver-after", "0.25"])
-    assert (cfg.rollout.num_actors, cfg.wire.redeliver_after) == (4, 0.25)
+    cfg = load_config(
+        overrides=["--rollout-num-actors=4", "--wire-redeliver-after", "0.25", "--name=a=b"]
+    )
+    assert (cfg.rollout.num_actors, cfg.wire.redeliver_after, cfg.name) == (4, 0.25, "a=b")
     cfg = load_config(overrides={"--seed": "7", "--runtime": "ray", "--ray-address": "auto"})
     assert (cfg.seed, cfg.runtime.type, cfg.runtime.ray_address) == (7, "ray", "auto")
 
@@ -151,7 +153,7 @@ def test_every_problem_is_reported_in_one_error(tmp_path: Path):
     assert lines[:3] == [
         "unknown option --sedd (did you mean --seed?)",
         "expected an option like --flag VALUE, got 'stray'",
-        "option --seed needs a value (every flag takes one, e.g. --seed 1)",
+        "option --seed needs a value: --seed INT",
     ]
     assert lines[3].startswith("wire.window (--wire-window): Input should be greater than")
     assert lines[4].startswith("log.level (--log-level): Input should be 'debug', 'info'")
@@ -160,7 +162,7 @@ def test_every_problem_is_reported_in_one_error(tmp_path: Path):
 
 def test_a_flag_followed_by_another_flag_has_no_value():
     assert problems(overrides=["--seed", "--name", "x"]) == [
-        "option --seed needs a value (every flag takes one, e.g. --seed 1)"
+        "option --seed needs a value: --seed INT"
     ]
 
 
