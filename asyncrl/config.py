@@ -31,8 +31,10 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, overload
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import ErrorDetails
+
+from asyncrl.wire.sockets import check_endpoint
 
 KiB, MiB = 1024, 1024 * 1024
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -59,7 +61,9 @@ class RuntimeConfig(Section):
         description="runtime for the actors: local child processes or a Ray cluster",
         json_schema_extra={"flag": "runtime"},
     )
-    host: str = Field("127.0.0.1", description="address the job's channels bind to")
+    host: str = Field(
+        "127.0.0.1", description="address the job's channels bind to (loopback for now)"
+    )
     heartbeat_interval: float = Field(1.0, gt=0, description="seconds between heartbeats")
     heartbeat_timeout: float = Field(
         10.0, gt=0, description="seconds without a heartbeat before an actor counts as hung"
@@ -72,6 +76,18 @@ class RuntimeConfig(Section):
         description="Ray cluster address (ray runtime only; null starts a local cluster)",
         json_schema_extra={"flag": "ray-address"},
     )
+
+    @field_validator("host")
+    @classmethod
+    def _loopback_only(cls, host: str) -> str:
+        try:
+            check_endpoint(f"tcp://{host}:0")
+        except ValueError:
+            raise ValueError(
+                f"{host!r} is not a loopback address; channels bind beyond this host only "
+                "with CurveZMQ encryption, which is not built yet"
+            ) from None
+        return host
 
     @model_validator(mode="after")
     def _timeout_exceeds_interval(self) -> RuntimeConfig:

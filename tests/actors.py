@@ -79,3 +79,23 @@ class Hanger(Recorder):
 
 class NotAnActor:
     """Named in a spec by mistake."""
+
+
+class Chatty(Recorder):
+    """Prints one 2 MiB line, then idles: overlong output must not stop the runtime."""
+
+    async def run(self) -> None:
+        print("x" * (2 << 20), flush=True)
+        print("chatty: after the long line", flush=True)
+        await super().run()
+
+
+class Spawner(Recorder):
+    """Starts a grandchild that inherits stdout (and so the runtime's pipe), then idles."""
+
+    async def run(self) -> None:
+        import subprocess
+
+        self.child = subprocess.Popen(["sleep", "60"])  # noqa: ASYNC220 - test fixture
+        Path(self.spec.params["grandchild"]).write_text(str(self.child.pid))  # noqa: ASYNC240
+        await super().run()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.wire.blob import BlobClient, BlobServer, layout
-from asyncrl.wire.errors import RemoteError
+from asyncrl.wire.blob import BlobClient, BlobServer, _targets, layout
+from asyncrl.wire.errors import RemoteError, WireError
+from asyncrl.wire.messages import BlobChunk
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -74,3 +75,37 @@ def test_layout_aligns_every_tensor_to_64_bytes():
     m = layout(tensors(), 1024, "b")
     assert all(e.offset % 64 == 0 for e in m.entries)
     assert m.total_bytes >= sum(e.nbytes for e in m.entries)
+
+
+class LyingServer(BlobServer):
+    """Answers chunk requests with fewer bytes than the chunk holds."""
+
+    async def _serve(self, req, peer):  # type: ignore[no-untyped-def]
+        reply = await super()._serve(req, peer)
+        if isinstance(reply, BlobChunk):
+            reply.parts = reply.parts[:-1]
+        return reply
+
+
+async def test_a_chunk_that_does_not_cover_its_bytes_is_refused(endpoint: str):
+    async with (
+        LyingServer(endpoint, chunk_bytes=512) as server,
+        BlobClient(server.endpoint) as client,
+    ):
+        server.put("v", tensors())
+        with pytest.raises(WireError, match="does not cover its bytes"):
+            await client.fetch("v")
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("chunk_bytes", 0, "chunk_bytes 0"),
+        ("total_bytes", 1 << 40, "claims"),
+    ],
+)
+def test_manifests_that_lie_are_refused_before_anything_is_allocated(field, value, message):
+    m = layout(tensors(), 1024, "b")
+    setattr(m, field, value)
+    with pytest.raises(WireError, match=message):
+        _targets(m, None)

@@ -262,3 +262,39 @@ def test_a_reference_msgpack_implementation_reads_our_frames():
     codec = Codec(messages.Heartbeat)
     body = codec.encode(EXAMPLES[messages.Heartbeat])[0]
     assert msgpack.unpackb(bytes(body)) == ["Heartbeat", "a", 1, 3, "running", 9, {"x": 1.5}]
+
+
+def test_a_failed_encode_leaves_nothing_behind_for_the_next_message():
+    class Two(Message):
+        a: np.ndarray
+        b: np.ndarray
+
+    codec = Codec(Two, inline_bytes=10)
+    with pytest.raises(WireError):
+        codec.encode(Two(a=np.arange(100), b=np.array([object()], dtype=object)))
+    frames = codec.encode(Two(a=np.arange(3), b=np.arange(4)))
+    out = codec.decode(frames)
+    assert len(frames) == 3 and out.b.tolist() == [0, 1, 2, 3]
+
+
+def test_hostile_array_headers_are_wire_errors_and_never_import_torch():
+    import subprocess
+    import sys
+
+    script = (
+        "import msgspec, numpy as np, sys\n"
+        "from asyncrl.wire.codec import Codec, Message, _HEADERS\n"
+        "from asyncrl.wire.errors import WireError\n"
+        "class R(Message):\n    a: np.ndarray\n"
+        "c = Codec(R)\n"
+        "bad = [msgspec.msgpack.Ext(1, _HEADERS[2].pack(3, 2, 0, 2**63)),\n"
+        "       msgspec.msgpack.Ext(3, _HEADERS[1].pack(10, 1, 2) + bytes(8)),\n"
+        "       msgspec.msgpack.Ext(9, bytes(3)), msgspec.msgpack.Ext(1, bytes(1))]\n"
+        "for ext in bad:\n"
+        "    try:\n        c.decode([msgspec.msgpack.encode(['R', ext])])\n"
+        "    except WireError:\n        pass\n"
+        "    else:\n        raise SystemExit('accepted a hostile header')\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

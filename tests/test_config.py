@@ -296,3 +296,9 @@ def test_the_resolved_config_round_trips_as_json(tmp_path: Path):
     dump_resolved(cfg, out)
     assert json.loads(out.read_text())["runtime"]["ray_address"] is None  # nulls kept
     assert RunConfig.model_validate_json(out.read_text()) == cfg
+
+
+def test_a_host_beyond_loopback_is_refused_until_channels_are_encrypted():
+    with pytest.raises(ConfigError, match=r"'10\.0\.0\.1' is not a loopback address"):
+        load_config(overrides=["--runtime-host", "10.0.0.1"])
+    assert load_config(overrides=["--runtime-host", "localhost"]).runtime.host == "localhost"

@@ -48,3 +48,22 @@ async def test_a_command_to_an_unknown_actor_fails_at_once(endpoint: str):
     async with ControlHub(endpoint) as hub:
         with pytest.raises(PeerLost, match="'ghost' is not connected"):
             await hub.command("ghost", Command(kind="ping"))
+
+
+async def test_a_reply_from_another_actor_cannot_answer_a_command(endpoint: str):
+    async with (
+        ControlHub(endpoint) as hub,
+        ControlLink(hub.endpoint, "a") as a,
+        ControlLink(hub.endpoint, "b") as b,
+    ):
+        for link in (a, b):
+            link.notify(Hello(actor=link.actor, role="r", pid=1, host="h"))
+            await hub.receive()
+        task = asyncio.create_task(hub.command("a", Command(kind="ping")))
+        cid, _ = await a.next_command()
+        b.reply(cid, CommandResult(ok=True, data={"from": "b"}))  # forged
+        await asyncio.sleep(0.2)
+        assert not task.done() and hub.stats.dropped["malformed"] == 1
+        a.reply(cid, CommandResult(ok=True, data={"from": "a"}))
+        async with asyncio.timeout(5):
+            assert (await task).data == {"from": "a"}

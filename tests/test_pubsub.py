@@ -108,3 +108,23 @@ async def test_a_restarted_publisher_is_recognised_by_its_new_epoch():
             async with asyncio.timeout(5):
                 update = await sub.receive()
         assert (update.seq, update.msg.version, update.epoch) == (1, 50, pub2.epoch)
+
+
+async def test_updates_missed_across_a_publisher_restart_are_counted(endpoint: str):
+    from msgspec import Raw
+
+    from asyncrl.wire import framing
+
+    async with (
+        Publisher(endpoint, endpoint, CODEC, beat_interval=10) as pub,
+        Subscriber(pub.endpoint, pub.snapshot_endpoint, CODEC, ["weights"]) as sub,
+    ):
+        body = Raw(CODEC.encode(wv(1))[0])
+
+        def update(epoch: int, seq: int) -> framing.Publish:
+            return framing.Publish(v=1, epoch=epoch, topic="weights", seq=seq, nbuf=0, body=body)
+
+        sub._on_publish(update(epoch=11, seq=4), [])  # first sight: nothing counts as missed
+        assert sub.receive_nowait().skipped == 0
+        sub._on_publish(update(epoch=22, seq=3), [])  # restarted; seqs 1 and 2 never seen
+        assert sub.receive_nowait().skipped == 2 and sub.gaps == 1

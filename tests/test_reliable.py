@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from asyncrl.wire import framing
 from asyncrl.wire.codec import WIRE_VERSION, Codec, Message
-from asyncrl.wire.errors import WouldBlock
+from asyncrl.wire.errors import ChannelClosed, WouldBlock
 from asyncrl.wire.reliable import ReliableReceiver, ReliableSender
 from asyncrl.wire.sockets import free_tcp_endpoint
 
@@ -257,3 +257,59 @@ async def test_a_hostile_ack_range_costs_nothing(endpoint: str):
         assert tx.in_flight == 0
         async with asyncio.timeout(5):
             (await rx.receive()).ack()
+
+
+async def test_a_batch_never_grows_past_the_frame_limit(endpoint: str):
+    codec = Codec(Item, max_frame_bytes=1 << 20, inline_bytes=1 << 21)
+    async with (
+        ReliableReceiver(endpoint, codec) as rx,
+        ReliableSender(rx.endpoint, codec, batch_bytes=1 << 20) as tx,
+    ):
+        tx.send_nowait(item(1, size=200_000))
+        tx.send_nowait(item(2, size=(1 << 20) - 4096))  # alone it fits; together they would not
+        async with asyncio.timeout(10):
+            got = [await rx.receive(), await rx.receive()]
+            for d in got:
+                d.ack()
+            await tx.join()
+        assert [d.msg.uid for d in got] == [1, 2] and rx.stats.dropped["bad_frames"] == 0
+
+
+async def test_a_fresh_receiver_accepts_a_long_running_stream(endpoint: str):
+    async with ReliableReceiver(endpoint, CODEC) as rx:
+        peer = await raw_dealer(rx.endpoint, b"veteran")
+        first = 40_000_000  # a stream that sent 40M messages before the receiver restarted
+        await peer.send_multipart(
+            [framing.pack_batch("veteran-1", first, [], [CODEC.encode(item(9))[0]])]
+        )
+        async with asyncio.timeout(5):
+            d = await rx.receive()
+        assert (d.seq, d.msg.uid) == (first, 9)
+        peer.close()
+
+
+async def test_join_after_close_reports_what_was_left_unacknowledged():
+    tx = ReliableSender(free_tcp_endpoint(), CODEC)  # nobody listens
+    async with tx:
+        await tx.send(item(1))
+    with pytest.raises(ChannelClosed, match="1 unacknowledged"):
+        await tx.join()
+
+
+async def test_new_streams_past_the_limit_are_refused_until_an_idle_one_is_forgotten(endpoint: str):
+    async with ReliableReceiver(endpoint, CODEC, max_streams=2, stream_idle_seconds=3600) as rx:
+        peer = await raw_dealer(rx.endpoint, b"many")
+        body = CODEC.encode(item(1))[0]
+        for name in ("s1", "s2", "s3"):
+            await peer.send_multipart([framing.pack_batch(name, 1, [], [body])])
+        async with asyncio.timeout(5):
+            for _ in range(2):
+                (await rx.receive()).ack()
+            await until(lambda: rx.stats.dropped["too_many_streams"] == 1)
+        rx.stream_idle_seconds = 0  # s1 and s2 are fully acknowledged: forgettable
+        await asyncio.sleep(0.05)
+        await peer.send_multipart([framing.pack_batch("s3", 1, [], [body])])
+        async with asyncio.timeout(5):
+            d = await rx.receive()
+        assert d.stream == "s3" and len(rx.dedup_state()) == 2
+        peer.close()

@@ -10,7 +10,7 @@ import zmq.asyncio
 
 from asyncrl.wire import framing
 from asyncrl.wire.codec import WIRE_VERSION, Codec
-from asyncrl.wire.errors import PeerLost, RemoteError
+from asyncrl.wire.errors import ChannelClosed, PeerLost, RemoteError
 from asyncrl.wire.messages import Command, CommandResult
 from asyncrl.wire.rpc import RpcClient, RpcServer
 from asyncrl.wire.sockets import free_tcp_endpoint
@@ -105,3 +105,33 @@ async def test_a_reply_after_the_caller_gave_up_is_dropped_and_counted(endpoint:
         await asyncio.sleep(0.4)
         assert client.stats.dropped["late_reply"] == 1
         assert client.in_flight == 0
+
+
+async def test_an_error_raised_inside_the_channel_block_reaches_the_caller_unwrapped(endpoint: str):
+    with pytest.raises(RemoteError):  # not an ExceptionGroup
+        async with (
+            RpcServer(endpoint, REQ, REP, echo) as server,
+            RpcClient(server.endpoint, REQ, REP) as client,
+        ):
+            await client.call(Command(kind="stop"))
+
+
+async def test_calls_after_close_raise_channel_closed(endpoint: str):
+    async with RpcServer(endpoint, REQ, REP, echo) as server:
+        client = RpcClient(server.endpoint, REQ, REP)
+        async with client:
+            pass
+        with pytest.raises(ChannelClosed):
+            await client.call(Command(kind="ping"))
+
+
+async def test_an_oversized_request_gets_an_error_reply_not_silence(endpoint: str):
+    small = Codec(Command, max_frame_bytes=1024)
+    async with (
+        RpcServer(endpoint, small, REP, echo) as server,
+        RpcClient(server.endpoint, REQ, REP) as client,
+    ):
+        with pytest.raises(RemoteError, match="larger than the limit of 1024 bytes"):
+            async with asyncio.timeout(5):
+                await client.call(Command(kind="ping", args={"x": "y" * 200_000}))
+        assert (await client.call(Command(kind="ping"))).ok

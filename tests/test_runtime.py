@@ -106,3 +106,38 @@ async def test_a_spec_naming_a_non_actor_fails_at_start_with_a_clear_message(
         await supervisor.launch([spec("bad", "NotAnActor", tmp_path)])
     assert info.value.exit_code == 2
     assert any("is not an asyncrl Actor subclass" in line for line in info.value.tail)
+
+
+async def test_an_overlong_output_line_is_dropped_without_stopping_the_runtime(
+    supervisor: Supervisor, tmp_path: Path
+):
+    await supervisor.launch([spec("chatty", "Chatty", tmp_path)])
+    async with asyncio.timeout(20):
+        await supervisor.wait_until(lambda st: st["chatty"].heartbeats >= 2)
+    tail = supervisor.handles["chatty"].tail()
+    assert any("output line over" in line for line in tail)
+    assert any("chatty: after the long line" in line for line in tail)
+
+
+async def test_stopping_an_actor_also_stops_what_it_started(supervisor: Supervisor, tmp_path: Path):
+    pid_file = tmp_path / "grandchild.pid"
+    await supervisor.launch([spec("s", "Spawner", tmp_path, grandchild=str(pid_file))])
+    async with asyncio.timeout(20):
+        await supervisor.wait_until(lambda st: pid_file.exists() and st["s"].heartbeats >= 1)
+        codes = await supervisor.stop_all(grace=5)  # returns though the pipe may stay open
+    assert codes == {"s": 0}
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):
+        if not _alive(grandchild):
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"grandchild {grandchild} outlived its actor")
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

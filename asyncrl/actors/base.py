@@ -227,16 +227,20 @@ class Actor(ABC):
             work = tg.create_task(self.run(), name=f"{self.name}.run")
             stop = tg.create_task(self._stop.wait(), name=f"{self.name}.stop")
             await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                self.state = "draining"
-                log.info("draining", reason=self._stop_reason)
-                try:
-                    async with asyncio.timeout(self.spec.drain_timeout):
-                        await self.drain()
-                except TimeoutError:
-                    log.warning("drain timed out; cancelling", timeout=self.spec.drain_timeout)
-                work.cancel()
+            # A stop request always drains, even if run() noticed it and returned first.
+            if self._stop.is_set():
+                await self._drain()
+            work.cancel()
             stop.cancel()
+
+    async def _drain(self) -> None:
+        self.state = "draining"
+        log.info("draining", reason=self._stop_reason)
+        try:
+            async with asyncio.timeout(self.spec.drain_timeout):
+                await self.drain()
+        except TimeoutError:
+            log.warning("drain timed out; cancelling", timeout=self.spec.drain_timeout)
 
     async def _heartbeats(self) -> None:
         seq, interval = 0, self.spec.heartbeat_interval

@@ -32,9 +32,6 @@ from asyncrl.wire.rpc import RpcClient, RpcServer
 if TYPE_CHECKING:
     import torch
 
-_probe = Codec(Probe)
-_weights = Codec(WeightVersion)
-
 
 def _payload(seq: int) -> np.ndarray:
     return np.arange(seq, seq + 64, dtype=np.int32)
@@ -53,6 +50,19 @@ class ProbeActor(Actor):
     """One role of the dry-run topology (``params``: role, count, rollouts)."""
 
     async def setup(self) -> None:
+        wire = self.spec.config.get("wire", {})
+        frame = int(wire.get("max_frame_bytes", 64 << 20))
+        self.codec, self.weights_codec = (
+            Codec(Probe, max_frame_bytes=frame),
+            Codec(WeightVersion, max_frame_bytes=frame),
+        )
+        self.hwm = int(wire.get("hwm", 1000))
+        self.reliable = {
+            "window": int(wire.get("window", 8192)),
+            "batch_bytes": int(wire.get("batch_bytes", 256 << 10)),
+            "redeliver_after": float(wire.get("redeliver_after", 2.0)),
+        }
+        self.chunk_bytes = int(wire.get("chunk_bytes", 4 << 20))
         self.role = self.spec.params.get("role", self.spec.role)
         self.count = int(self.spec.params.get("count", 16))
         self.rollouts = int(self.spec.params.get("rollouts", 1))
@@ -73,10 +83,18 @@ class ProbeActor(Actor):
     # -- buffer -----------------------------------------------------------------------
     async def _setup_buffer(self) -> None:
         ep = self.spec.endpoints
-        await self.open(RpcServer(ep["buffer.work"], _probe, _probe, self._serve_work), "work")
-        self.results = await self.open(ReliableReceiver(ep["buffer.results"], _probe), "results")
         await self.open(
-            RpcServer(ep["buffer.batches"], _probe, _probe, self._serve_batch), "batches"
+            RpcServer(ep["buffer.work"], self.codec, self.codec, self._serve_work, hwm=self.hwm),
+            "work",
+        )
+        self.results = await self.open(
+            ReliableReceiver(ep["buffer.results"], self.codec, hwm=self.hwm), "results"
+        )
+        await self.open(
+            RpcServer(
+                ep["buffer.batches"], self.codec, self.codec, self._serve_batch, hwm=self.hwm
+            ),
+            "batches",
         )
 
     async def _serve_work(self, req: Probe, peer: bytes) -> Probe:
@@ -101,12 +119,19 @@ class ProbeActor(Actor):
     async def _setup_rollout(self) -> None:
         ep = self.spec.endpoints
         self.work = await self.open(
-            RpcClient(ep["buffer.work"], _probe, _probe, identity=self.name), "work"
+            RpcClient(ep["buffer.work"], self.codec, self.codec, identity=self.name, hwm=self.hwm),
+            "work",
         )
-        self.sender = await self.open(ReliableSender(ep["buffer.results"], _probe), "results")
+        self.sender = await self.open(
+            ReliableSender(ep["buffer.results"], self.codec, hwm=self.hwm, **self.reliable),
+            "results",
+        )
         self.weights = await self.open(
             Subscriber(
-                ep["trainer.weights"], ep["trainer.weights_snapshot"], _weights, ["weights"]
+                ep["trainer.weights"],
+                ep["trainer.weights_snapshot"],
+                self.weights_codec,
+                ["weights"],
             ),
             "weights",
         )
@@ -131,12 +156,18 @@ class ProbeActor(Actor):
     async def _setup_trainer(self) -> None:
         ep = self.spec.endpoints
         self.batches = await self.open(
-            RpcClient(ep["buffer.batches"], _probe, _probe, identity=self.name), "batches"
+            RpcClient(
+                ep["buffer.batches"], self.codec, self.codec, identity=self.name, hwm=self.hwm
+            ),
+            "batches",
         )
         self.pub = await self.open(
-            Publisher(ep["trainer.weights"], ep["trainer.weights_snapshot"], _weights), "weights"
+            Publisher(ep["trainer.weights"], ep["trainer.weights_snapshot"], self.weights_codec),
+            "weights",
         )
-        self.blob = await self.open(BlobServer(ep["trainer.blob"]), "blob")
+        self.blob = await self.open(
+            BlobServer(ep["trainer.blob"], chunk_bytes=self.chunk_bytes), "blob"
+        )
 
     async def _run_trainer(self) -> None:
         import torch

@@ -1,14 +1,19 @@
 """Observability: structured logs (``logs``) and metrics sinks (``metrics``).
 
-Called by the CLI and every actor process at start (``configure_logging``), and by the
-controller, which writes the run's metrics as JSON lines.
+``configure_logging`` is called once per process at start: by the CLI for the controller
+and by ``runtime/child.py`` for each actor, which then bind their name, pid and weight
+version so every line carries them. The controller and trainer write the run's numbers
+through a ``MetricsSink`` (always ``JsonlMetricsSink``); ``asyncrl plot`` reads them back
+with ``read_jsonl``.
 """
 
 from asyncrl.observe.logs import (
+    adopt_library_loggers,
     bind_context,
     bind_task_context,
     configure_logging,
     get_logger,
+    reset_logging,
     unbind_context,
 )
 from asyncrl.observe.metrics import JsonlMetricsSink, MetricsSink, MultiSink, read_jsonl
@@ -17,10 +22,12 @@ __all__ = [
     "JsonlMetricsSink",
     "MetricsSink",
     "MultiSink",
+    "adopt_library_loggers",
     "bind_context",
     "bind_task_context",
     "configure_logging",
     "get_logger",
     "read_jsonl",
+    "reset_logging",
     "unbind_context",
 ]

@@ -1,21 +1,41 @@
 """structlog set-up shared by the controller and every actor process.
 
-``configure_logging()`` is called once per process (the CLI for the controller,
-``runtime/child.py`` for each actor). Two renderers:
+``configure_logging()`` is called once per process at start: by the CLI for the controller
+and by ``runtime/child.py`` for each actor. Two renderers:
 
-- ``console`` for people: ``time level event key=value ...`` (colour only on a TTY);
+- ``console`` for people: ``timestamp [level] event [logger] key=value ...``, colour and a
+  rich traceback only on a TTY, a plain traceback otherwise;
 - ``json`` for machines: one object per line with ``timestamp`` (ISO-8601, UTC),
-  ``level``, ``event`` and the context.
+  ``level``, ``event``, ``logger``, the context, and ``exception`` (a string) when a
+  traceback was logged.
 
-With ``file=`` JSON lines are also appended to that file whatever the console format,
-so every actor leaves a machine-readable log in the run directory. Records from the
-standard ``logging`` module (ray, transformers, aiohttp) go through the same renderers.
-Two kinds of context:
+With ``file=`` JSON lines are also appended to that file whatever ``fmt`` says, so every
+actor leaves a machine-readable log in the run directory.
 
-- ``bind_context(actor=..., version=...)``: process-wide, on every later line from any
-  task. One process is one actor, so its name, pid and weight version belong here.
-- ``bind_task_context(uid=...)``: per task (``contextvars``), inherited by tasks the
-  current one starts; for what one piece of work is doing.
+One pipeline for every record. structlog events are handed to the standard ``logging``
+module and rendered by a ``ProcessorFormatter`` on the root handlers, so records from
+libraries (ray, transformers, aiohttp) get the same renderers, level and context as our
+own. ray and transformers install their own handler and stop propagation when imported;
+``configure_logging`` undoes that for the ones already imported, and
+``adopt_library_loggers()`` does it again after a later heavy import.
+
+Two kinds of context, merged into every line (call-site keys win, then task, then process):
+
+- ``bind_context(actor=..., version=...)``: process-wide, seen by every task and thread.
+  One process is one actor, so its name, pid and weight version belong here. It is a
+  plain dict rather than a ``contextvars`` binding because the task that learns a new
+  weight version is not the parent of the tasks that log with it.
+- ``bind_task_context(uid=...)``: per task through ``structlog.contextvars`` (merged by
+  ``merge_contextvars``); inherited by tasks the current one starts, for what one piece
+  of work is doing.
+
+Caching caveat: loggers are cached on first use (``cache_logger_on_first_use=True``),
+which is safe here because the structlog side of the chain never changes; everything
+``configure_logging`` varies (renderers, stream, file, level, context) lives in the root
+handlers and in module state that the chain reads at call time. So reconfiguring reaches
+every logger, old or new. A logger first used under someone else's ``structlog.configure``
+(or after ``structlog.reset_defaults()``) keeps that configuration if it was cached, and one
+cached with ours keeps routing into the standard ``logging`` root after such a reset.
 """
 
 from __future__ import annotations
@@ -32,37 +52,91 @@ _LEVELS = {
     "info": logging.INFO,
     "warning": logging.WARNING,
     "error": logging.ERROR,
+    "critical": logging.CRITICAL,
 }
+# Libraries that attach their own handler and set ``propagate = False`` on import.
+_LIBRARY_LOGGERS = ("ray", "transformers")
+# Marks the root handlers we own, so reconfiguring removes ours and leaves others
+# (pytest's capture handlers, an embedding application's) alone.
 _HANDLER_TAG = "_asyncrl_handler"
 _process_context: dict[str, Any] = {}
 
 
 def _merge_process_context(logger: Any, name: str, event: dict[str, Any]) -> dict[str, Any]:
+    """Add the process-wide context without overriding keys given at the call site."""
     for key, value in _process_context.items():
         event.setdefault(key, value)
     return event
 
 
-def _shared_processors() -> list[Any]:
+def _common_processors() -> list[Any]:
+    """Processors both structlog events and foreign ``logging`` records go through."""
     return [
         structlog.contextvars.merge_contextvars,
         _merge_process_context,
+        structlog.stdlib.add_logger_name,
         structlog.stdlib.add_log_level,
-        structlog.stdlib.ExtraAdder(),
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),
     ]
 
 
-def _formatter(renderer: Any) -> structlog.stdlib.ProcessorFormatter:
+# Built once so every cached logger holds the same chain (see the caching caveat above).
+_STRUCTLOG_CHAIN: list[Any] = [
+    # Drop disabled levels before any work: a debug call in a hot loop costs one check.
+    structlog.stdlib.filter_by_level,
+    structlog.stdlib.PositionalArgumentsFormatter(),
+    *_common_processors(),
+    structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+]
+_FOREIGN_PRE_CHAIN: list[Any] = [*_common_processors(), structlog.stdlib.ExtraAdder()]
+
+
+def _formatter(*renderers: Any) -> structlog.stdlib.ProcessorFormatter:
+    """A ``logging`` formatter running the shared chain, then ``renderers``."""
     return structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=_shared_processors(),
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        foreign_pre_chain=_FOREIGN_PRE_CHAIN,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderers],
     )
 
 
-def _json_renderer() -> Any:
-    return structlog.processors.JSONRenderer(default=repr)
+def _json_formatter() -> structlog.stdlib.ProcessorFormatter:
+    """One JSON object per line; a traceback becomes the string field ``exception``."""
+    return _formatter(structlog.processors.format_exc_info, structlog.processors.JSONRenderer())
+
+
+def _console_formatter(stream: TextIO) -> structlog.stdlib.ProcessorFormatter:
+    """Human-readable lines; escape codes and rich tracebacks only on a terminal."""
+    tty = _is_tty(stream)
+    # Locals stay off: a frame holding a batch of tensors would flood the terminal.
+    tracebacks = (
+        structlog.dev.RichTracebackFormatter(show_locals=False)
+        if tty
+        else structlog.dev.plain_traceback
+    )
+    return _formatter(structlog.dev.ConsoleRenderer(colors=tty, exception_formatter=tracebacks))
+
+
+def _is_tty(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal; a closed or exotic stream counts as not."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _owned_handler(handler: logging.Handler, formatter: logging.Formatter) -> logging.Handler:
+    """Tag ``handler`` as ours and give it ``formatter``."""
+    handler.setFormatter(formatter)
+    setattr(handler, _HANDLER_TAG, True)
+    return handler
+
+
+def _remove_owned_handlers(root: logging.Logger) -> None:
+    """Detach and close the handlers a previous ``configure_logging`` installed."""
+    for handler in [h for h in root.handlers if getattr(h, _HANDLER_TAG, False)]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def configure_logging(
@@ -73,67 +147,103 @@ def configure_logging(
     file: str | Path | None = None,
     **context: Any,
 ) -> None:
-    """(Re)configure logging for this process; ``context`` is bound to every line."""
+    """(Re)configure logging for this process; called once at start by the CLI and each actor.
+
+    ``level`` applies to structlog and standard ``logging`` records alike; ``fmt`` picks
+    the renderer for ``stream`` (default ``sys.stderr``); ``file`` additionally receives
+    JSON lines (appended, parents created). Calling it again replaces the previous set-up
+    and its context: the process context becomes ``context`` and the current task's
+    context is cleared.
+    """
     if level not in _LEVELS:
         raise ValueError(f"log level must be one of {sorted(_LEVELS)}, got {level!r}")
-    stream = stream or sys.stderr
-    root = logging.getLogger()
-    for handler in [h for h in root.handlers if getattr(h, _HANDLER_TAG, False)]:
-        root.removeHandler(handler)
-        handler.close()
-    console = logging.StreamHandler(stream)
-    if fmt == "json":
-        console.setFormatter(_formatter(_json_with_traceback()))
-    else:
-        colors = hasattr(stream, "isatty") and stream.isatty()
-        console.setFormatter(_formatter(structlog.dev.ConsoleRenderer(colors=colors)))
-    handlers: list[logging.Handler] = [console]
+    if fmt not in ("console", "json"):
+        raise ValueError(f"log format must be 'console' or 'json', got {fmt!r}")
+    stream = sys.stderr if stream is None else stream
+    handlers = [_owned_handler(logging.StreamHandler(stream), _stream_formatter(fmt, stream))]
     if file is not None:
         Path(file).parent.mkdir(parents=True, exist_ok=True)
-        to_file = logging.FileHandler(file, encoding="utf-8")
-        to_file.setFormatter(_formatter(_json_with_traceback()))
-        handlers.append(to_file)
+        to_file = logging.FileHandler(file, mode="a", encoding="utf-8")
+        handlers.append(_owned_handler(to_file, _json_formatter()))
+    root = logging.getLogger()
+    _remove_owned_handlers(root)
     for handler in handlers:
-        setattr(handler, _HANDLER_TAG, True)
         root.addHandler(handler)
     root.setLevel(_LEVELS[level])
+    adopt_library_loggers()
     structlog.configure(
-        processors=[*_shared_processors(), structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        processors=_STRUCTLOG_CHAIN,
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
-        # Not cached: loggers made at import time must follow a later reconfiguration.
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
     _process_context.clear()
     bind_context(**context)
 
 
-def _json_with_traceback() -> Any:
-    dict_tracebacks = structlog.processors.ExceptionRenderer()
+def _stream_formatter(fmt: str, stream: TextIO) -> structlog.stdlib.ProcessorFormatter:
+    """The formatter for the stream handler."""
+    return _json_formatter() if fmt == "json" else _console_formatter(stream)
 
-    def render(logger: Any, name: str, event: dict[str, Any]) -> str:
-        return _json_renderer()(logger, name, dict_tracebacks(logger, name, event))
 
-    return render
+def adopt_library_loggers(*names: str) -> None:
+    """Route the named libraries' loggers (default: ray, transformers) into our pipeline.
+
+    Called by ``configure_logging``; call it again after importing such a library later
+    (an actor's ``setup()`` importing transformers), since the import installs the
+    library's own handler and turns propagation off. Their level falls back to the root's.
+    """
+    for name in names or _LIBRARY_LOGGERS:
+        if name not in logging.Logger.manager.loggerDict:
+            continue  # never imported: nothing to undo
+        library = logging.getLogger(name)
+        for handler in list(library.handlers):
+            library.removeHandler(handler)
+        library.propagate = True
+        library.setLevel(logging.NOTSET)
+
+
+def reset_logging() -> None:
+    """Undo ``configure_logging``: our handlers, both contexts, structlog's config.
+
+    Called by test fixtures so one test's set-up does not leak into the next. Library
+    loggers adopted earlier stay adopted.
+    """
+    root = logging.getLogger()
+    _remove_owned_handlers(root)
+    root.setLevel(logging.WARNING)
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
+    _process_context.clear()
 
 
 def bind_context(**context: Any) -> None:
-    """Add ``context`` to every later log line of this process, from any task."""
+    """Add ``context`` to every later line of this process, from any task or thread.
+
+    Called by actors (``version=`` when they load new weights) and by ``configure_logging``.
+    """
     _process_context.update(context)
 
 
 def unbind_context(*keys: str) -> None:
-    """Remove ``keys`` from the process-wide context."""
+    """Remove ``keys`` from the process-wide context; absent keys are ignored."""
     for key in keys:
         _process_context.pop(key, None)
 
 
 def bind_task_context(**context: Any) -> None:
-    """Add ``context`` to later lines of the current task and the tasks it starts."""
+    """Add ``context`` to later lines of the current task and the tasks it starts.
+
+    Called by code handling one piece of work (a sample ``uid``); it overrides the process
+    context for keys in both.
+    """
     structlog.contextvars.bind_contextvars(**context)
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
-    """A structlog logger; it follows whatever ``configure_logging`` set last."""
+    """A structlog logger named ``name``, usually made at module import time.
+
+    It follows whatever ``configure_logging`` set last, even if made before it.
+    """
     return structlog.get_logger(name)

@@ -1,22 +1,27 @@
-"""Metrics sinks: where the controller writes the run's numbers (one record per line).
+"""Metrics sinks: where the controller and trainer write the run's numbers, one record a line.
 
-``JsonlMetricsSink`` always runs; TensorBoard and W&B sinks implement the same
-``MetricsSink`` protocol when asked for. JSON has no NaN or infinity: they are written as
-``null``. Records are buffered and flushed every ``flush_every`` seconds, so a crash loses
-at most that much.
+``JsonlMetricsSink`` always runs (``RUN_DIR/metrics.jsonl``, read back by ``read_jsonl``
+for ``asyncrl plot``); TensorBoard and W&B sinks will implement the same ``MetricsSink``
+protocol, and ``MultiSink`` fans one record out to all of them.
+
+Values are plain JSON: numpy scalars, 0-d arrays and 0-d torch tensors become Python
+numbers. JSON has no NaN or infinity, so non-finite floats are written as ``null``; a
+reader sees a missing number, not a string. Records are buffered and a background thread
+writes them out every ``flush_every`` seconds, so a crash loses at most that much.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import math
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Any, Protocol, Self
 
 from asyncrl.observe.logs import get_logger
 
@@ -24,23 +29,22 @@ log = get_logger("asyncrl.metrics")
 
 
 class MetricsSink(Protocol):
-    """Anything that accepts metric records."""
+    """Anything that accepts metric records; the controller writes through this."""
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Accept one record (a flat mapping of names to numbers or strings)."""
+        """Accept one record: a flat mapping of names to numbers or strings."""
 
     def flush(self) -> None:
-        """Make every accepted record durable."""
+        """Hand every accepted record to durable storage."""
 
     def close(self) -> None:
-        """Flush and release the sink."""
+        """Flush and release the sink; later writes are errors."""
 
 
 def _plain(key: str, value: Any) -> Any:
-    if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0:
-        value = value.item()
-    elif hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # 0-d torch tensor
-        value = value.item()
+    """``value`` as a JSON-ready Python value; ``key`` names it in the error."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()  # numpy scalar, 0-d array or 0-d torch tensor
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -48,44 +52,87 @@ def _plain(key: str, value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): _plain(f"{key}.{k}", v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(key, v) for v in value]
-    raise TypeError(f"metric {key!r} has a value of type {type(value).__name__}")
+        return [_plain(f"{key}[{i}]", v) for i, v in enumerate(value)]
+    raise TypeError(
+        f"metric {key!r} has a value of type {type(value).__name__}, which JSON cannot "
+        "hold; log a number, string, list or dict (call .item() on a tensor element)"
+    )
+
+
+def _encode(record: Mapping[str, Any], now: float) -> str:
+    """One JSON line (no newline) for ``record``, with ``time`` set to ``now`` if absent."""
+    row = {str(k): _plain(str(k), v) for k, v in record.items()}
+    row.setdefault("time", now)
+    return json.dumps(row, allow_nan=False)
 
 
 class JsonlMetricsSink:
-    """Appends records as JSON lines to ``path`` (parents created)."""
+    """Appends records as JSON lines to ``path`` (parents created, never truncated).
+
+    ``write`` only buffers; a daemon thread writes the buffer every ``flush_every``
+    seconds, and ``flush()``/``close()`` write it at once. ``flush_every=0`` writes on
+    every call. Use it as a context manager or call ``close()``; an unclosed sink is
+    flushed at interpreter exit, but a killed process loses its last ``flush_every``
+    seconds. Thread-safe.
+    """
 
     def __init__(self, path: str | Path, *, flush_every: float = 1.0) -> None:
+        if not flush_every >= 0:
+            raise ValueError(f"flush_every must be >= 0 seconds, got {flush_every!r}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.flush_every = flush_every
         self._file = self.path.open("a", encoding="utf-8")
         self._pending: list[str] = []
-        self._last_flush = time.monotonic()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._flusher: threading.Thread | None = None
+        atexit.register(self.close)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Buffer ``record`` (adding ``time`` when absent); flush when due."""
-        row = {str(k): _plain(str(k), v) for k, v in record.items()}
-        row.setdefault("time", time.time())
-        self._pending.append(json.dumps(row, allow_nan=False))
-        if time.monotonic() - self._last_flush >= self.flush_every:
+        """Buffer ``record``, adding ``time`` (unix seconds) when absent."""
+        line = _encode(record, time.time())
+        with self._lock:
+            if self._closed.is_set():
+                raise ValueError(f"metrics sink {self.path} is closed")
+            self._pending.append(line)
+        if self.flush_every == 0:
+            self.flush()
+        elif self._flusher is None:
+            self._start_flusher()
+
+    def _start_flusher(self) -> None:
+        """Start the thread that bounds how long a record waits in memory."""
+        self._flusher = threading.Thread(
+            target=self._flush_periodically, name=f"metrics-flush:{self.path.name}", daemon=True
+        )
+        self._flusher.start()
+
+    def _flush_periodically(self) -> None:
+        while not self._closed.wait(self.flush_every):
             self.flush()
 
     def flush(self) -> None:
-        """Write buffered records and flush the file."""
-        if self._pending:
-            self._file.write("\n".join(self._pending) + "\n")
-            self._pending.clear()
-        self._file.flush()
-        self._last_flush = time.monotonic()
+        """Write buffered records to the file and flush it to the OS (no fsync)."""
+        with self._lock:
+            if self._file.closed:
+                return
+            if self._pending:
+                self._file.write("\n".join(self._pending) + "\n")
+                self._pending.clear()
+            self._file.flush()
 
     def close(self) -> None:
-        """Flush and close."""
-        if not self._file.closed:
-            self.flush()
+        """Flush, stop the flusher thread and close the file; idempotent."""
+        self._closed.set()
+        self.flush()
+        with self._lock:
             self._file.close()
+        if self._flusher is not None and self._flusher is not threading.current_thread():
+            self._flusher.join()
+        atexit.unregister(self.close)
 
-    def __enter__(self) -> JsonlMetricsSink:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -95,16 +142,16 @@ class JsonlMetricsSink:
 
 
 class MultiSink:
-    """Fans every call out to several sinks."""
+    """Fans every call out to several sinks; the controller builds one from the config."""
 
     def __init__(self, *sinks: MetricsSink) -> None:
         self.sinks = sinks
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Write to every sink, stamped with one ``time`` so the copies agree."""
-        record = {"time": time.time(), **record}
+        stamped = {"time": time.time(), **record}
         for sink in self.sinks:
-            sink.write(record)
+            sink.write(stamped)
 
     def flush(self) -> None:
         """Flush every sink."""
@@ -112,23 +159,47 @@ class MultiSink:
             sink.flush()
 
     def close(self) -> None:
-        """Close every sink."""
-        for sink in self.sinks:
-            sink.close()
+        """Close every sink, even when one fails (its error is raised afterwards)."""
+        with contextlib.ExitStack() as stack:
+            for sink in self.sinks:
+                stack.callback(sink.close)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read a metrics file; a truncated last line (a crash mid-write) is skipped."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
+    """Read a metrics file written by ``JsonlMetricsSink``; called by ``asyncrl plot``.
+
+    A last line without its newline that does not parse is what a crash mid-write leaves:
+    it is skipped with a warning. Any other bad line raises ``ValueError`` naming the file
+    and line number.
+    """
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    # The text after the final newline: "" for a complete file, else an unfinished line.
+    *complete, tail = lines
+    rows = [
+        _parse_line(path, number, line) for number, line in enumerate(complete, 1) if line.strip()
+    ]
+    if tail.strip():
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                log.warning("skipping truncated last line", path=str(path), line=number)
-                break
-            raise ValueError(f"{path}:{number}: not a JSON object: {exc}") from None
+            rows.append(_parse_line(path, len(lines), tail))
+        except ValueError:
+            log.warning("skipping truncated last line", path=str(path), line=len(lines))
     return rows
+
+
+def _parse_line(path: str | Path, number: int, line: str) -> dict[str, Any]:
+    """One JSON object from ``line``; ValueError names ``path:number``."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{number}: not a JSON object: {exc}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{number}: not a JSON object: {type(row).__name__}")
+    return row

@@ -27,7 +27,7 @@ class ActorHandle(Protocol):
     async def wait(self) -> int:
         """Wait for the actor to exit; returns its exit code."""
 
-    def tail(self, n: int = 20) -> list[str]:
+    def tail(self, n: int = 40) -> list[str]:
         """The actor's last ``n`` output lines, for reports of a death."""
 
 

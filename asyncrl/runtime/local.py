@@ -1,10 +1,13 @@
 """Local runtime: every actor is a child process of the controller on this machine.
 
 Each child runs ``python -m asyncrl.runtime.child`` with its ``ActorSpec`` as JSON on
-stdin. Its stdout and stderr are read line by line: the last ``tail_lines`` are kept for
-death reports and everything is appended to ``<run_dir>/logs/<actor>.out``. Leaving the
-runtime's ``async with`` kills every child still alive, so a job never leaves orphans
-(the children also get SIGTERM from the kernel if the controller itself dies).
+stdin, in a process group of its own: a stop or kill reaches whatever the actor started
+(an SGLang server, compile workers), and the terminal's Ctrl-C reaches only the
+controller, which then stops the actors in order. Output is read line by line: the last
+``tail_lines`` are kept for death reports and everything is appended to
+``<run_dir>/logs/<actor>.out``. Leaving the runtime's ``async with`` kills every group
+still alive, so a job never leaves orphans (children also get SIGTERM from the kernel if
+the controller itself dies).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import msgspec
 
 from asyncrl.actors.base import ActorSpec
 
+_LINE_LIMIT = 1024 * 1024
+_DRAIN_OUTPUT_SECONDS = 2.0
+
 
 class LocalActor:
     """A child process running one actor (implements ``runtime.base.ActorHandle``)."""
@@ -31,6 +37,7 @@ class LocalActor:
         self.proc = proc
         self._tail: deque[str] = deque(maxlen=tail_lines)
         self._drained = asyncio.Event()
+        self.pump_task: asyncio.Task[None] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -43,39 +50,52 @@ class LocalActor:
         return self.proc.returncode
 
     async def wait(self) -> int:
-        """Wait for exit and for the last output lines to be read."""
+        """Wait for exit and (briefly) for the last output lines to be read."""
         code = await self.proc.wait()
-        await self._drained.wait()
+        # Whatever the actor started and left behind is an orphan now: end it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        # A process the actor started may still hold the pipe open: do not wait on it.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_DRAIN_OUTPUT_SECONDS):
+                await self._drained.wait()
         return code
 
-    def tail(self, n: int = 20) -> list[str]:
+    def tail(self, n: int = 40) -> list[str]:
         """The last ``n`` output lines."""
         return list(self._tail)[-n:]
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` unless the process is gone."""
+        """Send ``sig`` to the actor's process group (it leads one) unless it is gone."""
         if self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(sig)
+                os.killpg(self.proc.pid, sig)
 
     async def pump(self, log_path: Path) -> None:
         """Copy output lines to the log file and the tail until EOF."""
         assert self.proc.stdout is not None
         try:
             with log_path.open("ab") as out:
-                async for line in self.proc.stdout:
+                while line := await self._readline():
                     out.write(line)
                     out.flush()
                     self._tail.append(line.decode(errors="replace").rstrip())
         finally:
             self._drained.set()
 
+    async def _readline(self) -> bytes:
+        assert self.proc.stdout is not None
+        try:
+            return await self.proc.stdout.readline()
+        except ValueError:  # a line over the reader's limit; asyncio has discarded it
+            return f"[asyncrl: an output line over {_LINE_LIMIT} bytes was dropped]\n".encode()
+
 
 class LocalRuntime:
     """Starts actors as local child processes; use as ``async with LocalRuntime(dir)``."""
 
     def __init__(
-        self, run_dir: str | Path, *, tail_lines: int = 40, env: dict[str, str] | None = None
+        self, run_dir: str | Path, *, tail_lines: int = 80, env: dict[str, str] | None = None
     ) -> None:
         self.run_dir = Path(run_dir)
         self.tail_lines = tail_lines
@@ -93,6 +113,10 @@ class LocalRuntime:
     ) -> bool | None:
         for actor in self.actors:
             actor.signal(signal.SIGKILL)
+        for actor in self.actors:
+            await actor.wait()
+            if actor.pump_task is not None:
+                actor.pump_task.cancel()  # a surviving grandchild may hold the pipe
         return await self._tg.__aexit__(et, exc, tb)
 
     async def start(self, spec: ActorSpec) -> LocalActor:
@@ -106,6 +130,8 @@ class LocalRuntime:
             stderr=asyncio.subprocess.STDOUT,
             env=self.env,
             cwd=os.getcwd(),
+            start_new_session=True,
+            limit=_LINE_LIMIT,
         )
         assert proc.stdin is not None
         proc.stdin.write(msgspec.json.encode(spec))
@@ -113,7 +139,7 @@ class LocalRuntime:
         actor = LocalActor(spec, proc, self.tail_lines)
         self.actors.append(actor)
         log_path = self.run_dir / "logs" / f"{spec.name}.out"
-        self._tg.create_task(actor.pump(log_path), name=f"pump.{spec.name}")
+        actor.pump_task = self._tg.create_task(actor.pump(log_path), name=f"pump.{spec.name}")
         return actor
 
     async def stop(self, handle: LocalActor, grace: float) -> int:  # type: ignore[override]

@@ -208,13 +208,22 @@ def _write_chunk(
     if not isinstance(reply, BlobChunk) or reply.index != index:
         raise WireError(f"bad reply for chunk {index} of {m.blob!r}")
     lo, hi = index * m.chunk_bytes, min((index + 1) * m.chunk_bytes, m.total_bytes)
+    got = [(offset, offset + data.nbytes) for offset, data in reply.parts]
+    if got != _expected_parts(m, lo, hi):  # every tensor byte exactly once: no gap left
+        raise WireError(f"chunk {index} of {m.blob!r} does not cover its bytes: {got}")
     for offset, data in reply.parts:
         i = bisect.bisect_right(starts, offset) - 1
-        end = offset + data.nbytes
-        entry = m.entries[i] if i >= 0 else None
-        if entry is None or not (lo <= offset and end <= min(hi, entry.offset + entry.nbytes)):
-            raise WireError(f"chunk {index} part at {offset} is outside its tensor")
-        _copy_into(targets[i], offset - entry.offset, data)
+        _copy_into(targets[i], offset - m.entries[i].offset, data)
+
+
+def _expected_parts(m: BlobManifest, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The byte ranges of chunk ``[lo, hi)`` that belong to tensors, in order."""
+    out = []
+    for e in m.entries:
+        start, end = max(lo, e.offset), min(hi, e.offset + e.nbytes)
+        if start < end:
+            out.append((start, end))
+    return out
 
 
 def _copy_into(target: torch.Tensor, start: int, data: np.ndarray) -> None:
@@ -231,6 +240,17 @@ def _copy_into(target: torch.Tensor, start: int, data: np.ndarray) -> None:
 
 
 def _check_manifest(m: BlobManifest) -> None:
+    if m.chunk_bytes <= 0 or m.total_bytes < 0:
+        raise WireError(
+            f"manifest of {m.blob!r}: chunk_bytes {m.chunk_bytes}, total_bytes {m.total_bytes}"
+        )
+    end = 0
+    for e in m.entries:
+        if e.offset < end:
+            raise WireError(f"manifest entry {e.name} is out of order or overlaps another")
+        end = e.offset + e.nbytes
+    if m.total_bytes > -(-end // _ALIGN) * _ALIGN:  # no room claimed beyond the tensors
+        raise WireError(f"manifest of {m.blob!r} claims {m.total_bytes} bytes for {end}")
     for e in m.entries:
         dtype = torch_dtype(e.dtype)
         if e.offset + e.nbytes > m.total_bytes or e.offset % _ALIGN:

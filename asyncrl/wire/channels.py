@@ -109,6 +109,11 @@ class _Channel(ABC):
         for task in list(self._tasks):
             task.cancel()
         try:
+            if et is not None and issubclass(et, Exception):
+                # The body's own error reaches the caller unwrapped; only what the
+                # channel's tasks raised would form an ExceptionGroup.
+                await self._tg.__aexit__(None, None, None)
+                return None
             return await self._tg.__aexit__(et, exc, tb)
         finally:
             self._close_sockets()

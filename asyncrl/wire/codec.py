@@ -225,9 +225,11 @@ class Codec(Generic[T]):
         """Like ``encode`` but returns the body and the buffer frames separately."""
         try:
             body = self._encoder.encode(msg)
-        except (TypeError, OverflowError) as exc:
-            self._out = []
-            raise WireError(f"cannot encode {type(msg).__name__}: {exc}") from exc
+        except Exception as exc:
+            self._out = []  # a failed encode must not leave frames for the next message
+            if isinstance(exc, (TypeError, OverflowError)):
+                raise WireError(f"cannot encode {type(msg).__name__}: {exc}") from exc
+            raise
         if not self._out and len(body) <= self.max_frame_bytes:
             return body, _NO_BUFFERS  # the common case: no per-call allocations
         buffers, self._out = self._out, []
@@ -306,6 +308,14 @@ class Codec(Generic[T]):
         return self._ext_general(code, data)
 
     def _ext_general(self, code: int, data: memoryview) -> Any:
+        try:
+            return self._ext_array(code, data)
+        except WireError:
+            raise
+        except Exception as exc:  # a hostile header can make numpy or torch raise anything
+            raise WireError(f"bad array in ext {code}: {type(exc).__name__}: {exc}") from None
+
+    def _ext_array(self, code: int, data: memoryview) -> Any:
         dcode, shape, start = _parse_header(data)
         if code in (_EXT_NDARRAY_INLINE, _EXT_TENSOR_INLINE):
             payload: Buffer = data[start:]  # a view into the message's owned body
@@ -319,8 +329,9 @@ class Codec(Generic[T]):
                 raise WireError(f"unknown numpy dtype code {dcode}")
             _check_nbytes(shape, np_dtype.itemsize, len(payload))
             return np.frombuffer(payload, np_dtype).reshape(shape)
-        import torch
-
+        torch = sys.modules.get("torch")
+        if torch is None:  # a codec whose messages hold tensors has imported torch already
+            raise WireError("a tensor arrived for a message type that holds no tensors")
         dtype = _torch_tables()[0].get(dcode)
         if dtype is None:
             raise WireError(f"unknown torch dtype code {dcode}")

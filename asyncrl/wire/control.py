@@ -31,9 +31,10 @@ from asyncrl.wire.messages import Bye, Command, CommandResult, Heartbeat, Hello
 from asyncrl.wire.sockets import abind, connect, make_socket, send_now
 
 Notification = Hello | Heartbeat | Bye
-_notify_codec: Codec[Notification] = Codec(Notification)
-_command_codec: Codec[Command] = Codec(Command)
-_result_codec: Codec[CommandResult] = Codec(CommandResult)
+_MAX_FRAME = 4 * 1024 * 1024  # control messages are small; a larger frame is refused
+_notify_codec: Codec[Notification] = Codec(Notification, max_frame_bytes=_MAX_FRAME)
+_command_codec: Codec[Command] = Codec(Command, max_frame_bytes=_MAX_FRAME)
+_result_codec: Codec[CommandResult] = Codec(CommandResult, max_frame_bytes=_MAX_FRAME)
 
 
 class ControlHub(_Channel):
@@ -44,7 +45,7 @@ class ControlHub(_Channel):
         self.endpoint = endpoint
         self._hwm, self._allow_remote = hwm, allow_remote
         self._inbox: asyncio.Queue[tuple[str, Notification]] = asyncio.Queue(maxsize=hwm)
-        self._waiting: dict[int, asyncio.Future[CommandResult]] = {}
+        self._waiting: dict[int, tuple[str, asyncio.Future[CommandResult]]] = {}
         self._ids = itertools.count(1)
 
     async def _open(self) -> None:
@@ -57,7 +58,7 @@ class ControlHub(_Channel):
         return [("control.hub", self._receive_each(self._sock, self._dispatch))]
 
     def _close_sockets(self) -> None:
-        for fut in self._waiting.values():
+        for _, fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(ChannelClosed("control hub closed"))
         self._sock.close(linger=0)
@@ -71,9 +72,11 @@ class ControlHub(_Channel):
 
         Raises ``PeerLost`` if the actor is not connected, ``RemoteError`` if it failed.
         """
+        if self._closed:
+            raise ChannelClosed("control hub closed")
         call_id = next(self._ids)
         fut: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
-        self._waiting[call_id] = fut
+        self._waiting[call_id] = (actor, fut)
         body, _ = _command_codec.encode_parts(cmd)
         env = framing.Request(v=WIRE_VERSION, id=call_id, nbuf=0, body=Raw(body))
         try:
@@ -96,9 +99,14 @@ class ControlHub(_Channel):
         actor = frames[0].bytes.decode(errors="replace")
         env = framing.unpack(frames[1].buffer, (framing.Request, framing.Reply))
         if isinstance(env, framing.Reply):
-            fut = self._waiting.get(env.id)
-            if fut is not None and not fut.done():
+            expected, fut = self._waiting.get(env.id, ("", None))
+            if fut is None or fut.done() or expected != actor:
+                raise WireError(f"reply {env.id} from {actor!r} answers no command sent to it")
+            try:
                 fut.set_result(_result_codec.decode_parts(env.body))
+            except WireError as exc:
+                fut.set_exception(exc)  # the caller learns why instead of waiting forever
+                raise
             return
         msg = _notify_codec.decode_parts(env.body)
         self.stats.received += 1

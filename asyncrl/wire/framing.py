@@ -108,6 +108,8 @@ def pack_batch(stream: str, first_seq: int, nbufs: list[int], bodies: Sequence[b
 
 
 NIL = Raw(b"\xc0")
+#: How far an envelope frame may exceed ``max_frame_bytes``: the envelope's own fields.
+ENVELOPE_SLACK = 64 * 1024
 AnyEnvelope = Batch | Ack | Request | Reply | Publish | Beat
 _encoder = msgpack.Encoder()
 _decoder = msgpack.Decoder(AnyEnvelope)

@@ -87,7 +87,8 @@ class Publisher(_Channel, Generic[T]):
 
     async def _open(self) -> None:
         self._pub = make_socket(zmq.PUB, hwm=self._hwm)
-        self._snap = make_socket(zmq.ROUTER, hwm=self._hwm)
+        # Only small topic requests ever come in on the snapshot socket.
+        self._snap = make_socket(zmq.ROUTER, hwm=self._hwm, max_frame_bytes=64 * 1024)
         self.endpoint = await abind(self._pub, self.endpoint, allow_remote=self._allow_remote)
         self.snapshot_endpoint = await abind(
             self._snap, self.snapshot_endpoint, allow_remote=self._allow_remote
@@ -275,7 +276,10 @@ class Subscriber(ReceiveChannel[Update[T]]):
         if env.nbuf != len(buffers):
             raise WireError(f"update announces {env.nbuf} buffers, {len(buffers)} came")
         msg = self.codec.decode_parts(env.body, [f.buffer for f in buffers])
-        skipped = env.seq - st.seq - 1 if env.epoch == st.epoch and st.seq else 0
+        if env.epoch == st.epoch:
+            skipped = env.seq - st.seq - 1 if st.seq else 0
+        else:  # the publisher restarted: its updates before this one were never seen
+            skipped = env.seq - 1 if st.epoch else 0
         if skipped:
             self.gaps += 1
         st.epoch, st.seq = env.epoch, env.seq

@@ -51,8 +51,8 @@ from asyncrl.wire.ranges import RangeSet
 from asyncrl.wire.sockets import abind, connect, make_socket, send_now
 
 T = TypeVar("T")
-_ENVELOPE_SLACK = 64 * 1024
-_MAX_SEQ_AHEAD = 1 << 24
+_MAX_SEQ_AHEAD = 1 << 24  # a batch may start at most this far past a stream's newest seq
+_MAX_RANGES = 4096  # a stream whose seen seqs fragment further is refused (hostile peer)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -62,7 +62,8 @@ class _OutBatch:
     first: int
     bodies: list[bytes] = dataclasses.field(default_factory=list)
     buffers: list[list[memoryview]] | None = None  # None: no message has buffer frames
-    nbytes: int = 0
+    nbytes: int = 0  # bodies and buffer frames: when to flush
+    body_bytes: int = 0  # bodies only: the size of the envelope frame
     sent_at: float = 0.0
     attempts: int = 0
     queued: bool = False
@@ -139,6 +140,7 @@ class ReliableSender(SendChannel[T]):
 
     def _close_sockets(self) -> None:
         self._space.set()
+        self._all_acked.set()  # wakes join(), which then reports what was left
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
@@ -165,8 +167,13 @@ class ReliableSender(SendChannel[T]):
         self._enqueue(msg)
 
     async def join(self) -> None:
-        """Wait until every message sent so far has been acknowledged."""
+        """Wait until every message sent so far has been acknowledged.
+
+        Raises ``ChannelClosed`` if the channel closes with messages still unacknowledged.
+        """
         await self._all_acked.wait()
+        if self._unacked:
+            raise ChannelClosed(f"{self.stream} closed with {self._unacked} unacknowledged")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -176,6 +183,9 @@ class ReliableSender(SendChannel[T]):
         self._check_open()
         body, buffers = self.codec.encode_parts(msg)
         batch = self._open_batch
+        if batch is not None and batch.body_bytes + len(body) > self.batch_bytes:
+            self._flush()  # close it first: the envelope frame must stay within the limit
+            batch = None
         if batch is None:
             batch = self._open_batch = _OutBatch(first=self._next_seq)
         if buffers and batch.buffers is None:
@@ -185,6 +195,7 @@ class ReliableSender(SendChannel[T]):
             batch.nbytes += sum(b.nbytes for b in buffers)
         batch.bodies.append(body)
         batch.nbytes += len(body)
+        batch.body_bytes += len(body)
         self._next_seq += 1
         self._unacked += 1
         self._all_acked.clear()
@@ -212,9 +223,11 @@ class ReliableSender(SendChannel[T]):
 
     def _transmit(self, batch: _OutBatch) -> bool:
         """Send the unacknowledged runs of ``batch``; False if the socket would block."""
+        if not self._inflight or batch.last < self._inflight[0].first:
+            return True  # acknowledged (and retired) while it waited to be resent
         runs = self._acked.missing(batch.first, batch.last) if self._acked else None
         if runs == []:
-            return True  # acknowledged while it waited to be resent
+            return True
         if runs is None or runs == [(batch.first, batch.last)]:
             ok = self._send_run(batch, 0, len(batch.bodies))
         else:
@@ -300,7 +313,7 @@ class ReliableSender(SendChannel[T]):
             if self._connections > 1:
                 self._to_send = deque(b for b in self._to_send if b.sent_at == 0.0)
                 for b in self._inflight:
-                    b.queued = False
+                    b.queued = b.sent_at == 0.0  # those kept above are queued already
                 self._requeue(list(self._inflight))
 
     async def _unstall_loop(self) -> None:
@@ -352,6 +365,11 @@ class _StreamState:
     unacked: RangeSet = dataclasses.field(default_factory=RangeSet)
     to_ack: RangeSet = dataclasses.field(default_factory=RangeSet)
     route: bytes = b""
+    queued: int = 0  # received, not yet handed to the application
+    last_active: float = dataclasses.field(default_factory=time.monotonic)
+
+    def idle(self) -> bool:
+        return not self.queued and not self.unacked and not self.to_ack
 
 
 class ReliableReceiver(ReceiveChannel[Delivery[T]]):
@@ -367,12 +385,16 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
         bind: bool = True,
         name: str = "reliable",
         dedup_state: dict[str, list[tuple[int, int]]] | None = None,
+        max_streams: int = 1024,
+        stream_idle_seconds: float = 600.0,
         allow_remote: bool = False,
     ) -> None:
         super().__init__(name)
         self.endpoint = endpoint
         self.codec = codec
         self.max_queued = max_queued
+        self.max_streams = max_streams
+        self.stream_idle_seconds = stream_idle_seconds
         self._hwm, self._bind, self._allow_remote = hwm, bind, allow_remote
         self._queue: deque[Received[T]] = deque()
         self._queued = 0
@@ -450,7 +472,9 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
             raise WouldBlock("no message queued")
 
     def _took(self, stream: str, first: int, n: int) -> None:
-        self._streams[stream].delivered.add(first, first + n - 1)
+        st = self._streams[stream]
+        st.delivered.add(first, first + n - 1)
+        st.queued -= n
         self._queued -= n
         if self._queued < self.max_queued:
             self._room.set()
@@ -501,7 +525,7 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         limit = self.codec.max_frame_bytes
-        if len(frames) < 2 or any(len(f) > limit + _ENVELOPE_SLACK for f in frames[1:]):
+        if len(frames) < 2 or any(len(f) > limit + framing.ENVELOPE_SLACK for f in frames[1:]):
             self._drops.drop("bad_frames", f"{len(frames)} frames or one over {limit} bytes")
             return
         before = self._queued
@@ -520,6 +544,8 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
             self._drops.drop("malformed", str(exc))
             return
         st = self._stream(batch.stream, frames[0].bytes)
+        if st is None:
+            return
         for lo, hi in self._admit(batch.stream, st, batch.first_seq, len(batch.items)):
             run: list[T] = []
             for seq in range(lo, hi + 1):
@@ -534,21 +560,49 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
                     run = []
             self._deliver(batch.stream, st, hi + 1 - len(run), run)
 
-    def _stream(self, stream: str, route: bytes) -> _StreamState:
+    def _stream(self, stream: str, route: bytes) -> _StreamState | None:
+        """The state of ``stream``; None when a new stream would pass ``max_streams``."""
         st = self._streams.get(stream)
         if st is None:
+            if len(self._streams) >= self.max_streams and not self._evict_idle_stream():
+                self._drops.drop(
+                    "too_many_streams", f"{len(self._streams)} streams live", stream=stream
+                )
+                return None
             st = self._streams[stream] = _StreamState()
-        st.route = route
+        st.route, st.last_active = route, time.monotonic()
         return st
+
+    def _evict_idle_stream(self) -> bool:
+        """Forget the longest-silent stream with nothing pending, if silent long enough.
+
+        A sender silent for ``stream_idle_seconds`` with everything acknowledged has no
+        retransmission left (redelivery backs off to 30 s at most), so its seqs cannot
+        come back as duplicates.
+        """
+        horizon = time.monotonic() - self.stream_idle_seconds
+        idle = [
+            (st.last_active, name)
+            for name, st in self._streams.items()
+            if st.idle() and st.last_active < horizon
+        ]
+        if not idle:
+            return False
+        del self._streams[min(idle)[1]]
+        return True
 
     def _admit(self, stream: str, st: _StreamState, first: int, n: int) -> list[tuple[int, int]]:
         """Mark ``first .. first+n-1`` seen; return the runs that are new.
 
         Duplicates of acknowledged messages are acknowledged again.
         """
-        last = first + n - 1
-        if first < 1 or last > (st.seen.max() or 0) + _MAX_SEQ_AHEAD:
+        last, top = first + n - 1, st.seen.max()
+        # A new stream (or one restored without state) is anchored where it starts.
+        if first < 1 or (top is not None and last > top + _MAX_SEQ_AHEAD):
             self._drops.drop("bad_seq", f"seqs {first}..{last} outside window", stream=stream)
+            return []
+        if len(st.seen) > _MAX_RANGES:
+            self._drops.drop("fragmented", f"{len(st.seen)} seq ranges", stream=stream)
             return []
         new = st.seen.missing(first, last)
         if new != [(first, last)]:
@@ -573,5 +627,6 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
             return
         st.unacked.add(first, first + len(msgs) - 1)
         self.stats.received += len(msgs)
+        st.queued += len(msgs)
         self._queued += len(msgs)
         self._queue.append(Received(msgs, stream, first, self))

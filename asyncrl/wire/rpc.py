@@ -38,6 +38,7 @@ from asyncrl.wire import framing
 from asyncrl.wire.channels import _Channel
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.errors import ChannelClosed, PeerLost, RemoteError, WireError, WouldBlock
+from asyncrl.wire.framing import ENVELOPE_SLACK
 from asyncrl.wire.sockets import abind, connect, make_socket, send_now
 
 Req = TypeVar("Req")
@@ -111,6 +112,8 @@ class RpcClient(_Channel, Generic[Req, Rep]):
             raise ChannelClosed("rpc client closed")
         body, buffers = self.request_codec.encode_parts(msg)
         async with self._credits:
+            if self._closed:  # closed while this call waited for a credit
+                raise ChannelClosed("rpc client closed")
             call_id = next(self._ids)
             fut: asyncio.Future[Rep] = asyncio.get_running_loop().create_future()
             self._waiting[call_id] = fut
@@ -232,13 +235,17 @@ class RpcServer(_Channel, Generic[Req, Rep]):
 
     def _parse(self, peer: bytes, frames: list[zmq.Frame]) -> tuple[int, Req] | None:
         limit = self.request_codec.max_frame_bytes
-        if len(frames) < 2 or any(len(f) > limit for f in frames[1:]):
-            self._drops.drop("bad_frames", f"{len(frames)} frames or one over {limit} bytes")
+        if len(frames) < 2:
+            self._drops.drop("bad_frames", f"a request of {len(frames)} frames")
             return None
         try:
             env = framing.unpack(frames[1].buffer, framing.Request)
         except WireError as exc:
             self._drops.drop("malformed", str(exc), peer=peer)
+            return None
+        if any(len(f) > limit + ENVELOPE_SLACK for f in frames[1:]):
+            self._drops.drop("bad_frames", f"a frame over {limit} bytes", peer=peer)
+            self._reply_error(peer, env.id, f"request larger than the limit of {limit} bytes")
             return None
         try:
             if env.nbuf != len(frames) - 2:
@@ -273,8 +280,7 @@ class RpcServer(_Channel, Generic[Req, Rep]):
         self._send(peer, [framing.pack(env)])
 
     def _send(self, peer: bytes, frames: list[Any]) -> None:
-        # ROUTER drops a reply to a vanished or full peer; the client sees PeerLost/timeout.
-        if send_now(self._sock, [peer, *frames]):
-            self.stats.sent += 1
-        else:
-            self._drops.drop("reply_blocked", "peer queue full", peer=peer)
+        # ROUTER silently drops a reply to a vanished or full peer; that caller sees
+        # PeerLost or its own timeout.
+        send_now(self._sock, [peer, *frames])
+        self.stats.sent += 1
