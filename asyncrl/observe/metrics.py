@@ -66,7 +66,22 @@ def _encode(record: Mapping[str, Any], now: float) -> str:
     return json.dumps(row, allow_nan=False)
 
 
-class JsonlMetricsSink:
+class _ClosesOnExit:
+    """``with sink:`` closes it on the way out."""
+
+    def close(self) -> None:
+        """Release the sink (subclasses flush first)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class JsonlMetricsSink(_ClosesOnExit):
     """Appends records as JSON lines to ``path`` (parents created, never truncated).
 
     ``write`` only buffers; a daemon thread writes the buffer every ``flush_every``
@@ -132,16 +147,8 @@ class JsonlMetricsSink:
             self._flusher.join()
         atexit.unregister(self.close)
 
-    def __enter__(self) -> Self:
-        return self
 
-    def __exit__(
-        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
-class MultiSink:
+class MultiSink(_ClosesOnExit):
     """Fans every call out to several sinks; the controller builds one from the config."""
 
     def __init__(self, *sinks: MetricsSink) -> None:
@@ -163,14 +170,6 @@ class MultiSink:
         with contextlib.ExitStack() as stack:
             for sink in self.sinks:
                 stack.callback(sink.close)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
