@@ -26,6 +26,14 @@ def spec(name: str, cls: str, tmp_path: Path, **params: object) -> ActorSpec:
     )
 
 
+async def death(supervisor: Supervisor) -> ActorDied:
+    """Wait for the supervisor to report an actor lost, and return the report."""
+    with pytest.raises(ActorDied) as info:
+        async with asyncio.timeout(30):
+            await supervisor.wait_until(lambda st: False)
+    return info.value
+
+
 @pytest.fixture
 async def supervisor(tmp_path: Path) -> AsyncIterator[Supervisor]:
     async with ControlHub("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
@@ -66,10 +74,7 @@ async def test_a_crash_is_reported_with_exit_code_reason_and_last_lines(
     supervisor: Supervisor, tmp_path: Path
 ):
     await supervisor.launch([spec("c", "Crasher", tmp_path, after=0.3)])
-    with pytest.raises(ActorDied) as info:
-        async with asyncio.timeout(30):
-            await supervisor.wait_until(lambda st: False)
-    died = info.value
+    died = await death(supervisor)
     assert died.name == "c" and died.exit_code == 1
     assert "RuntimeError: boom at step 3" in died.reason
     assert any("crasher: about to fail" in line for line in died.tail)
@@ -80,21 +85,17 @@ async def test_an_exit_without_goodbye_is_reported_with_its_code(
     supervisor: Supervisor, tmp_path: Path
 ):
     await supervisor.launch([spec("x", "HardExit", tmp_path)])
-    with pytest.raises(ActorDied) as info:
-        async with asyncio.timeout(30):
-            await supervisor.wait_until(lambda st: False)
-    assert info.value.exit_code == 3 and info.value.reason == "exited without saying why"
-    assert any("hard-exit: last words" in line for line in info.value.tail)
+    died = await death(supervisor)
+    assert died.exit_code == 3 and died.reason == "exited without saying why"
+    assert any("hard-exit: last words" in line for line in died.tail)
 
 
 async def test_an_actor_that_stops_heartbeating_is_declared_hung_and_killed(
     supervisor: Supervisor, tmp_path: Path
 ):
     await supervisor.launch([spec("h", "Hanger", tmp_path)])
-    with pytest.raises(ActorHung) as info:
-        async with asyncio.timeout(30):
-            await supervisor.wait_until(lambda st: False)
-    assert "no heartbeat for" in info.value.reason
+    hung = await death(supervisor)
+    assert isinstance(hung, ActorHung) and "no heartbeat for" in hung.reason
     async with asyncio.timeout(10):
         assert await supervisor.handles["h"].wait() == -9
 

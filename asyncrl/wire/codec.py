@@ -6,15 +6,17 @@ A message encodes to one body frame plus zero or more buffer frames:
 
     frames = [body, buf_0, buf_1, ...]
 
-numpy arrays and torch tensors inside a message become MessagePack ext values. Small
-ones (``<= inline_bytes``) carry their bytes inside the ext; large ones carry only
-``(dtype, shape, index)`` and their bytes travel as ``frames[1 + index]``, handed to zmq
-without a copy and decoded as a view on the received frame (zero copy both ways).
+numpy arrays and torch tensors inside a message become MessagePack ext values with a
+binary header (``u8 dtype code, u8 ndim, ndim x u64 dims``). Small ones
+(``<= inline_bytes``) carry their bytes inside the ext and decode as views into the
+message's own copy of its body (one allocation per message); large ones carry only a
+frame index and travel as ``frames[1 + index]``, handed to zmq without a copy and
+decoded as a view on the received frame.
 
 Decoding validates every field against the declared types and raises ``WireError``
 naming the field (``GroupResult.samples[2].reward``); frames over ``max_frame_bytes`` are
 refused with ``FrameTooLarge`` on both sides. Nothing is ever pickled: ext payloads hold
-only a dtype name from a fixed table, a shape and raw bytes.
+only a dtype code from a fixed table, a shape and raw bytes.
 
 Users: every channel in ``asyncrl.wire`` and anything that persists messages (the
 buffer's write-ahead log).
