@@ -6,12 +6,13 @@ Two measurements, each a ratio of asyncrl to raw pyzmq between two processes on 
 same machine, taken alternately ``--repeats`` times (the median ratio is reported, since
 this machine is shared and absolute rates drift):
 
-1. **records**: ~1 KB sample records (token ids, log-probs, versions as four numpy
-   arrays, plus ids) through a ``ReliableSender`` -> ``ReliableReceiver`` channel
-   (encode, batch, decode, validate, ack, de-duplicate) against raw PUSH/PULL sending the
+1. **records**: ~1 KB ``asyncrl.types.Sample`` records (48 prompt and 64 response
+   tokens with log-probs, versions and mask, ids, reward, status) through a
+   ``ReliableSender`` -> ``ReliableReceiver`` channel (encode, batch, decode, validate,
+   ack, de-duplicate) against raw PUSH/PULL sending the
    same number of pre-encoded 1 KB byte strings. Rate = messages / (last arrival - first
    arrival) at the receiver. Target: >= 0.5. A second row sends a 1 KB record whose
-   payload is opaque bytes, which separates the channel's cost from the arrays'.
+   payload is opaque bytes, which separates the channel's cost from the record's.
 2. **blob**: ``--payload-mb`` of float32/bf16 tensors pulled through ``BlobClient`` (manifest
    round trip, chunked, credit-windowed, copied into the destination tensors as an engine
    does on a weight update) against raw PUSH/PULL streaming the same bytes in frames of
@@ -39,6 +40,7 @@ import torch
 import uvloop
 import zmq
 
+from asyncrl.types import Sample, SampleStatus, pack_int32
 from asyncrl.wire.blob import BlobClient, BlobServer
 from asyncrl.wire.codec import Codec, Message
 from asyncrl.wire.reliable import ReliableReceiver, ReliableSender
@@ -48,33 +50,23 @@ CHUNK_BYTES = 4 * 1024 * 1024
 PULLS = 4  # timed payload transfers per measurement, after one untimed warm-up
 
 
-class SampleRecord(Message):
-    """The wire shape of a finished sample, sized to about 1 KB."""
-
-    uid: str
-    group_id: str
-    index: int
-    prompt_tokens: np.ndarray
-    response_tokens: np.ndarray
-    logprobs: np.ndarray
-    token_versions: np.ndarray
-    reward: float
-    status: str
-
-
-def make_record(i: int) -> SampleRecord:
+def make_record(i: int) -> Sample:
+    """A finished sample as a rollout actor returns it: 48 prompt + 64 response tokens."""
     rng = np.random.default_rng(i)
-    return SampleRecord(
-        uid=f"s-{i:08d}",
+    sample = Sample(
+        uid=f"g-{i // 8:07d}/{i % 8}",
         group_id=f"g-{i // 8:07d}",
         index=i % 8,
-        prompt_tokens=rng.integers(0, 32000, 48, dtype=np.int32),
-        response_tokens=rng.integers(0, 32000, 64, dtype=np.int32),
-        logprobs=rng.standard_normal(64).astype(np.float32),
-        token_versions=np.full(64, 3, dtype=np.int32),
+        prompt_id=f"train:{i // 8}",
+        packed_prompt=pack_int32(rng.integers(0, 32000, 48)),
+        status=SampleStatus.COMPLETED,
         reward=1.0,
-        status="completed",
+        finish_reason="stop",
     )
+    sample.append_response(
+        rng.integers(0, 32000, 64), rng.standard_normal(64).astype(np.float32), versions=3
+    )
+    return sample
 
 
 class PayloadRecord(Message):
@@ -99,11 +91,11 @@ def make_payload_record(i: int) -> PayloadRecord:
     )
 
 
-RECORDS = {"sample": (SampleRecord, make_record), "payload": (PayloadRecord, make_payload_record)}
+RECORDS = {"sample": (Sample, make_record), "payload": (PayloadRecord, make_payload_record)}
 
 
 def record_size() -> int:
-    return len(Codec(SampleRecord).encode(make_record(0))[0])
+    return len(Codec(Sample).encode(make_record(0))[0])
 
 
 # -- child roles ------------------------------------------------------------------------

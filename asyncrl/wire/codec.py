@@ -214,8 +214,12 @@ class Codec(Generic[T]):
         self._out: list[memoryview] = []
         self._in: Sequence[Buffer] = ()
         self._used = 0
+        self._copy_inline = False
         self._encoder = msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder = msgpack.Decoder(types, ext_hook=self._ext_hook, dec_hook=_dec_hook)
+        self._list_decoder = msgpack.Decoder(
+            list[types], ext_hook=self._ext_hook, dec_hook=_dec_hook
+        )
 
     # -- encode ---------------------------------------------------------------------
     def encode(self, msg: T) -> list[Buffer]:
@@ -301,7 +305,24 @@ class Codec(Generic[T]):
             raise WireError(f"{len(buffers)} buffer frames sent, {self._used} referenced")
         return msg
 
+    def decode_many(self, body: Buffer) -> list[T]:
+        """Decode a MessagePack array of messages that reference no buffer frames.
+
+        One call for a whole batch (the reliable receiver's common case). Inline arrays get
+        a private copy each instead of viewing ``body``, so no array pins the batch frame.
+        Raises ``WireError``; the caller decodes item by item to find the bad one.
+        """
+        self._copy_inline = True
+        try:
+            return self._list_decoder.decode(body)
+        except (msgspec.MsgspecError, UnicodeDecodeError) as exc:
+            raise WireError(f"batch does not decode: {exc}") from None
+        finally:
+            self._copy_inline = False
+
     def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if self._copy_inline:
+            data = memoryview(bytearray(data))
         if code == _EXT_NDARRAY_INLINE and len(data) >= _HEAD1.size and data[1] == 1:
             dcode, _, n = _HEAD1.unpack_from(data)
             dtype = _NP_BY_CODE.get(dcode)

@@ -38,12 +38,14 @@ class Batch(Envelope, tag="B"):
 
     ``nbufs[i]`` is the number of buffer frames of message ``i``; an empty list means
     none has any (the common case, which the receiver decodes in a single call).
+    ``items`` is the undecoded MessagePack array of message bodies (``batch_items`` splits
+    it when the messages must be decoded one by one).
     """
 
     stream: str
     first_seq: int
     nbufs: list[int]
-    items: list[Raw]
+    items: Raw
 
 
 class Ack(Envelope, tag="A"):
@@ -93,7 +95,7 @@ class Beat(Envelope, tag="H"):
 def pack_batch(stream: str, first_seq: int, nbufs: list[int], bodies: Sequence[bytes]) -> bytes:
     """Encode a ``Batch`` by joining already-encoded bodies (no per-message objects).
 
-    Equal to ``pack(Batch(..., items=[Raw(b) for b in bodies]))``, byte for byte.
+    Equal to ``pack(Batch(..., items=Raw(pack([Raw(b) for b in bodies]))))``, byte for byte.
     """
     head = _encoder.encode(("B", WIRE_VERSION, stream, first_seq, nbufs))
     n = len(bodies)
@@ -113,6 +115,7 @@ ENVELOPE_SLACK = 64 * 1024
 AnyEnvelope = Batch | Ack | Request | Reply | Publish | Beat
 _encoder = msgpack.Encoder()
 _decoder = msgpack.Decoder(AnyEnvelope)
+_items_decoder = msgpack.Decoder(list[Raw])
 
 
 def pack(env: Envelope) -> bytes:
@@ -131,6 +134,14 @@ def unpack(frame: Any, expected: type | tuple[type, ...]) -> Any:
     if not isinstance(env, expected):
         raise WireError(f"unexpected {type(env).__name__} frame on this socket")
     return env
+
+
+def batch_items(items: Raw) -> list[Raw]:
+    """The message bodies of a ``Batch``, one ``Raw`` each; raises ``WireError``."""
+    try:
+        return _items_decoder.decode(items)
+    except msgspec.MsgspecError as exc:
+        raise WireError(f"malformed batch items: {exc}") from None
 
 
 def split_buffers(frames: Sequence[Any], counts: Sequence[int]) -> list[Sequence[Any]]:

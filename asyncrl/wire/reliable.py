@@ -536,23 +536,41 @@ class ReliableReceiver(ReceiveChannel[Delivery[T]]):
     def _handle_batch(self, frames: list[zmq.Frame]) -> None:
         try:
             batch = framing.unpack(frames[1].buffer, framing.Batch)
-            nbufs = batch.nbufs or [0] * len(batch.items)
-            if len(nbufs) != len(batch.items):
-                raise WireError(f"{len(nbufs)} buffer counts for {len(batch.items)} messages")
-            parts = framing.split_buffers(frames[2:], nbufs)
         except WireError as exc:
             self._drops.drop("malformed", str(exc))
             return
         st = self._stream(batch.stream, frames[0].bytes)
         if st is None:
             return
-        for lo, hi in self._admit(batch.stream, st, batch.first_seq, len(batch.items)):
+        if not batch.nbufs and len(frames) == 2:
+            try:  # the common case: no buffer frames, the whole batch in one decode
+                msgs = self.codec.decode_many(batch.items)
+            except WireError:
+                pass  # decode item by item below, to drop only the bad ones
+            else:
+                for lo, hi in self._admit(batch.stream, st, batch.first_seq, len(msgs)):
+                    first = batch.first_seq
+                    self._deliver(batch.stream, st, lo, msgs[lo - first : hi + 1 - first])
+                return
+        self._handle_items(batch, st, frames[2:])
+
+    def _handle_items(self, batch: framing.Batch, st: _StreamState, bufs: list[zmq.Frame]) -> None:
+        try:
+            items = framing.batch_items(batch.items)
+            nbufs = batch.nbufs or [0] * len(items)
+            if len(nbufs) != len(items):
+                raise WireError(f"{len(nbufs)} buffer counts for {len(items)} messages")
+            parts = framing.split_buffers(bufs, nbufs)
+        except WireError as exc:
+            self._drops.drop("malformed", str(exc))
+            return
+        for lo, hi in self._admit(batch.stream, st, batch.first_seq, len(items)):
             run: list[T] = []
             for seq in range(lo, hi + 1):
                 i = seq - batch.first_seq
                 try:
                     buffers = [f.buffer for f in parts[i]] if parts[i] else ()
-                    run.append(self.codec.decode_parts(batch.items[i], buffers))
+                    run.append(self.codec.decode_parts(items[i], buffers))
                 except WireError as exc:
                     self._drops.drop("malformed", str(exc), stream=batch.stream, seq=seq)
                     self._deliver(batch.stream, st, seq - len(run), run)
