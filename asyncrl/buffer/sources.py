@@ -1,0 +1,477 @@
+"""Prompt data sources: read and validate prompt files, draw ``Prompt`` records, resumably.
+
+The BufferActor owns one ``PromptSource`` and its cursor: it draws with ``next()``/``take(n)``
+to hand out work and checkpoints ``state_dict()`` with its own state. Consumed prompt uids are
+the buffer's to track; the source keeps only epoch and position, a fixed-size state.
+
+Formats, by extension: ``.jsonl``/``.json`` are JSON lines, one object a line (blank lines are
+skipped but counted, so errors give an editor's line numbers); ``.parquet`` is read with
+pyarrow and errors say ``row N`` (1-based). ``path@[a:b]`` selects rows ``a:b`` as a Python
+slice (slime's syntax; either bound may be omitted or negative). A row's ``prompt_id`` is
+``"<name>:<row>"`` with its 0-based row in the whole file; a draw's ``uid`` adds ``"@<epoch>"``.
+A row holds a prompt under ``input_key`` (a string or a list of ``{"role", "content"}`` chat
+messages) and optionally a label, a metadata object and tool schemas (a list of objects, or
+a JSON string of one, as parquet files often store them).
+
+Error contract: every problem with the data is a ``DataError`` naming file, line and what is
+wrong, e.g. ``data/train.jsonl:17: missing key 'prompt' (did you mean 'promt'?)``. ``open``
+validates every selected row, so a bad row fails at start, not hours into a run. Tokenising
+(the costly part) happens per draw and a chat template failing there names file and line too;
+the first row is rendered at ``open``, so a template that fails everywhere fails at once. A
+resume state saved for other data is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from asyncrl.types import ChatMessage, Prompt, pack_int32
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["DataError", "Exhausted", "PromptSource", "split_path"]
+
+_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+_ROLES = ("assistant", "system", "tool", "user")
+_SLICE = re.compile(r"@\[(?P<body>[^\]]*)\]$")
+_STATE_VERSION = 1
+
+
+class DataError(ValueError):
+    """Bad prompt data or a resume state that does not fit it; names file, line and problem."""
+
+
+class Exhausted(Exception):
+    """Raised by ``PromptSource.next`` once ``num_epochs`` or ``num_rollouts`` are used up."""
+
+
+def split_path(spec: str) -> tuple[str, slice]:
+    """Split ``"file@[a:b]"`` into the file and its row slice (every row when there is none)."""
+    match = _SLICE.search(spec)
+    if match is None:
+        if "@[" in spec:
+            raise ValueError(f"path {spec!r}: malformed row slice, expected 'file@[start:stop]'")
+        return spec, slice(None)
+    file, body = spec[: match.start()], match["body"]
+    if not file:
+        raise ValueError(f"path {spec!r}: no file before the row slice")
+    bounds = body.split(":")
+    if len(bounds) != 2:
+        raise ValueError(f"path {spec!r}: row slice [{body}] must be [start:stop], no step")
+    return file, slice(*(_slice_bound(spec, b) for b in bounds))
+
+
+def _slice_bound(spec: str, text: str) -> int | None:
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"path {spec!r}: slice bound {text!r} is not an integer") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Row:
+    """One validated row: where it came from and its fields."""
+
+    index: int  # 0-based row number in the whole file (prompt_id)
+    where: str  # "file:line" or "file row N", the prefix of every error about it
+    prompt: str | list[ChatMessage]
+    label: Any
+    metadata: dict[str, Any]
+    tools: list[dict[str, Any]] | None
+
+
+class PromptSource:
+    """Draws ``Prompt`` records from one prompt file, epoch by epoch; build it with ``open``.
+
+    Each epoch visits every selected row exactly once, in an order fixed by ``(seed, epoch)``
+    alone, so a run resumed from ``state_dict()`` continues with exactly the prompts an
+    uninterrupted run would have drawn. Not thread-safe: one owner (the BufferActor) draws.
+    """
+
+    class Config(BaseModel):
+        """Where the prompts are, which keys hold what, and how they are drawn."""
+
+        model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+        path: str = Field(description="jsonl/json/parquet file; 'file@[a:b]' selects rows a:b")
+        input_key: str = Field("prompt", description="key of the prompt (string or chat)")
+        label_key: str | None = Field("label", description="key of the label; null for none")
+        metadata_key: str | None = Field("metadata", description="key of a metadata object")
+        tools_key: str | None = Field(None, description="key of the tool schemas, if any")
+        apply_chat_template: bool = Field(False, description="render with the chat template")
+        system_prompt: str | None = Field(
+            None, description="system message put before string prompts when templating"
+        )
+        shuffle: bool = Field(True, description="visit rows in a new seeded order each epoch")
+        seed: int = Field(0, description="seed of the per-epoch shuffle")
+        num_epochs: int = Field(1, ge=1, description="passes over the data (see num_rollouts)")
+        num_rollouts: int | None = Field(
+            None, ge=1, description="stop after this many prompts; overrides num_epochs if set"
+        )
+        name: str | None = Field(None, description="prefix of prompt ids; the file stem if null")
+
+        @field_validator("path")
+        @classmethod
+        def _check_path(cls, value: str) -> str:
+            split_path(value)
+            return value
+
+    def __init__(
+        self,
+        config: Config,
+        rows: list[_Row],
+        identity: dict[str, Any],
+        tokenizer: PreTrainedTokenizerBase | None,
+    ) -> None:
+        """Wrap rows that ``open`` read and validated; use ``open`` rather than this."""
+        self.config = config
+        self._rows = rows
+        self._identity = identity
+        self._tokenizer = tokenizer
+        self._epoch = 0
+        self._cursor = 0  # position in this epoch's order
+        self._order_cache: tuple[int, np.ndarray] | None = None
+
+    @classmethod
+    def open(cls, config: Config, tokenizer: PreTrainedTokenizerBase | None = None) -> PromptSource:
+        """Read and validate every selected row of ``config.path``; raises ``DataError``.
+
+        With a tokenizer each draw carries ``text`` and ``packed_prompt`` token ids; without
+        one they are ``None`` and empty (a rollout workflow tokenises itself).
+        """
+        file, rows_slice = split_path(config.path)
+        data = _read_bytes(file)
+        raw_rows = _read_raw_rows(file, data)
+        start, stop = _select(config.path, file, rows_slice, len(raw_rows))
+        objs = [(where, _as_object(where, raw)) for where, raw in raw_rows[start:stop]]
+        rows = [_check_row(where, obj, config, start + i) for i, (where, obj) in enumerate(objs)]
+        _check_optional_keys(file, [obj for _, obj in objs], config)
+        identity = {
+            "name": config.name or Path(file).stem,
+            "path": config.path,
+            "rows": [start, stop],
+            "num_rows": len(rows),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "shuffle": config.shuffle,
+            "seed": config.seed,
+        }
+        source = cls(config, rows, identity, tokenizer)
+        if tokenizer is not None:
+            source._check_tokenizer_fit()
+        return source
+
+    # -- drawing ----------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """Source name, the prefix of every ``prompt_id``."""
+        return self._identity["name"]
+
+    @property
+    def num_rows(self) -> int:
+        """Rows selected from the file (after slicing); one epoch draws each once."""
+        return len(self._rows)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next draw comes from (0-based)."""
+        return self._epoch
+
+    @property
+    def drawn(self) -> int:
+        """Prompts drawn so far, over all epochs."""
+        return self._epoch * len(self._rows) + self._cursor
+
+    @property
+    def exhausted(self) -> bool:
+        """True once ``num_rollouts`` prompts (or, if unset, ``num_epochs`` epochs) are drawn."""
+        if self.config.num_rollouts is not None:
+            return self.drawn >= self.config.num_rollouts
+        return self._epoch >= self.config.num_epochs
+
+    def next(self) -> Prompt:
+        """Draw the next prompt; raises ``Exhausted`` at the end, ``DataError`` for a bad row."""
+        if self.exhausted:
+            raise Exhausted(f"{self.config.path}: all {self.drawn} prompts were drawn")
+        row = self._rows[self._order()[self._cursor]]
+        prompt = self._make_prompt(row)  # before moving the cursor: a failed row is not skipped
+        self._cursor += 1
+        if self._cursor == len(self._rows):
+            self._epoch, self._cursor = self._epoch + 1, 0
+        return prompt
+
+    def take(self, n: int) -> list[Prompt]:
+        """Draw up to ``n`` prompts; fewer (maybe none) once the source is exhausted."""
+        if n < 0:
+            raise ValueError(f"take(n) needs n >= 0, got {n}")
+        prompts: list[Prompt] = []
+        while len(prompts) < n and not self.exhausted:
+            prompts.append(self.next())
+        return prompts
+
+    def _order(self) -> np.ndarray:
+        if self._order_cache is None or self._order_cache[0] != self._epoch:
+            n = len(self._rows)
+            order = np.arange(n)
+            if self.config.shuffle:
+                # Seeded by (seed, epoch) only, so resuming needs no RNG state.
+                order = np.random.default_rng([self.config.seed, self._epoch]).permutation(n)
+            self._order_cache = (self._epoch, order)
+        return self._order_cache[1]
+
+    def _make_prompt(self, row: _Row) -> Prompt:
+        text, packed = self._tokenize(row)
+        prompt_id = f"{self.name}:{row.index}"
+        # Copies, so a consumer that edits a prompt (a multi-turn chat) cannot edit the row.
+        return Prompt(
+            uid=f"{prompt_id}@{self._epoch}",
+            prompt_id=prompt_id,
+            epoch=self._epoch,
+            prompt=copy.deepcopy(row.prompt),
+            text=text,
+            packed_prompt=packed,
+            label=copy.deepcopy(row.label),
+            metadata=copy.deepcopy(row.metadata),
+            tools=copy.deepcopy(row.tools),
+        )
+
+    def _tokenize(self, row: _Row) -> tuple[str | None, bytes]:
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            return None, b""
+        # A chat prompt without a template was refused by open, so the else is a string.
+        text = self._render(row, tokenizer) if self.config.apply_chat_template else row.prompt
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text, pack_int32(ids)
+
+    def _render(self, row: _Row, tokenizer: PreTrainedTokenizerBase) -> str:
+        messages = row.prompt
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+            if self.config.system_prompt is not None:
+                messages.insert(0, {"role": "system", "content": self.config.system_prompt})
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tools=row.tools or None, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # the template is user code (jinja) and may raise anything
+            raise DataError(f"{row.where}: chat template failed: {exc}") from exc
+        if not isinstance(text, str):
+            raise DataError(f"{row.where}: chat template returned {type(text).__name__}")
+        return text
+
+    def _check_tokenizer_fit(self) -> None:
+        if not self.config.apply_chat_template:
+            for row in self._rows:
+                if not isinstance(row.prompt, str):
+                    raise DataError(
+                        f"{row.where}: the prompt is a list of chat messages; "
+                        "set apply_chat_template to render it with the tokenizer"
+                    )
+        self._tokenize(self._rows[0])  # a template that fails on every row fails now
+
+    # -- checkpoint ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor and the identity of the data, as plain JSON-able values."""
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "cursor": self._cursor,
+            "drawn": self.drawn,
+            "source": dict(self._identity),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next draw is the one that would have come next.
+
+        Raises ``DataError`` if the state was saved for other data (file contents, slice,
+        name, seed or shuffle differ), since its cursor would point at different prompts.
+        ``num_epochs`` and ``num_rollouts`` may change between runs.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise DataError(f"{self.config.path}: not a version {_STATE_VERSION} source state")
+        self._check_identity(state.get("source"))
+        epoch, cursor = state.get("epoch"), state.get("cursor")
+        n = len(self._rows)
+        if not (_is_int(epoch) and _is_int(cursor) and epoch >= 0 and 0 <= cursor <= n):
+            raise DataError(f"{self.config.path}: bad cursor epoch={epoch!r} cursor={cursor!r}")
+        if state.get("drawn") != epoch * n + cursor:
+            raise DataError(f"{self.config.path}: state drawn={state.get('drawn')!r} disagrees")
+        self._epoch, self._cursor = divmod(epoch * n + cursor, n)
+
+    def _check_identity(self, saved: Any) -> None:
+        if not isinstance(saved, dict):
+            raise DataError(f"{self.config.path}: source state has no 'source' identity")
+        changed = [
+            f"{key} {saved.get(key)!r} -> {value!r}"
+            for key, value in self._identity.items()
+            if key != "path" and saved.get(key) != value  # the same data may move
+        ]
+        if changed:
+            raise DataError(
+                f"{self.config.path}: the state was saved for other data ({saved.get('path')}); "
+                f"changed: {', '.join(changed)}. Refusing to resume a cursor into different rows."
+            )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# -- reading ------------------------------------------------------------------------
+def _read_bytes(file: str) -> bytes:
+    path = Path(file)
+    if path.suffix.lower() not in _FORMATS:
+        raise DataError(
+            f"{file}: unknown format {path.suffix!r}, expected one of {', '.join(_FORMATS)}"
+        )
+    if not path.is_file():
+        raise DataError(f"{file}: no such file")
+    return path.read_bytes()
+
+
+def _select(spec: str, file: str, rows: slice, num_rows: int) -> tuple[int, int]:
+    start, stop, _ = rows.indices(num_rows)
+    if not num_rows:
+        raise DataError(f"{file} has no rows")
+    if start >= stop:
+        body = spec[spec.rindex("@[") + 1 :]
+        raise DataError(f"{file}: slice {body} selects no rows of {num_rows}")
+    return start, stop
+
+
+def _read_raw_rows(file: str, data: bytes) -> list[tuple[str, Any]]:
+    """``(where, row)`` per row; a jsonl row is still undecoded bytes, parsed when selected."""
+    if _FORMATS[Path(file).suffix.lower()] == "parquet":
+        return _parquet_rows(file, data)
+    lines = enumerate(data.split(b"\n"), 1)
+    return [(f"{file}:{n}", line) for n, line in lines if line.strip()]
+
+
+def _parquet_rows(file: str, data: bytes) -> list[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+    except pa.ArrowException as exc:
+        raise DataError(f"{file}: not a readable parquet file: {exc}") from exc
+    return [(f"{file} row {n}", row) for n, row in enumerate(table.to_pylist(), 1)]
+
+
+# -- validating ---------------------------------------------------------------------
+def _as_object(where: str, raw: Any) -> dict[str, Any]:
+    obj = _decode(where, raw) if isinstance(raw, bytes) else raw
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: row is {_kind(obj)}, expected an object")
+    return obj
+
+
+def _check_row(where: str, obj: dict[str, Any], config: PromptSource.Config, index: int) -> _Row:
+    key = config.input_key
+    if key not in obj:
+        raise DataError(f"{where}: missing key {key!r}{_did_you_mean(key, obj)}")
+    return _Row(
+        index=index,
+        where=where,
+        prompt=_check_prompt(where, key, obj[key]),
+        label=obj.get(config.label_key) if config.label_key else None,
+        metadata=_check_metadata(where, config.metadata_key, obj),
+        tools=_check_tools(where, config.tools_key, obj),
+    )
+
+
+def _decode(where: str, line: bytes) -> Any:
+    try:
+        return json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        hint = " (.json files are read as JSON lines, one object per line)"
+        hint = hint if where.rpartition(":")[0].endswith(".json") else ""
+        raise DataError(f"{where}: invalid JSON: {exc}{hint}") from None
+
+
+def _check_prompt(where: str, key: str, value: Any) -> str | list[ChatMessage]:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise DataError(
+            f"{where}: {key!r} is {_kind(value)}, expected a string or a list of chat messages"
+        )
+    if not value:
+        raise DataError(f"{where}: {key!r} is an empty list of chat messages")
+    for i, message in enumerate(value):
+        _check_message(f"{where}: message {i} of {key!r}", message)
+    return value
+
+
+def _check_message(where: str, message: Any) -> None:
+    if not isinstance(message, dict):
+        raise DataError(f"{where} is {_kind(message)}, expected an object with role and content")
+    role = message.get("role")
+    if role not in _ROLES:
+        raise DataError(f"{where} has role {role!r}, expected one of {', '.join(_ROLES)}")
+    if not isinstance(message.get("content"), str):
+        raise DataError(f"{where} has content {_kind(message.get('content'))}, expected a string")
+
+
+def _check_metadata(where: str, key: str | None, obj: dict[str, Any]) -> dict[str, Any]:
+    value = obj.get(key) if key else None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise DataError(f"{where}: metadata {key!r} is {_kind(value)}, expected an object")
+    return value
+
+
+def _check_tools(where: str, key: str | None, obj: dict[str, Any]) -> list[dict[str, Any]] | None:
+    value = obj.get(key) if key else None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: tools {key!r} is a string but not JSON: {exc}") from None
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(f"{where}: tools {key!r} must be a list of objects (tool schemas)")
+    return value
+
+
+def _check_optional_keys(
+    file: str, objs: list[dict[str, Any]], config: PromptSource.Config
+) -> None:
+    """A label or tools key that no row has is a typo or the wrong dataset: fail loudly."""
+    for field, key in (("label_key", config.label_key), ("tools_key", config.tools_key)):
+        if key is not None and not any(key in obj for obj in objs):
+            raise DataError(
+                f"{file}: no row has {field} {key!r}{_did_you_mean(key, objs[0])}; "
+                f"set {field} to null if the data has none"
+            )
+
+
+def _did_you_mean(key: str, obj: dict[str, Any]) -> str:
+    keys = [k for k in obj if isinstance(k, str)]
+    close = difflib.get_close_matches(key, keys, n=1)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f" (row has keys: {', '.join(map(repr, keys))})" if keys else " (row is empty)"
+
+
+def _kind(value: Any) -> str:
+    """JSON's name for the type of ``value``, with an article, for error messages."""
+    kinds = {type(None): "null", bool: "a boolean", str: "a string", list: "an array"}
+    kinds |= {dict: "an object", int: "a number", float: "a number"}
+    return kinds.get(type(value), f"a {type(value).__name__}")
