@@ -372,3 +372,20 @@ class TrainBatch(Message):
     def samples(self) -> list[Sample]:
         """All samples, group by group."""
         return [s for g in self.groups for s in g.samples]
+
+
+class WorkItem(Message):
+    """One group of work handed by the buffer to a rollout actor.
+
+    ``partial`` holds the samples generated so far when the group is resumed (APRIL
+    over-provisioning or an abort on weight update, or a requeue after a producer
+    crashed): resume each unfinished sample from its tokens with ``max_new_tokens``
+    reduced by ``response_length``. ``version`` is the trainer version when handed out.
+    """
+
+    group_uid: str
+    prompt: Prompt
+    num_samples: int
+    version: int
+    attempt: int = 1
+    partial: Group | None = None

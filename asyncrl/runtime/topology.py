@@ -1,7 +1,8 @@
 """The job's topology: which actors exist, which endpoints they bind, who connects where.
 
     controller  hub: control  <- every actor's ControlLink
-    buffer      binds: buffer.work (rpc), buffer.results (reliable), buffer.batches (rpc)
+    buffer      binds: buffer.work (rpc), buffer.results (reliable), buffer.batches (rpc),
+                buffer.events(+_snapshot) (pub/sub: APRIL aborts)
     rollout-i   connects: buffer.work, buffer.results, trainer.weights(+_snapshot), trainer.blob
     trainer     binds: trainer.weights(+_snapshot) (pub/sub), trainer.blob (blob pull);
                 connects: buffer.batches
@@ -24,6 +25,8 @@ ENDPOINTS = (
     "buffer.work",
     "buffer.results",
     "buffer.batches",
+    "buffer.events",
+    "buffer.events_snapshot",
     "trainer.weights",
     "trainer.weights_snapshot",
     "trainer.blob",

@@ -26,7 +26,7 @@ import numpy as np
 from asyncrl.wire.codec import Message
 
 Scalar = int | float | str | bool
-CommandKind = Literal["stop", "pause", "resume", "ping", "stats"]
+CommandKind = Literal["stop", "pause", "resume", "ping", "stats", "requeue", "checkpoint"]
 ActorStateName = Literal["starting", "running", "draining", "stopped", "failed"]
 
 

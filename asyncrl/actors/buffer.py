@@ -1,0 +1,313 @@
+"""BufferActor: the hub between rollout producers and the trainer (DESIGN section 2).
+
+Channels (names as in ``runtime/topology.py``)::
+
+    rollout-i --WorkRequest rpc--------> buffer.work       WorkReply(items) under admission
+    rollout-i --Group, reliable--------> buffer.results    acked once ``put`` recorded it
+    trainer   --BatchRequest rpc-------> buffer.batches    BatchReply(TrainBatch)
+    trainer   --WeightVersion pub------> (subscribed)      set_version: admission grows
+    buffer    --BufferEvent pub--------> buffer.events     APRIL "abort" to rollout actors
+
+Requests wait (up to their ``wait`` seconds) for something to hand out instead of
+polling: admission room for work, a full batch for the trainer. Every state change
+(a result, a new version, a batch taken) wakes the waiters. All policy lives in
+``VersionedBuffer``; this actor only moves messages and exports its numbers.
+
+Commands: ``requeue`` (``actor=NAME``: its in-flight work goes back to be resumed, used
+by the supervisor when a producer dies) and ``checkpoint`` (``path=FILE``).
+``params``: ``buffer`` (``VersionedBuffer.Config``), ``source``
+(``PromptSource.Config``), ``tokenizer`` (a directory), ``resume_from`` (a checkpoint
+file), ``metrics_path`` and ``metrics_interval``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from asyncrl.actors.base import Actor
+from asyncrl.buffer.sources import PromptSource
+from asyncrl.buffer.versioned import BufferState, BufferStats, VersionedBuffer
+from asyncrl.observe.logs import get_logger
+from asyncrl.observe.metrics import JsonlMetricsSink
+from asyncrl.types import Group, TrainBatch, WorkItem
+from asyncrl.wire.codec import Codec, Message
+from asyncrl.wire.messages import Command, Scalar, WeightVersion
+from asyncrl.wire.pubsub import Publisher, Subscriber
+from asyncrl.wire.reliable import ReliableReceiver
+from asyncrl.wire.rpc import RpcServer
+
+log = get_logger("asyncrl.buffer")
+
+
+class WorkRequest(Message):
+    """A rollout actor asks for up to ``max_items`` groups, waiting up to ``wait`` s."""
+
+    actor: str
+    max_items: int
+    wait: float = 1.0
+
+
+class WorkReply(Message):
+    """Work to do (maybe none yet); ``exhausted`` means no more will ever come."""
+
+    items: list[WorkItem]
+    version: int
+    exhausted: bool = False
+
+
+class BatchRequest(Message):
+    """The trainer asks for a batch of ``num_groups`` (0: the configured B)."""
+
+    trainer: str
+    num_groups: int = 0
+    wait: float = 1.0
+
+
+class BatchReply(Message):
+    """A batch, or None when none was ready in time; ``exhausted``: the data is used up."""
+
+    batch: TrainBatch | None
+    exhausted: bool = False
+
+
+class BufferEvent(Message):
+    """Published to rollout actors; ``kind="abort"``: abort in-flight work (APRIL)."""
+
+    kind: str
+    version: int
+
+
+class BufferActor(Actor):
+    """Serves work and batches from a ``VersionedBuffer``; see the module docstring."""
+
+    async def setup(self) -> None:
+        params = self.spec.params
+        self.buffer = VersionedBuffer(
+            VersionedBuffer.Config(**params.get("buffer", {})), _open_source(params)
+        )
+        if params.get("resume_from"):
+            self._restore(Path(params["resume_from"]))
+        self.version = self.buffer.version
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._holders: dict[str, set[str]] = defaultdict(set)  # actor -> uids it holds
+        self._aborted_at = -1
+        self._outcomes: dict[str, int] = defaultdict(int)
+        await self._open_channels()
+        path = params.get("metrics_path")
+        self.metrics = JsonlMetricsSink(path) if path else None
+
+    async def _open_channels(self) -> None:
+        ep, frame = self.spec.endpoints, _frame_bytes(self.spec.config)
+        work, batch = Codec(WorkRequest, max_frame_bytes=frame), Codec(BatchRequest)
+        await self.open(
+            RpcServer(ep["buffer.work"], work, Codec(WorkReply, max_frame_bytes=frame),
+                      self._serve_work), "work",
+        )  # fmt: skip
+        await self.open(
+            RpcServer(ep["buffer.batches"], batch, Codec(BatchReply, max_frame_bytes=frame),
+                      self._serve_batch), "batches",
+        )  # fmt: skip
+        self.results = await self.open(
+            ReliableReceiver(ep["buffer.results"], Codec(Group, max_frame_bytes=frame)),
+            "results",
+        )
+        self.events = await self.open(
+            Publisher(ep["buffer.events"], ep["buffer.events_snapshot"], Codec(BufferEvent)),
+            "events",
+        )
+        self.weights = None
+        if "trainer.weights" in ep:
+            self.weights = await self.open(
+                Subscriber(ep["trainer.weights"], ep["trainer.weights_snapshot"],
+                           Codec(WeightVersion, max_frame_bytes=frame), ["weights"]),
+                "weights",
+            )  # fmt: skip
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            loops = [tg.create_task(self._results_loop(), name="buffer.results")]
+            if self.weights is not None:
+                loops.append(tg.create_task(self._versions_loop(), name="buffer.versions"))
+            if self.metrics is not None:
+                loops.append(tg.create_task(self._metrics_loop(), name="buffer.metrics"))
+            await self.wait_stopping()
+            for task in loops:  # a stop ends the loops; their failures still propagate
+                task.cancel()
+
+    async def main(self) -> int:
+        try:
+            return await super().main()
+        finally:
+            if getattr(self, "metrics", None) is not None:
+                self.metrics.close()
+
+    # -- producers -----------------------------------------------------------------------
+    async def _serve_work(self, req: WorkRequest, peer: bytes) -> WorkReply:
+        if self.stopping:
+            return WorkReply(items=[], version=self.buffer.version)
+        await self._wait_until(lambda: self._has_work() or self._no_more_work(), req.wait)
+        items = self.buffer.next_work(max(0, req.max_items))
+        self._holders[req.actor].update(i.group_uid for i in items)
+        exhausted = not items and self._no_more_work()
+        return WorkReply(items=items, version=self.buffer.version, exhausted=exhausted)
+
+    def _has_work(self) -> bool:
+        buf = self.buffer
+        return (len(buf.pool) > 0 or buf.capacity() > 0) and not self._no_more_work()
+
+    def _no_more_work(self) -> bool:
+        buf = self.buffer
+        source_done = buf.source is None or buf.source.exhausted
+        return source_done and not buf._pending and len(buf.pool) == 0
+
+    async def _results_loop(self) -> None:
+        while True:
+            received = await self.results.receive_batch()
+            for group in received:
+                self._record(group)
+            received.ack()  # only after put: an unacked result is redelivered
+            self._maybe_abort()
+            self._notify()
+
+    def _record(self, group: Group) -> None:
+        outcome = self.buffer.put(group)
+        self._outcomes[outcome] += 1
+        if outcome != "partial":
+            for uids in self._holders.values():
+                uids.discard(group.uid)
+        if outcome in ("failed", "filtered"):
+            log.debug("group dropped", group=group.uid, outcome=outcome)
+
+    def _maybe_abort(self) -> None:
+        if self.buffer.should_abort() and self._aborted_at != self.buffer.version:
+            self._aborted_at = self.buffer.version
+            self.events.publish("events", BufferEvent(kind="abort", version=self.version))
+
+    # -- the trainer ---------------------------------------------------------------------
+    async def _serve_batch(self, req: BatchRequest, peer: bytes) -> BatchReply:
+        n = req.num_groups or self.buffer.config.groups_per_step
+        await self._wait_until(lambda: self.buffer.ready(n) or self.buffer.exhausted, req.wait)
+        batch = self.buffer.take_batch(n)
+        if batch is not None:
+            self._notify()
+        return BatchReply(batch=batch, exhausted=batch is None and self.buffer.exhausted)
+
+    async def _versions_loop(self) -> None:
+        assert self.weights is not None
+        while True:
+            update = await self.weights.receive()
+            if update.msg.version > self.buffer.version:
+                self.buffer.set_version(update.msg.version)
+                self.version = update.msg.version
+                self._notify()
+
+    # -- waiting -------------------------------------------------------------------------
+    def _notify(self) -> None:
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters.clear()
+
+    async def _wait_until(self, ready: Callable[[], bool], seconds: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, seconds)
+        while not ready():
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self.stopping:
+                return False
+            fut = loop.create_future()
+            self._waiters.add(fut)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except TimeoutError:
+                return ready()
+            finally:
+                self._waiters.discard(fut)
+        return True
+
+    # -- commands, checkpoints, metrics --------------------------------------------------
+    async def on_command(self, cmd: Command) -> dict[str, Scalar]:
+        if cmd.kind == "requeue":
+            return {"requeued": self.requeue_actor(str(cmd.args.get("actor", "")))}
+        if cmd.kind == "checkpoint":
+            self.save_checkpoint(Path(str(cmd.args["path"])))
+            return {"path": str(cmd.args["path"])}
+        return await super().on_command(cmd)
+
+    def requeue_actor(self, actor: str) -> int:
+        """Put the in-flight work of ``actor`` (it died) back to be handed out again."""
+        n = self.buffer.requeue(sorted(self._holders.pop(actor, set())))
+        if n:
+            log.warning("requeued in-flight work", actor=actor, groups=n)
+            self._notify()
+        return n
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Write the buffer state atomically (write to a temp file, then rename)."""
+        body = b"".join(bytes(f) for f in Codec(BufferState).encode(self.buffer.state_dict()))
+        tmp = path.with_name(path.name + ".tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(body)
+        os.replace(tmp, path)
+
+    def _restore(self, path: Path) -> None:
+        state = Codec(BufferState).decode([path.read_bytes()])
+        self.buffer.load_state_dict(state)
+        log.info("buffer restored", path=str(path), version=state.version)
+
+    async def drain(self) -> None:
+        path = self.spec.params.get("checkpoint_on_stop")
+        if path:
+            self.save_checkpoint(Path(path))
+
+    def stats(self) -> dict[str, float]:
+        return flatten_stats(self.buffer.statistics())
+
+    async def _metrics_loop(self) -> None:
+        assert self.metrics is not None
+        interval = float(self.spec.params.get("metrics_interval", 5.0))
+        while True:
+            await asyncio.sleep(interval)
+            self.metrics.write({"actor": self.name, **self.stats()})
+
+
+def flatten_stats(s: BufferStats) -> dict[str, float]:
+    """Buffer statistics as flat ``buffer.*`` numbers for heartbeats and metrics."""
+    out: dict[str, float] = {
+        f"buffer.{k}": float(getattr(s, k))
+        for k in ("version", "admitted", "in_flight", "partial", "buffered", "consumed",
+                  "duplicates", "capacity", "peak_buffered", "batches", "resumed_consumed",
+                  "masked_tokens", "queue_age_max")
+    }  # fmt: skip
+    out.update({f"buffer.filtered.{k}": float(v) for k, v in s.filtered.items()})
+    out.update({f"buffer.failed.{k[:60]}": float(v) for k, v in s.failed.items()})
+    out["buffer.staleness_mean"] = _mean(s.staleness_samples)
+    out["buffer.staleness_max"] = float(max(s.staleness_samples, default=0))
+    out["buffer.token_staleness_mean"] = _mean(s.staleness_tokens)
+    out["buffer.recycled_share"] = s.resumed_consumed / s.consumed if s.consumed else 0.0
+    return out
+
+
+def _mean(hist: dict[int, int]) -> float:
+    total = sum(hist.values())
+    return sum(k * v for k, v in hist.items()) / total if total else 0.0
+
+
+def _frame_bytes(config: dict[str, Any]) -> int:
+    return int(config.get("wire", {}).get("max_frame_bytes", 64 << 20))
+
+
+def _open_source(params: dict[str, Any]) -> PromptSource | None:
+    if not params.get("source"):
+        return None
+    tokenizer = None
+    if params.get("tokenizer"):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(params["tokenizer"])
+    return PromptSource.open(PromptSource.Config(**params["source"]), tokenizer)

@@ -1,0 +1,86 @@
+"""APRIL partial rollouts: the pool of groups waiting to resume.
+
+APRIL (active partial rollouts) submits ``(1 + alpha) * B`` groups per step; once ``B``
+are finished the rest are aborted and come back with what they generated so far
+(tokens, behaviour log-probs, versions). They wait here and are handed out before any
+new prompt, so long responses are finished across steps instead of being thrown away
+(throwing them away biases training toward short answers). The same pool holds groups
+aborted on a weight update and the in-flight work of a producer that died.
+
+Resuming a sample continues its response: the engine gets ``prompt + response`` tokens
+and ``max_new_tokens - response_length`` new tokens at most (``remaining_tokens``). The
+tokens generated before the resume came from older weights; ``mask_resumed_tokens``
+optionally takes them out of the loss.
+
+Users: ``VersionedBuffer``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+
+from asyncrl.types import Group, WorkItem
+
+
+def remaining_tokens(generated: int, max_new_tokens: int) -> int:
+    """New tokens a resumed sample may still generate: ``max(0, max_new - generated)``."""
+    return max(0, max_new_tokens - generated)
+
+
+def mask_resumed_tokens(group: Group, resumed_at_version: int) -> int:
+    """Zero the loss mask of tokens older than ``resumed_at_version``; returns how many."""
+    masked = 0
+    for sample in group.samples:
+        old = sample.token_versions < resumed_at_version
+        if old.any():
+            masked += int((old & (sample.loss_mask == 1)).sum())
+            sample.set_loss_mask(sample.loss_mask * ~old)
+    return masked
+
+
+class PartialPool:
+    """Work waiting to resume, oldest head version first (ties: arrival order)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, str]] = []
+        self._items: dict[str, WorkItem] = {}
+        # A removed and re-added uid leaves its old heap entry behind; the seq tells them apart.
+        self._seqs: dict[str, int] = {}
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, uid: str) -> bool:
+        return uid in self._items
+
+    def __iter__(self) -> Iterator[WorkItem]:
+        return iter(sorted(self._items.values(), key=_head))
+
+    def add(self, item: WorkItem) -> None:
+        """Queue ``item`` (its ``partial`` holds the samples so far, if any)."""
+        if item.group_uid in self._items:
+            raise ValueError(f"group {item.group_uid} is already waiting to resume")
+        self._seq += 1
+        self._items[item.group_uid] = item
+        self._seqs[item.group_uid] = self._seq
+        heapq.heappush(self._heap, (_head(item), self._seq, item.group_uid))
+
+    def pop(self) -> WorkItem | None:
+        """The oldest waiting item, or None."""
+        while self._heap:
+            _, seq, uid = heapq.heappop(self._heap)
+            if self._seqs.get(uid) == seq:
+                del self._seqs[uid]
+                return self._items.pop(uid)
+        return None
+
+    def remove(self, uid: str) -> WorkItem:
+        """Take ``uid`` out (its result arrived from an earlier attempt)."""
+        del self._seqs[uid]
+        return self._items.pop(uid)
+
+
+def _head(item: WorkItem) -> int:
+    return item.partial.head_version if item.partial is not None else item.version
