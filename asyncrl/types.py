@@ -327,7 +327,32 @@ class Group(Message):
     @property
     def head_version(self) -> int:
         """The oldest weight version of any token in the group."""
-        return min(s.head_version for s in self.samples)
+        return int(self.sample_head_versions().min())
+
+    def sample_head_versions(self) -> np.ndarray:
+        """Each sample's head version, int64[n], in one vectorised pass over the group."""
+        versions, lengths = self._versions()
+        heads = np.array([s.admitted_at_version for s in self.samples], dtype=np.int64)
+        full = lengths > 0
+        if full.any():
+            starts = np.concatenate(([0], np.cumsum(lengths[full])[:-1]))
+            heads[full] = np.minimum.reduceat(versions, starts)
+        return heads
+
+    def token_versions(self) -> np.ndarray:
+        """Every response token's version, all samples concatenated, int32."""
+        return self._versions()[0]
+
+    def _versions(self) -> tuple[np.ndarray, np.ndarray]:
+        # Slicing the packed buffers and joining once beats a numpy view per sample.
+        parts, lengths = [], []
+        for sample in self.samples:
+            raw = sample.packed_response
+            n = len(raw) // _BYTES_PER_TOKEN
+            lengths.append(n)
+            if n:
+                parts.append(raw[8 * n : 12 * n])
+        return np.frombuffer(b"".join(parts), dtype=_I32), np.array(lengths, dtype=np.int64)
 
     def staleness(self, version: int) -> int:
         """Head staleness of the group at trainer version ``version``."""

@@ -161,9 +161,7 @@ class BufferActor(Actor):
         return (len(buf.pool) > 0 or buf.capacity() > 0) and not self._no_more_work()
 
     def _no_more_work(self) -> bool:
-        buf = self.buffer
-        source_done = buf.source is None or buf.source.exhausted
-        return source_done and not buf._pending and len(buf.pool) == 0
+        return self.buffer.source_done and not len(self.buffer.pool)
 
     async def _results_loop(self) -> None:
         while True:

@@ -132,7 +132,7 @@ class VersionedStore:
     def _insert(self, entry: StoredGroup) -> None:
         self._entries[entry.group.uid] = entry
         heapq.heappush(self._by_age, (entry.head_version, entry.seq, entry.group.uid))
-        prio = self._score(entry.group)
+        prio = self._score(entry)
         heapq.heappush(self._by_priority, (-prio, entry.seq, entry.group.uid))
         self.peak = max(self.peak, len(self._entries))
         if len(self._by_age) + len(self._by_priority) > 4 * len(self._entries) + 64:
@@ -145,9 +145,11 @@ class VersionedStore:
             heap[:] = [i for i in heap if i[2] in live and live[i[2]].seq == i[1]]
             heapq.heapify(heap)
 
-    def _score(self, group: Group) -> float:
+    def _score(self, entry: StoredGroup) -> float:
+        if self.priority is oldest:  # the default: reuse the head computed at put
+            return -entry.head_version
         try:
-            score = float(self.priority(group))
+            score = float(self.priority(entry.group))
         except Exception:  # user code: a broken priority must not lose the group
             self.priority_errors += 1
             return 0.0

@@ -240,10 +240,19 @@ class VersionedBuffer:
         self._pending += prompts
 
     @property
+    def source_done(self) -> bool:
+        """No new prompt will come: the source is used up and none is pending admission."""
+        return (self.source is None or self.source.exhausted) and not self._pending
+
+    @property
+    def draining(self) -> bool:
+        """No group can finish any more: the source is done and nothing generates or waits."""
+        return self.source_done and not self._in_flight and not len(self.pool)
+
+    @property
     def exhausted(self) -> bool:
         """True when the source is used up and nothing is pending, in flight or buffered."""
-        source_done = self.source is None or self.source.exhausted
-        return source_done and not self._pending and not self.ledger.live
+        return self.source_done and not self.ledger.live
 
     # -- results ---------------------------------------------------------------------
     def put(self, group: Group) -> str:
@@ -329,9 +338,13 @@ class VersionedBuffer:
 
     # -- serving the trainer -------------------------------------------------------------
     def ready(self, n: int | None = None) -> bool:
-        """True if ``take_batch(n)`` would return a batch (after the staleness backstop)."""
+        """True if ``take_batch(n)`` would return a batch (after the staleness backstop).
+
+        At the end of the data a shorter last batch is ready: nothing else can arrive.
+        """
         self._evict_stale()
-        return len(self.store) >= (n or self.config.groups_per_step)
+        stored = len(self.store)
+        return stored >= (n or self.config.groups_per_step) or (stored > 0 and self.draining)
 
     def take_batch(self, n: int | None = None) -> TrainBatch | None:
         """``n`` groups (default B) for the trainer at the current version, or None."""
@@ -359,11 +372,9 @@ class VersionedBuffer:
         if self._resumed_at.pop(entry.group.uid, None) is not None:
             self._resumed_consumed += 1
         self._queue_age_max = max(self._queue_age_max, now - entry.stored_at)
-        for sample in entry.group.samples:
-            self._stale_samples[sample.staleness(self.version)] += 1
-            lags, counts = _unique(self.version - sample.token_versions)
-            for lag, count in zip(lags, counts, strict=True):
-                self._stale_tokens[lag] += count
+        group = entry.group
+        _count_into(self._stale_samples, self.version - group.sample_head_versions())
+        _count_into(self._stale_tokens, self.version - group.token_versions().astype(np.int64))
 
     # -- metrics and checkpoints ---------------------------------------------------------
     def statistics(self) -> BufferStats:
@@ -452,6 +463,11 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
-def _unique(values: np.ndarray) -> tuple[list[int], list[int]]:
-    lags, counts = np.unique(values, return_counts=True)
-    return lags.tolist(), counts.tolist()
+def _count_into(hist: Counter[int], values: np.ndarray) -> None:
+    """Add a histogram of the integers in ``values`` to ``hist``."""
+    if not values.size:
+        return
+    lo = int(values.min())
+    for value, count in enumerate(np.bincount(values - lo).tolist(), start=lo):
+        if count:
+            hist[value] += count
