@@ -34,6 +34,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
+from asyncrl.buffer.sources import PromptSource
+from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.wire.sockets import check_endpoint
 
 KiB, MiB = 1024, 1024 * 1024
@@ -148,6 +150,12 @@ class RunConfig(Section):
     wire: WireConfig = Field(default_factory=WireConfig, description="channel limits")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout actors")
+    buffer: VersionedBuffer.Config = Field(
+        default_factory=VersionedBuffer.Config, description="admission, store, APRIL, filters"
+    )
+    data: PromptSource.Config | None = Field(
+        None, description="training prompts (needed to train; --prompt-data sets the file)"
+    )
 
     def resolved_output_dir(self) -> Path:
         """``output_dir`` with ``{name}`` filled in and ``~`` expanded."""
@@ -164,6 +172,25 @@ def debug_cpu() -> RunConfig:
 
 
 PRESETS: dict[str, Callable[[], BaseModel]] = {"debug_cpu": debug_cpu}
+
+
+#: slime's names for leaves of sections that components own (DESIGN section 10); a field's
+#: own ``json_schema_extra={"flag": ...}`` wins over this table.
+SLIME_FLAGS: dict[tuple[str, ...], str] = {
+    ("buffer", "groups_per_step"): "rollout-batch-size",
+    ("buffer", "num_samples_per_prompt"): "n-samples-per-prompt",
+    ("buffer", "mask_resumed_tokens"): "mask-offpolicy-in-partial-rollout",
+    ("data", "path"): "prompt-data",
+    ("data", "input_key"): "input-key",
+    ("data", "label_key"): "label-key",
+    ("data", "metadata_key"): "metadata-key",
+    ("data", "tools_key"): "tool-key",
+    ("data", "apply_chat_template"): "apply-chat-template",
+    ("data", "shuffle"): "rollout-shuffle",
+    ("data", "seed"): "rollout-seed",
+    ("data", "num_epochs"): "num-epoch",
+    ("data", "num_rollouts"): "num-rollout",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +238,7 @@ def _leaf_spec(path: tuple[str, ...], field: pydantic.fields.FieldInfo) -> FlagS
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     required = field.is_required()
     return FlagSpec(
-        flag=_as_flag(str(extra.get("flag") or "-".join(path))),
+        flag=_as_flag(str(extra.get("flag") or SLIME_FLAGS.get(path) or "-".join(path))),
         path=path,
         annotation=_type_text(field.annotation),
         default=None if required else field.get_default(call_default_factory=True),
@@ -224,6 +251,9 @@ def _leaf_spec(path: tuple[str, ...], field: pydantic.fields.FieldInfo) -> FlagS
 
 
 def _section_model(ann: Any) -> type[BaseModel] | None:
+    """The model of a section field (``Model`` or ``Model | None``), else None."""
+    members = _non_null(ann)
+    ann = members[0] if len(members) == 1 else None
     is_model = get_origin(ann) is None and isinstance(ann, type) and issubclass(ann, BaseModel)
     return ann if is_model else None
 

@@ -200,13 +200,34 @@ def test_every_preset_builds_a_valid_config():
 
 def test_every_leaf_has_exactly_one_flag_and_a_description():
     table = flag_table()
-    assert {spec.path for spec in table.values()} == leaf_paths(RunConfig().model_dump())
-    assert len(table) == len(leaf_paths(RunConfig().model_dump()))
+    full = RunConfig(data={"path": "prompts.jsonl"}).model_dump()  # the optional section too
+    assert {spec.path for spec in table.values()} == leaf_paths(full)
+    assert len(table) == len(leaf_paths(full))
     assert [flag for flag, spec in table.items() if not spec.description] == []
     assert table["--runtime"].path == ("runtime", "type")
     assert table["--ray-address"].path == ("runtime", "ray_address")
     assert table["--log-level"].path == ("log", "level")
     assert table["--rollout-num-actors"].path == ("rollout", "num_actors")
+    # slime's names for the buffer and data leaves (DESIGN section 10)
+    assert table["--rollout-batch-size"].path == ("buffer", "groups_per_step")
+    assert table["--n-samples-per-prompt"].path == ("buffer", "num_samples_per_prompt")
+    assert table["--prompt-data"].path == ("data", "path")
+    assert table["--num-rollout"].path == ("data", "num_rollouts")
+
+
+def test_the_optional_data_section_is_created_by_its_flags_and_checked():
+    cfg = load_config(None, ["--prompt-data", "d.jsonl@[0:5]", "--apply-chat-template", "true"])
+    assert cfg.data is not None and cfg.data.path == "d.jsonl@[0:5]"
+    assert cfg.data.apply_chat_template and load_config(None, []).data is None
+    with pytest.raises(ConfigError, match=r"data\.path \(--prompt-data\): Field required"):
+        load_config(None, ["--input-key", "question"])
+
+
+def test_buffer_settings_are_checked_together_before_anything_starts():
+    with pytest.raises(ConfigError, match="hard_staleness \\(1\\) must be >= max_staleness"):
+        load_config(None, ["--buffer-max-staleness", "2", "--buffer-hard-staleness", "1"])
+    with pytest.raises(ConfigError, match="--rollout-batch-size"):
+        load_config(None, ["--rollout-batch-size", "0"])
 
 
 class Inner(Section):
