@@ -161,8 +161,12 @@ async def test_buffer_actor_admits_serves_and_accounts_for_every_prompt(
     assert sorted(consumed) == sorted({f"prompts:{i}@0" for i in range(NUM_PROMPTS)})
     assert stats["buffer.consumed"] == NUM_PROMPTS and stats["buffer.admitted"] == NUM_PROMPTS
     assert stats["buffer.duplicates"] == 1 and stats["buffer.staleness_max"] <= 1
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert lines and "buffer.capacity" in json.loads(lines[-1])
+    await asyncio.sleep(0.5)  # one more metrics interval after the last batch
+    await supervisor.stop_all(grace=10)  # closing the sink writes what it buffered
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["buffer.consumed"] == NUM_PROMPTS
+    assert sum(last["buffer.staleness_samples"].values()) == NUM_PROMPTS * N
+    assert sum(last["buffer.staleness_tokens"].values()) == NUM_PROMPTS * N * 3
 
 
 async def test_requeue_and_resume_from_a_checkpoint_lose_and_repeat_nothing(

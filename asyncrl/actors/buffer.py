@@ -271,7 +271,15 @@ class BufferActor(Actor):
         interval = float(self.spec.params.get("metrics_interval", 5.0))
         while True:
             await asyncio.sleep(interval)
-            self.metrics.write({"actor": self.name, **self.stats()})
+            full = self.buffer.statistics()  # the histograms too, not just their means
+            self.metrics.write(
+                {
+                    "actor": self.name,
+                    **flatten_stats(full),
+                    "buffer.staleness_samples": full.staleness_samples,
+                    "buffer.staleness_tokens": full.staleness_tokens,
+                }
+            )
 
 
 def flatten_stats(s: BufferStats) -> dict[str, float]:
