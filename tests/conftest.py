@@ -1,6 +1,13 @@
-"""Shared pytest set-up: every async test runs on uvloop, as the actors do."""
+"""Shared pytest set-up: offline transformers, and every async test runs on uvloop."""
 
 from __future__ import annotations
+
+import os
+
+# No model hub is reachable: transformers must never try (set before anything imports it).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from collections.abc import Callable, Mapping
 from typing import Any

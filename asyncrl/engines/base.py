@@ -1,0 +1,191 @@
+"""The inference-engine seam: the records and the protocol every engine implements.
+
+An engine takes token ids in and gives token ids out (token-in/token-out: no step
+re-tokenises text), with the behaviour log-prob and the weight version of every sampled
+token. The records follow SGLang's ``/generate`` semantics (``reference/sglang_api.md``
+section 1) so that the HTTP server (``engines/server.py``) is a thin translation and the
+same rollout code drives the embedded engine, a real SGLang server or a router.
+
+Implementations: ``TorchEngine`` (``engines/torch_engine.py``, CPU and CUDA). Users: the
+HTTP server; tests drive engines directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+PauseMode = Literal["abort", "in_place", "retract"]
+
+#: Constrained-decoding keys SGLang accepts; this server refuses them with a clear 400.
+UNSUPPORTED_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's ``sampling_params`` (section 1.2); unknown keys are refused on decode."""
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+    stream_interval: int | None = None
+    logit_bias: dict[str, float] | None = None
+    custom_params: dict[str, Any] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+
+    def verify(self) -> None:
+        """Raise ``ValueError`` with SGLang's wording for an out-of-range value."""
+        checks = (
+            (self.max_new_tokens is None or self.max_new_tokens >= 0,
+             "max_new_tokens must be >= 0"),
+            (self.min_new_tokens >= 0, "min_new_tokens must be >= 0"),
+            (self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens,
+             "min_new_tokens must be <= max_new_tokens"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (disable) or >= 1"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]"),
+            (self.n >= 1, "n must be >= 1"),
+            (len(self.stop_strings) <= 32, "at most 32 stop strings"),
+        )  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        for key in UNSUPPORTED_SAMPLING_KEYS:
+            if getattr(self, key) is not None:
+                raise ValueError(f"{key} (constrained decoding) is not supported by this server")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 or top_k 1: take the argmax."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """One sequence to generate (``n > 1`` is expanded by the server into ``rid_i``)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    #: -1: output log-probs only; 0..P: prompt log-probs from that position too.
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+
+
+class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """SGLang's ``finish_reason`` object (section 1.4)."""
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+
+class GenerateOutput(msgspec.Struct, kw_only=True):
+    """Everything generated so far for one request (cumulative; the last one is final).
+
+    ``logprobs[i]`` and ``versions[i]`` belong to ``output_ids[i]``. ``queued`` is True
+    when the request was aborted before it started (SGLang's "Abort in waiting queue").
+    """
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    input_logprobs: list[float | None] | None = None
+    top_logprobs: list[list[tuple[float, int]]] | None = None
+    queued: bool = False
+    e2e_latency: float = 0.0
+
+
+class EngineLoad(msgspec.Struct, kw_only=True):
+    """What ``/v1/loads`` reports for the engine's one data-parallel rank."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_used_tokens: int
+    max_total_num_tokens: int
+    paused: bool = False
+
+
+class InferenceEngine(Protocol):
+    """What the HTTP server needs from an engine. Versions are ints (optimizer steps)."""
+
+    version: int
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Cumulative outputs as tokens arrive; the last carries ``finish_reason``."""
+        ...
+
+    def abort(self, rid: str = "", *, abort_all: bool = False) -> int:
+        """Abort by rid prefix or all; the callers get their partial output. Returns count."""
+        ...
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Stop generating; ``abort`` returns once every caller has its partial output."""
+        ...
+
+    async def resume(self) -> None:
+        """Continue after ``pause`` (SGLang's ``continue_generation``)."""
+        ...
+
+    async def update_weights_from_disk(self, path: str, version: int | None) -> None:
+        """Load a safetensors/HF directory between decode steps; set ``version``."""
+        ...
+
+    async def update_weights_from_tensors(
+        self, tensors: dict[str, Any], version: int | None
+    ) -> None:
+        """Copy named tensors into the model between decode steps; set ``version``."""
+        ...
+
+    async def flush_cache(self) -> bool:
+        """Drop cached KV; False (nothing done) while requests run or wait."""
+        ...
+
+    async def release_memory(self, tags: list[str] | None) -> None:
+        """Free the KV cache and/or move weights off the device (colocated training)."""
+        ...
+
+    async def resume_memory(self, tags: list[str] | None) -> None:
+        """Undo ``release_memory``."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """Running and waiting requests and token usage."""
+        ...

@@ -1,0 +1,96 @@
+"""Turning next-token logits into a sampled token and its behaviour log-prob, per request.
+
+For one row with raw logits ``z`` (float32), the processed distribution is::
+
+    z' = z + logit_bias                        (bias by token id)
+    z' = penalise(z', counts)                  repetition (divide positive / multiply
+                                               negative logits of seen tokens by r),
+                                               frequency (- f * count), presence (- p * [count > 0])
+    z' = z' / T                                (temperature; T = 0 means greedy)
+    keep the top_k, then the smallest top-p nucleus, then tokens with p >= min_p * p_max
+    logprob(x) = log_softmax(z')[x]
+
+EOS and stop-token ids are masked while fewer than ``min_new_tokens`` were generated.
+The sampled token is drawn from ``softmax(z')`` with the request's own generator (seeded
+by ``sampling_seed``), so a seeded request samples the same tokens whatever else shares
+its batch. Greedy requests take ``argmax z`` and report the log-prob under the model's
+unscaled distribution (``log_softmax(z)``), which is what a trainer recomputes.
+
+Users: ``TorchEngine``; tested directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.engines.base import SamplingParams
+
+
+@dataclass(slots=True)
+class RowState:
+    """What sampling needs to know about one running sequence."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    seen: torch.Tensor | None  # token ids of prompt + output, for repetition penalty
+    counts: dict[int, int]  # output token -> count, for frequency/presence penalties
+    num_generated: int
+    blocked: list[int]  # token ids masked while num_generated < min_new_tokens
+
+
+def process_logits(logits: torch.Tensor, row: RowState) -> torch.Tensor:
+    """The processed logits ``z'`` of one row (see the module docstring)."""
+    p = row.params
+    z = logits.float().clone()
+    if p.logit_bias:
+        for token, bias in p.logit_bias.items():
+            z[int(token)] += bias
+    z = _penalise(z, row)
+    if row.num_generated < p.min_new_tokens and row.blocked:
+        z[row.blocked] = float("-inf")
+    if p.greedy:
+        return z
+    z = z / p.temperature
+    return _filter(z, p)
+
+
+def _penalise(z: torch.Tensor, row: RowState) -> torch.Tensor:
+    p = row.params
+    if p.repetition_penalty != 1.0 and row.seen is not None and row.seen.numel():
+        ids = torch.unique(row.seen)
+        vals = z[ids]
+        z[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and row.counts:
+        ids = torch.tensor(list(row.counts), dtype=torch.long)
+        counts = torch.tensor(list(row.counts.values()), dtype=z.dtype)
+        z[ids] -= p.frequency_penalty * counts + p.presence_penalty
+    return z
+
+
+def _filter(z: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    if p.top_k > 0 and p.top_k < z.numel():
+        kth = torch.topk(z, p.top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_z, order = torch.sort(z, descending=True)
+        probs = torch.softmax(sorted_z, -1)
+        # Drop a token once the mass before it already reaches top_p (the first always stays).
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        z = z.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0:
+        probs = torch.softmax(z, -1)
+        z = z.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return z
+
+
+def sample(logits: torch.Tensor, row: RowState) -> tuple[int, float]:
+    """Sample one token from a row of raw logits; returns ``(token, logprob)``."""
+    z = process_logits(logits, row)
+    if row.params.greedy:
+        token = int(torch.argmax(z))
+        return token, float(torch.log_softmax(logits.float(), -1)[token])
+    logp = torch.log_softmax(z, -1)
+    token = int(torch.multinomial(logp.exp(), 1, generator=row.generator))
+    return token, float(logp[token])

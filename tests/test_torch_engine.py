@@ -1,0 +1,220 @@
+"""TorchEngine on a tiny Qwen2: exact log-probs, greedy equal to HF generate, continuous
+batching, aborts and resumes, pause modes and weight swaps at step boundaries."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.engines.base import GenerateOutput, GenerateRequest, SamplingParams
+from asyncrl.engines.torch_engine import EngineError, TorchEngine
+from tests.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp("tiny")
+    model, tokenizer = build_tiny_model(directory)
+    return directory, model, tokenizer
+
+
+@pytest.fixture
+async def engine(tiny) -> AsyncIterator[TorchEngine]:
+    directory, _, _ = tiny
+    eng = TorchEngine.from_pretrained(str(directory))
+    task = asyncio.create_task(eng.run())
+    yield eng
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def run(engine: TorchEngine, rid: str, ids: list[int], **sampling) -> GenerateOutput:
+    request = GenerateRequest(rid=rid, input_ids=ids, sampling=SamplingParams(**sampling))
+    out = None
+    async for snapshot in engine.generate(request):
+        out = snapshot
+    assert out is not None and out.finish_reason is not None
+    return out
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def teacher_forced(model, ids: list[int], output: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + output])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)[len(ids) - 1 : -1]
+    return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+PROMPTS = [[5, 9, 11], list(range(20, 47)), [300], list(range(100, 108))]
+
+
+async def test_greedy_equals_hf_generate_for_staggered_requests(engine, tiny):
+    _, model, _ = tiny
+
+    async def later(i: int, ids: list[int]) -> GenerateOutput:
+        await asyncio.sleep(0.02 * i)  # join a running batch at different steps
+        return await run(
+            engine, f"g{i}", ids, temperature=0, max_new_tokens=8 + 9 * i, ignore_eos=True
+        )
+
+    outs = await asyncio.gather(*(later(i, p) for i, p in enumerate(PROMPTS)))
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        assert out.output_ids == hf_greedy(model, ids, len(out.output_ids))
+        assert (
+            out.finish_reason.type == "length" and len(out.output_ids) == out.finish_reason.length
+        )
+
+
+async def test_sampled_logprobs_equal_teacher_forced_logprobs(engine, tiny):
+    _, model, _ = tiny
+    outs = await asyncio.gather(
+        *(run(engine, f"s{i}", p, max_new_tokens=24, sampling_seed=i, ignore_eos=True)
+          for i, p in enumerate(PROMPTS))
+    )  # fmt: skip
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        expected = teacher_forced(model, ids, out.output_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+        assert out.versions == [0] * len(out.output_ids)
+
+
+async def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(engine):
+    alone = await run(engine, "alone", PROMPTS[1], max_new_tokens=16, sampling_seed=7)
+    crowd = await asyncio.gather(
+        run(engine, "crowd", PROMPTS[1], max_new_tokens=16, sampling_seed=7),
+        *(run(engine, f"other{i}", p, max_new_tokens=30) for i, p in enumerate(PROMPTS)),
+    )
+    assert crowd[0].output_ids == alone.output_ids
+
+
+async def test_stop_token_ids_stop_strings_and_min_new_tokens(engine, tiny):
+    tokenizer = tiny[2]
+    same = {"max_new_tokens": 16, "sampling_seed": 3, "ignore_eos": True}
+    free = await run(engine, "free", PROMPTS[0], **same)
+    ids = free.output_ids
+    cut = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # a token new there
+    stopped = await run(engine, "st", PROMPTS[0], stop_token_ids=[ids[cut]], **same)
+    assert stopped.output_ids == ids[: cut + 1]
+    assert stopped.finish_reason.type == "stop" and stopped.finish_reason.matched == ids[cut]
+    text = tokenizer.decode(ids)
+    word = text[len(text) // 2 :][:3]
+    by_text = await run(engine, "ss", PROMPTS[0], stop=[word], **same)
+    assert by_text.finish_reason.type == "stop" and by_text.finish_reason.matched == word
+    assert word in tokenizer.decode(by_text.output_ids)
+    assert word not in tokenizer.decode(by_text.output_ids[:-1])
+    late = await run(engine, "min", PROMPTS[0], min_new_tokens=cut + 3,
+                     stop_token_ids=[ids[cut]], **same)  # fmt: skip
+    assert len(late.output_ids) >= cut + 3 and ids[cut] not in late.output_ids[: cut + 3]
+
+
+async def test_abort_returns_the_partial_and_resuming_it_continues_the_same_sequence(engine):
+    full = await run(engine, "full", PROMPTS[1], temperature=0, max_new_tokens=200, ignore_eos=True)
+    request = GenerateRequest(
+        rid="cut", input_ids=PROMPTS[1],
+        sampling=SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True),
+    )  # fmt: skip
+    partial = None
+    async for partial in engine.generate(request):
+        if len(partial.output_ids) >= 10 and partial.finish_reason is None:
+            engine.abort("cu")  # a prefix of the rid, as SGLang matches
+    assert partial.finish_reason.type == "abort" and partial.finish_reason.message == "Aborted"
+    n = len(partial.output_ids)
+    assert 10 <= n < 200 and len(partial.logprobs) == n
+    assert partial.output_ids == full.output_ids[:n]
+    rest = await run(engine, "resume", PROMPTS[1] + partial.output_ids, temperature=0,
+                     max_new_tokens=200 - n, ignore_eos=True)  # fmt: skip
+    assert partial.output_ids + rest.output_ids == full.output_ids
+
+
+async def test_in_place_pause_and_weight_swap_stamps_new_tokens_with_the_new_version(engine, tiny):
+    _, model, _ = tiny
+    request = GenerateRequest(
+        rid="swap", input_ids=PROMPTS[0],
+        sampling=SamplingParams(max_new_tokens=60, ignore_eos=True, sampling_seed=1),
+    )  # fmt: skip
+    new_weights = {k: v + 0.01 for k, v in model.state_dict().items() if "norm" not in k}
+    swapped = False
+    async for out in engine.generate(request):
+        if not swapped and len(out.output_ids) >= 5:
+            await engine.pause("in_place")
+            await engine.update_weights_from_tensors(new_weights, version=3)
+            await engine.resume()
+            swapped = True
+    assert out.finish_reason.type == "length" and len(out.output_ids) == 60
+    first_new = out.versions.index(3)
+    assert first_new >= 5 and set(out.versions[:first_new]) == {0}
+    assert set(out.versions[first_new:]) == {3} and engine.version == 3
+
+
+async def test_pause_abort_answers_every_caller_and_holds_new_ones_until_resume(engine):
+    longs = [
+        asyncio.create_task(run(engine, f"l{i}", p, max_new_tokens=400, ignore_eos=True))
+        for i, p in enumerate(PROMPTS)
+    ]
+    await asyncio.sleep(0.2)
+    await engine.pause("abort")
+    assert all(t.done() for t in longs)  # pause returned only after every caller's output
+    assert {t.result().finish_reason.type for t in longs} == {"abort"}
+    held = asyncio.create_task(run(engine, "held", PROMPTS[0], max_new_tokens=3))
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    await engine.resume()
+    assert len((await held).output_ids) == 3
+
+
+async def test_retract_pause_recomputes_the_kv_and_continues_exactly(engine):
+    full = await run(engine, "f", PROMPTS[3], temperature=0, max_new_tokens=40, ignore_eos=True)
+    task = asyncio.create_task(
+        run(engine, "r", PROMPTS[3], temperature=0, max_new_tokens=40, ignore_eos=True)
+    )
+    await asyncio.sleep(0.05)
+    await engine.pause("retract")
+    assert engine.load().num_running_reqs == 0
+    await engine.resume()
+    assert (await task).output_ids == full.output_ids
+
+
+async def test_update_weights_from_disk_changes_outputs_and_version(engine, tmp_path: Path):
+    before = await run(engine, "b", PROMPTS[1], temperature=0, max_new_tokens=10, ignore_eos=True)
+    build_tiny_model(tmp_path, seed=1)
+    await engine.update_weights_from_disk(str(tmp_path), version=7)
+    after = await run(engine, "a", PROMPTS[1], temperature=0, max_new_tokens=10, ignore_eos=True)
+    assert after.logprobs != before.logprobs and after.versions == [7] * 10
+    with pytest.raises(EngineError, match=r"no \*\.safetensors"):
+        await engine.update_weights_from_disk(str(tmp_path / "missing"), version=8)
+    assert engine.version == 7
+
+
+@pytest.mark.parametrize(
+    ("ids", "sampling", "match"),
+    [
+        ([], {}, "input_ids is empty"),
+        ([1, 99999], {}, "must be integers in"),
+        ([1, 2.5], {}, "must be integers in"),
+        (list(range(1, 500)) * 2, {}, "longer than the model's context length"),
+        ([1], {"top_p": 0}, "top_p"),
+        ([1], {"regex": "a+"}, "not supported"),
+    ],
+)
+async def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine, ids, sampling, match):
+    with pytest.raises(ValueError, match=match):
+        await run(engine, "bad", ids, **sampling)
+    assert len((await run(engine, "good", [1, 2], max_new_tokens=2)).output_ids) == 2
+
+
+async def test_a_duplicate_in_flight_rid_is_refused(engine):
+    first = asyncio.create_task(run(engine, "dup", PROMPTS[0], max_new_tokens=100))
+    await asyncio.sleep(0.05)
+    with pytest.raises(EngineError, match="Duplicate request ID"):
+        await run(engine, "dup", PROMPTS[0], max_new_tokens=2)
+    await first
