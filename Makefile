@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-wire clean
+.PHONY: demo test lint bench-wire bench-buffer bench-engine clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ test: lint
 
 bench-wire: $(STAMP)
 	$(PY) bench/wire.py
+
+bench-buffer: $(STAMP)
+	$(PY) bench/buffer.py
+
+bench-engine: $(STAMP)
+	$(PY) bench/engine.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs
