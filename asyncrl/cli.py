@@ -1,6 +1,7 @@
 """The ``asyncrl`` command.
 
     asyncrl train CONFIG.yaml [--preset NAME] [--dry-run] [--<config flag> VALUE ...]
+    asyncrl serve --model DIR [--host 127.0.0.1] [--port 30000] [--device cpu] ...
     asyncrl version
 
 Thin on purpose: nothing heavy is imported before the arguments are parsed, so
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 _TRAIN_OPTIONS = ("--help", "--preset", "--dry-run")
 
@@ -38,8 +40,29 @@ def _parser() -> argparse.ArgumentParser:
         help="start every actor, prove every channel, stop cleanly",
     )
     add_arguments(train)
+    _add_serve(sub)
     sub.add_parser("version", help="print the asyncrl version")
     return parser
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over SGLang's HTTP API",
+        description="Serve a Hugging Face model directory with the embedded torch engine behind "
+        "an SGLang-compatible HTTP API (/generate, weight updates, OpenAI routes).",
+    )
+    serve.add_argument("--model", required=True, help="Hugging Face model directory")
+    serve.add_argument("--host", default="127.0.0.1", help="loopback address to listen on")
+    serve.add_argument("--port", type=int, default=30000, help="port (0: pick a free one)")
+    serve.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
+    serve.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="weights"
+    )
+    serve.add_argument("--max-running", type=int, default=64, help="max concurrent requests")
+    serve.add_argument(
+        "--weight-version", type=int, default=0, help="initial weight version (optimizer steps)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(__version__)
         return 0
+    if args.command == "serve":
+        return _serve(args)
     return _train(args)
 
 
@@ -128,6 +153,45 @@ def _dry_run(cfg: object) -> int:
         return 0
     console.print(f"[red]dry run failed[/red]: {result.error or 'an actor exited uncleanly'}")
     return 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import ipaddress
+
+    host = "127.0.0.1" if args.host == "localhost" else args.host
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        # The API can load weights from any path and abort anyone's work: no remote access.
+        print(
+            f"asyncrl serve: refusing to listen on {args.host}: the server has no "
+            "authentication, so it only binds a loopback address (e.g. 127.0.0.1)",
+            file=sys.stderr,
+        )
+        return 2
+    if not Path(args.model).is_dir():
+        print(f"asyncrl serve: --model {args.model} is not a model directory", file=sys.stderr)
+        return 2
+    import uvloop
+
+    from asyncrl.engines.server import EngineServer, serve_until_signalled
+    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.observe.logs import configure_logging
+
+    configure_logging(actor="serve")
+    engine = TorchEngine.from_pretrained(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_running=args.max_running,
+        version=args.weight_version,
+    )
+    server_args = {"host": host, "port": args.port, "dtype": args.dtype}
+    server = EngineServer(engine, server_args=server_args)
+    uvloop.run(serve_until_signalled(server, host, args.port))
+    return 0
 
 
 if __name__ == "__main__":

@@ -363,7 +363,7 @@ class TorchEngine:
         if not len(names) == len(dtypes) == len(shapes):
             raise EngineError("names, dtypes and shapes must have the same length")
         tensors = {
-            name: torch.empty(shape, dtype=getattr(torch, dtype))
+            name: torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
             for name, dtype, shape in zip(names, dtypes, shapes, strict=True)
         }
         _check_names(self.model, tensors)
@@ -472,7 +472,7 @@ class TorchEngine:
 
     def _merge(self, seqs: list[_Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
         b = self._batch
-        tokens = [self._sample(s, last[i]) for i, s in enumerate(seqs)]
+        tokens = [self._first_token(s, last[i]) for i, s in enumerate(seqs)]
         new_pos = mask.sum(-1)
         if not b.seqs:
             b.cache, b.mask, b.positions = cache, mask, new_pos
@@ -485,6 +485,13 @@ class TorchEngine:
             b.last = torch.cat([b.last, torch.tensor(tokens)])
             b.seqs += seqs
         self._finish_checks()
+
+    def _first_token(self, seq: _Seq, logits: torch.Tensor) -> int:
+        if seq.req.sampling.max_new_tokens == 0:
+            # SGLang: prefill only (prompt log-probs); the row leaves at the finish check.
+            seq.finish = FinishReason(type="length", length=0)
+            return 0
+        return self._sample(seq, logits)
 
     def _decode(self) -> None:
         b = self._batch

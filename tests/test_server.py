@@ -1,0 +1,720 @@
+"""The SGLang-compatible HTTP server over real HTTP on 127.0.0.1, with the tiny Qwen2.
+
+One server (``EngineServer`` in this process) serves the module; each test checks the
+golden shapes of ``reference/sglang_api.md`` (key sets and types, not values), the abort
+and pause guarantees of section 5, weight updates, refusals, and the OpenAI routes. The
+distributed weight update runs ``asyncrl serve`` as a subprocess, because this process
+is the trainer's rank 0 and torch.distributed allows one default group per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from asyncrl.cli import main
+from asyncrl.engines.server import EngineServer
+from asyncrl.engines.torch_engine import TorchEngine
+from tests.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+LONG = {"temperature": 0, "max_new_tokens": 480, "ignore_eos": True}
+PROMPT = [5, 9, 11, 40, 41]
+META_FINAL = {
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "weight_version",
+    "num_retractions",
+    "reasoning_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "weight_versions",
+    "e2e_latency",
+    "response_sent_to_client_ts",
+}
+LOGPROB_KEYS = {"input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"}
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny_seed1")
+    build_tiny_model(directory, seed=1)
+    return directory
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def url(model_dir: Path) -> AsyncIterator[str]:
+    server = EngineServer(TorchEngine.from_pretrained(str(model_dir)))
+    yield await server.start("127.0.0.1", 0)
+    await server.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+async def call(
+    http: aiohttp.ClientSession,
+    url: str,
+    path: str,
+    body: Any = None,
+    *,
+    method: str = "POST",
+    raw: bytes | None = None,
+) -> tuple[int, Any]:
+    """One request; JSON replies decoded, anything else as text."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    async with http.request(method, url + path, data=data) as resp:
+        text = await resp.text()
+        if resp.content_type == "application/json":
+            return resp.status, json.loads(text)
+        return resp.status, text
+
+
+async def generate(http: aiohttp.ClientSession, url: str, **body: Any) -> Any:
+    status, reply = await call(http, url, "/generate", body)
+    assert status == 200, reply
+    return reply
+
+
+async def wait_running(http: aiohttp.ClientSession, url: str, count: int = 1) -> None:
+    """Until the engine runs ``count`` requests (they have started decoding)."""
+    for _ in range(500):
+        _, loads = await call(http, url, "/v1/loads", method="GET")
+        if loads["loads"][0]["num_running_reqs"] >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"fewer than {count} requests running")
+
+
+def check_output(out: dict[str, Any], *, logprobs: bool = False) -> None:
+    """The section 1.3 shape of a final output."""
+    assert set(out) >= {"text", "output_ids", "meta_info"} and isinstance(out["text"], str)
+    meta, ids = out["meta_info"], out["output_ids"]
+    assert set(meta) == META_FINAL | (LOGPROB_KEYS if logprobs else set())
+    assert all(isinstance(t, int) for t in ids) and meta["completion_tokens"] == len(ids)
+    assert isinstance(meta["weight_version"], str) and isinstance(meta["e2e_latency"], float)
+    assert meta["weight_versions"][0]["start"] == 0 and meta["weight_versions"][-1]["end"] == len(
+        ids
+    )
+    if logprobs:
+        triples = meta["output_token_logprobs"]
+        assert [t[1] for t in triples] == ids and meta["output_token_logprobs_length"] == len(ids)
+        assert all(isinstance(lp, float) and text is None for lp, _, text in triples)
+
+
+def sse_events(raw: str) -> list[str]:
+    """Split an SSE body, checking the framing: only ``data: `` events and blank lines."""
+    assert raw.endswith("\n\n")
+    events = raw[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), raw[:500]
+    return [e.removeprefix("data: ") for e in events]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- discovery
+
+
+async def test_discovery_endpoints_answer_with_sglangs_shapes(http, url):
+    for path in ("/health", "/health_generate", "/ready"):
+        assert await call(http, url, path, method="GET") == (200, "")
+    for path in ("/get_weight_version", "/weight_version"):
+        status, reply = await call(http, url, path, method="GET")
+        assert status == 200 and isinstance(reply["weight_version"], str)
+    for path in ("/get_model_info", "/model_info"):
+        _, info = await call(http, url, path, method="GET")
+        assert {"model_path", "tokenizer_path", "is_generation", "weight_version"} <= set(info)
+        assert info["architectures"] == ["Qwen2ForCausalLM"]
+    for path in ("/get_server_info", "/server_info"):
+        _, info = await call(http, url, path, method="GET")
+        assert {
+            "model_path",
+            "tokenizer_path",
+            "dp_size",
+            "tp_size",
+            "version",
+            "max_total_num_tokens",
+            "max_req_input_len",
+            "context_length",
+        } <= set(info)
+        assert isinstance(info["internal_states"], list) and info["port"] == int(url[-5:])
+    _, models = await call(http, url, "/v1/models", method="GET")
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    _, loads = await call(http, url, "/v1/loads?include=core", method="GET")
+    assert {"num_running_reqs", "num_waiting_reqs"} <= set(loads["loads"][0])
+    _, legacy = await call(http, url, "/get_load", method="GET")
+    assert set(legacy[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    assert isinstance((await call(http, url, "/version", method="GET"))[1]["version"], str)
+    for method in ("GET", "POST"):
+        async with http.request(method, url + "/flush_cache") as resp:
+            assert resp.status == 200 and resp.content_type == "text/plain"
+            assert (await resp.text()).startswith("Cache flushed.")
+
+
+async def test_health_is_503_until_the_warm_up_generation_is_done(model_dir):
+    engine = TorchEngine.from_pretrained(str(model_dir))
+    await engine.pause("in_place")  # holds the warm-up generation
+    server = EngineServer(engine)
+    url = await server.start(wait_ready=False)
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert (await call(session, url, "/health", method="GET"))[0] == 503
+            await engine.resume()
+            for _ in range(200):
+                if (await call(session, url, "/health", method="GET"))[0] == 200:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await call(session, url, "/health", method="GET"))[0] == 200
+    finally:
+        await server.stop()
+
+
+async def test_a_request_aborted_in_the_waiting_queue_has_no_prompt_tokens(model_dir):
+    server = EngineServer(TorchEngine.from_pretrained(str(model_dir), max_running=1))
+    url = await server.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            running = asyncio.create_task(
+                call(session, url, "/generate", {"input_ids": PROMPT, "sampling_params": LONG})
+            )
+            await wait_running(session, url)
+            queued = asyncio.create_task(
+                call(session, url, "/generate", {"input_ids": [1], "rid": "q", "stream": True})
+            )
+            for _ in range(200):  # until the engine holds it in its waiting queue
+                _, loads = await call(session, url, "/v1/loads", method="GET")
+                if loads["loads"][0]["num_waiting_reqs"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert await call(session, url, "/abort_request", {"abort_all": True}) == (200, "")
+            status, text = await queued
+            final = json.loads(sse_events(text)[-2])
+            assert status == 200 and (await running)[0] == 200
+    finally:
+        await server.stop()
+    meta = final["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert "prompt_tokens" not in meta and "cached_tokens" not in meta
+    assert final["output_ids"] == [] and meta["completion_tokens"] == 0
+
+
+# ----------------------------------------------------------------------------- /generate
+
+
+async def test_generate_returns_the_native_shape_with_logprob_triples(http, url):
+    out = await generate(
+        http,
+        url,
+        input_ids=PROMPT,
+        sampling_params=GREEDY,
+        return_logprob=True,
+        logprob_start_len=0,
+        rid="shape",
+        model=None,
+        log_metrics=True,
+        background=False,
+    )
+    check_output(out, logprobs=True)
+    meta = out["meta_info"]
+    assert meta["id"] == "shape" and meta["prompt_tokens"] == len(PROMPT)
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    inputs = meta["input_token_logprobs"]
+    assert [t[1] for t in inputs] == PROMPT and inputs[0][0] is None
+    assert all(isinstance(t[0], float) for t in inputs[1:])
+    by_text = await generate(http, url, text="hello world", sampling_params=GREEDY)
+    check_output(by_text)
+    assert by_text["meta_info"]["prompt_tokens"] > 0
+    again = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY, stream=False)
+    assert again["output_ids"] == out["output_ids"]  # greedy is deterministic
+    scored = await generate(http, url, input_ids=PROMPT, sampling_params={"max_new_tokens": 0},
+                            return_logprob=True, logprob_start_len=0)  # fmt: skip
+    assert scored["output_ids"] == [] and scored["meta_info"]["input_token_logprobs"] == inputs
+
+
+async def test_a_batch_and_n_samples_answer_with_a_list_of_expanded_rids(http, url):
+    batch = await generate(
+        http, url, text=["a b", "c d"], rid="b", sampling_params={"max_new_tokens": 3, "n": 2}
+    )
+    assert [o["meta_info"]["id"] for o in batch] == ["b_0", "b_1", "b_2", "b_3"]
+    for out in batch:
+        check_output(out)
+    ids_batch = await generate(
+        http,
+        url,
+        input_ids=[PROMPT, [7, 8]],
+        sampling_params=[GREEDY, {"max_new_tokens": 2}],
+        return_logprob=[True, False],
+    )
+    assert [len(o["output_ids"]) for o in ids_batch] == [8, 2]
+    check_output(ids_batch[0], logprobs=True)
+    check_output(ids_batch[1])
+    samples = await generate(
+        http, url, input_ids=PROMPT, rid="s", sampling_params={"max_new_tokens": 2, "n": 2}
+    )
+    assert [o["meta_info"]["id"] for o in samples] == ["s_0", "s_1"]
+
+
+async def test_a_stream_sends_cumulative_data_events_and_ends_with_done(http, url):
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {**GREEDY, "max_new_tokens": 40},
+        "stream": True,
+        "return_logprob": True,
+    }
+    async with http.post(url + "/generate", json=body) as resp:
+        assert resp.status == 200 and resp.content_type == "text/event-stream"
+        events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    for before, after in itertools.pairwise(chunks):
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+    check_output(chunks[-1], logprobs=True)
+    assert len(chunks[-1]["output_ids"]) == 40
+    plain = await generate(http, url, **{**body, "stream": False})
+    assert plain["output_ids"] == chunks[-1]["output_ids"]
+    batch = {**body, "input_ids": [PROMPT, PROMPT], "sampling_params": GREEDY}
+    async with http.post(url + "/generate", json=batch) as resp:
+        chunks = [json.loads(e) for e in sse_events(await resp.text())[:-1]]
+    assert {c["index"] for c in chunks} == {0, 1}
+
+
+async def test_stop_tokens_and_strings_are_trimmed_from_text_unless_no_stop_trim(http, url):
+    free = await generate(
+        http, url, input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 24}
+    )
+    ids = free["output_ids"]
+    k = next(i for i in range(3, len(ids)) if ids[i] > 3 and ids[i] not in ids[:i])
+    stop = {**GREEDY, "max_new_tokens": 24, "stop_token_ids": [ids[k]]}
+    trimmed = await generate(http, url, input_ids=PROMPT, sampling_params=stop)
+    kept = await generate(
+        http, url, input_ids=PROMPT, sampling_params={**stop, "no_stop_trim": True}
+    )
+    assert trimmed["output_ids"] == kept["output_ids"] == ids[: k + 1]
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[k]}
+    assert kept["text"].startswith(trimmed["text"]) and len(kept["text"]) > len(trimmed["text"])
+    word = free["text"][len(free["text"]) // 2 :][:3]
+    by_word = await generate(
+        http, url, input_ids=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 24, "stop": word}
+    )
+    assert by_word["meta_info"]["finish_reason"] == {"type": "stop", "matched": word}
+    assert word not in by_word["text"] and free["text"].startswith(by_word["text"])
+
+
+async def test_an_abort_mid_generation_answers_200_with_the_partial_output(http, url):
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": LONG,
+        "return_logprob": True,
+        "rid": "long-abort",
+    }
+    task = asyncio.create_task(call(http, url, "/generate", body))
+    await wait_running(http, url)
+    await asyncio.sleep(0.1)
+    assert await call(http, url, "/abort_request", {"rid": "long-ab"}) == (200, "")
+    status, out = await task
+    assert status == 200 and out["meta_info"]["finish_reason"] == ABORTED
+    check_output(out, logprobs=True)
+    assert 0 < len(out["output_ids"]) < 480
+    assert await call(http, url, "/abort_request", {}) == (200, "")  # nothing to do: still 200
+
+
+async def test_a_client_that_goes_away_has_its_request_aborted(http, url):
+    body = {"input_ids": PROMPT, "sampling_params": LONG, "stream": True}
+    async with http.post(url + "/generate", json=body) as resp:
+        await resp.content.readline()
+        await wait_running(http, url)
+        resp.close()
+    for _ in range(200):
+        _, loads = await call(http, url, "/v1/loads", method="GET")
+        if loads["loads"][0]["num_running_reqs"] == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the abandoned request is still running")
+
+
+async def test_pause_abort_returns_after_every_call_is_answered_and_holds_new_ones(http, url):
+    tasks = [
+        asyncio.create_task(
+            call(http, url, "/generate", {"input_ids": [*PROMPT, i], "sampling_params": LONG})
+        )
+        for i in range(3)
+    ]
+    await wait_running(http, url, 3)
+    assert await call(http, url, "/pause_generation", {}) == (
+        200,
+        {"message": "Generation paused successfully.", "status": "ok"},
+    )
+    _, loads = await call(http, url, "/v1/loads", method="GET")
+    assert loads["loads"][0]["num_running_reqs"] == loads["loads"][0]["num_waiting_reqs"] == 0
+    done = await asyncio.wait_for(asyncio.gather(*tasks), 2)
+    assert all(s == 200 and o["meta_info"]["finish_reason"] == ABORTED for s, o in done)
+    assert (await call(http, url, "/ready", method="GET"))[0] == 503
+    held = asyncio.create_task(generate(http, url, input_ids=PROMPT, sampling_params=GREEDY))
+    await asyncio.sleep(0.3)
+    assert not held.done()
+    assert await call(http, url, "/continue_generation", {}) == (
+        200,
+        {"message": "Generation continued successfully.", "status": "ok"},
+    )
+    out = await asyncio.wait_for(held, 10)
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+async def test_a_duplicate_in_flight_rid_is_refused_and_the_first_call_goes_on(http, url):
+    first = asyncio.create_task(
+        call(
+            http,
+            url,
+            "/generate",
+            {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 200}, "rid": "dup"},
+        )
+    )
+    await wait_running(http, url)
+    status, reply = await call(http, url, "/generate", {"input_ids": [1], "rid": "dup"})
+    assert status == 400 and "Duplicate request ID" in reply["error"]["message"]
+    status, text = await call(http, url, "/flush_cache", method="GET")
+    assert status == 400 and "running" in text  # refused while requests run, as SGLang
+    status, out = await first
+    assert status == 200 and len(out["output_ids"]) == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "raw", "needle"),
+    [
+        ({"input_ids": [1], "sampling_params": {"max_tokens": 3}}, None, "unknown field `max_"),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 1.5}}, None, "max_new_tokens"),
+        ({"input_ids": [1, 2.5]}, None, "must be integers"),
+        ({"input_ids": [1, -3]}, None, "must be integers"),
+        ({"input_ids": [1, 99999]}, None, "must be integers"),
+        ({"input_ids": []}, None, "empty"),
+        ({"text": ""}, None, "empty"),
+        ({"input_ids": list(range(1, 500)) * 2}, None, "context length"),
+        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, None, "top_p"),
+        ({"input_ids": [1], "text": "x"}, None, "exactly one"),
+        ({"input_ids": [1], "stream": "yes"}, None, "stream"),
+        ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, None, "not supported"),
+        (None, b"{not json", "not valid JSON"),
+        (None, b"[1, 2]", "JSON object"),
+        ({"input_ids": [1, 2], "logprob_start_len": 5, "return_logprob": True}, None, "prompt"),
+        ({"input_ids": [1], "top_logprobs_num": 2}, None, "not supported"),
+    ],
+)
+async def test_bad_requests_get_400_with_a_message_and_the_server_keeps_serving(
+    http, url, body, raw, needle
+):
+    status, reply = await call(http, url, "/generate", body, raw=raw)
+    assert status == 400
+    error = reply.get("error", reply)
+    message = error if isinstance(error, str) else error["message"]
+    assert needle in message
+    ok = await generate(http, url, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+    assert len(ok["output_ids"]) == 2
+
+
+# ----------------------------------------------------------------------------- weights, admin
+
+
+async def test_update_weights_from_disk_changes_outputs_and_the_weight_version(
+    http, url, model_dir, other_weights
+):
+    before = await generate(
+        http, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True
+    )
+    status, reply = await call(
+        http,
+        url,
+        "/update_weights_from_disk",
+        {
+            "model_path": str(other_weights),
+            "weight_version": "7",
+            "flush_cache": True,
+            "unknown": 1,
+        },
+    )
+    assert status == 200 and reply["success"] is True and "7" in reply["message"]
+    after = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+    assert (
+        after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+    )
+    assert after["meta_info"]["weight_version"] == "7"
+    assert after["meta_info"]["weight_versions"] == [{"version": "7", "start": 0, "end": 8}]
+    assert (await call(http, url, "/get_weight_version", method="GET"))[1] == {
+        "weight_version": "7"
+    }
+    for bad in (
+        {"model_path": str(model_dir / "missing")},
+        {"model_path": str(model_dir), "weight_version": "v8"},
+        {},
+    ):
+        status, reply = await call(http, url, "/update_weights_from_disk", bad)
+        assert status == 400 and reply["success"] is False and reply["message"]
+    await call(
+        http, url, "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": 8}
+    )
+    restored = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
+    assert restored["output_ids"] == before["output_ids"]
+
+
+async def test_an_update_outside_a_pause_waits_for_in_flight_calls(http, url, model_dir):
+    body = {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 150}}
+    running = asyncio.create_task(call(http, url, "/generate", body))
+    await wait_running(http, url)
+    status, _ = await call(
+        http,
+        url,
+        "/update_weights_from_disk",
+        {"model_path": str(model_dir), "weight_version": "20"},
+    )
+    assert status == 200 and running.done()  # SGLang's model-update lock
+    _, out = running.result()
+    assert (
+        len(out["output_ids"]) == 150 and out["meta_info"]["weight_versions"][0]["version"] != "20"
+    )
+
+
+async def test_an_in_place_pause_and_update_splits_the_weight_version_spans(http, url, model_dir):
+    body = {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 120}, "stream": True}
+    async with http.post(url + "/generate", json=body) as resp:
+        await resp.content.readuntil(b"\n\n")
+        assert (await call(http, url, "/pause_generation", {"mode": "in_place"}))[0] == 200
+        status, reply = await call(
+            http,
+            url,
+            "/update_weights_from_disk",
+            {"model_path": str(model_dir), "weight_version": "30"},
+        )
+        assert status == 200, reply
+        assert (await call(http, url, "/continue_generation", {}))[0] == 200
+        final = json.loads(sse_events(await resp.text())[-2])
+    spans = final["meta_info"]["weight_versions"]
+    assert len(spans) == 2 and spans[1] == {"version": "30", "start": spans[0]["end"], "end": 120}
+
+
+async def test_admin_routes_take_empty_bodies_and_answer_success_and_message(http, url):
+    for path in ("/begin_weight_update", "/end_weight_update"):
+        status, reply = await call(http, url, path)
+        assert status == 200 and reply["success"] is True and isinstance(reply["message"], str)
+    status, reply = await call(
+        http, url, "/update_weight_version", {"new_version": "43", "abort_all_requests": True}
+    )
+    assert status == 200 and reply == {
+        "success": True,
+        "message": "Weight version updated to 43",
+        "new_version": "43",
+    }
+    _, info = await call(http, url, "/model_info", method="GET")
+    assert info["weight_version"] == "43"
+    status, reply = await call(http, url, "/update_weight_version", {"new_version": "default"})
+    assert status == 400 and reply["success"] is False
+    status, reply = await call(
+        http, url, "/update_weights_from_tensor", {"serialized_named_tensors": ["gASV"]}
+    )
+    assert status == 400 and "not supported" in reply["message"]
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        assert await call(http, url, path) == (200, None)
+        assert await call(http, url, path, {"tags": ["weights"]}) == (200, None)
+    status, reply = await call(http, url, "/init_weights_update_group", {"master_port": "x"})
+    assert status == 400 and reply["success"] is False
+    status, reply = await call(
+        http,
+        url,
+        "/update_weights_from_distributed",
+        {"names": ["nope"], "dtypes": ["float32"], "shapes": [[1]]},
+    )
+    assert status == 400 and "init it first" in reply["message"]
+    assert (await call(http, url, "/pause_generation", {"mode": "sideways"}))[0] == 400
+
+
+# ----------------------------------------------------------------------------- OpenAI routes
+
+
+async def test_chat_completions_answer_with_the_openai_shapes(http, url):
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    status, reply = await call(http, url, "/v1/chat/completions", body)
+    assert status == 200 and reply["object"] == "chat.completion" and reply["model"] == "tiny"
+    choice = reply["choices"][0]
+    assert set(choice) >= {"index", "message", "logprobs", "finish_reason", "matched_stop"}
+    assert choice["message"]["role"] == "assistant" and isinstance(
+        choice["message"]["content"], str
+    )
+    assert len(choice["logprobs"]["content"]) == len(choice["response_token_ids"])
+    assert set(choice["logprobs"]["content"][0]) == {"token", "bytes", "logprob", "top_logprobs"}
+    assert reply["usage"]["total_tokens"] == reply["usage"]["prompt_tokens"] + len(
+        choice["response_token_ids"]
+    )
+    assert isinstance(reply["metadata"]["weight_version"], str)
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    del stream["return_token_ids"]
+    async with http.post(url + "/v1/chat/completions", json=stream) as resp:
+        events = sse_events(await resp.text())
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == choice["message"]["content"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == choice["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == reply["usage"]
+
+
+async def test_completions_answer_with_the_openai_shapes_and_top_level_errors(http, url):
+    body = {"prompt": "hello", "max_tokens": 4, "n": 2, "logprobs": 0, "temperature": 0}
+    status, reply = await call(http, url, "/v1/completions", body)
+    assert status == 200 and reply["object"] == "text_completion"
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    lps = reply["choices"][0]["logprobs"]
+    assert set(lps) == {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
+    assert len(lps["tokens"]) == 4 and reply["usage"]["completion_tokens"] == 8
+    ids = {"prompt": [[1, 2], [3]], "max_tokens": 2, "stream": True}
+    async with http.post(url + "/v1/completions", json=ids) as resp:
+        chunks = [json.loads(e) for e in sse_events(await resp.text())[:-1]]
+    finished = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(c["index"] for c in finished) == [0, 1]
+    for bad in ({"prompt": "x", "max_tokens": 0}, {"prompt": 5}, {"prompt": "x", "top_k": 0}):
+        status, reply = await call(http, url, "/v1/completions", bad)
+        assert status == 400 and reply["object"] == "error" and reply["code"] == 400
+        assert reply["type"] == "BadRequestError" and reply["message"]
+    status, reply = await call(http, url, "/v1/chat/completions", {"messages": []})
+    assert status == 400 and reply["object"] == "error"
+
+
+# ----------------------------------------------------------------------------- asyncrl serve
+
+
+async def test_asyncrl_serve_refuses_a_non_loopback_host(capsys: pytest.CaptureFixture[str]):
+    assert main(["serve", "--model", "/nowhere", "--host", "0.0.0.0"]) == 2
+    assert "refusing to listen on 0.0.0.0" in capsys.readouterr().err
+
+
+@contextlib.asynccontextmanager
+async def serve_process(model_dir: Path, log: Path) -> AsyncIterator[str]:
+    """``asyncrl serve`` on a free port; yields its URL once it printed it (warmed up)."""
+    args = ["-c", "import sys; from asyncrl.cli import main; sys.exit(main())"]
+    with log.open("wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *args,
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            "0",
+            "--weight-version",
+            "3",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+        )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 90)
+        assert b"ready on " in line, f"asyncrl serve did not start; see {log}"
+        yield line.decode().split("ready on ")[1].strip()
+    finally:
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 20) == 0, f"unclean exit; see {log}"
+
+
+async def test_a_distributed_update_over_gloo_reaches_an_asyncrl_serve_process(
+    http, model_dir, other_weights, tmp_path
+):
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    new = dict(AutoModelForCausalLM.from_pretrained(str(other_weights)).named_parameters())
+    async with serve_process(model_dir, tmp_path / "serve.log") as url:
+        assert await call(http, url, "/health", method="GET") == (200, "")
+        before = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
+        assert before["meta_info"]["weight_version"] == "3"
+        port = free_port()
+        group = {"group_name": "g", "backend": "gloo"}
+        joined = asyncio.create_task(
+            call(
+                http,
+                url,
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": str(port),
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "pp_rank": 0,
+                    **group,
+                },
+            )
+        )
+        await asyncio.to_thread(
+            dist.init_process_group,
+            backend="gloo",
+            rank=0,
+            world_size=2,
+            init_method=f"tcp://127.0.0.1:{port}",
+        )
+        try:
+            assert (await joined)[1]["success"] is True
+            received = asyncio.create_task(
+                call(
+                    http,
+                    url,
+                    "/update_weights_from_distributed",
+                    {
+                        "names": list(new),
+                        "dtypes": ["torch.float32"] * len(new),
+                        "shapes": [list(t.shape) for t in new.values()],
+                        "weight_version": "4",
+                        "flush_cache": False,
+                        **group,
+                    },
+                )
+            )
+
+            def broadcast() -> None:
+                with torch.no_grad():
+                    for tensor in new.values():
+                        dist.broadcast(tensor.detach().contiguous(), src=0)
+
+            await asyncio.to_thread(broadcast)
+            status, reply = await received
+            assert status == 200 and reply["success"] is True, reply
+        finally:
+            dist.destroy_process_group()
+        assert (await call(http, url, "/destroy_weights_update_group", group))[0] == 200
+        after = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
+        assert after["meta_info"]["weight_version"] == "4"
+        assert after["output_ids"] != before["output_ids"]
