@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-wire bench-buffer bench-engine clean
+.PHONY: demo test lint bench-wire bench-buffer bench-engine bench-server clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,9 @@ bench-buffer: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(PY) bench/engine.py
+
+bench-server: $(STAMP)
+	$(PY) bench/server.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs

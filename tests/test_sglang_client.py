@@ -891,6 +891,9 @@ class FakeRouter:
 
     workers: dict[str, str] = field(default_factory=dict)
     calls: list[tuple[str, str]] = field(default_factory=list)
+    # Like the real router, a DELETE is accepted at once and takes effect a few lists later.
+    removal_lag: int = 0
+    pending: dict[str, int] = field(default_factory=dict)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -909,17 +912,22 @@ class FakeRouter:
         )
 
     async def list(self, request: web.Request) -> web.Response:
+        for worker_id, lists_left in list(self.pending.items()):
+            if lists_left <= 0:
+                del self.pending[worker_id], self.workers[worker_id]
+            else:
+                self.pending[worker_id] = lists_left - 1
         workers = [{"id": i, "url": u, "is_healthy": True} for i, u in self.workers.items()]
         return web.json_response({"workers": workers, "total": len(workers)})
 
     async def remove(self, request: web.Request) -> web.Response:
         self.calls.append(("DELETE", request.match_info["id"]))
-        self.workers.pop(request.match_info["id"])
+        self.pending[request.match_info["id"]] = self.removal_lag
         return web.json_response({"status": "accepted"}, status=202)
 
 
 async def test_router_helpers_register_list_and_remove_workers_and_control_reaches_them():
-    router = FakeRouter()
+    router = FakeRouter(removal_lag=3)
     server = TestServer(router.app(), host="127.0.0.1")
     await server.start_server()
     url = str(server.make_url("")).rstrip("/")

@@ -1379,14 +1379,25 @@ class SGLangClient:
             await asyncio.sleep(0.1)
         return worker_id
 
-    async def remove_worker(self, worker: str) -> None:
-        """``DELETE /workers/{id}``; a worker URL is resolved to its id first."""
+    async def remove_worker(self, worker: str, *, wait_s: float | None = 30.0) -> None:
+        """``DELETE /workers/{id}`` (202, removed in the background); a URL is resolved first.
+
+        With ``wait_s`` it polls ``GET /workers`` until the worker is no longer listed, so
+        the caller can rely on the router not sending it new work.
+        """
         if worker.startswith(("http://", "https://")):
             ids = [w["id"] for w in await self.list_workers() if w.get("url") == worker.rstrip("/")]
             if not ids:
                 raise ValueError(f"the router lists no worker at {worker}")
             worker = str(ids[0])
         await self._call(self._router_url(), "DELETE", f"/workers/{worker}", idempotent=False)
+        deadline = time.monotonic() + (wait_s or 0)
+        while wait_s is not None:
+            if all(str(w.get("id")) != worker for w in await self.list_workers()):
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"router still lists worker {worker} after {wait_s}s")
+            await asyncio.sleep(0.1)
 
 
 def _router_refused(status: int, payload: Any) -> bool:
