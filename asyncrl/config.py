@@ -36,6 +36,7 @@ from pydantic_core import ErrorDetails
 
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
+from asyncrl.policies.config import PolicyConfig
 from asyncrl.wire.sockets import check_endpoint
 
 KiB, MiB = 1024, 1024 * 1024
@@ -156,6 +157,14 @@ class RunConfig(Section):
     data: PromptSource.Config | None = Field(
         None, description="training prompts (needed to train; --prompt-data sets the file)"
     )
+    algo: PolicyConfig = Field(
+        default_factory=PolicyConfig, description="RL objective: estimator, loss, KL, corrections"
+    )
+
+    @model_validator(mode="after")
+    def _async_needs_a_correction(self) -> RunConfig:
+        self.algo.check_async(self.buffer.max_staleness)
+        return self
 
     def resolved_output_dir(self) -> Path:
         """``output_dir`` with ``{name}`` filled in and ``~`` expanded."""
@@ -190,6 +199,24 @@ SLIME_FLAGS: dict[tuple[str, ...], str] = {
     ("data", "seed"): "rollout-seed",
     ("data", "num_epochs"): "num-epoch",
     ("data", "num_rollouts"): "num-rollout",
+    ("algo", "advantage_estimator"): "advantage-estimator",
+    ("algo", "eps_clip"): "eps-clip",
+    ("algo", "eps_clip_high"): "eps-clip-high",
+    ("algo", "eps_clip_c"): "eps-clip-c",
+    ("algo", "loss_aggregation"): "loss-aggregation",
+    ("algo", "normalize_advantages"): "normalize-advantages",
+    ("algo", "kl_coef"): "kl-coef",
+    ("algo", "use_kl_loss"): "use-kl-loss",
+    ("algo", "kl_loss_coef"): "kl-loss-coef",
+    ("algo", "kl_loss_type"): "kl-loss-type",
+    ("algo", "entropy_coef"): "entropy-coef",
+    ("algo", "gamma"): "gamma",
+    ("algo", "lambd"): "lambd",
+    ("algo", "value_clip"): "value-clip",
+    ("algo", "use_rollout_logprobs"): "use-rollout-logprobs",
+    ("algo", "off_policy_correction"): "off-policy-correction",
+    ("algo", "is_low"): "tis-clip-low",
+    ("algo", "is_high"): "tis-clip",
 }
 
 

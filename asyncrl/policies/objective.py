@@ -1,0 +1,150 @@
+"""The RL objective as the trainers call it: advantages for a batch, loss for a micro-batch.
+
+``compute_advantages`` runs once per step on the whole batch (group baselines need whole
+groups); ``rl_loss`` runs per micro-batch and returns that micro-batch's share of the step
+loss (see ``losses.LossScale``). Both follow a ``PolicyConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.policies.advantages import (
+    discounted_returns,
+    gae,
+    group_advantages,
+    last_token_rewards,
+    masked_whiten,
+)
+from asyncrl.policies.config import PolicyConfig
+from asyncrl.policies.corrections import importance_weights
+from asyncrl.policies.kl import approx_kl
+from asyncrl.policies.losses import LossScale, Metrics, aggregate, masked_mean, policy_loss
+
+
+@dataclass(slots=True)
+class LossInputs:
+    """One micro-batch, every tensor ``[b, T]`` over response tokens, right padded.
+
+    ``old_logprobs`` is the proximal policy (recomputed before the step) or the behaviour
+    policy (``use_rollout_logprobs``); ``behaviour_logprobs`` are the engine's.
+    """
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+
+def compute_advantages(
+    cfg: PolicyConfig,
+    scores_GN: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    values_BT: torch.Tensor | None = None,
+    kl_BT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token advantages ``[B, T]`` (and returns for the critic) for ``B = G * N`` samples.
+
+    KL reward shaping with ``k = kl_coef`` and per-token ``kl_t`` (from the reference model):
+
+    - group estimators: the score becomes ``r_i - k * sum_t m_t kl_t`` before the group
+      baseline, and the sample's advantage is spread over its tokens; except
+      ``reinforce_pp_baseline``, which follows REINFORCE++: ``A_t = A_i - k * kl_t``;
+    - ``reinforce_pp``: token rewards ``-k * kl_t`` plus the score on the last token, then
+      discounted returns (``gamma``), whitened;
+    - ``ppo``: the same token rewards, then GAE over the critic's values.
+
+    With ``normalize_advantages`` the result is whitened over the batch's loss tokens.
+    Returns are given for ``ppo`` (the critic's target), else None.
+    """
+    mask = mask_BT.float()
+    shaping = cfg.kl_coef > 0
+    if shaping and kl_BT is None:
+        raise ValueError("kl_coef > 0 needs per-token KL against the reference model (kl_BT)")
+    kl = (kl_BT.float() * mask) if shaping and kl_BT is not None else torch.zeros_like(mask)
+    scores = scores_GN.float()
+    returns = None
+    estimator = cfg.advantage_estimator
+    if estimator in ("reinforce_pp", "ppo"):
+        rewards = last_token_rewards(scores.flatten(), mask) - cfg.kl_coef * kl
+        if estimator == "ppo":
+            if values_BT is None:
+                raise ValueError("the ppo estimator needs the critic's values (values_BT)")
+            advantages, returns = gae(rewards, values_BT, mask, cfg.gamma, cfg.lambd)
+        else:
+            advantages = discounted_returns(rewards, mask, cfg.gamma)
+    elif estimator == "reinforce_pp_baseline":
+        per_sample = group_advantages(scores, estimator).reshape(-1, 1)
+        advantages = (per_sample - cfg.kl_coef * kl) * mask
+    else:
+        seq_kl = kl.sum(dim=1).reshape(scores.shape)
+        per_sample = group_advantages(scores - cfg.kl_coef * seq_kl, estimator).reshape(-1, 1)
+        advantages = per_sample * mask
+    if cfg.normalize_advantages:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+def rl_loss(cfg: PolicyConfig, x: LossInputs, scale: LossScale) -> tuple[torch.Tensor, Metrics]:
+    """This micro-batch's share of the step loss and its metrics.
+
+    ``loss = PG(w) + c_kl * agg(KL(pi||ref)) - c_ent * agg(H)``, where ``PG`` is the
+    surrogate of ``cfg.loss_kind`` against ``old_logprobs`` with importance weights ``w``
+    from the configured correction (decoupled PPO, as AReaL: ``w = pi_prox / mu``, tokens
+    with ``w > is_high`` dropped; TIS: ``clip(w, is_low, is_high)``; MIS: ``w`` outside
+    ``[is_low, is_high]`` drops the token or sequence), and ``agg`` is the
+    configured aggregation under the step-global ``scale``.
+    """
+    weights, metrics = _correction(cfg, x)
+    loss, pg_metrics = policy_loss(
+        x.logprobs,
+        x.old_logprobs,
+        x.advantages,
+        x.mask,
+        kind=cfg.loss_kind,
+        eps_clip=cfg.eps_clip,
+        eps_clip_high=cfg.eps_clip_high,
+        dual_clip=cfg.eps_clip_c,
+        aggregation=cfg.loss_aggregation,
+        weights=weights,
+        scale=scale,
+    )
+    metrics |= pg_metrics
+    metrics["pg_loss"] = loss.detach()
+    if cfg.use_kl_loss:
+        if x.ref_logprobs is None:
+            raise ValueError("use_kl_loss needs reference log-probs (ref_logprobs)")
+        kl = approx_kl(x.logprobs, x.ref_logprobs, cfg.kl_loss_type)
+        kl_term = aggregate(kl, x.mask, cfg.loss_aggregation, scale)
+        loss = loss + cfg.kl_loss_coef * kl_term
+        metrics["kl_loss"] = kl_term.detach()
+    if x.entropy is not None:
+        metrics["entropy"] = masked_mean(x.entropy, x.mask)
+        if cfg.entropy_coef > 0:
+            entropy_term = aggregate(x.entropy, x.mask, cfg.loss_aggregation, scale)
+            loss = loss - cfg.entropy_coef * entropy_term
+    elif cfg.entropy_coef > 0:
+        raise ValueError("entropy_coef > 0 needs the per-token entropy (LossInputs.entropy)")
+    return loss, metrics
+
+
+def _correction(cfg: PolicyConfig, x: LossInputs) -> tuple[torch.Tensor | None, Metrics]:
+    """Importance weights of the configured correction (None when there is none)."""
+    if cfg.off_policy_correction == "none":
+        return None, {"mismatch_kl": masked_mean(x.behaviour_logprobs - x.old_logprobs, x.mask)}
+    kind = cfg.off_policy_correction
+    return importance_weights(
+        x.old_logprobs,
+        x.behaviour_logprobs,
+        x.mask,
+        mode="truncate" if kind == "tis" else "mask",
+        level=cfg.is_level,
+        low=0.0 if kind == "decoupled" else cfg.is_low,
+        high=cfg.is_high,
+    )
