@@ -204,3 +204,29 @@ async def test_requeue_and_resume_from_a_checkpoint_lose_and_repeat_nothing(
     expected = {i.group_uid for i in [*held, *done]}
     assert set(seen) == expected and len(seen) == len(expected)
     assert stats["buffer.admitted"] == 4 and stats["buffer.consumed"] == 4
+
+
+async def test_a_batch_is_held_until_acknowledged_and_served_again_to_a_restarted_trainer(
+    supervisor: Supervisor, tmp_path: Path
+):
+    ep = allocate_endpoints()
+    await supervisor.launch([buffer_spec(tmp_path, ep)])
+    async with asyncio.timeout(90), Peers(ep) as peers:
+        for item in (await peers.ask(100)).items:
+            await peers.results.send(finish(item, version=0))
+        await peers.results.join()
+        taken = (await peers.batch()).batch
+        assert taken is not None
+        # The trainer died before its step: the new one resyncs and gets the same batch.
+        again = await peers.batches.call(BatchRequest(trainer="trainer", resync=True))
+        assert again.batch is not None and again.batch.batch_id == taken.batch_id
+        assert [g.uid for g in again.batch.groups] == [g.uid for g in taken.groups]
+        stats = (await supervisor.hub.command("buffer", Command(kind="stats"))).data
+        assert stats["unacked_batches"] == 1
+        # Acknowledged: a resync now gets the next batch, never the finished one.
+        ack = BatchRequest(trainer="trainer", ack=[taken.batch_id], resync=True, wait=5.0)
+        following = (await peers.batches.call(ack)).batch
+        assert following is not None and following.batch_id != taken.batch_id
+        await peers.batches.call(BatchRequest(trainer="t", ack=[following.batch_id], take=False))
+        stats = (await supervisor.hub.command("buffer", Command(kind="stats"))).data
+        assert stats["unacked_batches"] == 0

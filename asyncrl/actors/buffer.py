@@ -4,7 +4,8 @@ Channels (names as in ``runtime/topology.py``)::
 
     rollout-i --WorkRequest rpc--------> buffer.work       WorkReply(items) under admission
     rollout-i --Group, reliable--------> buffer.results    acked once ``put`` recorded it
-    trainer   --BatchRequest rpc-------> buffer.batches    BatchReply(TrainBatch)
+    trainer   --BatchRequest rpc-------> buffer.batches    BatchReply(TrainBatch); acks ride
+                                                           on the next request
     trainer   --WeightVersion pub------> (subscribed)      set_version: admission grows
     buffer    --BufferEvent pub--------> buffer.events     APRIL "abort" to rollout actors
 
@@ -28,6 +29,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from asyncrl.actors.base import Actor
 from asyncrl.buffer.sources import PromptSource
@@ -61,11 +64,19 @@ class WorkReply(Message):
 
 
 class BatchRequest(Message):
-    """The trainer asks for a batch of ``num_groups`` (0: the configured B)."""
+    """The trainer asks for a batch of ``num_groups`` (0: the configured B).
+
+    ``ack`` lists batches the trainer has finished (its optimizer step is done); until
+    acknowledged a batch is held, and a trainer that restarts sends ``resync=True`` to
+    get it again. ``take=False`` only acknowledges.
+    """
 
     trainer: str
     num_groups: int = 0
     wait: float = 1.0
+    ack: list[int] = msgspec.field(default_factory=list)
+    resync: bool = False
+    take: bool = True
 
 
 class BatchReply(Message):
@@ -97,6 +108,7 @@ class BufferActor(Actor):
         self._holders: dict[str, set[str]] = defaultdict(set)  # actor -> uids it holds
         self._aborted_at = -1
         self._outcomes: dict[str, int] = defaultdict(int)
+        self._unacked: dict[int, TrainBatch] = {}  # handed to the trainer, step not done
         await self._open_channels()
         path = params.get("metrics_path")
         self.metrics = JsonlMetricsSink(path) if path else None
@@ -188,10 +200,17 @@ class BufferActor(Actor):
 
     # -- the trainer ---------------------------------------------------------------------
     async def _serve_batch(self, req: BatchRequest, peer: bytes) -> BatchReply:
+        for batch_id in req.ack:
+            self._unacked.pop(batch_id, None)
+        if not req.take:
+            return BatchReply(batch=None)
+        if req.resync and self._unacked:  # a restarted trainer lost this batch: again
+            return BatchReply(batch=self._unacked[min(self._unacked)])
         n = req.num_groups or self.buffer.config.groups_per_step
         await self._wait_until(lambda: self.buffer.ready(n) or self.buffer.exhausted, req.wait)
         batch = self.buffer.take_batch(n)
         if batch is not None:
+            self._unacked[batch.batch_id] = batch
             self._notify()
         return BatchReply(batch=batch, exhausted=batch is None and self.buffer.exhausted)
 
@@ -264,7 +283,7 @@ class BufferActor(Actor):
             self.save_checkpoint(Path(path))
 
     def stats(self) -> dict[str, float]:
-        return flatten_stats(self.buffer.statistics())
+        return {**flatten_stats(self.buffer.statistics()), "unacked_batches": len(self._unacked)}
 
     async def _metrics_loop(self) -> None:
         assert self.metrics is not None

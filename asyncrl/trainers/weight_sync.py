@@ -1,0 +1,190 @@
+"""Weight versions from the trainer to every engine: ``WeightPublisher`` and ``WeightReceiver``.
+
+The trainer publishes each new version in two parts (DESIGN section 5): the tensors are
+put where subscribers can fetch them, then a small ``WeightVersion`` is announced on the
+``weights`` pub/sub topic. Transports (``transport`` setting):
+
+- ``pull``: the tensors go to the trainer's ``BlobServer`` (``trainer.blob``); a subscriber
+  pulls them in chunks with a sliding window, at its own pace. The server keeps the
+  newest ``keep`` versions, so a slow subscriber skips to the latest.
+- ``disk``: the tensors are written as ``DIR/weight_v{version:06d}/model.safetensors``
+  (written to a temporary directory, then renamed, so a reader never sees a partial
+  file); a subscriber reads them, or passes the path to an engine's
+  ``update_weights_from_disk``. The newest ``keep`` directories are kept.
+
+Pub/sub is lossy and conflated (``wire/pubsub.py``): a receiver always moves to the newest
+announced version, and one that joins late asks for it, so none silently misses the
+current weights. Called by ``actors/trainer.py`` (publisher) and by engine hosts
+(receiver), which apply the tensors with ``update_weights_from_tensors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from asyncrl.wire.blob import BlobClient, BlobServer
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.errors import WouldBlock
+from asyncrl.wire.messages import WeightVersion
+from asyncrl.wire.pubsub import Publisher, Subscriber
+
+Transport = Literal["pull", "disk"]
+TOPIC = "weights"
+
+
+def blob_name(version: int) -> str:
+    """The blob under which version ``version`` is served."""
+    return f"weights-v{version}"
+
+
+def disk_path(root: Path, version: int) -> Path:
+    """The directory of version ``version`` (slime's ``weight_v{N:06d}`` naming)."""
+    return root / f"weight_v{version:06d}"
+
+
+class WeightPublisher:
+    """Trainer side: stores a version with the chosen transport, then announces it."""
+
+    def __init__(
+        self,
+        publisher: Publisher[WeightVersion],
+        *,
+        transport: Transport = "pull",
+        blob: BlobServer | None = None,
+        disk_dir: Path | None = None,
+        keep: int = 2,
+    ) -> None:
+        if transport == "pull" and blob is None:
+            raise ValueError("transport 'pull' needs the trainer's BlobServer")
+        if transport == "disk" and disk_dir is None:
+            raise ValueError("transport 'disk' needs a directory (disk_dir)")
+        self.publisher, self.transport, self.blob = publisher, transport, blob
+        self.disk_dir, self.keep = disk_dir, max(1, keep)
+        self.latest: WeightVersion | None = None
+
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
+        """Make ``tensors`` (CPU, not modified afterwards) fetchable as ``version``; announce."""
+        if self.transport == "pull":
+            msg = self._put_blob(version, tensors)
+        else:
+            msg = await asyncio.to_thread(self._write_disk, version, tensors)
+        self.publisher.publish(TOPIC, msg)
+        self.latest = msg
+        return msg
+
+    def _put_blob(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
+        assert self.blob is not None
+        manifest = self.blob.put(blob_name(version), tensors)
+        return WeightVersion(
+            version=version,
+            transport="pull",
+            location=self.blob.endpoint,
+            blob=manifest.blob,
+            manifest=manifest,
+        )
+
+    def _write_disk(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
+        assert self.disk_dir is not None
+        final = disk_path(self.disk_dir, version)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        self._prune_disk(version)
+        return WeightVersion(version=version, transport="disk", location=str(final))
+
+    def _prune_disk(self, newest: int) -> None:
+        assert self.disk_dir is not None
+        for old in self.disk_dir.glob("weight_v*"):
+            number = old.name.removeprefix("weight_v").removesuffix(".tmp")
+            if number.isdigit() and int(number) <= newest - self.keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+class WeightReceiver:
+    """Subscriber side: follows the announcements and fetches the newest version.
+
+    Open both channels (``await actor.open(...)`` or ``async with``) before use:
+    ``receiver.subscriber`` and, for the pull transport, ``receiver.client(endpoint)``.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        snapshot_endpoint: str,
+        *,
+        max_frame_bytes: int = 64 * 1024 * 1024,
+        window: int = 16,
+        name: str = "weights",
+    ) -> None:
+        codec = Codec(WeightVersion, max_frame_bytes=max_frame_bytes)
+        self.subscriber = Subscriber(endpoint, snapshot_endpoint, codec, [TOPIC], name=name)
+        self.window, self.max_frame_bytes = window, max_frame_bytes
+        self._clients: dict[str, BlobClient] = {}
+
+    async def __aenter__(self) -> WeightReceiver:
+        await self.subscriber.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
+        await self.subscriber.__aexit__(*exc)
+
+    async def next_version(self, after: int = -1) -> WeightVersion:
+        """Wait for an announcement newer than ``after``; the newest one if several queued."""
+        while True:
+            msg = (await self.subscriber.receive()).msg
+            msg = self._newest_pending(msg)
+            if msg.version > after:
+                return msg
+
+    def _newest_pending(self, msg: WeightVersion) -> WeightVersion:
+        while True:
+            try:
+                newer = self.subscriber.receive_nowait().msg
+            except WouldBlock:
+                return msg
+            if newer.version > msg.version:
+                msg = newer
+
+    async def fetch(
+        self, msg: WeightVersion, *, out: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The tensors of ``msg``; with ``out`` (pull only) copied straight into them."""
+        if msg.transport == "pull":
+            client = await self._client(msg.location)
+            return await client.fetch(msg.blob, out=out)
+        if msg.transport == "disk":
+            path = Path(msg.location)
+            return await asyncio.to_thread(_load_dir, path)
+        raise ValueError(f"weight transport {msg.transport!r} is not served by WeightReceiver")
+
+    async def _client(self, endpoint: str) -> BlobClient:
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = BlobClient(
+                endpoint, window=self.window, max_frame_bytes=self.max_frame_bytes, name="blob"
+            )
+            await client.__aenter__()
+            self._clients[endpoint] = client
+        return client
+
+
+def _load_dir(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path} (was version pruned? keep more)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors |= load_file(f)
+    return tensors
