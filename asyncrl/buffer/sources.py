@@ -40,7 +40,7 @@ from asyncrl.types import ChatMessage, Prompt, pack_int32
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["DataError", "Exhausted", "PromptSource", "split_path"]
+__all__ = ["DataError", "Exhausted", "PromptSource", "check_chat", "read_objects", "split_path"]
 
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 _ROLES = ("assistant", "system", "tool", "user")
@@ -153,11 +153,7 @@ class PromptSource:
         With a tokenizer each draw carries ``text`` and ``packed_prompt`` token ids; without
         one they are ``None`` and empty (a rollout workflow tokenises itself).
         """
-        file, rows_slice = split_path(config.path)
-        data = _read_bytes(file)
-        raw_rows = _read_raw_rows(file, data)
-        start, stop = _select(config.path, file, rows_slice, len(raw_rows))
-        objs = [(where, _as_object(where, raw)) for where, raw in raw_rows[start:stop]]
+        file, data, start, stop, objs = _read_selected(config.path)
         rows = [_check_row(where, obj, config, start + i) for i, (where, obj) in enumerate(objs)]
         _check_optional_keys(file, [obj for _, obj in objs], config)
         identity = {
@@ -353,6 +349,24 @@ def _select(spec: str, file: str, rows: slice, num_rows: int) -> tuple[int, int]
     return start, stop
 
 
+def read_objects(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, row object)`` for every selected row of ``"file[@[a:b]]"``.
+
+    ``where`` is ``file:line`` (jsonl) or ``file row n`` (parquet), for error messages.
+    Raises ``DataError`` for a missing or empty file, a bad slice or a row that is not an
+    object. Used by ``PromptSource`` and by the SFT data loader.
+    """
+    return _read_selected(spec)[4]
+
+
+def _read_selected(spec: str) -> tuple[str, bytes, int, int, list[tuple[str, dict[str, Any]]]]:
+    file, rows_slice = split_path(spec)
+    data = _read_bytes(file)
+    raw_rows = _read_raw_rows(file, data)
+    start, stop = _select(spec, file, rows_slice, len(raw_rows))
+    return file, data, start, stop, [(w, _as_object(w, raw)) for w, raw in raw_rows[start:stop]]
+
+
 def _read_raw_rows(file: str, data: bytes) -> list[tuple[str, Any]]:
     """``(where, row)`` per row; a jsonl row is still undecoded bytes, parsed when selected."""
     if _FORMATS[Path(file).suffix.lower()] == "parquet":
@@ -415,6 +429,14 @@ def _check_prompt(where: str, key: str, value: Any) -> str | list[ChatMessage]:
     for i, message in enumerate(value):
         _check_message(f"{where}: message {i} of {key!r}", message)
     return value
+
+
+def check_chat(where: str, key: str, value: Any) -> list[ChatMessage]:
+    """``value`` as a non-empty list of chat messages, else a ``DataError`` naming ``where``."""
+    checked = _check_prompt(where, key, value)
+    if isinstance(checked, str):
+        raise DataError(f"{where}: {key!r} is a string, expected a list of chat messages")
+    return checked
 
 
 def _check_message(where: str, message: Any) -> None:

@@ -1,0 +1,82 @@
+"""SFT data: chat and pair rows, token-exact loss masks, bad rows named by file and line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncrl.buffer.sources import DataError
+from asyncrl.trainers.sft import SFTConfig, batches, load_examples
+from tests.tiny_tokenizer import build_chatml_tokenizer
+
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "2+2="},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "3+3="},
+    {"role": "assistant", "content": "6"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_chatml_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def write(path: Path, rows: list[object]) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def trained_text(tokenizer, ex) -> str:
+    return tokenizer.decode(ex.tokens[ex.loss_mask == 1])
+
+
+def test_chat_rows_train_only_what_the_template_adds_for_assistant_turns(tokenizer, tmp_path):
+    cfg = SFTConfig(data=write(tmp_path / "d.jsonl", [{"messages": CHAT}]))
+    (ex,) = load_examples(cfg, tokenizer)
+    # The ChatML template renders each assistant turn as "<|im_start|>assistant\n" (the
+    # generation prompt, not trained) followed by "CONTENT<|im_end|>\n" (trained).
+    assert trained_text(tokenizer, ex) == "4<|im_end|>\n6<|im_end|>\n"
+    full = tokenizer.apply_chat_template(CHAT, tokenize=False)
+    assert ex.tokens.tolist() == tokenizer(full, add_special_tokens=False)["input_ids"]
+    assert ex.tokens.dtype == np.int32 and ex.loss_mask.shape == ex.tokens.shape
+
+
+def test_pair_rows_train_the_response_and_eos(tokenizer, tmp_path):
+    cfg = SFTConfig(data=write(tmp_path / "d.jsonl", [{"prompt": "1+1=", "response": "2"}]))
+    (ex,) = load_examples(cfg, tokenizer)
+    assert trained_text(tokenizer, ex) == "2<|im_end|>"
+    assert tokenizer.decode(ex.tokens) == "1+1=2<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ('{"messages": [}', r"d\.jsonl:2: invalid JSON"),
+        ({"text": "hi"}, r"d\.jsonl:2: expected 'messages' \(chat\) or 'prompt' and 'response'"),
+        ({"messages": "hi"}, r"d\.jsonl:2: 'messages' is a string"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, r"d\.jsonl:2: message 0 .* role 'bot'"),
+        ({"messages": [{"role": "user", "content": "x"}]}, r"d\.jsonl:2: nothing to learn"),
+        ({"prompt": "x", "response": 3}, r"d\.jsonl:2: prompt and response must be strings"),
+        ({"prompt": "x", "response": "y" * 300}, r"d\.jsonl:2: \d+ tokens > max_len 64"),
+    ],
+)
+def test_a_bad_row_is_refused_with_its_file_and_line(tokenizer, tmp_path, row, match):
+    path = write(tmp_path / "d.jsonl", [{"prompt": "ok", "response": "fine"}, row])
+    with pytest.raises(DataError, match=match):
+        load_examples(SFTConfig(data=path, max_len=64), tokenizer)
+
+
+def test_batches_cover_every_example_once_per_epoch_in_a_new_order(tokenizer, tmp_path):
+    rows = [{"prompt": f"{i}+0=", "response": str(i)} for i in range(10)]
+    cfg = SFTConfig(data=write(tmp_path / "d.jsonl", rows), batch_size=4, epochs=2, seed=1)
+    examples = load_examples(cfg, tokenizer)
+    got = [[e.where for e in b] for b in batches(examples, cfg)]
+    assert [len(b) for b in got] == [4, 4, 2, 4, 4, 2]
+    first, second = [w for b in got[:3] for w in b], [w for b in got[3:] for w in b]
+    assert sorted(first) == sorted(second) == sorted(e.where for e in examples)
+    assert first != second
