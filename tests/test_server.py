@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
+import re
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -330,6 +332,86 @@ async def test_stop_tokens_and_strings_are_trimmed_from_text_unless_no_stop_trim
     assert word not in by_word["text"] and free["text"].startswith(by_word["text"])
 
 
+def middle_pattern(text: str) -> str:
+    """A regex matching three characters from the middle of ``text`` (any middle one)."""
+    word = text[len(text) // 2 :][:3]
+    return re.escape(word[0]) + r"[\s\S]" + re.escape(word[2])
+
+
+async def test_stop_regex_stops_generation_and_cuts_the_text_before_the_match(http, url):
+    sampling = {**GREEDY, "max_new_tokens": 24}
+    free = await generate(http, url, input_ids=PROMPT, sampling_params=sampling)
+    pattern = middle_pattern(free["text"])
+    stop = {**sampling, "stop_regex": pattern}
+    trimmed = await generate(http, url, input_ids=PROMPT, sampling_params=stop)
+    kept = await generate(
+        http, url, input_ids=PROMPT, sampling_params={**stop, "no_stop_trim": True}
+    )
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    ids = trimmed["output_ids"]
+    assert ids == kept["output_ids"] == free["output_ids"][: len(ids)] and len(ids) < 24
+    assert re.search(pattern, kept["text"]) and not re.search(pattern, trimmed["text"])
+    assert free["text"].startswith(trimmed["text"]) and kept["text"].startswith(trimmed["text"])
+
+
+async def test_top_logprobs_num_adds_sglangs_top_triples_for_output_and_prompt(http, url):
+    out = await generate(
+        http, url, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True,
+        logprob_start_len=0, top_logprobs_num=3, return_text_in_logprobs=True,
+    )  # fmt: skip
+    meta = out["meta_info"]
+    assert set(meta) == META_FINAL | LOGPROB_KEYS | {"input_top_logprobs", "output_top_logprobs"}
+    outputs, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
+    assert len(tops) == len(out["output_ids"]) == 8
+    for (logprob, token, text), row in zip(outputs, tops, strict=True):
+        assert len(row) == 3 and all(isinstance(t, str) for _, _, t in row)
+        assert [r[0] for r in row] == sorted((r[0] for r in row), reverse=True)
+        assert row[0][:3] == [pytest.approx(logprob), token, text]  # greedy: the top one
+    inputs = meta["input_top_logprobs"]
+    assert len(inputs) == len(PROMPT) and inputs[0] is None
+    for (logprob, token, _), row in zip(meta["input_token_logprobs"][1:], inputs[1:], strict=True):
+        assert len(row) == 3 and logprob <= row[0][0] + 1e-6
+        assert all(r[0] == pytest.approx(logprob) for r in row if r[1] == token)
+    sampled = await generate(
+        http, url, input_ids=PROMPT, return_logprob=True, top_logprobs_num=3,
+        sampling_params={"top_k": 2, "max_new_tokens": 6, "sampling_seed": 1, "ignore_eos": True},
+    )  # fmt: skip
+    meta = sampled["meta_info"]
+    assert meta["input_top_logprobs"] == []  # logprob_start_len -1: output only
+    for (logprob, token, _), row in zip(
+        meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True
+    ):
+        assert row[2] == [None, row[2][1], None]  # top_k dropped it: -inf, written as null
+        assert math.fsum(math.exp(r[0]) for r in row[:2]) == pytest.approx(1.0, abs=1e-4)
+        assert [pytest.approx(logprob), token] in [r[:2] for r in row[:2]]
+    plain = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY, top_logprobs_num=3)
+    assert "output_top_logprobs" not in plain["meta_info"]  # only with return_logprob
+
+
+async def test_stream_interval_sends_an_event_per_interval_of_new_tokens(http, url):
+    async def lengths(**sampling: Any) -> list[int]:
+        params = {**GREEDY, "max_new_tokens": 24, **sampling}
+        body = {"input_ids": PROMPT, "sampling_params": params, "stream": True}
+        async with http.post(url + "/generate", json=body) as resp:
+            return [len(json.loads(e)["output_ids"]) for e in sse_events(await resp.text())[:-1]]
+
+    every, spaced = await lengths(), await lengths(stream_interval=8)
+    assert every[-1] == spaced[-1] == 24 and len(every) > 4
+    assert len(spaced) <= 4  # SGLang sends tokens 1, 9, 17 and the final 24
+    assert all(b - a >= 8 for a, b in itertools.pairwise(spaced[:-1]))
+
+
+async def test_cached_tokens_is_present_and_zero_as_no_prompt_token_comes_from_a_cache(http, url):
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 6}}
+    async with http.post(url + "/generate", json={**body, "stream": True}) as resp:
+        chunks = [json.loads(e) for e in sse_events(await resp.text())[:-1]]
+    assert [c["meta_info"]["cached_tokens"] for c in chunks] == [0] * len(chunks)
+    partial = chunks[-1]["output_ids"]
+    resumed = await generate(http, url, input_ids=PROMPT + partial, sampling_params=GREEDY)
+    assert resumed["meta_info"]["prompt_tokens"] == len(PROMPT) + len(partial)
+    assert resumed["meta_info"]["cached_tokens"] == 0  # recomputed: this engine has no cache
+
+
 async def test_an_abort_mid_generation_answers_200_with_the_partial_output(http, url):
     body = {
         "input_ids": PROMPT,
@@ -426,7 +508,9 @@ async def test_a_duplicate_in_flight_rid_is_refused_and_the_first_call_goes_on(h
         (None, b"{not json", "not valid JSON"),
         (None, b"[1, 2]", "JSON object"),
         ({"input_ids": [1, 2], "logprob_start_len": 5, "return_logprob": True}, None, "prompt"),
-        ({"input_ids": [1], "top_logprobs_num": 2}, None, "not supported"),
+        ({"input_ids": [1], "top_logprobs_num": -1}, None, "top_logprobs_num"),
+        ({"input_ids": [1], "sampling_params": {"stop_regex": "("}}, None, "not a valid regex"),
+        ({"input_ids": [1], "sampling_params": {"stream_interval": -2}}, None, "stream_interval"),
     ],
 )
 async def test_bad_requests_get_400_with_a_message_and_the_server_keeps_serving(
@@ -555,6 +639,13 @@ async def test_admin_routes_take_empty_bodies_and_answer_success_and_message(htt
     assert (await call(http, url, "/pause_generation", {"mode": "sideways"}))[0] == 400
 
 
+async def test_destroying_an_unknown_weights_update_group_reports_failure(http, url):
+    body = {"group_name": "never-joined"}
+    status, reply = await call(http, url, "/destroy_weights_update_group", body)
+    assert status == 400 and reply["success"] is False
+    assert "does not exist" in reply["message"] and "never-joined" in reply["message"]
+
+
 # ----------------------------------------------------------------------------- OpenAI routes
 
 
@@ -612,6 +703,36 @@ async def test_completions_answer_with_the_openai_shapes_and_top_level_errors(ht
         assert reply["type"] == "BadRequestError" and reply["message"]
     status, reply = await call(http, url, "/v1/chat/completions", {"messages": []})
     assert status == 400 and reply["object"] == "error"
+
+
+async def test_openai_routes_return_top_logprobs_and_honour_stop_regex(http, url):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3}  # fmt: skip
+    status, reply = await call(http, url, "/v1/chat/completions", chat)
+    assert status == 200
+    for entry in reply["choices"][0]["logprobs"]["content"]:
+        tops = entry["top_logprobs"]
+        assert len(tops) == 3 and all(set(t) == {"token", "bytes", "logprob"} for t in tops)
+        assert tops[0]["token"] == entry["token"]  # greedy: the chosen token is the top one
+        assert tops[0]["logprob"] == pytest.approx(entry["logprob"])
+    status, reply = await call(http, url, "/v1/chat/completions", {**chat, "logprobs": False})
+    assert status == 400 and "top_logprobs needs logprobs" in reply["message"]
+    completion = {"prompt": "hello", "max_tokens": 24, "temperature": 0, "logprobs": 2}
+    status, reply = await call(http, url, "/v1/completions", completion)
+    lps = reply["choices"][0]["logprobs"]
+    assert len(lps["top_logprobs"]) == 24 and all(1 <= len(r) <= 2 for r in lps["top_logprobs"])
+    async with http.post(url + "/v1/completions", json={**completion, "stream": True}) as resp:
+        chunks = [json.loads(e) for e in sse_events(await resp.text())[:-1]]
+    streamed = [row for c in chunks if c["choices"][0]["logprobs"]
+                for row in c["choices"][0]["logprobs"]["top_logprobs"]]  # fmt: skip
+    assert streamed == lps["top_logprobs"]
+    pattern = middle_pattern(reply["choices"][0]["text"])
+    body = {**completion, "stop_regex": pattern}
+    status, stopped = await call(http, url, "/v1/completions", body)
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["matched_stop"] == pattern
+    assert reply["choices"][0]["text"].startswith(choice["text"])
+    assert not re.search(pattern, choice["text"])
 
 
 # ----------------------------------------------------------------------------- asyncrl serve

@@ -4,13 +4,14 @@ batching, aborts and resumes, pause modes and weight swaps at step boundaries.""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from asyncrl.engines.base import GenerateOutput, GenerateRequest, SamplingParams
+from asyncrl.engines.base import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
 from asyncrl.engines.torch_engine import EngineError, TorchEngine
 from tests.tiny_model import build_tiny_model
 
@@ -35,6 +36,10 @@ async def engine(tiny) -> AsyncIterator[TorchEngine]:
 
 async def run(engine: TorchEngine, rid: str, ids: list[int], **sampling) -> GenerateOutput:
     request = GenerateRequest(rid=rid, input_ids=ids, sampling=SamplingParams(**sampling))
+    return await final(engine, request)
+
+
+async def final(engine: TorchEngine, request: GenerateRequest) -> GenerateOutput:
     out = None
     async for snapshot in engine.generate(request):
         out = snapshot
@@ -218,3 +223,92 @@ async def test_a_duplicate_in_flight_rid_is_refused(engine):
     with pytest.raises(EngineError, match="Duplicate request ID"):
         await run(engine, "dup", PROMPTS[0], max_new_tokens=2)
     await first
+
+
+def full_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced log-softmax at every position of ``ids`` (row i predicts ids[i + 1])."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def check_top_rows(rows, logp: torch.Tensor, k: int) -> None:
+    """Each row is the k most likely (logprob, id) pairs of the matching ``logp`` row."""
+    assert len(rows) == logp.shape[0]
+    for row, expected in zip(rows, logp, strict=True):
+        values = [v for v, _ in row]
+        assert len(row) == k and values == sorted(values, reverse=True)
+        ids = torch.tensor([t for _, t in row])
+        assert torch.allclose(torch.tensor(values), expected[ids], atol=1e-4)
+        assert torch.allclose(torch.tensor(values), torch.topk(expected, k).values, atol=1e-4)
+
+
+async def test_top_logprobs_are_the_top_k_of_the_distribution_each_token_was_sampled_from(
+    engine, tiny
+):
+    _, model, _ = tiny
+    prompt = PROMPTS[1]
+    request = GenerateRequest(
+        rid="top", input_ids=prompt, top_logprobs_num=4, logprob_start_len=0,
+        sampling=SamplingParams(max_new_tokens=12, sampling_seed=5, ignore_eos=True),
+    )  # fmt: skip
+    out = await final(engine, request)
+    logp = full_logprobs(model, prompt + out.output_ids)
+    check_top_rows(out.top_logprobs, logp[len(prompt) - 1 : -1], 4)
+    for token, logprob, row in zip(out.output_ids, out.logprobs, out.top_logprobs, strict=True):
+        for value, alternative in row:  # the same log-softmax the token was drawn from
+            if alternative == token:
+                assert value == pytest.approx(logprob, abs=1e-6)
+    assert out.input_top_logprobs is not None and out.input_top_logprobs[0] is None
+    check_top_rows(out.input_top_logprobs[1:], logp[: len(prompt) - 1], 4)
+    greedy = GenerateRequest(
+        rid="top-greedy", input_ids=prompt, top_logprobs_num=2,
+        sampling=SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True),
+    )  # fmt: skip
+    out = await final(engine, greedy)
+    assert out.input_top_logprobs is None  # logprob_start_len -1: output only
+    for token, logprob, row in zip(out.output_ids, out.logprobs, out.top_logprobs, strict=True):
+        assert row[0][1] == token and row[0][0] == pytest.approx(logprob, abs=1e-6)
+
+
+async def test_no_top_logprobs_are_computed_unless_asked_for(engine):
+    out = await run(engine, "no-top", PROMPTS[0], max_new_tokens=3)
+    assert out.top_logprobs is None and out.input_top_logprobs is None
+
+
+async def test_stop_regex_stops_at_the_first_match_in_the_decoded_output(engine, tiny):
+    tokenizer = tiny[2]
+    same = {"max_new_tokens": 16, "sampling_seed": 3, "ignore_eos": True}
+    free = await run(engine, "free-re", PROMPTS[0], **same)
+    text = tokenizer.decode(free.output_ids)
+    word = text[len(text) // 2 :][:3]
+    pattern = re.escape(word[0]) + r"[\s\S]" + re.escape(word[2])
+    out = await run(engine, "re", PROMPTS[0], stop_regex=[pattern], **same)
+    assert out.finish_reason == FinishReason(type="stop", matched=pattern)
+    assert out.output_ids == free.output_ids[: len(out.output_ids)]
+    assert re.search(pattern, tokenizer.decode(out.output_ids))
+    assert not re.search(pattern, tokenizer.decode(out.output_ids[:-1]))
+
+
+async def test_stop_strings_and_regexes_are_refused_without_a_tokenizer(tiny):
+    engine = TorchEngine(tiny[1])  # token-in/token-out only
+    for sampling in ({"stop": "x"}, {"stop_regex": "x+"}):
+        request = GenerateRequest(rid="t", input_ids=[1], sampling=SamplingParams(**sampling))
+        with pytest.raises(EngineError, match="no tokenizer"):
+            engine.check(request)
+
+
+async def test_cached_tokens_is_zero_for_new_resumed_and_retracted_requests(engine):
+    partial = await run(engine, "c0", PROMPTS[3], temperature=0, max_new_tokens=5)
+    resumed = await run(engine, "c1", PROMPTS[3] + partial.output_ids, max_new_tokens=5)
+    assert (partial.cached_tokens, resumed.cached_tokens) == (0, 0)
+    assert resumed.prompt_tokens == len(PROMPTS[3]) + 5
+    task = asyncio.create_task(run(engine, "c2", PROMPTS[3], max_new_tokens=60, ignore_eos=True))
+    await asyncio.sleep(0.05)
+    await engine.pause("retract")  # its KV is dropped and recomputed, not served from a cache
+    await engine.resume()
+    assert (await task).cached_tokens == 0
+
+
+async def test_destroying_a_weights_update_group_that_was_never_joined_fails(engine):
+    with pytest.raises(EngineError, match="does not exist"):
+        await engine.destroy_weights_update_group("weight_update_group")

@@ -1,7 +1,15 @@
 """Inference engines: the embedded torch engine, its SGLang-compatible HTTP server, and the
 SGLang client rollout actors use for every engine (DESIGN section 7).
 
-- ``base``: the records (sampling params, requests, outputs) and the engine protocol.
-- ``sampling``: logits to a sampled token and its behaviour log-prob.
-- ``torch_engine``: continuous batching over a Hugging Face causal LM with a KV cache.
+- ``base``: the records (sampling params, requests, outputs), the engine protocol and
+  ``EngineError``.
+- ``sampling``: logits to a sampled token, its behaviour log-prob and top alternatives.
+- ``torch_engine``: continuous batching over a Hugging Face causal LM with a KV cache;
+  ``kv_batch`` holds its left-padded running batch, ``weight_loading`` how weights arrive.
+- ``server``: the aiohttp application, its traffic gate and ``/generate``;
+  ``control_routes`` (SGLang section 2), ``openai_routes`` (section 3) and
+  ``generate_wire`` (body parsing, reply formatting, error shapes) complete it.
+- ``sglang_client``: ``SGLangClient``, built on ``sglang_transport`` (session, retries,
+  engine rotation) and ``sglang_weights`` (weight-update calls), with the records and
+  reply parsing of ``sglang_wire``.
 """

@@ -1,4 +1,4 @@
-"""The inference-engine seam: the records and the protocol every engine implements.
+"""The inference-engine seam: the records, the protocol and the refusal every engine uses.
 
 An engine takes token ids in and gives token ids out (token-in/token-out: no step
 re-tokenises text), with the behaviour log-prob and the weight version of every sampled
@@ -12,6 +12,7 @@ HTTP server; tests drive engines directly.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Any, Literal, Protocol
 
@@ -23,8 +24,19 @@ PauseMode = Literal["abort", "in_place", "retract"]
 UNSUPPORTED_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
+class EngineError(ValueError):
+    """A request the engine cannot serve (the HTTP layer answers 400 with the message)."""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """SGLang's ``sampling_params`` (section 1.2); unknown keys are refused on decode."""
+    """SGLang's ``sampling_params`` (section 1.2); unknown keys are refused on decode.
+
+    Every key is honoured or refused, never ignored: the engine applies the sampling,
+    stop and length keys; the HTTP server applies ``n`` (one request per sample), the
+    text keys (``skip_special_tokens``, ``spaces_between_special_tokens``,
+    ``no_stop_trim``) and ``stream_interval``; ``custom_params`` only feeds a custom logit
+    processor, which SGLang also ignores without one; constrained decoding is refused.
+    """
 
     max_new_tokens: int | None = 128
     min_new_tokens: int = 0
@@ -69,10 +81,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]"),
             (self.n >= 1, "n must be >= 1"),
             (len(self.stop_strings) <= 32, "at most 32 stop strings"),
+            (self.stream_interval is None or self.stream_interval >= 0,
+             "stream_interval must be >= 0 (0 or null: every token)"),
         )  # fmt: skip
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        for pattern in self.stop_regexes:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {exc}") from None
         for key in UNSUPPORTED_SAMPLING_KEYS:
             if getattr(self, key) is not None:
                 raise ValueError(f"{key} (constrained decoding) is not supported by this server")
@@ -83,6 +102,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def stop_regexes(self) -> list[str]:
+        """``stop_regex`` as a list of patterns."""
+        if self.stop_regex is None:
+            return []
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +125,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     return_logprob: bool = False
     #: -1: output log-probs only; 0..P: prompt log-probs from that position too.
     logprob_start_len: int = -1
+    #: k > 0: the k most likely tokens and their log-probs at every position as well.
     top_logprobs_num: int = 0
 
 
@@ -116,8 +143,14 @@ class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
 class GenerateOutput(msgspec.Struct, kw_only=True):
     """Everything generated so far for one request (cumulative; the last one is final).
 
-    ``logprobs[i]`` and ``versions[i]`` belong to ``output_ids[i]``. ``queued`` is True
-    when the request was aborted before it started (SGLang's "Abort in waiting queue").
+    ``logprobs[i]``, ``versions[i]`` and ``top_logprobs[i]`` belong to ``output_ids[i]``.
+    ``top_logprobs`` rows are ``(logprob, token_id)`` pairs, most likely first, from the
+    same distribution as ``logprobs`` (None unless ``top_logprobs_num > 0``);
+    ``input_logprobs`` and ``input_top_logprobs`` cover the prompt from
+    ``logprob_start_len``, with None at the first prompt position. ``cached_tokens``
+    counts prompt tokens whose KV came from a cache instead of this request's prefill.
+    ``queued`` is True when the request was aborted before it started (SGLang's "Abort in
+    waiting queue").
     """
 
     rid: str
@@ -129,6 +162,7 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     input_logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     queued: bool = False
     e2e_latency: float = 0.0
 

@@ -13,8 +13,10 @@ For one row with raw logits ``z`` (float32), the processed distribution is::
 EOS and stop-token ids are masked while fewer than ``min_new_tokens`` were generated.
 The sampled token is drawn from ``softmax(z')`` with the request's own generator (seeded
 by ``sampling_seed``), so a seeded request samples the same tokens whatever else shares
-its batch. Greedy requests take ``argmax z`` and report the log-prob under the model's
-unscaled distribution (``log_softmax(z)``), which is what a trainer recomputes.
+its batch. Greedy requests take ``argmax z'`` and report the log-prob under the model's
+unscaled distribution (``log_softmax(z)``), which is what a trainer recomputes. The top-k
+alternatives (SGLang's ``top_logprobs_num``) come from that same log-softmax, so the
+sampled token's own entry, when it is among them, equals its reported log-prob.
 
 Users: ``TorchEngine``; tested directly.
 """
@@ -22,6 +24,7 @@ Users: ``TorchEngine``; tested directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -85,12 +88,55 @@ def _filter(z: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return z
 
 
-def sample(logits: torch.Tensor, row: RowState) -> tuple[int, float]:
-    """Sample one token from a row of raw logits; returns ``(token, logprob)``."""
+class Sampled(NamedTuple):
+    """One sampled token, its log-prob, and the top alternatives when asked for."""
+
+    token: int
+    logprob: float
+    top: list[tuple[float, int]] | None  # (logprob, token_id), most likely first
+
+
+def sample(logits: torch.Tensor, row: RowState, num_top: int = 0) -> Sampled:
+    """Sample one token from a row of raw logits, with the ``num_top`` most likely tokens."""
     z = process_logits(logits, row)
     if row.params.greedy:
         token = int(torch.argmax(z))
-        return token, float(torch.log_softmax(logits.float(), -1)[token])
-    logp = torch.log_softmax(z, -1)
-    token = int(torch.multinomial(logp.exp(), 1, generator=row.generator))
-    return token, float(logp[token])
+        logp = torch.log_softmax(logits.float(), -1)
+    else:
+        logp = torch.log_softmax(z, -1)
+        token = int(torch.multinomial(logp.exp(), 1, generator=row.generator))
+    return Sampled(token, float(logp[token]), top_logprobs(logp, num_top) if num_top else None)
+
+
+def top_logprobs(logp: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    """The ``k`` largest entries of a log-prob row as ``(logprob, token_id)`` pairs.
+
+    Tokens that top-k/top-p/min-p filtered out have log-prob ``-inf`` and only appear when
+    ``k`` exceeds the tokens left (the server writes ``-inf`` as JSON null).
+    """
+    values, ids = torch.topk(logp, min(k, logp.shape[-1]))
+    return list(zip(values.tolist(), ids.tolist(), strict=True))
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, prompt: list[int], start_len: int, num_top: int
+) -> tuple[list[float | None], list[list[tuple[float, int]] | None] | None]:
+    """Teacher-forced log-probs of ``prompt`` from position ``start_len`` (the first prompt
+    token has none: None), under the model's unscaled distribution, and the ``num_top``
+    most likely tokens at each of those positions (None when ``num_top`` is 0).
+
+    ``logits`` are the prefill's ``[len(prompt), vocab]`` rows of this prompt.
+    """
+    logp = torch.log_softmax(logits[:-1].float(), -1)
+    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logp.device)
+    values = logp.gather(-1, targets[:, None]).squeeze(-1)
+    out: list[float | None] = [None, *values.tolist()]
+    if num_top <= 0:
+        return out[start_len:], None
+    top_values, top_ids = torch.topk(logp, min(num_top, logp.shape[-1]), dim=-1)
+    top: list[list[tuple[float, int]] | None] = [None]
+    top += [
+        list(zip(v, i, strict=True))
+        for v, i in zip(top_values.tolist(), top_ids.tolist(), strict=True)
+    ]
+    return out[start_len:], top[start_len:]

@@ -6,18 +6,18 @@ thread (the event loop stays free for HTTP and control calls)::
     step:  apply a pending weight update (a decode-step boundary)
            admit waiting requests: prefill them together, merge their KV into the batch
            decode one token for every running sequence
-           finish sequences (EOS, stop token, stop string, length, abort) and drop their KV
+           finish sequences (EOS, stop token, stop string or regex, length, abort) and
+           drop their KV
 
-The batch's KV cache is one ``DynamicCache`` of shape ``[batch, kv_heads, L, head_dim]``
-per layer, left-padded: row ``i`` holds its tokens at the right end, ``mask[i]`` marks
-real positions and ``positions[i]`` is its next position id. Merging new rows pads the
-shorter side on the left; dropping rows selects the rest and trims columns that became
-padding everywhere. The cache never holds a row's newest token: it is the next input.
+The running batch and its left-padded KV cache are a ``KVBatch`` (``kv_batch.py``): rows
+are merged in after their prefill and selected out when they finish.
 
 Every sampled token is stamped with ``version``, the weight version that produced it.
 Aborted requests return what they generated so far; ``pause("in_place")`` keeps the
 batch and its KV, ``pause("retract")`` drops the KV and re-prefills later, and
 ``pause("abort")`` aborts everything and returns once every caller has its output.
+No KV outlives its request (there is no prefix cache), so ``cached_tokens`` is 0: a
+resumed partial rollout and a retracted request prefill their whole prompt again.
 
 Users: the HTTP server (``engines/server.py``), tests and ``bench/engine.py``.
 """
@@ -27,30 +27,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.engines.base import (
+    EngineError,
     EngineLoad,
     FinishReason,
     GenerateOutput,
     GenerateRequest,
     PauseMode,
 )
-from asyncrl.engines.sampling import RowState, sample
+from asyncrl.engines.kv_batch import KVBatch
+from asyncrl.engines.sampling import RowState, prompt_logprobs, sample
+from asyncrl.engines.weight_loading import WeightGroup, check_names, read_safetensors
 from asyncrl.observe.logs import get_logger
 
 log = get_logger("asyncrl.engine")
-
-
-class EngineError(ValueError):
-    """A request the engine cannot serve (the HTTP layer answers 400 with the message)."""
 
 
 @dataclass(eq=False)
@@ -64,42 +63,31 @@ class _Seq:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[float, int]]] | None = None  # per output token, when asked for
     input_logprobs: list[float | None] | None = None
+    input_top: list[list[tuple[float, int]] | None] | None = None
+    stop_regex: list[re.Pattern[str]] = field(default_factory=list)
     finish: FinishReason | None = None
     aborted: bool = False
     queued: bool = True
     updated: asyncio.Event = field(default_factory=asyncio.Event)
 
     def snapshot(self) -> GenerateOutput:
+        """What the caller sees now (copies: the step thread keeps appending)."""
         return GenerateOutput(
             rid=self.req.rid,
             output_ids=list(self.output),
             logprobs=list(self.logprobs),
             versions=list(self.versions),
+            top_logprobs=None if self.top is None else list(self.top),
             finish_reason=self.finish,
             prompt_tokens=len(self.req.input_ids),
+            cached_tokens=0,  # no prefix cache: the prefill computed every prompt token
             input_logprobs=self.input_logprobs,
+            input_top_logprobs=self.input_top,
             queued=self.queued and self.finish is not None,
             e2e_latency=time.monotonic() - self.started,
         )
-
-
-class _Batch:
-    """The running sequences and their left-padded KV cache."""
-
-    def __init__(self) -> None:
-        self.seqs: list[_Seq] = []
-        self.cache: Any = None
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
-        self.positions = torch.zeros(0, dtype=torch.long)
-        self.last = torch.zeros(0, dtype=torch.long)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.mask.sum()) + len(self.seqs)
 
 
 class TorchEngine:
@@ -123,7 +111,7 @@ class TorchEngine:
         self.eos_ids = _eos_ids(model, tokenizer)
         self.version, self.model_path = version, model_path
         self._waiting: deque[_Seq] = deque()
-        self._batch = _Batch()
+        self._batch: KVBatch[_Seq] = KVBatch()
         self._rids: dict[str, _Seq] = {}
         self._paused = False
         self._resumed = asyncio.Event()
@@ -132,7 +120,7 @@ class TorchEngine:
         self._updates: deque[tuple[Any, asyncio.Future[None]]] = deque()
         self._seed = itertools.count(1)
         self._just_finished: list[_Seq] = []
-        self._group_name = ""
+        self._group = WeightGroup()
         self._stepped = asyncio.Event()  # set after every step (pause waits on it)
         self.stats = {"steps": 0, "prefills": 0, "generated_tokens": 0}
 
@@ -183,7 +171,7 @@ class TorchEngine:
             self._just_finished.append(seq)
         self._rids.clear()
         self._waiting.clear()
-        self._batch = _Batch()
+        self._batch = KVBatch()
 
     # -- requests ------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
@@ -218,6 +206,9 @@ class TorchEngine:
             blocked=self._blocked_ids(request),
         )
         seq = _Seq(request, row, time.monotonic(), list(request.input_ids))
+        seq.stop_regex = [re.compile(p) for p in request.sampling.stop_regexes]
+        if request.top_logprobs_num > 0:
+            seq.top = []
         self._rids[request.rid] = seq
         self._waiting.append(seq)
         self._wake.set()
@@ -243,6 +234,14 @@ class TorchEngine:
             raise EngineError(
                 f"logprob_start_len ({request.logprob_start_len}) is greater than the "
                 f"prompt length ({len(ids)})"
+            )
+        if request.top_logprobs_num < 0:
+            raise EngineError(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
+        p = request.sampling
+        if (p.stop_strings or p.stop_regexes) and self.tokenizer is None:
+            raise EngineError(
+                "stop and stop_regex match decoded text and this model has no tokenizer: "
+                "use stop_token_ids"
             )
 
     @property
@@ -297,7 +296,7 @@ class TorchEngine:
 
     async def update_weights_from_disk(self, path: str, version: int | None) -> None:
         """Load every ``*.safetensors`` file of ``path`` at a step boundary."""
-        tensors = await asyncio.to_thread(_read_safetensors, path)
+        tensors = await asyncio.to_thread(read_safetensors, path)
         await self.update_weights_from_tensors(tensors, version)
         self.model_path = path
 
@@ -305,7 +304,7 @@ class TorchEngine:
         self, tensors: dict[str, torch.Tensor], version: int | None
     ) -> None:
         """Copy ``tensors`` (names as in ``state_dict``) into the model at a step boundary."""
-        _check_names(self.model, tensors)
+        check_names(self.model, tensors)
         await self._at_boundary(lambda: self._load(tensors, version))
 
     def _load(self, tensors: dict[str, torch.Tensor], version: int | None) -> None:
@@ -334,18 +333,7 @@ class TorchEngine:
         backend: str,
     ) -> None:
         """Join the trainer's torch.distributed group (blocking rendezvous, in a thread)."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            raise EngineError(f"a weights update group already exists ({self._group_name})")
-        await asyncio.to_thread(
-            dist.init_process_group,
-            backend=backend,
-            world_size=world_size,
-            rank=rank,
-            init_method=f"tcp://{master_address}:{master_port}",
-        )
-        self._group_name = group_name
+        await self._group.join(master_address, master_port, rank, world_size, group_name, backend)
 
     async def update_weights_from_distributed(
         self,
@@ -356,32 +344,14 @@ class TorchEngine:
         version: int | None,
     ) -> None:
         """Receive each tensor by ``broadcast(src=0)`` in list order, then load them."""
-        import torch.distributed as dist
-
-        if not dist.is_initialized() or group_name != self._group_name:
-            raise EngineError(f"no weights update group named {group_name!r}: init it first")
-        if not len(names) == len(dtypes) == len(shapes):
-            raise EngineError("names, dtypes and shapes must have the same length")
-        tensors = {
-            name: torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            for name, dtype, shape in zip(names, dtypes, shapes, strict=True)
-        }
-        _check_names(self.model, tensors)
-
-        def receive() -> None:
-            for t in tensors.values():
-                dist.broadcast(t, src=0)
-
-        await asyncio.to_thread(receive)
+        tensors = await self._group.receive(
+            group_name, names, dtypes, shapes, self.model, self.device
+        )
         await self.update_weights_from_tensors(tensors, version)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
-        """Leave the group."""
-        import torch.distributed as dist
-
-        if dist.is_initialized() and group_name == self._group_name:
-            await asyncio.to_thread(dist.destroy_process_group)
-            self._group_name = ""
+        """Leave the group; ``EngineError`` when no group of that name was joined."""
+        await self._group.leave(group_name)
 
     async def flush_cache(self) -> bool:
         """Nothing is cached across requests; refuse while requests run, as SGLang does."""
@@ -467,23 +437,17 @@ class TorchEngine:
         for i, s in enumerate(seqs):
             s.queued = False
             if s.req.logprob_start_len >= 0 and s.input_logprobs is None:
-                s.input_logprobs = _prompt_logprobs(logits[i], ids[i], len(s.prompt), s.req)
+                s.input_logprobs, s.input_top = prompt_logprobs(
+                    logits[i, width - len(s.prompt) :],
+                    s.prompt,
+                    s.req.logprob_start_len,
+                    s.req.top_logprobs_num,
+                )
         self._merge(seqs, out.past_key_values, mask, logits[:, -1, :])
 
     def _merge(self, seqs: list[_Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
-        b = self._batch
         tokens = [self._first_token(s, last[i]) for i, s in enumerate(seqs)]
-        new_pos = mask.sum(-1)
-        if not b.seqs:
-            b.cache, b.mask, b.positions = cache, mask, new_pos
-            b.last, b.seqs = torch.tensor(tokens), list(seqs)
-        else:
-            width = max(b.mask.shape[1], mask.shape[1])
-            b.cache = _concat_caches(b.cache, b.mask.shape[1], cache, mask.shape[1], width)
-            b.mask = torch.cat([_lpad(b.mask, width), _lpad(mask, width)])
-            b.positions = torch.cat([b.positions, new_pos])
-            b.last = torch.cat([b.last, torch.tensor(tokens)])
-            b.seqs += seqs
+        self._batch.add(seqs, cache, mask, tokens)
         self._finish_checks()
 
     def _first_token(self, seq: _Seq, logits: torch.Tensor) -> int:
@@ -509,10 +473,12 @@ class TorchEngine:
         self._finish_checks()
 
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> int:
-        token, logprob = sample(logits.cpu(), seq.row)
+        token, logprob, top = sample(logits.cpu(), seq.row, seq.req.top_logprobs_num)
         seq.output.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.version)
+        if seq.top is not None and top is not None:
+            seq.top.append(top)
         seq.row.num_generated += 1
         seq.row.counts[token] = seq.row.counts.get(token, 0) + 1
         if seq.row.seen is not None:
@@ -532,6 +498,8 @@ class TorchEngine:
             if token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in self.eos_ids):
                 return FinishReason(type="stop", matched=token)
             matched = self._stop_string(seq)
+            if matched is None:
+                matched = self._stop_regex(seq)
             if matched is not None:
                 return FinishReason(type="stop", matched=matched)
         limit = p.max_new_tokens
@@ -551,6 +519,15 @@ class TorchEngine:
         window = tail[-(longest + len(newest)) :]
         return next((s for s in stops if s in window), None)
 
+    def _stop_regex(self, seq: _Seq) -> str | None:
+        """The first ``stop_regex`` pattern found in the decoded output (SGLang reports the
+        pattern as ``matched``). The whole output is decoded, as a match may span any
+        length: O(output) per step, only for requests that set ``stop_regex``."""
+        if not seq.stop_regex or self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(seq.output)
+        return next((p.pattern for p in seq.stop_regex if p.search(text)), None)
+
     def _drop(self, done: Any, *, abort: bool) -> None:
         b = self._batch
         keep = [i for i, s in enumerate(b.seqs) if not done(s)]
@@ -561,21 +538,14 @@ class TorchEngine:
                 if abort and s.finish is None:
                     s.finish = FinishReason(type="abort", message="Aborted")
                 self._done(s)
-        if not keep:
-            self._batch = _Batch()
-            return
-        index = torch.tensor(keep)
-        b.cache.batch_select_indices(index.to(self.device))
-        b.seqs = [b.seqs[i] for i in keep]
-        b.mask, b.positions, b.last = b.mask[index], b.positions[index], b.last[index]
-        _trim_left(b)
+        b.select(keep, self.device)
 
     def _retract(self) -> None:
         """Put running sequences back in the queue; their KV is recomputed on resume."""
         for seq in reversed(self._batch.seqs):
             seq.prompt = [*seq.req.input_ids, *seq.output]
             self._waiting.appendleft(seq)
-        self._batch = _Batch()
+        self._batch = KVBatch()
 
     # -- helpers used by tests and the server ---------------------------------------------
     @property
@@ -593,52 +563,6 @@ def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
-def _lpad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Left-pad the last dimension of ``t`` with zeros to ``width``."""
-    pad = width - t.shape[-1]
-    return t if pad == 0 else torch.nn.functional.pad(t, (pad, 0))
-
-
-def _concat_caches(a: Any, wa: int, b: Any, wb: int, width: int) -> Any:
-    """Batch-concatenate two left-padded caches of widths ``wa``/``wb`` to ``width``."""
-    from transformers import DynamicCache
-
-    layers = []
-    for la, lb in zip(a.layers, b.layers, strict=True):
-        keys = torch.cat([_lpad_kv(la.keys, width), _lpad_kv(lb.keys, width)])
-        values = torch.cat([_lpad_kv(la.values, width), _lpad_kv(lb.values, width)])
-        layers.append((keys, values))
-    return DynamicCache(ddp_cache_data=layers)
-
-
-def _lpad_kv(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Left-pad ``[b, heads, L, d]`` along L."""
-    pad = width - t.shape[2]
-    return t if pad == 0 else torch.nn.functional.pad(t, (0, 0, pad, 0))
-
-
-def _trim_left(b: _Batch) -> None:
-    """Drop leading columns that are padding in every row (after rows left the batch)."""
-    live = b.mask.any(dim=0).nonzero()
-    start = int(live[0]) if live.numel() else b.mask.shape[1]
-    if start == 0:
-        return
-    b.mask = b.mask[:, start:]
-    for layer in b.cache.layers:
-        layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
-
-
-def _prompt_logprobs(
-    logits: torch.Tensor, ids: torch.Tensor, n: int, req: GenerateRequest
-) -> list[float | None]:
-    """Teacher-forced log-probs of prompt tokens from ``logprob_start_len`` (first: None)."""
-    start = ids.shape[0] - n
-    logp = torch.log_softmax(logits[start : start + n - 1], -1)
-    values = logp.gather(-1, ids[start + 1 : start + n, None].to(logp.device)).squeeze(-1)
-    out: list[float | None] = [None, *values.tolist()]
-    return out[req.logprob_start_len :]
-
-
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     ids: list[int] = []
     for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
@@ -647,30 +571,6 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return sorted(set(ids))
-
-
-def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"no *.safetensors files in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
-    return tensors
-
-
-def _check_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    known = model.state_dict(keep_vars=True)
-    unknown = sorted(set(tensors) - set(known))
-    if unknown:
-        raise EngineError(f"unknown weight names: {unknown[:5]}")
-    for name, t in tensors.items():
-        if tuple(t.shape) != tuple(known[name].shape):
-            raise EngineError(
-                f"{name}: shape {tuple(t.shape)} does not match {tuple(known[name].shape)}"
-            )
 
 
 with contextlib.suppress(Exception):  # keep torch from oversubscribing the event loop's core

@@ -1,0 +1,395 @@
+"""The control-plane routes of the embedded server (``reference/sglang_api.md`` section 2).
+
+``ControlRoutes`` answers every call RL frameworks and routers make besides generation:
+abort and pause (2.8, 2.9), weight updates and the weight version (2.1 to 2.6), cache and
+memory (2.7, 2.10), and discovery: health, model and server info, loads (2.11 to 2.14).
+Admin calls answer ``{"success", "message"}``, with 400 when ``success`` is false.
+
+Versions: the engine's int version is reported as a string (``"42"``); ``weight_version``
+parameters arrive as strings and must be numeric. Nothing is ever unpickled, so
+``update_weights_from_tensor`` is refused; use the disk or distributed paths.
+
+Users: ``EngineServer`` (``server.py``) registers these routes on its application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from asyncrl.engines.generate_wire import (
+    ApiError,
+    Json,
+    field,
+    invalid_body,
+    json_response,
+    parse_version,
+    read_json,
+)
+from asyncrl.observe.logs import get_logger
+
+if TYPE_CHECKING:
+    from asyncrl.engines.server import EngineServer
+
+log = get_logger("asyncrl.server")
+
+_FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)\n"
+)
+
+
+class ControlRoutes:
+    """Section 2's routes over one ``EngineServer`` (its engine and traffic gate)."""
+
+    def __init__(self, server: EngineServer) -> None:
+        self.server = server
+        self.engine = server.engine
+        self.gate = server.gate
+
+    def register(self, router: web.UrlDispatcher) -> None:
+        """Add every control route to ``router``."""
+        posts = {
+            "/abort_request": self.abort_request,
+            "/pause_generation": self.pause_generation,
+            "/continue_generation": self.continue_generation,
+            "/update_weights_from_disk": self.update_weights_from_disk,
+            "/init_weights_update_group": self.init_weights_update_group,
+            "/update_weights_from_distributed": self.update_weights_from_distributed,
+            "/destroy_weights_update_group": self.destroy_weights_update_group,
+            "/update_weights_from_tensor": self.update_weights_from_tensor,
+            "/update_weight_version": self.update_weight_version,
+            "/begin_weight_update": self.begin_weight_update,
+            "/end_weight_update": self.end_weight_update,
+        }
+        for path, handler in posts.items():
+            router.add_post(path, handler)
+        both = {
+            "/flush_cache": self.flush_cache,
+            "/release_memory_occupation": self.release_memory,
+            "/resume_memory_occupation": self.resume_memory,
+        }
+        for path, handler in both.items():
+            router.add_get(path, handler)
+            router.add_post(path, handler)
+        gets = {
+            "/health": self.health,
+            "/health_generate": self.health_generate,
+            "/ready": self.ready_route,
+            "/get_weight_version": self.weight_version,
+            "/weight_version": self.weight_version,
+            "/get_model_info": self.model_info,
+            "/model_info": self.model_info,
+            "/get_server_info": self.server_info,
+            "/server_info": self.server_info,
+            "/v1/models": self.models,
+            "/v1/loads": self.loads,
+            "/get_load": self.get_load,
+            "/version": self.version,
+        }
+        for path, handler in gets.items():
+            router.add_get(path, handler)
+
+    # -- abort, pause -------------------------------------------------------------------------
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """``/abort_request``: by rid prefix or all; empty 200 before the outputs exist (2.9)."""
+        body = await read_json(request)
+        rid = field(body, "rid", str, "")
+        self.engine.abort(rid, abort_all=field(body, "abort_all", bool, False))
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """``/pause_generation`` (2.8): abort mode returns once every call is answered."""
+        mode = field(await read_json(request), "mode", str, "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise invalid_body(f"mode: expected 'abort', 'retract' or 'in_place', got {mode!r}")
+        self.gate.open.clear()
+        # Calls that passed the gate start their items this tick; let them reach the engine
+        # so the pause sees (and, in abort mode, aborts) them.
+        await asyncio.sleep(0)
+        await self.engine.pause(mode)
+        if mode == "abort":
+            await self.gate.drained()
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        """``/continue_generation`` (2.8)."""
+        await read_json(request)
+        await self.engine.resume()
+        self.gate.open.set()
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    # -- weights ------------------------------------------------------------------------------
+    async def _admin(self, request: web.Request, action: Callable[[Json], Awaitable[Json]]) -> Any:
+        """Run an admin action: ``{"success": true, ...}`` or 400 ``{"success": false}`` (2)."""
+        body = await read_json(request)
+        try:
+            reply = await action(body)
+        except ApiError as exc:
+            return json_response({"success": False, "message": exc.message}, status=400)
+        except ValueError as exc:  # EngineError or a bad parameter: the caller's to fix
+            log.warning("admin call refused", path=request.path, error=str(exc))
+            return json_response({"success": False, "message": str(exc)}, status=400)
+        except Exception as exc:  # a failed load or collective: SGLang answers 400, not 500
+            log.exception("admin call failed", path=request.path)
+            return json_response({"success": False, "message": f"{exc!r}"}, status=400)
+        return json_response({"success": True, **reply})
+
+    def _abort_first(self, body: Json, default: bool = False) -> None:
+        if field(body, "abort_all_requests", bool, default):
+            self.engine.abort(abort_all=True)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """``/update_weights_from_disk`` (2.1)."""
+
+        async def action(body: Json) -> Json:
+            path = field(body, "model_path", str)
+            if not path:
+                raise ValueError("model_path is required")
+            version = parse_version(body.get("weight_version"))
+            self._abort_first(body)
+            async with self.gate.updating():
+                await self.engine.update_weights_from_disk(path, version)
+            return {"message": _updated("model weights", self.engine.version),
+                    "num_paused_requests": 0}  # fmt: skip
+
+        return await self._admin(request, action)
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """``/init_weights_update_group`` (2.2): rank = rank_offset (one TP rank here)."""
+
+        async def action(body: Json) -> Json:
+            default_backend = "nccl" if self.engine.device.type == "cuda" else "gloo"
+            await self.engine.init_weights_update_group(
+                master_address=field(body, "master_address", str, "127.0.0.1"),
+                master_port=_required(body, "master_port", int),
+                rank=field(body, "rank_offset", int, 1),
+                world_size=_required(body, "world_size", int),
+                group_name=field(body, "group_name", str, "weight_update_group"),
+                backend=field(body, "backend", str, default_backend),
+            )
+            return {"message": "Succeeded to initialize custom process group."}
+
+        return await self._admin(request, action)
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """``/update_weights_from_distributed`` (2.3): receive by broadcast, then load."""
+
+        async def action(body: Json) -> Json:
+            if body.get("load_format") not in (None, "direct"):
+                raise ValueError(f"load_format {body['load_format']!r} is not supported")
+            version = parse_version(body.get("weight_version"))
+            self._abort_first(body)
+            async with self.gate.updating():
+                await self.engine.update_weights_from_distributed(
+                    names=_required(body, "names", list),
+                    dtypes=[d.removeprefix("torch.") for d in _required(body, "dtypes", list)],
+                    shapes=_required(body, "shapes", list),
+                    group_name=field(body, "group_name", str, "weight_update_group"),
+                    version=version,
+                )
+            return {"message": _updated("parameter online", self.engine.version)}
+
+        return await self._admin(request, action)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        """``/destroy_weights_update_group`` (2.2)."""
+
+        async def action(body: Json) -> Json:
+            group = field(body, "group_name", str, "weight_update_group")
+            await self.engine.destroy_weights_update_group(group)
+            return {"message": "Succeeded to destroy custom process group."}
+
+        return await self._admin(request, action)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """Refused: its payload is a pickle, and this server never unpickles (2.4)."""
+        await read_json(request)
+        message = "not supported: use update_weights_from_disk or update_weights_from_distributed"
+        return json_response({"success": False, "message": message}, status=400)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """``/update_weight_version`` (2.6); ``abort_all_requests`` defaults to true."""
+
+        async def action(body: Json) -> Json:
+            version = parse_version(body.get("new_version"))
+            if version is None:
+                raise ValueError("new_version is required")
+            self._abort_first(body, default=True)
+            self.engine.version = version
+            return {"message": f"Weight version updated to {version}", "new_version": str(version)}
+
+        return await self._admin(request, action)
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        """A no-op session opener (2.5): updates here need no session."""
+        return await self._admin(request, _no_op("Weight update session begun."))
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        """A no-op session closer (2.5)."""
+        return await self._admin(request, _no_op("Weight update session ended."))
+
+    # -- cache and memory ---------------------------------------------------------------------
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """``/flush_cache`` (2.10): text/plain, 400 while requests run or wait."""
+        if await self.engine.flush_cache():
+            return web.Response(text=_FLUSHED)
+        load = self.engine.load()
+        return web.Response(
+            status=400,
+            text=f"Cache not flushed: {load.num_running_reqs} running and "
+            f"{load.num_waiting_reqs} waiting requests.\n",
+        )
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        """``/release_memory_occupation`` (2.7): JSON null; needs an idle engine."""
+        await self.engine.release_memory(_tags(await read_json(request)))
+        return json_response(None)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        """``/resume_memory_occupation`` (2.7): JSON null."""
+        await self.engine.resume_memory(_tags(await read_json(request)))
+        return json_response(None)
+
+    # -- discovery ----------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        """``/health``: 200 empty once warmed up, 503 while starting or stopping (2.11)."""
+        return web.Response(status=200 if self.server.alive else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """``/health_generate``: a real 1-token generation; 503 if none within 20 s."""
+        if not self.server.alive:
+            return web.Response(status=503)
+        try:
+            await self.server.probe()
+        except (TimeoutError, ValueError):
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def ready_route(self, request: web.Request) -> web.Response:
+        """``/ready``: 200 when up and not paused (0.5.20+)."""
+        return web.Response(status=200 if self.server.alive and not self.gate.paused else 503)
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        """``/get_weight_version`` and ``/weight_version`` (2.6)."""
+        return json_response({"weight_version": str(self.engine.version)})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """``/get_model_info`` and ``/model_info`` (2.12)."""
+        config = self.engine.model.config
+        return json_response({
+            "model_path": self.engine.model_path,
+            "tokenizer_path": self.engine.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(self.engine.version),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+            "served_model_name": self.server.served_model_name,
+        })  # fmt: skip
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """``/get_server_info`` and ``/server_info``: the fields of 2.13 and the server args."""
+        from asyncrl import __version__
+
+        e = self.engine
+        load = e.load()
+        return json_response({
+            **self.server.server_args,
+            "model_path": e.model_path,
+            "tokenizer_path": e.model_path,
+            "served_model_name": self.server.served_model_name,
+            "tp_size": 1,
+            "dp_size": 1,
+            "context_length": e.context_length,
+            "max_running_requests": e.max_running,
+            "max_total_num_tokens": e.max_total_tokens,
+            "max_req_input_len": e.context_length - 1,
+            "weight_version": str(e.version),
+            "device": e.device.type,
+            "internal_states": [{"dp_rank": 0, "paused": load.paused,
+                                 "num_running_reqs": load.num_running_reqs}],
+            "startup_time": self.server.started,
+            "version": __version__,
+        })  # fmt: skip
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``/v1/models`` (2.14)."""
+        name = self.server.served_model_name
+        card = {"id": name, "object": "model", "created": int(self.server.started),
+                "owned_by": "sglang", "root": name, "parent": None,
+                "max_model_len": self.engine.context_length}  # fmt: skip
+        return json_response({"object": "list", "data": [card]})
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """``/v1/loads`` (2.14): the core fields for the one data-parallel rank."""
+        from asyncrl import __version__
+
+        load = self.engine.load()
+        usage = load.num_used_tokens / max(load.max_total_num_tokens, 1)
+        row = {
+            "dp_rank": 0,
+            "num_running_reqs": load.num_running_reqs,
+            "num_waiting_reqs": load.num_waiting_reqs,
+            "num_used_tokens": load.num_used_tokens,
+            "max_total_num_tokens": load.max_total_num_tokens,
+            "token_usage": usage,
+            "gen_throughput": 0.0,
+            "cache_hit_rate": 0.0,
+            "utilization": usage,
+        }
+        device = self.engine.device.type
+        return json_response({
+            "timestamp": datetime.now(UTC).isoformat(),
+            "version": __version__,
+            "accelerator": None if device == "cpu" else device,
+            "num_accelerators": 0 if device == "cpu" else 1,
+            "loads": [row],
+        })  # fmt: skip
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """``/get_load`` (deprecated, polled by sglang-router 0.3.2)."""
+        load = self.engine.load()
+        return json_response([{
+            "dp_rank": 0,
+            "num_reqs": load.num_running_reqs + load.num_waiting_reqs,
+            "num_waiting_reqs": load.num_waiting_reqs,
+            "num_tokens": load.num_used_tokens,
+        }])  # fmt: skip
+
+    async def version(self, request: web.Request) -> web.Response:
+        """``/version``."""
+        from asyncrl import __version__
+
+        return json_response({"version": __version__})
+
+
+def _required(body: Json, key: str, kind: type) -> Any:
+    value = field(body, key, kind)
+    if value is None:
+        raise ValueError(f"{key} is required")
+    return value
+
+
+def _tags(body: Json) -> list[str] | None:
+    tags = body.get("tags")
+    if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+        raise invalid_body(f"tags: expected a list of strings or null, got {tags!r}")
+    return tags
+
+
+def _updated(what: str, version: int) -> str:
+    return f"Succeeded to update {what}. Weight version updated to {version}."
+
+
+def _no_op(message: str) -> Callable[[Json], Awaitable[Json]]:
+    async def action(body: Json) -> Json:
+        return {"message": message}
+
+    return action

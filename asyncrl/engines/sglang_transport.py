@@ -1,0 +1,514 @@
+"""The SGLang client's transport: one connection pool, retries and the choice of engine.
+
+``SGLangTransport`` is the base of ``SGLangClient`` (``sglang_client.py``): it owns the
+aiohttp session, the retry rules, the engine rotation and the load refresher, and the
+raw ``/generate`` POST; the subclasses add the call sequences on top.
+
+Transport. One aiohttp ``ClientSession`` (one connection pool, no proxies from the
+environment) per client. Every POST carries a JSON body, ``{}`` when it has nothing to say,
+because SGLang 0.5.23 refuses body-less control POSTs. Timeouts: ``generate_timeout_s``
+(default 4 h, slime's router timeout) for ``/generate``; ``update_timeout_s`` for calls that
+wait on a drain or a collective (pause, weight updates, group init); ``control_timeout_s``
+for everything else. Timeouts are never retried.
+
+What is retried, up to ``Config.retries`` times with doubling backoff, and nothing else:
+
+- a failed TCP connect (``ClientConnectorError``: refused, unreachable), on every call,
+  ``/generate`` included: the request never left this process, so a retry cannot run
+  anything twice. A ``/generate`` retry goes to another engine when there is one;
+- HTTP 503, or a connection dropped before the response, on idempotent calls only: GETs,
+  ``pause_generation``, ``continue_generation``, ``abort_request``,
+  ``update_weights_from_disk`` (loading one checkpoint twice gives the same weights);
+- a ``/generate`` answered 503 with code ``no_available_workers``: a router refusing
+  before it forwarded anything (section 4.2).
+
+Never retried: any 4xx (``flush_cache``'s "busy" 400 is polled by ``flush_cache`` itself,
+which is the protocol, not a transport retry); a ``/generate`` the server accepted (a
+dropped connection mid-generation raises ``EngineUnavailable``, and the engine leaves the
+rotation); group init, distributed updates, begin/end, memory release/resume and router
+worker changes, which are not idempotent.
+
+Choosing an engine (several base URLs). Each request goes to the engine in rotation with
+the lowest score ``own in-flight + others``, where ``others`` is what the engine's last
+``/v1/loads`` (fallback ``/get_load``) reported beyond this client's in-flight count at
+that moment: the load other clients put on it. Ties rotate round-robin. Loads are
+refreshed in one background task, at most every ``load_refresh_s``, only when there are
+engines to choose between, so the request path never waits on it. ``prefer=`` pins a
+request to an engine while it is in rotation (resume a partial rollout where its KV cache
+is). An engine whose connect fails, or whose ``/health`` fails, leaves the rotation and is
+probed with ``GET /health`` every ``recheck_s`` until it answers 200.
+
+With ``router=True`` the one URL is a sglang-router: generation goes through it, and
+control calls go to each worker URL from ``GET /workers``, because the router does not fan
+them out (section 4.2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import aiohttp
+import msgspec
+
+from asyncrl.engines.sglang_wire import (
+    EngineUnavailable,
+    SGLangError,
+    error_message,
+    load_count,
+    router_refused,
+    sampling_dict,
+)
+from asyncrl.observe.logs import get_logger
+
+log = get_logger("asyncrl.sglang_client")
+
+_JSON = {"Content-Type": "application/json"}
+
+
+class SentWatch:
+    """Set once a request body has been handed to the socket (``PendingCall`` waits on it)."""
+
+    def __init__(self, size: int) -> None:
+        self.remaining, self.event = size, asyncio.Event()
+
+
+async def _on_chunk_sent(session: Any, ctx: Any, params: aiohttp.TraceRequestChunkSentParams):
+    # aiohttp calls this just before the chunk is written, with no await in between, so a
+    # waiter woken by the event runs after the write.
+    watch = (ctx.trace_request_ctx or {}).get("sent")
+    if isinstance(watch, SentWatch):
+        watch.remaining -= len(params.chunk)
+        if watch.remaining <= 0:
+            watch.event.set()
+
+
+async def gather_replies(tasks: Mapping[str, Awaitable[Any]]) -> dict[str, Any]:
+    """``{url: result}``; the first failure is raised once all have finished."""
+    results = await asyncio.gather(*tasks.values(), return_exceptions=True)
+    failures = {
+        url: r for url, r in zip(tasks, results, strict=True) if isinstance(r, BaseException)
+    }
+    if len(failures) > 1:
+        log.warning(
+            "control call failed on several engines",
+            errors={url: repr(error) for url, error in failures.items()},
+        )
+    if failures:
+        raise next(iter(failures.values()))
+    return dict(zip(tasks, results, strict=True))
+
+
+@dataclass(slots=True)
+class _Engine:
+    """What the client knows about one base URL."""
+
+    url: str
+    inflight: int = 0
+    reported: int = 0
+    inflight_at_report: int = 0
+    reported_at: float = float("-inf")
+    down_until: float | None = None
+    loads_path: str = "/v1/loads?include=core"
+
+    def score(self) -> int:
+        """Own in-flight calls plus what others put on the engine at its last report."""
+        return self.inflight + max(0, self.reported - self.inflight_at_report)
+
+
+def _timeout(total: float, connect: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=total, sock_connect=connect)
+
+
+class SGLangTransport:
+    """HTTP, retries and engine rotation for ``SGLangClient`` (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True, frozen=True)
+    class Config:
+        """Timeouts, retries and load-refresh settings (the module docstring has the policy)."""
+
+        generate_timeout_s: float = 4 * 3600.0
+        """Whole-call limit of ``/generate`` (4 h, as slime's router)."""
+        update_timeout_s: float = 3600.0
+        """Calls that wait on a drain or a collective: pause, weight updates, group init."""
+        control_timeout_s: float = 30.0
+        """Every other call, and the TCP connect of all calls."""
+        retries: int = 3
+        """Retries of a retryable failure (module docstring); 0 disables them."""
+        backoff_s: float = 0.1
+        """First retry delay; doubles per retry up to ``max_backoff_s``."""
+        max_backoff_s: float = 2.0
+        """Cap of the retry delay."""
+        load_refresh_s: float = 1.0
+        """Minimum age of an engine's load report before it is fetched again."""
+        recheck_s: float = 2.0
+        """How often an engine out of rotation is probed with ``GET /health``."""
+        api_key: str | None = None
+        """Sent as ``Authorization: Bearer`` when the servers run with ``--api-key``."""
+        max_connections: int = 0
+        """Connection-pool size; 0 is unlimited, so every in-flight generate reaches the server."""
+
+    def __init__(
+        self, urls: str | Sequence[str], *, router: bool = False, config: Config | None = None
+    ) -> None:
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("SGLangClient needs at least one engine URL")
+        if router and len(urls) != 1:
+            raise ValueError(f"router=True takes the one router URL, got {len(urls)} URLs")
+        self.config = config or type(self).Config()
+        self.router = router
+        self._engines = [_Engine(url.rstrip("/")) for url in urls]
+        self._rids: dict[str, _Engine] = {}
+        # Per-engine facts the subclasses learn: server versions and open begin/end
+        # sessions (sglang_weights.py), engines answering only the legacy /get_load.
+        self._server_versions: dict[str, tuple[int, ...] | None] = {}
+        self._sessions_open: set[str] = set()
+        self._legacy_loads: set[str] = set()
+        self._cursor = 0
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        trace = aiohttp.TraceConfig()
+        trace.on_request_chunk_sent.append(_on_chunk_sent)
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.config.max_connections),
+            headers=headers,
+            trace_configs=[trace],
+            trust_env=False,
+        )
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop the load refresher and close the connection pool."""
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+            await asyncio.gather(self._refresh_task, return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
+
+    @property
+    def urls(self) -> list[str]:
+        """The base URLs this client was given."""
+        return [engine.url for engine in self._engines]
+
+    def in_rotation(self) -> list[str]:
+        """Base URLs currently chosen for requests (the others failed to connect or health)."""
+        return [e.url for e in self._engines if e.down_until is None]
+
+    def inflight(self) -> dict[str, int]:
+        """This client's open ``/generate`` calls per engine."""
+        return {engine.url: engine.inflight for engine in self._engines}
+
+    # ------------------------------------------------------------------ HTTP core
+
+    @property
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            raise RuntimeError("SGLangClient is not open: use `async with SGLangClient(...)`")
+        return self._http
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> Any:
+        """JSON when it parses, else the text (``flush_cache``), None when empty."""
+        raw = await resp.read()
+        if not raw.strip():
+            return None
+        try:
+            return msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            return raw.decode(errors="replace")
+
+    async def _call(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        idempotent: bool,
+        timeout_s: float | None = None,
+        trace: dict[str, Any] | None = None,
+    ) -> Any:
+        """One control call with the retry rules of the module docstring."""
+        bodyless = method in ("GET", "DELETE")
+        data = None if bodyless else msgspec.json.encode({} if body is None else body)
+        timeout = _timeout(
+            timeout_s or self.config.control_timeout_s, self.config.control_timeout_s
+        )
+        delay = self.config.backoff_s
+        for attempt in range(self.config.retries + 1):
+            last = attempt == self.config.retries
+            try:
+                async with self._session.request(
+                    method,
+                    url + path,
+                    data=data,
+                    headers=_JSON if data is not None else None,
+                    timeout=timeout,
+                    trace_request_ctx=trace,
+                ) as resp:
+                    payload = await self._read(resp)
+            except aiohttp.ClientConnectorError as exc:
+                if last:
+                    raise EngineUnavailable(0, str(exc), url=url) from exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if last or not idempotent:
+                    raise EngineUnavailable(0, f"{path}: {exc}", url=url) from exc
+            else:
+                if resp.status < 400:
+                    return payload
+                if resp.status != 503 or not idempotent or last:
+                    raise SGLangError(resp.status, error_message(payload), payload, url=url)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self.config.max_backoff_s)
+        raise AssertionError("unreachable")
+
+    async def _admin(self, url: str, path: str, body: Any, **kwargs: Any) -> Any:
+        """A ``{"success", "message"}`` call: ``success: false`` is an error even on 200."""
+        reply = await self._call(url, "POST", path, body, **kwargs)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise SGLangError(400, error_message(reply), reply, url=url)
+        return reply
+
+    async def _each(self, url: str | None, fn: Callable[[str], Awaitable[Any]]) -> dict[str, Any]:
+        """Run ``fn`` on one engine or on all control targets at once."""
+        targets = await self._targets(url)
+        return await gather_replies({target: fn(target) for target in targets})
+
+    async def _post_each(
+        self,
+        url: str | None,
+        path: str,
+        body: Any,
+        *,
+        idempotent: bool,
+        admin: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """POST one body to one engine or to all control targets; ``{url: reply}``."""
+        call = self._admin if admin else functools.partial(self._call, method="POST")
+
+        async def one(target: str) -> Any:
+            return await call(
+                target, path=path, body=body, idempotent=idempotent, timeout_s=timeout_s
+            )
+
+        return await self._each(url, one)
+
+    async def _targets(self, url: str | None) -> list[str]:
+        if url is not None:
+            return [url.rstrip("/")]
+        if self.router:
+            return [str(w["url"]).rstrip("/") for w in await self.list_workers()]
+        return self.urls
+
+    # ------------------------------------------------------------------ engine choice
+
+    def _mark_down(self, engine: _Engine, reason: object) -> None:
+        if engine.down_until is None:
+            log.warning("engine out of rotation", url=engine.url, reason=str(reason))
+        engine.down_until = time.monotonic() + self.config.recheck_s
+
+    async def _probe(self, engine: _Engine) -> bool:
+        """``GET /health`` once; 200 puts the engine (back) in rotation."""
+        timeout = _timeout(self.config.control_timeout_s, self.config.control_timeout_s)
+        try:
+            async with self._session.get(engine.url + "/health", timeout=timeout) as resp:
+                await resp.read()
+                healthy = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            healthy, reason = False, exc
+        else:
+            reason = f"/health answered {resp.status}"
+        if healthy:
+            if engine.down_until is not None:
+                log.info("engine back in rotation", url=engine.url)
+            engine.down_until = None
+        else:
+            self._mark_down(engine, reason)
+        return healthy
+
+    async def _fetch_load(self, engine: _Engine) -> None:
+        timeout = _timeout(self.config.control_timeout_s, self.config.control_timeout_s)
+        try:
+            async with self._session.get(engine.url + engine.loads_path, timeout=timeout) as r:
+                payload = await self._read(r)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._mark_down(engine, exc)
+            return
+        if r.status == 404 and engine.loads_path != "/get_load":
+            engine.loads_path = "/get_load"  # servers before 0.5.10
+            return await self._fetch_load(engine)
+        if r.status == 200:
+            engine.reported, engine.inflight_at_report = load_count(payload), engine.inflight
+            engine.reported_at = time.monotonic()
+
+    async def refresh_loads(self) -> None:
+        """Fetch every in-rotation engine's load and probe the out-of-rotation ones now due."""
+        now = time.monotonic()
+        jobs = [
+            self._fetch_load(e) if e.down_until is None else self._probe(e)
+            for e in self._engines
+            if e.down_until is None or e.down_until <= now
+        ]
+        await asyncio.gather(*jobs)
+
+    def _refresh_due(self) -> bool:
+        now = time.monotonic()
+        stale = now - self.config.load_refresh_s
+        return any(
+            (e.down_until is None and e.reported_at < stale and len(self._engines) > 1)
+            or (e.down_until is not None and e.down_until <= now)
+            for e in self._engines
+        )
+
+    def _maybe_refresh(self) -> None:
+        busy = self._refresh_task is not None and not self._refresh_task.done()
+        if not busy and self._refresh_due():
+            self._refresh_task = asyncio.create_task(self._refresh_quietly(), name="sglang-loads")
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self.refresh_loads()
+        except Exception:  # a refresh failure must not surface in an unrelated request
+            log.exception("load refresh failed")
+
+    async def _pick(self, prefer: str | None) -> _Engine:
+        """The engine for one request (policy in the module docstring)."""
+        candidates = [e for e in self._engines if e.down_until is None]
+        if not candidates:
+            await asyncio.gather(*(self._probe(e) for e in self._engines))
+            candidates = [e for e in self._engines if e.down_until is None]
+        if not candidates:
+            raise EngineUnavailable(0, f"all {len(self._engines)} engines are out of rotation")
+        self._maybe_refresh()
+        for engine in candidates:
+            if prefer is not None and engine.url == prefer.rstrip("/"):
+                return engine
+        start = self._cursor % len(candidates)
+        self._cursor += 1
+        return min(candidates[start:] + candidates[:start], key=_Engine.score)
+
+    # ------------------------------------------------------------------ generation
+
+    def _generate_body(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Any,
+        rid: str,
+        return_logprob: bool,
+        stream: bool,
+        extra: Mapping[str, Any] | None,
+    ) -> bytes:
+        body = {
+            **(extra or {}),
+            "input_ids": list(input_ids),
+            "rid": rid,
+            "sampling_params": sampling_dict(sampling_params),
+            "return_logprob": return_logprob,
+            "stream": stream,
+        }
+        return msgspec.json.encode(body)
+
+    async def _open_generate(
+        self, body: bytes, rid: str, prefer: str | None
+    ) -> tuple[_Engine, aiohttp.ClientResponse]:
+        """POST ``/generate`` until an engine answers 200; the caller releases ``inflight``."""
+        cfg, delay = self.config, self.config.backoff_s
+        for attempt in range(cfg.retries + 1):
+            last = attempt == cfg.retries
+            try:
+                engine = await self._pick(prefer)
+            except EngineUnavailable:
+                if last:
+                    raise
+            else:
+                if (resp := await self._post_generate(engine, body, rid, last)) is not None:
+                    return engine, resp
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, cfg.max_backoff_s)
+        raise AssertionError("unreachable")
+
+    async def _post_generate(
+        self, engine: _Engine, body: bytes, rid: str, last: bool
+    ) -> aiohttp.ClientResponse | None:
+        """One attempt: the 200 response, None to retry, or an exception."""
+        timeout = _timeout(self.config.generate_timeout_s, self.config.control_timeout_s)
+        engine.inflight += 1
+        self._rids[rid] = engine
+        try:
+            resp = await self._session.post(
+                engine.url + "/generate", data=body, headers=_JSON, timeout=timeout
+            )
+        except aiohttp.ClientConnectorError as exc:  # nothing was sent: safe to retry anywhere
+            self._release(engine, rid)
+            self._mark_down(engine, exc)
+            if last:
+                raise EngineUnavailable(0, str(exc), url=engine.url) from exc
+            return None
+        except BaseException as exc:
+            self._release(engine, rid)
+            if isinstance(exc, aiohttp.ClientError):  # sent, maybe running: never retried
+                self._mark_down(engine, exc)
+                raise EngineUnavailable(0, f"/generate: {exc}", url=engine.url) from exc
+            raise
+        if resp.status == 200:
+            return resp
+        async with resp:
+            payload = await self._read(resp)
+        self._release(engine, rid)
+        if last or not router_refused(resp.status, payload):
+            raise SGLangError(resp.status, error_message(payload), payload, url=engine.url)
+        return None
+
+    def _release(self, engine: _Engine, rid: str) -> None:
+        engine.inflight -= 1
+        if self._rids.get(rid) is engine:
+            del self._rids[rid]
+
+    async def health(self) -> dict[str, bool]:
+        """``GET /health`` on every base URL; failures leave the rotation, 200s rejoin it.
+
+        SGLang's probe is a 1-token generation that blocks while the engine is paused
+        (section 2.11), so a paused engine may read as unhealthy: check before pausing.
+        """
+        results = await asyncio.gather(*(self._probe(e) for e in self._engines))
+        return dict(zip(self.urls, results, strict=True))
+
+    async def _get_first(self, url: str, paths: Sequence[str]) -> Any:
+        """GET the first path that is not 404 (renamed endpoints across versions)."""
+        for path in paths[:-1]:
+            try:
+                return await self._call(url, "GET", path, idempotent=True)
+            except SGLangError as exc:
+                if exc.status not in (404, 405):
+                    raise
+        return await self._call(url, "GET", paths[-1], idempotent=True)
+
+    # ------------------------------------------------------------------ router workers
+
+    def _router_url(self) -> str:
+        if not self.router:
+            raise ValueError("worker management needs SGLangClient(url, router=True)")
+        return self._engines[0].url
+
+    async def list_workers(self) -> list[dict[str, Any]]:
+        """The router's workers (``GET /workers``; legacy ``/list_workers`` gives urls only)."""
+        router = self._router_url()
+        try:
+            reply = await self._call(router, "GET", "/workers", idempotent=True)
+            return list(reply.get("workers", []))
+        except SGLangError as exc:
+            if exc.status != 404:
+                raise
+        reply = await self._call(router, "GET", "/list_workers", idempotent=True)
+        return [{"url": u} for u in reply.get("urls", [])]
