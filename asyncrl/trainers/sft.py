@@ -156,3 +156,18 @@ def run_sft(cfg: SFTConfig, trainer: Trainer, examples: list[SFTExample]) -> lis
             results.append(result)
     trainer.save_hf(out / "model")
     return results
+
+
+def job_model() -> type[BaseModel]:
+    """``SFTConfig`` plus a ``trainer`` section: the config tree of ``asyncrl sft``.
+
+    Built on demand because the trainer's config lives next to the (torch) trainer.
+    """
+    from asyncrl.trainers.torch_trainer import TorchTrainer
+
+    class SFTJob(SFTConfig):
+        """An ``asyncrl sft`` job: data and schedule, and the torch trainer's settings."""
+
+        trainer: TorchTrainer.Config = Field(..., description="model, optimizer, micro-batches")
+
+    return SFTJob

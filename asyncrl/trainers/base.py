@@ -1,0 +1,78 @@
+"""The training-backend seam: the ``Trainer`` protocol and its records (no logic here).
+
+A trainer owns the policy's weights and optimizer. ``actors/trainer.py`` (``TrainerActor``)
+calls ``train_step`` once per ``TrainBatch`` and publishes ``export_weights()`` after every
+step; ``asyncrl sft`` (``trainers/sft.py``) calls ``sft_step`` and ``save_hf``. Backends:
+``torch_trainer.TorchTrainer`` (Hugging Face models, DDP/FSDP) and, later, megatron-core.
+
+Weights always travel under Hugging Face parameter names (the names ``save_pretrained``
+writes, tied duplicates dropped), so every engine can load them unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from asyncrl.types import TrainBatch
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one optimizer step reports.
+
+    ``version`` is the trainer version after the step (one more than before it);
+    ``metrics`` are plain floats (names in the backend's docstring); ``num_tokens`` counts
+    loss tokens and ``num_samples`` the sequences trained on, over all ranks.
+    """
+
+    version: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    num_tokens: int = 0
+    num_samples: int = 0
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """A training backend. In data-parallel runs every rank calls every method.
+
+    ``version`` counts optimizer steps since the initial weights (0 before the first), and
+    is restored by ``load_checkpoint``.
+    """
+
+    version: int
+
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        """One RL optimizer step on ``batch`` (every rank gets the same batch)."""
+        ...
+
+    def sft_step(
+        self, tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]
+    ) -> StepResult:
+        """One supervised step: token ``t`` of a sequence is trained when ``loss_masks[t]``.
+
+        Loss: mean negative log-likelihood over every masked token of the step.
+        """
+        ...
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The current weights under HF names: CPU, contiguous, copies (safe to serve)."""
+        ...
+
+    def save_hf(self, path: Path) -> None:
+        """Write a Hugging Face model directory (config, safetensors, tokenizer if any)."""
+        ...
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Save everything a bit-exact resume needs into directory ``path``."""
+        ...
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore a ``save_checkpoint`` directory (weights, optimizer, RNG, version)."""
+        ...

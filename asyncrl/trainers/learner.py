@@ -1,0 +1,172 @@
+"""A model under training: its DP wrapper, AdamW, LR schedule, and HF-named weights.
+
+``torch_trainer.TorchTrainer`` holds one ``Learner`` for the policy and one for the
+critic (PPO). Weights leave and enter under Hugging Face names: ``state_dict`` names with
+tied duplicates dropped (``lm_head.weight`` when the head shares the embedding), exactly
+the tensors ``save_pretrained`` writes, so ``AutoModelForCausalLM.from_pretrained`` and
+``TorchEngine.update_weights_from_tensors`` take them unchanged.
+
+A learner's checkpoint directory holds ``config.json`` + ``model.safetensors`` (an HF
+directory), ``optimizer.pt`` and ``scheduler.pt``; rank 0 writes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from asyncrl.trainers.parallel import DataParallel
+
+Schedule = Literal["constant", "cosine"]
+
+
+@dataclass(frozen=True, slots=True)
+class OptimSettings:
+    """AdamW hyper-parameters and the LR schedule (see ``lr_factor``)."""
+
+    lr: float
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: Schedule = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+
+def lr_factor(step: int, settings: OptimSettings) -> float:
+    """Multiplier of the base LR at optimizer step ``step`` (0-based).
+
+    With warmup ``W``: ``(step + 1) / W`` while ``step < W``. Then ``constant`` gives 1;
+    ``cosine`` gives ``m + (1 - m) * (1 + cos(pi * p)) / 2`` with
+    ``p = min(1, (step - W) / (total_steps - W))`` and ``m = min_lr_ratio``.
+    """
+    warmup = settings.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if settings.schedule == "constant" or settings.total_steps is None:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, settings.total_steps - warmup))
+    m = settings.min_lr_ratio
+    return m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{alias: kept}`` for parameters registered under several names (tied embeddings).
+
+    The first name in registration order is kept (``model.embed_tokens.weight`` before
+    ``lm_head.weight``), which is the name ``save_pretrained`` writes.
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def write_hf_dir(path: Path, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """``config.json`` (+ ``generation_config.json``) and one ``model.safetensors``."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(path)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(path)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@dataclass(slots=True)
+class Learner:
+    """One trained model: ``model`` (the HF module, sharded in place under FSDP),
+    ``wrapped`` (what training forwards run through), its AdamW and LR schedule."""
+
+    model: nn.Module
+    wrapped: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    aliases: dict[str, str]
+    dp: DataParallel
+
+    @classmethod
+    def build(
+        cls, model: nn.Module, dp: DataParallel, device: torch.device, settings: OptimSettings
+    ) -> Learner:
+        """Move ``model`` to ``device``, wrap it for ``dp`` and give it AdamW."""
+        model.config.architectures = [type(model).__name__]
+        aliases = tied_aliases(model)
+        model = model.to(device).train()
+        wrapped = dp.wrap(model, device)
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=settings.lr,
+            betas=settings.betas,
+            eps=settings.eps,
+            weight_decay=settings.weight_decay,
+        )
+        scheduler = LambdaLR(optimizer, partial(lr_factor, settings=settings))
+        return cls(model, wrapped, optimizer, scheduler, aliases, dp)
+
+    def sync(self, enabled: bool) -> AbstractContextManager[None]:
+        """Gradient all-reduce on (last micro-batch) or off (the others)."""
+        return self.dp.gradient_sync(self.wrapped, enabled)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The trained parameters."""
+        return self.model.parameters()
+
+    def step(self, grad_clip: float | None) -> tuple[float, float]:
+        """Clip, AdamW step, schedule step; returns ``(pre-clip grad norm, LR used)``.
+
+        ``grad_clip`` None or 0 only measures the norm.
+        """
+        lr = float(self.scheduler.get_last_lr()[0])
+        norm = nn.utils.clip_grad_norm_(list(self.parameters()), grad_clip or math.inf)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm), lr
+
+    # -- weights and state ----------------------------------------------------------------
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """CPU copies under HF names, tied duplicates dropped (collective under FSDP)."""
+        full = self.dp.full_state_dict(self.model)
+        return {k: v.contiguous() for k, v in full.items() if k not in self.aliases}
+
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in; every parameter must be given (aliases excepted)."""
+        full = dict(tensors)
+        for alias, kept in self.aliases.items():
+            if kept in full:
+                full.setdefault(alias, full[kept])
+        self.dp.load_full_state_dict(self.model, full)
+
+    def save(self, path: Path) -> None:
+        """Weights, optimizer and schedule into ``path`` (rank 0 writes; all ranks call)."""
+        weights = self.hf_weights()
+        optimizer = self.dp.optimizer_state(self.model, self.optimizer)
+        if self.dp.rank != 0:
+            return
+        write_hf_dir(path, self.model, weights)
+        torch.save(optimizer, path / "optimizer.pt")
+        torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
+
+    def load(self, path: Path) -> None:
+        """Restore ``save``'s directory (every rank reads it)."""
+        self.load_hf_weights(load_file(str(path / "model.safetensors")))
+        optimizer = torch.load(path / "optimizer.pt", weights_only=False)
+        self.dp.load_optimizer_state(self.model, self.optimizer, optimizer)
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))

@@ -1,0 +1,258 @@
+"""Token-budget micro-batches, sequence packing, and response log-probs back in batch order.
+
+Pure functions used by ``torch_trainer.py`` (and ``bench/``). A *sequence* is the token ids
+of prompt + response; its response starts at ``prompt_len`` (>= 1: token ``t`` is predicted
+from the logits at ``t - 1``). Shape suffixes: ``B`` batch rows, ``T`` response tokens
+(right padded), ``L`` tokens of a model row, ``N`` predicted (response) tokens, ``V`` vocab.
+
+Planning (deterministic, no randomness, identical on every rank)::
+
+    split_across_ranks   rows -> one list per DP rank, balanced by tokens (LPT)
+    plan_microbatches    one rank's rows -> micro-batches of <= max_tokens tokens (FFD)
+    plan_ranks           both: every rank's micro-batches
+
+Layouts of one micro-batch (``build_microbatch``):
+
+- ``packed``: every sequence in ONE row of ``L = sum(len)`` tokens, ``position_ids``
+  restarting at 0 per sequence, and a block-diagonal causal mask (a sequence never sees
+  another): a boolean ``[1, 1, L, L]`` mask for sdpa, an additive float one for eager,
+  and no mask at all for flash-attention, whose varlen kernel cuts the row at every
+  ``position_ids == 0`` (transformers derives ``cu_seqlens`` from them);
+- ``padded``: one row per sequence, right padded to the longest, a ``[b, L]`` 0/1 mask.
+
+Both give the same logits on the real tokens (tests check 1e-5 in fp32); packing wastes
+no compute on padding and takes logits only at the ``N`` response positions.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+Layout = Literal["packed", "padded"]
+FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+def plan_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """First-fit-decreasing bins of sequence indices whose lengths sum to <= ``max_tokens``.
+
+    Sequences are placed longest first (ties by index) into the first bin with room; a
+    sequence longer than the budget gets a bin of its own. Bins keep creation order and
+    hold their indices sorted, so the plan depends on the lengths only. Example with
+    budget 10: lengths ``[6, 4, 7, 3]`` -> ``[[2, 3], [0, 1]]``.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        slot = next((b for b, free in enumerate(room) if free >= lengths[i]), None)
+        if slot is None:
+            bins.append([])
+            room.append(max_tokens)
+            slot = len(bins) - 1
+        bins[slot].append(i)
+        room[slot] -= lengths[i]
+    return [sorted(b) for b in bins]
+
+
+def split_across_ranks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Share sequence indices among ``world_size`` ranks, balancing their token counts.
+
+    Longest-processing-time greedy: longest first (ties by index), each to the rank with
+    the fewest tokens so far (ties to the lowest rank). A rank may get nothing when there
+    are fewer sequences than ranks. Example, 2 ranks, ``[5, 3, 3, 2]`` -> ``[[0, 3], [1, 2]]``.
+    """
+    heap = [(0, rank) for rank in range(world_size)]
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        load, rank = heapq.heappop(heap)
+        shares[rank].append(i)
+        heapq.heappush(heap, (load + lengths[i], rank))
+    return [sorted(s) for s in shares]
+
+
+def plan_ranks(lengths: Sequence[int], max_tokens: int, world_size: int) -> list[list[list[int]]]:
+    """Each rank's micro-batches (indices into ``lengths``): ``split_across_ranks``, then
+    ``plan_microbatches`` within each rank's share. Every rank computes the whole plan."""
+    plans = []
+    for share in split_across_ranks(lengths, world_size):
+        bins = plan_microbatches([lengths[i] for i in share], max_tokens)
+        plans.append([[share[j] for j in b] for b in bins])
+    return plans
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """Model inputs of one micro-batch and where its ``N`` response predictions go.
+
+    ``rows`` are the batch rows it holds, in order. ``keep`` indexes the logits that predict
+    a response token: positions in the row (packed) or flat indices into ``b * L``
+    (padded); ``targets`` are those tokens, ``slot`` their flat index in ``[b, T]``.
+    """
+
+    rows: list[int]
+    layout: Layout
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    keep: torch.Tensor
+    targets: torch.Tensor
+    slot: torch.Tensor
+    width: int
+
+    @property
+    def num_rows(self) -> int:
+        """``b``: sequences in this micro-batch."""
+        return len(self.rows)
+
+
+def build_microbatch(
+    sequences: Sequence[np.ndarray],
+    prompt_lens: Sequence[int],
+    rows: Sequence[int],
+    width: int,
+    *,
+    layout: Layout = "packed",
+    attn_implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> MicroBatch:
+    """The micro-batch of ``rows`` (indices into ``sequences``); ``width`` is ``T``.
+
+    ``attn_implementation`` is the model's (``config._attn_implementation``): it picks the
+    packed mask's form; ``dtype`` is the additive mask's dtype (the model's).
+    """
+    seqs = [np.asarray(sequences[r], dtype=np.int64) for r in rows]
+    starts = [int(prompt_lens[r]) for r in rows]
+    for r, seq, p in zip(rows, seqs, starts, strict=True):
+        if not 1 <= p <= len(seq) or len(seq) - p > width:
+            raise ValueError(f"row {r}: prompt_len {p}, length {len(seq)}, width {width}")
+    lens = [len(s) for s in seqs]
+    if layout == "packed":
+        ids, pos, mask, keep = _packed(seqs, lens, starts, attn_implementation, dtype, device)
+    elif layout == "padded":
+        ids, pos, mask, keep = _padded(seqs, lens, starts)
+    else:
+        raise ValueError(f"unknown layout {layout!r}; expected packed or padded")
+    targets = np.concatenate([s[p:] for s, p in zip(seqs, starts, strict=True)])
+    slot = np.concatenate(
+        [i * width + np.arange(n - p) for i, (p, n) in enumerate(zip(starts, lens, strict=True))]
+    )
+
+    def tensor(x: np.ndarray | torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(x).to(device)
+
+    return MicroBatch(
+        rows=list(rows),
+        layout=layout,
+        input_ids=tensor(ids),
+        position_ids=tensor(pos),
+        attention_mask=None if mask is None else tensor(mask),
+        keep=tensor(keep.astype(np.int64)),
+        targets=tensor(targets),
+        slot=tensor(slot.astype(np.int64)),
+        width=width,
+    )
+
+
+def _packed(
+    seqs: list[np.ndarray],
+    lens: list[int],
+    starts: list[int],
+    attn: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None, np.ndarray]:
+    ids = np.concatenate(seqs)[None]
+    pos = np.concatenate([np.arange(n) for n in lens])[None]
+    mask = None if attn in FLASH_ATTENTION else block_causal_mask(lens, attn, dtype, device)
+    offsets = np.cumsum([0, *lens[:-1]])
+    keep = [np.arange(o + p - 1, o + n - 1) for o, p, n in zip(offsets, starts, lens, strict=True)]
+    return ids, pos, mask, np.concatenate(keep)
+
+
+def _padded(
+    seqs: list[np.ndarray], lens: list[int], starts: list[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    width = max(lens)
+    ids = np.zeros((len(seqs), width), dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    pos = np.broadcast_to(np.arange(width), ids.shape).copy()
+    keep = [
+        i * width + np.arange(p - 1, n - 1)
+        for i, (p, n) in enumerate(zip(starts, lens, strict=True))
+    ]
+    return ids, pos, mask, np.concatenate(keep)
+
+
+def block_causal_mask(
+    lens: Sequence[int],
+    attn_implementation: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Block-diagonal causal mask ``[1, 1, L, L]`` for sequences of ``lens`` in one row.
+
+    Query ``i`` may see key ``j`` iff both lie in the same sequence and ``j <= i``. sdpa
+    takes it as booleans (True = attend; a quarter of an fp32 mask's memory); eager adds
+    it to the scores, so there it is ``0`` where allowed and the dtype's minimum elsewhere.
+    """
+    counts = torch.as_tensor(list(lens), device=device)
+    seg = torch.repeat_interleave(torch.arange(len(lens), device=device), counts)
+    idx = torch.arange(seg.numel(), device=device)
+    allowed = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+    allowed = allowed[None, None]
+    if attn_implementation == "sdpa":
+        return allowed
+    if attn_implementation != "eager":
+        raise ValueError(
+            f"packing supports sdpa, eager and {' / '.join(FLASH_ATTENTION)} attention, not "
+            f"{attn_implementation!r}: set packing to false (padded micro-batches)"
+        )
+    blocked = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
+    return blocked.masked_fill(allowed, 0.0)
+
+
+def forward_selected(model: torch.nn.Module, mb: MicroBatch, *, lm: bool = True) -> torch.Tensor:
+    """The model's output at the ``N`` kept positions, ``[N, V]`` (``[N, 1]`` for a critic).
+
+    ``lm=True`` (a causal LM) passes ``logits_to_keep`` so that a packed row projects only
+    the response positions onto the vocabulary; other heads are indexed after the forward.
+    """
+    kwargs = {
+        "input_ids": mb.input_ids,
+        "position_ids": mb.position_ids,
+        "attention_mask": mb.attention_mask,
+        "use_cache": False,
+    }
+    if lm and mb.layout == "packed":
+        return model(**kwargs, logits_to_keep=mb.keep).logits[0]
+    if not lm:
+        kwargs.pop("use_cache")
+    logits = model(**kwargs).logits
+    return logits.flatten(0, 1)[mb.keep]
+
+
+def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    """``log softmax(z)[y] = z_y - logsumexp(z)`` in fp32, ``[N, V], [N] -> [N]``."""
+    logits = logits_NV.float()
+    picked = logits.gather(-1, targets_N[:, None]).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def to_rows(values_N: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Scatter per-prediction values into the right-padded ``[b, T]`` layout (0 elsewhere).
+
+    Differentiable in ``values_N``; row ``i`` is ``mb.rows[i]``.
+    """
+    flat = values_N.new_zeros(mb.num_rows * mb.width)
+    return flat.index_copy(0, mb.slot, values_N).view(mb.num_rows, mb.width)

@@ -1,0 +1,131 @@
+"""A ``TrainBatch`` (or SFT examples) as the trainer's tensors, rows in sample order.
+
+Called by ``torch_trainer.py`` at the start of each step. Rows are the samples of the
+kept groups, group by group (``B = G * n``); response columns are right padded to the
+longest response ``T``. A group is dropped whole (and counted) when any sample is not
+usable (status other than completed or truncated) or has no finite score: group
+baselines need every sample, and a partial group would bias them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncrl.types import Group, Sample, SampleStatus, TrainBatch
+
+USABLE = frozenset({SampleStatus.COMPLETED, SampleStatus.TRUNCATED})
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutTensors:
+    """The rows of one step.
+
+    ``sequences[i]`` is prompt + response token ids, the response from ``prompt_lens[i]``.
+    ``[B, T]`` columns: ``mask`` (float loss mask, 0 on padding), ``behaviour`` (engine
+    log-probs), ``versions`` (weight version of each token, int64). ``scores_GN`` holds
+    the scalar rewards, one row per group.
+    """
+
+    sequences: list[np.ndarray]
+    prompt_lens: list[int]
+    mask: torch.Tensor
+    behaviour: torch.Tensor
+    versions: torch.Tensor
+    scores_GN: torch.Tensor
+    num_dropped_groups: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        """``B``."""
+        return len(self.sequences)
+
+    @property
+    def width(self) -> int:
+        """``T``, at least 1."""
+        return int(self.mask.shape[1])
+
+
+def sample_score(reward: float | dict[str, float] | None, key: str) -> float:
+    """The scalar reward: a float as is, ``reward[key]`` of a dict, NaN when missing."""
+    if reward is None:
+        return math.nan
+    if isinstance(reward, dict):
+        return float(reward.get(key, math.nan))
+    return float(reward)
+
+
+def _trainable(group: Group, key: str) -> bool:
+    return all(
+        s.status in USABLE and math.isfinite(sample_score(s.reward, key)) for s in group.samples
+    )
+
+
+def rollout_tensors(batch: TrainBatch, reward_key: str = "score") -> RolloutTensors:
+    """The step's tensors from ``batch``; raises ``ValueError`` when nothing is trainable.
+
+    Kept groups must all have the same number of samples (``[G, n]`` scores).
+    """
+    groups = [g for g in batch.groups if g.samples and _trainable(g, reward_key)]
+    if not groups:
+        raise ValueError(
+            f"batch {batch.batch_id}: no trainable group (each has a sample that is not "
+            f"completed/truncated or has no {reward_key!r} reward)"
+        )
+    sizes = sorted({len(g.samples) for g in groups})
+    if len(sizes) > 1:
+        raise ValueError(f"batch {batch.batch_id}: groups of different sizes {sizes}")
+    samples = [s for g in groups for s in g.samples]
+    for s in samples:
+        if len(s.prompt_tokens) == 0:
+            raise ValueError(f"sample {s.uid}: empty prompt, its first token has no context")
+    scores = [[sample_score(s.reward, reward_key) for s in g.samples] for g in groups]
+    columns = _columns(samples)
+    return RolloutTensors(
+        sequences=[np.concatenate([s.prompt_tokens, s.response_tokens]) for s in samples],
+        prompt_lens=[len(s.prompt_tokens) for s in samples],
+        mask=columns[0].float(),
+        behaviour=columns[1].float(),
+        versions=columns[2].long(),
+        scores_GN=torch.tensor(scores, dtype=torch.float32),
+        num_dropped_groups=len(batch.groups) - len(groups),
+    )
+
+
+def _columns(samples: Sequence[Sample]) -> list[torch.Tensor]:
+    """Right-padded ``[B, T]`` loss mask, behaviour log-probs and versions."""
+    width = max(1, max(s.response_length for s in samples))
+    out = np.zeros((3, len(samples), width), dtype=np.float64)
+    for i, s in enumerate(samples):
+        n = s.response_length
+        out[0, i, :n] = s.loss_mask
+        out[1, i, :n] = s.logprobs
+        out[2, i, :n] = s.token_versions
+    return [torch.from_numpy(column) for column in out]
+
+
+def sft_tensors(tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]) -> RolloutTensors:
+    """SFT sequences as rows: every token after the first is a "response" token.
+
+    Token ``t`` is trained when ``loss_masks[t]`` (token 0 has no context and never is).
+    """
+    seqs = [np.asarray(t, dtype=np.int64) for t in tokens]
+    width = max(1, max(len(s) - 1 for s in seqs))
+    mask = torch.zeros(len(seqs), width)
+    for i, (seq, m) in enumerate(zip(seqs, loss_masks, strict=True)):
+        if len(seq) == 0 or len(m) != len(seq):
+            raise ValueError(f"example {i}: {len(seq)} tokens but {len(m)} mask entries")
+        mask[i, : len(seq) - 1] = torch.as_tensor(np.asarray(m[1:], dtype=np.float32))
+    zeros = torch.zeros_like(mask)
+    return RolloutTensors(
+        sequences=seqs,
+        prompt_lens=[1] * len(seqs),
+        mask=mask,
+        behaviour=zeros,
+        versions=zeros.long(),
+        scores_GN=torch.zeros(0, 0),
+    )

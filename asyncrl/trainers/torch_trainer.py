@@ -1,0 +1,558 @@
+"""TorchTrainer: RL and SFT steps on a Hugging Face causal LM with AdamW (DESIGN section 8).
+
+Built by ``actors/trainer.py::build_trainer`` (RL, with the job's ``PolicyConfig``) and by
+``asyncrl sft``. One ``train_step(batch)``::
+
+    rows        rollout_tensors: usable groups -> sequences and [B, T] mask, behaviour
+                log-probs, token versions; scores [G, n]
+    plan        plan_ranks: this rank's token-budget micro-batches (packed), padded with
+                an empty micro-batch up to the busiest rank's count
+    no-grad     old log-probs (skipped with use_rollout_logprobs), reference log-probs
+                (KL), critic values: each rank scores its rows, a sum over ranks fills [B, T]
+    advantages  compute_advantages on the whole batch (on every rank, identically)
+    grad        per micro-batch: forward, rl_loss (+ value loss) against the step's
+                LossScale, backward of world_size * loss; gradients sync on the last one
+    update      clip (the pre-clip norm is reported), AdamW, LR schedule, version += 1
+
+Because every denominator is the step's (``LossScale`` over the whole batch, which every
+rank holds, so no count needs an all-reduce), summing micro-batch losses over micro-batches
+and ranks gives the loss of the batch taken whole: accumulation and DDP/FSDP reproduce a
+single big batch's gradient (``parallel.py`` explains the ``world_size`` factor).
+
+Critic (``ppo``): ``AutoModelForTokenClassification`` with ``num_labels=1`` loaded from the
+policy's checkpoint (or ``critic_model_path``). transformers maintains that class for every
+decoder it supports, it takes the same inputs as the causal LM (packed rows, 4D masks),
+loads the backbone straight from a causal-LM checkpoint and round-trips through
+``save_pretrained``; a hand-written value head would need its own loading and saving. Its
+dropout is set to 0 (transformers defaults it to 0.1) and a fresh head starts at 0, so the
+first values are 0. The value of response token ``t`` is read where the policy predicts it.
+
+Metrics: ``loss`` (policy, with KL and entropy terms), ``pg_loss``, ``kl`` (mean
+KL(old || ref) by ``kl_loss_type``, with a reference model), ``kl_loss``, ``clip_frac``,
+``entropy``, ``ratio``, ``ppo_kl``, the correction's ``is_weight``/``is_clipped_frac``/
+``mismatch_kl``, ``value_loss``/``value_clip_frac``/``values``/``critic/grad_norm`` (ppo),
+``grad_norm`` (pre-clip), ``lr``, ``num_tokens`` (loss tokens), ``tokens`` (forwarded),
+``tokens_per_s``, ``staleness/mean`` and ``staleness/max`` (``version - token_version``
+over loss tokens), ``reward/mean``, ``batch/dropped_groups``, ``time/step``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from asyncrl.policies import (
+    LossInputs,
+    LossScale,
+    PolicyConfig,
+    approx_kl,
+    compute_advantages,
+    entropy_from_logits,
+    masked_mean,
+    rl_loss,
+    sft_loss,
+    value_loss,
+)
+from asyncrl.trainers.base import StepResult
+from asyncrl.trainers.learner import Learner, OptimSettings, write_hf_dir
+from asyncrl.trainers.packing import (
+    MicroBatch,
+    build_microbatch,
+    forward_selected,
+    plan_ranks,
+    to_rows,
+    token_logprobs,
+)
+from asyncrl.trainers.parallel import DataParallel
+from asyncrl.trainers.rollout_tensors import RolloutTensors, rollout_tensors, sft_tensors
+from asyncrl.types import TrainBatch
+
+Columns = dict[str, torch.Tensor]
+MicroStep = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+#: Metrics that are a micro-batch's share of a step total (summed); the rest are masked
+#: means over the micro-batch, averaged over the step weighted by loss tokens.
+SHARES = frozenset({"loss", "pg_loss", "kl_loss", "value_loss"})
+#: Stands in for a rank's missing micro-batches (FSDP needs the same number of forwards on
+#: every rank): one context token, one prediction, loss mask 0, so it adds nothing.
+_EMPTY_SEQUENCE = np.zeros(2, dtype=np.int64)
+
+
+class TorchTrainer:
+    """The torch training backend (``Trainer`` protocol); see the module docstring."""
+
+    class Config(BaseModel):
+        """Model, optimizer, micro-batching and parallelism of the torch trainer."""
+
+        model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+        model_path: str = Field(..., min_length=1, description="HF model directory of the policy.")
+        dtype: Literal["float32", "bfloat16", "float16"] = Field(
+            "float32", description="Parameter (and optimizer state) dtype."
+        )
+        attn_implementation: str | None = Field(
+            None,
+            description="transformers attention (sdpa, eager, flash_attention_2); default "
+            "transformers' choice. flash-attention packs by position_ids alone.",
+        )
+        device: str = Field("cpu", description="cpu, or cuda (each rank takes its LOCAL_RANK).")
+        lr: float = Field(1e-6, gt=0, description="Peak AdamW learning rate (--lr).")
+        weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (--weight-decay).")
+        betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+        adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon (--adam-eps).")
+        grad_clip: float | None = Field(
+            1.0, ge=0, description="Max global grad norm (--clip-grad); null or 0: no clipping."
+        )
+        lr_schedule: Literal["constant", "cosine"] = Field(
+            "constant", description="After warmup: constant, or cosine decay to min_lr_ratio."
+        )
+        warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (--lr-warmup-iters).")
+        total_steps: int | None = Field(
+            None, ge=1, description="Steps of the cosine schedule (warmup included)."
+        )
+        min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor, times lr.")
+        max_tokens_per_microbatch: int = Field(
+            8192, ge=1, description="Token budget of a micro-batch (slime --max-tokens-per-gpu)."
+        )
+        packing: bool = Field(True, description="Pack micro-batches into one row (else pad).")
+        seed: int = Field(0, description="Seeds torch, numpy and random at construction.")
+        reward_key: str = Field("score", description="Entry of a dict reward that is trained on.")
+        ref_model_path: str | None = Field(
+            None,
+            description="Reference model for KL (loaded when the algo needs it); "
+            "default model_path.",
+        )
+        critic: bool | None = Field(
+            None, description="Train a critic; default: when the estimator needs one (ppo)."
+        )
+        critic_model_path: str | None = Field(
+            None, description="Initial critic weights; default model_path (fresh value head)."
+        )
+        critic_lr: float | None = Field(None, gt=0, description="Critic LR; default lr.")
+        gradient_checkpointing: bool = Field(
+            False, description="Recompute activations in backward (memory for compute)."
+        )
+        parallel: Literal["ddp", "fsdp"] = Field(
+            "ddp", description="Data parallelism when a process group of >1 ranks exists."
+        )
+
+        @model_validator(mode="after")
+        def _schedule(self) -> TorchTrainer.Config:
+            if self.lr_schedule == "cosine" and (
+                self.total_steps is None or self.total_steps <= self.warmup_steps
+            ):
+                raise ValueError(
+                    f"lr_schedule=cosine needs total_steps > warmup_steps "
+                    f"(got total_steps={self.total_steps}, warmup_steps={self.warmup_steps})"
+                )
+            return self
+
+    def __init__(self, config: Config, algo: PolicyConfig | None = None) -> None:
+        self.config = config
+        self.algo = algo if algo is not None else PolicyConfig()
+        self.dp = DataParallel.detect(config.parallel)
+        self.device = self.dp.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        _seed_everything(config.seed)
+        self.version = 0
+        self.policy = self._trainable(self._load_lm(config.model_path), config.lr)
+        self.attn = str(self.policy.model.config._attn_implementation)
+        self.ref = self._load_ref() if self.algo.needs_ref else None
+        self.critic = self._load_critic() if self._wants_critic() else None
+
+    # -- models ---------------------------------------------------------------------------
+    def _optim(self, lr: float) -> OptimSettings:
+        c = self.config
+        return OptimSettings(
+            lr=lr,
+            weight_decay=c.weight_decay,
+            betas=c.betas,
+            eps=c.adam_eps,
+            schedule=c.lr_schedule,
+            warmup_steps=c.warmup_steps,
+            total_steps=c.total_steps,
+            min_lr_ratio=c.min_lr_ratio,
+        )
+
+    def _model_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"dtype": self.dtype}
+        if self.config.attn_implementation:
+            kwargs["attn_implementation"] = self.config.attn_implementation
+        return kwargs
+
+    def _load_lm(self, path: str) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, **self._model_kwargs())
+
+    def _trainable(self, model: nn.Module, lr: float) -> Learner:
+        if self.config.gradient_checkpointing:
+            _enable_checkpointing(model)
+        return Learner.build(model, self.dp, self.device, self._optim(lr))
+
+    def _load_ref(self) -> nn.Module:
+        model = self._load_lm(self.config.ref_model_path or self.config.model_path)
+        model = model.to(self.device).eval().requires_grad_(False)
+        return self.dp.shard_frozen(model)
+
+    def _wants_critic(self) -> bool:
+        wanted = self.algo.needs_critic if self.config.critic is None else self.config.critic
+        if wanted != self.algo.needs_critic:
+            raise ValueError(
+                f"trainer.critic={self.config.critic} with advantage_estimator="
+                f"{self.algo.advantage_estimator}: only ppo uses a critic (leave critic unset)"
+            )
+        return wanted
+
+    def _load_critic(self) -> Learner:
+        from transformers import AutoConfig, AutoModelForTokenClassification
+
+        path = self.config.critic_model_path or self.config.model_path
+        hf_config = AutoConfig.from_pretrained(path)
+        hf_config.num_labels = 1
+        hf_config.classifier_dropout = 0.0  # transformers' default 0.1 would make V random
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path, config=hf_config, output_loading_info=True, **self._model_kwargs()
+        )
+        head = model.score
+        if any(k.startswith("score.") for k in info["missing_keys"]):
+            with torch.no_grad():  # a fresh value head predicts 0
+                head.weight.zero_()
+                if head.bias is not None:
+                    head.bias.zero_()
+        return self._trainable(model, self.config.critic_lr or self.config.lr)
+
+    def _learners(self) -> list[Learner]:
+        return [self.policy] if self.critic is None else [self.policy, self.critic]
+
+    # -- the RL step ----------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        """One RL optimizer step on ``batch``; see the module docstring."""
+        start = time.perf_counter()
+        rows = rollout_tensors(batch, self.config.reward_key)
+        mbs = self._microbatches(rows)
+        cols = self._columns(rows, mbs)
+        scale = LossScale.of(rows.mask, self.algo.max_response_len)
+        extra = self._batch_metrics(rows, cols)
+
+        def micro_step(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            return self._rl_micro_step(mb, cols, scale)
+
+        metrics = self._accumulate(mbs, cols["mask"], micro_step, self._learners())
+        if self.critic is not None:
+            extra["critic/grad_norm"] = self.critic.step(self.config.grad_clip)[0]
+        return self._finish(start, rows, metrics | extra)
+
+    def _microbatches(self, rows: RolloutTensors) -> list[MicroBatch]:
+        """This rank's micro-batches of the rows with loss tokens, padded to equal counts.
+
+        Row ``B`` (one past the last) is the empty stand-in (``_EMPTY_SEQUENCE``).
+        """
+        n = rows.num_rows
+        active = [i for i in range(n) if bool(rows.mask[i].any())]
+        lengths = [len(rows.sequences[i]) for i in active]
+        plans = plan_ranks(lengths, self.config.max_tokens_per_microbatch, self.dp.world_size)
+        count = max(1, *(len(p) for p in plans))
+        mine = [[active[j] for j in b] for b in plans[self.dp.rank]]
+        mine += [[n]] * (count - len(mine))
+        seqs, starts = [*rows.sequences, _EMPTY_SEQUENCE], [*rows.prompt_lens, 1]
+        layout = "packed" if self.config.packing else "padded"
+        return [
+            build_microbatch(
+                seqs,
+                starts,
+                m,
+                rows.width,
+                layout=layout,
+                attn_implementation=self.attn,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for m in mine
+        ]
+
+    def _columns(self, rows: RolloutTensors, mbs: list[MicroBatch]) -> Columns:
+        """``[B + 1, T]`` tensors of the step (the extra row is the empty stand-in's)."""
+        cols = {
+            "mask": _pad_row(rows.mask.to(self.device)),
+            "behaviour": _pad_row(rows.behaviour.to(self.device)),
+        }
+        cols["old"] = cols["behaviour"]
+        if self.algo.recompute_old_logprobs:
+            cols["old"] = self._score(self.policy.model, mbs, cols["mask"].shape)
+        kl = None
+        if self.ref is not None:
+            cols["ref"] = self._score(self.ref, mbs, cols["mask"].shape)
+            kl = approx_kl(cols["old"], cols["ref"], self.algo.kl_loss_type) * cols["mask"]
+            cols["kl"] = kl
+        if self.critic is not None:
+            cols["values"] = self._score(self.critic.model, mbs, cols["mask"].shape, lm=False)
+        advantages, returns = compute_advantages(
+            self.algo,
+            rows.scores_GN.to(self.device),
+            rows.mask.to(self.device),
+            values_BT=cols["values"][:-1] if "values" in cols else None,
+            kl_BT=kl[:-1] if kl is not None else None,
+        )
+        cols["advantages"] = _pad_row(advantages)
+        if returns is not None:
+            cols["returns"] = _pad_row(returns)
+        return cols
+
+    @torch.no_grad()
+    def _score(
+        self, model: nn.Module, mbs: list[MicroBatch], shape: torch.Size, *, lm: bool = True
+    ) -> torch.Tensor:
+        """Log-probs (``lm``) or critic values of every row, ``[B + 1, T]``.
+
+        Each rank fills its own rows; one row belongs to one rank, so a sum over ranks
+        assembles the batch exactly.
+        """
+        out = torch.zeros(shape, device=self.device)
+        for mb in mbs:
+            pred = forward_selected(model, mb, lm=lm)
+            values = token_logprobs(pred, mb.targets) if lm else pred[:, 0].float()
+            out[mb.rows] = to_rows(values, mb)
+        out[-1] = 0.0
+        return self.dp.all_reduce_sum(out)
+
+    def _rl_micro_step(
+        self, mb: MicroBatch, cols: Columns, scale: LossScale
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        c = {k: v[mb.rows] for k, v in cols.items()}
+        logits = forward_selected(self.policy.wrapped, mb)
+        x = LossInputs(
+            logprobs=to_rows(token_logprobs(logits, mb.targets), mb),
+            old_logprobs=c["old"],
+            behaviour_logprobs=c["behaviour"],
+            advantages=c["advantages"],
+            mask=c["mask"],
+            entropy=self._entropy(logits, mb),
+            ref_logprobs=c.get("ref"),
+        )
+        loss, metrics = rl_loss(self.algo, x, scale)
+        metrics["loss"] = loss.detach()
+        if self.critic is not None:
+            values = to_rows(forward_selected(self.critic.wrapped, mb, lm=False)[:, 0].float(), mb)
+            v_loss, v_metrics = value_loss(
+                values,
+                c["values"],
+                c["returns"],
+                c["mask"],
+                clip=self.algo.value_clip,
+                aggregation=self.algo.loss_aggregation,
+                scale=scale,
+            )
+            metrics |= v_metrics | {"value_loss": v_loss.detach()}
+            loss = loss + v_loss
+        return loss, metrics
+
+    def _entropy(self, logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """Per-token entropy ``[b, T]``; detached (a metric only) when ``entropy_coef == 0``."""
+        if self.algo.entropy_coef > 0:
+            return to_rows(entropy_from_logits(logits), mb)
+        with torch.no_grad():
+            return to_rows(entropy_from_logits(logits.detach()), mb)
+
+    def _batch_metrics(self, rows: RolloutTensors, cols: Columns) -> dict[str, float]:
+        mask = rows.mask.bool()
+        stale = (self.version - rows.versions)[mask].float()
+        metrics = {
+            "staleness/mean": float(stale.mean()) if stale.numel() else 0.0,
+            "staleness/max": float(stale.max()) if stale.numel() else 0.0,
+            "reward/mean": float(rows.scores_GN.mean()),
+            "batch/dropped_groups": float(rows.num_dropped_groups),
+        }
+        if "kl" in cols:
+            metrics["kl"] = float(masked_mean(cols["kl"], cols["mask"]))
+        return metrics
+
+    # -- the SFT step ---------------------------------------------------------------------
+    def sft_step(
+        self, tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]
+    ) -> StepResult:
+        """One supervised step: token-mean NLL over every masked token of the step."""
+        start = time.perf_counter()
+        rows = sft_tensors(tokens, loss_masks)
+        mbs = self._microbatches(rows)
+        mask = _pad_row(rows.mask.to(self.device))
+        scale = LossScale.of(rows.mask)
+
+        def micro_step(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            logits = forward_selected(self.policy.wrapped, mb)
+            logprobs = to_rows(token_logprobs(logits, mb.targets), mb)
+            loss = sft_loss(logprobs, mask[mb.rows], scale=scale)
+            return loss, {"loss": loss.detach()}
+
+        metrics = self._accumulate(mbs, mask, micro_step, [self.policy])
+        return self._finish(start, rows, metrics)
+
+    # -- shared by both steps -------------------------------------------------------------
+    def _accumulate(
+        self, mbs: list[MicroBatch], mask: torch.Tensor, step: MicroStep, learners: list[Learner]
+    ) -> dict[str, float]:
+        """Backward ``world_size * loss`` of each micro-batch; the last one syncs gradients."""
+        tally = _Tally()
+        for i, mb in enumerate(mbs):
+            with _synced(learners, i == len(mbs) - 1):
+                loss, metrics = step(mb)
+                (loss * self.dp.world_size).backward()
+            tally.add(metrics, float(mask[mb.rows].sum()))
+        return tally.reduce(self.dp, self.device)
+
+    def _finish(self, start: float, rows: RolloutTensors, metrics: dict[str, float]) -> StepResult:
+        grad_norm, lr = self.policy.step(self.config.grad_clip)
+        self.version += 1
+        active = [i for i in range(rows.num_rows) if bool(rows.mask[i].any())]
+        tokens = sum(len(rows.sequences[i]) for i in active)
+        elapsed = time.perf_counter() - start
+        num_tokens = int(rows.mask.sum())
+        metrics |= {
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "num_tokens": float(num_tokens),
+            "tokens": float(tokens),
+            "tokens_per_s": tokens / max(elapsed, 1e-9),
+            "time/step": elapsed,
+        }
+        return StepResult(self.version, metrics, num_tokens=num_tokens, num_samples=len(active))
+
+    # -- weights and checkpoints ----------------------------------------------------------
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """HF-named CPU copies of the policy (a collective under FSDP: rank 0 gets them)."""
+        return self.policy.hf_weights()
+
+    def save_hf(self, path: Path) -> None:
+        """An HF model directory (config, ``model.safetensors``, tokenizer if the source
+        has one) that ``AutoModelForCausalLM.from_pretrained`` and ``TorchEngine`` load."""
+        path = Path(path)
+        weights = self.export_weights()
+        if self.dp.rank == 0:
+            write_hf_dir(path, self.policy.model, weights)
+            _copy_tokenizer(self.config.model_path, path)
+        self.dp.barrier()
+
+    def save_checkpoint(self, path: Path) -> None:
+        """``policy/`` (and ``critic/``): HF weights, optimizer, schedule; ``rng/rank{r}.pt``;
+        ``trainer.json`` (version, configs). Every rank calls it; ``path`` is shared."""
+        path = Path(path)
+        self.policy.save(path / "policy")
+        if self.critic is not None:
+            self.critic.save(path / "critic")
+        (path / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(_rng_state(), path / "rng" / f"rank{self.dp.rank}.pt")
+        if self.dp.rank == 0:
+            state = {
+                "version": self.version,
+                "world_size": self.dp.world_size,
+                "config": self.config.model_dump(mode="json"),
+                "algo": self.algo.model_dump(mode="json"),
+            }
+            (path / "trainer.json").write_text(json.dumps(state, indent=2))
+        self.dp.barrier()
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore a ``save_checkpoint`` directory; the next steps repeat bit-exactly.
+
+        RNG state is restored per rank when the checkpoint has this rank's file.
+        """
+        path = Path(path)
+        state = json.loads((path / "trainer.json").read_text())
+        self.policy.load(path / "policy")
+        if self.critic is not None:
+            if not (path / "critic").is_dir():
+                raise ValueError(f"{path}: this trainer has a critic but the checkpoint does not")
+            self.critic.load(path / "critic")
+        rng = path / "rng" / f"rank{self.dp.rank}.pt"
+        if rng.is_file():
+            _set_rng_state(torch.load(rng, weights_only=False))
+        self.version = int(state["version"])
+
+
+class _Tally:
+    """Step metrics from micro-batch metrics: shares summed, means weighted by tokens."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weight = 0.0
+
+    def add(self, metrics: dict[str, torch.Tensor], weight: float) -> None:
+        for key, value in metrics.items():
+            share = float(value) if key in SHARES else float(value) * weight
+            self.sums[key] = self.sums.get(key, 0.0) + share
+        self.weight += weight
+
+    def reduce(self, dp: DataParallel, device: torch.device) -> dict[str, float]:
+        """Totals over ranks (every rank has the same keys: the stand-in runs the loss too)."""
+        keys = sorted(self.sums)
+        values = [self.sums[k] for k in keys] + [self.weight]
+        total = dp.all_reduce_sum(torch.tensor(values, dtype=torch.float64, device=device))
+        weight = max(float(total[-1]), 1e-12)
+        return {
+            k: float(total[i]) if k in SHARES else float(total[i]) / weight
+            for i, k in enumerate(keys)
+        }
+
+
+@contextmanager
+def _synced(learners: list[Learner], enabled: bool) -> Iterator[None]:
+    with ExitStack() as stack:
+        for learner in learners:
+            stack.enter_context(learner.sync(enabled))
+        yield
+
+
+def _pad_row(x_BT: torch.Tensor) -> torch.Tensor:
+    """Append the empty stand-in's all-zero row."""
+    return torch.cat([x_BT, x_BT.new_zeros(1, x_BT.shape[1])])
+
+
+def _enable_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing (transformers 5 renamed the method)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _copy_tokenizer(source: str, path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):  # no tokenizer next to the weights: weights only
+        return
+    tokenizer.save_pretrained(path)

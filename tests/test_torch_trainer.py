@@ -1,0 +1,367 @@
+"""TorchTrainer (asyncrl/trainers/torch_trainer.py) on a tiny local Qwen2, fp32, CPU.
+
+Gradient accumulation and 2-rank DDP/FSDP against one big batch, bit-exact resume, HF
+export and reload, and that an RL step moves the policy the way its advantages say.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from asyncrl.policies import PolicyConfig
+from asyncrl.trainers.base import Trainer
+from asyncrl.trainers.learner import Learner, OptimSettings, lr_factor
+from asyncrl.trainers.torch_trainer import TorchTrainer
+from asyncrl.types import Group, Sample, SampleStatus, TrainBatch
+from tests.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(path)
+    return path
+
+
+def config(path: Path, **overrides: Any) -> TorchTrainer.Config:
+    return TorchTrainer.Config(**({"model_path": str(path), "lr": 1e-3} | overrides))
+
+
+def make_batch(
+    seed: int = 0,
+    num_groups: int = 3,
+    group_size: int = 4,
+    version: int = 0,
+    statuses: dict[tuple[int, int], SampleStatus] | None = None,
+) -> TrainBatch:
+    """Random prompts and responses; rewards vary inside each group (some are dicts)."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(num_groups):
+        prompt = rng.integers(3, 500, int(rng.integers(2, 7))).astype(np.int32)
+        samples = []
+        for i in range(group_size):
+            s = Sample(uid=f"{g}/{i}", group_id=str(g), index=i, packed_prompt=prompt.tobytes())
+            n = int(rng.integers(2, 10))
+            mask = (rng.random(n) > 0.2).astype(np.uint8)
+            s.append_response(
+                rng.integers(3, 500, n), rng.normal(-4, 0.5, n), version, loss_mask=mask
+            )
+            score = float(rng.random())
+            s.reward = {"score": score, "format": 1.0} if i % 2 else score
+            s.status = (statuses or {}).get((g, i), SampleStatus.COMPLETED)
+            samples.append(s)
+        groups.append(Group(uid=str(g), prompt_uid=str(g), samples=samples))
+    return TrainBatch(batch_id=seed, step=version, groups=groups)
+
+
+def capture_grads(learner: Learner) -> dict[str, torch.Tensor]:
+    """Gradients as the optimizer sees them, recorded at every step (full tensors)."""
+    grads: dict[str, torch.Tensor] = {}
+
+    def hook(*_: Any) -> None:
+        for name, p in learner.model.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name] = g.detach().clone()
+
+    learner.optimizer.register_step_pre_hook(hook)
+    return grads
+
+
+def params(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.policy.model.named_parameters()}
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=atol), name
+
+
+# -------------------------------------------------------------------- one step, many ways
+
+
+def test_the_trainer_satisfies_the_trainer_protocol(tiny):
+    trainer = TorchTrainer(config(tiny))
+    assert isinstance(trainer, Trainer)
+    assert trainer.version == 0
+
+
+def test_gradient_accumulation_matches_one_micro_batch_holding_everything(tiny):
+    algo = PolicyConfig(loss_aggregation="seq-mean-token-mean", entropy_coef=0.01)
+    one = TorchTrainer(config(tiny, max_tokens_per_microbatch=10_000), algo)
+    many = TorchTrainer(config(tiny, max_tokens_per_microbatch=16), algo)
+    grads_one, grads_many = capture_grads(one.policy), capture_grads(many.policy)
+    batch = make_batch()
+    r_one, r_many = one.train_step(batch), many.train_step(batch)
+    assert_close(grads_one, grads_many, atol=1e-5)
+    assert abs(r_one.metrics["loss"] - r_many.metrics["loss"]) < 1e-6
+    assert abs(r_one.metrics["grad_norm"] - r_many.metrics["grad_norm"]) < 1e-5
+    assert abs(r_one.metrics["entropy"] - r_many.metrics["entropy"]) < 1e-5
+
+
+def test_padded_micro_batches_train_like_packed_ones(tiny):
+    packed = TorchTrainer(config(tiny, max_tokens_per_microbatch=40))
+    padded = TorchTrainer(config(tiny, max_tokens_per_microbatch=40, packing=False))
+    grads_packed, grads_padded = capture_grads(packed.policy), capture_grads(padded.policy)
+    packed.train_step(make_batch(1))
+    padded.train_step(make_batch(1))
+    assert_close(grads_packed, grads_padded, atol=1e-5)
+
+
+def test_gradient_checkpointing_trades_memory_not_gradients(tiny):
+    plain = TorchTrainer(config(tiny))
+    recomputed = TorchTrainer(config(tiny, gradient_checkpointing=True))
+    assert any(
+        getattr(m, "gradient_checkpointing", False) for m in recomputed.policy.model.modules()
+    )
+    grads_plain, grads_recomputed = capture_grads(plain.policy), capture_grads(recomputed.policy)
+    plain.train_step(make_batch())
+    recomputed.train_step(make_batch())
+    assert_close(grads_plain, grads_recomputed, atol=1e-6)
+
+
+def test_lr_warms_up_linearly_then_follows_the_cosine():
+    s = OptimSettings(lr=1.0, schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+    # warmup (k + 1) / 2; then 0.1 + 0.9 * (1 + cos(pi * (k - 2) / 4)) / 2
+    expected = [0.5, 1.0, 1.0, 0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2, 0.55]
+    assert [lr_factor(k, s) for k in range(5)] == pytest.approx(expected)
+    assert lr_factor(6, s) == lr_factor(60, s) == pytest.approx(0.1)
+    assert lr_factor(100, OptimSettings(lr=1.0)) == 1.0
+
+
+def test_the_reported_lr_is_the_one_the_step_used(tiny):
+    trainer = TorchTrainer(config(tiny, lr=1e-3, warmup_steps=4))
+    lrs = [trainer.train_step(make_batch(k)).metrics["lr"] for k in range(2)]
+    assert lrs == pytest.approx([2.5e-4, 5e-4])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two_steps(trainer: TorchTrainer, ckpt: Path | None = None) -> float:
+    """Step on a big batch, (checkpoint,) then on a 3-sample batch whose plan gives rank 0
+    two micro-batches and rank 1 one, so rank 1 runs the empty stand-in."""
+    trainer.train_step(make_batch(2, num_groups=4))
+    if ckpt is not None:
+        trainer.save_checkpoint(ckpt)
+    return trainer.train_step(make_batch(3, num_groups=1, group_size=3)).metrics["loss"]
+
+
+def _dp_worker(rank: int, port: int, path: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        results = {}
+        ckpt = Path(out).with_name("fsdp_ckpt")
+        for mode in ("ddp", "fsdp"):
+            trainer = TorchTrainer(config(Path(path), parallel=mode, **_DP_KW), _DP_ALGO)
+            grads = capture_grads(trainer.policy)
+            critic_grads = capture_grads(trainer.critic)
+            loss = _two_steps(trainer, ckpt if mode == "fsdp" else None)
+            weights = trainer.export_weights()  # a collective under FSDP
+            results[mode] = {
+                "grads": grads,
+                "critic": critic_grads,
+                "weights": weights,
+                "loss": loss,
+            }
+        resumed = TorchTrainer(config(Path(path), parallel="fsdp", **_DP_KW), _DP_ALGO)
+        resumed.load_checkpoint(ckpt)
+        resumed.train_step(make_batch(3, num_groups=1, group_size=3))
+        resumed_weights = resumed.export_weights()
+        if rank == 0:
+            torch.save({"results": results, "resumed": resumed_weights}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+_DP_KW: dict[str, Any] = {"max_tokens_per_microbatch": 24, "lr": 1e-6}
+# ppo with a KL loss: the critic and the reference model are wrapped and sharded too
+_DP_ALGO = PolicyConfig(advantage_estimator="ppo", use_kl_loss=True, kl_loss_coef=0.1)
+
+
+@pytest.mark.slow
+def test_two_rank_ddp_and_fsdp_equal_single_process_training(tiny, tmp_path):
+    out = tmp_path / "dp.pt"
+    mp.spawn(_dp_worker, args=(_free_port(), str(tiny), str(out)), nprocs=2, join=True)
+    single = TorchTrainer(config(tiny, **_DP_KW), _DP_ALGO)
+    grads, critic = capture_grads(single.policy), capture_grads(single.critic)
+    loss = _two_steps(single)
+    weights = single.export_weights()
+    saved = torch.load(out, weights_only=False)
+    for mode, got in saved["results"].items():
+        assert abs(got["loss"] - loss) < 1e-6, mode
+        assert_close(got["grads"], grads, atol=1e-5)
+        assert_close(got["weights"], weights, atol=1e-5)
+        assert_close(got["critic"], critic, atol=1e-5)
+    # an FSDP checkpoint resumes bit-exactly too
+    fsdp = saved["results"]["fsdp"]["weights"]
+    assert all(torch.equal(saved["resumed"][k], fsdp[k]) for k in fsdp)
+
+
+# ------------------------------------------------------------------------- checkpoints
+
+
+def test_a_checkpoint_resumes_bit_exactly(tiny, tmp_path):
+    algo = PolicyConfig(advantage_estimator="ppo", use_kl_loss=True, kl_loss_coef=0.1)
+    cfg = config(tiny, lr_schedule="cosine", warmup_steps=1, total_steps=6, weight_decay=0.1)
+    first = TorchTrainer(cfg, algo)
+    for step in range(2):
+        first.train_step(make_batch(step, version=step))
+    torch.rand(5), np.random.rand(5), random.random()  # as dropout or sampling would
+    first.save_checkpoint(tmp_path / "ckpt")
+    rngs = torch.get_rng_state(), np.random.rand(), random.random()
+    for step in range(2, 4):
+        first.train_step(make_batch(step, version=step))
+
+    second = TorchTrainer(cfg, algo)
+    second.load_checkpoint(tmp_path / "ckpt")
+    assert second.version == 2
+    assert torch.equal(torch.get_rng_state(), rngs[0])  # the RNGs come back as saved
+    assert (np.random.rand(), random.random()) == rngs[1:]
+    for step in range(2, 4):
+        second.train_step(make_batch(step, version=step))
+    assert second.version == first.version == 4
+    for learner_a, learner_b in ((first.policy, second.policy), (first.critic, second.critic)):
+        a, b = learner_a.model.state_dict(), learner_b.model.state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert first.policy.scheduler.get_last_lr() == second.policy.scheduler.get_last_lr()
+
+
+# --------------------------------------------------------------------- weights out, in HF
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_save_hf_reloads_with_equal_logits(tmp_path, tied):
+    src = tmp_path / "src"
+    model, _ = build_tiny_model(src, tie_word_embeddings=tied)
+    trainer = TorchTrainer(config(src))
+    trainer.train_step(make_batch())
+    exported = trainer.export_weights()
+    trainer.save_hf(tmp_path / "out")
+
+    reference = tmp_path / "hf"
+    trainer.policy.model.save_pretrained(reference)  # what transformers itself writes
+    assert set(exported) == set(load_file(str(reference / "model.safetensors")))
+    assert ("lm_head.weight" in exported) is not tied
+    assert all(t.device.type == "cpu" and t.is_contiguous() for t in exported.values())
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        expected = trainer.policy.model(ids).logits
+        assert torch.allclose(reloaded(ids).logits, expected, atol=1e-6)
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    assert not torch.equal(exported["model.norm.weight"], model.model.norm.weight)
+
+
+def test_exported_weights_are_copies_that_later_steps_do_not_touch(tiny):
+    trainer = TorchTrainer(config(tiny))
+    exported = trainer.export_weights()
+    before = {k: v.clone() for k, v in exported.items()}
+    trainer.train_step(make_batch())
+    assert all(torch.equal(exported[k], before[k]) for k in exported)
+    assert not torch.equal(
+        trainer.export_weights()["model.norm.weight"], before["model.norm.weight"]
+    )
+
+
+# ------------------------------------------------------------------------- the RL step
+
+
+def _response_logprob(trainer: TorchTrainer, sample: Sample) -> float:
+    ids = torch.as_tensor(np.concatenate([sample.prompt_tokens, sample.response_tokens]))[None]
+    p = len(sample.prompt_tokens)
+    with torch.no_grad():
+        logits = trainer.policy.model(ids).logits[0, p - 1 : -1]
+    targets = torch.from_numpy(sample.response_tokens.astype(np.int64))
+    return float(torch.log_softmax(logits, -1).gather(-1, targets[:, None]).sum())
+
+
+def test_a_step_raises_the_log_prob_of_positive_advantage_responses(tiny):
+    trainer = TorchTrainer(config(tiny, lr=3e-3))
+    batch = make_batch(4, num_groups=1, group_size=2)
+    good, bad = batch.groups[0].samples
+    good.reward, bad.reward = 1.0, 0.0
+    good.set_loss_mask(1)
+    bad.set_loss_mask(1)
+    before = _response_logprob(trainer, good), _response_logprob(trainer, bad)
+    result = trainer.train_step(batch)
+    assert _response_logprob(trainer, good) > before[0]
+    assert _response_logprob(trainer, bad) < before[1]
+    expected = set(
+        "loss pg_loss clip_frac entropy grad_norm lr num_tokens tokens tokens_per_s "
+        "staleness/mean staleness/max reward/mean time/step".split()
+    )
+    assert expected <= result.metrics.keys()
+    assert all(math.isfinite(v) for v in result.metrics.values())
+    assert result.version == 1 and result.num_samples == 2
+    assert result.num_tokens == good.response_length + bad.response_length
+
+
+def test_staleness_counts_versions_behind_over_loss_tokens(tiny):
+    trainer = TorchTrainer(config(tiny))
+    trainer.train_step(make_batch(0, version=0))
+    trainer.train_step(make_batch(1, version=0))
+    result = trainer.train_step(make_batch(2, version=1))  # trainer at version 2
+    assert result.metrics["staleness/mean"] == result.metrics["staleness/max"] == 1.0
+
+
+def test_groups_with_unusable_samples_are_dropped_and_counted(tiny):
+    trainer = TorchTrainer(config(tiny))
+    batch = make_batch(statuses={(1, 2): SampleStatus.FAILED})
+    result = trainer.train_step(batch)
+    assert result.metrics["batch/dropped_groups"] == 1.0
+    kept = [s for g in (0, 2) for s in batch.groups[g].samples if s.loss_mask.any()]
+    assert result.num_samples == len(kept)
+    assert result.num_tokens == sum(int(s.loss_mask.sum()) for s in kept)
+    every = {(g, 0): SampleStatus.ABORTED for g in range(3)}
+    with pytest.raises(ValueError, match="no trainable group"):
+        trainer.train_step(make_batch(statuses=every))
+
+
+def test_ppo_with_a_reference_model_reports_value_and_kl_metrics(tiny):
+    algo = PolicyConfig(advantage_estimator="ppo", kl_coef=0.05)
+    trainer = TorchTrainer(config(tiny), algo)
+    result = trainer.train_step(make_batch())
+    for key in ("value_loss", "values", "critic/grad_norm", "kl"):
+        assert math.isfinite(result.metrics[key]), key
+    assert result.metrics["values"] == 0.0  # a fresh value head predicts 0
+
+
+def test_use_rollout_logprobs_takes_the_engine_log_probs_as_the_old_policy(tiny):
+    algo = PolicyConfig(use_rollout_logprobs=True)
+    result = TorchTrainer(config(tiny), algo).train_step(make_batch())
+    # behaviour log-probs are ~ -4 and the tiny model's ~ -6: the ratio is far from 1
+    assert abs(result.metrics["ratio"] - 1.0) > 0.01
+
+
+def test_sft_steps_lower_the_loss_on_the_masked_tokens(tiny):
+    trainer = TorchTrainer(config(tiny, lr=1e-2))
+    tokens = [np.arange(3, 20), np.arange(40, 52)]
+    masks = [np.r_[np.zeros(6), np.ones(11)], np.r_[np.zeros(4), np.ones(8)]]
+    losses = [trainer.sft_step(tokens, masks).metrics["loss"] for _ in range(3)]
+    assert losses[2] < losses[0]
+    assert trainer.version == 3
+
+
+def test_configs_that_cannot_work_are_refused(tiny):
+    with pytest.raises(ValueError, match="total_steps"):
+        config(tiny, lr_schedule="cosine", warmup_steps=5, total_steps=5)
+    with pytest.raises(ValueError, match="only ppo uses a critic"):
+        TorchTrainer(config(tiny, critic=True))
