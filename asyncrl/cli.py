@@ -1,6 +1,7 @@
 """The ``asyncrl`` command.
 
     asyncrl train CONFIG.yaml [--preset NAME] [--dry-run] [--<config flag> VALUE ...]
+    asyncrl sft [CONFIG.yaml] --model DIR --data FILE.jsonl [--<config flag> VALUE ...]
     asyncrl serve --model DIR [--host 127.0.0.1] [--port 30000] [--device cpu] ...
     asyncrl version
 
@@ -16,11 +17,12 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 _TRAIN_OPTIONS = ("--help", "--preset", "--dry-run")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     from asyncrl.config import add_arguments
 
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training.")
@@ -40,9 +42,27 @@ def _parser() -> argparse.ArgumentParser:
         help="start every actor, prove every channel, stop cleanly",
     )
     add_arguments(train)
+    _add_sft(sub, argv)
     _add_serve(sub)
     sub.add_parser("version", help="print the asyncrl version")
     return parser
+
+
+def _add_sft(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
+    sft = sub.add_parser(
+        "sft",
+        allow_abbrev=False,
+        help="supervised fine-tuning on chat or prompt/response rows",
+        description="Supervised fine-tuning with the torch trainer. Rows are chat "
+        "({'messages': [...]}, loss on assistant turns) or {'prompt', 'response'} pairs.",
+    )
+    sft.add_argument("config", nargs="?", help="YAML config file")
+    sft.add_argument("--model", help="HF model directory (same as --hf-checkpoint)")
+    if argv[:1] == ["sft"]:  # the trainer's flags need torch: only when asked for
+        from asyncrl.config import add_arguments
+        from asyncrl.trainers.sft import job_model
+
+        add_arguments(sft, job_model())
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -68,11 +88,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
+    parser = _parser(argv)
     if argv[:1] == ["train"] and (unknown := _unknown_options(argv[1:])):
         print(f"asyncrl train: config error:\n{unknown}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    if args.command == "sft":
+        return _sft(args)
     if args.command == "version":
         from asyncrl import __version__
 
@@ -117,6 +139,53 @@ def _train(args: argparse.Namespace) -> int:
         )
         return 2
     return _dry_run(cfg)
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from asyncrl.buffer.sources import DataError
+    from asyncrl.config import ConfigError, load_config, overrides_from_namespace
+    from asyncrl.trainers.sft import job_model
+
+    overrides = overrides_from_namespace(args)
+    if args.model:
+        overrides.setdefault("--hf-checkpoint", args.model)
+    try:
+        cfg = load_config(args.config, overrides, model=job_model())
+    except ConfigError as exc:
+        print(f"asyncrl sft: config error:\n{exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run_sft(cfg)
+    except DataError as exc:
+        print(f"asyncrl sft: data error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_sft(cfg: Any) -> int:
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    from asyncrl.config import dump_resolved
+    from asyncrl.observe.logs import configure_logging
+    from asyncrl.policies.config import PolicyConfig
+    from asyncrl.trainers.sft import load_examples, run_sft
+    from asyncrl.trainers.torch_trainer import TorchTrainer
+
+    out = Path(cfg.output_dir)
+    configure_logging(actor="sft", file=out / "logs" / "sft.jsonl")
+    dump_resolved(cfg, out / "config.json")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    examples = load_examples(cfg, tokenizer)
+    trainer = TorchTrainer(cfg.trainer, PolicyConfig())
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    with console.status(f"sft: {len(examples)} examples x {cfg.epochs} epochs"):
+        results = run_sft(cfg, trainer, examples)
+    first, last = results[0].metrics["loss"], results[-1].metrics["loss"]
+    console.print(
+        f"sft: {len(results)} steps, loss {first:.4f} -> {last:.4f}; "
+        f"model in {out / 'model'}, metrics in {out / 'metrics.jsonl'}"
+    )
+    return 0
 
 
 def _dry_run(cfg: object) -> int:

@@ -217,6 +217,14 @@ SLIME_FLAGS: dict[tuple[str, ...], str] = {
     ("algo", "off_policy_correction"): "off-policy-correction",
     ("algo", "is_low"): "tis-clip-low",
     ("algo", "is_high"): "tis-clip",
+    ("trainer", "model_path"): "hf-checkpoint",
+    ("trainer", "lr"): "lr",
+    ("trainer", "weight_decay"): "weight-decay",
+    ("trainer", "adam_eps"): "adam-eps",
+    ("trainer", "grad_clip"): "clip-grad",
+    ("trainer", "warmup_steps"): "lr-warmup-iters",
+    ("trainer", "max_tokens_per_microbatch"): "max-tokens-per-gpu",
+    ("trainer", "ref_model_path"): "ref-load",
 }
 
 
