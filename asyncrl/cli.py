@@ -171,6 +171,9 @@ def _run_sft(cfg: Any) -> int:
     from asyncrl.trainers.sft import load_examples, run_sft
     from asyncrl.trainers.torch_trainer import TorchTrainer
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     out = Path(cfg.output_dir)
     configure_logging(actor="sft", file=out / "logs" / "sft.jsonl")
     dump_resolved(cfg, out / "config.json")

@@ -80,3 +80,57 @@ def test_batches_cover_every_example_once_per_epoch_in_a_new_order(tokenizer, tm
     first, second = [w for b in got[:3] for w in b], [w for b in got[3:] for w in b]
     assert sorted(first) == sorted(second) == sorted(e.where for e in examples)
     assert first != second
+
+
+def nll(model_dir: Path, examples) -> float:
+    """Mean NLL of the trained tokens under the model saved in ``model_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ex in examples:
+            ids = torch.as_tensor(ex.tokens, dtype=torch.long)[None]
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            token_logp = logp.gather(1, ids[0, 1:, None])[:, 0]
+            mask = torch.as_tensor(ex.loss_mask[1:], dtype=torch.bool)
+            total -= float(token_logp[mask].sum())
+            count += int(mask.sum())
+    return total / count
+
+
+def test_asyncrl_sft_trains_a_tiny_model_on_a_jsonl_file(tmp_path):
+    from asyncrl.cli import main
+    from tests.tiny_model import build_tiny_model
+
+    _, tokenizer = build_tiny_model(tmp_path / "base")
+    rows = [{"prompt": f"{a}+{b}=", "response": str(a + b)} for a in range(4) for b in range(4)]
+    rows += [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "4"}]}
+    ]
+    data = write(tmp_path / "arith.jsonl", rows)
+    out = tmp_path / "run"
+    args = ["sft", "--model", str(tmp_path / "base"), "--data", data, "--output-dir", str(out)]
+    args += ["--epochs", "6", "--batch-size", "6", "--lr", "3e-3", "--max-tokens-per-gpu", "64"]
+    assert main(args) == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 19))  # ceil(17 / 6) * 6 epochs
+    examples = load_examples(SFTConfig(data=data), tokenizer)
+    before, after = nll(tmp_path / "base", examples), nll(out / "model", examples)
+    assert after < 0.5 * before, (before, after)
+    assert json.loads((out / "config.json").read_text())["trainer"]["lr"] == 3e-3
+
+
+def test_asyncrl_sft_refuses_bad_config_and_bad_data_before_training(tmp_path, capsys):
+    from asyncrl.cli import main
+
+    assert main(["sft", "--model", str(tmp_path), "--data", "x.jsonl", "--epochs", "0"]) == 2
+    assert "--epochs" in capsys.readouterr().err
+    from tests.tiny_model import build_tiny_model
+
+    build_tiny_model(tmp_path / "base")
+    data = write(tmp_path / "d.jsonl", [{"prompt": "1+1=", "response": "2"}, {"text": "x"}])
+    args = ["sft", "--model", str(tmp_path / "base"), "--data", data]
+    assert main([*args, "--output-dir", str(tmp_path / "out")]) == 2
+    assert "d.jsonl:2: expected 'messages'" in capsys.readouterr().err

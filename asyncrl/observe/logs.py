@@ -192,8 +192,10 @@ def adopt_library_loggers(*names: str) -> None:
 
     Called by ``configure_logging``; call it again after importing such a library later
     (an actor's ``setup()`` importing transformers), since the import installs the
-    library's own handler and turns propagation off. Their level falls back to the root's.
+    library's own handler and turns propagation off. Their chatter (config dumps, files
+    saved) stays out below warning unless the root logs at debug.
     """
+    debug = logging.getLogger().level <= logging.DEBUG
     for name in names or _LIBRARY_LOGGERS:
         if name not in logging.Logger.manager.loggerDict:
             continue  # never imported: nothing to undo
@@ -201,7 +203,7 @@ def adopt_library_loggers(*names: str) -> None:
         for handler in list(library.handlers):
             library.removeHandler(handler)
         library.propagate = True
-        library.setLevel(logging.NOTSET)
+        library.setLevel(logging.NOTSET if debug else logging.WARNING)
 
 
 def reset_logging() -> None:
