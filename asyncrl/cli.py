@@ -164,14 +164,13 @@ def _sft(args: argparse.Namespace) -> int:
 def _run_sft(cfg: Any) -> int:
     from rich.console import Console
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from asyncrl.config import dump_resolved
     from asyncrl.observe.logs import configure_logging
     from asyncrl.policies.config import PolicyConfig
     from asyncrl.trainers.sft import load_examples, run_sft
     from asyncrl.trainers.torch_trainer import TorchTrainer
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     out = Path(cfg.output_dir)

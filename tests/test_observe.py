@@ -157,7 +157,8 @@ def test_library_loggers_that_stop_propagation_are_adopted():
     library.setLevel(logging.WARNING)
     out = io.StringIO()
     configure_logging(fmt="json", stream=out, actor="trainer")
-    library.info("loading weights")
+    library.info("config dump")  # a library's chatter stays out below warning
+    library.warning("loading weights")
     late = logging.getLogger("late_lib")
     late.propagate = False
     adopt_library_loggers("late_lib")
@@ -167,6 +168,9 @@ def test_library_loggers_that_stop_propagation_are_adopted():
         "imported after configure",
     ]
     assert theirs.getvalue() == ""
+    configure_logging(level="debug", fmt="json", stream=out)
+    library.info("shown when debugging")
+    assert json_lines(out)[-1]["event"] == "shown when debugging"
 
 
 def test_exceptions_are_rendered_into_json_as_a_string():
