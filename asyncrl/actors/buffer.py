@@ -68,7 +68,9 @@ class BatchRequest(Message):
 
     ``ack`` lists batches the trainer has finished (its optimizer step is done); until
     acknowledged a batch is held, and a trainer that restarts sends ``resync=True`` to
-    get it again. ``take=False`` only acknowledges.
+    get it again. ``take=False`` only acknowledges. ``version`` is the trainer's current
+    weight version: the buffer follows it from here too, since a pub/sub announcement made
+    just before the trainer stops may never arrive.
     """
 
     trainer: str
@@ -77,6 +79,7 @@ class BatchRequest(Message):
     ack: list[int] = msgspec.field(default_factory=list)
     resync: bool = False
     take: bool = True
+    version: int = -1
 
 
 class BatchReply(Message):
@@ -202,6 +205,7 @@ class BufferActor(Actor):
     async def _serve_batch(self, req: BatchRequest, peer: bytes) -> BatchReply:
         for batch_id in req.ack:
             self._unacked.pop(batch_id, None)
+        self._follow_version(req.version)
         if not req.take:
             return BatchReply(batch=None)
         if req.resync and self._unacked:  # a restarted trainer lost this batch: again
@@ -218,10 +222,13 @@ class BufferActor(Actor):
         assert self.weights is not None
         while True:
             update = await self.weights.receive()
-            if update.msg.version > self.buffer.version:
-                self.buffer.set_version(update.msg.version)
-                self.version = update.msg.version
-                self._notify()
+            self._follow_version(update.msg.version)
+
+    def _follow_version(self, version: int) -> None:
+        if version > self.buffer.version:
+            self.buffer.set_version(version)
+            self.version = version
+            self._notify()
 
     # -- waiting -------------------------------------------------------------------------
     def _notify(self) -> None:

@@ -4,7 +4,8 @@ It knows each actor's status from its notifications (``Hello``, ``Heartbeat``, `
 and its process exit, and turns trouble into one exception with the evidence:
 
 - ``ActorDied``: the process exited while the job was running, with its exit code, its
-  ``Bye`` reason when it sent one, and its last log lines;
+  ``Bye`` reason when it sent one, and its last log lines (an exit 0 after ``Bye(ok)`` is
+  not a death: the actor finished its work and its state becomes ``finished``);
 - ``ActorHung``: no heartbeat for ``heartbeat_timeout`` seconds (the actor is killed).
 
 ``wait_until(predicate)`` raises the first such failure, so a controller that waits for
@@ -203,6 +204,12 @@ class Supervisor:
             log.warning(
                 "actor stopped uncleanly", actor=handle.spec.name, exit_code=code, reason=reason
             )
+        if code == 0 and st.bye is not None and st.bye.ok:
+            # Finished its work (a trainer after its last step): done, not lost.
+            st.state = "finished"
+            log.info("actor finished", actor=handle.spec.name, reason=reason)
+            self._changed.set()
+            return
         self._fail(ActorDied(handle.spec.name, code, reason, handle.tail()))
 
     async def _liveness(self) -> None:

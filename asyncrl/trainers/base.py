@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from asyncrl.types import TrainBatch
 
 
+class UntrainableBatch(ValueError):
+    """A batch with no group the trainer can learn from; the step is skipped, not failed."""
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What one optimizer step reports.

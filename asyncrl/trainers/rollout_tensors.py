@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncrl.trainers.base import UntrainableBatch
 from asyncrl.types import Group, Sample, SampleStatus, TrainBatch
 
 USABLE = frozenset({SampleStatus.COMPLETED, SampleStatus.TRUNCATED})
@@ -66,13 +67,13 @@ def _trainable(group: Group, key: str) -> bool:
 
 
 def rollout_tensors(batch: TrainBatch, reward_key: str = "score") -> RolloutTensors:
-    """The step's tensors from ``batch``; raises ``ValueError`` when nothing is trainable.
+    """The step's tensors from ``batch``; raises ``UntrainableBatch`` when nothing is.
 
     Kept groups must all have the same number of samples (``[G, n]`` scores).
     """
     groups = [g for g in batch.groups if g.samples and _trainable(g, reward_key)]
     if not groups:
-        raise ValueError(
+        raise UntrainableBatch(
             f"batch {batch.batch_id}: no trainable group (each has a sample that is not "
             f"completed/truncated or has no {reward_key!r} reward)"
         )

@@ -1,0 +1,219 @@
+"""TrainerActor: batches in, optimizer steps, weight versions out (DESIGN section 2).
+
+Channels (names as in ``runtime/topology.py``)::
+
+    trainer --BatchRequest rpc--> buffer.batches     BatchReply(TrainBatch); the previous
+                                                     batch's ack rides on each request
+    trainer --WeightVersion pub-> trainer.weights    after every step (+ snapshot socket)
+    engines <-chunked pull------- trainer.blob       the tensors of a version (pull mode)
+
+Loop: ask for a batch (waiting is measured: ``time/wait_data``), train one step in a
+worker thread (heartbeats and the sockets keep running), publish the new version, then
+acknowledge the batch on the next request. A checkpoint every ``checkpoint_interval``
+steps and on stop; on start it resumes from ``resume_from`` (or the newest checkpoint in
+``checkpoint_dir``), re-announces its version and asks the buffer for any batch it had
+not acknowledged (``resync``), so a crash between taking and training loses nothing.
+
+``params``: ``trainer`` (``TorchTrainer.Config``), ``publish`` (``transport`` pull|disk,
+``dir``, ``keep``), ``num_steps`` (stop after; 0: until the data is exhausted),
+``checkpoint_dir``, ``checkpoint_interval``, ``resume_from``, ``metrics_path``. The
+``algo`` section of the run config (``PolicyConfig``) is read from ``spec.config``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl.actors.base import Actor, ActorSpec
+from asyncrl.actors.buffer import BatchReply, BatchRequest
+from asyncrl.observe.logs import get_logger
+from asyncrl.observe.metrics import JsonlMetricsSink
+from asyncrl.policies.config import PolicyConfig
+from asyncrl.trainers.base import StepResult, Trainer, UntrainableBatch
+from asyncrl.trainers.weight_sync import WeightPublisher
+from asyncrl.wire.blob import BlobServer
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.messages import Command, Scalar, WeightVersion
+from asyncrl.wire.pubsub import Publisher
+from asyncrl.wire.rpc import RpcClient
+
+log = get_logger("asyncrl.trainer")
+_WAIT_S = 1.0
+
+
+class TrainerActor(Actor):
+    """Trains on batches from the buffer and publishes each version; see the module doc."""
+
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        # Heartbeats report these from the start, while setup still loads the model.
+        self.steps_done = 0
+        self.skipped = 0
+        self._last: dict[str, float] = {}
+        self.metrics: JsonlMetricsSink | None = None
+
+    async def setup(self) -> None:
+        params = self.spec.params
+        self.trainer = await asyncio.to_thread(build_trainer, self.spec.config, params)
+        self._resume(params)
+        self.version = self.trainer.version
+        self.num_steps = int(params.get("num_steps", 0))
+        self._acks: list[int] = []
+        self._resync = True
+        await self._open_channels()
+        path = params.get("metrics_path")
+        self.metrics = JsonlMetricsSink(path) if path else None
+
+    async def _open_channels(self) -> None:
+        ep, frame = self.spec.endpoints, _frame_bytes(self.spec.config)
+        codec_rep = Codec(BatchReply, max_frame_bytes=frame)
+        self.batches = await self.open(
+            RpcClient(ep["buffer.batches"], Codec(BatchRequest), codec_rep), "batches"
+        )
+        announcer = await self.open(
+            Publisher(ep["trainer.weights"], ep["trainer.weights_snapshot"], Codec(WeightVersion)),
+            "weights",
+        )
+        publish = dict(self.spec.params.get("publish", {}))
+        transport = publish.get("transport", "pull")
+        blob = None
+        if transport == "pull":
+            wire = self.spec.config.get("wire", {})
+            server = BlobServer(
+                ep["trainer.blob"],
+                chunk_bytes=int(wire.get("chunk_bytes", 4 * 1024 * 1024)),
+                keep=int(publish.get("keep", 2)),
+                max_frame_bytes=frame,
+            )
+            blob = await self.open(server, "blob")
+        disk = Path(publish["dir"]) if publish.get("dir") else None
+        self.weights = WeightPublisher(
+            announcer, transport=transport, blob=blob, disk_dir=disk, keep=publish.get("keep", 2)
+        )
+
+    async def run(self) -> None:
+        await self._publish()  # engines and the buffer learn where we start
+        while not self.stopping and not self._done():
+            batch_reply, waited = await self._next_batch()
+            if batch_reply.batch is None:
+                if batch_reply.exhausted:
+                    self.request_stop("the buffer has no more data")
+                continue
+            batch = batch_reply.batch
+            try:
+                result = await asyncio.to_thread(self.trainer.train_step, batch)
+            except UntrainableBatch as exc:  # its groups are accounted for; go on
+                self.skipped += 1
+                log.warning("batch skipped", batch=batch.batch_id, reason=str(exc))
+                result = None
+            self._acks.append(batch.batch_id)
+            if result is not None:
+                await self._after_step(result, waited)
+        if self._done():  # a stop drains: the last acks go out and a checkpoint is taken
+            self.request_stop(f"trained {self.num_steps} steps")
+
+    def _done(self) -> bool:
+        return self.num_steps > 0 and self.steps_done >= self.num_steps
+
+    async def _next_batch(self) -> tuple[BatchReply, float]:
+        start = time.perf_counter()
+        req = BatchRequest(
+            trainer=self.name,
+            wait=_WAIT_S,
+            ack=self._acks,
+            resync=self._resync,
+            version=self.trainer.version,
+        )
+        reply = await self.batches.call(req)
+        self._acks, self._resync = [], False
+        return reply, time.perf_counter() - start
+
+    async def _after_step(self, result: StepResult, waited: float) -> None:
+        self.version = result.version
+        self.steps_done += 1
+        start = time.perf_counter()
+        await self._publish()
+        publish_s = time.perf_counter() - start
+        self._last = {**result.metrics, "time/wait_data": waited, "time/publish": publish_s}
+        if self.metrics is not None:
+            self.metrics.write({"actor": self.name, "step": result.version, **self._last})
+        interval = int(self.spec.params.get("checkpoint_interval", 0))
+        if interval > 0 and result.version % interval == 0:
+            await self._checkpoint()
+        log.info("step", version=result.version, loss=result.metrics.get("loss"))
+
+    async def _publish(self) -> None:
+        tensors = await asyncio.to_thread(self.trainer.export_weights)
+        await self.weights.publish(self.trainer.version, tensors)
+
+    # -- checkpoints, acks on stop, commands ----------------------------------------------
+    def _resume(self, params: dict[str, Any]) -> None:
+        path = params.get("resume_from") or _newest_checkpoint(params.get("checkpoint_dir"))
+        if path:
+            self.trainer.load_checkpoint(Path(path))
+            log.info("trainer resumed", path=str(path), version=self.trainer.version)
+
+    async def _checkpoint(self) -> Path | None:
+        root = self.spec.params.get("checkpoint_dir")
+        if not root:
+            return None
+        path = Path(root) / f"step_{self.trainer.version:06d}"
+        await asyncio.to_thread(_save_atomically, self.trainer, path)
+        return path
+
+    async def drain(self) -> None:
+        if self._acks:  # finished steps must not be served again after we stop
+            final = BatchRequest(
+                trainer=self.name, ack=self._acks, take=False, version=self.trainer.version
+            )
+            await self.batches.call(final)
+            self._acks = []
+        await self._checkpoint()
+
+    async def on_command(self, cmd: Command) -> dict[str, Scalar]:
+        if cmd.kind == "checkpoint":
+            path = await self._checkpoint()
+            return {"path": str(path or "")}
+        return await super().on_command(cmd)
+
+    def stats(self) -> dict[str, float]:
+        return {"steps": float(self.steps_done), "skipped": float(self.skipped), **self._last}
+
+    async def main(self) -> int:
+        try:
+            return await super().main()
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+
+
+def build_trainer(config: dict[str, Any], params: dict[str, Any]) -> Trainer:
+    """The training backend of ``params["trainer"]`` with the job's ``algo`` section."""
+    from asyncrl.trainers.torch_trainer import TorchTrainer
+
+    algo = PolicyConfig(**config.get("algo", {}))
+    return TorchTrainer(TorchTrainer.Config(**params.get("trainer", {})), algo)
+
+
+def _save_atomically(trainer: Trainer, path: Path) -> None:
+    """Save into ``path.tmp`` then rename: a crash mid-save never leaves a partial ``path``."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    trainer.save_checkpoint(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+
+
+def _newest_checkpoint(root: str | None) -> Path | None:
+    if not root or not Path(root).is_dir():
+        return None
+    steps = sorted(p for p in Path(root).glob("step_*") if p.is_dir() and p.suffix != ".tmp")
+    return steps[-1] if steps else None
+
+
+def _frame_bytes(config: dict[str, Any]) -> int:
+    return int(config.get("wire", {}).get("max_frame_bytes", 256 * 1024 * 1024))

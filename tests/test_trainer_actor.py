@@ -1,0 +1,137 @@
+"""The TrainerActor in its own process with a BufferActor, a producer in the test process
+and a weight subscriber in a third process: it trains, acknowledges, publishes versions a
+subscriber loads exactly, checkpoints, finishes, and resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from asyncrl.actors.base import ActorSpec
+from asyncrl.actors.buffer import WorkReply, WorkRequest
+from asyncrl.policies.config import PolicyConfig
+from asyncrl.runtime.local import LocalRuntime
+from asyncrl.runtime.supervisor import Supervisor
+from asyncrl.runtime.topology import allocate_endpoints
+from asyncrl.trainers.torch_trainer import TorchTrainer
+from asyncrl.types import Group
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.control import ControlHub
+from asyncrl.wire.messages import Command
+from asyncrl.wire.reliable import ReliableSender
+from asyncrl.wire.rpc import RpcClient
+from tests.test_buffer_actor import B, buffer_spec, finish, write_prompts
+from tests.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+def trainer_spec(tmp_path: Path, ep: dict[str, str], name: str, num_steps: int) -> ActorSpec:
+    return ActorSpec(
+        name=name,
+        role="trainer",
+        cls="asyncrl.actors.trainer:TrainerActor",
+        endpoints=ep,
+        heartbeat_interval=0.2,
+        drain_timeout=30.0,
+        log_file=str(tmp_path / f"{name}.jsonl"),
+        config={"algo": {"off_policy_correction": "decoupled"}},
+        params={
+            "trainer": {"model_path": str(tmp_path / "model"), "lr": 1e-2, "seed": 0},
+            "publish": {"transport": "pull", "keep": 2},
+            "num_steps": num_steps,
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "checkpoint_interval": 1,
+            "metrics_path": str(tmp_path / f"{name}.metrics.jsonl"),
+        },
+    )
+
+
+async def produce_until(supervisor: Supervisor, ep: dict[str, str], trainer: str) -> int:
+    """Play the rollout actors: finish every work item until ``trainer`` has finished."""
+    work = RpcClient(ep["buffer.work"], Codec(WorkRequest), Codec(WorkReply))
+    results = ReliableSender(ep["buffer.results"], Codec(Group))
+    sent = 0
+    async with work, results:
+        while supervisor.status[trainer].state != "finished":
+            if supervisor.failure is not None:
+                raise supervisor.failure
+            reply = await work.call(WorkRequest(actor="rollout-0", max_items=4, wait=0.2))
+            for item in reply.items:
+                await results.send(finish(item, version=reply.version))
+                sent += 1
+            await results.join()
+    return sent
+
+
+def subscribe(ep: dict[str, str], version: int, model: Path, out: Path) -> subprocess.Popen:
+    args = [ep["trainer.weights"], ep["trainer.weights_snapshot"], str(version), str(model)]
+    cmd = [sys.executable, "-m", "tests.weight_subscriber", *args, str(out)]
+    return subprocess.Popen(cmd, cwd=Path(__file__).parents[1])
+
+
+@pytest.fixture
+async def supervisor(tmp_path: Path):
+    write_prompts(tmp_path / "prompts.jsonl")
+    build_tiny_model(tmp_path / "model")
+    async with ControlHub("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
+        async with Supervisor(runtime, hub, heartbeat_timeout=20.0, startup_timeout=120) as sup:
+            yield sup
+            await sup.stop_all(grace=10)
+
+
+def trained_weights(tmp_path: Path, step: int) -> dict[str, torch.Tensor]:
+    """The weights of the checkpoint after ``step``, through a fresh trainer."""
+    cfg = TorchTrainer.Config(model_path=str(tmp_path / "model"))
+    trainer = TorchTrainer(cfg, PolicyConfig())
+    trainer.load_checkpoint(tmp_path / "ckpt" / f"step_{step:06d}")
+    assert trainer.version == step
+    return trainer.export_weights()
+
+
+async def test_the_trainer_actor_trains_publishes_acknowledges_and_resumes(
+    supervisor: Supervisor, tmp_path: Path
+):
+    ep = allocate_endpoints()
+    tokenizer = str(tmp_path / "model")
+    await supervisor.launch([buffer_spec(tmp_path, ep, tokenizer=tokenizer)])
+    sub = subscribe(ep, 2, tmp_path / "model", tmp_path / "sub.safetensors")
+    await supervisor.launch([trainer_spec(tmp_path, ep, "trainer", num_steps=2)])
+    async with asyncio.timeout(180):
+        await produce_until(supervisor, ep, "trainer")
+        assert await asyncio.to_thread(sub.wait, 120) == 0
+        stats = (await supervisor.hub.command("buffer", Command(kind="stats"))).data
+    # Every batch the trainer stepped on was acknowledged before it exited.
+    assert stats["buffer.consumed"] == 2 * B and stats["unacked_batches"] == 0
+    assert stats["buffer.version"] == 2
+    # The subscriber process loaded exactly the weights of step 2.
+    got = load_file(tmp_path / "sub.safetensors")
+    with safe_open(tmp_path / "sub.safetensors", "pt") as f:
+        assert f.metadata()["version"] == "2"
+    expected = trained_weights(tmp_path, 2)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in got)
+    initial = load_file(tmp_path / "model" / "model.safetensors")
+    assert any(not torch.equal(got[k], initial[k]) for k in got)  # training moved them
+    rows = [json.loads(x) for x in (tmp_path / "trainer.metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("loss", "grad_norm", "clip_frac", "time/wait_data", "time/publish"):
+        assert all(torch.isfinite(torch.tensor(r[key])) for r in rows), key
+
+    # A new trainer process resumes from the newest checkpoint and takes step 3.
+    await supervisor.launch([trainer_spec(tmp_path, ep, "trainer-2", num_steps=1)])
+    async with asyncio.timeout(180):
+        await produce_until(supervisor, ep, "trainer-2")
+        stats = (await supervisor.hub.command("buffer", Command(kind="stats"))).data
+    assert stats["buffer.version"] == 3 and stats["buffer.consumed"] == 3 * B
+    rows = (tmp_path / "trainer-2.metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [3]
+    assert (tmp_path / "ckpt" / "step_000003" / "trainer.json").exists()
