@@ -111,3 +111,41 @@ def test_a_transport_without_its_store_is_refused():
         WeightPublisher(pub, transport="pull")
     with pytest.raises(ValueError, match="disk_dir"):
         WeightPublisher(pub, transport="disk")
+
+
+async def test_dist_transport_broadcasts_each_version_to_every_subscriber(tmp_path):
+    from asyncrl.trainers.weight_group import BroadcastGroup
+
+    address = free_tcp_endpoint().removeprefix("tcp://")
+    joins = [asyncio.to_thread(BroadcastGroup.join, address, r, 3) for r in range(3)]
+    groups = await asyncio.gather(*joins)
+    pub = Publisher(free_tcp_endpoint(), free_tcp_endpoint(), Codec(WeightVersion))
+    async with pub:
+        sync = WeightPublisher(pub, transport="dist", group=groups[0])
+        receivers = [
+            WeightReceiver(pub.endpoint, pub.snapshot_endpoint, group=g) for g in groups[1:]
+        ]
+        for rx in receivers:
+            await rx.__aenter__()
+        try:
+
+            async def take(rx: WeightReceiver, version: int) -> dict[str, torch.Tensor]:
+                return await rx.fetch(await rx.next_version(after=version - 1))
+
+            for version in (1, 2):
+                got = await asyncio.wait_for(
+                    asyncio.gather(
+                        sync.publish(version, weights(version)),
+                        *(take(rx, version) for rx in receivers),
+                    ),
+                    30,
+                )
+                assert all(same(tensors, weights(version)) for tensors in got[1:])
+                assert got[0].transport == "dist" and got[0].version == version
+        finally:
+            for rx in receivers:
+                await rx.__aexit__(None, None, None)
+    with pytest.raises(ValueError, match="rank 0"):
+        WeightPublisher(pub, transport="dist", group=groups[1])
+    with pytest.raises(ValueError, match="host:port"):
+        BroadcastGroup.join("nowhere", 0, 1)

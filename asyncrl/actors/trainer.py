@@ -14,10 +14,12 @@ steps and on stop; on start it resumes from ``resume_from`` (or the newest check
 ``checkpoint_dir``), re-announces its version and asks the buffer for any batch it had
 not acknowledged (``resync``), so a crash between taking and training loses nothing.
 
-``params``: ``trainer`` (``TorchTrainer.Config``), ``publish`` (``transport`` pull|disk,
-``dir``, ``keep``), ``num_steps`` (stop after; 0: until the data is exhausted),
-``checkpoint_dir``, ``checkpoint_interval``, ``resume_from``, ``metrics_path``. The
-``algo`` section of the run config (``PolicyConfig``) is read from ``spec.config``.
+``params``: ``trainer`` (``TorchTrainer.Config``), ``publish`` (``transport``
+pull|disk|dist, ``dir``, ``keep``; for dist ``dist_address`` host:port,
+``dist_world_size`` = 1 + subscribers, ``dist_backend``), ``num_steps`` (stop after;
+0: until the data is exhausted), ``checkpoint_dir``, ``checkpoint_interval``,
+``resume_from``, ``metrics_path``. The ``algo`` section of the run config
+(``PolicyConfig``) is read from ``spec.config``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.policies.config import PolicyConfig
 from asyncrl.trainers.base import StepResult, Trainer, UntrainableBatch
+from asyncrl.trainers.weight_group import BroadcastGroup
 from asyncrl.trainers.weight_sync import WeightPublisher
 from asyncrl.wire.blob import BlobServer
 from asyncrl.wire.codec import Codec
@@ -91,8 +94,24 @@ class TrainerActor(Actor):
             )
             blob = await self.open(server, "blob")
         disk = Path(publish["dir"]) if publish.get("dir") else None
+        group = await self._join_group(publish) if transport == "dist" else None
         self.weights = WeightPublisher(
-            announcer, transport=transport, blob=blob, disk_dir=disk, keep=publish.get("keep", 2)
+            announcer,
+            transport=transport,
+            blob=blob,
+            disk_dir=disk,
+            group=group,
+            keep=publish.get("keep", 2),
+        )
+
+    async def _join_group(self, publish: dict[str, Any]) -> BroadcastGroup:
+        """Rank 0 of the weight broadcast group; waits for every subscriber to join."""
+        return await asyncio.to_thread(
+            BroadcastGroup.join,
+            str(publish["dist_address"]),
+            0,
+            int(publish["dist_world_size"]),
+            backend=str(publish.get("dist_backend", "gloo")),
         )
 
     async def run(self) -> None:

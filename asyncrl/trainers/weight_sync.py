@@ -11,6 +11,11 @@ put where subscribers can fetch them, then a small ``WeightVersion`` is announce
   (written to a temporary directory, then renamed, so a reader never sees a partial
   file); a subscriber reads them, or passes the path to an engine's
   ``update_weights_from_disk``. The newest ``keep`` directories are kept.
+- ``dist``: the trainer (rank 0) and the subscribers share a ``BroadcastGroup``
+  (``weight_group.py``; gloo, or nccl for CUDA tensors); after the announcement (which
+  carries the manifest: names, dtypes, shapes) every tensor is broadcast in manifest
+  order. The trainer waits for every subscriber: the fastest path between GPUs, and
+  the one where a stalled subscriber stalls the trainer.
 
 Pub/sub is lossy and conflated (``wire/pubsub.py``): a receiver always moves to the newest
 announced version, and one that joins late asks for it, so none silently misses the
@@ -28,13 +33,14 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncrl.wire.blob import BlobClient, BlobServer
-from asyncrl.wire.codec import Codec
+from asyncrl.trainers.weight_group import BroadcastGroup
+from asyncrl.wire.blob import BlobClient, BlobServer, layout
+from asyncrl.wire.codec import Codec, torch_dtype
 from asyncrl.wire.errors import WouldBlock
 from asyncrl.wire.messages import WeightVersion
 from asyncrl.wire.pubsub import Publisher, Subscriber
 
-Transport = Literal["pull", "disk"]
+Transport = Literal["pull", "disk", "dist"]
 TOPIC = "weights"
 
 
@@ -58,23 +64,37 @@ class WeightPublisher:
         transport: Transport = "pull",
         blob: BlobServer | None = None,
         disk_dir: Path | None = None,
+        group: BroadcastGroup | None = None,
         keep: int = 2,
     ) -> None:
         if transport == "pull" and blob is None:
             raise ValueError("transport 'pull' needs the trainer's BlobServer")
         if transport == "disk" and disk_dir is None:
             raise ValueError("transport 'disk' needs a directory (disk_dir)")
-        self.publisher, self.transport, self.blob = publisher, transport, blob
+        if transport == "dist" and (group is None or group.rank != 0):
+            raise ValueError("transport 'dist' needs a BroadcastGroup where the trainer is rank 0")
+        self.publisher, self.transport, self.blob, self.group = publisher, transport, blob, group
         self.disk_dir, self.keep = disk_dir, max(1, keep)
         self.latest: WeightVersion | None = None
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
         """Make ``tensors`` (CPU, not modified afterwards) fetchable as ``version``; announce."""
+        if self.transport == "dist":
+            return await self._broadcast(version, tensors)
         if self.transport == "pull":
             msg = self._put_blob(version, tensors)
         else:
             msg = await asyncio.to_thread(self._write_disk, version, tensors)
         self.publisher.publish(TOPIC, msg)
+        self.latest = msg
+        return msg
+
+    async def _broadcast(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
+        assert self.group is not None
+        manifest = layout(tensors, chunk_bytes=1 << 30, blob=blob_name(version))
+        msg = WeightVersion(version=version, transport="dist", location="", manifest=manifest)
+        self.publisher.publish(TOPIC, msg)  # subscribers join the broadcast on seeing it
+        await asyncio.to_thread(self.group.broadcast, list(tensors.values()))
         self.latest = msg
         return msg
 
@@ -123,9 +143,11 @@ class WeightReceiver:
         *,
         max_frame_bytes: int = 64 * 1024 * 1024,
         window: int = 16,
+        group: BroadcastGroup | None = None,
         name: str = "weights",
     ) -> None:
         codec = Codec(WeightVersion, max_frame_bytes=max_frame_bytes)
+        self.group = group
         self.subscriber = Subscriber(endpoint, snapshot_endpoint, codec, [TOPIC], name=name)
         self.window, self.max_frame_bytes = window, max_frame_bytes
         self._clients: dict[str, BlobClient] = {}
@@ -167,7 +189,18 @@ class WeightReceiver:
         if msg.transport == "disk":
             path = Path(msg.location)
             return await asyncio.to_thread(_load_dir, path)
-        raise ValueError(f"weight transport {msg.transport!r} is not served by WeightReceiver")
+        return await self._receive_broadcast(msg, out)
+
+    async def _receive_broadcast(
+        self, msg: WeightVersion, out: dict[str, torch.Tensor] | None
+    ) -> dict[str, torch.Tensor]:
+        if self.group is None or msg.manifest is None:
+            raise ValueError("a 'dist' weight version needs the receiver's BroadcastGroup")
+        entries = msg.manifest.entries
+        if out is None:
+            out = {e.name: torch.empty(e.shape, dtype=torch_dtype(e.dtype)) for e in entries}
+        await asyncio.to_thread(self.group.broadcast, [out[e.name] for e in entries])
+        return out
 
     async def _client(self, endpoint: str) -> BlobClient:
         client = self._clients.get(endpoint)
