@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-wire bench-buffer bench-engine bench-server clean
+.PHONY: demo test lint bench-wire bench-buffer bench-engine bench-server bench-trainer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,9 @@ bench-engine: $(STAMP)
 
 bench-server: $(STAMP)
 	$(PY) bench/server.py
+
+bench-trainer: $(STAMP)
+	$(PY) bench/trainer.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs

@@ -7,7 +7,8 @@ Baseline: raw pyzmq, the same bytes sent by a ROUTER in the same chunk size to e
 2 DEALER processes that asked, copied into one preallocated buffer.
 
 Time = from the publish call (asyncrl) or the go signal (raw) until the later of the two
-subscribers has every byte; median over ``--versions`` (after one warm-up). Ratio =
+subscribers has every byte; median over ``--versions`` (after one warm-up) in each of 3
+alternating rounds. Ratio =
 raw time / asyncrl time (>= 0.7 is the issue's target). Called by ``bench/trainer.py``;
 run alone: ``.venv/bin/python bench/weights_publish.py``.
 """
@@ -163,13 +164,16 @@ def measure_raw(tensors: dict[str, torch.Tensor], versions: int) -> list[float]:
     return times
 
 
-def run(versions: int) -> dict[str, float]:
-    """Both measurements, alternated once, and their ratio."""
+def run(versions: int, rounds: int = 3) -> dict[str, float]:
+    """Both measurements, alternated ``rounds`` times, and the ratio of their medians."""
     tensors = model_tensors()
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     params = sum(t.numel() for t in tensors.values())
-    raw = measure_raw(tensors, versions + 1)[1:]
-    ours = measure_asyncrl(tensors, versions + 1)[1:]
+    raw: list[float] = []
+    ours: list[float] = []
+    for _ in range(rounds):  # alternate, so a noisy spell hits both sides
+        raw += measure_raw(tensors, versions + 1)[1:]
+        ours += measure_asyncrl(tensors, versions + 1)[1:]
     raw_s, ours_s = statistics.median(raw), statistics.median(ours)
     return {
         "params": params,
