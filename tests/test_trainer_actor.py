@@ -123,7 +123,8 @@ async def test_the_trainer_actor_trains_publishes_acknowledges_and_resumes(
     assert any(not torch.equal(got[k], initial[k]) for k in got)  # training moved them
     rows = [json.loads(x) for x in (tmp_path / "trainer.metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("loss", "grad_norm", "clip_frac", "time/wait_data", "time/publish"):
+    keys = ("loss", "grad_norm", "clip_frac", "entropy", "staleness/mean", "tokens_per_s")
+    for key in (*keys, "time/wait_data", "time/publish"):
         assert all(torch.isfinite(torch.tensor(r[key])) for r in rows), key
 
     # A new trainer process resumes from the newest checkpoint and takes step 3.
