@@ -44,6 +44,7 @@ from asyncrl.wire.messages import (
 )
 
 C = TypeVar("C", bound=_Channel)
+R = TypeVar("R", bound=contextlib.AbstractAsyncContextManager[Any])
 log = get_logger("asyncrl.actor")
 
 
@@ -145,6 +146,11 @@ class Actor(ABC):
     def version(self, value: int) -> None:
         self._version = value
         bind_context(version=value)
+
+    async def hold(self, resource: R) -> R:
+        """Enter ``resource`` (an async context manager: engines, clients); it is closed
+        after ``teardown()``, in reverse order with the channels."""
+        return await self._stack.enter_async_context(resource)
 
     def all_stats(self) -> dict[str, float]:
         """Actor stats plus ``<channel>.<counter>`` for every opened channel."""

@@ -161,13 +161,13 @@ def run_sft(cfg: SFTConfig, trainer: Trainer, examples: list[SFTExample]) -> lis
 def job_model() -> type[BaseModel]:
     """``SFTConfig`` plus a ``trainer`` section: the config tree of ``asyncrl sft``.
 
-    Built on demand because the trainer's config lives next to the (torch) trainer.
+    Built on demand, so importing this module stays light.
     """
-    from asyncrl.trainers.torch_trainer import TorchTrainer
+    from asyncrl.trainers.config import TorchTrainerConfig
 
     class SFTJob(SFTConfig):
         """An ``asyncrl sft`` job: data and schedule, and the torch trainer's settings."""
 
-        trainer: TorchTrainer.Config = Field(..., description="model, optimizer, micro-batches")
+        trainer: TorchTrainerConfig = Field(..., description="model, optimizer, micro-batches")
 
     return SFTJob

@@ -1,0 +1,77 @@
+"""``TorchTrainerConfig``: the torch trainer's settings (the ``trainer`` config section).
+
+Kept apart from ``torch_trainer.py`` so the config tree (and ``asyncrl --help``) reads it
+without importing torch; ``TorchTrainer.Config`` is this class.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class TorchTrainerConfig(BaseModel):
+    """Model, optimizer, micro-batching and parallelism of the torch trainer."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    model_path: str = Field(..., min_length=1, description="HF model directory of the policy.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter (and optimizer state) dtype."
+    )
+    attn_implementation: str | None = Field(
+        None,
+        description="transformers attention (sdpa, eager, flash_attention_2); default "
+        "transformers' choice. flash-attention packs by position_ids alone.",
+    )
+    device: str = Field("cpu", description="cpu, or cuda (each rank takes its LOCAL_RANK).")
+    lr: float = Field(1e-6, gt=0, description="Peak AdamW learning rate (--lr).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (--weight-decay).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon (--adam-eps).")
+    grad_clip: float | None = Field(
+        1.0, ge=0, description="Max global grad norm (--clip-grad); null or 0: no clipping."
+    )
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After warmup: constant, or cosine decay to min_lr_ratio."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (--lr-warmup-iters).")
+    total_steps: int | None = Field(
+        None, ge=1, description="Steps of the cosine schedule (warmup included)."
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor, times lr.")
+    max_tokens_per_microbatch: int = Field(
+        8192, ge=1, description="Token budget of a micro-batch (slime --max-tokens-per-gpu)."
+    )
+    packing: bool = Field(True, description="Pack micro-batches into one row (else pad).")
+    seed: int = Field(0, description="Seeds torch, numpy and random at construction.")
+    reward_key: str = Field("score", description="Entry of a dict reward that is trained on.")
+    ref_model_path: str | None = Field(
+        None,
+        description="Reference model for KL (loaded when the algo needs it); default model_path.",
+    )
+    critic: bool | None = Field(
+        None, description="Train a critic; default: when the estimator needs one (ppo)."
+    )
+    critic_model_path: str | None = Field(
+        None, description="Initial critic weights; default model_path (fresh value head)."
+    )
+    critic_lr: float | None = Field(None, gt=0, description="Critic LR; default lr.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (memory for compute)."
+    )
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Data parallelism when a process group of >1 ranks exists."
+    )
+
+    @model_validator(mode="after")
+    def _schedule(self) -> TorchTrainerConfig:
+        if self.lr_schedule == "cosine" and (
+            self.total_steps is None or self.total_steps <= self.warmup_steps
+        ):
+            raise ValueError(
+                f"lr_schedule=cosine needs total_steps > warmup_steps "
+                f"(got total_steps={self.total_steps}, warmup_steps={self.warmup_steps})"
+            )
+        return self
