@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-_TRAIN_OPTIONS = ("--help", "--preset", "--dry-run")
+_TRAIN_OPTIONS = ("--help", "--preset", "--dry-run", "--resume")
 
 
 def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -40,6 +40,11 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "--dry-run",
         action="store_true",
         help="start every actor, prove every channel, stop cleanly",
+    )
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in output_dir from its checkpoints (trainer, buffer, data)",
     )
     add_arguments(train)
     _add_sft(sub, argv)
@@ -131,14 +136,44 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"asyncrl train: config error:\n{exc}", file=sys.stderr)
         return 2
-    if not args.dry_run:
+    if args.dry_run:
+        return _dry_run(cfg)
+    if cfg.trainer is None or cfg.data is None:
+        missing = [
+            f
+            for f, v in (("--hf-checkpoint", cfg.trainer), ("--prompt-data", cfg.data))
+            if v is None
+        ]
         print(
-            "asyncrl train: the training loop arrives with the end-to-end train issue; "
-            "this build runs the job topology with --dry-run only.",
-            file=sys.stderr,
+            f"asyncrl train: config error:\nto train, set {' and '.join(missing)}", file=sys.stderr
         )
         return 2
-    return _dry_run(cfg)
+    return _run_training(cfg, resume=args.resume)
+
+
+def _run_training(cfg: Any, *, resume: bool) -> int:
+    from rich.console import Console
+
+    from asyncrl.actors.controller import run_job
+    from asyncrl.config import dump_resolved
+    from asyncrl.observe.logs import configure_logging
+
+    run_dir = cfg.resolved_output_dir()
+    configure_logging(
+        level=cfg.log.level, fmt=cfg.log.format, file=run_dir / "logs" / "controller.jsonl",
+        actor="controller",
+    )  # fmt: skip
+    dump_resolved(cfg, run_dir / "config.json")
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    result = asyncio.run(run_job(cfg, resume=resume))
+    if result.ok:
+        console.print(
+            f"[green]train ok[/green]: {result.steps} steps in {result.seconds:.0f}s; "
+            f"metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}"
+        )
+        return 0
+    console.print(f"[red]train failed[/red]: {result.error or result.codes}")
+    return 1
 
 
 def _sft(args: argparse.Namespace) -> int:

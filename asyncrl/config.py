@@ -37,6 +37,8 @@ from pydantic_core import ErrorDetails
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.policies.config import PolicyConfig
+from asyncrl.rollout.config import RolloutConfig
+from asyncrl.trainers.config import TorchTrainerConfig
 from asyncrl.wire.sockets import check_endpoint
 
 KiB, MiB = 1024, 1024 * 1024
@@ -135,10 +137,22 @@ class LogConfig(Section):
     )
 
 
-class RolloutConfig(Section):
-    """Rollout actors."""
+class TrainConfig(Section):
+    """The training loop of ``asyncrl train``: length, checkpoints, weight transport."""
 
-    num_actors: int = Field(2, ge=1, description="number of rollout actors")
+    num_steps: int = Field(
+        0, ge=0, description="stop at this trainer version; 0: when the data is used up"
+    )
+    checkpoint_interval: int = Field(
+        0, ge=0, description="checkpoint every N steps (0: only at the end)",
+        json_schema_extra={"flag": "save-interval"},
+    )  # fmt: skip
+    publish: Literal["pull", "disk"] = Field(
+        "pull",
+        description="weights to engines: chunked pull from the trainer, or safetensors on disk",
+        json_schema_extra={"flag": "update-weight-transport"},
+    )
+    metrics_interval: float = Field(5.0, gt=0, description="seconds between buffer metrics")
 
 
 class RunConfig(Section):
@@ -151,6 +165,10 @@ class RunConfig(Section):
     wire: WireConfig = Field(default_factory=WireConfig, description="channel limits")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout actors")
+    trainer: TorchTrainerConfig | None = Field(
+        None, description="the torch trainer (needed to train; --hf-checkpoint sets the model)"
+    )
+    train: TrainConfig = Field(default_factory=TrainConfig, description="the training loop")
     buffer: VersionedBuffer.Config = Field(
         default_factory=VersionedBuffer.Config, description="admission, store, APRIL, filters"
     )

@@ -128,7 +128,9 @@ async def test_the_trainer_actor_trains_publishes_acknowledges_and_resumes(
         assert all(torch.isfinite(torch.tensor(r[key])) for r in rows), key
 
     # A new trainer process resumes from the newest checkpoint and takes step 3.
-    await supervisor.launch([trainer_spec(tmp_path, ep, "trainer-2", num_steps=1)])
+    resumed = trainer_spec(tmp_path, ep, "trainer-2", num_steps=3)
+    resumed.params["resume"] = True
+    await supervisor.launch([resumed])
     async with asyncio.timeout(180):
         await produce_until(supervisor, ep, "trainer-2")
         stats = (await supervisor.hub.command("buffer", Command(kind="stats"))).data

@@ -10,14 +10,15 @@ Channels (names as in ``runtime/topology.py``)::
 Loop: ask for a batch (waiting is measured: ``time/wait_data``), train one step in a
 worker thread (heartbeats and the sockets keep running), publish the new version, then
 acknowledge the batch on the next request. A checkpoint every ``checkpoint_interval``
-steps and on stop; on start it resumes from ``resume_from`` (or the newest checkpoint in
-``checkpoint_dir``), re-announces its version and asks the buffer for any batch it had
-not acknowledged (``resync``), so a crash between taking and training loses nothing.
+steps and on stop; on start it resumes from ``resume_from`` (or, with ``resume``, the
+newest checkpoint in ``checkpoint_dir``), re-announces its version and asks the buffer
+for any batch it had not acknowledged (``resync``), so a crash between taking and
+training loses nothing.
 
 ``params``: ``trainer`` (``TorchTrainer.Config``), ``publish`` (``transport``
 pull|disk|dist, ``dir``, ``keep``; for dist ``dist_address`` host:port,
-``dist_world_size`` = 1 + subscribers, ``dist_backend``), ``num_steps`` (stop after;
-0: until the data is exhausted), ``checkpoint_dir``, ``checkpoint_interval``,
+``dist_world_size`` = 1 + subscribers, ``dist_backend``), ``num_steps`` (stop at this
+version; 0: when the data is exhausted), ``resume``, ``checkpoint_dir``, ``checkpoint_interval``,
 ``resume_from``, ``metrics_path``. The ``algo`` section of the run config
 (``PolicyConfig``) is read from ``spec.config``.
 """
@@ -136,7 +137,8 @@ class TrainerActor(Actor):
             self.request_stop(f"trained {self.num_steps} steps")
 
     def _done(self) -> bool:
-        return self.num_steps > 0 and self.steps_done >= self.num_steps
+        """``num_steps`` counts from the initial weights, so a resumed run stops at it too."""
+        return self.num_steps > 0 and self.trainer.version >= self.num_steps
 
     async def _next_batch(self) -> tuple[BatchReply, float]:
         start = time.perf_counter()
@@ -171,7 +173,9 @@ class TrainerActor(Actor):
 
     # -- checkpoints, acks on stop, commands ----------------------------------------------
     def _resume(self, params: dict[str, Any]) -> None:
-        path = params.get("resume_from") or _newest_checkpoint(params.get("checkpoint_dir"))
+        path = params.get("resume_from")
+        if not path and params.get("resume"):
+            path = _newest_checkpoint(params.get("checkpoint_dir"))
         if path:
             self.trainer.load_checkpoint(Path(path))
             log.info("trainer resumed", path=str(path), version=self.trainer.version)

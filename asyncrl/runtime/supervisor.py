@@ -163,6 +163,17 @@ class Supervisor:
                 tg.create_task(self._stop_one(name, grace), name=f"supervisor.stop.{name}")
         return {n: h.exit_code for n, h in self.handles.items()}
 
+    async def stop(self, names: Sequence[str], grace: float = 10.0) -> None:
+        """Stop these actors (together) and wait for them; the job goes on without them.
+
+        Used to stop producers before the hub they talk to, so their last work lands.
+        """
+        self._stopping = True
+        async with asyncio.TaskGroup() as tg:
+            for name in names:
+                if self.handles[name].exit_code is None:
+                    tg.create_task(self._stop_one(name, grace), name=f"supervisor.stop.{name}")
+
     async def _stop_one(self, name: str, grace: float) -> None:
         handle = self.handles[name]
         with contextlib.suppress(PeerLost, RemoteError, TimeoutError):

@@ -1,0 +1,149 @@
+"""The controller: one training job on the local runtime (``asyncrl train``).
+
+    controller --launch--> buffer, rollout-0..n-1, trainer   (child processes)
+               <--Hello/Heartbeat/Bye-- every actor           (ControlHub)
+
+``run_job`` turns the validated ``RunConfig`` into actor specs (each role's ``params``
+below), launches them under a ``Supervisor``, waits until the trainer has taken its
+last step (``train.num_steps``; 0: until the data is used up), then stops everyone:
+rollout actors abort what is in flight (it returns to the buffer as partial work), the
+buffer checkpoints its state, the trainer checkpoints its weights. Any actor that dies
+ends the job with the supervisor's report (exit code, reason, last log lines).
+
+Run directory: ``config.json`` (resolved config), ``logs/<actor>.{out,jsonl}``,
+``metrics.jsonl`` (trainer steps), ``metrics/buffer.jsonl``, ``checkpoints/trainer/
+step_NNNNNN``, ``checkpoints/buffer.ckpt``, ``weights/`` (disk transport). ``--resume``
+starts the trainer from its newest checkpoint and the buffer from its checkpoint, so
+no prompt is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.actors.base import ActorSpec
+from asyncrl.config import RunConfig
+from asyncrl.observe.logs import get_logger
+from asyncrl.runtime.local import LocalRuntime
+from asyncrl.runtime.supervisor import ActorDied, Supervisor
+from asyncrl.runtime.topology import allocate_endpoints, job_specs
+from asyncrl.wire.control import ControlHub
+
+log = get_logger("asyncrl.controller")
+
+ROLE_CLASSES = {
+    "buffer": "asyncrl.actors.buffer:BufferActor",
+    "rollout": "asyncrl.actors.rollout:RolloutActor",
+    "trainer": "asyncrl.actors.trainer:TrainerActor",
+}
+
+
+@dataclass
+class JobResult:
+    """How a job ended: ``ok``, or the first failure; exit codes; wall seconds; steps."""
+
+    ok: bool
+    seconds: float
+    steps: int = 0
+    error: str = ""
+    codes: dict[str, int | None] = field(default_factory=dict)
+
+
+async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
+    """Run ``cfg`` to its end; never raises for actor failures (see ``JobResult.error``)."""
+    start = time.monotonic()
+    run_dir = cfg.resolved_output_dir()
+    endpoints = allocate_endpoints(cfg.runtime.host)
+    specs = job_actor_specs(cfg, endpoints, run_dir, resume=resume)
+    error, codes, steps = "", {}, 0
+    async with ControlHub(endpoints["control"]) as hub, LocalRuntime(run_dir) as runtime:
+        sup = Supervisor(
+            runtime, hub, heartbeat_timeout=cfg.runtime.heartbeat_timeout, startup_timeout=600
+        )
+        async with sup:
+            try:
+                await sup.launch(specs)
+                await sup.wait_until(lambda st: st["trainer"].state == "finished")
+            except ActorDied as exc:
+                error = str(exc)
+            # Producers first, so what they hold lands in the buffer before it checkpoints.
+            rollouts = [s.name for s in specs if s.role == "rollout"]
+            await sup.stop(rollouts, cfg.runtime.stop_timeout)
+            codes = await sup.stop_all(cfg.runtime.stop_timeout)
+    steps = _last_step(run_dir / "metrics.jsonl")
+    ok = not error and all(code == 0 for code in codes.values())
+    return JobResult(ok=ok, seconds=time.monotonic() - start, steps=steps, error=error, codes=codes)
+
+
+def _last_step(metrics: Path) -> int:
+    """The trainer version of the last step recorded in ``metrics`` (0 if none)."""
+    if not metrics.exists():
+        return 0
+    lines = metrics.read_text().splitlines()
+    return int(json.loads(lines[-1]).get("step", 0)) if lines else 0
+
+
+def job_actor_specs(
+    cfg: RunConfig, endpoints: dict[str, str], run_dir: Path, *, resume: bool
+) -> list[ActorSpec]:
+    """The buffer, rollout and trainer specs of ``cfg`` (see the module docstring)."""
+    common = {
+        "heartbeat_interval": cfg.runtime.heartbeat_interval,
+        "drain_timeout": cfg.runtime.stop_timeout,
+        "log_level": cfg.log.level,
+        "log_format": cfg.log.format,
+    }
+    return job_specs(
+        classes=ROLE_CLASSES,
+        num_rollout_actors=cfg.rollout.num_actors,
+        endpoints=endpoints,
+        run_dir=run_dir,
+        config=cfg.model_dump(mode="json"),
+        common=common,
+        params=role_params(cfg, run_dir, resume=resume),
+    )
+
+
+def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dict[str, Any]]:
+    """Each role's ``params`` (what its actor reads in ``setup``)."""
+    if cfg.trainer is None or cfg.data is None:
+        raise ValueError("training needs a trainer section (--hf-checkpoint) and data")
+    model = cfg.trainer.model_path
+    ckpt = run_dir / "checkpoints"
+    buffer_ckpt = ckpt / "buffer.ckpt"
+    engine = cfg.rollout.engine or {"type": "torch", "model_path": model}
+    publish: dict[str, Any] = {"transport": cfg.train.publish, "keep": 2}
+    if cfg.train.publish == "disk":
+        publish["dir"] = str(run_dir / "weights")
+    return {
+        "buffer": {
+            "buffer": cfg.buffer.model_dump(mode="json"),
+            "source": cfg.data.model_dump(mode="json"),
+            "tokenizer": model,
+            "metrics_path": str(run_dir / "metrics" / "buffer.jsonl"),
+            "metrics_interval": cfg.train.metrics_interval,
+            "checkpoint_on_stop": str(buffer_ckpt),
+            "resume_from": str(buffer_ckpt) if resume and buffer_ckpt.exists() else None,
+        },
+        "rollout": {
+            "engine": engine if isinstance(engine, dict) else engine.model_dump(mode="json"),
+            "sampling": dict(cfg.rollout.sampling),
+            "reward": cfg.rollout.reward.model_dump(mode="json"),
+            "workflow": cfg.rollout.workflow,
+            "max_groups": cfg.rollout.max_groups,
+            "tokenizer": model,
+        },
+        "trainer": {
+            "trainer": cfg.trainer.model_dump(mode="json"),
+            "publish": publish,
+            "num_steps": cfg.train.num_steps,
+            "checkpoint_dir": str(ckpt / "trainer"),
+            "checkpoint_interval": cfg.train.checkpoint_interval,
+            "metrics_path": str(run_dir / "metrics.jsonl"),
+            "resume": resume,
+        },
+    }

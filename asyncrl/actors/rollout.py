@@ -1,0 +1,254 @@
+"""RolloutActor: work from the buffer, workflows against engines, groups back (DESIGN s.2).
+
+Channels (names as in ``runtime/topology.py``)::
+
+    rollout --WorkRequest rpc--------> buffer.work        up to ``free slots`` groups
+    rollout --Group, reliable--------> buffer.results     complete, or partial (aborted)
+    buffer  --BufferEvent pub--------> rollout            "abort": APRIL, enough is done
+    trainer --WeightVersion pub------> rollout            load it into the engines
+
+Loops, under one TaskGroup: ``work`` asks for as many groups as it has free slots
+(``max_groups`` in flight) and starts a task per group; each group task runs the workflow
+on every unfinished sample concurrently and sends the group; ``weights`` loads each new
+version into the engines (``EngineHost.load``); ``events`` aborts in-flight requests when
+the buffer says a step has enough (APRIL), so their partials go back to the pool.
+
+A workflow or reward that raises marks only that sample ``failed`` with the reason (the
+buffer then accounts the group as failed); the actor goes on. ``params``: ``engine``
+(``EngineConfig``), ``sampling`` (SGLang sampling params), ``reward`` (``RewardConfig``),
+``workflow`` (dotted path; default single-turn), ``max_groups``, ``tokenizer`` (a
+directory; default the engine's model), ``weights`` (``dist_address``, ``dist_rank``,
+``dist_world_size`` for the dist transport).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from asyncrl.actors.base import Actor, ActorSpec
+from asyncrl.actors.buffer import BufferEvent, WorkReply, WorkRequest
+from asyncrl.observe.logs import get_logger
+from asyncrl.rollout.base import RolloutContext, Workflow
+from asyncrl.rollout.engines import EngineConfig, EngineHost
+from asyncrl.trainers.weight_sync import WeightReceiver
+from asyncrl.types import Group, Sample, SampleStatus, WorkItem
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.errors import PeerLost
+from asyncrl.wire.pubsub import Subscriber
+from asyncrl.wire.reliable import ReliableSender
+from asyncrl.wire.rpc import RpcClient
+
+log = get_logger("asyncrl.rollout")
+_WAIT_S = 1.0
+_TERMINAL = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.FAILED)
+
+
+class RolloutActor(Actor):
+    """Runs workflows for the buffer's work items; see the module docstring."""
+
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        self.counts = {"groups": 0, "samples": 0, "failed": 0, "aborted": 0, "tokens": 0}
+        self.busy_s = 0.0
+        self._in_flight = 0
+        self._started = time.monotonic()
+
+    async def setup(self) -> None:
+        params = self.spec.params
+        self.max_groups = int(params.get("max_groups", 8))
+        self._free = self.max_groups
+        self._slot_freed = asyncio.Event()
+        self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
+        self.workflow = _load_workflow(params.get("workflow"))
+        self.score = await self.hold(contextlib.aclosing(_build_reward(params.get("reward", {}))))
+        self.ctx = RolloutContext(
+            engine=self.host.client,  # type: ignore[arg-type]
+            score=self.score,
+            sampling=dict(params.get("sampling", {})),
+            tokenizer=await asyncio.to_thread(_tokenizer, params, self.host),
+            version=lambda: self.host.version,
+        )
+        await self._open_channels()
+
+    async def _open_channels(self) -> None:
+        ep, frame = self.spec.endpoints, _frame_bytes(self.spec.config)
+        self.work = await self.open(
+            RpcClient(
+                ep["buffer.work"], Codec(WorkRequest), Codec(WorkReply, max_frame_bytes=frame)
+            ),
+            "work",
+        )
+        self.results = await self.open(
+            ReliableSender(ep["buffer.results"], Codec(Group, max_frame_bytes=frame)), "results"
+        )
+        self.events = await self.open(
+            Subscriber(ep["buffer.events"], ep["buffer.events_snapshot"], Codec(BufferEvent),
+                       ["events"]),
+            "events",
+        )  # fmt: skip
+        group = await self._join_weight_group()
+        receiver = WeightReceiver(
+            ep["trainer.weights"],
+            ep["trainer.weights_snapshot"],
+            max_frame_bytes=frame,
+            group=group,
+        )
+        self.receiver = await self.hold(receiver)
+
+    async def _join_weight_group(self) -> Any:
+        dist = self.spec.params.get("weights", {})
+        if not dist.get("dist_address"):
+            return None
+        from asyncrl.trainers.weight_group import BroadcastGroup
+
+        return await asyncio.to_thread(
+            BroadcastGroup.join,
+            str(dist["dist_address"]),
+            int(dist["dist_rank"]),
+            int(dist["dist_world_size"]),
+            backend=str(dist.get("dist_backend", "gloo")),
+        )
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            loops = [
+                tg.create_task(self._weights_loop(), name=f"{self.name}.weights"),
+                tg.create_task(self._events_loop(), name=f"{self.name}.events"),
+            ]
+            await self._work_loop(tg)
+            for task in loops:
+                task.cancel()
+
+    # -- work ----------------------------------------------------------------------------
+    async def _work_loop(self, tg: asyncio.TaskGroup) -> None:
+        while not self.stopping:
+            while self._free == 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+            req = WorkRequest(actor=self.name, max_items=self._free, wait=_WAIT_S)
+            try:
+                reply = await self.work.call(req)
+            except PeerLost:
+                if self.stopping:
+                    return  # the buffer went first; nothing was handed to us
+                raise
+            self._free -= len(reply.items)
+            for item in reply.items:
+                tg.create_task(self._run_group(item), name=f"{self.name}.{item.group_uid}")
+            if reply.exhausted and not reply.items:
+                await asyncio.sleep(_WAIT_S)  # the data is used up; the controller stops us
+
+    async def _run_group(self, item: WorkItem) -> None:
+        start = time.monotonic()
+        self._in_flight += 1
+        try:
+            samples = _samples_of(item)
+            todo = [s for s in samples if s.status not in _TERMINAL]
+            async with asyncio.TaskGroup() as tg:
+                for s in todo:
+                    tg.create_task(self._run_sample(s), name=f"{self.name}.{s.uid}")
+            group = Group(uid=item.group_uid, prompt_uid=item.prompt.uid, samples=samples)
+            await self.results.send(group)
+            self._count(group)
+        finally:
+            self._in_flight -= 1
+            self.busy_s += time.monotonic() - start
+            self._free += 1
+            self._slot_freed.set()
+
+    async def _run_sample(self, sample: Sample) -> None:
+        """The workflow on one sample; user code may raise: the sample fails, not us."""
+        sample.attempts += 1
+        try:
+            result = await self.workflow(self.ctx, sample)
+        except Exception as exc:  # the workflow, the engine call or the reward raised
+            sample.status, sample.error = SampleStatus.FAILED, f"{type(exc).__name__}: {exc}"
+            log.warning("sample failed", uid=sample.uid, error=sample.error)
+            return
+        if isinstance(result, list):
+            raise TypeError("branching workflows are not supported by RolloutActor yet")
+        if result is not sample:
+            raise TypeError("a workflow must return the sample it was given")
+
+    def _count(self, group: Group) -> None:
+        self.counts["groups"] += 1
+        for s in group.samples:
+            self.counts["samples"] += 1
+            self.counts["tokens"] += s.response_length
+            self.counts["failed"] += s.status is SampleStatus.FAILED
+            self.counts["aborted"] += s.status is SampleStatus.ABORTED
+
+    # -- weights and events ---------------------------------------------------------------
+    async def _weights_loop(self) -> None:
+        while True:
+            msg = await self.receiver.next_version(after=self.host.version)
+            start = time.monotonic()
+            await self.host.load(msg, self.receiver)
+            self.version = msg.version
+            log.info("weights loaded", version=msg.version, seconds=time.monotonic() - start)
+
+    async def _events_loop(self) -> None:
+        while True:
+            event = (await self.events.receive()).msg
+            if event.kind == "abort" and self.host.client is not None:
+                await self.host.client.abort(abort_all=True)
+
+    async def drain(self) -> None:
+        """Abort what is in flight and deliver it: partial groups resume elsewhere."""
+        if self.host.client is not None:
+            await self.host.client.abort(abort_all=True)
+        while self._in_flight:
+            self._slot_freed.clear()
+            await self._slot_freed.wait()
+        await self.results.join()
+
+    def stats(self) -> dict[str, float]:
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        rates = {"rollout/busy_frac": min(1.0, self.busy_s / elapsed / max(self.max_groups, 1))}
+        return {
+            **{f"rollout/{k}": float(v) for k, v in self.counts.items()},
+            **{k: float(v) for k, v in getattr(getattr(self, "score", None), "stats", {}).items()},
+            "rollout/in_flight": float(self._in_flight),
+            **rates,
+        }
+
+
+def _samples_of(item: WorkItem) -> list[Sample]:
+    """The group's samples: the partial ones to resume, or fresh ones."""
+    if item.partial is not None:
+        return list(item.partial.samples)
+    return [
+        Sample.for_prompt(item.prompt, group_id=item.group_uid, index=i, version=item.version)
+        for i in range(item.num_samples)
+    ]
+
+
+def _load_workflow(path: str | None) -> Workflow:
+    from asyncrl.rollout.workflows import load_workflow
+
+    return load_workflow(path)
+
+
+def _build_reward(config: dict[str, Any]) -> Any:
+    from asyncrl.rollout.config import RewardConfig
+    from asyncrl.rollout.rewards import build_reward
+
+    return build_reward(RewardConfig(**config))
+
+
+def _tokenizer(params: dict[str, Any], host: EngineHost) -> Any:
+    path = params.get("tokenizer") or host.config.model_path
+    if host.engine is not None and host.engine.tokenizer is not None:
+        return host.engine.tokenizer
+    if not path:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _frame_bytes(config: dict[str, Any]) -> int:
+    return int(config.get("wire", {}).get("max_frame_bytes", 256 * 1024 * 1024))

@@ -1,0 +1,89 @@
+"""The engines a rollout actor generates with, and how new weights reach them.
+
+``EngineConfig.type``:
+
+- ``torch``: the embedded ``TorchEngine`` runs in the rollout actor's process behind the
+  SGLang-compatible ``EngineServer`` on a loopback port; workflows reach it through the
+  same ``SGLangClient`` as any engine. Weights are copied straight into the model at a
+  decode-step boundary (any transport: pull, disk or dist).
+- ``sglang``: SGLang servers (or an ``sglang-router``) at ``urls``, started elsewhere;
+  weights go by ``/update_weights_from_disk`` (the ``disk`` transport).
+
+``on_update``: ``continue`` keeps in-flight requests going (their later tokens carry the
+new version; SGLang's ``in_place``), ``abort`` aborts them first so their partial
+samples go back to the buffer and resume on the new weights. Used by
+``actors/rollout.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from asyncrl.engines.sglang_client import SGLangClient
+from asyncrl.rollout.config import EngineConfig
+
+if TYPE_CHECKING:
+    from asyncrl.engines.server import EngineServer
+    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.trainers.weight_sync import WeightReceiver
+    from asyncrl.wire.messages import WeightVersion
+
+
+class EngineHost:
+    """Starts (or connects to) the engines; ``client`` is what workflows generate with."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine: TorchEngine | None = None
+        self.server: EngineServer | None = None
+        self.client: SGLangClient | None = None
+        self.version = 0
+
+    async def __aenter__(self) -> EngineHost:
+        urls = list(self.config.urls)
+        if self.config.type == "torch":
+            urls = [await self._start_embedded()]
+        self.client = SGLangClient(urls, router=self.config.router)
+        await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.client is not None:
+            await self.client.__aexit__(None, None, None)
+        if self.server is not None:
+            await self.server.stop()
+
+    async def _start_embedded(self) -> str:
+        import asyncio
+
+        from asyncrl.engines.server import EngineServer
+        from asyncrl.engines.torch_engine import TorchEngine
+
+        cfg = self.config
+        assert cfg.model_path is not None
+        self.engine = await asyncio.to_thread(
+            TorchEngine.from_pretrained,
+            cfg.model_path,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            max_running=cfg.max_running,
+        )
+        self.server = EngineServer(self.engine)
+        return await self.server.start("127.0.0.1", 0)
+
+    async def load(self, msg: WeightVersion, receiver: WeightReceiver) -> None:
+        """Bring every engine to weight version ``msg.version``."""
+        assert self.client is not None
+        if self.config.on_update == "abort":
+            await self.client.abort(abort_all=True)
+        if self.engine is not None:
+            tensors = await receiver.fetch(msg)
+            await self.engine.update_weights_from_tensors(tensors, msg.version)
+        elif msg.transport == "disk":
+            await self.client.update_weights_from_disk(msg.location, msg.version)
+        else:
+            raise ValueError(
+                f"SGLang engines take weights from disk; the trainer publishes by "
+                f"{msg.transport!r}: set the trainer's publish transport to disk"
+            )
+        self.version = msg.version

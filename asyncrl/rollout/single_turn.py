@@ -1,0 +1,56 @@
+"""The reference workflow: one generation per sample, then the reward.
+
+Resumable: a sample that comes back with a partial response (APRIL over-provisioning, an
+abort on weight update, a requeue) continues from ``prompt + response`` with the token
+budget reduced by what it already has, so the trained tokens are exactly the sampled
+ones and each keeps the version that produced it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asyncrl.engines.sglang_wire import GenerateResult
+from asyncrl.rollout.base import RolloutContext
+from asyncrl.types import Sample, SampleStatus
+
+_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED}
+
+
+async def single_turn(ctx: RolloutContext, sample: Sample) -> Sample:
+    """Generate the rest of ``sample``'s response and score it.
+
+    The sample ends ``completed`` (the model stopped), ``truncated`` (budget used up),
+    ``aborted`` (cut off: resumable) or ``failed`` (with the reason in ``error``).
+    """
+    budget = int(ctx.sampling.get("max_new_tokens", 128)) - sample.response_length
+    if budget > 0:
+        result = await ctx.engine.generate(
+            np.concatenate([sample.prompt_tokens, sample.response_tokens]).tolist(),
+            {**ctx.sampling, "max_new_tokens": budget},
+            rid=f"{sample.uid}#{sample.attempts}",
+        )
+        _append(ctx, sample, result)
+    else:
+        sample.status = SampleStatus.TRUNCATED
+    if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
+        sample.reward = await ctx.score(sample)
+    return sample
+
+
+def _append(ctx: RolloutContext, sample: Sample, result: GenerateResult) -> None:
+    if result.output_ids:
+        if result.logprobs is None:
+            raise ValueError("the engine returned no log-probs (return_logprob is required)")
+        text = _decode(ctx, result.output_ids)
+        sample.append_response(result.output_ids, result.logprobs, result.versions, text=text)
+    reason = result.finish_reason
+    kind = reason.type if reason is not None else "abort"
+    sample.finish_reason = kind
+    sample.status = _STATUS.get(kind, SampleStatus.ABORTED)
+
+
+def _decode(ctx: RolloutContext, ids: list[int]) -> str:
+    if ctx.tokenizer is None:
+        return ""
+    return str(ctx.tokenizer.decode(ids, skip_special_tokens=True))
