@@ -85,3 +85,23 @@ def test_train_refuses_missing_model_or_data_before_launch(tmp_path, capsys):
     assert "--hf-checkpoint" in capsys.readouterr().err
     assert main(["train", "--rollout-sampling", '{"temperature": -1}']) == 2
     assert "sampling" in capsys.readouterr().err
+
+
+def reward_that_fails_on_label_3(sample) -> float:
+    """A user reward with a bug: it raises for one kind of prompt."""
+    if sample.label == "3":
+        raise ZeroDivisionError("division by zero in user reward")
+    return float(sample.response_text.strip() == sample.label)
+
+
+async def test_a_raising_reward_fails_its_samples_and_the_run_goes_on(tmp_path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    flags = [*job_flags(tmp_path, steps=2), "--rm-type", "custom"]
+    flags += ["--custom-rm-path", "tests.test_train:reward_that_fails_on_label_3"]
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok and result.steps == 2, result.error
+    last = last_buffer_metrics(tmp_path / "run")
+    failed = {k: v for k, v in last.items() if k.startswith("buffer.failed.")}
+    assert failed and all("ZeroDivisionError" in k for k in failed), failed
+    assert accounted(last)
