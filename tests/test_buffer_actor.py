@@ -230,3 +230,20 @@ async def test_a_batch_is_held_until_acknowledged_and_served_again_to_a_restarte
         await peers.batches.call(BatchRequest(trainer="t", ack=[following.batch_id], take=False))
         stats = (await supervisor.hub.command("buffer", Command(kind="stats"))).data
         assert stats["unacked_batches"] == 0
+
+
+async def test_a_producer_whose_engines_lag_behind_the_version_gets_no_work(
+    supervisor: Supervisor, tmp_path: Path
+):
+    ep = allocate_endpoints()
+    await supervisor.launch([buffer_spec(tmp_path, ep)])
+    async with asyncio.timeout(60), Peers(ep) as peers:
+        for item in (await peers.ask(100)).items:
+            await peers.results.send(finish(item, version=0))
+        await peers.results.join()
+        await train_step(peers, supervisor, 0)  # the buffer is at version 1 now
+        behind = WorkRequest(actor="rollout-0", max_items=4, wait=0.2, version=0)
+        reply = await peers.work.call(behind)
+        assert reply.items == [] and reply.version == 1
+        current = WorkRequest(actor="rollout-0", max_items=4, wait=0.2, version=1)
+        assert len((await peers.work.call(current)).items) == B  # one step freed B slots

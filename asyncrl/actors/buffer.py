@@ -48,11 +48,18 @@ log = get_logger("asyncrl.buffer")
 
 
 class WorkRequest(Message):
-    """A rollout actor asks for up to ``max_items`` groups, waiting up to ``wait`` s."""
+    """A rollout actor asks for up to ``max_items`` groups, waiting up to ``wait`` s.
+
+    ``version`` is the weight version its engines serve (-1: unknown). Admission counts a
+    group as started at the buffer's version, so a producer whose engines still serve an
+    older one gets nothing until it has loaded the new weights: otherwise its tokens would
+    be a version older than admission assumed, and staleness could pass ``eta``.
+    """
 
     actor: str
     max_items: int
     wait: float = 1.0
+    version: int = -1
 
 
 class WorkReply(Message):
@@ -163,7 +170,7 @@ class BufferActor(Actor):
 
     # -- producers -----------------------------------------------------------------------
     async def _serve_work(self, req: WorkRequest, peer: bytes) -> WorkReply:
-        if self.stopping:
+        if self.stopping or 0 <= req.version < self.buffer.version:
             return WorkReply(items=[], version=self.buffer.version)
         await self._wait_until(lambda: self._has_work() or self._no_more_work(), req.wait)
         items = self.buffer.next_work(max(0, req.max_items))

@@ -61,6 +61,8 @@ class RolloutActor(Actor):
         self.max_groups = int(params.get("max_groups", 8))
         self._free = self.max_groups
         self._slot_freed = asyncio.Event()
+        self._behind = 0  # the buffer's version at our last request
+        self._loaded = asyncio.Event()
         self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
         self.workflow = _load_workflow(params.get("workflow"))
         self.score = await self.hold(contextlib.aclosing(_build_reward(params.get("reward", {}))))
@@ -128,7 +130,11 @@ class RolloutActor(Actor):
             while self._free == 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
-            req = WorkRequest(actor=self.name, max_items=self._free, wait=_WAIT_S)
+            if self._behind > self.host.version:  # the buffer waits for our new weights
+                await self._wait_loaded()
+            req = WorkRequest(
+                actor=self.name, max_items=self._free, wait=_WAIT_S, version=self.host.version
+            )
             try:
                 reply = await self.work.call(req)
             except PeerLost:
@@ -136,6 +142,7 @@ class RolloutActor(Actor):
                     return  # the buffer went first; nothing was handed to us
                 raise
             self._free -= len(reply.items)
+            self._behind = reply.version
             for item in reply.items:
                 tg.create_task(self._run_group(item), name=f"{self.name}.{item.group_uid}")
             if reply.exhausted and not reply.items:
@@ -173,6 +180,12 @@ class RolloutActor(Actor):
         if result is not sample:
             raise TypeError("a workflow must return the sample it was given")
 
+    async def _wait_loaded(self) -> None:
+        """Until the weights loop loads a new version (or a request's wait passes)."""
+        self._loaded.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._loaded.wait(), _WAIT_S)
+
     def _count(self, group: Group) -> None:
         self.counts["groups"] += 1
         for s in group.samples:
@@ -188,6 +201,7 @@ class RolloutActor(Actor):
             start = time.monotonic()
             await self.host.load(msg, self.receiver)
             self.version = msg.version
+            self._loaded.set()
             log.info("weights loaded", version=msg.version, seconds=time.monotonic() - start)
 
     async def _events_loop(self) -> None:
