@@ -7,6 +7,7 @@ Read by ``actors/rollout.py`` and ``rollout/engines.py``; composed by ``asyncrl.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -58,11 +59,27 @@ class RewardConfig(BaseModel):
     url: str | None = Field(None, description="remote reward model URL (POST JSON)")
     timeout_s: float = Field(10.0, gt=0, description="a reward slower than this fails")
     answer_pattern: str | None = Field(
-        None, description="regex with one group: the answer in the response text"
+        None,
+        description="regex whose one group (or whole match) is the answer; its last match counts",
     )
     numeric_tolerance: float = Field(1e-6, ge=0, description="numeric: allowed difference")
     correct: float = Field(1.0, description="reward of a correct answer")
     incorrect: float = Field(0.0, description="reward of a wrong answer")
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _valid_pattern(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            groups = re.compile(value).groups
+        except re.error as exc:
+            raise ValueError(f"answer_pattern {value!r} is not a regex: {exc}") from None
+        if groups > 1:
+            raise ValueError(
+                f"answer_pattern {value!r} has {groups} groups; use one (?:...) for the others"
+            )
+        return value
 
     @model_validator(mode="after")
     def _complete(self) -> RewardConfig:

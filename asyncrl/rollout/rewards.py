@@ -1,20 +1,28 @@
 """The reward hub: scores a finished sample; a failure is the sample's, never the run's.
 
-Built-ins compare the answer in the response with the sample's ``label``:
+Built-ins compare the answer in the response with the sample's ``label`` (a list label
+holds every acceptable answer: the best score over them counts):
 
 - ``exact``: the answers are equal after stripping whitespace;
-- ``numeric``: both parse as numbers and ``|a - b| <= tol * max(1, |b|)``;
+- ``numeric``: the last number of each (commas allowed) satisfies
+  ``|a - b| <= tol * max(1, |b|)`` (absolute below 1, relative above);
 - ``math``: ``math_verify.verify(parse(label), parse(answer))`` (LaTeX, fractions, boxed);
 - ``f1``: SQuAD token F1, ``2 P R / (P + R)`` with ``P = common / |answer tokens|`` and
-  ``R = common / |label tokens|`` over lower-cased, punctuation- and article-free tokens;
-  a list label scores the best match.
+  ``R = common / |label tokens|`` over lower-cased, punctuation- and article-free tokens.
 
-The answer is ``answer_pattern``'s group when given, else the text after the last
-``####``, else the last ``\\boxed{...}``, else the whole response. ``custom`` calls a
-user function ``fn(sample)`` (sync ones in a worker thread), ``remote`` POSTs
-``{"prompt", "response", "label", "metadata"}`` and reads ``{"reward": x}``. Every call
-has ``timeout_s``; a timeout, an exception or a non-number becomes ``RewardError`` with
-the reason, which the rollout actor records as the sample's failure.
+The answer is the last match of ``answer_pattern``'s group when given, else the text
+after the last ``####`` (GSM8K), else the content of the last ``\\boxed{...}`` (nested
+braces allowed), else the whole response. A correct match scores ``correct``, a wrong
+one ``incorrect``; f1 scores the F1 itself.
+
+``custom`` calls a user function ``fn(sample) -> float | dict[str, float]`` (slime's
+``--custom-rm-path``); an async function is awaited, a sync one runs in a worker thread
+so it cannot block the event loop. ``remote`` POSTs
+``{"prompt", "response", "label", "metadata"}`` to ``url`` and reads ``{"reward": x}``
+(or a bare number). Every call has ``timeout_s``; a timeout, an exception or a result
+that is not a finite number (or a dict of them) becomes ``RewardError`` with the reason,
+which the rollout actor (``actors/rollout.py``) records as the sample's failure. The hub
+never turns a failure into a reward of 0: ``stats`` counts them instead.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import asyncio
 import collections
 import inspect
 import math
+import numbers
 import re
 import string
 from collections.abc import Awaitable, Callable
@@ -33,23 +42,62 @@ from asyncrl.rollout.base import Reward
 from asyncrl.rollout.config import RewardConfig
 from asyncrl.types import Sample
 
-_BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+__all__ = [
+    "RewardConfig",
+    "RewardError",
+    "RewardHub",
+    "build_reward",
+    "exact_match",
+    "extract_answer",
+    "f1_score",
+    "last_boxed",
+    "last_number",
+    "math_match",
+    "numeric_match",
+]
+
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
+_BOXED = "\\boxed{"
 
 
 class RewardError(RuntimeError):
     """A reward could not be computed; the message is the sample's failure reason."""
 
 
+# ---------------------------------------------------------------- answers and built-ins
+
+
 def extract_answer(text: str, pattern: str | None = None) -> str:
-    """The answer part of ``text`` (see the module docstring for the order of rules)."""
+    """The answer part of ``text``, by the first rule that applies.
+
+    ``pattern``'s first group (its whole match if it has none) at the last match, or
+    "" when it never matches; else the text after the last ``####``; else the content of
+    the last ``\\boxed{...}``; else ``text`` itself. The result is stripped.
+    """
     if pattern is not None:
-        found = re.findall(pattern, text)
-        return str(found[-1]).strip() if found else ""
+        found = list(re.finditer(pattern, text))
+        if not found:
+            return ""
+        last = found[-1]
+        return (last.group(1) if last.re.groups else last.group(0)).strip()
     if "####" in text:
         return text.rsplit("####", 1)[1].strip()
-    boxed = _BOXED.findall(text)
-    return boxed[-1].strip() if boxed else text.strip()
+    boxed = last_boxed(text)
+    return (boxed if boxed is not None else text).strip()
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` with balanced braces, or None."""
+    start = text.rfind(_BOXED)
+    while start != -1:
+        depth, begin = 1, start + len(_BOXED)
+        for i in range(begin, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[begin:i]
+        start = text.rfind(_BOXED, 0, start)  # unclosed: try the one before
+    return None
 
 
 def exact_match(answer: str, label: Any) -> bool:
@@ -57,29 +105,48 @@ def exact_match(answer: str, label: Any) -> bool:
     return answer.strip() == str(label).strip()
 
 
+def last_number(text: str) -> float | None:
+    """The last number written in ``text`` (``1,234.5``, ``-3``, ``2e-3``), or None."""
+    found = _NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
 def numeric_match(answer: str, label: Any, tol: float = 1e-6) -> bool:
-    """Both are numbers (commas allowed) and ``|a - b| <= tol * max(1, |b|)``."""
-    try:
-        a, b = (float(str(x).replace(",", "").strip()) for x in (answer, label))
-    except ValueError:
+    """The last numbers ``a`` of ``answer`` and ``b`` of ``label`` satisfy
+    ``|a - b| <= tol * max(1, |b|)``; False when either has no number.
+    """
+    a, b = last_number(answer), last_number(str(label))
+    if a is None or b is None:
         return False
-    return math.isfinite(a) and abs(a - b) <= tol * max(1.0, abs(b))
+    return abs(a - b) <= tol * max(1.0, abs(b))
 
 
 def math_match(answer: str, label: Any) -> bool:
-    """Symbolic equality by ``math-verify`` (``\\frac{1}{2}`` equals ``0.5``)."""
-    from math_verify import parse, verify
+    """Symbolic equality by ``math-verify`` (``\\frac{1}{2}`` equals ``0.5``).
 
-    gold, pred = parse(_as_math(str(label))), parse(_as_math(answer))
-    return bool(gold) and bool(pred) and bool(verify(gold, pred))
+    math-verify's own timeouts use ``signal.alarm``, which only works on the main thread,
+    so they are off here: the hub runs this in a worker thread under ``timeout_s``.
+    """
+    from math_verify import verify
+
+    gold, pred = _parse_math(str(label)), _parse_math(answer)
+    return bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=None))
 
 
-def _as_math(text: str) -> str:
-    return text if "$" in text or "\\boxed" in text else f"${text}$"
+def _parse_math(text: str) -> list[Any]:
+    from math_verify import parse
+
+    # Bare LaTeX such as ``\frac{\sqrt{2}}{2}`` is only found inside math delimiters.
+    return parse(text, parsing_timeout=None) or parse(f"${text}$", parsing_timeout=None)
 
 
 def f1_score(answer: str, label: Any) -> float:
-    """Token F1 against ``label`` (or the best of a list of labels)."""
+    """SQuAD token F1 of ``answer`` against ``label`` (or the best of a list of labels).
+
+    With ``common`` the multiset intersection of the normalised tokens,
+    ``P = common / len(answer)``, ``R = common / len(label)``, ``F1 = 2 P R / (P + R)``;
+    two empty token lists score 1, one empty list scores 0.
+    """
     labels = label if isinstance(label, list) else [label]
     return max((_f1(answer, str(gold)) for gold in labels), default=0.0)
 
@@ -94,77 +161,85 @@ def _f1(answer: str, gold: str) -> float:
 
 
 def _tokens(text: str) -> list[str]:
+    """SQuAD normalisation: lower case, drop punctuation, drop articles, split."""
     text = "".join(c for c in text.lower() if c not in string.punctuation)
     return _ARTICLES.sub(" ", text).split()
 
 
+# ---------------------------------------------------------------------------- the hub
+
+
 class RewardHub:
-    """``await hub(sample)`` -> reward; ``stats`` counts failures; ``aclose()`` at the end."""
+    """``await hub(sample)`` -> reward; ``stats`` counts calls and failures; ``aclose()``.
+
+    ``stats``: ``reward/calls``, ``reward/errors`` (raised or returned garbage) and
+    ``reward/timeouts`` (slower than ``timeout_s``). Build it with ``build_reward``.
+    """
 
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
         self.stats = {"reward/calls": 0, "reward/errors": 0, "reward/timeouts": 0}
-        self._fn = self._build()
         self._session: Any = None
+        self._fn = self._build()
 
     def _build(self) -> Callable[[Sample], Awaitable[Any]]:
         cfg = self.config
         if cfg.type == "custom":
-            assert cfg.path is not None
-            fn = load_object(cfg.path, what="reward")
-            if not callable(fn):
-                raise ValueError(f"reward path {cfg.path!r} is not callable")
-            if inspect.iscoroutinefunction(fn):
-                return fn
-            return lambda sample: asyncio.to_thread(fn, sample)
+            assert cfg.path is not None  # RewardConfig requires it
+            return _custom(cfg.path)
         if cfg.type == "remote":
             return self._remote
         return self._builtin
 
     async def __call__(self, sample: Sample) -> Reward:
+        """The reward of ``sample``; ``RewardError`` says why there is none."""
         self.stats["reward/calls"] += 1
         try:
-            async with asyncio.timeout(self.config.timeout_s):
+            async with asyncio.timeout(self.config.timeout_s) as deadline:
                 value = await self._fn(sample)
-        except TimeoutError:
-            self.stats["reward/timeouts"] += 1
-            raise RewardError(f"reward timed out after {self.config.timeout_s:g}s") from None
+        except TimeoutError as exc:
+            if deadline.expired():
+                self.stats["reward/timeouts"] += 1
+                raise RewardError(f"reward timed out after {self.config.timeout_s:g}s") from None
+            raise self._error(exc) from exc
         except RewardError:
             self.stats["reward/errors"] += 1
             raise
         except Exception as exc:  # user code or the network: the sample fails, we go on
-            self.stats["reward/errors"] += 1
-            raise RewardError(
-                f"{self.config.type} reward raised {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._error(exc) from exc
         return self._checked(value)
 
-    def _checked(self, value: Any) -> Reward:
-        if isinstance(value, bool | int | float) and math.isfinite(float(value)):
-            return float(value)
-        if (
-            isinstance(value, dict)
-            and value
-            and all(
-                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-                for v in value.values()
-            )
-        ):
-            return {str(k): float(v) for k, v in value.items()}
+    def _error(self, exc: Exception) -> RewardError:
         self.stats["reward/errors"] += 1
-        raise RewardError(f"reward returned {value!r}, expected a number or a dict of numbers")
+        return RewardError(f"{self.config.type} reward raised {type(exc).__name__}: {exc}")
+
+    def _checked(self, value: Any) -> Reward:
+        """A finite float, or a non-empty dict of them; anything else is ``RewardError``."""
+        if (number := _finite(value)) is not None:
+            return number
+        if isinstance(value, dict) and value:
+            numbers_ = {str(k): _finite(v) for k, v in value.items()}
+            if all(v is not None for v in numbers_.values()):
+                return {k: v for k, v in numbers_.items() if v is not None}
+        self.stats["reward/errors"] += 1
+        raise RewardError(
+            f"reward returned {_short(value)}, expected a number or a dict of numbers"
+        )
 
     async def _builtin(self, sample: Sample) -> float:
         cfg = self.config
+        if sample.label is None:
+            raise RewardError(f"the {cfg.type} reward needs a label and the sample has none")
         answer = extract_answer(sample.response_text, cfg.answer_pattern)
+        labels = sample.label if isinstance(sample.label, list) else [sample.label]
         if cfg.type == "f1":
-            return f1_score(answer, sample.label)
-        if cfg.type == "math":
-            ok = await asyncio.to_thread(math_match, answer, sample.label)
+            return f1_score(answer, labels)
+        if cfg.type == "math":  # sympy can take a while: keep it off the event loop
+            ok = await asyncio.to_thread(_any_math, answer, labels)
         elif cfg.type == "numeric":
-            ok = numeric_match(answer, sample.label, cfg.numeric_tolerance)
+            ok = any(numeric_match(answer, gold, cfg.numeric_tolerance) for gold in labels)
         else:
-            ok = exact_match(answer, sample.label)
+            ok = any(exact_match(answer, gold) for gold in labels)
         return cfg.correct if ok else cfg.incorrect
 
     async def _remote(self, sample: Sample) -> Any:
@@ -178,15 +253,15 @@ class RewardHub:
             "label": sample.label,
             "metadata": sample.metadata,
         }
-        assert self.config.url is not None
-        async with self._session.post(self.config.url, json=body) as resp:
-            if resp.status >= 300:
-                raise RewardError(f"remote reward answered {resp.status}: {await resp.text()}")
-            reply = await resp.json(content_type=None)
-        return reply.get("reward") if isinstance(reply, dict) else reply
+        url = self.config.url
+        async with self._session.post(url, json=body) as resp:
+            text = await resp.text()
+            if not 200 <= resp.status < 300:
+                raise RewardError(f"remote reward {url} answered HTTP {resp.status}: {text[:200]}")
+        return _remote_value(url, text)
 
     async def aclose(self) -> None:
-        """Close the remote reward's HTTP session."""
+        """Close the remote reward's HTTP session (the rollout actor does, on exit)."""
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -195,3 +270,58 @@ class RewardHub:
 def build_reward(config: RewardConfig) -> RewardHub:
     """The hub for ``config``; a bad custom path fails here, before any sample."""
     return RewardHub(config)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _custom(path: str) -> Callable[[Sample], Awaitable[Any]]:
+    """The user's ``fn(sample)`` as an async function (sync ones go to a worker thread)."""
+    fn = load_object(path, what="reward")
+    if not callable(fn):
+        raise ValueError(f"reward path {path!r} names a {type(fn).__name__}, not a function")
+    # An object whose class defines ``async def __call__`` is async too.
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+        return fn
+
+    async def in_thread(sample: Sample) -> Any:
+        value = await asyncio.to_thread(fn, sample)
+        # A sync wrapper (functools.partial, a decorator) may hand back a coroutine.
+        return await value if inspect.isawaitable(value) else value
+
+    return in_thread
+
+
+def _any_math(answer: str, labels: list[Any]) -> bool:
+    return any(math_match(answer, gold) for gold in labels)
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float when it is a real number (bools count), else None."""
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _remote_value(url: str | None, text: str) -> Any:
+    """The reward in a remote reply: ``{"reward": x}`` or a bare JSON number."""
+    import json
+
+    try:
+        reply = json.loads(text)
+    except ValueError:
+        raise RewardError(f"remote reward {url} answered non-JSON: {text[:200]!r}") from None
+    if isinstance(reply, dict):
+        if "reward" not in reply:
+            raise RewardError(f"remote reward {url} reply has no 'reward' field: {_short(reply)}")
+        return reply["reward"]
+    return reply
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

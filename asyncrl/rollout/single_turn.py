@@ -32,7 +32,7 @@ async def single_turn(ctx: RolloutContext, sample: Sample) -> Sample:
         )
         _append(ctx, sample, result)
     else:
-        sample.status = SampleStatus.TRUNCATED
+        sample.status, sample.finish_reason = SampleStatus.TRUNCATED, "length"
     if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
         sample.reward = await ctx.score(sample)
     return sample
@@ -42,15 +42,19 @@ def _append(ctx: RolloutContext, sample: Sample, result: GenerateResult) -> None
     if result.output_ids:
         if result.logprobs is None:
             raise ValueError("the engine returned no log-probs (return_logprob is required)")
-        text = _decode(ctx, result.output_ids)
-        sample.append_response(result.output_ids, result.logprobs, result.versions, text=text)
+        sample.append_response(result.output_ids, result.logprobs, result.versions)
+        _set_text(ctx, sample, result)
     reason = result.finish_reason
     kind = reason.type if reason is not None else "abort"
     sample.finish_reason = kind
     sample.status = _STATUS.get(kind, SampleStatus.ABORTED)
 
 
-def _decode(ctx: RolloutContext, ids: list[int]) -> str:
+def _set_text(ctx: RolloutContext, sample: Sample, result: GenerateResult) -> None:
+    # Decoding the whole response, not the new segment alone, keeps a character whose
+    # bytes an abort split across two segments whole (no U+FFFD in the reward's text).
     if ctx.tokenizer is None:
-        return ""
-    return str(ctx.tokenizer.decode(ids, skip_special_tokens=True))
+        sample.response_text += result.text
+        return
+    ids = sample.response_tokens.tolist()
+    sample.response_text = str(ctx.tokenizer.decode(ids, skip_special_tokens=True))

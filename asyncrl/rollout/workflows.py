@@ -19,6 +19,7 @@ def load_workflow(path: str | None) -> Workflow:
     if not path:
         return single_turn
     fn = load_object(path, what="workflow")
-    if not inspect.iscoroutinefunction(fn):
+    # An object whose class defines ``async def __call__`` is a workflow too.
+    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
         raise ValueError(f"workflow {path!r} must be an async function (ctx, sample) -> Sample")
     return fn
