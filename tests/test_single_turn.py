@@ -204,7 +204,7 @@ async def test_an_aborted_sample_keeps_its_partial_tokens_unscored_and_resumes(c
     generated = torch_engine.stats["generated_tokens"]
     task = asyncio.create_task(single_turn(ctx, sample))
     await wait_generated(torch_engine, generated + 4)  # mid-generation
-    await client.abort("abort/0#1")
+    await client.abort("abort/0#1#")
     await task
     assert sample.status is SampleStatus.ABORTED and sample.finish_reason == "abort"
     assert 0 < sample.response_length < 96 and sample.reward is None

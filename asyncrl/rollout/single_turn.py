@@ -28,7 +28,8 @@ async def single_turn(ctx: RolloutContext, sample: Sample) -> Sample:
         result = await ctx.engine.generate(
             np.concatenate([sample.prompt_tokens, sample.response_tokens]).tolist(),
             {**ctx.sampling, "max_new_tokens": budget},
-            rid=f"{sample.uid}#{sample.attempts}",
+            # The closing "#" keeps a prefix-matched abort of attempt 1 off attempt 10.
+            rid=f"{sample.uid}#{sample.attempts}#",
         )
         _append(ctx, sample, result)
     else:
