@@ -158,7 +158,7 @@ async def test_a_fresh_sample_stops_with_aligned_columns_and_a_reward(client, en
     text = tokenizer.decode(ids[: k + 1], skip_special_tokens=True)
     assert sample.response_text == text
     assert sample.reward == {"score": 1.0, "chars": float(len(text))}
-    assert recording.calls == [(PROMPT, {**ctx.sampling, "max_new_tokens": 8}, "g/0#0")]
+    assert recording.calls == [(PROMPT, {**ctx.sampling, "max_new_tokens": 8}, "g/0#0#")]
 
 
 async def test_a_sample_that_uses_its_budget_is_truncated_and_scored(client, engine, reference):
