@@ -108,3 +108,23 @@ async def test_a_raising_reward_fails_its_samples_and_the_run_goes_on(tmp_path):
     failed = {k: v for k, v in last.items() if k.startswith("buffer.failed.")}
     assert failed and all("ZeroDivisionError" in k for k in failed), failed
     assert accounted(last)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["--buffer-max-staleness", "0", "--buffer-hard-staleness", "0"],  # synchronous
+        ["--buffer-over-provision", "0.5", "--rollout-engine-on-update", "abort"],  # APRIL
+    ],
+    ids=["sync", "april-abort-on-update"],
+)
+async def test_each_mode_of_the_same_code_finishes_with_the_accounting_whole(tmp_path, mode):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    engine = ["--rollout-engine-model-path", str(tmp_path / "model")]
+    result = await run_job(load_config(overrides=[*job_flags(tmp_path, 3), *engine, *mode]))
+    assert result.ok and result.steps == 3, result.error
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    eta = 0 if "0" in mode[1:2] else 1
+    assert all(r["staleness/max"] <= eta for r in rows)
+    assert accounted(last_buffer_metrics(tmp_path / "run"))

@@ -36,7 +36,7 @@ from asyncrl.rollout.engines import EngineConfig, EngineHost
 from asyncrl.trainers.weight_sync import WeightReceiver
 from asyncrl.types import Group, Sample, SampleStatus, WorkItem
 from asyncrl.wire.codec import Codec
-from asyncrl.wire.errors import PeerLost
+from asyncrl.wire.errors import PeerLost, RemoteError
 from asyncrl.wire.pubsub import Subscriber
 from asyncrl.wire.reliable import ReliableSender
 from asyncrl.wire.rpc import RpcClient
@@ -199,7 +199,12 @@ class RolloutActor(Actor):
         while True:
             msg = await self.receiver.next_version(after=self.host.version)
             start = time.monotonic()
-            await self.host.load(msg, self.receiver)
+            try:
+                await self.host.load(msg, self.receiver)
+            except (PeerLost, RemoteError) as exc:
+                # The trainer stopped, or already dropped this version: wait for the next.
+                log.warning("weights not loaded", version=msg.version, error=str(exc))
+                continue
             self.version = msg.version
             self._loaded.set()
             log.info("weights loaded", version=msg.version, seconds=time.monotonic() - start)
