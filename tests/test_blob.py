@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -69,6 +71,23 @@ async def test_only_the_newest_blobs_are_kept_and_asking_for_an_old_one_says_so(
         with pytest.raises(RemoteError, match=r"'v1' is not served; available: \['v2', 'v3'\]"):
             await client.fetch("v1")
         assert (await client.fetch("v3"))["w"].tolist() == [3.0] * 4
+
+
+async def test_a_server_counts_completed_pulls_so_an_exiting_trainer_can_wait_for_them(
+    endpoint: str,
+):
+    async with BlobServer(endpoint, chunk_bytes=97) as server:
+        server.put("v", tensors())
+        waiter = asyncio.create_task(server.wait_completed("v", 2))
+        async with BlobClient(server.endpoint, window=2) as client:
+            await client.manifest("v")  # a manifest alone is not a pull
+            await client.fetch("v")
+            await asyncio.sleep(0.05)
+            assert server.completed("v") == 1 and not waiter.done()
+            await client.fetch("v")
+        async with asyncio.timeout(5):
+            await waiter
+    assert server.completed("v") == 2 and server.completed("other") == 0
 
 
 def test_layout_aligns_every_tensor_to_64_bytes():

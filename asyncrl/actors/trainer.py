@@ -196,6 +196,20 @@ class TrainerActor(Actor):
             await self.batches.call(final)
             self._acks = []
         await self._checkpoint()
+        await self._linger()
+
+    async def _linger(self) -> None:
+        """Keep serving the final version until ``publish.final_fetches`` subscribers (an
+        eval actor, say) pulled it, for at most ``publish.linger_s`` seconds: the pulled
+        weights live in this process, so they go when it exits."""
+        publish = self.spec.params.get("publish", {})
+        want = int(publish.get("final_fetches", 0))
+        try:
+            async with asyncio.timeout(float(publish.get("linger_s", 30.0))):
+                await self.weights.wait_fetched(want)
+        except TimeoutError:
+            got = self.weights.fetched()
+            log.warning("exiting before every subscriber pulled the final weights", got=got)
 
     async def on_command(self, cmd: Command) -> dict[str, Scalar]:
         if cmd.kind == "checkpoint":

@@ -89,6 +89,19 @@ class WeightPublisher:
         self.latest = msg
         return msg
 
+    def fetched(self) -> int | None:
+        """How many pulls of the latest version completed (None: not a pull transport)."""
+        if self.latest is None or self.blob is None:
+            return None
+        return self.blob.completed(self.latest.blob)
+
+    async def wait_fetched(self, count: int) -> None:
+        """Before the trainer exits: wait until ``count`` subscribers pulled the latest
+        version. Disk and broadcast versions outlive the trainer or were delivered already,
+        so they need no wait."""
+        if self.latest is not None and self.blob is not None and self.transport == "pull":
+            await self.blob.wait_completed(self.latest.blob, count)
+
     async def _broadcast(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
         assert self.group is not None
         manifest = layout(tensors, chunk_bytes=1 << 30, blob=blob_name(version))

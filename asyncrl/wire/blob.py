@@ -106,6 +106,9 @@ class BlobServer(RpcServer[BlobRequest, BlobReply]):
         self.chunk_bytes = chunk_bytes
         self.keep = keep
         self._blobs: OrderedDict[str, _StoredBlob] = OrderedDict()
+        # Pulls that reached a blob's last chunk; a trainer about to exit waits on them.
+        self._completed: dict[str, int] = {}
+        self._served = asyncio.Condition()
 
     def put(self, blob: str, tensors: dict[str, torch.Tensor]) -> BlobManifest:
         """Store ``tensors`` under ``blob`` (dropping the oldest past ``keep``)."""
@@ -125,13 +128,27 @@ class BlobServer(RpcServer[BlobRequest, BlobReply]):
         """Names of the blobs served now, oldest first."""
         return list(self._blobs)
 
+    def completed(self, blob: str) -> int:
+        """How many pulls of ``blob`` have been served its last chunk."""
+        return self._completed.get(blob, 0)
+
+    async def wait_completed(self, blob: str, count: int) -> None:
+        """Wait until ``count`` pulls of ``blob`` have completed."""
+        async with self._served:
+            await self._served.wait_for(lambda: self.completed(blob) >= count)
+
     async def _serve(self, req: BlobRequest, peer: bytes) -> BlobReply:
         stored = self._blobs.get(req.blob)
         if stored is None:
             raise KeyError(f"blob {req.blob!r} is not served; available: {self.blobs}")
         if isinstance(req, FetchManifest):
             return stored.manifest
-        return BlobChunk(blob=req.blob, index=req.index, parts=stored.chunk(req.index))
+        reply = BlobChunk(blob=req.blob, index=req.index, parts=stored.chunk(req.index))
+        if req.index == stored.manifest.num_chunks - 1:
+            async with self._served:
+                self._completed[req.blob] = self.completed(req.blob) + 1
+                self._served.notify_all()
+        return reply
 
 
 class BlobClient(RpcClient[BlobRequest, BlobReply]):
