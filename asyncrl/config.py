@@ -37,7 +37,7 @@ from pydantic_core import ErrorDetails
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.policies.config import PolicyConfig
-from asyncrl.rollout.config import RolloutConfig
+from asyncrl.rollout.config import EvalConfig, RolloutConfig
 from asyncrl.trainers.config import TorchTrainerConfig
 from asyncrl.wire.sockets import check_endpoint
 
@@ -75,6 +75,12 @@ class RuntimeConfig(Section):
     )
     stop_timeout: float = Field(
         10.0, gt=0, description="seconds an actor gets to drain and stop before SIGKILL"
+    )
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads per actor process; null: the cores shared among the "
+        "processes that run torch (trainer, embedded engines, eval)",
     )
     ray_address: str | None = Field(
         None,
@@ -178,6 +184,9 @@ class RunConfig(Section):
     algo: PolicyConfig = Field(
         default_factory=PolicyConfig, description="RL objective: estimator, loss, KL, corrections"
     )
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="held-out evaluation during training"
+    )
 
     @model_validator(mode="after")
     def _async_needs_a_correction(self) -> RunConfig:
@@ -208,6 +217,7 @@ SLIME_FLAGS: dict[tuple[str, ...], str] = {
     ("buffer", "num_samples_per_prompt"): "n-samples-per-prompt",
     ("buffer", "mask_resumed_tokens"): "mask-offpolicy-in-partial-rollout",
     ("data", "path"): "prompt-data",
+    ("eval", "interval"): "eval-interval",
     ("data", "input_key"): "input-key",
     ("data", "label_key"): "label-key",
     ("data", "metadata_key"): "metadata-key",

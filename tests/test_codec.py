@@ -69,6 +69,7 @@ EXAMPLES = {
     ),
     messages.FetchManifest: messages.FetchManifest(blob="v1"),
     messages.FetchChunk: messages.FetchChunk(blob="v1", index=3),
+    messages.FetchDone: messages.FetchDone(blob="v1"),
     messages.BlobChunk: messages.BlobChunk(
         blob="v1", index=0, parts=[(0, np.arange(100, dtype=np.uint8))]
     ),

@@ -208,6 +208,7 @@ def test_every_leaf_has_exactly_one_flag_and_a_description():
         data={"path": "prompts.jsonl"},
         trainer={"model_path": "m"},
         rollout={"engine": {"model_path": "m"}},
+        eval={"engine": {"model_path": "m"}},
     ).model_dump()
     assert {spec.path for spec in table.values()} == leaf_paths(full)
     assert len(table) == len(leaf_paths(full))

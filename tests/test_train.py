@@ -49,10 +49,23 @@ def accounted(row: dict[str, float]) -> bool:
     return row["buffer.admitted"] == live + dropped
 
 
+def eval_flags(tmp_path: Path, interval: int) -> list[str]:
+    sets = [
+        {
+            "name": "held",
+            "path": str(tmp_path / "prompts.jsonl@[0:6]"),
+            "n_samples": 3,
+            "pass_k": [1, 3],
+            "sampling": {"temperature": 1.0, "max_new_tokens": 4},
+        }
+    ]
+    return ["--eval-interval", str(interval), "--eval-sets", json.dumps(sets)]  # fmt: skip
+
+
 async def test_a_short_async_run_trains_and_accounts_for_every_prompt(tmp_path):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")
-    cfg = load_config(overrides=job_flags(tmp_path, steps=3))
+    cfg = load_config(overrides=[*job_flags(tmp_path, steps=3), *eval_flags(tmp_path, 2)])
     result = await run_job(cfg)
     assert result.ok, result.error
     assert result.steps == 3
@@ -65,6 +78,19 @@ async def test_a_short_async_run_trains_and_accounts_for_every_prompt(tmp_path):
     last = last_buffer_metrics(run_dir)
     assert last["buffer.consumed"] == 3 * 2 and accounted(last)  # three steps of B = 2
     assert (run_dir / "checkpoints" / "trainer" / "step_000003" / "trainer.json").exists()
+    # The eval actor followed the versions concurrently and evaluated the final one.
+    evals = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    versions = [r["version"] for r in evals]
+    assert versions == sorted(set(versions)) and versions[-1] == 3, versions
+    assert all(r["set"] == "held" and r["prompts"] == 6 and r["samples"] == 18 for r in evals)
+    assert all(0 <= r["pass@1"] <= r["pass@3"] <= 1 for r in evals)
+    # Each rollout actor wrote its counters and when its engine was busy.
+    rollout = [
+        json.loads(x) for x in (run_dir / "metrics" / "rollout-0.jsonl").read_text().splitlines()
+    ]
+    assert rollout[-1]["rollout/groups"] >= 3 * 2
+    spans = [b for r in rollout for b in r["busy"]]
+    assert spans and all(a <= b for a, b in spans)
 
 
 async def test_a_resumed_run_continues_from_its_checkpoints(tmp_path):

@@ -63,6 +63,7 @@ class ActorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_file: str | None = None
     config: dict[str, Any] = msgspec.field(default_factory=dict)  # resolved run config
     params: dict[str, Any] = msgspec.field(default_factory=dict)  # role-specific settings
+    threads: int | None = None  # torch/OpenMP threads of this process; None: the library's
 
 
 class Actor(ABC):

@@ -11,15 +11,18 @@ buffer checkpoints its state, the trainer checkpoints its weights. Any actor tha
 ends the job with the supervisor's report (exit code, reason, last log lines).
 
 Run directory: ``config.json`` (resolved config), ``logs/<actor>.{out,jsonl}``,
-``metrics.jsonl`` (trainer steps), ``metrics/buffer.jsonl``, ``checkpoints/trainer/
-step_NNNNNN``, ``checkpoints/buffer.ckpt``, ``weights/`` (disk transport). ``--resume``
-starts the trainer from its newest checkpoint and the buffer from its checkpoint, so
-no prompt is lost or repeated.
+``metrics.jsonl`` (trainer steps), ``metrics/{buffer,rollout-N}.jsonl``,
+``metrics/eval.jsonl`` (held-out sets, when ``eval.interval`` is set: an eval actor
+follows the versions), ``checkpoints/trainer/step_NNNNNN``, ``checkpoints/buffer.ckpt``,
+``weights/`` (disk transport). ``--resume`` starts the trainer from its newest checkpoint
+and the buffer from its checkpoint, so no prompt is lost or repeated.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +42,10 @@ ROLE_CLASSES = {
     "buffer": "asyncrl.actors.buffer:BufferActor",
     "rollout": "asyncrl.actors.rollout:RolloutActor",
     "trainer": "asyncrl.actors.trainer:TrainerActor",
+    "eval": "asyncrl.actors.eval:EvalActor",
 }
+#: Seconds a finished trainer keeps serving its final weights for the eval actor to pull.
+_FINAL_LINGER_S = 120.0
 
 
 @dataclass
@@ -73,10 +79,26 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
             # Producers first, so what they hold lands in the buffer before it checkpoints.
             rollouts = [s.name for s in specs if s.role == "rollout"]
             await sup.stop(rollouts, cfg.runtime.stop_timeout)
+            if not error and cfg.eval.enabled:
+                error = await _wait_final_eval(sup, cfg)
             codes = await sup.stop_all(cfg.runtime.stop_timeout)
     steps = _last_step(run_dir / "metrics.jsonl")
     ok = not error and all(code == 0 for code in codes.values())
     return JobResult(ok=ok, seconds=time.monotonic() - start, steps=steps, error=error, codes=codes)
+
+
+async def _wait_final_eval(sup: Supervisor, cfg: RunConfig) -> str:
+    """Let the eval actor finish the final version (bounded by ``eval.final_timeout``)."""
+    if cfg.train.num_steps <= 0:
+        return ""  # no known final version: whatever it evaluated stands
+    try:
+        async with asyncio.timeout(cfg.eval.final_timeout):
+            await sup.wait_until(lambda st: st["eval"].state == "finished")
+    except TimeoutError:
+        log.warning("the final evaluation did not finish", timeout=cfg.eval.final_timeout)
+    except ActorDied as exc:
+        return str(exc)
+    return ""
 
 
 def _last_step(metrics: Path) -> int:
@@ -97,7 +119,7 @@ def job_actor_specs(
         "log_level": cfg.log.level,
         "log_format": cfg.log.format,
     }
-    return job_specs(
+    specs = job_specs(
         classes=ROLE_CLASSES,
         num_rollout_actors=cfg.rollout.num_actors,
         endpoints=endpoints,
@@ -105,7 +127,22 @@ def job_actor_specs(
         config=cfg.model_dump(mode="json"),
         common=common,
         params=role_params(cfg, run_dir, resume=resume),
+        extra_roles=["eval"] if cfg.eval.enabled else [],
     )
+    threads = cfg.runtime.threads or _threads_per_torch_process(cfg)
+    for spec in specs:
+        spec.threads = threads
+        if spec.role == "trainer" and cfg.eval.enabled:
+            spec.drain_timeout += _FINAL_LINGER_S  # its drain waits for the final pull
+    return specs
+
+
+def _threads_per_torch_process(cfg: RunConfig) -> int:
+    """The cores shared among the processes that run torch (trainer, embedded engines,
+    eval), at least one each."""
+    embedded = cfg.rollout.engine is None or cfg.rollout.engine.type == "torch"
+    busy = 1 + (cfg.rollout.num_actors if embedded else 0) + int(cfg.eval.enabled)
+    return max(1, (os.cpu_count() or 1) // busy)
 
 
 def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dict[str, Any]]:
@@ -119,6 +156,18 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
     publish: dict[str, Any] = {"transport": cfg.train.publish, "keep": 2}
     if cfg.train.publish == "disk":
         publish["dir"] = str(run_dir / "weights")
+    if cfg.eval.enabled:  # the eval actor pulls the final version after the last step
+        publish.update(final_fetches=1, linger_s=_FINAL_LINGER_S)
+    rollout = {
+        "engine": engine if isinstance(engine, dict) else engine.model_dump(mode="json"),
+        "sampling": dict(cfg.rollout.sampling),
+        "reward": cfg.rollout.reward.model_dump(mode="json"),
+        "workflow": cfg.rollout.workflow,
+        "max_groups": cfg.rollout.max_groups,
+        "tokenizer": model,
+        "metrics_dir": str(run_dir / "metrics"),
+        "metrics_interval": cfg.train.metrics_interval,
+    }
     return {
         "buffer": {
             "buffer": cfg.buffer.model_dump(mode="json"),
@@ -129,14 +178,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
             "checkpoint_on_stop": str(buffer_ckpt),
             "resume_from": str(buffer_ckpt) if resume and buffer_ckpt.exists() else None,
         },
-        "rollout": {
-            "engine": engine if isinstance(engine, dict) else engine.model_dump(mode="json"),
-            "sampling": dict(cfg.rollout.sampling),
-            "reward": cfg.rollout.reward.model_dump(mode="json"),
-            "workflow": cfg.rollout.workflow,
-            "max_groups": cfg.rollout.max_groups,
-            "tokenizer": model,
-        },
+        "rollout": rollout,
         "trainer": {
             "trainer": cfg.trainer.model_dump(mode="json"),
             "publish": publish,
@@ -145,5 +187,14 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
             "checkpoint_interval": cfg.train.checkpoint_interval,
             "metrics_path": str(run_dir / "metrics.jsonl"),
             "resume": resume,
+        },
+        "eval": {
+            **rollout,
+            "engine": (
+                cfg.eval.engine.model_dump(mode="json") if cfg.eval.engine else rollout["engine"]
+            ),
+            "eval": cfg.eval.model_dump(mode="json"),
+            "num_steps": cfg.train.num_steps,
+            "metrics_path": str(run_dir / "metrics" / "eval.jsonl"),
         },
     }

@@ -17,8 +17,9 @@ A workflow or reward that raises marks only that sample ``failed`` with the reas
 buffer then accounts the group as failed); the actor goes on. ``params``: ``engine``
 (``EngineConfig``), ``sampling`` (SGLang sampling params), ``reward`` (``RewardConfig``),
 ``workflow`` (dotted path; default single-turn), ``max_groups``, ``tokenizer`` (a
-directory; default the engine's model), ``weights`` (``dist_address``, ``dist_rank``,
-``dist_world_size`` for the dist transport).
+directory; default the engine's model), ``metrics_dir`` and ``metrics_interval`` (rows of
+counters and engine-busy intervals to ``<metrics_dir>/<name>.jsonl``), ``weights``
+(``dist_address``, ``dist_rank``, ``dist_world_size`` for the dist transport).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.buffer import BufferEvent, WorkReply, WorkRequest
 from asyncrl.observe.logs import get_logger
+from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.rollout.base import RolloutContext, Workflow
 from asyncrl.rollout.engines import EngineConfig, EngineHost
 from asyncrl.trainers.weight_sync import WeightReceiver
@@ -55,6 +58,9 @@ class RolloutActor(Actor):
         self.busy_s = 0.0
         self._in_flight = 0
         self._started = time.monotonic()
+        self._busy: list[list[float]] = []  # [start, end] unix seconds with groups running
+        self._busy_since: float | None = None
+        self.metrics: JsonlMetricsSink | None = None
 
     async def setup(self) -> None:
         params = self.spec.params
@@ -74,6 +80,8 @@ class RolloutActor(Actor):
             version=lambda: self.host.version,
         )
         await self._open_channels()
+        if params.get("metrics_dir"):
+            self.metrics = JsonlMetricsSink(Path(params["metrics_dir"]) / f"{self.name}.jsonl")
 
     async def _open_channels(self) -> None:
         ep, frame = self.spec.endpoints, _frame_bytes(self.spec.config)
@@ -119,6 +127,7 @@ class RolloutActor(Actor):
             loops = [
                 tg.create_task(self._weights_loop(), name=f"{self.name}.weights"),
                 tg.create_task(self._events_loop(), name=f"{self.name}.events"),
+                tg.create_task(self._metrics_loop(), name=f"{self.name}.metrics"),
             ]
             await self._work_loop(tg)
             for task in loops:
@@ -151,6 +160,8 @@ class RolloutActor(Actor):
     async def _run_group(self, item: WorkItem) -> None:
         start = time.monotonic()
         self._in_flight += 1
+        if self._in_flight == 1:
+            self._busy_since = time.time()
         try:
             samples = _samples_of(item)
             todo = [s for s in samples if s.status not in _TERMINAL]
@@ -162,6 +173,9 @@ class RolloutActor(Actor):
             self._count(group)
         finally:
             self._in_flight -= 1
+            if self._in_flight == 0 and self._busy_since is not None:
+                self._busy.append([self._busy_since, time.time()])
+                self._busy_since = None
             self.busy_s += time.monotonic() - start
             self._free += 1
             self._slot_freed.set()
@@ -209,6 +223,24 @@ class RolloutActor(Actor):
             self._loaded.set()
             log.info("weights loaded", version=msg.version, seconds=time.monotonic() - start)
 
+    async def _metrics_loop(self) -> None:
+        """Every ``metrics_interval`` s: the counters and the busy intervals since the last
+        row (an interval still open is cut at now and continues in the next row)."""
+        interval = float(self.spec.params.get("metrics_interval", 5.0))
+        while self.metrics is not None:
+            await asyncio.sleep(interval)
+            self._write_metrics()
+
+    def _write_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        now = time.time()
+        busy, self._busy = self._busy, []
+        if self._busy_since is not None:
+            busy.append([self._busy_since, now])
+            self._busy_since = now
+        self.metrics.write({"actor": self.name, **self.stats(), "busy": busy, "time": now})
+
     async def _events_loop(self) -> None:
         while True:
             event = (await self.events.receive()).msg
@@ -223,6 +255,14 @@ class RolloutActor(Actor):
             self._slot_freed.clear()
             await self._slot_freed.wait()
         await self.results.join()
+        self._write_metrics()
+
+    async def main(self) -> int:
+        try:
+            return await super().main()
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
 
     def stats(self) -> dict[str, float]:
         elapsed = max(time.monotonic() - self._started, 1e-9)

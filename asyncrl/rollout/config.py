@@ -1,8 +1,10 @@
 """Rollout settings that the config tree composes (no torch, no HTTP imports here).
 
-``EngineConfig`` (which engines a rollout actor uses, ``rollout.engine``) and
-``RolloutConfig`` (the ``rollout`` section: actors, engines, sampling, workflow, reward).
-Read by ``actors/rollout.py`` and ``rollout/engines.py``; composed by ``asyncrl.config``.
+``EngineConfig`` (which engines a rollout actor uses, ``rollout.engine``),
+``RolloutConfig`` (the ``rollout`` section: actors, engines, sampling, workflow, reward)
+and ``EvalConfig`` (the ``eval`` section: named held-out sets, how often). Read by
+``actors/rollout.py``, ``actors/eval.py`` and ``rollout/engines.py``; composed by
+``asyncrl.config``.
 """
 
 from __future__ import annotations
@@ -116,12 +118,76 @@ class RolloutConfig(BaseModel):
     @field_validator("sampling")
     @classmethod
     def _valid_sampling(cls, value: dict[str, Any]) -> dict[str, Any]:
-        import msgspec
+        return check_sampling(value)
 
-        from asyncrl.engines.base import SamplingParams
 
-        try:
-            msgspec.convert(value, SamplingParams).verify()
-        except (msgspec.ValidationError, ValueError) as exc:
-            raise ValueError(f"invalid sampling params: {exc}") from None
-        return value
+def check_sampling(value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` if it is valid SGLang sampling params; else a ValueError naming the field."""
+    import msgspec
+
+    from asyncrl.engines.base import SamplingParams
+
+    try:
+        msgspec.convert(value, SamplingParams).verify()
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ValueError(f"invalid sampling params: {exc}") from None
+    return value
+
+
+class EvalSetConfig(BaseModel):
+    """One named held-out set: its prompts, and its own reward and sampling settings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., min_length=1, description="name of the set in metrics/eval.jsonl")
+    path: str = Field(..., min_length=1, description="jsonl/parquet file; 'file@[a:b]' rows")
+    input_key: str = Field("prompt", description="key of the prompt")
+    label_key: str = Field("label", description="key of the label")
+    metadata_key: str | None = Field("metadata", description="key of a metadata object")
+    apply_chat_template: bool = Field(False, description="render with the chat template")
+    reward: RewardConfig | None = Field(None, description="default: the rollout reward")
+    sampling: dict[str, Any] | None = Field(None, description="default: rollout sampling")
+    n_samples: int = Field(1, ge=1, description="samples per prompt (pass@k needs k of them)")
+    pass_k: list[int] = Field(default_factory=lambda: [1], description="k of each pass@k")
+    group_by: str | None = Field(None, description="metadata key to break accuracy down by")
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> EvalSetConfig:
+        bad = [k for k in self.pass_k if not 1 <= k <= self.n_samples]
+        if bad:
+            raise ValueError(
+                f"eval set {self.name!r}: pass@k needs 1 <= k <= n_samples "
+                f"({self.n_samples}); got k={bad}"
+            )
+        if self.sampling is not None:
+            check_sampling(self.sampling)
+        return self
+
+
+class EvalConfig(BaseModel):
+    """Evaluation during training: an eval actor follows the trainer's weight versions."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    interval: int = Field(0, ge=0, description="evaluate every N trainer steps; 0: never")
+    sets: list[EvalSetConfig] = Field(default_factory=list, description="named held-out sets")
+    at_start: bool = Field(True, description="evaluate the initial weights (version 0) too")
+    engine: EngineConfig | None = Field(None, description="default: like the rollout engine")
+    max_concurrency: int = Field(256, ge=1, description="eval requests in flight at once")
+    final_timeout: float = Field(
+        600.0, gt=0, description="seconds the job waits for the final version's eval"
+    )
+
+    @model_validator(mode="after")
+    def _sets_when_on(self) -> EvalConfig:
+        if self.interval > 0 and not self.sets:
+            raise ValueError("eval.interval is set but eval.sets is empty: name a held-out set")
+        names = [s.name for s in self.sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval set names must be unique, got {names}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """True when an eval actor runs."""
+        return self.interval > 0

@@ -23,6 +23,8 @@ from asyncrl.engines.sglang_client import SGLangClient
 from asyncrl.rollout.config import EngineConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from asyncrl.engines.server import EngineServer
     from asyncrl.engines.torch_engine import TorchEngine
     from asyncrl.trainers.weight_sync import WeightReceiver
@@ -70,6 +72,13 @@ class EngineHost:
         )
         self.server = EngineServer(self.engine)
         return await self.server.start("127.0.0.1", 0)
+
+    async def load_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy pulled ``tensors`` into the embedded engine as ``version``."""
+        if self.engine is None:
+            raise ValueError("only the embedded engine takes tensors; SGLang loads from disk")
+        await self.engine.update_weights_from_tensors(tensors, version)
+        self.version = version
 
     async def load(self, msg: WeightVersion, receiver: WeightReceiver) -> None:
         """Bring every engine to weight version ``msg.version``."""

@@ -13,7 +13,7 @@ restarted actor binds the same address and its peers reconnect by themselves.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,10 @@ def job_specs(
     config: Mapping[str, Any],
     common: Mapping[str, Any],
     params: Mapping[str, Mapping[str, Any]] | None = None,
+    extra_roles: Sequence[str] = (),
 ) -> list[ActorSpec]:
-    """Specs for the buffer, ``num_rollout_actors`` rollout actors and the trainer.
+    """Specs for the buffer, ``num_rollout_actors`` rollout actors, the trainer and one
+    actor of each of ``extra_roles`` (named after its role, e.g. ``eval``).
 
     ``classes`` maps role -> actor class path; ``common`` holds ``ActorSpec`` fields shared
     by all (heartbeat interval, log settings); ``params`` role -> role-specific settings.
@@ -56,6 +58,7 @@ def job_specs(
     names = [("buffer", "buffer")]
     names += [(f"rollout-{i}", "rollout") for i in range(num_rollout_actors)]
     names += [("trainer", "trainer")]
+    names += [(role, role) for role in extra_roles]
     return [
         ActorSpec(
             name=name,

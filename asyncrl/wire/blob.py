@@ -11,6 +11,8 @@ Flow and loss rules
   memory in transit is at most ``window * chunk_bytes``.
 - The server sends views of the stored tensors (no copy); the client copies each chunk once,
   into a single destination buffer, and returns tensors that are views into it.
+- The client ends a pull with ``FetchDone``, so a server can count completed pulls (a
+  trainer about to exit waits until its subscribers hold the final version).
 - A server keeps the newest ``keep`` blobs. Asking for a dropped one is a ``RemoteError``
   naming the blobs it has, so a slow engine learns it must move to the latest version.
 - Stored tensors must not be modified while they are served: put a copy of live weights.
@@ -29,7 +31,14 @@ import numpy as np
 
 from asyncrl.wire.codec import Codec, torch_dtype, torch_dtype_name
 from asyncrl.wire.errors import WireError
-from asyncrl.wire.messages import BlobChunk, BlobManifest, FetchChunk, FetchManifest, TensorEntry
+from asyncrl.wire.messages import (
+    BlobChunk,
+    BlobManifest,
+    FetchChunk,
+    FetchDone,
+    FetchManifest,
+    TensorEntry,
+)
 from asyncrl.wire.rpc import RpcClient, RpcServer
 
 _ALIGN = 64
@@ -38,7 +47,7 @@ if TYPE_CHECKING:
     import torch
 
 
-BlobRequest = FetchManifest | FetchChunk
+BlobRequest = FetchManifest | FetchChunk | FetchDone
 BlobReply = BlobManifest | BlobChunk
 
 
@@ -129,7 +138,7 @@ class BlobServer(RpcServer[BlobRequest, BlobReply]):
         return list(self._blobs)
 
     def completed(self, blob: str) -> int:
-        """How many pulls of ``blob`` have been served its last chunk."""
+        """How many pulls of ``blob`` have completed (their client said ``FetchDone``)."""
         return self._completed.get(blob, 0)
 
     async def wait_completed(self, blob: str, count: int) -> None:
@@ -143,12 +152,12 @@ class BlobServer(RpcServer[BlobRequest, BlobReply]):
             raise KeyError(f"blob {req.blob!r} is not served; available: {self.blobs}")
         if isinstance(req, FetchManifest):
             return stored.manifest
-        reply = BlobChunk(blob=req.blob, index=req.index, parts=stored.chunk(req.index))
-        if req.index == stored.manifest.num_chunks - 1:
+        if isinstance(req, FetchDone):  # counted on the client's word: every byte arrived
             async with self._served:
                 self._completed[req.blob] = self.completed(req.blob) + 1
                 self._served.notify_all()
-        return reply
+            return BlobChunk(blob=req.blob, index=-1, parts=[])
+        return BlobChunk(blob=req.blob, index=req.index, parts=stored.chunk(req.index))
 
 
 class BlobClient(RpcClient[BlobRequest, BlobReply]):
@@ -212,6 +221,7 @@ class BlobClient(RpcClient[BlobRequest, BlobReply]):
         finally:
             for _, fut in inflight:
                 fut.cancel()
+        await self.call(FetchDone(blob=m.blob))  # lets an exiting server know we are done
         return {e.name: t for e, t in zip(m.entries, targets, strict=True)} if out is None else out
 
     def _request(self, blob: str, index: int) -> asyncio.Future[BlobReply]:

@@ -112,6 +112,12 @@ class FetchChunk(Message):
     index: int
 
 
+class FetchDone(Message):
+    """The puller holds every chunk of a blob (the server counts completed pulls)."""
+
+    blob: str
+
+
 class BlobChunk(Message):
     """The pieces of one chunk: ``(offset in blob, bytes)`` per tensor it overlaps."""
 

@@ -1,0 +1,189 @@
+"""EvalActor: evaluates the trainer's weight versions on named held-out sets, concurrently
+with training, on an engine of its own.
+
+    trainer --WeightVersion pub--> eval   pulls each due version as soon as it is announced
+    eval    --rows---------------> RUN_DIR/metrics/eval.jsonl   {version, set, pass@k, ...}
+
+Two loops under one TaskGroup. ``follow`` watches the announcements and pulls every *due*
+version at once (into memory; the trainer keeps only its newest few, and exits after the
+last): version ``v`` is due when ``v >= next_due`` or it is the final one
+(``num_steps``). ``evaluate`` loads the newest pulled version into the engine and runs
+every set (``rollout/evaluation.py``), then ``next_due = (v // interval + 1) * interval``.
+A version announced while an evaluation runs replaces an older pulled one that has not
+started (so a slow eval falls back to the newest due version instead of queueing); rows
+are tagged with the version they used. After the final version the actor finishes.
+
+``params``: ``eval`` (``EvalConfig``), ``engine`` (``EngineConfig``), ``sampling`` and
+``reward`` (the rollout's, the defaults of each set), ``workflow``, ``tokenizer``,
+``num_steps``, ``metrics_path``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.actors.base import Actor, ActorSpec
+from asyncrl.buffer.sources import PromptSource
+from asyncrl.observe.logs import get_logger
+from asyncrl.observe.metrics import JsonlMetricsSink
+from asyncrl.rollout.base import RolloutContext, Workflow
+from asyncrl.rollout.config import EngineConfig, EvalConfig, EvalSetConfig, RewardConfig
+from asyncrl.rollout.engines import EngineHost
+from asyncrl.rollout.evaluation import evaluate_set
+from asyncrl.trainers.weight_sync import WeightReceiver
+from asyncrl.wire.errors import PeerLost, RemoteError
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncrl.types import Prompt
+    from asyncrl.wire.messages import WeightVersion
+
+log = get_logger("asyncrl.eval")
+#: A pull that takes longer lost its trainer (a ROUTER drops replies to no one).
+_PULL_TIMEOUT_S = 300.0
+
+
+class EvalActor(Actor):
+    """Evaluates due weight versions; see the module docstring."""
+
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        self.evaluated = 0
+        self._last: dict[str, float] = {}
+        self.metrics: JsonlMetricsSink | None = None
+
+    async def setup(self) -> None:
+        params = self.spec.params
+        self.cfg = EvalConfig(**params["eval"])
+        self.num_steps = int(params.get("num_steps", 0))
+        self.next_due = 0 if self.cfg.at_start else self.cfg.interval
+        self._pending: tuple[WeightVersion, dict[str, torch.Tensor] | None] | None = None
+        self._ready = asyncio.Event()
+        self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
+        tokenizer = self.host.engine.tokenizer if self.host.engine is not None else None
+        self.sets = [await self._open_set(s, tokenizer) for s in self.cfg.sets]
+        ep = self.spec.endpoints
+        frame = int(self.spec.config.get("wire", {}).get("max_frame_bytes", 256 << 20))
+        rx = WeightReceiver(ep["trainer.weights"], ep["trainer.weights_snapshot"],
+                            max_frame_bytes=frame)  # fmt: skip
+        self.receiver = await self.hold(rx)
+        self.metrics = JsonlMetricsSink(params["metrics_path"], flush_every=0)
+
+    async def _open_set(self, cfg: EvalSetConfig, tokenizer: Any) -> _EvalSet:
+        from asyncrl.rollout.rewards import build_reward
+        from asyncrl.rollout.workflows import load_workflow
+
+        params = self.spec.params
+        reward_cfg = cfg.reward or RewardConfig(**params.get("reward", {}))
+        score = await self.hold(contextlib.aclosing(build_reward(reward_cfg)))
+        source = PromptSource.Config(
+            path=cfg.path,
+            input_key=cfg.input_key,
+            label_key=cfg.label_key,
+            metadata_key=cfg.metadata_key,
+            apply_chat_template=cfg.apply_chat_template,
+            shuffle=False,
+            name=cfg.name,
+        )
+        opened = await asyncio.to_thread(PromptSource.open, source, tokenizer)
+        ctx = RolloutContext(
+            engine=self.host.client,  # type: ignore[arg-type]
+            score=score,
+            sampling=dict(cfg.sampling or params.get("sampling", {})),
+            tokenizer=tokenizer,
+            version=lambda: self.host.version,
+        )
+        workflow = load_workflow(params.get("workflow"))
+        return _EvalSet(cfg, opened.take(opened.num_rows), ctx, workflow, reward_cfg.correct)
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            follow = tg.create_task(self._follow(), name=f"{self.name}.follow")
+            await self._evaluate_loop()
+            follow.cancel()
+
+    # -- weights ---------------------------------------------------------------------------
+    def _due(self, version: int) -> bool:
+        final = self.num_steps > 0 and version >= self.num_steps
+        return version >= self.next_due or final
+
+    async def _follow(self) -> None:
+        seen = -1
+        while True:
+            msg = await self.receiver.next_version(after=seen)
+            seen = msg.version
+            if not self._due(msg.version):
+                continue
+            try:  # pull now: the trainer may drop it (or exit) before we get to it
+                async with asyncio.timeout(_PULL_TIMEOUT_S):
+                    tensors = await self.receiver.fetch(msg) if self.host.engine else None
+            except (PeerLost, RemoteError, TimeoutError) as exc:
+                log.warning("weights not pulled", version=msg.version, error=str(exc))
+                continue
+            self._pending = (msg, tensors)
+            self._ready.set()
+
+    async def _load(self, msg: WeightVersion, tensors: dict[str, torch.Tensor] | None) -> None:
+        if tensors is not None:
+            await self.host.load_tensors(tensors, msg.version)
+        else:
+            await self.host.load(msg, self.receiver)
+        self.version = msg.version
+
+    # -- evaluation ------------------------------------------------------------------------
+    async def _evaluate_loop(self) -> None:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            assert self._pending is not None
+            msg, tensors = self._pending
+            self._pending = None
+            await self._load(msg, tensors)
+            await self._evaluate(msg.version)
+            self.next_due = (msg.version // self.cfg.interval + 1) * self.cfg.interval
+            if self.num_steps > 0 and msg.version >= self.num_steps:
+                log.info("evaluated the final version", version=msg.version)
+                return
+
+    async def _evaluate(self, version: int) -> None:
+        for s in self.sets:
+            row = await evaluate_set(
+                s.ctx,
+                s.workflow,
+                s.prompts,
+                s.cfg,
+                correct=s.correct,
+                max_concurrency=self.cfg.max_concurrency,
+                tag=f"eval-v{version}",
+            )
+            assert self.metrics is not None
+            self.metrics.write({"version": version, "set": s.cfg.name, **row})
+            self._last = {f"eval/{s.cfg.name}/{k}": v for k, v in row.items()}
+            log.info("eval", version=version, set=s.cfg.name, pass1=row["pass@1"],
+                     seconds=round(row["seconds"], 2))  # fmt: skip
+        self.evaluated += 1
+
+    def stats(self) -> dict[str, float]:
+        return {"eval/versions": float(self.evaluated), **self._last}
+
+    async def main(self) -> int:
+        try:
+            return await super().main()
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+
+
+@dataclass(slots=True)
+class _EvalSet:
+    """A set ready to run: its prompts, workflow context and the reward that counts."""
+
+    cfg: EvalSetConfig
+    prompts: list[Prompt]
+    ctx: RolloutContext
+    workflow: Workflow
+    correct: float

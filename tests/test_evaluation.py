@@ -1,0 +1,129 @@
+"""Held-out evaluation: pass@k over prompts, failures counted wrong, breakdowns, config
+checks; and the per-process thread limit the controller hands every actor."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncrl.engines.base import FinishReason
+from asyncrl.engines.sglang_wire import GenerateResult
+from asyncrl.rollout.base import RolloutContext
+from asyncrl.rollout.config import EvalConfig, EvalSetConfig, RewardConfig
+from asyncrl.rollout.evaluation import evaluate_set, score_samples
+from asyncrl.rollout.rewards import build_reward
+from asyncrl.rollout.single_turn import single_turn
+from asyncrl.types import Prompt, Sample, SampleStatus
+
+
+def prompt(i: int, label: str, kind: str) -> Prompt:
+    return Prompt(uid=f"p{i}", prompt_id=f"set:{i}", prompt=f"q{i}", label=label,
+                  metadata={"kind": kind})  # fmt: skip
+
+
+def samples_with(hits: list[int], n: int) -> list[Sample]:
+    """``n`` samples for each prompt, the first ``hits[i]`` of prompt i scoring 1."""
+    out = []
+    for i, c in enumerate(hits):
+        p = prompt(i, "x", "a" if i % 2 == 0 else "b")
+        for j in range(n):
+            s = Sample.for_prompt(p, group_id=f"g{i}", index=j, version=0)
+            s.status, s.reward = SampleStatus.COMPLETED, 1.0 if j < c else 0.0
+            out.append(s)
+    return out
+
+
+def test_pass_at_k_is_the_mean_of_the_unbiased_estimator_over_prompts():
+    cfg = EvalSetConfig(name="t", path="x.jsonl", n_samples=4, pass_k=[2, 4], group_by="kind")
+    m = score_samples(samples_with([0, 1, 2, 4], 4), cfg, correct=1.0)
+    # pass@1 = c/n per prompt; pass@2 = 1 - C(n-c,2)/C(4,2): 0, 1/2, 5/6, 1.
+    assert m["pass@1"] == pytest.approx((0 + 0.25 + 0.5 + 1) / 4)
+    assert m["pass@2"] == pytest.approx((0 + 0.5 + 5 / 6 + 1) / 4)
+    assert m["pass@4"] == pytest.approx(3 / 4)
+    assert m["reward"] == pytest.approx(7 / 16)
+    assert m["pass@1/a"] == pytest.approx((0 + 0.5) / 2)  # prompts 0 and 2
+    assert m["pass@1/b"] == pytest.approx((0.25 + 1) / 2)
+    assert (m["prompts"], m["samples"], m["failed"]) == (4, 16, 0)
+
+
+def test_failed_samples_count_as_wrong_and_are_reported():
+    cfg = EvalSetConfig(name="t", path="x.jsonl", n_samples=2)
+    samples = samples_with([2, 2], 2)
+    samples[0].status, samples[0].reward = SampleStatus.FAILED, None
+    m = score_samples(samples, cfg, correct=1.0)
+    assert m["failed"] == 1 and m["pass@1"] == pytest.approx(0.75)
+
+
+class ScriptedGenerator:
+    """Answers prompt ``qi`` with ``answers[i]`` (ids are the bytes); raises for ``boom``."""
+
+    def __init__(self, answers: dict[int, str]) -> None:
+        self.answers = answers
+        self.calls = 0
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        rid: str | None = None,
+    ) -> GenerateResult:
+        self.calls += 1
+        text = self.answers[int(bytes(input_ids).decode()[1:])]
+        if text == "boom":
+            raise ConnectionError("engine went away")
+        ids = list(text.encode())
+        return GenerateResult(rid=rid or "", output_ids=ids, logprobs=[-0.1] * len(ids),
+                              versions=[7] * len(ids), finish_reason=FinishReason(type="stop"),
+                              text=text)  # fmt: skip
+
+
+async def test_evaluate_set_runs_the_workflow_n_times_per_prompt_with_the_real_reward():
+    prompts = []
+    for i, label in enumerate(["4", "9", "1"]):
+        p = prompt(i, label, "k")
+        # Token ids are the bytes of the text, as the scripted generator reads them.
+        p.packed_prompt = np.frombuffer(f"q{i}".encode(), np.uint8).astype(np.int32).tobytes()
+        prompts.append(p)
+    gen = ScriptedGenerator({0: " #### 4", 1: " #### 8", 2: "boom"})
+    score = build_reward(RewardConfig(type="exact"))
+    ctx = RolloutContext(engine=gen, score=score, sampling={"max_new_tokens": 16})
+    cfg = EvalSetConfig(name="t", path="x.jsonl", n_samples=2, pass_k=[2])
+    m = await evaluate_set(ctx, single_turn, prompts, cfg, correct=1.0, max_concurrency=2)
+    await score.aclose()
+    assert gen.calls == 6
+    assert m["pass@1"] == pytest.approx(1 / 3) and m["pass@2"] == pytest.approx(1 / 3)
+    assert m["failed"] == 2  # the raising engine call failed those samples, not the eval
+    assert m["response_len"] == pytest.approx((7 + 7) * 2 / 6)
+    assert m["seconds"] >= 0 and not math.isnan(m["reward"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interval": 5}, "eval.sets is empty"),
+        ({"interval": 5, "sets": [{"name": "a", "path": "x"}] * 2}, "must be unique"),
+        ({"sets": [{"name": "a", "path": "x", "n_samples": 2, "pass_k": [4]}]}, "k=\\[4\\]"),
+        ({"sets": [{"name": "a", "path": "x", "sampling": {"top_p": 2}}]}, "sampling"),
+    ],
+)
+def test_eval_configs_that_cannot_work_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EvalConfig(**kwargs)
+
+
+def test_an_actor_process_gets_the_thread_limit_of_its_spec():
+    code = (
+        "from asyncrl.runtime.child import limit_threads; import os, torch;"
+        "limit_threads(1); print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.split() == ["1", "1"], out.stderr
