@@ -3,6 +3,7 @@
     asyncrl train CONFIG.yaml [--preset NAME] [--dry-run] [--<config flag> VALUE ...]
     asyncrl sft [CONFIG.yaml] --model DIR --data FILE.jsonl [--<config flag> VALUE ...]
     asyncrl serve --model DIR [--host 127.0.0.1] [--port 30000] [--device cpu] ...
+    asyncrl plot RUN_DIR [--out DIR]
     asyncrl version
 
 Thin on purpose: nothing heavy is imported before the arguments are parsed, so
@@ -49,6 +50,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     add_arguments(train)
     _add_sft(sub, argv)
     _add_serve(sub)
+    _add_plot(sub)
     sub.add_parser("version", help="print the asyncrl version")
     return parser
 
@@ -90,6 +92,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    plot = sub.add_parser(
+        "plot",
+        help="draw PNG figures of a training run",
+        description="Draw reward, eval, throughput, staleness and actor-timeline figures "
+        "(PNG) from the metrics files of a run directory; figures whose inputs are missing "
+        "are skipped. Prints the paths written.",
+    )
+    plot.add_argument(
+        "run_dir", type=Path, metavar="RUN_DIR", help="run directory (holds metrics.jsonl)"
+    )
+    plot.add_argument(
+        "--out", type=Path, metavar="DIR", help="output directory (default: RUN_DIR/plots)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -107,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return _serve(args)
+    if args.command == "plot":
+        return _plot(args)
     return _train(args)
 
 
@@ -297,6 +317,22 @@ def _serve(args: argparse.Namespace) -> int:
     server_args = {"host": host, "port": args.port, "dtype": args.dtype}
     server = EngineServer(engine, server_args=server_args)
     uvloop.run(serve_until_signalled(server, host, args.port))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    if not (args.run_dir / "metrics.jsonl").is_file():
+        print(
+            f"asyncrl plot: {args.run_dir} is not a run directory (no metrics.jsonl)",
+            file=sys.stderr,
+        )
+        return 2
+    from asyncrl.observe.logs import configure_logging
+    from asyncrl.observe.plots import plot_run
+
+    configure_logging(actor="plot")  # skipped lines are warned about on stderr
+    for path in plot_run(args.run_dir, args.out or args.run_dir / "plots"):
+        print(path)
     return 0
 
 

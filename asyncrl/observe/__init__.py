@@ -3,8 +3,8 @@
 ``configure_logging`` is called once per process at start: by the CLI for the controller
 and by ``runtime/child.py`` for each actor, which then bind their name, pid and weight
 version so every line carries them. The controller and trainer write the run's numbers
-through a ``MetricsSink`` (always ``JsonlMetricsSink``); ``asyncrl plot`` reads them back
-with ``read_jsonl``.
+through a ``MetricsSink`` (always ``JsonlMetricsSink``); ``read_jsonl`` reads them back
+strictly, and ``asyncrl plot`` (``plots``) draws them, skipping a bad line with a warning.
 """
 
 from asyncrl.observe.logs import (

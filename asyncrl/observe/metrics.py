@@ -1,8 +1,8 @@
 """Metrics sinks: where the controller and trainer write the run's numbers, one record a line.
 
-``JsonlMetricsSink`` always runs (``RUN_DIR/metrics.jsonl``, read back by ``read_jsonl``
-for ``asyncrl plot``); TensorBoard and W&B sinks will implement the same ``MetricsSink``
-protocol, and ``MultiSink`` fans one record out to all of them.
+``JsonlMetricsSink`` always runs (``RUN_DIR/metrics.jsonl``, read back by ``read_jsonl``;
+``asyncrl plot`` reads it leniently, see ``plots.py``); TensorBoard and W&B sinks will
+implement the same ``MetricsSink`` protocol, and ``MultiSink`` fans one record out to all.
 
 Values are plain JSON: numpy scalars, 0-d arrays and 0-d torch tensors become Python
 numbers. JSON has no NaN or infinity, so non-finite floats are written as ``null``; a
@@ -173,7 +173,7 @@ class MultiSink(_ClosesOnExit):
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read a metrics file written by ``JsonlMetricsSink``; called by ``asyncrl plot``.
+    """Read a metrics file written by ``JsonlMetricsSink`` (strictly: for tools and tests).
 
     A last line without its newline that does not parse is what a crash mid-write leaves:
     it is skipped with a warning. Any other bad line raises ``ValueError`` naming the file
