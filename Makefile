@@ -8,7 +8,8 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-wire bench-buffer bench-engine bench-server bench-trainer clean
+.PHONY: demo arith-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer \
+	bench-overlap clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,8 +19,17 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import asyncrl.wire, msgspec, zmq, pytest"
 	touch $(STAMP)
 
+# GRPO on the arithmetic demo (about 10 minutes on 2 CPU cores), then its figures.
 demo: $(STAMP)
-	$(VENV)/bin/asyncrl train examples/dry_run/config.yaml --dry-run
+	$(VENV)/bin/asyncrl train examples/arith/config.yaml
+	$(VENV)/bin/asyncrl plot runs/arith
+
+# Rebuild the demo's starting checkpoint (data, SFT warm-up; about 5 minutes).
+arith-model: $(STAMP)
+	$(PY) examples/arith/make_model.py
+
+bench-overlap: $(STAMP)
+	$(PY) bench/overlap.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncrl tests bench examples

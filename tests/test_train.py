@@ -82,6 +82,8 @@ async def test_a_short_async_run_trains_and_accounts_for_every_prompt(tmp_path):
     evals = [json.loads(x) for x in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
     versions = [r["version"] for r in evals]
     assert versions == sorted(set(versions)) and versions[-1] == 3, versions
+    windows = [v // 2 for v in versions[:-1]]  # at most one version per interval, final aside
+    assert len(windows) == len(set(windows)), versions
     assert all(r["set"] == "held" and r["prompts"] == 6 and r["samples"] == 18 for r in evals)
     assert all(0 <= r["pass@1"] <= r["pass@3"] <= 1 for r in evals)
     # Each rollout actor wrote its counters and when its engine was busy.

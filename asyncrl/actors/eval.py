@@ -124,6 +124,8 @@ class EvalActor(Actor):
             except (PeerLost, RemoteError, TimeoutError) as exc:
                 log.warning("weights not pulled", version=msg.version, error=str(exc))
                 continue
+            if not self._due(msg.version):  # an evaluation started meanwhile moved next_due
+                continue
             self._pending = (msg, tensors)
             self._ready.set()
 
@@ -142,9 +144,10 @@ class EvalActor(Actor):
             assert self._pending is not None
             msg, tensors = self._pending
             self._pending = None
+            # At once, so the versions announced while this one is evaluated are not due.
+            self.next_due = (msg.version // self.cfg.interval + 1) * self.cfg.interval
             await self._load(msg, tensors)
             await self._evaluate(msg.version)
-            self.next_due = (msg.version // self.cfg.interval + 1) * self.cfg.interval
             if self.num_steps > 0 and msg.version >= self.num_steps:
                 log.info("evaluated the final version", version=msg.version)
                 return
