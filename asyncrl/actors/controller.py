@@ -31,6 +31,7 @@ from typing import Any
 from asyncrl.actors.base import ActorSpec
 from asyncrl.config import RunConfig
 from asyncrl.observe.logs import get_logger
+from asyncrl.observe.progress import JobProgress
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import ActorDied, Supervisor
 from asyncrl.runtime.topology import allocate_endpoints, job_specs
@@ -71,11 +72,7 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
             runtime, hub, heartbeat_timeout=cfg.runtime.heartbeat_timeout, startup_timeout=600
         )
         async with sup:
-            try:
-                await sup.launch(specs)
-                await sup.wait_until(lambda st: st["trainer"].state == "finished")
-            except ActorDied as exc:
-                error = str(exc)
+            error = await _train(sup, specs, cfg)
             # Producers first, so what they hold lands in the buffer before it checkpoints.
             rollouts = [s.name for s in specs if s.role == "rollout"]
             await sup.stop(rollouts, cfg.runtime.stop_timeout)
@@ -85,6 +82,23 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
     steps = _last_step(run_dir / "metrics.jsonl")
     ok = not error and all(code == 0 for code in codes.values())
     return JobResult(ok=ok, seconds=time.monotonic() - start, steps=steps, error=error, codes=codes)
+
+
+async def _train(sup: Supervisor, specs: list[ActorSpec], cfg: RunConfig) -> str:
+    """Launch ``specs`` and wait for the trainer's last step, with a progress bar; the
+    failure that ended it early, or ''."""
+    samples_per_step = cfg.buffer.groups_per_step * cfg.buffer.num_samples_per_prompt
+    progress = JobProgress(cfg.train.num_steps, samples_per_step)
+    async with asyncio.TaskGroup() as tg:
+        bar = tg.create_task(progress.run(sup.status), name="controller.progress")
+        try:
+            await sup.launch(specs)
+            await sup.wait_until(lambda st: st["trainer"].state == "finished")
+        except ActorDied as exc:
+            return str(exc)
+        finally:
+            bar.cancel()
+    return ""
 
 
 async def _wait_final_eval(sup: Supervisor, cfg: RunConfig) -> str:
