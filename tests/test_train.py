@@ -118,9 +118,9 @@ def test_train_refuses_missing_model_or_data_before_launch(tmp_path, capsys):
     assert "sampling" in capsys.readouterr().err
 
 
-def reward_that_fails_on_label_3(sample) -> float:
-    """A user reward with a bug: it raises for one kind of prompt."""
-    if sample.label == "3":
+def reward_that_fails_on_label_2(sample) -> float:
+    """A user reward with a bug: it raises for one kind of prompt (rows 1 and 7)."""
+    if sample.label == "2":
         raise ZeroDivisionError("division by zero in user reward")
     return float(sample.response_text.strip() == sample.label)
 
@@ -129,7 +129,8 @@ async def test_a_raising_reward_fails_its_samples_and_the_run_goes_on(tmp_path):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")
     flags = [*job_flags(tmp_path, steps=2), "--rm-type", "custom"]
-    flags += ["--custom-rm-path", "tests.test_train:reward_that_fails_on_label_3"]
+    flags += ["--custom-rm-path", "tests.test_train:reward_that_fails_on_label_2"]
+    flags += ["--rollout-shuffle", "false"]  # row 1 is among the first groups admitted
     result = await run_job(load_config(overrides=flags))
     assert result.ok and result.steps == 2, result.error
     last = last_buffer_metrics(tmp_path / "run")
