@@ -73,21 +73,24 @@ async def test_only_the_newest_blobs_are_kept_and_asking_for_an_old_one_says_so(
         assert (await client.fetch("v3"))["w"].tolist() == [3.0] * 4
 
 
-async def test_a_server_counts_completed_pulls_so_an_exiting_trainer_can_wait_for_them(
+async def test_a_server_records_who_completed_a_pull_so_an_exiting_trainer_can_wait(
     endpoint: str,
 ):
     async with BlobServer(endpoint, chunk_bytes=97) as server:
         server.put("v", tensors())
-        waiter = asyncio.create_task(server.wait_completed("v", 2))
-        async with BlobClient(server.endpoint, window=2) as client:
-            await client.manifest("v")  # a manifest alone is not a pull
-            await client.fetch("v")
+        waiter = asyncio.create_task(server.wait_completed("v", ["eval"]))
+        async with (
+            BlobClient(server.endpoint, window=2, puller="rollout-0") as rollout,
+            BlobClient(server.endpoint, window=2, puller="eval") as ev,
+        ):
+            await ev.manifest("v")  # a manifest alone is not a pull
+            await rollout.fetch("v")  # someone else's pull does not count
             await asyncio.sleep(0.05)
-            assert server.completed("v") == 1 and not waiter.done()
-            await client.fetch("v")
+            assert server.completed("v") == ["rollout-0"] and not waiter.done()
+            await ev.fetch("v")
         async with asyncio.timeout(5):
             await waiter
-    assert server.completed("v") == 2 and server.completed("other") == 0
+    assert server.completed("v") == ["rollout-0", "eval"] and server.completed("other") == []
 
 
 def test_layout_aligns_every_tensor_to_64_bytes():

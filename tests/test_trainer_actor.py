@@ -47,7 +47,12 @@ def trainer_spec(tmp_path: Path, ep: dict[str, str], name: str, num_steps: int) 
         params={
             "trainer": {"model_path": str(tmp_path / "model"), "lr": 1e-2, "seed": 0},
             # The subscriber process may join after the last step: wait for its pull.
-            "publish": {"transport": "pull", "keep": 2, "final_fetches": 1, "linger_s": 120},
+            "publish": {
+                "transport": "pull",
+                "keep": 2,
+                "final_pullers": ["subscriber"],
+                "linger_s": 120,
+            },
             "num_steps": num_steps,
             "checkpoint_dir": str(tmp_path / "ckpt"),
             "checkpoint_interval": 1,
@@ -131,7 +136,7 @@ async def test_the_trainer_actor_trains_publishes_acknowledges_and_resumes(
     # A new trainer process resumes from the newest checkpoint and takes step 3.
     resumed = trainer_spec(tmp_path, ep, "trainer-2", num_steps=3)
     resumed.params["resume"] = True
-    resumed.params["publish"]["final_fetches"] = 0  # nobody subscribes this time
+    resumed.params["publish"]["final_pullers"] = []  # nobody subscribes this time
     await supervisor.launch([resumed])
     async with asyncio.timeout(180):
         await produce_until(supervisor, ep, "trainer-2")

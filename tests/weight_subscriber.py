@@ -21,7 +21,7 @@ from asyncrl.trainers.weight_sync import WeightReceiver
 async def main(pub: str, snapshot: str, version: int, model_dir: str, out: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     params = model.state_dict()
-    async with WeightReceiver(pub, snapshot) as rx:
+    async with WeightReceiver(pub, snapshot, puller="subscriber") as rx:
         msg = await asyncio.wait_for(rx.next_version(after=version - 1), 120)
         tensors = await rx.fetch(msg)
     with torch.no_grad():

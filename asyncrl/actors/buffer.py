@@ -292,6 +292,7 @@ class BufferActor(Actor):
         log.info("buffer restored", path=str(path), version=state.version)
 
     async def drain(self) -> None:
+        self._write_metrics()  # the last row holds the final accounting
         path = self.spec.params.get("checkpoint_on_stop")
         if path:
             self.save_checkpoint(Path(path))
@@ -300,10 +301,13 @@ class BufferActor(Actor):
         return {**flatten_stats(self.buffer.statistics()), "unacked_batches": len(self._unacked)}
 
     async def _metrics_loop(self) -> None:
-        assert self.metrics is not None
         interval = float(self.spec.params.get("metrics_interval", 5.0))
         while True:
             await asyncio.sleep(interval)
+            self._write_metrics()
+
+    def _write_metrics(self) -> None:
+        if self.metrics is not None:
             full = self.buffer.statistics()  # the histograms too, not just their means
             self.metrics.write(
                 {

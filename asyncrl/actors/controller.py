@@ -171,7 +171,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
     if cfg.train.publish == "disk":
         publish["dir"] = str(run_dir / "weights")
     if cfg.eval.enabled:  # the eval actor pulls the final version after the last step
-        publish.update(final_fetches=1, linger_s=_FINAL_LINGER_S)
+        publish.update(final_pullers=["eval"], linger_s=_FINAL_LINGER_S)
     rollout = {
         "engine": engine if isinstance(engine, dict) else engine.model_dump(mode="json"),
         "sampling": dict(cfg.rollout.sampling),

@@ -63,13 +63,14 @@ class EvalActor(Actor):
         self.next_due = 0 if self.cfg.at_start else self.cfg.interval
         self._pending: tuple[WeightVersion, dict[str, torch.Tensor] | None] | None = None
         self._ready = asyncio.Event()
+        self._final_lost = False
         self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
         tokenizer = self.host.engine.tokenizer if self.host.engine is not None else None
         self.sets = [await self._open_set(s, tokenizer) for s in self.cfg.sets]
         ep = self.spec.endpoints
         frame = int(self.spec.config.get("wire", {}).get("max_frame_bytes", 256 << 20))
         rx = WeightReceiver(ep["trainer.weights"], ep["trainer.weights_snapshot"],
-                            max_frame_bytes=frame)  # fmt: skip
+                            max_frame_bytes=frame, puller=self.name)  # fmt: skip
         self.receiver = await self.hold(rx)
         self.metrics = JsonlMetricsSink(params["metrics_path"], flush_every=0)
 
@@ -107,9 +108,11 @@ class EvalActor(Actor):
             follow.cancel()
 
     # -- weights ---------------------------------------------------------------------------
+    def _is_final(self, version: int) -> bool:
+        return self.num_steps > 0 and version >= self.num_steps
+
     def _due(self, version: int) -> bool:
-        final = self.num_steps > 0 and version >= self.num_steps
-        return version >= self.next_due or final
+        return version >= self.next_due or self._is_final(version)
 
     async def _follow(self) -> None:
         seen = -1
@@ -123,6 +126,9 @@ class EvalActor(Actor):
                     tensors = await self.receiver.fetch(msg) if self.host.engine else None
             except (PeerLost, RemoteError, TimeoutError) as exc:
                 log.warning("weights not pulled", version=msg.version, error=str(exc))
+                if self._is_final(msg.version):  # the trainer is gone: nothing more comes
+                    self._final_lost = True
+                    self._ready.set()
                 continue
             if not self._due(msg.version):  # an evaluation started meanwhile moved next_due
                 continue
@@ -141,6 +147,9 @@ class EvalActor(Actor):
         while True:
             await self._ready.wait()
             self._ready.clear()
+            if self._pending is None and self._final_lost:
+                log.warning("the final version could not be pulled; eval ends without it")
+                return
             assert self._pending is not None
             msg, tensors = self._pending
             self._pending = None

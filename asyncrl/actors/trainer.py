@@ -199,17 +199,17 @@ class TrainerActor(Actor):
         await self._linger()
 
     async def _linger(self) -> None:
-        """Keep serving the final version until ``publish.final_fetches`` subscribers (an
-        eval actor, say) pulled it, for at most ``publish.linger_s`` seconds: the pulled
-        weights live in this process, so they go when it exits."""
+        """Keep serving the final version until the subscribers named in
+        ``publish.final_pullers`` (the eval actor, say) pulled it, for at most
+        ``publish.linger_s`` seconds: the weights live in this process and go with it."""
         publish = self.spec.params.get("publish", {})
-        want = int(publish.get("final_fetches", 0))
+        want = list(publish.get("final_pullers", []))
         try:
             async with asyncio.timeout(float(publish.get("linger_s", 30.0))):
                 await self.weights.wait_fetched(want)
         except TimeoutError:
             got = self.weights.fetched()
-            log.warning("exiting before every subscriber pulled the final weights", got=got)
+            log.warning("exiting before the final weights were pulled", want=want, got=got)
 
     async def on_command(self, cmd: Command) -> dict[str, Scalar]:
         if cmd.kind == "checkpoint":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
 
@@ -89,18 +90,18 @@ class WeightPublisher:
         self.latest = msg
         return msg
 
-    def fetched(self) -> int | None:
-        """How many pulls of the latest version completed (None: not a pull transport)."""
+    def fetched(self) -> list[str]:
+        """The pullers that completed a pull of the latest version (pull transport)."""
         if self.latest is None or self.blob is None:
-            return None
+            return []
         return self.blob.completed(self.latest.blob)
 
-    async def wait_fetched(self, count: int) -> None:
-        """Before the trainer exits: wait until ``count`` subscribers pulled the latest
+    async def wait_fetched(self, pullers: Collection[str]) -> None:
+        """Before the trainer exits: wait until each of ``pullers`` pulled the latest
         version. Disk and broadcast versions outlive the trainer or were delivered already,
         so they need no wait."""
         if self.latest is not None and self.blob is not None and self.transport == "pull":
-            await self.blob.wait_completed(self.latest.blob, count)
+            await self.blob.wait_completed(self.latest.blob, pullers)
 
     async def _broadcast(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
         assert self.group is not None
@@ -158,11 +159,12 @@ class WeightReceiver:
         window: int = 16,
         group: BroadcastGroup | None = None,
         name: str = "weights",
+        puller: str = "",
     ) -> None:
         codec = Codec(WeightVersion, max_frame_bytes=max_frame_bytes)
         self.group = group
         self.subscriber = Subscriber(endpoint, snapshot_endpoint, codec, [TOPIC], name=name)
-        self.window, self.max_frame_bytes = window, max_frame_bytes
+        self.window, self.max_frame_bytes, self.puller = window, max_frame_bytes, puller
         self._clients: dict[str, BlobClient] = {}
 
     async def __aenter__(self) -> WeightReceiver:
@@ -219,7 +221,11 @@ class WeightReceiver:
         client = self._clients.get(endpoint)
         if client is None:
             client = BlobClient(
-                endpoint, window=self.window, max_frame_bytes=self.max_frame_bytes, name="blob"
+                endpoint,
+                window=self.window,
+                max_frame_bytes=self.max_frame_bytes,
+                name="blob",
+                puller=self.puller,
             )
             await client.__aenter__()
             self._clients[endpoint] = client

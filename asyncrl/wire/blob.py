@@ -11,8 +11,9 @@ Flow and loss rules
   memory in transit is at most ``window * chunk_bytes``.
 - The server sends views of the stored tensors (no copy); the client copies each chunk once,
   into a single destination buffer, and returns tensors that are views into it.
-- The client ends a pull with ``FetchDone``, so a server can count completed pulls (a
-  trainer about to exit waits until its subscribers hold the final version).
+- The client ends a pull with ``FetchDone`` carrying its ``puller`` name, so a server
+  knows who holds a blob (a trainer about to exit waits until its eval actor has the
+  final version).
 - A server keeps the newest ``keep`` blobs. Asking for a dropped one is a ``RemoteError``
   naming the blobs it has, so a slow engine learns it must move to the latest version.
 - Stored tensors must not be modified while they are served: put a copy of live weights.
@@ -25,6 +26,7 @@ import bisect
 import itertools
 import math
 from collections import OrderedDict, deque
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -115,8 +117,8 @@ class BlobServer(RpcServer[BlobRequest, BlobReply]):
         self.chunk_bytes = chunk_bytes
         self.keep = keep
         self._blobs: OrderedDict[str, _StoredBlob] = OrderedDict()
-        # Pulls that reached a blob's last chunk; a trainer about to exit waits on them.
-        self._completed: dict[str, int] = {}
+        # Who completed a pull of each blob; a trainer about to exit waits on them.
+        self._completed: dict[str, list[str]] = {}
         self._served = asyncio.Condition()
 
     def put(self, blob: str, tensors: dict[str, torch.Tensor]) -> BlobManifest:
@@ -137,14 +139,14 @@ class BlobServer(RpcServer[BlobRequest, BlobReply]):
         """Names of the blobs served now, oldest first."""
         return list(self._blobs)
 
-    def completed(self, blob: str) -> int:
-        """How many pulls of ``blob`` have completed (their client said ``FetchDone``)."""
-        return self._completed.get(blob, 0)
+    def completed(self, blob: str) -> list[str]:
+        """The pullers (by name, in order) whose pull of ``blob`` completed."""
+        return list(self._completed.get(blob, []))
 
-    async def wait_completed(self, blob: str, count: int) -> None:
-        """Wait until ``count`` pulls of ``blob`` have completed."""
+    async def wait_completed(self, blob: str, pullers: Collection[str]) -> None:
+        """Wait until every one of ``pullers`` has completed a pull of ``blob``."""
         async with self._served:
-            await self._served.wait_for(lambda: self.completed(blob) >= count)
+            await self._served.wait_for(lambda: set(pullers) <= set(self.completed(blob)))
 
     async def _serve(self, req: BlobRequest, peer: bytes) -> BlobReply:
         stored = self._blobs.get(req.blob)
@@ -154,7 +156,7 @@ class BlobServer(RpcServer[BlobRequest, BlobReply]):
             return stored.manifest
         if isinstance(req, FetchDone):  # counted on the client's word: every byte arrived
             async with self._served:
-                self._completed[req.blob] = self.completed(req.blob) + 1
+                self._completed.setdefault(req.blob, []).append(req.by)
                 self._served.notify_all()
             return BlobChunk(blob=req.blob, index=-1, parts=[])
         return BlobChunk(blob=req.blob, index=req.index, parts=stored.chunk(req.index))
@@ -172,9 +174,11 @@ class BlobClient(RpcClient[BlobRequest, BlobReply]):
         identity: str | None = None,
         name: str = "blob",
         allow_remote: bool = False,
+        puller: str = "",
     ) -> None:
         codec_req = Codec(BlobRequest, max_frame_bytes=max_frame_bytes)
         codec_rep = Codec(BlobReply, max_frame_bytes=max_frame_bytes)
+        self.puller = puller
         super().__init__(
             endpoint,
             codec_req,
@@ -221,7 +225,9 @@ class BlobClient(RpcClient[BlobRequest, BlobReply]):
         finally:
             for _, fut in inflight:
                 fut.cancel()
-        await self.call(FetchDone(blob=m.blob))  # lets an exiting server know we are done
+        await self.call(
+            FetchDone(blob=m.blob, by=self.puller)
+        )  # lets an exiting server know we are done
         return {e.name: t for e, t in zip(m.entries, targets, strict=True)} if out is None else out
 
     def _request(self, blob: str, index: int) -> asyncio.Future[BlobReply]:

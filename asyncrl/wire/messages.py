@@ -113,9 +113,10 @@ class FetchChunk(Message):
 
 
 class FetchDone(Message):
-    """The puller holds every chunk of a blob (the server counts completed pulls)."""
+    """Puller ``by`` holds every chunk of a blob (the server records who completed it)."""
 
     blob: str
+    by: str = ""
 
 
 class BlobChunk(Message):
