@@ -26,11 +26,13 @@ import signal
 import socket
 import time
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 
 from asyncrl.observe.logs import bind_context, get_logger
+from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.wire.channels import _Channel
 from asyncrl.wire.control import ControlLink
 from asyncrl.wire.messages import (
@@ -152,6 +154,12 @@ class Actor(ABC):
         """Enter ``resource`` (an async context manager: engines, clients); it is closed
         after ``teardown()``, in reverse order with the channels."""
         return await self._stack.enter_async_context(resource)
+
+    def open_metrics(self, path: str | Path, *, flush_every: float = 1.0) -> JsonlMetricsSink:
+        """A JSONL metrics sink at ``path``, flushed and closed after ``teardown()``."""
+        sink = JsonlMetricsSink(path, flush_every=flush_every)
+        self._stack.callback(sink.close)
+        return sink
 
     def all_stats(self) -> dict[str, float]:
         """Actor stats plus ``<channel>.<counter>`` for every opened channel."""

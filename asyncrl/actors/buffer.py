@@ -36,7 +36,6 @@ from asyncrl.actors.base import Actor
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import BufferState, BufferStats, VersionedBuffer
 from asyncrl.observe.logs import get_logger
-from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.types import Group, TrainBatch, WorkItem
 from asyncrl.wire.codec import Codec, Message
 from asyncrl.wire.messages import Command, Scalar, WeightVersion
@@ -121,7 +120,7 @@ class BufferActor(Actor):
         self._unacked: dict[int, TrainBatch] = {}  # handed to the trainer, step not done
         await self._open_channels()
         path = params.get("metrics_path")
-        self.metrics = JsonlMetricsSink(path) if path else None
+        self.metrics = self.open_metrics(path) if path else None
 
     async def _open_channels(self) -> None:
         ep, frame = self.spec.endpoints, _frame_bytes(self.spec.config)
@@ -160,13 +159,6 @@ class BufferActor(Actor):
             await self.wait_stopping()
             for task in loops:  # a stop ends the loops; their failures still propagate
                 task.cancel()
-
-    async def main(self) -> int:
-        try:
-            return await super().main()
-        finally:
-            if getattr(self, "metrics", None) is not None:
-                self.metrics.close()
 
     # -- producers -----------------------------------------------------------------------
     async def _serve_work(self, req: WorkRequest, peer: bytes) -> WorkReply:

@@ -72,7 +72,7 @@ class EvalActor(Actor):
         rx = WeightReceiver(ep["trainer.weights"], ep["trainer.weights_snapshot"],
                             max_frame_bytes=frame, puller=self.name)  # fmt: skip
         self.receiver = await self.hold(rx)
-        self.metrics = JsonlMetricsSink(params["metrics_path"], flush_every=0)
+        self.metrics = self.open_metrics(params["metrics_path"], flush_every=0)
 
     async def _open_set(self, cfg: EvalSetConfig, tokenizer: Any) -> _EvalSet:
         from asyncrl.rollout.rewards import build_reward
@@ -181,13 +181,6 @@ class EvalActor(Actor):
 
     def stats(self) -> dict[str, float]:
         return {"eval/versions": float(self.evaluated), **self._last}
-
-    async def main(self) -> int:
-        try:
-            return await super().main()
-        finally:
-            if self.metrics is not None:
-                self.metrics.close()
 
 
 @dataclass(slots=True)

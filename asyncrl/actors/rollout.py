@@ -81,7 +81,7 @@ class RolloutActor(Actor):
         )
         await self._open_channels()
         if params.get("metrics_dir"):
-            self.metrics = JsonlMetricsSink(Path(params["metrics_dir"]) / f"{self.name}.jsonl")
+            self.metrics = self.open_metrics(Path(params["metrics_dir"]) / f"{self.name}.jsonl")
 
     async def _open_channels(self) -> None:
         ep, frame = self.spec.endpoints, _frame_bytes(self.spec.config)
@@ -256,13 +256,6 @@ class RolloutActor(Actor):
             await self._slot_freed.wait()
         await self.results.join()
         self._write_metrics()
-
-    async def main(self) -> int:
-        try:
-            return await super().main()
-        finally:
-            if self.metrics is not None:
-                self.metrics.close()
 
     def stats(self) -> dict[str, float]:
         elapsed = max(time.monotonic() - self._started, 1e-9)

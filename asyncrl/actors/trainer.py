@@ -70,7 +70,7 @@ class TrainerActor(Actor):
         self._resync = True
         await self._open_channels()
         path = params.get("metrics_path")
-        self.metrics = JsonlMetricsSink(path) if path else None
+        self.metrics = self.open_metrics(path) if path else None
 
     async def _open_channels(self) -> None:
         ep, frame = self.spec.endpoints, _frame_bytes(self.spec.config)
@@ -219,13 +219,6 @@ class TrainerActor(Actor):
 
     def stats(self) -> dict[str, float]:
         return {"steps": float(self.steps_done), "skipped": float(self.skipped), **self._last}
-
-    async def main(self) -> int:
-        try:
-            return await super().main()
-        finally:
-            if self.metrics is not None:
-                self.metrics.close()
 
 
 def build_trainer(config: dict[str, Any], params: dict[str, Any]) -> Trainer:
