@@ -34,6 +34,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
+from asyncrl.buffer.dump import batch_files
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.policies.config import PolicyConfig
@@ -159,6 +160,45 @@ class TrainConfig(Section):
         json_schema_extra={"flag": "update-weight-transport"},
     )
     metrics_interval: float = Field(5.0, gt=0, description="seconds between buffer metrics")
+    debug_rollout_only: bool = Field(
+        False,
+        description="no trainer: write every batch to save_rollout_data (default "
+        "RUN_DIR/rollout_data) with the weights fixed at version 0",
+        json_schema_extra={"flag": "debug-rollout-only"},
+    )
+    save_rollout_data: str | None = Field(
+        None,
+        description="directory to write each train batch to (batch_NNNNNN.msgpack)",
+        json_schema_extra={"flag": "save-debug-rollout-data"},
+    )
+    load_rollout_data: str | None = Field(
+        None,
+        description="train-only: no buffer or engines; train on the batches of this directory",
+        json_schema_extra={"flag": "load-debug-rollout-data"},
+    )
+
+    @model_validator(mode="after")
+    def _one_debug_mode(self) -> TrainConfig:
+        if self.debug_rollout_only and self.load_rollout_data:
+            raise ValueError(
+                "debug_rollout_only (no trainer) and load_rollout_data (no rollout) together "
+                "leave nothing to run: pick one"
+            )
+        if self.load_rollout_data and self.save_rollout_data:
+            raise ValueError("load_rollout_data replays a dump: save_rollout_data would copy it")
+        if self.load_rollout_data and not batch_files(Path(self.load_rollout_data).expanduser()):
+            raise ValueError(
+                f"load_rollout_data: {self.load_rollout_data} holds no batch_NNNNNN.msgpack "
+                "files (write them with --debug-rollout-only or --save-debug-rollout-data)"
+            )
+        return self
+
+    def rollout_data_dir(self, run_dir: Path) -> Path | None:
+        """Where batches are written: ``save_rollout_data``, or ``RUN_DIR/rollout_data`` in
+        rollout-only mode, else None."""
+        if self.save_rollout_data:
+            return Path(self.save_rollout_data).expanduser()
+        return run_dir / "rollout_data" if self.debug_rollout_only else None
 
 
 class RunConfig(Section):
@@ -190,7 +230,13 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _async_needs_a_correction(self) -> RunConfig:
-        self.algo.check_async(self.buffer.max_staleness)
+        if not self.train.debug_rollout_only:  # nothing is trained in rollout-only mode
+            self.algo.check_async(self.buffer.max_staleness)
+        if self.train.debug_rollout_only and self.eval.enabled:
+            raise ValueError(
+                "eval.interval is set but debug_rollout_only never changes the weights: "
+                "there is nothing new to evaluate"
+            )
         return self
 
     def resolved_output_dir(self) -> Path:
@@ -270,6 +316,11 @@ class FlagSpec:
     required: bool
     parse: Callable[[str], Any] = dataclasses.field(repr=False, compare=False)
 
+    @property
+    def is_switch(self) -> bool:
+        """A bool flag: given alone (``--use-kl-loss``) it means true, as in slime."""
+        return self.metavar == _BOOL_METAVAR
+
 
 def flag_table(model: type[BaseModel] = RunConfig) -> dict[str, FlagSpec]:
     """``{"--flag": FlagSpec}`` for every leaf of ``model``, aliases included.
@@ -338,13 +389,16 @@ def _non_null(ann: Any) -> list[Any]:
     return [ann]
 
 
+_BOOL_METAVAR = "{true,false}"
+
+
 def _metavar(ann: Any) -> str:
     members = _non_null(ann)
     ann = members[0] if len(members) == 1 else Any
     origin = get_origin(ann) or ann
     if origin is Literal:
         return "{" + ",".join(_show(a) for a in get_args(ann)) + "}"
-    named = {bool: "{true,false}", list: "LIST", tuple: "LIST", set: "LIST", dict: "MAP"}
+    named = {bool: _BOOL_METAVAR, list: "LIST", tuple: "LIST", set: "LIST", dict: "MAP"}
     return named.get(origin) or (ann.__name__.upper() if isinstance(ann, type) else "VALUE")
 
 
@@ -393,6 +447,7 @@ def add_arguments(parser: argparse.ArgumentParser, model: type[BaseModel] = RunC
             default=argparse.SUPPRESS,
             metavar=spec.metavar,
             help=_help_text(spec),
+            **({"nargs": "?", "const": "true"} if spec.is_switch else {}),
         )
 
 
@@ -511,6 +566,8 @@ def _flag_values(
             problems.append(f"expected an option like --flag VALUE, got {flag!r}")
         elif flag not in table:
             problems.append(f"unknown option {flag}{_hint(flag, table, quote=False)}")
+        elif raw is _MISSING and table[flag].is_switch:
+            values.append((table[flag], "true"))
         elif raw is _MISSING:
             problems.append(f"option {flag} needs a value: {flag} {table[flag].metavar}")
         else:

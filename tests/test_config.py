@@ -311,6 +311,19 @@ def test_the_parsed_namespace_feeds_load_config():
     assert (cfg.seed, cfg.log.level) == (4, "debug")
 
 
+def test_a_bool_flag_alone_means_true_as_in_slime():
+    assert load_config(overrides=["--use-kl-loss", "--kl-loss-coef", "0.1"]).algo.use_kl_loss
+    off = load_config(overrides=["--debug-rollout-only", "false"])
+    assert off.train.debug_rollout_only is False
+    parser = argparse.ArgumentParser(prog="t")
+    add_arguments(parser)
+    ns = parser.parse_args(["--debug-rollout-only", "--seed", "2"])
+    assert load_config(overrides=overrides_from_namespace(ns)).train.debug_rollout_only
+    assert problems(overrides=["--seed", "--debug-rollout-only"])[0].startswith(
+        "option --seed needs a value"
+    )  # only a bool flag stands alone
+
+
 def test_an_alias_reaches_the_same_field_through_argparse():
     parser = argparse.ArgumentParser(prog="t")
     add_arguments(parser, Outer)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.actors.controller import run_job
+from asyncrl.buffer.dump import batch_files, read_batch
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from tests.tiny_model import build_tiny_model
@@ -157,3 +158,49 @@ async def test_each_mode_of_the_same_code_finishes_with_the_accounting_whole(tmp
     eta = 0 if "0" in mode[1:2] else 1
     assert all(r["staleness/max"] <= eta for r in rows)
     assert accounted(last_buffer_metrics(tmp_path / "run"))
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+async def test_rollout_only_dumps_batches_at_version_0_with_the_accounting_whole(tmp_path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    flags = [*job_flags(tmp_path, steps=3), "--debug-rollout-only"]
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok and result.steps == 3, result.error
+    run_dir = tmp_path / "run"
+    files = batch_files(run_dir / "rollout_data")
+    assert [f.name for f in files] == [f"batch_00000{i}.msgpack" for i in (1, 2, 3)]
+    samples = [s for f in files for s in read_batch(f).samples]
+    assert len(samples) == 3 * 2 * 2  # 3 batches of B = 2 groups of 2 samples
+    assert all(set(s.token_versions.tolist()) <= {0} for s in samples)  # no weight update
+    assert [r["samples"] for r in metrics_rows(run_dir)] == [4, 4, 4]
+    last = last_buffer_metrics(run_dir)
+    assert last["buffer.consumed"] == 3 * 2 and accounted(last)
+    assert not (run_dir / "checkpoints" / "trainer").exists()  # nothing was trained
+
+
+async def test_train_only_replays_a_saved_run_step_for_step(tmp_path):
+    """A run that saved its batches, replayed from the same initial weights with no buffer
+    or engine, takes the same steps with the same losses."""
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    dump = tmp_path / "dump"
+    saved = [*job_flags(tmp_path, steps=3), "--save-debug-rollout-data", str(dump)]
+    first = await run_job(load_config(overrides=saved))
+    assert first.ok, first.error
+    assert len(batch_files(dump)) == 3
+    replay = [*job_flags(tmp_path, steps=0), "--output-dir", str(tmp_path / "replay")]
+    replay += ["--load-debug-rollout-data", str(dump)]  # 0 steps: until the dump runs out
+    second = await run_job(load_config(overrides=replay))
+    assert second.ok and second.steps == 3, second.error
+    assert set(second.codes) == {"trainer"}
+    assert not (tmp_path / "replay" / "metrics" / "buffer.jsonl").exists()
+    original, replayed = metrics_rows(tmp_path / "run"), metrics_rows(tmp_path / "replay")
+    for a, b in zip(original, replayed, strict=True):
+        assert b["step"] == a["step"] and b["num_tokens"] == a["num_tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["staleness/mean"] == a["staleness/mean"]

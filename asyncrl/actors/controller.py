@@ -16,6 +16,13 @@ Run directory: ``config.json`` (resolved config), ``logs/<actor>.{out,jsonl}``,
 follows the versions), ``checkpoints/trainer/step_NNNNNN``, ``checkpoints/buffer.ckpt``,
 ``weights/`` (disk transport). ``--resume`` starts the trainer from its newest checkpoint
 and the buffer from its checkpoint, so no prompt is lost or repeated.
+
+Debug modes (slime's names): ``--debug-rollout-only`` puts a ``BatchDumper`` in the
+trainer's seat, so every batch goes to ``RUN_DIR/rollout_data/`` (or
+``--save-debug-rollout-data DIR``) and the weights stay at version 0;
+``--load-debug-rollout-data DIR`` launches only the trainer (and eval), which trains on
+those files in order; ``--save-debug-rollout-data DIR`` in a normal run keeps a copy of
+every batch trained.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ ROLE_CLASSES = {
     "trainer": "asyncrl.actors.trainer:TrainerActor",
     "eval": "asyncrl.actors.eval:EvalActor",
 }
+#: The trainer's seat in rollout-only mode (``--debug-rollout-only``).
+DUMPER_CLASS = "asyncrl.actors.dumper:BatchDumper"
+#: A staleness bound no run reaches (rollout-only: nothing ever goes stale).
+_UNBOUNDED = 1 << 30
 #: Seconds a finished trainer keeps serving its final weights for the eval actor to pull.
 _FINAL_LINGER_S = 120.0
 
@@ -133,9 +144,13 @@ def job_actor_specs(
         "log_level": cfg.log.level,
         "log_format": cfg.log.format,
     }
+    train_only = cfg.train.load_rollout_data is not None
+    classes = dict(ROLE_CLASSES)
+    if cfg.train.debug_rollout_only:
+        classes["trainer"] = DUMPER_CLASS
     specs = job_specs(
-        classes=ROLE_CLASSES,
-        num_rollout_actors=cfg.rollout.num_actors,
+        classes=classes,
+        num_rollout_actors=0 if train_only else cfg.rollout.num_actors,
         endpoints=endpoints,
         run_dir=run_dir,
         config=cfg.model_dump(mode="json"),
@@ -143,6 +158,8 @@ def job_actor_specs(
         params=role_params(cfg, run_dir, resume=resume),
         extra_roles=["eval"] if cfg.eval.enabled else [],
     )
+    if train_only:  # the batches come from files: no buffer, no engines
+        specs = [s for s in specs if s.role != "buffer"]
     threads = cfg.runtime.threads or _threads_per_torch_process(cfg)
     for spec in specs:
         spec.threads = threads
@@ -155,14 +172,18 @@ def _threads_per_torch_process(cfg: RunConfig) -> int:
     """The cores shared among the processes that run torch (trainer, embedded engines,
     eval), at least one each."""
     embedded = cfg.rollout.engine is None or cfg.rollout.engine.type == "torch"
-    busy = 1 + (cfg.rollout.num_actors if embedded else 0) + int(cfg.eval.enabled)
-    return max(1, (os.cpu_count() or 1) // busy)
+    engines = 0 if cfg.train.load_rollout_data or not embedded else cfg.rollout.num_actors
+    trainer = 0 if cfg.train.debug_rollout_only else 1
+    busy = trainer + engines + int(cfg.eval.enabled)
+    return max(1, (os.cpu_count() or 1) // max(busy, 1))
 
 
 def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dict[str, Any]]:
     """Each role's ``params`` (what its actor reads in ``setup``)."""
-    if cfg.trainer is None or cfg.data is None:
-        raise ValueError("training needs a trainer section (--hf-checkpoint) and data")
+    if cfg.trainer is None:
+        raise ValueError("training needs a trainer section (--hf-checkpoint)")
+    if cfg.data is None and cfg.train.load_rollout_data is None:
+        raise ValueError("training needs data (--prompt-data) or --load-debug-rollout-data")
     model = cfg.trainer.model_path
     ckpt = run_dir / "checkpoints"
     buffer_ckpt = ckpt / "buffer.ckpt"
@@ -182,10 +203,24 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
         "metrics_dir": str(run_dir / "metrics"),
         "metrics_interval": cfg.train.metrics_interval,
     }
+    dump = cfg.train.rollout_data_dir(run_dir)
+    trainer: dict[str, Any] = {
+        "trainer": cfg.trainer.model_dump(mode="json"),
+        "publish": publish,
+        "num_steps": cfg.train.num_steps,
+        "checkpoint_dir": str(ckpt / "trainer"),
+        "checkpoint_interval": cfg.train.checkpoint_interval,
+        "metrics_path": str(run_dir / "metrics.jsonl"),
+        "resume": resume,
+        "save_dump": str(dump) if dump else None,
+        "load_dump": cfg.train.load_rollout_data,
+    }
+    if cfg.train.debug_rollout_only:
+        trainer = {k: trainer[k] for k in ("num_steps", "metrics_path")} | {"dump_dir": str(dump)}
     return {
         "buffer": {
-            "buffer": cfg.buffer.model_dump(mode="json"),
-            "source": cfg.data.model_dump(mode="json"),
+            "buffer": _buffer_params(cfg),
+            "source": cfg.data.model_dump(mode="json") if cfg.data else None,
             "tokenizer": model,
             "metrics_path": str(run_dir / "metrics" / "buffer.jsonl"),
             "metrics_interval": cfg.train.metrics_interval,
@@ -193,15 +228,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
             "resume_from": str(buffer_ckpt) if resume and buffer_ckpt.exists() else None,
         },
         "rollout": rollout,
-        "trainer": {
-            "trainer": cfg.trainer.model_dump(mode="json"),
-            "publish": publish,
-            "num_steps": cfg.train.num_steps,
-            "checkpoint_dir": str(ckpt / "trainer"),
-            "checkpoint_interval": cfg.train.checkpoint_interval,
-            "metrics_path": str(run_dir / "metrics.jsonl"),
-            "resume": resume,
-        },
+        "trainer": trainer,
         "eval": {
             **rollout,
             "engine": (
@@ -212,3 +239,12 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
             "metrics_path": str(run_dir / "metrics" / "eval.jsonl"),
         },
     }
+
+
+def _buffer_params(cfg: RunConfig) -> dict[str, Any]:
+    """The buffer's config. Rollout-only lifts the staleness bound: the weights never
+    change, so every sample is fresh and admission need not wait for a trainer."""
+    params = cfg.buffer.model_dump(mode="json")
+    if cfg.train.debug_rollout_only:
+        params.update(max_staleness=_UNBOUNDED, hard_staleness=None, age_guarantee=None)
+    return params

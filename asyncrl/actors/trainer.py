@@ -15,6 +15,10 @@ newest checkpoint in ``checkpoint_dir``), re-announces its version and asks the 
 for any batch it had not acknowledged (``resync``), so a crash between taking and
 training loses nothing.
 
+Debug modes: with ``load_dump`` (a directory of ``asyncrl.buffer.dump`` files) the
+batches come from those files instead of the buffer (train-only); with ``save_dump`` each
+batch taken is also written there.
+
 ``params``: ``trainer`` (``TorchTrainer.Config``), ``publish`` (``transport``
 pull|disk|dist, ``dir``, ``keep``; for dist ``dist_address`` host:port,
 ``dist_world_size`` = 1 + subscribers, ``dist_backend``), ``num_steps`` (stop at this
@@ -32,7 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.base import Actor, ActorSpec
+from asyncrl.actors.batches import BatchSource, BufferBatches, DumpedBatches
 from asyncrl.actors.buffer import BatchReply, BatchRequest
+from asyncrl.buffer.dump import BatchWriter
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.policies.config import PolicyConfig
@@ -46,7 +52,6 @@ from asyncrl.wire.pubsub import Publisher
 from asyncrl.wire.rpc import RpcClient
 
 log = get_logger("asyncrl.trainer")
-_WAIT_S = 1.0
 
 
 class TrainerActor(Actor):
@@ -66,18 +71,21 @@ class TrainerActor(Actor):
         self._resume(params)
         self.version = self.trainer.version
         self.num_steps = int(params.get("num_steps", 0))
-        self._acks: list[int] = []
-        self._resync = True
         await self._open_channels()
         path = params.get("metrics_path")
         self.metrics = self.open_metrics(path) if path else None
 
     async def _open_channels(self) -> None:
         ep, frame = self.spec.endpoints, _frame_bytes(self.spec.config)
-        codec_rep = Codec(BatchReply, max_frame_bytes=frame)
-        self.batches = await self.open(
-            RpcClient(ep["buffer.batches"], Codec(BatchRequest), codec_rep), "batches"
-        )
+        params = self.spec.params
+        self.batches: BatchSource
+        if params.get("load_dump"):  # train-only: no buffer in this job
+            self.batches = DumpedBatches(Path(params["load_dump"]), skip=self.trainer.version)
+        else:
+            codec_rep = Codec(BatchReply, max_frame_bytes=frame)
+            client = RpcClient(ep["buffer.batches"], Codec(BatchRequest), codec_rep)
+            self.batches = BufferBatches(await self.open(client, "batches"), self.name)
+        self.dump = BatchWriter(Path(params["save_dump"])) if params.get("save_dump") else None
         announcer = await self.open(
             Publisher(ep["trainer.weights"], ep["trainer.weights_snapshot"], Codec(WeightVersion)),
             "weights",
@@ -124,13 +132,15 @@ class TrainerActor(Actor):
                     self.request_stop("the buffer has no more data")
                 continue
             batch = batch_reply.batch
+            if self.dump is not None:
+                await asyncio.to_thread(self.dump.write, batch)
             try:
                 result = await asyncio.to_thread(self.trainer.train_step, batch)
             except UntrainableBatch as exc:  # its groups are accounted for; go on
                 self.skipped += 1
                 log.warning("batch skipped", batch=batch.batch_id, reason=str(exc))
                 result = None
-            self._acks.append(batch.batch_id)
+            self.batches.done(batch.batch_id)
             if result is not None:
                 await self._after_step(result, waited)
         if self._done():  # a stop drains: the last acks go out and a checkpoint is taken
@@ -142,15 +152,7 @@ class TrainerActor(Actor):
 
     async def _next_batch(self) -> tuple[BatchReply, float]:
         start = time.perf_counter()
-        req = BatchRequest(
-            trainer=self.name,
-            wait=_WAIT_S,
-            ack=self._acks,
-            resync=self._resync,
-            version=self.trainer.version,
-        )
-        reply = await self.batches.call(req)
-        self._acks, self._resync = [], False
+        reply = await self.batches.next(self.trainer.version)
         return reply, time.perf_counter() - start
 
     async def _after_step(self, result: StepResult, waited: float) -> None:
@@ -189,12 +191,7 @@ class TrainerActor(Actor):
         return path
 
     async def drain(self) -> None:
-        if self._acks:  # finished steps must not be served again after we stop
-            final = BatchRequest(
-                trainer=self.name, ack=self._acks, take=False, version=self.trainer.version
-            )
-            await self.batches.call(final)
-            self._acks = []
+        await self.batches.close(self.trainer.version)
         await self._checkpoint()
         await self._linger()
 

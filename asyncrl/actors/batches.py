@@ -1,0 +1,86 @@
+"""Where a trainer's batches come from: the buffer (rpc, with acknowledgements) or a dump.
+
+Both sources answer ``next(version)`` with a ``BatchReply`` (a batch, or none yet, or
+``exhausted``); ``done(batch_id)`` marks a batch finished and ``close(version)`` sends
+what is still owed before the actor stops. Users: ``TrainerActor`` (either source) and
+``BatchDumper`` (the buffer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Protocol
+
+from asyncrl.actors.buffer import BatchReply, BatchRequest
+from asyncrl.buffer.dump import batch_files, read_batch
+from asyncrl.wire.rpc import RpcClient
+
+_WAIT_S = 1.0
+
+
+class BatchSource(Protocol):
+    """What a consumer of train batches needs; see the module doc."""
+
+    async def next(self, version: int) -> BatchReply: ...
+
+    def done(self, batch_id: int) -> None: ...
+
+    async def close(self, version: int) -> None: ...
+
+
+class BufferBatches:
+    """Batches from the buffer actor. A batch stays held by the buffer until acknowledged;
+    the acknowledgements ride on the next request, and the first request asks for any
+    batch this consumer took before a restart (``resync``), so a crash loses nothing."""
+
+    def __init__(self, client: RpcClient[BatchRequest, BatchReply], consumer: str) -> None:
+        self.client = client
+        self.consumer = consumer
+        self._acks: list[int] = []
+        self._resync = True
+
+    async def next(self, version: int) -> BatchReply:
+        req = BatchRequest(
+            trainer=self.consumer,
+            wait=_WAIT_S,
+            ack=self._acks,
+            resync=self._resync,
+            version=version,
+        )
+        reply = await self.client.call(req)
+        self._acks, self._resync = [], False
+        return reply
+
+    def done(self, batch_id: int) -> None:
+        self._acks.append(batch_id)
+
+    async def close(self, version: int) -> None:
+        if self._acks:  # finished batches must not be served again after we stop
+            final = BatchRequest(trainer=self.consumer, ack=self._acks, take=False, version=version)
+            await self.client.call(final)
+            self._acks = []
+
+
+class DumpedBatches:
+    """Batches from the files of a dump (``asyncrl.buffer.dump``), in order, after the
+    first ``skip`` (a trainer resumed at version ``v`` skips the ``v`` it trained)."""
+
+    def __init__(self, directory: Path, *, skip: int = 0) -> None:
+        self.files = batch_files(directory)
+        if not self.files:
+            raise ValueError(f"{directory}: no batch_NNNNNN.msgpack files to train on")
+        self.position = min(skip, len(self.files))
+
+    async def next(self, version: int) -> BatchReply:
+        if self.position >= len(self.files):
+            return BatchReply(batch=None, exhausted=True)
+        batch = await asyncio.to_thread(read_batch, self.files[self.position])
+        self.position += 1
+        return BatchReply(batch=batch)
+
+    def done(self, batch_id: int) -> None:
+        pass  # files are never consumed: a dump can be replayed again
+
+    async def close(self, version: int) -> None:
+        pass

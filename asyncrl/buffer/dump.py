@@ -1,0 +1,78 @@
+"""Batch dumps: the ``TrainBatch``es a buffer served, one msgpack file each, for replay.
+
+The debug modes of ``asyncrl train`` use them (slime's ``--save-debug-rollout-data`` and
+``--load-debug-rollout-data``):
+
+- rollout-only (``--debug-rollout-only``): no trainer; every batch the buffer would have
+  trained is written here (``actors/dumper.py``);
+- ``--save-debug-rollout-data DIR`` in a normal run: the trainer also writes each batch it
+  takes, so a step can be replayed offline;
+- train-only (``--load-debug-rollout-data DIR``): no buffer, no engines; the trainer
+  trains on these files in order.
+
+Layout: ``DIR/batch_NNNNNN.msgpack``, numbered from 1 in the order the batches were
+taken. Each file is one ``TrainBatch`` encoded by the wire codec with every array inline
+(one self-contained body, no pickle) and is written atomically (temp file, then rename),
+so a crash never leaves half a batch under a final name. A writer opened on a directory
+that already holds batches continues the numbering, which is what a resumed run needs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from asyncrl.types import TrainBatch
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.errors import WireError
+
+_NAME = re.compile(r"^batch_(\d{6,})\.msgpack$")
+#: Larger than any batch: every array is encoded in the body, so one file is one frame.
+_ALL_INLINE = 1 << 62
+
+
+def batch_files(directory: Path) -> list[Path]:
+    """The batch files of ``directory`` in the order they were written."""
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if _NAME.match(p.name)), key=_index)
+
+
+def _index(path: Path) -> int:
+    match = _NAME.match(path.name)
+    assert match is not None  # batch_files lists only matching names
+    return int(match.group(1))
+
+
+def _codec() -> Codec[TrainBatch]:
+    return Codec(TrainBatch, max_frame_bytes=_ALL_INLINE, inline_bytes=_ALL_INLINE)
+
+
+class BatchWriter:
+    """Appends batches to ``directory`` as ``batch_NNNNNN.msgpack``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        existing = batch_files(directory)
+        self.count = _index(existing[-1]) if existing else 0
+        self._codec = _codec()
+
+    def write(self, batch: TrainBatch) -> Path:
+        """Write ``batch`` as the next file; returns its path."""
+        (body,) = self._codec.encode(batch)
+        path = self.directory / f"batch_{self.count + 1:06d}.msgpack"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(body)
+        os.replace(tmp, path)
+        self.count += 1
+        return path
+
+
+def read_batch(path: Path) -> TrainBatch:
+    """One dumped batch; ``ValueError`` naming the file when it is not one."""
+    try:
+        return _codec().decode([path.read_bytes()])
+    except WireError as exc:
+        raise ValueError(f"{path}: not a dumped TrainBatch ({exc})") from exc
