@@ -37,6 +37,7 @@ from pydantic_core import ErrorDetails
 from asyncrl.buffer.dump import batch_files
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
+from asyncrl.observe.trackers import check_tracker_setup
 from asyncrl.policies.config import PolicyConfig
 from asyncrl.rollout.config import EvalConfig, RolloutConfig
 from asyncrl.trainers.config import TorchTrainerConfig
@@ -142,6 +143,34 @@ class LogConfig(Section):
     format: Literal["console", "json"] = Field(
         "console", description="console output for people or JSON lines for machines"
     )
+    use_tensorboard: bool = Field(
+        False,
+        description="also write the metrics to TensorBoard (RUN_DIR/tensorboard)",
+        json_schema_extra={"flag": "use-tensorboard"},
+    )
+    use_wandb: bool = Field(
+        False, description="also log the metrics to W&B", json_schema_extra={"flag": "use-wandb"}
+    )
+    wandb_project: str = Field(
+        "asyncrl", description="W&B project", json_schema_extra={"flag": "wandb-project"}
+    )
+    wandb_group: str | None = Field(
+        None, description="W&B run group", json_schema_extra={"flag": "wandb-group"}
+    )
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online",
+        description="offline writes RUN_DIR/wandb for a later `wandb sync`",
+        json_schema_extra={"flag": "wandb-mode"},
+    )
+
+    @model_validator(mode="after")
+    def _trackers_can_start(self) -> LogConfig:
+        problems = check_tracker_setup(
+            tensorboard=self.use_tensorboard, wandb=self.use_wandb, wandb_mode=self.wandb_mode
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class TrainConfig(Section):

@@ -9,11 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from asyncrl.actors.controller import run_job
 from asyncrl.buffer.dump import batch_files, read_batch
 from asyncrl.cli import main
 from asyncrl.config import load_config
+from tests.test_trackers import wandb_history
 from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -66,8 +68,9 @@ def eval_flags(tmp_path: Path, interval: int) -> list[str]:
 async def test_a_short_async_run_trains_and_accounts_for_every_prompt(tmp_path):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")
-    cfg = load_config(overrides=[*job_flags(tmp_path, steps=3), *eval_flags(tmp_path, 2)])
-    result = await run_job(cfg)
+    trackers = ["--use-tensorboard", "--use-wandb", "--wandb-mode", "offline"]
+    flags = [*job_flags(tmp_path, steps=3), *eval_flags(tmp_path, 2), *trackers]
+    result = await run_job(load_config(overrides=flags))
     assert result.ok, result.error
     assert result.steps == 3
     run_dir = tmp_path / "run"
@@ -94,6 +97,14 @@ async def test_a_short_async_run_trains_and_accounts_for_every_prompt(tmp_path):
     assert rollout[-1]["rollout/groups"] >= 3 * 2
     spans = [b for r in rollout for b in r["busy"]]
     assert spans and all(a <= b for a, b in spans)
+    # The controller forwarded the metrics files to TensorBoard and W&B, to the last row.
+    tb = EventAccumulator(str(run_dir / "tensorboard"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("train/loss")] == [1, 2, 3]
+    assert [e.step for e in tb.Scalars("eval/held/pass@1")] == versions
+    [wandb_run] = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    history = wandb_history(wandb_run)
+    assert [r["train/step"] for r in history if "train/loss" in r] == [1, 2, 3]
 
 
 async def test_a_resumed_run_continues_from_its_checkpoints(tmp_path):

@@ -14,8 +14,10 @@ Run directory: ``config.json`` (resolved config), ``logs/<actor>.{out,jsonl}``,
 ``metrics.jsonl`` (trainer steps), ``metrics/{buffer,rollout-N}.jsonl``,
 ``metrics/eval.jsonl`` (held-out sets, when ``eval.interval`` is set: an eval actor
 follows the versions), ``checkpoints/trainer/step_NNNNNN``, ``checkpoints/buffer.ckpt``,
-``weights/`` (disk transport). ``--resume`` starts the trainer from its newest checkpoint
-and the buffer from its checkpoint, so no prompt is lost or repeated.
+``weights/`` (disk transport), ``tensorboard/`` and ``wandb/`` (``--use-tensorboard``,
+``--use-wandb``: the controller forwards the metrics files there). ``--resume`` starts
+the trainer from its newest checkpoint and the buffer from its checkpoint, so no prompt is
+lost or repeated.
 
 Debug modes (slime's names): ``--debug-rollout-only`` puts a ``BatchDumper`` in the
 trainer's seat, so every batch goes to ``RUN_DIR/rollout_data/`` (or
@@ -39,6 +41,7 @@ from asyncrl.actors.base import ActorSpec
 from asyncrl.config import RunConfig
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.progress import JobProgress
+from asyncrl.observe.trackers import TensorBoardTracker, Tracker, WandbTracker, following
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import ActorDied, Supervisor
 from asyncrl.runtime.topology import allocate_endpoints, job_specs
@@ -78,7 +81,12 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
     endpoints = allocate_endpoints(cfg.runtime.host)
     specs = job_actor_specs(cfg, endpoints, run_dir, resume=resume)
     error, codes, steps = "", {}, 0
-    async with ControlHub(endpoints["control"]) as hub, LocalRuntime(run_dir) as runtime:
+    trackers = await asyncio.to_thread(open_trackers, cfg, run_dir)
+    async with (
+        following(run_dir, trackers, cfg.train.metrics_interval),
+        ControlHub(endpoints["control"]) as hub,
+        LocalRuntime(run_dir) as runtime,
+    ):
         sup = Supervisor(
             runtime, hub, heartbeat_timeout=cfg.runtime.heartbeat_timeout, startup_timeout=600
         )
@@ -124,6 +132,24 @@ async def _wait_final_eval(sup: Supervisor, cfg: RunConfig) -> str:
     except ActorDied as exc:
         return str(exc)
     return ""
+
+
+def open_trackers(cfg: RunConfig, run_dir: Path) -> list[Tracker]:
+    """TensorBoard and W&B, as ``cfg.log`` asks; the controller forwards metrics to them."""
+    trackers: list[Tracker] = []
+    if cfg.log.use_tensorboard:
+        trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
+    if cfg.log.use_wandb:
+        wandb = WandbTracker(
+            project=cfg.log.wandb_project,
+            name=cfg.name,
+            directory=run_dir,
+            config=cfg.model_dump(mode="json"),
+            mode=cfg.log.wandb_mode,
+            group=cfg.log.wandb_group,
+        )
+        trackers.append(wandb)
+    return trackers
 
 
 def _last_step(metrics: Path) -> int:
