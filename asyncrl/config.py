@@ -261,6 +261,12 @@ class RunConfig(Section):
     def _async_needs_a_correction(self) -> RunConfig:
         if not self.train.debug_rollout_only:  # nothing is trained in rollout-only mode
             self.algo.check_async(self.buffer.max_staleness)
+        if self.rollout.colocate and self.buffer.max_staleness > 0:
+            raise ValueError(
+                f"rollout.colocate with max_staleness={self.buffer.max_staleness}: colocated "
+                "engines sleep while the trainer steps, so generation cannot run ahead of "
+                "training; set --buffer-max-staleness 0 (synchronous) or drop --colocate"
+            )
         if self.train.debug_rollout_only and self.eval.enabled:
             raise ValueError(
                 "eval.interval is set but debug_rollout_only never changes the weights: "

@@ -94,8 +94,10 @@ class Peers:
         for ch in reversed(self.channels):
             await ch.__aexit__(None, None, None)
 
-    async def ask(self, n: int, actor: str = "rollout-0", wait: float = 0.3) -> WorkReply:
-        return await self.work.call(WorkRequest(actor=actor, max_items=n, wait=wait))
+    async def ask(
+        self, n: int, actor: str = "rollout-0", wait: float = 0.3, **fields: object
+    ) -> WorkReply:
+        return await self.work.call(WorkRequest(actor=actor, max_items=n, wait=wait, **fields))
 
     async def batch(self, wait: float = 5.0) -> BatchReply:
         return await self.batches.call(BatchRequest(trainer="trainer", wait=wait))
@@ -247,3 +249,46 @@ async def test_a_producer_whose_engines_lag_behind_the_version_gets_no_work(
         assert reply.items == [] and reply.version == 1
         current = WorkRequest(actor="rollout-0", max_items=4, wait=0.2, version=1)
         assert len((await peers.work.call(current)).items) == B  # one step freed B slots
+
+
+async def test_a_request_that_waited_across_a_new_version_gets_no_work_for_old_engines(
+    supervisor: Supervisor, tmp_path: Path
+):
+    ep = allocate_endpoints()
+    await supervisor.launch([buffer_spec(tmp_path, ep)])
+    async with asyncio.timeout(60), Peers(ep) as peers:
+        for item in (await peers.ask(100, version=0)).items:
+            await peers.results.send(finish(item, version=0))
+        await peers.results.join()
+        # No room at version 0: this request waits, and the trainer steps meanwhile.
+        pending = asyncio.create_task(peers.ask(100, wait=20.0, version=0))
+        await asyncio.sleep(0.3)
+        await train_step(peers, supervisor, 0)
+        reply = await pending
+        # Work admitted at version 1 must not go to engines that still serve version 0.
+        assert reply.items == [] and reply.version == 1
+
+
+async def test_colocated_the_batch_waits_until_every_engine_sleeps(
+    supervisor: Supervisor, tmp_path: Path
+):
+    ep = allocate_endpoints()
+    sync = {"groups_per_step": B, "num_samples_per_prompt": N, "max_staleness": 0}
+    await supervisor.launch([buffer_spec(tmp_path, ep, buffer=sync, colocate=True)])
+    async with asyncio.timeout(60), Peers(ep) as peers:
+        items = (await peers.ask(100, actor="rollout-0")).items
+        assert len(items) == B
+        idle = await peers.ask(100, actor="rollout-1")  # nothing left before the next step
+        assert idle.items == [] and idle.sleep
+        for item in items:
+            await peers.results.send(finish(item, version=0))
+        await peers.results.join()
+        # The batch is complete: an awake actor's waiting request returns at once, to sleep.
+        woken = await asyncio.wait_for(peers.ask(100, actor="rollout-0", wait=30.0), 10)
+        assert woken.items == [] and woken.sleep
+        assert (await peers.batch(wait=0.5)).batch is None  # both engines still awake
+        await peers.ask(100, actor="rollout-1", wait=0.1, asleep=True)
+        assert (await peers.batch(wait=0.5)).batch is None  # rollout-0 still awake
+        await peers.ask(100, actor="rollout-0", wait=0.1, asleep=True)
+        served = (await peers.batch(wait=5.0)).batch
+        assert served is not None and len(served.groups) == B

@@ -215,3 +215,29 @@ async def test_train_only_replays_a_saved_run_step_for_step(tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         assert b["staleness/mean"] == a["staleness/mean"]
+
+
+async def test_colocated_engines_sleep_through_every_train_step(tmp_path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    flags = [*job_flags(tmp_path, steps=3, eta=0), "--colocate", "--rollout-num-actors", "2"]
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok and result.steps == 3, result.error
+    run_dir = tmp_path / "run"
+    steps = metrics_rows(run_dir)
+    assert all(r["staleness/max"] == 0 for r in steps)
+    assert accounted(last_buffer_metrics(run_dir))
+    # When each step ran: it ended before the version was published and the row written.
+    spans = [
+        (r["time"] - r["time/publish"] - r["time/step"], r["time"] - r["time/publish"])
+        for r in steps
+    ]
+    for i in (0, 1):
+        rows = [
+            json.loads(x)
+            for x in (run_dir / "metrics" / f"rollout-{i}.jsonl").read_text().splitlines()
+        ]
+        assert rows[-1]["rollout/sleeps"] >= 3  # before each of the three steps
+        busy = [b for r in rows for b in r["busy"]]
+        overlaps = [(a, b) for a, b in busy for s, e in spans if a < e and s < b]
+        assert not overlaps, (overlaps, spans)

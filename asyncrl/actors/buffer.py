@@ -14,11 +14,16 @@ polling: admission room for work, a full batch for the trainer. Every state chan
 (a result, a new version, a batch taken) wakes the waiters. All policy lives in
 ``VersionedBuffer``; this actor only moves messages and exports its numbers.
 
+Colocated jobs (``params.colocate``, eta = 0): engines and trainer share devices, so a
+batch goes to the trainer only once every rollout actor reports (``WorkRequest.asleep``)
+that its engines released their memory; an actor is told it may sleep (``WorkReply.sleep``)
+as soon as nothing can be handed out before the next version.
+
 Commands: ``requeue`` (``actor=NAME``: its in-flight work goes back to be resumed, used
 by the supervisor when a producer dies) and ``checkpoint`` (``path=FILE``).
 ``params``: ``buffer`` (``VersionedBuffer.Config``), ``source``
 (``PromptSource.Config``), ``tokenizer`` (a directory), ``resume_from`` (a checkpoint
-file), ``metrics_path`` and ``metrics_interval``.
+file), ``metrics_path``, ``metrics_interval`` and ``colocate``.
 """
 
 from __future__ import annotations
@@ -59,14 +64,18 @@ class WorkRequest(Message):
     max_items: int
     wait: float = 1.0
     version: int = -1
+    asleep: bool = False  # colocated: this actor's engines have released their memory
 
 
 class WorkReply(Message):
-    """Work to do (maybe none yet); ``exhausted`` means no more will ever come."""
+    """Work to do (maybe none yet); ``exhausted`` means no more will ever come. ``sleep``
+    (colocated jobs): no work until the trainer's next version, so an idle actor may
+    release its engines' memory for the train step."""
 
     items: list[WorkItem]
     version: int
     exhausted: bool = False
+    sleep: bool = False
 
 
 class BatchRequest(Message):
@@ -118,6 +127,8 @@ class BufferActor(Actor):
         self._aborted_at = -1
         self._outcomes: dict[str, int] = defaultdict(int)
         self._unacked: dict[int, TrainBatch] = {}  # handed to the trainer, step not done
+        self.colocate = bool(params.get("colocate", False))
+        self._asleep: dict[str, bool] = {}  # colocated: actor -> engines released
         await self._open_channels()
         path = params.get("metrics_path")
         self.metrics = self.open_metrics(path) if path else None
@@ -162,13 +173,37 @@ class BufferActor(Actor):
 
     # -- producers -----------------------------------------------------------------------
     async def _serve_work(self, req: WorkRequest, peer: bytes) -> WorkReply:
-        if self.stopping or 0 <= req.version < self.buffer.version:
+        self._note_sleep(req.actor, req.asleep)
+        if self.stopping or self._behind(req):
             return WorkReply(items=[], version=self.buffer.version)
-        await self._wait_until(lambda: self._has_work() or self._no_more_work(), req.wait)
+        await self._wait_until(lambda: self._has_work() or self._wake_to_sleep(req), req.wait)
+        if self._behind(req):  # a new version came while we waited: load it first
+            return WorkReply(items=[], version=self.buffer.version)
         items = self.buffer.next_work(max(0, req.max_items))
         self._holders[req.actor].update(i.group_uid for i in items)
         exhausted = not items and self._no_more_work()
-        return WorkReply(items=items, version=self.buffer.version, exhausted=exhausted)
+        sleep = self.colocate and not items and not exhausted
+        return WorkReply(items=items, version=self.buffer.version, exhausted=exhausted, sleep=sleep)
+
+    def _behind(self, req: WorkRequest) -> bool:
+        """The actor's engines serve an older version than admission would stamp."""
+        return 0 <= req.version < self.buffer.version
+
+    def _wake_to_sleep(self, req: WorkRequest) -> bool:
+        """End the wait at once: the data is used up, or (colocated) a full batch waits
+        for the trainer, so an awake actor should go to sleep now rather than later."""
+        ready = self.buffer.ready(self.buffer.config.groups_per_step)
+        return self._no_more_work() or (self.colocate and ready and not req.asleep)
+
+    def _note_sleep(self, actor: str, asleep: bool) -> None:
+        if self.colocate and self._asleep.get(actor) != asleep:
+            self._asleep[actor] = asleep
+            self._notify()  # the trainer may be waiting for the last engine to sleep
+
+    def _batch_ready(self, n: int) -> bool:
+        """``n`` groups are done and, colocated, every rollout actor that asked for work
+        has released its engines."""
+        return self.buffer.ready(n) and (not self.colocate or all(self._asleep.values()))
 
     def _has_work(self) -> bool:
         buf = self.buffer
@@ -210,7 +245,11 @@ class BufferActor(Actor):
         if req.resync and self._unacked:  # a restarted trainer lost this batch: again
             return BatchReply(batch=self._unacked[min(self._unacked)])
         n = req.num_groups or self.buffer.config.groups_per_step
-        await self._wait_until(lambda: self.buffer.ready(n) or self.buffer.exhausted, req.wait)
+        ready = await self._wait_until(
+            lambda: self._batch_ready(n) or self.buffer.exhausted, req.wait
+        )
+        if not ready:
+            return BatchReply(batch=None)
         batch = self.buffer.take_batch(n)
         if batch is not None:
             self._unacked[batch.batch_id] = batch
@@ -265,6 +304,7 @@ class BufferActor(Actor):
     def requeue_actor(self, actor: str) -> int:
         """Put the in-flight work of ``actor`` (it died) back to be handed out again."""
         n = self.buffer.requeue(sorted(self._holders.pop(actor, set())))
+        self._asleep.pop(actor, None)  # a dead actor's engines hold nothing to wait for
         if n:
             log.warning("requeued in-flight work", actor=actor, groups=n)
             self._notify()

@@ -228,6 +228,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
         "tokenizer": model,
         "metrics_dir": str(run_dir / "metrics"),
         "metrics_interval": cfg.train.metrics_interval,
+        "colocate": cfg.rollout.colocate,
     }
     dump = cfg.train.rollout_data_dir(run_dir)
     trainer: dict[str, Any] = {
@@ -250,6 +251,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
             "tokenizer": model,
             "metrics_path": str(run_dir / "metrics" / "buffer.jsonl"),
             "metrics_interval": cfg.train.metrics_interval,
+            "colocate": cfg.rollout.colocate,
             "checkpoint_on_stop": str(buffer_ckpt),
             "resume_from": str(buffer_ckpt) if resume and buffer_ckpt.exists() else None,
         },

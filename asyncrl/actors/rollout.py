@@ -12,6 +12,10 @@ Loops, under one TaskGroup: ``work`` asks for as many groups as it has free slot
 on every unfinished sample concurrently and sends the group; ``weights`` loads each new
 version into the engines (``EngineHost.load``); ``events`` aborts in-flight requests when
 the buffer says a step has enough (APRIL), so their partials go back to the pool.
+Colocated (``colocate``): when the buffer says no work can come before the next version
+and nothing runs here, the engines sleep (release their memory) and the next request says
+so; the buffer hands the trainer its batch only when every actor sleeps, and the weights
+loop wakes the engines before loading the new version.
 
 A workflow or reward that raises marks only that sample ``failed`` with the reason (the
 buffer then accounts the group as failed); the actor goes on. ``params``: ``engine``
@@ -54,7 +58,9 @@ class RolloutActor(Actor):
 
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
-        self.counts = {"groups": 0, "samples": 0, "failed": 0, "aborted": 0, "tokens": 0}
+        self.counts = dict.fromkeys(
+            ("groups", "samples", "failed", "aborted", "tokens", "sleeps"), 0
+        )
         self.busy_s = 0.0
         self._in_flight = 0
         self._started = time.monotonic()
@@ -69,6 +75,8 @@ class RolloutActor(Actor):
         self._slot_freed = asyncio.Event()
         self._behind = 0  # the buffer's version at our last request
         self._loaded = asyncio.Event()
+        self.colocate = bool(params.get("colocate", False))
+        self._asleep = False  # colocated: the engines released their memory
         self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
         self.workflow = _load_workflow(params.get("workflow"))
         self.score = await self.hold(contextlib.aclosing(_build_reward(params.get("reward", {}))))
@@ -142,7 +150,11 @@ class RolloutActor(Actor):
             if self._behind > self.host.version:  # the buffer waits for our new weights
                 await self._wait_loaded()
             req = WorkRequest(
-                actor=self.name, max_items=self._free, wait=_WAIT_S, version=self.host.version
+                actor=self.name,
+                max_items=self._free,
+                wait=_WAIT_S,
+                version=self.host.version,
+                asleep=self._asleep,
             )
             try:
                 reply = await self.work.call(req)
@@ -156,6 +168,22 @@ class RolloutActor(Actor):
                 tg.create_task(self._run_group(item), name=f"{self.name}.{item.group_uid}")
             if reply.exhausted and not reply.items:
                 await asyncio.sleep(_WAIT_S)  # the data is used up; the controller stops us
+            elif reply.sleep and not reply.items:
+                await self._make_room_for_training()
+
+    async def _make_room_for_training(self) -> None:
+        """Colocated: once nothing runs here, put the engines to sleep for the train step;
+        while groups still run (aborted APRIL extras), wait for one to end instead of
+        asking the buffer again at once."""
+        if self._in_flight:
+            self._slot_freed.clear()  # no await since the check: no finish is missed
+            await self._slot_freed.wait()
+        elif not self._asleep:
+            start = time.monotonic()
+            await self.host.sleep()
+            self._asleep = True
+            self.counts["sleeps"] += 1
+            log.debug("engines asleep", seconds=time.monotonic() - start)
 
     async def _run_group(self, item: WorkItem) -> None:
         start = time.monotonic()
@@ -213,6 +241,9 @@ class RolloutActor(Actor):
         while True:
             msg = await self.receiver.next_version(after=self.host.version)
             start = time.monotonic()
+            if self._asleep:  # colocated: the train step is over, the engines come back
+                await self.host.wake()
+                self._asleep = False
             try:
                 await self.host.load(msg, self.receiver)
             except (PeerLost, RemoteError) as exc:

@@ -114,6 +114,12 @@ class RolloutConfig(BaseModel):
     reward: RewardConfig = Field(
         default_factory=lambda: RewardConfig(), description="the reward hub's settings"
     )
+    colocate: bool = Field(
+        False,
+        description="engines and trainer share devices: engines release their memory "
+        "before each train step and resume it for the new weights (needs max_staleness 0)",
+        json_schema_extra={"flag": "colocate"},
+    )
 
     @field_validator("sampling")
     @classmethod

@@ -11,8 +11,9 @@
 
 ``on_update``: ``continue`` keeps in-flight requests going (their later tokens carry the
 new version; SGLang's ``in_place``), ``abort`` aborts them first so their partial
-samples go back to the buffer and resume on the new weights. Used by
-``actors/rollout.py``.
+samples go back to the buffer and resume on the new weights. Colocated jobs ``sleep``
+the engines (flush, release memory) before each train step and ``wake`` them for the new
+weights. Used by ``actors/rollout.py``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,18 @@ class EngineHost:
             raise ValueError("only the embedded engine takes tensors; SGLang loads from disk")
         await self.engine.update_weights_from_tensors(tensors, version)
         self.version = version
+
+    async def sleep(self) -> None:
+        """Colocated training: drop cached KV, then release the engines' memory (weights
+        off the accelerator), as slime does before a train step. Engines must be idle."""
+        assert self.client is not None
+        await self.client.flush_cache()
+        await self.client.release_memory()
+
+    async def wake(self) -> None:
+        """Undo ``sleep`` (before new weights are loaded)."""
+        assert self.client is not None
+        await self.client.resume_memory()
 
     async def load(self, msg: WeightVersion, receiver: WeightReceiver) -> None:
         """Bring every engine to weight version ``msg.version``."""
