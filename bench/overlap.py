@@ -4,6 +4,8 @@ Every mode runs ``asyncrl train`` on the same config (default: the arith demo), 
 engines, trainer, data and seed, for ``--steps`` steps; only the overlap settings change:
 
     sync      eta = 0 (generate a step's groups, then train on them: a barrier)
+    colocated sync, and the engines sleep (flush, release memory) through each train step
+              and wake for the new weights: sync plus the switch cost
     one-step  eta = 1
     async-2   eta = 2           async-4   eta = 4
     april     eta = 2 with APRIL over-provisioning (alpha = 0.5: start 1.5x the groups,
@@ -50,6 +52,7 @@ from asyncrl.config import load_config
 
 MODES: dict[str, list[str]] = {
     "sync": ["--buffer-max-staleness", "0", "--buffer-hard-staleness", "0"],
+    "colocated": ["--buffer-max-staleness", "0", "--buffer-hard-staleness", "0", "--colocate"],
     "one-step": ["--buffer-max-staleness", "1"],
     "async-2": ["--buffer-max-staleness", "2"],
     "async-4": ["--buffer-max-staleness", "4"],

@@ -274,15 +274,20 @@ async def test_colocated_the_batch_waits_until_every_engine_sleeps(
 ):
     ep = allocate_endpoints()
     sync = {"groups_per_step": B, "num_samples_per_prompt": N, "max_staleness": 0}
-    await supervisor.launch([buffer_spec(tmp_path, ep, buffer=sync, colocate=True)])
+    actors = ["rollout-0", "rollout-1"]
+    spec = buffer_spec(tmp_path, ep, buffer=sync, colocate=True, rollout_actors=actors)
+    await supervisor.launch([spec])
     async with asyncio.timeout(60), Peers(ep) as peers:
         items = (await peers.ask(100, actor="rollout-0")).items
         assert len(items) == B
-        idle = await peers.ask(100, actor="rollout-1")  # nothing left before the next step
-        assert idle.items == [] and idle.sleep
         for item in items:
             await peers.results.send(finish(item, version=0))
         await peers.results.join()
+        await peers.ask(100, actor="rollout-0", wait=0.1, asleep=True)
+        # rollout-1 has not asked for work yet: its engines may still be loading.
+        assert (await peers.batch(wait=0.5)).batch is None
+        idle = await peers.ask(100, actor="rollout-1")  # nothing left before the next step
+        assert idle.items == [] and idle.sleep
         # The batch is complete: an awake actor's waiting request returns at once, to sleep.
         woken = await asyncio.wait_for(peers.ask(100, actor="rollout-0", wait=30.0), 10)
         assert woken.items == [] and woken.sleep

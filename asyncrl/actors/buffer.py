@@ -23,7 +23,7 @@ Commands: ``requeue`` (``actor=NAME``: its in-flight work goes back to be resume
 by the supervisor when a producer dies) and ``checkpoint`` (``path=FILE``).
 ``params``: ``buffer`` (``VersionedBuffer.Config``), ``source``
 (``PromptSource.Config``), ``tokenizer`` (a directory), ``resume_from`` (a checkpoint
-file), ``metrics_path``, ``metrics_interval`` and ``colocate``.
+file), ``metrics_path``, ``metrics_interval``, ``colocate`` and ``rollout_actors`` (names).
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ class BufferActor(Actor):
         self._outcomes: dict[str, int] = defaultdict(int)
         self._unacked: dict[int, TrainBatch] = {}  # handed to the trainer, step not done
         self.colocate = bool(params.get("colocate", False))
-        self._asleep: dict[str, bool] = {}  # colocated: actor -> engines released
+        # Colocated: actor -> engines released; an actor not heard from yet is awake.
+        self._asleep = dict.fromkeys(params.get("rollout_actors", []), False)
         await self._open_channels()
         path = params.get("metrics_path")
         self.metrics = self.open_metrics(path) if path else None
@@ -201,8 +202,8 @@ class BufferActor(Actor):
             self._notify()  # the trainer may be waiting for the last engine to sleep
 
     def _batch_ready(self, n: int) -> bool:
-        """``n`` groups are done and, colocated, every rollout actor that asked for work
-        has released its engines."""
+        """``n`` groups are done and, colocated, every rollout actor (``rollout_actors``,
+        and any other that asked for work) has released its engines."""
         return self.buffer.ready(n) and (not self.colocate or all(self._asleep.values()))
 
     def _has_work(self) -> bool:

@@ -44,7 +44,7 @@ from asyncrl.observe.progress import JobProgress
 from asyncrl.observe.trackers import TensorBoardTracker, Tracker, WandbTracker, following
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import ActorDied, Supervisor
-from asyncrl.runtime.topology import allocate_endpoints, job_specs
+from asyncrl.runtime.topology import allocate_endpoints, job_specs, rollout_actor_names
 from asyncrl.wire.control import ControlHub
 
 log = get_logger("asyncrl.controller")
@@ -252,6 +252,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
             "metrics_path": str(run_dir / "metrics" / "buffer.jsonl"),
             "metrics_interval": cfg.train.metrics_interval,
             "colocate": cfg.rollout.colocate,
+            "rollout_actors": rollout_actor_names(cfg.rollout.num_actors),
             "checkpoint_on_stop": str(buffer_ckpt),
             "resume_from": str(buffer_ckpt) if resume and buffer_ckpt.exists() else None,
         },

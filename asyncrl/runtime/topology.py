@@ -38,6 +38,11 @@ def allocate_endpoints(host: str = "127.0.0.1") -> dict[str, str]:
     return {name: free_tcp_endpoint(host) for name in ENDPOINTS}
 
 
+def rollout_actor_names(n: int) -> list[str]:
+    """The names of a job's ``n`` rollout actors."""
+    return [f"rollout-{i}" for i in range(n)]
+
+
 def job_specs(
     *,
     classes: Mapping[str, str],
@@ -56,7 +61,7 @@ def job_specs(
     by all (heartbeat interval, log settings); ``params`` role -> role-specific settings.
     """
     names = [("buffer", "buffer")]
-    names += [(f"rollout-{i}", "rollout") for i in range(num_rollout_actors)]
+    names += [(name, "rollout") for name in rollout_actor_names(num_rollout_actors)]
     names += [("trainer", "trainer")]
     names += [(role, role) for role in extra_roles]
     return [

@@ -115,6 +115,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--shortcut", type=float, default=0.5, help="make_data.py --shortcut: direct-answer share"
+    )
     args = parser.parse_args()
 
     subprocess.run(
@@ -125,6 +128,8 @@ def main() -> None:
             str(args.seed),
             "--num-sft",
             str(args.num_sft),
+            "--shortcut",
+            str(args.shortcut),
         ],
         check=True,
     )
