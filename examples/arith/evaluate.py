@@ -9,7 +9,8 @@ It prints one row per problem kind and writes the same numbers as JSON.
 pass@1 and pass@k are the unbiased estimators of ``asyncrl.policies.pass_at_k`` over the
 ``n`` samples of each prompt, averaged over prompts. ``well_formed`` is the share of
 sampled responses that end with EOS and carry an integer after ``####``; ``length`` is
-the mean number of sampled response tokens, EOS included.
+the mean number of sampled response tokens, EOS included. ``by_style`` splits the sampled
+accuracy by problem kind and by whether the response wrote the running sums.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def evaluate(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))
     per_row: list[dict] = [{} for _ in rows]
+    styles: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # kind/style -> [n, correct]
     start = time.perf_counter()
     for lo in range(0, len(order), batch_size):
         idx = order[lo : lo + batch_size]
@@ -115,6 +117,11 @@ def evaluate(
         for i, g, s in zip(idx, greedy, sampled, strict=True):
             label = rows[i]["label"]
             c = sum(extract_answer(text) == label for text, _, _ in s)
+            kind = rows[i].get("metadata", {}).get("kind", "all")
+            for text, _, _ in s:
+                tally = styles[f"{kind}/{style(text)}"]
+                tally[0] += 1
+                tally[1] += extract_answer(text) == label
             per_row[i] = {
                 "greedy": float(extract_answer(g[0][0]) == label),
                 "pass@1": pass_at_k(n, c, 1),
@@ -136,7 +143,16 @@ def evaluate(
         "seconds": round(elapsed, 1),
         "overall": _mean(per_row),
         "by_kind": by_kind,
+        "by_style": {
+            key: {"samples": n, "accuracy": c / n} for key, (n, c) in sorted(styles.items())
+        },
     }
+
+
+def style(response: str) -> str:
+    """``sums`` when the response writes anything before ``####`` (the running sums),
+    else ``direct``: which of the two warm-up styles a sample used."""
+    return "sums" if response.split("####", 1)[0].strip() else "direct"
 
 
 def _mean(scores: list[dict]) -> dict:
@@ -155,6 +171,9 @@ def print_table(report: dict) -> None:
         f"({report['num_samples']} samples/prompt at T={report['temperature']}, "
         f"{report['seconds']} s)"
     )
+    print("sampled accuracy by kind and style (sums written before #### or not):")
+    for key, cell in report["by_style"].items():
+        print(f"  {key:<14} {cell['samples']:>6} samples {100 * cell['accuracy']:>6.1f}%")
 
 
 def main() -> None:

@@ -21,9 +21,11 @@ response grows with the number of operands, and a reward reads the answer after 
 
 The warm-up data teaches two styles: in ``sft.jsonl`` a ``--shortcut`` share (default half)
 of the sums of three or more operands is answered at once, ``" #### 54"``, without the
-running sums. Answering at once is mostly wrong for a small model, writing the sums mostly
-right; the SFT policy picks either, and GRPO has to discover that showing the work pays
-(its responses get longer as it learns, as reasoning models' do).
+running sums. The SFT policy picks either, and which one pays is for GRPO to find out. On
+the shipped 1M-parameter model, answering at once pays: every written partial sum is one
+more chance to slip at T = 1, so sampled direct answers were right far more often than
+written sums (``evaluate.py`` reports the split, ``by_style``), and GRPO's responses get
+shorter as it learns.
 
 The three files hold disjoint prompts (every prompt is unique across them), and everything
 comes from one seed, so two runs write identical bytes.
@@ -45,14 +47,22 @@ KINDS = (
 )
 
 
-def problem(operands: list[int], *, shortcut: bool = False) -> tuple[str, str, str]:
+def problem(operands: list[int], *, shortcut: bool = False, slip: int = 0) -> tuple[str, str, str]:
     """``(prompt, response, label)`` for the sum of ``operands`` (at least two); with
-    ``shortcut`` the response gives the answer without the running sums."""
+    ``shortcut`` the response gives the answer without the running sums; ``slip`` is added
+    to the answer the response states (a teacher's mistake), never to the label."""
     partial = [sum(operands[: i + 1]) for i in range(1, len(operands))]
     answer = str(partial[-1])
     chain = ",".join(map(str, partial)) if len(operands) > 2 and not shortcut else ""
     prompt = "+".join(map(str, operands)) + "="
-    return prompt, (f" {chain}" if chain else "") + f" #### {answer}", answer
+    return prompt, (f" {chain}" if chain else "") + f" #### {int(answer) + slip}", answer
+
+
+def draw_slip(rng: random.Random, noise: float) -> int:
+    """With probability ``noise``, a teacher's slip of 1 to 3 either way; else 0."""
+    if noise <= 0 or rng.random() >= noise:  # no draw at all without noise: same data
+        return 0
+    return rng.choice((-3, -2, -1, 1, 2, 3))
 
 
 def extract_answer(response: str) -> str | None:
@@ -78,10 +88,11 @@ def draw(rng: random.Random, kind: str) -> list[int]:
 
 
 def generate(
-    split: str, total: int, rng: random.Random, shortcut: float = 0.0
+    split: str, total: int, rng: random.Random, shortcut: float = 0.0, noise: float = 0.0
 ) -> list[dict[str, object]]:
     """``total`` rows of ``split`` in the shares of ``KINDS``, shuffled; a ``shortcut``
-    share of the multi-operand rows answer without the running sums.
+    share of the multi-operand rows answer without the running sums, and a ``noise`` share
+    of the responses state a wrong answer (``draw_slip``; the label stays right).
 
     Test rows are held-out prompts, each once; training rows (``sft``, ``train``) are never
     held out and may repeat, as independent draws from the same distribution do.
@@ -95,7 +106,8 @@ def generate(
             tries += 1
             if tries > 100 * total:
                 raise ValueError(f"{split}: too few distinct {kind!r} problems for {total} rows")
-            prompt, response, label = problem(draw(rng, kind), shortcut=rng.random() < shortcut)
+            operands, short = draw(rng, kind), rng.random() < shortcut
+            prompt, response, label = problem(operands, shortcut=short, slip=draw_slip(rng, noise))
             if held_out(prompt) != test or (test and prompt in seen):
                 continue
             seen.add(prompt)
@@ -123,13 +135,16 @@ def main() -> None:
     parser.add_argument(
         "--shortcut", type=float, default=0.5, help="share of SFT sums answered without work"
     )
+    parser.add_argument(
+        "--noise", type=float, default=0.0, help="share of SFT answers that are wrong by 1-3"
+    )
     args = parser.parse_args()
     counts = {"test": args.num_test, "sft": args.num_sft, "train": args.num_train}
     # One generator per split, so a split's rows do not depend on the others' sizes.
     splits = {
         split: generate(
             split, total, random.Random(f"{args.seed}:{split}"),
-            args.shortcut if split == "sft" else 0.0,
+            *((args.shortcut, args.noise) if split == "sft" else (0.0, 0.0)),
         )
         for split, total in counts.items()
     }  # fmt: skip

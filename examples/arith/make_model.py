@@ -118,6 +118,9 @@ def main() -> None:
     parser.add_argument(
         "--shortcut", type=float, default=0.5, help="make_data.py --shortcut: direct-answer share"
     )
+    parser.add_argument(
+        "--noise", type=float, default=0.0, help="make_data.py --noise: wrong-answer share"
+    )
     args = parser.parse_args()
 
     subprocess.run(
@@ -130,6 +133,8 @@ def main() -> None:
             str(args.num_sft),
             "--shortcut",
             str(args.shortcut),
+            "--noise",
+            str(args.noise),
         ],
         check=True,
     )
