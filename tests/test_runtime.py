@@ -11,6 +11,7 @@ import pytest
 from asyncrl.actors.base import ActorSpec
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import ActorDied, ActorHung, Supervisor
+from asyncrl.runtime.topology import allocate_endpoints
 from asyncrl.wire.control import ControlHub
 
 
@@ -142,3 +143,12 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_job_endpoints_are_distinct_and_below_the_ephemeral_port_range():
+    """A port from below the kernel's ephemeral range cannot be taken by some outgoing
+    connection between allocation and the actor's bind."""
+    first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [int(ep.rsplit(":", 1)[1]) for _ in range(20) for ep in allocate_endpoints().values()]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < first for p in ports)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import ipaddress
+import random
 import socket
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import zmq
@@ -129,8 +131,43 @@ def send_now(sock: zmq.asyncio.Socket, frames: Sequence[object]) -> bool:
     raise exc
 
 
+_taken: set[int] = set()  # ports this process has handed out
+
+
 def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
-    """A ``tcp://host:port`` whose port was free a moment ago (for pre-assigned addresses)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A ``tcp://host:port`` whose port was free a moment ago (for pre-assigned addresses).
+
+    The port is drawn below the kernel's ephemeral range: a port the kernel itself picked
+    (``bind(0)``) can be handed, between our check and the actor's bind, to any outgoing
+    connection on the machine as its local port, and the bind then fails with "Address
+    already in use" (seen in a 30-minute benchmark). Ports below the range are only taken
+    by explicit binds. No port is handed out twice by one process.
+    """
+    low, high = _fixed_port_range()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        if port not in _taken and _bindable(host, port):
+            _taken.add(port)
+            return f"tcp://{host}:{port}"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range
         s.bind((host, 0))
         return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _fixed_port_range() -> tuple[int, int]:
+    """``[low, high)`` just below the ephemeral range (``ip_local_port_range``)."""
+    try:
+        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768  # the Linux default; elsewhere a guess that is still below IANA's 49152
+    return max(1024, first - 12000), first
