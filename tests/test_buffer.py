@@ -19,7 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.buffer import april
-from asyncrl.buffer.accounting import Ledger, LedgerError, Live
+from asyncrl.buffer.accounting import (
+    MAX_REASON_CHARS,
+    MAX_REASONS,
+    OTHER,
+    Ledger,
+    LedgerError,
+    Live,
+)
 from asyncrl.buffer.admission import admission_limit
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.store import PRIORITIES
@@ -82,6 +89,20 @@ def test_the_ledger_check_catches_counts_that_do_not_add_up() -> None:
     state["admitted"] = 3  # one group vanished from every state
     with pytest.raises(LedgerError, match="does not add up"):
         Ledger().load_state_dict(state)
+
+
+def test_failure_reasons_stay_bounded_and_every_group_is_still_counted() -> None:
+    ledger = Ledger()
+    for i in range(100):  # an engine error that names its request: every text differs
+        ledger.admit(f"g{i}")
+        ledger.fail(
+            f"g{i}", f"EngineError: rid=req-{i} timed out " + "x" * 300, expect=(Live.IN_FLIGHT,)
+        )
+    ledger.check()
+    counts = ledger.counts()
+    assert len(counts.failed) == MAX_REASONS + 1 and counts.failed[OTHER] == 100 - MAX_REASONS
+    assert sum(counts.failed.values()) == 100
+    assert all(len(reason) <= MAX_REASON_CHARS for reason in counts.failed)
 
 
 # -- APRIL ----------------------------------------------------------------------------------

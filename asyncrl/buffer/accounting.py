@@ -7,7 +7,11 @@ ended (``consumed``, ``filtered`` with a reason, ``failed`` with a reason). Alwa
 
 ``check()`` asserts (2); every transition names the state it expects to leave, so a
 double delivery or a lost update raises ``LedgerError`` instead of corrupting counts.
-Ended groups are counted, not remembered one by one, so a days-long run stays small.
+Ended groups are counted, not remembered one by one, so a days-long run stays small. For
+the same reason the reasons are bounded: each is cut to ``MAX_REASON_CHARS``, and once
+``MAX_REASONS`` distinct reasons of a kind are counted, new ones count as ``OTHER`` (an
+error text that carries a request id would otherwise add a key per failure, to every
+checkpoint and metrics row).
 
 Users: ``VersionedBuffer``; its checkpoint carries ``state_dict()``.
 """
@@ -19,6 +23,18 @@ from collections import Counter
 from typing import Any
 
 from asyncrl.wire.codec import Message
+
+#: Distinct filter or failure reasons kept per kind; later new ones count as ``OTHER``.
+MAX_REASONS = 32
+MAX_REASON_CHARS = 200
+OTHER = "other reasons"
+
+
+def _count(counter: Counter[str], reason: str) -> None:
+    key = reason[:MAX_REASON_CHARS]
+    if key not in counter and len(counter) >= MAX_REASONS:
+        key = OTHER
+    counter[key] += 1
 
 
 class LedgerError(RuntimeError):
@@ -97,12 +113,12 @@ class Ledger:
     def filter(self, uid: str, reason: str, *, expect: tuple[Live, ...]) -> None:
         """A group was dropped by a filter (staleness, zero variance, custom)."""
         self._leave(uid, expect)
-        self.filtered[reason] += 1
+        _count(self.filtered, reason)
 
     def fail(self, uid: str, reason: str, *, expect: tuple[Live, ...]) -> None:
         """A group could not be produced (workflow, engine, reward or tool error)."""
         self._leave(uid, expect)
-        self.failed[reason] += 1
+        _count(self.failed, reason)
 
     def _leave(self, uid: str, expect: tuple[Live, ...]) -> None:
         state = self.live.get(uid)
