@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import struct
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -104,10 +106,23 @@ def test_tensorboard_holds_every_scalar_at_its_step(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("eval/test/pass@1")] == [(1, 0.75)]
 
 
-def wandb_history(run_file: Path) -> list[dict[str, float]]:
-    """The history rows of an offline W&B run file. The file is a 7-byte header and a
-    LevelDB-style log (32 KiB blocks of records: crc32, length, type, data) of protobuf
-    ``Record`` messages."""
+def wandb_history(
+    run_file: Path, until: Callable[[list[dict]], bool], timeout: float = 30.0
+) -> list[dict[str, float]]:
+    """The history rows of an offline W&B run file, once ``until(rows)`` holds (or what it
+    holds after ``timeout`` s): wandb's core process, shared by every run of this pytest
+    process, writes the file on its own schedule, and ``finish()`` may return first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = _read_history(run_file)
+        if until(rows) or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+def _read_history(run_file: Path) -> list[dict[str, float]]:
+    """The file is a 7-byte header and a LevelDB-style log (32 KiB blocks of records:
+    crc32, length, type, data) of protobuf ``Record`` messages."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data, rows, pos, pending = run_file.read_bytes(), [], 7, b""
@@ -143,12 +158,15 @@ def test_an_offline_wandb_run_holds_each_family_with_its_step(tmp_path, monkeypa
     tracker.log(Point("eval/test", 1, {"pass@1": 0.75}))  # an older step than train's
     tracker.close()
     [run_file] = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
-    rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in wandb_history(run_file)]
+    rows = [
+        {k: v for k, v in r.items() if not k.startswith("_")}
+        for r in wandb_history(run_file, lambda rows: len(rows) >= 3)
+    ]
     assert rows == [
         {"train/loss": 0.5, "train/step": 1},
         {"train/loss": 0.25, "train/step": 2},
         {"eval/test/pass@1": 0.75, "eval/test/step": 1},
-    ]
+    ], f"{run_file} ({run_file.stat().st_size} bytes)"
 
 
 def test_trackers_that_cannot_start_are_refused_before_launch(tmp_path, monkeypatch):

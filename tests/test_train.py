@@ -103,7 +103,7 @@ async def test_a_short_async_run_trains_and_accounts_for_every_prompt(tmp_path):
     assert [e.step for e in tb.Scalars("train/loss")] == [1, 2, 3]
     assert [e.step for e in tb.Scalars("eval/held/pass@1")] == versions
     [wandb_run] = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
-    history = wandb_history(wandb_run)
+    history = wandb_history(wandb_run, lambda rows: sum("train/loss" in r for r in rows) >= 3)
     assert [r["train/step"] for r in history if "train/loss" in r] == [1, 2, 3]
 
 
