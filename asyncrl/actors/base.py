@@ -34,6 +34,7 @@ import msgspec
 from asyncrl.observe.logs import bind_context, get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.wire.channels import _Channel
+from asyncrl.wire.codec import DEFAULT_MAX_FRAME_BYTES
 from asyncrl.wire.control import ControlLink
 from asyncrl.wire.messages import (
     ActorStateName,
@@ -160,6 +161,12 @@ class Actor(ABC):
         sink = JsonlMetricsSink(path, flush_every=flush_every)
         self._stack.callback(sink.close)
         return sink
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The job's frame limit (``wire.max_frame_bytes``) for this actor's codecs."""
+        wire = self.spec.config.get("wire", {})
+        return int(wire.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES))
 
     def all_stats(self) -> dict[str, float]:
         """Actor stats plus ``<channel>.<counter>`` for every opened channel."""

@@ -135,7 +135,7 @@ class BufferActor(Actor):
         self.metrics = self.open_metrics(path) if path else None
 
     async def _open_channels(self) -> None:
-        ep, frame = self.spec.endpoints, _frame_bytes(self.spec.config)
+        ep, frame = self.spec.endpoints, self.max_frame_bytes
         work, batch = Codec(WorkRequest, max_frame_bytes=frame), Codec(BatchRequest)
         await self.open(
             RpcServer(ep["buffer.work"], work, Codec(WorkReply, max_frame_bytes=frame),
@@ -193,8 +193,10 @@ class BufferActor(Actor):
     def _wake_to_sleep(self, req: WorkRequest) -> bool:
         """End the wait at once: the data is used up, or (colocated) a full batch waits
         for the trainer, so an awake actor should go to sleep now rather than later."""
-        ready = self.buffer.ready(self.buffer.config.groups_per_step)
-        return self._no_more_work() or (self.colocate and ready and not req.asleep)
+        if self._no_more_work():
+            return True
+        # ready() runs the staleness backstop: only colocated jobs pay for it here.
+        return self.colocate and not req.asleep and self.buffer.ready()
 
     def _note_sleep(self, actor: str, asleep: bool) -> None:
         if self.colocate and self._asleep.get(actor) != asleep:
@@ -372,10 +374,6 @@ def flatten_stats(s: BufferStats) -> dict[str, float]:
 def _mean(hist: dict[int, int]) -> float:
     total = sum(hist.values())
     return sum(k * v for k, v in hist.items()) / total if total else 0.0
-
-
-def _frame_bytes(config: dict[str, Any]) -> int:
-    return int(config.get("wire", {}).get("max_frame_bytes", 64 << 20))
 
 
 def _open_source(params: dict[str, Any]) -> PromptSource | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.actors.base import Actor
+from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.batches import BufferBatches
 from asyncrl.actors.buffer import BatchReply, BatchRequest
 from asyncrl.buffer.dump import BatchWriter
@@ -37,12 +37,16 @@ log = get_logger("asyncrl.dumper")
 class BatchDumper(Actor):
     """Writes every batch the buffer serves; see the module doc."""
 
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        self.steps_done = 0  # heartbeats report stats while setup still runs
+        self._last: dict[str, float] = {}
+
     async def setup(self) -> None:
         params = self.spec.params
         self.writer = BatchWriter(Path(params["dump_dir"]))
         self.num_steps = int(params.get("num_steps", 0))
-        self.steps_done = 0
-        frame = int(self.spec.config.get("wire", {}).get("max_frame_bytes", 256 * 1024 * 1024))
+        frame = self.max_frame_bytes
         client = RpcClient(
             self.spec.endpoints["buffer.batches"],
             Codec(BatchRequest),
@@ -51,7 +55,6 @@ class BatchDumper(Actor):
         self.batches = BufferBatches(await self.open(client, "batches"), self.name)
         path = params.get("metrics_path")
         self.metrics = self.open_metrics(path) if path else None
-        self._last: dict[str, float] = {}
 
     async def run(self) -> None:
         while not self.stopping and not self._done():

@@ -68,7 +68,7 @@ class EvalActor(Actor):
         tokenizer = self.host.engine.tokenizer if self.host.engine is not None else None
         self.sets = [await self._open_set(s, tokenizer) for s in self.cfg.sets]
         ep = self.spec.endpoints
-        frame = int(self.spec.config.get("wire", {}).get("max_frame_bytes", 256 << 20))
+        frame = self.max_frame_bytes
         rx = WeightReceiver(ep["trainer.weights"], ep["trainer.weights_snapshot"],
                             max_frame_bytes=frame, puller=self.name)  # fmt: skip
         self.receiver = await self.hold(rx)

@@ -50,8 +50,7 @@ class ProbeActor(Actor):
     """One role of the dry-run topology (``params``: role, count, rollouts)."""
 
     async def setup(self) -> None:
-        wire = self.spec.config.get("wire", {})
-        frame = int(wire.get("max_frame_bytes", 64 << 20))
+        wire, frame = self.spec.config.get("wire", {}), self.max_frame_bytes
         self.codec, self.weights_codec = (
             Codec(Probe, max_frame_bytes=frame),
             Codec(WeightVersion, max_frame_bytes=frame),

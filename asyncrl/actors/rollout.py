@@ -92,7 +92,7 @@ class RolloutActor(Actor):
             self.metrics = self.open_metrics(Path(params["metrics_dir"]) / f"{self.name}.jsonl")
 
     async def _open_channels(self) -> None:
-        ep, frame = self.spec.endpoints, _frame_bytes(self.spec.config)
+        ep, frame = self.spec.endpoints, self.max_frame_bytes
         self.work = await self.open(
             RpcClient(
                 ep["buffer.work"], Codec(WorkRequest), Codec(WorkReply, max_frame_bytes=frame)
@@ -331,7 +331,3 @@ def _tokenizer(params: dict[str, Any], host: EngineHost) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-def _frame_bytes(config: dict[str, Any]) -> int:
-    return int(config.get("wire", {}).get("max_frame_bytes", 256 * 1024 * 1024))

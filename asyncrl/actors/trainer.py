@@ -76,7 +76,7 @@ class TrainerActor(Actor):
         self.metrics = self.open_metrics(path) if path else None
 
     async def _open_channels(self) -> None:
-        ep, frame = self.spec.endpoints, _frame_bytes(self.spec.config)
+        ep, frame = self.spec.endpoints, self.max_frame_bytes
         params = self.spec.params
         self.batches: BatchSource
         if params.get("load_dump"):  # train-only: no buffer in this job
@@ -240,7 +240,3 @@ def _newest_checkpoint(root: str | None) -> Path | None:
         return None
     steps = sorted(p for p in Path(root).glob("step_*") if p.is_dir() and p.suffix != ".tmp")
     return steps[-1] if steps else None
-
-
-def _frame_bytes(config: dict[str, Any]) -> int:
-    return int(config.get("wire", {}).get("max_frame_bytes", 256 * 1024 * 1024))

@@ -5,6 +5,8 @@ and by ``runtime/child.py`` for each actor, which then bind their name, pid and 
 version so every line carries them. The controller and trainer write the run's numbers
 through a ``MetricsSink`` (always ``JsonlMetricsSink``); ``read_jsonl`` reads them back
 strictly, and ``asyncrl plot`` (``plots``) draws them, skipping a bad line with a warning.
+``progress`` is the train progress bar; ``trackers`` forwards the files to TensorBoard
+and W&B.
 """
 
 from asyncrl.observe.logs import (

@@ -1,8 +1,9 @@
 """Metrics sinks: where the controller and trainer write the run's numbers, one record a line.
 
 ``JsonlMetricsSink`` always runs (``RUN_DIR/metrics.jsonl``, read back by ``read_jsonl``;
-``asyncrl plot`` reads it leniently, see ``plots.py``); TensorBoard and W&B sinks will
-implement the same ``MetricsSink`` protocol, and ``MultiSink`` fans one record out to all.
+``asyncrl plot`` reads it leniently, see ``plots.py``); ``MultiSink`` fans one record out
+to several sinks. TensorBoard and W&B are fed from these files by the controller
+(``trackers.py``), so no actor process talks to a tracker.
 
 Values are plain JSON: numpy scalars, 0-d arrays and 0-d torch tensors become Python
 numbers. JSON has no NaN or infinity, so non-finite floats are written as ``null``; a

@@ -145,7 +145,7 @@ def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
     """
     low, high = _fixed_port_range()
     rng = random.SystemRandom()
-    for _ in range(200):
+    for _ in range(200 if low < high else 0):
         port = rng.randrange(low, high)
         if port not in _taken and _bindable(host, port):
             _taken.add(port)
