@@ -21,6 +21,7 @@ from asyncrl.trainers.packing import (
     forward_selected,
     plan_microbatches,
     plan_ranks,
+    smoothed_logprobs,
     split_across_ranks,
     to_rows,
     token_logprobs,
@@ -185,3 +186,13 @@ def test_packed_and_padded_micro_batches_give_the_same_loss_and_gradients(model_
     assert abs(packed_loss - padded_loss) < 1e-5
     for a, b in zip(packed_grads, padded_grads, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.5])
+def test_smoothed_logprobs_is_minus_torchs_label_smoothed_cross_entropy(eps):
+    torch.manual_seed(0)
+    logits, targets = torch.randn(7, 11) * 3, torch.randint(0, 11, (7,))
+    expected = torch.nn.functional.cross_entropy(
+        logits, targets, label_smoothing=eps, reduction="none"
+    )
+    torch.testing.assert_close(smoothed_logprobs(logits, targets, eps), -expected)

@@ -127,6 +127,9 @@ def test_asyncrl_sft_refuses_bad_config_and_bad_data_before_training(tmp_path, c
 
     assert main(["sft", "--model", str(tmp_path), "--data", "x.jsonl", "--epochs", "0"]) == 2
     assert "--epochs" in capsys.readouterr().err
+    args = ["sft", "--model", str(tmp_path), "--data", "x.jsonl", "--label-smoothing", "1"]
+    assert main(args) == 2
+    assert "--label-smoothing" in capsys.readouterr().err
     from tests.tiny_model import build_tiny_model
 
     build_tiny_model(tmp_path / "base")

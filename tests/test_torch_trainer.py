@@ -360,6 +360,24 @@ def test_sft_steps_lower_the_loss_on_the_masked_tokens(tiny):
     assert trainer.version == 3
 
 
+@torch.no_grad()
+def _target_probs(trainer: TorchTrainer, tokens: np.ndarray) -> torch.Tensor:
+    logits = trainer.policy.wrapped(torch.as_tensor(tokens)[None]).logits[0, :-1]
+    return torch.softmax(logits.float(), -1).gather(-1, torch.as_tensor(tokens[1:, None]))
+
+
+def test_label_smoothing_keeps_mass_off_the_target(tiny):
+    """Fitting one sequence: plain NLL drives p(target) to 1, smoothing holds it near 1 - eps."""
+    tokens, masks = [np.arange(3, 20)], [np.ones(17)]
+    plain, smooth = TorchTrainer(config(tiny, lr=1e-2)), TorchTrainer(config(tiny, lr=1e-2))
+    for _ in range(60):
+        plain.sft_step(tokens, masks)
+        smooth.sft_step(tokens, masks, label_smoothing=0.3)
+    assert _target_probs(plain, tokens[0]).min() > 0.95
+    p = _target_probs(smooth, tokens[0])
+    assert 0.55 < p.min() and p.max() < 0.85  # optimum: 1 - 0.3 + 0.3 / V ~= 0.70
+
+
 def test_configs_that_cannot_work_are_refused(tiny):
     with pytest.raises(ValueError, match="total_steps"):
         config(tiny, lr_schedule="cosine", warmup_steps=5, total_steps=5)

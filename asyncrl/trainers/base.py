@@ -57,11 +57,17 @@ class Trainer(Protocol):
         ...
 
     def sft_step(
-        self, tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]
+        self,
+        tokens: Sequence[np.ndarray],
+        loss_masks: Sequence[np.ndarray],
+        label_smoothing: float = 0.0,
     ) -> StepResult:
         """One supervised step: token ``t`` of a sequence is trained when ``loss_masks[t]``.
 
-        Loss: mean negative log-likelihood over every masked token of the step.
+        Loss: mean over every masked token of the step of the cross-entropy against the
+        target smoothed by ``eps = label_smoothing``: ``(1 - eps) * NLL + eps * U``, where
+        ``U = logsumexp(z) - mean_v z_v`` is the cross-entropy against the uniform
+        distribution over the vocabulary.
         """
         ...
 

@@ -249,6 +249,21 @@ def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Te
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def smoothed_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, eps: float) -> torch.Tensor:
+    """Minus the label-smoothed cross-entropy, ``[N, V], [N] -> [N]``, in fp32.
+
+    ``(1 - eps) * log p_y + eps * mean_v log p_v`` with ``log p = log softmax(z)``; at
+    ``eps = 0`` this is ``token_logprobs``. The optimum puts ``1 - eps + eps / V`` on the
+    target and ``eps / V`` on every other token.
+    """
+    picked = token_logprobs(logits_NV, targets_N)
+    if eps == 0.0:
+        return picked
+    logits = logits_NV.float()
+    mean_logp = logits.mean(dim=-1) - torch.logsumexp(logits, dim=-1)
+    return (1.0 - eps) * picked + eps * mean_logp
+
+
 def to_rows(values_N: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """Scatter per-prediction values into the right-padded ``[b, T]`` layout (0 elsewhere).
 

@@ -11,6 +11,11 @@ Token-exact: the conversation is rendered once and tokenised once; each token's 
 mask comes from the character span it covers, so no boundary is re-tokenised. A row
 that is malformed, or whose template is not prefix-stable (rendering the first k
 messages is not a prefix of rendering them all), is a ``DataError`` naming file and line.
+
+Loss: the token-mean cross-entropy over every trained token of a step, label-smoothed
+when ``label_smoothing = eps > 0``: ``(1 - eps) * NLL + eps * CE(uniform)``. Smoothing
+leaves about ``eps`` of each token's probability on the rest of the vocabulary, so
+sampling at T = 1 slips there while greedy decoding does not.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ class SFTConfig(BaseModel):
     epochs: int = Field(1, ge=1, description="Passes over the data.")
     batch_size: int = Field(8, ge=1, description="Examples per optimizer step.")
     seed: int = Field(0, description="Shuffle seed (a new order each epoch).")
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Share eps of each target spread over the vocabulary."
+    )
     output_dir: str = Field("runs/sft", description="Metrics and the final HF model go here.")
 
 
@@ -150,7 +158,9 @@ def run_sft(cfg: SFTConfig, trainer: Trainer, examples: list[SFTExample]) -> lis
     with (out / "metrics.jsonl").open("w") as sink:
         for batch in batches(examples, cfg):
             start = time.perf_counter()
-            result = trainer.sft_step([e.tokens for e in batch], [e.loss_mask for e in batch])
+            result = trainer.sft_step(
+                [e.tokens for e in batch], [e.loss_mask for e in batch], cfg.label_smoothing
+            )
             row = {"step": result.version, "time/step": time.perf_counter() - start}
             sink.write(json.dumps(row | result.metrics) + "\n")
             results.append(result)

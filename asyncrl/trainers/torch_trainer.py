@@ -70,6 +70,7 @@ from asyncrl.trainers.packing import (
     build_microbatch,
     forward_selected,
     plan_ranks,
+    smoothed_logprobs,
     to_rows,
     token_logprobs,
 )
@@ -314,9 +315,12 @@ class TorchTrainer:
 
     # -- the SFT step ---------------------------------------------------------------------
     def sft_step(
-        self, tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]
+        self,
+        tokens: Sequence[np.ndarray],
+        loss_masks: Sequence[np.ndarray],
+        label_smoothing: float = 0.0,
     ) -> StepResult:
-        """One supervised step: token-mean NLL over every masked token of the step."""
+        """One supervised step: token-mean smoothed cross-entropy (``Trainer.sft_step``)."""
         start = time.perf_counter()
         rows = sft_tensors(tokens, loss_masks)
         mbs = self._microbatches(rows)
@@ -325,8 +329,8 @@ class TorchTrainer:
 
         def micro_step(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             logits = forward_selected(self.policy.wrapped, mb)
-            logprobs = to_rows(token_logprobs(logits, mb.targets), mb)
-            loss = sft_loss(logprobs, mask[mb.rows], scale=scale)
+            logprobs = smoothed_logprobs(logits, mb.targets, label_smoothing)
+            loss = sft_loss(to_rows(logprobs, mb), mask[mb.rows], scale=scale)
             return loss, {"loss": loss.detach()}
 
         metrics = self._accumulate(mbs, mask, micro_step, [self.policy])
