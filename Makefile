@@ -29,7 +29,7 @@ arith-model: $(STAMP)
 	$(PY) examples/arith/make_model.py
 
 bench-overlap: $(STAMP)
-	$(PY) bench/overlap.py
+	$(PY) bench/overlap.py --steps 40 --repeats 3
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncrl tests bench examples

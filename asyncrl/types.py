@@ -136,6 +136,8 @@ class Sample(Message):
     packed_prompt: bytes = b""
     label: Any = None
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: The prompt's tool schemas (``Prompt.tools``): a multi-turn workflow offers these.
+    tools: list[dict[str, Any]] | None = None
     response_text: str = ""
     packed_response: bytes = b""
     #: Spans of a multi-turn response; empty while the whole response is one assistant
@@ -296,6 +298,7 @@ class Sample(Message):
             packed_prompt=prompt.packed_prompt,
             label=prompt.label,
             metadata=dict(prompt.metadata),
+            tools=prompt.tools,
             admitted_at_version=version,
         )
 

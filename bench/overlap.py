@@ -21,7 +21,8 @@ start-up):
 - staleness of trained samples (mean, p95, max, from the buffer's histogram);
 - wasted tokens: generated but never trained (aborted and dropped partials, filtered
   groups, and what was in flight at the end), as a share of generated tokens;
-- accuracy of the final weights on a held-out set (greedy pass@1), i.e. at equal
+- accuracy of the final weights on a held-out set (pass@1 at T = 1, 4 samples a prompt:
+  what GRPO moves on the demo's warm-up, whose greedy accuracy barely changes), i.e. at equal
   trained samples, from the job's own eval actor (it evaluates only the final version,
   after the trainer has finished, so it does not slow the timed part).
 
@@ -30,8 +31,12 @@ the trainer waited for a batch (generation) and ``T`` the mean step time (train 
 publish), full overlap would give ``(G + T) / max(G, T)`` times sync's samples/s.
 ``efficiency`` = (mode samples/s / sync samples/s) / bound.
 
+With ``--repeats R`` every mode runs ``R`` times, in rounds (sync, colocated, ...,
+then again), so that a slow spell of the machine hits all modes alike; each figure is
+the median over the repeats, and ``samples/s min``/``max`` give the spread.
+
 ``.venv/bin/python bench/overlap.py`` prints the table, writes ``bench/results/overlap.json``
-and ``bench/results/overlap.png``.
+(the medians and every run's figures) and ``bench/results/overlap.png``.
 """
 
 from __future__ import annotations
@@ -61,8 +66,9 @@ MODES: dict[str, list[str]] = {
 
 
 def eval_flags(test: str, steps: int) -> list[str]:
-    """Evaluate only the final version, greedily, on ``test``."""
-    sets = [{"name": "test", "path": test, "sampling": {"temperature": 0.0, "max_new_tokens": 64}}]
+    """Evaluate only the final version on ``test``: 4 samples a prompt at T = 1."""
+    sampling = {"temperature": 1.0, "max_new_tokens": 64}
+    sets = [{"name": "test", "path": test, "n_samples": 4, "sampling": sampling}]
     return ["--eval-interval", str(steps), "--eval-at-start", "false",
             "--eval-sets", json.dumps(sets)]  # fmt: skip
 
@@ -124,10 +130,9 @@ def summarize(run_dir: Path, samples_per_step: int) -> dict[str, Any]:
 
 
 async def run_mode(
-    mode: str, args: argparse.Namespace, root: Path, samples_per_step: int
+    mode: str, args: argparse.Namespace, run_dir: Path, samples_per_step: int
 ) -> dict[str, Any]:
-    """Run ``mode`` to its end and summarize it."""
-    run_dir = root / mode
+    """Run ``mode`` into ``run_dir`` to its end and summarize it."""
     flags = ["--name", f"overlap-{mode}", "--output-dir", str(run_dir),
              "--train-num-steps", str(args.steps), "--save-interval", "0",
              "--train-metrics-interval", "1.0", *MODES[mode]]  # fmt: skip
@@ -137,6 +142,15 @@ async def run_mode(
     if not result.ok:
         raise RuntimeError(f"{mode}: {result.error or result.codes}")
     return summarize(run_dir, samples_per_step)
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over ``runs``, with the spread of samples/s."""
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["samples/s min"] = min(r["samples/s"] for r in runs)
+    out["samples/s max"] = max(r["samples/s"] for r in runs)
+    out["repeats"] = len(runs)
+    return out
 
 
 def add_bounds(results: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -156,9 +170,12 @@ def print_table(results: dict[str, dict[str, Any]], bound: dict[str, float]) -> 
             ("staleness_mean", "{:.2f}"), ("staleness_p95", "{:.0f}"),
             ("staleness_max", "{:.0f}"), ("wasted_share", "{:.1%}"),
             ("accuracy", "{:.1%}")]  # fmt: skip
-    print(f"{'mode':<9}" + "".join(f"{c:>15}" for c, _ in cols))
+    print(f"{'mode':<9}" + "".join(f"{c:>15}" for c, _ in cols) + f"{'samples/s range':>18}")
     for mode, r in results.items():
-        print(f"{mode:<9}" + "".join(f"{fmt.format(r[c]):>15}" for c, fmt in cols))
+        spread = f"{r['samples/s min']:.1f}-{r['samples/s max']:.1f}"
+        print(
+            f"{mode:<9}" + "".join(f"{fmt.format(r[c]):>15}" for c, fmt in cols) + f"{spread:>18}"
+        )
     print(
         f"sync phases: G = {bound['G_s']:.2f} s generating, T = {bound['T_s']:.2f} s training "
         f"per step; ideal overlap bound (G + T) / max(G, T) = {bound['ideal_bound']:.2f}x"
@@ -186,7 +203,7 @@ def plot(results: dict[str, dict[str, Any]], bound: dict[str, float], path: Path
     ax2.set_xticks(list(xs), modes)
     ax2.set_ylabel("idle fraction")
     ax2.legend()
-    fig.suptitle("asyncrl overlap modes (same job, one run)")
+    fig.suptitle("asyncrl overlap modes (same job; medians of each mode's runs)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -196,6 +213,7 @@ def main() -> None:
     parser.add_argument("--config", default="examples/arith/config.yaml")
     parser.add_argument("--test", default="examples/arith/data/test.jsonl@[0:200]")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode (medians)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--out", type=Path, default=Path("bench/results/overlap.json"))
     args = parser.parse_args()
@@ -203,15 +221,19 @@ def main() -> None:
         args.modes = ["sync", *[m for m in args.modes if m != "sync"]]  # the baseline
     base = load_config(args.config)
     samples_per_step = base.buffer.groups_per_step * base.buffer.num_samples_per_prompt
-    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
     with tempfile.TemporaryDirectory(prefix="overlap-") as tmp:
-        for mode in args.modes:
-            print(f"running {mode} ...", flush=True)
-            results[mode] = asyncio.run(run_mode(mode, args, Path(tmp), samples_per_step))
+        for rep in range(args.repeats):
+            for mode in args.modes:
+                print(f"running {mode} ({rep + 1}/{args.repeats}) ...", flush=True)
+                run_dir = Path(tmp) / f"{mode}-{rep}"
+                runs[mode].append(asyncio.run(run_mode(mode, args, run_dir, samples_per_step)))
+    results = {mode: medians(r) for mode, r in runs.items()}
     bound = add_bounds(results)
     print_table(results, bound)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"config": args.config, "steps": args.steps, "bound": bound, "modes": results}
+    payload = {"config": args.config, "steps": args.steps, "repeats": args.repeats,
+               "bound": bound, "modes": results, "runs": runs}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     plot(results, bound, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")

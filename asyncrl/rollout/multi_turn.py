@@ -1,0 +1,278 @@
+"""Multi-turn tool use: generate, parse tool calls, run the tools, append what they said, repeat.
+
+One sample is one episode. Each round:
+
+1. the engine continues from ``prompt + response`` (every token so far, never re-encoded
+   text) for at most ``min(max_tokens_per_turn, budget left)`` tokens; the assistant turn is
+   appended with ``loss_mask = 1``, its behaviour log-probs and weight versions;
+2. the turn's text is parsed for tool calls (``HermesParser``: ``<tool_call>{"name": ...,
+   "arguments": {...}}</tool_call>``, the Qwen/Hermes convention; any ``ToolCallParser``);
+3. no call: that was the final answer. Otherwise the calls run concurrently through the
+   ``ToolRegistry`` (a failing tool is an error observation, never a failed episode), and the
+   observation tokens are appended with ``loss_mask = 0``, log-prob 0 and the version of the
+   turn that asked for them (so they never change a sample's head staleness).
+
+The episode ends at a final answer (``completed``), at ``max_turns`` assistant turns or when
+the token budget ``max_new_tokens`` (the whole response: turns and observations) is used
+up (``truncated``, ``finish_reason`` ``max_turns`` or ``length``), or on an abort
+(``aborted``: resumed later from its tokens, an unfinished turn continuing as the same
+turn). Finished episodes are scored; ``metadata["tool_calls"]`` lists every call's name,
+and the error if it failed, for rewards and metrics.
+
+Observation tokens come from the tokenizer's chat template without touching sampled tokens
+(``ObservationRenderer``): the template renders a stand-in conversation with and without the
+tool messages, and the text after the assistant's end-of-turn token is the delta, which
+alone is tokenised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from asyncrl.rollout.base import RolloutContext
+from asyncrl.rollout.tools.registry import ToolRegistry, ToolResult
+from asyncrl.types import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One parsed call; ``error`` says why a malformed one cannot run (the model is told)."""
+
+    name: str
+    arguments: dict[str, Any] | str | None
+    error: str | None = None
+
+
+class ToolCallParser(Protocol):
+    """Finds the tool calls in an assistant turn's text."""
+
+    def parse(self, text: str) -> list[ToolCall]: ...
+
+
+class HermesParser:
+    """``<tool_call>{"name": "f", "arguments": {...}}</tool_call>``, any number per turn.
+
+    A body that is not a JSON object with a string ``name``, or an opening tag never
+    closed, gives a ``ToolCall`` with ``error`` set: the model sees what was wrong.
+    """
+
+    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def parse(self, text: str) -> list[ToolCall]:
+        calls = [self._call(m.group(1)) for m in self._CALL.finditer(text)]
+        close = text.rfind("</tool_call>")
+        tail = text if close < 0 else text[close + len("</tool_call>") :]
+        if "<tool_call>" in tail:
+            calls.append(ToolCall("", None, "a <tool_call> was opened but never closed"))
+        return calls
+
+    @staticmethod
+    def _call(body: str) -> ToolCall:
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as exc:
+            return ToolCall("", None, f"the tool call is not valid JSON: {exc}")
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return ToolCall("", None, 'a tool call must be {"name": ..., "arguments": {...}}')
+        return ToolCall(obj["name"], obj.get("arguments"))
+
+
+_STAND_IN_USER = {"role": "user", "content": "question"}
+_STAND_IN_ASSISTANT = {"role": "assistant", "content": "asyncrl-stand-in-answer"}
+
+
+class ObservationRenderer:
+    """Token ids that follow an assistant turn: the tool messages and the next header.
+
+    With ``m`` a stand-in user message and ``a`` a stand-in assistant message::
+
+        base  = template([m, a])
+        full  = template([m, a, *tool_messages], add_generation_prompt=True)
+        delta = full[cut:]   with cut = just after the end-of-turn token closing ``a`` in base
+
+    ``full`` must start with ``base`` (a prefix-stable template), else ``ValueError``.
+    When the sampled turn did not end with the end-of-turn token, the delta starts with it.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        if tokenizer.eos_token is None:
+            raise ValueError("multi-turn rollouts need a tokenizer with an end-of-turn token")
+        self.tokenizer, self.eos = tokenizer, str(tokenizer.eos_token)
+
+    def render(self, messages: Sequence[dict[str, Any]], *, turn_closed: bool) -> list[int]:
+        stand_in = [_STAND_IN_USER, _STAND_IN_ASSISTANT]
+        base = self._template(stand_in, generation_prompt=False)
+        full = self._template([*stand_in, *messages], generation_prompt=True)
+        if not full.startswith(base):
+            raise ValueError("the chat template is not prefix-stable for tool messages")
+        end = base.rfind(self.eos, base.index(_STAND_IN_ASSISTANT["content"]))
+        if end < 0:
+            raise ValueError(f"the template does not close an assistant turn with {self.eos!r}")
+        delta = full[end + len(self.eos) if turn_closed else end :]
+        return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
+
+    def _template(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+        return str(text)
+
+
+@dataclass(frozen=True, slots=True)
+class MultiTurnConfig:
+    """``max_turns`` assistant turns at most; ``max_tokens_per_turn`` (None: the budget)."""
+
+    max_turns: int = 8
+    max_tokens_per_turn: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or (self.max_tokens_per_turn or 1) < 1:
+            raise ValueError(f"max_turns and max_tokens_per_turn must be >= 1: {self}")
+
+
+class MultiTurn:
+    """The multi-turn tool-use workflow (module docstring); ``ctx.tools`` is the registry."""
+
+    def __init__(
+        self, config: MultiTurnConfig | None = None, parser: ToolCallParser | None = None
+    ) -> None:
+        self.config = config or MultiTurnConfig()
+        self.parser = parser or HermesParser()
+
+    async def __call__(self, ctx: RolloutContext, sample: Sample) -> Sample:
+        tokenizer, registry = _needs(ctx)
+        if sample.tools:
+            registry = registry.for_row(sample.tools)
+        episode = _Episode(ctx, sample, tokenizer, registry, self)
+        await episode.run()
+        if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
+            sample.reward = await ctx.score(sample)
+        return sample
+
+
+class _Episode:
+    """The state of one sample's episode while the workflow runs it."""
+
+    def __init__(
+        self,
+        ctx: RolloutContext,
+        sample: Sample,
+        tokenizer: PreTrainedTokenizerBase,
+        registry: ToolRegistry,
+        workflow: MultiTurn,
+    ) -> None:
+        self.ctx, self.sample, self.tokenizer, self.registry = ctx, sample, tokenizer, registry
+        self.config, self.parser = workflow.config, workflow.parser
+        self.renderer = ObservationRenderer(tokenizer)
+        self.budget = int(ctx.sampling.get("max_new_tokens", 128))
+
+    @property
+    def turns(self) -> int:
+        return sum(span.role == "assistant" for span in self.sample.spans)
+
+    async def run(self) -> None:
+        s = self.sample
+        spans = s.spans
+        resuming = (
+            s.status is SampleStatus.ABORTED and bool(spans) and spans[-1].role == "assistant"
+        )
+        while True:
+            await self._generate(resume_turn=resuming)
+            resuming = False
+            if s.status is not SampleStatus.PENDING:
+                break
+            start = s.spans[-1].start
+            calls = self.parser.parse(self._decode(s.response_tokens[start:], skip_special=False))
+            if not calls:
+                self._end(SampleStatus.COMPLETED, "stop")
+                break
+            if self.turns >= self.config.max_turns:
+                self._end(SampleStatus.TRUNCATED, "max_turns")
+                break
+            if not await self._observe(calls):
+                break
+        s.response_text = self._decode(s.response_tokens, skip_special=True)
+
+    async def _generate(self, *, resume_turn: bool) -> None:
+        """One assistant turn (or the rest of an aborted one); sets the status if it ends."""
+        s = self.sample
+        left = self.budget - s.response_length
+        turn_cap = self.config.max_tokens_per_turn
+        if turn_cap is not None and resume_turn:
+            turn_cap -= s.spans[-1].end - s.spans[-1].start
+        limit = left if turn_cap is None else min(left, turn_cap)
+        if limit <= 0:
+            self._end(SampleStatus.TRUNCATED, "length")
+            return
+        ids = np.concatenate([s.prompt_tokens, s.response_tokens]).tolist()
+        result = await self.ctx.engine.generate(
+            ids,
+            {**self.ctx.sampling, "max_new_tokens": limit},
+            rid=f"{s.uid}#{s.attempts}#{self.turns}#",
+        )
+        if result.output_ids:
+            if result.logprobs is None:
+                raise ValueError("the engine returned no log-probs (return_logprob is required)")
+            s.append_response(result.output_ids, result.logprobs, result.versions)
+        kind = result.finish_reason.type if result.finish_reason is not None else "abort"
+        s.status = SampleStatus.PENDING
+        if kind == "abort":
+            self._end(SampleStatus.ABORTED, "abort")
+        elif kind == "length":
+            self._end(SampleStatus.TRUNCATED, "length")
+
+    async def _observe(self, calls: list[ToolCall]) -> bool:
+        """Run ``calls`` and append their observations; False if the budget ended it."""
+        s = self.sample
+        results = await self._run_calls(calls)
+        messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+        closed = int(s.response_tokens[-1]) == self.tokenizer.eos_token_id
+        tokens = self.renderer.render(messages, turn_closed=closed)
+        if s.response_length + len(tokens) >= self.budget:
+            self._end(SampleStatus.TRUNCATED, "length")  # no room left for an answer
+            return False
+        version = int(s.token_versions[-1])
+        s.append_response(tokens, np.zeros(len(tokens)), version, loss_mask=0, role="tool")
+        record = s.metadata.setdefault("tool_calls", [])
+        record.extend({"name": r.name, "error": r.error} for r in results)
+        return True
+
+    async def _run_calls(self, calls: list[ToolCall]) -> list[ToolResult]:
+        async def one(call: ToolCall) -> ToolResult:
+            if call.error is not None:
+                text = f"Error: {call.error}"
+                return ToolResult(call.name, text, text)
+            return await self.registry.call(call.name, call.arguments)
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(c)) for c in calls]
+        return [t.result() for t in tasks]
+
+    def _end(self, status: SampleStatus, reason: str) -> None:
+        self.sample.status, self.sample.finish_reason = status, reason
+
+    def _decode(self, ids: np.ndarray, *, skip_special: bool) -> str:
+        return str(self.tokenizer.decode(ids.tolist(), skip_special_tokens=skip_special))
+
+
+def _needs(ctx: RolloutContext) -> tuple[PreTrainedTokenizerBase, ToolRegistry]:
+    if ctx.tokenizer is None:
+        raise ValueError("the multi-turn workflow needs a tokenizer (ctx.tokenizer)")
+    if not isinstance(ctx.tools, ToolRegistry):
+        raise ValueError("the multi-turn workflow needs a ToolRegistry (ctx.tools)")
+    return ctx.tokenizer, ctx.tools
+
+
+#: The workflow with default settings, for ``--custom-generate-function-path
+#: asyncrl.rollout.multi_turn:multi_turn``.
+multi_turn = MultiTurn()

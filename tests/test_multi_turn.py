@@ -1,0 +1,240 @@
+"""The multi-turn tool-use workflow: token alignment, loss masks, tool errors, cuts, resume.
+
+The engine here is a scripted ``Generator`` (the workflow's only seam to the model): each
+call returns the tokens of the next scripted turn, so a test can say exactly what the model
+"sampled" and check that the trained tokens are those tokens, in order, untouched. The
+real engine runs the same workflow in the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncrl.engines.base import FinishReason
+from asyncrl.engines.sglang_wire import GenerateResult
+from asyncrl.rollout.base import RolloutContext
+from asyncrl.rollout.multi_turn import (
+    HermesParser,
+    MultiTurn,
+    MultiTurnConfig,
+    ObservationRenderer,
+    ToolCall,
+)
+from asyncrl.rollout.tools import ToolRegistry, calculator_tool
+from asyncrl.types import Sample, SampleStatus, pack_int32
+from tests.tiny_tokenizer import build_chatml_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return build_chatml_tokenizer(Path(tmp_path_factory.mktemp("tok")))
+
+
+@dataclass
+class Step:
+    """One scripted engine call: the text it samples, how it ends, the weights' version."""
+
+    text: str
+    finish: str = "stop"
+    version: int = 0
+
+
+class ScriptedEngine:
+    """Samples the scripted steps in order; records every request's input ids."""
+
+    def __init__(self, tokenizer: Any, steps: list[Step]) -> None:
+        self.tokenizer, self.steps = tokenizer, list(steps)
+        self.inputs: list[list[int]] = []
+        self.sampled: list[list[int]] = []
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        rid: str | None = None,
+    ) -> GenerateResult:
+        step = self.steps.pop(0)
+        self.inputs.append(list(input_ids))
+        ids = self.tokenizer(step.text, add_special_tokens=False)["input_ids"]
+        if step.finish == "stop":
+            ids.append(self.tokenizer.eos_token_id)
+        finish = step.finish
+        cap = int((sampling_params or {})["max_new_tokens"])
+        if len(ids) > cap:
+            ids, finish = ids[:cap], "length"
+        self.sampled.append(ids)
+        logprobs = [-0.25 - 0.01 * i for i in range(len(ids))]
+        return GenerateResult(
+            rid=rid or "",
+            output_ids=ids,
+            logprobs=logprobs,
+            versions=[step.version] * len(ids),
+            finish_reason=FinishReason(type=finish),  # type: ignore[arg-type]
+        )
+
+
+async def score(sample: Sample) -> float:
+    return float(sample.response_text.endswith("#### 42"))  # special tokens are skipped
+
+
+def call(expression: str) -> str:
+    body = {"name": "calculator", "arguments": {"expression": expression}}
+    return f"<tool_call>{json.dumps(body)}</tool_call>"
+
+
+def make_sample(tokenizer: Any, **kw: Any) -> Sample:
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "what is 6*7?"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return Sample(uid="g/0", group_id="g", packed_prompt=pack_int32(ids), **kw)
+
+
+def context(tokenizer: Any, engine: ScriptedEngine, budget: int = 400) -> RolloutContext:
+    registry = ToolRegistry([calculator_tool()])
+    sampling = {"max_new_tokens": budget, "temperature": 1.0}
+    return RolloutContext(engine, score, sampling, tokenizer=tokenizer, tools=registry)
+
+
+def observation(tokenizer: Any, content: str) -> list[int]:
+    text = f"\n<|im_start|>tool\n{content}<|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+async def test_the_trained_tokens_are_the_sampled_tokens_with_observations_masked(tokenizer):
+    steps = [
+        Step(call("6*7"), version=3),
+        Step(call("42-0"), version=4),
+        Step("#### 42", version=4),
+    ]
+    engine = ScriptedEngine(tokenizer, steps)
+    sample = make_sample(tokenizer)
+    out = await MultiTurn()(context(tokenizer, engine), sample)
+
+    t1, t2, t3 = engine.sampled
+    o1, o2 = observation(tokenizer, "42"), observation(tokenizer, "42")
+    assert out.response_tokens.tolist() == t1 + o1 + t2 + o2 + t3
+    # each request continued from exactly the tokens so far: nothing re-tokenised
+    prompt = out.prompt_tokens.tolist()
+    assert engine.inputs == [prompt, prompt + t1 + o1, prompt + t1 + o1 + t2 + o2]
+    assert out.loss_mask.tolist() == [1] * len(t1) + [0] * len(o1) + [1] * len(t2) + [0] * len(
+        o2
+    ) + [1] * len(t3)
+    sampled_logprobs = [-0.25 - 0.01 * i for i in range(len(t1))]
+    np.testing.assert_allclose(out.logprobs[: len(t1)], sampled_logprobs, rtol=1e-6)
+    assert not out.logprobs[len(t1) : len(t1) + len(o1)].any()
+    # observation tokens carry the version of the turn that asked for them
+    versions = [3] * (len(t1) + len(o1)) + [4] * (len(t2) + len(o2) + len(t3))
+    assert out.token_versions.tolist() == versions
+    assert [s.role for s in out.spans] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert (out.status, out.finish_reason, out.reward) == (SampleStatus.COMPLETED, "stop", 1.0)
+    assert out.metadata["tool_calls"] == [{"name": "calculator", "error": None}] * 2
+
+
+async def test_tool_errors_become_observations_and_the_episode_goes_on(tokenizer):
+    steps = [
+        Step('<tool_call>{"name": "calculator", "arguments": {"expression": "x+1"}}</tool_call>'),
+        Step('<tool_call>{"name": "web", "arguments": {}}</tool_call>'),
+        Step("<tool_call>{not json}</tool_call>"),
+        Step("#### 42"),
+    ]
+    engine = ScriptedEngine(tokenizer, steps)
+    out = await MultiTurn()(context(tokenizer, engine), make_sample(tokenizer))
+    tool_texts = [
+        tokenizer.decode(out.response_tokens[s.start : s.end].tolist())
+        for s in out.spans
+        if s.role == "tool"
+    ]
+    assert "Error: CalculatorError: unsupported element Name" in tool_texts[0]
+    assert "Error: unknown tool 'web'; available: calculator" in tool_texts[1]
+    assert "Error: the tool call is not valid JSON" in tool_texts[2]
+    assert out.status is SampleStatus.COMPLETED and out.reward == 1.0
+    errors = [c["error"] is not None for c in out.metadata["tool_calls"]]
+    assert errors == [True, True, True]
+
+
+async def test_the_max_turn_cut_ends_the_episode_truncated_and_scored(tokenizer):
+    engine = ScriptedEngine(tokenizer, [Step(call("1+1"))] * 5)
+    workflow = MultiTurn(MultiTurnConfig(max_turns=2))
+    out = await workflow(context(tokenizer, engine), make_sample(tokenizer))
+    assert [s.role for s in out.spans] == ["assistant", "tool", "assistant"]
+    assert (out.status, out.finish_reason, out.reward) == (SampleStatus.TRUNCATED, "max_turns", 0.0)
+    assert len(engine.inputs) == 2
+
+
+async def test_the_token_budget_covers_turns_and_observations(tokenizer):
+    t1 = tokenizer(call("6*7"), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    o1 = observation(tokenizer, "42")
+    # room for the first turn, its observation and 3 more tokens
+    budget = len(t1) + len(o1) + 3
+    engine = ScriptedEngine(tokenizer, [Step(call("6*7")), Step("#### 42")])
+    out = await MultiTurn()(context(tokenizer, engine, budget), make_sample(tokenizer))
+    assert out.response_length == budget
+    assert (out.status, out.finish_reason) == (SampleStatus.TRUNCATED, "length")
+    # an observation that would leave no room for an answer ends the episode instead
+    engine = ScriptedEngine(tokenizer, [Step(call("6*7"))])
+    out = await MultiTurn()(context(tokenizer, engine, len(t1) + len(o1)), make_sample(tokenizer))
+    assert out.response_tokens.tolist() == t1
+    assert (out.status, out.finish_reason) == (SampleStatus.TRUNCATED, "length")
+
+
+async def test_an_aborted_turn_resumes_as_the_same_turn_under_new_weights(tokenizer):
+    text = call("6*7")
+    head, rest = text[:20], text[20:]
+    engine = ScriptedEngine(
+        tokenizer,
+        [Step(head, finish="abort", version=5), Step(rest, version=6), Step("#### 42", version=6)],
+    )
+    ctx = context(tokenizer, engine)
+    sample = await MultiTurn()(ctx, make_sample(tokenizer))
+    assert (sample.status, sample.finish_reason) == (SampleStatus.ABORTED, "abort")
+    assert sample.reward is None
+    done = await MultiTurn()(ctx, sample)  # the buffer hands it out again
+    assert done.status is SampleStatus.COMPLETED and done.reward == 1.0
+    assert [s.role for s in done.spans] == ["assistant", "tool", "assistant"]
+    first = done.spans[0]
+    assert set(done.token_versions[first.start : first.end].tolist()) == {5, 6}
+    assert engine.inputs[1] == done.prompt_tokens.tolist() + engine.sampled[0]
+
+
+async def test_the_tools_of_a_data_row_are_the_ones_offered(tokenizer):
+    row_tools = [{"type": "function", "function": {"name": "python"}}]
+    engine = ScriptedEngine(tokenizer, [Step(call("1+1"))])
+    sample = make_sample(tokenizer, tools=row_tools)
+    with pytest.raises(ValueError, match="the data names tool 'python'"):
+        await MultiTurn()(context(tokenizer, engine), sample)
+
+
+def test_hermes_parser_finds_every_call_and_reports_malformed_ones():
+    parser = HermesParser()
+    text = (
+        "thinking <tool_call>\n"
+        '{"name": "a", "arguments": {"x": 1}}\n</tool_call> and '
+        '<tool_call>{"name": "b", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    )
+    assert parser.parse(text) == [ToolCall("a", {"x": 1}), ToolCall("b", '{"y": 2}')]
+    assert parser.parse("no calls here") == []
+    (bad,) = parser.parse('<tool_call>["a"]</tool_call>')
+    assert bad.error is not None and "must be" in bad.error
+    cut = parser.parse('<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b", "argu')
+    assert cut[0] == ToolCall("a", None)
+    assert cut[1].error == "a <tool_call> was opened but never closed"
+
+
+def test_the_observation_delta_is_what_the_template_adds_after_the_turn(tokenizer):
+    renderer = ObservationRenderer(tokenizer)
+    messages = [{"role": "tool", "content": "7"}, {"role": "tool", "content": "8"}]
+    closed = renderer.render(messages, turn_closed=True)
+    expected = (
+        "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>tool\n8<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tokenizer.decode(closed) == expected
+    assert tokenizer.decode(renderer.render(messages, turn_closed=False)) == "<|im_end|>" + expected
