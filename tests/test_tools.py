@@ -53,7 +53,7 @@ def registry() -> ToolRegistry:
         FunctionTool("upper", "Sync body.", lambda text: text.upper(), ECHO_SCHEMA),
         calculator_tool(),
     ]
-    return ToolRegistry(tools, timeout_s=0.3, max_output_chars=50)
+    return ToolRegistry(tools, timeout_s=0.3, max_output_chars=200)
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -89,8 +89,9 @@ async def test_every_failure_is_an_error_observation_never_an_exception(
 
 
 async def test_long_output_is_cut_and_says_how_much(registry):
-    result = await registry.call("echo", {"text": "x", "times": 80})
-    assert result.content == "x" * 50 + "\n[... 30 more characters cut]"
+    result = await registry.call("echo", {"text": "x", "times": 230})
+    assert result.content == "x" * 200 + "\n[... 30 more characters cut]"
+    assert (await registry.call("echo", {"text": "x", "times": 200})).content == "x" * 200
 
 
 def test_schemas_are_openai_style_and_a_data_row_can_restrict_and_redescribe(registry):
