@@ -168,6 +168,13 @@ def _train(args: argparse.Namespace) -> int:
             f"asyncrl train: config error:\nto train, set {' and '.join(missing)}", file=sys.stderr
         )
         return 2
+    from asyncrl.actors.controller import tool_schemas
+
+    try:
+        tool_schemas(cfg)  # loads every tool: a missing corpus is refused before launch
+    except ValueError as exc:
+        print(f"asyncrl train: config error:\n{exc}", file=sys.stderr)
+        return 2
     return _run_training(cfg, resume=args.resume)
 
 

@@ -267,6 +267,11 @@ class RunConfig(Section):
                 "engines sleep while the trainer steps, so generation cannot run ahead of "
                 "training; set --buffer-max-staleness 0 (synchronous) or drop --colocate"
             )
+        if self.rollout.tool_use is not None and self.data and not self.data.apply_chat_template:
+            raise ValueError(
+                "rollout.tool_use needs data.apply_chat_template: the tools' schemas and the "
+                "tool messages reach the model through the tokenizer's chat template"
+            )
         if self.train.debug_rollout_only and self.eval.enabled:
             raise ValueError(
                 "eval.interval is set but debug_rollout_only never changes the weights: "

@@ -205,9 +205,9 @@ def test_every_preset_builds_a_valid_config():
 def test_every_leaf_has_exactly_one_flag_and_a_description():
     table = flag_table()
     full = RunConfig(  # the optional sections too
-        data={"path": "prompts.jsonl"},
+        data={"path": "prompts.jsonl", "apply_chat_template": True},
         trainer={"model_path": "m"},
-        rollout={"engine": {"model_path": "m"}},
+        rollout={"engine": {"model_path": "m"}, "tool_use": {"tools": [{"type": "calculator"}]}},
         eval={"engine": {"model_path": "m"}},
     ).model_dump()
     assert {spec.path for spec in table.values()} == leaf_paths(full)

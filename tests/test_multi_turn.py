@@ -238,3 +238,18 @@ def test_the_observation_delta_is_what_the_template_adds_after_the_turn(tokenize
     )
     assert tokenizer.decode(closed) == expected
     assert tokenizer.decode(renderer.render(messages, turn_closed=False)) == "<|im_end|>" + expected
+
+
+async def test_a_turn_cut_at_the_per_turn_cap_still_runs_its_calls(tokenizer):
+    text = call("6*7") + " and then some more words"
+    n = len(tokenizer(call("6*7"), add_special_tokens=False)["input_ids"]) + 2
+    engine = ScriptedEngine(tokenizer, [Step(text), Step("#### 42" + " and more words" * 40)])
+    workflow = MultiTurn(MultiTurnConfig(max_tokens_per_turn=n))
+    out = await workflow(context(tokenizer, engine), make_sample(tokenizer))
+    # the cut turn held a call: it ran, and its observation opens with the end-of-turn token
+    _, tool, last = out.spans
+    tool_text = tokenizer.decode(out.response_tokens[tool.start : tool.end].tolist())
+    assert tool_text.startswith("<|im_end|>\n<|im_start|>tool\n42")
+    # the second turn, cut with no call in it, ends the episode truncated
+    assert last.end - last.start == n
+    assert (out.status, out.finish_reason) == (SampleStatus.TRUNCATED, "length")

@@ -272,3 +272,24 @@ def test_a_corpus_row_without_text_names_its_file_and_line(tmp_path):
     corpus.write_text('{"text": "ok"}\n{"title": "no text"}\n')
     with pytest.raises(DataError, match=r"corpus.jsonl:2: a corpus row needs a string 'text'"):
         load_corpus(str(corpus))
+
+
+def test_tool_use_config_errors_are_refused_before_launch(tmp_path, capsys):
+    from asyncrl.cli import main
+    from tests.tiny_model import build_tiny_model
+
+    build_tiny_model(tmp_path / "model")
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["train", "--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(data)]
+    base += ["--output-dir", str(tmp_path / "run")]
+    search = ["--rollout-tool-use-tools", '[{"type": "search"}]', "--apply-chat-template"]
+    assert main([*base, *search]) == 2
+    assert "the search tool needs corpus" in capsys.readouterr().err
+    calc = ["--rollout-tool-use-tools", '[{"type": "calculator"}]']
+    assert main([*base, *calc]) == 2
+    assert "rollout.tool_use needs data.apply_chat_template" in capsys.readouterr().err
+    missing = '[{"type": "search", "corpus": "' + str(tmp_path / "nope.jsonl") + '"}]'
+    assert main([*base, "--rollout-tool-use-tools", missing, "--apply-chat-template"]) == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "logs").exists()  # no actor was started

@@ -204,6 +204,29 @@ def _threads_per_torch_process(cfg: RunConfig) -> int:
     return max(1, (os.cpu_count() or 1) // max(busy, 1))
 
 
+def tool_schemas(cfg: RunConfig) -> list[dict[str, Any]] | None:
+    """The schemas of ``rollout.tool_use``'s tools (None without tool use).
+
+    Building the registry loads each tool, so a missing corpus or a bad custom tool is
+    refused here, before any process starts (``asyncrl train`` calls this first).
+    """
+    if cfg.rollout.tool_use is None:
+        return None
+    from asyncrl.rollout.tools.build import build_registry
+
+    return build_registry(cfg.rollout.tool_use).schemas()
+
+
+def _source_params(cfg: RunConfig) -> dict[str, Any] | None:
+    """The data source's config; with tool use, the tools' schemas for rows without any."""
+    if cfg.data is None:
+        return None
+    source = cfg.data.model_dump(mode="json")
+    if source.get("default_tools") is None:
+        source["default_tools"] = tool_schemas(cfg)
+    return source
+
+
 def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dict[str, Any]]:
     """Each role's ``params`` (what its actor reads in ``setup``)."""
     if cfg.trainer is None:
@@ -219,11 +242,13 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
         publish["dir"] = str(run_dir / "weights")
     if cfg.eval.enabled:  # the eval actor pulls the final version after the last step
         publish.update(final_pullers=["eval"], linger_s=_FINAL_LINGER_S)
+    tool_use = cfg.rollout.tool_use
     rollout = {
         "engine": engine if isinstance(engine, dict) else engine.model_dump(mode="json"),
         "sampling": dict(cfg.rollout.sampling),
         "reward": cfg.rollout.reward.model_dump(mode="json"),
         "workflow": cfg.rollout.workflow,
+        "tool_use": tool_use.model_dump(mode="json") if tool_use else None,
         "max_groups": cfg.rollout.max_groups,
         "tokenizer": model,
         "metrics_dir": str(run_dir / "metrics"),
@@ -247,7 +272,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
     return {
         "buffer": {
             "buffer": _buffer_params(cfg),
-            "source": cfg.data.model_dump(mode="json") if cfg.data else None,
+            "source": _source_params(cfg),
             "tokenizer": model,
             "metrics_path": str(run_dir / "metrics" / "buffer.jsonl"),
             "metrics_interval": cfg.train.metrics_interval,

@@ -78,7 +78,8 @@ class RolloutActor(Actor):
         self.colocate = bool(params.get("colocate", False))
         self._asleep = False  # colocated: the engines released their memory
         self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
-        self.workflow = _load_workflow(params.get("workflow"))
+        tool_use = _tool_use(params.get("tool_use"))
+        self.workflow = _load_workflow(params.get("workflow"), tool_use)
         self.score = await self.hold(contextlib.aclosing(_build_reward(params.get("reward", {}))))
         self.ctx = RolloutContext(
             engine=self.host.client,  # type: ignore[arg-type]
@@ -86,6 +87,7 @@ class RolloutActor(Actor):
             sampling=dict(params.get("sampling", {})),
             tokenizer=await asyncio.to_thread(_tokenizer, params, self.host),
             version=lambda: self.host.version,
+            tools=await asyncio.to_thread(_build_tools, tool_use) if tool_use else None,
         )
         await self._open_channels()
         if params.get("metrics_dir"):
@@ -309,10 +311,22 @@ def _samples_of(item: WorkItem) -> list[Sample]:
     ]
 
 
-def _load_workflow(path: str | None) -> Workflow:
+def _tool_use(raw: dict[str, Any] | None) -> Any:
+    from asyncrl.rollout.config import ToolUseConfig
+
+    return ToolUseConfig(**raw) if raw else None
+
+
+def _build_tools(tool_use: Any) -> Any:
+    from asyncrl.rollout.tools.build import build_registry
+
+    return build_registry(tool_use)
+
+
+def _load_workflow(path: str | None, tool_use: Any = None) -> Workflow:
     from asyncrl.rollout.workflows import load_workflow
 
-    return load_workflow(path)
+    return load_workflow(path, tool_use)
 
 
 def _build_reward(config: dict[str, Any]) -> Any:

@@ -112,6 +112,9 @@ class PromptSource:
         label_key: str | None = Field("label", description="key of the label; null for none")
         metadata_key: str | None = Field("metadata", description="key of a metadata object")
         tools_key: str | None = Field(None, description="key of the tool schemas, if any")
+        default_tools: list[dict[str, Any]] | None = Field(
+            None, description="tool schemas rendered when a row has none (from rollout.tool_use)"
+        )
         apply_chat_template: bool = Field(False, description="render with the chat template")
         system_prompt: str | None = Field(
             None, description="system message put before string prompts when templating"
@@ -261,7 +264,10 @@ class PromptSource:
                 messages.insert(0, {"role": "system", "content": self.config.system_prompt})
         try:
             text = tokenizer.apply_chat_template(
-                messages, tools=row.tools or None, add_generation_prompt=True, tokenize=False
+                messages,
+                tools=row.tools or self.config.default_tools or None,
+                add_generation_prompt=True,
+                tokenize=False,
             )
         except Exception as exc:  # the template is user code (jinja) and may raise anything
             raise DataError(f"{row.where}: chat template failed: {exc}") from exc

@@ -1,10 +1,10 @@
 """Rollout settings that the config tree composes (no torch, no HTTP imports here).
 
 ``EngineConfig`` (which engines a rollout actor uses, ``rollout.engine``),
-``RolloutConfig`` (the ``rollout`` section: actors, engines, sampling, workflow, reward)
-and ``EvalConfig`` (the ``eval`` section: named held-out sets, how often). Read by
-``actors/rollout.py``, ``actors/eval.py`` and ``rollout/engines.py``; composed by
-``asyncrl.config``.
+``ToolUseConfig`` (multi-turn tools and limits, ``rollout.tool_use``), ``RolloutConfig``
+(the ``rollout`` section: actors, engines, sampling, workflow, reward) and ``EvalConfig``
+(the ``eval`` section: named held-out sets, how often). Read by ``actors/rollout.py``,
+``actors/eval.py`` and ``rollout/engines.py``; composed by ``asyncrl.config``.
 """
 
 from __future__ import annotations
@@ -92,6 +92,51 @@ class RewardConfig(BaseModel):
         return self
 
 
+class ToolConfig(BaseModel):
+    """One tool of a multi-turn rollout (``rollout/tools/``).
+
+    ``calculator``; ``python`` (the sandbox, with its limits); ``search`` (BM25 over
+    ``corpus``); ``custom``: ``path`` names a ``module:factory`` returning a ``Tool``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["calculator", "python", "search", "custom"] = Field(..., description="tool")
+    corpus: str | None = Field(None, description="search: jsonl/parquet corpus ('text' rows)")
+    k: int = Field(3, ge=1, description="search: results per query")
+    max_chars: int = Field(500, ge=1, description="search: characters shown per result")
+    cpu_s: int = Field(5, ge=1, description="python: CPU seconds per call")
+    memory_mb: int = Field(512, ge=16, description="python: address space per call, MiB")
+    wall_s: float = Field(10.0, gt=0, description="python: wall-clock seconds per call")
+    output_bytes: int = Field(16384, ge=1, description="python: captured bytes per stream")
+    path: str | None = Field(None, description="custom: 'module:factory' returning a Tool")
+
+    @model_validator(mode="after")
+    def _complete(self) -> ToolConfig:
+        if self.type == "search" and not self.corpus:
+            raise ValueError("the search tool needs corpus (a jsonl/parquet file of documents)")
+        if self.type == "custom" and not self.path:
+            raise ValueError("a custom tool needs path ('module:factory' returning a Tool)")
+        return self
+
+
+class ToolUseConfig(BaseModel):
+    """Multi-turn tool use (``rollout/multi_turn.py``): the tools and the episode limits.
+
+    Setting ``rollout.tool_use`` runs the multi-turn workflow (unless ``rollout.workflow``
+    names another) and renders prompts with the tools' schemas when a row has none.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    tools: list[ToolConfig] = Field(..., min_length=1, description="the tools offered")
+    max_turns: int = Field(8, ge=1, description="assistant turns per episode at most")
+    max_tokens_per_turn: int | None = Field(None, ge=1, description="default: the budget")
+    parser: str = Field("hermes", description="'hermes' or 'module:Class' (a ToolCallParser)")
+    timeout_s: float = Field(30.0, gt=0, description="a tool call slower than this fails")
+    max_output_chars: int = Field(4096, ge=1, description="observation characters per call")
+
+
 class RolloutConfig(BaseModel):
     """Rollout actors: how many, their engines, sampling, workflow and reward."""
 
@@ -113,6 +158,9 @@ class RolloutConfig(BaseModel):
     )
     reward: RewardConfig = Field(
         default_factory=lambda: RewardConfig(), description="the reward hub's settings"
+    )
+    tool_use: ToolUseConfig | None = Field(
+        None, description="multi-turn tool use: tools and limits (null: single-turn)"
     )
     colocate: bool = Field(
         False,

@@ -14,9 +14,10 @@ One sample is one episode. Each round:
 
 The episode ends at a final answer (``completed``), at ``max_turns`` assistant turns or when
 the token budget ``max_new_tokens`` (the whole response: turns and observations) is used
-up (``truncated``, ``finish_reason`` ``max_turns`` or ``length``), or on an abort
-(``aborted``: resumed later from its tokens, an unfinished turn continuing as the same
-turn). Finished episodes are scored; ``metadata["tool_calls"]`` lists every call's name,
+up (``truncated``, ``finish_reason`` ``max_turns`` or ``length``; a turn cut at
+``max_tokens_per_turn`` still has its calls run, and ends the episode if it has none), or
+on an abort (``aborted``: resumed later from its tokens, an unfinished turn continuing as
+the same turn). Finished episodes are scored; ``metadata["tool_calls"]`` lists every call's name,
 and the error if it failed, for rewards and metrics.
 
 Observation tokens come from the tokenizer's chat template without touching sampled tokens
@@ -187,14 +188,14 @@ class _Episode:
             s.status is SampleStatus.ABORTED and bool(spans) and spans[-1].role == "assistant"
         )
         while True:
-            await self._generate(resume_turn=resuming)
+            cut = await self._generate(resume_turn=resuming)
             resuming = False
             if s.status is not SampleStatus.PENDING:
                 break
             start = s.spans[-1].start
             calls = self.parser.parse(self._decode(s.response_tokens[start:], skip_special=False))
             if not calls:
-                self._end(SampleStatus.COMPLETED, "stop")
+                self._end(*((SampleStatus.TRUNCATED, "length") if cut else _FINAL))
                 break
             if self.turns >= self.config.max_turns:
                 self._end(SampleStatus.TRUNCATED, "max_turns")
@@ -203,8 +204,10 @@ class _Episode:
                 break
         s.response_text = self._decode(s.response_tokens, skip_special=True)
 
-    async def _generate(self, *, resume_turn: bool) -> None:
-        """One assistant turn (or the rest of an aborted one); sets the status if it ends."""
+    async def _generate(self, *, resume_turn: bool) -> bool:
+        """One assistant turn (or the rest of an aborted one); sets the status if that ends
+        the episode. True if the turn was cut at ``max_tokens_per_turn``: its calls, if it
+        holds any, still run; without one the episode ends truncated."""
         s = self.sample
         left = self.budget - s.response_length
         turn_cap = self.config.max_tokens_per_turn
@@ -213,7 +216,7 @@ class _Episode:
         limit = left if turn_cap is None else min(left, turn_cap)
         if limit <= 0:
             self._end(SampleStatus.TRUNCATED, "length")
-            return
+            return False
         ids = np.concatenate([s.prompt_tokens, s.response_tokens]).tolist()
         result = await self.ctx.engine.generate(
             ids,
@@ -228,8 +231,9 @@ class _Episode:
         s.status = SampleStatus.PENDING
         if kind == "abort":
             self._end(SampleStatus.ABORTED, "abort")
-        elif kind == "length":
+        elif kind == "length" and limit == left:  # the whole budget is spent
             self._end(SampleStatus.TRUNCATED, "length")
+        return kind == "length"
 
     async def _observe(self, calls: list[ToolCall]) -> bool:
         """Run ``calls`` and append their observations; False if the budget ended it."""
@@ -263,6 +267,9 @@ class _Episode:
 
     def _decode(self, ids: np.ndarray, *, skip_special: bool) -> str:
         return str(self.tokenizer.decode(ids.tolist(), skip_special_tokens=skip_special))
+
+
+_FINAL = (SampleStatus.COMPLETED, "stop")
 
 
 def _needs(ctx: RolloutContext) -> tuple[PreTrainedTokenizerBase, ToolRegistry]:

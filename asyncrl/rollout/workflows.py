@@ -1,4 +1,6 @@
-"""Which workflow a rollout actor runs: the single-turn default or a user's, by dotted path.
+"""Which workflow a rollout actor runs: single-turn, multi-turn tool use, or a user's.
+
+No path: the multi-turn workflow when ``rollout.tool_use`` is set, else single-turn.
 
 slime's ``--custom-generate-function-path``: ``package.module:function`` (or
 ``package.module.function``) naming ``async def fn(ctx, sample) -> Sample``. A bad path is
@@ -8,18 +10,31 @@ refused when the actor starts, naming the path and what is wrong.
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 from asyncrl.plugins import load_object
 from asyncrl.rollout.base import Workflow
 from asyncrl.rollout.single_turn import single_turn
 
+if TYPE_CHECKING:
+    from asyncrl.rollout.config import ToolUseConfig
 
-def load_workflow(path: str | None) -> Workflow:
-    """The workflow at ``path`` (None: ``single_turn``); ``ValueError`` if unusable."""
+
+def load_workflow(path: str | None, tool_use: ToolUseConfig | None = None) -> Workflow:
+    """The workflow at ``path`` (None: see the module docstring); ``ValueError`` if unusable."""
     if not path:
-        return single_turn
+        return single_turn if tool_use is None else _multi_turn(tool_use)
     fn = load_object(path, what="workflow")
     # An object whose class defines ``async def __call__`` is a workflow too.
     if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
         raise ValueError(f"workflow {path!r} must be an async function (ctx, sample) -> Sample")
     return fn
+
+
+def _multi_turn(cfg: ToolUseConfig) -> Workflow:
+    from asyncrl.rollout.multi_turn import HermesParser, MultiTurn, MultiTurnConfig
+
+    parser = HermesParser() if cfg.parser == "hermes" else load_object(cfg.parser, what="parser")()
+    if not callable(getattr(parser, "parse", None)):
+        raise ValueError(f"tool-call parser {cfg.parser!r} has no parse(text) method")
+    return MultiTurn(MultiTurnConfig(cfg.max_turns, cfg.max_tokens_per_turn), parser)
