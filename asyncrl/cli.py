@@ -168,10 +168,10 @@ def _train(args: argparse.Namespace) -> int:
             f"asyncrl train: config error:\nto train, set {' and '.join(missing)}", file=sys.stderr
         )
         return 2
-    from asyncrl.actors.controller import tool_schemas
+    from asyncrl.actors.controller import check_tool_use
 
     try:
-        tool_schemas(cfg)  # loads every tool: a missing corpus is refused before launch
+        check_tool_use(cfg)  # a missing corpus or an unfit chat template: before launch
     except ValueError as exc:
         print(f"asyncrl train: config error:\n{exc}", file=sys.stderr)
         return 2

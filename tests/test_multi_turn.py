@@ -8,6 +8,7 @@ real engine runs the same workflow in the end-to-end tests.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ from asyncrl.rollout.multi_turn import (
     ObservationRenderer,
     ToolCall,
 )
-from asyncrl.rollout.tools import ToolRegistry, calculator_tool
+from asyncrl.rollout.tools import FunctionTool, ToolRegistry, calculator_tool
+from asyncrl.rollout.tools.calculator import CALCULATOR_PARAMETERS
 from asyncrl.types import Sample, SampleStatus, pack_int32
 from tests.tiny_tokenizer import build_chatml_tokenizer
 
@@ -213,6 +215,45 @@ async def test_the_tools_of_a_data_row_are_the_ones_offered(tokenizer):
         await MultiTurn()(context(tokenizer, engine), sample)
 
 
+async def test_an_abort_while_the_tools_run_stops_the_episode_before_its_next_turn(tokenizer):
+    aborts = [0]
+
+    async def slow_calculator(expression: str) -> str:
+        aborts[0] += 1  # the buffer's abort arrives while the tool runs
+        return "42"
+
+    registry = ToolRegistry(
+        [FunctionTool("calculator", "x", slow_calculator, CALCULATOR_PARAMETERS)]
+    )
+    engine = ScriptedEngine(tokenizer, [Step(call("6*7"), version=1), Step("#### 42", version=2)])
+    sampling = {"max_new_tokens": 400}
+    ctx = RolloutContext(
+        engine, score, sampling, tokenizer=tokenizer, tools=registry, aborts=lambda: aborts[0]
+    )
+    sample = await MultiTurn()(ctx, make_sample(tokenizer))
+    assert (sample.status, sample.finish_reason) == (SampleStatus.ABORTED, "abort")
+    assert [s.role for s in sample.spans] == ["assistant", "tool"] and len(engine.inputs) == 1
+    done = await MultiTurn()(ctx, sample)  # handed out again: the next turn, new weights
+    assert done.status is SampleStatus.COMPLETED and done.reward == 1.0
+    assert [s.role for s in done.spans] == ["assistant", "tool", "assistant"]
+
+
+async def test_a_tool_missing_from_the_rows_list_is_not_offered(tokenizer):
+    row_tools = [{"type": "function", "function": {"name": "calculator"}}]
+    registry = ToolRegistry([calculator_tool(), FunctionTool("other", "x", _other)])
+    body = json.dumps({"name": "other", "arguments": {}})
+    steps = [Step(f"<tool_call>{body}</tool_call>"), Step("#### 42")]
+    engine = ScriptedEngine(tokenizer, steps)
+    sampling = {"max_new_tokens": 400}
+    ctx = RolloutContext(engine, score, sampling, tokenizer=tokenizer, tools=registry)
+    out = await MultiTurn()(ctx, make_sample(tokenizer, tools=row_tools))
+    assert out.metadata["tool_calls"][0]["error"].startswith("Error: unknown tool 'other'")
+
+
+async def _other() -> str:
+    return "should not run"
+
+
 def test_hermes_parser_finds_every_call_and_reports_malformed_ones():
     parser = HermesParser()
     text = (
@@ -227,6 +268,8 @@ def test_hermes_parser_finds_every_call_and_reports_malformed_ones():
     cut = parser.parse('<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b", "argu')
     assert cut[0] == ToolCall("a", None)
     assert cut[1].error == "a <tool_call> was opened but never closed"
+    (deep,) = parser.parse("<tool_call>" + "[" * 5000 + "</tool_call>")
+    assert deep.error is not None and deep.error.startswith("the tool call is not valid JSON")
 
 
 def test_the_observation_delta_is_what_the_template_adds_after_the_turn(tokenizer):
@@ -253,3 +296,33 @@ async def test_a_turn_cut_at_the_per_turn_cap_still_runs_its_calls(tokenizer):
     # the second turn, cut with no call in it, ends the episode truncated
     assert last.end - last.start == n
     assert (out.status, out.finish_reason) == (SampleStatus.TRUNCATED, "length")
+
+
+#: Qwen2.5's way with tool messages (written out here; no model hub): consecutive tool
+#: results share one user block, each wrapped in <tool_response> tags.
+QWEN_STYLE_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_the_observation_delta_follows_a_qwen_style_template(tokenizer):
+    qwen = copy.deepcopy(tokenizer)
+    qwen.chat_template = QWEN_STYLE_TEMPLATE
+    messages = [{"role": "tool", "content": "7"}, {"role": "tool", "content": "8"}]
+    delta = ObservationRenderer(qwen).render(messages, turn_closed=True)
+    expected = (
+        "\n<|im_start|>user\n<tool_response>\n7\n</tool_response>\n<tool_response>\n8\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert qwen.decode(delta) == expected

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +38,10 @@ async def echo(text: str, times: int = 1) -> str:
     return text * times
 
 
+async def nothing() -> None:
+    return None
+
+
 async def boom() -> str:
     raise RuntimeError("disk on fire")
 
@@ -44,6 +51,19 @@ async def hang() -> str:
     return "never"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Raw:
+    """A Tool (not a FunctionTool) whose body returns whatever it returns."""
+
+    name: str
+    description: str
+    fn: Any
+    parameters: dict[str, Any]
+
+    def __call__(self, **arguments: Any) -> Any:
+        return self.fn(**arguments)
+
+
 @pytest.fixture
 def registry() -> ToolRegistry:
     tools = [
@@ -51,6 +71,7 @@ def registry() -> ToolRegistry:
         FunctionTool("boom", "Always raises.", boom),
         FunctionTool("hang", "Never returns.", hang),
         FunctionTool("upper", "Sync body.", lambda text: text.upper(), ECHO_SCHEMA),
+        _Raw("raw", "Returns None, not text.", nothing, {"type": "object"}),
         calculator_tool(),
     ]
     return ToolRegistry(tools, timeout_s=0.3, max_output_chars=200)
@@ -68,7 +89,8 @@ async def test_a_valid_call_returns_the_tools_output(registry):
 @pytest.mark.parametrize(
     ("name", "arguments", "reason"),
     [
-        ("nope", "{}", "unknown tool 'nope'; available: echo, boom, hang, upper, calculator"),
+        ("nope", "{}", "unknown tool 'nope'; available: echo, boom, hang, upper, raw, calculator"),
+        ("raw", None, "tool 'raw' returned NoneType, not text"),
         ("echo", '{"text": ', "arguments are not valid JSON"),
         ("echo", "[1, 2]", "arguments must be a JSON object, not list"),
         ("echo", "{}", "invalid arguments for 'echo' at arguments: 'text' is a required"),
@@ -148,6 +170,8 @@ def test_the_calculator_is_exact(expression, value):
         ("9 ** 9 ** 9", "exponents must be whole numbers up to 64"),
         ("2 ** 0.5", "exponents must be whole numbers"),
         ("(10 ** 60) * (10 ** 60)", "more than 100 digits"),
+        ("(((0.1**64)**64)**64)**64", "more than 100 digits"),  # tiny, but a huge fraction
+        ("(2 ** 64) ** 64", "more than 100 digits"),
         ("1 / (2 - 2)", "division by zero"),
         ("1+" * 150 + "1", "longer than 200 characters"),
         ("'a' * 3", "unsupported element Constant"),
@@ -225,6 +249,33 @@ async def test_a_timed_out_call_leaves_no_process_behind(tmp_path):
         os.kill(int(pid_file.read_text()), 0)
 
 
+async def test_a_child_that_outlives_the_program_is_killed_with_its_group(tmp_path):
+    pid_file = tmp_path / "pid"
+    code = (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    os.close(1); os.close(2)\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(60)\n"
+        "else:\n"
+        "    time.sleep(0.5); print('parent done')\n"
+    )
+    result = await PythonSandbox(LIMITS).run(code)
+    assert result.returncode == 0 and result.stdout == "parent done\n"
+    assert result.seconds < LIMITS.wall_s  # the child held the pipes: it did not hang us
+    await asyncio.sleep(0.2)
+    assert not await asyncio.to_thread(_running, int(pid_file.read_text()))
+
+
+def _running(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie (an orphan waits for init to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 async def test_the_python_tool_returns_output_and_status():
     registry = ToolRegistry([python_tool(LIMITS)])
     result = await registry.call("python", {"code": "print(6 * 7)"})
@@ -292,4 +343,12 @@ def test_tool_use_config_errors_are_refused_before_launch(tmp_path, capsys):
     missing = '[{"type": "search", "corpus": "' + str(tmp_path / "nope.jsonl") + '"}]'
     assert main([*base, "--rollout-tool-use-tools", missing, "--apply-chat-template"]) == 2
     assert "nope.jsonl" in capsys.readouterr().err
+    # a chat template that cannot render an observation after a turn (not prefix-stable)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    tokenizer.chat_template = "{{ messages[-1]['content'] }}"
+    tokenizer.save_pretrained(tmp_path / "model")
+    assert main([*base, *calc, "--apply-chat-template"]) == 2
+    assert "the chat template cannot render tool observations" in capsys.readouterr().err
     assert not (tmp_path / "run" / "logs").exists()  # no actor was started

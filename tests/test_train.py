@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from asyncrl.actors.controller import run_job
+from asyncrl.actors.controller import check_tool_use, run_job
 from asyncrl.buffer.dump import batch_files, read_batch
 from asyncrl.cli import main
 from asyncrl.config import load_config
@@ -267,7 +267,9 @@ async def test_multi_turn_tool_use_trains_on_sampled_tokens_with_observations_ma
     flags += ["--rollout-tool-use-max-turns", "2", "--rollout-tool-use-max-tokens-per-turn", "4"]
     flags += ["--rollout-tool-use-parser", "tests.test_train:AlwaysCallsCalculator"]
     flags += ["--save-debug-rollout-data", str(dump)]
-    result = await run_job(load_config(overrides=flags))
+    cfg = load_config(overrides=flags)
+    check_tool_use(cfg)  # what asyncrl train checks before launch: the template fits
+    result = await run_job(cfg)
     assert result.ok, result.error
     assert accounted(last_buffer_metrics(tmp_path / "run"))
     from transformers import AutoTokenizer

@@ -217,6 +217,28 @@ def tool_schemas(cfg: RunConfig) -> list[dict[str, Any]] | None:
     return build_registry(cfg.rollout.tool_use).schemas()
 
 
+def check_tool_use(cfg: RunConfig) -> None:
+    """Before launch: the tools load and the policy's chat template can render a tool
+    observation after an assistant turn (a template that is not prefix-stable, or that
+    closes turns with another token than ``eos_token``, is a ``ValueError`` here, not a
+    failed sample per episode later)."""
+    if cfg.rollout.tool_use is None or cfg.trainer is None:
+        return
+    tool_schemas(cfg)
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.multi_turn import ObservationRenderer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    try:
+        ObservationRenderer(tokenizer).render([{"role": "tool", "content": "ok"}], turn_closed=True)
+    except Exception as exc:  # jinja raises its own errors; all mean the same here
+        raise ValueError(
+            f"{cfg.trainer.model_path}: the chat template cannot render tool observations "
+            f"for multi-turn rollouts: {exc}"
+        ) from None
+
+
 def _source_params(cfg: RunConfig) -> dict[str, Any] | None:
     """The data source's config; with tool use, the tools' schemas for rows without any."""
     if cfg.data is None:

@@ -77,6 +77,7 @@ class RolloutActor(Actor):
         self._loaded = asyncio.Event()
         self.colocate = bool(params.get("colocate", False))
         self._asleep = False  # colocated: the engines released their memory
+        self._aborts = 0  # abort-alls so far (APRIL, drain): see RolloutContext.aborts
         self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
         tool_use = _tool_use(params.get("tool_use"))
         self.workflow = _load_workflow(params.get("workflow"), tool_use)
@@ -87,6 +88,7 @@ class RolloutActor(Actor):
             sampling=dict(params.get("sampling", {})),
             tokenizer=await asyncio.to_thread(_tokenizer, params, self.host),
             version=lambda: self.host.version,
+            aborts=lambda: self._aborts,
             tools=await asyncio.to_thread(_build_tools, tool_use) if tool_use else None,
         )
         await self._open_channels()
@@ -278,12 +280,18 @@ class RolloutActor(Actor):
         while True:
             event = (await self.events.receive()).msg
             if event.kind == "abort" and self.host.client is not None:
-                await self.host.client.abort(abort_all=True)
+                await self._abort_all()
+
+    async def _abort_all(self) -> None:
+        # Counted first: a multi-turn episode between two engine calls (running its tools)
+        # has no request to abort, and sees the count change before its next turn.
+        self._aborts += 1
+        await self.host.client.abort(abort_all=True)
 
     async def drain(self) -> None:
         """Abort what is in flight and deliver it: partial groups resume elsewhere."""
         if self.host.client is not None:
-            await self.host.client.abort(abort_all=True)
+            await self._abort_all()
         while self._in_flight:
             self._slot_freed.clear()
             await self._slot_freed.wait()

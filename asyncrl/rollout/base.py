@@ -50,8 +50,10 @@ class RolloutContext:
     """Everything a workflow may use; built once per rollout actor.
 
     ``sampling`` are SGLang sampling params (``max_new_tokens`` is the response budget);
-    ``version()`` is the weight version the engine serves now; ``tools`` is the tool
-    registry of multi-turn workflows (None for single-turn).
+    ``version()`` is the weight version the engine serves now; ``aborts()`` counts the
+    aborts of all in-flight work so far (a workflow that makes several engine calls stops
+    at its next call when it changed); ``tools`` is the tool registry of multi-turn
+    workflows (None for single-turn).
     """
 
     engine: Generator
@@ -59,6 +61,7 @@ class RolloutContext:
     sampling: dict[str, Any]
     tokenizer: PreTrainedTokenizerBase | None = None
     version: Callable[[], int] = lambda: 0
+    aborts: Callable[[], int] = lambda: 0
     tools: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -17,7 +17,8 @@ the token budget ``max_new_tokens`` (the whole response: turns and observations)
 up (``truncated``, ``finish_reason`` ``max_turns`` or ``length``; a turn cut at
 ``max_tokens_per_turn`` still has its calls run, and ends the episode if it has none), or
 on an abort (``aborted``: resumed later from its tokens, an unfinished turn continuing as
-the same turn). Finished episodes are scored; ``metadata["tool_calls"]`` lists every call's name,
+the same turn; an abort that comes while the tools run stops the episode before its next
+turn). Finished episodes are scored; ``metadata["tool_calls"]`` lists every call's name,
 and the error if it failed, for rewards and metrics.
 
 Observation tokens come from the tokenizer's chat template without touching sampled tokens
@@ -81,7 +82,7 @@ class HermesParser:
     def _call(body: str) -> ToolCall:
         try:
             obj = json.loads(body)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." too deep
             return ToolCall("", None, f"the tool call is not valid JSON: {exc}")
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return ToolCall("", None, 'a tool call must be {"name": ..., "arguments": {...}}')
@@ -118,7 +119,10 @@ class ObservationRenderer:
             raise ValueError("the chat template is not prefix-stable for tool messages")
         end = base.rfind(self.eos, base.index(_STAND_IN_ASSISTANT["content"]))
         if end < 0:
-            raise ValueError(f"the template does not close an assistant turn with {self.eos!r}")
+            raise ValueError(
+                f"the template does not close an assistant turn with eos_token {self.eos!r}: "
+                "set eos_token to the token the model ends its turns with"
+            )
         delta = full[end + len(self.eos) if turn_closed else end :]
         return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
 
@@ -176,6 +180,7 @@ class _Episode:
         self.config, self.parser = workflow.config, workflow.parser
         self.renderer = ObservationRenderer(tokenizer)
         self.budget = int(ctx.sampling.get("max_new_tokens", 128))
+        self.aborts_at_start = ctx.aborts()
 
     @property
     def turns(self) -> int:
@@ -216,6 +221,9 @@ class _Episode:
         limit = left if turn_cap is None else min(left, turn_cap)
         if limit <= 0:
             self._end(SampleStatus.TRUNCATED, "length")
+            return False
+        if self.ctx.aborts() != self.aborts_at_start:  # aborted while the tools ran
+            self._end(SampleStatus.ABORTED, "abort")
             return False
         ids = np.concatenate([s.prompt_tokens, s.response_tokens]).tolist()
         result = await self.ctx.engine.generate(

@@ -23,6 +23,7 @@ from asyncrl.rollout.tools.registry import FunctionTool
 MAX_CHARS = 200
 MAX_EXPONENT = 64
 MAX_DIGITS = 100
+_MAX_BITS = math.ceil(MAX_DIGITS * math.log2(10))
 
 Number = int | Fraction
 
@@ -63,8 +64,9 @@ def format_number(value: Number) -> str:
     return str(int(value))
 
 
-async def calculator(expression: str) -> str:
-    """The tool body: the value of ``expression`` as text."""
+def calculator(expression: str) -> str:
+    """The tool body: the value of ``expression`` as text (sync: the registry runs it in a
+    worker thread, so even a slow expression never stalls the event loop)."""
     return format_number(evaluate(expression))
 
 
@@ -86,8 +88,8 @@ def _eval(node: ast.AST) -> Number:
 
 
 def _binary(op: ast.operator, left: Number, right: Number) -> Number:
-    if isinstance(op, ast.Pow) and (abs(right) > MAX_EXPONENT or Fraction(right).denominator != 1):
-        raise CalculatorError(f"exponents must be whole numbers up to {MAX_EXPONENT}")
+    if isinstance(op, ast.Pow):
+        _check_power(left, right)
     if isinstance(op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
         raise CalculatorError("division by zero")
     if isinstance(op, ast.Div):
@@ -97,8 +99,20 @@ def _binary(op: ast.operator, left: Number, right: Number) -> Number:
     return _check(_BINARY[type(op)](left, right))
 
 
+def _check_power(base: Number, exponent: Number) -> None:
+    """Refuse a power before computing it if its result could not pass ``_check``."""
+    if abs(exponent) > MAX_EXPONENT or Fraction(exponent).denominator != 1:
+        raise CalculatorError(f"exponents must be whole numbers up to {MAX_EXPONENT}")
+    b = Fraction(base)
+    bits = max(abs(b.numerator).bit_length(), b.denominator.bit_length())
+    if (bits - 1) * abs(int(exponent)) > _MAX_BITS:
+        raise CalculatorError(f"result has more than {MAX_DIGITS} digits")
+
+
 def _check(value: Number) -> Number:
-    if abs(value) >= 10**MAX_DIGITS:  # no str(): CPython refuses ints over 4,300 digits
+    """Numerator and denominator both under ``MAX_DIGITS`` digits (so values stay cheap)."""
+    v = Fraction(value)
+    if max(abs(v.numerator), v.denominator) >= 10**MAX_DIGITS:  # no str() of a huge int
         raise CalculatorError(f"result has more than {MAX_DIGITS} digits")
     if isinstance(value, Fraction) and value.denominator == 1:
         return int(value)

@@ -150,6 +150,8 @@ class ToolRegistry:
             _validate(tool, args)
             async with asyncio.timeout(self.timeout_s):
                 content = await tool(**args)
+            if not isinstance(content, str):
+                raise _CallError(f"tool {name!r} returned {type(content).__name__}, not text")
         except _CallError as exc:
             return self._error(name, str(exc), start)
         except TimeoutError:

@@ -15,8 +15,10 @@ The observation is what a person at a terminal would see: stdout, then stderr, t
 line naming the exit status or the limit that stopped it. A program that fails is a
 normal observation; only a sandbox that cannot start raises. ``-I`` ignores ``PYTHON*``
 variables and the user's site directory and ``-S`` skips ``site``, so the job's virtual
-environment is not importable; file-system and network isolation need OS support and are
-not provided here.
+environment is not importable. Every process left in the call's process group is killed
+when the call ends. Not provided here, as they need OS support (namespaces, cgroups):
+file-system and network isolation, a limit on process count (``RLIMIT_NPROC`` is per user
+and not enforced for root), and catching a child that leaves the group with ``setsid``.
 """
 
 from __future__ import annotations
@@ -120,9 +122,13 @@ class PythonSandbox:
         cap = self.limits.output_bytes
         out, err = _Capture("stdout", cap, proc), _Capture("stderr", cap, proc)
         try:
-            async with asyncio.timeout(self.limits.wall_s):
-                await asyncio.gather(out.read(proc.stdout), err.read(proc.stderr))
+            async with asyncio.timeout(self.limits.wall_s), asyncio.TaskGroup() as tg:
+                tg.create_task(out.read(proc.stdout))
+                tg.create_task(err.read(proc.stderr))
                 await proc.wait()
+                # What it forked dies with it; a child holding the pipes would keep the
+                # readers from ever seeing the end of the output.
+                _kill_group(proc)
         except TimeoutError:
             result.limit = f"wall-clock limit of {self.limits.wall_s:g} s"
         if out.over or err.over:
@@ -186,9 +192,9 @@ def _environment(cwd: str) -> dict[str, str]:
 
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    # Also after the program exited: a child it forked keeps the group alive.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 PYTHON_PARAMETERS: dict[str, Any] = {

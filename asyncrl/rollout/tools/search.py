@@ -97,7 +97,8 @@ class SearchTool:
     def __init__(self, index: BM25Index, k: int = 3, max_chars: int = 500) -> None:
         self.index, self.k, self.max_chars = index, k, max_chars
 
-    async def __call__(self, query: str) -> str:
+    def __call__(self, query: str) -> str:
+        """Sync on purpose: scoring touches every posting, so the registry runs it in a thread."""
         hits = self.index.search(query, self.k)
         if not hits:
             return "No results."
