@@ -267,6 +267,9 @@ async def test_multi_turn_tool_use_trains_on_sampled_tokens_with_observations_ma
     flags += ["--rollout-tool-use-max-turns", "2", "--rollout-tool-use-max-tokens-per-turn", "4"]
     flags += ["--rollout-tool-use-parser", "tests.test_train:AlwaysCallsCalculator"]
     flags += ["--save-debug-rollout-data", str(dump)]
+    held = {"name": "held", "path": str(tmp_path / "prompts.jsonl@[0:3]"), "n_samples": 2}
+    held |= {"apply_chat_template": True, "sampling": {"temperature": 1.0, "max_new_tokens": 48}}
+    flags += ["--eval-interval", "2", "--eval-sets", json.dumps([held])]
     cfg = load_config(overrides=flags)
     check_tool_use(cfg)  # what asyncrl train checks before launch: the template fits
     result = await run_job(cfg)
@@ -288,3 +291,6 @@ async def test_multi_turn_tool_use_trains_on_sampled_tokens_with_observations_ma
         assert not mask[tool.start : tool.end].any()
         assert "42" in tokenizer.decode(s.response_tokens[tool.start : tool.end].tolist())
         assert s.metadata["tool_calls"] == [{"name": "calculator", "error": None}]
+    # the eval actor ran the same episodes with the same tools
+    evals = [json.loads(x) for x in (tmp_path / "run/metrics/eval.jsonl").read_text().splitlines()]
+    assert evals and all(r["tool_calls"] == 1.0 and r["samples"] == 6 for r in evals)

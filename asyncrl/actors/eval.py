@@ -76,9 +76,12 @@ class EvalActor(Actor):
 
     async def _open_set(self, cfg: EvalSetConfig, tokenizer: Any) -> _EvalSet:
         from asyncrl.rollout.rewards import build_reward
+        from asyncrl.rollout.tools.build import tools_from_params
         from asyncrl.rollout.workflows import load_workflow
 
         params = self.spec.params
+        # The training rollout's tools: a tool-use policy is evaluated with its tools.
+        tool_use, tools = await asyncio.to_thread(tools_from_params, params.get("tool_use"))
         reward_cfg = cfg.reward or RewardConfig(**params.get("reward", {}))
         score = await self.hold(contextlib.aclosing(build_reward(reward_cfg)))
         source = PromptSource.Config(
@@ -87,6 +90,7 @@ class EvalActor(Actor):
             label_key=cfg.label_key,
             metadata_key=cfg.metadata_key,
             apply_chat_template=cfg.apply_chat_template,
+            default_tools=tools.schemas() if tools else None,
             shuffle=False,
             name=cfg.name,
         )
@@ -97,8 +101,9 @@ class EvalActor(Actor):
             sampling=dict(cfg.sampling or params.get("sampling", {})),
             tokenizer=tokenizer,
             version=lambda: self.host.version,
+            tools=tools,
         )
-        workflow = load_workflow(params.get("workflow"))
+        workflow = load_workflow(params.get("workflow"), tool_use)
         return _EvalSet(cfg, opened.take(opened.num_rows), ctx, workflow, reward_cfg.correct)
 
     async def run(self) -> None:

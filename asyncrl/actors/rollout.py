@@ -79,7 +79,7 @@ class RolloutActor(Actor):
         self._asleep = False  # colocated: the engines released their memory
         self._aborts = 0  # abort-alls so far (APRIL, drain): see RolloutContext.aborts
         self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
-        tool_use = _tool_use(params.get("tool_use"))
+        tool_use, tools = await asyncio.to_thread(_tools, params.get("tool_use"))
         self.workflow = _load_workflow(params.get("workflow"), tool_use)
         self.score = await self.hold(contextlib.aclosing(_build_reward(params.get("reward", {}))))
         self.ctx = RolloutContext(
@@ -89,7 +89,7 @@ class RolloutActor(Actor):
             tokenizer=await asyncio.to_thread(_tokenizer, params, self.host),
             version=lambda: self.host.version,
             aborts=lambda: self._aborts,
-            tools=await asyncio.to_thread(_build_tools, tool_use) if tool_use else None,
+            tools=tools,
         )
         await self._open_channels()
         if params.get("metrics_dir"):
@@ -319,16 +319,10 @@ def _samples_of(item: WorkItem) -> list[Sample]:
     ]
 
 
-def _tool_use(raw: dict[str, Any] | None) -> Any:
-    from asyncrl.rollout.config import ToolUseConfig
+def _tools(raw: dict[str, Any] | None) -> tuple[Any, Any]:
+    from asyncrl.rollout.tools.build import tools_from_params
 
-    return ToolUseConfig(**raw) if raw else None
-
-
-def _build_tools(tool_use: Any) -> Any:
-    from asyncrl.rollout.tools.build import build_registry
-
-    return build_registry(tool_use)
+    return tools_from_params(raw)
 
 
 def _load_workflow(path: str | None, tool_use: Any = None) -> Workflow:

@@ -10,6 +10,7 @@ is at least the set's ``correct`` value, and reports, over the set's prompts:
 - ``reward``: the mean reward of all samples (failed samples count as ``incorrect``);
 - ``failed``: samples whose workflow or reward raised (they count as wrong);
 - ``response_len``: mean response tokens; ``truncated``: share that hit the budget;
+- ``tool_calls``: mean tool calls per sample (multi-turn tool use only);
 - with ``group_by``, ``pass@1/<value>`` for each value of that metadata key.
 
 Used by ``actors/eval.py``; plain async code, testable with any ``Generator``.
@@ -81,6 +82,8 @@ def score_samples(samples: list[Sample], cfg: EvalSetConfig, *, correct: float) 
     out["failed"] = float(sum(s.status is SampleStatus.FAILED for s in samples))
     out["truncated"] = _mean([float(s.status is SampleStatus.TRUNCATED) for s in samples])
     out["response_len"] = _mean([float(s.response_length) for s in samples])
+    if any("tool_calls" in s.metadata for s in samples):  # multi-turn tool use
+        out["tool_calls"] = _mean([float(len(s.metadata.get("tool_calls", []))) for s in samples])
     if cfg.group_by:
         out.update(_breakdown(by_prompt, hits, n, cfg.group_by))
     return out
