@@ -224,7 +224,9 @@ def check_tool_use(cfg: RunConfig) -> None:
     failed sample per episode later)."""
     if cfg.rollout.tool_use is None or cfg.trainer is None:
         return
-    tool_schemas(cfg)
+    schemas = tool_schemas(cfg)
+    if cfg.data is not None and cfg.data.default_tools is None:
+        cfg.data.default_tools = schemas  # so launching does not load every tool again
     from transformers import AutoTokenizer
 
     from asyncrl.rollout.multi_turn import ObservationRenderer

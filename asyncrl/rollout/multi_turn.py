@@ -89,8 +89,10 @@ class HermesParser:
         return ToolCall(obj["name"], obj.get("arguments"))
 
 
-_STAND_IN_USER = {"role": "user", "content": "question"}
-_STAND_IN_ASSISTANT = {"role": "assistant", "content": "asyncrl-stand-in-answer"}
+_STAND_IN = (
+    {"role": "user", "content": "question"},
+    {"role": "assistant", "content": "asyncrl-stand-in-answer"},
+)
 
 
 class ObservationRenderer:
@@ -110,25 +112,25 @@ class ObservationRenderer:
         if tokenizer.eos_token is None:
             raise ValueError("multi-turn rollouts need a tokenizer with an end-of-turn token")
         self.tokenizer, self.eos = tokenizer, str(tokenizer.eos_token)
-
-    def render(self, messages: Sequence[dict[str, Any]], *, turn_closed: bool) -> list[int]:
-        stand_in = [_STAND_IN_USER, _STAND_IN_ASSISTANT]
-        base = self._template(stand_in, generation_prompt=False)
-        full = self._template([*stand_in, *messages], generation_prompt=True)
-        if not full.startswith(base):
-            raise ValueError("the chat template is not prefix-stable for tool messages")
-        end = base.rfind(self.eos, base.index(_STAND_IN_ASSISTANT["content"]))
-        if end < 0:
+        # The stand-in part is the same for every call: rendered and located once.
+        self._base = self._template(_STAND_IN, generation_prompt=False)
+        self._end = self._base.rfind(self.eos, self._base.index(_STAND_IN[1]["content"]))
+        if self._end < 0:
             raise ValueError(
                 f"the template does not close an assistant turn with eos_token {self.eos!r}: "
                 "set eos_token to the token the model ends its turns with"
             )
-        delta = full[end + len(self.eos) if turn_closed else end :]
+
+    def render(self, messages: Sequence[dict[str, Any]], *, turn_closed: bool) -> list[int]:
+        full = self._template([*_STAND_IN, *messages], generation_prompt=True)
+        if not full.startswith(self._base):
+            raise ValueError("the chat template is not prefix-stable for tool messages")
+        delta = full[self._end + len(self.eos) if turn_closed else self._end :]
         return list(self.tokenizer(delta, add_special_tokens=False)["input_ids"])
 
-    def _template(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+    def _template(self, messages: Sequence[dict[str, Any]], *, generation_prompt: bool) -> str:
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
+            list(messages), tokenize=False, add_generation_prompt=generation_prompt
         )
         return str(text)
 
@@ -153,6 +155,14 @@ class MultiTurn:
     ) -> None:
         self.config = config or MultiTurnConfig()
         self.parser = parser or HermesParser()
+        self._renderers: dict[int, ObservationRenderer] = {}  # by id(tokenizer)
+
+    def renderer(self, tokenizer: PreTrainedTokenizerBase) -> ObservationRenderer:
+        """One renderer per tokenizer (an actor has one), built at its first episode."""
+        key = id(tokenizer)
+        if key not in self._renderers:
+            self._renderers[key] = ObservationRenderer(tokenizer)
+        return self._renderers[key]
 
     async def __call__(self, ctx: RolloutContext, sample: Sample) -> Sample:
         tokenizer, registry = _needs(ctx)
@@ -178,7 +188,7 @@ class _Episode:
     ) -> None:
         self.ctx, self.sample, self.tokenizer, self.registry = ctx, sample, tokenizer, registry
         self.config, self.parser = workflow.config, workflow.parser
-        self.renderer = ObservationRenderer(tokenizer)
+        self.renderer = workflow.renderer(tokenizer)
         self.budget = int(ctx.sampling.get("max_new_tokens", 128))
         self.aborts_at_start = ctx.aborts()
 
