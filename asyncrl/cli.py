@@ -168,10 +168,11 @@ def _train(args: argparse.Namespace) -> int:
             f"asyncrl train: config error:\nto train, set {' and '.join(missing)}", file=sys.stderr
         )
         return 2
-    from asyncrl.actors.controller import check_tool_use
+    from asyncrl.actors.controller import check_agent, check_tool_use
 
     try:
         check_tool_use(cfg)  # a missing corpus or an unfit chat template: before launch
+        check_agent(cfg)  # an agent path that does not load: before launch
     except ValueError as exc:
         print(f"asyncrl train: config error:\n{exc}", file=sys.stderr)
         return 2

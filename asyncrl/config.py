@@ -272,6 +272,11 @@ class RunConfig(Section):
                 "rollout.tool_use needs data.apply_chat_template: the tools' schemas and the "
                 "tool messages reach the model through the tokenizer's chat template"
             )
+        if self.rollout.agent is not None and (self.rollout.tool_use or self.rollout.workflow):
+            raise ValueError(
+                "rollout.agent is the workflow, and the agent runs its own tools: drop "
+                "rollout.tool_use and rollout.workflow (or drop rollout.agent)"
+            )
         if self.train.debug_rollout_only and self.eval.enabled:
             raise ValueError(
                 "eval.interval is set but debug_rollout_only never changes the weights: "

@@ -204,14 +204,18 @@ def test_every_preset_builds_a_valid_config():
 
 def test_every_leaf_has_exactly_one_flag_and_a_description():
     table = flag_table()
-    full = RunConfig(  # the optional sections too
-        data={"path": "prompts.jsonl", "apply_chat_template": True},
-        trainer={"model_path": "m"},
-        rollout={"engine": {"model_path": "m"}, "tool_use": {"tools": [{"type": "calculator"}]}},
-        eval={"engine": {"model_path": "m"}},
-    ).model_dump()
-    assert {spec.path for spec in table.values()} == leaf_paths(full)
-    assert len(table) == len(leaf_paths(full))
+    common = {"data": {"path": "prompts.jsonl", "apply_chat_template": True},
+              "trainer": {"model_path": "m"}, "eval": {"engine": {"model_path": "m"}}}  # fmt: skip
+    # The optional sections too; tool use and an agent exclude each other.
+    tools = {"engine": {"model_path": "m"}, "tool_use": {"tools": [{"type": "calculator"}]}}
+    agent = {"engine": {"model_path": "m"}, "agent": {"path": "m:f"}}
+    both = leaf_paths(RunConfig(**common, rollout=tools).model_dump()) | leaf_paths(
+        RunConfig(**common, rollout=agent).model_dump()
+    )
+    # A section left null in one config is a "leaf" there; its fields are the leaves.
+    leaves = {p for p in both if not any(q[: len(p)] == p and q != p for q in both)}
+    assert {spec.path for spec in table.values()} == leaves
+    assert len(table) == len(leaves)
     assert [flag for flag, spec in table.items() if not spec.description] == []
     assert table["--runtime"].path == ("runtime", "type")
     assert table["--ray-address"].path == ("runtime", "ray_address")

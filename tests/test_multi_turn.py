@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from asyncrl.engines.base import FinishReason
-from asyncrl.engines.sglang_wire import GenerateResult
 from asyncrl.rollout.base import RolloutContext
 from asyncrl.rollout.multi_turn import (
     HermesParser,
@@ -31,56 +27,13 @@ from asyncrl.rollout.multi_turn import (
 from asyncrl.rollout.tools import FunctionTool, ToolRegistry, calculator_tool
 from asyncrl.rollout.tools.calculator import CALCULATOR_PARAMETERS
 from asyncrl.types import Sample, SampleStatus, pack_int32
+from tests.scripted_engine import ScriptedEngine, Step
 from tests.tiny_tokenizer import build_chatml_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return build_chatml_tokenizer(Path(tmp_path_factory.mktemp("tok")))
-
-
-@dataclass
-class Step:
-    """One scripted engine call: the text it samples, how it ends, the weights' version."""
-
-    text: str
-    finish: str = "stop"
-    version: int = 0
-
-
-class ScriptedEngine:
-    """Samples the scripted steps in order; records every request's input ids."""
-
-    def __init__(self, tokenizer: Any, steps: list[Step]) -> None:
-        self.tokenizer, self.steps = tokenizer, list(steps)
-        self.inputs: list[list[int]] = []
-        self.sampled: list[list[int]] = []
-
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling_params: Mapping[str, Any] | None = None,
-        *,
-        rid: str | None = None,
-    ) -> GenerateResult:
-        step = self.steps.pop(0)
-        self.inputs.append(list(input_ids))
-        ids = self.tokenizer(step.text, add_special_tokens=False)["input_ids"]
-        if step.finish == "stop":
-            ids.append(self.tokenizer.eos_token_id)
-        finish = step.finish
-        cap = int((sampling_params or {})["max_new_tokens"])
-        if len(ids) > cap:
-            ids, finish = ids[:cap], "length"
-        self.sampled.append(ids)
-        logprobs = [-0.25 - 0.01 * i for i in range(len(ids))]
-        return GenerateResult(
-            rid=rid or "",
-            output_ids=ids,
-            logprobs=logprobs,
-            versions=[step.version] * len(ids),
-            finish_reason=FinishReason(type=finish),  # type: ignore[arg-type]
-        )
 
 
 async def score(sample: Sample) -> float:

@@ -46,6 +46,26 @@ def test_chat_rows_train_only_what_the_template_adds_for_assistant_turns(tokeniz
     assert ex.tokens.dtype == np.int32 and ex.loss_mask.shape == ex.tokens.shape
 
 
+def test_tool_use_traces_render_their_tools_and_train_only_the_assistant_turns(tokenizer, tmp_path):
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    trace = [
+        {"role": "user", "content": "6*7"},
+        {"role": "assistant", "content": '<tool_call>{"name": "calculator"}</tool_call>'},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "#### 42"},
+    ]
+    cfg = SFTConfig(data=write(tmp_path / "d.jsonl", [{"messages": trace, "tools": tools}]))
+    (ex,) = load_examples(cfg, tokenizer)
+    full = tokenizer.apply_chat_template(trace, tools=tools, tokenize=False)
+    assert "# Tools" in full  # the row's tools reached the template
+    assert ex.tokens.tolist() == tokenizer(full, add_special_tokens=False)["input_ids"]
+    call = '<tool_call>{"name": "calculator"}</tool_call><|im_end|>\n'
+    assert trained_text(tokenizer, ex) == call + "#### 42<|im_end|>\n"  # not the tool's 42
+    bad = write(tmp_path / "e.jsonl", [{"messages": trace, "tools": "calculator"}])
+    with pytest.raises(DataError, match=r"e\.jsonl:1: tools must be a list"):
+        load_examples(SFTConfig(data=bad), tokenizer)
+
+
 def test_pair_rows_train_the_response_and_eos(tokenizer, tmp_path):
     cfg = SFTConfig(data=write(tmp_path / "d.jsonl", [{"prompt": "1+1=", "response": "2"}]))
     (ex,) = load_examples(cfg, tokenizer)

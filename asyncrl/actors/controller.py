@@ -241,6 +241,29 @@ def check_tool_use(cfg: RunConfig) -> None:
         ) from None
 
 
+def check_agent(cfg: RunConfig) -> None:
+    """Before launch: ``rollout.agent`` loads, and the policy's tokenizer has a chat
+    template that renders the messages an agent appends after a reply."""
+    if cfg.rollout.agent is None or cfg.trainer is None:
+        return
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.multi_turn import ObservationRenderer
+    from asyncrl.rollout.workflows import load_workflow
+
+    load_workflow(None, agent=cfg.rollout.agent)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{cfg.trainer.model_path}: rollout.agent needs a chat template")
+    try:
+        ObservationRenderer(tokenizer).render([{"role": "user", "content": "ok"}], turn_closed=True)
+    except Exception as exc:  # jinja raises its own errors; all mean the same here
+        raise ValueError(
+            f"{cfg.trainer.model_path}: the chat template cannot render the messages an "
+            f"agent appends after a reply: {exc}"
+        ) from None
+
+
 def _source_params(cfg: RunConfig) -> dict[str, Any] | None:
     """The data source's config; with tool use, the tools' schemas for rows without any."""
     if cfg.data is None:
@@ -273,6 +296,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
         "reward": cfg.rollout.reward.model_dump(mode="json"),
         "workflow": cfg.rollout.workflow,
         "tool_use": tool_use.model_dump(mode="json") if tool_use else None,
+        "agent": cfg.rollout.agent.model_dump(mode="json") if cfg.rollout.agent else None,
         "max_groups": cfg.rollout.max_groups,
         "tokenizer": model,
         "metrics_dir": str(run_dir / "metrics"),

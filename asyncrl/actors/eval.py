@@ -30,7 +30,13 @@ from asyncrl.buffer.sources import PromptSource
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.rollout.base import RolloutContext, Workflow
-from asyncrl.rollout.config import EngineConfig, EvalConfig, EvalSetConfig, RewardConfig
+from asyncrl.rollout.config import (
+    AgentConfig,
+    EngineConfig,
+    EvalConfig,
+    EvalSetConfig,
+    RewardConfig,
+)
 from asyncrl.rollout.engines import EngineHost
 from asyncrl.rollout.evaluation import evaluate_set
 from asyncrl.trainers.weight_sync import WeightReceiver
@@ -103,7 +109,12 @@ class EvalActor(Actor):
             version=lambda: self.host.version,
             tools=tools,
         )
-        workflow = load_workflow(params.get("workflow"), tool_use)
+        agent = params.get("agent")
+        workflow = load_workflow(
+            params.get("workflow"), tool_use, AgentConfig(**agent) if agent else None
+        )
+        if hasattr(workflow, "resources"):  # e.g. the agent workflow's OpenAI proxy
+            await self.hold(workflow.resources(ctx))
         return _EvalSet(cfg, opened.take(opened.num_rows), ctx, workflow, reward_cfg.correct)
 
     async def run(self) -> None:

@@ -80,7 +80,7 @@ class RolloutActor(Actor):
         self._aborts = 0  # abort-alls so far (APRIL, drain): see RolloutContext.aborts
         self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
         tool_use, tools = await asyncio.to_thread(_tools, params.get("tool_use"))
-        self.workflow = _load_workflow(params.get("workflow"), tool_use)
+        self.workflow = _load_workflow(params.get("workflow"), tool_use, params.get("agent"))
         self.score = await self.hold(contextlib.aclosing(_build_reward(params.get("reward", {}))))
         self.ctx = RolloutContext(
             engine=self.host.client,  # type: ignore[arg-type]
@@ -91,6 +91,8 @@ class RolloutActor(Actor):
             aborts=lambda: self._aborts,
             tools=tools,
         )
+        if hasattr(self.workflow, "resources"):  # e.g. the agent workflow's OpenAI proxy
+            await self.hold(self.workflow.resources(self.ctx))
         await self._open_channels()
         if params.get("metrics_dir"):
             self.metrics = self.open_metrics(Path(params["metrics_dir"]) / f"{self.name}.jsonl")
@@ -325,10 +327,11 @@ def _tools(raw: dict[str, Any] | None) -> tuple[Any, Any]:
     return tools_from_params(raw)
 
 
-def _load_workflow(path: str | None, tool_use: Any = None) -> Workflow:
+def _load_workflow(path: str | None, tool_use: Any = None, agent: Any = None) -> Workflow:
+    from asyncrl.rollout.config import AgentConfig
     from asyncrl.rollout.workflows import load_workflow
 
-    return load_workflow(path, tool_use)
+    return load_workflow(path, tool_use, AgentConfig(**agent) if agent else None)
 
 
 def _build_reward(config: dict[str, Any]) -> Any:

@@ -67,3 +67,6 @@ class RolloutContext:
 
 
 Workflow = Callable[[RolloutContext, "Sample"], Awaitable["Sample | list[Sample]"]]
+"""A workflow object may also define ``resources(ctx)``, returning an async context manager
+that the actor enters once its context is built and exits when it stops (the agent
+workflow's OpenAI proxy server)."""

@@ -137,6 +137,19 @@ class ToolUseConfig(BaseModel):
     max_output_chars: int = Field(4096, ge=1, description="observation characters per call")
 
 
+class AgentConfig(BaseModel):
+    """An agent written against the ``openai`` client, trained through the OpenAI proxy
+    (``rollout/openai_proxy.py``): one episode per sample, the agent runs its own tools."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        ..., min_length=1, description="'module:function': async def agent(session, task)"
+    )
+    max_calls: int = Field(16, ge=1, description="chat completions per episode at most")
+    parser: str = Field("hermes", description="'hermes' or 'module:Class' (a ToolCallParser)")
+
+
 class RolloutConfig(BaseModel):
     """Rollout actors: how many, their engines, sampling, workflow and reward."""
 
@@ -161,6 +174,9 @@ class RolloutConfig(BaseModel):
     )
     tool_use: ToolUseConfig | None = Field(
         None, description="multi-turn tool use: tools and limits (null: single-turn)"
+    )
+    agent: AgentConfig | None = Field(
+        None, description="an openai-client agent trained through the proxy (null: none)"
     )
     colocate: bool = Field(
         False,

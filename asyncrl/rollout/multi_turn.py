@@ -56,7 +56,12 @@ class ToolCall:
 
 
 class ToolCallParser(Protocol):
-    """Finds the tool calls in an assistant turn's text."""
+    """Finds the tool calls in an assistant turn's text.
+
+    A parser may also define ``content(text) -> str``, the text without the calls (what the
+    OpenAI proxy returns as the message's ``content``); without it the proxy returns the
+    whole text.
+    """
 
     def parse(self, text: str) -> list[ToolCall]: ...
 
@@ -77,6 +82,11 @@ class HermesParser:
         if "<tool_call>" in tail:
             calls.append(ToolCall("", None, "a <tool_call> was opened but never closed"))
         return calls
+
+    def content(self, text: str) -> str:
+        """``text`` without its well-formed ``<tool_call>`` blocks, stripped."""
+        return self._CALL.sub(lambda m: "" if not self._call(m.group(1)).error else m.group(0),
+                              text).strip()  # fmt: skip
 
     @staticmethod
     def _call(body: str) -> ToolCall:

@@ -1,6 +1,8 @@
 """Which workflow a rollout actor runs: single-turn, multi-turn tool use, or a user's.
 
-No path: the multi-turn workflow when ``rollout.tool_use`` is set, else single-turn.
+No path: the agent workflow when ``rollout.agent`` is set (an ``openai``-client agent
+trained through the proxy), the multi-turn workflow when ``rollout.tool_use`` is set, else
+single-turn.
 
 slime's ``--custom-generate-function-path``: ``package.module:function`` (or
 ``package.module.function``) naming ``async def fn(ctx, sample) -> Sample``. A bad path is
@@ -17,11 +19,16 @@ from asyncrl.rollout.base import Workflow
 from asyncrl.rollout.single_turn import single_turn
 
 if TYPE_CHECKING:
-    from asyncrl.rollout.config import ToolUseConfig
+    from asyncrl.rollout.config import AgentConfig, ToolUseConfig
+    from asyncrl.rollout.multi_turn import ToolCallParser
 
 
-def load_workflow(path: str | None, tool_use: ToolUseConfig | None = None) -> Workflow:
+def load_workflow(
+    path: str | None, tool_use: ToolUseConfig | None = None, agent: AgentConfig | None = None
+) -> Workflow:
     """The workflow at ``path`` (None: see the module docstring); ``ValueError`` if unusable."""
+    if agent is not None:
+        return _agent(agent)
     if not path:
         return single_turn if tool_use is None else _multi_turn(tool_use)
     fn = load_object(path, what="workflow")
@@ -32,9 +39,24 @@ def load_workflow(path: str | None, tool_use: ToolUseConfig | None = None) -> Wo
 
 
 def _multi_turn(cfg: ToolUseConfig) -> Workflow:
-    from asyncrl.rollout.multi_turn import HermesParser, MultiTurn, MultiTurnConfig
+    from asyncrl.rollout.multi_turn import MultiTurn, MultiTurnConfig
 
-    parser = HermesParser() if cfg.parser == "hermes" else load_object(cfg.parser, what="parser")()
+    return MultiTurn(MultiTurnConfig(cfg.max_turns, cfg.max_tokens_per_turn), _parser(cfg.parser))
+
+
+def _agent(cfg: AgentConfig) -> Workflow:
+    from asyncrl.rollout.openai_proxy import AgentWorkflow, ProxyConfig
+
+    agent = load_object(cfg.path, what="agent")
+    if not inspect.iscoroutinefunction(agent):
+        raise ValueError(f"agent {cfg.path!r} must be an async function (session, task)")
+    return AgentWorkflow(agent, ProxyConfig(max_calls=cfg.max_calls), _parser(cfg.parser))
+
+
+def _parser(name: str) -> ToolCallParser:
+    from asyncrl.rollout.multi_turn import HermesParser
+
+    parser = HermesParser() if name == "hermes" else load_object(name, what="parser")()
     if not callable(getattr(parser, "parse", None)):
-        raise ValueError(f"tool-call parser {cfg.parser!r} has no parse(text) method")
-    return MultiTurn(MultiTurnConfig(cfg.max_turns, cfg.max_tokens_per_turn), parser)
+        raise ValueError(f"tool-call parser {name!r} has no parse(text) method")
+    return parser

@@ -4,7 +4,9 @@ Data (jsonl or parquet, ``path@[a:b]`` slicing, as for RL prompts), one of two s
 
 - chat: ``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered with the
   tokenizer's chat template; the loss covers the assistant messages only (what the
-  template adds for each assistant turn, end-of-turn token included);
+  template adds for each assistant turn, end-of-turn token included). An optional
+  ``"tools"`` list of JSON schemas is passed to the template, as the RL data source does
+  for a tool-use prompt, so tool-use traces train on the prompts RL will show;
 - pairs: ``{"prompt": "...", "response": "..."}``; the loss covers the response and EOS.
 
 Token-exact: the conversation is rendered once and tokenised once; each token's loss
@@ -83,7 +85,7 @@ def _example(
 ) -> SFTExample:
     if cfg.messages_key in obj:
         messages = check_chat(where, cfg.messages_key, obj[cfg.messages_key])
-        return _chat_example(where, messages, tokenizer)
+        return _chat_example(where, messages, tokenizer, _tools(where, obj.get("tools")))
     if cfg.prompt_key in obj and cfg.response_key in obj:
         return _pair_example(where, obj[cfg.prompt_key], obj[cfg.response_key], tokenizer)
     keys = ", ".join(map(repr, obj))
@@ -102,13 +104,24 @@ def _pair_example(
     return _masked(where, prompt + response + eos, [(len(prompt), None)], tokenizer)
 
 
+def _tools(where: str, tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"{where}: tools must be a list of JSON-schema objects")
+    return tools or None
+
+
 def _chat_example(
-    where: str, messages: list[Any], tokenizer: PreTrainedTokenizerBase
+    where: str,
+    messages: list[Any],
+    tokenizer: PreTrainedTokenizerBase,
+    tools: list[dict[str, Any]] | None = None,
 ) -> SFTExample:
     def render(msgs: list[Any], generation_prompt: bool) -> str:
         try:
             text = tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=generation_prompt, tokenize=False
+                msgs, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
             )
         except Exception as exc:  # a jinja template is user code and may raise anything
             raise DataError(f"{where}: chat template failed: {exc}") from exc

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # make_data and char_tokenizer sit next to this script
@@ -36,13 +37,14 @@ sys.path.insert(0, str(HERE))  # make_data and char_tokenizer sit next to this s
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 
 
-def build_init(directory: Path, args: argparse.Namespace) -> int:
-    """Save the tokenizer and a seeded random Qwen2 to ``directory``; returns its size."""
+def build_init(directory: Path, args: argparse.Namespace, tokenizer: Any = None) -> int:
+    """Save ``tokenizer`` (default: the character tokenizer) and a seeded random Qwen2 to
+    ``directory``; returns its size. ``args.max_len`` (default 256) sets its positions."""
     import torch
     from char_tokenizer import build_char_tokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = build_char_tokenizer()
+    tokenizer = tokenizer or build_char_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=args.hidden,
@@ -50,7 +52,7 @@ def build_init(directory: Path, args: argparse.Namespace) -> int:
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.heads // 2,
-        max_position_embeddings=256,
+        max_position_embeddings=getattr(args, "max_len", 256),
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -65,8 +67,11 @@ def build_init(directory: Path, args: argparse.Namespace) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def sft_command(init: Path, out: Path, args: argparse.Namespace) -> list[str]:
-    """The ``asyncrl sft`` command line: AdamW, linear warmup, cosine decay to 10 %."""
+def sft_command(
+    init: Path, out: Path, args: argparse.Namespace, data: Path = HERE / "data" / "sft.jsonl"
+) -> list[str]:
+    """The ``asyncrl sft`` command line on ``data``: AdamW, linear warmup, cosine decay to
+    10 %."""
     steps = args.epochs * -(-args.num_sft // args.batch_size)
     exe = Path(sys.executable).with_name("asyncrl")
     return [
@@ -75,7 +80,7 @@ def sft_command(init: Path, out: Path, args: argparse.Namespace) -> list[str]:
         "--model",
         str(init),
         "--data",
-        str(HERE / "data" / "sft.jsonl"),
+        str(data),
         "--epochs",
         str(args.epochs),
         "--batch-size",
@@ -97,7 +102,7 @@ def sft_command(init: Path, out: Path, args: argparse.Namespace) -> list[str]:
         "--trainer-seed",
         str(args.seed),
         "--max-len",
-        "256",
+        str(getattr(args, "max_len", 256)),
         "--label-smoothing",
         str(args.label_smoothing),
         "--output-dir",

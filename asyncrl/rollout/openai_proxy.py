@@ -1,0 +1,501 @@
+"""Train an agent written against the official ``openai`` client, unchanged, through a proxy.
+
+An agent is ``async def agent(session: Session, task: AgentTask) -> final_state``: it makes
+chat-completion calls (with tools) through ``openai.AsyncOpenAI(base_url=session.base_url,
+api_key=session.api_key)``, runs its own tools, and returns its final state (the answer
+text, or any JSON-able value). ``AgentWorkflow`` runs one agent episode per sample:
+
+1. the ``OpenAIProxy`` (an aiohttp server on 127.0.0.1, one per rollout actor) opens a
+   session: its own base URL ``http://127.0.0.1:PORT/s/<id>/v1`` and a random key (any
+   other key is a 401);
+2. the first call's ``messages`` and ``tools`` are rendered with the tokenizer's chat
+   template: that is the sample's prompt;
+3. every call continues the token trajectory: the messages the agent added since the last
+   reply (tool results, a user turn) are rendered as a delta after the model's own tokens
+   (``ObservationRenderer``, the multi-turn workflow's) and appended with ``loss_mask = 0``;
+   the engine continues from *all* tokens so far, and its sampled tokens, behaviour
+   log-probs and weight versions are appended with ``loss_mask = 1``. Nothing is
+   re-tokenised, so the trained tokens are exactly what the engine sampled;
+4. the reply is a standard ``ChatCompletion``: the turn's text, with Hermes
+   ``<tool_call>`` blocks parsed into ``tool_calls`` (any ``ToolCallParser``);
+5. when the agent returns, the sample is scored by the run's reward function:
+   ``response_text`` is the final state when it is a string (else the decoded
+   trajectory) and ``metadata["final_state"]`` holds it.
+
+A conversation must grow by appending: each call's ``messages`` start with the previous
+call's messages and the reply the proxy gave (compared by role, stripped text and tool
+calls), followed by tool, user or system messages. Anything else (an edited history, an
+assistant message the model did not write, changed ``tools``, two calls at once, ``n > 1``,
+streaming) is a 400 with the reason, which the agent sees as ``openai.BadRequestError``.
+
+Limits: ``rollout.sampling.max_new_tokens`` is the token budget of the whole episode
+(sampled and appended tokens); ``max_calls`` completions per episode. A call past either
+gets an empty reply with ``finish_reason = "length"`` and the sample ends ``truncated``.
+The run's sampling parameters are the policy being trained, so they override an agent's
+``temperature``, ``top_p``, ``top_k`` and ``min_p`` (logged once); ``max_tokens`` (or
+``max_completion_tokens``), ``stop`` and ``stop_token_ids`` are honoured.
+
+Weight updates: a call that an update aborts (``on_update: abort``) continues from its
+partial tokens on the new weights, so the update only delays it. An abort of all work (an
+APRIL round closing, a drain) cannot pause an agent's Python state, so it ends the episode:
+the sample comes back ``aborted`` with no tokens and the agent runs again from the start
+when the sample is resumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+import structlog
+from aiohttp import web
+
+from asyncrl.engines.generate_wire import ApiError, json_response, read_json
+from asyncrl.engines.openai_routes import chat_template_ids
+from asyncrl.rollout.base import RolloutContext
+from asyncrl.rollout.multi_turn import HermesParser, ObservationRenderer, ToolCall, ToolCallParser
+from asyncrl.types import Sample, SampleStatus, pack_int32
+
+if TYPE_CHECKING:
+    import openai
+
+log = structlog.get_logger(__name__)
+
+Json = dict[str, Any]
+
+#: Sampling fields the run decides (the trained policy); an agent's values are overridden.
+_POLICY_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """What an agent needs to reach the model for one episode."""
+
+    base_url: str
+    api_key: str
+    model: str = "asyncrl-policy"
+
+    def client(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        """An ``openai.AsyncOpenAI`` for this session (needs the ``openai`` package)."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentTask:
+    """One data row, as the agent sees it: the prompt as written (text or chat messages,
+    not rendered), its label, metadata and tool schemas."""
+
+    uid: str
+    prompt: str | list[dict[str, Any]]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+
+
+Agent = Callable[[Session, AgentTask], Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """``max_calls`` chat completions per episode; ``host`` the proxy binds."""
+
+    max_calls: int = 16
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.max_calls < 1:
+            raise ValueError(f"max_calls must be >= 1, got {self.max_calls}")
+
+
+class EpisodeAborted(Exception):
+    """All in-flight work was aborted (APRIL, drain) while the episode ran."""
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> ApiError:
+    """OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return ApiError(status, message, body)
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (OpenAI content parts are joined)."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _arguments(raw: Any) -> Any:
+    """Tool-call arguments in a canonical form (a JSON string is parsed)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return raw
+    return json.dumps(raw, sort_keys=True)
+
+
+def message_key(message: Any) -> tuple[Any, ...]:
+    """What must match when an agent sends a message back: role, stripped text, tool calls."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise _error(400, f"messages: each message needs a string role, got {message!r}")
+    calls = tuple(
+        (c.get("function", {}).get("name"), _arguments(c.get("function", {}).get("arguments")))
+        for c in message.get("tool_calls") or ()
+        if isinstance(c, dict)
+    )
+    return message["role"], _text(message.get("content")).strip(), calls
+
+
+class _Episode:
+    """The proxy's side of one session: the sample it fills and the conversation so far."""
+
+    def __init__(self, sample: Sample, key: str, aborts: int) -> None:
+        self.sample, self.key, self.aborts_at_start = sample, key, aborts
+        self.history: list[tuple[Any, ...]] = []  # message_key of every message so far
+        self.tools: str | None = None  # the first call's tools, canonical JSON
+        self.call_names: dict[str, str] = {}  # tool_call id -> tool name
+        self.calls = 0
+        self.busy = False
+        self.truncated: str | None = None  # "length" or "max_turns" once a limit is hit
+        self.owner: asyncio.Task[Any] | None = None  # the workflow task, cancelled on abort
+        self.aborted = False
+
+
+class OpenAIProxy:
+    """The OpenAI-compatible server in front of one rollout actor's engines (module doc)."""
+
+    def __init__(
+        self,
+        ctx: RolloutContext,
+        config: ProxyConfig | None = None,
+        parser: ToolCallParser | None = None,
+    ) -> None:
+        if ctx.tokenizer is None or not getattr(ctx.tokenizer, "chat_template", None):
+            raise ValueError("the OpenAI proxy needs a tokenizer with a chat template")
+        self.ctx, self.config = ctx, config or ProxyConfig()
+        self.parser = parser or HermesParser()
+        self.renderer = ObservationRenderer(ctx.tokenizer)
+        self.episodes: dict[str, _Episode] = {}
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+        self._warned: set[str] = set()
+
+    async def __aenter__(self) -> OpenAIProxy:
+        app = web.Application(middlewares=[_errors], client_max_size=64 * 2**20)
+        app.router.add_post("/s/{session}/v1/chat/completions", self._chat)
+        app.router.add_get("/s/{session}/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://{self.config.host}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @contextlib.asynccontextmanager
+    async def session(self, sample: Sample) -> AsyncIterator[tuple[Session, _Episode]]:
+        """A fresh session filling ``sample``; closed (its URL a 404) when the block ends."""
+        sid = secrets.token_hex(8)
+        episode = _Episode(sample, secrets.token_urlsafe(24), self.ctx.aborts())
+        episode.owner = asyncio.current_task()
+        self.episodes[sid] = episode
+        try:
+            yield Session(f"{self.url}/s/{sid}/v1", episode.key), episode
+        finally:
+            del self.episodes[sid]
+
+    # -- HTTP ---------------------------------------------------------------------------
+    def _episode(self, request: web.Request) -> _Episode:
+        episode = self.episodes.get(request.match_info["session"])
+        if episode is None:
+            raise _error(404, "no such session (the episode is over)", "not_found_error")
+        auth = request.headers.get("Authorization", "")
+        if not secrets.compare_digest(auth.encode(), f"Bearer {episode.key}".encode()):
+            raise _error(401, "invalid API key for this session", "authentication_error")
+        return episode
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._episode(request)
+        model = {"id": "asyncrl-policy", "object": "model", "created": 0, "owned_by": "asyncrl"}
+        return json_response({"object": "list", "data": [model]})
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        episode = self._episode(request)
+        body = await read_json(request)
+        if episode.busy:
+            raise _error(400, "one call at a time per session: the episode is one conversation")
+        episode.busy = True
+        try:
+            return json_response(await self._complete(episode, body))
+        finally:
+            episode.busy = False
+
+    # -- one completion -----------------------------------------------------------------
+    async def _complete(self, episode: _Episode, body: Json) -> Json:
+        _check_options(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _error(400, "messages: expected a non-empty list of messages")
+        keys = [message_key(m) for m in messages]
+        start = time.time()
+        if episode.calls >= self.config.max_calls:
+            episode.truncated = "max_turns"
+        elif not episode.calls:
+            self._start(episode, messages, keys, body)
+        else:
+            self._extend(episode, messages, keys, body)
+        episode.calls += 1
+        if episode.truncated:
+            return self._reply(body, episode, [], None, "length", start)
+        turn, cut = await self._generate(episode, body)
+        text, calls = self._parse(turn)
+        reason = "tool_calls" if calls else ("length" if cut else "stop")
+        return self._reply(body, episode, turn, (text, calls), reason, start)
+
+    def _start(self, episode: _Episode, messages: list[Any], keys: list[Any], body: Json) -> None:
+        """The first call: its rendered messages are the sample's prompt."""
+        ids = chat_template_ids(self.ctx.tokenizer, messages, body)
+        episode.sample.packed_prompt = pack_int32(ids)
+        episode.tools = json.dumps(body.get("tools"), sort_keys=True)
+        episode.history = keys
+
+    def _extend(self, episode: _Episode, messages: list[Any], keys: list[Any], body: Json) -> None:
+        """A later call: check the history, then append the new messages' delta."""
+        old = len(episode.history)
+        if json.dumps(body.get("tools"), sort_keys=True) != episode.tools:
+            raise _error(400, "tools changed during the episode: offer the same tools each call")
+        if keys[:old] != episode.history:
+            at = _first_difference(keys, episode.history)
+            raise _error(
+                400,
+                f"messages[{at}] differs from the conversation so far: an episode must append "
+                "to its messages and send each reply back unchanged",
+            )
+        new = messages[old:]
+        if not new:
+            raise _error(400, "no new message since the last reply")
+        if any(k[0] == "assistant" for k in keys[old:]):
+            raise _error(400, "an assistant message the model did not write cannot be "
+                         "appended: add tool, user or system messages")  # fmt: skip
+        episode.history = keys
+        self._append_delta(episode, [self._flat(m, episode) for m in new])
+
+    def _flat(self, message: Json, episode: _Episode) -> Json:
+        flat = {"role": message["role"], "content": _text(message.get("content"))}
+        if message["role"] == "tool":
+            name = message.get("name") or episode.call_names.get(str(message.get("tool_call_id")))
+            flat["name"] = name or ""
+        return flat
+
+    def _append_delta(self, episode: _Episode, messages: list[Json]) -> None:
+        s = episode.sample
+        closed = int(s.response_tokens[-1]) == self.ctx.tokenizer.eos_token_id
+        tokens = self.renderer.render(messages, turn_closed=closed)
+        if s.response_length + len(tokens) >= self._budget():
+            episode.truncated = "length"  # no room left for another turn
+            return
+        role = "tool" if all(m["role"] == "tool" for m in messages) else "user"
+        version = int(s.token_versions[-1])
+        s.append_response(tokens, np.zeros(len(tokens)), version, loss_mask=0, role=role)
+
+    def _budget(self) -> int:
+        return int(self.ctx.sampling.get("max_new_tokens", 128))
+
+    async def _generate(self, episode: _Episode, body: Json) -> tuple[list[int], bool]:
+        """One assistant turn; an abort by a weight update continues on the new weights.
+        Returns the turn's tokens and whether it was cut at its token limit."""
+        s = episode.sample
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        left = self._budget() - s.response_length
+        limit = left if asked is None else min(left, int(asked))
+        params = {**self.ctx.sampling, **self._request_sampling(body)}
+        turn: list[int] = []
+        while limit > 0:
+            if self.ctx.aborts() != episode.aborts_at_start:
+                self._abort(episode)
+            ids = np.concatenate([s.prompt_tokens, s.response_tokens]).tolist()
+            result = await self.ctx.engine.generate(
+                ids, {**params, "max_new_tokens": limit},
+                rid=f"{s.uid}#{s.attempts}#{episode.calls}#{len(turn)}#",
+            )  # fmt: skip
+            if result.output_ids:
+                if result.logprobs is None:
+                    raise ValueError("the engine returned no log-probs (return_logprob is needed)")
+                s.append_response(result.output_ids, result.logprobs, result.versions)
+                turn += result.output_ids
+                limit -= len(result.output_ids)
+            kind = result.finish_reason.type if result.finish_reason is not None else "abort"
+            if kind != "abort":
+                break
+        if len(turn) >= left:
+            episode.truncated = "length"  # the whole budget is spent
+        return turn, limit <= 0
+
+    def _abort(self, episode: _Episode) -> None:
+        episode.aborted = True
+        if episode.owner is not None:
+            episode.owner.cancel()
+        raise _error(503, "the episode was aborted (its rollout is being drained)", "server_error")
+
+    def _request_sampling(self, body: Json) -> Json:
+        for name in _POLICY_FIELDS:
+            if body.get(name) is not None and name not in self._warned:
+                self._warned.add(name)
+                log.warning("agent sampling overridden by the run's", field=name,
+                            asked=body[name], used=self.ctx.sampling.get(name))  # fmt: skip
+        return {k: body[k] for k in ("stop", "stop_token_ids") if body.get(k) is not None}
+
+    def _parse(self, turn: list[int]) -> tuple[str, list[ToolCall]]:
+        tokenizer = self.ctx.tokenizer
+        ids = turn[:-1] if turn and turn[-1] == tokenizer.eos_token_id else turn
+        text = str(tokenizer.decode(ids, skip_special_tokens=False))
+        calls = [c for c in self.parser.parse(text) if c.error is None]
+        content = getattr(self.parser, "content", None)
+        return (content(text) if calls and content is not None else text.strip()), calls
+
+    @staticmethod
+    def _tool_call(episode: _Episode, call: ToolCall, k: int) -> Json:
+        """OpenAI's shape of one parsed call; its id names the tool for the result message."""
+        cid = f"call_{episode.calls}_{k}"
+        episode.call_names[cid] = call.name
+        args = call.arguments if call.arguments is not None else {}
+        text = args if isinstance(args, str) else json.dumps(args)
+        return {"id": cid, "type": "function", "function": {"name": call.name, "arguments": text}}
+
+    def _reply(
+        self,
+        body: Json,
+        episode: _Episode,
+        turn: list[int],
+        parsed: tuple[str, list[ToolCall]] | None,
+        reason: str,
+        start: float,
+    ) -> Json:
+        text, calls = parsed or ("", [])
+        tool_calls = [self._tool_call(episode, call, k) for k, call in enumerate(calls)]
+        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls or None}
+        if parsed is not None:
+            episode.history.append(message_key(message))
+            record = episode.sample.metadata.setdefault("tool_calls", [])
+            record.extend({"name": c.name, "error": None} for c in calls)
+        s = episode.sample
+        usage = {"prompt_tokens": len(s.prompt_tokens) + s.response_length - len(turn),
+                 "completion_tokens": len(turn)}  # fmt: skip
+        return {
+            "id": f"chatcmpl-{secrets.token_hex(6)}", "object": "chat.completion",
+            "created": int(start), "model": body.get("model") or "asyncrl-policy",
+            "choices": [{"index": 0, "message": message, "finish_reason": reason,
+                         "logprobs": None}],
+            "usage": {**usage, "total_tokens": usage["prompt_tokens"] + len(turn)},
+        }  # fmt: skip
+
+
+def _first_difference(keys: list[Any], history: list[Any]) -> int:
+    """Index of the first message that differs from ``history`` (or where it stops short)."""
+    pairs = zip(keys, history, strict=False)
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(keys), len(history)))
+
+
+def _check_options(body: Json) -> None:
+    if body.get("stream"):
+        raise _error(400, "stream=true is not supported by the training proxy")
+    if body.get("n") not in (None, 1):
+        raise _error(400, "n > 1 is not supported: one episode is one conversation")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise _error(400, f"{key} must be a positive integer, got {value!r}")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        body = exc.body if "error" in (exc.body or {}) else _error(exc.status, exc.message).body
+        return json_response(body, exc.status)
+
+
+# ----------------------------------------------------------------------------- workflow
+
+
+class AgentWorkflow:
+    """The workflow that runs an ``Agent`` per sample through an ``OpenAIProxy``.
+
+    ``resources(ctx)`` starts the proxy; the rollout (and eval) actor holds it for its
+    lifetime. Each call resets the sample (an aborted episode restarts), runs the agent in a
+    session, and scores the result (module docstring).
+    """
+
+    def __init__(
+        self, agent: Agent, config: ProxyConfig | None = None, parser: ToolCallParser | None = None
+    ) -> None:
+        self.agent, self.config, self.parser = agent, config or ProxyConfig(), parser
+        self._proxies: dict[int, OpenAIProxy] = {}  # by id(ctx)
+
+    def resources(self, ctx: RolloutContext) -> OpenAIProxy:
+        """The proxy for ``ctx``: enter it (``async with``) before the first sample."""
+        proxy = OpenAIProxy(ctx, self.config, self.parser)
+        self._proxies[id(ctx)] = proxy
+        return proxy
+
+    async def __call__(self, ctx: RolloutContext, sample: Sample) -> Sample:
+        proxy = self._proxies.get(id(ctx))
+        if proxy is None or not proxy.url:
+            raise ValueError("AgentWorkflow needs its proxy started: enter resources(ctx) first")
+        _restart(sample)
+        task = AgentTask(sample.uid, sample.prompt, sample.label, dict(sample.metadata),
+                         sample.tools)  # fmt: skip
+        async with proxy.session(sample) as (session, episode):
+            try:
+                state = await self.agent(session, task)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not episode.aborted or (current is not None and current.uncancel() > 0):
+                    raise
+                _restart(sample)
+                sample.status, sample.finish_reason = SampleStatus.ABORTED, "abort"
+                return sample
+        if not episode.calls:
+            raise ValueError("the agent returned without calling the model")
+        _finish(sample, episode, state, ctx.tokenizer)
+        sample.reward = await ctx.score(sample)
+        return sample
+
+
+def _restart(sample: Sample) -> None:
+    """An agent episode cannot resume mid-way: it starts again with no tokens."""
+    sample.truncate_response(0)
+    sample.turns = []
+    sample.metadata.pop("tool_calls", None)
+    sample.status, sample.finish_reason = SampleStatus.PENDING, None
+
+
+def _finish(sample: Sample, episode: _Episode, state: Any, tokenizer: Any) -> None:
+    sample.status = SampleStatus.TRUNCATED if episode.truncated else SampleStatus.COMPLETED
+    sample.finish_reason = episode.truncated or "stop"
+    sample.metadata["agent_calls"] = episode.calls
+    try:
+        msgspec.msgpack.encode(state)
+        sample.metadata["final_state"] = state
+    except (TypeError, msgspec.EncodeError):
+        sample.metadata["final_state"] = repr(state)
+    if isinstance(state, str):
+        sample.response_text = state
+    else:
+        ids = sample.response_tokens.tolist()
+        sample.response_text = str(tokenizer.decode(ids, skip_special_tokens=True))

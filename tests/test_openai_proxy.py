@@ -1,0 +1,349 @@
+"""The OpenAI proxy: a real ``openai`` client agent trained through it, token-exact.
+
+Most tests put the scripted engine (``tests/scripted_engine.py``) behind the proxy, so the
+test knows exactly what the model "sampled" and can check the captured trajectory against
+it; the last one runs the real tiny engine over HTTP with a weight update in the middle of
+an episode. The agents here are plain ``openai.AsyncOpenAI`` tool-calling loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import pytest_asyncio
+
+from asyncrl.rollout.base import RolloutContext
+from asyncrl.rollout.openai_proxy import AgentTask, AgentWorkflow, ProxyConfig, Session
+from asyncrl.rollout.tools.calculator import calculator, calculator_tool
+from asyncrl.rollout.tools.registry import openai_schema
+from asyncrl.types import Sample, SampleStatus
+from tests.scripted_engine import ScriptedEngine, Step
+from tests.tiny_tokenizer import build_chatml_tokenizer
+
+TOOLS = [openai_schema(calculator_tool())]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return build_chatml_tokenizer(Path(tmp_path_factory.mktemp("tok")))
+
+
+def call_text(expression: str) -> str:
+    body = {"name": "calculator", "arguments": {"expression": expression}}
+    return f"<tool_call>{json.dumps(body)}</tool_call>"
+
+
+async def score(sample: Sample) -> float:
+    return float(sample.response_text.strip() == f"#### {sample.label}")
+
+
+async def calculator_agent(session: Session, task: AgentTask) -> str:
+    """A plain openai-client loop: ask, run the calculator when told to, stop at an answer."""
+    messages: list[Any] = [{"role": "user", "content": task.prompt}]
+    async with session.client(max_retries=0) as client:
+        for _ in range(4):
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, tools=TOOLS, max_tokens=128
+            )
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                return message.content or ""
+            for tc in message.tool_calls:
+                args = json.loads(tc.function.arguments)
+                result = calculator(**args)
+                messages.append({"role": "tool", "tool_call_id": tc.id, "content": result})
+    return ""
+
+
+@pytest_asyncio.fixture
+async def rig(tokenizer: Any) -> AsyncIterator[Any]:
+    """``make(steps, agent, budget, max_calls)`` -> (workflow, ctx, engine), proxies started."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def make(
+            steps: list[Step], agent: Any = calculator_agent, budget: int = 400, max_calls: int = 16
+        ) -> tuple[AgentWorkflow, RolloutContext, Any]:
+            engine = ScriptedEngine(tokenizer, steps)
+            sampling = {"max_new_tokens": budget, "temperature": 1.0}
+            ctx = RolloutContext(engine, score, sampling, tokenizer=tokenizer)
+            workflow = AgentWorkflow(agent, ProxyConfig(max_calls=max_calls))
+            await stack.enter_async_context(workflow.resources(ctx))
+            return workflow, ctx, engine
+
+        yield make
+
+
+def fresh(uid: str = "g/0", prompt: str = "what is 6*7?", label: str = "42") -> Sample:
+    return Sample(uid=uid, group_id="g", prompt=prompt, label=label)
+
+
+def render(tokenizer: Any, messages: list[Any], **kw: Any) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+async def test_an_openai_client_agent_is_trained_on_exactly_what_the_engine_sampled(rig, tokenizer):
+    workflow, ctx, engine = await rig(
+        [Step(call_text("6*7"), version=3), Step("#### 42", version=4)]
+    )
+    sample = await workflow(ctx, fresh())
+    assert sample.status is SampleStatus.COMPLETED and sample.reward == 1.0
+    user = [{"role": "user", "content": "what is 6*7?"}]
+    prompt = render(tokenizer, user, tools=TOOLS, add_generation_prompt=True)
+    assert sample.prompt_tokens.tolist() == prompt  # the first call's messages and tools
+    observation = tokenizer("\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n",
+                            add_special_tokens=False)["input_ids"]  # fmt: skip
+    first, second = engine.sampled
+    assert sample.response_tokens.tolist() == first + observation + second
+    assert sample.loss_mask.tolist() == [1] * len(first) + [0] * len(observation) + [1] * len(
+        second
+    )
+    expected_lp = [-0.25 - 0.01 * i for i in range(len(first))]
+    np.testing.assert_allclose(sample.logprobs[: len(first)], expected_lp, rtol=1e-6)
+    assert (sample.logprobs[len(first) : -len(second)] == 0).all()
+    versions = [3] * len(first) + [3] * len(observation) + [4] * len(second)
+    assert sample.token_versions.tolist() == versions
+    # Each call continued from every token so far: nothing was re-tokenised.
+    assert engine.inputs == [prompt, prompt + first + observation]
+    assert [(t.role, t.end - t.start) for t in sample.spans] == [
+        ("assistant", len(first)), ("tool", len(observation)), ("assistant", len(second))
+    ]  # fmt: skip
+    assert sample.metadata["tool_calls"] == [{"name": "calculator", "error": None}]
+    assert sample.metadata["final_state"] == "#### 42" and sample.metadata["agent_calls"] == 2
+
+
+async def test_the_reply_is_a_standard_chat_completion_with_parsed_tool_calls(rig):
+    seen: list[Any] = []
+
+    async def agent(session: Session, task: AgentTask) -> str:
+        async with session.client(max_retries=0) as client:
+            reply = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "6*7"}], tools=TOOLS
+            )
+            seen.append(reply)
+            return "done"
+
+    workflow, ctx, _ = await rig([Step("thinking " + call_text("6*7"))], agent)
+    await workflow(ctx, fresh())
+    (reply,) = seen
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "thinking"
+    (tc,) = choice.message.tool_calls
+    assert tc.function.name == "calculator"
+    assert json.loads(tc.function.arguments) == {"expression": "6*7"}
+    assert reply.usage.completion_tokens > 0 and reply.object == "chat.completion"
+
+
+async def _expect(session: Session, error: type[Exception], match: str, **call: Any) -> None:
+    async with session.client(max_retries=0) as client:
+        with pytest.raises(error, match=match):
+            await client.chat.completions.create(model="m", **call)
+
+
+async def test_bad_calls_get_clear_openai_errors_and_the_episode_goes_on(rig):
+    user = [{"role": "user", "content": "6*7"}]
+
+    async def agent(session: Session, task: AgentTask) -> str:
+        wrong_key = Session(session.base_url, "not-the-key")
+        await _expect(wrong_key, openai.AuthenticationError, "invalid API key", messages=user)
+        await _expect(session, openai.BadRequestError, "stream=true", messages=user, stream=True)
+        await _expect(session, openai.BadRequestError, "n > 1", messages=user, n=2)
+        await _expect(session, openai.BadRequestError, "non-empty list", messages=[])
+        async with session.client(max_retries=0) as client:
+            first = await client.chat.completions.create(model="m", messages=user, tools=TOOLS)
+        said = first.choices[0].message.model_dump(exclude_none=True)
+        edited = [{"role": "user", "content": "6*8"}, said, {"role": "tool", "content": "42"}]
+        await _expect(session, openai.BadRequestError, r"messages\[0\] differs",
+                      messages=edited, tools=TOOLS)  # fmt: skip
+        await _expect(session, openai.BadRequestError, "tools changed",
+                      messages=[*user, said, {"role": "tool", "content": "42"}])  # fmt: skip
+        injected = [*user, said, {"role": "assistant", "content": "x"}]
+        await _expect(session, openai.BadRequestError, "assistant message the model did not",
+                      messages=injected, tools=TOOLS)  # fmt: skip
+        async with session.client(max_retries=0) as client:
+            final = await client.chat.completions.create(
+                model="m", messages=[*user, said, {"role": "tool", "content": "42"}], tools=TOOLS
+            )
+        return final.choices[0].message.content or ""
+
+    workflow, ctx, engine = await rig([Step(call_text("6*7")), Step("#### 42")], agent)
+    sample = await workflow(ctx, fresh())
+    assert sample.status is SampleStatus.COMPLETED and sample.reward == 1.0
+    assert len(engine.inputs) == 2  # the refused calls never reached the engine
+
+
+async def test_two_calls_at_once_in_one_session_are_refused(rig):
+    async def agent(session: Session, task: AgentTask) -> list[str]:
+        async with session.client(max_retries=0) as client:
+            calls = [
+                client.chat.completions.create(model="m", messages=[{"role": "user", "content": q}])
+                for q in ("a", "b")
+            ]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        return [type(r).__name__ for r in results]
+
+    gate = asyncio.Event()
+
+    class SlowEngine(ScriptedEngine):
+        async def generate(self, *args: Any, **kw: Any) -> Any:
+            await gate.wait()
+            return await super().generate(*args, **kw)
+
+    workflow, ctx, engine = await rig([Step("#### 1")], agent)
+    ctx.engine = SlowEngine(engine.tokenizer, [Step("#### 1")])
+    run = asyncio.create_task(workflow(ctx, fresh()))
+    await asyncio.sleep(0.3)
+    gate.set()
+    sample = await run
+    assert sorted(sample.metadata["final_state"]) == ["BadRequestError", "ChatCompletion"]
+
+
+async def test_the_token_budget_and_the_call_limit_end_the_episode_truncated(rig):
+    workflow, ctx, _ = await rig([Step(call_text("6*7")), Step("#### 42")], budget=30)
+    sample = await workflow(ctx, fresh())
+    assert sample.status is SampleStatus.TRUNCATED and sample.finish_reason == "length"
+    assert sample.response_length <= 30 and sample.reward == 0.0  # scored all the same
+
+    steps = [Step(call_text(f"{i}*7")) for i in range(3)]
+    workflow, ctx, engine = await rig(steps, max_calls=2)
+    sample = await workflow(ctx, fresh())
+    assert sample.status is SampleStatus.TRUNCATED and sample.finish_reason == "max_turns"
+    assert len(engine.inputs) == 2 and sample.metadata["agent_calls"] == 3
+
+
+async def test_a_weight_update_in_a_call_only_delays_it(rig, tokenizer):
+    # The engine aborts the first call part-way (an update with on_update: abort); the proxy
+    # continues from the partial tokens on the new weights and the agent sees one reply.
+    whole = call_text("6*7")
+    part = tokenizer.decode(tokenizer(whole, add_special_tokens=False)["input_ids"][:5])
+    steps = [Step(part, finish="abort", version=0), Step(whole[len(part) :], version=1),
+             Step("#### 42", version=1)]  # fmt: skip
+    workflow, ctx, engine = await rig(steps)
+    sample = await workflow(ctx, fresh())
+    assert sample.status is SampleStatus.COMPLETED and sample.reward == 1.0
+    assert sample.metadata["agent_calls"] == 2 and len(engine.inputs) == 3
+    assert engine.inputs[1] == engine.inputs[0] + engine.sampled[0]  # continued, not redone
+    assert sample.token_versions.tolist()[:6] == [0] * 5 + [1]
+    assert sample.spans[0].role == "assistant"
+    assert sample.spans[0].end == len(engine.sampled[0]) + len(engine.sampled[1])
+
+
+async def test_an_abort_of_all_work_restarts_the_episode_from_scratch(rig):
+    aborts = 0
+    workflow, ctx, engine = await rig([Step(call_text("6*7"))])
+    ctx.aborts = lambda: aborts
+
+    async def abort_while_tools_run(expression: str) -> str:
+        nonlocal aborts
+        aborts += 1  # an APRIL round closes while the agent runs its tool
+        return calculator(expression)
+
+    async def agent(session: Session, task: AgentTask) -> str:
+        messages: list[Any] = [{"role": "user", "content": "6*7"}]
+        async with session.client(max_retries=0) as client:
+            while True:
+                reply = await client.chat.completions.create(model="m", messages=messages)
+                message = reply.choices[0].message
+                if not message.tool_calls:
+                    return message.content or ""
+                messages.append(message.model_dump(exclude_none=True))
+                result = await abort_while_tools_run("6*7")
+                messages.append({"role": "tool", "content": result})
+
+    workflow.agent = agent
+    sample = await workflow(ctx, fresh())
+    assert sample.status is SampleStatus.ABORTED and sample.response_length == 0
+    assert "tool_calls" not in sample.metadata and len(engine.inputs) == 1
+    # Resumed later, the agent runs again from the start.
+    engine.steps = [Step(call_text("6*7")), Step("#### 42")]
+    workflow.agent = calculator_agent
+    sample.attempts += 1
+    again = await workflow(ctx, sample)
+    assert again.status is SampleStatus.COMPLETED and again.reward == 1.0
+
+
+async def test_an_agent_that_raises_or_never_calls_fails_its_sample(rig):
+    async def silent(session: Session, task: AgentTask) -> str:
+        return "#### 42"
+
+    workflow, ctx, _ = await rig([], silent)
+    with pytest.raises(ValueError, match="without calling the model"):
+        await workflow(ctx, fresh())
+
+
+class Recording:
+    """A ``Generator`` in front of a real client that keeps every result it returned."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.results = client, []
+
+    async def generate(self, input_ids: Any, sampling_params: Any = None, *, rid: Any = None):
+        result = await self.client.generate(input_ids, sampling_params, rid=rid)
+        self.results.append(result)
+        return result
+
+
+async def test_the_real_engine_behind_the_proxy_with_a_weight_update_mid_episode(tmp_path):
+    from asyncrl.engines.server import EngineServer
+    from asyncrl.engines.sglang_client import SGLangClient
+    from asyncrl.engines.torch_engine import TorchEngine
+    from tests.tiny_model import build_tiny_model
+
+    model, tokenizer = build_tiny_model(tmp_path)
+    engine = TorchEngine.from_pretrained(str(tmp_path))
+    server = EngineServer(engine)
+    url = await server.start("127.0.0.1", 0)
+    replies: list[Any] = []
+
+    async def agent(session: Session, task: AgentTask) -> str:
+        messages: list[Any] = [{"role": "user", "content": task.prompt}]
+        async with session.client(max_retries=0) as client:
+            for follow_up in ("go on", None):
+                reply = await client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=40
+                )
+                replies.append(reply)
+                messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+                if follow_up:
+                    messages.append({"role": "user", "content": follow_up})
+        return reply.choices[0].message.content or ""
+
+    async def update_mid_call(client: SGLangClient) -> None:
+        # What EngineHost.load does with on_update: abort, once the first call is running.
+        while engine.stats["generated_tokens"] < 10:  # noqa: ASYNC110 (no event to wait on)
+            await asyncio.sleep(0.002)
+        await client.abort(abort_all=True)
+        new = {k: v + 0.01 for k, v in model.state_dict().items() if "norm" not in k}
+        await engine.update_weights_from_tensors(new, version=1)
+
+    try:
+        async with SGLangClient(url) as client:
+            recording = Recording(client)
+            sampling = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+            ctx = RolloutContext(recording, score, sampling, tokenizer=tokenizer)
+            workflow = AgentWorkflow(agent)
+            async with workflow.resources(ctx):
+                sample, _ = await asyncio.gather(
+                    workflow(ctx, fresh(prompt="hello")), update_mid_call(client)
+                )
+    finally:
+        await server.stop()
+    assert sample.status is SampleStatus.COMPLETED and len(replies) == 2
+    assert [r.choices[0].finish_reason for r in replies] == ["length", "length"]
+    assert [r.usage.completion_tokens for r in replies] == [40, 40]  # the update only delayed
+    sampled = [t for r in recording.results for t in r.output_ids]
+    assert sample.response_tokens[sample.loss_mask == 1].tolist() == sampled
+    lps = [lp for r in recording.results for lp in r.logprobs]
+    np.testing.assert_allclose(sample.logprobs[sample.loss_mask == 1], lps, rtol=1e-6)
+    first = sample.token_versions[: sample.spans[0].end].tolist()
+    assert first[0] == 0 and first[-1] == 1 and first == sorted(first)  # the update landed
+    assert recording.results[0].finish_reason.type == "abort" and len(recording.results) == 3
