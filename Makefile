@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo arith-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer \
+.PHONY: demo arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer \
 	bench-overlap clean
 
 $(STAMP): pyproject.toml
@@ -27,6 +27,13 @@ demo: $(STAMP)
 # Rebuild the demo's starting checkpoint (data, SFT warm-up; about 5 minutes).
 arith-model: $(STAMP)
 	$(PY) examples/arith/make_model.py
+
+# Rebuild the calculator agent's checkpoint: two SFT stages on tool-use traces (about 25
+# minutes on 2 CPU cores); see examples/calculator_agent/README.md.
+calculator-model: $(STAMP)
+	$(PY) examples/calculator_agent/make_model.py
+	$(PY) examples/calculator_agent/make_model.py --from examples/calculator_agent/model \
+		--work-dir runs/calculator-sft2 --seed 1 --num-sft 16000 --lr 1e-3 --warmup 10
 
 bench-overlap: $(STAMP)
 	$(PY) bench/overlap.py --steps 40 --repeats 3

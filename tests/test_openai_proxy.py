@@ -347,3 +347,34 @@ async def test_the_real_engine_behind_the_proxy_with_a_weight_update_mid_episode
     first = sample.token_versions[: sample.spans[0].end].tolist()
     assert first[0] == 0 and first[-1] == 1 and first == sorted(first)  # the update landed
     assert recording.results[0].finish_reason.type == "abort" and len(recording.results) == 3
+
+
+async def test_calls_after_the_budget_is_spent_get_empty_length_replies(rig):
+    replies: list[Any] = []
+
+    async def stubborn(session: Session, task: AgentTask) -> str:
+        messages: list[Any] = [{"role": "user", "content": "6*7"}]
+        async with session.client(max_retries=0) as client:
+            for _ in range(3):  # keeps going whatever the replies say
+                reply = await client.chat.completions.create(model="m", messages=messages)
+                replies.append(reply.choices[0])
+                messages += [reply.choices[0].message, {"role": "user", "content": "more"}]
+        return "done"
+
+    workflow, ctx, engine = await rig([Step("x" * 40)], stubborn, budget=30)
+    sample = await workflow(ctx, fresh())
+    assert [r.finish_reason for r in replies] == ["length"] * 3
+    assert [r.message.content for r in replies[1:]] == [None, None]
+    assert len(engine.inputs) == 1 and sample.response_length == 30
+    assert sample.status is SampleStatus.TRUNCATED and sample.finish_reason == "length"
+
+
+async def test_an_engine_failure_is_a_500_the_agent_can_read_and_fails_the_sample(rig):
+    class Broken:
+        async def generate(self, *args: Any, **kw: Any) -> Any:
+            raise ConnectionError("engine at 127.0.0.1:1 refused")
+
+    workflow, ctx, _ = await rig([])
+    ctx.engine = Broken()
+    with pytest.raises(openai.InternalServerError, match=r"engine at 127\.0\.0\.1:1 refused"):
+        await workflow(ctx, fresh())

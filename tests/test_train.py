@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from asyncrl.actors.controller import check_tool_use, run_job
+from asyncrl.actors.controller import check_agent, check_tool_use, run_job
 from asyncrl.buffer.dump import batch_files, read_batch
 from asyncrl.cli import main
 from asyncrl.config import load_config
@@ -294,3 +294,68 @@ async def test_multi_turn_tool_use_trains_on_sampled_tokens_with_observations_ma
     # the eval actor ran the same episodes with the same tools
     evals = [json.loads(x) for x in (tmp_path / "run/metrics/eval.jsonl").read_text().splitlines()]
     assert evals and all(r["tool_calls"] == 1.0 and r["samples"] == 6 for r in evals)
+
+
+async def two_call_agent(session, task) -> str:
+    """An openai-client agent for the random tiny model: ask, say "again", ask again."""
+    import openai
+
+    messages: list = [{"role": "user", "content": str(task.prompt)}]
+    async with openai.AsyncOpenAI(
+        base_url=session.base_url, api_key=session.api_key, max_retries=0
+    ) as client:
+        first = await client.chat.completions.create(
+            model=session.model, messages=messages, max_tokens=6
+        )
+        messages += [first.choices[0].message, {"role": "user", "content": "again"}]
+        second = await client.chat.completions.create(
+            model=session.model, messages=messages, max_tokens=6
+        )
+    return second.choices[0].message.content or ""
+
+
+async def test_an_openai_client_agent_trains_through_the_proxy(tmp_path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=8)
+    dump = tmp_path / "dump"
+    flags = [
+        *job_flags(tmp_path, steps=2),
+        "--rollout-agent-path",
+        "tests.test_train:two_call_agent",
+    ]
+    flags += ["--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 48}']
+    flags += ["--save-debug-rollout-data", str(dump)]
+    held = {"name": "held", "path": str(tmp_path / "prompts.jsonl@[0:3]"), "n_samples": 2}
+    flags += ["--eval-interval", "2", "--eval-sets", json.dumps([held])]
+    cfg = load_config(overrides=flags)
+    check_agent(cfg)  # what asyncrl train checks before launch
+    result = await run_job(cfg)
+    assert result.ok, result.error
+    assert accounted(last_buffer_metrics(tmp_path / "run"))
+    samples = [s for path in batch_files(dump) for g in read_batch(path).groups for s in g.samples]
+    assert len(samples) == 2 * 2 * 2
+    for s in samples:
+        assert s.status in ("completed", "truncated") and s.metadata["agent_calls"] == 2
+        first, user, last = s.spans
+        assert (first.role, user.role, last.role) == ("assistant", "user", "assistant")
+        assert s.loss_mask[first.start : first.end].all() and s.loss_mask[last.start :].all()
+        assert not s.loss_mask[user.start : user.end].any()
+        assert first.end - first.start <= 6 and last.end - last.start <= 6  # max_tokens held
+    evals = [json.loads(x) for x in (tmp_path / "run/metrics/eval.jsonl").read_text().splitlines()]
+    assert evals and all(r["samples"] == 6 for r in evals)
+
+
+def test_train_refuses_an_agent_that_does_not_load_before_launch(tmp_path, capsys):
+    build_tiny_model(tmp_path / "model")
+    flags = [*job_flags(tmp_path, steps=1), "--rollout-agent-path", "tests.test_train:nope"]
+    assert main(["train", *flags]) == 2
+    assert "agent path 'tests.test_train:nope'" in capsys.readouterr().err
+    flags[-1] = "tests.test_train:two_call_agent"
+    flags += [
+        "--rollout-tool-use-tools",
+        '[{"type": "calculator"}]',
+        "--apply-chat-template",
+        "true",
+    ]
+    assert main(["train", *flags]) == 2
+    assert "rollout.agent is the workflow" in capsys.readouterr().err

@@ -253,11 +253,10 @@ class OpenAIProxy:
         keys = [message_key(m) for m in messages]
         start = time.time()
         if episode.calls >= self.config.max_calls:
-            episode.truncated = "max_turns"
-        elif not episode.calls:
-            self._start(episode, messages, keys, body)
-        else:
-            self._extend(episode, messages, keys, body)
+            episode.truncated = episode.truncated or "max_turns"
+        elif episode.truncated is None:  # once truncated, every call gets the empty reply
+            extend = self._extend if episode.calls else self._start
+            extend(episode, messages, keys, body)
         episode.calls += 1
         if episode.truncated:
             return self._reply(body, episode, [], None, "length", start)
@@ -423,11 +422,18 @@ def _check_options(body: Json) -> None:
 
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every refusal and failure in OpenAI's error shape (the client reads its message)."""
     try:
         return await handler(request)
     except ApiError as exc:
         body = exc.body if "error" in (exc.body or {}) else _error(exc.status, exc.message).body
         return json_response(body, exc.status)
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # the engine failed: the agent sees a 500 that says why
+        log.warning("proxy call failed", path=request.path, error=repr(exc))
+        message = f"{type(exc).__name__}: {exc}"
+        return json_response(_error(500, message, "server_error").body, 500)
 
 
 # ----------------------------------------------------------------------------- workflow

@@ -92,7 +92,7 @@ def sft_command(
         "--weight-decay",
         "0.01",
         "--lr-warmup-iters",
-        str(min(100, steps // 10)),
+        str(min(getattr(args, "warmup", 100), steps // 10)),
         "--trainer-lr-schedule",
         "cosine",
         "--trainer-total-steps",

@@ -113,17 +113,19 @@ def main() -> None:
     """Parse flags, generate, write the three files and print their sizes."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "data")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train and test sets")
+    parser.add_argument("--sft-seed", type=int, help="seed of the SFT traces (default: --seed)")
     parser.add_argument("--num-sft", type=int, default=16000)
     parser.add_argument("--num-train", type=int, default=4000)
     parser.add_argument("--num-test", type=int, default=400)
     parser.add_argument("--tool-share", type=float, default=0.3, help="SFT rows using the tool")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    style = random.Random(f"{args.seed}:style")
+    sft_seed = args.seed if args.sft_seed is None else args.sft_seed
+    style = random.Random(f"{sft_seed}:style")
     sft = [
         {"messages": trace(e, v, use_tool=style.random() < args.tool_share), "tools": [CALCULATOR]}
-        for _, e, v in generate("sft", args.num_sft, random.Random(f"{args.seed}:sft"))
+        for _, e, v in generate("sft", args.num_sft, random.Random(f"{sft_seed}:sft"))
     ]
     write_jsonl(args.out / "sft.jsonl", sft)
     for split, total in (("train", args.num_train), ("test", args.num_test)):

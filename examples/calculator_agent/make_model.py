@@ -58,20 +58,30 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--max-len", type=int, default=256, help="positions; longest trace")
-    parser.add_argument("--num-sft", type=int, default=16000, help="SFT traces to generate")
-    parser.add_argument("--tool-share", type=float, default=0.3, help="traces using the tool")
+    parser.add_argument("--num-sft", type=int, default=32000, help="SFT traces to generate")
+    parser.add_argument("--tool-share", type=float, default=0.6, help="traces using the tool")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument(
+        "--from", dest="start", type=Path, help="continue from this checkpoint, not random init"
+    )
+    parser.add_argument("--warmup", type=int, default=100, help="learning-rate warmup steps")
     args = parser.parse_args()
 
-    data = [sys.executable, str(HERE / "make_data.py"), "--seed", str(args.seed)]
+    # The train and test sets never change (make_data's default seed); --seed picks the
+    # SFT traces, the initial weights and the SFT order.
+    data = [sys.executable, str(HERE / "make_data.py"), "--sft-seed", str(args.seed)]
     data += ["--num-sft", str(args.num_sft), "--tool-share", str(args.tool_share)]
     subprocess.run(data, check=True)
     init, out = args.work_dir / "init", args.work_dir / "sft"
-    num_params = arith.build_init(init, args, build_tool_tokenizer())
-    print(f"init: {num_params:,} parameters -> {init}")
+    if args.start is not None:  # a second stage: the previous checkpoint, copied first
+        shutil.rmtree(init, ignore_errors=True)
+        shutil.copytree(args.start, init)
+    else:
+        num_params = arith.build_init(init, args, build_tool_tokenizer())
+        print(f"init: {num_params:,} parameters -> {init}")
     command = arith.sft_command(init, out, args, HERE / "data" / "sft.jsonl")
     print("$", " ".join(command), flush=True)
     start = time.perf_counter()

@@ -2,10 +2,14 @@
 tool-call tags and a ChatML template with a tool role.
 
 ``build_tool_tokenizer()`` takes ``build_char_tokenizer()`` from ``examples/arith`` (three
-specials, then one token per byte) and adds two special tokens, ``<tool_call>`` and
-``</tool_call>`` (ids 259 and 260), so a call costs two tokens of markup instead of 23.
-The calls themselves are the Qwen/Hermes convention that ``HermesParser`` reads:
-``<tool_call>{"name": "calculator", "arguments": {"expression": "347*86"}}</tool_call>``.
+specials, then one token per byte) and adds four special tokens (ids 259-262): the tags
+``<tool_call>`` and ``</tool_call>``, and the fixed JSON around a calculator call's
+expression, ``{"name": "calculator", "arguments": {"expression": "`` and ``"}}``. The calls
+are the Qwen/Hermes convention that ``HermesParser`` reads,
+``<tool_call>{"name": "calculator", "arguments": {"expression": "347*86"}}</tool_call>``,
+but cost 4 tokens plus the expression instead of 73: on a CPU every token is decode time,
+and a 1M-parameter model learns to copy an expression across 10 positions far faster than
+across 60 (a first warm-up with one token per character never learned to copy at all).
 
 The template (``TOOL_TEMPLATE``) is ChatML. When ``tools`` are given it opens with a
 system turn that names them, ``Tools: calculator`` (a tiny model has no use for the whole
@@ -26,7 +30,13 @@ from char_tokenizer import build_char_tokenizer
 
 __all__ = ["TOOL_TAGS", "TOOL_TEMPLATE", "build_tool_tokenizer"]
 
-TOOL_TAGS = ["<tool_call>", "</tool_call>"]
+#: The call's markup: tags and the calculator's fixed JSON, one token each.
+TOOL_TAGS = [
+    "<tool_call>",
+    "</tool_call>",
+    '{"name": "calculator", "arguments": {"expression": "',
+    '"}}',
+]
 
 TOOL_TEMPLATE = (
     "{%- if tools %}"
