@@ -182,29 +182,77 @@ async def test_bad_calls_get_clear_openai_errors_and_the_episode_goes_on(rig):
 
 
 async def test_two_calls_at_once_in_one_session_are_refused(rig):
-    async def agent(session: Session, task: AgentTask) -> list[str]:
-        async with session.client(max_retries=0) as client:
-            calls = [
-                client.chat.completions.create(model="m", messages=[{"role": "user", "content": q}])
-                for q in ("a", "b")
-            ]
-            results = await asyncio.gather(*calls, return_exceptions=True)
-        return [type(r).__name__ for r in results]
-
-    gate = asyncio.Event()
+    started, gate = asyncio.Event(), asyncio.Event()
+    errors: list[str] = []
 
     class SlowEngine(ScriptedEngine):
         async def generate(self, *args: Any, **kw: Any) -> Any:
+            started.set()
             await gate.wait()
             return await super().generate(*args, **kw)
 
-    workflow, ctx, engine = await rig([Step("#### 1")], agent)
+    async def agent(session: Session, task: AgentTask) -> str:
+        user = [{"role": "user", "content": "a"}]
+        async with session.client(max_retries=0) as client:
+            first = asyncio.create_task(client.chat.completions.create(model="m", messages=user))
+            await started.wait()  # the first call is in the engine now
+            try:
+                await client.chat.completions.create(model="m", messages=user)
+            except openai.BadRequestError as exc:
+                errors.append(str(exc))
+            gate.set()
+            return (await first).choices[0].message.content or ""
+
+    workflow, ctx, engine = await rig([], agent)
     ctx.engine = SlowEngine(engine.tokenizer, [Step("#### 1")])
-    run = asyncio.create_task(workflow(ctx, fresh()))
-    await asyncio.sleep(0.3)
-    gate.set()
-    sample = await run
-    assert sorted(sample.metadata["final_state"]) == ["BadRequestError", "ChatCompletion"]
+    sample = await workflow(ctx, fresh())
+    assert len(errors) == 1 and "one call at a time" in errors[0]
+    assert sample.metadata["final_state"] == "#### 1" and sample.metadata["agent_calls"] == 1
+
+
+async def test_a_failed_call_leaves_no_trace_so_the_clients_retry_starts_clean(rig, tokenizer):
+    # The engine fails the second call once; openai's default retry sends it again and
+    # the trajectory holds each call once.
+    class FailsOnce(ScriptedEngine):
+        failed = False
+
+        async def generate(self, *args: Any, **kw: Any) -> Any:
+            if len(self.inputs) == 1 and not self.failed:
+                self.failed = True
+                raise ConnectionError("engine hiccup")
+            return await super().generate(*args, **kw)
+
+    async def agent(session: Session, task: AgentTask) -> str:
+        messages: list[Any] = [{"role": "user", "content": "6*7"}]
+        async with session.client(max_retries=2) as client:  # the client's default
+            reply = await client.chat.completions.create(model="m", messages=messages)
+            # The pydantic message itself goes back, as most agents send it (content None).
+            messages += [reply.choices[0].message, {"role": "tool", "content": "42"}]
+            final = await client.chat.completions.create(model="m", messages=messages)
+        return final.choices[0].message.content or ""
+
+    workflow, ctx, _ = await rig([], agent)
+    ctx.engine = engine = FailsOnce(tokenizer, [Step(call_text("6*7")), Step("#### 42")])
+    sample = await workflow(ctx, fresh())
+    assert engine.failed and sample.status is SampleStatus.COMPLETED and sample.reward == 1.0
+    first, second = engine.sampled
+    observation = len(sample.response_tokens) - len(first) - len(second)
+    assert sample.loss_mask.tolist() == [1] * len(first) + [0] * observation + [1] * len(second)
+    assert sample.metadata["tool_calls"] == [{"name": "calculator", "error": None}]
+
+
+async def test_an_agent_editing_its_task_does_not_change_the_sample(rig):
+    async def agent(session: Session, task: AgentTask) -> str:
+        task.metadata["seen"] = True
+        messages = [{"role": "user", "content": task.prompt}]
+        async with session.client(max_retries=0) as client:
+            reply = await client.chat.completions.create(model="m", messages=messages)
+        messages.append(reply.choices[0].message)  # a pydantic object: not wire data
+        return reply.choices[0].message.content or ""
+
+    workflow, ctx, _ = await rig([Step("#### 42")], agent)
+    sample = await workflow(ctx, fresh())
+    assert sample.prompt == "what is 6*7?" and "seen" not in sample.metadata
 
 
 async def test_the_token_budget_and_the_call_limit_end_the_episode_truncated(rig):
@@ -275,9 +323,39 @@ async def test_an_agent_that_raises_or_never_calls_fails_its_sample(rig):
     async def silent(session: Session, task: AgentTask) -> str:
         return "#### 42"
 
+    async def buggy(session: Session, task: AgentTask) -> str:
+        raise KeyError("tool registry")
+
     workflow, ctx, _ = await rig([], silent)
     with pytest.raises(ValueError, match="without calling the model"):
         await workflow(ctx, fresh())
+    workflow.agent = buggy
+    with pytest.raises(KeyError, match="tool registry"):
+        await workflow(ctx, fresh())  # the rollout actor marks the sample failed with it
+
+
+async def test_an_abort_of_all_work_during_an_engine_call_restarts_the_episode(rig, tokenizer):
+    aborts = 0
+
+    class AbortsAll(ScriptedEngine):
+        async def generate(self, *args: Any, **kw: Any) -> Any:
+            nonlocal aborts
+            aborts += 1  # a drain: every in-flight request comes back aborted
+            return await super().generate(*args, **kw)
+
+    async def swallowing(session: Session, task: AgentTask) -> str:
+        try:
+            return await calculator_agent(session, task)
+        except BaseException:  # an agent that swallows everything, cancellation too
+            return "gave up"
+
+    workflow, ctx, _ = await rig([], swallowing)
+    ctx.engine = AbortsAll(tokenizer, [Step("<tool", finish="abort"), Step("more")])
+    ctx.aborts = lambda: aborts
+    sample = await workflow(ctx, fresh())
+    assert sample.status is SampleStatus.ABORTED and sample.response_length == 0
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0  # the proxy's cancel was withdrawn
 
 
 class Recording:

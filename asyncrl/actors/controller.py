@@ -255,13 +255,17 @@ def check_agent(cfg: RunConfig) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{cfg.trainer.model_path}: rollout.agent needs a chat template")
-    try:
-        ObservationRenderer(tokenizer).render([{"role": "user", "content": "ok"}], turn_closed=True)
-    except Exception as exc:  # jinja raises its own errors; all mean the same here
+    renderer, errors = ObservationRenderer(tokenizer), []
+    for role in ("tool", "user"):  # an agent appends one or the other after a reply
+        try:
+            renderer.render([{"role": role, "name": "f", "content": "ok"}], turn_closed=True)
+        except Exception as exc:  # jinja raises its own errors; all mean the same here
+            errors.append(f"{role}: {exc}")
+    if len(errors) == 2:
         raise ValueError(
             f"{cfg.trainer.model_path}: the chat template cannot render the messages an "
-            f"agent appends after a reply: {exc}"
-        ) from None
+            f"agent appends after a reply ({'; '.join(errors)})"
+        )
 
 
 def _source_params(cfg: RunConfig) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors.base import Actor, ActorSpec
+from asyncrl.actors.rollout import policy_tokenizer
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
@@ -71,7 +72,8 @@ class EvalActor(Actor):
         self._ready = asyncio.Event()
         self._final_lost = False
         self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
-        tokenizer = self.host.engine.tokenizer if self.host.engine is not None else None
+        # The engine's, or the policy's from disk for remote engines (as rollout actors do).
+        tokenizer = await asyncio.to_thread(policy_tokenizer, params, self.host)
         self.sets = [await self._open_set(s, tokenizer) for s in self.cfg.sets]
         ep = self.spec.endpoints
         frame = self.max_frame_bytes

@@ -86,7 +86,7 @@ class RolloutActor(Actor):
             engine=self.host.client,  # type: ignore[arg-type]
             score=self.score,
             sampling=dict(params.get("sampling", {})),
-            tokenizer=await asyncio.to_thread(_tokenizer, params, self.host),
+            tokenizer=await asyncio.to_thread(policy_tokenizer, params, self.host),
             version=lambda: self.host.version,
             aborts=lambda: self._aborts,
             tools=tools,
@@ -341,7 +341,8 @@ def _build_reward(config: dict[str, Any]) -> Any:
     return build_reward(RewardConfig(**config))
 
 
-def _tokenizer(params: dict[str, Any], host: EngineHost) -> Any:
+def policy_tokenizer(params: dict[str, Any], host: EngineHost) -> Any:
+    """The embedded engine's tokenizer, else the one at params["tokenizer"] (the policy's)."""
     path = params.get("tokenizer") or host.config.model_path
     if host.engine is not None and host.engine.tokenizer is not None:
         return host.engine.tokenizer

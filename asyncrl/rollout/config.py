@@ -147,6 +147,7 @@ class AgentConfig(BaseModel):
         ..., min_length=1, description="'module:function': async def agent(session, task)"
     )
     max_calls: int = Field(16, ge=1, description="chat completions per episode at most")
+    timeout_s: float = Field(600.0, gt=0, description="an episode longer than this fails")
     parser: str = Field("hermes", description="'hermes' or 'module:Class' (a ToolCallParser)")
 
 

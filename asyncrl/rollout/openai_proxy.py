@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import secrets
 import time
@@ -70,6 +71,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 Json = dict[str, Any]
+
+#: The largest final state kept in ``metadata["final_state"]`` (bigger ones are dropped).
+_MAX_STATE_BYTES = 64 * 1024
+
+#: Consecutive aborts with no new token after which a call fails (a wedged engine).
+_MAX_EMPTY_ABORTS = 50
 
 #: Sampling fields the run decides (the trained policy); an agent's values are overridden.
 _POLICY_FIELDS = ("temperature", "top_p", "top_k", "min_p")
@@ -107,14 +114,16 @@ Agent = Callable[[Session, AgentTask], Awaitable[Any]]
 
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
-    """``max_calls`` chat completions per episode; ``host`` the proxy binds."""
+    """``max_calls`` chat completions per episode; an episode longer than ``timeout_s``
+    fails; ``host`` the proxy binds."""
 
     max_calls: int = 16
+    timeout_s: float = 600.0
     host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        if self.max_calls < 1:
-            raise ValueError(f"max_calls must be >= 1, got {self.max_calls}")
+        if self.max_calls < 1 or self.timeout_s <= 0:
+            raise ValueError(f"max_calls must be >= 1 and timeout_s > 0: {self}")
 
 
 class EpisodeAborted(Exception):
@@ -128,9 +137,12 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> Ap
 
 
 def _text(content: Any) -> str:
-    """A message's content as text (OpenAI content parts are joined)."""
+    """A message's content as text (OpenAI text parts are joined; other parts are refused:
+    this proxy trains text models)."""
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not all(isinstance(p, dict) and p.get("type", "text") == "text" for p in content):
+            raise _error(400, "only text content parts are supported")
+        return "".join(str(p.get("text", "")) for p in content)
     return content if isinstance(content, str) else ""
 
 
@@ -148,11 +160,11 @@ def message_key(message: Any) -> tuple[Any, ...]:
     """What must match when an agent sends a message back: role, stripped text, tool calls."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise _error(400, f"messages: each message needs a string role, got {message!r}")
-    calls = tuple(
-        (c.get("function", {}).get("name"), _arguments(c.get("function", {}).get("arguments")))
-        for c in message.get("tool_calls") or ()
-        if isinstance(c, dict)
-    )
+    raw = message.get("tool_calls") or []
+    fns = [c.get("function") if isinstance(c, dict) else None for c in raw]
+    if not isinstance(raw, list) or not all(isinstance(f, dict) for f in fns):
+        raise _error(400, f"tool_calls: expected a list of {{'function': {{...}}}}, got {raw!r}")
+    calls = tuple((f.get("name"), _arguments(f.get("arguments"))) for f in fns)
     return message["role"], _text(message.get("content")).strip(), calls
 
 
@@ -168,7 +180,22 @@ class _Episode:
         self.busy = False
         self.truncated: str | None = None  # "length" or "max_turns" once a limit is hit
         self.owner: asyncio.Task[Any] | None = None  # the workflow task, cancelled on abort
+        self.handler: asyncio.Task[Any] | None = None  # the call in progress
         self.aborted = False
+        self.closed = False
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """What a call changes, so a call that fails can be undone (a retry starts clean)."""
+        s = self.sample
+        return (s.response_length, s.packed_prompt, list(self.history), self.tools,
+                self.calls, self.truncated, len(s.metadata.get("tool_calls", ())))  # fmt: skip
+
+    def restore(self, state: tuple[Any, ...]) -> None:
+        length, prompt, self.history, self.tools, self.calls, self.truncated, calls = state
+        self.sample.truncate_response(length)
+        self.sample.packed_prompt = prompt
+        if "tool_calls" in self.sample.metadata:
+            del self.sample.metadata["tool_calls"][calls:]
 
 
 class OpenAIProxy:
@@ -185,6 +212,7 @@ class OpenAIProxy:
         self.ctx, self.config = ctx, config or ProxyConfig()
         self.parser = parser or HermesParser()
         self.renderer = ObservationRenderer(ctx.tokenizer)
+        self.eos_id = ctx.tokenizer.eos_token_id
         self.episodes: dict[str, _Episode] = {}
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -194,7 +222,10 @@ class OpenAIProxy:
         app = web.Application(middlewares=[_errors], client_max_size=64 * 2**20)
         app.router.add_post("/s/{session}/v1/chat/completions", self._chat)
         app.router.add_get("/s/{session}/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A call whose client went away is cancelled (and undone), never left writing.
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, 0)
         await site.start()
@@ -216,7 +247,10 @@ class OpenAIProxy:
         try:
             yield Session(f"{self.url}/s/{sid}/v1", episode.key), episode
         finally:
+            episode.closed = True
             del self.episodes[sid]
+            if episode.handler is not None and not episode.handler.done():
+                episode.handler.cancel()  # a call the agent walked away from writes nothing
 
     # -- HTTP ---------------------------------------------------------------------------
     def _episode(self, request: web.Request) -> _Episode:
@@ -238,11 +272,16 @@ class OpenAIProxy:
         body = await read_json(request)
         if episode.busy:
             raise _error(400, "one call at a time per session: the episode is one conversation")
-        episode.busy = True
+        episode.busy, episode.handler = True, asyncio.current_task()
+        state = episode.snapshot()
         try:
             return json_response(await self._complete(episode, body))
+        except BaseException:  # refused, failed or cancelled: the call leaves no trace
+            if not episode.aborted:
+                episode.restore(state)
+            raise
         finally:
-            episode.busy = False
+            episode.busy, episode.handler = False, None
 
     # -- one completion -----------------------------------------------------------------
     async def _complete(self, episode: _Episode, body: Json) -> Json:
@@ -302,8 +341,11 @@ class OpenAIProxy:
 
     def _append_delta(self, episode: _Episode, messages: list[Json]) -> None:
         s = episode.sample
-        closed = int(s.response_tokens[-1]) == self.ctx.tokenizer.eos_token_id
-        tokens = self.renderer.render(messages, turn_closed=closed)
+        closed = s.response_length > 0 and int(s.response_tokens[-1]) == self.eos_id
+        try:
+            tokens = self.renderer.render(messages, turn_closed=closed)
+        except Exception as exc:  # jinja raises its own errors; all mean the same here
+            raise _error(400, f"the chat template cannot render these messages: {exc}") from None
         if s.response_length + len(tokens) >= self._budget():
             episode.truncated = "length"  # no room left for another turn
             return
@@ -323,9 +365,12 @@ class OpenAIProxy:
         limit = left if asked is None else min(left, int(asked))
         params = {**self.ctx.sampling, **self._request_sampling(body)}
         turn: list[int] = []
+        kind, empty_aborts = "length", 0
         while limit > 0:
             if self.ctx.aborts() != episode.aborts_at_start:
                 self._abort(episode)
+            if empty_aborts >= _MAX_EMPTY_ABORTS:
+                raise RuntimeError(f"the engine aborted this call {empty_aborts} times in a row")
             ids = np.concatenate([s.prompt_tokens, s.response_tokens]).tolist()
             result = await self.ctx.engine.generate(
                 ids, {**params, "max_new_tokens": limit},
@@ -340,14 +385,17 @@ class OpenAIProxy:
             kind = result.finish_reason.type if result.finish_reason is not None else "abort"
             if kind != "abort":
                 break
+            empty_aborts = 0 if result.output_ids else empty_aborts + 1
+            if not result.output_ids:
+                await asyncio.sleep(0.01 * empty_aborts)  # a paused engine: back off
         if len(turn) >= left:
             episode.truncated = "length"  # the whole budget is spent
-        return turn, limit <= 0
+        return turn, kind != "stop"
 
     def _abort(self, episode: _Episode) -> None:
-        episode.aborted = True
-        if episode.owner is not None:
-            episode.owner.cancel()
+        if not episode.aborted and not episode.closed and episode.owner is not None:
+            episode.aborted = True
+            episode.owner.cancel()  # the agent's Python state cannot be resumed: restart
         raise _error(503, "the episode was aborted (its rollout is being drained)", "server_error")
 
     def _request_sampling(self, body: Json) -> Json:
@@ -409,7 +457,18 @@ def _first_difference(keys: list[Any], history: list[Any]) -> int:
     return next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(keys), len(history)))
 
 
+#: Request fields this proxy cannot honour while training; refused rather than ignored.
+_UNSUPPORTED = ("response_format", "functions", "function_call", "logit_bias", "audio")
+
+
 def _check_options(body: Json) -> None:
+    for key in _UNSUPPORTED:
+        if body.get(key) is not None:
+            raise _error(400, f"{key} is not supported by the training proxy")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise _error(400, "logprobs are not returned by the training proxy (it records them)")
+    if body.get("tool_choice") not in (None, "auto"):
+        raise _error(400, "tool_choice other than 'auto' is not supported: the model decides")
     if body.get("stream"):
         raise _error(400, "stream=true is not supported by the training proxy")
     if body.get("n") not in (None, 1):
@@ -464,23 +523,42 @@ class AgentWorkflow:
         if proxy is None or not proxy.url:
             raise ValueError("AgentWorkflow needs its proxy started: enter resources(ctx) first")
         _restart(sample)
-        task = AgentTask(sample.uid, sample.prompt, sample.label, dict(sample.metadata),
-                         sample.tools)  # fmt: skip
+        # Copies: an agent that appends to its prompt must not change the sample.
+        task = AgentTask(sample.uid, copy.deepcopy(sample.prompt), copy.deepcopy(sample.label),
+                         copy.deepcopy(sample.metadata), copy.deepcopy(sample.tools))  # fmt: skip
         async with proxy.session(sample) as (session, episode):
             try:
-                state = await self.agent(session, task)
+                async with asyncio.timeout(self.config.timeout_s):
+                    state = await self.agent(session, task)
             except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if not episode.aborted or (current is not None and current.uncancel() > 0):
+                if not episode.aborted or _cancelled_from_outside():
                     raise
-                _restart(sample)
-                sample.status, sample.finish_reason = SampleStatus.ABORTED, "abort"
-                return sample
+                return _aborted(sample)
+            except Exception:
+                if episode.aborted:  # the agent turned the abort into its own error
+                    _cancelled_from_outside()
+                    return _aborted(sample)
+                raise
+            if episode.aborted:  # the agent swallowed the abort and went on
+                _cancelled_from_outside()
+                return _aborted(sample)
         if not episode.calls:
             raise ValueError("the agent returned without calling the model")
         _finish(sample, episode, state, ctx.tokenizer)
         sample.reward = await ctx.score(sample)
         return sample
+
+
+def _cancelled_from_outside() -> bool:
+    """Withdraw the proxy's own cancel request; True if another one is still pending."""
+    task = asyncio.current_task()
+    return task is not None and task.uncancel() > 0
+
+
+def _aborted(sample: Sample) -> Sample:
+    _restart(sample)
+    sample.status, sample.finish_reason = SampleStatus.ABORTED, "abort"
+    return sample
 
 
 def _restart(sample: Sample) -> None:
@@ -495,11 +573,11 @@ def _finish(sample: Sample, episode: _Episode, state: Any, tokenizer: Any) -> No
     sample.status = SampleStatus.TRUNCATED if episode.truncated else SampleStatus.COMPLETED
     sample.finish_reason = episode.truncated or "stop"
     sample.metadata["agent_calls"] = episode.calls
-    try:
-        msgspec.msgpack.encode(state)
-        sample.metadata["final_state"] = state
-    except (TypeError, msgspec.EncodeError):
-        sample.metadata["final_state"] = repr(state)
+    try:  # the state travels with the sample: wire types, and not too big
+        encoded = msgspec.msgpack.encode(state)
+        sample.metadata["final_state"] = state if len(encoded) <= _MAX_STATE_BYTES else None
+    except Exception:  # not a wire type, too deep, an int past 64 bits: keep its repr
+        sample.metadata["final_state"] = repr(state)[:_MAX_STATE_BYTES]
     if isinstance(state, str):
         sample.response_text = state
     else:

@@ -50,7 +50,8 @@ def _agent(cfg: AgentConfig) -> Workflow:
     agent = load_object(cfg.path, what="agent")
     if not inspect.iscoroutinefunction(agent):
         raise ValueError(f"agent {cfg.path!r} must be an async function (session, task)")
-    return AgentWorkflow(agent, ProxyConfig(max_calls=cfg.max_calls), _parser(cfg.parser))
+    proxy = ProxyConfig(max_calls=cfg.max_calls, timeout_s=cfg.timeout_s)
+    return AgentWorkflow(agent, proxy, _parser(cfg.parser))
 
 
 def _parser(name: str) -> ToolCallParser:
