@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: demo arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer \
-	bench-overlap clean
+	bench-overlap bench-agent-proxy clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ calculator-model: $(STAMP)
 
 bench-overlap: $(STAMP)
 	$(PY) bench/overlap.py --steps 40 --repeats 3
+
+bench-agent-proxy: $(STAMP)
+	$(PY) bench/agent_proxy.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncrl tests bench examples

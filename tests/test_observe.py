@@ -79,6 +79,16 @@ def test_json_lines_carry_level_event_timestamp_and_the_bound_context():
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z", line["timestamp"])
 
 
+def test_http_clients_request_lines_stay_out_below_warning_unless_debugging():
+    out = io.StringIO()
+    configure_logging(fmt="json", stream=out)
+    logging.getLogger("httpx2").info("HTTP Request: POST /v1/chat/completions")
+    logging.getLogger("httpx2").warning("retrying")
+    assert [line["event"] for line in json_lines(out)] == ["retrying"]
+    configure_logging(fmt="json", stream=out, level="debug")
+    assert logging.getLogger("httpx2").getEffectiveLevel() == logging.DEBUG
+
+
 def test_unbinding_removes_a_key_from_later_lines():
     out = io.StringIO()
     configure_logging(fmt="json", stream=out, actor="trainer")

@@ -171,6 +171,10 @@ def configure_logging(
         root.addHandler(handler)
     root.setLevel(_LEVELS[level])
     adopt_library_loggers()
+    # HTTP clients log a line per request at info: one per agent call through the OpenAI
+    # proxy (tens of thousands a run). Set before they are imported, the level sticks.
+    for name in _CHATTY_HTTP_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if level == "debug" else logging.WARNING)
     structlog.configure(
         processors=_STRUCTLOG_CHAIN,
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -185,6 +189,9 @@ def configure_logging(
 def _stream_formatter(fmt: str, stream: TextIO) -> structlog.stdlib.ProcessorFormatter:
     """The formatter for the stream handler."""
     return _json_formatter() if fmt == "json" else _console_formatter(stream)
+
+
+_CHATTY_HTTP_LOGGERS = ("httpx", "httpx2", "httpcore", "httpcore2", "openai")
 
 
 def adopt_library_loggers(*names: str) -> None:

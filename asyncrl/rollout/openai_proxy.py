@@ -2,8 +2,9 @@
 
 An agent is ``async def agent(session: Session, task: AgentTask) -> final_state``: it makes
 chat-completion calls (with tools) through ``openai.AsyncOpenAI(base_url=session.base_url,
-api_key=session.api_key)``, runs its own tools, and returns its final state (the answer
-text, or any JSON-able value). ``AgentWorkflow`` runs one agent episode per sample:
+api_key=session.api_key)`` (or ``session.client()``, the same with one shared connection
+pool), runs its own tools, and returns its final state (the answer text, or any JSON-able
+value). ``AgentWorkflow`` runs one agent episode per sample:
 
 1. the ``OpenAIProxy`` (an aiohttp server on 127.0.0.1, one per rollout actor) opens a
    session: its own base URL ``http://127.0.0.1:PORT/s/<id>/v1`` and a random key (any
@@ -91,10 +92,46 @@ class Session:
     model: str = "asyncrl-policy"
 
     def client(self, **kwargs: Any) -> openai.AsyncOpenAI:
-        """An ``openai.AsyncOpenAI`` for this session (needs the ``openai`` package)."""
+        """An ``openai.AsyncOpenAI`` for this session (needs the ``openai`` package).
+
+        It shares one connection pool per event loop with every other session's client:
+        building a client's own pool sets up an SSL context, about 27 ms of CPU here, which
+        per episode is most of the proxy's cost (``bench/agent_proxy.py``). Closing the
+        client leaves the shared pool open.
+        """
         import openai
 
+        kwargs.setdefault("http_client", _shared_http_client())
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+
+_HTTP_CLIENTS: dict[int, Any] = {}  # id(event loop) -> its shared pool
+
+
+def _shared_http_client() -> Any:
+    """The event loop's shared pool for ``Session.client`` (its ``aclose`` does nothing,
+    since each session's client closes it; the loop's end frees it)."""
+    import openai
+
+    class _Shared(openai.DefaultAsyncHttpxClient):  # type: ignore[misc]
+        async def aclose(self) -> None:
+            return None
+
+        async def close_pool(self) -> None:
+            await super().aclose()
+
+    key = id(asyncio.get_running_loop())
+    if key not in _HTTP_CLIENTS:
+        _HTTP_CLIENTS.clear()  # a new loop: the old loop's pool is unusable
+        _HTTP_CLIENTS[key] = _Shared()
+    return _HTTP_CLIENTS[key]
+
+
+async def _close_shared_http_client() -> None:
+    """Close the running loop's shared pool, if any (the proxy does, when it stops)."""
+    client = _HTTP_CLIENTS.pop(id(asyncio.get_running_loop()), None)
+    if client is not None:
+        await client.close_pool()
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +273,7 @@ class OpenAIProxy:
     async def __aexit__(self, *exc: object) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        await _close_shared_http_client()
 
     @contextlib.asynccontextmanager
     async def session(self, sample: Sample) -> AsyncIterator[tuple[Session, _Episode]]:
