@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def short(tmp_path: Path, example: str) -> list[str]:
-    test = json.dumps([{"name": "test", "path": f"examples/{example}/data/test.jsonl@[0:12]",
+    test = json.dumps([{"name": "test", "path": "examples/calculator_agent/data/test.jsonl@[0:12]",
                         "n_samples": 1, "pass_k": [1], "group_by": "kind",
                         "apply_chat_template": example == "calculator_agent",
                         "sampling": {"temperature": 1.0, "max_new_tokens": 120}}])  # fmt: skip
