@@ -194,6 +194,8 @@ def _run_training(cfg: Any, *, resume: bool) -> int:
     dump_resolved(cfg, run_dir / "config.json")
     console = Console(width=None if sys.stdout.isatty() else 140)
     result = asyncio.run(run_job(cfg, resume=resume))
+    for restart in result.restarts:
+        console.print(f"[yellow]restarted after a crash[/yellow]: {restart}")
     if result.ok:
         console.print(
             f"[green]train ok[/green]: {result.steps} steps in {result.seconds:.0f}s; "

@@ -60,6 +60,54 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class RayRole(Section):
+    """What one actor of a role asks Ray for (its bundle in the role's placement group)."""
+
+    num_cpus: float = Field(0.0, ge=0, description="logical CPUs")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs (Ray sets CUDA_VISIBLE_DEVICES)")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom resources, e.g. {node_a: 1} to pin a node"
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _non_negative(cls, resources: dict[str, float]) -> dict[str, float]:
+        bad = {k: v for k, v in resources.items() if v < 0}
+        if bad:
+            raise ValueError(f"resource amounts must be >= 0, got {bad}")
+        return resources
+
+    def demand(self) -> dict[str, float]:
+        """This role's resources under Ray's names, zeros left out."""
+        named = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {k: v for k, v in named.items() if v > 0}
+
+
+class RayConfig(Section):
+    """The Ray runtime (``--runtime ray``): cluster, resources and placement per role."""
+
+    address: str | None = Field(
+        None,
+        description="Ray cluster address ('auto', 'HOST:6379', 'ray://HOST:10001'); null: "
+        "RAY_ADDRESS when set (ray job submit), else a local cluster sized to the job",
+        json_schema_extra={"flag": "ray-address"},
+    )
+    namespace: str = Field("asyncrl", description="Ray namespace of the job's actors")
+    roles: dict[Literal["buffer", "rollout", "trainer", "eval"], RayRole] = Field(
+        default_factory=dict, description="resources of each role's actors (default: none)"
+    )
+    rollout_placement: Literal["spread", "pack"] = Field(
+        "spread", description="rollout actors (and their engines) spread over nodes or packed"
+    )
+    placement_timeout: float = Field(
+        120.0, gt=0, description="seconds to wait for the placement groups' resources"
+    )
+
+    def role(self, role: str) -> RayRole:
+        """The resources of ``role`` (none when not configured)."""
+        return self.roles.get(role, RayRole())  # type: ignore[call-overload]
+
+
 class RuntimeConfig(Section):
     """Where actors run and how the supervisor watches them."""
 
@@ -84,11 +132,13 @@ class RuntimeConfig(Section):
         description="torch threads per actor process; null: the cores shared among the "
         "processes that run torch (trainer, embedded engines, eval)",
     )
-    ray_address: str | None = Field(
-        None,
-        description="Ray cluster address (ray runtime only; null starts a local cluster)",
-        json_schema_extra={"flag": "ray-address"},
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="restarts of each rollout actor after a crash (its in-flight work is "
+        "requeued) before the job fails; 0: any crash ends the job",
     )
+    ray: RayConfig = Field(default_factory=RayConfig, description="the Ray runtime")
 
     @field_validator("host")
     @classmethod

@@ -76,11 +76,3 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]):
 
     assert main(["version"]) == 0
     assert capsys.readouterr().out.strip() == __version__
-
-
-def test_a_runtime_that_is_not_built_yet_is_refused_with_a_reason(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-):
-    code = main(["train", "--output-dir", str(tmp_path / "r"), "--runtime", "ray", "--dry-run"])
-    assert code == 1
-    assert "runtime 'ray' is not built yet" in capsys.readouterr().out

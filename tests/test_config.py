@@ -40,7 +40,7 @@ def problems(*args: Any, **kwargs: Any) -> list[str]:
 
 
 # Leaves whose value is a mapping (one flag takes the whole mapping as YAML).
-MAPPING_LEAVES = {("rollout", "sampling")}
+MAPPING_LEAVES = {("rollout", "sampling"), ("runtime", "ray", "roles")}
 
 
 def leaf_paths(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
@@ -56,7 +56,7 @@ def leaf_paths(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> set[tuple[
 def test_defaults_need_no_file_preset_or_flags():
     cfg = load_config()
     assert cfg == RunConfig()
-    assert (cfg.runtime.type, cfg.runtime.ray_address, cfg.rollout.num_actors) == ("local", None, 2)
+    assert (cfg.runtime.type, cfg.runtime.ray.address, cfg.rollout.num_actors) == ("local", None, 2)
     assert (cfg.wire.max_frame_bytes, cfg.wire.batch_bytes) == (256 * 1024 * 1024, 256 * 1024)
     assert cfg.resolved_output_dir() == Path("runs/asyncrl")
     assert load_config(overrides=["--name", "x"]).resolved_output_dir() == Path("runs/x")
@@ -78,14 +78,14 @@ def test_flag_values_are_read_as_yaml_in_both_forms_and_from_a_mapping():
     )
     assert (cfg.rollout.num_actors, cfg.wire.redeliver_after, cfg.name) == (4, 0.25, "a=b")
     cfg = load_config(overrides={"--seed": "7", "--runtime": "ray", "--ray-address": "auto"})
-    assert (cfg.seed, cfg.runtime.type, cfg.runtime.ray_address) == (7, "ray", "auto")
+    assert (cfg.seed, cfg.runtime.type, cfg.runtime.ray.address) == (7, "ray", "auto")
 
 
 def test_string_leaves_keep_their_text_and_optional_ones_accept_null():
     cfg = load_config(overrides=["--name", "007", "--output-dir", "2024", "--ray-address", "x"])
     assert (cfg.name, cfg.output_dir) == ("007", "2024")
     assert (
-        load_config(overrides=["--ray-address", "x", "--ray-address", "null"]).runtime.ray_address
+        load_config(overrides=["--ray-address", "x", "--ray-address", "null"]).runtime.ray.address
         is None
     )
 
@@ -218,7 +218,7 @@ def test_every_leaf_has_exactly_one_flag_and_a_description():
     assert len(table) == len(leaves)
     assert [flag for flag, spec in table.items() if not spec.description] == []
     assert table["--runtime"].path == ("runtime", "type")
-    assert table["--ray-address"].path == ("runtime", "ray_address")
+    assert table["--ray-address"].path == ("runtime", "ray", "address")
     assert table["--log-level"].path == ("log", "level")
     assert table["--rollout-num-actors"].path == ("rollout", "num_actors")
     # slime's names for the buffer and data leaves (DESIGN section 10)
@@ -341,7 +341,7 @@ def test_the_resolved_config_round_trips_as_json(tmp_path: Path):
     cfg = load_config(overrides=["--seed", "9", "--runtime", "ray"], preset="debug_cpu")
     out = tmp_path / "run" / "config.json"
     dump_resolved(cfg, out)
-    assert json.loads(out.read_text())["runtime"]["ray_address"] is None  # nulls kept
+    assert json.loads(out.read_text())["runtime"]["ray"]["address"] is None  # nulls kept
     assert RunConfig.model_validate_json(out.read_text()) == cfg
 
 

@@ -5,7 +5,10 @@ continues from the checkpoints."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -50,6 +53,23 @@ def accounted(row: dict[str, float]) -> bool:
     live = sum(row[f"buffer.{k}"] for k in ("in_flight", "partial", "buffered", "consumed"))
     dropped = sum(v for k, v in row.items() if k.startswith(("buffer.failed.", "buffer.filtered.")))
     return row["buffer.admitted"] == live + dropped
+
+
+async def pid_once_stepping(run_dir: Path, actor: str, job: asyncio.Task) -> int:
+    """The pid (a process, or a Ray worker) of ``actor`` once it runs and the trainer has
+    taken a step (a kill then lands early in the run, with work in flight)."""
+    async with asyncio.timeout(90):
+        while True:
+            assert not job.done(), job.result()
+            logs = lines(run_dir / "logs" / f"{actor}.jsonl")
+            trainer = lines(run_dir / "logs" / "trainer.jsonl")
+            if any('"step"' in x for x in trainer) and any("actor running" in x for x in logs):
+                return int(json.loads(logs[0])["pid"])
+            await asyncio.sleep(0.05)
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
 
 
 def eval_flags(tmp_path: Path, interval: int) -> list[str]:
@@ -359,3 +379,33 @@ def test_train_refuses_an_agent_that_does_not_load_before_launch(tmp_path, capsy
     ]
     assert main(["train", *flags]) == 2
     assert "rollout.agent is the workflow" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("restarts", [1, 0], ids=["restarted", "no-restarts-left"])
+async def test_a_killed_rollout_actor_is_restarted_with_its_work_requeued(tmp_path, restarts):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=64)
+    run_dir = tmp_path / "run"
+    flags = [
+        *job_flags(tmp_path, steps=100),
+        *["--rollout-num-actors", "2", "--rollout-max-groups", "2", "--num-epoch", "10"],
+        *["--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 32}'],
+        *["--runtime-max-restarts", str(restarts)],
+    ]
+    job = asyncio.create_task(run_job(load_config(overrides=flags)))
+    victim = await pid_once_stepping(run_dir, "rollout-0", job)
+    os.kill(victim, signal.SIGKILL)
+    result = await job
+    if not restarts:  # the policy's budget is spent: the death ends the job, with evidence
+        assert not result.ok
+        assert "actor rollout-0 exited with code -9 (killed by SIGKILL)" in result.error
+        assert accounted(last_buffer_metrics(run_dir))
+        return
+    assert result.ok, result.error
+    assert result.steps == 100 and result.restarts == ["rollout-0: killed by SIGKILL"]
+    last = last_buffer_metrics(run_dir)
+    assert last["buffer.consumed"] == 100 * 2 and accounted(last)
+    requeues = [json.loads(x) for x in lines(run_dir / "logs" / "buffer.jsonl") if "requeued" in x]
+    assert [r["actor"] for r in requeues] == ["rollout-0"]
+    logs = [json.loads(line) for line in lines(run_dir / "logs" / "rollout-0.jsonl")]
+    assert any(r["pid"] != victim and r["event"] == "weights loaded" for r in logs)

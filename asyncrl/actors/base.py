@@ -24,6 +24,7 @@ import gc
 import os
 import signal
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -49,6 +50,7 @@ from asyncrl.wire.messages import (
 C = TypeVar("C", bound=_Channel)
 R = TypeVar("R", bound=contextlib.AbstractAsyncContextManager[Any])
 log = get_logger("asyncrl.actor")
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class ActorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -180,7 +182,10 @@ class Actor(ABC):
     async def main(self) -> int:
         """Run the whole lifecycle; returns the process exit code (0 ok, 1 failed)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # In a Ray worker the loop runs off the main thread, where no handler can be set:
+        # the runtime stops the actor through a method call instead.
+        signals = _SIGNALS if threading.current_thread() is threading.main_thread() else ()
+        for sig in signals:
             loop.add_signal_handler(sig, self.request_stop, sig.name)
         ok, reason, said_bye = True, "stopped", False
         try:
@@ -193,7 +198,7 @@ class Actor(ABC):
         except* Exception as group:  # a channel failed, or failed to close
             ok, reason = False, self._failed(group)
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in signals:
                 loop.remove_signal_handler(sig)
         if not said_bye and self.spec.control:
             with contextlib.suppress(Exception):

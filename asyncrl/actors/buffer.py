@@ -308,8 +308,8 @@ class BufferActor(Actor):
         """Put the in-flight work of ``actor`` (it died) back to be handed out again."""
         n = self.buffer.requeue(sorted(self._holders.pop(actor, set())))
         self._asleep.pop(actor, None)  # a dead actor's engines hold nothing to wait for
+        log.warning("requeued in-flight work", actor=actor, groups=n)
         if n:
-            log.warning("requeued in-flight work", actor=actor, groups=n)
             self._notify()
         return n
 

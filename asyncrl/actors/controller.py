@@ -1,14 +1,16 @@
-"""The controller: one training job on the local runtime (``asyncrl train``).
+"""The controller: one training job (``asyncrl train``) on the local or Ray runtime.
 
-    controller --launch--> buffer, rollout-0..n-1, trainer   (child processes)
+    controller --launch--> buffer, rollout-0..n-1, trainer   (processes or Ray actors)
                <--Hello/Heartbeat/Bye-- every actor           (ControlHub)
 
 ``run_job`` turns the validated ``RunConfig`` into actor specs (each role's ``params``
 below), launches them under a ``Supervisor``, waits until the trainer has taken its
 last step (``train.num_steps``; 0: until the data is used up), then stops everyone:
 rollout actors abort what is in flight (it returns to the buffer as partial work), the
-buffer checkpoints its state, the trainer checkpoints its weights. Any actor that dies
-ends the job with the supervisor's report (exit code, reason, last log lines).
+buffer checkpoints its state, the trainer checkpoints its weights. A rollout actor that
+dies is restarted (``runtime.max_restarts`` times each) after the buffer requeues the work
+it held; any other death ends the job with the supervisor's report (exit code, reason,
+last log lines).
 
 Run directory: ``config.json`` (resolved config), ``logs/<actor>.{out,jsonl}``,
 ``metrics.jsonl`` (trainer steps), ``metrics/{buffer,rollout-N}.jsonl``,
@@ -33,6 +35,7 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,10 +45,11 @@ from asyncrl.config import RunConfig
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.progress import JobProgress
 from asyncrl.observe.trackers import TensorBoardTracker, Tracker, WandbTracker, following
-from asyncrl.runtime.local import LocalRuntime
+from asyncrl.runtime.base import open_runtime
 from asyncrl.runtime.supervisor import ActorDied, Supervisor
-from asyncrl.runtime.topology import allocate_endpoints, job_specs, rollout_actor_names
+from asyncrl.runtime.topology import job_specs, rollout_actor_names
 from asyncrl.wire.control import ControlHub
+from asyncrl.wire.messages import Command
 
 log = get_logger("asyncrl.controller")
 
@@ -72,35 +76,64 @@ class JobResult:
     steps: int = 0
     error: str = ""
     codes: dict[str, int | None] = field(default_factory=dict)
+    restarts: list[str] = field(default_factory=list)  # "actor: cause" per restart survived
 
 
 async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
     """Run ``cfg`` to its end; never raises for actor failures (see ``JobResult.error``)."""
     start = time.monotonic()
     run_dir = cfg.resolved_output_dir()
-    endpoints = allocate_endpoints(cfg.runtime.host)
-    specs = job_actor_specs(cfg, endpoints, run_dir, resume=resume)
-    error, codes, steps = "", {}, 0
+    specs = job_actor_specs(cfg, {}, run_dir, resume=resume)
+    result = JobResult(ok=False, seconds=0.0)
     trackers = await asyncio.to_thread(open_trackers, cfg, run_dir)
     async with (
         following(run_dir, trackers, cfg.train.metrics_interval),
-        ControlHub(endpoints["control"]) as hub,
-        LocalRuntime(run_dir) as runtime,
+        open_runtime(cfg.runtime, run_dir) as runtime,
     ):
-        sup = Supervisor(
-            runtime, hub, heartbeat_timeout=cfg.runtime.heartbeat_timeout, startup_timeout=600
-        )
-        async with sup:
-            error = await _train(sup, specs, cfg)
-            # Producers first, so what they hold lands in the buffer before it checkpoints.
-            rollouts = [s.name for s in specs if s.role == "rollout"]
-            await sup.stop(rollouts, cfg.runtime.stop_timeout)
-            if not error and cfg.eval.enabled:
-                error = await _wait_final_eval(sup, cfg)
-            codes = await sup.stop_all(cfg.runtime.stop_timeout)
-    steps = _last_step(run_dir / "metrics.jsonl")
-    ok = not error and all(code == 0 for code in codes.values())
-    return JobResult(ok=ok, seconds=time.monotonic() - start, steps=steps, error=error, codes=codes)
+        try:
+            endpoints = await runtime.place(specs)
+        except Exception as exc:  # the cluster cannot hold the job, or cannot be reached
+            result.error = f"cannot place the job's actors: {type(exc).__name__}: {exc}"
+            result.seconds = time.monotonic() - start
+            return result
+        for spec in specs:
+            spec.endpoints = dict(endpoints)
+        async with ControlHub(endpoints["control"]) as hub:
+            sup = Supervisor(
+                runtime,
+                hub,
+                heartbeat_timeout=cfg.runtime.heartbeat_timeout,
+                startup_timeout=600,
+                restarts={"rollout": cfg.runtime.max_restarts},
+                before_restart=_requeue_work(hub),
+            )
+            async with sup:
+                result.error = await _train(sup, specs, cfg)
+                # Producers first, so what they hold lands in the buffer before it checkpoints.
+                rollouts = [s.name for s in specs if s.role == "rollout"]
+                await sup.stop(rollouts, cfg.runtime.stop_timeout)
+                if not result.error and cfg.eval.enabled:
+                    result.error = await _wait_final_eval(sup, cfg)
+                result.codes = await sup.stop_all(cfg.runtime.stop_timeout)
+            result.restarts = [f"{d.name}: {d.reason}" for d in sup.deaths]
+    result.steps = _last_step(run_dir / "metrics.jsonl")
+    result.ok = not result.error and all(code == 0 for code in result.codes.values())
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def _requeue_work(hub: ControlHub) -> Callable[[ActorSpec], Awaitable[None]]:
+    """Before a rollout actor restarts: the buffer takes back the work it held, so those
+    groups resume (partials kept) instead of waiting for a producer that is gone."""
+
+    async def requeue(spec: ActorSpec) -> None:
+        if spec.role != "rollout":
+            return
+        async with asyncio.timeout(30.0):
+            reply = await hub.command("buffer", Command(kind="requeue", args={"actor": spec.name}))
+        log.warning("requeued a dead producer's work", actor=spec.name, **reply.data)
+
+    return requeue
 
 
 async def _train(sup: Supervisor, specs: list[ActorSpec], cfg: RunConfig) -> str:

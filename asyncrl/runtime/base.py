@@ -1,14 +1,22 @@
 """The runtime seam: how actors are started, stopped and watched.
 
-``LocalRuntime`` (child processes, ``runtime/local.py``) implements it today; the Ray
-runtime implements the same protocol. The ``Supervisor`` only talks to this protocol.
+``LocalRuntime`` (child processes, ``runtime/local.py``) and ``RayRuntime`` (Ray actors,
+``runtime/ray.py``) implement it; ``open_runtime`` picks one from the config. The
+``Supervisor`` only talks to this protocol.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from asyncrl.actors.base import ActorSpec
+
+if TYPE_CHECKING:
+    from asyncrl.config import RuntimeConfig
+    from asyncrl.runtime.local import LocalRuntime
+    from asyncrl.runtime.ray import RayRuntime
 
 
 class ActorHandle(Protocol):
@@ -27,12 +35,21 @@ class ActorHandle(Protocol):
     async def wait(self) -> int:
         """Wait for the actor to exit; returns its exit code."""
 
+    @property
+    def cause(self) -> str | None:
+        """How the runtime saw the actor end when its exit code does not say (a Ray
+        worker lost with its node); None otherwise."""
+
     def tail(self, n: int = 40) -> list[str]:
         """The actor's last ``n`` output lines, for reports of a death."""
 
 
 class Runtime(Protocol):
     """Starts and stops actors."""
+
+    async def place(self, specs: Sequence[ActorSpec]) -> dict[str, str]:
+        """Decide where ``specs`` run (before any starts) and return the job's endpoints
+        (``topology.ENDPOINTS``), each bindable where the actor that binds it will run."""
 
     async def start(self, spec: ActorSpec) -> ActorHandle:
         """Launch ``spec``; returns once the process exists (not once it is ready)."""
@@ -42,3 +59,14 @@ class Runtime(Protocol):
 
     def kill(self, handle: ActorHandle) -> None:
         """Kill at once (SIGKILL)."""
+
+
+def open_runtime(config: RuntimeConfig, run_dir: Path) -> LocalRuntime | RayRuntime:
+    """The runtime ``config.type`` names, for ``async with`` (Ray is imported only here)."""
+    if config.type == "ray":
+        from asyncrl.runtime.ray import RayRuntime
+
+        return RayRuntime(run_dir, config.ray, host=config.host)
+    from asyncrl.runtime.local import LocalRuntime
+
+    return LocalRuntime(run_dir, host=config.host)

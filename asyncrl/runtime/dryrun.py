@@ -1,8 +1,9 @@
 """``asyncrl train --dry-run``: start the job's actors, prove every channel, stop cleanly.
 
 Runs the real topology (``runtime/topology.py``) with a ``ProbeActor`` in each role on
-the local runtime, under the real supervisor and control hub, and returns one row per
-actor: pid, messages moved per channel, weight version reached, exit code. A dry run
+the configured runtime (local processes, or Ray actors placed as the job's would be),
+under the real supervisor and control hub, and returns one row per actor: node, pid,
+messages moved per channel, weight version reached, exit code. A dry run
 costs seconds and catches what would otherwise fail an hour into a job: ports, imports,
 a config that does not load in a child process, a firewall between actors.
 """
@@ -17,9 +18,9 @@ from typing import Any
 
 from asyncrl.actors.base import ActorSpec
 from asyncrl.config import RunConfig
-from asyncrl.runtime.local import LocalRuntime
+from asyncrl.runtime.base import ActorHandle, open_runtime
 from asyncrl.runtime.supervisor import ActorStatus, Supervisor
-from asyncrl.runtime.topology import allocate_endpoints, job_specs
+from asyncrl.runtime.topology import job_specs
 from asyncrl.wire.control import ControlHub
 
 PROBE = "asyncrl.actors.probe:ProbeActor"
@@ -38,41 +39,45 @@ class DryRunResult:
 async def dry_run(cfg: RunConfig, *, count: int = 64, deadline: float = 120.0) -> DryRunResult:
     """Run the probe topology for ``cfg``; never raises for actor failures (see ``error``)."""
     start = time.monotonic()
-    if cfg.runtime.type != "local":
-        return DryRunResult(
-            ok=False,
-            seconds=0.0,
-            rows=[],
-            error=(
-                f"runtime {cfg.runtime.type!r} is not built yet (the Ray runtime is its own "
-                "issue); use --runtime local"
-            ),
-        )
     run_dir = cfg.resolved_output_dir()
-    endpoints = allocate_endpoints(cfg.runtime.host)
-    specs = _specs(cfg, endpoints, run_dir, count)
-    error, codes = "", {}
-    async with ControlHub(endpoints["control"]) as hub, LocalRuntime(run_dir) as runtime:
-        sup = Supervisor(
-            runtime, hub, heartbeat_timeout=cfg.runtime.heartbeat_timeout, startup_timeout=deadline
-        )
-        async with sup:
-            try:
-                async with asyncio.timeout(deadline):
-                    await sup.launch(specs)
-                    await sup.wait_until(_all_done)
-            except TimeoutError:
-                late = [n for n, st in sup.status.items() if st.stats.get("probe.done") != 1.0]
-                error = f"actors {late} did not finish their traffic within {deadline:.0f}s"
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            codes = await sup.stop_all(cfg.runtime.stop_timeout)
-            rows = [_row(sup.status[s.name], codes.get(s.name)) for s in specs]
+    specs = _specs(cfg, run_dir, count)
+    error, codes, rows = "", {}, []
+    async with open_runtime(cfg.runtime, run_dir) as runtime:
+        try:
+            endpoints = await runtime.place(specs)
+        except Exception as exc:  # the cluster cannot hold the job, or cannot be reached
+            error = f"cannot place the job's actors: {type(exc).__name__}: {exc}"
+            return DryRunResult(ok=False, seconds=time.monotonic() - start, rows=[], error=error)
+        for spec in specs:
+            spec.endpoints = dict(endpoints)
+        async with ControlHub(endpoints["control"]) as hub:
+            sup = Supervisor(
+                runtime,
+                hub,
+                heartbeat_timeout=cfg.runtime.heartbeat_timeout,
+                startup_timeout=deadline,
+            )
+            async with sup:
+                try:
+                    async with asyncio.timeout(deadline):
+                        await sup.launch(specs)
+                        await sup.wait_until(_all_done)
+                except TimeoutError:
+                    late = [n for n, s in sup.status.items() if s.stats.get("probe.done") != 1.0]
+                    error = f"actors {late} did not finish their traffic within {deadline:.0f}s"
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+                codes = await sup.stop_all(cfg.runtime.stop_timeout)
+                rows = [
+                    _row(sup.status[s.name], codes.get(s.name), sup.handles[s.name])
+                    for s in specs
+                    if s.name in sup.handles
+                ]
     ok = not error and all(code == 0 for code in codes.values())
     return DryRunResult(ok=ok, seconds=time.monotonic() - start, rows=rows, error=error)
 
 
-def _specs(cfg: RunConfig, endpoints: dict[str, str], run_dir: Path, count: int) -> list[ActorSpec]:
+def _specs(cfg: RunConfig, run_dir: Path, count: int) -> list[ActorSpec]:
     common = {
         "heartbeat_interval": cfg.runtime.heartbeat_interval,
         "drain_timeout": cfg.runtime.stop_timeout,
@@ -87,7 +92,7 @@ def _specs(cfg: RunConfig, endpoints: dict[str, str], run_dir: Path, count: int)
     return job_specs(
         classes={"buffer": PROBE, "rollout": PROBE, "trainer": PROBE},
         num_rollout_actors=n,
-        endpoints=endpoints,
+        endpoints={},
         run_dir=run_dir,
         config=cfg.model_dump(mode="json"),
         common=common,
@@ -99,7 +104,7 @@ def _all_done(status: dict[str, ActorStatus]) -> bool:
     return all(st.stats.get("probe.done") == 1.0 for st in status.values())
 
 
-def _row(st: ActorStatus, code: int | None) -> dict[str, Any]:
+def _row(st: ActorStatus, code: int | None, handle: ActorHandle) -> dict[str, Any]:
     probe = {
         k.removeprefix("probe."): int(v)
         for k, v in st.stats.items()
@@ -109,6 +114,7 @@ def _row(st: ActorStatus, code: int | None) -> dict[str, Any]:
     return {
         "actor": st.name,
         "role": st.role,
+        "node": getattr(handle, "node_id", "")[:8] or "local",
         "pid": st.pid,
         "version": st.version,
         **probe,

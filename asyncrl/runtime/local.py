@@ -18,12 +18,14 @@ import os
 import signal
 import sys
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
 import msgspec
 
 from asyncrl.actors.base import ActorSpec
+from asyncrl.runtime.topology import allocate_endpoints
 
 _LINE_LIMIT = 1024 * 1024
 _DRAIN_OUTPUT_SECONDS = 2.0
@@ -48,6 +50,11 @@ class LocalActor:
     def exit_code(self) -> int | None:
         """None while running; negative when killed by a signal."""
         return self.proc.returncode
+
+    @property
+    def cause(self) -> str | None:
+        """Always None: a process's exit code (or signal) says how it ended."""
+        return None
 
     async def wait(self) -> int:
         """Wait for exit and (briefly) for the last output lines to be read."""
@@ -95,9 +102,15 @@ class LocalRuntime:
     """Starts actors as local child processes; use as ``async with LocalRuntime(dir)``."""
 
     def __init__(
-        self, run_dir: str | Path, *, tail_lines: int = 80, env: dict[str, str] | None = None
+        self,
+        run_dir: str | Path,
+        *,
+        tail_lines: int = 80,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.host = host
         self.tail_lines = tail_lines
         self.env = {**os.environ, **(env or {})}
         self.actors: list[LocalActor] = []
@@ -118,6 +131,10 @@ class LocalRuntime:
             if actor.pump_task is not None:
                 actor.pump_task.cancel()  # a surviving grandchild may hold the pipe
         return await self._tg.__aexit__(et, exc, tb)
+
+    async def place(self, specs: Sequence[ActorSpec]) -> dict[str, str]:
+        """Every actor runs here: every endpoint is a free port on ``host``."""
+        return allocate_endpoints(self.host)
 
     async def start(self, spec: ActorSpec) -> LocalActor:
         """Launch a child for ``spec``."""

@@ -9,8 +9,14 @@ and its process exit, and turns trouble into one exception with the evidence:
 - ``ActorHung``: no heartbeat for ``heartbeat_timeout`` seconds (the actor is killed).
 
 ``wait_until(predicate)`` raises the first such failure, so a controller that waits for
-progress never waits on a dead actor. Restart policies build on these events.
-``stop_all()`` asks every actor to stop (command, then SIGTERM, then SIGKILL).
+progress never waits on a dead actor. ``stop_all()`` asks every actor to stop (command,
+then SIGTERM, then SIGKILL).
+
+Restart policy (``restarts``: role -> most restarts per actor): a death or hang of an
+actor of such a role is logged with its evidence and kept in ``deaths``; ``before_restart``
+runs (the controller requeues the dead producer's in-flight work at the buffer), then the
+same spec starts again, on the same endpoints, and must say Hello within
+``startup_timeout``. Past its budget, or while stopping, a death fails the job as above.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 
 import msgspec
@@ -49,6 +55,8 @@ class ActorStatus:
     exit_code: int | None = None
     bye: Bye | None = None
     hello: bool = False
+    restarts: int = 0
+    hung: str = ""  # why the liveness check killed it (to restart with that reason)
 
 
 class ActorDied(RuntimeError):
@@ -76,12 +84,18 @@ class Supervisor:
         *,
         heartbeat_timeout: float = 10.0,
         startup_timeout: float = 120.0,
+        restarts: Mapping[str, int] | None = None,
+        before_restart: Callable[[ActorSpec], Awaitable[None]] | None = None,
     ) -> None:
         self.runtime, self.hub = runtime, hub
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
+        self.restarts = dict(restarts or {})
+        self.before_restart = before_restart
         self.status: dict[str, ActorStatus] = {}
         self.handles: dict[str, ActorHandle] = {}
+        self.specs: dict[str, ActorSpec] = {}
+        self.deaths: list[ActorDied] = []  # deaths survived by a restart, oldest first
         self.failure: ActorDied | None = None
         self._changed = asyncio.Event()
         self._stopping = False
@@ -116,6 +130,7 @@ class Supervisor:
             if spec.name in self.status:
                 raise ValueError(f"actor name {spec.name!r} used twice")
             self.status[spec.name] = ActorStatus(spec.name, spec.role)
+            self.specs[spec.name] = spec
             handle = await self.runtime.start(spec)
             self.handles[spec.name] = handle
             self.status[spec.name].pid = handle.pid
@@ -176,6 +191,9 @@ class Supervisor:
 
     async def _stop_one(self, name: str, grace: float) -> None:
         handle = self.handles[name]
+        if not self.status[name].hello:  # still starting (a restart): nobody to command yet
+            await self.runtime.stop(handle, grace=grace)
+            return
         with contextlib.suppress(PeerLost, RemoteError, TimeoutError):
             async with asyncio.timeout(min(grace, 5.0)):
                 await self.hub.command(name, Command(kind="stop"))
@@ -210,7 +228,7 @@ class Supervisor:
         st.exit_code = code
         if st.bye is None or st.state not in ("stopped", "failed"):
             st.state = "exited"
-        reason = st.bye.reason if st.bye else _signal_reason(code)
+        reason = st.hung or (st.bye.reason if st.bye else handle.cause or _signal_reason(code))
         if self._stopping and code != 0:
             log.warning(
                 "actor stopped uncleanly", actor=handle.spec.name, exit_code=code, reason=reason
@@ -221,7 +239,45 @@ class Supervisor:
             log.info("actor finished", actor=handle.spec.name, reason=reason)
             self._changed.set()
             return
-        self._fail(ActorDied(handle.spec.name, code, reason, handle.tail()))
+        death_cls = ActorHung if st.hung else ActorDied
+        death = death_cls(handle.spec.name, code, reason, handle.tail())
+        if self._may_restart(st):
+            await self._restart(handle.spec.name, death)
+        else:
+            self._fail(death)
+
+    def _may_restart(self, st: ActorStatus) -> bool:
+        return not self._stopping and st.restarts < self.restarts.get(st.role, 0)
+
+    async def _restart(self, name: str, death: ActorDied) -> None:
+        """Start ``name`` again after ``death`` (see the restart policy above)."""
+        st, spec = self.status[name], self.specs[name]
+        st.restarts += 1
+        self.deaths.append(death)
+        log.warning(
+            "actor died; restarting",
+            actor=name,
+            exit_code=death.exit_code,
+            reason=death.reason,
+            restart=st.restarts,
+            budget=self.restarts.get(st.role, 0),
+            last_lines=death.tail[-5:],
+        )
+        try:
+            if self.before_restart is not None:
+                await self.before_restart(spec)
+            st.hello, st.bye, st.hung, st.state = False, None, "", "restarting"
+            st.exit_code, st.last_seen = None, time.monotonic()
+            handle = await self.runtime.start(spec)
+            self.handles[name], st.pid = handle, handle.pid
+            self._tg.create_task(self._watch_exit(handle), name=f"supervisor.exit.{name}")
+            async with asyncio.timeout(self.startup_timeout):
+                await self.wait_until(lambda status: status[name].hello)
+        except Exception as exc:  # the restart itself failed: the job cannot go on
+            reason = f"{death.reason}; restart {st.restarts} failed: {type(exc).__name__}: {exc}"
+            self._fail(ActorDied(name, death.exit_code, reason, death.tail))
+            return
+        log.info("actor restarted", actor=name, restart=st.restarts, pid=st.pid)
 
     async def _liveness(self) -> None:
         while True:
@@ -234,12 +290,12 @@ class Supervisor:
                     handle
                     and handle.exit_code is None
                     and st.hello
-                    and silent > (self.heartbeat_timeout)
+                    and silent > self.heartbeat_timeout
                 ):
-                    self._fail(
-                        ActorHung(name, None, f"no heartbeat for {silent:.1f}s", handle.tail())
-                    )
-                    self.runtime.kill(handle)
+                    st.hung, st.hello = f"no heartbeat for {silent:.1f}s", False
+                    if not self._may_restart(st):
+                        self._fail(ActorHung(name, None, st.hung, handle.tail()))
+                    self.runtime.kill(handle)  # its exit restarts it when the policy allows
 
 
 def _signal_reason(code: int) -> str:

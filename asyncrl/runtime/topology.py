@@ -7,8 +7,10 @@
     trainer     binds: trainer.weights(+_snapshot) (pub/sub), trainer.blob (blob pull);
                 connects: buffer.batches
 
-Endpoints are assigned before any actor starts and travel in each ``ActorSpec``, so a
-restarted actor binds the same address and its peers reconnect by themselves.
+Endpoints are assigned before any actor starts (``Runtime.place``: on one machine all on
+``runtime.host``; on Ray, each on the node of the role that binds it, ``binder``) and
+travel in each ``ActorSpec``, so a restarted actor binds the same address and its peers
+reconnect by themselves.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ ENDPOINTS = (
     "trainer.weights_snapshot",
     "trainer.blob",
 )
+
+
+def binder(endpoint: str) -> str:
+    """The role that binds ``endpoint`` (``controller`` for the control hub)."""
+    return "controller" if endpoint == "control" else endpoint.split(".", 1)[0]
 
 
 def allocate_endpoints(host: str = "127.0.0.1") -> dict[str, str]:
@@ -69,7 +76,7 @@ def job_specs(
             name=name,
             role=role,
             cls=classes[role],
-            control=endpoints["control"],
+            control=endpoints.get("control"),
             endpoints=dict(endpoints),
             config=dict(config),
             log_file=str(run_dir / "logs" / f"{name}.jsonl"),

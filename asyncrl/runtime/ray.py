@@ -1,0 +1,393 @@
+"""Ray runtime: every actor is a Ray actor, placed by its role's resources (``--runtime ray``).
+
+    controller (driver) --ray.init--> cluster
+        place(specs):  placement groups per role   trainer: PACK, rollout: SPREAD (or PACK),
+                                                   eval/buffer: one bundle each
+                       one ActorHost per actor     in its role's bundle (no bundle when
+                                                   the role asks for no resources)
+                       endpoints                   asked of a host on the binder's node
+        start(spec):   ActorHost.run(spec)         the asyncrl actor runs in the Ray
+                                                   worker's event loop (uvloop)
+
+Resources come from ``runtime.ray.roles`` (CPUs, GPUs, custom resources); a job that asks
+for more than the cluster has is refused before any actor starts, naming what is short.
+Rollout actors embed their engines, so they sit next to them by construction.
+
+Addresses: a channel binds on the node of the actor that owns it (``topology.binder``),
+and the port is found free by a host on that node, so the addresses travel through Ray,
+not through any guess made by the controller. When every node is on the controller's host
+(a local cluster, or ``ray.cluster_utils.Cluster``) they bind loopback. A cluster that
+spans hosts would need channels on non-loopback addresses, which asyncrl refuses without
+CurveZMQ encryption (not built yet): such a cluster is refused with that reason.
+
+Death: a host's ``run`` returns the actor's exit code (0 stopped, 1 failed, 2 could not
+load). A worker that dies (SIGKILL, OOM, a lost node) surfaces as Ray's ``ActorDiedError``;
+the handle then reports exit code 1 and Ray's cause, and the supervisor's restart policy
+applies as with local processes. Console output goes to ``<run_dir>/logs/<actor>.out``
+on the actor's node, as with the local runtime (the run directory must be shared for
+multi-node runs; docs/ray.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import socket
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import msgspec
+
+from asyncrl.actors.base import ActorSpec
+from asyncrl.config import RayConfig
+from asyncrl.observe.logs import get_logger
+from asyncrl.runtime.topology import ENDPOINTS, binder
+
+log = get_logger("asyncrl.runtime.ray")
+
+#: Exit code reported for an actor whose Ray worker died (the cause says how).
+WORKER_LOST = 1
+_TRIES_FOR_DISTINCT_PORTS = 5
+
+
+class ActorHost:
+    """Runs one asyncrl actor inside a Ray worker process (used as a Ray actor class)."""
+
+    def __init__(self, cwd: str, out_path: str) -> None:
+        if os.path.isdir(cwd):  # relative paths in the config mean what they mean locally
+            os.chdir(cwd)
+        _redirect_output(out_path)
+        self.actor: Any = None
+        self.stop_requested = False
+
+    async def node(self) -> dict[str, Any]:
+        """Where this host runs: Ray node id, node address, hostname and pid."""
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+
+    async def endpoints(self, names: list[str], host: str) -> dict[str, str]:
+        """A free ``tcp://host:port`` on this node for each of ``names``."""
+        from asyncrl.wire.sockets import free_tcp_endpoint
+
+        return {name: free_tcp_endpoint(host) for name in names}
+
+    async def run(self, raw: bytes) -> int:
+        """Build the actor from its JSON spec and run its lifecycle; its exit code."""
+        from asyncrl.runtime.child import load_actor
+
+        try:
+            self.actor = load_actor(raw)
+        except ValueError as exc:
+            print(f"asyncrl actor: {exc}", flush=True)
+            return 2
+        if self.stop_requested:  # asked to stop while it was loading
+            self.actor.request_stop("runtime stop")
+        return int(await self.actor.main())
+
+    async def stop(self) -> None:
+        """Ask the actor to drain and stop (what SIGTERM does to a local actor)."""
+        self.stop_requested = True
+        if self.actor is not None:
+            self.actor.request_stop("runtime stop")
+
+
+def _redirect_output(path: str) -> None:
+    """Send this process's stdout and stderr (fds 1 and 2) to ``path``, appended."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:  # no such folder on this node: Ray's worker logs keep the output
+        return
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+
+
+class RayActor:
+    """One actor running in a Ray worker (implements ``runtime.base.ActorHandle``)."""
+
+    def __init__(self, spec: ActorSpec, host: Any, info: dict[str, Any], out_path: Path) -> None:
+        self.spec, self.host, self.info, self.out_path = spec, host, info, out_path
+        self.cause: str | None = None
+        self._code: int | None = None
+        self.finished: asyncio.Task[int] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The Ray worker's pid."""
+        return self.info.get("pid")
+
+    @property
+    def node_id(self) -> str:
+        """The Ray node the actor runs on."""
+        return str(self.info.get("node_id", ""))
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while running; the actor's exit code, or ``WORKER_LOST``."""
+        return self._code
+
+    async def wait(self) -> int:
+        """Wait for the actor to end; its exit code."""
+        assert self.finished is not None, "wait() on an actor that was never started"
+        return await asyncio.shield(self.finished)
+
+    async def follow(self, ref: Any) -> int:
+        """Await the host's ``run`` and record how it ended; then free the worker."""
+        import ray
+
+        try:
+            self._code = int(await ref)
+        except ray.exceptions.RayActorError as exc:
+            self._code, self.cause = WORKER_LOST, _ray_cause(exc)
+        except ray.exceptions.RayError as exc:  # the host itself raised
+            self._code, self.cause = WORKER_LOST, f"ray: {type(exc).__name__}: {exc}"
+        with contextlib.suppress(Exception):
+            ray.kill(self.host, no_restart=True)
+        return self._code
+
+    def tail(self, n: int = 40) -> list[str]:
+        """The last ``n`` lines of the actor's console output (when this host can read it)."""
+        try:
+            with self.out_path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))
+                lines = deque(f.read().decode(errors="replace").splitlines(), maxlen=n)
+        except OSError:
+            return []
+        return list(lines)
+
+
+def _ray_cause(exc: BaseException) -> str:
+    """Ray's account of an actor's death, without its troubleshooting boilerplate."""
+    text = " ".join(str(exc).split())
+    for marker in ("The actor is dead because", "Worker exit type"):
+        at = text.find(marker)
+        if at >= 0:
+            return "ray: " + text[at:].split(" Some common causes")[0][:400]
+    return f"ray: {type(exc).__name__}: {text[:400]}"
+
+
+class RayRuntime:
+    """Starts actors as Ray actors; use as ``async with RayRuntime(dir, cfg.runtime.ray)``."""
+
+    def __init__(self, run_dir: str | Path, config: RayConfig, *, host: str = "127.0.0.1"):
+        self.run_dir = Path(run_dir).resolve()
+        self.config = config
+        self.host = host
+        self.actors: list[RayActor] = []
+        self._hosts: dict[str, Any] = {}  # placed, not yet started
+        self._options: dict[str, dict[str, Any]] = {}  # actor name -> Ray options
+        self._groups: list[Any] = []
+        self._started_ray = False
+        self._tg = asyncio.TaskGroup()
+
+    async def __aenter__(self) -> RayRuntime:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        import ray
+
+        if ray.is_initialized():
+            for actor in self.actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor.host, no_restart=True)
+            for host in self._hosts.values():
+                with contextlib.suppress(Exception):
+                    ray.kill(host, no_restart=True)
+            for group in self._groups:
+                with contextlib.suppress(Exception):
+                    ray.util.remove_placement_group(group)
+        try:
+            return await self._tg.__aexit__(et, exc, tb)
+        finally:
+            if self._started_ray:
+                await asyncio.to_thread(ray.shutdown)
+
+    # -- placing ----------------------------------------------------------------------
+    async def place(self, specs: Sequence[ActorSpec]) -> dict[str, str]:
+        """Reserve each actor's resources, start its host, and return the job's endpoints,
+        each on the node of the actor that binds it."""
+        await self._connect(specs)
+        bind_host = await asyncio.to_thread(self._bind_host)
+        await self._reserve(specs)
+        for spec in specs:
+            self._hosts[spec.name] = self._new_host(spec)
+        return await self._endpoints(specs, bind_host)
+
+    async def _connect(self, specs: Sequence[ActorSpec]) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        kwargs: dict[str, Any] = {
+            "namespace": self.config.namespace,
+            "log_to_driver": False,  # actor output goes to <run_dir>/logs/<actor>.out
+        }
+        address = self.config.address or os.environ.get("RAY_ADDRESS")
+        if address:
+            kwargs["address"] = address
+        else:  # a local cluster with as many logical CPUs as the job asks for
+            need = math.ceil(_total_demand(self.config, specs).get("CPU", 0.0))
+            kwargs.update(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False)
+        await asyncio.to_thread(ray.init, **kwargs)
+        self._started_ray = True
+        log.info("ray connected", address=address or "local", resources=ray.cluster_resources())
+
+    def _bind_host(self) -> str:
+        """Loopback when every node is on this host; otherwise refused (see module doc)."""
+        import ray
+
+        here = ray.util.get_node_ip_address()
+        hosts = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]})
+        if set(hosts) <= {here}:
+            return self.host
+        raise ValueError(
+            f"this Ray cluster spans hosts {hosts} (the controller is on {here}): its "
+            "channels would bind non-loopback addresses, which asyncrl refuses until they "
+            "are CurveZMQ-encrypted; run the job on nodes of one host (docs/ray.md)"
+        )
+
+    async def _reserve(self, specs: Sequence[ActorSpec]) -> None:
+        """Check the cluster can hold the job, then create and wait for the groups."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        _check_capacity(_total_demand(self.config, specs), ray.cluster_resources())
+        by_role: dict[str, list[ActorSpec]] = defaultdict(list)
+        for spec in specs:
+            by_role[spec.role].append(spec)
+        for role, members in by_role.items():
+            res = self.config.role(role)
+            demand = res.demand()
+            opts: dict[str, Any] = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus}
+            if res.resources:
+                opts["resources"] = dict(res.resources)
+            if not demand:  # Ray refuses empty bundles: place by strategy alone
+                spread = role in ("rollout", "eval") and self.config.rollout_placement == "spread"
+                for spec in members:
+                    self._options[spec.name] = opts | {"scheduling_strategy": _spread(spread)}
+                continue
+            group = placement_group([demand] * len(members), strategy=self._strategy(role))
+            self._groups.append(group)
+            await self._ready(group, role, demand, len(members))
+            for i, spec in enumerate(members):
+                strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+                self._options[spec.name] = opts | {"scheduling_strategy": strategy}
+
+    def _strategy(self, role: str) -> str:
+        if role == "rollout" and self.config.rollout_placement == "spread":
+            return "SPREAD"
+        return "PACK"  # trainer ranks together; a single-actor role has one bundle anyway
+
+    async def _ready(self, group: Any, role: str, demand: dict[str, float], n: int) -> None:
+        try:
+            async with asyncio.timeout(self.config.placement_timeout):
+                await group.ready()
+        except TimeoutError:
+            raise TimeoutError(
+                f"Ray could not place {n} {role} actor(s) of {demand} each within "
+                f"{self.config.placement_timeout:.0f}s (runtime.ray.placement_timeout); "
+                "the cluster's free resources do not fit the placement"
+            ) from None
+
+    def _new_host(self, spec: ActorSpec) -> Any:
+        import ray
+
+        cls = ray.remote(ActorHost)
+        opts = {"max_restarts": 0, "max_concurrency": 64, **self._options[spec.name]}
+        out = str(self.run_dir / "logs" / f"{spec.name}.out")
+        return cls.options(**opts).remote(os.getcwd(), out)
+
+    async def _endpoints(self, specs: Sequence[ActorSpec], bind_host: str) -> dict[str, str]:
+        """Ask a host on each binder's node for its ports; ``control`` is the controller's."""
+        from asyncrl.wire.sockets import free_tcp_endpoint
+
+        roles = {spec.role: spec.name for spec in specs}
+        for _ in range(_TRIES_FOR_DISTINCT_PORTS):
+            out = {"control": free_tcp_endpoint(bind_host)}
+            wanted: dict[str, list[str]] = defaultdict(list)
+            for name in ENDPOINTS:
+                role = binder(name)
+                if role != "controller" and role in roles:
+                    wanted[roles[role]].append(name)
+            for actor, names in wanted.items():
+                out |= await self._hosts[actor].endpoints.remote(names, bind_host)
+            for name in ENDPOINTS:  # roles this job lacks (train-only: no buffer)
+                out.setdefault(name, free_tcp_endpoint(bind_host))
+            # Hosts on one machine draw ports independently: make sure none drew the same.
+            if len(set(out.values())) == len(out):
+                return out
+        raise RuntimeError("could not draw distinct ports for the job's channels")
+
+    # -- the Runtime protocol ---------------------------------------------------------
+    async def start(self, spec: ActorSpec) -> RayActor:
+        """Run ``spec`` in its placed host (a new host in the same place on a restart)."""
+        host = self._hosts.pop(spec.name, None)
+        if host is None:
+            if spec.name not in self._options:
+                raise ValueError(f"actor {spec.name!r} was not placed (call place() first)")
+            host = self._new_host(spec)
+        info = await host.node.remote()
+        handle = RayActor(spec, host, info, self.run_dir / "logs" / f"{spec.name}.out")
+        ref = host.run.remote(msgspec.json.encode(spec))
+        handle.finished = self._tg.create_task(handle.follow(ref), name=f"ray.{spec.name}")
+        self.actors.append(handle)
+        log.info("actor placed", actor=spec.name, node=handle.node_id[:12], pid=handle.pid)
+        return handle
+
+    async def stop(self, handle: RayActor, grace: float) -> int:  # type: ignore[override]
+        """Ask the actor to stop, wait up to ``grace`` seconds, then kill its worker."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(grace):
+                await handle.host.stop.remote()
+        try:
+            async with asyncio.timeout(grace):
+                return await handle.wait()
+        except TimeoutError:
+            self.kill(handle)
+            return await handle.wait()
+
+    def kill(self, handle: RayActor) -> None:  # type: ignore[override]
+        """Kill the actor's worker now."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(handle.host, no_restart=True)
+
+
+def _spread(spread: bool) -> str:
+    return "SPREAD" if spread else "DEFAULT"
+
+
+def _total_demand(config: RayConfig, specs: Sequence[ActorSpec]) -> dict[str, float]:
+    total: dict[str, float] = defaultdict(float)
+    for spec in specs:
+        for key, amount in config.role(spec.role).demand().items():
+            total[key] += amount
+    return dict(total)
+
+
+def _check_capacity(need: dict[str, float], have: dict[str, float]) -> None:
+    """Refuse a job that asks for more of a resource than the whole cluster has."""
+    short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
+    if short:
+        parts = ", ".join(f"{k}: needs {v:g}, has {h:g}" for k, (v, h) in sorted(short.items()))
+        raise ValueError(
+            f"the job asks Ray for more than the cluster has ({parts}); see runtime.ray.roles"
+        )
