@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,6 +112,8 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        argv = _sglang_flags(argv)
     parser = _parser(argv)
     if argv[:1] == ["train"] and (unknown := _unknown_options(argv[1:])):
         print(f"asyncrl train: config error:\n{unknown}", file=sys.stderr)
@@ -128,6 +131,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plot":
         return _plot(args)
     return _train(args)
+
+
+def _sglang_flags(argv: list[str]) -> list[str]:
+    """Turn ``--sglang-X [V]`` into ``--X [V]`` of the launched SGLang servers' command line
+    (``rollout.engine.server_args``), as slime does; a value is the next token unless it is
+    an option. Given any, they replace the file's ``server_args``."""
+    rest, server_args, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--sglang-"):
+            rest.append(token)
+            i += 1
+            continue
+        server_args.append("--" + token.removeprefix("--sglang-"))
+        has_value = "=" not in token and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        if has_value:
+            server_args.append(argv[i + 1])
+        i += 2 if has_value else 1
+    if server_args:
+        rest += ["--rollout-engine-server-args", json.dumps(server_args)]
+    return rest
 
 
 def _unknown_options(tokens: list[str]) -> str:

@@ -93,11 +93,11 @@ class RayConfig(Section):
         json_schema_extra={"flag": "ray-address"},
     )
     namespace: str = Field("asyncrl", description="Ray namespace of the job's actors")
-    roles: dict[Literal["buffer", "rollout", "trainer", "eval"], RayRole] = Field(
+    roles: dict[Literal["buffer", "rollout", "engine", "trainer", "eval"], RayRole] = Field(
         default_factory=dict, description="resources of each role's actors (default: none)"
     )
     rollout_placement: Literal["spread", "pack"] = Field(
-        "spread", description="rollout actors (and their engines) spread over nodes or packed"
+        "spread", description="rollout and engine actors spread over nodes or packed"
     )
     placement_timeout: float = Field(
         120.0, gt=0, description="seconds to wait for the placement groups' resources"
@@ -332,7 +332,29 @@ class RunConfig(Section):
                 "eval.interval is set but debug_rollout_only never changes the weights: "
                 "there is nothing new to evaluate"
             )
+        self._engine_actors_fit()
         return self
+
+    def _engine_actors_fit(self) -> None:
+        if self.eval.engine is not None and self.eval.engine.serve == "actor":
+            raise ValueError(
+                "eval.engine.serve: actor is not supported; the eval actor embeds its engine"
+            )
+        engine = self.rollout.engine
+        if engine is None or engine.serve != "actor":
+            return
+        if self.train.publish != "disk":
+            raise ValueError(
+                "rollout.engine.serve: actor serves the engines over HTTP, which load new "
+                "weights from disk: set --update-weight-transport disk"
+            )
+        if self.rollout.colocate:
+            raise ValueError("rollout.engine.serve: actor cannot be colocated (yet)")
+        if self.eval.enabled and self.eval.engine is None and engine.type != "torch":
+            raise ValueError(
+                "eval with launched sglang engines needs its own eval.engine (e.g. the urls "
+                "of a server, or an embedded torch engine)"
+            )
 
     def resolved_output_dir(self) -> Path:
         """``output_dir`` with ``{name}`` filled in and ``~`` expanded."""

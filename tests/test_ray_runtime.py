@@ -1,8 +1,9 @@
 """The Ray runtime on a simulated three-node cluster (``ray.cluster_utils.Cluster``): actors
 land on the nodes their placement asks for, channels cross nodes, a short training run
 accounts for every prompt as the local runtime does, a job the cluster cannot hold is
-refused before any actor starts, and a rollout actor whose Ray worker is SIGKILLed is
-restarted with its work requeued, the run going on to its last step.
+refused before any actor starts, engine actors serve rollout actors placed beside them,
+and a rollout actor whose Ray worker is SIGKILLed is restarted with its work requeued, the
+run going on to its last step.
 
 One module-scoped cluster: a head with the ``head`` resource and two workers with
 ``node_a`` and ``node_b``, so a role pinned to a resource has exactly one node to go to.
@@ -136,6 +137,24 @@ async def test_a_short_run_on_ray_trains_and_accounts_for_every_prompt(
         groups += json.loads(lines(run_dir / "metrics" / f"{name}.jsonl")[-1])["rollout/groups"]
         assert "actor running" in (run_dir / "logs" / f"{name}.out").read_text()
     assert groups >= 3 * 2
+
+
+async def test_engine_actors_serve_their_rollout_actors_from_the_same_node(
+    cluster: dict[str, str], model: Path
+):
+    roles = "{engine: {num_cpus: 0.5, resources: {node_a: 0.5}}, trainer: {resources: {head: 1}}}"
+    flags = [
+        *ray_job_flags(model, "engines", steps=3),
+        *["--runtime-ray-roles", roles, "--rollout-engine-model-path", str(model / "model")],
+        *["--rollout-engine-serve", "actor", "--update-weight-transport", "disk"],
+    ]
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok, result.error
+    assert result.steps == 3 and accounted(last_buffer_metrics(model / "engines"))
+    logs = model / "engines" / "logs"
+    for name in ("engine-0", "engine-1", "rollout-0", "rollout-1"):
+        first = (logs / f"{name}.out").read_text().splitlines()[0]
+        assert first.startswith(f"asyncrl: ray node {cluster['node_a']}"), (name, first)
 
 
 async def test_killing_a_rollout_actors_ray_worker_is_survived(

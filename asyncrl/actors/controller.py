@@ -58,6 +58,7 @@ ROLE_CLASSES = {
     "rollout": "asyncrl.actors.rollout:RolloutActor",
     "trainer": "asyncrl.actors.trainer:TrainerActor",
     "eval": "asyncrl.actors.eval:EvalActor",
+    "engine": "asyncrl.actors.engine:EngineActor",
 }
 #: The trainer's seat in rollout-only mode (``--debug-rollout-only``).
 DUMPER_CLASS = "asyncrl.actors.dumper:BatchDumper"
@@ -216,6 +217,7 @@ def job_actor_specs(
         common=common,
         params=role_params(cfg, run_dir, resume=resume),
         extra_roles=["eval"] if cfg.eval.enabled else [],
+        num_engine_actors=0 if train_only else _engine_actors(cfg),
     )
     if train_only:  # the batches come from files: no buffer, no engines
         specs = [s for s in specs if s.role != "buffer"]
@@ -225,6 +227,12 @@ def job_actor_specs(
         if spec.role == "trainer" and cfg.eval.enabled:
             spec.drain_timeout += _FINAL_LINGER_S  # its drain waits for the final pull
     return specs
+
+
+def _engine_actors(cfg: RunConfig) -> int:
+    """One engine actor per rollout actor when the engines are served by actors."""
+    engine = cfg.rollout.engine
+    return cfg.rollout.num_actors if engine is not None and engine.serve == "actor" else 0
 
 
 def _threads_per_torch_process(cfg: RunConfig) -> int:
@@ -368,10 +376,13 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
         },
         "rollout": rollout,
         "trainer": trainer,
+        "engine": {"engine": rollout["engine"]},
         "eval": {
             **rollout,
             "engine": (
-                cfg.eval.engine.model_dump(mode="json") if cfg.eval.engine else rollout["engine"]
+                cfg.eval.engine.model_dump(mode="json")
+                if cfg.eval.engine
+                else rollout["engine"] | {"serve": "embedded"}  # the eval actor's own
             ),
             "eval": cfg.eval.model_dump(mode="json"),
             "num_steps": cfg.train.num_steps,

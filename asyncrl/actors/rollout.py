@@ -36,6 +36,8 @@ from typing import Any
 
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.buffer import BufferEvent, WorkReply, WorkRequest
+from asyncrl.actors.engine import engine_url
+from asyncrl.engines.sglang_wire import SGLangError
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.rollout.base import RolloutContext, Workflow
@@ -78,7 +80,9 @@ class RolloutActor(Actor):
         self.colocate = bool(params.get("colocate", False))
         self._asleep = False  # colocated: the engines released their memory
         self._aborts = 0  # abort-alls so far (APRIL, drain): see RolloutContext.aborts
-        self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
+        engine = EngineConfig(**params["engine"])
+        wait = engine.startup_timeout if engine.serve == "actor" else None
+        self.host = await self.hold(EngineHost(self._engine_config(engine), wait_ready_s=wait))
         tool_use, tools = await asyncio.to_thread(_tools, params.get("tool_use"))
         self.workflow = _load_workflow(params.get("workflow"), tool_use, params.get("agent"))
         self.score = await self.hold(contextlib.aclosing(_build_reward(params.get("reward", {}))))
@@ -96,6 +100,14 @@ class RolloutActor(Actor):
         await self._open_channels()
         if params.get("metrics_dir"):
             self.metrics = self.open_metrics(Path(params["metrics_dir"]) / f"{self.name}.jsonl")
+
+    def _engine_config(self, cfg: EngineConfig) -> EngineConfig:
+        """The engines to use; ``serve: actor``: this actor's engine actor, over HTTP."""
+        if cfg.serve != "actor":
+            return cfg
+        engine = self.name.replace("rollout-", "engine-", 1)
+        url = engine_url(self.spec.endpoints[f"{engine}.http"])
+        return EngineConfig(type="sglang", urls=[url], on_update=cfg.on_update)
 
     async def _open_channels(self) -> None:
         ep, frame = self.spec.endpoints, self.max_frame_bytes
@@ -255,6 +267,13 @@ class RolloutActor(Actor):
             except (PeerLost, RemoteError) as exc:
                 # The trainer stopped, or already dropped this version: wait for the next.
                 log.warning("weights not loaded", version=msg.version, error=str(exc))
+                continue
+            except SGLangError as exc:
+                if msg.transport != "disk" or await asyncio.to_thread(Path(msg.location).exists):
+                    raise
+                # The trainer pruned this version's files (it keeps the newest few) before
+                # we got to it: a newer one is out, so take that.
+                log.warning("weights pruned before loading", version=msg.version, error=str(exc))
                 continue
             self.version = msg.version
             self._loaded.set()

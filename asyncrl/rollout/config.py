@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -30,13 +31,44 @@ class EngineConfig(BaseModel):
     on_update: Literal["continue", "abort"] = Field(
         "continue", description="In-flight requests on a weight update: continue or abort."
     )
+    serve: Literal["embedded", "actor"] = Field(
+        "embedded",
+        description="embedded: the torch engine runs in the rollout actor; actor: each "
+        "rollout actor gets an engine actor (torch, or an SGLang server it launches)",
+    )
+    server_args: list[str] = Field(
+        default_factory=list,
+        description="extra sglang.launch_server arguments (serve: actor; --sglang-* flags)",
+    )
+    health_interval: float = Field(
+        5.0, gt=0, description="seconds between an engine actor's /health_generate checks"
+    )
+    startup_timeout: float = Field(
+        900.0, gt=0, description="seconds an engine actor's server has to become healthy"
+    )
+
+    @field_validator("server_args", mode="before")
+    @classmethod
+    def _as_text(cls, args: Any) -> Any:
+        """``[--tp, 2]`` in YAML holds a number: a command line is text."""
+        if isinstance(args, list):
+            return [a if isinstance(a, str) else json.dumps(a) for a in args]
+        return args
 
     @model_validator(mode="after")
     def _complete(self) -> EngineConfig:
-        if self.type == "torch" and not self.model_path:
-            raise ValueError("the torch engine needs model_path (an HF model directory)")
-        if self.type == "sglang" and not self.urls:
-            raise ValueError("the sglang engine type needs urls (server or router addresses)")
+        if (self.type == "torch" or self.serve == "actor") and not self.model_path:
+            raise ValueError(f"the {self.type} engine needs model_path (an HF model directory)")
+        if self.serve == "actor" and self.urls:
+            raise ValueError(
+                "serve: actor starts its own engines; urls are for engines started elsewhere"
+            )
+        if self.type == "sglang" and self.serve == "embedded" and not self.urls:
+            raise ValueError(
+                "the sglang engine type needs urls (server or router addresses), or serve: actor"
+            )
+        if self.server_args and not (self.type == "sglang" and self.serve == "actor"):
+            raise ValueError("server_args (--sglang-* flags) apply to launched sglang servers only")
         return self
 
 

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 class EngineHost:
     """Starts (or connects to) the engines; ``client`` is what workflows generate with."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, wait_ready_s: float | None = None) -> None:
         self.config = config
+        self.wait_ready_s = wait_ready_s  # engines started beside us: wait for their health
         self.engine: TorchEngine | None = None
         self.server: EngineServer | None = None
         self.client: SGLangClient | None = None
@@ -48,7 +49,25 @@ class EngineHost:
             urls = [await self._start_embedded()]
         self.client = SGLangClient(urls, router=self.config.router)
         await self.client.__aenter__()
+        if self.wait_ready_s is not None:
+            await self._wait_ready(self.wait_ready_s)
         return self
+
+    async def _wait_ready(self, limit_s: float) -> None:
+        """Poll ``/health`` until every engine answers 200 (an engine actor still loading)."""
+        import asyncio
+
+        assert self.client is not None
+        try:
+            async with asyncio.timeout(limit_s):
+                while True:  # polling: the engine is another process, no event to await
+                    if all((await self.client.health()).values()):
+                        return
+                    await asyncio.sleep(0.5)
+        except TimeoutError:
+            raise TimeoutError(
+                f"engines {self.config.urls} not healthy within {limit_s:.0f}s"
+            ) from None
 
     async def __aexit__(self, *exc: object) -> None:
         if self.client is not None:

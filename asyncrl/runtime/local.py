@@ -25,7 +25,7 @@ from types import TracebackType
 import msgspec
 
 from asyncrl.actors.base import ActorSpec
-from asyncrl.runtime.topology import allocate_endpoints
+from asyncrl.runtime.topology import allocate_endpoints, endpoint_names
 
 _LINE_LIMIT = 1024 * 1024
 _DRAIN_OUTPUT_SECONDS = 2.0
@@ -134,7 +134,7 @@ class LocalRuntime:
 
     async def place(self, specs: Sequence[ActorSpec]) -> dict[str, str]:
         """Every actor runs here: every endpoint is a free port on ``host``."""
-        return allocate_endpoints(self.host)
+        return allocate_endpoints(self.host, endpoint_names(specs))
 
     async def start(self, spec: ActorSpec) -> LocalActor:
         """Launch a child for ``spec``."""

@@ -1,8 +1,8 @@
 """Ray runtime: every actor is a Ray actor, placed by its role's resources (``--runtime ray``).
 
     controller (driver) --ray.init--> cluster
-        place(specs):  placement groups per role   trainer: PACK, rollout: SPREAD (or PACK),
-                                                   eval/buffer: one bundle each
+        place(specs):  placement groups per role   trainer: PACK, rollout and engine: SPREAD
+                                                   (or PACK), eval/buffer: one bundle each
                        one ActorHost per actor     in its role's bundle (no bundle when
                                                    the role asks for no resources)
                        endpoints                   asked of a host on the binder's node
@@ -11,7 +11,9 @@
 
 Resources come from ``runtime.ray.roles`` (CPUs, GPUs, custom resources); a job that asks
 for more than the cluster has is refused before any actor starts, naming what is short.
-Rollout actors embed their engines, so they sit next to them by construction.
+Rollout actors embed their engines, or (``rollout.engine.serve: actor``) each is placed on
+the node of its engine actor (``engine-i`` beside ``rollout-i``, by node affinity); engine
+actors spread like rollout actors.
 
 Addresses: a channel binds on the node of the actor that owns it (``topology.binder``),
 and the port is found free by a host on that node, so the addresses travel through Ray,
@@ -46,7 +48,7 @@ import msgspec
 from asyncrl.actors.base import ActorSpec
 from asyncrl.config import RayConfig
 from asyncrl.observe.logs import get_logger
-from asyncrl.runtime.topology import ENDPOINTS, binder
+from asyncrl.runtime.topology import binder, endpoint_names
 
 log = get_logger("asyncrl.runtime.ray")
 
@@ -64,6 +66,14 @@ class ActorHost:
         _redirect_output(out_path)
         self.actor: Any = None
         self.stop_requested = False
+        import ray
+
+        ctx = ray.get_runtime_context()
+        print(  # where this incarnation ran, for the reader of <actor>.out
+            f"asyncrl: ray node {ctx.get_node_id()} ({ray.util.get_node_ip_address()}), "
+            f"worker pid {os.getpid()}",
+            flush=True,
+        )
 
     async def node(self) -> dict[str, Any]:
         """Where this host runs: Ray node id, node address, hostname and pid."""
@@ -225,7 +235,16 @@ class RayRuntime:
         await self._connect(specs)
         bind_host = await asyncio.to_thread(self._bind_host)
         await self._reserve(specs)
+        engines = {s.name: s for s in specs if s.role == "engine"}
+        for spec in engines.values():
+            self._hosts[spec.name] = self._new_host(spec)
         for spec in specs:
+            if spec.name in engines:
+                continue
+            engine = spec.name.replace("rollout-", "engine-", 1)
+            if spec.role == "rollout" and engine in self._hosts:  # beside its engine
+                node = (await self._hosts[engine].node.remote())["node_id"]
+                self._options[spec.name]["scheduling_strategy"] = _on_node(node)
             self._hosts[spec.name] = self._new_host(spec)
         return await self._endpoints(specs, bind_host)
 
@@ -278,8 +297,9 @@ class RayRuntime:
             opts: dict[str, Any] = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus}
             if res.resources:
                 opts["resources"] = dict(res.resources)
-            if not demand:  # Ray refuses empty bundles: place by strategy alone
-                spread = role in ("rollout", "eval") and self.config.rollout_placement == "spread"
+            beside_engines = role == "rollout" and "engine" in by_role  # by node affinity
+            if not demand or beside_engines:  # Ray refuses empty bundles: no group
+                spread = self._strategy(role) == "SPREAD" or role == "eval"
                 for spec in members:
                     self._options[spec.name] = opts | {"scheduling_strategy": _spread(spread)}
                 continue
@@ -291,7 +311,7 @@ class RayRuntime:
                 self._options[spec.name] = opts | {"scheduling_strategy": strategy}
 
     def _strategy(self, role: str) -> str:
-        if role == "rollout" and self.config.rollout_placement == "spread":
+        if role in ("rollout", "engine") and self.config.rollout_placement == "spread":
             return "SPREAD"
         return "PACK"  # trainer ranks together; a single-actor role has one bundle anyway
 
@@ -315,20 +335,19 @@ class RayRuntime:
         return cls.options(**opts).remote(os.getcwd(), out)
 
     async def _endpoints(self, specs: Sequence[ActorSpec], bind_host: str) -> dict[str, str]:
-        """Ask a host on each binder's node for its ports; ``control`` is the controller's."""
+        """Ask each binding actor's host for its ports; ``control`` is the controller's."""
         from asyncrl.wire.sockets import free_tcp_endpoint
 
-        roles = {spec.role: spec.name for spec in specs}
+        names = endpoint_names(specs)
         for _ in range(_TRIES_FOR_DISTINCT_PORTS):
             out = {"control": free_tcp_endpoint(bind_host)}
             wanted: dict[str, list[str]] = defaultdict(list)
-            for name in ENDPOINTS:
-                role = binder(name)
-                if role != "controller" and role in roles:
-                    wanted[roles[role]].append(name)
-            for actor, names in wanted.items():
-                out |= await self._hosts[actor].endpoints.remote(names, bind_host)
-            for name in ENDPOINTS:  # roles this job lacks (train-only: no buffer)
+            for name in names:
+                if binder(name) in self._hosts:
+                    wanted[binder(name)].append(name)
+            for actor, mine in wanted.items():
+                out |= await self._hosts[actor].endpoints.remote(mine, bind_host)
+            for name in names:  # roles this job lacks (train-only: no buffer)
                 out.setdefault(name, free_tcp_endpoint(bind_host))
             # Hosts on one machine draw ports independently: make sure none drew the same.
             if len(set(out.values())) == len(out):
@@ -369,6 +388,12 @@ class RayRuntime:
 
         with contextlib.suppress(Exception):
             ray.kill(handle.host, no_restart=True)
+
+
+def _on_node(node_id: str) -> Any:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
 
 def _spread(spread: bool) -> str:

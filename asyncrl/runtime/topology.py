@@ -3,7 +3,9 @@
     controller  hub: control  <- every actor's ControlLink
     buffer      binds: buffer.work (rpc), buffer.results (reliable), buffer.batches (rpc),
                 buffer.events(+_snapshot) (pub/sub: APRIL aborts)
+    engine-i    binds: engine-i.http (SGLang API; only with rollout.engine.serve: actor)
     rollout-i   connects: buffer.work, buffer.results, trainer.weights(+_snapshot), trainer.blob
+                (and engine-i.http, over HTTP)
     trainer     binds: trainer.weights(+_snapshot) (pub/sub), trainer.blob (blob pull);
                 connects: buffer.batches
 
@@ -36,13 +38,23 @@ ENDPOINTS = (
 
 
 def binder(endpoint: str) -> str:
-    """The role that binds ``endpoint`` (``controller`` for the control hub)."""
+    """The actor that binds ``endpoint`` (``controller`` for the control hub)."""
     return "controller" if endpoint == "control" else endpoint.split(".", 1)[0]
 
 
-def allocate_endpoints(host: str = "127.0.0.1") -> dict[str, str]:
-    """One free tcp endpoint on ``host`` for each name in ``ENDPOINTS``."""
-    return {name: free_tcp_endpoint(host) for name in ENDPOINTS}
+def endpoint_names(specs: Sequence[ActorSpec]) -> list[str]:
+    """The job's endpoints: ``ENDPOINTS`` plus ``engine-i.http`` per engine actor."""
+    return [*ENDPOINTS, *(f"{s.name}.http" for s in specs if s.role == "engine")]
+
+
+def allocate_endpoints(host: str = "127.0.0.1", names: Sequence[str] = ENDPOINTS) -> dict[str, str]:
+    """One free tcp endpoint on ``host`` for each of ``names``."""
+    return {name: free_tcp_endpoint(host) for name in names}
+
+
+def engine_actor_names(n: int) -> list[str]:
+    """The names of a job's ``n`` engine actors (``engine-i`` serves ``rollout-i``)."""
+    return [f"engine-{i}" for i in range(n)]
 
 
 def rollout_actor_names(n: int) -> list[str]:
@@ -60,14 +72,17 @@ def job_specs(
     common: Mapping[str, Any],
     params: Mapping[str, Mapping[str, Any]] | None = None,
     extra_roles: Sequence[str] = (),
+    num_engine_actors: int = 0,
 ) -> list[ActorSpec]:
-    """Specs for the buffer, ``num_rollout_actors`` rollout actors, the trainer and one
-    actor of each of ``extra_roles`` (named after its role, e.g. ``eval``).
+    """Specs for the buffer, ``num_engine_actors`` engine actors, ``num_rollout_actors``
+    rollout actors, the trainer and one actor of each of ``extra_roles`` (named after its
+    role, e.g. ``eval``).
 
     ``classes`` maps role -> actor class path; ``common`` holds ``ActorSpec`` fields shared
     by all (heartbeat interval, log settings); ``params`` role -> role-specific settings.
     """
     names = [("buffer", "buffer")]
+    names += [(name, "engine") for name in engine_actor_names(num_engine_actors)]
     names += [(name, "rollout") for name in rollout_actor_names(num_rollout_actors)]
     names += [("trainer", "trainer")]
     names += [(role, role) for role in extra_roles]

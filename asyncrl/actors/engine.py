@@ -1,0 +1,169 @@
+"""EngineActor: one inference server as an actor of its own (``rollout.engine.serve: actor``).
+
+    engine-i   serves the SGLang HTTP API on its endpoint ``engine-i.http``
+    rollout-i  generates through it with the SGLang client (placed beside it on Ray)
+
+Two kinds (``rollout.engine.type``):
+
+- ``torch``: the embedded ``TorchEngine`` behind ``EngineServer`` in this process.
+- ``sglang``: ``python -m sglang.launch_server --model-path M --host H --port P ARGS`` as a
+  child process in its own process group (``ARGS``: ``rollout.engine.server_args``, which
+  ``--sglang-*`` flags fill). Ready once ``/health_generate`` answers 200.
+
+``run()`` then checks ``/health_generate`` every ``health_interval`` seconds. A server that
+exits, or fails ``health_failures`` checks in a row, fails the actor with the reason, and
+the supervisor reports it. Weights reach either kind from the rollout actor over HTTP
+(``/update_weights_from_disk``), as they reach any SGLang server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections import deque
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from asyncrl.actors.base import Actor
+from asyncrl.observe.logs import get_logger
+from asyncrl.rollout.config import EngineConfig
+
+log = get_logger("asyncrl.engine")
+
+#: Consecutive failed health checks that fail the actor.
+HEALTH_FAILURES = 3
+
+
+def engine_url(endpoint: str) -> str:
+    """The HTTP base URL of an engine's ``tcp://host:port`` endpoint."""
+    parts = urlsplit(endpoint)
+    return f"http://{parts.hostname}:{parts.port}"
+
+
+def sglang_command(cfg: EngineConfig, host: str, port: int) -> list[str]:
+    """The SGLang server's command line."""
+    return [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(cfg.model_path), "--host", host, "--port", str(port),
+        "--dtype", cfg.dtype, *cfg.server_args,
+    ]  # fmt: skip
+
+
+class EngineActor(Actor):
+    """Starts one engine server and keeps checking its health; see the module docstring."""
+
+    async def setup(self) -> None:
+        self.cfg = EngineConfig(**self.spec.params["engine"])
+        parts = urlsplit(self.spec.endpoints[f"{self.name}.http"])
+        host, port = str(parts.hostname), int(parts.port or 0)
+        self.url = f"http://{host}:{port}"
+        self.proc: asyncio.subprocess.Process | None = None
+        self._output: deque[str] = deque(maxlen=40)
+        self.session = await self.hold(aiohttp.ClientSession())
+        if self.cfg.type == "torch":
+            await self._start_embedded(host, port)
+        else:
+            await self._start_sglang(host, port)
+        log.info("engine serving", url=self.url, kind=self.cfg.type)
+
+    async def _start_embedded(self, host: str, port: int) -> None:
+        from asyncrl.engines.server import EngineServer
+        from asyncrl.engines.torch_engine import TorchEngine
+
+        engine = await asyncio.to_thread(
+            TorchEngine.from_pretrained,
+            str(self.cfg.model_path),
+            device=self.cfg.device,
+            dtype=self.cfg.dtype,
+            max_running=self.cfg.max_running,
+        )
+        self.server = EngineServer(engine, server_args={"host": host, "port": port})
+        await self.server.start(host, port)
+        self._stack.push_async_callback(self.server.stop)
+
+    async def _start_sglang(self, host: str, port: int) -> None:
+        command = sglang_command(self.cfg, host, port)
+        log.info("starting sglang", command=" ".join(command))
+        self.proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # one group: stopping it stops its scheduler processes
+        )
+        self._stack.push_async_callback(self._stop_server)
+        pump = asyncio.create_task(self._pump(), name=f"{self.name}.output")
+        self._stack.push_async_callback(_cancel, pump)
+        try:
+            async with asyncio.timeout(self.cfg.startup_timeout):
+                while not await self._healthy(limit_s=5.0):
+                    self._check_alive()
+                    await asyncio.sleep(1.0)
+        except TimeoutError:
+            raise RuntimeError(
+                f"the sglang server at {self.url} was not healthy within "
+                f"{self.cfg.startup_timeout:.0f}s; last output: {list(self._output)[-5:]}"
+            ) from None
+
+    async def run(self) -> None:
+        failures = 0
+        while not self.stopping:
+            await asyncio.sleep(self.cfg.health_interval)
+            self._check_alive()
+            failures = (
+                0 if await self._healthy(limit_s=self.cfg.health_interval * 2) else failures + 1
+            )
+            if failures >= HEALTH_FAILURES:
+                raise RuntimeError(f"engine at {self.url} failed {failures} health checks in a row")
+
+    def stats(self) -> dict[str, float]:
+        return {"engine.pid": float(self.proc.pid if self.proc else os.getpid())}
+
+    async def _healthy(self, *, limit_s: float) -> bool:
+        """``GET /health_generate`` (a one-token generation) answered 200."""
+        try:
+            async with self.session.get(
+                f"{self.url}/health_generate", timeout=aiohttp.ClientTimeout(total=limit_s)
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.returncode is not None:
+            raise RuntimeError(
+                f"the sglang server exited with code {self.proc.returncode}; last output: "
+                f"{list(self._output)[-5:]}"
+            )
+
+    async def _pump(self) -> None:
+        """Copy the server's output into this actor's log (and keep the last lines)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            text = line.decode(errors="replace").rstrip()
+            self._output.append(text)
+            print(text, file=sys.stderr, flush=True)
+
+    async def _stop_server(self) -> None:
+        """SIGTERM the server's process group, then SIGKILL after ``drain_timeout``."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            async with asyncio.timeout(self.spec.drain_timeout):
+                await self.proc.wait()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            await self.proc.wait()
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -1,0 +1,26 @@
+"""``python -m sglang.launch_server``: record the command line, then serve the model with
+``asyncrl serve`` (see the package docstring). ``ASYNCRL_TEST_ARGV`` names the file that
+receives the arguments as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from asyncrl.cli import main
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model-path", required=True)
+parser.add_argument("--host", required=True)
+parser.add_argument("--port", required=True)
+parser.add_argument("--dtype", default="float32")
+args, extra = parser.parse_known_args()
+if record := os.environ.get("ASYNCRL_TEST_ARGV"):
+    with open(record, "w") as f:
+        json.dump(sys.argv[1:], f)
+if "--fail-at-start" in extra:
+    sys.exit("stub: asked to fail at start")
+serve = ["serve", "--model", args.model_path, "--host", args.host, "--port", args.port]
+sys.exit(main([*serve, "--dtype", args.dtype]))

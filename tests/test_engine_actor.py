@@ -1,0 +1,147 @@
+"""Engine actors (``rollout.engine.serve: actor``): the server starts, is health-checked,
+fails the actor with the reason when it dies or never comes up, and a training job
+generates through it over HTTP with weights from disk.
+
+The SGLang server itself needs a GPU; ``tests/sglang_stub`` puts a ``sglang.launch_server``
+on the path that records its command line and serves asyncrl's own SGLang-compatible
+engine, so the launcher (process group, health wait, output, stop) meets a real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from asyncrl.actors.base import ActorSpec
+from asyncrl.actors.controller import run_job
+from asyncrl.actors.engine import EngineActor, sglang_command
+from asyncrl.cli import _sglang_flags
+from asyncrl.config import ConfigError, load_config
+from asyncrl.rollout.config import EngineConfig
+from asyncrl.wire.sockets import free_tcp_endpoint
+from tests.test_train import accounted, job_flags, last_buffer_metrics, write_prompts
+from tests.tiny_model import build_tiny_model
+
+STUB = Path(__file__).parent / "sglang_stub"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("engine_actor") / "model"
+    build_tiny_model(path)
+    return path
+
+
+def engine_actor(model: Path, **engine: object) -> EngineActor:
+    spec = ActorSpec(
+        name="engine-0",
+        role="engine",
+        cls="asyncrl.actors.engine:EngineActor",
+        endpoints={"engine-0.http": free_tcp_endpoint()},
+        drain_timeout=5.0,
+        params={"engine": {"model_path": str(model), "serve": "actor", **engine}},
+    )
+    return EngineActor(spec)
+
+
+def test_sglang_flags_become_the_servers_arguments():
+    argv = ["train", "c.yaml", "--sglang-mem-fraction-static", "0.8", "--seed", "1",
+            "--sglang-enable-torch-compile", "--sglang-tp=2"]  # fmt: skip
+    assert _sglang_flags(argv) == [
+        "train", "c.yaml", "--seed", "1", "--rollout-engine-server-args",
+        json.dumps(["--mem-fraction-static", "0.8", "--enable-torch-compile", "--tp=2"]),
+    ]  # fmt: skip
+    cfg = EngineConfig(type="sglang", serve="actor", model_path="m", server_args=["--tp", "2"])
+    command = sglang_command(cfg, "127.0.0.1", 31000)
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    assert command[3:] == ["--model-path", "m", "--host", "127.0.0.1", "--port", "31000",
+                           "--dtype", "float32", "--tp", "2"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--rollout-engine-serve", "actor"], "--update-weight-transport disk"),
+        (["--rollout-engine-server-args", "[--tp, 2]"], "launched sglang servers only"),
+        (["--rollout-engine-type", "sglang"], "or serve: actor"),
+        (["--rollout-engine-urls", "[http://x:1]", "--rollout-engine-serve", "actor"], "urls"),
+        (["--eval-engine-model-path", "m", "--eval-engine-serve", "actor"], "eval actor embeds"),
+    ],
+)
+def test_engine_actor_configs_that_cannot_work_are_refused(flags: list[str], message: str):
+    base = ["--rollout-engine-model-path", "m"]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=[*base, *flags])
+
+
+async def test_a_launched_server_is_served_health_checked_and_stopped(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("PYTHONPATH", str(STUB))
+    monkeypatch.setenv("ASYNCRL_TEST_ARGV", str(tmp_path / "argv.json"))
+    actor = engine_actor(model, type="sglang", server_args=["--tp", "1"], health_interval=0.2)
+    task = asyncio.create_task(actor.main())
+    async with asyncio.timeout(60):
+        while actor.state != "running":
+            assert not task.done(), task.result()
+            await asyncio.sleep(0.05)
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    assert argv[-2:] == ["--tp", "1"] and argv[argv.index("--model-path") + 1] == str(model)
+    async with actor.session.post(f"{actor.url}/generate", json={"input_ids": [1, 2],
+            "sampling_params": {"max_new_tokens": 3}}) as resp:  # fmt: skip
+        assert resp.status == 200 and len((await resp.json())["output_ids"]) == 3
+    assert actor.proc is not None
+    server = actor.proc
+    actor.request_stop("test")
+    assert await task == 0
+    assert server.returncode is not None  # the whole group was stopped
+
+
+async def test_a_server_that_dies_fails_the_actor_with_the_reason(model: Path):
+    actor = engine_actor(model, type="torch", health_interval=0.1)
+    task = asyncio.create_task(actor.main())
+    async with asyncio.timeout(60):
+        while actor.state != "running":
+            assert not task.done(), task.result()
+            await asyncio.sleep(0.05)
+    await actor.server.stop()  # the server goes away under the actor
+    async with asyncio.timeout(30):
+        assert await task == 1
+    assert actor.state == "failed"
+
+
+async def test_a_server_that_never_starts_fails_with_its_last_output(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("PYTHONPATH", str(STUB))
+    actor = engine_actor(model, type="sglang", server_args=["--fail-at-start"])
+    with pytest.raises(RuntimeError, match=r"exited with code 1.*asked to fail at start"):
+        async with actor._stack:
+            await actor.setup()
+
+
+@pytest.mark.slow
+async def test_a_job_generates_through_engine_actors(model: Path, tmp_path: Path):
+    (tmp_path / "model").symlink_to(model)
+    write_prompts(tmp_path / "prompts.jsonl")
+    flags = [
+        *job_flags(tmp_path, steps=3),
+        *["--rollout-num-actors", "2", "--rollout-engine-model-path", str(model)],
+        *["--rollout-engine-serve", "actor", "--update-weight-transport", "disk"],
+    ]
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok, result.error
+    assert result.steps == 3 and set(result.codes) >= {"engine-0", "engine-1"}
+    run_dir = tmp_path / "run"
+    last = last_buffer_metrics(run_dir)
+    assert last["buffer.consumed"] == 3 * 2 and accounted(last)
+    for i in range(2):  # each engine served its rollout actor and took the new weights
+        log = [
+            json.loads(x) for x in (run_dir / "logs" / f"engine-{i}.jsonl").read_text().splitlines()
+        ]
+        assert any(r["event"] == "engine serving" for r in log)
+        assert any(r["event"] == "weights updated" and r["version"] >= 1 for r in log)
