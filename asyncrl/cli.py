@@ -136,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _sglang_flags(argv: list[str]) -> list[str]:
     """Turn ``--sglang-X [V]`` into ``--X [V]`` of the launched SGLang servers' command line
     (``rollout.engine.server_args``), as slime does; a value is the next token unless it is
-    an option. Given any, they replace the file's ``server_args``."""
+    an option or a config file (``--sglang-X=V`` is never ambiguous). Given any, they
+    replace the file's ``server_args``."""
     rest, server_args, i = [], [], 0
     while i < len(argv):
         token = argv[i]
@@ -145,13 +146,19 @@ def _sglang_flags(argv: list[str]) -> list[str]:
             i += 1
             continue
         server_args.append("--" + token.removeprefix("--sglang-"))
-        has_value = "=" not in token and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        nxt = argv[i + 1] if i + 1 < len(argv) else "--"
+        # A switch is followed by an option, or by the config file (asyncrl train CONFIG).
+        has_value = "=" not in token and not nxt.startswith("--") and not _is_config(nxt)
         if has_value:
             server_args.append(argv[i + 1])
         i += 2 if has_value else 1
     if server_args:
         rest += ["--rollout-engine-server-args", json.dumps(server_args)]
     return rest
+
+
+def _is_config(token: str) -> bool:
+    return token.endswith((".yaml", ".yml", ".json"))
 
 
 def _unknown_options(tokens: list[str]) -> str:

@@ -63,18 +63,30 @@ class Section(BaseModel):
 class RayRole(Section):
     """What one actor of a role asks Ray for (its bundle in the role's placement group)."""
 
-    num_cpus: float = Field(0.0, ge=0, description="logical CPUs")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs (Ray sets CUDA_VISIBLE_DEVICES)")
+    num_cpus: float = Field(0.0, ge=0, allow_inf_nan=False, description="logical CPUs")
+    num_gpus: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="GPUs (Ray sets CUDA_VISIBLE_DEVICES)"
+    )
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom resources, e.g. {node_a: 1} to pin a node"
     )
 
+    @field_validator("num_gpus")
+    @classmethod
+    def _whole_above_one(cls, gpus: float) -> float:
+        if gpus > 1 and not gpus.is_integer():
+            raise ValueError(f"Ray gives a fraction of one GPU or whole GPUs, not {gpus}")
+        return gpus
+
     @field_validator("resources")
     @classmethod
-    def _non_negative(cls, resources: dict[str, float]) -> dict[str, float]:
-        bad = {k: v for k, v in resources.items() if v < 0}
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        builtin = sorted(set(resources) & {"CPU", "GPU", "memory", "object_store_memory"})
+        if builtin:
+            raise ValueError(f"{builtin} are Ray's own resources: use num_cpus / num_gpus")
+        bad = {k: v for k, v in resources.items() if not v >= 0 or v == float("inf")}
         if bad:
-            raise ValueError(f"resource amounts must be >= 0, got {bad}")
+            raise ValueError(f"resource amounts must be finite and >= 0, got {bad}")
         return resources
 
     def demand(self) -> dict[str, float]:

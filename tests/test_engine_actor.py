@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,8 @@ from tests.test_train import accounted, job_flags, last_buffer_metrics, write_pr
 from tests.tiny_model import build_tiny_model
 
 STUB = Path(__file__).parent / "sglang_stub"
+SGLANG = ["--rollout-engine-type", "sglang", "--rollout-engine-serve", "actor"]
+SGLANG += ["--update-weight-transport", "disk"]
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +60,16 @@ def test_sglang_flags_become_the_servers_arguments():
         "train", "c.yaml", "--seed", "1", "--rollout-engine-server-args",
         json.dumps(["--mem-fraction-static", "0.8", "--enable-torch-compile", "--tp=2"]),
     ]  # fmt: skip
+    # A switch before the config file does not take the file as its value.
+    assert _sglang_flags(["train", "--sglang-enable-x", "c.yaml"]) == [
+        "train", "c.yaml", "--rollout-engine-server-args", json.dumps(["--enable-x"])
+    ]  # fmt: skip
     cfg = EngineConfig(type="sglang", serve="actor", model_path="m", server_args=["--tp", "2"])
     command = sglang_command(cfg, "127.0.0.1", 31000)
-    assert command[1:3] == ["-m", "sglang.launch_server"]
-    assert command[3:] == ["--model-path", "m", "--host", "127.0.0.1", "--port", "31000",
-                           "--dtype", "float32", "--tp", "2"]  # fmt: skip
+    assert command[1:3] == ["-m", "asyncrl.runtime.tether"]
+    assert command[4:6] == ["-m", "sglang.launch_server"]
+    assert command[6:] == ["--model-path", "m", "--host", "127.0.0.1", "--port", "31000",
+                           "--tp", "2"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -70,6 +80,10 @@ def test_sglang_flags_become_the_servers_arguments():
         (["--rollout-engine-type", "sglang"], "or serve: actor"),
         (["--rollout-engine-urls", "[http://x:1]", "--rollout-engine-serve", "actor"], "urls"),
         (["--eval-engine-model-path", "m", "--eval-engine-serve", "actor"], "eval actor embeds"),
+        ([*SGLANG, "--rollout-engine-server-args", "[--port, 1]"], "assigns these itself"),
+        (["--runtime-ray-roles", "{rollout: {resources: {GPU: 1}}}"], "use num_cpus / num_gpus"),
+        (["--runtime-ray-roles", "{trainer: {num_gpus: 1.5}}"], "whole GPUs, not 1.5"),
+        (["--runtime-ray-roles", "{trainer: {num_cpus: .nan}}"], "finite number"),
     ],
 )
 def test_engine_actor_configs_that_cannot_work_are_refused(flags: list[str], message: str):
@@ -89,16 +103,47 @@ async def test_a_launched_server_is_served_health_checked_and_stopped(
         while actor.state != "running":
             assert not task.done(), task.result()
             await asyncio.sleep(0.05)
-    argv = json.loads((tmp_path / "argv.json").read_text())
+    record = json.loads((tmp_path / "argv.json").read_text())
+    argv = record["argv"]
     assert argv[-2:] == ["--tp", "1"] and argv[argv.index("--model-path") + 1] == str(model)
     async with actor.session.post(f"{actor.url}/generate", json={"input_ids": [1, 2],
             "sampling_params": {"max_new_tokens": 3}}) as resp:  # fmt: skip
         assert resp.status == 200 and len((await resp.json())["output_ids"]) == 3
-    assert actor.proc is not None
-    server = actor.proc
     actor.request_stop("test")
     assert await task == 0
-    assert server.returncode is not None  # the whole group was stopped
+    for pid in (record["pid"], record["helper"]):  # the whole group was stopped
+        assert not _alive(pid), pid
+
+
+def test_a_tethered_command_dies_with_its_parent(tmp_path: Path):
+    """``runtime/tether.py``: the server an engine actor started does not outlive it."""
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'asyncrl.runtime.tether', "
+        "sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    time.sleep(0.5)  # let the tether set its parent-death signal and exec
+    assert _alive(child)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, reaped by no one yet, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 async def test_a_server_that_dies_fails_the_actor_with_the_reason(model: Path):

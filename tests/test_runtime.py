@@ -152,3 +152,66 @@ def test_job_endpoints_are_distinct_and_below_the_ephemeral_port_range():
     ports = [int(ep.rsplit(":", 1)[1]) for _ in range(20) for ep in allocate_endpoints().values()]
     assert len(set(ports)) == len(ports)
     assert all(1024 <= p < first for p in ports)
+
+
+@pytest.fixture
+async def restarting(tmp_path: Path) -> AsyncIterator[tuple[Supervisor, list[str]]]:
+    """A supervisor that restarts role ``test`` twice; yields it and the names it was asked
+    to prepare a restart for (``before_restart``)."""
+    prepared: list[str] = []
+
+    async def before_restart(spec: ActorSpec) -> None:
+        prepared.append(spec.name)
+        await asyncio.sleep(float(spec.params.get("prepare_s", 0)))
+
+    async with ControlHub("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
+        async with Supervisor(
+            runtime,
+            hub,
+            heartbeat_timeout=2.0,
+            startup_timeout=60,
+            restarts={"test": 2},
+            before_restart=before_restart,
+        ) as sup:
+            yield sup, prepared
+            await sup.stop_all(grace=5)
+
+
+async def test_a_crashing_actor_is_restarted_until_its_budget_is_spent(
+    restarting: tuple[Supervisor, list[str]], tmp_path: Path
+):
+    sup, prepared = restarting
+    await sup.launch([spec("c", "Crasher", tmp_path, after=0.3)])
+    died = await death(sup)
+    # Two restarts survived (each prepared first), the third death ends the job.
+    assert prepared == ["c", "c"] and sup.status["c"].restarts == 2
+    assert [d.reason for d in sup.deaths] == ["RuntimeError: boom at step 3"] * 2
+    assert "RuntimeError: boom at step 3" in died.reason
+    setups = (tmp_path / "c.journal").read_text().split().count("setup")
+    assert setups == 3  # three incarnations ran
+
+
+async def test_a_hung_actor_is_killed_and_restarted(
+    restarting: tuple[Supervisor, list[str]], tmp_path: Path
+):
+    sup, _ = restarting
+    await sup.launch([spec("h", "Hanger", tmp_path)])
+    hung = await death(sup)
+    assert isinstance(hung, ActorHung)
+    assert len(sup.deaths) == 2 and all(isinstance(d, ActorHung) for d in sup.deaths)
+    assert all("no heartbeat for" in d.reason for d in sup.deaths)
+
+
+async def test_a_restart_under_way_when_the_job_stops_is_given_up(
+    restarting: tuple[Supervisor, list[str]], tmp_path: Path
+):
+    sup, prepared = restarting
+    # Preparing the restart takes a minute (a buffer that does not answer): the stop
+    # must not wait for it, nor start a new incarnation after it.
+    await sup.launch([spec("x", "HardExit", tmp_path, prepare_s=60)])
+    async with asyncio.timeout(30):
+        await sup._until(lambda: prepared == ["x"])
+        codes = await sup.stop_all(grace=1)
+    assert codes == {"x": 3}
+    assert sup.failure is None and sup.status["x"].restarts == 1
+    assert (tmp_path / "x.journal").read_text().split().count("setup") == 1

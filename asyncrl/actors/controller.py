@@ -149,6 +149,8 @@ async def _train(sup: Supervisor, specs: list[ActorSpec], cfg: RunConfig) -> str
             await sup.wait_until(lambda st: st["trainer"].state == "finished")
         except ActorDied as exc:
             return str(exc)
+        except Exception as exc:  # an actor that could not be started (placement, Ray)
+            return f"{type(exc).__name__}: {exc}"
         finally:
             bar.cancel()
     return ""

@@ -7,11 +7,12 @@ Two kinds (``rollout.engine.type``):
 
 - ``torch``: the embedded ``TorchEngine`` behind ``EngineServer`` in this process.
 - ``sglang``: ``python -m sglang.launch_server --model-path M --host H --port P ARGS`` as a
-  child process in its own process group (``ARGS``: ``rollout.engine.server_args``, which
-  ``--sglang-*`` flags fill). Ready once ``/health_generate`` answers 200.
+  child process in its own process group, SIGKILLed by the kernel if this actor dies
+  (``runtime/tether.py``); ``ARGS``: ``rollout.engine.server_args``, which ``--sglang-*``
+  flags fill. Ready once ``/health_generate`` answers 200.
 
 ``run()`` then checks ``/health_generate`` every ``health_interval`` seconds. A server that
-exits, or fails ``health_failures`` checks in a row, fails the actor with the reason, and
+exits, or fails ``HEALTH_FAILURES`` (3) checks in a row, fails the actor with the reason, and
 the supervisor reports it. Weights reach either kind from the rollout actor over HTTP
 (``/update_weights_from_disk``), as they reach any SGLang server.
 """
@@ -37,6 +38,7 @@ log = get_logger("asyncrl.engine")
 
 #: Consecutive failed health checks that fail the actor.
 HEALTH_FAILURES = 3
+_LINE_LIMIT = 1024 * 1024
 
 
 def engine_url(endpoint: str) -> str:
@@ -46,11 +48,16 @@ def engine_url(endpoint: str) -> str:
 
 
 def sglang_command(cfg: EngineConfig, host: str, port: int) -> list[str]:
-    """The SGLang server's command line."""
+    """The SGLang server's command line, tethered to this process (``runtime/tether.py``).
+
+    No ``--dtype``: SGLang's own default (the checkpoint's dtype) beats our float32 default
+    for the embedded engine; ``--sglang-dtype`` sets it.
+    """
     return [
+        sys.executable, "-m", "asyncrl.runtime.tether",
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(cfg.model_path), "--host", host, "--port", str(port),
-        "--dtype", cfg.dtype, *cfg.server_args,
+        *cfg.server_args,
     ]  # fmt: skip
 
 
@@ -94,6 +101,7 @@ class EngineActor(Actor):
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # one group: stopping it stops its scheduler processes
+            limit=_LINE_LIMIT,
         )
         self._stack.push_async_callback(self._stop_server)
         pump = asyncio.create_task(self._pump(), name=f"{self.name}.output")
@@ -143,24 +151,30 @@ class EngineActor(Actor):
     async def _pump(self) -> None:
         """Copy the server's output into this actor's log (and keep the last lines)."""
         assert self.proc is not None and self.proc.stdout is not None
-        while line := await self.proc.stdout.readline():
+        while True:
+            try:
+                line = await self.proc.stdout.readline()
+            except ValueError:  # a line over the limit; asyncio dropped it, keep reading
+                line = b"[asyncrl: an output line over the limit was dropped]\n"
+            if not line:
+                return
             text = line.decode(errors="replace").rstrip()
             self._output.append(text)
             print(text, file=sys.stderr, flush=True)
 
     async def _stop_server(self) -> None:
-        """SIGTERM the server's process group, then SIGKILL after ``drain_timeout``."""
-        if self.proc is None or self.proc.returncode is not None:
+        """SIGTERM the server's process group, then SIGKILL after ``drain_timeout``; the
+        group is killed even when its leader is gone (its scheduler processes may not be)."""
+        if self.proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.spec.drain_timeout):
                 await self.proc.wait()
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            await self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        await self.proc.wait()
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:

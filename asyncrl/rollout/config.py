@@ -15,6 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+#: Arguments of sglang.launch_server that the engine actor sets (model_path, its endpoint).
+_ASSIGNED_SERVER_ARGS = ("--model-path", "--model", "--host", "--port")
+
 
 class EngineConfig(BaseModel):
     """Which engines a rollout actor uses and how they take new weights."""
@@ -67,6 +70,9 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 "the sglang engine type needs urls (server or router addresses), or serve: actor"
             )
+        taken = [a for a in self.server_args if a.split("=")[0] in _ASSIGNED_SERVER_ARGS]
+        if taken:
+            raise ValueError(f"server_args {taken}: the engine actor assigns these itself")
         if self.server_args and not (self.type == "sglang" and self.serve == "actor"):
             raise ValueError("server_args (--sglang-* flags) apply to launched sglang servers only")
         return self

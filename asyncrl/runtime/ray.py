@@ -242,8 +242,10 @@ class RayRuntime:
             if spec.name in engines:
                 continue
             engine = spec.name.replace("rollout-", "engine-", 1)
-            if spec.role == "rollout" and engine in self._hosts:  # beside its engine
-                node = (await self._hosts[engine].node.remote())["node_id"]
+            beside = spec.role == "rollout" and engine in self._hosts
+            if beside and isinstance(self._options[spec.name]["scheduling_strategy"], str):
+                # No bundle (neither role asks for resources): follow the engine's node.
+                node = (await self._node(self._hosts[engine], engine))["node_id"]
                 self._options[spec.name]["scheduling_strategy"] = _on_node(node)
             self._hosts[spec.name] = self._new_host(spec)
         return await self._endpoints(specs, bind_host)
@@ -282,33 +284,53 @@ class RayRuntime:
         )
 
     async def _reserve(self, specs: Sequence[ActorSpec]) -> None:
-        """Check the cluster can hold the job, then create and wait for the groups."""
+        """Check the cluster can hold the job, then create and wait for the groups.
+
+        Each role's actors share one group, one bundle each. With engine actors,
+        ``engine-i`` and ``rollout-i`` share bundle ``i`` (the sum of both roles' demands),
+        so a rollout actor's resources are reserved on its engine's node.
+        """
         import ray
+
+        _check_capacity(_total_demand(self.config, specs), ray.cluster_resources())
+        groups: dict[str, list[list[ActorSpec]]] = defaultdict(list)
+        for spec in specs:
+            groups[spec.role].append([spec])
+        if "engine" in groups:
+            for i, pair in enumerate(groups.pop("rollout", [])):
+                groups["engine"][i] += pair
+        for role, bundles in groups.items():
+            await self._reserve_role(role, bundles)
+
+    async def _reserve_role(self, role: str, bundles: list[list[ActorSpec]]) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        _check_capacity(_total_demand(self.config, specs), ray.cluster_resources())
-        by_role: dict[str, list[ActorSpec]] = defaultdict(list)
-        for spec in specs:
-            by_role[spec.role].append(spec)
-        for role, members in by_role.items():
-            res = self.config.role(role)
-            demand = res.demand()
-            opts: dict[str, Any] = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus}
-            if res.resources:
-                opts["resources"] = dict(res.resources)
-            beside_engines = role == "rollout" and "engine" in by_role  # by node affinity
-            if not demand or beside_engines:  # Ray refuses empty bundles: no group
-                spread = self._strategy(role) == "SPREAD" or role == "eval"
-                for spec in members:
-                    self._options[spec.name] = opts | {"scheduling_strategy": _spread(spread)}
-                continue
-            group = placement_group([demand] * len(members), strategy=self._strategy(role))
-            self._groups.append(group)
-            await self._ready(group, role, demand, len(members))
-            for i, spec in enumerate(members):
-                strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
-                self._options[spec.name] = opts | {"scheduling_strategy": strategy}
+        demand: dict[str, float] = defaultdict(float)
+        for spec in bundles[0]:
+            for key, amount in self.config.role(spec.role).demand().items():
+                demand[key] += amount
+        if not demand:  # Ray refuses empty bundles: place by strategy alone
+            spread = self._strategy(role) == "SPREAD" or role == "eval"
+            for spec in (s for bundle in bundles for s in bundle):
+                self._options[spec.name] = self._resources(spec) | {
+                    "scheduling_strategy": _spread(spread)
+                }
+            return
+        group = placement_group([dict(demand)] * len(bundles), strategy=self._strategy(role))
+        self._groups.append(group)
+        await self._ready(group, role, dict(demand), len(bundles))
+        for i, bundle in enumerate(bundles):
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+            for spec in bundle:
+                self._options[spec.name] = self._resources(spec) | {"scheduling_strategy": strategy}
+
+    def _resources(self, spec: ActorSpec) -> dict[str, Any]:
+        res = self.config.role(spec.role)
+        opts: dict[str, Any] = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus}
+        if res.resources:
+            opts["resources"] = dict(res.resources)
+        return opts
 
     def _strategy(self, role: str) -> str:
         if role in ("rollout", "engine") and self.config.rollout_placement == "spread":
@@ -354,6 +376,22 @@ class RayRuntime:
                 return out
         raise RuntimeError("could not draw distinct ports for the job's channels")
 
+    async def _node(self, host: Any, name: str) -> dict[str, Any]:
+        """Where ``host`` runs, once Ray has scheduled it (bounded: a host whose resources
+        never free up would otherwise wait for ever)."""
+        import ray
+
+        try:
+            async with asyncio.timeout(self.config.placement_timeout):
+                return dict(await host.node.remote())
+        except TimeoutError:
+            ray.kill(host, no_restart=True)
+            raise TimeoutError(
+                f"Ray did not start actor {name} within {self.config.placement_timeout:.0f}s "
+                "(runtime.ray.placement_timeout): its resources are not free on any node it "
+                "may use"
+            ) from None
+
     # -- the Runtime protocol ---------------------------------------------------------
     async def start(self, spec: ActorSpec) -> RayActor:
         """Run ``spec`` in its placed host (a new host in the same place on a restart)."""
@@ -362,7 +400,7 @@ class RayRuntime:
             if spec.name not in self._options:
                 raise ValueError(f"actor {spec.name!r} was not placed (call place() first)")
             host = self._new_host(spec)
-        info = await host.node.remote()
+        info = await self._node(host, spec.name)
         handle = RayActor(spec, host, info, self.run_dir / "logs" / f"{spec.name}.out")
         ref = host.run.remote(msgspec.json.encode(spec))
         handle.finished = self._tg.create_task(handle.follow(ref), name=f"ray.{spec.name}")

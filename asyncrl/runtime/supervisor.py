@@ -96,6 +96,7 @@ class Supervisor:
         self.handles: dict[str, ActorHandle] = {}
         self.specs: dict[str, ActorSpec] = {}
         self.deaths: list[ActorDied] = []  # deaths survived by a restart, oldest first
+        self._restarting: dict[str, asyncio.Task[None]] = {}  # actor -> its exit watcher
         self.failure: ActorDied | None = None
         self._changed = asyncio.Event()
         self._stopping = False
@@ -172,6 +173,7 @@ class Supervisor:
         Each step gives the actor ``grace`` seconds.
         """
         self._stopping = True
+        await self._settle_restarts(grace)
         alive = [n for n, h in self.handles.items() if h.exit_code is None]
         async with asyncio.TaskGroup() as tg:
             for name in alive:
@@ -184,10 +186,23 @@ class Supervisor:
         Used to stop producers before the hub they talk to, so their last work lands.
         """
         self._stopping = True
+        await self._settle_restarts(grace)
         async with asyncio.TaskGroup() as tg:
             for name in names:
                 if self.handles[name].exit_code is None:
                     tg.create_task(self._stop_one(name, grace), name=f"supervisor.stop.{name}")
+
+    async def _settle_restarts(self, grace: float) -> None:
+        """Let restarts under way give up (they check ``_stopping``) for up to ``grace``
+        seconds, then cancel the rest, so that a stop sees every incarnation there is."""
+        self._changed.set()
+        try:
+            async with asyncio.timeout(grace):
+                await self._until(lambda: not self._restarting)
+        except TimeoutError:
+            for task in self._restarting.values():
+                task.cancel()
+            await asyncio.gather(*self._restarting.values(), return_exceptions=True)
 
     async def _stop_one(self, name: str, grace: float) -> None:
         handle = self.handles[name]
@@ -224,6 +239,7 @@ class Supervisor:
 
     async def _watch_exit(self, handle: ActorHandle) -> None:
         code = await handle.wait()
+        self._changed.set()  # a restart may be waiting on this incarnation
         st = self.status[handle.spec.name]
         st.exit_code = code
         if st.bye is None or st.state not in ("stopped", "failed"):
@@ -263,21 +279,45 @@ class Supervisor:
             budget=self.restarts.get(st.role, 0),
             last_lines=death.tail[-5:],
         )
+        self._restarting[name] = asyncio.current_task()  # type: ignore[assignment]
         try:
-            if self.before_restart is not None:
-                await self.before_restart(spec)
-            st.hello, st.bye, st.hung, st.state = False, None, "", "restarting"
-            st.exit_code, st.last_seen = None, time.monotonic()
-            handle = await self.runtime.start(spec)
-            self.handles[name], st.pid = handle, handle.pid
-            self._tg.create_task(self._watch_exit(handle), name=f"supervisor.exit.{name}")
-            async with asyncio.timeout(self.startup_timeout):
-                await self.wait_until(lambda status: status[name].hello)
+            await self._start_again(name, spec, st)
         except Exception as exc:  # the restart itself failed: the job cannot go on
-            reason = f"{death.reason}; restart {st.restarts} failed: {type(exc).__name__}: {exc}"
+            text = str(exc) or "no detail"
+            reason = f"{death.reason}; restart {st.restarts} failed: {type(exc).__name__}: {text}"
             self._fail(ActorDied(name, death.exit_code, reason, death.tail))
-            return
-        log.info("actor restarted", actor=name, restart=st.restarts, pid=st.pid)
+        finally:
+            self._restarting.pop(name, None)
+            self._changed.set()
+
+    async def _start_again(self, name: str, spec: ActorSpec, st: ActorStatus) -> None:
+        if self.before_restart is not None:
+            await self.before_restart(spec)
+        if self._stopping:
+            return  # the job is ending: nothing to restart for
+        st.hello, st.bye, st.hung, st.state = False, None, "", "restarting"
+        st.exit_code, st.last_seen = None, time.monotonic()
+        handle = await self.runtime.start(spec)
+        self.handles[name], st.pid = handle, handle.pid
+        self._tg.create_task(self._watch_exit(handle), name=f"supervisor.exit.{name}")
+        try:
+            async with asyncio.timeout(self.startup_timeout):
+                await self._until(
+                    lambda: st.hello or handle.exit_code is not None or self._stopping
+                )
+        except TimeoutError:
+            self.runtime.kill(handle)
+            raise TimeoutError(f"no Hello within {self.startup_timeout:.0f}s") from None
+        if st.hello:
+            log.info("actor restarted", actor=name, restart=st.restarts, pid=st.pid)
+        # An incarnation that died starting is its own exit watcher's to handle; one still
+        # starting when the job stops is stopped by stop()/stop_all(), which waited for us.
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        """Wait until ``condition()`` holds (re-checked at every status change)."""
+        while not condition():
+            self._changed.clear()
+            await self._changed.wait()
 
     async def _liveness(self) -> None:
         while True:
