@@ -45,7 +45,7 @@ from asyncrl.config import RunConfig
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.progress import JobProgress
 from asyncrl.observe.trackers import TensorBoardTracker, Tracker, WandbTracker, following
-from asyncrl.runtime.base import open_runtime
+from asyncrl.runtime.base import PlacementFailed, open_runtime, place_job
 from asyncrl.runtime.supervisor import ActorDied, Supervisor
 from asyncrl.runtime.topology import job_specs, rollout_actor_names
 from asyncrl.wire.control import ControlHub
@@ -92,13 +92,10 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
         open_runtime(cfg.runtime, run_dir) as runtime,
     ):
         try:
-            endpoints = await runtime.place(specs)
-        except Exception as exc:  # the cluster cannot hold the job, or cannot be reached
-            result.error = f"cannot place the job's actors: {type(exc).__name__}: {exc}"
-            result.seconds = time.monotonic() - start
+            endpoints = await place_job(runtime, specs)
+        except PlacementFailed as exc:
+            result.error, result.seconds = str(exc), time.monotonic() - start
             return result
-        for spec in specs:
-            spec.endpoints = dict(endpoints)
         async with ControlHub(endpoints["control"]) as hub:
             sup = Supervisor(
                 runtime,

@@ -70,3 +70,20 @@ def open_runtime(config: RuntimeConfig, run_dir: Path) -> LocalRuntime | RayRunt
     from asyncrl.runtime.local import LocalRuntime
 
     return LocalRuntime(run_dir, host=config.host)
+
+
+class PlacementFailed(RuntimeError):
+    """The runtime could not place the job (the cluster cannot hold it, or is unreachable)."""
+
+
+async def place_job(runtime: Runtime, specs: Sequence[ActorSpec]) -> dict[str, str]:
+    """Place ``specs`` and give each the job's endpoints; ``PlacementFailed`` says why not."""
+    try:
+        endpoints = await runtime.place(specs)
+    except Exception as exc:  # Ray's and the runtime's own errors alike
+        raise PlacementFailed(
+            f"cannot place the job's actors: {type(exc).__name__}: {exc}"
+        ) from exc
+    for spec in specs:
+        spec.endpoints = dict(endpoints)
+    return endpoints

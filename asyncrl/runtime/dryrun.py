@@ -18,7 +18,7 @@ from typing import Any
 
 from asyncrl.actors.base import ActorSpec
 from asyncrl.config import RunConfig
-from asyncrl.runtime.base import ActorHandle, open_runtime
+from asyncrl.runtime.base import ActorHandle, PlacementFailed, open_runtime, place_job
 from asyncrl.runtime.supervisor import ActorStatus, Supervisor
 from asyncrl.runtime.topology import job_specs
 from asyncrl.wire.control import ControlHub
@@ -44,12 +44,9 @@ async def dry_run(cfg: RunConfig, *, count: int = 64, deadline: float = 120.0) -
     error, codes, rows = "", {}, []
     async with open_runtime(cfg.runtime, run_dir) as runtime:
         try:
-            endpoints = await runtime.place(specs)
-        except Exception as exc:  # the cluster cannot hold the job, or cannot be reached
-            error = f"cannot place the job's actors: {type(exc).__name__}: {exc}"
-            return DryRunResult(ok=False, seconds=time.monotonic() - start, rows=[], error=error)
-        for spec in specs:
-            spec.endpoints = dict(endpoints)
+            endpoints = await place_job(runtime, specs)
+        except PlacementFailed as exc:
+            return DryRunResult(ok=False, seconds=time.monotonic() - start, rows=[], error=str(exc))
         async with ControlHub(endpoints["control"]) as hub:
             sup = Supervisor(
                 runtime,
