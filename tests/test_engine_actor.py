@@ -26,7 +26,7 @@ from asyncrl.cli import _sglang_flags
 from asyncrl.config import ConfigError, load_config
 from asyncrl.rollout.config import EngineConfig
 from asyncrl.wire.sockets import free_tcp_endpoint
-from tests.test_train import accounted, job_flags, last_buffer_metrics, write_prompts
+from tests.test_train import accounted, job_flags, last_buffer_metrics, lines, write_prompts
 from tests.tiny_model import build_tiny_model
 
 STUB = Path(__file__).parent / "sglang_stub"
@@ -184,9 +184,10 @@ async def test_a_job_generates_through_engine_actors(model: Path, tmp_path: Path
     run_dir = tmp_path / "run"
     last = last_buffer_metrics(run_dir)
     assert last["buffer.consumed"] == 3 * 2 and accounted(last)
-    for i in range(2):  # each engine served its rollout actor and took the new weights
-        log = [
-            json.loads(x) for x in (run_dir / "logs" / f"engine-{i}.jsonl").read_text().splitlines()
-        ]
+    updated = set()
+    for i in range(2):  # each engine served; the weights reached them over HTTP from disk
+        log = [json.loads(x) for x in lines(run_dir / "logs" / f"engine-{i}.jsonl")]
         assert any(r["event"] == "engine serving" for r in log)
-        assert any(r["event"] == "weights updated" and r["version"] >= 1 for r in log)
+        updated |= {r["version"] for r in log if r["event"] == "weights updated"}
+    # An actor whose engine came up late may have had no work before the 3rd step.
+    assert 3 in updated, updated
