@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: demo arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer \
-	bench-overlap bench-agent-proxy clean
+	bench-overlap bench-agent-proxy bench-runtimes clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ bench-overlap: $(STAMP)
 
 bench-agent-proxy: $(STAMP)
 	$(PY) bench/agent_proxy.py
+
+bench-runtimes: $(STAMP)
+	$(PY) bench/runtimes.py --steps 40 --repeats 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncrl tests bench examples
