@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: demo arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer \
-	bench-overlap bench-agent-proxy bench-runtimes clean
+	bench-overlap bench-agent-proxy bench-runtimes bench-curve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,9 @@ bench-agent-proxy: $(STAMP)
 
 bench-runtimes: $(STAMP)
 	$(PY) bench/runtimes.py --steps 40 --repeats 2
+
+bench-curve: $(STAMP)
+	$(PY) bench/curve.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncrl tests bench examples

@@ -4,6 +4,7 @@
     asyncrl sft [CONFIG.yaml] --model DIR --data FILE.jsonl [--<config flag> VALUE ...]
     asyncrl serve --model DIR [--host 127.0.0.1] [--port 30000] [--device cpu] ...
     asyncrl plot RUN_DIR [--out DIR]
+    asyncrl keys DIR
     asyncrl version
 
 Thin on purpose: nothing heavy is imported before the arguments are parsed, so
@@ -52,6 +53,14 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_sft(sub, argv)
     _add_serve(sub)
     _add_plot(sub)
+    keys = sub.add_parser(
+        "keys",
+        help="make a CurveZMQ job certificate (--wire-curve-keys DIR)",
+        description="Write a new CurveZMQ key pair for a job into DIR: job.key (public) "
+        "and job.key_secret (mode 0600). With --wire-curve-keys DIR every channel of the "
+        "job is encrypted and admits only processes that hold the secret key.",
+    )
+    keys.add_argument("dir", type=Path, metavar="DIR", help="folder to create (or empty)")
     sub.add_parser("version", help="print the asyncrl version")
     return parser
 
@@ -130,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "plot":
         return _plot(args)
+    if args.command == "keys":
+        return _keys(args)
     return _train(args)
 
 
@@ -358,6 +369,18 @@ def _serve(args: argparse.Namespace) -> int:
     server_args = {"host": host, "port": args.port, "dtype": args.dtype}
     server = EngineServer(engine, server_args=server_args)
     uvloop.run(serve_until_signalled(server, host, args.port))
+    return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from asyncrl.wire import security
+
+    try:
+        public, secret = security.generate(args.dir)
+    except (FileExistsError, OSError) as exc:
+        print(f"asyncrl keys: {exc}", file=sys.stderr)
+        return 2
+    print(f"{public}\n{secret}  (secret: keep it 0600, on the job's nodes only)")
     return 0
 
 

@@ -41,6 +41,7 @@ from asyncrl.observe.trackers import check_tracker_setup
 from asyncrl.policies.config import PolicyConfig
 from asyncrl.rollout.config import EvalConfig, RolloutConfig
 from asyncrl.trainers.config import TorchTrainerConfig
+from asyncrl.wire import security
 from asyncrl.wire.sockets import check_endpoint
 
 KiB, MiB = 1024, 1024 * 1024
@@ -48,6 +49,14 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 Overrides = Sequence[str] | Mapping[str, Any]
 _DEST = "config:"
 _MISSING = object()
+
+
+def _is_loopback_host(host: str) -> bool:
+    try:
+        check_endpoint(f"tcp://{host}:0")
+    except ValueError:
+        return False
+    return True
 
 
 class ConfigError(ValueError):
@@ -129,7 +138,8 @@ class RuntimeConfig(Section):
         json_schema_extra={"flag": "runtime"},
     )
     host: str = Field(
-        "127.0.0.1", description="address the job's channels bind to (loopback for now)"
+        "127.0.0.1",
+        description="address the job's channels bind to; non-loopback needs wire.curve_keys",
     )
     heartbeat_interval: float = Field(1.0, gt=0, description="seconds between heartbeats")
     heartbeat_timeout: float = Field(
@@ -154,14 +164,11 @@ class RuntimeConfig(Section):
 
     @field_validator("host")
     @classmethod
-    def _loopback_only(cls, host: str) -> str:
+    def _an_address(cls, host: str) -> str:
         try:
-            check_endpoint(f"tcp://{host}:0")
+            check_endpoint(f"tcp://{host}:0", allow_remote=True)
         except ValueError:
-            raise ValueError(
-                f"{host!r} is not a loopback address; channels bind beyond this host only "
-                "with CurveZMQ encryption, which is not built yet"
-            ) from None
+            raise ValueError(f"{host!r} is not an address to bind") from None
         return host
 
     @model_validator(mode="after")
@@ -184,6 +191,18 @@ class WireConfig(Section):
     window: int = Field(8192, ge=1, description="max unacknowledged reliable messages")
     redeliver_after: float = Field(2.0, gt=0, description="seconds before an unacked resend")
     chunk_bytes: int = Field(4 * MiB, gt=0, description="chunk size of the blob pull, bytes")
+    curve_keys: str | None = Field(
+        None,
+        description="CurveZMQ: the job certificate's folder (asyncrl keys DIR); every channel "
+        "is then encrypted and authenticated, and may bind non-loopback addresses",
+    )
+
+    @field_validator("curve_keys")
+    @classmethod
+    def _keys_load(cls, keys: str | None) -> str | None:
+        if keys is not None:
+            security.load(keys)  # missing, unreadable or world-readable: refused here
+        return keys
 
     @model_validator(mode="after")
     def _fit_in_frames(self) -> WireConfig:
@@ -345,6 +364,12 @@ class RunConfig(Section):
                 "there is nothing new to evaluate"
             )
         self._engine_actors_fit()
+        if not _is_loopback_host(self.runtime.host) and self.wire.curve_keys is None:
+            raise ValueError(
+                f"runtime.host {self.runtime.host!r} is not loopback: channels bind beyond "
+                "this host only encrypted; make keys with `asyncrl keys DIR` and set "
+                "--wire-curve-keys DIR"
+            )
         return self
 
     def _engine_actors_fit(self) -> None:

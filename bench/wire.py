@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,9 @@ import torch
 import uvloop
 import zmq
 
+from asyncrl.observe.logs import configure_logging
 from asyncrl.types import Sample, SampleStatus, pack_int32
+from asyncrl.wire import security
 from asyncrl.wire.blob import BlobClient, BlobServer
 from asyncrl.wire.codec import Codec, Message
 from asyncrl.wire.reliable import ReliableReceiver, ReliableSender
@@ -48,6 +51,7 @@ from asyncrl.wire.sockets import free_tcp_endpoint
 
 CHUNK_BYTES = 4 * 1024 * 1024
 PULLS = 4  # timed payload transfers per measurement, after one untimed warm-up
+CURVE_ENV = "ASYNCRL_BENCH_CURVE_KEYS"  # children enable CurveZMQ with these keys
 
 
 def make_record(i: int) -> Sample:
@@ -289,6 +293,9 @@ def main() -> None:
 
 
 def run_child(role: str, endpoint: str, size: int) -> None:
+    if keys := os.environ.get(CURVE_ENV):  # bench/curve.py: the encrypted variant
+        configure_logging(level="warning")  # stdout carries READY and the result only
+        security.enable(keys)
     if role == "raw_pull":
         result = child_raw_pull(endpoint, size)
     elif role.startswith("reliable_recv:"):

@@ -24,6 +24,7 @@ from asyncrl.config import (
     load_config,
     overrides_from_namespace,
 )
+from asyncrl.wire import security
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -345,7 +346,16 @@ def test_the_resolved_config_round_trips_as_json(tmp_path: Path):
     assert RunConfig.model_validate_json(out.read_text()) == cfg
 
 
-def test_a_host_beyond_loopback_is_refused_until_channels_are_encrypted():
-    with pytest.raises(ConfigError, match=r"'10\.0\.0\.1' is not a loopback address"):
+def test_a_host_beyond_loopback_is_refused_unless_channels_are_encrypted(tmp_path):
+    with pytest.raises(ConfigError, match=r"'10\.0\.0\.1' is not loopback.*asyncrl keys"):
         load_config(overrides=["--runtime-host", "10.0.0.1"])
     assert load_config(overrides=["--runtime-host", "localhost"]).runtime.host == "localhost"
+    security.generate(tmp_path / "keys")
+    keys = ["--wire-curve-keys", str(tmp_path / "keys")]
+    cfg = load_config(overrides=["--runtime-host", "10.0.0.1", *keys])
+    assert cfg.runtime.host == "10.0.0.1" and cfg.wire.curve_keys == str(tmp_path / "keys")
+    with pytest.raises(ConfigError, match="asyncrl keys"):  # no certificate there
+        load_config(overrides=["--wire-curve-keys", str(tmp_path)])
+    (tmp_path / "keys" / "job.key_secret").chmod(0o644)
+    with pytest.raises(ConfigError, match="readable by others"):
+        load_config(overrides=keys)

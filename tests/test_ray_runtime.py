@@ -23,9 +23,11 @@ import pytest
 
 from asyncrl.actors.controller import run_job
 from asyncrl.cli import main
-from asyncrl.config import load_config
+from asyncrl.config import RayConfig, load_config
 from asyncrl.observe.logs import configure_logging
 from asyncrl.runtime.dryrun import dry_run
+from asyncrl.runtime.ray import ActorHost, RayRuntime
+from asyncrl.wire import security
 from tests.test_train import (
     accounted,
     job_flags,
@@ -117,6 +119,33 @@ async def test_a_job_the_cluster_cannot_hold_is_refused_before_any_actor_starts(
     assert not result.ok and result.rows == []
     assert "GPU: needs 1, has 0" in result.error and "node_c: needs 2, has 0" in result.error
     assert not (tmp_path / "r" / "logs" / "trainer.out").exists()
+
+
+def test_a_cluster_across_hosts_binds_node_addresses_only_with_keys(
+    cluster: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    here = ray.util.get_node_ip_address()
+    runtime = RayRuntime(tmp_path, RayConfig())
+    assert runtime._bind_host() == "127.0.0.1"  # every node on this host: loopback
+    nodes = ray.nodes()
+    monkeypatch.setattr(
+        ray, "nodes", lambda: [*nodes, {**nodes[0], "NodeManagerAddress": "10.9.8.7"}]
+    )
+    with pytest.raises(ValueError, match=r"spans hosts.*asyncrl keys"):
+        runtime._bind_host()
+    security.generate(tmp_path / "keys")
+    security.enable(tmp_path / "keys")
+    try:
+        assert runtime._bind_host() is None and runtime.controller_host == here
+    finally:
+        security.disable()
+    # With no host given, a node's ActorHost draws its ports on the node's own address.
+    host = ray.remote(ActorHost).options(num_cpus=0).remote(str(tmp_path), str(tmp_path / "h.out"))
+    try:
+        [endpoint] = ray.get(host.endpoints.remote(["x"], None)).values()
+    finally:
+        ray.kill(host)
+    assert endpoint.startswith(f"tcp://{here}:")
 
 
 async def test_a_short_run_on_ray_trains_and_accounts_for_every_prompt(

@@ -316,8 +316,12 @@ def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
 
     body, _ = Codec(Bye).encode_parts(bye)
     env = framing.Request(v=WIRE_VERSION, id=0, nbuf=0, body=msgspec.Raw(body))
+    from asyncrl.wire import security
+
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, actor.encode())
+    if (keys := security.active()) is not None:
+        keys.client(sock)
     sock.setsockopt(zmq.LINGER, 500)  # give the goodbye half a second to leave
     sock.connect(endpoint)
     sock.send(framing.pack(env))

@@ -32,10 +32,11 @@ every batch trained.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from asyncrl.observe.trackers import TensorBoardTracker, Tracker, WandbTracker, 
 from asyncrl.runtime.base import PlacementFailed, open_runtime, place_job
 from asyncrl.runtime.supervisor import ActorDied, Supervisor
 from asyncrl.runtime.topology import job_specs, rollout_actor_names
+from asyncrl.wire import security
 from asyncrl.wire.control import ControlHub
 from asyncrl.wire.messages import Command
 
@@ -89,6 +91,7 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
     trackers = await asyncio.to_thread(open_trackers, cfg, run_dir)
     async with (
         following(run_dir, trackers, cfg.train.metrics_interval),
+        _curve(cfg),  # the control hub is a channel too
         open_runtime(cfg.runtime, run_dir) as runtime,
     ):
         try:
@@ -118,6 +121,12 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
     result.ok = not result.error and all(code == 0 for code in result.codes.values())
     result.seconds = time.monotonic() - start
     return result
+
+
+@contextlib.asynccontextmanager
+async def _curve(cfg: RunConfig) -> AsyncIterator[None]:
+    with security.enabled_for(cfg.wire):
+        yield
 
 
 def _requeue_work(hub: ControlHub) -> Callable[[ActorSpec], Awaitable[None]]:

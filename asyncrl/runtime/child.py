@@ -21,6 +21,7 @@ import uvloop
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.observe.logs import configure_logging
 from asyncrl.plugins import load_object
+from asyncrl.wire import security
 
 _PR_SET_PDEATHSIG = 1
 
@@ -67,6 +68,10 @@ def load_actor(raw: bytes) -> Actor:
         role=spec.role,
         pid=os.getpid(),
     )
+    try:  # before any channel opens: CurveZMQ when the job has keys
+        security.enable_from_config(spec.config.get("wire", {}))
+    except ValueError as exc:
+        raise ValueError(f"wire.curve_keys: {exc}") from None
     return cls(spec)
 
 

@@ -21,6 +21,7 @@ from asyncrl.config import RunConfig
 from asyncrl.runtime.base import ActorHandle, PlacementFailed, open_runtime, place_job
 from asyncrl.runtime.supervisor import ActorStatus, Supervisor
 from asyncrl.runtime.topology import job_specs
+from asyncrl.wire import security
 from asyncrl.wire.control import ControlHub
 
 PROBE = "asyncrl.actors.probe:ProbeActor"
@@ -41,6 +42,13 @@ async def dry_run(cfg: RunConfig, *, count: int = 64, deadline: float = 120.0) -
     start = time.monotonic()
     run_dir = cfg.resolved_output_dir()
     specs = _specs(cfg, run_dir, count)
+    with security.enabled_for(cfg.wire):
+        return await _dry_run(cfg, run_dir, specs, deadline, start)
+
+
+async def _dry_run(
+    cfg: RunConfig, run_dir: Path, specs: list[ActorSpec], deadline: float, start: float
+) -> DryRunResult:
     error, codes, rows = "", {}, []
     async with open_runtime(cfg.runtime, run_dir) as runtime:
         try:

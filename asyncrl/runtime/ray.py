@@ -18,9 +18,10 @@ actors spread like rollout actors.
 Addresses: a channel binds on the node of the actor that owns it (``topology.binder``),
 and the port is found free by a host on that node, so the addresses travel through Ray,
 not through any guess made by the controller. When every node is on the controller's host
-(a local cluster, or ``ray.cluster_utils.Cluster``) they bind loopback. A cluster that
-spans hosts would need channels on non-loopback addresses, which asyncrl refuses without
-CurveZMQ encryption (not built yet): such a cluster is refused with that reason.
+(a local cluster, or ``ray.cluster_utils.Cluster``) they bind ``runtime.host`` (loopback).
+On a cluster that spans hosts each binds its node's address (the control hub the
+controller's), which asyncrl allows only with CurveZMQ (``wire.curve_keys``): without keys
+such a cluster is refused with that reason.
 
 Death: a host's ``run`` returns the actor's exit code (0 stopped, 1 failed, 2 could not
 load). A worker that dies (SIGKILL, OOM, a lost node) surfaces as Ray's ``ActorDiedError``;
@@ -86,10 +87,14 @@ class ActorHost:
             "pid": os.getpid(),
         }
 
-    async def endpoints(self, names: list[str], host: str) -> dict[str, str]:
-        """A free ``tcp://host:port`` on this node for each of ``names``."""
+    async def endpoints(self, names: list[str], host: str | None) -> dict[str, str]:
+        """A free ``tcp://host:port`` on this node for each of ``names`` (``host`` None:
+        this node's address, as Ray knows it)."""
+        import ray
+
         from asyncrl.wire.sockets import free_tcp_endpoint
 
+        host = host or ray.util.get_node_ip_address()
         return {name: free_tcp_endpoint(host) for name in names}
 
     async def run(self, raw: bytes) -> int:
@@ -200,6 +205,7 @@ class RayRuntime:
         self._options: dict[str, dict[str, Any]] = {}  # actor name -> Ray options
         self._groups: list[Any] = []
         self._started_ray = False
+        self.controller_host = host  # the control hub's address (the node IP multi-host)
         self._tg = asyncio.TaskGroup()
 
     async def __aenter__(self) -> RayRuntime:
@@ -269,19 +275,26 @@ class RayRuntime:
         self._started_ray = True
         log.info("ray connected", address=address or "local", resources=ray.cluster_resources())
 
-    def _bind_host(self) -> str:
-        """Loopback when every node is on this host; otherwise refused (see module doc)."""
+    def _bind_host(self) -> str | None:
+        """``runtime.host`` when every node is on this host; None (each node's own address)
+        for a cluster that spans hosts, which needs CurveZMQ (see module doc)."""
         import ray
+
+        from asyncrl.wire import security
 
         here = ray.util.get_node_ip_address()
         hosts = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]})
         if set(hosts) <= {here}:
             return self.host
-        raise ValueError(
-            f"this Ray cluster spans hosts {hosts} (the controller is on {here}): its "
-            "channels would bind non-loopback addresses, which asyncrl refuses until they "
-            "are CurveZMQ-encrypted; run the job on nodes of one host (docs/ray.md)"
-        )
+        if security.active() is None:
+            raise ValueError(
+                f"this Ray cluster spans hosts {hosts} (the controller is on {here}): its "
+                "channels must bind each node's address, which asyncrl allows only "
+                "encrypted; make keys with `asyncrl keys DIR` on the shared filesystem and "
+                "set --wire-curve-keys DIR (docs/ray.md)"
+            )
+        self.controller_host = here
+        return None
 
     async def _reserve(self, specs: Sequence[ActorSpec]) -> None:
         """Check the cluster can hold the job, then create and wait for the groups.
@@ -356,13 +369,14 @@ class RayRuntime:
         out = str(self.run_dir / "logs" / f"{spec.name}.out")
         return cls.options(**opts).remote(os.getcwd(), out)
 
-    async def _endpoints(self, specs: Sequence[ActorSpec], bind_host: str) -> dict[str, str]:
+    async def _endpoints(self, specs: Sequence[ActorSpec], bind_host: str | None) -> dict[str, str]:
         """Ask each binding actor's host for its ports; ``control`` is the controller's."""
         from asyncrl.wire.sockets import free_tcp_endpoint
 
         names = endpoint_names(specs)
+        here = bind_host or self.controller_host
         for _ in range(_TRIES_FOR_DISTINCT_PORTS):
-            out = {"control": free_tcp_endpoint(bind_host)}
+            out = {"control": free_tcp_endpoint(here)}
             wanted: dict[str, list[str]] = defaultdict(list)
             for name in names:
                 if binder(name) in self._hosts:
@@ -370,7 +384,7 @@ class RayRuntime:
             for actor, mine in wanted.items():
                 out |= await self._hosts[actor].endpoints.remote(mine, bind_host)
             for name in names:  # roles this job lacks (train-only: no buffer)
-                out.setdefault(name, free_tcp_endpoint(bind_host))
+                out.setdefault(name, free_tcp_endpoint(here))
             # Hosts on one machine draw ports independently: make sure none drew the same.
             if len(set(out.values())) == len(out):
                 return out

@@ -12,6 +12,7 @@
 | ``control``   | controller <-> actor heartbeats and commands                       |
 | ``framing``   | channel envelopes around encoded messages                          |
 | ``sockets``   | socket options, loopback-by-default binding                        |
+| ``security``  | CurveZMQ on every socket: the job certificate, its ZAP handler     |
 | ``ranges``    | ``RangeSet``: seq bookkeeping of the reliable channel              |
 | ``errors``    | ``WireError``, ``ChannelClosed``, ``PeerLost``, ...                 |
 """

@@ -5,8 +5,9 @@ channels keep their own outbox), explicit send/receive high-water marks, and
 ``MAXMSGSIZE`` as a hard cap above the codec's ``max_frame_bytes`` so libzmq never
 allocates an unbounded frame for a misbehaving peer.
 
-Endpoints are loopback unless a caller opts in with ``allow_remote=True``; binding a
-public interface without CurveZMQ keys is refused in ``asyncrl.wire.security``.
+Endpoints are loopback unless a caller opts in with ``allow_remote=True`` or CurveZMQ is
+enabled (``asyncrl.wire.security``), which also makes every bound socket a CURVE server
+and every connecting socket a CURVE client of the job's key.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+
+from asyncrl.wire import security
 
 DEFAULT_HWM = 1000
 #: libzmq disconnects a peer whose frame exceeds max_frame_bytes + this. Below it, the
@@ -82,8 +85,14 @@ def _is_loopback(host: str) -> bool:
 
 
 def bind(sock: zmq.asyncio.Socket, endpoint: str, *, allow_remote: bool = False) -> str:
-    """Bind ``endpoint`` (``tcp://127.0.0.1:0`` picks a free port); return the real address."""
-    check_endpoint(endpoint, allow_remote=allow_remote)
+    """Bind ``endpoint`` (``tcp://127.0.0.1:0`` picks a free port); return the real address.
+
+    With CurveZMQ enabled (``security.enable``) the socket is a CURVE server and may bind a
+    non-loopback address."""
+    keys = security.active()
+    check_endpoint(endpoint, allow_remote=allow_remote or keys is not None)
+    if keys is not None:
+        keys.server(sock)
     if endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1] in ("0", "*"):
         endpoint = endpoint.rsplit(":", 1)[0] + ":*"
     sock.bind(endpoint)
@@ -109,8 +118,12 @@ async def abind(
 
 
 def connect(sock: zmq.asyncio.Socket, endpoint: str, *, allow_remote: bool = False) -> None:
-    """Connect to ``endpoint`` after the same loopback check as ``bind``."""
-    check_endpoint(endpoint, allow_remote=allow_remote)
+    """Connect to ``endpoint`` after the same loopback check as ``bind`` (a CURVE client of
+    the job's key when CurveZMQ is enabled)."""
+    keys = security.active()
+    check_endpoint(endpoint, allow_remote=allow_remote or keys is not None)
+    if keys is not None:
+        keys.client(sock)
     sock.connect(endpoint)
 
 

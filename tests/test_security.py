@@ -1,0 +1,173 @@
+"""CurveZMQ (``asyncrl.wire.security``): with the job's keys every channel works encrypted;
+a peer without them can neither send nor receive; keys are made by ``asyncrl keys``; a
+non-loopback bind needs them; a training job runs with every channel encrypted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+import zmq.auth
+
+from asyncrl.actors.controller import run_job
+from asyncrl.cli import main
+from asyncrl.config import load_config
+from asyncrl.wire import framing, security
+from asyncrl.wire.codec import WIRE_VERSION, Codec
+from asyncrl.wire.messages import WeightVersion
+from asyncrl.wire.pubsub import Publisher, Subscriber
+from asyncrl.wire.reliable import ReliableReceiver, ReliableSender
+from asyncrl.wire.sockets import bind
+from tests.test_reliable import CODEC, item
+from tests.test_train import accounted, job_flags, last_buffer_metrics, lines, write_prompts
+from tests.tiny_model import build_tiny_model
+
+WV = Codec(WeightVersion)
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Iterator[security.JobKeys]:
+    security.generate(tmp_path / "keys")
+    yield security.enable(tmp_path / "keys")
+    security.disable()
+
+
+def stranger(tmp_path: Path, kind: int, curve: bool) -> zmq.asyncio.Socket:
+    """A raw socket of a peer that knows the job's public key but holds another key pair
+    (``curve``), or speaks plain ZeroMQ."""
+    sock = zmq.asyncio.Context.instance().socket(kind)
+    sock.linger = 0
+    if curve:
+        _, secret_file = zmq.auth.create_certificates(tmp_path, "stranger")
+        public, secret = zmq.auth.load_certificate(secret_file)
+        job = security.active()
+        assert job is not None
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = (
+            public,
+            secret,
+            job.public,
+        )
+    return sock
+
+
+async def test_channels_work_encrypted_with_the_job_keys(keys, endpoint: str):
+    async with ReliableReceiver(endpoint, CODEC) as rx, ReliableSender(rx.endpoint, CODEC) as tx:
+        for i in range(100):
+            await tx.send(item(i))
+        seen: list[int] = []
+        async with asyncio.timeout(20):
+            while len(seen) < 100:
+                batch = await rx.receive_batch()
+                seen += [m.uid for m in batch]
+                batch.ack()
+            await tx.join()
+    assert seen == list(range(100))
+    async with (
+        Publisher(endpoint, endpoint, WV) as pub,
+        Subscriber(pub.endpoint, pub.snapshot_endpoint, WV, ["weights"]) as sub,
+    ):
+        pub.publish("weights", WeightVersion(version=7, transport="disk", location="/w"))
+        async with asyncio.timeout(10):
+            assert (await sub.receive()).msg.version == 7
+
+
+@pytest.mark.parametrize("curve", [True, False], ids=["another-key", "plain"])
+async def test_a_peer_without_the_job_key_can_neither_send_nor_receive(
+    keys, endpoint: str, tmp_path: Path, curve: bool
+):
+    async with ReliableReceiver(endpoint, CODEC) as rx:
+        intruder = stranger(tmp_path, zmq.DEALER, curve)
+        intruder.connect(rx.endpoint)
+        body, _ = CODEC.encode_parts(item(1))
+        env = framing.Request(v=WIRE_VERSION, id=1, nbuf=0, body=msgspec.Raw(body))
+        for _ in range(20):
+            await intruder.send(framing.pack(env))
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await rx.receive_batch()
+        intruder.close()
+        # The same receiver takes the job's own sender at once: the silence above was
+        # the intruder's, not a broken channel.
+        async with ReliableSender(rx.endpoint, CODEC) as tx:
+            await tx.send(item(2))
+            async with asyncio.timeout(10):
+                assert [m.uid for m in await rx.receive_batch()] == [2]
+    async with Publisher(endpoint, endpoint, WV) as pub:
+        eavesdropper = stranger(tmp_path, zmq.SUB, curve)
+        eavesdropper.subscribe(b"")
+        eavesdropper.connect(pub.endpoint)
+        for v in range(30):
+            pub.publish("weights", WeightVersion(version=v, transport="disk", location="/w"))
+            await asyncio.sleep(0.03)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await eavesdropper.recv_multipart()
+        eavesdropper.close()
+
+
+def test_asyncrl_keys_makes_a_certificate_and_never_overwrites_one(tmp_path: Path, capsys):
+    assert main(["keys", str(tmp_path / "k")]) == 0
+    secret = tmp_path / "k" / "job.key_secret"
+    assert (tmp_path / "k" / "job.key").is_file() and secret.is_file()
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert security.load(tmp_path / "k").public in secret.read_bytes()
+    before = secret.read_bytes()
+    assert main(["keys", str(tmp_path / "k")]) == 2
+    assert "already holds a job certificate" in capsys.readouterr().err
+    assert secret.read_bytes() == before
+
+
+def _a_non_loopback_address() -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent; picks the outgoing interface
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+async def test_a_non_loopback_bind_needs_the_job_keys(tmp_path: Path):
+    address = _a_non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    with pytest.raises(ValueError, match="not on loopback"):
+        bind(sock, f"tcp://{address}:0")
+    sock.close()
+    security.generate(tmp_path / "keys")
+    security.enable(tmp_path / "keys")
+    try:
+        async with (
+            ReliableReceiver(f"tcp://{address}:0", CODEC) as rx,
+            ReliableSender(rx.endpoint, CODEC) as tx,
+        ):
+            await tx.send(item(5))
+            async with asyncio.timeout(10):
+                assert [m.uid for m in await rx.receive_batch()] == [5]
+    finally:
+        security.disable()
+
+
+@pytest.mark.slow
+async def test_a_training_job_runs_with_every_channel_encrypted(tmp_path: Path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    security.generate(tmp_path / "keys")
+    flags = [*job_flags(tmp_path, steps=3), "--wire-curve-keys", str(tmp_path / "keys")]
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok, result.error
+    assert security.active() is None  # the job turned CURVE off again in this process
+    run_dir = tmp_path / "run"
+    assert accounted(last_buffer_metrics(run_dir))
+    for actor in ("buffer", "rollout-0", "trainer"):
+        events = [json.loads(x)["event"] for x in lines(run_dir / "logs" / f"{actor}.jsonl")]
+        assert "curve enabled" in events, actor
