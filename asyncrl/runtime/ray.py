@@ -382,7 +382,10 @@ class RayRuntime:
                 if binder(name) in self._hosts:
                     wanted[binder(name)].append(name)
             for actor, mine in wanted.items():
-                out |= await self._hosts[actor].endpoints.remote(mine, bind_host)
+                # An engine's HTTP API has no key and serves only the rollout actor on its
+                # own node: loopback there, whatever the cluster.
+                host = "127.0.0.1" if all(n.endswith(".http") for n in mine) else bind_host
+                out |= await self._hosts[actor].endpoints.remote(mine, host)
             for name in names:  # roles this job lacks (train-only: no buffer)
                 out.setdefault(name, free_tcp_endpoint(here))
             # Hosts on one machine draw ports independently: make sure none drew the same.
