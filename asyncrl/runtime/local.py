@@ -133,8 +133,12 @@ class LocalRuntime:
         return await self._tg.__aexit__(et, exc, tb)
 
     async def place(self, specs: Sequence[ActorSpec]) -> dict[str, str]:
-        """Every actor runs here: every endpoint is a free port on ``host``."""
-        return allocate_endpoints(self.host, endpoint_names(specs))
+        """Every actor runs here: every endpoint is a free port on ``host`` (an engine's
+        HTTP API, which has no key, on loopback)."""
+        names = endpoint_names(specs)
+        http = [n for n in names if n.endswith(".http")]
+        channels = [n for n in names if n not in http]
+        return allocate_endpoints(self.host, channels) | allocate_endpoints("127.0.0.1", http)
 
     async def start(self, spec: ActorSpec) -> LocalActor:
         """Launch a child for ``spec``."""
