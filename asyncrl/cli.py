@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -99,6 +100,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-running", type=int, default=64, help="max concurrent requests")
     serve.add_argument(
         "--weight-version", type=int, default=0, help="initial weight version (optimizer steps)"
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("ASYNCRL_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (as SGLang's "
+        "--api-key; default: $ASYNCRL_API_KEY); needed to listen beyond loopback",
     )
 
 
@@ -341,11 +348,11 @@ def _serve(args: argparse.Namespace) -> int:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
-    if not loopback:
-        # The API can load weights from any path and abort anyone's work: no remote access.
+    if not loopback and not args.api_key:
+        # The API can load weights from any path and abort anyone's work: no open access.
         print(
-            f"asyncrl serve: refusing to listen on {args.host}: the server has no "
-            "authentication, so it only binds a loopback address (e.g. 127.0.0.1)",
+            f"asyncrl serve: refusing to listen on {args.host} without --api-key: the API "
+            "can load weights from any path and abort any work",
             file=sys.stderr,
         )
         return 2
@@ -367,7 +374,7 @@ def _serve(args: argparse.Namespace) -> int:
         version=args.weight_version,
     )
     server_args = {"host": host, "port": args.port, "dtype": args.dtype}
-    server = EngineServer(engine, server_args=server_args)
+    server = EngineServer(engine, server_args=server_args, api_key=args.api_key)
     uvloop.run(serve_until_signalled(server, host, args.port))
     return 0
 

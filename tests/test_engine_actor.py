@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from asyncrl.actors.base import ActorSpec
@@ -41,14 +42,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def engine_actor(model: Path, **engine: object) -> EngineActor:
+def engine_actor(model: Path, api_key: str | None = None, **engine: object) -> EngineActor:
     spec = ActorSpec(
         name="engine-0",
         role="engine",
         cls="asyncrl.actors.engine:EngineActor",
         endpoints={"engine-0.http": free_tcp_endpoint()},
         drain_timeout=5.0,
-        params={"engine": {"model_path": str(model), "serve": "actor", **engine}},
+        params={
+            "engine": {"model_path": str(model), "serve": "actor", **engine},
+            "api_key": api_key,
+        },
     )
     return EngineActor(spec)
 
@@ -97,7 +101,9 @@ async def test_a_launched_server_is_served_health_checked_and_stopped(
 ):
     monkeypatch.setenv("PYTHONPATH", str(STUB))
     monkeypatch.setenv("ASYNCRL_TEST_ARGV", str(tmp_path / "argv.json"))
-    actor = engine_actor(model, type="sglang", server_args=["--tp", "1"], health_interval=0.2)
+    actor = engine_actor(
+        model, api_key="k3y", type="sglang", server_args=["--tp", "1"], health_interval=0.2
+    )
     task = asyncio.create_task(actor.main())
     async with asyncio.timeout(60):
         while actor.state != "running":
@@ -105,10 +111,14 @@ async def test_a_launched_server_is_served_health_checked_and_stopped(
             await asyncio.sleep(0.05)
     record = json.loads((tmp_path / "argv.json").read_text())
     argv = record["argv"]
-    assert argv[-2:] == ["--tp", "1"] and argv[argv.index("--model-path") + 1] == str(model)
+    assert argv[argv.index("--model-path") + 1] == str(model)
+    assert argv[-4:] == ["--tp", "1", "--api-key", "k3y"]  # the job's key, last
     async with actor.session.post(f"{actor.url}/generate", json={"input_ids": [1, 2],
             "sampling_params": {"max_new_tokens": 3}}) as resp:  # fmt: skip
         assert resp.status == 200 and len((await resp.json())["output_ids"]) == 3
+    async with aiohttp.ClientSession() as anyone:  # no key: refused
+        async with anyone.post(f"{actor.url}/generate", json={"input_ids": [1]}) as resp:
+            assert resp.status == 401
     actor.request_stop("test")
     assert await task == 0
     for pid in (record["pid"], record["helper"]):  # the whole group was stopped

@@ -27,6 +27,7 @@ import pytest_asyncio
 
 from asyncrl.cli import main
 from asyncrl.engines.server import EngineServer
+from asyncrl.engines.sglang_client import SGLangClient
 from asyncrl.engines.torch_engine import TorchEngine
 from tests.tiny_model import build_tiny_model
 
@@ -738,9 +739,45 @@ async def test_openai_routes_return_top_logprobs_and_honour_stop_regex(http, url
 # ----------------------------------------------------------------------------- asyncrl serve
 
 
-async def test_asyncrl_serve_refuses_a_non_loopback_host(capsys: pytest.CaptureFixture[str]):
+async def test_asyncrl_serve_refuses_a_non_loopback_host_without_a_key(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.delenv("ASYNCRL_API_KEY", raising=False)
     assert main(["serve", "--model", "/nowhere", "--host", "0.0.0.0"]) == 2
-    assert "refusing to listen on 0.0.0.0" in capsys.readouterr().err
+    assert "refusing to listen on 0.0.0.0 without --api-key" in capsys.readouterr().err
+    # With a key the host is accepted; the missing model is what stops it now.
+    assert main(["serve", "--model", "/nowhere", "--host", "0.0.0.0", "--api-key", "k"]) == 2
+    assert "is not a model directory" in capsys.readouterr().err
+
+
+async def test_with_an_api_key_every_route_but_health_needs_it(model_dir: Path):
+    server = EngineServer(TorchEngine.from_pretrained(str(model_dir)), api_key="s3cret")
+    url = await server.start("127.0.0.1", 0)
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/health") as resp:
+                assert resp.status == 200  # liveness stays open for routers
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                async with http.post(f"{url}/generate", json=body, headers=headers) as resp:
+                    assert resp.status == 401
+                    assert "API key" in (await resp.json())["error"]["message"]
+                async with http.post(f"{url}/update_weights_from_disk", json={"model_path": "/x"},
+                                     headers=headers) as resp:  # fmt: skip
+                    assert resp.status == 401
+                async with http.get(f"{url}/v1/models", headers=headers) as resp:
+                    assert resp.status == 401
+                    assert (await resp.json())["type"] == "AuthenticationError"
+            auth = {"Authorization": "Bearer s3cret"}
+            async with http.post(f"{url}/generate", json=body, headers=auth) as resp:
+                assert resp.status == 200 and len((await resp.json())["output_ids"]) == 2
+        # The client sends the key when given it (SGLangTransport.Config.api_key).
+        config = SGLangClient.Config(api_key="s3cret")
+        async with SGLangClient([url], config=config) as client:
+            assert (await client.health()) == {url: True}
+            assert await client.weight_version() == 0
+    finally:
+        await server.stop()
 
 
 @contextlib.asynccontextmanager

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -343,6 +344,8 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
     if cfg.eval.enabled:  # the eval actor pulls the final version after the last step
         publish.update(final_pullers=["eval"], linger_s=_FINAL_LINGER_S)
     tool_use = cfg.rollout.tool_use
+    # Engine actors' HTTP APIs take this job's key (made here, never written to disk).
+    engine_key = secrets.token_urlsafe(24) if _engine_actors(cfg) else None
     rollout = {
         "engine": engine if isinstance(engine, dict) else engine.model_dump(mode="json"),
         "sampling": dict(cfg.rollout.sampling),
@@ -355,6 +358,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
         "metrics_dir": str(run_dir / "metrics"),
         "metrics_interval": cfg.train.metrics_interval,
         "colocate": cfg.rollout.colocate,
+        "engine_api_key": engine_key,
     }
     dump = cfg.train.rollout_data_dir(run_dir)
     trainer: dict[str, Any] = {
@@ -384,7 +388,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
         },
         "rollout": rollout,
         "trainer": trainer,
-        "engine": {"engine": rollout["engine"]},
+        "engine": {"engine": rollout["engine"], "api_key": engine_key},
         "eval": {
             **rollout,
             "engine": (

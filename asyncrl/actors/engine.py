@@ -14,7 +14,9 @@ Two kinds (``rollout.engine.type``):
 ``run()`` then checks ``/health_generate`` every ``health_interval`` seconds. A server that
 exits, or fails ``HEALTH_FAILURES`` (3) checks in a row, fails the actor with the reason, and
 the supervisor reports it. Weights reach either kind from the rollout actor over HTTP
-(``/update_weights_from_disk``), as they reach any SGLang server.
+(``/update_weights_from_disk``), as they reach any SGLang server. Both kinds take the job's
+engine key (``params.api_key``, SGLang's ``--api-key``): every route but ``/health`` needs
+``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -66,12 +68,14 @@ class EngineActor(Actor):
 
     async def setup(self) -> None:
         self.cfg = EngineConfig(**self.spec.params["engine"])
+        self.api_key: str | None = self.spec.params.get("api_key")
         parts = urlsplit(self.spec.endpoints[f"{self.name}.http"])
         host, port = str(parts.hostname), int(parts.port or 0)
         self.url = f"http://{host}:{port}"
         self.proc: asyncio.subprocess.Process | None = None
         self._output: deque[str] = deque(maxlen=40)
-        self.session = await self.hold(aiohttp.ClientSession())
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self.session = await self.hold(aiohttp.ClientSession(headers=auth))
         if self.cfg.type == "torch":
             await self._start_embedded(host, port)
         else:
@@ -89,15 +93,19 @@ class EngineActor(Actor):
             dtype=self.cfg.dtype,
             max_running=self.cfg.max_running,
         )
-        self.server = EngineServer(engine, server_args={"host": host, "port": port})
+        self.server = EngineServer(
+            engine, server_args={"host": host, "port": port}, api_key=self.api_key
+        )
         await self.server.start(host, port)
         self._stack.push_async_callback(self.server.stop)
 
     async def _start_sglang(self, host: str, port: int) -> None:
         command = sglang_command(self.cfg, host, port)
-        log.info("starting sglang", command=" ".join(command))
+        log.info("starting sglang", command=" ".join(command))  # before the key is added
+        key = ["--api-key", self.api_key] if self.api_key else []
         self.proc = await asyncio.create_subprocess_exec(
             *command,
+            *key,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # one group: stopping it stops its scheduler processes

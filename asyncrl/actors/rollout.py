@@ -82,7 +82,9 @@ class RolloutActor(Actor):
         self._aborts = 0  # abort-alls so far (APRIL, drain): see RolloutContext.aborts
         engine = EngineConfig(**params["engine"])
         wait = engine.startup_timeout if engine.serve == "actor" else None
-        self.host = await self.hold(EngineHost(self._engine_config(engine), wait_ready_s=wait))
+        key = params.get("engine_api_key") if engine.serve == "actor" else None
+        host = EngineHost(self._engine_config(engine), wait_ready_s=wait, api_key=key)
+        self.host = await self.hold(host)
         tool_use, tools = await asyncio.to_thread(_tools, params.get("tool_use"))
         self.workflow = _load_workflow(params.get("workflow"), tool_use, params.get("agent"))
         self.score = await self.hold(contextlib.aclosing(_build_reward(params.get("reward", {}))))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import signal
 import time
 import uuid
@@ -84,6 +85,31 @@ async def _errors(request: web.Request, handler: Callable[..., Awaitable[Any]]) 
         log.exception("request failed", path=request.path)
         message = f"{type(exc).__name__}: {exc}"
         return json_response(openai_error(message, 500, "InternalServerError"), status=500)
+
+
+#: Routes open without the API key: the liveness probe of load balancers and routers.
+OPEN_ROUTES = frozenset({"/health"})
+
+
+def _key_check(api_key: str) -> Callable[..., Awaitable[Any]]:
+    """Middleware: every route but ``OPEN_ROUTES`` needs ``Authorization: Bearer <key>``
+    (SGLang's ``--api-key``); a request without it gets 401, not the engine's attention."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[..., Awaitable[Any]]) -> Any:
+        given = request.headers.get("Authorization", "").encode()
+        if request.path in OPEN_ROUTES or hmac.compare_digest(given, expected):
+            return await handler(request)
+        message = "missing or wrong API key (send Authorization: Bearer <key>)"
+        body = (
+            openai_error(message, 401, "AuthenticationError")
+            if request.path.startswith("/v1/")
+            else {"error": {"message": message}}
+        )
+        return json_response(body, status=401)
+
+    return check
 
 
 # ----------------------------------------------------------------------------- traffic gate
@@ -158,8 +184,10 @@ class EngineServer:
         *,
         served_model_name: str | None = None,
         server_args: Json | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.engine = engine
+        self.api_key = api_key
         self.served_model_name = served_model_name or engine.model_path
         self.server_args = server_args or {}
         self.gate = TrafficGate()
@@ -172,7 +200,8 @@ class EngineServer:
         self.app = self._build_app()
 
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=1 << 28)
+        checks = [_key_check(self.api_key)] if self.api_key else []
+        app = web.Application(middlewares=[*checks, _errors], client_max_size=1 << 28)
         app.cleanup_ctx.append(self._engine_lifetime)
         app.on_shutdown.append(self._on_shutdown)
         for method in ("POST", "PUT"):

@@ -35,9 +35,12 @@ if TYPE_CHECKING:
 class EngineHost:
     """Starts (or connects to) the engines; ``client`` is what workflows generate with."""
 
-    def __init__(self, config: EngineConfig, *, wait_ready_s: float | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, *, wait_ready_s: float | None = None, api_key: str | None = None
+    ) -> None:
         self.config = config
         self.wait_ready_s = wait_ready_s  # engines started beside us: wait for their health
+        self.api_key = api_key  # sent as Authorization: Bearer (engine actors' servers)
         self.engine: TorchEngine | None = None
         self.server: EngineServer | None = None
         self.client: SGLangClient | None = None
@@ -47,7 +50,8 @@ class EngineHost:
         urls = list(self.config.urls)
         if self.config.type == "torch":
             urls = [await self._start_embedded()]
-        self.client = SGLangClient(urls, router=self.config.router)
+        client_config = SGLangClient.Config(api_key=self.api_key)
+        self.client = SGLangClient(urls, router=self.config.router, config=client_config)
         await self.client.__aenter__()
         if self.wait_ready_s is not None:
             await self._wait_ready(self.wait_ready_s)

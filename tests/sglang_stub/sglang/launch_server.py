@@ -17,6 +17,7 @@ parser.add_argument("--model-path", required=True)
 parser.add_argument("--host", required=True)
 parser.add_argument("--port", required=True)
 parser.add_argument("--dtype", default="float32")
+parser.add_argument("--api-key")
 args, extra = parser.parse_known_args()
 # A scheduler-like child in the server's process group (SGLang forks several): stopping
 # the server must stop it too.
@@ -27,4 +28,5 @@ if record := os.environ.get("ASYNCRL_TEST_ARGV"):
 if "--fail-at-start" in extra:
     sys.exit("stub: asked to fail at start")
 serve = ["serve", "--model", args.model_path, "--host", args.host, "--port", args.port]
-sys.exit(main([*serve, "--dtype", args.dtype]))
+key = ["--api-key", args.api_key] if args.api_key else []
+sys.exit(main([*serve, "--dtype", args.dtype, *key]))
