@@ -285,7 +285,10 @@ class ReliableSender(SendChannel[T]):
 
     # -- background loops -----------------------------------------------------------
     def _on_ack(self, frames: list[zmq.Frame]) -> None:
-        self._apply_ack(framing.unpack(frames[0].buffer, framing.Ack).ranges)
+        ack = framing.unpack(frames[0].buffer, framing.Ack)
+        if ack.stream != self.stream:  # not an answer to us: a stale or forged ack
+            raise WireError(f"ack for stream {ack.stream!r}, this is {self.stream!r}")
+        self._apply_ack(ack.ranges)
 
     async def _redeliver_loop(self) -> None:
         while True:

@@ -207,6 +207,7 @@ class RpcServer(_Channel, Generic[Req, Rep]):
         self.name = name
         self._hwm, self._allow_remote = hwm, allow_remote
         self._slots = asyncio.Semaphore(max_concurrency)
+        self.handler_errors = 0  # requests whose handler raised (answered with the error)
 
     async def _open(self) -> None:
         self._sock = make_socket(
@@ -265,7 +266,12 @@ class RpcServer(_Channel, Generic[Req, Rep]):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.warning("rpc handler failed", channel=self.name, error=repr(exc))
+            # The caller gets the error; the log gets the first few and then one in a
+            # thousand, so a peer sending bad requests cannot flood it.
+            self.handler_errors += 1
+            if self.handler_errors <= 10 or self.handler_errors % 1000 == 0:
+                log.warning("rpc handler failed", channel=self.name, error=repr(exc),
+                            count=self.handler_errors)  # fmt: skip
             self._reply_error(peer, call_id, f"{type(exc).__name__}: {exc}")
             return
         finally:
