@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import stat
 from collections.abc import Iterator
@@ -171,3 +172,15 @@ async def test_a_training_job_runs_with_every_channel_encrypted(tmp_path: Path):
     for actor in ("buffer", "rollout-0", "trainer"):
         events = [json.loads(x)["event"] for x in lines(run_dir / "logs" / f"{actor}.jsonl")]
         assert "curve enabled" in events, actor
+
+
+def test_no_wire_module_can_unpickle():
+    """Nothing on a wire is pickled: no channel module imports a pickle-based decoder."""
+    import asyncrl.wire
+
+    banned = re.compile(r"^\s*(import|from)\s+(pickle|cPickle|cloudpickle|dill|marshal|shelve)\b"
+                        r"|torch\.load\(|pickle\.loads?\(", re.M)  # fmt: skip
+    wire = Path(asyncrl.wire.__file__).parent
+    found = {p.name: banned.findall(p.read_text()) for p in wire.glob("*.py")}
+    assert {name: hits for name, hits in found.items() if hits} == {}
+    assert len(found) >= 10  # the scan saw the package

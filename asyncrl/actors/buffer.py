@@ -43,6 +43,7 @@ from asyncrl.buffer.versioned import BufferState, BufferStats, VersionedBuffer
 from asyncrl.observe.logs import get_logger
 from asyncrl.types import Group, TrainBatch, WorkItem
 from asyncrl.wire.codec import Codec, Message
+from asyncrl.wire.errors import WireError
 from asyncrl.wire.messages import Command, Scalar, WeightVersion
 from asyncrl.wire.pubsub import Publisher, Subscriber
 from asyncrl.wire.reliable import ReliableReceiver
@@ -109,6 +110,17 @@ class BufferEvent(Message):
 
     kind: str
     version: int
+
+
+def read_checkpoint(path: Path) -> BufferState:
+    """A buffer checkpoint; ``ValueError`` naming the file when it is truncated or not one."""
+    try:
+        return Codec(BufferState).decode([path.read_bytes()])
+    except WireError as exc:
+        raise ValueError(
+            f"buffer checkpoint {path} is unreadable (truncated, or not a buffer checkpoint): "
+            f"{exc}; move it away to start the buffer fresh"
+        ) from None
 
 
 class BufferActor(Actor):
@@ -322,7 +334,7 @@ class BufferActor(Actor):
         os.replace(tmp, path)
 
     def _restore(self, path: Path) -> None:
-        state = Codec(BufferState).decode([path.read_bytes()])
+        state = read_checkpoint(path)
         self.buffer.load_state_dict(state)
         log.info("buffer restored", path=str(path), version=state.version)
 

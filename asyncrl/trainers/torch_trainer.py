@@ -406,8 +406,15 @@ class TorchTrainer:
         RNG state is restored per rank when the checkpoint has this rank's file.
         """
         path = Path(path)
-        state = json.loads((path / "trainer.json").read_text())
-        self.policy.load(path / "policy")
+        try:
+            state = json.loads((path / "trainer.json").read_text())
+            version = int(state["version"])
+            self.policy.load(path / "policy")
+        except Exception as exc:  # json, safetensors, torch.load: all mean the same here
+            raise ValueError(
+                f"trainer checkpoint {path} is unreadable (truncated or incomplete?): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         if self.critic is not None:
             if not (path / "critic").is_dir():
                 raise ValueError(f"{path}: this trainer has a critic but the checkpoint does not")
@@ -415,7 +422,7 @@ class TorchTrainer:
         rng = path / "rng" / f"rank{self.dp.rank}.pt"
         if rng.is_file():
             _set_rng_state(torch.load(rng, weights_only=False))
-        self.version = int(state["version"])
+        self.version = version
 
 
 class _Tally:

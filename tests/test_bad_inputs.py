@@ -1,0 +1,95 @@
+"""The bad-input corpus (``tests/bad_inputs/``): every file gets a clear, specific error
+that names where the problem is, before anything starts; truncated checkpoints are refused
+with the checkpoint named."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from asyncrl.actors.buffer import read_checkpoint
+from asyncrl.buffer.sources import DataError, PromptSource
+from asyncrl.buffer.versioned import BufferState, VersionedBuffer
+from asyncrl.config import ConfigError, load_config
+from asyncrl.trainers.torch_trainer import TorchTrainer
+from asyncrl.wire.codec import Codec
+from tests.buffer_sim import ListSource, make_prompts
+from tests.tiny_model import build_tiny_model
+
+CORPUS = Path(__file__).parent / "bad_inputs"
+
+DATA = {
+    "truncated_row.jsonl": r"truncated_row\.jsonl:3: invalid JSON",
+    "missing_prompt_key.jsonl": (
+        r"missing_prompt_key\.jsonl:2: missing key 'prompt' \(row has keys: 'question', 'label'\)"
+    ),
+    "empty.jsonl": r"empty\.jsonl has no rows",
+    "prompt_not_text.jsonl": r"prompt_not_text\.jsonl:2: 'prompt' is a number, expected a string",
+    "row_not_object.jsonl": r"row_not_object\.jsonl:2: row is an array, expected an object",
+    "not_utf8.jsonl": r"not_utf8\.jsonl:2: invalid JSON",
+}  # fmt: skip
+
+CONFIG = {
+    "broken_yaml.yaml": r"broken_yaml\.yaml:4:1: invalid YAML",
+    "misspelled_section.yaml": (
+        r"misspelled_section\.yaml:2: unknown key 'bufer' \(did you mean 'buffer'\?\)"
+    ),
+    "negative_lr.yaml": (
+        r"negative_lr\.yaml:4: trainer\.lr \(--lr\): Input should be greater than 0, got -1"
+    ),
+    "wrong_type.yaml": (
+        r"wrong_type\.yaml:3: buffer\.max_staleness \(--buffer-max-staleness\): .*got \"two\""
+    ),
+    "inconsistent_values.yaml": (
+        r"inconsistent_values\.yaml:2: .*heartbeat_timeout \(2\.0\) must be greater "
+        r"than heartbeat_interval \(5\.0\)"
+    ),
+}  # fmt: skip
+
+
+def test_the_corpus_and_its_expectations_match():
+    assert sorted(p.name for p in (CORPUS / "data").iterdir()) == sorted(DATA)
+    assert sorted(p.name for p in (CORPUS / "config").iterdir()) == sorted(CONFIG)
+
+
+@pytest.mark.parametrize("name", sorted(DATA))
+def test_a_bad_data_file_is_refused_naming_file_and_line(name: str):
+    with pytest.raises(DataError) as info:
+        PromptSource.open(PromptSource.Config(path=str(CORPUS / "data" / name)))
+    assert re.search(DATA[name], str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG))
+def test_a_bad_config_file_is_refused_naming_file_line_and_key(name: str):
+    with pytest.raises(ConfigError) as info:
+        load_config(str(CORPUS / "config" / name))
+    assert re.search(CONFIG[name], str(info.value)), str(info.value)
+
+
+def test_a_truncated_buffer_checkpoint_is_refused_with_its_name(tmp_path: Path):
+    buf = VersionedBuffer(VersionedBuffer.Config(), ListSource(make_prompts(4)))
+    body = b"".join(bytes(f) for f in Codec(BufferState).encode(buf.state_dict()))
+    whole, cut = tmp_path / "buffer.ckpt", tmp_path / "cut.ckpt"
+    whole.write_bytes(body)
+    cut.write_bytes(body[: len(body) // 2])
+    assert read_checkpoint(whole) == buf.state_dict()
+    with pytest.raises(ValueError, match=r"buffer checkpoint .*cut\.ckpt is unreadable"):
+        read_checkpoint(cut)
+    (tmp_path / "other.ckpt").write_bytes(b'{"not": "a checkpoint"}')
+    with pytest.raises(ValueError, match="not a buffer checkpoint"):
+        read_checkpoint(tmp_path / "other.ckpt")
+
+
+def test_a_truncated_trainer_checkpoint_is_refused_with_its_name(tmp_path: Path):
+    build_tiny_model(tmp_path / "model")
+    config = TorchTrainer.Config(model_path=str(tmp_path / "model"), lr=1e-3)
+    TorchTrainer(config).save_checkpoint(tmp_path / "step_1")
+    weights = next((tmp_path / "step_1").rglob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"trainer checkpoint .*step_1 is unreadable"):
+        TorchTrainer(config).load_checkpoint(tmp_path / "step_1")
+    (tmp_path / "step_1" / "trainer.json").write_text("{")
+    with pytest.raises(ValueError, match="JSONDecodeError"):
+        TorchTrainer(config).load_checkpoint(tmp_path / "step_1")
