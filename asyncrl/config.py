@@ -157,8 +157,8 @@ class RuntimeConfig(Section):
     max_restarts: int = Field(
         3,
         ge=0,
-        description="restarts of each rollout actor after a crash (its in-flight work is "
-        "requeued) before the job fails; 0: any crash ends the job",
+        description="restarts of each rollout and engine actor after a crash (a rollout "
+        "actor's in-flight work is requeued) before the job fails; 0: any crash ends the job",
     )
     ray: RayConfig = Field(default_factory=RayConfig, description="the Ray runtime")
 

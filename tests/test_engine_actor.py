@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -27,7 +29,14 @@ from asyncrl.cli import _sglang_flags
 from asyncrl.config import ConfigError, load_config
 from asyncrl.rollout.config import EngineConfig
 from asyncrl.wire.sockets import free_tcp_endpoint
-from tests.test_train import accounted, job_flags, last_buffer_metrics, lines, write_prompts
+from tests.test_train import (
+    accounted,
+    job_flags,
+    last_buffer_metrics,
+    lines,
+    pid_once_stepping,
+    write_prompts,
+)
 from tests.tiny_model import build_tiny_model
 
 STUB = Path(__file__).parent / "sglang_stub"
@@ -201,3 +210,29 @@ async def test_a_job_generates_through_engine_actors(model: Path, tmp_path: Path
         updated |= {r["version"] for r in log if r["event"] == "weights updated"}
     # An actor whose engine came up late may have had no work before the 3rd step.
     assert 3 in updated, updated
+
+
+@pytest.mark.slow
+async def test_a_killed_engine_actor_is_restarted_and_nothing_is_lost(model: Path, tmp_path: Path):
+    (tmp_path / "model").symlink_to(model)
+    write_prompts(tmp_path / "prompts.jsonl", n=64)
+    run_dir = tmp_path / "run"
+    flags = [
+        *job_flags(tmp_path, steps=200),
+        *["--rollout-num-actors", "2", "--rollout-engine-model-path", str(model)],
+        *["--rollout-engine-serve", "actor", "--update-weight-transport", "disk"],
+        *["--rollout-max-groups", "2", "--num-epoch", "10"],
+        *["--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 32}'],
+    ]
+    job = asyncio.create_task(run_job(load_config(overrides=flags)))
+    victim = await pid_once_stepping(run_dir, "engine-0", job)
+    os.kill(victim, signal.SIGKILL)
+    result = await job
+    assert result.ok, result.error
+    assert result.steps == 200
+    assert "engine-0: killed by SIGKILL" in result.restarts, result.restarts
+    last = last_buffer_metrics(run_dir)
+    assert last["buffer.consumed"] == 200 * 2 and accounted(last)
+    # The second engine incarnation served and took the trainer's weights.
+    log = [json.loads(x) for x in lines(run_dir / "logs" / "engine-0.jsonl")]
+    assert any(r["pid"] != victim and r["event"] == "weights updated" for r in log), result.restarts

@@ -9,8 +9,9 @@ last step (``train.num_steps``; 0: until the data is used up), then stops everyo
 rollout actors abort what is in flight (it returns to the buffer as partial work), the
 buffer checkpoints its state, the trainer checkpoints its weights. A rollout actor that
 dies is restarted (``runtime.max_restarts`` times each) after the buffer requeues the work
-it held; any other death ends the job with the supervisor's report (exit code, reason,
-last log lines).
+it held; so is an engine actor (its rollout actor, finding it gone, fails and is
+restarted the same way, then loads the current weights into the new engine); any other
+death ends the job with the supervisor's report (exit code, reason, last log lines).
 
 Run directory: ``config.json`` (resolved config), ``logs/<actor>.{out,jsonl}``,
 ``metrics.jsonl`` (trainer steps), ``metrics/{buffer,rollout-N}.jsonl``,
@@ -106,7 +107,7 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
                 hub,
                 heartbeat_timeout=cfg.runtime.heartbeat_timeout,
                 startup_timeout=600,
-                restarts={"rollout": cfg.runtime.max_restarts},
+                restarts={"rollout": cfg.runtime.max_restarts, "engine": cfg.runtime.max_restarts},
                 before_restart=_requeue_work(hub),
             )
             async with sup:

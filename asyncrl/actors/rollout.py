@@ -37,7 +37,7 @@ from typing import Any
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.buffer import BufferEvent, WorkReply, WorkRequest
 from asyncrl.actors.engine import engine_url
-from asyncrl.engines.sglang_wire import SGLangError
+from asyncrl.engines.sglang_wire import EngineUnavailable, SGLangError
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.rollout.base import RolloutContext, Workflow
@@ -81,7 +81,8 @@ class RolloutActor(Actor):
         self._asleep = False  # colocated: the engines released their memory
         self._aborts = 0  # abort-alls so far (APRIL, drain): see RolloutContext.aborts
         engine = EngineConfig(**params["engine"])
-        wait = engine.startup_timeout if engine.serve == "actor" else None
+        self.own_engine = engine.serve == "actor"
+        wait = engine.startup_timeout if self.own_engine else None
         key = params.get("engine_api_key") if engine.serve == "actor" else None
         host = EngineHost(self._engine_config(engine), wait_ready_s=wait, api_key=key)
         self.host = await self.hold(host)
@@ -233,6 +234,15 @@ class RolloutActor(Actor):
         sample.attempts += 1
         try:
             result = await self.workflow(self.ctx, sample)
+        except EngineUnavailable as exc:
+            if self.own_engine:
+                # Our engine actor is down: fail this actor, so the supervisor requeues
+                # its work (none of it is lost as failed) and restarts it beside the
+                # restarted engine, which it then brings to the current weights.
+                raise
+            sample.status, sample.error = SampleStatus.FAILED, f"{type(exc).__name__}: {exc}"
+            log.warning("sample failed", uid=sample.uid, error=sample.error)
+            return
         except Exception as exc:  # the workflow, the engine call or the reward raised
             sample.status, sample.error = SampleStatus.FAILED, f"{type(exc).__name__}: {exc}"
             log.warning("sample failed", uid=sample.uid, error=sample.error)
