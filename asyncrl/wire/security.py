@@ -111,8 +111,9 @@ def enable(directory: str | Path) -> JobKeys:
         return _active
     from asyncrl.wire.sockets import context
 
-    _authenticator = ThreadAuthenticator(zmq.Context.shadow(context().underlying))
-    _authenticator.start()
+    if _authenticator is None:  # one per process: its inproc ZAP endpoint outlives a stop
+        _authenticator = ThreadAuthenticator(zmq.Context.shadow(context().underlying))
+        _authenticator.start()
     _authenticator.configure_curve(domain=ZAP_DOMAIN, location=str(keys.directory))
     _active = keys
     log.info("curve enabled", keys=str(keys.directory))
@@ -125,11 +126,14 @@ def active() -> JobKeys | None:
 
 
 def disable() -> None:
-    """Turn CURVE off again (tests; a process normally keeps it for life)."""
-    global _active, _authenticator
+    """Turn CURVE off again (tests; a job run in a process that runs others). The ZAP
+    handler stays (its inproc endpoint cannot be bound twice in quick succession),
+    admitting no one: only CURVE servers consult it, none are made while CURVE is off,
+    and ``enable`` points it at the next job's keys."""
+    global _active
     if _authenticator is not None:
-        _authenticator.stop()
-    _active, _authenticator = None, None
+        _authenticator.certs.pop(ZAP_DOMAIN, None)  # an unknown domain: everyone refused
+    _active = None
 
 
 def enable_from_config(wire: Any) -> JobKeys | None:
