@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -30,11 +28,12 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.rollout.config import EngineConfig
 from asyncrl.wire.sockets import free_tcp_endpoint
 from tests.test_train import (
+    LONG_RUN,
     accounted,
     job_flags,
+    kill_mid_run,
     last_buffer_metrics,
     lines,
-    pid_once_stepping,
     write_prompts,
 )
 from tests.tiny_model import build_tiny_model
@@ -218,16 +217,11 @@ async def test_a_killed_engine_actor_is_restarted_and_nothing_is_lost(model: Pat
     write_prompts(tmp_path / "prompts.jsonl", n=64)
     run_dir = tmp_path / "run"
     flags = [
-        *job_flags(tmp_path, steps=200),
+        *job_flags(tmp_path, steps=200), *LONG_RUN,
         *["--rollout-num-actors", "2", "--rollout-engine-model-path", str(model)],
         *["--rollout-engine-serve", "actor", "--update-weight-transport", "disk"],
-        *["--rollout-max-groups", "2", "--num-epoch", "10"],
-        *["--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 32}'],
-    ]
-    job = asyncio.create_task(run_job(load_config(overrides=flags)))
-    victim = await pid_once_stepping(run_dir, "engine-0", job)
-    os.kill(victim, signal.SIGKILL)
-    result = await job
+    ]  # fmt: skip
+    victim, result = await kill_mid_run(run_dir, "engine-0", flags)
     assert result.ok, result.error
     assert result.steps == 200
     assert "engine-0: killed by SIGKILL" in result.restarts, result.restarts

@@ -11,10 +11,7 @@ One module-scoped cluster: a head with the ``head`` resource and two workers wit
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,11 +26,12 @@ from asyncrl.runtime.dryrun import dry_run
 from asyncrl.runtime.ray import ActorHost, RayRuntime
 from asyncrl.wire import security
 from tests.test_train import (
+    LONG_RUN,
     accounted,
     job_flags,
+    kill_mid_run,
     last_buffer_metrics,
     lines,
-    pid_once_stepping,
     write_prompts,
 )
 from tests.tiny_model import build_tiny_model
@@ -190,16 +188,8 @@ async def test_killing_a_rollout_actors_ray_worker_is_survived(
     cluster: dict[str, str], model: Path
 ):
     run_dir = model / "killed"
-    # Long enough for the restarted actor to rejoin; two groups per producer so both work.
-    flags = [
-        *ray_job_flags(model, "killed", steps=150),
-        *["--rollout-max-groups", "2", "--num-epoch", "10"],
-        *["--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 32}'],
-    ]
-    job = asyncio.create_task(run_job(load_config(overrides=flags)))
-    victim = await pid_once_stepping(run_dir, "rollout-0", job)
-    os.kill(victim, signal.SIGKILL)
-    result = await job
+    flags = [*ray_job_flags(model, "killed", steps=150), *LONG_RUN]
+    victim, result = await kill_mid_run(run_dir, "rollout-0", flags)
     assert result.ok, result.error
     assert result.steps == 150
     [restart] = result.restarts

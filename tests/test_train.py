@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from asyncrl.actors.controller import check_agent, check_tool_use, run_job
+from asyncrl.actors.controller import JobResult, check_agent, check_tool_use, run_job
 from asyncrl.buffer.dump import batch_files, read_batch
 from asyncrl.cli import main
 from asyncrl.config import load_config
@@ -66,6 +66,21 @@ async def pid_once_stepping(run_dir: Path, actor: str, job: asyncio.Task) -> int
             if any('"step"' in x for x in trainer) and any("actor running" in x for x in logs):
                 return int(json.loads(logs[0])["pid"])
             await asyncio.sleep(0.05)
+
+
+#: A run long enough for a killed actor's successor to rejoin it: two groups per producer
+#: (so each has work in flight), data for ten epochs, 32-token responses.
+LONG_RUN = ["--rollout-max-groups", "2", "--num-epoch", "10",
+            "--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 32}']  # fmt: skip
+
+
+async def kill_mid_run(run_dir: Path, actor: str, flags: list[str]) -> tuple[int, JobResult]:
+    """Run the job of ``flags``, SIGKILL ``actor`` once the trainer has stepped; the
+    victim's pid and how the job ended."""
+    job = asyncio.create_task(run_job(load_config(overrides=flags)))
+    victim = await pid_once_stepping(run_dir, actor, job)
+    os.kill(victim, signal.SIGKILL)
+    return victim, await job
 
 
 def lines(path: Path) -> list[str]:
@@ -391,16 +406,9 @@ async def test_a_killed_rollout_actor_is_restarted_with_its_work_requeued(tmp_pa
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl", n=64)
     run_dir = tmp_path / "run"
-    flags = [
-        *job_flags(tmp_path, steps=100),
-        *["--rollout-num-actors", "2", "--rollout-max-groups", "2", "--num-epoch", "10"],
-        *["--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 32}'],
-        *["--runtime-max-restarts", str(restarts)],
-    ]
-    job = asyncio.create_task(run_job(load_config(overrides=flags)))
-    victim = await pid_once_stepping(run_dir, "rollout-0", job)
-    os.kill(victim, signal.SIGKILL)
-    result = await job
+    flags = [*job_flags(tmp_path, steps=100), *LONG_RUN, "--rollout-num-actors", "2",
+             "--runtime-max-restarts", str(restarts)]  # fmt: skip
+    victim, result = await kill_mid_run(run_dir, "rollout-0", flags)
     if not restarts:  # the policy's budget is spent: the death ends the job, with evidence
         assert not result.ok
         assert "actor rollout-0 exited with code -9 (killed by SIGKILL)" in result.error
