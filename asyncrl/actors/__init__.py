@@ -10,11 +10,13 @@
 | buffer     | results from rollout actors      | work items, train batches       |
 | rollout-i  | work items, weight versions      | results (groups of samples)     |
 | trainer    | train batches                    | weight versions                 |
+| engine-i   | HTTP calls of rollout-i, weights | generations (``serve: actor``)  |
+| eval       | weight versions                  | pass@k rows                     |
 | controller | heartbeats, Bye                  | commands (stop, pause, resume)  |
 
 Each actor waits only on its channels: a rollout actor blocks when it has no credits for
 work, the trainer when the buffer has no batch, the buffer never (it answers requests as
 state allows). ``base.py`` holds the lifecycle every actor follows; ``probe.py`` stands
-in for each role in ``asyncrl train --dry-run``. The buffer, rollout, trainer and
-controller actors arrive with their issues.
+in for each role in ``asyncrl train --dry-run``; ``controller.py`` launches and
+supervises a job.
 """
