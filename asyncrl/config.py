@@ -157,8 +157,22 @@ class RuntimeConfig(Section):
     max_restarts: int = Field(
         3,
         ge=0,
-        description="restarts of each rollout and engine actor after a crash (a rollout "
-        "actor's in-flight work is requeued) before the job fails; 0: any crash ends the job",
+        description="restarts of each actor after a crash before the job fails (a rollout "
+        "actor's work is requeued, the buffer replays its journal, the trainer resumes from "
+        "its checkpoint: only with train.checkpoint_interval > 0); 0: any crash ends the job",
+    )
+    journal: bool = Field(
+        True,
+        description="the buffer journals every change before acknowledging it, so a "
+        "restarted buffer loses nothing (off: the buffer is not restarted)",
+    )
+    journal_fsync: bool = Field(
+        False,
+        description="fsync each journal write: survives a machine crash, not only a "
+        "process crash, at the disk's sync latency per batch of results",
+    )
+    buffer_checkpoint_interval: float = Field(
+        60.0, gt=0, description="seconds between buffer checkpoints (each starts a new journal)"
     )
     ray: RayConfig = Field(default_factory=RayConfig, description="the Ray runtime")
 
@@ -261,9 +275,18 @@ class TrainConfig(Section):
         0, ge=0, description="stop at this trainer version; 0: when the data is used up"
     )
     checkpoint_interval: int = Field(
-        0, ge=0, description="checkpoint every N steps (0: only at the end)",
+        0, ge=0, description="checkpoint every N steps (0: only at the end; a crashed "
+        "trainer is restarted only with N > 0)",
         json_schema_extra={"flag": "save-interval"},
     )  # fmt: skip
+    keep_checkpoints: int | None = Field(
+        None, ge=1, description="keep only the newest N trainer checkpoints (null: all)"
+    )
+    audit_log: bool = Field(
+        False,
+        description="write RUN_DIR/trained.jsonl: every batch trained, with its group uids "
+        "(what `asyncrl chaos` checks exactly-once training against)",
+    )
     publish: Literal["pull", "disk"] = Field(
         "pull",
         description="weights to engines: chunked pull from the trainer, or safetensors on disk",

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.actors.buffer import read_checkpoint
+from asyncrl.actors.buffer import read_checkpoint, write_checkpoint
+from asyncrl.buffer.hub import Hub
 from asyncrl.buffer.sources import DataError, PromptSource
-from asyncrl.buffer.versioned import BufferState, VersionedBuffer
+from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.config import ConfigError, load_config
 from asyncrl.trainers.torch_trainer import TorchTrainer
-from asyncrl.wire.codec import Codec
 from tests.buffer_sim import ListSource, make_prompts
 from tests.tiny_model import build_tiny_model
 
@@ -69,12 +69,13 @@ def test_a_bad_config_file_is_refused_naming_file_line_and_key(name: str):
 
 
 def test_a_truncated_buffer_checkpoint_is_refused_with_its_name(tmp_path: Path):
-    buf = VersionedBuffer(VersionedBuffer.Config(), ListSource(make_prompts(4)))
-    body = b"".join(bytes(f) for f in Codec(BufferState).encode(buf.state_dict()))
+    hub = Hub(VersionedBuffer(VersionedBuffer.Config(), ListSource(make_prompts(4))))
+    hub.hand_out("rollout-0", "r1", 2)
+    hub.commit()
     whole, cut = tmp_path / "buffer.ckpt", tmp_path / "cut.ckpt"
-    whole.write_bytes(body)
-    cut.write_bytes(body[: len(body) // 2])
-    assert read_checkpoint(whole) == buf.state_dict()
+    write_checkpoint(hub.state_dict(), whole)
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    assert read_checkpoint(whole) == hub.state_dict()
     with pytest.raises(ValueError, match=r"buffer checkpoint .*cut\.ckpt is unreadable"):
         read_checkpoint(cut)
     (tmp_path / "other.ckpt").write_bytes(b'{"not": "a checkpoint"}')

@@ -583,6 +583,8 @@ class Simulation:
         rewards = [s.reward for s in group.samples]
         if self.cfg.filters and len(rewards) > 1 and len(set(rewards)) == 1:
             return "filtered"
+        if self.buf.version - group.head_version > self.hard:
+            return "filtered"  # past the backstop on arrival: dropped at once
         return "stored"
 
     def requeue(self, mask: int, seed: int) -> None:
@@ -597,7 +599,14 @@ class Simulation:
         # The trainer steps after consuming a batch; now and then it steps anyway (a batch
         # that came from elsewhere, an eval step), which ages the buffered work.
         if self.consumed_this_version or arg % 4 == 0:
-            self.buf.set_version(self.buf.version + 1)
+            v = self.buf.version + 1
+            stale = [
+                e.group.uid for e in self.buf.store.entries() if v - e.head_version > self.hard
+            ]
+            self.buf.set_version(v)
+            for uid in stale:  # dropped by the backstop at once, not at the next take
+                if self.where[uid] == "buffered":  # a reused group was consumed already
+                    self.where[uid] = "filtered"
             self.consumed_this_version = False
 
     def consume(self, arg: int = 0, seed: int = 0) -> bool:

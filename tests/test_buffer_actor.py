@@ -194,7 +194,9 @@ async def test_requeue_and_resume_from_a_checkpoint_lose_and_repeat_nothing(
     await supervisor.stop_all(grace=10)
 
     # A new buffer process resumes: the two groups still in flight come back first.
-    await supervisor.launch([buffer_spec(tmp_path, ep, "buffer-2", resume_from=str(ckpt))])
+    await supervisor.launch(
+        [buffer_spec(tmp_path, ep, "buffer-2", checkpoint=str(ckpt), resume=True)]
+    )
     async with asyncio.timeout(90), Peers(ep) as peers:
         resumed = (await peers.ask(10)).items
         assert {i.group_uid for i in resumed} == {i.group_uid for i in again[1:]}

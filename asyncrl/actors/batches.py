@@ -1,9 +1,9 @@
 """Where a trainer's batches come from: the buffer (rpc, with acknowledgements) or a dump.
 
-Both sources answer ``next(version)`` with a ``BatchReply`` (a batch, or none yet, or
-``exhausted``); ``done(batch_id)`` marks a batch finished and ``close(version)`` sends
-what is still owed before the actor stops. Users: ``TrainerActor`` (either source) and
-``BatchDumper`` (the buffer).
+Both sources answer ``next(version, durable)`` with a ``BatchReply`` (a batch, or none
+yet, or ``exhausted``); ``done(batch_id)`` marks a batch finished and ``close(version)``
+sends what is still owed before the actor stops. Users: ``TrainerActor`` (either source)
+and ``BatchDumper`` (the buffer).
 """
 
 from __future__ import annotations
@@ -12,17 +12,22 @@ import asyncio
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
+
 from asyncrl.actors.buffer import BatchReply, BatchRequest
 from asyncrl.buffer.dump import batch_files, read_batch
+from asyncrl.observe.logs import get_logger
+from asyncrl.wire.errors import PeerLost
 from asyncrl.wire.rpc import RpcClient
 
+log = get_logger("asyncrl.trainer")
 _WAIT_S = 1.0
 
 
 class BatchSource(Protocol):
     """What a consumer of train batches needs; see the module doc."""
 
-    async def next(self, version: int) -> BatchReply: ...
+    async def next(self, version: int, durable: int = -1) -> BatchReply: ...
 
     def done(self, batch_id: int) -> None: ...
 
@@ -30,9 +35,12 @@ class BatchSource(Protocol):
 
 
 class BufferBatches:
-    """Batches from the buffer actor. A batch stays held by the buffer until acknowledged;
-    the acknowledgements ride on the next request, and the first request asks for any
-    batch this consumer took before a restart (``resync``), so a crash loses nothing."""
+    """Batches from the buffer actor. A batch stays held by the buffer until acknowledged
+    (and, with ``durable >= 0``, until a checkpoint of the consumer covers it); the
+    acknowledgements ride on the next request, and the first request resyncs at the
+    consumer's version, so a consumer restarted from a checkpoint is served again every
+    batch after it. A request whose connection reset (the buffer restarted) is sent
+    again with ``resync``: the batch of a lost reply comes again, nothing is skipped."""
 
     def __init__(self, client: RpcClient[BatchRequest, BatchReply], consumer: str) -> None:
         self.client = client
@@ -40,17 +48,27 @@ class BufferBatches:
         self._acks: list[int] = []
         self._resync = True
 
-    async def next(self, version: int) -> BatchReply:
+    async def next(self, version: int, durable: int = -1) -> BatchReply:
         req = BatchRequest(
             trainer=self.consumer,
             wait=_WAIT_S,
             ack=self._acks,
             resync=self._resync,
             version=version,
+            durable=durable,
         )
-        reply = await self.client.call(req)
+        reply = await self._call(req)
         self._acks, self._resync = [], False
         return reply
+
+    async def _call(self, req: BatchRequest) -> BatchReply:
+        while True:
+            try:
+                return await self.client.call(req)
+            except PeerLost as exc:  # the buffer went away: it comes back restored
+                log.warning("buffer lost; asking again", error=str(exc))
+                req = msgspec.structs.replace(req, resync=True)
+                await asyncio.sleep(_WAIT_S)
 
     def done(self, batch_id: int) -> None:
         self._acks.append(batch_id)
@@ -72,7 +90,7 @@ class DumpedBatches:
             raise ValueError(f"{directory}: no batch_NNNNNN.msgpack files to train on")
         self.position = min(skip, len(self.files))
 
-    async def next(self, version: int) -> BatchReply:
+    async def next(self, version: int, durable: int = -1) -> BatchReply:
         if self.position >= len(self.files):
             return BatchReply(batch=None, exhausted=True)
         batch = await asyncio.to_thread(read_batch, self.files[self.position])

@@ -19,17 +19,29 @@ batch goes to the trainer only once every rollout actor reports (``WorkRequest.a
 that its engines released their memory; an actor is told it may sleep (``WorkReply.sleep``)
 as soon as nothing can be handed out before the next version.
 
+Crash safety: the state lives in a ``Hub`` (``asyncrl.buffer.hub``) that journals every
+change; the actor commits the journal before it answers a request or acknowledges a
+result, and writes a checkpoint (``checkpoint``, then a fresh journal) at start, every
+``checkpoint_interval`` seconds, when the journal passes ``journal_max_bytes``, and on
+stop. A restarted buffer (``recover``) loads the checkpoint and replays the journal:
+what it had acknowledged or handed out is all there, and its producers' and trainer's
+retries (same work request id; the lowest unacknowledged batch first) find it again. A
+new job (``resume``) does the same, then requeues the work the old job's producers held.
+
 Commands: ``requeue`` (``actor=NAME``: its in-flight work goes back to be resumed, used
-by the supervisor when a producer dies) and ``checkpoint`` (``path=FILE``).
+by the supervisor when a producer dies) and ``checkpoint`` (``path=FILE``: a copy).
 ``params``: ``buffer`` (``VersionedBuffer.Config``), ``source``
-(``PromptSource.Config``), ``tokenizer`` (a directory), ``resume_from`` (a checkpoint
-file), ``metrics_path``, ``metrics_interval``, ``colocate`` and ``rollout_actors`` (names).
+(``PromptSource.Config``), ``tokenizer`` (a directory), ``checkpoint`` (the checkpoint
+file), ``journal`` (the journal file; none: checkpoints on stop only), ``recover``,
+``resume``, ``checkpoint_interval``, ``journal_max_bytes``, ``journal_fsync``,
+``metrics_path``, ``metrics_interval``, ``colocate`` and ``rollout_actors`` (names).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -37,9 +49,11 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.actors.base import Actor
+from asyncrl.actors.base import Actor, ActorSpec
+from asyncrl.buffer.hub import Hub, HubState
+from asyncrl.buffer.journal import Journal, read_journal
 from asyncrl.buffer.sources import PromptSource
-from asyncrl.buffer.versioned import BufferState, BufferStats, VersionedBuffer
+from asyncrl.buffer.versioned import BufferStats, VersionedBuffer
 from asyncrl.observe.logs import get_logger
 from asyncrl.types import Group, TrainBatch, WorkItem
 from asyncrl.wire.codec import Codec, Message
@@ -66,6 +80,9 @@ class WorkRequest(Message):
     wait: float = 1.0
     version: int = -1
     asleep: bool = False  # colocated: this actor's engines have released their memory
+    #: Unique per request of one producer incarnation; asking again with the same id
+    #: (its reply was lost) gets the same groups, not new ones. Empty: no such guarantee.
+    request: str = ""
 
 
 class WorkReply(Message):
@@ -83,10 +100,13 @@ class BatchRequest(Message):
     """The trainer asks for a batch of ``num_groups`` (0: the configured B).
 
     ``ack`` lists batches the trainer has finished (its optimizer step is done); until
-    acknowledged a batch is held, and a trainer that restarts sends ``resync=True`` to
-    get it again. ``take=False`` only acknowledges. ``version`` is the trainer's current
-    weight version: the buffer follows it from here too, since a pub/sub announcement made
-    just before the trainer stops may never arrive.
+    acknowledged a batch is held and served again before any new one (a reply lost on
+    the way). ``durable`` is the version of the trainer's newest checkpoint (-1: it
+    keeps none): batches it covers are released, the others kept, and a trainer that
+    restarts from that checkpoint sends ``resync=True`` with its version to be served
+    every batch after it again. ``take=False`` only acknowledges. ``version`` is the
+    trainer's current weight version: the buffer follows it from here too, since a
+    pub/sub announcement made just before the trainer stops may never arrive.
     """
 
     trainer: str
@@ -96,6 +116,7 @@ class BatchRequest(Message):
     resync: bool = False
     take: bool = True
     version: int = -1
+    durable: int = -1
 
 
 class BatchReply(Message):
@@ -112,10 +133,14 @@ class BufferEvent(Message):
     version: int
 
 
-def read_checkpoint(path: Path) -> BufferState:
+#: Arrays inline: a checkpoint is one frame.
+_CHECKPOINT_CODEC_ARGS: dict[str, Any] = {"inline_bytes": 1 << 62}
+
+
+def read_checkpoint(path: Path) -> HubState:
     """A buffer checkpoint; ``ValueError`` naming the file when it is truncated or not one."""
     try:
-        return Codec(BufferState).decode([path.read_bytes()])
+        return Codec(HubState, **_CHECKPOINT_CODEC_ARGS).decode([path.read_bytes()])
     except WireError as exc:
         raise ValueError(
             f"buffer checkpoint {path} is unreadable (truncated, or not a buffer checkpoint): "
@@ -123,22 +148,62 @@ def read_checkpoint(path: Path) -> BufferState:
         ) from None
 
 
+def write_checkpoint(state: HubState, path: Path) -> None:
+    """Write ``state`` atomically (a temp file, fsync, then a rename)."""
+    body = Codec(HubState, **_CHECKPOINT_CODEC_ARGS).encode_parts(state)[0]
+    tmp = path.with_name(path.name + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tmp.open("wb") as out:
+        out.write(body)
+        out.flush()
+        os.fsync(out.fileno())  # the journal is reset after this: it must be on disk
+    os.replace(tmp, path)
+
+
+def recover_hub(hub: Hub, checkpoint: Path, journal: Path | None) -> int:
+    """Load ``checkpoint`` (when it exists) into ``hub`` and replay ``journal`` after it;
+    returns the records replayed. A journal of another lineage is older than the
+    checkpoint (a fresh start writes its checkpoint first) and is ignored."""
+    if checkpoint.exists():
+        hub.load_state_dict(read_checkpoint(checkpoint))
+    if journal is None or not journal.exists():
+        return 0
+    header, records = read_journal(journal)
+    if header.lineage != hub.lineage:
+        log.warning("journal of another lineage ignored", journal=str(journal))
+        return 0
+    if header.first_seq > hub.journal_seq + 1:
+        raise ValueError(
+            f"{journal} starts at record {header.first_seq} but {checkpoint} ends at "
+            f"{hub.journal_seq}: the records between are missing"
+        )
+    return hub.replay(records)
+
+
 class BufferActor(Actor):
     """Serves work and batches from a ``VersionedBuffer``; see the module docstring."""
 
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        self.hub: Hub | None = None  # heartbeats may ask for stats while setup runs
+        self._checkpointed_at = time.monotonic()
+
     async def setup(self) -> None:
         params = self.spec.params
-        self.buffer = VersionedBuffer(
-            VersionedBuffer.Config(**params.get("buffer", {})), _open_source(params)
-        )
-        if params.get("resume_from"):
-            self._restore(Path(params["resume_from"]))
+        source = await asyncio.to_thread(_open_source, params)  # tokenizing: off the loop
+        self.buffer = VersionedBuffer(VersionedBuffer.Config(**params.get("buffer", {})), source)
+        journal = Path(params["journal"]) if params.get("journal") else None
+        fsync = bool(params.get("journal_fsync"))
+        self.hub = Hub(self.buffer, Journal(journal, fsync=fsync) if journal else None)
+        self.checkpoint_path = Path(params["checkpoint"]) if params.get("checkpoint") else None
+        if params.get("recover") or params.get("resume"):
+            await asyncio.to_thread(self._recover, journal, bool(params.get("resume")))
+        self._checkpoint()  # a fresh lineage's first, or what recovery rebuilt
+        self.buffer = self.hub.buffer
         self.version = self.buffer.version
         self._waiters: set[asyncio.Future[None]] = set()
-        self._holders: dict[str, set[str]] = defaultdict(set)  # actor -> uids it holds
         self._aborted_at = -1
         self._outcomes: dict[str, int] = defaultdict(int)
-        self._unacked: dict[int, TrainBatch] = {}  # handed to the trainer, step not done
         self.colocate = bool(params.get("colocate", False))
         # Colocated: actor -> engines released; an actor not heard from yet is awake.
         self._asleep = dict.fromkeys(params.get("rollout_actors", []), False)
@@ -175,7 +240,10 @@ class BufferActor(Actor):
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            loops = [tg.create_task(self._results_loop(), name="buffer.results")]
+            loops = [
+                tg.create_task(self._results_loop(), name="buffer.results"),
+                tg.create_task(self._checkpoint_loop(), name="buffer.checkpoints"),
+            ]
             if self.weights is not None:
                 loops.append(tg.create_task(self._versions_loop(), name="buffer.versions"))
             if self.metrics is not None:
@@ -192,8 +260,8 @@ class BufferActor(Actor):
         await self._wait_until(lambda: self._has_work() or self._wake_to_sleep(req), req.wait)
         if self._behind(req):  # a new version came while we waited: load it first
             return WorkReply(items=[], version=self.buffer.version)
-        items = self.buffer.next_work(max(0, req.max_items))
-        self._holders[req.actor].update(i.group_uid for i in items)
+        items = self.hub.hand_out(req.actor, req.request, max(0, req.max_items))
+        self.hub.commit()
         exhausted = not items and self._no_more_work()
         sleep = self.colocate and not items and not exhausted
         return WorkReply(items=items, version=self.buffer.version, exhausted=exhausted, sleep=sleep)
@@ -232,16 +300,14 @@ class BufferActor(Actor):
             received = await self.results.receive_batch()
             for group in received:
                 self._record(group)
-            received.ack()  # only after put: an unacked result is redelivered
+            self.hub.commit()
+            received.ack()  # only once journaled: an unacked result is redelivered
             self._maybe_abort()
             self._notify()
 
     def _record(self, group: Group) -> None:
-        outcome = self.buffer.put(group)
+        outcome = self.hub.put(group)
         self._outcomes[outcome] += 1
-        if outcome != "partial":
-            for uids in self._holders.values():
-                uids.discard(group.uid)
         if outcome in ("failed", "filtered"):
             log.debug("group dropped", group=group.uid, outcome=outcome)
 
@@ -252,22 +318,21 @@ class BufferActor(Actor):
 
     # -- the trainer ---------------------------------------------------------------------
     async def _serve_batch(self, req: BatchRequest, peer: bytes) -> BatchReply:
-        for batch_id in req.ack:
-            self._unacked.pop(batch_id, None)
+        self.hub.settle(req.version, req.ack, req.durable, req.resync)
         self._follow_version(req.version)
+        self.hub.commit()
         if not req.take:
             return BatchReply(batch=None)
-        if req.resync and self._unacked:  # a restarted trainer lost this batch: again
-            return BatchReply(batch=self._unacked[min(self._unacked)])
         n = req.num_groups or self.buffer.config.groups_per_step
-        ready = await self._wait_until(
-            lambda: self._batch_ready(n) or self.buffer.exhausted, req.wait
-        )
-        if not ready:
-            return BatchReply(batch=None)
-        batch = self.buffer.take_batch(n)
+        if self.hub.lost_batch() is None:
+            ready = await self._wait_until(
+                lambda: self._batch_ready(n) or self.buffer.exhausted, req.wait
+            )
+            if not ready:
+                return BatchReply(batch=None)
+        batch = self.hub.take(n)
+        self.hub.commit()
         if batch is not None:
-            self._unacked[batch.batch_id] = batch
             self._notify()
         return BatchReply(batch=batch, exhausted=batch is None and self.buffer.exhausted)
 
@@ -276,10 +341,11 @@ class BufferActor(Actor):
         while True:
             update = await self.weights.receive()
             self._follow_version(update.msg.version)
+            self.hub.commit()
 
     def _follow_version(self, version: int) -> None:
         if version > self.buffer.version:
-            self.buffer.set_version(version)
+            self.hub.follow(version)
             self.version = version
             self._notify()
 
@@ -312,40 +378,78 @@ class BufferActor(Actor):
         if cmd.kind == "requeue":
             return {"requeued": self.requeue_actor(str(cmd.args.get("actor", "")))}
         if cmd.kind == "checkpoint":
-            self.save_checkpoint(Path(str(cmd.args["path"])))
+            write_checkpoint(self.hub.state_dict(), Path(str(cmd.args["path"])))
             return {"path": str(cmd.args["path"])}
         return await super().on_command(cmd)
 
     def requeue_actor(self, actor: str) -> int:
         """Put the in-flight work of ``actor`` (it died) back to be handed out again."""
-        n = self.buffer.requeue(sorted(self._holders.pop(actor, set())))
+        n = self.hub.requeue(actor)
+        self.hub.commit()
         self._asleep.pop(actor, None)  # a dead actor's engines hold nothing to wait for
         log.warning("requeued in-flight work", actor=actor, groups=n)
         if n:
             self._notify()
         return n
 
-    def save_checkpoint(self, path: Path) -> None:
-        """Write the buffer state atomically (write to a temp file, then rename)."""
-        body = b"".join(bytes(f) for f in Codec(BufferState).encode(self.buffer.state_dict()))
-        tmp = path.with_name(path.name + ".tmp")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(body)
-        os.replace(tmp, path)
+    # -- crash safety --------------------------------------------------------------------
+    def _recover(self, journal: Path | None, new_job: bool) -> None:
+        start = time.monotonic()
+        path = self.checkpoint_path
+        if path is None:
+            raise ValueError("buffer recovery needs params.checkpoint")
+        replayed = recover_hub(self.hub, path, journal)
+        requeued = self.hub.requeue_all() if new_job else 0
+        self.hub.commit()
+        log.info(
+            "buffer restored",
+            checkpoint=str(path),
+            version=self.buffer.version,
+            journal_records=replayed,
+            requeued=requeued,
+            seconds=round(time.monotonic() - start, 3),
+        )
 
-    def _restore(self, path: Path) -> None:
-        state = read_checkpoint(path)
-        self.buffer.load_state_dict(state)
-        log.info("buffer restored", path=str(path), version=state.version)
+    def _checkpoint(self) -> None:
+        """Checkpoint, then start a fresh journal after it (see the module docstring)."""
+        if self.checkpoint_path is None:
+            return
+        self.hub.commit()
+        write_checkpoint(self.hub.state_dict(), self.checkpoint_path)
+        if self.hub.journal is not None:
+            self.hub.journal.reset(self.hub.lineage, self.hub.journal_seq + 1)
+        self._checkpointed_at = time.monotonic()
+
+    async def _checkpoint_loop(self) -> None:
+        params = self.spec.params
+        interval = float(params.get("checkpoint_interval", 60.0))
+        max_bytes = int(params.get("journal_max_bytes", 256 * 1024 * 1024))
+        journal = self.hub.journal
+        while True:
+            await asyncio.sleep(min(1.0, interval))
+            due = time.monotonic() - self._checkpointed_at >= interval
+            if due or (journal is not None and journal.bytes_written >= max_bytes):
+                self._checkpoint()
 
     async def drain(self) -> None:
         self._write_metrics()  # the last row holds the final accounting
-        path = self.spec.params.get("checkpoint_on_stop")
-        if path:
-            self.save_checkpoint(Path(path))
+        self._checkpoint()
+
+    async def teardown(self) -> None:
+        if self.hub is not None and self.hub.journal is not None:
+            self.hub.journal.close()
 
     def stats(self) -> dict[str, float]:
-        return {**flatten_stats(self.buffer.statistics()), "unacked_batches": len(self._unacked)}
+        hub = self.hub
+        if hub is None:
+            return {}
+        unacked = [b for b in hub.outstanding if b not in hub.acked]
+        return {
+            **flatten_stats(self.buffer.statistics()),
+            "unacked_batches": len(unacked),
+            "buffer.kept_batches": len(hub.outstanding),
+            "buffer.journal_seq": hub.journal_seq,
+        }
 
     async def _metrics_loop(self) -> None:
         interval = float(self.spec.params.get("metrics_interval", 5.0))
@@ -372,7 +476,7 @@ def flatten_stats(s: BufferStats) -> dict[str, float]:
         f"buffer.{k}": float(getattr(s, k))
         for k in ("version", "admitted", "in_flight", "partial", "buffered", "consumed",
                   "duplicates", "capacity", "peak_buffered", "batches", "resumed_consumed",
-                  "masked_tokens", "queue_age_max")
+                  "masked_tokens", "queue_age_max", "lost_steps")
     }  # fmt: skip
     out.update({f"buffer.filtered.{k}": float(v) for k, v in s.filtered.items()})
     out.update({f"buffer.failed.{k[:60]}": float(v) for k, v in s.failed.items()})

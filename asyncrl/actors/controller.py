@@ -7,20 +7,22 @@
 below), launches them under a ``Supervisor``, waits until the trainer has taken its
 last step (``train.num_steps``; 0: until the data is used up), then stops everyone:
 rollout actors abort what is in flight (it returns to the buffer as partial work), the
-buffer checkpoints its state, the trainer checkpoints its weights. A rollout actor that
-dies is restarted (``runtime.max_restarts`` times each) after the buffer requeues the work
-it held; so is an engine actor (its rollout actor, finding it gone, fails and is
-restarted the same way, then loads the current weights into the new engine); any other
-death ends the job with the supervisor's report (exit code, reason, last log lines).
+buffer checkpoints its state, the trainer checkpoints its weights. An actor that dies is
+restarted (``runtime.max_restarts`` times each; ``asyncrl.runtime.recovery`` says how
+each role comes back: a producer's work is requeued, the buffer replays its journal, the
+trainer resumes from its checkpoint and retrains the batches after it, an engine gets
+its weights back); a death past the budget ends the job with the supervisor's report
+(exit code, reason, last log lines).
 
 Run directory: ``config.json`` (resolved config), ``logs/<actor>.{out,jsonl}``,
 ``metrics.jsonl`` (trainer steps), ``metrics/{buffer,rollout-N}.jsonl``,
 ``metrics/eval.jsonl`` (held-out sets, when ``eval.interval`` is set: an eval actor
-follows the versions), ``checkpoints/trainer/step_NNNNNN``, ``checkpoints/buffer.ckpt``,
-``weights/`` (disk transport), ``tensorboard/`` and ``wandb/`` (``--use-tensorboard``,
-``--use-wandb``: the controller forwards the metrics files there). ``--resume`` starts
-the trainer from its newest checkpoint and the buffer from its checkpoint, so no prompt is
-lost or repeated.
+follows the versions), ``checkpoints/trainer/step_NNNNNN``, ``checkpoints/buffer.ckpt``
+and ``checkpoints/buffer.journal``, ``trained.jsonl`` (``--train-audit-log``: every batch
+trained, with its group uids), ``weights/`` (disk transport), ``tensorboard/`` and
+``wandb/`` (``--use-tensorboard``, ``--use-wandb``: the controller forwards the metrics
+files there). ``--resume`` starts the trainer from its newest checkpoint and the buffer
+from its checkpoint and journal, so no prompt is lost or repeated.
 
 Debug modes (slime's names): ``--debug-rollout-only`` puts a ``BatchDumper`` in the
 trainer's seat, so every batch goes to ``RUN_DIR/rollout_data/`` (or
@@ -38,7 +40,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,11 +51,12 @@ from asyncrl.observe.logs import get_logger
 from asyncrl.observe.progress import JobProgress
 from asyncrl.observe.trackers import TensorBoardTracker, Tracker, WandbTracker, following
 from asyncrl.runtime.base import PlacementFailed, open_runtime, place_job
+from asyncrl.runtime.chaos import Chaos
+from asyncrl.runtime.recovery import RestartHooks, restart_budgets
 from asyncrl.runtime.supervisor import ActorDied, Supervisor
 from asyncrl.runtime.topology import job_specs, rollout_actor_names
 from asyncrl.wire import security
 from asyncrl.wire.control import ControlHub
-from asyncrl.wire.messages import Command
 
 log = get_logger("asyncrl.controller")
 
@@ -84,8 +87,11 @@ class JobResult:
     restarts: list[str] = field(default_factory=list)  # "actor: cause" per restart survived
 
 
-async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
-    """Run ``cfg`` to its end; never raises for actor failures (see ``JobResult.error``)."""
+async def run_job(cfg: RunConfig, *, resume: bool = False, chaos: Chaos | None = None) -> JobResult:
+    """Run ``cfg`` to its end; never raises for actor failures (see ``JobResult.error``).
+
+    ``chaos`` kills actors on its schedule while the job runs (``asyncrl chaos``).
+    """
     start = time.monotonic()
     run_dir = cfg.resolved_output_dir()
     specs = job_actor_specs(cfg, {}, run_dir, resume=resume)
@@ -102,16 +108,18 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> JobResult:
             result.error, result.seconds = str(exc), time.monotonic() - start
             return result
         async with ControlHub(endpoints["control"]) as hub:
+            hooks = RestartHooks(hub)
             sup = Supervisor(
                 runtime,
                 hub,
                 heartbeat_timeout=cfg.runtime.heartbeat_timeout,
                 startup_timeout=600,
-                restarts={"rollout": cfg.runtime.max_restarts, "engine": cfg.runtime.max_restarts},
-                before_restart=_requeue_work(hub),
+                restarts=restart_budgets(cfg),
+                before_restart=hooks.before_restart,
+                after_restart=hooks.after_restart,
             )
             async with sup:
-                result.error = await _train(sup, specs, cfg)
+                result.error = await _train(sup, specs, cfg, chaos)
                 # Producers first, so what they hold lands in the buffer before it checkpoints.
                 rollouts = [s.name for s in specs if s.role == "rollout"]
                 await sup.stop(rollouts, cfg.runtime.stop_timeout)
@@ -131,36 +139,27 @@ async def _curve(cfg: RunConfig) -> AsyncIterator[None]:
         yield
 
 
-def _requeue_work(hub: ControlHub) -> Callable[[ActorSpec], Awaitable[None]]:
-    """Before a rollout actor restarts: the buffer takes back the work it held, so those
-    groups resume (partials kept) instead of waiting for a producer that is gone."""
-
-    async def requeue(spec: ActorSpec) -> None:
-        if spec.role != "rollout":
-            return
-        async with asyncio.timeout(30.0):
-            reply = await hub.command("buffer", Command(kind="requeue", args={"actor": spec.name}))
-        log.warning("requeued a dead producer's work", actor=spec.name, **reply.data)
-
-    return requeue
-
-
-async def _train(sup: Supervisor, specs: list[ActorSpec], cfg: RunConfig) -> str:
-    """Launch ``specs`` and wait for the trainer's last step, with a progress bar; the
-    failure that ended it early, or ''."""
+async def _train(
+    sup: Supervisor, specs: list[ActorSpec], cfg: RunConfig, chaos: Chaos | None
+) -> str:
+    """Launch ``specs`` and wait for the trainer's last step, with a progress bar (and
+    ``chaos`` killing actors meanwhile); the failure that ended it early, or ''."""
     samples_per_step = cfg.buffer.groups_per_step * cfg.buffer.num_samples_per_prompt
     progress = JobProgress(cfg.train.num_steps, samples_per_step)
     async with asyncio.TaskGroup() as tg:
-        bar = tg.create_task(progress.run(sup.status), name="controller.progress")
+        helpers = [tg.create_task(progress.run(sup.status), name="controller.progress")]
         try:
             await sup.launch(specs)
+            if chaos is not None:
+                helpers.append(tg.create_task(chaos.run(sup), name="controller.chaos"))
             await sup.wait_until(lambda st: st["trainer"].state == "finished")
         except ActorDied as exc:
             return str(exc)
         except Exception as exc:  # an actor that could not be started (placement, Ray)
             return f"{type(exc).__name__}: {exc}"
         finally:
-            bar.cancel()
+            for task in helpers:
+                task.cancel()
     return ""
 
 
@@ -337,7 +336,6 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
         raise ValueError("training needs data (--prompt-data) or --load-debug-rollout-data")
     model = cfg.trainer.model_path
     ckpt = run_dir / "checkpoints"
-    buffer_ckpt = ckpt / "buffer.ckpt"
     engine = cfg.rollout.engine or {"type": "torch", "model_path": model}
     publish: dict[str, Any] = {"transport": cfg.train.publish, "keep": 2}
     if cfg.train.publish == "disk":
@@ -368,7 +366,10 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
         "num_steps": cfg.train.num_steps,
         "checkpoint_dir": str(ckpt / "trainer"),
         "checkpoint_interval": cfg.train.checkpoint_interval,
+        "keep_checkpoints": cfg.train.keep_checkpoints,
         "metrics_path": str(run_dir / "metrics.jsonl"),
+        "audit_path": str(run_dir / "trained.jsonl") if cfg.train.audit_log else None,
+        "job": secrets.token_hex(8),  # marks this job's checkpoints (restarts load those)
         "resume": resume,
         "save_dump": str(dump) if dump else None,
         "load_dump": cfg.train.load_rollout_data,
@@ -384,8 +385,11 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
             "metrics_interval": cfg.train.metrics_interval,
             "colocate": cfg.rollout.colocate,
             "rollout_actors": rollout_actor_names(cfg.rollout.num_actors),
-            "checkpoint_on_stop": str(buffer_ckpt),
-            "resume_from": str(buffer_ckpt) if resume and buffer_ckpt.exists() else None,
+            "checkpoint": str(ckpt / "buffer.ckpt"),
+            "journal": str(ckpt / "buffer.journal") if cfg.runtime.journal else None,
+            "journal_fsync": cfg.runtime.journal_fsync,
+            "checkpoint_interval": cfg.runtime.buffer_checkpoint_interval,
+            "resume": resume,
         },
         "rollout": rollout,
         "trainer": trainer,

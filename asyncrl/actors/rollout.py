@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ from asyncrl.trainers.weight_sync import WeightReceiver
 from asyncrl.types import Group, Sample, SampleStatus, WorkItem
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import PeerLost, RemoteError
+from asyncrl.wire.messages import Command, Scalar, WeightVersion
 from asyncrl.wire.pubsub import Subscriber
 from asyncrl.wire.reliable import ReliableSender
 from asyncrl.wire.rpc import RpcClient
@@ -80,6 +83,12 @@ class RolloutActor(Actor):
         self.colocate = bool(params.get("colocate", False))
         self._asleep = False  # colocated: the engines released their memory
         self._aborts = 0  # abort-alls so far (APRIL, drain): see RolloutContext.aborts
+        # Work request ids: unique to this incarnation, so the buffer can tell a retry
+        # (same id: the reply was lost) from a new request.
+        self._incarnation = os.urandom(4).hex()
+        self._requests = itertools.count(1)
+        self._loading = asyncio.Lock()  # one weight load at a time into the engines
+        self._newest: WeightVersion | None = None  # the last version loaded
         engine = EngineConfig(**params["engine"])
         self.own_engine = engine.serve == "actor"
         wait = engine.startup_timeout if self.own_engine else None
@@ -176,13 +185,11 @@ class RolloutActor(Actor):
                 wait=_WAIT_S,
                 version=self.host.version,
                 asleep=self._asleep,
+                request=f"{self._incarnation}-{next(self._requests)}",
             )
-            try:
-                reply = await self.work.call(req)
-            except PeerLost:
-                if self.stopping:
-                    return  # the buffer went first; nothing was handed to us
-                raise
+            reply = await self._ask(req)
+            if reply is None:
+                return  # stopping, and the buffer went first: nothing was handed to us
             self._free -= len(reply.items)
             self._behind = reply.version
             for item in reply.items:
@@ -191,6 +198,18 @@ class RolloutActor(Actor):
                 await asyncio.sleep(_WAIT_S)  # the data is used up; the controller stops us
             elif reply.sleep and not reply.items:
                 await self._make_room_for_training()
+
+    async def _ask(self, req: WorkRequest) -> WorkReply | None:
+        """The buffer's reply to ``req``. A reset connection (the buffer restarted) sends
+        the same request again: a handout whose reply was lost comes back, never twice."""
+        while True:
+            try:
+                return await self.work.call(req)
+            except PeerLost as exc:
+                if self.stopping:
+                    return None
+                log.warning("buffer lost; asking again", error=str(exc))
+                await asyncio.sleep(_WAIT_S)
 
     async def _make_room_for_training(self) -> None:
         """Colocated: once nothing runs here, put the engines to sleep for the train step;
@@ -274,22 +293,47 @@ class RolloutActor(Actor):
             if self._asleep:  # colocated: the train step is over, the engines come back
                 await self.host.wake()
                 self._asleep = False
+            if await self._load(msg):
+                log.info("weights loaded", version=msg.version, seconds=time.monotonic() - start)
+
+    async def _load(self, msg: WeightVersion) -> bool:
+        """Load ``msg`` into the engines; False when it is gone (wait for the next)."""
+        async with self._loading:
             try:
                 await self.host.load(msg, self.receiver)
             except (PeerLost, RemoteError) as exc:
                 # The trainer stopped, or already dropped this version: wait for the next.
                 log.warning("weights not loaded", version=msg.version, error=str(exc))
-                continue
+                return False
             except SGLangError as exc:
                 if msg.transport != "disk" or await asyncio.to_thread(Path(msg.location).exists):
                     raise
                 # The trainer pruned this version's files (it keeps the newest few) before
                 # we got to it: a newer one is out, so take that.
                 log.warning("weights pruned before loading", version=msg.version, error=str(exc))
-                continue
+                return False
+            self._newest = msg
             self.version = msg.version
             self._loaded.set()
-            log.info("weights loaded", version=msg.version, seconds=time.monotonic() - start)
+            return True
+
+    async def on_command(self, cmd: Command) -> dict[str, Scalar]:
+        if cmd.kind == "engine_restarted":
+            return {"reloaded": await self._reload_engine()}
+        return await super().on_command(cmd)
+
+    async def _reload_engine(self) -> int:
+        """Our engine actor came back with its initial weights: until the version we
+        had is loaded again, we ask for no work (our requests say version 0, so the
+        buffer hands us none). Returns the version reloaded (-1: none yet)."""
+        msg = self._newest
+        self.host.version = 0
+        if msg is None:
+            return -1
+        await self.host.wait_ready(self.host.wait_ready_s or 120.0)
+        loaded = await self._load(msg)
+        log.warning("weights reloaded into a restarted engine", version=msg.version, ok=loaded)
+        return msg.version if loaded else -1
 
     async def _metrics_loop(self) -> None:
         """Every ``metrics_interval`` s: the counters and the busy intervals since the last

@@ -10,10 +10,13 @@ Channels (names as in ``runtime/topology.py``)::
 Loop: ask for a batch (waiting is measured: ``time/wait_data``), train one step in a
 worker thread (heartbeats and the sockets keep running), publish the new version, then
 acknowledge the batch on the next request. A checkpoint every ``checkpoint_interval``
-steps and on stop; on start it resumes from ``resume_from`` (or, with ``resume``, the
-newest checkpoint in ``checkpoint_dir``), re-announces its version and asks the buffer
-for any batch it had not acknowledged (``resync``), so a crash between taking and
-training loses nothing.
+steps (keeping the newest ``keep_checkpoints``) and on stop; on start it resumes from
+``resume_from`` (or, with ``resume``, the newest checkpoint in ``checkpoint_dir``),
+re-announces its version and resyncs with the buffer at that version. Each request
+tells the buffer the version of the newest checkpoint (``durable``), and the buffer
+keeps every batch after it: a trainer restarted by the supervisor (``restart``: the
+newest checkpoint this job wrote, each marked with ``job``) is served those batches
+again and retrains exactly what it lost, so no consumed group is lost or trained twice.
 
 Debug modes: with ``load_dump`` (a directory of ``asyncrl.buffer.dump`` files) the
 batches come from those files instead of the buffer (train-only); with ``save_dump`` each
@@ -22,9 +25,11 @@ batch taken is also written there.
 ``params``: ``trainer`` (``TorchTrainer.Config``), ``publish`` (``transport``
 pull|disk|dist, ``dir``, ``keep``; for dist ``dist_address`` host:port,
 ``dist_world_size`` = 1 + subscribers, ``dist_backend``), ``num_steps`` (stop at this
-version; 0: when the data is exhausted), ``resume``, ``checkpoint_dir``, ``checkpoint_interval``,
-``resume_from``, ``metrics_path``. The ``algo`` section of the run config
-(``PolicyConfig``) is read from ``spec.config``.
+version; 0: when the data is exhausted), ``resume``, ``restart``, ``job``,
+``checkpoint_dir``, ``checkpoint_interval``, ``keep_checkpoints``, ``resume_from``,
+``metrics_path``, ``audit_path`` (one JSON line per batch trained or skipped: its id,
+its ``step``, the trainer ``version`` after it and its group uids). The ``algo`` section
+of the run config (``PolicyConfig``) is read from ``spec.config``.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from asyncrl.policies.config import PolicyConfig
 from asyncrl.trainers.base import StepResult, Trainer, UntrainableBatch
 from asyncrl.trainers.weight_group import BroadcastGroup
 from asyncrl.trainers.weight_sync import WeightPublisher
+from asyncrl.types import TrainBatch
 from asyncrl.wire.blob import BlobServer
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import Command, Scalar, WeightVersion
@@ -68,8 +74,12 @@ class TrainerActor(Actor):
     async def setup(self) -> None:
         params = self.spec.params
         self.trainer = await asyncio.to_thread(build_trainer, self.spec.config, params)
-        self._resume(params)
+        await asyncio.to_thread(self._resume, params)
         self.version = self.trainer.version
+        # Batches after this version are kept by the buffer until a checkpoint covers them.
+        self.durable = self.trainer.version if self._interval() > 0 else -1
+        audit = params.get("audit_path")
+        self.audit = self.open_metrics(audit) if audit else None
         self.num_steps = int(params.get("num_steps", 0))
         await self._open_channels()
         path = params.get("metrics_path")
@@ -141,6 +151,7 @@ class TrainerActor(Actor):
                 log.warning("batch skipped", batch=batch.batch_id, reason=str(exc))
                 result = None
             self.batches.done(batch.batch_id)
+            self._audit(batch, trained=result is not None)
             if result is not None:
                 await self._after_step(result, waited)
         if self._done():  # a stop drains: the last acks go out and a checkpoint is taken
@@ -152,7 +163,7 @@ class TrainerActor(Actor):
 
     async def _next_batch(self) -> tuple[BatchReply, float]:
         start = time.perf_counter()
-        reply = await self.batches.next(self.trainer.version)
+        reply = await self.batches.next(self.trainer.version, self.durable)
         return reply, time.perf_counter() - start
 
     async def _after_step(self, result: StepResult, waited: float) -> None:
@@ -164,7 +175,7 @@ class TrainerActor(Actor):
         self._last = {**result.metrics, "time/wait_data": waited, "time/publish": publish_s}
         if self.metrics is not None:
             self.metrics.write({"actor": self.name, "step": result.version, **self._last})
-        interval = int(self.spec.params.get("checkpoint_interval", 0))
+        interval = self._interval()
         if interval > 0 and result.version % interval == 0:
             await self._checkpoint()
         log.info("step", version=result.version, loss=result.metrics.get("loss"))
@@ -173,21 +184,40 @@ class TrainerActor(Actor):
         tensors = await asyncio.to_thread(self.trainer.export_weights)
         await self.weights.publish(self.trainer.version, tensors)
 
+    def _audit(self, batch: TrainBatch, *, trained: bool) -> None:
+        if self.audit is not None:
+            groups = [g.uid for g in batch.groups]
+            self.audit.write({"batch": batch.batch_id, "step": batch.step, "trained": trained,
+                              "version": self.trainer.version, "groups": groups})  # fmt: skip
+
     # -- checkpoints, acks on stop, commands ----------------------------------------------
+    def _interval(self) -> int:
+        return int(self.spec.params.get("checkpoint_interval", 0))
+
     def _resume(self, params: dict[str, Any]) -> None:
         path = params.get("resume_from")
+        root = params.get("checkpoint_dir")
+        if params.get("restart"):  # the supervisor restarted us: this job's newest
+            path = _newest_checkpoint(root, job=params.get("job")) or path
         if not path and params.get("resume"):
-            path = _newest_checkpoint(params.get("checkpoint_dir"))
+            path = _newest_checkpoint(root)
         if path:
             self.trainer.load_checkpoint(Path(path))
             log.info("trainer resumed", path=str(path), version=self.trainer.version)
 
     async def _checkpoint(self) -> Path | None:
-        root = self.spec.params.get("checkpoint_dir")
+        params = self.spec.params
+        root = params.get("checkpoint_dir")
         if not root:
             return None
         path = Path(root) / f"step_{self.trainer.version:06d}"
-        await asyncio.to_thread(_save_atomically, self.trainer, path)
+        job = params.get("job")
+        await asyncio.to_thread(_save_atomically, self.trainer, path, job)
+        if self._interval() > 0:
+            self.durable = self.trainer.version
+        keep = params.get("keep_checkpoints")
+        if keep:
+            await asyncio.to_thread(_prune_checkpoints, Path(root), int(keep))
         return path
 
     async def drain(self) -> None:
@@ -226,17 +256,42 @@ def build_trainer(config: dict[str, Any], params: dict[str, Any]) -> Trainer:
     return TorchTrainer(TorchTrainer.Config(**params.get("trainer", {})), algo)
 
 
-def _save_atomically(trainer: Trainer, path: Path) -> None:
-    """Save into ``path.tmp`` then rename: a crash mid-save never leaves a partial ``path``."""
+_JOB_FILE = "job"
+
+
+def _save_atomically(trainer: Trainer, path: Path, job: str | None = None) -> None:
+    """Save into ``path.tmp`` then rename: a crash mid-save never leaves a partial ``path``.
+    ``job`` marks which job wrote it (a restart loads only its own job's)."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.save_checkpoint(tmp)
+    if job:
+        (tmp / _JOB_FILE).write_text(job)
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
 
 
-def _newest_checkpoint(root: str | None) -> Path | None:
+def _checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and p.suffix != ".tmp")
+
+
+def _newest_checkpoint(root: str | None, *, job: str | None = None) -> Path | None:
+    """The newest checkpoint under ``root``; with ``job``, the newest that job wrote."""
     if not root or not Path(root).is_dir():
         return None
-    steps = sorted(p for p in Path(root).glob("step_*") if p.is_dir() and p.suffix != ".tmp")
+    steps = _checkpoints(Path(root))
+    if job is not None:
+        steps = [p for p in steps if _written_by(p) == job]
     return steps[-1] if steps else None
+
+
+def _written_by(path: Path) -> str | None:
+    marker = path / _JOB_FILE
+    return marker.read_text() if marker.is_file() else None
+
+
+def _prune_checkpoints(root: Path, keep: int) -> None:
+    """Remove all but the newest ``keep`` checkpoints."""
+    for path in _checkpoints(root)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)

@@ -56,7 +56,8 @@ class PartialPool:
         return uid in self._items
 
     def __iter__(self) -> Iterator[WorkItem]:
-        return iter(sorted(self._items.values(), key=_head))
+        """In ``pop`` order, so re-adding them in this order restores the same order."""
+        return iter(sorted(self._items.values(), key=lambda i: (_head(i), self._seqs[i.group_uid])))
 
     def add(self, item: WorkItem) -> None:
         """Queue ``item`` (its ``partial`` holds the samples so far, if any)."""

@@ -75,6 +75,7 @@ class BufferStats(Message, frozen=True):
     queue_age_max: float
     staleness_samples: dict[int, int]
     staleness_tokens: dict[int, int]
+    lost_steps: int = 0
 
 
 class VersionedBuffer:
@@ -148,6 +149,7 @@ class VersionedBuffer:
     ) -> None:
         self.config, self.source, self.clock = config, source, clock
         self.version = 0
+        self.lost_steps = 0  # optimizer steps a rebase took back (see ``rebase``)
         self.ledger = Ledger()
         self.pool = april.PartialPool()
         self.store = VersionedStore(
@@ -170,9 +172,28 @@ class VersionedBuffer:
 
     # -- versions and admission -------------------------------------------------------
     def set_version(self, version: int) -> None:
-        """The trainer reached ``version`` (optimizer steps applied); never goes back."""
+        """The trainer reached ``version`` (optimizer steps applied); never goes back.
+
+        Groups now staler than the backstop are dropped at once (not at the next take),
+        so the state after a sequence of calls does not depend on when ``ready()`` was
+        polled: a journal replay reproduces it exactly.
+        """
         if version < self.version:
             raise ValueError(f"version went back from {self.version} to {version}")
+        self.version = version
+        self._evict_stale()
+
+    def rebase(self, version: int) -> None:
+        """The trainer went back to ``version`` and the steps since are lost (it resumed
+        from an older checkpoint than the batches the buffer kept for it).
+
+        Staleness is measured from ``version`` again, while admission keeps counting the
+        lost steps (``lost_steps``): their groups were consumed, so without that credit
+        rule (1) would admit nothing until the trainer had re-made them.
+        """
+        if version > self.version:
+            raise ValueError(f"rebase goes back, not forward: {self.version} -> {version}")
+        self.lost_steps += self.version - version
         self.version = version
 
     def capacity(self) -> int:
@@ -181,7 +202,7 @@ class VersionedBuffer:
         return admission_capacity(
             admitted=self.ledger.holding,
             in_flight=len(self._in_flight),
-            version=self.version,
+            version=self.version + self.lost_steps,
             max_staleness=cfg.max_staleness,
             groups_per_step=cfg.groups_per_step,
             over_provision=cfg.over_provision,
@@ -192,6 +213,10 @@ class VersionedBuffer:
     def in_flight(self) -> list[str]:
         """Uids of groups handed out and not yet returned."""
         return list(self._in_flight)
+
+    def work_item(self, uid: str) -> WorkItem | None:
+        """The work item of ``uid`` while it is in flight, else None."""
+        return self._in_flight.get(uid)
 
     def next_work(self, max_items: int) -> list[WorkItem]:
         """Up to ``max_items`` work items: resumed groups first, then new prompts."""
@@ -313,7 +338,8 @@ class VersionedBuffer:
             return "filtered"
         self.store.put(group, now=self.clock())
         self.ledger.move(group.uid, Live.BUFFERED, expect=_LIVE)
-        return "stored"
+        # Already past the backstop: dropped now (as set_version would), not at a take.
+        return "filtered" if group.uid in self._evict_stale() else "stored"
 
     def _forget(self, uid: str) -> None:
         self._resumed_at.pop(uid, None)
@@ -359,11 +385,15 @@ class VersionedBuffer:
         groups = [e.group for e in taken.groups]
         return TrainBatch(batch_id=self._batches, step=self.version, groups=groups)
 
-    def _evict_stale(self) -> None:
+    def _evict_stale(self) -> set[str]:
+        """Drop the groups past the backstop; the uids of those that were buffered."""
+        dropped = set()
         for entry in self.store.evict_stale(self.version):
             if entry.served == 0:  # a reused group was consumed already
                 self._forget(entry.group.uid)
                 self.ledger.filter(entry.group.uid, "stale", expect=(Live.BUFFERED,))
+                dropped.add(entry.group.uid)
+        return dropped
 
     def _account_consumed(self, entry: StoredGroup, now: float) -> None:
         if entry.served > 1:
@@ -398,37 +428,63 @@ class VersionedBuffer:
             queue_age_max=self._queue_age_max,
             staleness_samples=dict(self._stale_samples),
             staleness_tokens=dict(self._stale_tokens),
+            lost_steps=self.lost_steps,
         )
 
     def state_dict(self) -> BufferState:
         """Everything needed to continue after a restart, as one wire record.
 
-        Work in flight at the checkpoint is saved as waiting to resume: a restored buffer
-        hands it out again (a late result from before the crash is still accepted once).
+        The pool and the store are saved in their serving order and the in-flight work
+        apart from them, so ``load_state_dict(..., requeue_in_flight=False)`` continues
+        exactly where this buffer stood (what a journal replay needs).
         """
-        waiting = list(self.pool) + list(self._in_flight.values())
+        stored = self.store.entries()
         return BufferState(
             version=self.version,
             ledger=msgspec.json.encode(self.ledger.state_dict()),
-            waiting=waiting,
-            stored=[e.group for e in self.store.entries()],
-            served=[e.served for e in self.store.entries()],
+            waiting=list(self.pool),
+            stored=[e.group for e in stored],
+            served=[e.served for e in stored],
             pending=list(self._pending),
             resumed_at=dict(self._resumed_at),
             source=msgspec.json.encode(self.source.state_dict() if self.source else None),
             batches=self._batches,
+            in_flight=list(self._in_flight.values()),
+            lost_steps=self.lost_steps,
+            tallies=msgspec.json.encode(self._tallies()),
         )
 
-    def load_state_dict(self, state: BufferState) -> None:
-        """Restore from ``state_dict()`` into a freshly built buffer."""
+    def _tallies(self) -> dict[str, Any]:
+        return {
+            "duplicates": self._duplicates,
+            "resumed_consumed": self._resumed_consumed,
+            "masked_tokens": self._masked_tokens,
+            "queue_age_max": self._queue_age_max,
+            "stale_samples": dict(self._stale_samples),
+            "stale_tokens": dict(self._stale_tokens),
+        }
+
+    def load_state_dict(self, state: BufferState, *, requeue_in_flight: bool = True) -> None:
+        """Restore from ``state_dict()`` into a freshly built buffer.
+
+        ``requeue_in_flight``: work in flight at the checkpoint waits to resume, since
+        the producers that held it are gone (a new job); a late result from before is
+        still accepted once. False keeps it in flight (the same job's producers still
+        hold it: a buffer restart).
+        """
         if self.ledger.admitted or len(self.store):
             raise RuntimeError("load_state_dict needs a fresh buffer")
         self.version, self._batches = state.version, state.batches
+        self.lost_steps = state.lost_steps
         ledger = msgspec.json.decode(state.ledger)
-        for item in state.waiting:  # in flight at the checkpoint: waiting to resume now
-            if ledger["live"].get(item.group_uid) == Live.IN_FLIGHT:
-                ledger["live"][item.group_uid] = Live.PARTIAL
+        for item in state.waiting:
             self.pool.add(item)
+        for item in state.in_flight:
+            if requeue_in_flight:
+                ledger["live"][item.group_uid] = Live.PARTIAL
+                self.pool.add(item)
+            else:
+                self._in_flight[item.group_uid] = item
         self.ledger.load_state_dict(ledger)
         for group, served in zip(state.stored, state.served, strict=True):
             self.store.put(group, now=self.clock(), served=served)
@@ -436,10 +492,25 @@ class VersionedBuffer:
         source_state = msgspec.json.decode(state.source)
         if self.source is not None and source_state is not None:
             self.source.load_state_dict(source_state)
+        self._load_tallies(msgspec.json.decode(state.tallies) if state.tallies else {})
+
+    def _load_tallies(self, t: dict[str, Any]) -> None:
+        self._duplicates = t.get("duplicates", 0)
+        self._resumed_consumed = t.get("resumed_consumed", 0)
+        self._masked_tokens = t.get("masked_tokens", 0)
+        self._queue_age_max = t.get("queue_age_max", 0.0)
+        # JSON keys are strings; the histograms are keyed by staleness.
+        self._stale_samples = Counter({int(k): v for k, v in t.get("stale_samples", {}).items()})
+        self._stale_tokens = Counter({int(k): v for k, v in t.get("stale_tokens", {}).items()})
 
 
 class BufferState(Message):
-    """A buffer checkpoint (``VersionedBuffer.state_dict``); encode it with a ``Codec``."""
+    """A buffer checkpoint (``VersionedBuffer.state_dict``); encode it with a ``Codec``.
+
+    ``waiting``: the partial pool in serving order; ``stored``: the store in arrival
+    order, each group served ``served[i]`` times so far; ``in_flight``: work handed out
+    and not returned; ``tallies``: the statistics' counters and histograms (JSON).
+    """
 
     version: int
     ledger: bytes
@@ -450,6 +521,9 @@ class BufferState(Message):
     resumed_at: dict[str, int]
     source: bytes
     batches: int
+    in_flight: list[WorkItem] = msgspec.field(default_factory=list)
+    lost_steps: int = 0
+    tallies: bytes = b""
 
 
 def _failure(group: Group) -> str | None:

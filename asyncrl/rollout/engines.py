@@ -54,10 +54,10 @@ class EngineHost:
         self.client = SGLangClient(urls, router=self.config.router, config=client_config)
         await self.client.__aenter__()
         if self.wait_ready_s is not None:
-            await self._wait_ready(self.wait_ready_s)
+            await self.wait_ready(self.wait_ready_s)
         return self
 
-    async def _wait_ready(self, limit_s: float) -> None:
+    async def wait_ready(self, limit_s: float) -> None:
         """Poll ``/health`` until every engine answers 200 (an engine actor still loading)."""
         import asyncio
 

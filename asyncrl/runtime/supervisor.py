@@ -13,10 +13,13 @@ progress never waits on a dead actor. ``stop_all()`` asks every actor to stop (c
 then SIGTERM, then SIGKILL).
 
 Restart policy (``restarts``: role -> most restarts per actor): a death or hang of an
-actor of such a role is logged with its evidence and kept in ``deaths``; ``before_restart``
-runs (the controller requeues the dead producer's in-flight work at the buffer), then the
-same spec starts again, on the same endpoints, and must say Hello within
-``startup_timeout``. Past its budget, or while stopping, a death fails the job as above.
+actor of such a role is logged with its evidence and kept in ``deaths``;
+``before_restart(spec)`` runs and may return the spec to start instead (the controller
+requeues a dead producer's in-flight work at the buffer, and starts a buffer or trainer
+in recovery mode), then the actor starts again, on the same endpoints, and must say
+Hello within ``startup_timeout``; then ``after_restart(spec)`` runs (the controller has
+a restarted engine's rollout actor reload its weights). Past its budget, or while
+stopping, a death fails the job as above.
 """
 
 from __future__ import annotations
@@ -85,13 +88,15 @@ class Supervisor:
         heartbeat_timeout: float = 10.0,
         startup_timeout: float = 120.0,
         restarts: Mapping[str, int] | None = None,
-        before_restart: Callable[[ActorSpec], Awaitable[None]] | None = None,
+        before_restart: Callable[[ActorSpec], Awaitable[ActorSpec | None]] | None = None,
+        after_restart: Callable[[ActorSpec], Awaitable[None]] | None = None,
     ) -> None:
         self.runtime, self.hub = runtime, hub
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
         self.restarts = dict(restarts or {})
         self.before_restart = before_restart
+        self.after_restart = after_restart
         self.status: dict[str, ActorStatus] = {}
         self.handles: dict[str, ActorHandle] = {}
         self.specs: dict[str, ActorSpec] = {}
@@ -119,6 +124,11 @@ class Supervisor:
         for task in self._tasks:
             task.cancel()
         return await self._tg.__aexit__(et, exc, tb)
+
+    @property
+    def restarting(self) -> bool:
+        """True while some actor's restart is under way."""
+        return bool(self._restarting)
 
     # -- launching ------------------------------------------------------------------
     async def launch(self, specs: Sequence[ActorSpec]) -> None:
@@ -292,7 +302,8 @@ class Supervisor:
 
     async def _start_again(self, name: str, spec: ActorSpec, st: ActorStatus) -> None:
         if self.before_restart is not None:
-            await self.before_restart(spec)
+            spec = await self.before_restart(spec) or spec
+            self.specs[name] = spec
         if self._stopping:
             return  # the job is ending: nothing to restart for
         st.hello, st.bye, st.hung, st.state = False, None, "", "restarting"
@@ -310,6 +321,8 @@ class Supervisor:
             raise TimeoutError(f"no Hello within {self.startup_timeout:.0f}s") from None
         if st.hello:
             log.info("actor restarted", actor=name, restart=st.restarts, pid=st.pid)
+            if self.after_restart is not None:
+                await self.after_restart(spec)
         # An incarnation that died starting is its own exit watcher's to handle; one still
         # starting when the job stops is stopped by stop()/stop_all(), which waited for us.
 

@@ -1,0 +1,265 @@
+"""Chaos: SIGKILL the actors of a running job on a schedule, then prove nothing was lost.
+
+A schedule is a list of kills ``TARGET@WHEN`` (``asyncrl chaos --kill``):
+
+- ``TARGET``: an actor (``buffer``, ``rollout-1``), a role (``rollout``: one of its actors
+  at random), or ``random`` (any actor of a role that may be restarted);
+- ``WHEN``: ``30s`` (seconds after every actor is up) or ``step20`` (once the trainer's
+  heartbeat reports version 20 or more).
+
+``every`` adds a ``random`` kill every that many seconds until the job ends. Each kill
+waits until its victim is running (it said Hello since its last restart, and no other
+restart is under way), kills it with SIGKILL through the runtime (a local process group,
+or the Ray worker), and records when it went down and when it was back.
+
+``audit_run(run_dir)`` then checks the run, independently of the buffer's own counters
+where it can: the buffer's ledger adds up (``lost`` = admitted minus everything
+accounted for); ``trained.jsonl`` (the trainer's audit log, one row per batch with its
+group uids) shows no group in two different batches (``duplicated``) and as many
+distinct groups as the ledger consumed (``untrained``); the final version is the step
+count asked for. Users: ``asyncrl chaos``, ``bench/soak.py``, ``tests/test_chaos.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from asyncrl.observe.logs import get_logger
+from asyncrl.runtime.supervisor import Supervisor
+
+log = get_logger("asyncrl.chaos")
+_WHEN = re.compile(r"^(?:(\d+(?:\.\d+)?)s|step(\d+))$")
+_POLL_S = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class KillAt:
+    """One scheduled kill: ``target`` at ``seconds`` after start, or at trainer ``step``."""
+
+    target: str
+    seconds: float | None = None
+    step: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> KillAt:
+        """``TARGET@30s`` or ``TARGET@step20``; ``ValueError`` saying what is wrong."""
+        target, sep, when = text.partition("@")
+        match = _WHEN.match(when)
+        if not sep or not target or match is None:
+            raise ValueError(
+                f"chaos kill {text!r}: expected TARGET@SECONDSs or TARGET@stepN, "
+                "e.g. trainer@30s or rollout@step20"
+            )
+        if match.group(1) is not None:
+            return cls(target, seconds=float(match.group(1)))
+        return cls(target, step=int(match.group(2)))
+
+
+@dataclasses.dataclass
+class Kill:
+    """A kill that happened: victim, pid, when (seconds since start), the trainer's
+    version then, and when the victim was running again (None: it never came back)."""
+
+    actor: str
+    pid: int | None
+    at_s: float
+    step: int
+    back_s: float | None = None
+
+
+class Chaos:
+    """Runs a kill schedule against a supervisor's actors (see the module docstring)."""
+
+    def __init__(
+        self,
+        schedule: list[KillAt],
+        *,
+        every: float | None = None,
+        seed: int = 0,
+        roles: tuple[str, ...] = ("buffer", "trainer", "rollout", "engine", "eval"),
+    ) -> None:
+        self.schedule = sorted(schedule, key=lambda k: (k.step is not None, k.seconds or 0))
+        self.every = every
+        self.rng = random.Random(seed)
+        self.roles = roles
+        self.kills: list[Kill] = []
+        self._start = time.monotonic()
+
+    async def run(self, sup: Supervisor) -> None:
+        """Kill on schedule until cancelled (the job's end cancels it)."""
+        self._start = time.monotonic()
+        async with asyncio.TaskGroup() as tg:
+            watch = tg.create_task(self._watch_back(sup), name="chaos.back")
+            for kill in self.schedule:
+                await self._until_due(sup, kill)
+                await self._kill(sup, kill.target)
+            while self.every is not None:
+                await asyncio.sleep(self.every)
+                await self._kill(sup, "random")
+            await asyncio.Event().wait()  # keep watching restarts until the job ends
+            watch.cancel()
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+    async def _until_due(self, sup: Supervisor, kill: KillAt) -> None:
+        while True:
+            if kill.seconds is not None and self._elapsed() >= kill.seconds:
+                return
+            if kill.step is not None and _trainer_version(sup) >= kill.step:
+                return
+            await asyncio.sleep(_POLL_S)
+
+    async def _kill(self, sup: Supervisor, target: str) -> None:
+        """Wait until the job is calm and ``target`` resolves to a running actor; kill it."""
+        while True:
+            victim = self._victim(sup, target)
+            if victim is not None and not sup.restarting:
+                break
+            await asyncio.sleep(_POLL_S)
+        handle = sup.handles[victim]
+        kill = Kill(victim, handle.pid, round(self._elapsed(), 2), _trainer_version(sup))
+        self.kills.append(kill)
+        log.warning("chaos: SIGKILL", actor=victim, pid=handle.pid, step=kill.step)
+        sup.runtime.kill(handle)
+
+    def _victim(self, sup: Supervisor, target: str) -> str | None:
+        running = [
+            name
+            for name, st in sup.status.items()
+            if st.hello and sup.handles[name].exit_code is None and st.state == "running"
+        ]
+        if target in sup.status:
+            return target if target in running else None
+        roles = self.roles if target == "random" else (target,)
+        pool = sorted(n for n in running if sup.status[n].role in roles)
+        return self.rng.choice(pool) if pool else None
+
+    async def _watch_back(self, sup: Supervisor) -> None:
+        """Stamp each kill with the time its victim was running again."""
+        while True:
+            for kill in self.kills:
+                if kill.back_s is None:
+                    st, handle = sup.status[kill.actor], sup.handles[kill.actor]
+                    if handle.pid != kill.pid and st.hello and st.state == "running":
+                        kill.back_s = round(self._elapsed(), 2)
+            await asyncio.sleep(_POLL_S)
+
+
+def _trainer_version(sup: Supervisor) -> int:
+    st = sup.status.get("trainer")
+    return st.version if st is not None else 0
+
+
+@dataclasses.dataclass
+class Audit:
+    """What ``audit_run`` found; ``ok`` when nothing was lost or repeated."""
+
+    admitted: int
+    consumed: int
+    in_flight: int
+    partial: int
+    buffered: int
+    filtered: int
+    failed: int
+    lost: int  # admitted but in no state of the ledger
+    duplicated: int  # groups trained in two different batches
+    untrained: int  # consumed groups missing from the trainer's audit log
+    batches_trained: int  # distinct batches that made a version
+    final_version: int
+    expected_version: int
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        """Nothing lost, nothing repeated, the step count right."""
+        return not self.problems
+
+
+def audit_run(run_dir: Path, expected_version: int) -> Audit:
+    """Check a finished run's accounting (see the module docstring)."""
+    row = _last_row(run_dir / "metrics" / "buffer.jsonl")
+    counts = {k: int(row.get(f"buffer.{k}", 0)) for k in
+              ("admitted", "consumed", "in_flight", "partial", "buffered")}  # fmt: skip
+    filtered = int(sum(v for k, v in row.items() if k.startswith("buffer.filtered.")))
+    failed = int(sum(v for k, v in row.items() if k.startswith("buffer.failed.")))
+    live = counts["in_flight"] + counts["partial"] + counts["buffered"]
+    lost = counts["admitted"] - (live + counts["consumed"] + filtered + failed)
+    batches, trained_versions, changed = _trained(run_dir / "trained.jsonl")
+    owners: dict[str, set[int]] = defaultdict(set)
+    for batch_id, groups in batches.items():
+        for uid in groups:
+            owners[uid].add(batch_id)
+    duplicated = sum(1 for ids in owners.values() if len(ids) > 1)
+    untrained = counts["consumed"] - len(owners)
+    final = _last_step(run_dir / "metrics.jsonl")
+    problems = _problems(lost, duplicated, untrained, final, expected_version, batches)
+    if changed:
+        problems.append(f"batches {sorted(changed)} were served again with other groups")
+    return Audit(
+        **counts,
+        filtered=filtered,
+        failed=failed,
+        lost=lost,
+        duplicated=duplicated,
+        untrained=untrained,
+        batches_trained=len(trained_versions),
+        final_version=final,
+        expected_version=expected_version,
+        problems=problems,
+    )
+
+
+def _problems(
+    lost: int,
+    duplicated: int,
+    untrained: int,
+    final: int,
+    expected: int,
+    batches: dict[int, list[str]],
+) -> list[str]:
+    out = []
+    if lost:
+        out.append(f"{lost} admitted groups are in no state of the ledger")
+    if duplicated:
+        out.append(f"{duplicated} groups were trained in two different batches")
+    if untrained:
+        out.append(f"{untrained} consumed groups are not in the trainer's audit log")
+    if not batches:
+        out.append("the trainer's audit log (trained.jsonl) is empty or missing")
+    if expected and final != expected:
+        out.append(f"the final version is {final}, not {expected}")
+    return out
+
+
+def _trained(path: Path) -> tuple[dict[int, list[str]], set[int], set[int]]:
+    """Batch id -> its groups, the ids of batches that made a version, and the ids of
+    batches trained again with other groups (a batch served again must be the same)."""
+    batches: dict[int, list[str]] = {}
+    made_version: set[int] = set()
+    changed: set[int] = set()
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in lines:
+        row = json.loads(line)
+        batch_id = int(row["batch"])
+        if batches.setdefault(batch_id, list(row["groups"])) != row["groups"]:
+            changed.add(batch_id)
+        if row.get("trained", True):
+            made_version.add(batch_id)
+    return batches, made_version, changed
+
+
+def _last_row(path: Path) -> dict[str, float]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1]) if lines else {}
+
+
+def _last_step(path: Path) -> int:
+    return int(_last_row(path).get("step", 0))

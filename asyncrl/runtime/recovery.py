@@ -1,0 +1,108 @@
+"""Restart policy of a training job: which actors come back after a crash, and how.
+
+``restart_budgets(cfg)`` gives each role its restarts (``runtime.max_restarts``), except
+where a restart could not be exact: the trainer needs periodic checkpoints
+(``train.checkpoint_interval``; the buffer keeps every batch after the newest one, and a
+restarted trainer retrains them), the buffer needs its journal (``runtime.journal``).
+
+``RestartHooks`` are the supervisor's ``before_restart`` and ``after_restart``:
+
+- rollout actor: the buffer first requeues the work it held (its partials resume
+  elsewhere); asked again while the buffer itself is away (restarting), up to
+  ``wait_s``;
+- buffer: starts with ``recover``: its checkpoint plus the journal;
+- trainer: starts with ``restart``: the newest checkpoint this job wrote, and its first
+  request resyncs, so the buffer serves again every batch after that checkpoint;
+- engine actor: once up, its rollout actor reloads the weights it had into it before
+  asking for work again (an idle rollout actor would not notice the engine died);
+- eval actor: starts again as it was and evaluates the newest due version.
+
+Users: ``asyncrl.actors.controller.run_job``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from asyncrl.actors.base import ActorSpec
+from asyncrl.observe.logs import get_logger
+from asyncrl.wire.errors import PeerLost, RemoteError
+from asyncrl.wire.messages import Command
+
+if TYPE_CHECKING:
+    from asyncrl.config import RunConfig
+    from asyncrl.wire.control import ControlHub
+
+log = get_logger("asyncrl.controller")
+_RETRY_S = 0.5
+
+
+def restart_budgets(cfg: RunConfig) -> dict[str, int]:
+    """Restarts per actor of each role (see the module docstring)."""
+    n = cfg.runtime.max_restarts
+    train = cfg.train
+    trainer_exact = train.checkpoint_interval > 0 and not (
+        train.debug_rollout_only or train.load_rollout_data
+    )
+    return {
+        "rollout": n,
+        "engine": n,
+        "eval": n,
+        "buffer": n if cfg.runtime.journal else 0,
+        "trainer": n if trainer_exact else 0,
+    }
+
+
+class RestartHooks:
+    """``before_restart`` / ``after_restart`` for the supervisor (module docstring)."""
+
+    def __init__(self, hub: ControlHub, *, wait_s: float = 300.0) -> None:
+        self.hub = hub
+        self.wait_s = wait_s
+
+    async def before_restart(self, spec: ActorSpec) -> ActorSpec | None:
+        """Prepare the restart of ``spec``; returns the spec to start, if changed."""
+        if spec.role == "rollout":
+            await self._requeue(spec.name)
+        elif spec.role == "buffer":
+            return _with_params(spec, recover=True, resume=False)
+        elif spec.role == "trainer":
+            return _with_params(spec, restart=True)
+        return None
+
+    async def after_restart(self, spec: ActorSpec) -> None:
+        """Once ``spec`` is up again: a restarted engine gets its weights back."""
+        if spec.role != "engine":
+            return
+        rollout = spec.name.replace("engine-", "rollout-", 1)
+        reply = await self._command(rollout, Command(kind="engine_restarted"))
+        log.warning("restarted engine reloaded", engine=spec.name, **reply)
+
+    async def _requeue(self, actor: str) -> None:
+        reply = await self._command("buffer", Command(kind="requeue", args={"actor": actor}))
+        log.warning("requeued a dead producer's work", actor=actor, **reply)
+
+    async def _command(self, actor: str, cmd: Command) -> dict[str, object]:
+        """``cmd`` to ``actor``, asked again while it is away (restarting) for up to
+        ``wait_s`` seconds; a peer that answers with an error fails at once."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                async with asyncio.timeout(max(1.0, min(30.0, deadline - time.monotonic()))):
+                    return dict((await self.hub.command(actor, cmd)).data)
+            except (PeerLost, TimeoutError) as exc:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{actor} did not answer {cmd.kind!r} within {self.wait_s:.0f}s: {exc}"
+                    ) from None
+            except RemoteError:
+                raise
+            await asyncio.sleep(_RETRY_S)
+
+
+def _with_params(spec: ActorSpec, **params: object) -> ActorSpec:
+    return msgspec.structs.replace(spec, params={**spec.params, **params})
