@@ -1,6 +1,7 @@
 """The ``asyncrl`` command.
 
     asyncrl train CONFIG.yaml [--preset NAME] [--dry-run] [--<config flag> VALUE ...]
+    asyncrl chaos CONFIG.yaml --kill TARGET@WHEN ... [--every S] [--<config flag> VALUE ...]
     asyncrl sft [CONFIG.yaml] --model DIR --data FILE.jsonl [--<config flag> VALUE ...]
     asyncrl serve --model DIR [--host 127.0.0.1] [--port 30000] [--device cpu] ...
     asyncrl plot RUN_DIR [--out DIR]
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 _TRAIN_OPTIONS = ("--help", "--preset", "--dry-run", "--resume")
+_CHAOS_OPTIONS = ("--help", "--preset", "--kill", "--every", "--chaos-seed", "--report")
 
 
 def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -51,6 +53,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         help="continue the run in output_dir from its checkpoints (trainer, buffer, data)",
     )
     add_arguments(train)
+    _add_chaos(sub)
     _add_sft(sub, argv)
     _add_serve(sub)
     _add_plot(sub)
@@ -64,6 +67,36 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     keys.add_argument("dir", type=Path, metavar="DIR", help="folder to create (or empty)")
     sub.add_parser("version", help="print the asyncrl version")
     return parser
+
+
+def _add_chaos(sub: argparse._SubParsersAction) -> None:
+    from asyncrl.config import add_arguments
+
+    chaos = sub.add_parser(
+        "chaos",
+        allow_abbrev=False,
+        help="run a training job while killing its actors, then audit it",
+        description="Run a training job (the same config and flags as train) while "
+        "SIGKILLing its actors on a schedule; the supervisor restarts them. Afterwards the "
+        "run is audited: no prompt lost, no group trained twice, the step count right. "
+        "Exit code 0 only when the job and the audit pass.",
+    )
+    chaos.add_argument("config", nargs="?", help="YAML config file")
+    chaos.add_argument("--preset", help="start from a named preset (e.g. debug_cpu)")
+    chaos.add_argument(
+        "--kill",
+        action="append",
+        default=[],
+        metavar="TARGET@WHEN",
+        help="TARGET: an actor (buffer, rollout-1), a role (rollout) or random; WHEN: 30s "
+        "after start or step20 (trainer version); repeat for more kills",
+    )
+    chaos.add_argument("--every", type=float, help="also kill a random actor every S seconds")
+    chaos.add_argument("--chaos-seed", type=int, default=0, help="seed of the random choices")
+    chaos.add_argument(
+        "--report", type=Path, help="where to write the JSON report (RUN_DIR/chaos.json)"
+    )
+    add_arguments(chaos)
 
 
 def _add_sft(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
@@ -128,11 +161,13 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:
+    command = argv[0] if argv[:1] in (["train"], ["chaos"]) else None
+    if command:
         argv = _sglang_flags(argv)
     parser = _parser(argv)
-    if argv[:1] == ["train"] and (unknown := _unknown_options(argv[1:])):
-        print(f"asyncrl train: config error:\n{unknown}", file=sys.stderr)
+    options = _CHAOS_OPTIONS if command == "chaos" else _TRAIN_OPTIONS
+    if command and (unknown := _unknown_options(argv[1:], options)):
+        print(f"asyncrl {command}: config error:\n{unknown}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
     if args.command == "sft":
@@ -148,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _plot(args)
     if args.command == "keys":
         return _keys(args)
+    if args.command == "chaos":
+        return _chaos(args)
     return _train(args)
 
 
@@ -179,13 +216,13 @@ def _is_config(token: str) -> bool:
     return token.endswith((".yaml", ".yml", ".json"))
 
 
-def _unknown_options(tokens: list[str]) -> str:
+def _unknown_options(tokens: list[str], options: Sequence[str] = _TRAIN_OPTIONS) -> str:
     """Unknown ``--options``, each with a did-you-mean (argparse would eat their values)."""
     import difflib
 
     from asyncrl.config import flag_table
 
-    known = [*_TRAIN_OPTIONS, *flag_table()]
+    known = [*options, *flag_table()]
     problems = []
     for token in tokens:
         flag = token.partition("=")[0]
@@ -198,37 +235,65 @@ def _unknown_options(tokens: list[str]) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
+    cfg = _training_config(args, "train")
+    if cfg is None:
+        return 2
+    if args.dry_run:
+        return _dry_run(cfg)
+    return _run_training(cfg, resume=args.resume)
+
+
+def _training_config(args: argparse.Namespace, command: str) -> Any:
+    """The job's config, checked before launch; None (after printing why) when refused."""
     from asyncrl.config import ConfigError, load_config, overrides_from_namespace
 
     try:
         cfg = load_config(args.config, overrides_from_namespace(args), preset=args.preset)
     except ConfigError as exc:
-        print(f"asyncrl train: config error:\n{exc}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        return _dry_run(cfg)
-    if cfg.trainer is None or cfg.data is None:
-        missing = [
-            f
-            for f, v in (("--hf-checkpoint", cfg.trainer), ("--prompt-data", cfg.data))
-            if v is None
-        ]
+        print(f"asyncrl {command}: config error:\n{exc}", file=sys.stderr)
+        return None
+    if getattr(args, "dry_run", False):
+        return cfg
+    missing = [
+        f for f, v in (("--hf-checkpoint", cfg.trainer), ("--prompt-data", cfg.data)) if v is None
+    ]
+    if missing:
         print(
-            f"asyncrl train: config error:\nto train, set {' and '.join(missing)}", file=sys.stderr
+            f"asyncrl {command}: config error:\nto train, set {' and '.join(missing)}",
+            file=sys.stderr,
         )
-        return 2
+        return None
     from asyncrl.actors.controller import check_agent, check_tool_use
 
     try:
         check_tool_use(cfg)  # a missing corpus or an unfit chat template: before launch
         check_agent(cfg)  # an agent path that does not load: before launch
     except ValueError as exc:
-        print(f"asyncrl train: config error:\n{exc}", file=sys.stderr)
+        print(f"asyncrl {command}: config error:\n{exc}", file=sys.stderr)
+        return None
+    return cfg
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from asyncrl.runtime.chaos import KillAt
+
+    try:
+        kills = [KillAt.parse(k) for k in args.kill]
+    except ValueError as exc:
+        print(f"asyncrl chaos: config error:\n{exc}", file=sys.stderr)
         return 2
-    return _run_training(cfg, resume=args.resume)
+    if not kills and not args.every:
+        print("asyncrl chaos: config error:\nnothing to kill: give --kill or --every",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    cfg = _training_config(args, "chaos")
+    if cfg is None:
+        return 2
+    cfg.train.audit_log = True  # what the audit checks exactly-once training against
+    return _run_training(cfg, resume=False, chaos=(kills, args))
 
 
-def _run_training(cfg: Any, *, resume: bool) -> int:
+def _run_training(cfg: Any, *, resume: bool, chaos: Any = None) -> int:
     from rich.console import Console
 
     from asyncrl.actors.controller import run_job
@@ -242,6 +307,8 @@ def _run_training(cfg: Any, *, resume: bool) -> int:
     )  # fmt: skip
     dump_resolved(cfg, run_dir / "config.json")
     console = Console(width=None if sys.stdout.isatty() else 140)
+    if chaos is not None:
+        return _run_chaos(cfg, console, *chaos)
     result = asyncio.run(run_job(cfg, resume=resume))
     for restart in result.restarts:
         console.print(f"[yellow]restarted after a crash[/yellow]: {restart}")
@@ -253,6 +320,25 @@ def _run_training(cfg: Any, *, resume: bool) -> int:
         return 0
     console.print(f"[red]train failed[/red]: {result.error or result.codes}")
     return 1
+
+
+def _run_chaos(cfg: Any, console: Any, kills: list[Any], args: argparse.Namespace) -> int:
+    from asyncrl.actors.controller import run_job
+    from asyncrl.runtime.chaos import Chaos, audit_run, chaos_report, print_report
+    from asyncrl.runtime.recovery import restart_budgets
+
+    roles = tuple(role for role, n in restart_budgets(cfg).items() if n > 0)
+    chaos = Chaos(kills, every=args.every, seed=args.chaos_seed, roles=roles)
+    result = asyncio.run(run_job(cfg, chaos=chaos))
+    run_dir = cfg.resolved_output_dir()
+    audit = audit_run(run_dir, cfg.train.num_steps)
+    report = chaos_report(result, chaos, audit)
+    path = args.report or run_dir / "chaos.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print_report(console, report)
+    console.print(f"report in {path}")
+    return 0 if result.ok and audit.ok else 1
 
 
 def _sft(args: argparse.Namespace) -> int:

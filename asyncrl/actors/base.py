@@ -51,6 +51,8 @@ C = TypeVar("C", bound=_Channel)
 R = TypeVar("R", bound=contextlib.AbstractAsyncContextManager[Any])
 log = get_logger("asyncrl.actor")
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: Commands every actor answers at once, even while its setup still runs.
+_ANYTIME = ("stop", "pause", "resume", "stats")
 
 
 class ActorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -83,6 +85,7 @@ class Actor(ABC):
         self._version = 0
         bind_context(version=0)
         self._stop = asyncio.Event()
+        self._set_up = asyncio.Event()  # setup() finished: the actor's own commands may run
         self._stop_reason = ""
         self._channels: dict[str, _Channel] = {}
         self._stack = contextlib.AsyncExitStack()
@@ -238,6 +241,7 @@ class Actor(ABC):
         log.info("actor starting", role=self.spec.role)
         try:
             await self.setup()
+            self._set_up.set()
             # Everything alive now (imports, setup) is permanent: keep it out of every
             # later collection. Without this, full GC passes over ~10^5 import-time
             # objects made decoding 3x slower once decoded messages stayed alive.
@@ -294,6 +298,8 @@ class Actor(ABC):
         while True:
             command_id, cmd = await self.link.next_command()
             try:
+                if cmd.kind not in _ANYTIME:  # an actor's own commands need its setup done
+                    await self._set_up.wait()
                 data = await self.on_command(cmd)
                 self.link.reply(command_id, CommandResult(ok=True, data=data))
             except Exception as exc:

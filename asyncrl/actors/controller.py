@@ -118,13 +118,18 @@ async def run_job(cfg: RunConfig, *, resume: bool = False, chaos: Chaos | None =
                 before_restart=hooks.before_restart,
                 after_restart=hooks.after_restart,
             )
-            async with sup:
-                result.error = await _train(sup, specs, cfg, chaos)
+            async with sup, asyncio.TaskGroup() as tg:
+                # Chaos kills until the trainer finishes, and sees its victims back until
+                # the job stops.
+                monkey = tg.create_task(chaos.run(sup), name="controller.chaos") if chaos else None
+                result.error = await _train(sup, specs, cfg)
                 # Producers first, so what they hold lands in the buffer before it checkpoints.
                 rollouts = [s.name for s in specs if s.role == "rollout"]
                 await sup.stop(rollouts, cfg.runtime.stop_timeout)
                 if not result.error and cfg.eval.enabled:
-                    result.error = await _wait_final_eval(sup, cfg)
+                    result.error = await _wait_final_eval(sup, cfg, hooks)
+                if monkey is not None:
+                    monkey.cancel()
                 result.codes = await sup.stop_all(cfg.runtime.stop_timeout)
             result.restarts = [f"{d.name}: {d.reason}" for d in sup.deaths]
     result.steps = _last_step(run_dir / "metrics.jsonl")
@@ -139,37 +144,38 @@ async def _curve(cfg: RunConfig) -> AsyncIterator[None]:
         yield
 
 
-async def _train(
-    sup: Supervisor, specs: list[ActorSpec], cfg: RunConfig, chaos: Chaos | None
-) -> str:
-    """Launch ``specs`` and wait for the trainer's last step, with a progress bar (and
-    ``chaos`` killing actors meanwhile); the failure that ended it early, or ''."""
+async def _train(sup: Supervisor, specs: list[ActorSpec], cfg: RunConfig) -> str:
+    """Launch ``specs`` and wait for the trainer's last step, with a progress bar; the
+    failure that ended it early, or ''."""
     samples_per_step = cfg.buffer.groups_per_step * cfg.buffer.num_samples_per_prompt
     progress = JobProgress(cfg.train.num_steps, samples_per_step)
     async with asyncio.TaskGroup() as tg:
-        helpers = [tg.create_task(progress.run(sup.status), name="controller.progress")]
+        bar = tg.create_task(progress.run(sup.status), name="controller.progress")
         try:
             await sup.launch(specs)
-            if chaos is not None:
-                helpers.append(tg.create_task(chaos.run(sup), name="controller.chaos"))
             await sup.wait_until(lambda st: st["trainer"].state == "finished")
         except ActorDied as exc:
             return str(exc)
         except Exception as exc:  # an actor that could not be started (placement, Ray)
             return f"{type(exc).__name__}: {exc}"
         finally:
-            for task in helpers:
-                task.cancel()
+            bar.cancel()
     return ""
 
 
-async def _wait_final_eval(sup: Supervisor, cfg: RunConfig) -> str:
-    """Let the eval actor finish the final version (bounded by ``eval.final_timeout``)."""
-    if cfg.train.num_steps <= 0:
+async def _wait_final_eval(sup: Supervisor, cfg: RunConfig, hooks: RestartHooks) -> str:
+    """Let the eval actor finish the final version (bounded by ``eval.final_timeout``); a
+    restarted eval actor, which may have missed its announcement, is pointed at the
+    trainer's final checkpoint."""
+    steps = cfg.train.num_steps
+    if steps <= 0:
         return ""  # no known final version: whatever it evaluated stands
+    final = cfg.resolved_output_dir() / "checkpoints" / "trainer" / f"step_{steps:06d}" / "policy"
     try:
-        async with asyncio.timeout(cfg.eval.final_timeout):
+        async with asyncio.timeout(cfg.eval.final_timeout), asyncio.TaskGroup() as tg:
+            feed = tg.create_task(hooks.feed_final(sup, steps, final), name="controller.final")
             await sup.wait_until(lambda st: st["eval"].state == "finished")
+            feed.cancel()
     except TimeoutError:
         log.warning("the final evaluation did not finish", timeout=cfg.eval.final_timeout)
     except ActorDied as exc:

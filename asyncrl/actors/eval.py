@@ -42,12 +42,12 @@ from asyncrl.rollout.engines import EngineHost
 from asyncrl.rollout.evaluation import evaluate_set
 from asyncrl.trainers.weight_sync import WeightReceiver
 from asyncrl.wire.errors import PeerLost, RemoteError
+from asyncrl.wire.messages import Command, Scalar, WeightVersion
 
 if TYPE_CHECKING:
     import torch
 
     from asyncrl.types import Prompt
-    from asyncrl.wire.messages import WeightVersion
 
 log = get_logger("asyncrl.eval")
 #: A pull that takes longer lost its trainer (a ROUTER drops replies to no one).
@@ -159,6 +159,22 @@ class EvalActor(Actor):
         else:
             await self.host.load(msg, self.receiver)
         self.version = msg.version
+
+    async def on_command(self, cmd: Command) -> dict[str, Scalar]:
+        if cmd.kind == "evaluate_final":
+            return {"queued": self._queue_final(int(cmd.args["version"]), str(cmd.args["path"]))}
+        return await super().on_command(cmd)
+
+    def _queue_final(self, version: int, path: str) -> bool:
+        """Evaluate the final ``version`` from HF weights at ``path`` (a restarted eval
+        actor missed its announcement: the trainer has exited)."""
+        if not self._is_final(version) or (
+            self._pending and self._is_final(self._pending[0].version)
+        ):
+            return False
+        self._pending = (WeightVersion(version=version, transport="disk", location=path), None)
+        self._ready.set()
+        return True
 
     # -- evaluation ------------------------------------------------------------------------
     async def _evaluate_loop(self) -> None:

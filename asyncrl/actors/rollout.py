@@ -299,23 +299,26 @@ class RolloutActor(Actor):
     async def _load(self, msg: WeightVersion) -> bool:
         """Load ``msg`` into the engines; False when it is gone (wait for the next)."""
         async with self._loading:
-            try:
-                await self.host.load(msg, self.receiver)
-            except (PeerLost, RemoteError) as exc:
-                # The trainer stopped, or already dropped this version: wait for the next.
-                log.warning("weights not loaded", version=msg.version, error=str(exc))
-                return False
-            except SGLangError as exc:
-                if msg.transport != "disk" or await asyncio.to_thread(Path(msg.location).exists):
-                    raise
-                # The trainer pruned this version's files (it keeps the newest few) before
-                # we got to it: a newer one is out, so take that.
-                log.warning("weights pruned before loading", version=msg.version, error=str(exc))
-                return False
-            self._newest = msg
-            self.version = msg.version
-            self._loaded.set()
-            return True
+            return await self._load_locked(msg)
+
+    async def _load_locked(self, msg: WeightVersion) -> bool:
+        try:
+            await self.host.load(msg, self.receiver)
+        except (PeerLost, RemoteError) as exc:
+            # The trainer stopped, or already dropped this version: wait for the next.
+            log.warning("weights not loaded", version=msg.version, error=str(exc))
+            return False
+        except SGLangError as exc:
+            if msg.transport != "disk" or await asyncio.to_thread(Path(msg.location).exists):
+                raise
+            # The trainer pruned this version's files (it keeps the newest few) before we
+            # got to it: a newer one is out, so take that.
+            log.warning("weights gone before loading", version=msg.version, error=str(exc))
+            return False
+        self._newest = msg
+        self.version = msg.version
+        self._loaded.set()
+        return True
 
     async def on_command(self, cmd: Command) -> dict[str, Scalar]:
         if cmd.kind == "engine_restarted":
@@ -323,17 +326,20 @@ class RolloutActor(Actor):
         return await super().on_command(cmd)
 
     async def _reload_engine(self) -> int:
-        """Our engine actor came back with its initial weights: until the version we
-        had is loaded again, we ask for no work (our requests say version 0, so the
-        buffer hands us none). Returns the version reloaded (-1: none yet)."""
-        msg = self._newest
-        self.host.version = 0
-        if msg is None:
-            return -1
+        """Our engine actor came back with its initial weights. If it serves an older
+        version than we loaded (the weights loop may have brought it up to date already),
+        load ours again; if that version's files are gone (the trainer moved on), a newer
+        announcement is waiting for the weights loop, and until it is loaded our requests
+        say version 0, so the buffer hands us no work. Returns the engine's version."""
         await self.host.wait_ready(self.host.wait_ready_s or 120.0)
-        loaded = await self._load(msg)
-        log.warning("weights reloaded into a restarted engine", version=msg.version, ok=loaded)
-        return msg.version if loaded else -1
+        assert self.host.client is not None
+        async with self._loading:
+            serving, msg = await self.host.client.weight_version(), self._newest
+            if msg is None or serving >= msg.version:
+                return serving
+            self.host.version = 0
+            log.warning("a restarted engine serves old weights", engine=serving, ours=msg.version)
+            return msg.version if await self._load_locked(msg) else 0
 
     async def _metrics_loop(self) -> None:
         """Every ``metrics_interval`` s: the counters and the busy intervals since the last

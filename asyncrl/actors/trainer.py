@@ -79,7 +79,8 @@ class TrainerActor(Actor):
         # Batches after this version are kept by the buffer until a checkpoint covers them.
         self.durable = self.trainer.version if self._interval() > 0 else -1
         audit = params.get("audit_path")
-        self.audit = self.open_metrics(audit) if audit else None
+        # Flushed per row: a row lost to a crash may be of a batch no restart trains again.
+        self.audit = self.open_metrics(audit, flush_every=0) if audit else None
         self.num_steps = int(params.get("num_steps", 0))
         await self._open_channels()
         path = params.get("metrics_path")

@@ -30,9 +30,13 @@ import re
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.observe.logs import get_logger
-from asyncrl.runtime.supervisor import Supervisor
+from asyncrl.runtime.supervisor import ActorDied, Supervisor
+
+if TYPE_CHECKING:
+    from asyncrl.actors.controller import JobResult
 
 log = get_logger("asyncrl.chaos")
 _WHEN = re.compile(r"^(?:(\d+(?:\.\d+)?)s|step(\d+))$")
@@ -93,14 +97,19 @@ class Chaos:
         self._start = time.monotonic()
 
     async def run(self, sup: Supervisor) -> None:
-        """Kill on schedule until cancelled (the job's end cancels it)."""
+        """Once every actor is up, kill on schedule until the trainer has finished, and
+        stamp the victims' returns until cancelled (the job's end cancels it)."""
+        try:
+            await sup.wait_until(lambda _: sup.up)
+        except ActorDied:
+            return  # the job failed before it was up: nothing to kill
         self._start = time.monotonic()
         async with asyncio.TaskGroup() as tg:
             watch = tg.create_task(self._watch_back(sup), name="chaos.back")
             for kill in self.schedule:
                 await self._until_due(sup, kill)
                 await self._kill(sup, kill.target)
-            while self.every is not None:
+            while self.every is not None and not _trainer_finished(sup):
                 await asyncio.sleep(self.every)
                 await self._kill(sup, "random")
             await asyncio.Event().wait()  # keep watching restarts until the job ends
@@ -118,10 +127,14 @@ class Chaos:
             await asyncio.sleep(_POLL_S)
 
     async def _kill(self, sup: Supervisor, target: str) -> None:
-        """Wait until the job is calm and ``target`` resolves to a running actor; kill it."""
+        """Wait until the job is calm (the last victim is back, no restart under way) and
+        ``target`` resolves to a running actor; kill it."""
         while True:
-            victim = self._victim(sup, target)
-            if victim is not None and not sup.restarting:
+            if _trainer_finished(sup):
+                return  # the job is ending: a kill now tests nothing
+            calm = not sup.restarting and all(k.back_s is not None for k in self.kills)
+            victim = self._victim(sup, target) if calm else None
+            if victim is not None:
                 break
             await asyncio.sleep(_POLL_S)
         handle = sup.handles[victim]
@@ -151,6 +164,11 @@ class Chaos:
                     if handle.pid != kill.pid and st.hello and st.state == "running":
                         kill.back_s = round(self._elapsed(), 2)
             await asyncio.sleep(_POLL_S)
+
+
+def _trainer_finished(sup: Supervisor) -> bool:
+    st = sup.status.get("trainer")
+    return st is not None and st.state == "finished"
 
 
 def _trainer_version(sup: Supervisor) -> int:
@@ -263,3 +281,42 @@ def _last_row(path: Path) -> dict[str, float]:
 
 def _last_step(path: Path) -> int:
     return int(_last_row(path).get("step", 0))
+
+
+def chaos_report(result: JobResult, chaos: Chaos, audit: Audit) -> dict[str, Any]:
+    """The run, its kills and the audit as one JSON-able record."""
+    return {
+        "ok": result.ok and audit.ok,
+        "job": {
+            "ok": result.ok,
+            "error": result.error,
+            "seconds": round(result.seconds, 1),
+            "steps": result.steps,
+        },
+        "kills": [dataclasses.asdict(k) for k in chaos.kills],
+        "restarts": result.restarts,
+        "audit": {**dataclasses.asdict(audit), "ok": audit.ok},
+    }
+
+
+def print_report(console: Any, report: dict[str, Any]) -> None:
+    """The report as tables, for people."""
+    from rich.table import Table
+
+    kills = Table("victim", "pid", "killed at s", "trainer step", "back at s", title="kills")
+    for k in report["kills"]:
+        back = "never" if k["back_s"] is None else f"{k['back_s']:.1f}"
+        kills.add_row(k["actor"], str(k["pid"]), f"{k['at_s']:.1f}", str(k["step"]), back)
+    console.print(kills)
+    a = report["audit"]
+    audit = Table("admitted", "consumed", "filtered", "failed", "waiting", "lost", "duplicated",
+                  "untrained", "final version", title="accounting")  # fmt: skip
+    waiting = a["in_flight"] + a["partial"] + a["buffered"]
+    counts = [a[k] for k in ("admitted", "consumed", "filtered", "failed")]
+    counts += [waiting, a["lost"], a["duplicated"], a["untrained"]]
+    audit.add_row(*map(str, counts), f"{a['final_version']}/{a['expected_version']}")
+    console.print(audit)
+    verdict = "[green]chaos ok[/green]" if report["ok"] else "[red]chaos failed[/red]"
+    problems = "; ".join(a["problems"]) or report["job"]["error"]
+    console.print(f"{verdict}: {len(report['kills'])} kills, {len(report['restarts'])} restarts"
+                  + (f"; {problems}" if problems else ""))  # fmt: skip

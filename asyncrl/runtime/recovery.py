@@ -15,7 +15,9 @@ restarted trainer retrains them), the buffer needs its journal (``runtime.journa
   request resyncs, so the buffer serves again every batch after that checkpoint;
 - engine actor: once up, its rollout actor reloads the weights it had into it before
   asking for work again (an idle rollout actor would not notice the engine died);
-- eval actor: starts again as it was and evaluates the newest due version.
+- eval actor: starts again as it was and evaluates the newest due version; once the
+  trainer has finished, a restarted eval actor is told where the final version is (the
+  trainer's final checkpoint, ``feed_final``): its announcement left with the trainer.
 
 Users: ``asyncrl.actors.controller.run_job``.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -35,6 +38,7 @@ from asyncrl.wire.messages import Command
 
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig
+    from asyncrl.runtime.supervisor import Supervisor
     from asyncrl.wire.control import ControlHub
 
 log = get_logger("asyncrl.controller")
@@ -81,6 +85,25 @@ class RestartHooks:
         rollout = spec.name.replace("engine-", "rollout-", 1)
         reply = await self._command(rollout, Command(kind="engine_restarted"))
         log.warning("restarted engine reloaded", engine=spec.name, **reply)
+
+    async def feed_final(self, sup: Supervisor, version: int, path: Path) -> None:
+        """Until cancelled: each eval incarnation after the first is told to evaluate the
+        final ``version`` from ``path`` (HF weights) once it is up and the path exists."""
+        told = 0
+        while True:
+            st = sup.status.get("eval")
+            due = st is not None and st.restarts > told and st.hello
+            if st is not None and due and await asyncio.to_thread(path.is_dir):
+                cmd = Command(kind="evaluate_final", args={"version": version, "path": str(path)})
+                try:
+                    async with asyncio.timeout(30.0):
+                        await self.hub.command("eval", cmd)
+                    told = st.restarts
+                    log.warning("the restarted eval actor evaluates the final checkpoint",
+                                version=version, path=str(path))  # fmt: skip
+                except (PeerLost, RemoteError, TimeoutError) as exc:
+                    log.warning("eval not told of the final checkpoint yet", error=str(exc))
+            await asyncio.sleep(_RETRY_S)
 
     async def _requeue(self, actor: str) -> None:
         reply = await self._command("buffer", Command(kind="requeue", args={"actor": actor}))

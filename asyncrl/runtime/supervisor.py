@@ -103,6 +103,7 @@ class Supervisor:
         self.deaths: list[ActorDied] = []  # deaths survived by a restart, oldest first
         self._restarting: dict[str, asyncio.Task[None]] = {}  # actor -> its exit watcher
         self.failure: ActorDied | None = None
+        self.up = False  # every launched actor said Hello
         self._changed = asyncio.Event()
         self._stopping = False
         self._tg = asyncio.TaskGroup()
@@ -156,6 +157,8 @@ class Supervisor:
                 f"actors {late} did not start within {self.startup_timeout}s"
             ) from None
         log.info("actors up", actors=names)
+        self.up = True
+        self._changed.set()
 
     # -- waiting --------------------------------------------------------------------
     async def wait_until(self, predicate: Callable[[dict[str, ActorStatus]], bool]) -> None:

@@ -26,7 +26,17 @@ import numpy as np
 from asyncrl.wire.codec import Message
 
 Scalar = int | float | str | bool
-CommandKind = Literal["stop", "pause", "resume", "ping", "stats", "requeue", "checkpoint"]
+CommandKind = Literal[
+    "stop",
+    "pause",
+    "resume",
+    "ping",
+    "stats",
+    "requeue",
+    "checkpoint",
+    "engine_restarted",
+    "evaluate_final",
+]
 ActorStateName = Literal["starting", "running", "draining", "stopped", "failed"]
 
 
