@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 _TRAIN_OPTIONS = ("--help", "--preset", "--dry-run", "--resume")
-_CHAOS_OPTIONS = ("--help", "--preset", "--kill", "--every", "--chaos-seed", "--report")
+_CHAOS_OPTIONS = ("--help", "--preset", "--kill", "--every", "--duration", "--chaos-seed",
+                  "--report")  # fmt: skip
 
 
 def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -92,6 +93,9 @@ def _add_chaos(sub: argparse._SubParsersAction) -> None:
         "after start or step20 (trainer version); repeat for more kills",
     )
     chaos.add_argument("--every", type=float, help="also kill a random actor every S seconds")
+    chaos.add_argument(
+        "--duration", type=float, help="stop the job after S seconds (its audit still runs)"
+    )
     chaos.add_argument("--chaos-seed", type=int, default=0, help="seed of the random choices")
     chaos.add_argument(
         "--report", type=Path, help="where to write the JSON report (RUN_DIR/chaos.json)"
@@ -328,10 +332,13 @@ def _run_chaos(cfg: Any, console: Any, kills: list[Any], args: argparse.Namespac
     from asyncrl.runtime.recovery import restart_budgets
 
     roles = tuple(role for role, n in restart_budgets(cfg).items() if n > 0)
-    chaos = Chaos(kills, every=args.every, seed=args.chaos_seed, roles=roles)
+    chaos = Chaos(
+        kills, every=args.every, duration=args.duration, seed=args.chaos_seed, roles=roles
+    )
     result = asyncio.run(run_job(cfg, chaos=chaos))
     run_dir = cfg.resolved_output_dir()
-    audit = audit_run(run_dir, cfg.train.num_steps)
+    # A job stopped by --duration ends wherever the trainer was.
+    audit = audit_run(run_dir, 0 if args.duration else cfg.train.num_steps)
     report = chaos_report(result, chaos, audit)
     path = args.report or run_dir / "chaos.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
+import msgspec
+
 from asyncrl.buffer.journal import (
     Followed,
     Handed,
@@ -116,11 +118,13 @@ class Hub:
 
     def put(self, group: Group) -> str:
         """Take a result (``VersionedBuffer.put``); returns its outcome."""
+        # ``put`` may rewrite samples (masking resumed tokens): journal them as they came.
+        received = _snapshot(group) if self.journal is not None else group
         outcome = self.buffer.put(group)
         if outcome != "duplicate":
             for uids in self.holders.values():
                 uids.discard(group.uid)
-            self._log(Returned(group=group, outcome=outcome))
+            self._log(Returned(group=received, outcome=outcome))
         return outcome
 
     def requeue(self, actor: str) -> int:
@@ -288,6 +292,14 @@ class Hub:
         self.outstanding = {b.batch_id: b for b in state.outstanding}
         self.acked, self.durable = set(state.acked), state.durable
         self.replaying = state.replaying
+
+
+def _snapshot(group: Group) -> Group:
+    """A copy of ``group`` that rewriting its samples' columns leaves alone (the columns
+    are immutable bytes: copying the records is enough)."""
+    return msgspec.structs.replace(
+        group, samples=[msgspec.structs.replace(s) for s in group.samples]
+    )
 
 
 def _check(ok: bool, record: Record, got: object) -> None:

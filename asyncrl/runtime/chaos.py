@@ -7,7 +7,9 @@ A schedule is a list of kills ``TARGET@WHEN`` (``asyncrl chaos --kill``):
 - ``WHEN``: ``30s`` (seconds after every actor is up) or ``step20`` (once the trainer's
   heartbeat reports version 20 or more).
 
-``every`` adds a ``random`` kill every that many seconds until the job ends. Each kill
+``every`` adds a ``random`` kill every that many seconds until the job ends, and
+``duration`` ends the job after that many seconds (the trainer is told to stop: it
+checkpoints and the job winds down as after its last step). Each kill
 waits until its victim is running (it said Hello since its last restart, and no other
 restart is under way), kills it with SIGKILL through the runtime (a local process group,
 or the Ray worker), and records when it went down and when it was back.
@@ -23,6 +25,7 @@ count asked for. Users: ``asyncrl chaos``, ``bench/soak.py``, ``tests/test_chaos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import random
@@ -34,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.observe.logs import get_logger
 from asyncrl.runtime.supervisor import ActorDied, Supervisor
+from asyncrl.wire.errors import PeerLost, RemoteError
+from asyncrl.wire.messages import Command
 
 if TYPE_CHECKING:
     from asyncrl.actors.controller import JobResult
@@ -86,11 +91,13 @@ class Chaos:
         schedule: list[KillAt],
         *,
         every: float | None = None,
+        duration: float | None = None,
         seed: int = 0,
         roles: tuple[str, ...] = ("buffer", "trainer", "rollout", "engine", "eval"),
     ) -> None:
         self.schedule = sorted(schedule, key=lambda k: (k.step is not None, k.seconds or 0))
         self.every = every
+        self.duration = duration
         self.rng = random.Random(seed)
         self.roles = roles
         self.kills: list[Kill] = []
@@ -105,15 +112,33 @@ class Chaos:
             return  # the job failed before it was up: nothing to kill
         self._start = time.monotonic()
         async with asyncio.TaskGroup() as tg:
-            watch = tg.create_task(self._watch_back(sup), name="chaos.back")
+            helpers = [tg.create_task(self._watch_back(sup), name="chaos.back")]
+            if self.duration is not None:
+                helpers.append(tg.create_task(self._end_after(sup), name="chaos.end"))
             for kill in self.schedule:
                 await self._until_due(sup, kill)
                 await self._kill(sup, kill.target)
-            while self.every is not None and not _trainer_finished(sup):
+            while self.every is not None and not self._ending(sup):
                 await asyncio.sleep(self.every)
                 await self._kill(sup, "random")
             await asyncio.Event().wait()  # keep watching restarts until the job ends
-            watch.cancel()
+            for task in helpers:
+                task.cancel()
+
+    def _ending(self, sup: Supervisor) -> bool:
+        over = self.duration is not None and self._elapsed() >= self.duration
+        return over or _trainer_finished(sup)
+
+    async def _end_after(self, sup: Supervisor) -> None:
+        """After ``duration``: tell the trainer to stop (again while it is restarting)."""
+        await asyncio.sleep(self.duration or 0.0)
+        log.warning("chaos: duration reached; stopping the trainer", seconds=self.duration)
+        while not _trainer_finished(sup):
+            with contextlib.suppress(PeerLost, RemoteError, TimeoutError):
+                async with asyncio.timeout(10.0):
+                    await sup.hub.command("trainer", Command(kind="stop"))
+                return
+            await asyncio.sleep(1.0)
 
     def _elapsed(self) -> float:
         return time.monotonic() - self._start
@@ -130,7 +155,7 @@ class Chaos:
         """Wait until the job is calm (the last victim is back, no restart under way) and
         ``target`` resolves to a running actor; kill it."""
         while True:
-            if _trainer_finished(sup):
+            if self._ending(sup):
                 return  # the job is ending: a kill now tests nothing
             calm = not sup.restarting and all(k.back_s is not None for k in self.kills)
             victim = self._victim(sup, target) if calm else None
@@ -219,6 +244,8 @@ def audit_run(run_dir: Path, expected_version: int) -> Audit:
     untrained = counts["consumed"] - len(owners)
     final = _last_step(run_dir / "metrics.jsonl")
     problems = _problems(lost, duplicated, untrained, final, expected_version, batches)
+    if batches and len(trained_versions) != final:
+        problems.append(f"{len(trained_versions)} batches made a version, yet it is {final}")
     if changed:
         problems.append(f"batches {sorted(changed)} were served again with other groups")
     return Audit(
