@@ -440,13 +440,19 @@ class BufferActor(Actor):
             self.hub.journal.close()
 
     def stats(self) -> dict[str, float]:
-        hub = self.hub
-        if hub is None:
+        if self.hub is None:
             return {}
-        unacked = [b for b in hub.outstanding if b not in hub.acked]
+        return {**flatten_stats(self.buffer.statistics()), **self._hub_stats()}
+
+    def _hub_stats(self) -> dict[str, float]:
+        """Batches handed to the trainer and kept for it: not acknowledged (it holds them,
+        or lost them and is served them again), and in all (kept until a checkpoint)."""
+        hub = self.hub
+        assert hub is not None
+        unacked = [b for i, b in hub.outstanding.items() if i not in hub.acked]
         return {
-            **flatten_stats(self.buffer.statistics()),
             "unacked_batches": len(unacked),
+            "buffer.unacked_groups": sum(len(b.groups) for b in unacked),
             "buffer.kept_batches": len(hub.outstanding),
             "buffer.journal_seq": hub.journal_seq,
         }
@@ -464,6 +470,7 @@ class BufferActor(Actor):
                 {
                     "actor": self.name,
                     **flatten_stats(full),
+                    **self._hub_stats(),
                     "buffer.staleness_samples": full.staleness_samples,
                     "buffer.staleness_tokens": full.staleness_tokens,
                 }

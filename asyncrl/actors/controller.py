@@ -167,10 +167,11 @@ async def _wait_final_eval(sup: Supervisor, cfg: RunConfig, hooks: RestartHooks)
     """Let the eval actor finish the final version (bounded by ``eval.final_timeout``); a
     restarted eval actor, which may have missed its announcement, is pointed at the
     trainer's final checkpoint."""
-    steps = cfg.train.num_steps
-    if steps <= 0:
-        return ""  # no known final version: whatever it evaluated stands
-    final = cfg.resolved_output_dir() / "checkpoints" / "trainer" / f"step_{steps:06d}" / "policy"
+    steps, run_dir = cfg.train.num_steps, cfg.resolved_output_dir()
+    reached = await asyncio.to_thread(_last_step, run_dir / "metrics.jsonl")
+    if steps <= 0 or reached < steps:
+        return ""  # no known final version (or stopped before it): what it evaluated stands
+    final = run_dir / "checkpoints" / "trainer" / f"step_{steps:06d}" / "policy"
     try:
         async with asyncio.timeout(cfg.eval.final_timeout), asyncio.TaskGroup() as tg:
             feed = tg.create_task(hooks.feed_final(sup, steps, final), name="controller.final")

@@ -214,7 +214,8 @@ class Audit:
     failed: int
     lost: int  # admitted but in no state of the ledger
     duplicated: int  # groups trained in two different batches
-    untrained: int  # consumed groups missing from the trainer's audit log
+    untrained: int  # consumed groups neither trained nor held for the trainer
+    held: int  # consumed groups in batches the trainer has not acknowledged (served again)
     batches_trained: int  # distinct batches that made a version
     final_version: int
     expected_version: int
@@ -241,7 +242,10 @@ def audit_run(run_dir: Path, expected_version: int) -> Audit:
         for uid in groups:
             owners[uid].add(batch_id)
     duplicated = sum(1 for ids in owners.values() if len(ids) > 1)
-    untrained = counts["consumed"] - len(owners)
+    # Taken by the trainer and not acknowledged at the end (a stop mid-step): the buffer
+    # keeps them and serves them again when the run resumes.
+    held = int(row.get("buffer.unacked_groups", 0))
+    untrained = counts["consumed"] - len(owners) - held
     final = _last_step(run_dir / "metrics.jsonl")
     problems = _problems(lost, duplicated, untrained, final, expected_version, batches)
     if batches and len(trained_versions) != final:
@@ -255,6 +259,7 @@ def audit_run(run_dir: Path, expected_version: int) -> Audit:
         lost=lost,
         duplicated=duplicated,
         untrained=untrained,
+        held=held,
         batches_trained=len(trained_versions),
         final_version=final,
         expected_version=expected_version,
@@ -276,7 +281,7 @@ def _problems(
     if duplicated:
         out.append(f"{duplicated} groups were trained in two different batches")
     if untrained:
-        out.append(f"{untrained} consumed groups are not in the trainer's audit log")
+        out.append(f"{untrained} consumed groups were neither trained nor kept for it")
     if not batches:
         out.append("the trainer's audit log (trained.jsonl) is empty or missing")
     if expected and final != expected:
