@@ -234,10 +234,6 @@ class SGLangClient(WeightUpdateCalls):
         target = (await self._targets(url))[0]
         return await self._get_first(target, ("/get_server_info", "/server_info"))
 
-    async def _engine_weight_version(self, url: str) -> int:
-        info = await self._get_first(url, ("/get_weight_version", "/model_info", "/get_model_info"))
-        return parse_weight_version(info.get("weight_version")) or 0
-
     async def weight_version(self, url: str | None = None) -> int:
         """The weight version served: one engine's, or the oldest across all engines.
 

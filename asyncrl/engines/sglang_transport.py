@@ -36,7 +36,14 @@ refreshed in one background task, at most every ``load_refresh_s``, only when th
 engines to choose between, so the request path never waits on it. ``prefer=`` pins a
 request to an engine while it is in rotation (resume a partial rollout where its KV cache
 is). An engine whose connect fails, or whose ``/health`` fails, leaves the rotation and is
-probed with ``GET /health`` every ``recheck_s`` until it answers 200.
+probed with ``GET /health`` every ``recheck_s`` until it answers 200. With
+``health_check_s`` every engine in rotation is also checked that often with
+``GET /health_generate`` (a real one-token generation: a server that answers ``/health``
+but cannot generate fails it), and an engine out of rotation must pass that probe to come
+back. Before it does, ``on_return(url)`` runs (the rollout actor's ``EngineHost`` loads the
+weights every other engine has into it); if that fails, it stays out. Control calls
+(pause, abort, weight updates, flushes) go to the engines in rotation only: the others
+are caught up by ``on_return``.
 
 With ``router=True`` the one URL is a sglang-router: generation goes through it, and
 control calls go to each worker URL from ``GET /workers``, because the router does not fan
@@ -60,6 +67,7 @@ from asyncrl.engines.sglang_wire import (
     SGLangError,
     error_message,
     load_count,
+    parse_weight_version,
     router_refused,
     sampling_dict,
 )
@@ -114,6 +122,7 @@ class _Engine:
     reported_at: float = float("-inf")
     down_until: float | None = None
     loads_path: str = "/v1/loads?include=core"
+    returning: bool = False  # ``on_return`` is running for it
 
     def score(self) -> int:
         """Own in-flight calls plus what others put on the engine at its last report."""
@@ -147,6 +156,9 @@ class SGLangTransport:
         """Minimum age of an engine's load report before it is fetched again."""
         recheck_s: float = 2.0
         """How often an engine out of rotation is probed with ``GET /health``."""
+        health_check_s: float | None = None
+        """Check the engines in rotation with ``GET /health_generate`` this often (None:
+        only failed calls take an engine out). Also makes it the probe to come back."""
         api_key: str | None = None
         """Sent as ``Authorization: Bearer`` when the servers run with ``--api-key``."""
         max_connections: int = 0
@@ -171,7 +183,14 @@ class SGLangTransport:
         self._legacy_loads: set[str] = set()
         self._cursor = 0
         self._refresh_task: asyncio.Task[None] | None = None
+        self._health_task: asyncio.Task[None] | None = None
         self._http: aiohttp.ClientSession | None = None
+        #: Runs before an engine out of rotation rejoins it (see the module docstring).
+        self.on_return: Callable[[str], Awaitable[None]] | None = None
+        #: The weight version every engine in rotation should serve (set by whoever loads
+        #: weights); a health check that finds an engine below it (restarted between two
+        #: checks) takes it out, so that it comes back through ``on_return``.
+        self.expected_version: int | None = None
 
     async def __aenter__(self) -> Self:
         trace = aiohttp.TraceConfig()
@@ -183,16 +202,19 @@ class SGLangTransport:
             trace_configs=[trace],
             trust_env=False,
         )
+        if self.config.health_check_s is not None and not self.router:
+            self._health_task = asyncio.create_task(self._health_loop(), name="sglang-health")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     async def close(self) -> None:
-        """Stop the load refresher and close the connection pool."""
-        if self._refresh_task is not None:
-            self._refresh_task.cancel()
-            await asyncio.gather(self._refresh_task, return_exceptions=True)
+        """Stop the load refresher and the health checks; close the connection pool."""
+        for task in (self._refresh_task, self._health_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
 
@@ -305,11 +327,13 @@ class SGLangTransport:
         return await self._each(url, one)
 
     async def _targets(self, url: str | None) -> list[str]:
+        """One engine, a router's workers, or the engines in rotation (all of them when
+        none is: then the call's own failure says why)."""
         if url is not None:
             return [url.rstrip("/")]
         if self.router:
             return [str(w["url"]).rstrip("/") for w in await self.list_workers()]
-        return self.urls
+        return self.in_rotation() or self.urls
 
     # ------------------------------------------------------------------ engine choice
 
@@ -318,24 +342,75 @@ class SGLangTransport:
             log.warning("engine out of rotation", url=engine.url, reason=str(reason))
         engine.down_until = time.monotonic() + self.config.recheck_s
 
-    async def _probe(self, engine: _Engine) -> bool:
-        """``GET /health`` once; 200 puts the engine (back) in rotation."""
+    @property
+    def _health_path(self) -> str:
+        return "/health" if self.config.health_check_s is None else "/health_generate"
+
+    async def _check(self, engine: _Engine) -> tuple[bool, object]:
+        """One health request; ``(healthy, why not)``."""
         timeout = _timeout(self.config.control_timeout_s, self.config.control_timeout_s)
+        path = self._health_path
         try:
-            async with self._session.get(engine.url + "/health", timeout=timeout) as resp:
+            async with self._session.get(engine.url + path, timeout=timeout) as resp:
                 await resp.read()
-                healthy = resp.status == 200
         except (aiohttp.ClientError, TimeoutError) as exc:
-            healthy, reason = False, exc
-        else:
-            reason = f"/health answered {resp.status}"
-        if healthy:
-            if engine.down_until is not None:
+            return False, exc
+        return resp.status == 200, f"{path} answered {resp.status}"
+
+    async def _probe(self, engine: _Engine) -> bool:
+        """The health probe once; a pass puts the engine (back) in rotation, after
+        ``on_return`` when it was out."""
+        healthy, reason = await self._check(engine)
+        if healthy and engine.down_until is not None:
+            healthy, reason = await self._catch_up(engine)
+            if healthy:
                 log.info("engine back in rotation", url=engine.url)
+        if healthy:
             engine.down_until = None
         else:
             self._mark_down(engine, reason)
         return healthy
+
+    async def _catch_up(self, engine: _Engine) -> tuple[bool, object]:
+        """``on_return`` for an engine about to rejoin the rotation (one at a time)."""
+        if self.on_return is None:
+            return True, None
+        if engine.returning:
+            return False, "being brought up to date"
+        engine.returning = True
+        try:
+            await self.on_return(engine.url)
+        except Exception as exc:  # any failure keeps it out; the next probe tries again
+            return False, f"bringing it up to date failed: {type(exc).__name__}: {exc}"
+        finally:
+            engine.returning = False
+        return True, None
+
+    async def _health_loop(self) -> None:
+        """Every ``health_check_s``: check the engines in rotation, probe those out."""
+        interval = self.config.health_check_s or 0.0
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(self._health_one(e) for e in self._engines))
+
+    async def _health_one(self, engine: _Engine) -> None:
+        try:
+            if engine.down_until is not None:
+                await self._probe(engine)
+                return
+            healthy, reason = await self._check(engine)
+            if healthy and self.expected_version is not None:
+                served = await self._engine_weight_version(engine.url)
+                healthy = served >= self.expected_version
+                reason = f"serves version {served}, not {self.expected_version} (restarted?)"
+            if not healthy and engine.down_until is None:
+                self._mark_down(engine, reason)
+        except Exception:  # a check must not end the loop, whatever went wrong
+            log.exception("engine health check failed", url=engine.url)
+
+    async def _engine_weight_version(self, url: str) -> int:
+        info = await self._get_first(url, ("/get_weight_version", "/model_info", "/get_model_info"))
+        return parse_weight_version(info.get("weight_version")) or 0
 
     async def _fetch_load(self, engine: _Engine) -> None:
         timeout = _timeout(self.config.control_timeout_s, self.config.control_timeout_s)
@@ -476,7 +551,8 @@ class SGLangTransport:
             del self._rids[rid]
 
     async def health(self) -> dict[str, bool]:
-        """``GET /health`` on every base URL; failures leave the rotation, 200s rejoin it.
+        """The health probe (``GET /health``; ``/health_generate`` with ``health_check_s``)
+        on every base URL; failures leave the rotation, passes rejoin it.
 
         SGLang's probe is a 1-token generation that blocks while the engine is paused
         (section 2.11), so a paused engine may read as unhealthy: check before pausing.

@@ -49,6 +49,13 @@ class EngineConfig(BaseModel):
     startup_timeout: float = Field(
         900.0, gt=0, description="seconds an engine actor's server has to become healthy"
     )
+    health_check_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="sglang urls: check each engine with /health_generate this often; one "
+        "that fails leaves the rotation and rejoins, given the current weights first, once "
+        "it passes again (null: only failed calls take an engine out)",
+    )
 
     @field_validator("server_args", mode="before")
     @classmethod

@@ -14,14 +14,23 @@ new version; SGLang's ``in_place``), ``abort`` aborts them first so their partia
 samples go back to the buffer and resume on the new weights. Colocated jobs ``sleep``
 the engines (flush, release memory) before each train step and ``wake`` them for the new
 weights. Used by ``actors/rollout.py``.
+
+Engines at ``urls`` are health-checked (``health_check_s``): one that fails
+``/health_generate`` leaves the client's rotation, and before it rejoins, ``catch_up``
+loads into it the version every other engine has (under the same lock as ``load``, so a
+returning engine never misses an update made meanwhile).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from asyncrl.engines.sglang_client import SGLangClient
+from asyncrl.observe.logs import get_logger
 from asyncrl.rollout.config import EngineConfig
+
+log = get_logger("asyncrl.rollout")
 
 if TYPE_CHECKING:
     import torch
@@ -45,13 +54,18 @@ class EngineHost:
         self.server: EngineServer | None = None
         self.client: SGLangClient | None = None
         self.version = 0
+        self.last: WeightVersion | None = None  # the version every engine in rotation has
+        self._loading = asyncio.Lock()
 
     async def __aenter__(self) -> EngineHost:
         urls = list(self.config.urls)
         if self.config.type == "torch":
             urls = [await self._start_embedded()]
-        client_config = SGLangClient.Config(api_key=self.api_key)
+        external = self.config.type == "sglang" and self.config.serve == "embedded"
+        health = self.config.health_check_s if external and not self.config.router else None
+        client_config = SGLangClient.Config(api_key=self.api_key, health_check_s=health)
         self.client = SGLangClient(urls, router=self.config.router, config=client_config)
+        self.client.on_return = self.catch_up
         await self.client.__aenter__()
         if self.wait_ready_s is not None:
             await self.wait_ready(self.wait_ready_s)
@@ -116,8 +130,29 @@ class EngineHost:
         assert self.client is not None
         await self.client.resume_memory()
 
+    async def catch_up(self, url: str) -> None:
+        """Before the engine at ``url`` rejoins the rotation: load the version the others
+        have, unless it serves it already (it kept its weights through a network blip)."""
+        assert self.client is not None
+        async with self._loading:
+            msg = self.last
+            if msg is None or await self.client.weight_version(url) >= msg.version:
+                return
+            if msg.transport != "disk":
+                raise ValueError(f"cannot bring {url} to version {msg.version}: not on disk")
+            await self.client.update_weights_from_disk(msg.location, msg.version, url=url)
+            log.warning("a returning engine was given the current weights", url=url,
+                        version=msg.version)  # fmt: skip
+
     async def load(self, msg: WeightVersion, receiver: WeightReceiver) -> None:
-        """Bring every engine to weight version ``msg.version``."""
+        """Bring every engine (in rotation) to weight version ``msg.version``."""
+        async with self._loading:
+            await self._load(msg, receiver)
+            self.last = msg
+            if self.client is not None:
+                self.client.expected_version = msg.version
+
+    async def _load(self, msg: WeightVersion, receiver: WeightReceiver) -> None:
         assert self.client is not None
         if self.config.on_update == "abort":
             await self.client.abort(abort_all=True)
