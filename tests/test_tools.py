@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from asyncrl.rollout.tools import (
     SandboxLimits,
     ToolRegistry,
     calculator_tool,
+    landlock,
     python_tool,
     search_tool,
 )
@@ -189,6 +191,60 @@ async def test_a_refused_expression_reaches_the_model_as_an_error(registry):
 
 
 # -- the Python sandbox ---------------------------------------------------------------------
+ISOLATION = landlock.abi() >= landlock.MIN_ABI
+ESCAPES = """
+import os, socket, json, math
+results = {"stdlib": json.dumps([math.pi])[:5]}
+open("mine.txt", "w").write("ok")
+results["own folder"] = open("mine.txt").read()
+def attempt(name, fn):
+    try:
+        fn()
+        results[name] = "allowed"
+    except OSError as exc:
+        results[name] = type(exc).__name__
+attempt("job file", lambda: open(SECRET).read())
+attempt("list /", lambda: os.listdir("/"))
+attempt("environ of pid 1", lambda: open("/proc/1/environ").read())
+attempt("tcp connect", lambda: socket.create_connection(("127.0.0.1", PORT), timeout=2))
+attempt("tcp bind", lambda: socket.socket().bind(("127.0.0.1", 0)))
+attempt("signal the actor", lambda: os.kill(os.getppid(), 0))
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(not ISOLATION, reason="Landlock ABI 4 (Linux 6.7+) is not available")
+async def test_an_isolated_snippet_reaches_none_of_the_jobs_files_sockets_or_processes(tmp_path):
+    secret = tmp_path / "run" / "checkpoints" / "job.key_secret"
+    secret.parent.mkdir(parents=True)
+    secret.write_text("the job's key")
+    listener = socket.create_server(("127.0.0.1", 0))  # a channel of the job
+    code = ESCAPES.replace("SECRET", repr(str(secret)))
+    code = code.replace("PORT", str(listener.getsockname()[1]))
+    try:
+        result = await PythonSandbox(LIMITS).run(code)
+    finally:
+        listener.close()
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {
+        "stdlib": "[3.14", "own folder": "ok",  # what a snippet needs still works
+        "job file": "PermissionError", "list /": "PermissionError",
+        "environ of pid 1": "PermissionError", "tcp connect": "PermissionError",
+        "tcp bind": "PermissionError", "signal the actor": "PermissionError",
+    }  # fmt: skip
+    # The same snippet without isolation reaches them: the test can tell the difference.
+    loose = await PythonSandbox(LIMITS, isolate=False).run(code.replace(str(secret), "/dev/null"))
+    assert json.loads(loose.stdout)["list /"] == "allowed"
+
+
+def test_a_kernel_without_landlock_refuses_an_isolated_sandbox(monkeypatch):
+    monkeypatch.setattr(landlock, "abi", lambda: 0)
+    with pytest.raises(
+        ValueError, match=r"Landlock ABI >= 4 .*this kernel has none.*isolate: false"
+    ):
+        python_tool(LIMITS)
+    assert python_tool(LIMITS, isolate=False).name == "python"
+
 
 LIMITS = SandboxLimits(cpu_s=1, memory_mb=256, wall_s=5.0, output_bytes=2000, file_bytes=4096)
 
@@ -242,7 +298,9 @@ async def test_output_is_limited_and_the_writer_stopped():
 async def test_a_timed_out_call_leaves_no_process_behind(tmp_path):
     pid_file = tmp_path / "pid"
     code = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)"
-    registry = ToolRegistry([python_tool(SandboxLimits(wall_s=30))], timeout_s=1.0)
+    # Not isolated: the snippet writes its pid where the test can read it.
+    tool = python_tool(SandboxLimits(wall_s=30), isolate=False)
+    registry = ToolRegistry([tool], timeout_s=1.0)
     result = await registry.call("python", {"code": code})
     assert result.error == "Error: tool 'python' timed out after 1 s"
     with pytest.raises(ProcessLookupError):
@@ -260,7 +318,7 @@ async def test_a_child_that_outlives_the_program_is_killed_with_its_group(tmp_pa
         "else:\n"
         "    time.sleep(0.5); print('parent done')\n"
     )
-    result = await PythonSandbox(LIMITS).run(code)
+    result = await PythonSandbox(LIMITS, isolate=False).run(code)  # the pid file is outside
     assert result.returncode == 0 and result.stdout == "parent done\n"
     assert result.seconds < LIMITS.wall_s  # the child held the pipes: it did not hang us
     await asyncio.sleep(0.2)

@@ -154,6 +154,11 @@ class ToolConfig(BaseModel):
     memory_mb: int = Field(512, ge=16, description="python: address space per call, MiB")
     wall_s: float = Field(10.0, gt=0, description="python: wall-clock seconds per call")
     output_bytes: int = Field(16384, ge=1, description="python: captured bytes per stream")
+    isolate: bool = Field(
+        True,
+        description="python: Landlock away the job's files, TCP and processes (needs Linux "
+        "6.7+; false runs snippets with the limits only)",
+    )
     path: str | None = Field(None, description="custom: 'module:factory' returning a Tool")
 
     @model_validator(mode="after")

@@ -23,7 +23,7 @@ def build_tool(cfg: ToolConfig) -> Tool:
         return calculator_tool()
     if cfg.type == "python":
         limits = SandboxLimits(cfg.cpu_s, cfg.memory_mb, cfg.wall_s, cfg.output_bytes)
-        return python_tool(limits)
+        return python_tool(limits, isolate=cfg.isolate)
     if cfg.type == "search":
         assert cfg.corpus is not None  # ToolConfig refuses a search tool without one
         return search_tool(cfg.corpus, cfg.k, cfg.max_chars)

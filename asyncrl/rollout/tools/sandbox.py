@@ -11,20 +11,27 @@ temporary working directory with a minimal environment. A fixed preamble sets th
 - wall clock ``wall_s`` and captured output ``output_bytes`` per stream: the parent kills
   the whole process group when either is passed.
 
+- isolation (``isolate``, the default): Landlock (``landlock.py``) takes away every file
+  outside the standard library, the system libraries and the call's own folder, every
+  TCP connect and bind, and signals to processes outside the sandbox: a snippet cannot
+  read the job's files, reach its channels, engines or proxy, or stop its actors. A
+  kernel without Landlock ABI 4 (Linux 6.7+) refuses to build an isolated sandbox.
+
 The observation is what a person at a terminal would see: stdout, then stderr, then a
 line naming the exit status or the limit that stopped it. A program that fails is a
 normal observation; only a sandbox that cannot start raises. ``-I`` ignores ``PYTHON*``
 variables and the user's site directory and ``-S`` skips ``site``, so the job's virtual
 environment is not importable. Every process left in the call's process group is killed
-when the call ends. Not provided here, as they need OS support (namespaces, cgroups):
-file-system and network isolation, a limit on process count (``RLIMIT_NPROC`` is per user
-and not enforced for root), and catching a child that leaves the group with ``setsid``.
+when the call ends. Not provided (they need cgroups or privileges): a limit on process
+count (``RLIMIT_NPROC`` is per user and not enforced for root), UDP, and catching a child
+that leaves the group with ``setsid`` (it stays under the same Landlock rules).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -33,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.rollout.tools import landlock
 from asyncrl.rollout.tools.registry import FunctionTool
 
 
@@ -89,9 +97,23 @@ class SandboxResult:
 class PythonSandbox:
     """Runs Python snippets under ``SandboxLimits``; ``run(code)`` gives a ``SandboxResult``."""
 
-    def __init__(self, limits: SandboxLimits | None = None, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        python: str = sys.executable,
+        *,
+        isolate: bool = True,
+    ) -> None:
         self.limits = limits or SandboxLimits()
         self.python = python
+        self.isolate = isolate
+        if isolate and (found := landlock.abi()) < landlock.MIN_ABI:
+            raise ValueError(
+                f"the python tool's isolation needs Landlock ABI >= {landlock.MIN_ABI} "
+                f"(Linux 6.7+), this kernel has {found or 'none'}: run on such a kernel, or "
+                "set isolate: false to run snippets with limits but without isolation"
+            )
+        self._roots = json.dumps(landlock.readable_roots() if isolate else None)
 
     async def run(self, code: str) -> SandboxResult:
         """Run ``code`` to its end or to a limit; the process group never outlives the call."""
@@ -143,7 +165,8 @@ class PythonSandbox:
 
     def _limit_args(self) -> list[str]:
         lim = self.limits
-        return [str(v) for v in (lim.cpu_s, lim.memory_mb << 20, lim.file_bytes, lim.open_files)]
+        limits = (lim.cpu_s, lim.memory_mb << 20, lim.file_bytes, lim.open_files)
+        return [*(str(v) for v in limits), self._roots]
 
     async def __call__(self, code: str) -> str:
         return (await self.run(code)).observation()
@@ -170,21 +193,28 @@ class _Capture:
 
 
 #: Runs in the child before the snippet: argv = [cpu_s, address-space bytes, file bytes,
-#: open files]; the snippet comes on stdin and runs as ``__main__``.
-_PREAMBLE = """
-import resource as _r, sys as _s
+#: open files, JSON list of readable roots or null (no isolation)]; the snippet comes on
+#: stdin and runs as ``__main__``.
+_PREAMBLE = (
+    landlock.PREAMBLE
+    + """
+import resource as _r, sys as _s, json as _j, os as _os
 _c, _m, _f, _n = (int(x) for x in _s.argv[1:5])
 _r.setrlimit(_r.RLIMIT_CPU, (_c, _c + 1))
 _r.setrlimit(_r.RLIMIT_AS, (_m, _m))
 _r.setrlimit(_r.RLIMIT_FSIZE, (_f, _f))
 _r.setrlimit(_r.RLIMIT_NOFILE, (_n, _n))
 _r.setrlimit(_r.RLIMIT_CORE, (0, 0))
+_roots = _j.loads(_s.argv[5])
+if _roots is not None:
+    _landlock(_os.getcwd(), _roots)
 _src = _s.stdin.read()
 _s.argv = ["<sandbox>"]
 _g = {"__name__": "__main__", "__builtins__": __builtins__}
-del _r, _s, _c, _m, _f, _n
+del _r, _s, _c, _m, _f, _n, _j, _os, _roots, _landlock
 exec(compile(_src, "<sandbox>", "exec"), _g)
 """
+)
 
 
 def _environment(cwd: str) -> dict[str, str]:
@@ -205,9 +235,9 @@ PYTHON_PARAMETERS: dict[str, Any] = {
 }
 
 
-def python_tool(limits: SandboxLimits | None = None) -> FunctionTool:
+def python_tool(limits: SandboxLimits | None = None, *, isolate: bool = True) -> FunctionTool:
     """The sandbox as a registry tool named ``python``."""
-    sandbox = PythonSandbox(limits)
+    sandbox = PythonSandbox(limits, isolate=isolate)
     return FunctionTool(
         "python",
         "Run a Python 3 program in a sandbox and return its output (print what you need).",
