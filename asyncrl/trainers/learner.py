@@ -167,6 +167,7 @@ class Learner:
     def load(self, path: Path) -> None:
         """Restore ``save``'s directory (every rank reads it)."""
         self.load_hf_weights(load_file(str(path / "model.safetensors")))
-        optimizer = torch.load(path / "optimizer.pt", weights_only=False)
+        # weights_only: tensors and plain containers, never arbitrary pickled objects.
+        optimizer = torch.load(path / "optimizer.pt", weights_only=True)
         self.dp.load_optimizer_state(self.model, self.optimizer, optimizer)
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))

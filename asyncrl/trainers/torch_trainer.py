@@ -421,7 +421,7 @@ class TorchTrainer:
             self.critic.load(path / "critic")
         rng = path / "rng" / f"rank{self.dp.rank}.pt"
         if rng.is_file():
-            _set_rng_state(torch.load(rng, weights_only=False))
+            _set_rng_state(torch.load(rng, weights_only=True))
         self.version = version
 
 
@@ -479,9 +479,11 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
+    """Every RNG's state as tensors and plain values (loadable with ``weights_only``)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
@@ -489,7 +491,8 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
