@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: demo arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer \
-	bench-overlap bench-agent-proxy bench-runtimes bench-curve clean
+	bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ bench-runtimes: $(STAMP)
 
 bench-curve: $(STAMP)
 	$(PY) bench/curve.py
+
+# 30 minutes under chaos (a random actor SIGKILLed every 2 minutes), then the audit.
+bench-soak: $(STAMP)
+	$(PY) bench/soak.py --minutes 30 --every 120
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncrl tests bench examples

@@ -294,6 +294,16 @@ def _chaos(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     cfg.train.audit_log = True  # what the audit checks exactly-once training against
+    from asyncrl.actors.controller import job_actor_specs
+    from asyncrl.runtime.chaos import check_targets
+    from asyncrl.runtime.recovery import restart_budgets
+
+    specs = job_actor_specs(cfg, {}, cfg.resolved_output_dir(), resume=False)
+    try:
+        check_targets(kills, {s.name: s.role for s in specs}, restart_budgets(cfg))
+    except ValueError as exc:
+        print(f"asyncrl chaos: config error:\n{exc}", file=sys.stderr)
+        return 2
     return _run_training(cfg, resume=False, chaos=(kills, args))
 
 

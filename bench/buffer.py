@@ -12,6 +12,9 @@
    trainer in this process (asks for batches, publishes a new version after each).
    Rate = groups consumed between the first and the last batch / that time.
    Target: >= 5,000 groups/s.
+3. **actor+journal**, **actor+fsync**: the same with the buffer's write-ahead journal
+   (every result and hand-out written before it is acknowledged; checkpoints every 30 s),
+   and with an fsync per journal write: the cost of crash safety, side by side.
 
 Both runs use B = 32 groups per step, max staleness 4 and a backstop at 8. Writes JSON (default
 ``bench/results/buffer.json``).
@@ -123,17 +126,24 @@ async def producer(endpoints: dict[str, str], name: str) -> None:
         await results.join()
 
 
-async def bench_actor(num_groups: int, num_producers: int, tmp: Path) -> float:
+async def bench_actor(
+    num_groups: int, num_producers: int, tmp: Path, journal: str | None = None
+) -> float:
+    """``journal``: None, "journal" (write-ahead journal) or "fsync" (and fsync each write)."""
     data = tmp / "prompts.jsonl"
     data.write_text("".join(f'{{"prompt": "q{i}"}}\n' for i in range(num_groups)))
     ep = allocate_endpoints()
+    params = {"buffer": CONFIG, "source": {"path": str(data), "label_key": None}}
+    if journal is not None:
+        params |= {"checkpoint": str(tmp / "buffer.ckpt"), "journal": str(tmp / "buffer.journal"),
+                   "journal_fsync": journal == "fsync", "checkpoint_interval": 30.0}  # fmt: skip
     spec = ActorSpec(
         name="buffer",
         role="buffer",
         cls="asyncrl.actors.buffer:BufferActor",
         endpoints=ep,
         log_file=str(tmp / "buffer.jsonl"),
-        params={"buffer": CONFIG, "source": {"path": str(data), "label_key": None}},
+        params=params,
     )
     async with ControlHub("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp) as runtime:
         async with Supervisor(runtime, hub, startup_timeout=60) as sup:
@@ -152,13 +162,16 @@ async def trainer(ep: dict[str, str], num_groups: int) -> float:
         Publisher(ep["trainer.weights"], ep["trainer.weights_snapshot"], Codec(WeightVersion))
         as weights,
     ):  # fmt: skip
-        consumed, version, t_first, t_last = 0, 0, 0.0, 0.0
+        consumed, version, t_first, t_last, acks = 0, 0, 0.0, 0.0, []
         while True:
-            reply = await batches.call(BatchRequest(trainer="trainer", wait=5.0))
+            req = BatchRequest(trainer="trainer", wait=5.0, ack=acks, version=version)
+            reply = await batches.call(req)
+            acks = []
             if reply.batch is None:
                 if reply.exhausted:
                     break
                 continue
+            acks = [reply.batch.batch_id]
             t_last = time.perf_counter()
             if not consumed:
                 t_first = t_last
@@ -191,24 +204,31 @@ def main() -> None:
     if args.role == "producer":
         uvloop.run(producer(json.loads(args.ep), args.name))
         return
-    runs: dict[str, list[float]] = {"store": [], "actor": []}
+    variants = {"actor": None, "actor+journal": "journal", "actor+fsync": "fsync"}
+    runs: dict[str, list[float]] = {"store": [], **{k: [] for k in variants}}
     for _ in range(args.repeats):
         runs["store"].append(bench_store(args.groups))
-        with tempfile.TemporaryDirectory() as tmp:
-            runs["actor"].append(uvloop.run(bench_actor(args.groups, args.producers, Path(tmp))))
+        for key, journal in variants.items():  # alternated, so drift hits each alike
+            with tempfile.TemporaryDirectory() as tmp:
+                run = bench_actor(args.groups, args.producers, Path(tmp), journal)
+                runs[key].append(uvloop.run(run))
     report(args, runs)
 
 
 def report(args: argparse.Namespace, runs: dict[str, list[float]]) -> None:
     med = {k: statistics.median(v) for k, v in runs.items()}
-    targets = {"store": 20_000, "actor": 5_000}
-    print(f"{'median of ' + str(args.repeats):<52}{'groups/s':>10}{'target':>10}")
+    targets = {"store": 20_000, "actor": 5_000, "actor+journal": 5_000, "actor+fsync": 5_000}
+    print(f"{'median of ' + str(args.repeats):<52}{'groups/s':>10}{'target':>10}{'ratio':>8}")
     rows = {
         "store": f"VersionedBuffer in-process, {N} x {TOKENS} tok groups",
         "actor": f"BufferActor over sockets, {args.producers} producer processes",
+        "actor+journal": "  the same with the write-ahead journal",
+        "actor+fsync": "  the same, fsync per journal write",
     }
     for key, label in rows.items():
-        print(f"{label:<52}{med[key]:>10,.0f}{'>=' + format(targets[key], ','):>10}")
+        ratio = f"{med[key] / med['actor']:.2f}" if key.startswith("actor") else ""
+        target = ">=" + format(targets[key], ",")
+        print(f"{label:<52}{med[key]:>10,.0f}{target:>10}{ratio:>8}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"bench": "buffer", "groups": args.groups, "producers": args.producers,

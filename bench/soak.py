@@ -164,12 +164,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--every", type=float, default=120.0, help="seconds between kills")
-    parser.add_argument("--warmup", type=float, default=3.0, help="minutes before slopes count")
+    parser.add_argument("--warmup", type=float, default=5.0, help="minutes before slopes count")
+    parser.add_argument(
+        "--analyse", type=Path, help="recompute the memory and throughput figures of a report"
+    )
     parser.add_argument("--window", type=float, default=60.0, help="throughput window, s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "soak")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     args = parser.parse_args()
+    if args.analyse is not None:
+        return analyse(args)
 
     import os
 
@@ -187,12 +192,25 @@ def main() -> int:
     report["memory"] = memory_slopes(soak.samples, args.warmup * 60)
     report["throughput"] = throughput_around(soak.samples, report["kills"], args.window, per_step)
     report["minutes"] = round((time.monotonic() - start) / 60, 1)
+    report["samples_per_step"] = per_step
+    report["warmup_min"] = args.warmup
     report["samples"] = [asdict(s) for s in soak.samples]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print_summary(report)
     print(f"written to {args.out}")
     return 0 if report["ok"] else 1
+
+
+def analyse(args: argparse.Namespace) -> int:
+    """Recompute a saved report's figures (another ``--warmup`` or ``--window``)."""
+    report = json.loads(args.analyse.read_text())
+    samples = [Sample(**s) for s in report["samples"]]
+    per_step = report.get("samples_per_step", 256)
+    report["memory"] = memory_slopes(samples, args.warmup * 60)
+    report["throughput"] = throughput_around(samples, report["kills"], args.window, per_step)
+    print_summary(report)
+    return 0
 
 
 def print_summary(report: dict[str, Any]) -> None:
@@ -202,7 +220,7 @@ def print_summary(report: dict[str, Any]) -> None:
     print(f"audit: admitted {a['admitted']}, consumed {a['consumed']}, lost {a['lost']}, "
           f"duplicated {a['duplicated']}, untrained {a['untrained']}, "
           f"final version {a['final_version']}; problems: {a['problems'] or 'none'}")  # fmt: skip
-    print("\nresident memory, MB/min (longest settled incarnation):")
+    print("\nresident memory, MB/min (the longest incarnation, after its warm-up):")
     for actor, m in sorted(report["memory"].items()):
         print(f"  {actor:10s} {m['mb_per_min']:+7.3f} over {m['minutes']:5.1f} min "
               f"({m['rss_start_mb']:.0f} -> {m['rss_end_mb']:.0f} MB)")  # fmt: skip

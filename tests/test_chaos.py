@@ -12,7 +12,7 @@ import pytest
 from asyncrl.actors.controller import run_job
 from asyncrl.cli import main
 from asyncrl.config import load_config
-from asyncrl.runtime.chaos import Chaos, KillAt, audit_run
+from asyncrl.runtime.chaos import Chaos, KillAt, audit_run, check_targets
 from tests.test_train import LONG_RUN, eval_flags, job_flags, lines, write_prompts
 from tests.tiny_model import build_tiny_model
 
@@ -59,3 +59,49 @@ async def test_sigkill_of_each_actor_kind_loses_nothing_and_trains_each_group_on
 def test_asyncrl_chaos_refuses_a_bad_kill_before_launch(tmp_path, capsys):
     assert main(["chaos", "--kill", "trainer@soon", *chaos_flags(tmp_path)]) == 2
     assert "expected TARGET@SECONDSs or TARGET@stepN" in capsys.readouterr().err
+
+
+def write_run(run_dir, buffer_row: dict, trained: list[dict], final: int) -> None:
+    """A finished run's files as the audit reads them."""
+    (run_dir / "metrics").mkdir(parents=True)
+    (run_dir / "metrics" / "buffer.jsonl").write_text(json.dumps(buffer_row) + "\n")
+    (run_dir / "trained.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trained))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": final}) + "\n")
+
+
+def test_the_audit_finds_lost_repeated_and_untrained_groups(tmp_path):
+    row = {"buffer.admitted": 7, "buffer.consumed": 6, "buffer.buffered": 1,
+           "buffer.filtered.stale": 0, "buffer.unacked_groups": 2,
+           "buffer.unacked_batch_ids": [3]}  # fmt: skip
+    trained = [
+        {"batch": 1, "groups": ["a", "b"], "trained": True},
+        {"batch": 2, "groups": ["c", "d"], "trained": True},
+        {"batch": 2, "groups": ["c", "d"], "trained": True},  # retrained after a restart
+    ]
+    write_run(tmp_path / "ok", row, trained, final=2)  # batch 3 (e, f): held, not trained
+    audit = audit_run(tmp_path / "ok", 2)
+    assert audit.ok, audit.problems
+    assert (audit.lost, audit.duplicated, audit.untrained, audit.held) == (0, 0, 0, 2)
+
+    bad = [*trained, {"batch": 4, "groups": ["a", "x"], "trained": True}]
+    write_run(tmp_path / "bad", {**row, "buffer.admitted": 9}, bad, final=2)
+    audit = audit_run(tmp_path / "bad", 3)
+    assert audit.lost == 2 and audit.duplicated == 1  # "a" in batches 1 and 4
+    assert "the final version is 2, not 3" in audit.problems
+    assert "3 batches made a version, yet it is 2" in audit.problems
+
+
+def test_chaos_kills_name_an_actor_or_role_that_is_restarted():
+    roles = {"buffer": "buffer", "trainer": "trainer", "rollout-0": "rollout"}
+    budgets = {"buffer": 3, "trainer": 0, "rollout": 3}
+    check_targets([KillAt.parse("rollout@step3"), KillAt.parse("random@9s")], roles, budgets)
+    with pytest.raises(ValueError, match="'eval': not an actor or role of this job"):
+        check_targets([KillAt.parse("eval@1s")], roles, budgets)
+    with pytest.raises(ValueError, match=r"trainer actors are not restarted.*--save-interval"):
+        check_targets([KillAt.parse("trainer@step5")], roles, budgets)
+    assert KillAt.parse("rollout-1@2.5s") == KillAt("rollout-1", seconds=2.5)
+    assert Chaos([KillAt("a", step=9), KillAt("b", seconds=3), KillAt("c", step=2)]).schedule == [
+        KillAt("b", seconds=3),
+        KillAt("c", step=2),
+        KillAt("a", step=9),
+    ]

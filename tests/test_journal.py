@@ -145,6 +145,43 @@ def test_a_restarted_trainer_is_served_every_batch_after_its_checkpoint_again_in
     assert following is not None and following.batch_id == batches[-1].batch_id + 1
 
 
+def test_a_batch_in_the_restarted_trainers_checkpoint_is_not_served_again():
+    cfg = VersionedBuffer.Config(groups_per_step=2, num_samples_per_prompt=1, max_staleness=8)
+    hub = new_hub(cfg)
+    batches = trained_batches(hub, 2, durable=0)
+    # The trainer trains a third batch, checkpoints version 3, and dies before its next
+    # request (which would have acknowledged that batch).
+    hub.settle(2, [], 0, resync=False)
+    third = hub.take(2)
+    assert third is not None and third.step == 2
+    hub.follow(3)
+    hub.settle(3, [], 3, resync=True)  # the restarted trainer, from checkpoint 3
+    following = hub.take(2)
+    assert following is not None and following.step == 3
+    assert following.batch_id not in {b.batch_id for b in [*batches, third]}
+    assert hub.buffer.lost_steps == 0 and not hub.outstanding.keys() - {following.batch_id}
+
+
+def test_a_failed_journal_write_leaves_no_partial_record(tmp_path: Path, monkeypatch):
+    journal = Journal(tmp_path / "j", fsync=True)
+    journal.reset("line-a", 1)
+    journal.append([Followed(version=1)])
+    size = (tmp_path / "j").stat().st_size
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        journal.append([Followed(version=2), Followed(version=3)])
+    assert (tmp_path / "j").stat().st_size == size  # cut back to before the append
+    monkeypatch.undo()
+    journal.append([Followed(version=4)])
+    journal.close()
+    rows = list(read_journal(tmp_path / "j")[1])
+    assert [r.version for _, r in rows] == [1, 4]
+
+
 def test_a_trainer_that_resumes_behind_the_kept_batches_rebases_the_buffer():
     cfg = VersionedBuffer.Config(groups_per_step=2, num_samples_per_prompt=1, max_staleness=8)
     hub = new_hub(cfg)

@@ -145,3 +145,30 @@ async def test_the_trainer_actor_trains_publishes_acknowledges_and_resumes(
     rows = (tmp_path / "trainer-2.metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [3]
     assert (tmp_path / "ckpt" / "step_000003" / "trainer.json").exists()
+
+
+def test_a_restart_loads_its_own_jobs_newest_checkpoint_and_pruning_keeps_the_newest(tmp_path):
+    from asyncrl.actors.trainer import _newest_checkpoint, _prune_checkpoints, _save_atomically
+
+    class Saver:
+        def __init__(self) -> None:
+            self.saves = 0
+
+        def save_checkpoint(self, path: Path) -> None:
+            path.mkdir(parents=True)
+            self.saves += 1
+
+    saver = Saver()
+    for step, job in [(5, "old-job"), (10, "this"), (20, "this"), (30, "old-job")]:
+        _save_atomically(saver, tmp_path / f"step_{step:06d}", job)  # type: ignore[arg-type]
+    (tmp_path / "step_000040.tmp").mkdir()  # a save that was cut off
+    assert _newest_checkpoint(str(tmp_path)).name == "step_000030"
+    assert _newest_checkpoint(str(tmp_path), job="this").name == "step_000020"
+    _save_atomically(saver, tmp_path / "step_000020", "this")  # the same job's: kept as is
+    assert saver.saves == 4
+    _prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [
+        "step_000020",
+        "step_000030",
+        "step_000040.tmp",
+    ]

@@ -294,16 +294,28 @@ class Actor(ABC):
             self._loop_lag = max(0.0, time.monotonic() - start - interval)
 
     async def _commands(self) -> None:
+        """Answer commands: the built-in ones (stop, stats...) at once, in order; an
+        actor's own each in a task of its own, once setup is done, so a slow one (a
+        requeue during a long recovery) never holds up a stop."""
         assert self.link is not None
-        while True:
-            command_id, cmd = await self.link.next_command()
-            try:
-                if cmd.kind not in _ANYTIME:  # an actor's own commands need its setup done
-                    await self._set_up.wait()
-                data = await self.on_command(cmd)
-                self.link.reply(command_id, CommandResult(ok=True, data=data))
-            except Exception as exc:
-                self.link.reply(command_id, CommandResult(ok=False, error=_describe(exc)))
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                command_id, cmd = await self.link.next_command()
+                if cmd.kind in _ANYTIME:
+                    await self._answer(command_id, cmd)
+                else:
+                    tg.create_task(self._answer(command_id, cmd, wait_setup=True),
+                                   name=f"{self.name}.command.{cmd.kind}")  # fmt: skip
+
+    async def _answer(self, command_id: int, cmd: Command, *, wait_setup: bool = False) -> None:
+        assert self.link is not None
+        try:
+            if wait_setup:
+                await self._set_up.wait()
+            data = await self.on_command(cmd)
+            self.link.reply(command_id, CommandResult(ok=True, data=data))
+        except Exception as exc:
+            self.link.reply(command_id, CommandResult(ok=False, error=_describe(exc)))
 
     def _bye(self, ok: bool, reason: str) -> Bye:
         return Bye(actor=self.name, pid=os.getpid(), reason=reason, ok=ok)
@@ -335,6 +347,15 @@ def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
 
 
 def _describe(exc: BaseException) -> str:
+    """One line per distinct error: a group of 96 identical failures (every request to a
+    dead engine) reads as one, with its count."""
+    counts: dict[str, int] = {}
+    for text in _leaves(exc):
+        counts[text] = counts.get(text, 0) + 1
+    return "; ".join(t if n == 1 else f"{t} (x{n})" for t, n in counts.items())
+
+
+def _leaves(exc: BaseException) -> list[str]:
     if isinstance(exc, BaseExceptionGroup):
-        return "; ".join(_describe(e) for e in exc.exceptions)
-    return f"{type(exc).__name__}: {exc}"
+        return [text for e in exc.exceptions for text in _leaves(e)]
+    return [f"{type(exc).__name__}: {exc}"]

@@ -31,7 +31,7 @@ class BatchSource(Protocol):
 
     def done(self, batch_id: int) -> None: ...
 
-    async def close(self, version: int) -> None: ...
+    async def close(self, version: int, durable: int = -1) -> None: ...
 
 
 class BufferBatches:
@@ -73,10 +73,15 @@ class BufferBatches:
     def done(self, batch_id: int) -> None:
         self._acks.append(batch_id)
 
-    async def close(self, version: int) -> None:
-        if self._acks:  # finished batches must not be served again after we stop
-            final = BatchRequest(trainer=self.consumer, ack=self._acks, take=False, version=version)
-            await self.client.call(final)
+    async def close(self, version: int, durable: int = -1) -> None:
+        """Acknowledge what is finished (it must not be served again after we stop),
+        with ``durable`` from the final checkpoint, written before this call: the buffer
+        releases what that checkpoint covers, and only that."""
+        if self._acks:
+            final = BatchRequest(
+                trainer=self.consumer, ack=self._acks, take=False, version=version, durable=durable
+            )
+            await self._call(final)
             self._acks = []
 
 
@@ -100,5 +105,5 @@ class DumpedBatches:
     def done(self, batch_id: int) -> None:
         pass  # files are never consumed: a dump can be replayed again
 
-    async def close(self, version: int) -> None:
+    async def close(self, version: int, durable: int = -1) -> None:
         pass

@@ -51,7 +51,7 @@ import msgspec
 
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.buffer.hub import Hub, HubState
-from asyncrl.buffer.journal import Journal, read_journal
+from asyncrl.buffer.journal import Journal, fsync_dir, read_journal
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import BufferStats, VersionedBuffer
 from asyncrl.observe.logs import get_logger
@@ -158,14 +158,21 @@ def write_checkpoint(state: HubState, path: Path) -> None:
         out.flush()
         os.fsync(out.fileno())  # the journal is reset after this: it must be on disk
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
-def recover_hub(hub: Hub, checkpoint: Path, journal: Path | None) -> int:
+def recover_hub(hub: Hub, checkpoint: Path, journal: Path | None, *, job: str | None = None) -> int:
     """Load ``checkpoint`` (when it exists) into ``hub`` and replay ``journal`` after it;
     returns the records replayed. A journal of another lineage is older than the
-    checkpoint (a fresh start writes its checkpoint first) and is ignored."""
+    checkpoint (a fresh start writes its checkpoint first) and is ignored. With ``job``,
+    a checkpoint another job wrote is ignored too (this job's first buffer died before
+    its first checkpoint, so nothing of this job was acknowledged yet)."""
     if checkpoint.exists():
-        hub.load_state_dict(read_checkpoint(checkpoint))
+        state = read_checkpoint(checkpoint)
+        if job is not None and state.job != job:
+            log.warning("checkpoint of another job ignored", checkpoint=str(checkpoint))
+            return 0
+        hub.load_state_dict(state)
     if journal is None or not journal.exists():
         return 0
     header, records = read_journal(journal)
@@ -194,12 +201,13 @@ class BufferActor(Actor):
         self.buffer = VersionedBuffer(VersionedBuffer.Config(**params.get("buffer", {})), source)
         journal = Path(params["journal"]) if params.get("journal") else None
         fsync = bool(params.get("journal_fsync"))
-        self.hub = Hub(self.buffer, Journal(journal, fsync=fsync) if journal else None)
+        hub = Hub(self.buffer, Journal(journal, fsync=fsync) if journal else None)
+        hub.job = str(params.get("job", ""))
         self.checkpoint_path = Path(params["checkpoint"]) if params.get("checkpoint") else None
         if params.get("recover") or params.get("resume"):
-            await asyncio.to_thread(self._recover, journal, bool(params.get("resume")))
+            await asyncio.to_thread(self._recover, hub, journal, bool(params.get("resume")))
+        self.hub = hub  # only now: stats() reads it, and recovery ran in a thread
         self._checkpoint()  # a fresh lineage's first, or what recovery rebuilt
-        self.buffer = self.hub.buffer
         self.version = self.buffer.version
         self._waiters: set[asyncio.Future[None]] = set()
         self._aborted_at = -1
@@ -255,13 +263,18 @@ class BufferActor(Actor):
     # -- producers -----------------------------------------------------------------------
     async def _serve_work(self, req: WorkRequest, peer: bytes) -> WorkReply:
         self._note_sleep(req.actor, req.asleep)
+        if self.hub.is_retry(req.actor, req.request):
+            # Its reply was lost: the groups are the actor's whatever happened since (a
+            # new version, a stop), or they would stay in flight with no one on them.
+            items = self.hub.hand_out(req.actor, req.request, req.max_items)
+            return WorkReply(items=items, version=self.buffer.version)
         if self.stopping or self._behind(req):
             return WorkReply(items=[], version=self.buffer.version)
         await self._wait_until(lambda: self._has_work() or self._wake_to_sleep(req), req.wait)
         if self._behind(req):  # a new version came while we waited: load it first
             return WorkReply(items=[], version=self.buffer.version)
         items = self.hub.hand_out(req.actor, req.request, max(0, req.max_items))
-        self.hub.commit()
+        self._commit()
         exhausted = not items and self._no_more_work()
         sleep = self.colocate and not items and not exhausted
         return WorkReply(items=items, version=self.buffer.version, exhausted=exhausted, sleep=sleep)
@@ -288,6 +301,13 @@ class BufferActor(Actor):
         and any other that asked for work) has released its engines."""
         return self.buffer.ready(n) and (not self.colocate or all(self._asleep.values()))
 
+    def _can_serve(self, n: int) -> bool:
+        """A batch the trainer lost is served again (colocated: once the engines sleep,
+        as for any batch), else a new one when ready or at the end of the data."""
+        if self.hub.lost_batch() is not None:
+            return not self.colocate or all(self._asleep.values())
+        return self._batch_ready(n) or self.buffer.exhausted
+
     def _has_work(self) -> bool:
         buf = self.buffer
         return (len(buf.pool) > 0 or buf.capacity() > 0) and not self._no_more_work()
@@ -300,7 +320,7 @@ class BufferActor(Actor):
             received = await self.results.receive_batch()
             for group in received:
                 self._record(group)
-            self.hub.commit()
+            self._commit()
             received.ack()  # only once journaled: an unacked result is redelivered
             self._maybe_abort()
             self._notify()
@@ -319,19 +339,17 @@ class BufferActor(Actor):
     # -- the trainer ---------------------------------------------------------------------
     async def _serve_batch(self, req: BatchRequest, peer: bytes) -> BatchReply:
         self.hub.settle(req.version, req.ack, req.durable, req.resync)
+        self.version = self.buffer.version  # a resync may have rebased it
         self._follow_version(req.version)
-        self.hub.commit()
+        self._commit()
         if not req.take:
             return BatchReply(batch=None)
         n = req.num_groups or self.buffer.config.groups_per_step
-        if self.hub.lost_batch() is None:
-            ready = await self._wait_until(
-                lambda: self._batch_ready(n) or self.buffer.exhausted, req.wait
-            )
-            if not ready:
-                return BatchReply(batch=None)
+        ready = await self._wait_until(lambda: self._can_serve(n), req.wait)
+        if not ready:
+            return BatchReply(batch=None)
         batch = self.hub.take(n)
-        self.hub.commit()
+        self._commit()
         if batch is not None:
             self._notify()
         return BatchReply(batch=batch, exhausted=batch is None and self.buffer.exhausted)
@@ -341,7 +359,7 @@ class BufferActor(Actor):
         while True:
             update = await self.weights.receive()
             self._follow_version(update.msg.version)
-            self.hub.commit()
+            self._commit()
 
     def _follow_version(self, version: int) -> None:
         if version > self.buffer.version:
@@ -385,7 +403,7 @@ class BufferActor(Actor):
     def requeue_actor(self, actor: str) -> int:
         """Put the in-flight work of ``actor`` (it died) back to be handed out again."""
         n = self.hub.requeue(actor)
-        self.hub.commit()
+        self._commit()
         self._asleep.pop(actor, None)  # a dead actor's engines hold nothing to wait for
         log.warning("requeued in-flight work", actor=actor, groups=n)
         if n:
@@ -393,14 +411,16 @@ class BufferActor(Actor):
         return n
 
     # -- crash safety --------------------------------------------------------------------
-    def _recover(self, journal: Path | None, new_job: bool) -> None:
+    def _recover(self, hub: Hub, journal: Path | None, new_job: bool) -> None:
         start = time.monotonic()
         path = self.checkpoint_path
         if path is None:
             raise ValueError("buffer recovery needs params.checkpoint")
-        replayed = recover_hub(self.hub, path, journal)
-        requeued = self.hub.requeue_all() if new_job else 0
-        self.hub.commit()
+        job = hub.job
+        replayed = recover_hub(hub, path, journal, job=None if new_job else job)
+        hub.job = job  # a resumed run's checkpoints are this job's from now on
+        requeued = hub.requeue_all() if new_job else 0
+        hub.commit()
         log.info(
             "buffer restored",
             checkpoint=str(path),
@@ -410,11 +430,21 @@ class BufferActor(Actor):
             seconds=round(time.monotonic() - start, 3),
         )
 
+    def _commit(self) -> None:
+        """Journal what changed before anyone hears of it. A failed write leaves memory
+        ahead of the journal, so the buffer stops at once (no reply or ack goes out) and
+        its restart recovers the journal's state, which is what everyone was told."""
+        try:
+            self._commit()
+        except OSError as exc:
+            log.critical("journal write failed: stopping the buffer now", error=str(exc))
+            os._exit(70)
+
     def _checkpoint(self) -> None:
         """Checkpoint, then start a fresh journal after it (see the module docstring)."""
         if self.checkpoint_path is None:
             return
-        self.hub.commit()
+        self._commit()
         write_checkpoint(self.hub.state_dict(), self.checkpoint_path)
         if self.hub.journal is not None:
             self.hub.journal.reset(self.hub.lineage, self.hub.journal_seq + 1)
@@ -471,6 +501,9 @@ class BufferActor(Actor):
                     "actor": self.name,
                     **flatten_stats(full),
                     **self._hub_stats(),
+                    "buffer.unacked_batch_ids": sorted(
+                        i for i in self.hub.outstanding if i not in self.hub.acked
+                    ),
                     "buffer.staleness_samples": full.staleness_samples,
                     "buffer.staleness_tokens": full.staleness_tokens,
                 }

@@ -108,7 +108,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False, chaos: Chaos | None =
             result.error, result.seconds = str(exc), time.monotonic() - start
             return result
         async with ControlHub(endpoints["control"]) as hub:
-            hooks = RestartHooks(hub)
+            engine = cfg.rollout.engine
+            hooks = RestartHooks(hub, engine_wait_s=engine.startup_timeout + 60 if engine else 900)
             sup = Supervisor(
                 runtime,
                 hub,
@@ -118,24 +119,36 @@ async def run_job(cfg: RunConfig, *, resume: bool = False, chaos: Chaos | None =
                 before_restart=hooks.before_restart,
                 after_restart=hooks.after_restart,
             )
-            async with sup, asyncio.TaskGroup() as tg:
-                # Chaos kills until the trainer finishes, and sees its victims back until
-                # the job stops.
-                monkey = tg.create_task(chaos.run(sup), name="controller.chaos") if chaos else None
-                result.error = await _train(sup, specs, cfg)
-                # Producers first, so what they hold lands in the buffer before it checkpoints.
-                rollouts = [s.name for s in specs if s.role == "rollout"]
-                await sup.stop(rollouts, cfg.runtime.stop_timeout)
-                if not result.error and cfg.eval.enabled:
-                    result.error = await _wait_final_eval(sup, cfg, hooks)
-                if monkey is not None:
-                    monkey.cancel()
+            async with sup:
+                async with _chaos_running(chaos, sup):
+                    result.error = await _train(sup, specs, cfg)
+                    # Producers first: what they hold lands in the buffer before it stops.
+                    rollouts = [s.name for s in specs if s.role == "rollout"]
+                    await sup.stop(rollouts, cfg.runtime.stop_timeout)
+                    if not result.error and cfg.eval.enabled:
+                        result.error = await _wait_final_eval(sup, cfg, hooks)
                 result.codes = await sup.stop_all(cfg.runtime.stop_timeout)
             result.restarts = [f"{d.name}: {d.reason}" for d in sup.deaths]
     result.steps = _last_step(run_dir / "metrics.jsonl")
     result.ok = not result.error and all(code == 0 for code in result.codes.values())
     result.seconds = time.monotonic() - start
     return result
+
+
+@contextlib.asynccontextmanager
+async def _chaos_running(chaos: Chaos | None, sup: Supervisor) -> AsyncIterator[None]:
+    """``chaos`` kills actors until the trainer finishes and watches its victims come back
+    until the block ends. A plain task, not a TaskGroup, so that the job's own errors
+    leave the block unwrapped; it is cancelled and awaited on the way out."""
+    if chaos is None:
+        yield
+        return
+    task = asyncio.create_task(chaos.run(sup), name="controller.chaos")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 @contextlib.asynccontextmanager
@@ -172,15 +185,19 @@ async def _wait_final_eval(sup: Supervisor, cfg: RunConfig, hooks: RestartHooks)
     if steps <= 0 or reached < steps:
         return ""  # no known final version (or stopped before it): what it evaluated stands
     final = run_dir / "checkpoints" / "trainer" / f"step_{steps:06d}" / "policy"
+    # A plain task, not a TaskGroup: an ActorDied from the wait must reach the except
+    # below as itself, not wrapped in an ExceptionGroup.
+    feed = asyncio.create_task(hooks.feed_final(sup, steps, final), name="controller.final")
     try:
-        async with asyncio.timeout(cfg.eval.final_timeout), asyncio.TaskGroup() as tg:
-            feed = tg.create_task(hooks.feed_final(sup, steps, final), name="controller.final")
+        async with asyncio.timeout(cfg.eval.final_timeout):
             await sup.wait_until(lambda st: st["eval"].state == "finished")
-            feed.cancel()
     except TimeoutError:
         log.warning("the final evaluation did not finish", timeout=cfg.eval.final_timeout)
     except ActorDied as exc:
         return str(exc)
+    finally:
+        feed.cancel()
+        await asyncio.gather(feed, return_exceptions=True)
     return ""
 
 
@@ -352,6 +369,8 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
     tool_use = cfg.rollout.tool_use
     # Engine actors' HTTP APIs take this job's key (made here, never written to disk).
     engine_key = secrets.token_urlsafe(24) if _engine_actors(cfg) else None
+    # Marks this job's checkpoints: a restarted trainer or buffer loads only its own job's.
+    job = secrets.token_hex(8)
     rollout = {
         "engine": engine if isinstance(engine, dict) else engine.model_dump(mode="json"),
         "sampling": dict(cfg.rollout.sampling),
@@ -376,7 +395,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
         "keep_checkpoints": cfg.train.keep_checkpoints,
         "metrics_path": str(run_dir / "metrics.jsonl"),
         "audit_path": str(run_dir / "trained.jsonl") if cfg.train.audit_log else None,
-        "job": secrets.token_hex(8),  # marks this job's checkpoints (restarts load those)
+        "job": job,
         "resume": resume,
         "save_dump": str(dump) if dump else None,
         "load_dump": cfg.train.load_rollout_data,
@@ -397,6 +416,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
             "journal_fsync": cfg.runtime.journal_fsync,
             "checkpoint_interval": cfg.runtime.buffer_checkpoint_interval,
             "resume": resume,
+            "job": job,
         },
         "rollout": rollout,
         "trainer": trainer,

@@ -161,6 +161,7 @@ class EvalActor(Actor):
         self.version = msg.version
 
     async def on_command(self, cmd: Command) -> dict[str, Scalar]:
+        """``evaluate_final``: evaluate the final version from a checkpoint path."""
         if cmd.kind == "evaluate_final":
             return {"queued": self._queue_final(int(cmd.args["version"]), str(cmd.args["path"]))}
         return await super().on_command(cmd)

@@ -321,6 +321,7 @@ class RolloutActor(Actor):
         return True
 
     async def on_command(self, cmd: Command) -> dict[str, Scalar]:
+        """``engine_restarted``: bring the restarted engine actor back to our weights."""
         if cmd.kind == "engine_restarted":
             return {"reloaded": await self._reload_engine()}
         return await super().on_command(cmd)

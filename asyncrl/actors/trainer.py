@@ -222,8 +222,10 @@ class TrainerActor(Actor):
         return path
 
     async def drain(self) -> None:
-        await self.batches.close(self.trainer.version)
+        # Checkpoint first: the buffer releases the batches kept for us once it hears of
+        # a checkpoint that covers them, and a kill between the two must lose nothing.
         await self._checkpoint()
+        await self.batches.close(self.trainer.version, self.durable)
         await self._linger()
 
     async def _linger(self) -> None:
@@ -261,20 +263,28 @@ _JOB_FILE = "job"
 
 
 def _save_atomically(trainer: Trainer, path: Path, job: str | None = None) -> None:
-    """Save into ``path.tmp`` then rename: a crash mid-save never leaves a partial ``path``.
-    ``job`` marks which job wrote it (a restart loads only its own job's)."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Save into ``path.tmp`` then rename: a crash mid-save never leaves a partial ``path``,
+    and an older ``path`` is moved aside, not deleted, until the new one is in place (a
+    checkpoint reported durable must never be missing). ``job`` marks which job wrote it
+    (a restart loads only its own job's); this job's checkpoint of the same version is
+    already this state and is kept as it is."""
+    if job and path.is_dir() and _written_by(path) == job:
+        return
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     trainer.save_checkpoint(tmp)
     if job:
         (tmp / _JOB_FILE).write_text(job)
-    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
     tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first."""
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and p.suffix != ".tmp")
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and p.suffix not in (".tmp", ".old"))
 
 
 def _newest_checkpoint(root: str | None, *, job: str | None = None) -> Path | None:

@@ -79,7 +79,8 @@ class HubState(Message):
     outstanding: list[TrainBatch]
     acked: list[int]
     durable: int
-    replaying: bool
+    resyncing: bool
+    job: str = ""
 
 
 class Hub:
@@ -89,22 +90,28 @@ class Hub:
         self.buffer = buffer
         self.journal = journal
         self.lineage = lineage_token()
+        self.job = ""  # the job that owns this state (a restart refuses another job's)
         self.journal_seq = 0  # the last record applied (written, or replayed)
         self.holders: dict[str, set[str]] = defaultdict(set)
         self.requests: dict[str, LastRequest] = {}
         self.outstanding: dict[int, TrainBatch] = {}  # batch id -> batch, in id order
         self.acked: set[int] = set()
         self.durable = -1
-        self.replaying = False  # after a resync: unacknowledged batches are served first
+        self.resyncing = False  # after a resync: unacknowledged batches are served first
         self._records: list[Record] = []
-        self._replaying = False
+        self._applying = False
 
     # -- producers -----------------------------------------------------------------------
+    def is_retry(self, actor: str, request: str) -> bool:
+        """``actor`` asks again with the id of its last request that was given work."""
+        last = self.requests.get(actor)
+        return bool(request) and last is not None and last.request == request
+
     def hand_out(self, actor: str, request: str, max_items: int) -> list[WorkItem]:
         """Up to ``max_items`` groups for ``actor``; the same request id again (the reply
         was lost) returns what it got then that is still in flight with it."""
-        last = self.requests.get(actor)
-        if request and last is not None and last.request == request:
+        if self.is_retry(actor, request):
+            last = self.requests[actor]
             held = self.holders.get(actor, set())
             items = [self.buffer.work_item(u) for u in last.uids if u in held]
             return [i for i in items if i is not None]
@@ -160,16 +167,19 @@ class Hub:
         self._release()
         # Replaying ends with the last lost batch acknowledged (decided here, in a
         # journaled call, so that a replay of the journal ends it at the same point).
-        self.replaying = self.replaying and self._first_unacked() is not None
+        self.resyncing = self.resyncing and self._first_unacked() is not None
         self._log(Settled(version=version, acks=acks, durable=durable, resync=resync))
 
     def _resync(self, version: int) -> None:
         """Serve again every outstanding batch from ``version`` on; if they do not reach
-        back to it, the steps between are lost: rebase. An unknown version (< 0): serve
-        again what was never acknowledged."""
-        self.replaying = True
+        back to it, the steps between are lost: rebase. Batches before ``version`` are in
+        the trainer's weights (trained, then the trainer died before acknowledging them):
+        acknowledged now, never served again. An unknown version (< 0): serve again what
+        was never acknowledged."""
+        self.resyncing = True
         if version < 0:
             return
+        self.acked.update(i for i, b in self.outstanding.items() if b.step < version)
         again = [b for b in self.outstanding.values() if b.step >= version]
         if version < self.buffer.version and not any(b.step == version for b in again):
             lost = self.buffer.version - version
@@ -185,7 +195,7 @@ class Hub:
             self.buffer.rebase(version)
             return
         self.acked.difference_update(b.batch_id for b in again)
-        if again and not self._replaying:
+        if again and not self._applying:
             log.warning("serving batches again", version=version, batches=len(again))
 
     def _release(self) -> None:
@@ -198,7 +208,7 @@ class Hub:
     def lost_batch(self) -> TrainBatch | None:
         """After a resync: the lowest outstanding batch not acknowledged, which the
         trainer lost and gets before any new one. None otherwise."""
-        return self._first_unacked() if self.replaying else None
+        return self._first_unacked() if self.resyncing else None
 
     def _first_unacked(self) -> TrainBatch | None:
         for batch_id, batch in self.outstanding.items():
@@ -220,7 +230,7 @@ class Hub:
 
     # -- journal -------------------------------------------------------------------------
     def _log(self, record: Record) -> None:
-        if not self._replaying:
+        if not self._applying:
             self._records.append(record)
 
     def commit(self) -> None:
@@ -235,7 +245,7 @@ class Hub:
 
     def replay(self, records: Iterable[tuple[int, Record]]) -> int:
         """Re-apply journal records after ``journal_seq``; returns how many applied."""
-        self._replaying, applied = True, 0
+        self._applying, applied = True, 0
         try:
             for seq, record in records:
                 if seq <= self.journal_seq:
@@ -245,7 +255,7 @@ class Hub:
                 self._apply(record)
                 self.journal_seq, applied = seq, applied + 1
         finally:
-            self._replaying = False
+            self._applying = False
         return applied
 
     def _apply(self, r: Record) -> None:
@@ -280,7 +290,8 @@ class Hub:
             outstanding=list(self.outstanding.values()),
             acked=sorted(self.acked),
             durable=self.durable,
-            replaying=self.replaying,
+            resyncing=self.resyncing,
+            job=self.job,
         )
 
     def load_state_dict(self, state: HubState) -> None:
@@ -291,7 +302,8 @@ class Hub:
         self.requests = dict(state.requests)
         self.outstanding = {b.batch_id: b for b in state.outstanding}
         self.acked, self.durable = set(state.acked), state.durable
-        self.replaying = state.replaying
+        self.resyncing = state.resyncing
+        self.job = state.job
 
 
 def _snapshot(group: Group) -> Group:

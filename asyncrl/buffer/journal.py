@@ -102,6 +102,7 @@ class Journal:
     """An append-only file of ``Record``s; see the module docstring."""
 
     def __init__(self, path: Path, *, fsync: bool = False) -> None:
+        """A journal at ``path`` (opened by ``reset``); ``fsync`` each append."""
         self.path, self.fsync = Path(path), fsync
         self.codec: Codec[Record] = Codec(Record, inline_bytes=_INLINE_ALL)
         self.next_seq = 1
@@ -119,6 +120,7 @@ class Journal:
             out.flush()
             os.fsync(out.fileno())  # the rename below must not expose an empty file
         os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
         self._file = io.FileIO(self.path, "ab")
         self.next_seq, self.bytes_written = first_seq, 0
 
@@ -129,11 +131,18 @@ class Journal:
         data = b"".join(_frame(self.codec.encode_parts(r)[0]) for r in records)
         out = self._file
         assert out is not None, "reset() the journal before appending"
-        view = memoryview(data)
-        while view:  # one write() may take less than all of it
-            view = view[out.write(view) or 0 :]
-        if self.fsync:
-            os.fsync(out.fileno())
+        end = os.lseek(out.fileno(), 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:  # one write() may take less than all of it
+                view = view[out.write(view) or 0 :]
+            if self.fsync:
+                os.fsync(out.fileno())
+        except OSError:
+            # No half record may stay in the middle of the file (later records would
+            # follow a damaged one): cut back to where this append started.
+            os.ftruncate(out.fileno(), end)
+            raise
         self.next_seq += len(records)
         self.bytes_written += len(data)
         return self.next_seq - 1
@@ -191,7 +200,7 @@ def _read_frame(path: Path, data: bytes, offset: int) -> tuple[bytes | None, int
     if end > len(data):
         return None, len(data)
     length, crc = _PREFIX.unpack_from(data, offset)
-    if end + length > len(data):
+    if end + length > len(data) or length == 0:  # no record is empty: zeros past the end
         return None, len(data)
     body = data[end : end + length]
     if zlib.crc32(body) != crc:
@@ -199,6 +208,15 @@ def _read_frame(path: Path, data: bytes, offset: int) -> tuple[bytes | None, int
             return None, len(data)  # the last record, torn inside its body
         raise ValueError(f"{path}: record at byte {offset} fails its checksum (damaged file)")
     return body, end + length
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (the directory entry, not only the file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def lineage_token() -> str:

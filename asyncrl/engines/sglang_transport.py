@@ -302,9 +302,30 @@ class SGLangTransport:
         return reply
 
     async def _each(self, url: str | None, fn: Callable[[str], Awaitable[Any]]) -> dict[str, Any]:
-        """Run ``fn`` on one engine or on all control targets at once."""
+        """Run ``fn`` on one engine or on all control targets at once.
+
+        With a rotation to keep (``on_return`` set), an engine that cannot be reached
+        leaves the rotation instead of failing the call, as long as another engine
+        answered: ``on_return`` brings it up to date before it serves again.
+        """
         targets = await self._targets(url)
-        return await gather_replies({target: fn(target) for target in targets})
+        if url is not None or self.router or self.on_return is None or len(targets) < 2:
+            return await gather_replies({target: fn(target) for target in targets})
+        results = await asyncio.gather(*(fn(t) for t in targets), return_exceptions=True)
+        replies = dict(zip(targets, results, strict=True))
+        gone = {t: r for t, r in replies.items() if isinstance(r, EngineUnavailable)}
+        if len(gone) == len(targets):
+            raise next(iter(gone.values()))
+        for target, error in gone.items():
+            self._mark_down(self._engine(target), error)
+            del replies[target]
+        for reply in replies.values():
+            if isinstance(reply, BaseException):
+                raise reply
+        return replies
+
+    def _engine(self, url: str) -> _Engine:
+        return next(e for e in self._engines if e.url == url)
 
     async def _post_each(
         self,
@@ -401,8 +422,9 @@ class SGLangTransport:
             healthy, reason = await self._check(engine)
             if healthy and self.expected_version is not None:
                 served = await self._engine_weight_version(engine.url)
-                healthy = served >= self.expected_version
-                reason = f"serves version {served}, not {self.expected_version} (restarted?)"
+                if served < self.expected_version:
+                    healthy = False
+                    reason = f"serves version {served}, not {self.expected_version} (restarted?)"
             if not healthy and engine.down_until is None:
                 self._mark_down(engine, reason)
         except Exception:  # a check must not end the loop, whatever went wrong

@@ -71,6 +71,23 @@ class KillAt:
         return cls(target, step=int(match.group(2)))
 
 
+def check_targets(kills: list[KillAt], roles: dict[str, str], budgets: dict[str, int]) -> None:
+    """Refuse a kill whose target is not in the job (``roles``: actor -> role), or whose
+    role is never restarted (``budgets``): the kill would end the job, not test it."""
+    for kill in kills:
+        if kill.target == "random":
+            continue
+        role = roles.get(kill.target) or (kill.target if kill.target in roles.values() else None)
+        if role is None:
+            known = ", ".join(sorted({*roles, *roles.values()}))
+            raise ValueError(f"chaos kill {kill.target!r}: not an actor or role of this job "
+                             f"({known}, random)")  # fmt: skip
+        if budgets.get(role, 0) < 1:
+            why = " (the trainer needs --save-interval N)" if role == "trainer" else ""
+            raise ValueError(f"chaos kill {kill.target!r}: {role} actors are not restarted "
+                             f"in this job{why}; set --runtime-max-restarts N")  # fmt: skip
+
+
 @dataclasses.dataclass
 class Kill:
     """A kill that happened: victim, pid, when (seconds since start), the trainer's
@@ -95,7 +112,8 @@ class Chaos:
         seed: int = 0,
         roles: tuple[str, ...] = ("buffer", "trainer", "rollout", "engine", "eval"),
     ) -> None:
-        self.schedule = sorted(schedule, key=lambda k: (k.step is not None, k.seconds or 0))
+        # Due order can mix a time and a step; within each kind, earliest first.
+        self.schedule = sorted(schedule, key=_due_order)
         self.every = every
         self.duration = duration
         self.rng = random.Random(seed)
@@ -112,18 +130,19 @@ class Chaos:
             return  # the job failed before it was up: nothing to kill
         self._start = time.monotonic()
         async with asyncio.TaskGroup() as tg:
-            helpers = [tg.create_task(self._watch_back(sup), name="chaos.back")]
+            # The watcher runs until the job cancels us: the block waits for it.
+            tg.create_task(self._watch_back(sup), name="chaos.back")
             if self.duration is not None:
-                helpers.append(tg.create_task(self._end_after(sup), name="chaos.end"))
-            for kill in self.schedule:
-                await self._until_due(sup, kill)
-                await self._kill(sup, kill.target)
-            while self.every is not None and not self._ending(sup):
-                await asyncio.sleep(self.every)
-                await self._kill(sup, "random")
-            await asyncio.Event().wait()  # keep watching restarts until the job ends
-            for task in helpers:
-                task.cancel()
+                tg.create_task(self._end_after(sup), name="chaos.end")
+            await self._kill_on_schedule(sup)
+
+    async def _kill_on_schedule(self, sup: Supervisor) -> None:
+        for kill in self.schedule:
+            await self._until_due(sup, kill)
+            await self._kill(sup, kill.target)
+        while self.every is not None and not self._ending(sup):
+            await asyncio.sleep(self.every)
+            await self._kill(sup, "random")
 
     def _ending(self, sup: Supervisor) -> bool:
         over = self.duration is not None and self._elapsed() >= self.duration
@@ -191,6 +210,10 @@ class Chaos:
             await asyncio.sleep(_POLL_S)
 
 
+def _due_order(kill: KillAt) -> tuple[bool, float]:
+    return (kill.step is not None, kill.seconds if kill.seconds is not None else kill.step or 0)
+
+
 def _trainer_finished(sup: Supervisor) -> bool:
     st = sup.status.get("trainer")
     return st is not None and st.state == "finished"
@@ -243,9 +266,12 @@ def audit_run(run_dir: Path, expected_version: int) -> Audit:
             owners[uid].add(batch_id)
     duplicated = sum(1 for ids in owners.values() if len(ids) > 1)
     # Taken by the trainer and not acknowledged at the end (a stop mid-step): the buffer
-    # keeps them and serves them again when the run resumes.
+    # keeps them and serves them again when the run resumes; some may be trained already.
     held = int(row.get("buffer.unacked_groups", 0))
-    untrained = counts["consumed"] - len(owners) - held
+    held_trained = sum(
+        len(batches[i]) for i in row.get("buffer.unacked_batch_ids", ()) if i in batches
+    )
+    untrained = counts["consumed"] - (len(owners) + held - held_trained)
     final = _last_step(run_dir / "metrics.jsonl")
     problems = _problems(lost, duplicated, untrained, final, expected_version, batches)
     if batches and len(trained_versions) != final:

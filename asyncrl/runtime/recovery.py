@@ -64,9 +64,12 @@ def restart_budgets(cfg: RunConfig) -> dict[str, int]:
 class RestartHooks:
     """``before_restart`` / ``after_restart`` for the supervisor (module docstring)."""
 
-    def __init__(self, hub: ControlHub, *, wait_s: float = 300.0) -> None:
+    def __init__(
+        self, hub: ControlHub, *, wait_s: float = 300.0, engine_wait_s: float = 900.0
+    ) -> None:
         self.hub = hub
         self.wait_s = wait_s
+        self.engine_wait_s = engine_wait_s  # an engine's start-up (its model load) and more
 
     async def before_restart(self, spec: ActorSpec) -> ActorSpec | None:
         """Prepare the restart of ``spec``; returns the spec to start, if changed."""
@@ -83,7 +86,10 @@ class RestartHooks:
         if spec.role != "engine":
             return
         rollout = spec.name.replace("engine-", "rollout-", 1)
-        reply = await self._command(rollout, Command(kind="engine_restarted"))
+        # One long call: the rollout actor waits for the engine's health, which may take
+        # the engine's whole start-up; a second copy of the command would queue behind it.
+        cmd = Command(kind="engine_restarted")
+        reply = await self._command(rollout, cmd, wait_s=self.engine_wait_s, per_call_s=None)
         log.warning("restarted engine reloaded", engine=spec.name, **reply)
 
     async def feed_final(self, sup: Supervisor, version: int, path: Path) -> None:
@@ -109,18 +115,28 @@ class RestartHooks:
         reply = await self._command("buffer", Command(kind="requeue", args={"actor": actor}))
         log.warning("requeued a dead producer's work", actor=actor, **reply)
 
-    async def _command(self, actor: str, cmd: Command) -> dict[str, object]:
-        """``cmd`` to ``actor``, asked again while it is away (restarting) for up to
-        ``wait_s`` seconds; a peer that answers with an error fails at once."""
-        deadline = time.monotonic() + self.wait_s
+    async def _command(
+        self,
+        actor: str,
+        cmd: Command,
+        *,
+        wait_s: float | None = None,
+        per_call_s: float | None = 30.0,
+    ) -> dict[str, object]:
+        """``cmd`` to ``actor``, sent again while it is away (restarting) for up to
+        ``wait_s`` seconds (default ``self.wait_s``), each try bounded by ``per_call_s``
+        (None: the whole wait); a peer that answers with an error fails at once."""
+        wait_s = self.wait_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
         while True:
+            left = deadline - time.monotonic()
             try:
-                async with asyncio.timeout(max(1.0, min(30.0, deadline - time.monotonic()))):
+                async with asyncio.timeout(max(1.0, min(per_call_s or left, left))):
                     return dict((await self.hub.command(actor, cmd)).data)
             except (PeerLost, TimeoutError) as exc:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
-                        f"{actor} did not answer {cmd.kind!r} within {self.wait_s:.0f}s: {exc}"
+                        f"{actor} did not answer {cmd.kind!r} within {wait_s:.0f}s: {exc}"
                     ) from None
             except RemoteError:
                 raise

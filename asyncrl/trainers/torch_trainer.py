@@ -39,6 +39,7 @@ over loss tokens), ``reward/mean``, ``batch/dropped_groups``, ``time/step``.
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -421,7 +422,7 @@ class TorchTrainer:
             self.critic.load(path / "critic")
         rng = path / "rng" / f"rank{self.dp.rank}.pt"
         if rng.is_file():
-            _set_rng_state(torch.load(rng, weights_only=True))
+            _set_rng_state(_load_rng(rng))
         self.version = version
 
 
@@ -489,10 +490,25 @@ def _rng_state() -> dict[str, Any]:
     }
 
 
+def _load_rng(path: Path) -> dict[str, Any]:
+    """``_rng_state`` from ``path``; files written before it held a numpy array are read
+    with just the numpy types an array needs allowed, still never arbitrary objects."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        import numpy.dtypes
+        from numpy._core.multiarray import _reconstruct
+
+        allowed = [_reconstruct, np.ndarray, np.dtype, numpy.dtypes.UInt32DType]
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, weights_only=True)
+
+
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((kind, keys.astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

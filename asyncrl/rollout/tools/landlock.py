@@ -1,23 +1,25 @@
-"""Landlock for the Python sandbox: no access to the job's files, sockets or processes.
+"""Isolation for the Python sandbox: no access to the job's files, sockets or processes.
 
-Landlock (Linux 5.13+, unprivileged) lets a process give up rights for itself and every
-process it starts. The sandbox's child applies it in its preamble, after its rlimits and
-before it reads the snippet (``sandbox.py``):
+Two kernel mechanisms, both unprivileged and inherited by every process the snippet
+starts, applied by the sandbox's child in its preamble, after its rlimits and before it
+reads the snippet (``sandbox.py``):
 
-- file system: read and execute beneath the Python standard library and the system
-  library folders (``readable_roots``), full access beneath the call's own temporary
-  folder; nothing else, so the run directory, checkpoints, keys, the job's virtual
-  environment and ``/proc`` are out of reach;
-- network (ABI 4, Linux 6.7+): no TCP ``bind`` or ``connect`` at all, so no channel,
-  engine or proxy of the job can be reached;
-- scope (ABI 6, Linux 6.12+): no signals to processes outside the sandbox and no
-  abstract UNIX sockets.
+- Landlock (ABI 6, Linux 6.12+). File system: read and execute beneath the Python
+  standard library and the system library folders (``readable_roots``), full access
+  beneath the call's own temporary folder, write to ``/dev/null``; nothing else, so the
+  run directory, checkpoints, keys and ``/proc`` are out of reach. Network: no TCP
+  ``bind`` or ``connect``. Scope: no signals to processes outside the sandbox (so no
+  ``kill(-1, ...)`` of the job) and no abstract UNIX sockets.
+- seccomp: ``socket()`` and ``io_uring_setup()`` fail with EPERM, which closes what
+  Landlock leaves open (UDP, raw sockets, connecting to a UNIX socket file such as an
+  ``ipc://`` endpoint, a container runtime's or D-Bus's). ``socketpair()`` still works.
 
-``abi()`` probes the kernel from the parent; a sandbox that asks for isolation on a
-kernel below ``MIN_ABI`` is refused when the tool is built (before any process starts).
+``problem()`` says, from the parent, why this machine cannot isolate (None: it can); an
+isolated sandbox is then refused when the tool is built, before any process starts.
 ``PREAMBLE`` is the child's code: it runs under ``python -I -S``, so it uses ``ctypes``
-and nothing of asyncrl. Syscall numbers 444-446 are the same on every architecture that
-has Landlock (it came after the syscall tables were unified).
+and nothing of asyncrl. Syscall numbers 444-446 (Landlock) and 425 (io_uring_setup) are
+the same on every architecture (they came after the tables were unified); ``socket`` is
+41 on x86_64 and 198 on aarch64, the two architectures the filter knows.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import ctypes
 import os
 import sysconfig
 
-#: Network rules (no TCP) need ABI 4; signal and abstract-socket scoping need ABI 6.
-MIN_ABI = 4
+#: Network rules (no TCP) came with ABI 4, signal and abstract-socket scoping with ABI 6.
+MIN_ABI = 6
 _SYS_CREATE_RULESET = 444
 _CREATE_RULESET_VERSION = 1
+#: seccomp's audit arch and ``socket`` syscall number per machine.
+SECCOMP_ARCH = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
 
 
 def abi() -> int:
@@ -41,18 +45,32 @@ def abi() -> int:
     return max(int(version), 0)
 
 
+def problem() -> str | None:
+    """Why this machine cannot isolate a snippet; None when it can."""
+    machine = os.uname().machine
+    if machine not in SECCOMP_ARCH:
+        return f"the socket filter knows x86_64 and aarch64, not {machine}"
+    found = abi()
+    if found < MIN_ABI:
+        return (
+            f"it needs Landlock ABI >= {MIN_ABI} (Linux 6.12+), this kernel has {found or 'none'}"
+        )
+    return None
+
+
 def readable_roots() -> list[str]:
     """Folders (and files) a snippet may read and execute: the standard library and the
     system's shared libraries (extension modules load them lazily), those that exist."""
     # The base interpreter's standard library, not a virtual environment's site-packages.
     paths = {sysconfig.get_path("stdlib"), os.path.dirname(os.__file__)}
     paths |= {"/usr/lib", "/usr/lib64", "/lib", "/lib64", "/etc/ld.so.cache",
-              "/usr/share/zoneinfo", "/dev/null", "/dev/urandom"}  # fmt: skip
+              "/usr/share/zoneinfo", "/dev/urandom"}  # fmt: skip
     return sorted(p for p in paths if os.path.exists(p))
 
 
-#: Applied in the sandbox child: ``_landlock(work_dir, readable_roots)``. Raises OSError
-#: when the kernel refuses (the child then exits before running anything).
+#: Applied in the sandbox child: ``_landlock(work_dir, readable_roots)``, then
+#: ``_no_sockets()``. Each raises OSError when the kernel refuses (the child then exits
+#: before running anything).
 PREAMBLE = r"""
 def _landlock(_work, _roots):
     import ctypes as _c, os as _o
@@ -79,7 +97,8 @@ def _landlock(_work, _roots):
     _rs = _call(444, _c.byref(_attr), _c.c_size_t(_size), _c.c_uint32(0))
     _read = 1 | 4 | 8  # execute, read_file, read_dir
     _file = 1 | 2 | 4 | ((1 << 14) if _abi >= 3 else 0)  # rights that apply to a file
-    for _p, _rights in [(_work, _fs)] + [(p, _read) for p in _roots]:
+    _rules = [(_work, _fs), ("/dev/null", 2 | 4)] + [(p, _read) for p in _roots]
+    for _p, _rights in _rules:
         _fd = _o.open(_p, _o.O_PATH | _o.O_CLOEXEC)
         try:
             if not _o.path.isdir(_p):
@@ -91,4 +110,29 @@ def _landlock(_work, _roots):
     _libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: required to restrict oneself
     _call(446, _rs, _c.c_uint32(0))
     _o.close(_rs)
+
+def _no_sockets(_arch, _socket_nr):
+    import ctypes as _c
+    class _Insn(_c.Structure):
+        _fields_ = [("code", _c.c_uint16), ("jt", _c.c_uint8), ("jf", _c.c_uint8),
+                    ("k", _c.c_uint32)]
+    class _Prog(_c.Structure):
+        _fields_ = [("len", _c.c_uint16), ("filter", _c.POINTER(_Insn))]
+    _deny = 0x00050000 | 1  # SECCOMP_RET_ERRNO | EPERM
+    _code = [
+        (0x20, 0, 0, 4),            # A = seccomp_data.arch
+        (0x15, 0, 5, _arch),        # another arch: deny
+        (0x20, 0, 0, 0),            # A = seccomp_data.nr
+        (0x54, 0, 0, 0xBFFFFFFF),   # drop x86's x32 bit
+        (0x15, 2, 0, _socket_nr),   # socket(): deny
+        (0x15, 1, 0, 425),          # io_uring_setup(): deny (it can make sockets)
+        (0x06, 0, 0, 0x7FFF0000),   # allow
+        (0x06, 0, 0, _deny),
+    ]
+    _insns = (_Insn * len(_code))(*[_Insn(*i) for i in _code])
+    _prog = _Prog(len(_code), _insns)
+    _libc = _c.CDLL(None, use_errno=True)
+    if _libc.prctl(22, 2, _c.byref(_prog), 0, 0) != 0:  # PR_SET_SECCOMP, FILTER
+        _e = _c.get_errno()
+        raise OSError(_e, "seccomp: could not install the socket filter")
 """

@@ -11,11 +11,11 @@ temporary working directory with a minimal environment. A fixed preamble sets th
 - wall clock ``wall_s`` and captured output ``output_bytes`` per stream: the parent kills
   the whole process group when either is passed.
 
-- isolation (``isolate``, the default): Landlock (``landlock.py``) takes away every file
-  outside the standard library, the system libraries and the call's own folder, every
-  TCP connect and bind, and signals to processes outside the sandbox: a snippet cannot
-  read the job's files, reach its channels, engines or proxy, or stop its actors. A
-  kernel without Landlock ABI 4 (Linux 6.7+) refuses to build an isolated sandbox.
+- isolation (``isolate``, the default; ``landlock.py``): Landlock takes away every file
+  outside the standard library, the system libraries and the call's own folder, TCP,
+  and signals to processes outside the sandbox; a seccomp filter refuses ``socket()``.
+  A snippet cannot read the job's files, reach its channels, engines or proxy, or stop
+  its actors. A machine that cannot (Linux before 6.12) refuses an isolated sandbox.
 
 The observation is what a person at a terminal would see: stdout, then stderr, then a
 line naming the exit status or the limit that stopped it. A program that fails is a
@@ -23,8 +23,8 @@ normal observation; only a sandbox that cannot start raises. ``-I`` ignores ``PY
 variables and the user's site directory and ``-S`` skips ``site``, so the job's virtual
 environment is not importable. Every process left in the call's process group is killed
 when the call ends. Not provided (they need cgroups or privileges): a limit on process
-count (``RLIMIT_NPROC`` is per user and not enforced for root), UDP, and catching a child
-that leaves the group with ``setsid`` (it stays under the same Landlock rules).
+count (``RLIMIT_NPROC`` is per user and not enforced for root), and catching a child that
+leaves the group with ``setsid`` (it stays under the same rules).
 """
 
 from __future__ import annotations
@@ -107,13 +107,13 @@ class PythonSandbox:
         self.limits = limits or SandboxLimits()
         self.python = python
         self.isolate = isolate
-        if isolate and (found := landlock.abi()) < landlock.MIN_ABI:
+        if isolate and (why := landlock.problem()) is not None:
             raise ValueError(
-                f"the python tool's isolation needs Landlock ABI >= {landlock.MIN_ABI} "
-                f"(Linux 6.7+), this kernel has {found or 'none'}: run on such a kernel, or "
-                "set isolate: false to run snippets with limits but without isolation"
+                f"the python tool cannot isolate its snippets here: {why}; run on such a "
+                "machine, or set isolate: false to run them with limits but no isolation"
             )
-        self._roots = json.dumps(landlock.readable_roots() if isolate else None)
+        arch = landlock.SECCOMP_ARCH.get(os.uname().machine) if isolate else None
+        self._isolation = json.dumps([landlock.readable_roots(), *arch] if arch else None)
 
     async def run(self, code: str) -> SandboxResult:
         """Run ``code`` to its end or to a limit; the process group never outlives the call."""
@@ -166,7 +166,7 @@ class PythonSandbox:
     def _limit_args(self) -> list[str]:
         lim = self.limits
         limits = (lim.cpu_s, lim.memory_mb << 20, lim.file_bytes, lim.open_files)
-        return [*(str(v) for v in limits), self._roots]
+        return [*(str(v) for v in limits), self._isolation]
 
     async def __call__(self, code: str) -> str:
         return (await self.run(code)).observation()
@@ -193,8 +193,8 @@ class _Capture:
 
 
 #: Runs in the child before the snippet: argv = [cpu_s, address-space bytes, file bytes,
-#: open files, JSON list of readable roots or null (no isolation)]; the snippet comes on
-#: stdin and runs as ``__main__``.
+#: open files, JSON [readable roots, seccomp arch, socket syscall] or null (no
+#: isolation)]; the snippet comes on stdin and runs as ``__main__``.
 _PREAMBLE = (
     landlock.PREAMBLE
     + """
@@ -205,13 +205,14 @@ _r.setrlimit(_r.RLIMIT_AS, (_m, _m))
 _r.setrlimit(_r.RLIMIT_FSIZE, (_f, _f))
 _r.setrlimit(_r.RLIMIT_NOFILE, (_n, _n))
 _r.setrlimit(_r.RLIMIT_CORE, (0, 0))
-_roots = _j.loads(_s.argv[5])
-if _roots is not None:
-    _landlock(_os.getcwd(), _roots)
+_iso = _j.loads(_s.argv[5])
+if _iso is not None:
+    _landlock(_os.getcwd(), _iso[0])
+    _no_sockets(_iso[1], _iso[2])
 _src = _s.stdin.read()
 _s.argv = ["<sandbox>"]
 _g = {"__name__": "__main__", "__builtins__": __builtins__}
-del _r, _s, _c, _m, _f, _n, _j, _os, _roots, _landlock
+del _r, _s, _c, _m, _f, _n, _j, _os, _iso, _landlock, _no_sockets
 exec(compile(_src, "<sandbox>", "exec"), _g)
 """
 )
