@@ -242,14 +242,14 @@ async def test_asking_again_after_a_lost_reply_gets_the_same_work_even_behind_a_
     ep = allocate_endpoints()
     await supervisor.launch([buffer_spec(tmp_path, ep)])
     async with asyncio.timeout(60), Peers(ep) as peers:
-        first = await peers.ask(3, request="inc-1", version=0)
-        assert len(first.items) == 3
+        first = await peers.ask(1, request="inc-1", version=0)
+        assert len(first.items) == 1
         for item in (await peers.ask(100, actor="rollout-1")).items:
             await peers.results.send(finish(item, version=0))
         await peers.results.join()
         await train_step(peers, supervisor, 0)  # the buffer is at version 1 now
         # rollout-0's reply was lost; it asks again with the same id and its old version.
-        again = await peers.ask(3, request="inc-1", version=0)
+        again = await peers.ask(1, request="inc-1", version=0)
         assert [i.group_uid for i in again.items] == [i.group_uid for i in first.items]
         fresh = await peers.ask(3, request="inc-2", version=0)
         assert fresh.items == []  # a new request from engines behind the version: none

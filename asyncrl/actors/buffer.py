@@ -435,7 +435,7 @@ class BufferActor(Actor):
         ahead of the journal, so the buffer stops at once (no reply or ack goes out) and
         its restart recovers the journal's state, which is what everyone was told."""
         try:
-            self._commit()
+            self.hub.commit()
         except OSError as exc:
             log.critical("journal write failed: stopping the buffer now", error=str(exc))
             os._exit(70)
