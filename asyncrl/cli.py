@@ -41,8 +41,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         description="Run a training job. Every config key is also a flag; flags win over "
         "the YAML file, which wins over the preset.",
     )
-    train.add_argument("config", nargs="?", help="YAML config file")
-    train.add_argument("--preset", help="start from a named preset (e.g. debug_cpu)")
+    _add_job_source(train)
     train.add_argument(
         "--dry-run",
         action="store_true",
@@ -70,6 +69,12 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+def _add_job_source(parser: argparse.ArgumentParser) -> None:
+    """Where a job's config comes from: a YAML file and a preset (flags come on top)."""
+    parser.add_argument("config", nargs="?", help="YAML config file")
+    parser.add_argument("--preset", help="start from a named preset (e.g. debug_cpu)")
+
+
 def _add_chaos(sub: argparse._SubParsersAction) -> None:
     from asyncrl.config import add_arguments
 
@@ -82,8 +87,7 @@ def _add_chaos(sub: argparse._SubParsersAction) -> None:
         "run is audited: no prompt lost, no group trained twice, the step count right. "
         "Exit code 0 only when the job and the audit pass.",
     )
-    chaos.add_argument("config", nargs="?", help="YAML config file")
-    chaos.add_argument("--preset", help="start from a named preset (e.g. debug_cpu)")
+    _add_job_source(chaos)
     chaos.add_argument(
         "--kill",
         action="append",

@@ -78,6 +78,10 @@ async def test_malformed_requests_are_answered_with_an_error_and_counted(endpoin
         async with asyncio.timeout(5):
             reply = framing.unpack((await sock.recv_multipart())[0], framing.Reply)
         assert reply.id == 5 and reply.error.startswith("bad request:")
+        # The second message gets no reply: wait until the server has read it too.
+        async with asyncio.timeout(5):
+            while server.stats.dropped.get("malformed", 0) < 2:  # noqa: ASYNC110 - a counter
+                await asyncio.sleep(0.01)
         assert server.stats.dropped["malformed"] == 2
         sock.close()
 
