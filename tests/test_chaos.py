@@ -12,7 +12,8 @@ import pytest
 from asyncrl.actors.controller import run_job
 from asyncrl.cli import main
 from asyncrl.config import load_config
-from asyncrl.runtime.chaos import Chaos, KillAt, audit_run, check_targets
+from asyncrl.runtime.chaos import Chaos, Kill, KillAt, audit_run, check_targets
+from asyncrl.runtime.supervisor import Supervisor
 from tests.test_train import LONG_RUN, eval_flags, job_flags, lines, write_prompts
 from tests.tiny_model import build_tiny_model
 
@@ -107,3 +108,43 @@ def test_chaos_kills_name_an_actor_or_role_that_is_restarted():
         KillAt("c", step=2),
         KillAt("a", step=9),
     ]
+
+
+class KillEvalAfterTheTrainer(Chaos):
+    """SIGKILLs the eval actor in its final evaluation, after the trainer has exited: the
+    restarted eval actor can hear no announcement and must be pointed at the checkpoint."""
+
+    async def run(self, sup: Supervisor) -> None:
+        await sup.wait_until(lambda _: sup.up)
+        await sup.wait_until(lambda st: st["trainer"].state == "finished")
+        handle, st = sup.handles["eval"], sup.status["eval"]
+        self.killed_while = st.state
+        self.kills.append(Kill("eval", handle.pid, 0.0, st.version))
+        sup.runtime.kill(handle)
+        await self._watch_back(sup)
+
+
+async def test_an_eval_actor_killed_after_the_trainer_exited_evaluates_the_final_checkpoint(
+    tmp_path,
+):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=64)
+    # One long final evaluation (64 prompts x 16 samples, about 8 s here), so the kill
+    # lands inside it (the trainer takes 1-2 s from its last step to its exit).
+    sets = [{"name": "held", "path": str(tmp_path / "prompts.jsonl@[0:64]"), "n_samples": 16,
+             "pass_k": [1], "sampling": {"temperature": 1.0, "max_new_tokens": 32}}]  # fmt: skip
+    flags = [*job_flags(tmp_path, steps=4), "--eval-interval", "1000", "--eval-at-start", "false",
+             "--eval-sets", json.dumps(sets)]  # fmt: skip
+    chaos = KillEvalAfterTheTrainer([])
+    result = await run_job(load_config(overrides=flags), chaos=chaos)
+    assert result.ok, result.error
+    # Killed before it evaluated the final version (starting, or in the evaluation).
+    assert chaos.killed_while in ("starting", "running"), chaos.killed_while
+    assert chaos.kills[0].back_s is not None, chaos.kills
+    assert any(r.startswith("eval") for r in result.restarts), result.restarts
+    run_dir = tmp_path / "run"
+    evals = [json.loads(x) for x in lines(run_dir / "metrics" / "eval.jsonl")]
+    assert [r["version"] for r in evals] == [4], evals
+    eval_log = [json.loads(x) for x in lines(run_dir / "logs" / "eval.jsonl")]
+    final = [r for r in eval_log if r["event"] == "evaluated the final version"]
+    assert [r["pid"] for r in final] != [chaos.kills[0].pid] and len(final) == 1, final

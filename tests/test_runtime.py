@@ -215,3 +215,20 @@ async def test_a_restart_under_way_when_the_job_stops_is_given_up(
     assert codes == {"x": 3}
     assert sup.failure is None and sup.status["x"].restarts == 1
     assert (tmp_path / "x.journal").read_text().split().count("setup") == 1
+
+
+async def test_stopping_some_actors_leaves_the_others_restartable(
+    restarting: tuple[Supervisor, list[str]], tmp_path: Path
+):
+    sup, prepared = restarting
+    # The controller stops the producers before the final evaluation; an eval actor that
+    # dies after that must still be restarted (it once waited out eval.final_timeout).
+    await sup.launch([spec("producer", "Recorder", tmp_path), spec("eval", "Recorder", tmp_path)])
+    await sup.stop(["producer"], grace=5)
+    assert sup.handles["producer"].exit_code == 0
+    killed = sup.handles["eval"].pid
+    sup.runtime.kill(sup.handles["eval"])
+    async with asyncio.timeout(30):
+        await sup.wait_until(lambda st: st["eval"].pid != killed and st["eval"].hello)
+    assert prepared == ["eval"] and sup.status["eval"].restarts == 1
+    assert sup.failure is None and sup.status["producer"].restarts == 0

@@ -18,8 +18,10 @@ actor of such a role is logged with its evidence and kept in ``deaths``;
 requeues a dead producer's in-flight work at the buffer, and starts a buffer or trainer
 in recovery mode), then the actor starts again, on the same endpoints, and must say
 Hello within ``startup_timeout``; then ``after_restart(spec)`` runs (the controller has
-a restarted engine's rollout actor reload its weights). Past its budget, or while
-stopping, a death fails the job as above.
+a restarted engine's rollout actor reload its weights). Past its budget a death fails
+the job as above. An actor being stopped (``stop(names)``, or all by ``stop_all()``) is
+neither restarted nor a failure when it dies; the others keep their policy (an eval actor
+killed in the final evaluation, after the producers were stopped, is still restarted).
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class Supervisor:
         self.failure: ActorDied | None = None
         self.up = False  # every launched actor said Hello
         self._changed = asyncio.Event()
-        self._stopping = False
+        self._stopping = False  # stop_all(): every actor is being stopped
+        self._stopped: set[str] = set()  # stop(names): these actors are being stopped
         self._tg = asyncio.TaskGroup()
 
     async def __aenter__(self) -> Supervisor:
@@ -172,7 +175,7 @@ class Supervisor:
             await self._changed.wait()
 
     def _fail(self, failure: ActorDied) -> None:
-        if self.failure is None and not self._stopping:
+        if self.failure is None and not self._winding_down(failure.name):
             log.error(
                 "actor lost", actor=failure.name, exit_code=failure.exit_code, reason=failure.reason
             )
@@ -198,24 +201,34 @@ class Supervisor:
 
         Used to stop producers before the hub they talk to, so their last work lands.
         """
-        self._stopping = True
-        await self._settle_restarts(grace)
+        self._stopped.update(names)
+        await self._settle_restarts(grace, names)
         async with asyncio.TaskGroup() as tg:
             for name in names:
                 if self.handles[name].exit_code is None:
                     tg.create_task(self._stop_one(name, grace), name=f"supervisor.stop.{name}")
 
-    async def _settle_restarts(self, grace: float) -> None:
-        """Let restarts under way give up (they check ``_stopping``) for up to ``grace``
-        seconds, then cancel the rest, so that a stop sees every incarnation there is."""
+    def _winding_down(self, name: str) -> bool:
+        """True once ``name`` is being stopped: its death is no failure, nor restarted."""
+        return self._stopping or name in self._stopped
+
+    async def _settle_restarts(self, grace: float, names: Sequence[str] | None = None) -> None:
+        """Let the restarts under way of ``names`` (default all) give up (they check
+        ``_winding_down``) for up to ``grace`` seconds, then cancel the rest, so that a
+        stop sees every incarnation there is."""
+
+        def settling() -> list[asyncio.Task[None]]:
+            return [t for n, t in self._restarting.items() if names is None or n in names]
+
         self._changed.set()
         try:
             async with asyncio.timeout(grace):
-                await self._until(lambda: not self._restarting)
+                await self._until(lambda: not settling())
         except TimeoutError:
-            for task in self._restarting.values():
+            tasks = settling()
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._restarting.values(), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _stop_one(self, name: str, grace: float) -> None:
         handle = self.handles[name]
@@ -258,7 +271,7 @@ class Supervisor:
         if st.bye is None or st.state not in ("stopped", "failed"):
             st.state = "exited"
         reason = st.hung or (st.bye.reason if st.bye else handle.cause or _signal_reason(code))
-        if self._stopping and code != 0:
+        if self._winding_down(handle.spec.name) and code != 0:
             log.warning(
                 "actor stopped uncleanly", actor=handle.spec.name, exit_code=code, reason=reason
             )
@@ -276,7 +289,7 @@ class Supervisor:
             self._fail(death)
 
     def _may_restart(self, st: ActorStatus) -> bool:
-        return not self._stopping and st.restarts < self.restarts.get(st.role, 0)
+        return not self._winding_down(st.name) and st.restarts < self.restarts.get(st.role, 0)
 
     async def _restart(self, name: str, death: ActorDied) -> None:
         """Start ``name`` again after ``death`` (see the restart policy above)."""
@@ -307,8 +320,8 @@ class Supervisor:
         if self.before_restart is not None:
             spec = await self.before_restart(spec) or spec
             self.specs[name] = spec
-        if self._stopping:
-            return  # the job is ending: nothing to restart for
+        if self._winding_down(name):
+            return  # it is being stopped: nothing to restart for
         st.hello, st.bye, st.hung, st.state = False, None, "", "restarting"
         st.exit_code, st.last_seen = None, time.monotonic()
         handle = await self.runtime.start(spec)
@@ -317,7 +330,7 @@ class Supervisor:
         try:
             async with asyncio.timeout(self.startup_timeout):
                 await self._until(
-                    lambda: st.hello or handle.exit_code is not None or self._stopping
+                    lambda: st.hello or handle.exit_code is not None or self._winding_down(name)
                 )
         except TimeoutError:
             self.runtime.kill(handle)
