@@ -123,8 +123,11 @@ async def run_job(cfg: RunConfig, *, resume: bool = False, chaos: Chaos | None =
                 async with _chaos_running(chaos, sup):
                     result.error = await _train(sup, specs, cfg)
                     # Producers first: what they hold lands in the buffer before it stops.
-                    rollouts = [s.name for s in specs if s.role == "rollout"]
-                    await sup.stop(rollouts, cfg.runtime.stop_timeout)
+                    # Then their engines, which serve no one else (and are not restarted
+                    # for a rollout actor that is gone).
+                    for role in ("rollout", "engine"):
+                        names = [s.name for s in specs if s.role == role]
+                        await sup.stop(names, cfg.runtime.stop_timeout)
                     if not result.error and cfg.eval.enabled:
                         result.error = await _wait_final_eval(sup, cfg, hooks)
                 result.codes = await sup.stop_all(cfg.runtime.stop_timeout)
