@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -96,6 +97,16 @@ def _rss_mb(pid: int | None) -> float | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def fresh_run_dir(run_dir: Path) -> None:
+    """The soak measures one fresh job: an earlier run in ``run_dir`` (its logs, metrics,
+    audit log and checkpoints) is removed first; a directory that is not a run is refused."""
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        return
+    if not (run_dir / "logs").is_dir() and not (run_dir / "metrics.jsonl").exists():
+        raise SystemExit(f"soak: {run_dir} is not empty and holds no earlier run; pick another")
+    shutil.rmtree(run_dir)
 
 
 def job_flags(run_dir: Path, seed: int) -> list[str]:
@@ -178,6 +189,7 @@ def main() -> int:
 
     import os
 
+    fresh_run_dir(args.run_dir)
     os.chdir(ROOT)  # the example's config names its files relative to the repository
     cfg = load_config("examples/arith/config.yaml", overrides=job_flags(args.run_dir, args.seed))
     from asyncrl.runtime.recovery import restart_budgets

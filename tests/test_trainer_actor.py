@@ -147,7 +147,7 @@ async def test_the_trainer_actor_trains_publishes_acknowledges_and_resumes(
     assert (tmp_path / "ckpt" / "step_000003" / "trainer.json").exists()
 
 
-def test_a_restart_loads_its_own_jobs_newest_checkpoint_and_pruning_keeps_the_newest(tmp_path):
+def test_a_restart_loads_its_own_jobs_newest_checkpoint_and_pruning_keeps_its_newest(tmp_path):
     from asyncrl.actors.trainer import _newest_checkpoint, _prune_checkpoints, _save_atomically
 
     class Saver:
@@ -166,9 +166,10 @@ def test_a_restart_loads_its_own_jobs_newest_checkpoint_and_pruning_keeps_the_ne
     assert _newest_checkpoint(str(tmp_path), job="this").name == "step_000020"
     _save_atomically(saver, tmp_path / "step_000020", "this")  # the same job's: kept as is
     assert saver.saves == 4
-    _prune_checkpoints(tmp_path, keep=2)
-    assert sorted(p.name for p in tmp_path.glob("step_*")) == [
-        "step_000020",
-        "step_000030",
-        "step_000040.tmp",
-    ]
+    # The old job's step 30 is newer, yet neither counts nor goes: pruning it in, this
+    # job's newest checkpoint would be removed as soon as it was written.
+    _prune_checkpoints(tmp_path, keep=1, job="this")
+    names = ["step_000005", "step_000020", "step_000030", "step_000040.tmp"]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == names
+    _prune_checkpoints(tmp_path, keep=2)  # no job: the newest of all
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == names[1:]

@@ -10,7 +10,7 @@ Channels (names as in ``runtime/topology.py``)::
 Loop: ask for a batch (waiting is measured: ``time/wait_data``), train one step in a
 worker thread (heartbeats and the sockets keep running), publish the new version, then
 acknowledge the batch on the next request. A checkpoint every ``checkpoint_interval``
-steps (keeping the newest ``keep_checkpoints``) and on stop; on start it resumes from
+steps (keeping this job's newest ``keep_checkpoints``) and on stop; on start it resumes from
 ``resume_from`` (or, with ``resume``, the newest checkpoint in ``checkpoint_dir``),
 re-announces its version and resyncs with the buffer at that version. Each request
 tells the buffer the version of the newest checkpoint (``durable``), and the buffer
@@ -218,7 +218,7 @@ class TrainerActor(Actor):
             self.durable = self.trainer.version
         keep = params.get("keep_checkpoints")
         if keep:
-            await asyncio.to_thread(_prune_checkpoints, Path(root), int(keep))
+            await asyncio.to_thread(_prune_checkpoints, Path(root), int(keep), job)
         return path
 
     async def drain(self) -> None:
@@ -302,7 +302,11 @@ def _written_by(path: Path) -> str | None:
     return marker.read_text() if marker.is_file() else None
 
 
-def _prune_checkpoints(root: Path, keep: int) -> None:
-    """Remove all but the newest ``keep`` checkpoints."""
-    for path in _checkpoints(root)[:-keep]:
+def _prune_checkpoints(root: Path, keep: int, job: str | None = None) -> None:
+    """Remove all but the newest ``keep`` checkpoints; with ``job``, of that job's only.
+    Another job's checkpoints are neither counted nor removed: counted, a directory
+    holding an earlier run's higher steps would prune each new checkpoint of this job as
+    it is written, and a restart would find none to resume from."""
+    mine = [p for p in _checkpoints(root) if job is None or _written_by(p) == job]
+    for path in mine[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
