@@ -1,0 +1,226 @@
+"""Hugging Face Qwen2/Llama <-> megatron-core GPTModel: the config and the weights.
+
+``transformer_config(hf)`` maps a ``transformers`` config to megatron's
+``TransformerConfig``; ``gpt_model(hf, cfg)`` builds the matching ``GPTModel`` (local
+layer spec, or TransformerEngine's when installed); ``hf_to_megatron`` and
+``megatron_to_hf`` convert full (unsharded) state dicts, exactly, both ways.
+
+Layout per decoder layer ``i`` (``h`` heads, ``g`` KV groups, head dim ``d``,
+``r = h / g`` query heads per group)::
+
+    model.layers.i.self_attn.{q,k,v}_proj  ->  decoder.layers.i.self_attention.linear_qkv
+        packed per KV group: for j in 0..g-1: [q heads j*r..(j+1)*r-1 (r*d rows), k_j (d), v_j (d)]
+    model.layers.i.self_attn.o_proj        ->  ...self_attention.linear_proj
+    model.layers.i.mlp.{gate,up}_proj      ->  ...mlp.linear_fc1 = cat(gate, up) (rows)
+    model.layers.i.mlp.down_proj           ->  ...mlp.linear_fc2
+    model.layers.i.input_layernorm         ->  ...input_layernorm        (local spec)
+    model.layers.i.post_attention_layernorm -> ...pre_mlp_layernorm      (local spec)
+    model.embed_tokens / model.norm / lm_head -> embedding.word_embeddings /
+        decoder.final_layernorm / output_layer (absent when embeddings are tied)
+
+With the TransformerEngine spec the two norms live inside the linear layers, as
+``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``; ``te=True`` names
+them so.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+#: HF ``model_type``s whose decoder is the Qwen2/Llama shape this bridge converts.
+SUPPORTED = ("qwen2", "llama")
+
+
+class UnsupportedModel(ValueError):
+    """The HF config describes a model this bridge does not convert."""
+
+
+def _check(hf: Any) -> None:
+    if hf.model_type not in SUPPORTED:
+        raise UnsupportedModel(
+            f"megatron backend: model_type {hf.model_type!r} is not one of {SUPPORTED}"
+        )
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"megatron backend: hidden_act {hf.hidden_act!r}, want silu")
+    rope = rope_parameters(hf)
+    if rope.get("rope_type", "default") != "default":
+        raise UnsupportedModel(
+            f"megatron backend: rope_type {rope['rope_type']!r} is not converted yet"
+        )
+
+
+def rope_parameters(hf: Any) -> dict[str, Any]:
+    """RoPE settings: ``rope_parameters`` (transformers 5) or ``rope_scaling`` plus
+    ``rope_theta`` (older configs)."""
+    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    rope.setdefault("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)
+    return rope
+
+
+def head_dim(hf: Any) -> int:
+    return int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+
+
+def qkv_bias(hf: Any) -> bool:
+    """Qwen2 always has q/k/v biases; Llama has them when ``attention_bias``."""
+    return hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+
+
+def transformer_config(hf: Any, **overrides: Any) -> TransformerConfig:
+    """megatron's ``TransformerConfig`` for the HF config ``hf``; ``overrides`` sets the
+    parallel sizes, dtypes and the like (``tensor_model_parallel_size=2``, ...)."""
+    from megatron.core.transformer import TransformerConfig
+
+    _check(hf)
+    fields: dict[str, Any] = {
+        "num_layers": hf.num_hidden_layers,
+        "hidden_size": hf.hidden_size,
+        "ffn_hidden_size": hf.intermediate_size,
+        "num_attention_heads": hf.num_attention_heads,
+        "num_query_groups": hf.num_key_value_heads,
+        "kv_channels": head_dim(hf),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": hf.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": qkv_bias(hf),
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "apply_rope_fusion": False,
+    }
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gpt_model(
+    hf: Any,
+    cfg: TransformerConfig,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    te: bool | None = None,
+) -> GPTModel:
+    """The ``GPTModel`` for ``hf`` under ``cfg`` (this rank's stage when ``pre_process``
+    or ``post_process`` is False). ``te``: the TransformerEngine layer spec (default:
+    when installed)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    te = has_transformer_engine() if te is None else te
+    if te:
+        spec = specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    return GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=hf.vocab_size,
+        max_sequence_length=hf.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_base=int(rope_parameters(hf)["rope_theta"]),
+    )
+
+
+def _layer_names(i: int, te: bool) -> dict[str, str]:
+    """HF -> megatron names of layer ``i``'s tensors that map one to one."""
+    hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+    qkv_norm = "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"
+    mlp_norm = "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
+    return {
+        hf + "self_attn.o_proj.weight": mc + "self_attention.linear_proj.weight",
+        hf + "mlp.down_proj.weight": mc + "mlp.linear_fc2.weight",
+        hf + "input_layernorm.weight": mc + qkv_norm,
+        hf + "post_attention_layernorm.weight": mc + mlp_norm,
+    }
+
+
+def _global_names(hf: Any) -> dict[str, str]:
+    names = {
+        "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+        "model.norm.weight": "decoder.final_layernorm.weight",
+    }
+    if not hf.tie_word_embeddings:
+        names["lm_head.weight"] = "output_layer.weight"
+    return names
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[q_0 k_0 v_0 q_1 k_1 v_1 ...]`` per KV group along dim 0 (weights or biases)."""
+    qs, ks, vs = q.chunk(groups), k.chunk(groups), v.chunk(groups)
+    return torch.cat([t for j in range(groups) for t in (qs[j], ks[j], vs[j])])
+
+
+def unpack_qkv(
+    qkv: torch.Tensor, groups: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``pack_qkv``: each group is ``r*d + d + d`` rows."""
+    per = qkv.shape[0] // groups
+    blocks = qkv.split(per)
+    q = torch.cat([b[: per - 2 * d] for b in blocks])
+    k = torch.cat([b[per - 2 * d : per - d] for b in blocks])
+    v = torch.cat([b[per - d :] for b in blocks])
+    return q, k, v
+
+
+def hf_to_megatron(
+    hf: Any, state: dict[str, torch.Tensor], *, te: bool = False
+) -> dict[str, torch.Tensor]:
+    """The full megatron state dict of the HF ``state`` (names as in the module
+    docstring). Raises ``KeyError`` naming a missing HF tensor."""
+    _check(hf)
+    out = {mc: state[name] for name, mc in _global_names(hf).items()}
+    groups = hf.num_key_value_heads
+    for i in range(hf.num_hidden_layers):
+        out.update({mc: state[name] for name, mc in _layer_names(i, te).items()})
+        attn, mc = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
+        kinds = ("weight", "bias") if qkv_bias(hf) else ("weight",)
+        for kind in kinds:
+            q, k, v = (state[f"{attn}{p}_proj.{kind}"] for p in "qkv")
+            out[f"{mc}self_attention.linear_qkv.{kind}"] = pack_qkv(q, k, v, groups)
+        mlp = f"model.layers.{i}.mlp."
+        gate, up = state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]
+        out[mc + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
+    return out
+
+
+def megatron_to_hf(
+    hf: Any, state: dict[str, torch.Tensor], *, te: bool = False
+) -> dict[str, torch.Tensor]:
+    """Inverse of ``hf_to_megatron``: HF names; megatron's extra state is ignored."""
+    _check(hf)
+    out = {name: state[mc] for name, mc in _global_names(hf).items()}
+    groups, d = hf.num_key_value_heads, head_dim(hf)
+    for i in range(hf.num_hidden_layers):
+        out.update({name: state[mc] for name, mc in _layer_names(i, te).items()})
+        attn, mc = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}."
+        kinds = ("weight", "bias") if qkv_bias(hf) else ("weight",)
+        for kind in kinds:
+            q, k, v = unpack_qkv(state[f"{mc}self_attention.linear_qkv.{kind}"], groups, d)
+            out.update({f"{attn}q_proj.{kind}": q, f"{attn}k_proj.{kind}": k})
+            out[f"{attn}v_proj.{kind}"] = v
+        gate, up = state[mc + "mlp.linear_fc1.weight"].chunk(2)
+        out.update({f"model.layers.{i}.mlp.gate_proj.weight": gate})
+        out[f"model.layers.{i}.mlp.up_proj.weight"] = up
+    return out
