@@ -21,6 +21,13 @@ Layout per decoder layer ``i`` (``h`` heads, ``g`` KV groups, head dim ``d``,
 With the TransformerEngine spec the two norms live inside the linear layers, as
 ``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``; ``te=True`` names
 them so.
+
+Tensor parallelism (``tp_shard`` / ``tp_gather``, rank ``t`` of ``T``): column-parallel
+tensors (``linear_qkv``, ``linear_fc1``, the embedding and ``output_layer``, by vocab)
+split along dim 0, row-parallel ones (``linear_proj``, ``linear_fc2``) along dim 1, norms
+are whole on every rank. ``linear_qkv`` is packed per KV group, so a contiguous split
+gives each rank ``g / T`` whole groups; ``linear_fc1`` holds ``[gate_t; up_t]`` on rank
+``t``, so gate and up split separately.
 """
 
 from __future__ import annotations
@@ -224,3 +231,49 @@ def megatron_to_hf(
         out.update({f"model.layers.{i}.mlp.gate_proj.weight": gate})
         out[f"model.layers.{i}.mlp.up_proj.weight"] = up
     return out
+
+
+_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight",
+           "word_embeddings.weight", "output_layer.weight")  # fmt: skip
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dim megatron tensor ``name`` splits along across TP ranks; None: replicated."""
+    if name.endswith(_COLUMN):
+        return 0
+    if name.endswith(_ROW):
+        return 1
+    return None
+
+
+def check_tp(hf: Any, size: int) -> None:
+    """Refuse a TP size the model's shapes do not divide, naming the shape."""
+    shapes = {"num_key_value_heads": hf.num_key_value_heads, "vocab_size": hf.vocab_size,
+              "intermediate_size": hf.intermediate_size}  # fmt: skip
+    for field, n in shapes.items():
+        if n % size:
+            raise UnsupportedModel(f"megatron backend: {field} {n} is not divisible by TP {size}")
+
+
+def tp_shard(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s part of the full megatron tensor ``name`` under TP ``size``."""
+    dim = tp_split_dim(name)
+    if dim is None or size == 1:
+        return tensor
+    if name.endswith("linear_fc1.weight"):
+        gate, up = tensor.chunk(2)
+        return torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
+    return tensor.chunk(size, dim)[rank]
+
+
+def tp_gather(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full megatron tensor ``name`` from its TP shards, rank order (inverse of
+    ``tp_shard``)."""
+    dim = tp_split_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if name.endswith("linear_fc1.weight"):
+        gates, ups = zip(*(s.chunk(2) for s in shards), strict=True)
+        return torch.cat([*gates, *ups])
+    return torch.cat(shards, dim)
