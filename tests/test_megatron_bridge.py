@@ -194,3 +194,89 @@ def test_tp2_shards_give_the_hf_logits_and_gather_back_exactly(tmp_path, name: s
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["shape"] == [2, 24, cfg.vocab_size // 2]
         assert result["diff"] < 1e-5 and result["same"], result
+
+
+def test_pp_stages_merge_back_to_the_full_state():
+    torch.manual_seed(4)
+    cfg, model = qwen2()
+    full = bridge.hf_to_megatron(cfg, hf_weights(model, cfg))
+    stages = [bridge.pp_stage(cfg, full, p, 2) for p in range(2)]
+    assert "embedding.word_embeddings.weight" in stages[0] and "output_layer.weight" in stages[1]
+    assert {k.split(".")[2] for k in stages[1] if k.startswith("decoder.layers.")} == {"0"}
+    merged = bridge.pp_merge(cfg, stages)
+    assert merged.keys() == full.keys() and all(torch.equal(merged[k], full[k]) for k in full)
+    with pytest.raises(bridge.UnsupportedModel, match="2 layers do not split evenly"):
+        bridge.pp_stage(cfg, full, 0, 4)
+
+
+def _pp_worker(rank: int, port: int, name: str, out: str) -> None:
+    """One of 2 pipeline stages: load this stage's layers, run the forward-only schedule;
+    the last stage saves its logits, each stage its weights renumbered to global."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    with cpu_megatron():
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        )
+        parallel_state.initialize_model_parallel(1, 2)
+        model_parallel_cuda_manual_seed(0)
+        torch.manual_seed(2)
+        cfg, model = MODELS[name]()
+        full = bridge.hf_to_megatron(cfg, hf_weights(model, cfg))
+        pp = bridge.transformer_config(
+            cfg, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+            use_cpu_initialization=True,
+        )  # fmt: skip
+        gpt = bridge.gpt_model(cfg, pp, pre_process=rank == 0, post_process=rank == 1, te=False)
+        gpt.load_state_dict(bridge.pp_stage(cfg, full, rank, 2), strict=True)
+        ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+        positions = torch.arange(24).expand(2, -1)
+        kept: list[torch.Tensor] = []
+
+        def step(data, m):  # type: ignore[no-untyped-def]
+            ids_, pos_ = next(data)
+            output = m(ids_, pos_, attention_mask=None)
+
+            def keep(logits):  # type: ignore[no-untyped-def]
+                kept.append(logits.detach())
+                return logits.sum() * 0, {}
+
+            return output, keep
+
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=step, data_iterator=iter([(ids, positions)]), model=[gpt.eval()],
+                num_microbatches=1, seq_length=24, micro_batch_size=2, forward_only=True,
+            )  # fmt: skip
+        if rank == 1:
+            torch.save({"got": kept[0], "want": model(ids).logits.detach()}, Path(out, "logits.pt"))
+        stage = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+        torch.save(stage, Path(out, f"stage{rank}.pt"))
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_pp2_stages_give_the_hf_logits_and_merge_back_exactly(tmp_path, name: str):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_pp_worker, args=(port, name, str(tmp_path)), nprocs=2, join=True)
+    logits = torch.load(tmp_path / "logits.pt", weights_only=True)
+    assert logits["got"].shape == logits["want"].shape
+    assert (logits["got"] - logits["want"]).abs().max().item() < 1e-5
+    stages = [torch.load(tmp_path / f"stage{p}.pt", weights_only=True) for p in range(2)]
+    torch.manual_seed(2)
+    cfg, model = MODELS[name]()
+    back = bridge.megatron_to_hf(cfg, bridge.pp_merge(cfg, stages))
+    state = hf_weights(model, cfg)
+    assert all(torch.equal(back[k], state[k]) for k in state)

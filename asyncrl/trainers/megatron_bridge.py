@@ -28,10 +28,16 @@ split along dim 0, row-parallel ones (``linear_proj``, ``linear_fc2``) along dim
 are whole on every rank. ``linear_qkv`` is packed per KV group, so a contiguous split
 gives each rank ``g / T`` whole groups; ``linear_fc1`` holds ``[gate_t; up_t]`` on rank
 ``t``, so gate and up split separately.
+
+Pipeline parallelism (``pp_stage`` / ``pp_merge``, stage ``p`` of ``P``, ``L`` layers):
+stage ``p`` holds layers ``p*L/P .. (p+1)*L/P - 1``, numbered from 0 in its state dict;
+the first stage also the embedding, the last the final norm and ``output_layer`` (with
+tied embeddings and ``P > 1`` the last stage keeps its own copy of the embedding there).
 """
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -277,3 +283,52 @@ def tp_gather(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
         gates, ups = zip(*(s.chunk(2) for s in shards), strict=True)
         return torch.cat([*gates, *ups])
     return torch.cat(shards, dim)
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def pp_layers(num_layers: int, stage: int, stages: int) -> range:
+    """The global indices of the layers on pipeline ``stage`` of ``stages`` (even split)."""
+    if num_layers % stages:
+        raise UnsupportedModel(
+            f"megatron backend: {num_layers} layers do not split evenly into PP {stages}"
+        )
+    per = num_layers // stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def pp_stage(
+    hf: Any, full: dict[str, torch.Tensor], stage: int, stages: int
+) -> dict[str, torch.Tensor]:
+    """Pipeline ``stage``'s part of the full megatron state dict, its layers renumbered
+    from 0."""
+    layers = pp_layers(hf.num_hidden_layers, stage, stages)
+    first, last = stage == 0, stage == stages - 1
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in full.items():
+        match = _LAYER.match(name)
+        if match and int(match[1]) in layers:
+            out[f"decoder.layers.{int(match[1]) - layers.start}.{match[2]}"] = tensor
+        elif name.startswith("embedding.") and first:
+            out[name] = tensor
+        elif name.startswith(("decoder.final_layernorm.", "output_layer.")) and last:
+            out[name] = tensor
+    if last and not first and hf.tie_word_embeddings:
+        out["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+    return out
+
+
+def pp_merge(hf: Any, stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The full megatron state dict from each stage's (inverse of ``pp_stage``; a tied
+    last stage's copy of the embedding is dropped)."""
+    out: dict[str, torch.Tensor] = {}
+    for stage, state in enumerate(stages):
+        start = pp_layers(hf.num_hidden_layers, stage, len(stages)).start
+        for name, tensor in state.items():
+            match = _LAYER.match(name)
+            if match:
+                out[f"decoder.layers.{int(match[1]) + start}.{match[2]}"] = tensor
+            elif not (name == "output_layer.weight" and hf.tie_word_embeddings):
+                out[name] = tensor
+    return out
