@@ -135,7 +135,7 @@ def test_tp_shards_gather_back_to_the_full_tensors():
 
 def _tp_worker(rank: int, port: int, name: str, out: str) -> None:
     """One of 2 TP ranks: load this rank's shards of the HF model, compare its vocab slice
-    of the logits with HF's, then gather every tensor and convert back."""
+    of the logits with HF's, then gather the HF-named weights."""
     import json
     from pathlib import Path
 
@@ -165,13 +165,7 @@ def _tp_worker(rank: int, port: int, name: str, out: str) -> None:
         with torch.no_grad():
             got = gpt.eval()(ids, torch.arange(24).expand(2, -1), attention_mask=None)
             want = model(ids).logits.chunk(2, dim=-1)[rank]  # this rank's vocab slice
-        exported = {}
-        for k, v in gpt.state_dict().items():
-            if not k.endswith("_extra_state"):
-                parts = [torch.empty_like(v) for _ in range(2)]
-                dist.all_gather(parts, v.contiguous())
-                exported[k] = bridge.tp_gather(k, parts)
-        back = bridge.megatron_to_hf(cfg, exported)
+        back = bridge.gather_hf_weights(gpt, cfg)
         result = {"diff": (got - want).abs().max().item(), "shape": list(got.shape),
                   "same": all(torch.equal(back[k], state[k]) for k in state)}  # fmt: skip
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -211,7 +205,7 @@ def test_pp_stages_merge_back_to_the_full_state():
 
 def _pp_worker(rank: int, port: int, name: str, out: str) -> None:
     """One of 2 pipeline stages: load this stage's layers, run the forward-only schedule;
-    the last stage saves its logits, each stage its weights renumbered to global."""
+    the last stage saves its logits, each stage the whole model's gathered weights."""
     from pathlib import Path
 
     import torch.distributed as dist
@@ -257,8 +251,7 @@ def _pp_worker(rank: int, port: int, name: str, out: str) -> None:
             )  # fmt: skip
         if rank == 1:
             torch.save({"got": kept[0], "want": model(ids).logits.detach()}, Path(out, "logits.pt"))
-        stage = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
-        torch.save(stage, Path(out, f"stage{rank}.pt"))
+        torch.save(bridge.gather_hf_weights(gpt, cfg), Path(out, f"weights{rank}.pt"))
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
@@ -274,9 +267,10 @@ def test_pp2_stages_give_the_hf_logits_and_merge_back_exactly(tmp_path, name: st
     logits = torch.load(tmp_path / "logits.pt", weights_only=True)
     assert logits["got"].shape == logits["want"].shape
     assert (logits["got"] - logits["want"]).abs().max().item() < 1e-5
-    stages = [torch.load(tmp_path / f"stage{p}.pt", weights_only=True) for p in range(2)]
     torch.manual_seed(2)
     cfg, model = MODELS[name]()
-    back = bridge.megatron_to_hf(cfg, bridge.pp_merge(cfg, stages))
     state = hf_weights(model, cfg)
-    assert all(torch.equal(back[k], state[k]) for k in state)
+    for rank in range(2):  # every stage ends with the whole model's weights
+        back = torch.load(tmp_path / f"weights{rank}.pt", weights_only=True)
+        assert back.keys() == state.keys()
+        assert all(torch.equal(back[k], state[k]) for k in state)

@@ -3,7 +3,9 @@
 ``transformer_config(hf)`` maps a ``transformers`` config to megatron's
 ``TransformerConfig``; ``gpt_model(hf, cfg)`` builds the matching ``GPTModel`` (local
 layer spec, or TransformerEngine's when installed); ``hf_to_megatron`` and
-``megatron_to_hf`` convert full (unsharded) state dicts, exactly, both ways.
+``megatron_to_hf`` convert full (unsharded) state dicts, exactly, both ways;
+``gather_hf_weights`` collects a TP/PP-sharded model's weights under HF names on every
+rank (what the trainer publishes to the engines).
 
 Layout per decoder layer ``i`` (``h`` heads, ``g`` KV groups, head dim ``d``,
 ``r = h / g`` query heads per group)::
@@ -332,3 +334,50 @@ def pp_merge(hf: Any, stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.
             elif not (name == "output_layer.weight" and hf.tie_word_embeddings):
                 out[name] = tensor
     return out
+
+
+def hf_shapes(hf: Any) -> dict[str, torch.Tensor]:
+    """The HF state of ``hf`` as meta tensors (names and shapes, no memory), tied
+    ``lm_head.weight`` dropped."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    state = model.state_dict()
+    if hf.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def gather_hf_weights(model: torch.nn.Module, hf: Any) -> dict[str, torch.Tensor]:
+    """The full HF-named weights of this rank's megatron ``model``, on every rank: each
+    tensor is all-gathered across the TP group, then each pipeline stage's tensors are
+    broadcast over the PP group. Every rank knows every stage's names and shapes from
+    the config (``hf_shapes``), so nothing but tensors crosses the wire."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    local = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    stage_full: dict[str, torch.Tensor] = {}
+    for name, tensor in local.items():
+        parts = [torch.empty_like(tensor) for _ in range(tp)]
+        dist.all_gather(parts, tensor.contiguous(), group=tp_group)
+        stage_full[name] = tp_gather(name, parts)
+    pp_group, pp = (
+        ps.get_pipeline_model_parallel_group(),
+        ps.get_pipeline_model_parallel_world_size(),
+    )
+    me, owners = ps.get_pipeline_model_parallel_rank(), dist.get_process_group_ranks(pp_group)
+    dtype = next(iter(local.values())).dtype
+    full_meta = hf_to_megatron(hf, hf_shapes(hf))
+    stages = []
+    for stage in range(pp):
+        shapes = pp_stage(hf, full_meta, stage, pp)
+        tensors = {}
+        for name in sorted(shapes):
+            buf = stage_full[name] if stage == me else torch.empty(shapes[name].shape, dtype=dtype)
+            dist.broadcast(buf, src=owners[stage], group=pp_group)
+            tensors[name] = buf
+        stages.append(tensors)
+    return megatron_to_hf(hf, pp_merge(hf, stages))
