@@ -19,15 +19,17 @@ from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
-STEPS = 250
-# The trainer goes last: the run cannot finish until it is back, so every kill is seen
-# coming back however fast the machine runs the remaining steps.
-KILLS = ["rollout-0@step20", "engine-1@step40", "eval@step80", "buffer@step120", "trainer@step160"]
+# Each kill waits until the last victim is back (an engine or eval takes 10-15 s), and
+# CI trains about 6 steps/s: the five kills took about 220 steps there. 500 steps leave
+# room after the last; the trainer goes last (the run cannot end before it is back).
+STEPS = 500
+KILLS = ["engine-1@step10", "eval@step20", "rollout-0@step30", "buffer@step40", "trainer@step50"]
 
 
 def chaos_flags(tmp_path) -> list[str]:
     return [
-        *job_flags(tmp_path, steps=STEPS), *LONG_RUN, *eval_flags(tmp_path, 100),
+        *job_flags(tmp_path, steps=STEPS), *LONG_RUN, "--num-epoch", "40",
+        *eval_flags(tmp_path, 100),
         *["--rollout-num-actors", "2", "--rollout-engine-model-path", str(tmp_path / "model")],
         *["--rollout-engine-serve", "actor", "--update-weight-transport", "disk"],
         *["--save-interval", "5", "--train-keep-checkpoints", "2", "--train-audit-log", "true"],

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 log = get_logger("asyncrl.chaos")
 _WHEN = re.compile(r"^(?:(\d+(?:\.\d+)?)s|step(\d+))$")
 _POLL_S = 0.1
+#: A new incarnation in one of these states came back: past running, too, since one
+#: with little left (a trainer 5 steps from the end) can finish between two polls.
+_BACK = ("running", "draining", "stopped", "finished")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +208,7 @@ class Chaos:
             for kill in self.kills:
                 if kill.back_s is None:
                     st, handle = sup.status[kill.actor], sup.handles[kill.actor]
-                    if handle.pid != kill.pid and st.hello and st.state == "running":
+                    if handle.pid != kill.pid and st.hello and st.state in _BACK:
                         kill.back_s = round(self._elapsed(), 2)
             await asyncio.sleep(_POLL_S)
 
