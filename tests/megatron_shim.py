@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,3 +80,32 @@ def cpu_megatron() -> Iterator[None]:
     finally:
         for obj, name, old in saved:
             setattr(obj, name, old)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def megatron_ranks(rank: int, world: int, port: int, *, tp: int = 1, pp: int = 1) -> Iterator[None]:
+    """This process as ``rank`` of a gloo group of ``world`` on ``port``, megatron's model
+    parallel groups (``tp`` x ``pp``) set up and its RNG seeded, on the CPU; all undone
+    after the block (megatron's import warnings silenced)."""
+    import torch.distributed as dist
+
+    with warnings.catch_warnings(), cpu_megatron():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        address = f"tcp://127.0.0.1:{port}"
+        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+        try:
+            parallel_state.initialize_model_parallel(tp, pp)
+            model_parallel_cuda_manual_seed(0)
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()

@@ -3,7 +3,6 @@ real megatron-core on CPU (gloo, world size 1, the test-only shim in megatron_sh
 
 from __future__ import annotations
 
-import socket
 import warnings
 from collections.abc import Iterator
 
@@ -12,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.trainers import megatron_bridge as bridge
-from tests.megatron_shim import cpu_megatron
+from tests.megatron_shim import cpu_megatron, free_port, megatron_ranks
 
 # megatron-core says at import that TransformerEngine and Apex are missing (expected here).
 pytestmark = pytest.mark.filterwarnings("ignore:.*(Transformer Engine|Apex).*:UserWarning")
@@ -41,24 +40,8 @@ MODELS = {"qwen2": qwen2, "llama": llama}
 @pytest.fixture(scope="module")
 def megatron_world() -> Iterator[None]:
     """One gloo process, TP = PP = 1, megatron's RNG seeded; all undone afterwards."""
-    import torch.distributed as dist
-
-    with warnings.catch_warnings(), cpu_megatron():
-        warnings.simplefilter("ignore")
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-        try:
-            parallel_state.initialize_model_parallel(1, 1)
-            model_parallel_cuda_manual_seed(0)
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
+    with megatron_ranks(0, 1, free_port()):
+        yield
 
 
 def hf_weights(model: torch.nn.Module, cfg: object) -> dict[str, torch.Tensor]:
@@ -139,18 +122,7 @@ def _tp_worker(rank: int, port: int, name: str, out: str) -> None:
     import json
     from pathlib import Path
 
-    import torch.distributed as dist
-
-    warnings.simplefilter("ignore")
-    with cpu_megatron():
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
-        )
-        parallel_state.initialize_model_parallel(2, 1)
-        model_parallel_cuda_manual_seed(0)
+    with megatron_ranks(rank, 2, port, tp=2):
         torch.manual_seed(2)
         cfg, model = MODELS[name]()
         state = hf_weights(model, cfg)
@@ -169,8 +141,6 @@ def _tp_worker(rank: int, port: int, name: str, out: str) -> None:
         result = {"diff": (got - want).abs().max().item(), "shape": list(got.shape),
                   "same": all(torch.equal(back[k], state[k]) for k in state)}  # fmt: skip
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -179,10 +149,7 @@ def test_tp2_shards_give_the_hf_logits_and_gather_back_exactly(tmp_path, name: s
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tp_worker, args=(port, name, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(free_port(), name, str(tmp_path)), nprocs=2, join=True)
     cfg, _ = MODELS[name]()
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -208,19 +175,9 @@ def _pp_worker(rank: int, port: int, name: str, out: str) -> None:
     the last stage saves its logits, each stage the whole model's gathered weights."""
     from pathlib import Path
 
-    import torch.distributed as dist
-
-    warnings.simplefilter("ignore")
-    with cpu_megatron():
-        from megatron.core import parallel_state
+    with megatron_ranks(rank, 2, port, pp=2):
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
-        )
-        parallel_state.initialize_model_parallel(1, 2)
-        model_parallel_cuda_manual_seed(0)
         torch.manual_seed(2)
         cfg, model = MODELS[name]()
         full = bridge.hf_to_megatron(cfg, hf_weights(model, cfg))
@@ -252,18 +209,13 @@ def _pp_worker(rank: int, port: int, name: str, out: str) -> None:
         if rank == 1:
             torch.save({"got": kept[0], "want": model(ids).logits.detach()}, Path(out, "logits.pt"))
         torch.save(bridge.gather_hf_weights(gpt, cfg), Path(out, f"weights{rank}.pt"))
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_pp2_stages_give_the_hf_logits_and_merge_back_exactly(tmp_path, name: str):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_pp_worker, args=(port, name, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_pp_worker, args=(free_port(), name, str(tmp_path)), nprocs=2, join=True)
     logits = torch.load(tmp_path / "logits.pt", weights_only=True)
     assert logits["got"].shape == logits["want"].shape
     assert (logits["got"] - logits["want"]).abs().max().item() < 1e-5
