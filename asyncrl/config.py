@@ -40,7 +40,7 @@ from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.observe.trackers import check_tracker_setup
 from asyncrl.policies.config import PolicyConfig
 from asyncrl.rollout.config import EvalConfig, RolloutConfig
-from asyncrl.trainers.config import TorchTrainerConfig
+from asyncrl.trainers.config import TrainerConfig
 from asyncrl.wire import security
 from asyncrl.wire.sockets import check_endpoint
 
@@ -344,7 +344,7 @@ class RunConfig(Section):
     wire: WireConfig = Field(default_factory=WireConfig, description="channel limits")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout actors")
-    trainer: TorchTrainerConfig | None = Field(
+    trainer: TrainerConfig | None = Field(
         None, description="the torch trainer (needed to train; --hf-checkpoint sets the model)"
     )
     train: TrainConfig = Field(default_factory=TrainConfig, description="the training loop")
@@ -360,6 +360,16 @@ class RunConfig(Section):
     eval: EvalConfig = Field(
         default_factory=EvalConfig, description="held-out evaluation during training"
     )
+
+    @model_validator(mode="after")
+    def _backend_trains_the_algo(self) -> RunConfig:
+        if self.trainer and self.trainer.backend == "megatron" and self.algo.needs_critic:
+            raise ValueError(
+                f"algo.advantage_estimator={self.algo.advantage_estimator} needs a critic, "
+                "which the megatron backend does not train: use a critic-free estimator "
+                "(grpo, rloo, reinforce_pp_baseline, ...) or --train-backend torch"
+            )
+        return self
 
     @model_validator(mode="after")
     def _async_needs_a_correction(self) -> RunConfig:

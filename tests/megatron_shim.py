@@ -31,7 +31,7 @@ def _cpu(device: Any) -> Any:
         return "cpu"
     if isinstance(device, torch.device) and device.type == "cuda":
         return torch.device("cpu")
-    if isinstance(device, int):  # a CUDA ordinal
+    if isinstance(device, int) and not isinstance(device, bool):  # a CUDA ordinal
         return "cpu"
     return device
 

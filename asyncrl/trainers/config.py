@@ -1,7 +1,10 @@
-"""``TorchTrainerConfig``: the torch trainer's settings (the ``trainer`` config section).
+"""``TrainerConfig``: the trainer's settings (the ``trainer`` config section).
 
-Kept apart from ``torch_trainer.py`` so the config tree (and ``asyncrl --help``) reads it
-without importing torch; ``TorchTrainer.Config`` is this class.
+``backend`` picks the training backend: ``torch`` (``torch_trainer.TorchTrainer``,
+Hugging Face models with DDP/FSDP) or ``megatron`` (``megatron_trainer.MegatronTrainer``,
+megatron-core with TP/PP/DP, settings in the ``megatron`` subsection). Kept apart from
+the backends so the config tree (and ``asyncrl --help``) reads it without importing torch;
+``TorchTrainer.Config`` and ``MegatronTrainer.Config`` are this class.
 """
 
 from __future__ import annotations
@@ -11,10 +14,52 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class TorchTrainerConfig(BaseModel):
-    """Model, optimizer, micro-batching and parallelism of the torch trainer."""
+class MegatronConfig(BaseModel):
+    """megatron-core's parallel layout (``backend: megatron``); data parallel is the rest.
+
+    The ranks come from the launcher's process group (``world = TP * PP * DP``); with no
+    group the trainer is one rank (TP = PP = DP = 1).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    tensor_parallel: int = Field(
+        1, ge=1, description="TP size", json_schema_extra={"flag": "tensor-model-parallel-size"}
+    )
+    pipeline_parallel: int = Field(
+        1, ge=1, description="PP size", json_schema_extra={"flag": "pipeline-model-parallel-size"}
+    )
+    distributed_optimizer: bool = Field(
+        False,
+        description="shard optimizer state over DP ranks (ZeRO-1)",
+        json_schema_extra={"flag": "use-distributed-optimizer"},
+    )
+    overlap_grad_reduce: bool = Field(
+        False,
+        description="reduce gradient buckets during the last micro-batch's backward",
+        json_schema_extra={"flag": "overlap-grad-reduce"},
+    )
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = Field(
+        "auto",
+        description="layer spec: transformer_engine (fused kernels, THD packing), local "
+        "(plain torch; packing by a block-diagonal mask), auto: TE when installed",
+        json_schema_extra={"flag": "transformer-impl"},
+    )
+
+
+class TrainerConfig(BaseModel):
+    """Model, optimizer, micro-batching and parallelism of the trainer."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    backend: Literal["torch", "megatron"] = Field(
+        "torch",
+        description="torch (HF models, DDP/FSDP) or megatron (megatron-core, TP/PP/DP)",
+        json_schema_extra={"flag": "train-backend"},
+    )
+    megatron: MegatronConfig = Field(
+        default_factory=MegatronConfig, description="megatron-core layout (backend megatron)"
+    )
 
     model_path: str = Field(..., min_length=1, description="HF model directory of the policy.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -66,7 +111,26 @@ class TorchTrainerConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _schedule(self) -> TorchTrainerConfig:
+    def _megatron_fits(self) -> TrainerConfig:
+        if self.backend != "megatron":
+            return self
+        torch_only = {
+            "parallel": self.parallel != "ddp",
+            "attn_implementation": self.attn_implementation is not None,
+            "critic": bool(self.critic),
+            "critic_model_path": self.critic_model_path is not None,
+        }
+        wrong = [k for k, bad in torch_only.items() if bad]
+        if wrong:
+            raise ValueError(
+                f"trainer.backend=megatron does not use {', '.join(wrong)} (torch-backend "
+                "settings: megatron shards with megatron.tensor_parallel/pipeline_parallel, "
+                "runs its own attention, and trains no critic): drop them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _schedule(self) -> TrainerConfig:
         if self.lr_schedule == "cosine" and (
             self.total_steps is None or self.total_steps <= self.warmup_steps
         ):

@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -77,14 +77,31 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def write_hf_dir(path: Path, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def write_hf_dir(
+    path: Path, config: Any, tensors: dict[str, torch.Tensor], generation: Any = None
+) -> None:
     """``config.json`` (+ ``generation_config.json``) and one ``model.safetensors``."""
     path.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(path)
-    generation = getattr(model, "generation_config", None)
+    config.save_pretrained(path)
     if generation is not None:
         generation.save_pretrained(path)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_model_dir(path: Path, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """``write_hf_dir`` with the config and generation config of the HF ``model``."""
+    write_hf_dir(path, model.config, tensors, getattr(model, "generation_config", None))
+
+
+def copy_tokenizer(source: str, path: Path) -> None:
+    """Save the tokenizer of ``source`` into ``path``, when ``source`` has one."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):  # no tokenizer next to the weights: weights only
+        return
+    tokenizer.save_pretrained(path)
 
 
 @dataclass(slots=True)
@@ -160,7 +177,7 @@ class Learner:
         optimizer = self.dp.optimizer_state(self.model, self.optimizer)
         if self.dp.rank != 0:
             return
-        write_hf_dir(path, self.model, weights)
+        write_model_dir(path, self.model, weights)
         torch.save(optimizer, path / "optimizer.pt")
         torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
 

@@ -4,6 +4,7 @@
 ``TransformerConfig``; ``gpt_model(hf, cfg)`` builds the matching ``GPTModel`` (local
 layer spec, or TransformerEngine's when installed); ``hf_to_megatron`` and
 ``megatron_to_hf`` convert full (unsharded) state dicts, exactly, both ways;
+``load_hf_state`` loads HF weights into this rank's shard of a model, and
 ``gather_hf_weights`` collects a TP/PP-sharded model's weights under HF names on every
 rank (what the trainer publishes to the engines).
 
@@ -349,7 +350,31 @@ def hf_shapes(hf: Any) -> dict[str, torch.Tensor]:
     return state
 
 
-def gather_hf_weights(model: torch.nn.Module, hf: Any) -> dict[str, torch.Tensor]:
+def load_hf_state(
+    model: torch.nn.Module, hf: Any, state: dict[str, torch.Tensor], *, te: bool = False
+) -> None:
+    """Copy the full HF-named ``state`` into this rank's ``model``: its pipeline stage,
+    its TP shards (inverse of ``gather_hf_weights``). Every parameter must be given."""
+    from megatron.core import parallel_state as ps
+
+    full = hf_to_megatron(hf, state, te=te)
+    stage = pp_stage(
+        hf,
+        full,
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+    )
+    rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    local = {k: tp_shard(k, v, rank, size) for k, v in stage.items()}
+    missing, unexpected = model.load_state_dict(local, strict=False)
+    wrong = [k for k in missing if not k.endswith("_extra_state")] + list(unexpected)
+    if wrong:
+        raise ValueError(f"megatron backend: the converted weights do not fit the model: {wrong}")
+
+
+def gather_hf_weights(
+    model: torch.nn.Module, hf: Any, *, te: bool = False
+) -> dict[str, torch.Tensor]:
     """The full HF-named weights of this rank's megatron ``model``, on every rank: each
     tensor is all-gathered across the TP group, then each pipeline stage's tensors are
     broadcast over the PP group. Every rank knows every stage's names and shapes from
@@ -370,7 +395,7 @@ def gather_hf_weights(model: torch.nn.Module, hf: Any) -> dict[str, torch.Tensor
     )
     me, owners = ps.get_pipeline_model_parallel_rank(), dist.get_process_group_ranks(pp_group)
     dtype = next(iter(local.values())).dtype
-    full_meta = hf_to_megatron(hf, hf_shapes(hf))
+    full_meta = hf_to_megatron(hf, hf_shapes(hf), te=te)
     stages = []
     for stage in range(pp):
         shapes = pp_stage(hf, full_meta, stage, pp)
@@ -380,4 +405,4 @@ def gather_hf_weights(model: torch.nn.Module, hf: Any) -> dict[str, torch.Tensor
             dist.broadcast(buf, src=owners[stage], group=pp_group)
             tensors[name] = buf
         stages.append(tensors)
-    return megatron_to_hf(hf, pp_merge(hf, stages))
+    return megatron_to_hf(hf, pp_merge(hf, stages), te=te)

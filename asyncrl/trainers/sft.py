@@ -186,11 +186,11 @@ def job_model() -> type[BaseModel]:
 
     Built on demand, so importing this module stays light.
     """
-    from asyncrl.trainers.config import TorchTrainerConfig
+    from asyncrl.trainers.config import TrainerConfig
 
     class SFTJob(SFTConfig):
         """An ``asyncrl sft`` job: data and schedule, and the torch trainer's settings."""
 
-        trainer: TorchTrainerConfig = Field(..., description="model, optimizer, micro-batches")
+        trainer: TrainerConfig = Field(..., description="model, optimizer, micro-batches")
 
     return SFTJob

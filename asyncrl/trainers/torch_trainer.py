@@ -39,8 +39,6 @@ over loss tokens), ``reward/mean``, ``batch/dropped_groups``, ``time/step``.
 from __future__ import annotations
 
 import json
-import pickle
-import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -55,17 +53,14 @@ from asyncrl.policies import (
     LossInputs,
     LossScale,
     PolicyConfig,
-    approx_kl,
-    compute_advantages,
     entropy_from_logits,
-    masked_mean,
     rl_loss,
     sft_loss,
     value_loss,
 )
 from asyncrl.trainers.base import StepResult
-from asyncrl.trainers.config import TorchTrainerConfig
-from asyncrl.trainers.learner import Learner, OptimSettings, write_hf_dir
+from asyncrl.trainers.config import TrainerConfig
+from asyncrl.trainers.learner import Learner, OptimSettings, copy_tokenizer, write_model_dir
 from asyncrl.trainers.packing import (
     MicroBatch,
     build_microbatch,
@@ -76,23 +71,27 @@ from asyncrl.trainers.packing import (
     token_logprobs,
 )
 from asyncrl.trainers.parallel import DataParallel
+from asyncrl.trainers.rl_columns import (
+    EMPTY_SEQUENCE,
+    Columns,
+    Scored,
+    Tally,
+    batch_metrics,
+    pad_row,
+    step_columns,
+    step_result,
+)
+from asyncrl.trainers.rng import load_rng, rng_state, seed_everything, set_rng_state
 from asyncrl.trainers.rollout_tensors import RolloutTensors, rollout_tensors, sft_tensors
 from asyncrl.types import TrainBatch
 
-Columns = dict[str, torch.Tensor]
 MicroStep = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-#: Metrics that are a micro-batch's share of a step total (summed); the rest are masked
-#: means over the micro-batch, averaged over the step weighted by loss tokens.
-SHARES = frozenset({"loss", "pg_loss", "kl_loss", "value_loss"})
-#: Stands in for a rank's missing micro-batches (FSDP needs the same number of forwards on
-#: every rank): one context token, one prediction, loss mask 0, so it adds nothing.
-_EMPTY_SEQUENCE = np.zeros(2, dtype=np.int64)
 
 
 class TorchTrainer:
     """The torch training backend (``Trainer`` protocol); see the module docstring."""
 
-    Config = TorchTrainerConfig
+    Config = TrainerConfig
 
     def __init__(self, config: Config, algo: PolicyConfig | None = None) -> None:
         self.config = config
@@ -100,7 +99,7 @@ class TorchTrainer:
         self.dp = DataParallel.detect(config.parallel)
         self.device = self.dp.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        _seed_everything(config.seed)
+        seed_everything(config.seed)
         self.version = 0
         self.policy = self._trainable(self._load_lm(config.model_path), config.lr)
         self.attn = str(self.policy.model.config._attn_implementation)
@@ -180,7 +179,7 @@ class TorchTrainer:
         mbs = self._microbatches(rows)
         cols = self._columns(rows, mbs)
         scale = LossScale.of(rows.mask, self.algo.max_response_len)
-        extra = self._batch_metrics(rows, cols)
+        extra = batch_metrics(rows, cols, self.version)
 
         def micro_step(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             return self._rl_micro_step(mb, cols, scale)
@@ -193,7 +192,7 @@ class TorchTrainer:
     def _microbatches(self, rows: RolloutTensors) -> list[MicroBatch]:
         """This rank's micro-batches of the rows with loss tokens, padded to equal counts.
 
-        Row ``B`` (one past the last) is the empty stand-in (``_EMPTY_SEQUENCE``).
+        Row ``B`` (one past the last) is the empty stand-in (``EMPTY_SEQUENCE``).
         """
         n = rows.num_rows
         active = [i for i in range(n) if bool(rows.mask[i].any())]
@@ -202,7 +201,7 @@ class TorchTrainer:
         count = max(1, *(len(p) for p in plans))
         mine = [[active[j] for j in b] for b in plans[self.dp.rank]]
         mine += [[n]] * (count - len(mine))
-        seqs, starts = [*rows.sequences, _EMPTY_SEQUENCE], [*rows.prompt_lens, 1]
+        seqs, starts = [*rows.sequences, EMPTY_SEQUENCE], [*rows.prompt_lens, 1]
         layout = "packed" if self.config.packing else "padded"
         return [
             build_microbatch(
@@ -220,35 +219,22 @@ class TorchTrainer:
 
     def _columns(self, rows: RolloutTensors, mbs: list[MicroBatch]) -> Columns:
         """``[B + 1, T]`` tensors of the step (the extra row is the empty stand-in's)."""
-        cols = {
-            "mask": _pad_row(rows.mask.to(self.device)),
-            "behaviour": _pad_row(rows.behaviour.to(self.device)),
-        }
-        cols["old"] = cols["behaviour"]
-        if self.algo.recompute_old_logprobs:
-            cols["old"] = self._score(self.policy.model, mbs, cols["mask"].shape)
-        kl = None
-        if self.ref is not None:
-            cols["ref"] = self._score(self.ref, mbs, cols["mask"].shape)
-            kl = approx_kl(cols["old"], cols["ref"], self.algo.kl_loss_type) * cols["mask"]
-            cols["kl"] = kl
-        if self.critic is not None:
-            cols["values"] = self._score(self.critic.model, mbs, cols["mask"].shape, lm=False)
-        advantages, returns = compute_advantages(
-            self.algo,
-            rows.scores_GN.to(self.device),
-            rows.mask.to(self.device),
-            values_BT=cols["values"][:-1] if "values" in cols else None,
-            kl_BT=kl[:-1] if kl is not None else None,
-        )
-        cols["advantages"] = _pad_row(advantages)
-        if returns is not None:
-            cols["returns"] = _pad_row(returns)
-        return cols
+        shape = (rows.num_rows + 1, rows.width)
+
+        def score(model: Scored) -> torch.Tensor:
+            if model == "critic":
+                assert self.critic is not None
+                return self._score(self.critic.model, mbs, shape, lm=False)
+            return self._score(self.policy.model if model == "policy" else self.ref, mbs, shape)
+
+        return step_columns(
+            self.algo, rows, self.device, score, ref=self.ref is not None,
+            critic=self.critic is not None,
+        )  # fmt: skip
 
     @torch.no_grad()
     def _score(
-        self, model: nn.Module, mbs: list[MicroBatch], shape: torch.Size, *, lm: bool = True
+        self, model: nn.Module, mbs: list[MicroBatch], shape: tuple[int, int], *, lm: bool = True
     ) -> torch.Tensor:
         """Log-probs (``lm``) or critic values of every row, ``[B + 1, T]``.
 
@@ -301,19 +287,6 @@ class TorchTrainer:
         with torch.no_grad():
             return to_rows(entropy_from_logits(logits.detach()), mb)
 
-    def _batch_metrics(self, rows: RolloutTensors, cols: Columns) -> dict[str, float]:
-        mask = rows.mask.bool()
-        stale = (self.version - rows.versions)[mask].float()
-        metrics = {
-            "staleness/mean": float(stale.mean()) if stale.numel() else 0.0,
-            "staleness/max": float(stale.max()) if stale.numel() else 0.0,
-            "reward/mean": float(rows.scores_GN.mean()),
-            "batch/dropped_groups": float(rows.num_dropped_groups),
-        }
-        if "kl" in cols:
-            metrics["kl"] = float(masked_mean(cols["kl"], cols["mask"]))
-        return metrics
-
     # -- the SFT step ---------------------------------------------------------------------
     def sft_step(
         self,
@@ -325,7 +298,7 @@ class TorchTrainer:
         start = time.perf_counter()
         rows = sft_tensors(tokens, loss_masks)
         mbs = self._microbatches(rows)
-        mask = _pad_row(rows.mask.to(self.device))
+        mask = pad_row(rows.mask.to(self.device))
         scale = LossScale.of(rows.mask)
 
         def micro_step(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -342,30 +315,21 @@ class TorchTrainer:
         self, mbs: list[MicroBatch], mask: torch.Tensor, step: MicroStep, learners: list[Learner]
     ) -> dict[str, float]:
         """Backward ``world_size * loss`` of each micro-batch; the last one syncs gradients."""
-        tally = _Tally()
+        tally = Tally()
         for i, mb in enumerate(mbs):
             with _synced(learners, i == len(mbs) - 1):
                 loss, metrics = step(mb)
                 (loss * self.dp.world_size).backward()
             tally.add(metrics, float(mask[mb.rows].sum()))
-        return tally.reduce(self.dp, self.device)
+        return tally.reduce(sorted(tally.sums), self._all_reduce_sum)
+
+    def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dp.all_reduce_sum(x.to(self.device))
 
     def _finish(self, start: float, rows: RolloutTensors, metrics: dict[str, float]) -> StepResult:
         grad_norm, lr = self.policy.step(self.config.grad_clip)
         self.version += 1
-        active = [i for i in range(rows.num_rows) if bool(rows.mask[i].any())]
-        tokens = sum(len(rows.sequences[i]) for i in active)
-        elapsed = time.perf_counter() - start
-        num_tokens = int(rows.mask.sum())
-        metrics |= {
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "num_tokens": float(num_tokens),
-            "tokens": float(tokens),
-            "tokens_per_s": tokens / max(elapsed, 1e-9),
-            "time/step": elapsed,
-        }
-        return StepResult(self.version, metrics, num_tokens=num_tokens, num_samples=len(active))
+        return step_result(self.version, rows, metrics | {"grad_norm": grad_norm, "lr": lr}, start)
 
     # -- weights and checkpoints ----------------------------------------------------------
     def export_weights(self) -> dict[str, torch.Tensor]:
@@ -378,8 +342,8 @@ class TorchTrainer:
         path = Path(path)
         weights = self.export_weights()
         if self.dp.rank == 0:
-            write_hf_dir(path, self.policy.model, weights)
-            _copy_tokenizer(self.config.model_path, path)
+            write_model_dir(path, self.policy.model, weights)
+            copy_tokenizer(self.config.model_path, path)
         self.dp.barrier()
 
     def save_checkpoint(self, path: Path) -> None:
@@ -390,7 +354,7 @@ class TorchTrainer:
         if self.critic is not None:
             self.critic.save(path / "critic")
         (path / "rng").mkdir(parents=True, exist_ok=True)
-        torch.save(_rng_state(), path / "rng" / f"rank{self.dp.rank}.pt")
+        torch.save(rng_state(), path / "rng" / f"rank{self.dp.rank}.pt")
         if self.dp.rank == 0:
             state = {
                 "version": self.version,
@@ -422,33 +386,8 @@ class TorchTrainer:
             self.critic.load(path / "critic")
         rng = path / "rng" / f"rank{self.dp.rank}.pt"
         if rng.is_file():
-            _set_rng_state(_load_rng(rng))
+            set_rng_state(load_rng(rng))
         self.version = version
-
-
-class _Tally:
-    """Step metrics from micro-batch metrics: shares summed, means weighted by tokens."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weight = 0.0
-
-    def add(self, metrics: dict[str, torch.Tensor], weight: float) -> None:
-        for key, value in metrics.items():
-            share = float(value) if key in SHARES else float(value) * weight
-            self.sums[key] = self.sums.get(key, 0.0) + share
-        self.weight += weight
-
-    def reduce(self, dp: DataParallel, device: torch.device) -> dict[str, float]:
-        """Totals over ranks (every rank has the same keys: the stand-in runs the loss too)."""
-        keys = sorted(self.sums)
-        values = [self.sums[k] for k in keys] + [self.weight]
-        total = dp.all_reduce_sum(torch.tensor(values, dtype=torch.float64, device=device))
-        weight = max(float(total[-1]), 1e-12)
-        return {
-            k: float(total[i]) if k in SHARES else float(total[i]) / weight
-            for i, k in enumerate(keys)
-        }
 
 
 @contextmanager
@@ -459,11 +398,6 @@ def _synced(learners: list[Learner], enabled: bool) -> Iterator[None]:
         yield
 
 
-def _pad_row(x_BT: torch.Tensor) -> torch.Tensor:
-    """Append the empty stand-in's all-zero row."""
-    return torch.cat([x_BT, x_BT.new_zeros(1, x_BT.shape[1])])
-
-
 def _enable_checkpointing(model: nn.Module) -> None:
     """Non-reentrant activation checkpointing (transformers 5 renamed the method)."""
     kwargs = {"use_reentrant": False}
@@ -471,54 +405,3 @@ def _enable_checkpointing(model: nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _rng_state() -> dict[str, Any]:
-    """Every RNG's state as tensors and plain values (loadable with ``weights_only``)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
-
-
-def _load_rng(path: Path) -> dict[str, Any]:
-    """``_rng_state`` from ``path``; files written before it held a numpy array are read
-    with just the numpy types an array needs allowed, still never arbitrary objects."""
-    try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError:
-        import numpy.dtypes
-        from numpy._core.multiarray import _reconstruct
-
-        allowed = [_reconstruct, np.ndarray, np.dtype, numpy.dtypes.UInt32DType]
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, weights_only=True)
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
-    np.random.set_state((kind, keys.astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _copy_tokenizer(source: str, path: Path) -> None:
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError):  # no tokenizer next to the weights: weights only
-        return
-    tokenizer.save_pretrained(path)

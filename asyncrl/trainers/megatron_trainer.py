@@ -1,0 +1,622 @@
+"""MegatronTrainer: RL and SFT steps on megatron-core with TP, PP and DP (``backend: megatron``).
+
+The same ``Trainer`` protocol as ``torch_trainer.TorchTrainer``, so ``TrainerActor`` and
+``asyncrl sft`` run either. The policy is a megatron ``GPTModel`` built from the Hugging
+Face config at ``model_path`` (Qwen2 / Llama, ``megatron_bridge``), its weights converted
+from the HF checkpoint, wrapped in megatron's ``DistributedDataParallel`` and trained by
+``get_megatron_optimizer`` (Adam with decoupled weight decay, optionally the distributed
+optimizer). Layout: the launcher's process group holds ``TP * PP * DP`` ranks (with none,
+the trainer makes a one-rank group); each rank builds its pipeline stage and TP shard.
+
+One ``train_step(batch)`` (every rank gets the same batch and plans the same way)::
+
+    rows        rollout_tensors: sequences, [B, T] mask, behaviour log-probs, scores
+    plan        plan_ranks over the DP ranks: this DP rank's token-budget micro-batches
+                (every stage and TP rank of a pipeline plans the same ones)
+    no-grad     forward-only schedule: old (unless use_rollout_logprobs) and reference
+                log-probs; the last stage (TP rank 0) fills its rows and a sum over all
+                ranks gives every rank the [B + 1, T] columns
+    advantages  compute_advantages on the whole batch (identically on every rank)
+    grad        get_forward_backward_func (1F1B with PP): forward, the loss on the last
+                stage, backward; finalize_model_grads reduces over DP
+    update      optimizer.step (clip by the pre-clip global norm, reported), LR from the
+                schedule of ``learner.lr_factor``, version += 1
+
+Losses. ``rl_loss`` / ``sft_loss`` use step-global denominators (``LossScale``), so the
+step loss is the sum of micro-batch losses over micro-batches and DP ranks. megatron's
+schedule divides each micro-batch loss by this rank's micro-batch count ``M`` and its DDP
+averages gradients over the ``D`` DP ranks; the loss function returns ``M * D * loss`` so
+that the gradient is that of the step loss taken whole, as in the torch trainer.
+Log-probs and entropy come from the vocab-sharded logits (``vocab_parallel``).
+
+Micro-batches. With the local layer spec a micro-batch is packed into one row with a
+block-diagonal causal mask (megatron's RoPE counts positions along the row; attention
+scores depend on position differences only, so the restart at each sequence is not
+needed). The TransformerEngine spec ignores such a mask, so there the micro-batches are
+padded rows (THD packing through ``PackedSeqParams`` is not wired: it needs TE and a GPU).
+``packing: false`` pads with either spec.
+
+Limits: no critic (``ppo`` is refused); sequence parallel, context and expert parallel
+are not exposed; megatron-core 0.16.1 calls CUDA throughout, so ``device: cpu`` runs only
+under the test suite's CPU shim (``tests/megatron_shim.py``). megatron's optimizer skips
+weight decay on biases and norm weights (the torch trainer decays every parameter).
+
+Checkpoints: ``megatron/`` (``dist_checkpointing``: the model's and the optimizer's
+sharded state, any rank layout that saved it), ``rng/rank{r}.pt`` and ``trainer.json``.
+Metrics: those of ``TorchTrainer`` less the critic's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial, wraps
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from asyncrl.policies import LossInputs, LossScale, PolicyConfig, rl_loss, sft_loss
+from asyncrl.trainers import megatron_bridge as bridge
+from asyncrl.trainers import vocab_parallel as vp
+from asyncrl.trainers.base import StepResult
+from asyncrl.trainers.config import TrainerConfig
+from asyncrl.trainers.learner import OptimSettings, copy_tokenizer, lr_factor, write_hf_dir
+from asyncrl.trainers.packing import MicroBatch, build_microbatch, plan_ranks, to_rows
+from asyncrl.trainers.rl_columns import (
+    EMPTY_SEQUENCE,
+    Columns,
+    Scored,
+    Tally,
+    batch_metrics,
+    pad_row,
+    step_columns,
+    step_result,
+)
+from asyncrl.trainers.rng import load_rng, rng_state, seed_everything, set_rng_state
+from asyncrl.trainers.rollout_tensors import RolloutTensors, rollout_tensors, sft_tensors
+from asyncrl.types import TrainBatch
+
+P = ParamSpec("P")
+R = TypeVar("R")
+LossOf = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+_HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _on_device(method: Callable[P, R]) -> Callable[P, R]:
+    """Run on the trainer's GPU: the actor calls from worker threads, and the current
+    CUDA device is per thread."""
+
+    @wraps(method)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        device = args[0].device  # type: ignore[attr-defined]
+        ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            return method(*args, **kwargs)
+
+    return run
+
+
+class MegatronTrainer:
+    """The megatron-core training backend (``Trainer`` protocol); see the module docstring."""
+
+    Config = TrainerConfig
+
+    def __init__(self, config: Config, algo: PolicyConfig | None = None) -> None:
+        from transformers import AutoConfig
+
+        self.config = config
+        self.algo = algo if algo is not None else PolicyConfig()
+        if self.algo.needs_critic:
+            raise ValueError(
+                f"advantage_estimator={self.algo.advantage_estimator} needs a critic, which "
+                "the megatron backend does not train (use the torch backend)"
+            )
+        self.device = _device(config.device)
+        seed_everything(config.seed)
+        self.version = 0
+        self.hf = AutoConfig.from_pretrained(config.model_path)
+        self.te = _use_te(config.megatron.transformer_impl)
+        self.layout = _join_model_parallel(config, self.hf)
+        self.shard = vp.VocabShard.megatron(self.hf.vocab_size)
+        self.gpt, self.model = self._build(config.model_path, trainable=True)
+        self.optimizer = self._optimizer()
+        self.ref = (
+            self._build(self._ref_path(), trainable=False)[1] if self.algo.needs_ref else None
+        )
+
+    # -- models ---------------------------------------------------------------------------
+    def _ref_path(self) -> str:
+        return self.config.ref_model_path or self.config.model_path
+
+    def _transformer_config(self) -> Any:
+        c, m = self.config, self.config.megatron
+        dtype = _HALF.get(c.dtype, torch.float32)
+        overrides: dict[str, Any] = {
+            "tensor_model_parallel_size": m.tensor_parallel,
+            "pipeline_model_parallel_size": m.pipeline_parallel,
+            "params_dtype": dtype,
+            "pipeline_dtype": dtype,
+            "bf16": c.dtype == "bfloat16",
+            "fp16": c.dtype == "float16",
+            # Micro-batches differ in shape: stages exchange shapes first. (The check that
+            # refuses this names MoE's dispatcher even for dense models.)
+            "variable_seq_lengths": m.pipeline_parallel > 1,
+            "moe_token_dispatcher_type": "alltoall",
+            "use_cpu_initialization": self.device.type == "cpu",
+        }
+        if c.gradient_checkpointing:
+            overrides |= {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            }
+        return bridge.transformer_config(self.hf, **overrides)
+
+    def _build(self, path: str, *, trainable: bool) -> tuple[nn.Module, nn.Module]:
+        """This rank's ``GPTModel`` with the HF weights at ``path``, and the module the
+        schedule runs: DDP-wrapped when ``trainable``, frozen otherwise."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.module import Float16Module
+
+        cfg = self._transformer_config()
+        gpt = bridge.gpt_model(
+            self.hf,
+            cfg,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            te=self.te,
+        )
+        bridge.load_hf_state(gpt, self.hf, _hf_state(path, self.hf), te=self.te)
+        module: nn.Module = gpt.to(self.device)
+        if self.config.dtype in _HALF:
+            module = Float16Module(cfg, module)
+        if not trainable:
+            return gpt, module.eval().requires_grad_(False)
+        return gpt, self._wrap(cfg, module)
+
+    def _wrap(self, cfg: Any, module: nn.Module) -> nn.Module:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        m = self.config.megatron
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=m.overlap_grad_reduce,
+            use_distributed_optimizer=m.distributed_optimizer,
+        )
+        ddp = DistributedDataParallel(cfg, ddp_config, module=module)
+        # The wiring Megatron-LM's training loop does: without it DP grads are never
+        # reduced; with overlap, micro-batches before the last must not reduce.
+        cfg.finalize_model_grads_func = finalize_model_grads
+        if m.overlap_grad_reduce:
+            cfg.no_sync_func = ddp.no_sync
+        return ddp
+
+    def _optimizer(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        c = self.config
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=c.lr,
+                weight_decay=c.weight_decay,
+                adam_beta1=c.betas[0],
+                adam_beta2=c.betas[1],
+                adam_eps=c.adam_eps,
+                clip_grad=c.grad_clip or 0.0,
+                bf16=c.dtype == "bfloat16",
+                fp16=c.dtype == "float16",
+                params_dtype=_HALF.get(c.dtype, torch.float32),
+                use_distributed_optimizer=c.megatron.distributed_optimizer,
+            ),
+            [self.model],
+        )
+        self.model.config.grad_scale_func = optimizer.scale_loss  # fp16 loss scaling
+        return optimizer
+
+    def _settings(self) -> OptimSettings:
+        c = self.config
+        return OptimSettings(
+            lr=c.lr,
+            schedule=c.lr_schedule,
+            warmup_steps=c.warmup_steps,
+            total_steps=c.total_steps,
+            min_lr_ratio=c.min_lr_ratio,
+        )
+
+    # -- micro-batches and the schedule ---------------------------------------------------
+    def _microbatches(self, rows: RolloutTensors) -> list[MicroBatch]:
+        """This DP rank's micro-batches of the rows with loss tokens (at least one: the
+        empty stand-in, row ``B``, when the rank has no rows)."""
+        from megatron.core import parallel_state as ps
+
+        n = rows.num_rows
+        active = [i for i in range(n) if bool(rows.mask[i].any())]
+        lengths = [len(rows.sequences[i]) for i in active]
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        plan = plan_ranks(lengths, self.config.max_tokens_per_microbatch, dp)[dp_rank]
+        mine = [[active[j] for j in b] for b in plan] or [[n]]
+        seqs, starts = [*rows.sequences, EMPTY_SEQUENCE], [*rows.prompt_lens, 1]
+        layout = "packed" if self.config.packing and not self.te else "padded"
+        return [
+            build_microbatch(seqs, starts, m, rows.width, layout=layout, device=self.device)
+            for m in mine
+        ]
+
+    def _schedule(
+        self,
+        model: nn.Module,
+        mbs: list[MicroBatch],
+        loss_of: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]],
+        *,
+        forward_only: bool,
+    ) -> None:
+        """Run ``mbs`` through megatron's schedule; ``loss_of(mb, logits)`` runs on the last
+        stage with ``logits`` ``[N, V/T]`` at the micro-batch's response positions."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(data: Iterator[MicroBatch], module: nn.Module) -> tuple[torch.Tensor, Any]:
+            mb = next(data)
+            # packed: megatron's mask is True where attention is blocked; padded: causal
+            # alone keeps real tokens off the right padding.
+            mask = (
+                None if mb.attention_mask is None or mb.layout == "padded" else ~mb.attention_mask
+            )
+            output = module(mb.input_ids, mb.position_ids, attention_mask=mask)
+            return output, partial(_selected_loss, loss_of, mb)
+
+        get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter(mbs),
+            model=[model],
+            num_microbatches=len(mbs),
+            seq_length=max(int(mb.input_ids.shape[1]) for mb in mbs),
+            micro_batch_size=max(int(mb.input_ids.shape[0]) for mb in mbs),
+            forward_only=forward_only,
+        )
+
+    def _holds_loss(self) -> bool:
+        """The ranks whose losses count: the last pipeline stage, TP rank 0 (the other TP
+        ranks compute the same values)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+
+    def _all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(x)
+        return x.cpu() if x.dtype == torch.float64 else x
+
+    @torch.no_grad()
+    def _score(self, which: Scored, mbs: list[MicroBatch], shape: tuple[int, int]) -> torch.Tensor:
+        """``[B + 1, T]`` log-probs of the policy or the reference model, on every rank."""
+        out = torch.zeros(shape, device=self.device)
+
+        def keep(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            out[mb.rows] = to_rows(vp.token_logprobs(logits, mb.targets, self.shard), mb)
+            return logits.new_zeros(()), {}
+
+        model = self.model if which == "policy" else self.ref
+        assert model is not None
+        self._schedule(model, mbs, keep, forward_only=True)
+        out[-1] = 0.0
+        if not self._holds_loss():
+            out.zero_()
+        return self._all_reduce_sum(out)
+
+    def _train(
+        self, mbs: list[MicroBatch], mask: torch.Tensor, loss_of: LossOf
+    ) -> dict[str, float]:
+        """One optimizer step over ``mbs``; returns the step metrics (every rank)."""
+        from megatron.core import parallel_state as ps
+
+        scale = len(mbs) * ps.get_data_parallel_world_size()  # see "Losses" above
+        tally = Tally()
+
+        def loss(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            value, metrics = loss_of(mb, logits)
+            tally.add(metrics, float(mask[mb.rows].sum()))
+            return value * scale, {}
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._schedule(self.model, mbs, loss, forward_only=False)
+        lr = self.config.lr * lr_factor(self.version, self._settings())
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        _, grad_norm, _ = self.optimizer.step()
+        if grad_norm is None:  # no clipping: measured alone
+            grad_norm = self.optimizer.get_grad_norm()
+        self.version += 1
+        keys = self._metric_keys(sorted(tally.sums))
+        metrics = (tally if self._holds_loss() else Tally()).reduce(keys, self._all_reduce_sum)
+        return metrics | {"grad_norm": float(grad_norm), "lr": lr}
+
+    def _metric_keys(self, keys: list[str]) -> list[str]:
+        """The last stage's metric names on every rank of its pipeline (others ran no
+        loss and have none)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return keys
+        group, src = (
+            ps.get_pipeline_model_parallel_group(),
+            ps.get_pipeline_model_parallel_last_rank(),
+        )
+        data = torch.tensor(list(json.dumps(keys).encode()), dtype=torch.uint8, device=self.device)
+        size = torch.tensor([data.numel()], device=self.device)
+        dist.broadcast(size, src=src, group=group)
+        if not ps.is_pipeline_last_stage():
+            data = torch.empty(int(size), dtype=torch.uint8, device=self.device)
+        dist.broadcast(data, src=src, group=group)
+        return json.loads(bytes(data.cpu().tolist()).decode())
+
+    # -- the RL step ----------------------------------------------------------------------
+    @_on_device
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        """One RL optimizer step on ``batch``; see the module docstring."""
+        start = time.perf_counter()
+        rows = rollout_tensors(batch, self.config.reward_key)
+        mbs = self._microbatches(rows)
+        shape = (rows.num_rows + 1, rows.width)
+        cols = step_columns(
+            self.algo, rows, self.device, lambda which: self._score(which, mbs, shape),
+            ref=self.ref is not None, critic=False,
+        )  # fmt: skip
+        loss_scale = LossScale.of(rows.mask, self.algo.max_response_len)
+        extra = batch_metrics(rows, cols, self.version)
+        metrics = self._train(mbs, cols["mask"], partial(self._rl_loss, cols, loss_scale))
+        return step_result(self.version, rows, metrics | extra, start)
+
+    def _rl_loss(
+        self, cols: Columns, scale: LossScale, mb: MicroBatch, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        c = {k: v[mb.rows] for k, v in cols.items()}
+        x = LossInputs(
+            logprobs=to_rows(vp.token_logprobs(logits, mb.targets, self.shard), mb),
+            old_logprobs=c["old"],
+            behaviour_logprobs=c["behaviour"],
+            advantages=c["advantages"],
+            mask=c["mask"],
+            entropy=self._entropy(logits, mb),
+            ref_logprobs=c.get("ref"),
+        )
+        loss, metrics = rl_loss(self.algo, x, scale)
+        metrics["loss"] = loss.detach()
+        return loss, metrics
+
+    def _entropy(self, logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """Per-token entropy ``[b, T]``; detached (a metric only) when ``entropy_coef == 0``."""
+        if self.algo.entropy_coef > 0:
+            return to_rows(vp.entropy(logits, self.shard), mb)
+        with torch.no_grad():
+            return to_rows(vp.entropy(logits.detach(), self.shard), mb)
+
+    # -- the SFT step ---------------------------------------------------------------------
+    @_on_device
+    def sft_step(
+        self,
+        tokens: Sequence[np.ndarray],
+        loss_masks: Sequence[np.ndarray],
+        label_smoothing: float = 0.0,
+    ) -> StepResult:
+        """One supervised step: token-mean smoothed cross-entropy (``Trainer.sft_step``)."""
+        start = time.perf_counter()
+        rows = sft_tensors(tokens, loss_masks)
+        mbs = self._microbatches(rows)
+        mask = pad_row(rows.mask.to(self.device))
+        scale = LossScale.of(rows.mask)
+
+        def loss_of(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            logprobs = vp.smoothed_logprobs(logits, mb.targets, label_smoothing, self.shard)
+            loss = sft_loss(to_rows(logprobs, mb), mask[mb.rows], scale=scale)
+            return loss, {"loss": loss.detach()}
+
+        return step_result(self.version, rows, self._train(mbs, mask, loss_of), start)
+
+    # -- weights and checkpoints ----------------------------------------------------------
+    @_on_device
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """HF-named CPU copies of the whole policy on every rank (a collective: TP shards
+        are all-gathered, pipeline stages broadcast)."""
+        weights = bridge.gather_hf_weights(self.gpt, self.hf, te=self.te)
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}
+
+    def save_hf(self, path: Path) -> None:
+        """An HF model directory (config, ``model.safetensors``, tokenizer if the source
+        has one) that ``AutoModelForCausalLM.from_pretrained`` and ``TorchEngine`` load."""
+        path = Path(path)
+        weights = self.export_weights()
+        if dist.get_rank() == 0:
+            hf = self.hf
+            hf.architectures = hf.architectures or [f"{type(hf).__name__[:-6]}ForCausalLM"]
+            write_hf_dir(path, hf, weights, _generation_config(self.config.model_path))
+            copy_tokenizer(self.config.model_path, path)
+        dist.barrier()
+
+    @_on_device
+    def save_checkpoint(self, path: Path) -> None:
+        """``megatron/`` (model and optimizer, ``dist_checkpointing``), ``rng/rank{r}.pt``,
+        ``trainer.json``. Every rank calls it; ``path`` is shared."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        path = Path(path)
+        if dist.get_rank() == 0:
+            (path / "megatron").mkdir(parents=True, exist_ok=True)
+            (path / "rng").mkdir(exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state(loading=False), str(path / "megatron"))
+        rng = {"global": rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+        torch.save(rng, path / "rng" / f"rank{dist.get_rank()}.pt")
+        if dist.get_rank() == 0:
+            state = {
+                "version": self.version,
+                "layout": self.layout,
+                "config": self.config.model_dump(mode="json"),
+                "algo": self.algo.model_dump(mode="json"),
+            }
+            (path / "trainer.json").write_text(json.dumps(state, indent=2))
+        dist.barrier()
+
+    @_on_device
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore a ``save_checkpoint`` directory; the next steps repeat bit-exactly."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        path = Path(path)
+        try:
+            version = int(json.loads((path / "trainer.json").read_text())["version"])
+            state = dist_checkpointing.load(
+                self._sharded_state(loading=True, version=version), str(path / "megatron")
+            )
+        except (Exception, CheckpointException) as exc:  # all mean the same here
+            raise ValueError(
+                f"trainer checkpoint {path} is unreadable (truncated or incomplete?): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        self.gpt.load_state_dict(state["model"])
+        if "optimizer" in state:
+            with torch.no_grad():  # it copies into views of the parameters
+                self.optimizer.load_state_dict(state["optimizer"])
+            _set_adam_steps(self.optimizer, version)
+        elif self.version > 0:  # back to before the first step: a fresh Adam
+            self.optimizer = self._optimizer()
+        rng = path / "rng" / f"rank{dist.get_rank()}.pt"
+        if rng.is_file():
+            saved = load_rng(rng)
+            set_rng_state(saved["global"])
+            get_cuda_rng_tracker().set_states(saved["tracker"])
+        self.version = version
+
+    def _sharded_state(self, *, loading: bool, version: int | None = None) -> dict[str, Any]:
+        """The model's (and, after a step, the optimizer's) sharded state; Adam has no
+        state before its first step, and a version-0 checkpoint holds none."""
+        model = self.gpt.sharded_state_dict()  # the wrappers' would prefix "module."
+        if (self.version if version is None else version) == 0:
+            return {"model": model}
+        # The canonical per-parameter layout: loadable under another TP/PP/DP layout.
+        # (0.16.1's default, fully_sharded_model_space, refuses its own flattened shards.)
+        optimizer = self.optimizer.sharded_state_dict(
+            model, is_loading=loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+        )
+        return {"model": model, "optimizer": optimizer}
+
+
+def _set_adam_steps(optimizer: Any, steps: int) -> None:
+    """Give each parameter of torch's Adam its own step count (its bias correction),
+    ``steps``. The distributed optimizer's checkpoint keeps Adam's moments but not this
+    count (fused Adams keep it elsewhere); on load megatron gives every parameter one
+    shared count tensor, which torch's Adam then increments once per parameter per step.
+    Every step of this trainer updates (no fp16 overflow skips), so the count is the
+    version."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in chained.optimizer.state.values():
+            if "step" in state:
+                old = state["step"]
+                fresh = torch.full_like(old, float(steps)) if torch.is_tensor(old) else steps
+                state["step"] = fresh
+
+
+def _selected_loss(
+    loss_of: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]],
+    mb: MicroBatch,
+    output: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``loss_of`` on the logits ``[b, L, V/T]`` at the micro-batch's kept positions."""
+    return loss_of(mb, output.flatten(0, 1)[mb.keep])
+
+
+def _device(kind: str) -> torch.device:
+    """This rank's device. megatron-core 0.16.1 hard-codes CUDA calls (its RNG tracker,
+    RoPE, optimizers), so the CPU works only where they are redirected (the tests' shim)."""
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.device=cuda but torch sees no GPU")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    try:
+        redirected = torch.cuda.current_device() == "cpu"
+    except (AssertionError, RuntimeError):  # CPU-only torch: "not compiled with CUDA"
+        redirected = False
+    if kind != "cpu" or not redirected:
+        raise ValueError(
+            f"trainer.backend=megatron with device={kind}: megatron-core calls CUDA "
+            "throughout, so it trains on GPUs (set trainer.device=cuda); CPU runs exist "
+            "only under the test suite's shim (tests/megatron_shim.py)"
+        )
+    return torch.device("cpu")
+
+
+def _use_te(impl: str) -> bool:
+    if impl == "local":
+        return False
+    installed = bridge.has_transformer_engine()
+    if impl == "transformer_engine" and not installed:
+        raise ValueError("trainer.megatron.transformer_impl=transformer_engine: not installed")
+    return installed
+
+
+def _join_model_parallel(config: TrainerConfig, hf: Any) -> dict[str, int]:
+    """megatron's TP/PP groups over the launcher's process group (a one-rank group of
+    our own when there is none); checks the sizes fit the world and the model."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    tp, pp = config.megatron.tensor_parallel, config.megatron.pipeline_parallel
+    if not dist.is_initialized():
+        backend = "nccl" if config.device == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of TP {tp} x PP {pp}")
+    bridge.check_tp(hf, tp)
+    bridge.pp_layers(hf.num_hidden_layers, 0, pp)
+    if ps.model_parallel_is_initialized():
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+        )
+        if have != (tp, pp):
+            raise ValueError(
+                f"megatron is already initialised with TP, PP = {have}, not {(tp, pp)}"
+            )
+    else:
+        ps.initialize_model_parallel(tp, pp)
+    model_parallel_cuda_manual_seed(config.seed)
+    return {"tp": tp, "pp": pp, "dp": world // (tp * pp)}
+
+
+def _hf_state(path: str, hf: Any) -> dict[str, torch.Tensor]:
+    """The HF checkpoint's tensors under HF names (a tied head is the embedding itself)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    state = model.state_dict()
+    if hf.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _generation_config(path: str) -> Any:
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None

@@ -1,0 +1,134 @@
+"""What both backends' RL steps share: the step's ``[B + 1, T]`` columns and metrics.
+
+A step scores its rows once before any gradient (``step_columns``): the old log-probs
+(unless the rollout's are used), the reference log-probs and KL, the critic's values,
+then the advantages of the whole batch. Row ``B`` (one past the last) belongs to the
+empty stand-in sequence (``EMPTY_SEQUENCE``) that fills a rank's missing micro-batches;
+its columns are all zero, so it adds nothing. ``Tally`` turns micro-batch metrics into
+step metrics (shares summed, means weighted by loss tokens, both over ranks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+import torch
+
+from asyncrl.policies import PolicyConfig, approx_kl, compute_advantages, masked_mean
+from asyncrl.trainers.base import StepResult
+from asyncrl.trainers.rollout_tensors import RolloutTensors
+
+Columns = dict[str, torch.Tensor]
+Scored = Literal["policy", "ref", "critic"]
+#: One context token, one prediction, loss mask 0: stands in for a missing micro-batch.
+EMPTY_SEQUENCE = np.zeros(2, dtype=np.int64)
+#: Metrics that are a micro-batch's share of a step total (summed); the rest are masked
+#: means over the micro-batch, averaged over the step weighted by loss tokens.
+SHARES = frozenset({"loss", "pg_loss", "kl_loss", "value_loss"})
+
+
+def pad_row(x_BT: torch.Tensor) -> torch.Tensor:
+    """Append the empty stand-in's all-zero row."""
+    return torch.cat([x_BT, x_BT.new_zeros(1, x_BT.shape[1])])
+
+
+def step_columns(
+    algo: PolicyConfig,
+    rows: RolloutTensors,
+    device: torch.device,
+    score: Callable[[Scored], torch.Tensor],
+    *,
+    ref: bool,
+    critic: bool,
+) -> Columns:
+    """``mask``, ``behaviour``, ``old``, ``ref``/``kl`` (with ``ref``), ``values`` (with
+    ``critic``), ``advantages`` and ``returns``, each ``[B + 1, T]``; ``score(model)``
+    gives that model's ``[B + 1, T]`` log-probs (values for the critic) on every rank."""
+    cols = {
+        "mask": pad_row(rows.mask.to(device)),
+        "behaviour": pad_row(rows.behaviour.to(device)),
+    }
+    cols["old"] = score("policy") if algo.recompute_old_logprobs else cols["behaviour"]
+    kl = None
+    if ref:
+        cols["ref"] = score("ref")
+        kl = approx_kl(cols["old"], cols["ref"], algo.kl_loss_type) * cols["mask"]
+        cols["kl"] = kl
+    if critic:
+        cols["values"] = score("critic")
+    advantages, returns = compute_advantages(
+        algo,
+        rows.scores_GN.to(device),
+        rows.mask.to(device),
+        values_BT=cols["values"][:-1] if "values" in cols else None,
+        kl_BT=kl[:-1] if kl is not None else None,
+    )
+    cols["advantages"] = pad_row(advantages)
+    if returns is not None:
+        cols["returns"] = pad_row(returns)
+    return cols
+
+
+def batch_metrics(rows: RolloutTensors, cols: Columns, version: int) -> dict[str, float]:
+    """Staleness (``version - token_version`` over loss tokens), reward, dropped groups,
+    and the mean KL when there is a reference model."""
+    mask = rows.mask.bool()
+    stale = (version - rows.versions)[mask].float()
+    metrics = {
+        "staleness/mean": float(stale.mean()) if stale.numel() else 0.0,
+        "staleness/max": float(stale.max()) if stale.numel() else 0.0,
+        "reward/mean": float(rows.scores_GN.mean()),
+        "batch/dropped_groups": float(rows.num_dropped_groups),
+    }
+    if "kl" in cols:
+        metrics["kl"] = float(masked_mean(cols["kl"], cols["mask"]))
+    return metrics
+
+
+def step_result(
+    version: int, rows: RolloutTensors, metrics: dict[str, float], start: float
+) -> StepResult:
+    """A finished step's ``StepResult``: ``metrics`` plus ``num_tokens`` (loss tokens),
+    ``tokens`` (forwarded, rows with loss tokens), ``tokens_per_s`` and ``time/step``
+    (since ``start``, a ``perf_counter`` reading)."""
+    active = [i for i in range(rows.num_rows) if bool(rows.mask[i].any())]
+    tokens = sum(len(rows.sequences[i]) for i in active)
+    elapsed = time.perf_counter() - start
+    num_tokens = int(rows.mask.sum())
+    metrics = metrics | {
+        "num_tokens": float(num_tokens),
+        "tokens": float(tokens),
+        "tokens_per_s": tokens / max(elapsed, 1e-9),
+        "time/step": elapsed,
+    }
+    return StepResult(version, metrics, num_tokens=num_tokens, num_samples=len(active))
+
+
+class Tally:
+    """Step metrics from micro-batch metrics: shares summed, means weighted by tokens."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weight = 0.0
+
+    def add(self, metrics: dict[str, torch.Tensor], weight: float) -> None:
+        """One micro-batch's metrics; ``weight`` is its loss tokens."""
+        for key, value in metrics.items():
+            share = float(value) if key in SHARES else float(value) * weight
+            self.sums[key] = self.sums.get(key, 0.0) + share
+        self.weight += weight
+
+    def reduce(
+        self, keys: list[str], all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
+    ) -> dict[str, float]:
+        """Totals over ranks of ``keys`` (a rank that ran no loss adds zeros)."""
+        values = [self.sums.get(k, 0.0) for k in keys] + [self.weight]
+        total = all_reduce_sum(torch.tensor(values, dtype=torch.float64))
+        weight = max(float(total[-1]), 1e-12)
+        return {
+            k: float(total[i]) if k in SHARES else float(total[i]) / weight
+            for i, k in enumerate(keys)
+        }

@@ -1,0 +1,271 @@
+"""MegatronTrainer (asyncrl/trainers/megatron_trainer.py): real megatron-core 0.16.1 on CPU
+(gloo; the test-only shim in megatron_shim.py), against the torch trainer on the same
+tiny Qwen2 and batch, and against itself under TP=2, PP=2 and DP=2 (2 processes)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from asyncrl.policies import PolicyConfig
+from asyncrl.trainers.base import StepResult, Trainer
+from asyncrl.trainers.torch_trainer import TorchTrainer
+from tests.megatron_shim import cpu_megatron, free_port, megatron_ranks
+from tests.test_torch_trainer import capture_grads, make_batch
+from tests.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+#: KL against a different reference model, an entropy bonus and two clip ranges: every
+#: term of the loss and both no-grad passes (old and reference log-probs) are exercised.
+ALGO = PolicyConfig(
+    use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, eps_clip=0.1, eps_clip_high=0.2
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ref")
+    build_tiny_model(path, seed=1)
+    return path
+
+
+@pytest.fixture
+def cpu() -> Iterator[None]:
+    """The shim for a test; the one-rank group the trainers make is torn down after."""
+    from megatron.core import parallel_state
+
+    with warnings.catch_warnings(), cpu_megatron():
+        warnings.simplefilter("ignore")
+        yield
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def config(path: Path, backend: str = "megatron", **overrides: Any) -> TorchTrainer.Config:
+    values = {"model_path": str(path), "lr": 1e-3, "max_tokens_per_microbatch": 40}
+    return TorchTrainer.Config(**(values | {"backend": backend} | overrides))
+
+
+def megatron(path: Path, algo: PolicyConfig = ALGO, **overrides: Any) -> Any:
+    from asyncrl.trainers.megatron_trainer import MegatronTrainer
+
+    return MegatronTrainer(config(path, **overrides), algo)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def same_step(a: StepResult, b: StepResult, keys: tuple[str, ...], atol: float = 1e-5) -> None:
+    for key in keys:
+        assert abs(a.metrics[key] - b.metrics[key]) < atol, (key, a.metrics[key], b.metrics[key])
+
+
+# ----------------------------------------------------------------- against the torch trainer
+
+LOSS_TERMS = ("loss", "pg_loss", "kl_loss", "kl", "entropy", "grad_norm", "clip_frac",
+              "is_weight", "mismatch_kl", "num_tokens")  # fmt: skip
+
+
+def test_the_megatron_trainer_satisfies_the_trainer_protocol(cpu, tiny):
+    trainer = megatron(tiny)
+    assert isinstance(trainer, Trainer) and trainer.version == 0
+    assert trainer.layout == {"tp": 1, "pp": 1, "dp": 1}
+
+
+def megatron_grads(trainer: Any) -> dict[str, torch.Tensor]:
+    """The gradients of the last step under HF names (megatron keeps them in ``main_grad``)."""
+    from asyncrl.trainers.megatron_bridge import megatron_to_hf
+
+    grads = {k: p.main_grad for k, p in trainer.gpt.named_parameters()}
+    return megatron_to_hf(trainer.hf, grads)
+
+
+# adam_eps=1e-5: Adam's first step moves each weight by lr * g / (|g| + eps), whatever the
+# size of g. Some gradients are (nearly) 0: a key bias shifts every score of a query
+# alike, which softmax ignores, so its true gradient is 0. There both trainers hold
+# round-off (1e-8 .. 5e-8 apart, measured), and at eps=1e-8 the first step turns that
+# into up to 4% of a full step (3.9e-5 at lr 1e-3), differently in each trainer. The
+# gradients themselves are compared directly, at the default eps.
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_loss_and_first_update_equal_the_torch_trainers(cpu, tiny, ref, packing: bool):
+    common = {"ref_model_path": str(ref), "packing": packing, "adam_eps": 1e-5}
+    torch_trainer = TorchTrainer(config(tiny, "torch", **common), ALGO)
+    mega = megatron(tiny, **common)
+    assert max_diff(mega.export_weights(), torch_trainer.export_weights()) == 0.0
+    grads = capture_grads(torch_trainer.policy)
+    want, got = torch_trainer.train_step(make_batch()), mega.train_step(make_batch())
+    same_step(want, got, LOSS_TERMS)
+    assert max_diff(megatron_grads(mega), grads) < 1e-6
+    assert want.metrics["kl"] > 0.01  # the reference model differs: the KL term is live
+    assert got.version == 1 and got.num_samples == want.num_samples
+    assert max_diff(mega.export_weights(), torch_trainer.export_weights()) < 1e-5
+    # A second step: the old log-probs now come from the updated weights.
+    same_step(torch_trainer.train_step(make_batch(1)), mega.train_step(make_batch(1)), LOSS_TERMS)
+
+
+def test_micro_batch_splitting_does_not_change_the_step(cpu, tiny):
+    one = megatron(tiny, max_tokens_per_microbatch=10_000).train_step(make_batch(2))
+    many = megatron(tiny, max_tokens_per_microbatch=16).train_step(make_batch(2))
+    same_step(one, many, ("loss", "grad_norm", "entropy"), atol=1e-6)
+
+
+def test_an_sft_step_equals_the_torch_trainers(cpu, tiny):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(3, 500, int(n)) for n in rng.integers(4, 12, 6)]
+    masks = [(np.arange(len(t)) >= 2).astype(np.uint8) for t in tokens]
+    torch_trainer = TorchTrainer(config(tiny, "torch", adam_eps=1e-5))  # eps: see above
+    mega = megatron(tiny, PolicyConfig(), adam_eps=1e-5)
+    grads = capture_grads(torch_trainer.policy)
+    want = torch_trainer.sft_step(tokens, masks, label_smoothing=0.1)
+    got = mega.sft_step(tokens, masks, label_smoothing=0.1)
+    same_step(want, got, ("loss", "grad_norm"))
+    assert max_diff(megatron_grads(mega), grads) < 1e-6
+    assert max_diff(mega.export_weights(), torch_trainer.export_weights()) < 1e-5
+
+
+def test_activation_recompute_trades_memory_not_gradients(cpu, tiny):
+    plain = megatron(tiny).train_step(make_batch(3))
+    recomputed = megatron(tiny, gradient_checkpointing=True).train_step(make_batch(3))
+    same_step(plain, recomputed, ("loss", "grad_norm"), atol=1e-6)
+
+
+def test_bf16_trains_close_to_fp32(cpu, tiny):
+    fp32 = megatron(tiny).train_step(make_batch(4))
+    bf16 = megatron(tiny, dtype="bfloat16")
+    result = bf16.train_step(make_batch(4))
+    assert abs(result.metrics["loss"] - fp32.metrics["loss"]) < 2e-2
+    assert abs(result.metrics["grad_norm"] / fp32.metrics["grad_norm"] - 1) < 5e-2
+    assert {v.dtype for v in bf16.export_weights().values()} == {torch.bfloat16}
+
+
+# ------------------------------------------------------------------- weights and checkpoints
+
+
+def test_save_hf_reloads_with_the_exported_weights(cpu, tiny, tmp_path):
+    trainer = megatron(tiny)
+    trainer.train_step(make_batch())
+    trainer.save_hf(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    exported = trainer.export_weights()
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in exported.items())
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+def test_a_checkpoint_resumes_bit_exactly(cpu, tiny, ref, tmp_path):
+    trainer = megatron(tiny, ref_model_path=str(ref), lr_schedule="cosine", total_steps=4)
+    trainer.train_step(make_batch(0))
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    want = trainer.train_step(make_batch(1))
+    resumed = megatron(tiny, ref_model_path=str(ref), lr_schedule="cosine", total_steps=4)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.version == 1
+    got = resumed.train_step(make_batch(1))
+    assert got.version == want.version == 2
+    assert got.metrics["loss"] == want.metrics["loss"] and got.metrics["lr"] == want.metrics["lr"]
+    assert max_diff(resumed.export_weights(), trainer.export_weights()) == 0.0
+
+
+def test_a_checkpoint_before_the_first_step_resumes_fresh(cpu, tiny, tmp_path):
+    trainer = megatron(tiny)
+    trainer.save_checkpoint(tmp_path / "ckpt")  # Adam has no state yet
+    want = trainer.train_step(make_batch())
+    resumed = megatron(tiny)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.train_step(make_batch()).metrics["loss"] == want.metrics["loss"]
+    assert max_diff(resumed.export_weights(), trainer.export_weights()) == 0.0
+
+
+def test_an_unreadable_checkpoint_is_refused_by_path(cpu, tiny, tmp_path):
+    trainer = megatron(tiny)
+    trainer.train_step(make_batch())
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    for shard in (tmp_path / "ckpt" / "megatron").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match="unreadable"):
+        megatron(tiny).load_checkpoint(tmp_path / "ckpt")
+
+
+def test_bad_settings_are_refused_by_name(cpu, tiny):
+    from asyncrl.trainers.megatron_trainer import MegatronTrainer
+
+    with pytest.raises(ValueError, match="needs a critic"):
+        MegatronTrainer(config(tiny), PolicyConfig(advantage_estimator="ppo"))
+    with pytest.raises(ValueError, match="does not use parallel"):
+        config(tiny, parallel="fsdp")
+    with pytest.raises(ValueError, match="world size 1 is not a multiple of TP 2"):
+        megatron(tiny, megatron={"tensor_parallel": 2})
+
+
+def test_without_a_gpu_or_the_shim_the_trainer_says_what_it_needs(tiny):
+    with pytest.raises(ValueError, match="megatron-core calls CUDA"):
+        megatron(tiny)
+
+
+# ------------------------------------------------------------------------ TP, PP, DP = 2
+
+LAYOUTS = {
+    "tp2": {"tensor_parallel": 2},
+    "pp2": {"pipeline_parallel": 2},
+    "dp2-distopt-overlap": {"distributed_optimizer": True, "overlap_grad_reduce": True},
+}
+
+
+def _layout_worker(rank: int, port: int, path: str, ref: str, layout: str, out: str) -> None:
+    """Two steps under ``layout``, a checkpoint after the first, and a resumed second step."""
+    m = LAYOUTS[layout]
+    tp, pp = m.get("tensor_parallel", 1), m.get("pipeline_parallel", 1)
+    with megatron_ranks(rank, 2, port, tp=tp, pp=pp):
+        trainer = megatron(Path(path), ref_model_path=ref, adam_eps=1e-5, megatron=m)
+        first = trainer.train_step(make_batch(0))
+        trainer.save_checkpoint(Path(out, "ckpt"))
+        second = trainer.train_step(make_batch(1))
+        weights = trainer.export_weights()
+        trainer.load_checkpoint(Path(out, "ckpt"))
+        again = trainer.train_step(make_batch(1))
+        resumed = max_diff(trainer.export_weights(), weights)
+        result = {"first": first.metrics, "second": second.metrics, "again": again.metrics,
+                  "resumed_diff": resumed, "layout": trainer.layout}  # fmt: skip
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        torch.save(weights, Path(out, f"weights{rank}.pt"))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_rank_layouts_train_like_one_rank(cpu, tiny, ref, tmp_path, layout: str):
+    # adam_eps=1e-5 as in the parity test: the second step starts from the first update.
+    single = megatron(tiny, ref_model_path=str(ref), adam_eps=1e-5)
+    want = [single.train_step(make_batch(0)), single.train_step(make_batch(1))]
+    args = (free_port(), str(tiny), str(ref), layout, str(tmp_path))
+    mp.spawn(_layout_worker, args=args, nprocs=2, join=True)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["layout"]["tp"] * got["layout"]["pp"] * got["layout"]["dp"] == 2
+        for key in ("loss", "grad_norm", "entropy", "kl"):
+            assert abs(got["first"][key] - want[0].metrics[key]) < 1e-5, (rank, key)
+            assert abs(got["second"][key] - want[1].metrics[key]) < 1e-5, (rank, key)
+            assert got["again"][key] == got["second"][key], (rank, key)
+        assert got["resumed_diff"] == 0.0
+        weights = torch.load(tmp_path / f"weights{rank}.pt")
+        assert max_diff(weights, single.export_weights()) < 1e-5
