@@ -390,8 +390,8 @@ def _run_sft(cfg: Any) -> int:
     from asyncrl.config import dump_resolved
     from asyncrl.observe.logs import configure_logging
     from asyncrl.policies.config import PolicyConfig
+    from asyncrl.trainers.backends import create_trainer
     from asyncrl.trainers.sft import load_examples, run_sft
-    from asyncrl.trainers.torch_trainer import TorchTrainer
 
     hf_logging.disable_progress_bar()
     out = Path(cfg.output_dir)
@@ -399,7 +399,7 @@ def _run_sft(cfg: Any) -> int:
     dump_resolved(cfg, out / "config.json")
     tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
     examples = load_examples(cfg, tokenizer)
-    trainer = TorchTrainer(cfg.trainer, PolicyConfig())
+    trainer = create_trainer(cfg.trainer, PolicyConfig())
     console = Console(width=None if sys.stdout.isatty() else 120)
     with console.status(f"sft: {len(examples)} examples x {cfg.epochs} epochs"):
         results = run_sft(cfg, trainer, examples)

@@ -53,15 +53,16 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def cpu_megatron() -> Iterator[None]:
-    """Within the block, megatron-core runs on the CPU (see the module docstring)."""
+def _patches() -> list[tuple[Any, str, Any]]:
+    """``(object, attribute, replacement)`` for each CUDA call redirected to the CPU."""
     import megatron.core.tensor_parallel.random as mrandom
 
     def set_state(state: torch.Tensor, *_: Any, **__: Any) -> None:
         torch.set_rng_state(state)
 
-    patches: list[tuple[Any, str, Any]] = [
+    # With the shim the CPU RNG stands in for the CUDA one, which megatron notes each fork.
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    return [
         (torch.cuda, "current_device", lambda: "cpu"),
         (torch.cuda, "get_rng_state", lambda *_a, **_k: torch.get_rng_state()),
         (torch.cuda.random, "get_rng_state", lambda *_a, **_k: torch.get_rng_state()),
@@ -69,11 +70,33 @@ def cpu_megatron() -> Iterator[None]:
         (torch.cuda, "synchronize", lambda *_a, **_k: None),
         (mrandom, "_set_cuda_rng_state", set_state),
     ]
+
+
+def install_for_process() -> None:
+    """The shim for the rest of this process, in every thread: the redirections stay, the
+    mode is entered in this thread and around every job of a thread pool (the trainer
+    actor runs its steps through ``asyncio.to_thread``). Used by ``megatron_site``."""
+    from concurrent.futures import thread
+
+    for obj, name, new in _patches():
+        setattr(obj, name, new)
+    _CudaToCpu().__enter__()
+    run = thread._WorkItem.run
+
+    def run_on_cpu(self: Any) -> None:
+        with _CudaToCpu():
+            run(self)
+
+    thread._WorkItem.run = run_on_cpu  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def cpu_megatron() -> Iterator[None]:
+    """Within the block, megatron-core runs on the CPU (see the module docstring)."""
+    patches = _patches()
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, new in patches:
         setattr(obj, name, new)
-    # With the shim the CPU RNG stands in for the CUDA one, which megatron notes each fork.
-    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     try:
         with _CudaToCpu():
             yield

@@ -269,3 +269,45 @@ def test_two_rank_layouts_train_like_one_rank(cpu, tiny, ref, tmp_path, layout: 
         assert got["resumed_diff"] == 0.0
         weights = torch.load(tmp_path / f"weights{rank}.pt")
         assert max_diff(weights, single.export_weights()) < 1e-5
+
+
+# ------------------------------------------------------- asyncrl train --train-backend megatron
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+async def test_the_arith_example_trains_on_the_megatron_backend(tmp_path, monkeypatch):
+    """The arith example, shortened and synchronous (eta 0): the trainer actor's process
+    gets the CPU shim through ``tests/megatron_site`` (every other process runs as is)."""
+    from asyncrl.actors.controller import run_job
+    from asyncrl.config import load_config
+    from tests.test_train import accounted, last_buffer_metrics
+
+    monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository root
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests" / "megatron_site"))
+    monkeypatch.setenv("ASYNCRL_TEST_MEGATRON_CPU", "1")
+    test = json.dumps([{"name": "test", "path": "examples/arith/data/test.jsonl@[0:16]",
+                        "n_samples": 1, "pass_k": [1]}])  # fmt: skip
+    flags = [
+        "--train-backend", "megatron", "--output-dir", str(tmp_path / "run"),
+        "--train-num-steps", "4", "--save-interval", "2", "--rollout-batch-size", "8",
+        "--buffer-max-staleness", "0", "--eval-interval", "4", "--eval-sets", test,
+    ]  # fmt: skip
+    result = await run_job(load_config("examples/arith/config.yaml", overrides=flags))
+    assert result.ok and result.steps == 4, result.error
+    run = tmp_path / "run"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("actor") == "trainer"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # Synchronous: every token was sampled by the engine at the trainer's version, so each
+    # published version reached it; and megatron's log-probs of those tokens are the HF
+    # engine's (the KL between them is round-off, not a version apart).
+    assert all(r["staleness/max"] == 0 and r["mismatch_kl"] < 1e-4 for r in rows), rows
+    assert accounted(last_buffer_metrics(run))
+    for step in ("step_000002", "step_000004"):
+        ckpt = run / "checkpoints" / "trainer" / step
+        assert (ckpt / "megatron" / "metadata.json").is_file()
+        assert json.loads((ckpt / "trainer.json").read_text())["config"]["backend"] == "megatron"
+    evals = [json.loads(x) for x in (run / "metrics" / "eval.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in evals] == [0, 4] and all(r["failed"] == 0 for r in evals)

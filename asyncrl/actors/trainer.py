@@ -22,8 +22,8 @@ Debug modes: with ``load_dump`` (a directory of ``asyncrl.buffer.dump`` files) t
 batches come from those files instead of the buffer (train-only); with ``save_dump`` each
 batch taken is also written there.
 
-``params``: ``trainer`` (``TorchTrainer.Config``), ``publish`` (``transport``
-pull|disk|dist, ``dir``, ``keep``; for dist ``dist_address`` host:port,
+``params``: ``trainer`` (``TrainerConfig``: the backend and its settings), ``publish``
+(``transport`` pull|disk|dist, ``dir``, ``keep``; for dist ``dist_address`` host:port,
 ``dist_world_size`` = 1 + subscribers, ``dist_backend``), ``num_steps`` (stop at this
 version; 0: when the data is exhausted), ``resume``, ``restart``, ``job``,
 ``checkpoint_dir``, ``checkpoint_interval``, ``keep_checkpoints``, ``resume_from``,
@@ -253,10 +253,11 @@ class TrainerActor(Actor):
 
 def build_trainer(config: dict[str, Any], params: dict[str, Any]) -> Trainer:
     """The training backend of ``params["trainer"]`` with the job's ``algo`` section."""
-    from asyncrl.trainers.torch_trainer import TorchTrainer
+    from asyncrl.trainers.backends import create_trainer
+    from asyncrl.trainers.config import TrainerConfig
 
     algo = PolicyConfig(**config.get("algo", {}))
-    return TorchTrainer(TorchTrainer.Config(**params.get("trainer", {})), algo)
+    return create_trainer(TrainerConfig(**params.get("trainer", {})), algo)
 
 
 _JOB_FILE = "job"

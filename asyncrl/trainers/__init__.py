@@ -1,9 +1,16 @@
-"""Training backends: the torch trainer (and megatron-core), and weight publishing.
+"""Training backends: the torch trainer and megatron-core, and weight publishing.
 
 | module              | what it holds                                                 |
 |---------------------|---------------------------------------------------------------|
 | ``base``            | the ``Trainer`` protocol and its records                      |
+| ``config``          | ``TrainerConfig``: backend, model, optimizer, parallel layout |
+| ``backends``        | ``create_trainer``: the backend a config names                |
 | ``torch_trainer``   | Hugging Face models, AdamW, packed micro-batches, DDP/FSDP    |
+| ``megatron_trainer``| megatron-core GPTModel, TP/PP/DP, distributed optimizer       |
+| ``megatron_bridge`` | HF Qwen2/Llama <-> megatron weights, TP shards, PP stages     |
+| ``vocab_parallel``  | log-probs and entropy from vocab-sharded (TP) logits          |
+| ``rl_columns``      | what both RL steps share: columns, advantages, metric tally   |
+| ``rng``             | seeding and RNG state for bit-exact resumes                   |
 | ``learner``         | one trained model: DP wrapper, AdamW, LR schedule, HF weights |
 | ``packing``         | token-budget micro-batches and sequence packing               |
 | ``parallel``        | DDP / FSDP2 wrapping, gradient sync, full state dicts         |
