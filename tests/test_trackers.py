@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -85,6 +86,31 @@ def test_a_failing_tracker_is_dropped_and_the_others_go_on(tmp_path):
     append(tmp_path / "metrics.jsonl", {"step": 2, "loss": 0.9})
     follower.poll()
     assert [p.step for p in good.points] == [1, 2] and follower.trackers == [good]
+
+
+class SlowWriter(Recorder):
+    """Like TensorBoard's writer: slow to log, and refuses after close."""
+
+    def log(self, point: Point) -> None:
+        time.sleep(0.1)
+        if self.closed:
+            raise OSError("Writer is closed")
+        super().log(point)
+
+
+def test_closing_waits_for_a_poll_still_forwarding(tmp_path):
+    # The controller cancels the poll task while its worker thread may still be forwarding;
+    # close() must not shut the writer under it (the last rows were lost that way).
+    append(tmp_path / "metrics.jsonl", *({"step": i, "loss": 1.0} for i in (1, 2, 3)))
+    slow = SlowWriter()
+    follower = MetricsFollower(tmp_path, [slow])
+    polling = threading.Thread(target=follower.poll)
+    polling.start()
+    time.sleep(0.05)  # the poll has taken the rows and is logging the first
+    follower.close()
+    polling.join()
+    assert [p.step for p in slow.points] == [1, 2, 3] and slow.closed
+    assert follower.trackers == [slow]
 
 
 def test_scalars_keep_finite_numbers_only():

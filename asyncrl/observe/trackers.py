@@ -27,6 +27,7 @@ import json
 import math
 import netrc
 import os
+import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,10 +147,18 @@ class MetricsFollower:
     trackers: list[Tracker]
     _tails: dict[Path, _Tail] = field(default_factory=dict)
     _train_step: int = 0
+    # Polls run in worker threads, and cancelling the task that awaits one does not stop
+    # it: without the lock, close() could shut a writer under a poll still forwarding the
+    # last rows (the tracker was then dropped, and those rows lost).
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def poll(self) -> int:
         """Forward every complete row written since the last call; returns how many. A
         tracker that raises is logged and dropped: the job and the JSONL files go on."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> int:
         points = [p for path in self._files() for p in self._points(path)]
         for tracker in list(self.trackers):
             try:
@@ -162,13 +171,15 @@ class MetricsFollower:
         return len(points)
 
     def close(self) -> None:
-        """A last poll, then close every tracker."""
-        self.poll()
-        for tracker in self.trackers:
-            try:
-                tracker.close()
-            except Exception as exc:
-                log.error("tracker failed to close", tracker=type(tracker).__name__, error=str(exc))
+        """A last poll (after any poll still running), then close every tracker."""
+        with self._lock:
+            self._poll()
+            for tracker in self.trackers:
+                try:
+                    tracker.close()
+                except Exception as exc:
+                    name = type(tracker).__name__
+                    log.error("tracker failed to close", tracker=name, error=str(exc))
 
     def _files(self) -> list[Path]:
         metrics = self.run_dir / "metrics"
