@@ -401,8 +401,13 @@ def _run_sft(cfg: Any) -> int:
     examples = load_examples(cfg, tokenizer)
     trainer = create_trainer(cfg.trainer, PolicyConfig())
     console = Console(width=None if sys.stdout.isatty() else 120)
-    with console.status(f"sft: {len(examples)} examples x {cfg.epochs} epochs"):
-        results = run_sft(cfg, trainer, examples)
+    try:
+        with console.status(f"sft: {len(examples)} examples x {cfg.epochs} epochs"):
+            results = run_sft(cfg, trainer, examples)
+    finally:
+        close = getattr(trainer, "close", None)  # a multi-process trainer's other ranks
+        if close is not None:
+            close()
     first, last = results[0].metrics["loss"], results[-1].metrics["loss"]
     console.print(
         f"sft: {len(results)} steps, loss {first:.4f} -> {last:.4f}; "

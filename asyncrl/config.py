@@ -63,6 +63,15 @@ class ConfigError(ValueError):
     """A config problem, one line each, naming the key, the flag, the value and a hint."""
 
 
+class KeyConflict(ValueError):
+    """A check across sections that blames one key: the error names that key, its flag
+    and where it was set (a plain ``ValueError`` of the root would name only "config")."""
+
+    def __init__(self, message: str, path: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are validated."""
 
@@ -363,11 +372,14 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _backend_trains_the_algo(self) -> RunConfig:
-        if self.trainer and self.trainer.backend == "megatron" and self.algo.needs_critic:
-            raise ValueError(
-                f"algo.advantage_estimator={self.algo.advantage_estimator} needs a critic, "
-                "which the megatron backend does not train: use a critic-free estimator "
-                "(grpo, rloo, reinforce_pp_baseline, ...) or --train-backend torch"
+        if not self.trainer or self.trainer.backend != "megatron":
+            return self
+        if self.algo.needs_critic:
+            raise KeyConflict(
+                f"{self.algo.advantage_estimator} needs a critic, which the megatron backend "
+                "does not train: use a critic-free estimator (grpo, rloo, "
+                "reinforce_pp_baseline, ...) or --train-backend torch",
+                ("algo", "advantage_estimator"),
             )
         return self
 
@@ -802,6 +814,9 @@ def _set(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 def _explain(err: ErrorDetails, table: dict[str, FlagSpec], origins: dict[tuple, str]) -> str:
     """One pydantic error as a line: where it came from, key (flag), expectation, value."""
     loc = tuple(str(part) for part in err["loc"])
+    blamed = (err.get("ctx") or {}).get("error")
+    if isinstance(blamed, KeyConflict):
+        loc = blamed.path
     source = _longest_prefix(origins, loc)
     prefix = f"{source}: " if source else ""
     if err["type"] == "extra_forbidden":
@@ -810,7 +825,8 @@ def _explain(err: ErrorDetails, table: dict[str, FlagSpec], origins: dict[tuple,
     head = ".".join(loc) or "config"
     head += f" ({spec.flag})" if spec else ""
     message = err["msg"].removeprefix("Value error, ")
-    hide = err["type"] == "missing" or (spec is None and isinstance(err.get("input"), dict))
+    hide = err["type"] == "missing" or isinstance(blamed, KeyConflict)
+    hide = hide or (spec is None and isinstance(err.get("input"), dict))
     got = "" if hide else f", got {json.dumps(err.get('input'), default=str)}"
     return f"{prefix}{head}: {message}{got}"
 

@@ -42,6 +42,17 @@ CONFIG = {
     "wrong_type.yaml": (
         r"wrong_type\.yaml:3: buffer\.max_staleness \(--buffer-max-staleness\): .*got \"two\""
     ),
+    "megatron_with_a_critic.yaml": (
+        r"megatron_with_a_critic\.yaml:6: algo\.advantage_estimator \(--advantage-estimator\): "
+        r"ppo needs a critic, which the megatron backend does not train"
+    ),
+    "megatron_tp_without_ranks.yaml": (
+        r"megatron_tp_without_ranks\.yaml:2: trainer: trainer\.num_ranks=1 is not a multiple "
+        r"of TP 2 x PP 1"
+    ),
+    "megatron_with_fsdp.yaml": (
+        r"megatron_with_fsdp\.yaml:2: trainer: trainer\.backend=megatron does not use parallel"
+    ),
     "inconsistent_values.yaml": (
         r"inconsistent_values\.yaml:2: .*heartbeat_timeout \(2\.0\) must be greater "
         r"than heartbeat_interval \(5\.0\)"

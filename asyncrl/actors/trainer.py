@@ -221,6 +221,12 @@ class TrainerActor(Actor):
             await asyncio.to_thread(_prune_checkpoints, Path(root), int(keep), job)
         return path
 
+    async def teardown(self) -> None:
+        # A multi-process trainer stops its other ranks (a one-process one has no close).
+        close = getattr(getattr(self, "trainer", None), "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
+
     async def drain(self) -> None:
         # Checkpoint first: the buffer releases the batches kept for us once it hears of
         # a checkpoint that covers them, and a kill between the two must lose nothing.

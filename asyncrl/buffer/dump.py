@@ -70,6 +70,17 @@ class BatchWriter:
         return path
 
 
+def encode_batch(batch: TrainBatch) -> bytes:
+    """``batch`` as one MessagePack body (what a dump file holds)."""
+    (body,) = _codec().encode(batch)
+    return bytes(body)
+
+
+def decode_batch(body: bytes) -> TrainBatch:
+    """Inverse of ``encode_batch``; ``WireError`` when it is not one."""
+    return _codec().decode([body])
+
+
 def read_batch(path: Path) -> TrainBatch:
     """One dumped batch; ``ValueError`` naming the file when it is not one."""
     try:

@@ -4,7 +4,8 @@
 |---------------------|---------------------------------------------------------------|
 | ``base``            | the ``Trainer`` protocol and its records                      |
 | ``config``          | ``TrainerConfig``: backend, model, optimizer, parallel layout |
-| ``backends``        | ``create_trainer``: the backend a config names                |
+| ``backends``        | ``create_trainer``: the backend a config names, on its ranks  |
+| ``ranks``           | a trainer over N processes: rank 0 broadcasts each call       |
 | ``torch_trainer``   | Hugging Face models, AdamW, packed micro-batches, DDP/FSDP    |
 | ``megatron_trainer``| megatron-core GPTModel, TP/PP/DP, distributed optimizer       |
 | ``megatron_bridge`` | HF Qwen2/Llama <-> megatron weights, TP shards, PP stages     |

@@ -1,8 +1,9 @@
-"""``create_trainer``: the training backend a ``TrainerConfig`` names.
+"""``create_trainer``: the training backend a ``TrainerConfig`` names, on its ranks.
 
 ``torch`` is ``torch_trainer.TorchTrainer``; ``megatron`` is
 ``megatron_trainer.MegatronTrainer``. Imported lazily: each pulls in its own stack
-(transformers, megatron-core), and the config tree must not.
+(transformers, megatron-core), and the config tree must not. With ``num_ranks > 1`` the
+trainer runs over that many processes (``ranks.LeaderTrainer``, this process is rank 0).
 """
 
 from __future__ import annotations
@@ -16,7 +17,17 @@ if TYPE_CHECKING:
 
 
 def create_trainer(config: TrainerConfig, algo: PolicyConfig | None = None) -> Trainer:
-    """The backend of ``config.backend`` with ``config`` and the RL objective ``algo``."""
+    """The trainer ``config`` describes, with the RL objective ``algo``: one process, or
+    ``config.num_ranks`` processes led by this one."""
+    if config.num_ranks > 1:
+        from asyncrl.trainers.ranks import LeaderTrainer
+
+        return LeaderTrainer.start(config, algo)
+    return backend(config, algo)
+
+
+def backend(config: TrainerConfig, algo: PolicyConfig | None = None) -> Trainer:
+    """This rank's backend of ``config.backend`` (in the process group, if one exists)."""
     if config.backend == "megatron":
         from asyncrl.trainers.megatron_trainer import MegatronTrainer
 

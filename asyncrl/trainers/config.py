@@ -60,6 +60,13 @@ class TrainerConfig(BaseModel):
     megatron: MegatronConfig = Field(
         default_factory=MegatronConfig, description="megatron-core layout (backend megatron)"
     )
+    num_ranks: int = Field(
+        1,
+        ge=1,
+        description="trainer processes on this host (DP, or TP x PP x DP for megatron); "
+        "each takes the GPU of its LOCAL_RANK",
+        json_schema_extra={"flag": "trainer-num-ranks"},
+    )
 
     model_path: str = Field(..., min_length=1, description="HF model directory of the policy.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -114,6 +121,13 @@ class TrainerConfig(BaseModel):
     def _megatron_fits(self) -> TrainerConfig:
         if self.backend != "megatron":
             return self
+        m = self.megatron
+        if self.num_ranks % (m.tensor_parallel * m.pipeline_parallel):
+            raise ValueError(
+                f"trainer.num_ranks={self.num_ranks} is not a multiple of TP "
+                f"{m.tensor_parallel} x PP {m.pipeline_parallel} (the rest is data parallel): "
+                "set --trainer-num-ranks"
+            )
         torch_only = {
             "parallel": self.parallel != "ddp",
             "attn_implementation": self.attn_implementation is not None,

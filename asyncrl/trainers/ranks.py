@@ -1,0 +1,242 @@
+"""A trainer over several processes on one host: rank 0 leads, ranks 1..N-1 follow.
+
+``create_trainer`` with ``trainer.num_ranks = N > 1`` starts ``N - 1`` follower processes
+(``python -m asyncrl.trainers.ranks``), joins them in one process group (gloo on the CPU,
+nccl on CUDA, where ``LOCAL_RANK`` picks each rank's GPU) and returns a ``LeaderTrainer``.
+Every follower builds the same backend from the same config, then waits for calls.
+
+Every ``Trainer`` method is collective under DP, TP and PP: all ranks must make the same
+calls in the same order. So the leader broadcasts each call (its name and arguments as
+MessagePack over a gloo group: a length, then the bytes) before it makes the call itself,
+and each follower makes it on receipt::
+
+    leader:   train_step(batch) -> broadcast {"call": "train_step", batch} -> trainer.train_step
+    follower: receive -> trainer.train_step(batch)       (the collectives pair up inside)
+
+Failure: a follower that dies fails the leader's next collective (gloo sees the closed
+connection) and the trainer actor exits; its restart starts new followers. A follower
+exits when its leader's process is gone, and stops on ``close()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from asyncrl.buffer.dump import decode_batch, encode_batch
+
+if TYPE_CHECKING:
+    from asyncrl.policies import PolicyConfig
+    from asyncrl.trainers.base import StepResult, Trainer
+    from asyncrl.trainers.config import TrainerConfig
+    from asyncrl.types import TrainBatch
+
+_CALLS = ("train_step", "sft_step", "export_weights", "save_hf", "save_checkpoint",
+          "load_checkpoint", "close")  # fmt: skip
+
+
+def _backend_name(config: TrainerConfig) -> str:
+    return "nccl" if config.device == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LeaderTrainer:
+    """Rank 0 of a multi-process trainer: the ``Trainer`` protocol, each call made on every
+    rank (see the module docstring)."""
+
+    def __init__(self, trainer: Trainer, group: Any, followers: list[subprocess.Popen]) -> None:
+        self.trainer = trainer
+        self.group = group
+        self.followers = followers
+
+    @classmethod
+    def start(cls, config: TrainerConfig, algo: PolicyConfig | None) -> LeaderTrainer:
+        """Start the followers, join them in the process group, build rank 0's backend."""
+        from asyncrl.trainers.backends import backend
+
+        port, n = _free_port(), config.num_ranks
+        spec = json.dumps(
+            {
+                "config": config.model_dump(mode="json"),
+                "algo": algo.model_dump(mode="json") if algo is not None else None,
+                "address": f"tcp://127.0.0.1:{port}",
+            }
+        ).encode()
+        followers = [_start_follower(rank, n, spec) for rank in range(1, n)]
+        try:
+            group = _join(config, f"tcp://127.0.0.1:{port}", 0, n)
+            trainer = backend(config, algo)
+        except BaseException:
+            for proc in followers:
+                proc.kill()
+            raise
+        return cls(trainer, group, followers)
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.trainer.version = value
+
+    def _broadcast(self, call: str, payload: dict[str, Any]) -> None:
+        self._check_followers()
+        _send(msgspec.msgpack.encode({"call": call, **payload}), self.group)
+
+    def _check_followers(self) -> None:
+        dead = [(i + 1, p.returncode) for i, p in enumerate(self.followers) if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"trainer ranks exited (rank, code): {dead}")
+
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        self._broadcast("train_step", {"batch": encode_batch(batch)})
+        return self.trainer.train_step(batch)
+
+    def sft_step(
+        self,
+        tokens: Sequence[np.ndarray],
+        loss_masks: Sequence[np.ndarray],
+        label_smoothing: float = 0.0,
+    ) -> StepResult:
+        arrays = {"tokens": [_pack(t) for t in tokens], "masks": [_pack(m) for m in loss_masks]}
+        self._broadcast("sft_step", arrays | {"label_smoothing": label_smoothing})
+        return self.trainer.sft_step(tokens, loss_masks, label_smoothing)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        self._broadcast("export_weights", {})
+        return self.trainer.export_weights()
+
+    def save_hf(self, path: Path) -> None:
+        self._broadcast("save_hf", {"path": str(path)})
+        self.trainer.save_hf(path)
+
+    def save_checkpoint(self, path: Path) -> None:
+        self._broadcast("save_checkpoint", {"path": str(path)})
+        self.trainer.save_checkpoint(path)
+
+    def load_checkpoint(self, path: Path) -> None:
+        self._broadcast("load_checkpoint", {"path": str(path)})
+        self.trainer.load_checkpoint(path)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the followers (they exit 0) and leave the process group."""
+        if all(p.poll() is None for p in self.followers):
+            self._broadcast("close", {})
+        for proc in self.followers:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _pack(array: np.ndarray) -> bytes:
+    return np.ascontiguousarray(array, dtype=np.int64).tobytes()
+
+
+def _unpack(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.int64).copy()
+
+
+def _send(payload: bytes, group: Any) -> None:
+    dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0, group=group)
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+
+
+def _receive(group: Any) -> dict[str, Any]:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    return msgspec.msgpack.decode(data.numpy().tobytes())
+
+
+def _join(config: TrainerConfig, address: str, rank: int, world: int) -> Any:
+    """This process as ``rank`` of the trainer's group, and the gloo group of the calls."""
+    dist.init_process_group(_backend_name(config), init_method=address, rank=rank, world_size=world)
+    return dist.new_group(backend="gloo")
+
+
+def _start_follower(rank: int, world: int, spec: bytes) -> subprocess.Popen:
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.trainers.ranks"], stdin=subprocess.PIPE, env=env
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(spec)
+    proc.stdin.close()
+    return proc
+
+
+def _die_with_parent(poll_s: float = 1.0) -> None:
+    """Exit when the leader's process is gone (this process is re-parented). Polled from a
+    daemon thread: ``PR_SET_PDEATHSIG`` would fire when the leader's *thread* that started
+    us ends, and the leader starts followers from a worker thread."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="leader-watch", daemon=True).start()
+
+
+def follow(spec: dict[str, Any]) -> None:
+    """A follower's life: join, build the backend, make each call the leader broadcasts."""
+    from asyncrl.policies import PolicyConfig
+    from asyncrl.trainers.backends import backend
+    from asyncrl.trainers.config import TrainerConfig
+
+    config = TrainerConfig(**spec["config"])
+    algo = PolicyConfig(**spec["algo"]) if spec["algo"] is not None else None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    group = _join(config, spec["address"], rank, world)
+    trainer = backend(config, algo)
+    while (msg := _receive(group))["call"] != "close":
+        _call(trainer, msg)
+
+
+def _call(trainer: Trainer, msg: dict[str, Any]) -> None:
+    from asyncrl.trainers.base import UntrainableBatch
+
+    call = msg["call"]
+    if call == "train_step":
+        try:
+            trainer.train_step(decode_batch(msg["batch"]))
+        except UntrainableBatch:  # the leader skips the same batch; so does every rank
+            pass
+    elif call == "sft_step":
+        tokens, masks = [_unpack(t) for t in msg["tokens"]], [_unpack(m) for m in msg["masks"]]
+        trainer.sft_step(tokens, masks, msg["label_smoothing"])
+    elif call == "export_weights":
+        trainer.export_weights()
+    elif call in ("save_hf", "save_checkpoint", "load_checkpoint"):
+        getattr(trainer, call)(Path(msg["path"]))
+    else:
+        raise ValueError(f"unknown trainer call {call!r} (known: {', '.join(_CALLS)})")
+
+
+if __name__ == "__main__":
+    _die_with_parent()
+    follow(json.loads(sys.stdin.buffer.read()))

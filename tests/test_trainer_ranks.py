@@ -1,0 +1,122 @@
+"""A trainer over 2 processes (asyncrl/trainers/ranks.py): this process leads, a follower
+process makes every call with it. megatron with TP=2, PP=2, and DP=2 with the distributed
+optimizer and overlapped gradient reduction, and the torch trainer's DDP, each against the
+same backend on one rank: the same losses, gradient norms, entropy, KL and weights over two
+steps, and a checkpoint that resumes bit-exactly."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from asyncrl.policies import PolicyConfig
+from asyncrl.trainers.backends import create_trainer
+from asyncrl.trainers.config import TrainerConfig
+from asyncrl.trainers.ranks import LeaderTrainer
+from tests.megatron_shim import cpu_megatron
+from tests.test_megatron_trainer import ALGO, max_diff
+from tests.test_torch_trainer import make_batch
+from tests.tiny_model import build_tiny_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
+]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ref")
+    build_tiny_model(path, seed=1)
+    return path
+
+
+@pytest.fixture
+def world() -> Iterator[None]:
+    """The shim here and in the follower (through tests/megatron_site); the process
+    groups torn down after each trainer."""
+    with warnings.catch_warnings(), cpu_megatron(), pytest.MonkeyPatch.context() as mp:
+        warnings.simplefilter("ignore")
+        mp.setenv("PYTHONPATH", str(ROOT / "tests" / "megatron_site"))
+        mp.setenv("ASYNCRL_TEST_MEGATRON_CPU", "1")
+        yield
+        leave()
+
+
+def leave() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def config(path: Path, **overrides: Any) -> TrainerConfig:
+    values = {"model_path": str(path), "lr": 1e-3, "adam_eps": 1e-5}  # eps: see the parity test
+    return TrainerConfig(**(values | overrides))
+
+
+def two_steps(trainer: Any) -> list[dict[str, float]]:
+    return [trainer.train_step(make_batch(i)).metrics for i in range(2)]
+
+
+LAYOUTS = {
+    "megatron-tp2": {"backend": "megatron", "megatron": {"tensor_parallel": 2}},
+    "megatron-pp2": {"backend": "megatron", "megatron": {"pipeline_parallel": 2}},
+    "megatron-dp2-distopt-overlap": {
+        "backend": "megatron",
+        "megatron": {"distributed_optimizer": True, "overlap_grad_reduce": True},
+    },
+    "torch-ddp2": {"backend": "torch"},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_ranks_train_like_one(world, tiny, ref, tmp_path, layout: str):
+    settings = LAYOUTS[layout]
+    common = {"backend": settings["backend"], "ref_model_path": str(ref)}
+    one = create_trainer(config(tiny, **common), ALGO)
+    want, want_weights = two_steps(one), one.export_weights()
+    leave()
+    leader = create_trainer(config(tiny, num_ranks=2, **(common | settings)), ALGO)
+    assert isinstance(leader, LeaderTrainer)
+    try:
+        got = two_steps(leader)
+        for w, g in zip(want, got, strict=True):
+            for key in ("loss", "grad_norm", "entropy", "kl"):
+                assert abs(w[key] - g[key]) < 1e-5, (key, w[key], g[key])
+        assert got[0]["kl"] > 0.01  # the reference model differs: the KL term is live
+        assert max_diff(leader.export_weights(), want_weights) < 1e-5
+        leader.save_checkpoint(tmp_path / "ckpt")
+        after = leader.train_step(make_batch(2)).metrics
+        leader.load_checkpoint(tmp_path / "ckpt")
+        assert leader.version == 2
+        again = leader.train_step(make_batch(2)).metrics
+        assert again["loss"] == after["loss"] and again["grad_norm"] == after["grad_norm"]
+    finally:
+        leader.close()
+    assert [p.returncode for p in leader.followers] == [0]
+
+
+def test_a_dead_follower_fails_the_leaders_next_call(world, tiny):
+    leader = create_trainer(config(tiny, backend="torch", num_ranks=2), PolicyConfig())
+    assert isinstance(leader, LeaderTrainer)
+    leader.train_step(make_batch(0))
+    leader.followers[0].kill()
+    leader.followers[0].wait()
+    with pytest.raises(RuntimeError, match=r"trainer ranks exited \(rank, code\): \[\(1, -9\)\]"):
+        leader.train_step(make_batch(1))
+    leader.close()
