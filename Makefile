@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer \
+.PHONY: demo arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends \
 	bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak clean
 
 $(STAMP): pyproject.toml
@@ -72,6 +72,9 @@ bench-server: $(STAMP)
 
 bench-trainer: $(STAMP)
 	$(PY) bench/trainer.py
+
+bench-train-backends: $(STAMP)
+	$(PY) bench/train_backends.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs

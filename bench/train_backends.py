@@ -7,8 +7,8 @@ steps alternate (one megatron, one torch) after a warm-up step each, and the med
 8 N FLOPs per token (forward and backward 6 N, the no-grad old-log-prob pass 2 N; the
 attention's FLOPs are left out) against the GPU's dense bf16 peak.
 
-``.venv/bin/python bench/megatron.py --device cuda --size 0.5b`` on a GPU (bf16) writes
-``bench/results/megatron.json``. On the CPU it runs megatron-core under the tests' shim
+``.venv/bin/python bench/train_backends.py --device cuda --size 0.5b`` on a GPU (bf16) writes
+``bench/results/train_backends.json``. On the CPU it runs megatron-core under the tests' shim
 (``tests/megatron_shim.py``), whose Python dispatch on every torch call slows megatron:
 that ratio says the path works, not how fast megatron is.
 """
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="tokens per micro-batch")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per backend")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default="bench/results/megatron.json")
+    ap.add_argument("--out", default="bench/results/train_backends.json")
     args = ap.parse_args()
     hf_logging.disable_progress_bar()
     shim: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
