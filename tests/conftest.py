@@ -10,6 +10,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,3 +26,23 @@ def pytest_asyncio_loop_factories(config: Any, item: Any) -> Mapping[str, Callab
 def endpoint() -> str:
     """A loopback tcp endpoint that lets the binding socket pick a free port."""
     return "tcp://127.0.0.1:0"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 (tests/tiny_model.py) saved with its tokenizer, per module."""
+    from tests.tiny_model import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ref_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same shape from another seed: a reference model that differs from the policy."""
+    from tests.tiny_model import build_tiny_model
+
+    path = tmp_path_factory.mktemp("ref")
+    build_tiny_model(path, seed=1)
+    return path

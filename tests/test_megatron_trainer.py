@@ -20,7 +20,6 @@ from asyncrl.trainers.base import StepResult, Trainer
 from asyncrl.trainers.torch_trainer import TorchTrainer
 from tests.megatron_shim import cpu_megatron
 from tests.test_torch_trainer import capture_grads, make_batch
-from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -29,20 +28,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 ALGO = PolicyConfig(
     use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, eps_clip=0.1, eps_clip_high=0.2
 )
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ref")
-    build_tiny_model(path, seed=1)
-    return path
 
 
 @pytest.fixture
@@ -85,8 +70,8 @@ LOSS_TERMS = ("loss", "pg_loss", "kl_loss", "kl", "entropy", "grad_norm", "clip_
               "is_weight", "mismatch_kl", "num_tokens")  # fmt: skip
 
 
-def test_the_megatron_trainer_satisfies_the_trainer_protocol(cpu, tiny):
-    trainer = megatron(tiny)
+def test_the_megatron_trainer_satisfies_the_trainer_protocol(cpu, tiny_dir):
+    trainer = megatron(tiny_dir)
     assert isinstance(trainer, Trainer) and trainer.version == 0
     assert trainer.layout == {"tp": 1, "pp": 1, "dp": 1}
 
@@ -106,10 +91,10 @@ def megatron_grads(trainer: Any) -> dict[str, torch.Tensor]:
 # into up to 4% of a full step (3.9e-5 at lr 1e-3), differently in each trainer. The
 # gradients themselves are compared directly, at the default eps.
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-def test_loss_and_first_update_equal_the_torch_trainers(cpu, tiny, ref, packing: bool):
-    common = {"ref_model_path": str(ref), "packing": packing, "adam_eps": 1e-5}
-    torch_trainer = TorchTrainer(config(tiny, "torch", **common), ALGO)
-    mega = megatron(tiny, **common)
+def test_loss_and_first_update_equal_the_torch_trainers(cpu, tiny_dir, ref_dir, packing: bool):
+    common = {"ref_model_path": str(ref_dir), "packing": packing, "adam_eps": 1e-5}
+    torch_trainer = TorchTrainer(config(tiny_dir, "torch", **common), ALGO)
+    mega = megatron(tiny_dir, **common)
     assert max_diff(mega.export_weights(), torch_trainer.export_weights()) == 0.0
     grads = capture_grads(torch_trainer.policy)
     want, got = torch_trainer.train_step(make_batch()), mega.train_step(make_batch())
@@ -122,20 +107,20 @@ def test_loss_and_first_update_equal_the_torch_trainers(cpu, tiny, ref, packing:
     same_step(torch_trainer.train_step(make_batch(1)), mega.train_step(make_batch(1)), LOSS_TERMS)
 
 
-def test_micro_batch_splitting_does_not_change_the_step(cpu, tiny):
-    one = megatron(tiny, max_tokens_per_microbatch=10_000).train_step(make_batch(2))
-    many = megatron(tiny, max_tokens_per_microbatch=16).train_step(make_batch(2))
+def test_micro_batch_splitting_does_not_change_the_step(cpu, tiny_dir):
+    one = megatron(tiny_dir, max_tokens_per_microbatch=10_000).train_step(make_batch(2))
+    many = megatron(tiny_dir, max_tokens_per_microbatch=16).train_step(make_batch(2))
     same_step(one, many, ("loss", "grad_norm", "entropy"), atol=1e-6)
 
 
-def test_an_sft_step_equals_the_torch_trainers(cpu, tiny):
+def test_an_sft_step_equals_the_torch_trainers(cpu, tiny_dir):
     import numpy as np
 
     rng = np.random.default_rng(0)
     tokens = [rng.integers(3, 500, int(n)) for n in rng.integers(4, 12, 6)]
     masks = [(np.arange(len(t)) >= 2).astype(np.uint8) for t in tokens]
-    torch_trainer = TorchTrainer(config(tiny, "torch", adam_eps=1e-5))  # eps: see above
-    mega = megatron(tiny, PolicyConfig(), adam_eps=1e-5)
+    torch_trainer = TorchTrainer(config(tiny_dir, "torch", adam_eps=1e-5))  # eps: see above
+    mega = megatron(tiny_dir, PolicyConfig(), adam_eps=1e-5)
     grads = capture_grads(torch_trainer.policy)
     want = torch_trainer.sft_step(tokens, masks, label_smoothing=0.1)
     got = mega.sft_step(tokens, masks, label_smoothing=0.1)
@@ -144,15 +129,15 @@ def test_an_sft_step_equals_the_torch_trainers(cpu, tiny):
     assert max_diff(mega.export_weights(), torch_trainer.export_weights()) < 1e-5
 
 
-def test_activation_recompute_trades_memory_not_gradients(cpu, tiny):
-    plain = megatron(tiny).train_step(make_batch(3))
-    recomputed = megatron(tiny, gradient_checkpointing=True).train_step(make_batch(3))
+def test_activation_recompute_trades_memory_not_gradients(cpu, tiny_dir):
+    plain = megatron(tiny_dir).train_step(make_batch(3))
+    recomputed = megatron(tiny_dir, gradient_checkpointing=True).train_step(make_batch(3))
     same_step(plain, recomputed, ("loss", "grad_norm"), atol=1e-6)
 
 
-def test_bf16_trains_close_to_fp32(cpu, tiny):
-    fp32 = megatron(tiny).train_step(make_batch(4))
-    bf16 = megatron(tiny, dtype="bfloat16")
+def test_bf16_trains_close_to_fp32(cpu, tiny_dir):
+    fp32 = megatron(tiny_dir).train_step(make_batch(4))
+    bf16 = megatron(tiny_dir, dtype="bfloat16")
     result = bf16.train_step(make_batch(4))
     assert abs(result.metrics["loss"] - fp32.metrics["loss"]) < 2e-2
     assert abs(result.metrics["grad_norm"] / fp32.metrics["grad_norm"] - 1) < 5e-2
@@ -162,8 +147,8 @@ def test_bf16_trains_close_to_fp32(cpu, tiny):
 # ------------------------------------------------------------------- weights and checkpoints
 
 
-def test_save_hf_reloads_with_the_exported_weights(cpu, tiny, tmp_path):
-    trainer = megatron(tiny)
+def test_save_hf_reloads_with_the_exported_weights(cpu, tiny_dir, tmp_path):
+    trainer = megatron(tiny_dir)
     trainer.train_step(make_batch())
     trainer.save_hf(tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -173,12 +158,12 @@ def test_save_hf_reloads_with_the_exported_weights(cpu, tiny, tmp_path):
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
-def test_a_checkpoint_resumes_bit_exactly(cpu, tiny, ref, tmp_path):
-    trainer = megatron(tiny, ref_model_path=str(ref), lr_schedule="cosine", total_steps=4)
+def test_a_checkpoint_resumes_bit_exactly(cpu, tiny_dir, ref_dir, tmp_path):
+    trainer = megatron(tiny_dir, ref_model_path=str(ref_dir), lr_schedule="cosine", total_steps=4)
     trainer.train_step(make_batch(0))
     trainer.save_checkpoint(tmp_path / "ckpt")
     want = trainer.train_step(make_batch(1))
-    resumed = megatron(tiny, ref_model_path=str(ref), lr_schedule="cosine", total_steps=4)
+    resumed = megatron(tiny_dir, ref_model_path=str(ref_dir), lr_schedule="cosine", total_steps=4)
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert resumed.version == 1
     got = resumed.train_step(make_batch(1))
@@ -187,40 +172,40 @@ def test_a_checkpoint_resumes_bit_exactly(cpu, tiny, ref, tmp_path):
     assert max_diff(resumed.export_weights(), trainer.export_weights()) == 0.0
 
 
-def test_a_checkpoint_before_the_first_step_resumes_fresh(cpu, tiny, tmp_path):
-    trainer = megatron(tiny)
+def test_a_checkpoint_before_the_first_step_resumes_fresh(cpu, tiny_dir, tmp_path):
+    trainer = megatron(tiny_dir)
     trainer.save_checkpoint(tmp_path / "ckpt")  # Adam has no state yet
     want = trainer.train_step(make_batch())
-    resumed = megatron(tiny)
+    resumed = megatron(tiny_dir)
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert resumed.train_step(make_batch()).metrics["loss"] == want.metrics["loss"]
     assert max_diff(resumed.export_weights(), trainer.export_weights()) == 0.0
 
 
-def test_an_unreadable_checkpoint_is_refused_by_path(cpu, tiny, tmp_path):
-    trainer = megatron(tiny)
+def test_an_unreadable_checkpoint_is_refused_by_path(cpu, tiny_dir, tmp_path):
+    trainer = megatron(tiny_dir)
     trainer.train_step(make_batch())
     trainer.save_checkpoint(tmp_path / "ckpt")
     for shard in (tmp_path / "ckpt" / "megatron").glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ValueError, match="unreadable"):
-        megatron(tiny).load_checkpoint(tmp_path / "ckpt")
+        megatron(tiny_dir).load_checkpoint(tmp_path / "ckpt")
 
 
-def test_bad_settings_are_refused_by_name(cpu, tiny):
+def test_bad_settings_are_refused_by_name(cpu, tiny_dir):
     from asyncrl.trainers.megatron_trainer import MegatronTrainer
 
     with pytest.raises(ValueError, match="needs a critic"):
-        MegatronTrainer(config(tiny), PolicyConfig(advantage_estimator="ppo"))
+        MegatronTrainer(config(tiny_dir), PolicyConfig(advantage_estimator="ppo"))
     with pytest.raises(ValueError, match="does not use parallel"):
-        config(tiny, parallel="fsdp")
-    with pytest.raises(ValueError, match="world size 1 is not a multiple of TP 2"):
-        megatron(tiny, megatron={"tensor_parallel": 2})
+        config(tiny_dir, parallel="fsdp")
+    with pytest.raises(ValueError, match=r"trainer\.num_ranks=1 is not a multiple of TP 2"):
+        megatron(tiny_dir, megatron={"tensor_parallel": 2})
 
 
-def test_without_a_gpu_or_the_shim_the_trainer_says_what_it_needs(tiny):
+def test_without_a_gpu_or_the_shim_the_trainer_says_what_it_needs(tiny_dir):
     with pytest.raises(ValueError, match="megatron-core calls CUDA"):
-        megatron(tiny)
+        megatron(tiny_dir)
 
 
 # TP=2, PP=2 and DP=2 (2 processes) against one rank: tests/test_trainer_ranks.py.

@@ -21,27 +21,12 @@ from asyncrl.trainers.ranks import LeaderTrainer
 from tests.megatron_shim import cpu_megatron
 from tests.test_megatron_trainer import ALGO, max_diff
 from tests.test_torch_trainer import make_batch
-from tests.tiny_model import build_tiny_model
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
 ]
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ref")
-    build_tiny_model(path, seed=1)
-    return path
 
 
 @pytest.fixture
@@ -85,13 +70,13 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_two_ranks_train_like_one(world, tiny, ref, tmp_path, layout: str):
+def test_two_ranks_train_like_one(world, tiny_dir, ref_dir, tmp_path, layout: str):
     settings = LAYOUTS[layout]
-    common = {"backend": settings["backend"], "ref_model_path": str(ref)}
-    one = create_trainer(config(tiny, **common), ALGO)
+    common = {"backend": settings["backend"], "ref_model_path": str(ref_dir)}
+    one = create_trainer(config(tiny_dir, **common), ALGO)
     want, want_weights = two_steps(one), one.export_weights()
     leave()
-    leader = create_trainer(config(tiny, num_ranks=2, **(common | settings)), ALGO)
+    leader = create_trainer(config(tiny_dir, num_ranks=2, **(common | settings)), ALGO)
     assert isinstance(leader, LeaderTrainer)
     try:
         got = two_steps(leader)
@@ -111,8 +96,8 @@ def test_two_ranks_train_like_one(world, tiny, ref, tmp_path, layout: str):
     assert [p.returncode for p in leader.followers] == [0]
 
 
-def test_a_dead_follower_fails_the_leaders_next_call(world, tiny):
-    leader = create_trainer(config(tiny, backend="torch", num_ranks=2), PolicyConfig())
+def test_a_dead_follower_fails_the_leaders_next_call(world, tiny_dir):
+    leader = create_trainer(config(tiny_dir, backend="torch", num_ranks=2), PolicyConfig())
     assert isinstance(leader, LeaderTrainer)
     leader.train_step(make_batch(0))
     leader.followers[0].kill()
