@@ -176,10 +176,28 @@ def test_a_checkpoint_before_the_first_step_resumes_fresh(cpu, tiny_dir, tmp_pat
     trainer = megatron(tiny_dir)
     trainer.save_checkpoint(tmp_path / "ckpt")  # Adam has no state yet
     want = trainer.train_step(make_batch())
+    first = trainer.export_weights()
     resumed = megatron(tiny_dir)
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert resumed.train_step(make_batch()).metrics["loss"] == want.metrics["loss"]
-    assert max_diff(resumed.export_weights(), trainer.export_weights()) == 0.0
+    assert max_diff(resumed.export_weights(), first) == 0.0
+    # Back to version 0 in a trainer that has stepped: a fresh Adam, the same first step.
+    trainer.train_step(make_batch(1))
+    trainer.load_checkpoint(tmp_path / "ckpt")
+    assert trainer.version == 0
+    trainer.train_step(make_batch())
+    assert max_diff(trainer.export_weights(), first) == 0.0
+
+
+def test_a_checkpoint_of_another_tp_pp_split_is_refused_by_name(cpu, tiny_dir, tmp_path):
+    trainer = megatron(tiny_dir)
+    trainer.train_step(make_batch())
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    state = json.loads((tmp_path / "ckpt" / "trainer.json").read_text())
+    state["layout"] = {"tp": 2, "pp": 1, "dp": 1}
+    (tmp_path / "ckpt" / "trainer.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=r"saved with TP 2 x PP 1, this trainer is TP 1 x PP 1"):
+        trainer.load_checkpoint(tmp_path / "ckpt")
 
 
 def test_an_unreadable_checkpoint_is_refused_by_path(cpu, tiny_dir, tmp_path):
@@ -199,6 +217,8 @@ def test_bad_settings_are_refused_by_name(cpu, tiny_dir):
         MegatronTrainer(config(tiny_dir), PolicyConfig(advantage_estimator="ppo"))
     with pytest.raises(ValueError, match="does not use parallel"):
         config(tiny_dir, parallel="fsdp")
+    with pytest.raises(ValueError, match="float16's dynamic loss scale skips steps"):
+        config(tiny_dir, dtype="float16")
     with pytest.raises(ValueError, match=r"trainer\.num_ranks=1 is not a multiple of TP 2"):
         megatron(tiny_dir, megatron={"tensor_parallel": 2})
 

@@ -50,7 +50,10 @@ def leave() -> None:
 
 
 def config(path: Path, **overrides: Any) -> TrainerConfig:
-    values = {"model_path": str(path), "lr": 1e-3, "adam_eps": 1e-5}  # eps: see the parity test
+    # eps: see the parity test; 40-token micro-batches: several per rank (1F1B with M > 1,
+    # no_sync under overlapped reduction, the M x D loss scaling across ranks).
+    values = {"model_path": str(path), "lr": 1e-3, "adam_eps": 1e-5,
+              "max_tokens_per_microbatch": 40}  # fmt: skip
     return TrainerConfig(**(values | overrides))
 
 
@@ -87,13 +90,27 @@ def test_two_ranks_train_like_one(world, tiny_dir, ref_dir, tmp_path, layout: st
         assert max_diff(leader.export_weights(), want_weights) < 1e-5
         leader.save_checkpoint(tmp_path / "ckpt")
         after = leader.train_step(make_batch(2)).metrics
+        after_weights = leader.export_weights()
         leader.load_checkpoint(tmp_path / "ckpt")
         assert leader.version == 2
         again = leader.train_step(make_batch(2)).metrics
         assert again["loss"] == after["loss"] and again["grad_norm"] == after["grad_norm"]
+        # The update itself: Adam's moments and step counts came back too.
+        assert max_diff(leader.export_weights(), after_weights) == 0.0
     finally:
         leader.close()
     assert [p.returncode for p in leader.followers] == [0]
+
+
+def test_a_call_that_raises_leaves_the_ranks_closed_by_a_kill(world, tiny_dir, tmp_path):
+    leader = create_trainer(config(tiny_dir, backend="torch", num_ranks=2), PolicyConfig())
+    assert isinstance(leader, LeaderTrainer)
+    with pytest.raises(ValueError, match="unreadable"):
+        leader.load_checkpoint(tmp_path / "missing")
+    with pytest.raises(RuntimeError, match="out of step: load_checkpoint raised ValueError"):
+        leader.train_step(make_batch(0))
+    leader.close(timeout=10)
+    assert all(p.returncode is not None for p in leader.followers)
 
 
 def test_a_dead_follower_fails_the_leaders_next_call(world, tiny_dir):

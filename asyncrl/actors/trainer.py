@@ -70,6 +70,9 @@ class TrainerActor(Actor):
         self.skipped = 0
         self._last: dict[str, float] = {}
         self.metrics: JsonlMetricsSink | None = None
+        # One trainer call at a time: a stop drains (a checkpoint) while run() may still be
+        # inside a step, and a checkpoint taken mid-step would hold half of it.
+        self._busy = asyncio.Lock()
 
     async def setup(self) -> None:
         params = self.spec.params
@@ -146,7 +149,8 @@ class TrainerActor(Actor):
             if self.dump is not None:
                 await asyncio.to_thread(self.dump.write, batch)
             try:
-                result = await asyncio.to_thread(self.trainer.train_step, batch)
+                async with self._busy:
+                    result = await asyncio.to_thread(self.trainer.train_step, batch)
             except UntrainableBatch as exc:  # its groups are accounted for; go on
                 self.skipped += 1
                 log.warning("batch skipped", batch=batch.batch_id, reason=str(exc))
@@ -182,7 +186,8 @@ class TrainerActor(Actor):
         log.info("step", version=result.version, loss=result.metrics.get("loss"))
 
     async def _publish(self) -> None:
-        tensors = await asyncio.to_thread(self.trainer.export_weights)
+        async with self._busy:
+            tensors = await asyncio.to_thread(self.trainer.export_weights)
         await self.weights.publish(self.trainer.version, tensors)
 
     def _audit(self, batch: TrainBatch, *, trained: bool) -> None:
@@ -211,11 +216,13 @@ class TrainerActor(Actor):
         root = params.get("checkpoint_dir")
         if not root:
             return None
-        path = Path(root) / f"step_{self.trainer.version:06d}"
         job = params.get("job")
-        await asyncio.to_thread(_save_atomically, self.trainer, path, job)
+        async with self._busy:
+            version = self.trainer.version
+            path = Path(root) / f"step_{version:06d}"
+            await asyncio.to_thread(_save_atomically, self.trainer, path, job)
         if self._interval() > 0:
-            self.durable = self.trainer.version
+            self.durable = version
         keep = params.get("keep_checkpoints")
         if keep:
             await asyncio.to_thread(_prune_checkpoints, Path(root), int(keep), job)
@@ -225,7 +232,8 @@ class TrainerActor(Actor):
         # A multi-process trainer stops its other ranks (a one-process one has no close).
         close = getattr(getattr(self, "trainer", None), "close", None)
         if close is not None:
-            await asyncio.to_thread(close)
+            async with self._busy:
+                await asyncio.to_thread(close)
 
     async def drain(self) -> None:
         # Checkpoint first: the buffer releases the batches kept for us once it hears of

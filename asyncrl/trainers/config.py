@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class MegatronConfig(BaseModel):
     """megatron-core's parallel layout (``backend: megatron``); data parallel is the rest.
 
-    The ranks come from the launcher's process group (``world = TP * PP * DP``); with no
-    group the trainer is one rank (TP = PP = DP = 1).
+    The trainer's ``num_ranks`` processes hold ``TP * PP * DP`` ranks, so TP x PP must
+    divide ``num_ranks``.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -121,6 +121,11 @@ class TrainerConfig(BaseModel):
     def _megatron_fits(self) -> TrainerConfig:
         if self.backend != "megatron":
             return self
+        if self.dtype == "float16":
+            raise ValueError(
+                "trainer.backend=megatron trains in float32 or bfloat16: float16's dynamic "
+                "loss scale skips steps that overflow, which this trainer does not account for"
+            )
         m = self.megatron
         if self.num_ranks % (m.tensor_parallel * m.pipeline_parallel):
             raise ValueError(

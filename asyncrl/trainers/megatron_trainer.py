@@ -5,8 +5,9 @@ The same ``Trainer`` protocol as ``torch_trainer.TorchTrainer``, so ``TrainerAct
 Face config at ``model_path`` (Qwen2 / Llama, ``megatron_bridge``), its weights converted
 from the HF checkpoint, wrapped in megatron's ``DistributedDataParallel`` and trained by
 ``get_megatron_optimizer`` (Adam with decoupled weight decay, optionally the distributed
-optimizer). Layout: the launcher's process group holds ``TP * PP * DP`` ranks (with none,
-the trainer makes a one-rank group); each rank builds its pipeline stage and TP shard.
+optimizer). Layout: ``trainer.num_ranks`` processes (``ranks.py`` starts them and joins
+them in one process group) hold ``TP * PP * DP`` ranks; with one rank and no group the
+trainer makes a one-rank group. Each rank builds its pipeline stage and TP shard.
 
 One ``train_step(batch)`` (every rank gets the same batch and plans the same way)::
 
@@ -42,7 +43,8 @@ under the test suite's CPU shim (``tests/megatron_shim.py``). megatron's optimiz
 weight decay on biases and norm weights (the torch trainer decays every parameter).
 
 Checkpoints: ``megatron/`` (``dist_checkpointing``: the model's and the optimizer's
-sharded state, any rank layout that saved it), ``rng/rank{r}.pt`` and ``trainer.json``.
+sharded state; reloadable under another DP size, not another TP/PP, which ``load_checkpoint``
+refuses by name), ``rng/rank{r}.pt`` and ``trainer.json``.
 Metrics: those of ``TorchTrainer`` less the critic's.
 """
 
@@ -480,10 +482,14 @@ class MegatronTrainer:
 
         path = Path(path)
         try:
-            version = int(json.loads((path / "trainer.json").read_text())["version"])
+            saved = json.loads((path / "trainer.json").read_text())
+            version = int(saved["version"])
+            _same_model_split(saved.get("layout", {}), self.layout, path)
             state = dist_checkpointing.load(
                 self._sharded_state(loading=True, version=version), str(path / "megatron")
             )
+        except LayoutMismatch:
+            raise
         except (Exception, CheckpointException) as exc:  # all mean the same here
             raise ValueError(
                 f"trainer checkpoint {path} is unreadable (truncated or incomplete?): "
@@ -509,8 +515,9 @@ class MegatronTrainer:
         model = self.gpt.sharded_state_dict()  # the wrappers' would prefix "module."
         if (self.version if version is None else version) == 0:
             return {"model": model}
-        # The canonical per-parameter layout: loadable under another TP/PP/DP layout.
-        # (0.16.1's default, fully_sharded_model_space, refuses its own flattened shards.)
+        # dp_reshardable: each rank's own buffers, reloadable under another DP size. In
+        # 0.16.1 the default (fully_sharded_model_space) refuses its own flattened shards,
+        # and fully_reshardable drops torch Adam's step count on load.
         optimizer = self.optimizer.sharded_state_dict(
             model, is_loading=loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
         )
@@ -522,14 +529,28 @@ def _set_adam_steps(optimizer: Any, steps: int) -> None:
     ``steps``. The distributed optimizer's checkpoint keeps Adam's moments but not this
     count (fused Adams keep it elsewhere); on load megatron gives every parameter one
     shared count tensor, which torch's Adam then increments once per parameter per step.
-    Every step of this trainer updates (no fp16 overflow skips), so the count is the
-    version."""
+    Every step of this trainer updates (fp16, whose loss scaling skips overflowing steps,
+    is refused), so the count is the version."""
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in chained.optimizer.state.values():
             if "step" in state:
                 old = state["step"]
                 fresh = torch.full_like(old, float(steps)) if torch.is_tensor(old) else steps
                 state["step"] = fresh
+
+
+class LayoutMismatch(ValueError):
+    """A checkpoint saved under another TP/PP split than this trainer's."""
+
+
+def _same_model_split(saved: dict[str, int], current: dict[str, int], path: Path) -> None:
+    split = ("tp", "pp")
+    if any(saved.get(k, current[k]) != current[k] for k in split):
+        raise LayoutMismatch(
+            f"trainer checkpoint {path} was saved with TP {saved.get('tp')} x PP "
+            f"{saved.get('pp')}, this trainer is TP {current['tp']} x PP {current['pp']}: "
+            "resume with the same TP and PP (DP may differ)"
+        )
 
 
 def _selected_loss(

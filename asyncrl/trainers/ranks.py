@@ -13,9 +13,14 @@ and each follower makes it on receipt::
     leader:   train_step(batch) -> broadcast {"call": "train_step", batch} -> trainer.train_step
     follower: receive -> trainer.train_step(batch)       (the collectives pair up inside)
 
-Failure: a follower that dies fails the leader's next collective (gloo sees the closed
-connection) and the trainer actor exits; its restart starts new followers. A follower
-exits when its leader's process is gone, and stops on ``close()``.
+Calls are made one at a time (a lock): two threads' broadcasts and collectives must never
+interleave. Failure: a follower that dies is seen before the next call (its exit code
+named), and one that dies inside a call breaks that call's collective on gloo (the closed
+connection); on nccl the leader waits for torch's collective timeout. A call that raises
+(other than ``UntrainableBatch``, which every rank raises alike before any collective)
+leaves the ranks out of step: the trainer is then broken, ``close()`` kills the followers,
+and the trainer actor's restart starts new ones. A follower also exits when its leader's
+process is gone.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -44,6 +50,7 @@ if TYPE_CHECKING:
     from asyncrl.trainers.config import TrainerConfig
     from asyncrl.types import TrainBatch
 
+R = TypeVar("R")
 _CALLS = ("train_step", "sft_step", "export_weights", "save_hf", "save_checkpoint",
           "load_checkpoint", "close")  # fmt: skip
 
@@ -66,6 +73,8 @@ class LeaderTrainer:
         self.trainer = trainer
         self.group = group
         self.followers = followers
+        self.broken: str | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def start(cls, config: TrainerConfig, algo: PolicyConfig | None) -> LeaderTrainer:
@@ -98,18 +107,32 @@ class LeaderTrainer:
     def version(self, value: int) -> None:
         self.trainer.version = value
 
-    def _broadcast(self, call: str, payload: dict[str, Any]) -> None:
-        self._check_followers()
-        _send(msgspec.msgpack.encode({"call": call, **payload}), self.group)
+    def _on_all(self, call: str, payload: dict[str, Any], run: Callable[[], R]) -> R:
+        """Broadcast ``call``, then ``run()`` it here; one call at a time."""
+        from asyncrl.trainers.base import UntrainableBatch
+
+        with self._lock:
+            if self.broken:
+                raise RuntimeError(f"the trainer ranks are out of step: {self.broken}")
+            self._check_followers()
+            _send(msgspec.msgpack.encode({"call": call, **payload}), self.group)
+            try:
+                return run()
+            except UntrainableBatch:
+                raise
+            except BaseException as exc:
+                self.broken = f"{call} raised {type(exc).__name__}: {exc}"
+                raise
 
     def _check_followers(self) -> None:
         dead = [(i + 1, p.returncode) for i, p in enumerate(self.followers) if p.poll() is not None]
         if dead:
-            raise RuntimeError(f"trainer ranks exited (rank, code): {dead}")
+            self.broken = f"trainer ranks exited (rank, code): {dead}"
+            raise RuntimeError(self.broken)
 
     def train_step(self, batch: TrainBatch) -> StepResult:
-        self._broadcast("train_step", {"batch": encode_batch(batch)})
-        return self.trainer.train_step(batch)
+        payload = {"batch": encode_batch(batch)}
+        return self._on_all("train_step", payload, partial(self.trainer.train_step, batch))
 
     def sft_step(
         self,
@@ -118,35 +141,52 @@ class LeaderTrainer:
         label_smoothing: float = 0.0,
     ) -> StepResult:
         arrays = {"tokens": [_pack(t) for t in tokens], "masks": [_pack(m) for m in loss_masks]}
-        self._broadcast("sft_step", arrays | {"label_smoothing": label_smoothing})
-        return self.trainer.sft_step(tokens, loss_masks, label_smoothing)
+        return self._on_all(
+            "sft_step",
+            arrays | {"label_smoothing": label_smoothing},
+            partial(self.trainer.sft_step, tokens, loss_masks, label_smoothing),
+        )
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        self._broadcast("export_weights", {})
-        return self.trainer.export_weights()
+        return self._on_all("export_weights", {}, self.trainer.export_weights)
 
     def save_hf(self, path: Path) -> None:
-        self._broadcast("save_hf", {"path": str(path)})
-        self.trainer.save_hf(path)
+        self._on_all("save_hf", {"path": str(path)}, partial(self.trainer.save_hf, path))
 
     def save_checkpoint(self, path: Path) -> None:
-        self._broadcast("save_checkpoint", {"path": str(path)})
-        self.trainer.save_checkpoint(path)
+        self._on_all(
+            "save_checkpoint", {"path": str(path)}, partial(self.trainer.save_checkpoint, path)
+        )
 
     def load_checkpoint(self, path: Path) -> None:
-        self._broadcast("load_checkpoint", {"path": str(path)})
-        self.trainer.load_checkpoint(path)
+        self._on_all(
+            "load_checkpoint", {"path": str(path)}, partial(self.trainer.load_checkpoint, path)
+        )
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the followers (they exit 0) and leave the process group."""
-        if all(p.poll() is None for p in self.followers):
-            self._broadcast("close", {})
+        """Stop the followers: a ``close`` call they exit 0 on, or, when the ranks are out
+        of step (or a call is stuck past ``timeout``), a kill."""
+        if self._lock.acquire(timeout=timeout):
+            try:
+                if not self.broken and all(p.poll() is None for p in self.followers):
+                    _send(msgspec.msgpack.encode({"call": "close"}), self.group)
+                else:
+                    self._kill()
+            finally:
+                self._lock.release()
+        else:
+            self._kill()
         for proc in self.followers:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def _kill(self) -> None:
+        for proc in self.followers:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def _pack(array: np.ndarray) -> bytes:

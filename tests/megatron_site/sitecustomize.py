@@ -18,11 +18,14 @@ _TRIGGER = "asyncrl.trainers.megatron_trainer"
 
 
 class _InstallShim(importlib.abc.MetaPathFinder):
-    """Installs the shim on the first import of the megatron trainer, then steps aside."""
+    """Installs the shim on the first import of the megatron trainer, then stays inert
+    (removing itself from ``sys.meta_path`` mid-lookup would skip the next finder)."""
+
+    installed = False
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if name == _TRIGGER:
-            sys.meta_path.remove(self)
+        if name == _TRIGGER and not self.installed:
+            self.installed = True
             from tests.megatron_shim import install_for_process
 
             install_for_process()
