@@ -8,6 +8,8 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,13 +18,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from asyncrl.actors.base import ActorSpec
-from asyncrl.actors.buffer import WorkReply, WorkRequest
+from asyncrl.actors.buffer import BatchReply, WorkReply, WorkRequest
+from asyncrl.actors.trainer import TrainerActor
 from asyncrl.policies.config import PolicyConfig
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import Supervisor
 from asyncrl.runtime.topology import allocate_endpoints
+from asyncrl.trainers.base import StepResult
 from asyncrl.trainers.torch_trainer import TorchTrainer
-from asyncrl.types import Group
+from asyncrl.types import Group, TrainBatch
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.control import ControlHub
 from asyncrl.wire.messages import Command
@@ -173,3 +177,66 @@ def test_a_restart_loads_its_own_jobs_newest_checkpoint_and_pruning_keeps_its_ne
     assert sorted(p.name for p in tmp_path.glob("step_*")) == names
     _prune_checkpoints(tmp_path, keep=2)  # no job: the newest of all
     assert sorted(p.name for p in tmp_path.glob("step_*")) == names[1:]
+
+
+class SlowTrainer:
+    """A trainer whose step takes 0.5 s and which records the order of its calls."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.calls: list[str] = []
+        self.stepping = threading.Event()
+
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        self.calls.append("step begins")
+        self.stepping.set()
+        time.sleep(0.5)
+        self.version += 1
+        self.calls.append("step ends")
+        return StepResult(self.version)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def save_checkpoint(self, path: Path) -> None:
+        self.calls.append(f"checkpoint of version {self.version}")
+        path.mkdir(parents=True)
+
+
+class OneBatch:
+    """One batch, then none (a buffer that waits for more rollouts)."""
+
+    def __init__(self) -> None:
+        self.given = False
+
+    async def next(self, version: int, durable: int = -1) -> BatchReply:
+        if self.given:
+            await asyncio.sleep(3600)
+        self.given = True
+        return BatchReply(TrainBatch(batch_id=0, step=0, groups=[]))
+
+    def done(self, batch_id: int) -> None: ...
+
+    async def close(self, version: int, durable: int = -1) -> None: ...
+
+
+class NoSubscribers:
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    async def wait_fetched(self, want: list[str]) -> None: ...
+
+
+async def test_a_stop_during_a_step_checkpoints_after_the_step(tmp_path):
+    # A stop drains (a checkpoint) while run() is still inside a step in its worker thread:
+    # the checkpoint must wait for the step, or it would hold half of one.
+    params = {"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_interval": 0}
+    actor = TrainerActor(ActorSpec(name="trainer", role="trainer", cls="", params=params))
+    trainer = SlowTrainer()
+    actor.trainer, actor.batches, actor.weights = trainer, OneBatch(), NoSubscribers()  # type: ignore[assignment]
+    actor.durable, actor.num_steps, actor.audit, actor.metrics, actor.dump = -1, 0, None, None, None
+    running = asyncio.create_task(actor._run_until_stopped())
+    await asyncio.to_thread(trainer.stepping.wait, 10)
+    actor.request_stop("test")
+    await running
+    assert trainer.calls == ["step begins", "step ends", "checkpoint of version 1"]
+    assert (tmp_path / "ckpt" / "step_000001").is_dir()
