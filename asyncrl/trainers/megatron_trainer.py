@@ -175,7 +175,8 @@ class MegatronTrainer:
             post_process=ps.is_pipeline_last_stage(),
             te=self.te,
         )
-        bridge.load_hf_state(gpt, self.hf, _hf_state(path, self.hf), te=self.te)
+        state = _hf_state(path, self.hf, _HALF.get(self.config.dtype, torch.float32))
+        bridge.load_hf_state(gpt, self.hf, state, te=self.te)
         module: nn.Module = gpt.to(self.device)
         if self.config.dtype in _HALF:
             module = Float16Module(cfg, module)
@@ -431,9 +432,12 @@ class MegatronTrainer:
     # -- weights and checkpoints ----------------------------------------------------------
     @_on_device
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """HF-named CPU copies of the whole policy on every rank (a collective: TP shards
-        are all-gathered, pipeline stages broadcast)."""
+        """HF-named CPU copies of the whole policy (a collective: TP shards are
+        all-gathered, pipeline stages broadcast). Only rank 0 publishes, so only rank 0
+        copies; the other ranks get the gathered tensors where they are."""
         weights = bridge.gather_hf_weights(self.gpt, self.hf, te=self.te)
+        if dist.get_rank() != 0:
+            return weights
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}
 
     def save_hf(self, path: Path) -> None:
@@ -623,11 +627,12 @@ def _join_model_parallel(config: TrainerConfig, hf: Any) -> dict[str, int]:
     return {"tp": tp, "pp": pp, "dp": world // (tp * pp)}
 
 
-def _hf_state(path: str, hf: Any) -> dict[str, torch.Tensor]:
-    """The HF checkpoint's tensors under HF names (a tied head is the embedding itself)."""
+def _hf_state(path: str, hf: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The HF checkpoint's tensors under HF names (a tied head is the embedding itself),
+    in the training dtype (what the parameters hold anyway)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     state = model.state_dict()
     if hf.tie_word_embeddings:
         state.pop("lm_head.weight", None)
