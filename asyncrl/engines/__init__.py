@@ -6,6 +6,9 @@ SGLang client rollout actors use for every engine (DESIGN section 7).
 - ``sampling``: logits to a sampled token, its behaviour log-prob and top alternatives.
 - ``torch_engine``: continuous batching over a Hugging Face causal LM with a KV cache;
   ``kv_batch`` holds its left-padded running batch, ``weight_loading`` how weights arrive.
+- ``sim_engine``: ``SimEngine``, the protocol with no model: random tokens, time from a
+  latency model (prefill, per-sequence decode cost, lognormal response lengths), for the
+  cluster simulator and load tests.
 - ``server``: the aiohttp application, its traffic gate and ``/generate``;
   ``control_routes`` (SGLang section 2), ``openai_routes`` (section 3) and
   ``generate_wire`` (body parsing, reply formatting, error shapes) complete it.

@@ -6,8 +6,9 @@ token. The records follow SGLang's ``/generate`` semantics (``reference/sglang_a
 section 1) so that the HTTP server (``engines/server.py``) is a thin translation and the
 same rollout code drives the embedded engine, a real SGLang server or a router.
 
-Implementations: ``TorchEngine`` (``engines/torch_engine.py``, CPU and CUDA). Users: the
-HTTP server; tests drive engines directly.
+Implementations: ``TorchEngine`` (``engines/torch_engine.py``, CPU and CUDA) and
+``SimEngine`` (``engines/sim_engine.py``, no model, modelled time). Users: the HTTP server;
+tests drive engines directly.
 """
 
 from __future__ import annotations

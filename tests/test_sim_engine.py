@@ -1,0 +1,149 @@
+"""SimEngine (asyncrl/engines/sim_engine.py): response lengths follow the latency model,
+modelled time follows its step formula, versions, aborts and pauses behave as in every
+engine, and it serves SGLang's API through the real server and client."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from asyncrl.engines.base import EngineError, GenerateOutput, GenerateRequest, SamplingParams
+from asyncrl.engines.sim_engine import LatencyModel, SimEngine
+
+FAST = {"time_scale": 1e4}  # modelled seconds run 10,000 times faster than real ones
+
+
+async def running(engine: SimEngine) -> AsyncIterator[SimEngine]:
+    task = asyncio.create_task(engine.run())
+    try:
+        yield engine
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def final(engine: SimEngine, rid: str, max_new_tokens: int | None = 4096) -> GenerateOutput:
+    request = GenerateRequest(rid=rid, input_ids=[1, 2, 3],
+                              sampling=SamplingParams(max_new_tokens=max_new_tokens))  # fmt: skip
+    outputs = [out async for out in engine.generate(request)]
+    return outputs[-1]
+
+
+async def steps_reach(engine: SimEngine, n: int) -> None:
+    while engine.steps < n:
+        engine.stepped.clear()
+        await engine.stepped.wait()
+
+
+def test_lengths_follow_the_lognormal_median_and_tail():
+    model = LatencyModel(length_median=200, length_p99_ratio=6.0, length_max=100_000)
+    rng = np.random.default_rng(0)
+    lengths = np.array([model.sample_length(rng) for _ in range(20_000)])
+    median, p99 = np.median(lengths), np.percentile(lengths, 99)
+    assert abs(median / 200 - 1) < 0.03
+    assert abs(p99 / median / 6.0 - 1) < 0.08
+    capped = LatencyModel(length_median=200, length_p99_ratio=6.0, length_max=300)
+    assert max(capped.sample_length(rng) for _ in range(5000)) == 300
+    fixed = LatencyModel(length_median=37, length_p99_ratio=1.0)
+    assert {fixed.sample_length(rng) for _ in range(100)} == {37}
+
+
+async def test_responses_end_with_eos_or_at_the_cap():
+    engine = SimEngine(LatencyModel(length_median=50, length_p99_ratio=1.0, **FAST), eos_token_id=7)
+    async for e in running(engine):
+        free = await final(e, "free")
+        assert len(free.output_ids) == 50 and free.output_ids[-1] == 7
+        assert free.finish_reason is not None and free.finish_reason.type == "stop"
+        cut = await final(e, "cut", max_new_tokens=20)
+        assert len(cut.output_ids) == 20 and cut.finish_reason.type == "length"
+        assert all(lp <= 0 for lp in cut.logprobs) and cut.versions == [0] * 20
+
+
+async def test_modelled_time_grows_with_the_running_batch():
+    latency = LatencyModel(decode_base_s=0.01, decode_s_per_seq=0.001, prefill_s_per_token=0.0,
+                           length_median=100, length_p99_ratio=1.0, **FAST)  # fmt: skip
+    alone = SimEngine(latency)
+    async for e in running(alone):
+        await final(e, "only")
+    batched = SimEngine(latency, max_running=32)
+    async for e in running(batched):
+        await asyncio.gather(*(final(e, f"r{i}") for i in range(32)))
+    # 100 steps either way: one request costs 0.011 s a step, 32 together 0.042 s.
+    assert alone.steps == batched.steps == 100
+    assert math.isclose(alone.clock, 100 * 0.011) and math.isclose(batched.clock, 100 * 0.042)
+
+
+async def test_prefill_and_the_running_cap_are_modelled():
+    latency = LatencyModel(decode_base_s=0.0, decode_s_per_seq=0.0, prefill_s_per_token=0.5,
+                           length_median=1, length_p99_ratio=1.0, **FAST)  # fmt: skip
+    engine = SimEngine(latency, max_running=2)
+    async for e in running(engine):
+        await asyncio.gather(*(final(e, f"r{i}") for i in range(5)))
+    assert engine.steps == 3 and math.isclose(engine.clock, 5 * 3 * 0.5)  # 2 + 2 + 1 admitted
+
+
+async def test_tokens_carry_the_version_they_were_sampled_with():
+    latency = LatencyModel(length_median=400, length_p99_ratio=1.0, weight_update_s=2.0, **FAST)
+    engine = SimEngine(latency)
+    async for e in running(engine):
+        generation = asyncio.create_task(final(e, "long"))
+        await steps_reach(engine, 10)
+        await engine.update_weights_from_tensors({}, 5)
+        out = await generation
+    assert engine.version == 5 and out.versions[0] == 0 and out.versions[-1] == 5
+    assert out.versions == sorted(out.versions) and set(out.versions) == {0, 5}
+
+
+async def test_abort_and_pause_return_partial_outputs():
+    engine = SimEngine(LatencyModel(length_median=10_000, length_p99_ratio=1.0, **FAST))
+    async for e in running(engine):
+        first = asyncio.create_task(final(e, "job-1"))
+        second = asyncio.create_task(final(e, "job-2"))
+        other = asyncio.create_task(final(e, "other"))
+        await steps_reach(engine, 5)
+        assert engine.abort("job-") == 2
+        for out in await asyncio.gather(first, second):
+            assert out.finish_reason.type == "abort" and 5 <= len(out.output_ids) < 10_000
+        await engine.pause("abort")
+        assert (await other).finish_reason.type == "abort"
+        held = asyncio.create_task(final(e, "after", max_new_tokens=3))
+        await asyncio.sleep(0.01)
+        assert not held.done()  # a paused engine holds new requests
+        await engine.resume()
+        assert len((await held).output_ids) == 3
+
+
+def test_what_it_cannot_simulate_is_refused():
+    engine = SimEngine(vocab_size=100)
+    bad = {
+        "integers in": GenerateRequest(rid="a", input_ids=[100]),
+        "no text": GenerateRequest(rid="b", input_ids=[1], sampling=SamplingParams(stop="x")),
+        "no top log-probs": GenerateRequest(rid="c", input_ids=[1], top_logprobs_num=2),
+    }
+    for message, request in bad.items():
+        with pytest.raises(EngineError, match=message):
+            engine.check(request)
+
+
+async def test_it_serves_sglangs_api_through_the_server_and_client():
+    from asyncrl.engines.server import EngineServer
+    from asyncrl.engines.sglang_client import SGLangClient
+
+    engine = SimEngine(LatencyModel(length_median=8, length_p99_ratio=1.0, **FAST))
+    server = EngineServer(engine)
+    url = await server.start("127.0.0.1", 0)
+    try:
+        async with SGLangClient([url]) as client:
+            out = await client.generate([5, 6, 7], {"max_new_tokens": 16, "temperature": 1.0})
+            assert len(out.output_ids) == 8 and out.finish_reason.type == "stop"
+            assert out.logprobs is not None and len(out.logprobs) == 8 and out.versions == [0] * 8
+            await client.update_weights(3, path="/nonexistent")  # pause, flush, load, continue
+            again = await client.generate([5], {"max_new_tokens": 4})
+            assert again.weight_version == 3 and again.versions == [3] * 4
+            assert again.finish_reason.type == "length"
+    finally:
+        await server.stop()
