@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from asyncrl.engines.base import EngineError, GenerateOutput, GenerateRequest, SamplingParams
-from asyncrl.engines.sim_engine import LatencyModel, SimEngine
+from asyncrl.engines.sim_engine import SimEngine
+from asyncrl.engines.sim_latency import LatencyModel
 
 FAST = {"time_scale": 1e4}  # modelled seconds run 10,000 times faster than real ones
 
@@ -147,3 +148,24 @@ async def test_it_serves_sglangs_api_through_the_server_and_client():
             assert again.finish_reason.type == "length"
     finally:
         await server.stop()
+
+
+async def test_a_rollout_actors_engine_host_embeds_it_with_the_models_vocab(tmp_path):
+    import json
+
+    from asyncrl.rollout.config import EngineConfig
+    from asyncrl.rollout.engines import EngineHost
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300, "eos_token_id": [9]}))
+    sim = {"length_median": 6, "length_p99_ratio": 1.0, "time_scale": 1e4}
+    config = EngineConfig(type="sim", model_path=str(tmp_path), sim=sim, max_running=8)
+    async with EngineHost(config) as host:
+        assert host.engine is not None and host.engine.vocab_size == 300
+        assert host.client is not None
+        out = await host.client.generate([1, 2], {"max_new_tokens": 32})
+        assert len(out.output_ids) == 6 and out.output_ids[-1] == 9
+        assert all(0 <= t < 300 for t in out.output_ids)
+        await host.load_tensors({}, 4)  # what the weight receiver does with a version
+        assert (await host.client.generate([1], {"max_new_tokens": 2})).versions == [4, 4]
+    with pytest.raises(ValueError, match="sim engine runs embedded"):
+        EngineConfig(type="sim", urls=["http://127.0.0.1:1"])

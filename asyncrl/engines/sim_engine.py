@@ -27,7 +27,6 @@ engine), not per streamed token interval.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -35,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from asyncrl.engines.base import (
     EngineError,
@@ -45,39 +43,7 @@ from asyncrl.engines.base import (
     GenerateRequest,
     PauseMode,
 )
-
-_Z99 = 2.326
-
-
-class LatencyModel(BaseModel):
-    """How long a simulated engine takes (module docstring); times in modelled seconds."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    decode_base_s: float = Field(0.02, ge=0, description="a decode step of one request")
-    decode_s_per_seq: float = Field(1e-4, ge=0, description="added per running request")
-    prefill_s_per_token: float = Field(2e-5, ge=0, description="per admitted prompt token")
-    weight_update_s: float = Field(1.0, ge=0, description="loading a weight version")
-    length_median: int = Field(512, ge=1, description="median response length (tokens)")
-    length_p99_ratio: float = Field(
-        8.0, ge=1, description="p99 / median of the response length (1: every one the median)"
-    )
-    length_max: int = Field(16384, ge=1, description="longest response (tokens)")
-    time_scale: float = Field(1.0, gt=0, description="modelled seconds per wall second")
-
-    def step_seconds(self, running: int, admitted_tokens: int) -> float:
-        """``decode_base_s + decode_s_per_seq * running + prefill_s_per_token * admitted``."""
-        return (
-            self.decode_base_s
-            + self.decode_s_per_seq * running
-            + self.prefill_s_per_token * admitted_tokens
-        )
-
-    def sample_length(self, rng: np.random.Generator) -> int:
-        """A response length: lognormal (median, p99 ratio), in ``[1, length_max]``."""
-        sigma = math.log(self.length_p99_ratio) / _Z99
-        length = rng.lognormal(math.log(self.length_median), sigma)
-        return int(min(max(1, round(length)), self.length_max))
+from asyncrl.engines.sim_latency import LatencyModel
 
 
 @dataclass(eq=False)

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from asyncrl.engines.sim_latency import LatencyModel
+
 #: Arguments of sglang.launch_server that the engine actor sets (model_path, its endpoint).
 _ASSIGNED_SERVER_ARGS = ("--model-path", "--model", "--host", "--port")
 
@@ -24,8 +26,15 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
-    type: Literal["torch", "sglang"] = Field("torch", description="embedded torch or SGLang")
-    model_path: str | None = Field(None, description="HF model directory (torch engine).")
+    type: Literal["torch", "sglang", "sim"] = Field(
+        "torch", description="embedded torch, SGLang, or sim (no model: modelled time)"
+    )
+    model_path: str | None = Field(
+        None, description="HF model directory (torch engine; sim: its vocab and EOS)."
+    )
+    sim: LatencyModel = Field(
+        default_factory=LatencyModel, description="the sim engine's latency model"
+    )
     device: str = Field("cpu", description="torch device of the embedded engine.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights")
     max_running: int = Field(64, ge=1, description="Requests decoded together (torch engine).")
@@ -64,6 +73,12 @@ class EngineConfig(BaseModel):
         if isinstance(args, list):
             return [a if isinstance(a, str) else json.dumps(a) for a in args]
         return args
+
+    @model_validator(mode="after")
+    def _sim_is_embedded(self) -> EngineConfig:
+        if self.type == "sim" and (self.serve != "embedded" or self.urls):
+            raise ValueError("the sim engine runs embedded in the rollout actor: no urls, serve")
+        return self
 
     @model_validator(mode="after")
     def _complete(self) -> EngineConfig:

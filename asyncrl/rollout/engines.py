@@ -8,6 +8,9 @@
   decode-step boundary (any transport: pull, disk or dist).
 - ``sglang``: SGLang servers (or an ``sglang-router``) at ``urls``, started elsewhere;
   weights go by ``/update_weights_from_disk`` (the ``disk`` transport).
+- ``sim``: ``SimEngine`` (no model, time from ``sim``'s latency model) embedded like the
+  torch engine; its vocabulary and EOS come from ``model_path``'s ``config.json`` when
+  given (so a real trainer can train on its tokens). Weight updates take modelled time.
 
 ``on_update``: ``continue`` keeps in-flight requests going (their later tokens carry the
 new version; SGLang's ``in_place``), ``abort`` aborts them first so their partial
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from asyncrl.engines.server import EngineServer
+    from asyncrl.engines.sim_engine import SimEngine
     from asyncrl.engines.torch_engine import TorchEngine
     from asyncrl.trainers.weight_sync import WeightReceiver
     from asyncrl.wire.messages import WeightVersion
@@ -50,7 +54,7 @@ class EngineHost:
         self.config = config
         self.wait_ready_s = wait_ready_s  # engines started beside us: wait for their health
         self.api_key = api_key  # sent as Authorization: Bearer (engine actors' servers)
-        self.engine: TorchEngine | None = None
+        self.engine: TorchEngine | SimEngine | None = None
         self.server: EngineServer | None = None
         self.client: SGLangClient | None = None
         self.version = 0
@@ -59,7 +63,7 @@ class EngineHost:
 
     async def __aenter__(self) -> EngineHost:
         urls = list(self.config.urls)
-        if self.config.type == "torch":
+        if self.config.type in ("torch", "sim"):
             urls = [await self._start_embedded()]
         external = self.config.type == "sglang" and self.config.serve == "embedded"
         health = self.config.health_check_s if external and not self.config.router else None
@@ -100,6 +104,10 @@ class EngineHost:
         from asyncrl.engines.torch_engine import TorchEngine
 
         cfg = self.config
+        if cfg.type == "sim":
+            self.engine = _sim_engine(cfg)
+            self.server = EngineServer(self.engine)  # type: ignore[arg-type]
+            return await self.server.start("127.0.0.1", 0)
         assert cfg.model_path is not None
         self.engine = await asyncio.to_thread(
             TorchEngine.from_pretrained,
@@ -167,3 +175,20 @@ class EngineHost:
                 f"{msg.transport!r}: set the trainer's publish transport to disk"
             )
         self.version = msg.version
+
+
+def _sim_engine(cfg: EngineConfig) -> SimEngine:
+    """The sim engine of ``cfg``, with the vocabulary and EOS of ``model_path`` if any."""
+    import json
+    from pathlib import Path
+
+    from asyncrl.engines.sim_engine import SimEngine
+
+    shape: dict[str, int] = {}
+    if cfg.model_path:
+        hf = json.loads((Path(cfg.model_path) / "config.json").read_text())
+        eos = hf.get("eos_token_id")
+        shape = {"vocab_size": int(hf["vocab_size"])}
+        if eos is not None:
+            shape["eos_token_id"] = int(eos[0] if isinstance(eos, list) else eos)
+    return SimEngine(cfg.sim, max_running=cfg.max_running, **shape)
