@@ -1,9 +1,10 @@
 """``create_trainer``: the training backend a ``TrainerConfig`` names, on its ranks.
 
 ``torch`` is ``torch_trainer.TorchTrainer``; ``megatron`` is
-``megatron_trainer.MegatronTrainer``. Imported lazily: each pulls in its own stack
-(transformers, megatron-core), and the config tree must not. With ``num_ranks > 1`` the
-trainer runs over that many processes (``ranks.LeaderTrainer``, this process is rank 0).
+``megatron_trainer.MegatronTrainer``; ``sim`` is ``sim_trainer.SimTrainer`` (modelled
+time). Imported lazily: each pulls in its own stack (transformers, megatron-core), and the
+config tree must not. With ``num_ranks > 1`` the trainer runs over that many processes
+(``ranks.LeaderTrainer``, this process is rank 0).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ def create_trainer(config: TrainerConfig, algo: PolicyConfig | None = None) -> T
 
 def backend(config: TrainerConfig, algo: PolicyConfig | None = None) -> Trainer:
     """This rank's backend of ``config.backend`` (in the process group, if one exists)."""
+    if config.backend == "sim":
+        from asyncrl.trainers.sim_trainer import SimTrainer
+
+        return SimTrainer(config, algo)
     if config.backend == "megatron":
         from asyncrl.trainers.megatron_trainer import MegatronTrainer
 

@@ -47,15 +47,31 @@ class MegatronConfig(BaseModel):
     )
 
 
+class SimTrainerConfig(BaseModel):
+    """The sim backend's step time (modelled seconds; ``sim_trainer.SimTrainer``)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    step_base_s: float = Field(1.0, ge=0, description="a step's fixed cost")
+    step_s_per_token: float = Field(
+        1e-4, ge=0, description="per forwarded token (forward, backward, old log-probs)"
+    )
+    time_scale: float = Field(1.0, gt=0, description="modelled seconds per wall second")
+
+
 class TrainerConfig(BaseModel):
     """Model, optimizer, micro-batching and parallelism of the trainer."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
-    backend: Literal["torch", "megatron"] = Field(
+    backend: Literal["torch", "megatron", "sim"] = Field(
         "torch",
-        description="torch (HF models, DDP/FSDP) or megatron (megatron-core, TP/PP/DP)",
+        description="torch (HF models, DDP/FSDP), megatron (megatron-core, TP/PP/DP), or "
+        "sim (no model: each step takes modelled time; for the cluster simulator)",
         json_schema_extra={"flag": "train-backend"},
+    )
+    sim: SimTrainerConfig = Field(
+        default_factory=SimTrainerConfig, description="the sim backend's step time"
     )
     megatron: MegatronConfig = Field(
         default_factory=MegatronConfig, description="megatron-core layout (backend megatron)"
