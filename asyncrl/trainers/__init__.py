@@ -8,6 +8,7 @@
 | ``ranks``           | a trainer over N processes: rank 0 broadcasts each call       |
 | ``torch_trainer``   | Hugging Face models, AdamW, packed micro-batches, DDP/FSDP    |
 | ``megatron_trainer``| megatron-core GPTModel, TP/PP/DP, distributed optimizer       |
+| ``sim_trainer``     | no model: each step takes modelled time (cluster simulator)   |
 | ``megatron_bridge`` | HF Qwen2/Llama <-> megatron weights, TP shards, PP stages     |
 | ``vocab_parallel``  | log-probs and entropy from vocab-sharded (TP) logits          |
 | ``rl_columns``      | what both RL steps share: columns, advantages, metric tally   |
