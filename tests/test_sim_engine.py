@@ -169,3 +169,18 @@ async def test_a_rollout_actors_engine_host_embeds_it_with_the_models_vocab(tmp_
         assert (await host.client.generate([1], {"max_new_tokens": 2})).versions == [4, 4]
     with pytest.raises(ValueError, match="sim engine runs embedded"):
         EngineConfig(type="sim", urls=["http://127.0.0.1:1"])
+
+
+async def test_one_host_runs_several_sim_engines_and_updates_them_together():
+    from asyncrl.rollout.config import EngineConfig
+    from asyncrl.rollout.engines import EngineHost
+
+    sim = {"length_median": 5, "length_p99_ratio": 1.0, "time_scale": 1e4}
+    config = EngineConfig(type="sim", sim=sim, sim_engines=3, max_running=4)
+    async with EngineHost(config) as host:
+        assert len(host.sims) == 3 and host.client is not None
+        outs = await asyncio.gather(*(host.client.generate([1], {}) for _ in range(12)))
+        assert all(len(o.output_ids) == 5 for o in outs)
+        assert all(e.steps > 0 for e in host.sims)  # the client spread the requests
+        await host.load_tensors({}, 2)
+        assert [e.version for e in host.sims] == [2, 2, 2]

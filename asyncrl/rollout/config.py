@@ -35,6 +35,9 @@ class EngineConfig(BaseModel):
     sim: LatencyModel = Field(
         default_factory=LatencyModel, description="the sim engine's latency model"
     )
+    sim_engines: int = Field(
+        1, ge=1, description="sim engines in each rollout actor (one server each)"
+    )
     device: str = Field("cpu", description="torch device of the embedded engine.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights")
     max_running: int = Field(64, ge=1, description="Requests decoded together (torch engine).")

@@ -8,9 +8,10 @@
   decode-step boundary (any transport: pull, disk or dist).
 - ``sglang``: SGLang servers (or an ``sglang-router``) at ``urls``, started elsewhere;
   weights go by ``/update_weights_from_disk`` (the ``disk`` transport).
-- ``sim``: ``SimEngine`` (no model, time from ``sim``'s latency model) embedded like the
-  torch engine; its vocabulary and EOS come from ``model_path``'s ``config.json`` when
-  given (so a real trainer can train on its tokens). Weight updates take modelled time.
+- ``sim``: ``sim_engines`` ``SimEngine``s (no model, time from ``sim``'s latency model),
+  each behind its own loopback server, the client rotating over them like over SGLang
+  servers; their vocabulary and EOS come from ``model_path``'s ``config.json`` when given
+  (so a real trainer can train on their tokens). Weight updates take modelled time.
 
 ``on_update``: ``continue`` keeps in-flight requests going (their later tokens carry the
 new version; SGLang's ``in_place``), ``abort`` aborts them first so their partial
@@ -54,8 +55,9 @@ class EngineHost:
         self.config = config
         self.wait_ready_s = wait_ready_s  # engines started beside us: wait for their health
         self.api_key = api_key  # sent as Authorization: Bearer (engine actors' servers)
-        self.engine: TorchEngine | SimEngine | None = None
-        self.server: EngineServer | None = None
+        self.engine: TorchEngine | SimEngine | None = None  # the first embedded engine
+        self.sims: list[SimEngine] = []  # every sim engine (engine is the first)
+        self.servers: list[EngineServer] = []
         self.client: SGLangClient | None = None
         self.version = 0
         self.last: WeightVersion | None = None  # the version every engine in rotation has
@@ -63,8 +65,10 @@ class EngineHost:
 
     async def __aenter__(self) -> EngineHost:
         urls = list(self.config.urls)
-        if self.config.type in ("torch", "sim"):
+        if self.config.type == "torch":
             urls = [await self._start_embedded()]
+        elif self.config.type == "sim":
+            urls = [await self._start_sim() for _ in range(self.config.sim_engines)]
         external = self.config.type == "sglang" and self.config.serve == "embedded"
         health = self.config.health_check_s if external and not self.config.router else None
         client_config = SGLangClient.Config(api_key=self.api_key, health_check_s=health)
@@ -94,8 +98,8 @@ class EngineHost:
     async def __aexit__(self, *exc: object) -> None:
         if self.client is not None:
             await self.client.__aexit__(None, None, None)
-        if self.server is not None:
-            await self.server.stop()
+        for server in self.servers:
+            await server.stop()
 
     async def _start_embedded(self) -> str:
         import asyncio
@@ -104,27 +108,39 @@ class EngineHost:
         from asyncrl.engines.torch_engine import TorchEngine
 
         cfg = self.config
-        if cfg.type == "sim":
-            self.engine = _sim_engine(cfg)
-            self.server = EngineServer(self.engine)  # type: ignore[arg-type]
-            return await self.server.start("127.0.0.1", 0)
         assert cfg.model_path is not None
-        self.engine = await asyncio.to_thread(
+        engine = await asyncio.to_thread(
             TorchEngine.from_pretrained,
             cfg.model_path,
             device=cfg.device,
             dtype=cfg.dtype,
             max_running=cfg.max_running,
         )
-        self.server = EngineServer(self.engine)
-        return await self.server.start("127.0.0.1", 0)
+        self.engine = engine
+        self.servers.append(EngineServer(engine))
+        return await self.servers[-1].start("127.0.0.1", 0)
+
+    async def _start_sim(self) -> str:
+        """One more sim engine behind its own server (each draws its own lengths)."""
+        from asyncrl.engines.server import EngineServer
+
+        sim = _sim_engine(self.config, seed=len(self.sims))
+        self.sims.append(sim)
+        self.engine = self.engine or sim
+        self.servers.append(EngineServer(sim))  # type: ignore[arg-type]
+        return await self.servers[-1].start("127.0.0.1", 0)
 
     async def load_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Copy pulled ``tensors`` into the embedded engine as ``version``."""
         if self.engine is None:
             raise ValueError("only the embedded engine takes tensors; SGLang loads from disk")
-        await self.engine.update_weights_from_tensors(tensors, version)
+        await self._update_embedded(tensors, version)
         self.version = version
+
+    async def _update_embedded(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Every embedded engine takes ``version`` (the sim engines together)."""
+        engines = self.sims or ([self.engine] if self.engine is not None else [])
+        await asyncio.gather(*(e.update_weights_from_tensors(tensors, version) for e in engines))
 
     async def sleep(self) -> None:
         """Colocated training: drop cached KV, then release the engines' memory (weights
@@ -166,7 +182,7 @@ class EngineHost:
             await self.client.abort(abort_all=True)
         if self.engine is not None:
             tensors = await receiver.fetch(msg)
-            await self.engine.update_weights_from_tensors(tensors, msg.version)
+            await self._update_embedded(tensors, msg.version)
         elif msg.transport == "disk":
             await self.client.update_weights_from_disk(msg.location, msg.version)
         else:
@@ -177,7 +193,7 @@ class EngineHost:
         self.version = msg.version
 
 
-def _sim_engine(cfg: EngineConfig) -> SimEngine:
+def _sim_engine(cfg: EngineConfig, *, seed: int = 0) -> SimEngine:
     """The sim engine of ``cfg``, with the vocabulary and EOS of ``model_path`` if any."""
     import json
     from pathlib import Path
@@ -191,4 +207,4 @@ def _sim_engine(cfg: EngineConfig) -> SimEngine:
         shape = {"vocab_size": int(hf["vocab_size"])}
         if eos is not None:
             shape["eos_token_id"] = int(eos[0] if isinstance(eos, list) else eos)
-    return SimEngine(cfg.sim, max_running=cfg.max_running, **shape)
+    return SimEngine(cfg.sim, max_running=cfg.max_running, seed=seed, **shape)
