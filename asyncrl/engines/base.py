@@ -13,8 +13,9 @@ tests drive engines directly.
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -224,3 +225,62 @@ class InferenceEngine(Protocol):
     def load(self) -> EngineLoad:
         """Running and waiting requests and token usage."""
         ...
+
+
+# -- what every engine does with a request ------------------------------------------------
+class Tracked(Protocol):
+    """An engine's record of one request: set ``updated`` on progress, ``aborted`` to stop."""
+
+    finish: FinishReason | None
+    aborted: bool
+    updated: asyncio.Event
+
+    def snapshot(self) -> GenerateOutput: ...
+
+
+def check_prompt(
+    request: GenerateRequest, vocab_size: int, context_length: int, live: Mapping[str, Any]
+) -> None:
+    """The checks of every engine (SGLang's wording): sampling values, a non-empty prompt
+    of ids in the vocabulary that fits the context, and a request id not in ``live``."""
+    request.sampling.verify()
+    ids = request.input_ids
+    if not ids:
+        raise EngineError("input_ids is empty: the prompt needs at least one token")
+    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size for t in ids):
+        raise EngineError(f"input_ids must be integers in [0, {vocab_size})")
+    if len(ids) >= context_length:
+        raise EngineError(
+            f"The input ({len(ids)} tokens) is longer than the model's context length "
+            f"({context_length} tokens)."
+        )
+    if request.rid in live:
+        raise EngineError(f"Duplicate request ID detected: {request.rid}")
+
+
+async def follow(record: Tracked, wake: asyncio.Event) -> AsyncIterator[GenerateOutput]:
+    """Cumulative outputs of ``record`` until it finishes; a caller that goes away aborts
+    it (``wake`` tells the engine loop)."""
+    try:
+        while True:
+            await record.updated.wait()
+            record.updated.clear()
+            out = record.snapshot()
+            yield out
+            if out.finish_reason is not None:
+                return
+    finally:
+        if record.finish is None:  # the caller went away: stop generating for it
+            record.aborted = True
+            wake.set()
+
+
+def mark_aborted(live: Mapping[str, Tracked], rid: str, abort_all: bool) -> int:
+    """Flag the requests whose id starts with ``rid`` (SGLang matches prefixes), or all;
+    returns how many."""
+    if not abort_all and not rid:
+        return 0
+    hits = [r for k, r in live.items() if abort_all or k.startswith(rid)]
+    for record in hits:
+        record.aborted = True
+    return len(hits)

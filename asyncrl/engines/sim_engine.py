@@ -42,6 +42,9 @@ from asyncrl.engines.base import (
     GenerateOutput,
     GenerateRequest,
     PauseMode,
+    check_prompt,
+    follow,
+    mark_aborted,
 )
 from asyncrl.engines.sim_latency import LatencyModel
 
@@ -202,35 +205,12 @@ class SimEngine:
         self._rids[request.rid] = req
         self._waiting.append(req)
         self._wake.set()
-        try:
-            while True:
-                await req.updated.wait()
-                req.updated.clear()
-                out = req.snapshot()
-                yield out
-                if out.finish_reason is not None:
-                    return
-        finally:
-            if req.finish is None:  # the caller went away: stop generating for it
-                req.aborted = True
-                self._wake.set()
+        async for out in follow(req, self._wake):
+            yield out
 
     def check(self, request: GenerateRequest) -> None:
         """Raise ``EngineError`` (a 400) for a request this engine cannot serve."""
-        request.sampling.verify()
-        ids = request.input_ids
-        if not ids:
-            raise EngineError("input_ids is empty: the prompt needs at least one token")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
-               for t in ids):  # fmt: skip
-            raise EngineError(f"input_ids must be integers in [0, {self.vocab_size})")
-        if len(ids) >= self.context_length:
-            raise EngineError(
-                f"The input ({len(ids)} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens)."
-            )
-        if request.rid in self._rids:
-            raise EngineError(f"Duplicate request ID detected: {request.rid}")
+        check_prompt(request, self.vocab_size, self.context_length, self._rids)
         p = request.sampling
         if p.stop_strings or p.stop_regexes:
             raise EngineError("the simulated engine has no text: use stop_token_ids")
@@ -241,13 +221,9 @@ class SimEngine:
 
     def abort(self, rid: str = "", *, abort_all: bool = False) -> int:
         """Abort by rid prefix or all; each caller gets its partial output."""
-        if not abort_all and not rid:
-            return 0
-        hits = [r for k, r in self._rids.items() if abort_all or k.startswith(rid)]
-        for req in hits:
-            req.aborted = True
+        hits = mark_aborted(self._rids, rid, abort_all)
         self._wake.set()
-        return len(hits)
+        return hits
 
     def load(self) -> EngineLoad:
         """Running and waiting requests and the tokens they hold."""

@@ -43,6 +43,9 @@ from asyncrl.engines.base import (
     GenerateOutput,
     GenerateRequest,
     PauseMode,
+    check_prompt,
+    follow,
+    mark_aborted,
 )
 from asyncrl.engines.kv_batch import KVBatch
 from asyncrl.engines.sampling import RowState, prompt_logprobs, sample
@@ -178,18 +181,8 @@ class TorchEngine:
         """Cumulative outputs as tokens arrive; the last one carries ``finish_reason``."""
         await self._resumed.wait()  # SGLang: a paused server holds new requests
         seq = self._admit(request)
-        try:
-            while True:
-                await seq.updated.wait()
-                seq.updated.clear()
-                out = seq.snapshot()
-                yield out
-                if out.finish_reason is not None:
-                    return
-        finally:
-            if seq.finish is None:  # the caller went away: stop generating for it
-                seq.aborted = True
-                self._wake.set()
+        async for out in follow(seq, self._wake):
+            yield out
 
     def _admit(self, request: GenerateRequest) -> _Seq:
         self.check(request)
@@ -216,20 +209,8 @@ class TorchEngine:
 
     def check(self, request: GenerateRequest) -> None:
         """Raise ``EngineError`` (a 400) for a request this engine cannot serve."""
-        request.sampling.verify()
+        check_prompt(request, self._vocab_size, self.context_length, self._rids)
         ids = request.input_ids
-        if not ids:
-            raise EngineError("input_ids is empty: the prompt needs at least one token")
-        vocab = self._vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise EngineError(f"input_ids must be integers in [0, {vocab})")
-        if len(ids) >= self.context_length:
-            raise EngineError(
-                f"The input ({len(ids)} tokens) is longer than the model's context length "
-                f"({self.context_length} tokens)."
-            )
-        if request.rid in self._rids:
-            raise EngineError(f"Duplicate request ID detected: {request.rid}")
         if request.logprob_start_len > len(ids):
             raise EngineError(
                 f"logprob_start_len ({request.logprob_start_len}) is greater than the "
@@ -255,13 +236,9 @@ class TorchEngine:
 
     def abort(self, rid: str = "", *, abort_all: bool = False) -> int:
         """Abort by rid prefix (SGLang matches prefixes) or all; returns how many."""
-        if not abort_all and not rid:
-            return 0
-        hits = [s for r, s in self._rids.items() if abort_all or r.startswith(rid)]
-        for seq in hits:
-            seq.aborted = True
+        hits = mark_aborted(self._rids, rid, abort_all)
         self._wake.set()
-        return len(hits)
+        return hits
 
     def load(self) -> EngineLoad:
         """Running and waiting requests and token usage."""
