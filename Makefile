@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends \
+.PHONY: demo arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends bench-cluster-sim \
 	bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak clean
 
 $(STAMP): pyproject.toml
@@ -75,6 +75,9 @@ bench-trainer: $(STAMP)
 
 bench-train-backends: $(STAMP)
 	$(PY) bench/train_backends.py
+
+bench-cluster-sim: $(STAMP)
+	$(PY) bench/cluster_sim.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs
