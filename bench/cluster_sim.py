@@ -17,10 +17,13 @@ staleness, wasted token share. Writes ``bench/results/cluster_sim.json``.
 
 Not yet here (issue 11): the published workloads' length distributions side by side,
 the 64 x 256 scale, and the comparison with AReaL / verl / APRIL's figures. Not yet
-validated: in the first run (2 x 8 engines, 4 steps) sync's generation phase G came out
-at 7.6 modelled seconds where the longest of 256 lognormal responses alone should take
-about 60 (2,700 tokens at 0.022 s a step); the phase accounting in modelled time (publish
-and waits are wall-clock control-plane time, scaled with the rest) is the first suspect.
+validated. The first run found a real bug: the trainer counted only the last request of a
+wait in ``time/wait_data``, so sync's generation phase G read 7.6 modelled seconds. It now
+reads 137 (6.9 s wall x 20), where the longest of 256 responses alone should take about
+60 (2,700 tokens at 0.022 s a step). The likely cause is that 8 sim engines in one process,
+each sleeping about 1 ms a step at time scale 20, saturate its event loop on 2 cores, so
+wall x scale overstates the modelled time. The next version reads the engines' and the
+trainer's modelled clocks instead.
 """
 
 from __future__ import annotations

@@ -240,3 +240,29 @@ async def test_a_stop_during_a_step_checkpoints_after_the_step(tmp_path):
     await running
     assert trainer.calls == ["step begins", "step ends", "checkpoint of version 1"]
     assert (tmp_path / "ckpt" / "step_000001").is_dir()
+
+
+class LateBatch(OneBatch):
+    """Two empty replies (the buffer had nothing ready in time), then the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = 2
+
+    async def next(self, version: int, durable: int = -1) -> BatchReply:
+        if self.empty:
+            self.empty -= 1
+            await asyncio.sleep(0.2)
+            return BatchReply(None)
+        return await super().next(version, durable)
+
+
+async def test_the_wait_for_data_counts_every_request_until_the_batch(tmp_path):
+    # time/wait_data is the generation phase of a synchronous run (bench/overlap.py's G):
+    # the empty replies before the batch are waiting too.
+    actor = TrainerActor(ActorSpec(name="trainer", role="trainer", cls="", params={}))
+    trainer = SlowTrainer()
+    actor.trainer, actor.batches, actor.weights = trainer, LateBatch(), NoSubscribers()  # type: ignore[assignment]
+    actor.durable, actor.num_steps, actor.audit, actor.metrics, actor.dump = -1, 1, None, None, None
+    await actor._run_until_stopped()
+    assert trainer.version == 1 and actor._last["time/wait_data"] >= 0.4

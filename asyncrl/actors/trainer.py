@@ -139,8 +139,10 @@ class TrainerActor(Actor):
 
     async def run(self) -> None:
         await self._publish()  # engines and the buffer learn where we start
+        waited = 0.0  # since the last step, over every request (empty replies included)
         while not self.stopping and not self._done():
-            batch_reply, waited = await self._next_batch()
+            batch_reply, wait = await self._next_batch()
+            waited += wait
             if batch_reply.batch is None:
                 if batch_reply.exhausted:
                     self.request_stop("the buffer has no more data")
@@ -159,6 +161,7 @@ class TrainerActor(Actor):
             self._audit(batch, trained=result is not None)
             if result is not None:
                 await self._after_step(result, waited)
+            waited = 0.0
         if self._done():  # a stop drains: the last acks go out and a checkpoint is taken
             self.request_stop(f"trained {self.num_steps} steps")
 
