@@ -184,3 +184,16 @@ async def test_one_host_runs_several_sim_engines_and_updates_them_together():
         assert all(e.steps > 0 for e in host.sims)  # the client spread the requests
         await host.load_tensors({}, 2)
         assert [e.version for e in host.sims] == [2, 2, 2]
+
+
+async def test_callers_wake_at_the_end_or_every_stream_interval_tokens():
+    engine = SimEngine(LatencyModel(length_median=50, length_p99_ratio=1.0, **FAST))
+
+    async def outputs(every: int | None) -> list[int]:
+        sampling = SamplingParams(max_new_tokens=100, stream_interval=every)
+        request = GenerateRequest(rid=f"s{every}", input_ids=[1], sampling=sampling)
+        return [len(out.output_ids) async for out in engine.generate(request)]
+
+    async for _ in running(engine):
+        assert await outputs(None) == [50]  # one copy of the output, not one per token
+        assert await outputs(10) == [10, 20, 30, 40, 50]
