@@ -53,6 +53,10 @@ CONFIG = {
     "megatron_with_fsdp.yaml": (
         r"megatron_with_fsdp\.yaml:2: trainer: trainer\.backend=megatron does not use parallel"
     ),
+    "sim_engine_without_a_vocabulary.yaml": (
+        r"sim_engine_without_a_vocabulary\.yaml:3: rollout\.engine: the sim engine takes its "
+        r"vocabulary from tests/bad_inputs/data/config\.json, which has none"
+    ),
     "inconsistent_values.yaml": (
         r"inconsistent_values\.yaml:2: .*heartbeat_timeout \(2\.0\) must be greater "
         r"than heartbeat_interval \(5\.0\)"

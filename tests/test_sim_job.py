@@ -40,3 +40,10 @@ async def test_a_sim_job_trains_in_modelled_time_with_the_accounting_whole(tmp_p
     assert rows[-1]["time/modelled_clock"] == pytest.approx(clock)
     assert all(r["staleness/max"] <= 1 for r in rows)  # versions reached the sim engine
     assert accounted(last_buffer_metrics(tmp_path / "run"))
+
+
+def test_the_sim_trainer_is_one_process():
+    from asyncrl.trainers.config import TrainerConfig
+
+    with pytest.raises(ValueError, match="backend=sim models a step's time in one process"):
+        TrainerConfig(model_path="m", backend="sim", num_ranks=2)

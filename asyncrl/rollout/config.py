@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -79,8 +80,12 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _sim_is_embedded(self) -> EngineConfig:
-        if self.type == "sim" and (self.serve != "embedded" or self.urls):
+        if self.type != "sim":
+            return self
+        if self.serve != "embedded" or self.urls:
             raise ValueError("the sim engine runs embedded in the rollout actor: no urls, serve")
+        if self.model_path:
+            sim_shape(self.model_path)  # its vocabulary and EOS: refused now, not at launch
         return self
 
     @model_validator(mode="after")
@@ -330,3 +335,22 @@ class EvalConfig(BaseModel):
     def enabled(self) -> bool:
         """True when an eval actor runs."""
         return self.interval > 0
+
+
+def sim_shape(model_path: str) -> dict[str, int]:
+    """``vocab_size`` and ``eos_token_id`` of ``model_path``'s ``config.json`` (a sim
+    engine's tokens must fit the model that is trained on them); ``ValueError`` naming the
+    file when it has no vocabulary."""
+    path = Path(model_path).expanduser() / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+        shape = {"vocab_size": int(hf["vocab_size"])}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"the sim engine takes its vocabulary from {path}, which has none "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    eos = hf.get("eos_token_id")
+    if eos is not None:
+        shape["eos_token_id"] = int(eos[0] if isinstance(eos, list) else eos)
+    return shape

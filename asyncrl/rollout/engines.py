@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.engines.sglang_client import SGLangClient
 from asyncrl.observe.logs import get_logger
-from asyncrl.rollout.config import EngineConfig
+from asyncrl.rollout.config import EngineConfig, sim_shape
 
 log = get_logger("asyncrl.rollout")
 
@@ -195,16 +195,7 @@ class EngineHost:
 
 def _sim_engine(cfg: EngineConfig, *, seed: int = 0) -> SimEngine:
     """The sim engine of ``cfg``, with the vocabulary and EOS of ``model_path`` if any."""
-    import json
-    from pathlib import Path
-
     from asyncrl.engines.sim_engine import SimEngine
 
-    shape: dict[str, int] = {}
-    if cfg.model_path:
-        hf = json.loads((Path(cfg.model_path) / "config.json").read_text())
-        eos = hf.get("eos_token_id")
-        shape = {"vocab_size": int(hf["vocab_size"])}
-        if eos is not None:
-            shape["eos_token_id"] = int(eos[0] if isinstance(eos, list) else eos)
+    shape = sim_shape(cfg.model_path) if cfg.model_path else {}
     return SimEngine(cfg.sim, max_running=cfg.max_running, seed=seed, **shape)

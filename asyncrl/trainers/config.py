@@ -134,6 +134,15 @@ class TrainerConfig(BaseModel):
     )
 
     @model_validator(mode="after")
+    def _sim_is_one_process(self) -> TrainerConfig:
+        if self.backend == "sim" and self.num_ranks > 1:
+            raise ValueError(
+                "trainer.backend=sim models a step's time in one process: num_ranks must be 1 "
+                "(its step_base_s and step_s_per_token stand for the whole trainer)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _megatron_fits(self) -> TrainerConfig:
         if self.backend != "megatron":
             return self
