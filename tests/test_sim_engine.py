@@ -34,12 +34,6 @@ async def final(engine: SimEngine, rid: str, max_new_tokens: int | None = 4096) 
     return outputs[-1]
 
 
-async def steps_reach(engine: SimEngine, n: int) -> None:
-    while engine.steps < n:
-        engine.stepped.clear()
-        await engine.stepped.wait()
-
-
 def test_lengths_follow_the_lognormal_median_and_tail():
     model = LatencyModel(length_median=200, length_p99_ratio=6.0, length_max=100_000)
     rng = np.random.default_rng(0)
@@ -88,27 +82,35 @@ async def test_prefill_and_the_running_cap_are_modelled():
 
 
 async def test_tokens_carry_the_version_they_were_sampled_with():
-    latency = LatencyModel(length_median=400, length_p99_ratio=1.0, weight_update_s=2.0, **FAST)
+    # 100,000 tokens at 0.02 modelled s take 2 s of wall time at scale 1,000: the update
+    # lands mid-response, and the abort returns what was decoded on both sides of it.
+    latency = LatencyModel(length_median=100_000, length_max=100_000, length_p99_ratio=1.0,
+                           weight_update_s=2.0, time_scale=1e3)  # fmt: skip
     engine = SimEngine(latency)
     async for e in running(engine):
-        generation = asyncio.create_task(final(e, "long"))
-        await steps_reach(engine, 10)
+        generation = asyncio.create_task(final(e, "long", max_new_tokens=None))
+        await asyncio.sleep(0.05)
         await engine.update_weights_from_tensors({}, 5)
+        await asyncio.sleep(0.05)
+        engine.abort("long")
         out = await generation
     assert engine.version == 5 and out.versions[0] == 0 and out.versions[-1] == 5
     assert out.versions == sorted(out.versions) and set(out.versions) == {0, 5}
+    assert len(out.output_ids) == len(out.logprobs) == len(out.versions) < 100_000
 
 
 async def test_abort_and_pause_return_partial_outputs():
-    engine = SimEngine(LatencyModel(length_median=10_000, length_p99_ratio=1.0, **FAST))
+    # 10,000 tokens at 0.02 modelled s take 2 s of wall time at scale 100.
+    engine = SimEngine(LatencyModel(length_median=10_000, length_p99_ratio=1.0, time_scale=100))
     async for e in running(engine):
-        first = asyncio.create_task(final(e, "job-1"))
-        second = asyncio.create_task(final(e, "job-2"))
-        other = asyncio.create_task(final(e, "other"))
-        await steps_reach(engine, 5)
+        first = asyncio.create_task(final(e, "job-1", max_new_tokens=None))
+        second = asyncio.create_task(final(e, "job-2", max_new_tokens=None))
+        other = asyncio.create_task(final(e, "other", max_new_tokens=None))
+        await asyncio.sleep(0.05)
         assert engine.abort("job-") == 2
         for out in await asyncio.gather(first, second):
-            assert out.finish_reason.type == "abort" and 5 <= len(out.output_ids) < 10_000
+            assert out.finish_reason.type == "abort" and 1 <= len(out.output_ids) < 10_000
+            assert out.output_ids[-1] != e.eos_token_id  # an aborted response has no EOS
         await engine.pause("abort")
         assert (await other).finish_reason.type == "abort"
         held = asyncio.create_task(final(e, "after", max_new_tokens=3))
@@ -197,3 +199,21 @@ async def test_callers_wake_at_the_end_or_every_stream_interval_tokens():
     async for _ in running(engine):
         assert await outputs(None) == [50]  # one copy of the output, not one per token
         assert await outputs(10) == [10, 20, 30, 40, 50]
+
+
+async def test_a_late_event_loop_does_not_slow_modelled_time():
+    # 1,000 tokens at 0.02 modelled s: 20 modelled s, 0.2 s of wall time at scale 100. A
+    # loop blocked for 0.4 s wakes the engine late; the steps it owes are laid from its
+    # anchor, so the response is due already and ends at once, not 0.2 s later.
+    import time
+
+    engine = SimEngine(LatencyModel(length_median=1000, length_p99_ratio=1.0, time_scale=100))
+    async for e in running(engine):
+        generation = asyncio.create_task(final(e, "late", max_new_tokens=None))
+        await asyncio.sleep(0.01)
+        time.sleep(0.4)  # noqa: ASYNC251 - the whole loop stalls, on purpose
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert generation.done()
+        assert len(generation.result().output_ids) == 1000
+    assert engine.steps == 1000 and math.isclose(engine.clock, 1000 * 0.0201 + 3 * 2e-5)

@@ -12,18 +12,24 @@ and takes (modelled seconds)::
 
 where ``running`` counts the requests decoded in the step (at most ``max_running``) and
 ``admitted`` the prompt tokens of the requests that join it (their prefill). A weight
-update takes ``weight_update_s`` between steps. Modelled time advances ``clock``; the
-engine sleeps ``step_s / time_scale`` of wall time per step, so ``time_scale = 10`` runs
-ten modelled seconds per second (the control plane around it is not scaled: the load
-test of the cluster simulator measures what it can keep up with).
+update takes ``weight_update_s`` between steps.
 
 Lognormal: with median ``m`` and ``r = p99 / m``, ``log L ~ N(log m, s)`` with
 ``s = log r / 2.326`` (2.326 is the standard normal's 99th percentile).
 
+Time. Modelled time runs ``time_scale`` times faster than the event loop's clock, and the
+engine is a discrete-event simulation tied to that clock: the batch only changes when a
+request ends, joins, is aborted, or is due a partial output, so the engine sleeps from one
+such event to the next and advances every running request by the steps between them
+(``_decode_to_event``). Its Python work grows with events, not tokens, and the tokens of
+a response are drawn only when read. Steps are laid end to end from an anchor on the
+loop's clock, so a loop that wakes the engine late does not slow its modelled time; a
+request joins no earlier than it arrived. What the engine cannot hide is a control plane
+that is slow to send requests or read results: that is what the cluster simulator's load
+test measures. ``clock`` sums the modelled seconds spent decoding and loading weights.
+
 ``generate`` yields the cumulative output when the request ends (finished or aborted),
-and also every ``stream_interval`` tokens when the request sets one. Yielding every step
-(as the torch engine does) copied each output once per token: a 4,096-token response
-cost 8 million list copies, the simulator's own overhead rather than the control plane's.
+and also every ``stream_interval`` tokens when the request sets one.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from asyncrl.engines.sim_latency import LatencyModel
 class _Request:
     request: GenerateRequest
     target: int
+    count: int = 0  # tokens decoded; ``output`` holds them once drawn (``_draw``)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -74,6 +81,11 @@ class _Request:
             prompt_tokens=len(self.request.input_ids),
             queued=self.finish is not None and not self.started,
         )
+
+    def steps_to_event(self) -> int:
+        """Decode steps until this request ends or its caller is due a partial output."""
+        left = self.target - self.count
+        return min(left, self.every - self.count % self.every) if self.every else left
 
 
 class SimEngine:
@@ -97,9 +109,9 @@ class SimEngine:
         self.max_running = max_running
         self.context_length = context_length
         self.version = 0
-        self.clock = 0.0  # modelled seconds
+        self.clock = 0.0  # modelled seconds spent decoding and loading weights
         self.steps = 0
-        self.stepped = asyncio.Event()  # set after every decode step
+        self.stepped = asyncio.Event()  # set after every run of decode steps
         self.tokenizer: Any = None
         self.model_path = "sim"
         self.device = torch.device("cpu")
@@ -115,15 +127,18 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._updates: list[tuple[asyncio.Future[None], int | None]] = []
         self._released = False
+        self._anchor = 0.0  # loop time at which the next decode step starts
 
     # -- the engine loop ------------------------------------------------------------------
     async def run(self) -> None:
-        """Decode steps while there is work, weight updates between them; runs until
-        cancelled (the server owns it)."""
+        """Decode while there is work, weight updates between steps; runs until cancelled
+        (the server owns it)."""
+        loop = asyncio.get_running_loop()
         while True:
+            self._wake.clear()
             if not self._has_work():
-                self._wake.clear()
                 await self._wake.wait()
+                self._anchor = loop.time()  # idle time is not modelled work
                 continue
             if self._updates:
                 await self._apply_updates()
@@ -131,44 +146,95 @@ class SimEngine:
             self._end_aborted()
             if self._paused or not (self._waiting or self._running):
                 continue
-            await self._step()
+            await self._decode_to_event()
 
     def _has_work(self) -> bool:
         if self._updates or any(r.aborted for r in self._rids.values()):
             return True
         return not self._paused and bool(self._waiting or self._running)
 
-    async def _step(self) -> None:
+    def _admit(self) -> int:
+        """Move waiting requests into the batch; returns their prompt tokens (prefill)."""
         admitted = self._waiting[: self.max_running - len(self._running)]
         del self._waiting[: len(admitted)]
         for req in admitted:
             req.started = True
         self._running.extend(admitted)
-        prompt_tokens = sum(len(r.request.input_ids) for r in admitted)
-        seconds = self.latency.step_seconds(len(self._running), prompt_tokens)
-        await asyncio.sleep(seconds / self.latency.time_scale)
-        self.clock += seconds
-        self.steps += 1
+        if admitted:  # a request joins no earlier than it arrived, however late the loop is
+            self._anchor = max(self._anchor, asyncio.get_running_loop().time())
+        return sum(len(r.request.input_ids) for r in admitted)
+
+    async def _decode_to_event(self) -> None:
+        """Decode steps up to the next one where a request ends or is due a partial output,
+        or, when woken early (a request, abort, pause or update), up to the end of the step
+        in flight. Step ``i`` ends at ``anchor + (first + (i - 1) rest) / time_scale``."""
+        prefill = self._admit()
+        first = self.latency.step_seconds(len(self._running), prefill)
+        rest = self.latency.step_seconds(len(self._running), 0)
+        steps = min(r.steps_to_event() for r in self._running)
+        scale = self.latency.time_scale
+
+        def ends(n: int) -> float:
+            return self._anchor + (first + (n - 1) * rest) / scale
+
+        if await self._sleep_until(ends(steps), interruptible=True):
+            elapsed = (asyncio.get_running_loop().time() - self._anchor) * scale
+            if elapsed > first:  # the step in flight is the one after those done
+                steps = steps if rest <= 0 else min(steps, 2 + int((elapsed - first) // rest))
+            else:
+                steps = 1
+            await self._sleep_until(ends(steps), interruptible=False)
+        self._anchor = ends(steps)
+        self.clock += first + (steps - 1) * rest
+        self.steps += steps
+        self._advance(steps)
         self.stepped.set()
-        self._decode(self._running)
+
+    async def _sleep_until(self, when: float, *, interruptible: bool) -> bool:
+        """Sleep until loop time ``when``; True if ``_wake`` cut it short."""
+        delay = when - asyncio.get_running_loop().time()
+        if delay <= 0:
+            return False
+        if not interruptible:
+            await asyncio.sleep(delay)
+            return False
+        try:
+            async with asyncio.timeout(delay):
+                await self._wake.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def _advance(self, steps: int) -> None:
+        """Every running request decodes ``steps`` tokens; those at their end finish, those
+        at a ``stream_interval`` boundary wake their caller."""
+        for req in self._running:
+            req.count += steps
+            if req.count >= req.target:
+                self._draw(req)
+                cap = req.request.sampling.max_new_tokens
+                # A response that ends before its cap ends with EOS; one at the cap is cut.
+                if cap is None or req.target < cap:
+                    req.output[-1] = self.eos_token_id
+                    self._finish(req, _eos(self.eos_token_id))
+                else:
+                    self._finish(req, _length(req.count))
+            elif req.every and req.count % req.every == 0:
+                self._draw(req)
+                req.updated.set()
         self._running = [r for r in self._running if r.finish is None]
 
-    def _decode(self, batch: list[_Request]) -> None:
-        """One token for each request of ``batch``; finishes those that reach their end."""
-        ids = self._rng.integers(0, self.vocab_size, len(batch))
-        logprobs = -self._rng.exponential(1.0, len(batch))
-        for req, token, logprob in zip(batch, ids.tolist(), logprobs.tolist(), strict=True):
-            done = len(req.output) + 1 >= req.target
-            cap = req.request.sampling.max_new_tokens
-            # A response that ends before its cap ends with EOS; one at the cap is cut.
-            eos = done and (cap is None or req.target < cap)
-            req.output.append(self.eos_token_id if eos else int(token))
-            req.logprobs.append(float(logprob))
-            req.versions.append(self.version)
-            if done:
-                self._finish(req, _eos(self.eos_token_id) if eos else _length(len(req.output)))
-            elif req.every and len(req.output) % req.every == 0:
-                req.updated.set()
+    def _draw(self, req: _Request) -> None:
+        """Draw the tokens decoded since the last draw (ids other than EOS, log-probs, the
+        current version): the engine counts tokens and draws them only when read."""
+        n = req.count - len(req.output)
+        if n <= 0:
+            return
+        ids = self._rng.integers(0, self.vocab_size - 1, n)
+        ids[ids >= self.eos_token_id] += 1  # EOS only ends a response
+        req.output.extend(ids.tolist())
+        req.logprobs.extend((-self._rng.exponential(1.0, n)).tolist())
+        req.versions.extend([self.version] * n)
 
     def _finish(self, req: _Request, reason: FinishReason) -> None:
         req.finish = reason
@@ -177,6 +243,7 @@ class SimEngine:
 
     def _end_aborted(self) -> None:
         for req in [r for r in self._rids.values() if r.aborted]:
+            self._draw(req)
             self._finish(req, FinishReason(type="abort", message="Abort request", status_code=200))
         self._waiting = [r for r in self._waiting if r.finish is None]
         self._running = [r for r in self._running if r.finish is None]
@@ -184,8 +251,12 @@ class SimEngine:
     async def _apply_updates(self) -> None:
         updates, self._updates = self._updates, []
         seconds = self.latency.weight_update_s * len(updates)
-        await asyncio.sleep(seconds / self.latency.time_scale)
+        now = asyncio.get_running_loop().time()
+        self._anchor = max(self._anchor, now) + seconds / self.latency.time_scale
+        await self._sleep_until(self._anchor, interruptible=False)
         self.clock += seconds
+        for req in self._running:
+            self._draw(req)  # the tokens so far carry the version they were decoded with
         for done, version in updates:
             self.version = self.version + 1 if version is None else version
             if not done.done():
@@ -208,7 +279,8 @@ class SimEngine:
             return
         self._rids[request.rid] = req
         self._waiting.append(req)
-        self._wake.set()
+        if len(self._running) < self.max_running:  # else it joins when one ends, an event
+            self._wake.set()
         async for out in follow(req, self._wake):
             yield out
 

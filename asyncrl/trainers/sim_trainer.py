@@ -7,9 +7,10 @@ untrainable batch refused), then takes (modelled seconds)::
 
     step_s = step_base_s + step_s_per_token * tokens
 
-where ``tokens`` counts the forwarded tokens of the rows with loss tokens; it sleeps
-``step_s / time_scale`` and adds ``step_s`` to ``clock``. Its weights are empty, so a
-version publishes no tensors (engines load it in their own modelled time).
+where ``tokens`` counts the forwarded tokens of the rows with loss tokens. The step lasts
+``step_s / time_scale`` of wall time from its start (reading the batch included) and adds
+``step_s`` to ``clock``. Its weights are empty, so a version publishes no tensors
+(engines load it in their own modelled time).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class SimTrainer:
         """One modelled step on ``batch``; see the module docstring."""
         start = time.perf_counter()
         rows = rollout_tensors(batch, self.config.reward_key)
-        metrics = self._take_time(rows) | {"reward/mean": float(rows.scores_GN.mean())}
+        metrics = self._take_time(rows, start) | {"reward/mean": float(rows.scores_GN.mean())}
         stale = (self.version - rows.versions)[rows.mask.bool()].float()
         if stale.numel():
             metrics |= {"staleness/mean": float(stale.mean()), "staleness/max": float(stale.max())}
@@ -62,15 +63,17 @@ class SimTrainer:
         """One modelled supervised step."""
         start = time.perf_counter()
         rows = sft_tensors(tokens, loss_masks)
-        metrics = self._take_time(rows)
+        metrics = self._take_time(rows, start)
         self.version += 1
         return step_result(self.version, rows, metrics, start)
 
-    def _take_time(self, rows: RolloutTensors) -> dict[str, float]:
+    def _take_time(self, rows: RolloutTensors, start: float) -> dict[str, float]:
+        """Sleep out the step's modelled time, counted from ``start`` (reading the batch is
+        part of the step, not added to it)."""
         sim = self.config.sim
         tokens = sum(len(rows.sequences[i]) for i in range(rows.num_rows) if rows.mask[i].any())
         seconds = sim.step_base_s + sim.step_s_per_token * tokens
-        time.sleep(seconds / sim.time_scale)
+        time.sleep(max(0.0, start + seconds / sim.time_scale - time.perf_counter()))
         self.clock += seconds
         return {"time/modelled_step": seconds, "time/modelled_clock": self.clock}
 
