@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.buffer.admission import admission_capacity, admission_limit
+from asyncrl.buffer.admission import admission_capacity, admission_limit, fair_share
 from asyncrl.buffer.versioned import BufferState, VersionedBuffer
 from asyncrl.wire.codec import Codec
 from tests.buffer_sim import ListSource, finished_group, make_prompts
@@ -163,3 +163,17 @@ def test_capacity_after_restore_equals_capacity_at_the_checkpoint() -> None:
     # And it admits exactly those 2 new groups, after resuming the 2 that were in flight.
     again = restored.next_work(10)
     assert [i.attempt for i in again] == [2, 2, 1, 1]
+
+
+def test_the_groups_free_at_a_new_version_are_shared_over_live_producers():
+    both = {"a", "b"}
+    assert fair_share(available=32, held={}, actor="a", producers=both) == 16
+    assert fair_share(available=16, held={"a": 16}, actor="b", producers=both) == 16
+    # A producer ahead of its share waits; one behind catches up first.
+    assert fair_share(available=8, held={"a": 20, "b": 4}, actor="a", producers=both) == 0
+    assert fair_share(available=8, held={"a": 20, "b": 4}, actor="b", producers=both) == 8
+    # Alone (the other is gone), a producer may take everything.
+    assert fair_share(available=32, held={}, actor="a", producers=set()) == 32
+    # Odd counts round up, so no group is left with no one to take it.
+    assert fair_share(available=3, held={}, actor="a", producers=both) == 2
+    assert fair_share(available=1, held={"a": 2}, actor="b", producers=both) == 1

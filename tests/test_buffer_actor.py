@@ -299,13 +299,14 @@ async def test_colocated_the_batch_waits_until_every_engine_sleeps(
     spec = buffer_spec(tmp_path, ep, buffer=sync, colocate=True, rollout_actors=actors)
     await supervisor.launch([spec])
     async with asyncio.timeout(60), Peers(ep) as peers:
-        items = (await peers.ask(100, actor="rollout-0")).items
-        assert len(items) == B
-        for item in items:
+        first = (await peers.ask(100, actor="rollout-0")).items
+        second = (await peers.ask(100, actor="rollout-1")).items
+        assert len(first) == len(second) == B // 2  # the step's groups are shared out
+        for item in first + second:
             await peers.results.send(finish(item, version=0))
         await peers.results.join()
         await peers.ask(100, actor="rollout-0", wait=0.1, asleep=True)
-        # rollout-1 has not asked for work yet: its engines may still be loading.
+        # rollout-1 has not said its engines sleep: they may still hold memory.
         assert (await peers.batch(wait=0.5)).batch is None
         idle = await peers.ask(100, actor="rollout-1")  # nothing left before the next step
         assert idle.items == [] and idle.sleep

@@ -50,6 +50,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.actors.base import Actor, ActorSpec
+from asyncrl.buffer.admission import fair_share
 from asyncrl.buffer.hub import Hub, HubState
 from asyncrl.buffer.journal import Journal, fsync_dir, read_journal
 from asyncrl.buffer.sources import PromptSource
@@ -64,6 +65,10 @@ from asyncrl.wire.reliable import ReliableReceiver
 from asyncrl.wire.rpc import RpcServer
 
 log = get_logger("asyncrl.buffer")
+
+#: A producer that asked for work this recently (seconds) still gets its share; producers
+#: ask about once a second (each request waits up to a second) while they have free slots.
+_LIVE_S = 5.0
 
 
 class WorkRequest(Message):
@@ -215,6 +220,10 @@ class BufferActor(Actor):
         self.colocate = bool(params.get("colocate", False))
         # Colocated: actor -> engines released; an actor not heard from yet is awake.
         self._asleep = dict.fromkeys(params.get("rollout_actors", []), False)
+        # Producer -> loop time it last asked for work (the configured ones: from now, so
+        # the first to ask does not take a whole step before the others have started).
+        now = asyncio.get_running_loop().time()
+        self._asked = dict.fromkeys(params.get("rollout_actors", []), now)
         await self._open_channels()
         path = params.get("metrics_path")
         self.metrics = self.open_metrics(path) if path else None
@@ -263,6 +272,7 @@ class BufferActor(Actor):
     # -- producers -----------------------------------------------------------------------
     async def _serve_work(self, req: WorkRequest, peer: bytes) -> WorkReply:
         self._note_sleep(req.actor, req.asleep)
+        self._asked[req.actor] = asyncio.get_running_loop().time()
         if self.hub.is_retry(req.actor, req.request):
             # Its reply was lost: the groups are the actor's whatever happened since (a
             # new version, a stop), or they would stay in flight with no one on them.
@@ -270,10 +280,12 @@ class BufferActor(Actor):
             return WorkReply(items=items, version=self.buffer.version)
         if self.stopping or self._behind(req):
             return WorkReply(items=[], version=self.buffer.version)
-        await self._wait_until(lambda: self._has_work() or self._wake_to_sleep(req), req.wait)
+        await self._wait_until(lambda: self._share(req.actor) > 0 or self._wake_to_sleep(req),
+                               req.wait)  # fmt: skip
         if self._behind(req):  # a new version came while we waited: load it first
             return WorkReply(items=[], version=self.buffer.version)
-        items = self.hub.hand_out(req.actor, req.request, max(0, req.max_items))
+        share = min(max(0, req.max_items), self._share(req.actor))
+        items = self.hub.hand_out(req.actor, req.request, share)
         self._commit()
         exhausted = not items and self._no_more_work()
         sleep = self.colocate and not items and not exhausted
@@ -308,9 +320,18 @@ class BufferActor(Actor):
             return not self.colocate or all(self._asleep.values())
         return self._batch_ready(n) or self.buffer.exhausted
 
-    def _has_work(self) -> bool:
+    def _share(self, actor: str) -> int:
+        """The groups ``actor`` may take now: its fair share (``admission.fair_share``) of
+        the partials to resume and the new groups admission allows, over the producers
+        that asked within ``_LIVE_S`` or hold work."""
+        if self._no_more_work():
+            return 0
         buf = self.buffer
-        return (len(buf.pool) > 0 or buf.capacity() > 0) and not self._no_more_work()
+        held = {a: len(uids) for a, uids in self.hub.holders.items() if uids}
+        since = asyncio.get_running_loop().time() - _LIVE_S
+        live = {a for a, t in self._asked.items() if t >= since} | set(held)
+        available = len(buf.pool) + buf.capacity()
+        return fair_share(available=available, held=held, actor=actor, producers=live)
 
     def _no_more_work(self) -> bool:
         return self.buffer.source_done and not len(self.buffer.pool)
@@ -405,6 +426,7 @@ class BufferActor(Actor):
         n = self.hub.requeue(actor)
         self._commit()
         self._asleep.pop(actor, None)  # a dead actor's engines hold nothing to wait for
+        self._asked.pop(actor, None)  # nor a share to keep for it
         log.warning("requeued in-flight work", actor=actor, groups=n)
         if n:
             self._notify()

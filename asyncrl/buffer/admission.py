@@ -23,12 +23,18 @@ Cold start, ``eta = 0``: only ``B`` groups, which is the synchronous baseline. R
 ``admitted`` is restored from the checkpoint together with ``v`` (it must not be
 recomputed from the data cursor, which also counts filtered prompts).
 
-Users: ``VersionedBuffer`` (``asyncrl.buffer.versioned``). No I/O, no locks, no clock.
+Several producers. What (1) lets start is shared so that in-flight work evens out over
+the producers that are live (``fair_share``): the first to ask at a new version would
+otherwise take every group, and the others' engines would idle through the step.
+
+Users: ``VersionedBuffer`` (``asyncrl.buffer.versioned``) and the buffer actor. No I/O, no
+locks, no clock.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
 
 
 def admission_limit(
@@ -74,3 +80,20 @@ def admission_capacity(
     if max_in_flight is not None:
         room = min(room, max_in_flight - in_flight)
     return max(room, 0)
+
+
+def fair_share(
+    *, available: int, held: Mapping[str, int], actor: str, producers: Collection[str]
+) -> int:
+    """How many of the ``available`` groups ``actor`` may take now, so that the groups in
+    flight even out over the live ``producers`` (``actor`` counts among them)::
+
+        share = ceil((sum_p held[p] + available) / n) - held[actor]   in [0, available]
+
+    with ``n`` the number of producers. Example: 32 groups free at a new version, two
+    idle producers: each gets 16, whichever asks first.
+    """
+    names = set(producers) | {actor}
+    total = sum(held.get(p, 0) for p in names) + available
+    share = math.ceil(total / len(names)) - held.get(actor, 0)
+    return max(0, min(share, available))
