@@ -217,3 +217,42 @@ async def test_a_late_event_loop_does_not_slow_modelled_time():
         assert generation.done()
         assert len(generation.result().output_ids) == 1000
     assert engine.steps == 1000 and math.isclose(engine.clock, 1000 * 0.0201 + 3 * 2e-5)
+
+
+async def test_a_token_stride_carries_one_id_for_k_modelled_tokens():
+    latency = LatencyModel(decode_base_s=0.01, decode_s_per_seq=0.0, prefill_s_per_token=0.0,
+                           length_median=1000, length_p99_ratio=1.0, token_stride=64,
+                           switch_s=3.0, **FAST)  # fmt: skip
+    engine = SimEngine(latency)
+    async for e in running(engine):
+        out = await final(e, "long", max_new_tokens=None)
+        await e.release_memory(None)
+        await e.resume_memory(None)
+    # ceil(1000 / 64) = 16 ids, 16 steps of 64 modelled decode steps each, then the switch.
+    assert len(out.output_ids) == 16 and out.output_ids[-1] == e.eos_token_id
+    assert engine.steps == 16 and math.isclose(engine.clock, 16 * 64 * 0.01 + 3.0)
+
+
+async def test_a_resumed_partial_decodes_what_its_length_has_left_on_any_engine():
+    # 10,000 tokens at 0.02 modelled s: 2 s of wall time at scale 100; cut after 0.05 s.
+    latency = LatencyModel(length_median=10_000, length_p99_ratio=1.0, time_scale=100)
+    first, other = SimEngine(latency, seed=1), SimEngine(latency.model_copy(update=FAST), seed=2)
+    prompt = [5, 6, 7]
+    async for e in running(first):
+        request = GenerateRequest(rid="r", input_ids=prompt,
+                                  sampling=SamplingParams(max_new_tokens=None))  # fmt: skip
+        generation = asyncio.create_task(_last(e.generate(request)))
+        await asyncio.sleep(0.05)
+        e.abort("r")
+        partial = await generation
+    assert partial.finish_reason.type == "abort" and 3 < len(partial.output_ids) < 10_000
+    async for e in running(other):  # another engine, another seed: no state is shared
+        rest = GenerateRequest(rid="r2", input_ids=prompt + partial.output_ids,
+                               sampling=SamplingParams(max_new_tokens=None))  # fmt: skip
+        out = await _last(e.generate(rest))
+    assert len(partial.output_ids) + len(out.output_ids) == 10_000
+    assert out.finish_reason.type == "stop" and out.output_ids[-1] == e.eos_token_id
+
+
+async def _last(outputs: AsyncIterator[GenerateOutput]) -> GenerateOutput:
+    return [out async for out in outputs][-1]

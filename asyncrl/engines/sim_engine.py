@@ -12,7 +12,9 @@ and takes (modelled seconds)::
 
 where ``running`` counts the requests decoded in the step (at most ``max_running``) and
 ``admitted`` the prompt tokens of the requests that join it (their prefill). A weight
-update takes ``weight_update_s`` between steps.
+update takes ``weight_update_s`` between steps; colocated, releasing and resuming memory
+take ``switch_s`` together. With ``token_stride`` k, each token id stands for k modelled
+tokens and each step for k decode steps (``sim_latency``).
 
 Lognormal: with median ``m`` and ``r = p99 / m``, ``log L ~ N(log m, s)`` with
 ``s = log r / 2.326`` (2.326 is the standard normal's 99th percentile).
@@ -27,6 +29,12 @@ loop's clock, so a loop that wakes the engine late does not slow its modelled ti
 request joins no earlier than it arrived. What the engine cannot hide is a control plane
 that is slow to send requests or read results: that is what the cluster simulator's load
 test measures. ``clock`` sums the modelled seconds spent decoding and loading weights.
+
+Resumed partials. A new response starts with three ids that record its drawn length
+(``_plan``); a request whose prompt holds them continues that response (APRIL's resumed
+partials, a response aborted by a weight update) and decodes only what its length has
+left, on whichever engine it lands, as a model would go on to the same EOS. Without this,
+every resumption would draw a whole new length and APRIL would look worse than it is.
 
 ``generate`` yields the cumulative output when the request ends (finished or aborted),
 and also every ``stream_interval`` tokens when the request sets one.
@@ -70,6 +78,7 @@ class _Request:
     aborted: bool = False
     updated: asyncio.Event = field(default_factory=asyncio.Event)
     every: int = 0  # wake the caller every this many tokens (0: only when it ends)
+    header: list[int] = field(default_factory=list)  # the first ids of a new response
 
     def snapshot(self) -> GenerateOutput:
         return GenerateOutput(
@@ -128,6 +137,11 @@ class SimEngine:
         self._updates: list[tuple[asyncio.Future[None], int | None]] = []
         self._released = False
         self._anchor = 0.0  # loop time at which the next decode step starts
+        # Random ids are neither EOS (it only ends a response) nor the header's marker.
+        self._marker = vocab_size - 1 if eos_token_id != vocab_size - 1 else vocab_size - 2
+        self._alphabet = np.setdiff1d(np.arange(vocab_size), [eos_token_id, self._marker])
+        self._index = np.zeros(vocab_size, dtype=np.int64)
+        self._index[self._alphabet] = np.arange(len(self._alphabet))
 
     # -- the engine loop ------------------------------------------------------------------
     async def run(self) -> None:
@@ -225,13 +239,14 @@ class SimEngine:
         self._running = [r for r in self._running if r.finish is None]
 
     def _draw(self, req: _Request) -> None:
-        """Draw the tokens decoded since the last draw (ids other than EOS, log-probs, the
-        current version): the engine counts tokens and draws them only when read."""
+        """Draw the tokens decoded since the last draw (the header, then random ids; log-probs;
+        the current version): the engine counts tokens and draws them only when read."""
         n = req.count - len(req.output)
         if n <= 0:
             return
-        ids = self._rng.integers(0, self.vocab_size - 1, n)
-        ids[ids >= self.eos_token_id] += 1  # EOS only ends a response
+        ids = self._alphabet[self._rng.integers(0, len(self._alphabet), n)]
+        head = req.header[len(req.output) : len(req.output) + n]
+        ids[: len(head)] = head
         req.output.extend(ids.tolist())
         req.logprobs.extend((-self._rng.exponential(1.0, n)).tolist())
         req.versions.extend([self.version] * n)
@@ -269,10 +284,10 @@ class SimEngine:
         await self._resumed.wait()  # a paused engine holds new requests, as SGLang does
         self.check(request)
         cap = request.sampling.max_new_tokens
-        target = self.latency.sample_length(self._rng)
+        target, header = self._plan(request.input_ids)
         if cap is not None:
             target = cap if request.sampling.ignore_eos else max(1, min(target, cap))
-        req = _Request(request, target, every=request.sampling.stream_interval or 0)
+        req = _Request(request, target, header=header, every=request.sampling.stream_interval or 0)
         if cap == 0:
             req.finish = _length(0)
             yield req.snapshot()
@@ -283,6 +298,27 @@ class SimEngine:
             self._wake.set()
         async for out in follow(req, self._wake):
             yield out
+
+    def _plan(self, input_ids: list[int]) -> tuple[int, list[int]]:
+        """(tokens to decode, ids to start with). A new response draws its length and
+        starts with a 3-id header recording it: ``[marker, total // b, total % b]`` in the
+        ids that are neither EOS nor the marker (``b`` of them). A prompt holding a header
+        continues one of our responses (APRIL, an abort on update): it decodes what its
+        drawn length has left, as a model would go on to the same EOS, with no state kept
+        between requests, engines or processes."""
+        ids = np.asarray(input_ids)
+        marks = np.flatnonzero(ids[:-2] == self._marker) if len(ids) > 2 else ids[:0]
+        b = len(self._alphabet)
+        if len(marks):
+            at = int(marks[-1])
+            total = self._index[ids[at + 1]] * b + self._index[ids[at + 2]]
+            return max(1, total - (len(ids) - at)), []
+        total = min(self.latency.wire_length(self._rng), b * b - 1)
+        return total, [
+            self._marker,
+            int(self._alphabet[total // b]),
+            int(self._alphabet[total % b]),
+        ]
 
     def check(self, request: GenerateRequest) -> None:
         """Raise ``EngineError`` (a 400) for a request this engine cannot serve."""
@@ -345,10 +381,19 @@ class SimEngine:
         return not (self._running or self._waiting)
 
     async def release_memory(self, tags: list[str] | None) -> None:
+        """Half of ``switch_s`` (weights and cache off the accelerator)."""
+        await self._switch()
         self._released = True
 
     async def resume_memory(self, tags: list[str] | None) -> None:
+        """The other half of ``switch_s``."""
+        await self._switch()
         self._released = False
+
+    async def _switch(self) -> None:
+        seconds = self.latency.switch_s / 2
+        await asyncio.sleep(seconds / self.latency.time_scale)
+        self.clock += seconds
 
 
 def _eos(token: int) -> FinishReason:

@@ -7,6 +7,13 @@ importing torch. Times are modelled seconds::
 
 Response lengths: with median ``m`` and ``r = p99 / m``, ``log L ~ N(log m, s)`` with
 ``s = log r / 2.326`` (the standard normal's 99th percentile), cut at ``length_max``.
+
+``token_stride`` k > 1 lets one token id stand for k modelled tokens, so long-reasoning
+workloads (responses of 8k-32k tokens) can run through the real control plane without
+sending every token: a response of ``L`` modelled tokens carries ``ceil(L / k)`` ids, and
+each of the engine's steps is ``k`` modelled decode steps (``k * step_s``). Lengths, caps
+and times are in modelled tokens; the ids, ``max_new_tokens`` and token counts on the wire
+are in strides.
 """
 
 from __future__ import annotations
@@ -34,14 +41,25 @@ class LatencyModel(BaseModel):
     )
     length_max: int = Field(16384, ge=1, description="longest response (tokens)")
     time_scale: float = Field(1.0, gt=0, description="modelled seconds per wall second")
+    token_stride: int = Field(
+        1, ge=1, description="modelled tokens per token id on the wire (module docstring)"
+    )
+    switch_s: float = Field(
+        0.0, ge=0, description="colocated: releasing plus resuming the engine's memory"
+    )
 
     def step_seconds(self, running: int, admitted_tokens: int) -> float:
-        """``decode_base_s + decode_s_per_seq * running + prefill_s_per_token * admitted``."""
-        return (
+        """One step on the wire: ``k * (decode_base_s + decode_s_per_seq * running +
+        prefill_s_per_token * admitted)`` with ``k = token_stride``."""
+        return self.token_stride * (
             self.decode_base_s
             + self.decode_s_per_seq * running
             + self.prefill_s_per_token * admitted_tokens
         )
+
+    def wire_length(self, rng: np.random.Generator) -> int:
+        """A response length in token ids: ``ceil(sample_length / token_stride)``."""
+        return -(-self.sample_length(rng) // self.token_stride)
 
     def sample_length(self, rng: np.random.Generator) -> int:
         """A response length: lognormal (median, p99 ratio), in ``[1, length_max]``."""
