@@ -311,7 +311,7 @@ class SimEngine:
         b = len(self._alphabet)
         if len(marks):
             at = int(marks[-1])
-            total = self._index[ids[at + 1]] * b + self._index[ids[at + 2]]
+            total = int(self._index[ids[at + 1]] * b + self._index[ids[at + 2]])
             return max(1, total - (len(ids) - at)), []
         total = min(self.latency.wire_length(self._rng), b * b - 1)
         return total, [
