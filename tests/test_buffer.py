@@ -120,6 +120,9 @@ def test_april_over_provisions_aborts_the_extras_and_resumes_them_first() -> Non
     assert buf.put(aborted) == "partial"
     assert not buf.should_abort()
     assert (buf.statistics().partial, buf.statistics().buffered) == (1, 2)
+    # Synchronous: the step is done, so p2 waits for the next version (resumed now, it
+    # would run to its end before a colocated step could start).
+    assert handed_out(buf, 10) == [] and buf.available() == 0
 
     batch = buf.take_batch()
     assert batch is not None and [g.uid for g in batch.groups] == ["p0", "p1"]

@@ -330,8 +330,7 @@ class BufferActor(Actor):
         held = {a: len(uids) for a, uids in self.hub.holders.items() if uids}
         since = asyncio.get_running_loop().time() - _LIVE_S
         live = {a for a, t in self._asked.items() if t >= since} | set(held)
-        available = len(buf.pool) + buf.capacity()
-        return fair_share(available=available, held=held, actor=actor, producers=live)
+        return fair_share(available=buf.available(), held=held, actor=actor, producers=live)
 
     def _no_more_work(self) -> bool:
         return self.buffer.source_done and not len(self.buffer.pool)

@@ -218,6 +218,12 @@ class VersionedBuffer:
         """The work item of ``uid`` while it is in flight, else None."""
         return self._in_flight.get(uid)
 
+    def available(self) -> int:
+        """About how many groups ``next_work`` could hand out now: the partials that may
+        resume and the new groups admission allows (a source running dry gives fewer)."""
+        resumable = len(self.pool) if self._may_resume() else 0
+        return resumable + self.capacity()
+
     def next_work(self, max_items: int) -> list[WorkItem]:
         """Up to ``max_items`` work items: resumed groups first, then new prompts."""
         out: list[WorkItem] = []
@@ -230,7 +236,20 @@ class VersionedBuffer:
 
     def _may_resume(self) -> bool:
         cap = self.config.max_in_flight
-        return bool(self.pool) and (cap is None or len(self._in_flight) < cap)
+        return (
+            bool(self.pool)
+            and (cap is None or len(self._in_flight) < cap)
+            and not self._sync_step_done()
+        )
+
+    def _sync_step_done(self) -> bool:
+        """Synchronous APRIL (eta 0, as in slime): a step's groups are done, so the extras
+        aborted for it resume with the next version. Resumed at once, they would run to
+        their end before a colocated step could start (its engines must be idle), and the
+        abort would save nothing."""
+        cfg = self.config
+        buffered = self.ledger.count(Live.BUFFERED)
+        return cfg.max_staleness == 0 and cfg.over_provision > 0 and buffered >= cfg.groups_per_step
 
     def _resume(self, item: WorkItem | None) -> WorkItem:
         assert item is not None
