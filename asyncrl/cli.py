@@ -4,7 +4,8 @@
     asyncrl chaos CONFIG.yaml --kill TARGET@WHEN ... [--every S] [--<config flag> VALUE ...]
     asyncrl sft [CONFIG.yaml] --model DIR --data FILE.jsonl [--<config flag> VALUE ...]
     asyncrl serve --model DIR [--host 127.0.0.1] [--port 30000] [--device cpu] ...
-    asyncrl plot RUN_DIR [--out DIR]
+    asyncrl plot RUN_DIR [--out DIR]           (or a benchmark's JSON: its figure)
+    asyncrl bench NAME [--<script flag> VALUE ...]   (bench/NAME.py: vs-trl, overlap, ...)
     asyncrl keys DIR
     asyncrl version
 
@@ -153,22 +154,38 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _add_plot(sub: argparse._SubParsersAction) -> None:
     plot = sub.add_parser(
         "plot",
-        help="draw PNG figures of a training run",
+        help="draw PNG figures of a training run or a benchmark's results",
         description="Draw reward, eval, throughput, staleness and actor-timeline figures "
         "(PNG) from the metrics files of a run directory; figures whose inputs are missing "
-        "are skipped. Prints the paths written.",
+        "are skipped. Given a benchmark's JSON (bench/results/NAME.json), draw that "
+        "benchmark's figure. Prints the paths written.",
     )
     plot.add_argument(
-        "run_dir", type=Path, metavar="RUN_DIR", help="run directory (holds metrics.jsonl)"
+        "run_dir",
+        type=Path,
+        metavar="RUN_DIR",
+        help="run directory (holds metrics.jsonl), or a benchmark's results JSON",
     )
     plot.add_argument(
-        "--out", type=Path, metavar="DIR", help="output directory (default: RUN_DIR/plots)"
+        "--out",
+        type=Path,
+        metavar="PATH",
+        help="output directory (default: RUN_DIR/plots); for a JSON, the PNG (default: "
+        "the JSON's path with .png)",
+    )
+    sub.add_parser(
+        "bench",
+        help="run a benchmark of bench/ (asyncrl bench --help lists them)",
+        description="asyncrl bench NAME [flags]: runs bench/NAME.py of the repository with "
+        "the flags given; each prints a side-by-side table and writes JSON to bench/results.",
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     command = argv[0] if argv[:1] in (["train"], ["chaos"]) else None
     if command:
         argv = _sglang_flags(argv)
@@ -503,7 +520,70 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The repository's benchmark scripts (an editable install: the package sits beside them).
+_BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _bench_names() -> list[str]:
+    """``NAME`` for every ``bench/NAME.py`` with a ``main`` (``_`` written ``-``)."""
+    if not _BENCH_DIR.is_dir():
+        return []
+    scripts = (p for p in sorted(_BENCH_DIR.glob("*.py")) if "def main(" in p.read_text())
+    return [p.stem.replace("_", "-") for p in scripts]
+
+
+def _bench(argv: list[str]) -> int:
+    names = _bench_names()
+    if not argv or argv[0] in ("-h", "--help"):
+        usage = "usage: asyncrl bench NAME [--<flag> VALUE ...]   (NAME --help: its flags)"
+        print(f"{usage}\nbenchmarks: {', '.join(names) or f'none: no {_BENCH_DIR}'}")
+        return 0 if argv else 2
+    if argv[0] not in names:
+        where = f"one of {', '.join(names)}" if names else f"none found: no {_BENCH_DIR}"
+        print(f"asyncrl bench: no benchmark {argv[0]!r} ({where})", file=sys.stderr)
+        return 2
+    import subprocess
+
+    script = _BENCH_DIR / f"{argv[0].replace('-', '_')}.py"
+    # From the repository root: the scripts name the examples by relative path.
+    return subprocess.call([sys.executable, str(script), *argv[1:]], cwd=_BENCH_DIR.parent)
+
+
+def _plot_bench(path: Path, out: Path | None) -> int:
+    """Draw ``bench/<stem>.py``'s figure from its results JSON ``path``."""
+    import importlib.util
+
+    script = _BENCH_DIR / f"{path.stem}.py"
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"asyncrl plot: {path}: {exc}", file=sys.stderr)
+        return 2
+    if not script.is_file():
+        print(f"asyncrl plot: {path} names no benchmark ({script} is missing)", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    sys.path.insert(0, str(_BENCH_DIR.parent))  # the scripts import bench.overlap and asyncrl
+    spec.loader.exec_module(module)
+    if not hasattr(module, "plot_json"):
+        print(f"asyncrl plot: {script.name} draws no figure from JSON", file=sys.stderr)
+        return 2
+    target = out or path.with_suffix(".png")
+    try:
+        module.plot_json(payload, target)
+    except (KeyError, TypeError, ValueError) as exc:
+        print(f"asyncrl plot: {path} is not {script.name}'s results: {exc!r}", file=sys.stderr)
+        return 2
+    print(target)
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
+    if args.run_dir.suffix == ".json" and args.run_dir.is_file():
+        return _plot_bench(args.run_dir, args.out)
     if not (args.run_dir / "metrics.jsonl").is_file():
         print(
             f"asyncrl plot: {args.run_dir} is not a run directory (no metrics.jsonl)",

@@ -208,6 +208,11 @@ def plot(results: dict[str, dict[str, Any]], bound: dict[str, float], path: Path
     fig.savefig(path, dpi=100)
 
 
+def plot_json(payload: dict[str, Any], path: Path) -> None:
+    """``asyncrl plot bench/results/overlap.json``: the figure again from the JSON."""
+    plot(payload["modes"], payload["bound"], path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="examples/arith/config.yaml")
