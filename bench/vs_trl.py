@@ -1,0 +1,648 @@
+"""asyncrl against TRL's GRPOTrainer, side by side in one run, on two model sizes.
+
+Both frameworks train GRPO on the arith demo (``examples/arith``: character tokenizer,
+``data/train.jsonl`` prompts as raw text, exact-match reward on the text after ``####``)
+from the same locally built checkpoint, on the same machine (CPU, no vLLM), one after the
+other, with the same batch shape and hyper-parameters:
+
+    G prompts x N samples a step (one optimizer step per generated batch), learning rate,
+    seed, max_new_tokens, temperature 1.0 (top-p 1, no top-k), KL coefficient 0, entropy 0,
+    clip 0.2, token-mean loss (TRL's ``dapo``), advantages (r - mean) / std within a group,
+    AdamW (betas 0.9/0.999, no weight decay), grad clip 1.0, constant LR, float32, no
+    gradient checkpointing, and no dynamic-sampling filter (every sample is trained).
+
+asyncrl runs ``asyncrl train`` (``run_job``) on ``examples/arith/config.yaml`` with those
+settings: async with eta = 2 (the demo's setting), one rollout actor on the embedded engine,
+the trainer in its own process (asyncrl gives each of the two torch processes its share of
+the cores). TRL runs ``GRPOTrainer`` with transformers ``generate`` (``use_cpu``; it
+generates, then trains, in one process on all the cores). What differs is each
+framework's own design: asyncrl trains on samples up to 2 versions stale (decoupled PPO
+correction), TRL on fresh ones; each shuffles the prompts with its own sampler.
+
+Each run is a child process of this script (the same interpreter, started fresh), timed
+from just before it is launched, so start-up (imports, model load, actors) counts for both.
+Both write a checkpoint every ``--save-every`` steps with weights, optimizer and scheduler
+(asyncrl's ``step_N/policy``, TRL's ``checkpoint-N``); the saves are inside the timed
+part on both sides, and their measured seconds are reported.
+
+Reported per size and framework:
+
+- ``samples/s`` = trained samples / seconds between the first and the last step's end
+  (the steady state: the steps after the first, which includes start-up); ``tokens/s``
+  the same for trained (response, loss) tokens; ``step_s`` the mean seconds per step;
+- held-out accuracy: pass@1 at T = 1 (``--eval-samples`` samples a prompt) on the first
+  ``--eval-rows`` rows of ``data/test.jsonl``, scored after training (outside the timed
+  part) for the starting checkpoint and every saved one, by one evaluator for both:
+  Hugging Face ``generate`` with ``examples/arith/evaluate.py``'s ``generate`` and
+  ``extract_answer``, seeded the same for every checkpoint;
+- time to accuracy: wall seconds from launch to the end of the first step whose
+  checkpoint reaches the target, the highest accuracy both frameworks reach (the smaller
+  of their two best); none when that is no better than the starting checkpoint.
+
+The ratios (asyncrl / TRL) are printed next to the issue's targets: at 30M, samples/s
+>= 2x and time to accuracy <= 0.5x; at 0.5M, samples/s >= 1x.
+
+Models: ``--cache/<size>`` holds each size's starting checkpoint, built when missing with
+``examples/arith/make_model.py``'s recipe (``build_init``: random-init Qwen2 and the
+character tokenizer; ``sft_command``: ``asyncrl sft`` with label smoothing 0.1), on SFT
+data written by ``make_data.py`` into the cache (the repository's data files are not
+touched); ``build.json`` records the flags and the seconds it took.
+
+``.venv/bin/python bench/vs_trl.py`` prints the table, writes ``bench/results/vs_trl.json``
+and ``bench/results/vs_trl.png`` (accuracy against wall seconds, per size). It needs
+``pip install -e '.[bench]'`` (TRL, matplotlib).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model is local
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+ARITH = ROOT / "examples" / "arith"
+FRAMEWORKS = ("asyncrl", "trl")
+MISSING_BENCH = "bench/vs_trl.py needs TRL and matplotlib: pip install -e '.[bench]'"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A model size: the Qwen2 shape, its SFT warm-up, and the default RL steps."""
+
+    hidden: int
+    layers: int
+    heads: int
+    num_sft: int
+    epochs: int
+    batch_size: int
+    sft_lr: float
+    steps: int
+
+
+SIZES: dict[str, Shape] = {
+    # 0.50M parameters: per-sample overhead dominates. The demo's SFT recipe, half the rows.
+    "0.5m": Shape(hidden=80, layers=5, heads=4, num_sft=32000, epochs=2, batch_size=32,
+                  sft_lr=3e-3, steps=60),
+    # 31.6M parameters: compute dominates. A short warm-up (one epoch), lower LR.
+    "30m": Shape(hidden=512, layers=8, heads=8, num_sft=12800, epochs=1, batch_size=32,
+                 sft_lr=1e-3, steps=16),
+}  # fmt: skip
+
+#: The issue's targets, asyncrl / TRL: samples/s at least, time to accuracy at most.
+TARGETS: dict[str, dict[str, float]] = {
+    "0.5m": {"samples/s": 1.0},
+    "30m": {"samples/s": 2.0, "time_to_accuracy": 0.5},
+}
+
+
+def load_module(name: str, path: Path) -> ModuleType:
+    """Import the file ``path`` as ``name`` (the example scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of ``path`` (none if it does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- models ---------------------------------------------------------------------------
+
+
+def count_params(model_dir: Path) -> int:
+    """Parameters stored in the checkpoint (tied embeddings once)."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            total += math.prod(f.get_slice(key).get_shape())
+    return total
+
+
+def build_model(size: str, dest: Path, seed: int) -> dict[str, Any]:
+    """Build ``size``'s starting checkpoint into ``dest`` with make_model.py's recipe."""
+    shape = SIZES[size]
+    make_model = load_module("arith_make_model", ARITH / "make_model.py")
+    work = dest.parent / f"{dest.name}-work"
+    shutil.rmtree(work, ignore_errors=True)
+    args = argparse.Namespace(hidden=shape.hidden, layers=shape.layers, heads=shape.heads,
+                              seed=seed, num_sft=shape.num_sft, epochs=shape.epochs,
+                              batch_size=shape.batch_size, lr=shape.sft_lr,
+                              label_smoothing=0.1)  # fmt: skip
+    start = time.perf_counter()
+    subprocess.run([sys.executable, str(ARITH / "make_data.py"), "--out", str(work / "data"),
+                    "--seed", str(seed), "--num-sft", str(shape.num_sft)],
+                   check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    make_model.build_init(work / "init", args)
+    command = make_model.sft_command(
+        work / "init", work / "sft", args, data=work / "data" / "sft.jsonl"
+    )
+    print("$", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+    install(make_model, work, dest)
+    info = {"size": size, "shape": dataclasses.asdict(shape), "seed": seed,
+            "seconds": time.perf_counter() - start}  # fmt: skip
+    (dest / "build.json").write_text(json.dumps(info, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return info
+
+
+def install(make_model: ModuleType, work: Path, dest: Path) -> None:
+    """Copy the SFT weights and the tokenizer files into ``dest``, as make_model.py does."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in make_model.MODEL_FILES:
+        shutil.copy2(work / "sft" / "model" / name, dest / name)
+    for path in (work / "init").iterdir():
+        if path.name.startswith("tokenizer") or path.suffix == ".jinja":
+            shutil.copy2(path, dest / path.name)
+
+
+def ensure_model(size: str, cache: Path, seed: int) -> dict[str, Any]:
+    """``size``'s checkpoint (built when missing), its parameter count and build time."""
+    dest = cache / size
+    if not (dest / "model.safetensors").exists():
+        print(f"building the {size} model into {dest} ...", flush=True)
+        build_model(size, dest, seed)
+    build = dest / "build.json"
+    info = json.loads(build.read_text()) if build.exists() else {}
+    return {"path": str(dest), "params": count_params(dest), "build_s": info.get("seconds"),
+            "build": info}  # fmt: skip
+
+
+# -- the timed runs (each in a child process: ``--worker FRAMEWORK --spec FILE``) ------
+
+
+def asyncrl_flags(spec: dict[str, Any]) -> list[str]:
+    """``asyncrl train`` flags for ``spec`` on top of the demo's config."""
+    sampling = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": spec["max_new_tokens"]}
+    seed = str(spec["seed"])
+    return ["--name", "vs-trl-asyncrl", "--output-dir", spec["out"], "--seed", seed,
+            "--prompt-data", spec["train"], "--hf-checkpoint", spec["model"],
+            "--rollout-engine-model-path", spec["model"], "--lr", str(spec["lr"]),
+            "--rollout-batch-size", str(spec["groups"]),
+            "--n-samples-per-prompt", str(spec["samples"]), "--buffer-filters", "[]",
+            "--rollout-sampling", json.dumps(sampling), "--rm-type", "exact",
+            "--train-num-steps", str(spec["steps"]), "--save-interval", str(spec["save_every"]),
+            "--eval-interval", "0", "--kl-coef", "0", "--use-kl-loss", "false",
+            "--entropy-coef", "0", "--eps-clip", "0.2", "--loss-aggregation", "token-mean",
+            "--clip-grad", "1.0", "--weight-decay", "0", "--trainer-lr-schedule", "constant",
+            "--lr-warmup-iters", "0", "--trainer-dtype", "float32",
+            "--trainer-seed", seed, "--rollout-seed", seed]  # fmt: skip
+
+
+def run_asyncrl(spec: dict[str, Any]) -> None:
+    """The asyncrl job, in this process's event loop (its actors are child processes)."""
+    import asyncio
+
+    from asyncrl.actors.controller import run_job
+    from asyncrl.config import load_config
+
+    cfg = load_config(str(ARITH / "config.yaml"), overrides=asyncrl_flags(spec))
+    result = asyncio.run(run_job(cfg))
+    if not result.ok:
+        raise SystemExit(f"asyncrl: {result.error or result.codes}")
+
+
+def trl_dataset(path: str, tokenizer: Any) -> Any:
+    """``prompt`` (raw text, as asyncrl renders it) and ``label`` columns of ``path``."""
+    from datasets import Dataset
+
+    rows = read_jsonl(Path(path))
+    for row in rows[:32]:  # TRL tokenizes with special tokens, asyncrl without: same ids?
+        if (
+            tokenizer(row["prompt"])["input_ids"]
+            != tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        ):
+            raise SystemExit(f"the tokenizer adds special tokens to {row['prompt']!r}")
+    return Dataset.from_dict(
+        {"prompt": [r["prompt"] for r in rows], "label": [r["label"] for r in rows]}
+    )
+
+
+class ExactReward:
+    """asyncrl's ``exact`` reward (1 when the text after the last ``####`` equals the
+    label); records each call's samples, completion tokens and mean reward."""
+
+    __name__ = "exact"
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, float]] = []
+
+    def __call__(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        completion_ids: list[list[int]],
+        label: list[str],
+        **_: Any,
+    ) -> list[float]:
+        from asyncrl.rollout.rewards import exact_match, extract_answer
+
+        scores = [
+            1.0 if exact_match(extract_answer(text), want) else 0.0
+            for text, want in zip(completions, label, strict=True)
+        ]
+        self.calls.append({"samples": len(scores), "tokens": sum(map(len, completion_ids)),
+                           "reward": statistics.fmean(scores)})  # fmt: skip
+        return scores
+
+
+def trl_config(spec: dict[str, Any]) -> Any:
+    """``GRPOConfig`` with asyncrl's settings (see the module docstring)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=spec["out"], use_cpu=True, bf16=False, fp16=False, seed=spec["seed"],
+        max_steps=spec["steps"], per_device_train_batch_size=spec["groups"] * spec["samples"],
+        gradient_accumulation_steps=1, num_generations=spec["samples"], num_iterations=1,
+        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, loss_type="dapo",
+        scale_rewards="group", gradient_checkpointing=False, use_vllm=False,
+        save_strategy="steps", save_steps=spec["save_every"], logging_steps=1,
+        report_to="none", disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+    )  # fmt: skip
+
+
+def run_trl(spec: dict[str, Any]) -> None:
+    """TRL's GRPOTrainer; writes ``timeline.json`` (step ends, saves, tokens) to ``out``."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+        from transformers.trainer_callback import PrinterCallback
+        from trl import GRPOTrainer
+    except ImportError as exc:
+        raise SystemExit(f"{MISSING_BENCH} ({exc})") from None
+
+    class Clock(TrainerCallback):
+        """Wall time at each step's end and at each save (seconds since step end)."""
+
+        def __init__(self) -> None:
+            self.steps: list[dict[str, float]] = []
+            self.saves: list[dict[str, float]] = []
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            self.steps.append({"step": state.global_step, "time": time.time()})
+
+        def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            now = time.time()
+            self.saves.append({"step": state.global_step, "time": now,
+                               "seconds": now - self.steps[-1]["time"]})  # fmt: skip
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    reward, clock = ExactReward(), Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_config(spec),
+                          train_dataset=trl_dataset(spec["train"], tokenizer),
+                          processing_class=tokenizer, callbacks=[clock])  # fmt: skip
+    trainer.remove_callback(PrinterCallback)  # a dict on stdout every step
+    trainer.train()
+    if len(reward.calls) != len(clock.steps):
+        raise SystemExit(f"trl: {len(reward.calls)} generations for {len(clock.steps)} steps")
+    steps = [step | call for step, call in zip(clock.steps, reward.calls, strict=True)]
+    timeline = {"steps": steps, "saves": clock.saves, "threads": torch.get_num_threads()}
+    (Path(spec["out"]) / "timeline.json").write_text(json.dumps(timeline, indent=2) + "\n")
+
+
+def worker(framework: str, spec_path: Path) -> None:
+    """Run one framework's timed run as described by the spec file."""
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames
+    spec = json.loads(spec_path.read_text())
+    (run_asyncrl if framework == "asyncrl" else run_trl)(spec)
+
+
+def launch(framework: str, spec: dict[str, Any]) -> dict[str, float]:
+    """Run ``framework`` on ``spec`` in a fresh child process; its launch and end times."""
+    out = Path(spec["out"])
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    spec_path = out.parent / f"{out.name}.spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2) + "\n")
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", framework,
+               "--spec", str(spec_path)]  # fmt: skip
+    t0 = time.time()
+    done = subprocess.run(command, check=False)
+    end = time.time()
+    if done.returncode != 0:
+        raise RuntimeError(f"{framework} run failed (exit {done.returncode}): {out}")
+    return {"t0": t0, "end": end}
+
+
+# -- what the runs left: steps, checkpoints -------------------------------------------
+
+
+def asyncrl_timeline(out: Path, groups: int, samples: int) -> dict[str, Any]:
+    """Steps from ``metrics.jsonl`` (trained samples: the groups not dropped as failed)
+    and checkpoints ``checkpoints/trainer/step_N/policy`` (each at its step's end; save
+    seconds from the files' modification times)."""
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "step" in r and "num_tokens" in r]
+    steps = [{"step": int(r["step"]), "time": float(r["time"]),
+              "samples": (groups - int(r.get("batch/dropped_groups", 0))) * samples,
+              "tokens": float(r["num_tokens"]), "reward": r.get("reward/mean")}
+             for r in rows]  # fmt: skip
+    at = {s["step"]: s["time"] for s in steps}
+    checkpoints = []
+    for path in sorted((out / "checkpoints" / "trainer").glob("step_*")):
+        policy = path / "policy"
+        if path.suffix or not (policy / "model.safetensors").exists():
+            continue  # .tmp / .old: a save in progress
+        step = int(path.name.removeprefix("step_"))
+        save_s = (path / "trainer.json").stat().st_mtime - (policy / "config.json").stat().st_mtime
+        checkpoints.append({"step": step, "path": str(policy), "time": at.get(step),
+                            "save_s": save_s})  # fmt: skip
+    return {"steps": steps, "checkpoints": checkpoints}
+
+
+def trl_timeline(out: Path) -> dict[str, Any]:
+    """Steps and saves recorded by the TRL worker, checkpoints ``checkpoint-N``."""
+    recorded = json.loads((out / "timeline.json").read_text())
+    at = {s["step"]: s["time"] for s in recorded["steps"]}
+    saves = {s["step"]: s["seconds"] for s in recorded["saves"]}
+    checkpoints = [
+        {"step": int(p.name.removeprefix("checkpoint-")), "path": str(p)}
+        for p in out.glob("checkpoint-*")
+        if (p / "model.safetensors").exists()
+    ]
+    for c in checkpoints:
+        c |= {"time": at.get(c["step"]), "save_s": saves.get(c["step"])}
+    checkpoints.sort(key=lambda c: c["step"])
+    return {"steps": recorded["steps"], "checkpoints": checkpoints,
+            "threads": recorded["threads"]}  # fmt: skip
+
+
+def figures(steps: list[dict[str, Any]], clock: dict[str, float]) -> dict[str, Any]:
+    """Throughput over the steady state (steps after the first), start-up and wall time."""
+    if len(steps) < 2:
+        raise RuntimeError(f"only {len(steps)} steps recorded: no steady state to measure")
+    span = steps[-1]["time"] - steps[0]["time"]
+    steady = steps[1:]
+    rewards = [s["reward"] for s in steps if s.get("reward") is not None]
+    return {
+        "steps": len(steps),
+        "samples/s": sum(s["samples"] for s in steady) / span,
+        "tokens/s": sum(s["tokens"] for s in steady) / span,
+        "step_s": span / len(steady),
+        "first_step_s": steps[0]["time"] - clock["t0"],
+        "wall_s": clock["end"] - clock["t0"],
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+    }
+
+
+# -- held-out accuracy ----------------------------------------------------------------
+
+
+class Evaluator:
+    """pass@1 at T = 1 of a checkpoint: ``n`` samples for each of ``rows``, Hugging Face
+    ``generate`` through ``examples/arith/evaluate.py``, the same seed for every model."""
+
+    def __init__(self, tokenizer_dir: Path, rows: list[dict[str, Any]], args: argparse.Namespace):
+        from transformers import AutoTokenizer
+
+        self.arith = load_module("arith_evaluate", ARITH / "evaluate.py")
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.rows = sorted(rows, key=lambda r: len(r["prompt"]))  # batches of like lengths
+        self.n, self.seed, self.max_new_tokens = args.eval_samples, args.seed, args.max_new_tokens
+        self.batch = max(1, 256 // self.n)
+
+    def __call__(self, model_dir: str) -> float:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(self.seed)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        correct = 0
+        for lo in range(0, len(self.rows), self.batch):
+            chunk = self.rows[lo : lo + self.batch]
+            samples = self.arith.generate(model, self.tokenizer, [r["prompt"] for r in chunk],
+                                          n=self.n, temperature=1.0,
+                                          max_new_tokens=self.max_new_tokens)  # fmt: skip
+            for row, drawn in zip(chunk, samples, strict=True):
+                correct += sum(self.arith.extract_answer(t) == row["label"] for t, _, _ in drawn)
+        return correct / (self.n * len(self.rows))
+
+
+def accuracy_curve(
+    timeline: dict[str, Any], t0: float, start: float, evaluator: Evaluator
+) -> list[dict[str, Any]]:
+    """Accuracy at launch (the starting checkpoint) and at every saved checkpoint."""
+    curve = [{"step": 0, "time_s": 0.0, "accuracy": start}]
+    for c in timeline["checkpoints"]:
+        if c["time"] is None:
+            continue  # a checkpoint without a recorded step (the final one on stop)
+        point = {"step": c["step"], "time_s": c["time"] - t0, "save_s": c["save_s"]}
+        curve.append(point | {"accuracy": evaluator(c["path"])})
+        print(f"  step {c['step']:>4}: accuracy {curve[-1]['accuracy']:.1%}", flush=True)
+    return curve
+
+
+def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
+    """Wall seconds to the first point of ``curve`` at ``target`` accuracy or above."""
+    return next((p["time_s"] for p in curve if p["accuracy"] >= target - 1e-12), None)
+
+
+def compare(size: str, runs: dict[str, dict[str, Any]], start: float) -> dict[str, Any]:
+    """Ratios asyncrl / TRL, the common accuracy target and the issue's targets met."""
+    if set(FRAMEWORKS) - set(runs):
+        return {}
+    a, t = runs["asyncrl"], runs["trl"]
+    target = min(max(p["accuracy"] for p in runs[fw]["curve"][1:]) for fw in FRAMEWORKS)
+    out: dict[str, Any] = {"samples/s": a["samples/s"] / t["samples/s"],
+                           "tokens/s": a["tokens/s"] / t["tokens/s"],
+                           "target_accuracy": target, "time_to_accuracy": None}  # fmt: skip
+    if target > start:
+        for fw in FRAMEWORKS:
+            runs[fw]["time_to_accuracy_s"] = time_to(runs[fw]["curve"], target)
+        out["time_to_accuracy"] = a["time_to_accuracy_s"] / t["time_to_accuracy_s"]
+    else:
+        out["note"] = "neither framework beat the starting checkpoint: no time to accuracy"
+    out["targets"] = {key: {"want": want, "met": _met(key, out[key], want)}
+                      for key, want in TARGETS[size].items()}  # fmt: skip
+    return out
+
+
+def _met(key: str, ratio: float | None, want: float) -> bool | None:
+    if ratio is None:
+        return None
+    return ratio <= want if key == "time_to_accuracy" else ratio >= want
+
+
+# -- one size, the report -------------------------------------------------------------
+
+
+def run_spec(args: argparse.Namespace, size: str, model: str, framework: str) -> dict[str, Any]:
+    """The settings both frameworks share, and where this run writes."""
+    return {"model": model, "train": str(args.train), "out": str(args.work / size / framework),
+            "steps": args.steps or SIZES[size].steps, "groups": args.groups,
+            "samples": args.samples, "lr": args.lr, "seed": args.seed,
+            "save_every": args.save_every, "max_new_tokens": args.max_new_tokens}  # fmt: skip
+
+
+def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
+    """Both frameworks on ``size``, back to back, then every checkpoint's accuracy."""
+    model = ensure_model(size, args.cache, args.seed)
+    print(f"{size}: {model['params']:,} parameters ({model['path']})", flush=True)
+    runs: dict[str, dict[str, Any]] = {}
+    timelines: dict[str, tuple[dict[str, Any], dict[str, float]]] = {}
+    for fw in args.frameworks:
+        spec = run_spec(args, size, model["path"], fw)
+        print(f"{size}: training {fw} ({spec['steps']} steps) ...", flush=True)
+        clock = launch(fw, spec)
+        out = Path(spec["out"])
+        if fw == "asyncrl":
+            timeline = asyncrl_timeline(out, args.groups, args.samples)
+        else:
+            timeline = trl_timeline(out)
+        timelines[fw] = timeline, clock
+        runs[fw] = figures(timeline["steps"], clock) | {"requested_steps": spec["steps"]}
+        runs[fw]["save_s"] = sum(c["save_s"] or 0.0 for c in timeline["checkpoints"])
+        runs[fw]["timeline"] = [s | {"time": s["time"] - clock["t0"]} for s in timeline["steps"]]
+    rows = read_jsonl(args.test)[: args.eval_rows]
+    evaluator = Evaluator(Path(model["path"]), rows, args)
+    print(f"{size}: evaluating the checkpoints on {len(rows)} test rows ...", flush=True)
+    start = evaluator(model["path"])
+    print(f"  start: accuracy {start:.1%}", flush=True)
+    for fw, (timeline, clock) in timelines.items():
+        print(f"  {fw}:", flush=True)
+        runs[fw]["curve"] = accuracy_curve(timeline, clock["t0"], start, evaluator)
+        runs[fw]["best_accuracy"] = max(p["accuracy"] for p in runs[fw]["curve"][1:])
+    return {"model": model, "start_accuracy": start, "frameworks": runs,
+            "comparison": compare(size, runs, start)}  # fmt: skip
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _verdict(key: str, goal: dict[str, Any] | None) -> str:
+    if goal is None:
+        return ""
+    sign = "<=" if key == "time_to_accuracy" else ">="
+    met = {True: "met", False: "NOT met", None: "not measurable"}[goal["met"]]
+    return f"  (target {sign} {goal['want']}x: {met})"
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    """Per size: each framework's figures, then the ratios next to the targets."""
+    cols = [("samples/s", ".1f"), ("tokens/s", ".0f"), ("step_s", ".2f"),
+            ("first_step_s", ".1f"), ("wall_s", ".0f"), ("save_s", ".1f"),
+            ("best_accuracy", ".1%"), ("time_to_accuracy_s", ".0f")]  # fmt: skip
+    for size, res in results.items():
+        print(f"\n{size}: {res['model']['params']:,} parameters, start accuracy "
+              f"{res['start_accuracy']:.1%}")  # fmt: skip
+        print(f"{'':<9}" + "".join(f"{c:>20}" for c, _ in cols))
+        for fw, r in res["frameworks"].items():
+            print(f"{fw:<9}" + "".join(f"{_fmt(r.get(c), f):>20}" for c, f in cols))
+        cmp = res["comparison"]
+        if not cmp:
+            continue
+        print(f"target accuracy (the lower of the two bests): {cmp['target_accuracy']:.1%}"
+              + (f" ({cmp['note']})" if "note" in cmp else ""))  # fmt: skip
+        for key in ("samples/s", "tokens/s", "time_to_accuracy"):
+            verdict = _verdict(key, cmp["targets"].get(key))
+            print(f"  asyncrl / TRL {key:<17} {_fmt(cmp[key], '.2f')}x{verdict}")
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """Held-out accuracy against wall seconds since launch, both frameworks, per size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (size, res) in zip(axes[0], results.items(), strict=True):
+        for fw, r in res["frameworks"].items():
+            curve = r["curve"]
+            ax.plot([p["time_s"] for p in curve], [p["accuracy"] for p in curve], marker="o",
+                    label=f"{fw} ({r['samples/s']:.1f} samples/s)")  # fmt: skip
+        if res["comparison"]:
+            ax.axhline(res["comparison"]["target_accuracy"], color="k", ls=":", label="target")
+        ax.set_title(f"{size} ({res['model']['params'] / 1e6:.1f}M parameters)")
+        ax.set_xlabel("wall seconds since launch")
+        ax.set_ylabel("held-out pass@1 (T = 1)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_json(payload: dict[str, Any], path: Path) -> None:
+    """``asyncrl plot bench/results/vs_trl.json``: the figure again from the JSON."""
+    plot(payload["sizes"], path)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per run (default per size: " +
+                        ", ".join(f"{k} {v.steps}" for k, v in SIZES.items()) + ")")  # fmt: skip
+    parser.add_argument("--groups", type=int, default=16, help="prompts per step (G)")
+    parser.add_argument("--samples", type=int, default=8, help="samples per prompt (N)")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--save-every", type=int, default=4, help="checkpoint every K steps")
+    parser.add_argument("--eval-rows", type=int, default=200, help="first N test rows")
+    parser.add_argument("--eval-samples", type=int, default=4, help="samples per test prompt")
+    parser.add_argument("--train", type=Path, default=ARITH / "data" / "train.jsonl")
+    parser.add_argument("--test", type=Path, default=ARITH / "data" / "test.jsonl")
+    parser.add_argument("--cache", type=Path, default=Path("runs/vs-trl/models"))
+    parser.add_argument("--work", type=Path, default=Path("runs/vs-trl"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/vs_trl.json"))
+    parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args.worker, args.spec)
+        return
+    needed = ["matplotlib", *(["trl"] if "trl" in args.frameworks else [])]
+    if any(importlib.util.find_spec(name) is None for name in needed):
+        raise SystemExit(MISSING_BENCH)
+    args.cache, args.work = args.cache.resolve(), args.work.resolve()
+    results = {size: run_size(args, size) for size in args.sizes}
+    print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                if k not in ("worker", "spec")}  # fmt: skip
+    payload = {"settings": settings, "shapes": {k: dataclasses.asdict(v) for k, v in SIZES.items()},
+               "targets": TARGETS, "sizes": results}  # fmt: skip
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

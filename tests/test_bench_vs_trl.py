@@ -1,0 +1,89 @@
+"""bench/vs_trl.py: both frameworks really train on a tiny model, and the report compares them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+vs_trl = _load("bench_vs_trl", ROOT / "bench" / "vs_trl.py")
+
+
+def point(step: int, time_s: float, accuracy: float) -> dict[str, float]:
+    return {"step": step, "time_s": time_s, "accuracy": accuracy}
+
+
+def test_time_to_accuracy_is_at_the_lower_best_and_ratios_are_asyncrl_over_trl() -> None:
+    runs = {
+        "asyncrl": {"samples/s": 30.0, "tokens/s": 300.0,
+                    "curve": [point(0, 0, 0.1), point(4, 20, 0.3), point(8, 40, 0.5)]},
+        "trl": {"samples/s": 10.0, "tokens/s": 120.0,
+                "curve": [point(0, 0, 0.1), point(4, 50, 0.2), point(8, 100, 0.4)]},
+    }  # fmt: skip
+    out = vs_trl.compare("30m", runs, start=0.1)
+    assert out["target_accuracy"] == 0.4  # TRL's best, the lower of the two
+    assert (runs["asyncrl"]["time_to_accuracy_s"], runs["trl"]["time_to_accuracy_s"]) == (40, 100)
+    assert out["time_to_accuracy"] == pytest.approx(0.4)
+    assert (out["samples/s"], out["tokens/s"]) == (pytest.approx(3.0), pytest.approx(2.5))
+    assert out["targets"]["samples/s"] == {"want": 2.0, "met": True}
+    assert out["targets"]["time_to_accuracy"] == {"want": 0.5, "met": True}
+
+
+def test_no_gain_over_the_start_means_no_time_to_accuracy() -> None:
+    flat = [point(0, 0, 0.2), point(2, 10, 0.2)]
+    runs = {fw: {"samples/s": 1.0, "tokens/s": 1.0, "curve": flat} for fw in vs_trl.FRAMEWORKS}
+    out = vs_trl.compare("30m", runs, start=0.2)
+    assert out["time_to_accuracy"] is None and "note" in out
+    assert out["targets"]["time_to_accuracy"]["met"] is None
+
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("trl", "matplotlib")),
+    reason="needs pip install -e '.[bench]'",
+)
+def test_both_frameworks_train_the_requested_steps_and_are_compared(tmp_path: Path) -> None:
+    make_model = _load("arith_make_model", ROOT / "examples" / "arith" / "make_model.py")
+    cache = tmp_path / "models"
+    make_model.build_init(cache / "0.5m", argparse.Namespace(hidden=32, layers=2, heads=2, seed=0))
+    out = tmp_path / "vs_trl.json"
+    command = [sys.executable, str(ROOT / "bench" / "vs_trl.py"), "--sizes", "0.5m",
+               "--steps", "3", "--groups", "2", "--samples", "4", "--save-every", "2",
+               "--max-new-tokens", "8", "--eval-rows", "4", "--eval-samples", "2",
+               "--cache", str(cache), "--work", str(tmp_path / "runs"),
+               "--out", str(out)]  # fmt: skip
+    subprocess.run(command, cwd=ROOT, check=True, timeout=240)
+    result = json.loads(out.read_text())["sizes"]["0.5m"]
+    assert result["model"]["params"] > 0
+    for fw in vs_trl.FRAMEWORKS:
+        run = result["frameworks"][fw]
+        assert run["steps"] == run["requested_steps"] == 3, fw  # each side really trained
+        assert run["samples/s"] > 0 and run["tokens/s"] > 0 and run["step_s"] > 0
+        curve = run["curve"]
+        assert curve[0] == point(0, 0.0, result["start_accuracy"])
+        assert [p["step"] for p in curve[1:]] == [2, 3]  # every K steps and the last
+        times = [p["time_s"] for p in curve]
+        assert times == sorted(times) and times[1] >= run["first_step_s"] > 0
+    comparison = result["comparison"]
+    ratio = result["frameworks"]["asyncrl"]["samples/s"] / result["frameworks"]["trl"]["samples/s"]
+    assert comparison["samples/s"] == pytest.approx(ratio)
+    assert {"tokens/s", "time_to_accuracy", "target_accuracy"} <= set(comparison)
+    assert set(comparison["targets"]) == {"samples/s"}
+    assert out.with_suffix(".png").stat().st_size > 0
