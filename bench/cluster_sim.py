@@ -9,8 +9,9 @@ actors and their HTTP clients, the ZeroMQ channels, the weight-version broadcast
 The cluster. ``--gpus`` GPUs; an engine takes ``--engine-gpus`` of them and decodes up to
 ``--concurrency`` requests. A decode step of an engine takes
 ``decode_base_s + decode_s_per_seq * running`` modelled seconds. A train step takes
-``train_base_s + train_gpu_s_per_token * tokens / train_gpus``: training scales linearly
-with its GPUs. The modes, at the same GPU budget (anchors section 4.2):
+``train_base_s + train_gpu_s_per_token * tokens / train_gpus`` when training scales
+linearly with its GPUs (``--train-scaling`` 1; ``per_token`` for less). The modes, at
+the same GPU budget (anchors section 4.2):
 
     sync-colocated   eta 0; every GPU generates, then every GPU trains (engines release
                      and resume their memory around the step: ``switch_s``)
@@ -124,6 +125,15 @@ def engines_of(mode: str, args: argparse.Namespace) -> tuple[int, int]:
     return max(1, rollout_gpus // args.engine_gpus), max(1, train_gpus)
 
 
+def per_token(args: argparse.Namespace, train_gpus: int) -> float:
+    """Train seconds per token on ``n`` GPUs: ``(c / gpus) * (gpus / n)**b`` with ``c`` =
+    ``--train-gpu-s-per-token`` and ``b`` = ``--train-scaling``: ``c / gpus`` on the whole
+    cluster; ``b = 1`` is linear scaling (``c / n``), ``b = 0`` none (verl's 7B update took
+    114 s on 128 GPUs and 113 s on 64)."""
+    c, b = args.train_gpu_s_per_token, args.train_scaling
+    return c / args.gpus * (args.gpus / train_gpus) ** b
+
+
 def mean_length(work: Workload, seed: int = 0) -> float:
     """E[min(L, max)] of the workload's lognormal, from 20,000 draws (modelled tokens)."""
     sigma = math.log(work.p99_ratio) / 2.326
@@ -143,7 +153,7 @@ def time_scale(mode: str, args: argparse.Namespace, work: Workload) -> float:
     step = args.decode_base_s + args.decode_s_per_seq * min(args.concurrency, held / engines)
     rate = held / (mean * step)
     if eta > 0:  # a steady flow, capped by the trainer: B / T (sync modes start in a burst)
-        train = args.train_base_s + args.train_gpu_s_per_token * samples * mean / train_gpus
+        train = args.train_base_s + per_token(args, train_gpus) * samples * mean
         rate = min(rate, samples / train)
     return min(args.time_scale, args.wall_rate / rate)
 
@@ -160,7 +170,7 @@ def sim_flags(mode: str, args: argparse.Namespace, work: Workload, scale: float)
               "length-p99-ratio": work.p99_ratio, "length-max": work.max_len,
               "time-scale": scale, "token-stride": k, "engines": per_actor}  # fmt: skip
     trainer = {"step-base-s": args.train_base_s, "time-scale": scale,
-               "step-s-per-token": args.train_gpu_s_per_token * k / train_gpus}  # fmt: skip
+               "step-s-per-token": per_token(args, train_gpus) * k}  # fmt: skip
     sampling = {"temperature": 1.0, "max_new_tokens": math.ceil(work.max_len / k)}
     slots = per_actor * args.concurrency // args.group_size
     return [
@@ -366,6 +376,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--train-base-s", type=float, default=10.0, help="train step fixed cost")
     ap.add_argument("--train-gpu-s-per-token", type=float, default=5e-4,
                     help="GPU-seconds per trained token (fwd, bwd, log-probs)")  # fmt: skip
+    ap.add_argument("--train-scaling", type=float, default=1.0,
+                    help="how train speed grows with GPUs: 1 linear, 0 not at all")  # fmt: skip
     ap.add_argument("--token-stride", type=int, default=32, help="modelled tokens per id")
     ap.add_argument("--time-scale", type=float, default=40.0, help="most modelled s per wall s")
     ap.add_argument("--wall-rate", type=float, default=400.0,

@@ -80,3 +80,12 @@ def test_a_small_cluster_simulation_runs_from_the_cli_and_plots(tmp_path: Path):
     assert main(["plot", str(out), "--out", str(png)]) == 0 and png.stat().st_size > 0
     (tmp_path / "overlap.json").write_text("{}")
     assert main(["plot", str(tmp_path / "overlap.json")]) == 2  # not overlap.py's results
+
+
+def test_training_speed_grows_with_gpus_as_the_scaling_exponent_says():
+    linear = cluster_sim.parse_args(["--gpus", "128", "--train-gpu-s-per-token", "0.128"])
+    assert math.isclose(cluster_sim.per_token(linear, 128), 0.001)
+    assert math.isclose(cluster_sim.per_token(linear, 64), 0.002)
+    flat = cluster_sim.parse_args(["--gpus", "128", "--train-gpu-s-per-token", "0.128",
+                                   "--train-scaling", "0"])  # fmt: skip
+    assert math.isclose(cluster_sim.per_token(flat, 64), 0.001)  # half the GPUs, same speed
