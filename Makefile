@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: demo arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends bench-cluster-sim \
-	bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak clean
+	bench-cluster-load bench-vs-trl bench-extra bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,8 +76,22 @@ bench-trainer: $(STAMP)
 bench-train-backends: $(STAMP)
 	$(PY) bench/train_backends.py
 
-bench-cluster-sim: $(STAMP)
-	$(PY) bench/cluster_sim.py
+# The cluster simulator: 128 GPUs, math-28k, every mode (about 20 minutes on 2 cores).
+bench-cluster-sim: bench-extra
+	$(VENV)/bin/asyncrl bench cluster-sim
+
+# The control plane alone: 2,000 to 20,000 requests in flight (about 3 minutes).
+bench-cluster-load: bench-extra
+	$(VENV)/bin/asyncrl bench cluster-sim --load-test
+
+# asyncrl against TRL's GRPOTrainer at 0.5M and 30M parameters (about 40 minutes with
+# the 30M model's warm-up on a first run).
+bench-vs-trl: bench-extra
+	$(VENV)/bin/asyncrl bench vs-trl
+
+# TRL and matplotlib for the benchmarks that compare against peers or draw figures.
+bench-extra: $(STAMP)
+	$(PIP) install -e ".[dev,bench]" 2>&1 | grep -v "is ignored" || true
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs
