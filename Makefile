@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH)" 2>&1 | grep -v "is ignored" || true
 	$(PY) -W ignore -c "import torch; print('torch', torch.__version__)"
-	$(PIP) install -e ".[dev]" 2>&1 | grep -v "is ignored" || true
-	$(PY) -c "import asyncrl.wire, msgspec, zmq, pytest"
+	$(PIP) install -e ".[dev,bench]" 2>&1 | grep -v "is ignored" || true
+	$(PY) -c "import asyncrl.wire, msgspec, zmq, pytest, trl"
 	touch $(STAMP)
 
 # GRPO on the arithmetic demo (about 10 minutes on 2 CPU cores), then its figures.
@@ -89,9 +89,9 @@ bench-cluster-load: bench-extra
 bench-vs-trl: bench-extra
 	$(VENV)/bin/asyncrl bench vs-trl
 
-# TRL and matplotlib for the benchmarks that compare against peers or draw figures.
+# TRL and matplotlib for the benchmarks that compare against peers or draw figures (the
+# set-up installs them too: the suite runs bench/vs_trl.py against TRL).
 bench-extra: $(STAMP)
-	$(PIP) install -e ".[dev,bench]" 2>&1 | grep -v "is ignored" || true
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache runs
