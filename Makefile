@@ -55,8 +55,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncrl tests bench examples
 	$(VENV)/bin/ruff format --check asyncrl tests bench examples
 
+# --durations: CI's log names the slowest tests (the suite's budget is 15 minutes).
 test: lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 bench-wire: $(STAMP)
 	$(PY) bench/wire.py

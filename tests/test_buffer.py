@@ -482,6 +482,11 @@ class Simulation:
         pool, in_flight = len(self.uids_in("pool")), len(self.uids_in("in_flight"))
         cap = cfg.max_in_flight
         resumes = min(k, pool, k if cap is None else max(cap - in_flight, 0))
+        # Synchronous APRIL: once a step's groups are buffered, its aborted extras wait for
+        # the next version.
+        step_done = len(self.uids_in("buffered")) >= cfg.groups_per_step
+        if cfg.max_staleness == 0 and cfg.over_provision > 0 and step_done:
+            resumes = 0
         # Rule (1) on the model's own counts: live groups plus every group ever consumed.
         holding = sum(s in ("in_flight", "pool", "buffered") for s in self.where.values())
         holding += len(self.served)
