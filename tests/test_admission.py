@@ -172,6 +172,9 @@ def test_the_groups_free_at_a_new_version_are_shared_over_live_producers():
     # A producer ahead of its share waits; one behind catches up first.
     assert fair_share(available=8, held={"a": 20, "b": 4}, actor="a", producers=both) == 0
     assert fair_share(available=8, held={"a": 20, "b": 4}, actor="b", producers=both) == 8
+    # A producer with full slots stops asking and drops out: its holdings no longer cap
+    # the one that asks (else 10 free groups would wait for a producer that cannot take).
+    assert fair_share(available=10, held={"a": 40, "b": 20}, actor="a", producers={"a"}) == 10
     # Alone (the other is gone), a producer may take everything.
     assert fair_share(available=32, held={}, actor="a", producers=set()) == 32
     # Odd counts round up, so no group is left with no one to take it.

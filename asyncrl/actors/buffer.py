@@ -323,14 +323,15 @@ class BufferActor(Actor):
     def _share(self, actor: str) -> int:
         """The groups ``actor`` may take now: its fair share (``admission.fair_share``) of
         the partials to resume and the new groups admission allows, over the producers
-        that asked within ``_LIVE_S`` or hold work."""
+        that asked within ``_LIVE_S``. A producer whose slots are full does not ask, so it
+        drops out rather than keep a share no one else may take."""
         if self._no_more_work():
             return 0
-        buf = self.buffer
         held = {a: len(uids) for a, uids in self.hub.holders.items() if uids}
         since = asyncio.get_running_loop().time() - _LIVE_S
-        live = {a for a, t in self._asked.items() if t >= since} | set(held)
-        return fair_share(available=buf.available(), held=held, actor=actor, producers=live)
+        live = {a for a, t in self._asked.items() if t >= since}
+        return fair_share(available=self.buffer.available(), held=held, actor=actor,
+                          producers=live)  # fmt: skip
 
     def _no_more_work(self) -> bool:
         return self.buffer.source_done and not len(self.buffer.pool)

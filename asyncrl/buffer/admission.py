@@ -24,7 +24,7 @@ Cold start, ``eta = 0``: only ``B`` groups, which is the synchronous baseline. R
 recomputed from the data cursor, which also counts filtered prompts).
 
 Several producers. What (1) lets start is shared so that in-flight work evens out over
-the producers that are live (``fair_share``): the first to ask at a new version would
+the producers that are asking (``fair_share``): the first to ask at a new version would
 otherwise take every group, and the others' engines would idle through the step.
 
 Users: ``VersionedBuffer`` (``asyncrl.buffer.versioned``) and the buffer actor. No I/O, no
