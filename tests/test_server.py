@@ -27,7 +27,7 @@ import pytest_asyncio
 
 from asyncrl.cli import main
 from asyncrl.engines.server import EngineServer
-from asyncrl.engines.sglang_client import SGLangClient
+from asyncrl.engines.sglang_client import SGLangClient, SGLangError
 from asyncrl.engines.torch_engine import TorchEngine
 from tests.tiny_model import build_tiny_model
 
@@ -68,10 +68,16 @@ def other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def url(model_dir: Path) -> AsyncIterator[str]:
+async def served(model_dir: Path) -> AsyncIterator[EngineServer]:
     server = EngineServer(TorchEngine.from_pretrained(str(model_dir)))
-    yield await server.start("127.0.0.1", 0)
+    await server.start("127.0.0.1", 0)
+    yield server
     await server.stop()
+
+
+@pytest.fixture(scope="module")
+def url(served: EngineServer) -> str:
+    return served.url
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -524,6 +530,52 @@ async def test_bad_requests_get_400_with_a_message_and_the_server_keeps_serving(
     assert needle in message
     ok = await generate(http, url, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
     assert len(ok["output_ids"]) == 2
+
+
+# ----------------------------------------------------------------------------- in process
+
+#: Nothing listens here: a call that reaches the engine through it did not use HTTP.
+NO_SOCKET = "http://127.0.0.1:9"
+
+
+async def test_an_in_process_generate_answers_as_http_does_without_a_socket(url, served):
+    async with (
+        SGLangClient([url]) as over_http,
+        SGLangClient([NO_SOCKET], local={NO_SOCKET: served.generate_local}) as local,
+    ):
+        a = await over_http.generate(PROMPT, GREEDY, rid="via-http")
+        b = await local.generate(PROMPT, GREEDY, rid="in-process")
+        assert (b.output_ids, b.logprobs, b.finish_reason) == (
+            a.output_ids, a.logprobs, a.finish_reason,
+        )  # fmt: skip
+        assert len(b.output_ids) == 8 and b.engine == NO_SOCKET
+        errors = []
+        for client in (over_http, local):  # refused by the server: one status, one message
+            with pytest.raises(SGLangError) as caught:
+                await client.generate([1, 99999], GREEDY)
+            errors.append((caught.value.status, caught.value.message))
+        assert errors[0] == errors[1] and errors[1][0] == 400
+        assert "must be integers" in errors[1][1]
+        assert local.inflight() == {NO_SOCKET: 0}
+
+
+async def test_an_in_process_call_is_counted_aborted_by_rid_and_held_by_a_pause(http, url, served):
+    async with SGLangClient([url], local={url: served.generate_local}) as client:
+        task = asyncio.create_task(client.generate(PROMPT, LONG, rid="local-long"))
+        await wait_running(http, url)
+        assert client.inflight() == {url: 1}
+        await client.abort("local-long")  # over HTTP, to the server the call is inside
+        out = await asyncio.wait_for(task, 10)
+        assert out.finish_reason.type == "abort" and 0 < len(out.output_ids) < 480
+        assert client.inflight() == {url: 0}
+        await client.pause()
+        held = asyncio.create_task(client.generate(PROMPT, GREEDY))
+        await asyncio.sleep(0.3)
+        assert not held.done()
+        await client.continue_()
+        assert len((await asyncio.wait_for(held, 10)).output_ids) == 8
+        streamed = await client.generate(PROMPT, GREEDY, stream=True)  # streams use HTTP
+        assert streamed.output_ids == (await client.generate(PROMPT, GREEDY)).output_ids
 
 
 # ----------------------------------------------------------------------------- weights, admin

@@ -45,6 +45,7 @@ from asyncrl.engines.generate_wire import (
     GenerateJob,
     Json,
     answer,
+    bad_request,
     decode_output,
     failed_status,
     json_response,
@@ -68,23 +69,27 @@ def _is_openai(request: web.Request) -> bool:
     return request.path in ("/v1/chat/completions", "/v1/completions")
 
 
+def error_reply(exc: Exception, path: str, *, openai: bool = False) -> tuple[int, Json]:
+    """SGLang's status and body for a refusal (``ApiError``, ``ValueError``) or a bug (500)."""
+    if isinstance(exc, ApiError):
+        return exc.status, openai_error(exc.message, exc.status) if openai else exc.body
+    if isinstance(exc, ValueError):  # EngineError, SamplingParams.verify: the request's fault
+        return 400, openai_error(str(exc)) if openai else {"error": {"message": str(exc)}}
+    log.exception("request failed", path=path)  # a bug: the cause instead of a bare page
+    message = f"{type(exc).__name__}: {exc}"
+    return 500, openai_error(message, 500, "InternalServerError")
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Callable[..., Awaitable[Any]]) -> Any:
     """Turn refusals into SGLang's error bodies; the server keeps serving after any of them."""
     try:
         return await handler(request)
-    except ApiError as exc:
-        body = openai_error(exc.message, exc.status) if _is_openai(request) else exc.body
-        return json_response(body, status=exc.status)
-    except ValueError as exc:  # EngineError, SamplingParams.verify: the request's fault
-        body = openai_error(str(exc)) if _is_openai(request) else {"error": {"message": str(exc)}}
-        return json_response(body, status=400)
     except web.HTTPException:
         raise
-    except Exception as exc:  # a bug: answer 500 with the cause instead of a bare page
-        log.exception("request failed", path=request.path)
-        message = f"{type(exc).__name__}: {exc}"
-        return json_response(openai_error(message, 500, "InternalServerError"), status=500)
+    except Exception as exc:
+        status, body = error_reply(exc, request.path, openai=_is_openai(request))
+        return json_response(body, status=status)
 
 
 #: Routes open without the API key: the liveness probe of load balancers and routers.
@@ -367,19 +372,44 @@ class EngineServer:
     # -- /generate --------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """``POST|PUT /generate`` (section 1)."""
-        job = parse_generate(await read_json(request), self.engine.tokenizer)
-        for item in job.requests:  # every refusal before anything starts
-            self.engine.check(item)
+        job = self._admit(await read_json(request))
         async with self.gate.generating():
             if job.stream:
                 render = self._renderer(job)
                 return await self.stream(request, job.requests, render, error=stream_error)
-            finals = await self.collect(job.requests)
-            if (failure := failed_status(finals)) is not None:
-                raise failure
-            payloads = [self._payload(job, k, out) for k, out in enumerate(finals)]
-            resp = json_response(payloads[0] if job.single else payloads)
+            resp = json_response(await self._reply(job))
             return await answer(request, resp)
+
+    async def generate_local(self, body: Json) -> tuple[int, Json]:
+        """``/generate`` for a client in this process: ``(status, body)`` as over HTTP.
+
+        The same parsing, refusals, traffic gate and reply, without the loopback HTTP
+        round trip (about 1 ms of CPU a call on both ends, most of an embedded rollout's
+        per-sample cost). Non-stream bodies only; the client streams over HTTP.
+        """
+        try:
+            job = self._admit(body)
+            if job.stream:
+                raise bad_request("in-process /generate does not stream: use HTTP")
+            async with self.gate.generating():
+                return 200, await self._reply(job)
+        except Exception as exc:
+            return error_reply(exc, "/generate")
+
+    def _admit(self, body: Json) -> GenerateJob:
+        """Parse a body and refuse it (``ApiError``, ``ValueError``) before anything starts."""
+        job = parse_generate(body, self.engine.tokenizer)
+        for item in job.requests:
+            self.engine.check(item)
+        return job
+
+    async def _reply(self, job: GenerateJob) -> Json:
+        """A non-stream job's reply: one payload, or a list for a batch."""
+        finals = await self.collect(job.requests)
+        if (failure := failed_status(finals)) is not None:
+            raise failure
+        payloads = [self._payload(job, k, out) for k, out in enumerate(finals)]
+        return payloads[0] if job.single else payloads
 
     def _renderer(self, job: GenerateJob) -> Callable[[int, GenerateOutput], list[Json]]:
         """``/generate`` SSE events: item ``k``'s first and final outputs, and one whenever

@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from asyncrl.engines.base import PauseMode, SamplingParams
+from asyncrl.engines.sglang_transport import _Engine
 from asyncrl.engines.sglang_weights import DEFAULT_GROUP, PendingCall, WeightUpdateCalls
 from asyncrl.engines.sglang_wire import (
     EngineUnavailable,
@@ -98,18 +99,27 @@ class SGLangClient(WeightUpdateCalls):
             return final
         rid = rid or uuid.uuid4().hex
         body = self._generate_body(input_ids, sampling_params, rid, return_logprob, False, extra)
+        if self._local and (local := await self._generate_local(body, rid, prefer)):
+            engine, payload = local
+        else:
+            engine, payload = await self._generate_http(body, rid, prefer)
+        if not isinstance(payload, dict) or "error" in payload:
+            raise SGLangError(200, error_message(payload), payload, url=engine.url)
+        return parse_generate_output(payload, engine=engine.url)
+
+    async def _generate_http(
+        self, body: dict[str, Any], rid: str, prefer: str | None
+    ) -> tuple[_Engine, Any]:
+        """Non-stream ``/generate`` over HTTP: the engine that answered and its reply."""
         engine, resp = await self._open_generate(body, rid, prefer)
         try:
             async with resp:
-                payload = await self._read(resp)
+                return engine, await self._read(resp)
         except aiohttp.ClientError as exc:
             self._mark_down(engine, exc)
             raise EngineUnavailable(0, f"/generate lost: {exc}", url=engine.url) from exc
         finally:
             self._release(engine, rid)
-        if not isinstance(payload, dict) or "error" in payload:
-            raise SGLangError(200, error_message(payload), payload, url=engine.url)
-        return parse_generate_output(payload, engine=engine.url)
 
     async def generate_stream(
         self,

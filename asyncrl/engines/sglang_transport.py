@@ -48,6 +48,11 @@ are caught up by ``on_return``.
 With ``router=True`` the one URL is a sglang-router: generation goes through it, and
 control calls go to each worker URL from ``GET /workers``, because the router does not fan
 them out (section 4.2).
+
+Engines in this process (``local``: URL -> the server's ``generate_local``): a non-stream
+``/generate`` picked onto one is a call, not a loopback HTTP round trip; the same body, the
+same reply or error status, the same in-flight counts and rotation. Streams and every
+control call still go over HTTP to the same server.
 """
 
 from __future__ import annotations
@@ -129,6 +134,10 @@ class _Engine:
         return self.inflight + max(0, self.reported - self.inflight_at_report)
 
 
+#: An engine server's ``/generate`` called in this process: body -> (HTTP status, reply).
+LocalGenerate = Callable[[dict[str, Any]], Awaitable[tuple[int, Any]]]
+
+
 def _timeout(total: float, connect: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=total, sock_connect=connect)
 
@@ -165,7 +174,12 @@ class SGLangTransport:
         """Connection-pool size; 0 is unlimited, so every in-flight generate reaches the server."""
 
     def __init__(
-        self, urls: str | Sequence[str], *, router: bool = False, config: Config | None = None
+        self,
+        urls: str | Sequence[str],
+        *,
+        router: bool = False,
+        config: Config | None = None,
+        local: Mapping[str, LocalGenerate] | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -175,6 +189,8 @@ class SGLangTransport:
         self.config = config or type(self).Config()
         self.router = router
         self._engines = [_Engine(url.rstrip("/")) for url in urls]
+        #: Engines in this process (module docstring): URL -> their in-process /generate.
+        self._local = {url.rstrip("/"): call for url, call in (local or {}).items()}
         self._rids: dict[str, _Engine] = {}
         # Per-engine facts the subclasses learn: server versions and open begin/end
         # sessions (sglang_weights.py), engines answering only the legacy /get_load.
@@ -505,8 +521,8 @@ class SGLangTransport:
         return_logprob: bool,
         stream: bool,
         extra: Mapping[str, Any] | None,
-    ) -> bytes:
-        body = {
+    ) -> dict[str, Any]:
+        return {
             **(extra or {}),
             "input_ids": list(input_ids),
             "rid": rid,
@@ -514,12 +530,31 @@ class SGLangTransport:
             "return_logprob": return_logprob,
             "stream": stream,
         }
-        return msgspec.json.encode(body)
+
+    async def _generate_local(
+        self, body: dict[str, Any], rid: str, prefer: str | None
+    ) -> tuple[_Engine, Any] | None:
+        """Non-stream ``/generate`` on an engine in this process: the engine and its reply
+        (an error status raises ``SGLangError``); None when the pick is not local."""
+        engine = await self._pick(prefer)
+        call = self._local.get(engine.url)
+        if call is None:
+            return None
+        engine.inflight += 1
+        self._rids[rid] = engine
+        try:
+            status, payload = await call(body)
+        finally:
+            self._release(engine, rid)
+        if status != 200:
+            raise SGLangError(status, error_message(payload), payload, url=engine.url)
+        return engine, payload
 
     async def _open_generate(
-        self, body: bytes, rid: str, prefer: str | None
+        self, fields: dict[str, Any], rid: str, prefer: str | None
     ) -> tuple[_Engine, aiohttp.ClientResponse]:
         """POST ``/generate`` until an engine answers 200; the caller releases ``inflight``."""
+        body = msgspec.json.encode(fields)
         cfg, delay = self.config, self.config.backoff_s
         for attempt in range(cfg.retries + 1):
             last = attempt == cfg.retries

@@ -39,6 +39,11 @@ class EngineConfig(BaseModel):
     sim_engines: int = Field(
         1, ge=1, description="sim engines in each rollout actor (one server each)"
     )
+    in_process: bool = Field(
+        True,
+        description="embedded engines (torch, sim): non-stream /generate calls skip the "
+        "loopback HTTP (false: every call goes over HTTP, as to SGLang)",
+    )
     device: str = Field("cpu", description="torch device of the embedded engine.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights")
     max_running: int = Field(64, ge=1, description="Requests decoded together (torch engine).")

@@ -4,8 +4,9 @@
 
 - ``torch``: the embedded ``TorchEngine`` runs in the rollout actor's process behind the
   SGLang-compatible ``EngineServer`` on a loopback port; workflows reach it through the
-  same ``SGLangClient`` as any engine. Weights are copied straight into the model at a
-  decode-step boundary (any transport: pull, disk or dist).
+  same ``SGLangClient`` as any engine (``in_process``: its non-stream ``/generate`` calls
+  are direct calls into the server, not loopback HTTP). Weights are copied straight into
+  the model at a decode-step boundary (any transport: pull, disk or dist).
 - ``sglang``: SGLang servers (or an ``sglang-router``) at ``urls``, started elsewhere;
   weights go by ``/update_weights_from_disk`` (the ``disk`` transport).
 - ``sim``: ``sim_engines`` ``SimEngine``s (no model, time from ``sim``'s latency model),
@@ -72,7 +73,10 @@ class EngineHost:
         external = self.config.type == "sglang" and self.config.serve == "embedded"
         health = self.config.health_check_s if external and not self.config.router else None
         client_config = SGLangClient.Config(api_key=self.api_key, health_check_s=health)
-        self.client = SGLangClient(urls, router=self.config.router, config=client_config)
+        local = {s.url: s.generate_local for s in self.servers} if self.config.in_process else {}
+        self.client = SGLangClient(
+            urls, router=self.config.router, config=client_config, local=local
+        )
         self.client.on_return = self.catch_up
         await self.client.__aenter__()
         if self.wait_ready_s is not None:
