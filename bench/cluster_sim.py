@@ -46,8 +46,13 @@ APRIL reports. Then the published speed-ups beside the comparable ones.
 each rung of ``--load-in-flight`` (requests the engines hold at once) runs with the
 latency chosen so the engines could finish ``--load-rate`` samples a wall second
 (Little's law: rate = in_flight / latency). Achieved samples/s below that rate means the
-buffer, channels and rollout actors are the bottleneck. Reported: peak requests in
-flight (from the engines' /v1/loads, sampled) and trained samples/s per rung.
+buffer, channels and rollout actors are the bottleneck. Each rung runs once per
+``--load-transport``: ``in-process`` (the rollout actors call their embedded sim engines'
+``/generate`` directly, as an embedded engine is called by default) and ``http`` (over
+loopback HTTP, as a rollout actor calls a remote SGLang server: both ends of each round
+trip then cost CPU on these 2 cores). Reported per rung: peak requests in flight (the
+rollout actors' ``rollout/in_flight``, summed per second), trained samples/s, and the CPU
+seconds all actors used per 1,000 trained samples (start-up included).
 
 ``.venv/bin/python bench/cluster_sim.py --workload math-28k`` writes
 ``bench/results/cluster_sim.json`` (``--load-test``: ``cluster_load.json``) and a PNG.
@@ -59,6 +64,7 @@ import argparse
 import asyncio
 import json
 import math
+import resource
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -295,7 +301,9 @@ def plot_json(payload: dict[str, Any], path: Path) -> None:
 
 
 # -- the load test ----------------------------------------------------------------------
-async def run_load(in_flight: int, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+async def run_load(
+    in_flight: int, transport: str, args: argparse.Namespace, run_dir: Path
+) -> dict[str, Any]:
     """One rung: ``in_flight`` requests held by the engines, each taking the latency that
     lets the engines finish ``--load-rate`` samples a wall second."""
     engines = args.actors * args.load_engines
@@ -313,6 +321,7 @@ async def run_load(in_flight: int, args: argparse.Namespace, run_dir: Path) -> d
         "--train-num-steps", str(args.load_steps), "--save-interval", "0",
         "--train-metrics-interval", "1.0",
         "--rollout-engine-type", "sim", "--rollout-engine-model-path", "examples/arith/model",
+        "--rollout-engine-in-process", str(transport == "in-process").lower(),
         "--rollout-engine-max-running", str(per_engine),
         "--rollout-num-actors", str(args.actors),
         "--rollout-max-groups", str(math.ceil(in_flight / args.actors / args.group_size)),
@@ -326,33 +335,56 @@ async def run_load(in_flight: int, args: argparse.Namespace, run_dir: Path) -> d
         "--buffer-filters", "[]", "--eval-interval", "0",
     ]  # fmt: skip
     cfg = load_config("examples/arith/config.yaml", overrides=flags)
+    cpu_before = _children_cpu_s()
     result = await run_job(cfg)
     if not result.ok:
         raise RuntimeError(f"load {in_flight}: {result.error or result.codes}")
+    cpu_s = _children_cpu_s() - cpu_before
     out = summarize(run_dir, groups * args.group_size)
-    rows = [r for p in sorted((run_dir / "metrics").glob("rollout-*.jsonl"))
-            for r in read_jsonl(p)]  # fmt: skip
-    by_time: dict[float, float] = {}
-    for r in rows:
-        key = round(r["time"])
-        by_time[key] = by_time.get(key, 0.0) + r.get("rollout/in_flight", 0.0) * args.group_size
-    return {"target in flight": in_flight, "target samples/s": args.load_rate,
-            "peak in flight": max(by_time.values(), default=0.0),
+    trained = len(read_jsonl(run_dir / "metrics.jsonl")) * groups * args.group_size
+    return {"target in flight": in_flight, "transport": transport,
+            "target samples/s": args.load_rate,
+            "peak in flight": peak_in_flight(run_dir, args.group_size),
             "samples/s": out["samples/s"], "trainer_idle": out["trainer_idle"],
-            "rollout_idle": out["engine_idle"]}  # fmt: skip
+            "rollout_idle": out["engine_idle"],
+            "cpu_s per 1k samples": 1000 * cpu_s / trained}  # fmt: skip
+
+
+def peak_in_flight(run_dir: Path, group_size: int) -> float:
+    """The most samples the rollout actors held at once: per wall second, each actor's
+    most groups in flight (its metric rows may share a second), summed over actors."""
+    by_time: dict[int, float] = {}
+    for path in sorted((run_dir / "metrics").glob("rollout-*.jsonl")):
+        mine: dict[int, float] = {}
+        for r in read_jsonl(path):
+            key = round(r["time"])
+            mine[key] = max(mine.get(key, 0.0), r.get("rollout/in_flight", 0.0))
+        for key, groups in mine.items():
+            by_time[key] = by_time.get(key, 0.0) + groups * group_size
+    return max(by_time.values(), default=0.0)
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's finished children (the actors)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def load_test(args: argparse.Namespace) -> None:
     rungs = []
     with tempfile.TemporaryDirectory(prefix="cluster-load-") as tmp:
         for n in args.load_in_flight:
-            print(f"load: {n} in flight ...", flush=True)
-            rungs.append(asyncio.run(run_load(n, args, Path(tmp) / f"load-{n}")))
-    print(f"{'in flight':>10}{'peak seen':>12}{'engines could':>15}{'trained/s':>12}{'share':>8}")
+            for transport in args.load_transport:
+                print(f"load: {n} in flight, {transport} ...", flush=True)
+                run_dir = Path(tmp) / f"load-{n}-{transport}"
+                rungs.append(asyncio.run(run_load(n, transport, args, run_dir)))
+    print(f"{'in flight':>10}{'transport':>12}{'peak seen':>11}{'engines could':>15}"
+          f"{'trained/s':>11}{'share':>7}{'CPU s/1k':>10}")  # fmt: skip
     for r in rungs:
         share = r["samples/s"] / r["target samples/s"]
-        print(f"{r['target in flight']:>10}{r['peak in flight']:>12.0f}"
-              f"{r['target samples/s']:>15.0f}{r['samples/s']:>12.0f}{share:>8.0%}")  # fmt: skip
+        print(f"{r['target in flight']:>10}{r['transport']:>12}{r['peak in flight']:>11.0f}"
+              f"{r['target samples/s']:>15.0f}{r['samples/s']:>11.0f}{share:>7.0%}"
+              f"{r['cpu_s per 1k samples']:>10.2f}")  # fmt: skip
     out = args.out.with_name("cluster_load.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": _jsonable(args), "rungs": rungs}, indent=2) + "\n")
@@ -392,7 +424,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("bench/results/cluster_sim.json"))
     ap.add_argument("--load-test", action="store_true", help="the control plane's limits")
     ap.add_argument("--load-in-flight", type=int, nargs="+", default=[2000, 5000, 10000, 20000])
-    ap.add_argument("--load-rate", type=float, default=2000, help="samples/s engines allow")
+    ap.add_argument("--load-rate", type=float, default=4000, help="samples/s engines allow")
+    ap.add_argument("--load-transport", nargs="+", default=["in-process", "http"],
+                    choices=["in-process", "http"], help="rollout to engine calls")  # fmt: skip
     ap.add_argument("--load-tokens", type=int, default=16, help="ids per response")
     ap.add_argument("--load-engines", type=int, default=8, help="engines per rollout actor")
     ap.add_argument("--load-batch", type=int, default=2048, help="samples per train step")

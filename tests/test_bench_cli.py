@@ -63,6 +63,20 @@ def test_published_figures_sit_beside_the_modes_they_compare_with():
     assert rows["APRIL"]["ours"] == pytest.approx(4.0 / 3.0)  # rollout throughput
 
 
+def test_the_load_tests_peak_sums_actors_per_second_not_rows(tmp_path: Path):
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    rows = {  # groups in flight; actor 0 reports twice within second 10
+        "rollout-0": [(9.6, 3.0), (10.2, 5.0), (10.4, 4.0), (11.0, 1.0)],
+        "rollout-1": [(10.0, 2.0), (11.1, 6.0)],
+    }
+    for name, points in rows.items():
+        lines = [json.dumps({"time": t, "rollout/in_flight": n}) for t, n in points]
+        (metrics / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    # second 10: max(3, 5, 4) + 2 = 7 groups; second 11: 1 + 6 = 7; 7 x 16 samples
+    assert cluster_sim.peak_in_flight(tmp_path, 16) == 7 * 16
+
+
 def test_a_small_cluster_simulation_runs_from_the_cli_and_plots(tmp_path: Path):
     out = tmp_path / "cluster_sim.json"
     flags = ["--workload", "short", "--gpus", "4", "--concurrency", "16", "--actors", "1",
