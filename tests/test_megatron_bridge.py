@@ -4,7 +4,8 @@ real megatron-core on CPU (gloo, world size 1, the test-only shim in megatron_sh
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,11 +117,31 @@ def test_tp_shards_gather_back_to_the_full_tensors():
         bridge.check_tp(cfg, 4)
 
 
+def spawn_per_model(worker: Callable[[int, int, str, str], None], out: Path) -> None:
+    """Run ``worker`` as 2 ranks for every model, each model in its own process groups (on
+    its own port) and folder ``out/<name>``, all in one pair of processes: each imports
+    torch and megatron once, not once per model."""
+    import torch.multiprocessing as mp
+
+    ports: dict[str, int] = {}
+    while len(set(ports.values())) < len(MODELS):  # two groups must not share a port
+        ports = {name: free_port() for name in MODELS}
+    for name in MODELS:
+        (out / name).mkdir()
+    mp.spawn(_each_model, args=(worker, ports, str(out)), nprocs=2, join=True)
+
+
+def _each_model(
+    rank: int, worker: Callable[[int, int, str, str], None], ports: dict[str, int], out: str
+) -> None:
+    for name, port in ports.items():
+        worker(rank, port, name, str(Path(out, name)))
+
+
 def _tp_worker(rank: int, port: int, name: str, out: str) -> None:
     """One of 2 TP ranks: load this rank's shards of the HF model, compare its vocab slice
     of the logits with HF's, then gather the HF-named weights."""
     import json
-    from pathlib import Path
 
     with megatron_ranks(rank, 2, port, tp=2):
         torch.manual_seed(2)
@@ -143,16 +164,21 @@ def _tp_worker(rank: int, port: int, name: str, out: str) -> None:
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
+@pytest.fixture(scope="module")
+def tp2_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every model's 2 TP ranks (one spawn for all models): its folder per model name."""
+    out = tmp_path_factory.mktemp("tp2")
+    spawn_per_model(_tp_worker, out)
+    return out
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_tp2_shards_give_the_hf_logits_and_gather_back_exactly(tmp_path, name: str):
+def test_tp2_shards_give_the_hf_logits_and_gather_back_exactly(tp2_runs: Path, name: str):
     import json
 
-    import torch.multiprocessing as mp
-
-    mp.spawn(_tp_worker, args=(free_port(), name, str(tmp_path)), nprocs=2, join=True)
     cfg, _ = MODELS[name]()
     for rank in range(2):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        result = json.loads((tp2_runs / name / f"rank{rank}.json").read_text())
         assert result["shape"] == [2, 24, cfg.vocab_size // 2]
         assert result["diff"] < 1e-5 and result["same"], result
 
@@ -173,8 +199,6 @@ def test_pp_stages_merge_back_to_the_full_state():
 def _pp_worker(rank: int, port: int, name: str, out: str) -> None:
     """One of 2 pipeline stages: load this stage's layers, run the forward-only schedule;
     the last stage saves its logits, each stage the whole model's gathered weights."""
-    from pathlib import Path
-
     with megatron_ranks(rank, 2, port, pp=2):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -211,11 +235,17 @@ def _pp_worker(rank: int, port: int, name: str, out: str) -> None:
         torch.save(bridge.gather_hf_weights(gpt, cfg), Path(out, f"weights{rank}.pt"))
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_pp2_stages_give_the_hf_logits_and_merge_back_exactly(tmp_path, name: str):
-    import torch.multiprocessing as mp
+@pytest.fixture(scope="module")
+def pp2_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every model's 2 pipeline stages (one spawn for all models): its folder per model."""
+    out = tmp_path_factory.mktemp("pp2")
+    spawn_per_model(_pp_worker, out)
+    return out
 
-    mp.spawn(_pp_worker, args=(free_port(), name, str(tmp_path)), nprocs=2, join=True)
+
+@pytest.mark.parametrize("name", MODELS)
+def test_pp2_stages_give_the_hf_logits_and_merge_back_exactly(pp2_runs: Path, name: str):
+    tmp_path = pp2_runs / name
     logits = torch.load(tmp_path / "logits.pt", weights_only=True)
     assert logits["got"].shape == logits["want"].shape
     assert (logits["got"] - logits["want"]).abs().max().item() < 1e-5
