@@ -412,10 +412,6 @@ async def test_a_killed_rollout_actor_is_restarted_with_its_work_requeued(tmp_pa
     steps = 12
     flags = [*job_flags(tmp_path, steps=steps), *LONG_RUN, "--rollout-num-actors", "1",
              "--runtime-max-restarts", str(restarts)]  # fmt: skip
-    if not restarts:
-        # The job fails at the kill and stops every actor at once: the trainer's last
-        # acknowledgement waits on the stopped buffer for the whole drain timeout.
-        flags += ["--runtime-stop-timeout", "3"]
     victim, result = await kill_mid_run(run_dir, "rollout-0", flags)
     if not restarts:  # the policy's budget is spent: the death ends the job, with evidence
         assert not result.ok

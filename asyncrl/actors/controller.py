@@ -130,6 +130,10 @@ async def run_job(cfg: RunConfig, *, resume: bool = False, chaos: Chaos | None =
                         await sup.stop(names, cfg.runtime.stop_timeout)
                     if not result.error and cfg.eval.enabled:
                         result.error = await _wait_final_eval(sup, cfg, hooks)
+                    # The trainer before the buffer: a failed job's trainer still runs, and
+                    # its last acknowledgement would retry a stopped buffer to the timeout.
+                    trainers = [s.name for s in specs if s.role == "trainer"]
+                    await sup.stop(trainers, cfg.runtime.stop_timeout)
                 result.codes = await sup.stop_all(cfg.runtime.stop_timeout)
             result.restarts = [f"{d.name}: {d.reason}" for d in sup.deaths]
     result.steps = _last_step(run_dir / "metrics.jsonl")
