@@ -46,7 +46,9 @@ APRIL reports. Then the published speed-ups beside the comparable ones.
 each rung of ``--load-in-flight`` (requests the engines hold at once) runs with the
 latency chosen so the engines could finish ``--load-rate`` samples a wall second
 (Little's law: rate = in_flight / latency). Achieved samples/s below that rate means the
-buffer, channels and rollout actors are the bottleneck. Each rung runs once per
+buffer, channels and rollout actors are the bottleneck. A rung trains ``--load-steps``
+steps after the ``eta`` steps that drain the requests in flight at its start, and its
+samples/s is taken over those only. Each rung runs once per
 ``--load-transport``: ``in-process`` (the rollout actors call their embedded sim engines'
 ``/generate`` directly, as an embedded engine is called by default) and ``http`` (over
 loopback HTTP, as a rollout actor calls a remote SGLang server: both ends of each round
@@ -316,9 +318,10 @@ async def run_load(
               "length-p99-ratio": 1.0, "length-max": args.load_tokens,
               "engines": args.load_engines}  # fmt: skip
     eta = math.ceil(in_flight / (groups * args.group_size)) + 1
+    fill = eta  # steps that drain the requests in flight at the start (not sustained)
     flags = [
         "--name", f"load-{in_flight}", "--output-dir", str(run_dir), "--seed", str(args.seed),
-        "--train-num-steps", str(args.load_steps), "--save-interval", "0",
+        "--train-num-steps", str(fill + args.load_steps), "--save-interval", "0",
         "--train-metrics-interval", "1.0",
         "--rollout-engine-type", "sim", "--rollout-engine-model-path", "examples/arith/model",
         "--rollout-engine-in-process", str(transport == "in-process").lower(),
@@ -341,13 +344,24 @@ async def run_load(
         raise RuntimeError(f"load {in_flight}: {result.error or result.codes}")
     cpu_s = _children_cpu_s() - cpu_before
     out = summarize(run_dir, groups * args.group_size)
-    trained = len(read_jsonl(run_dir / "metrics.jsonl")) * groups * args.group_size
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    trained = len(steps) * groups * args.group_size
     return {"target in flight": in_flight, "transport": transport,
             "target samples/s": args.load_rate,
             "peak in flight": peak_in_flight(run_dir, args.group_size),
-            "samples/s": out["samples/s"], "trainer_idle": out["trainer_idle"],
-            "rollout_idle": out["engine_idle"],
+            "samples/s": sustained(steps, fill, groups * args.group_size),
+            "trainer_idle": out["trainer_idle"], "rollout_idle": out["engine_idle"],
             "cpu_s per 1k samples": 1000 * cpu_s / trained}  # fmt: skip
+
+
+def sustained(steps: list[dict[str, Any]], fill: int, per_step: int) -> float:
+    """Trained samples/s over the steps after ``fill``: the requests in flight at the
+    start were all admitted before the first step, and a rung that trained only them
+    would report a backlog drained, not a rate sustained."""
+    window = steps[fill:]
+    if len(window) < 2:
+        raise RuntimeError(f"{len(steps)} steps leave no window after the first {fill}")
+    return (len(window) - 1) * per_step / (window[-1]["time"] - window[0]["time"])
 
 
 def peak_in_flight(run_dir: Path, group_size: int) -> float:

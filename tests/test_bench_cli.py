@@ -77,6 +77,14 @@ def test_the_load_tests_peak_sums_actors_per_second_not_rows(tmp_path: Path):
     assert cluster_sim.peak_in_flight(tmp_path, 16) == 7 * 16
 
 
+def test_the_load_tests_rate_skips_the_steps_that_drain_the_start():
+    # 3 fill steps come fast (their samples were in flight at the start); then 1 a second.
+    steps = [{"time": t} for t in (0.0, 0.1, 0.2, 1.2, 2.2, 3.2)]
+    assert cluster_sim.sustained(steps, 3, per_step=100) == pytest.approx(100.0)
+    with pytest.raises(RuntimeError, match="no window"):
+        cluster_sim.sustained(steps, 5, per_step=100)
+
+
 def test_a_small_cluster_simulation_runs_from_the_cli_and_plots(tmp_path: Path):
     out = tmp_path / "cluster_sim.json"
     flags = ["--workload", "short", "--gpus", "4", "--concurrency", "16", "--actors", "1",
