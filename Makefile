@@ -17,14 +17,16 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "$(TORCH)" 2>&1 | grep -v "is ignored" || true
 	$(PY) -W ignore -c "import torch; print(torch.__version__)" > $(VENV)/.torch
+	echo "torch==$$(cat $(VENV)/.torch)" > $(VENV)/.torch-pin
 	$(PIP) install uv 2>&1 | grep -v "is ignored" || true
 	if test -x $(VENV)/bin/uv; then \
-		$(VENV)/bin/uv pip install --python $(PY) -q -e ".[dev,bench]" \
-		|| $(PIP) install -e ".[dev,bench]"; \
+		$(VENV)/bin/uv pip install --python $(PY) -q --compile-bytecode \
+			-c $(VENV)/.torch-pin -e ".[dev,bench]" || $(PIP) install -e ".[dev,bench]"; \
 	else \
 		$(PIP) install -e ".[dev,bench]"; \
-	fi 2>&1 | grep -v "is ignored" || true
-	test "$$($(PY) -W ignore -c 'import torch; print(torch.__version__)')" = "$$(cat $(VENV)/.torch)"
+	fi
+	test "$$($(PY) -W ignore -c 'import torch; print(torch.__version__)')" = "$$(cat $(VENV)/.torch)" \
+		|| { echo "the extras replaced torch $$(cat $(VENV)/.torch)"; exit 1; }
 	echo "torch $$(cat $(VENV)/.torch)"
 	$(PY) -c "import asyncrl.wire, msgspec, zmq, pytest, trl"
 	touch $(STAMP)
