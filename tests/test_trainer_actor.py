@@ -242,6 +242,41 @@ async def test_a_stop_during_a_step_checkpoints_after_the_step(tmp_path):
     assert (tmp_path / "ckpt" / "step_000001").is_dir()
 
 
+class Lingering(NoSubscribers):
+    """The drain waits 0.5 s for the final pull, as it does for an eval actor."""
+
+    async def wait_fetched(self, want: list[str]) -> None:
+        await asyncio.sleep(0.5)
+
+
+class BatchAfterStop(OneBatch):
+    """The batch arrives after a stop was asked for (a long-poll answered during drain)."""
+
+    def __init__(self, actor: TrainerActor) -> None:
+        super().__init__()
+        self.actor, self.acked = actor, []
+
+    async def next(self, version: int, durable: int = -1) -> BatchReply:
+        self.actor.request_stop("test")
+        await asyncio.sleep(0.1)  # the drain's checkpoint goes first; it lingers after
+        return await super().next(version, durable)
+
+    def done(self, batch_id: int) -> None:
+        self.acked.append(batch_id)
+
+
+async def test_a_batch_that_arrives_during_a_stop_is_left_to_the_buffer(tmp_path):
+    # Training it would step past the drain's checkpoint; unacknowledged, the buffer keeps
+    # it and serves it again to the next trainer, so nothing is lost or trained twice.
+    params = {"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_interval": 0}
+    actor = TrainerActor(ActorSpec(name="trainer", role="trainer", cls="", params=params))
+    trainer, batches = SlowTrainer(), BatchAfterStop(actor)
+    actor.trainer, actor.batches, actor.weights = trainer, batches, Lingering()  # type: ignore[assignment]
+    actor.durable, actor.num_steps, actor.audit, actor.metrics, actor.dump = -1, 0, None, None, None
+    await actor._run_until_stopped()
+    assert trainer.calls == ["checkpoint of version 0"] and batches.acked == []
+
+
 class LateBatch(OneBatch):
     """Two empty replies (the buffer had nothing ready in time), then the batch."""
 

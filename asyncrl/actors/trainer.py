@@ -148,6 +148,9 @@ class TrainerActor(Actor):
                     self.request_stop("the buffer has no more data")
                 continue
             batch = batch_reply.batch
+            if self.stopping:  # the drain's checkpoint may be taken: train nothing past it
+                log.info("batch left to the buffer: stopping", batch=batch.batch_id)
+                break  # unacknowledged, so the buffer keeps it and serves it again
             if self.dump is not None:
                 await asyncio.to_thread(self.dump.write, batch)
             try:
