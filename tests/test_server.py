@@ -27,7 +27,7 @@ import pytest_asyncio
 
 from asyncrl.cli import main
 from asyncrl.engines.server import EngineServer
-from asyncrl.engines.sglang_client import SGLangClient, SGLangError
+from asyncrl.engines.sglang_client import EngineUnavailable, SGLangClient, SGLangError
 from asyncrl.engines.torch_engine import TorchEngine
 from tests.tiny_model import build_tiny_model
 
@@ -576,6 +576,40 @@ async def test_an_in_process_call_is_counted_aborted_by_rid_and_held_by_a_pause(
         assert len((await asyncio.wait_for(held, 10)).output_ids) == 8
         streamed = await client.generate(PROMPT, GREEDY, stream=True)  # streams use HTTP
         assert streamed.output_ids == (await client.generate(PROMPT, GREEDY)).output_ids
+
+
+async def test_an_in_process_call_to_a_stopped_server_fails_over_like_a_refused_connect(
+    url, served, model_dir
+):
+    stopped = EngineServer(TorchEngine.from_pretrained(str(model_dir)))
+    await stopped.start("127.0.0.1", 0)
+    await stopped.stop()
+    config = SGLangClient.Config(retries=1, backoff_s=0.01)
+    calls = {stopped.url: stopped.generate_local, url: served.generate_local}
+    async with SGLangClient([stopped.url, url], local=calls, config=config) as client:
+        out = await client.generate(PROMPT, GREEDY, prefer=stopped.url)
+        assert out.engine == url and len(out.output_ids) == 8
+        assert client.in_rotation() == [url] and client.inflight()[stopped.url] == 0
+    async with SGLangClient([NO_SOCKET], local={NO_SOCKET: stopped.generate_local},
+                            config=config) as alone:  # fmt: skip
+        with pytest.raises(EngineUnavailable, match=r"not running|out of rotation"):
+            await alone.generate(PROMPT, GREEDY)
+
+
+async def test_an_in_process_call_past_its_timeout_is_cancelled_and_aborted(http, url, served):
+    config = SGLangClient.Config(generate_timeout_s=0.3)
+    async with SGLangClient([NO_SOCKET], local={NO_SOCKET: served.generate_local},
+                            config=config) as client:  # fmt: skip
+        with pytest.raises(TimeoutError):
+            await client.generate(PROMPT, LONG)
+        assert client.inflight() == {NO_SOCKET: 0}
+    for _ in range(500):  # the cancelled call aborted its engine request
+        _, loads = await call(http, url, "/v1/loads", method="GET")
+        if loads["loads"][0]["num_running_reqs"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("the timed-out request still runs")
 
 
 # ----------------------------------------------------------------------------- weights, admin

@@ -385,8 +385,11 @@ class EngineServer:
 
         The same parsing, refusals, traffic gate and reply, without the loopback HTTP
         round trip (about 1 ms of CPU a call on both ends, most of an embedded rollout's
-        per-sample cost). Non-stream bodies only; the client streams over HTTP.
+        per-sample cost). Non-stream bodies only; the client streams over HTTP. A stopped
+        server raises ``ConnectionRefusedError``, as its closed port would.
         """
+        if self._engine_task is None or self._engine_task.done():
+            raise ConnectionRefusedError(f"{self.url or 'engine server'}: not running")
         try:
             job = self._admit(body)
             if job.stream:

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from asyncrl.engines.base import PauseMode, SamplingParams
 from asyncrl.engines.sglang_transport import _Engine
@@ -99,22 +100,26 @@ class SGLangClient(WeightUpdateCalls):
             return final
         rid = rid or uuid.uuid4().hex
         body = self._generate_body(input_ids, sampling_params, rid, return_logprob, False, extra)
-        if self._local and (local := await self._generate_local(body, rid, prefer)):
-            engine, payload = local
-        else:
-            engine, payload = await self._generate_http(body, rid, prefer)
+        engine, payload = await self._retry_generate(
+            prefer, lambda engine, last: self._generate_once(engine, body, rid, last)
+        )
         if not isinstance(payload, dict) or "error" in payload:
             raise SGLangError(200, error_message(payload), payload, url=engine.url)
         return parse_generate_output(payload, engine=engine.url)
 
-    async def _generate_http(
-        self, body: dict[str, Any], rid: str, prefer: str | None
-    ) -> tuple[_Engine, Any]:
-        """Non-stream ``/generate`` over HTTP: the engine that answered and its reply."""
-        engine, resp = await self._open_generate(body, rid, prefer)
+    async def _generate_once(
+        self, engine: _Engine, body: dict[str, Any], rid: str, last: bool
+    ) -> Any | None:
+        """One non-stream ``/generate`` attempt: in process when ``engine`` lives in this
+        process, else over HTTP; its reply, or None to retry."""
+        if engine.url in self._local:
+            return await self._call_local(engine, body, rid, last)
+        resp = await self._post_generate(engine, msgspec.json.encode(body), rid, last)
+        if resp is None:
+            return None
         try:
             async with resp:
-                return engine, await self._read(resp)
+                return await self._read(resp)
         except aiohttp.ClientError as exc:
             self._mark_down(engine, exc)
             raise EngineUnavailable(0, f"/generate lost: {exc}", url=engine.url) from exc

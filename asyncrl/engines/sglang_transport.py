@@ -62,7 +62,7 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import aiohttp
 import msgspec
@@ -79,6 +79,7 @@ from asyncrl.engines.sglang_wire import (
 from asyncrl.observe.logs import get_logger
 
 log = get_logger("asyncrl.sglang_client")
+_T = TypeVar("_T")
 
 _JSON = {"Content-Type": "application/json"}
 
@@ -531,44 +532,57 @@ class SGLangTransport:
             "stream": stream,
         }
 
-    async def _generate_local(
-        self, body: dict[str, Any], rid: str, prefer: str | None
-    ) -> tuple[_Engine, Any] | None:
-        """Non-stream ``/generate`` on an engine in this process: the engine and its reply
-        (an error status raises ``SGLangError``); None when the pick is not local."""
-        engine = await self._pick(prefer)
-        call = self._local.get(engine.url)
-        if call is None:
-            return None
-        engine.inflight += 1
-        self._rids[rid] = engine
-        try:
-            status, payload = await call(body)
-        finally:
-            self._release(engine, rid)
-        if status != 200:
-            raise SGLangError(status, error_message(payload), payload, url=engine.url)
-        return engine, payload
-
-    async def _open_generate(
-        self, fields: dict[str, Any], rid: str, prefer: str | None
-    ) -> tuple[_Engine, aiohttp.ClientResponse]:
-        """POST ``/generate`` until an engine answers 200; the caller releases ``inflight``."""
-        body = msgspec.json.encode(fields)
+    async def _retry_generate(
+        self, prefer: str | None, attempt: Callable[[_Engine, bool], Awaitable[_T | None]]
+    ) -> tuple[_Engine, _T]:
+        """Pick an engine and make one ``attempt(engine, last)`` on it until one answers
+        (None: retry), up to ``retries`` more times with doubling backoff; the pick itself
+        is retried too while every engine is out of rotation."""
         cfg, delay = self.config, self.config.backoff_s
-        for attempt in range(cfg.retries + 1):
-            last = attempt == cfg.retries
+        for n in range(cfg.retries + 1):
+            last = n == cfg.retries
             try:
                 engine = await self._pick(prefer)
             except EngineUnavailable:
                 if last:
                     raise
             else:
-                if (resp := await self._post_generate(engine, body, rid, last)) is not None:
-                    return engine, resp
+                if (answer := await attempt(engine, last)) is not None:
+                    return engine, answer
             await asyncio.sleep(delay)
             delay = min(2 * delay, cfg.max_backoff_s)
         raise AssertionError("unreachable")
+
+    async def _open_generate(
+        self, fields: dict[str, Any], rid: str, prefer: str | None
+    ) -> tuple[_Engine, aiohttp.ClientResponse]:
+        """POST ``/generate`` until an engine answers 200; the caller releases ``inflight``."""
+        body = msgspec.json.encode(fields)
+        return await self._retry_generate(
+            prefer, lambda engine, last: self._post_generate(engine, body, rid, last)
+        )
+
+    async def _call_local(
+        self, engine: _Engine, body: dict[str, Any], rid: str, last: bool
+    ) -> Any | None:
+        """One non-stream ``/generate`` on an engine in this process: its reply, None to
+        retry (its server stopped: a refused connect over HTTP), or an exception. Same
+        in-flight count, timeout and error status as over HTTP."""
+        engine.inflight += 1
+        self._rids[rid] = engine
+        try:
+            async with asyncio.timeout(self.config.generate_timeout_s):
+                status, payload = await self._local[engine.url](body)
+        except ConnectionRefusedError as exc:
+            self._mark_down(engine, exc)
+            if last:
+                raise EngineUnavailable(0, str(exc), url=engine.url) from exc
+            return None
+        finally:
+            self._release(engine, rid)
+        if status != 200:
+            raise SGLangError(status, error_message(payload), payload, url=engine.url)
+        return payload
 
     async def _post_generate(
         self, engine: _Engine, body: bytes, rid: str, last: bool
