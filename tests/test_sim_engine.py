@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -186,6 +187,31 @@ async def test_one_host_runs_several_sim_engines_and_updates_them_together():
         assert all(e.steps > 0 for e in host.sims)  # the client spread the requests
         await host.load_tensors({}, 2)
         assert [e.version for e in host.sims] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+async def test_an_engine_host_calls_its_engines_in_process_unless_told_not_to(
+    monkeypatch, in_process
+):
+    from asyncrl.engines.server import EngineServer
+    from asyncrl.rollout.config import EngineConfig
+    from asyncrl.rollout.engines import EngineHost
+
+    over_http: list[str] = []
+    generate = EngineServer.generate
+
+    async def counted(self: EngineServer, request: Any) -> Any:
+        over_http.append(request.path)
+        return await generate(self, request)
+
+    monkeypatch.setattr(EngineServer, "generate", counted)  # the route binds it per server
+    sim = {"length_median": 5, "length_p99_ratio": 1.0, "time_scale": 1e4}
+    config = EngineConfig(type="sim", sim=sim, sim_engines=2, in_process=in_process)
+    async with EngineHost(config) as host:
+        assert host.client is not None
+        outs = [await host.client.generate([1], {}) for _ in range(4)]
+    assert all(len(o.output_ids) == 5 for o in outs)
+    assert over_http == ([] if in_process else ["/generate"] * 4)
 
 
 async def test_callers_wake_at_the_end_or_every_stream_interval_tokens():

@@ -260,7 +260,9 @@ async def test_train_only_replays_a_saved_run_step_for_step(tmp_path):
 async def test_colocated_engines_sleep_through_every_train_step(tmp_path):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")
-    flags = [*job_flags(tmp_path, steps=3, eta=0), "--colocate", "--rollout-num-actors", "2"]
+    # Generation over HTTP here (the default is in process): a job test for each path.
+    flags = [*job_flags(tmp_path, steps=3, eta=0), "--colocate", "--rollout-num-actors", "2",
+             "--rollout-engine-in-process", "false"]  # fmt: skip
     result = await run_job(load_config(overrides=flags))
     assert result.ok and result.steps == 3, result.error
     run_dir = tmp_path / "run"

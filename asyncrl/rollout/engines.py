@@ -85,8 +85,6 @@ class EngineHost:
 
     async def wait_ready(self, limit_s: float) -> None:
         """Poll ``/health`` until every engine answers 200 (an engine actor still loading)."""
-        import asyncio
-
         assert self.client is not None
         try:
             async with asyncio.timeout(limit_s):
@@ -106,8 +104,6 @@ class EngineHost:
             await server.stop()
 
     async def _start_embedded(self) -> str:
-        import asyncio
-
         from asyncrl.engines.server import EngineServer
         from asyncrl.engines.torch_engine import TorchEngine
 
