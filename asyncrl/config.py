@@ -343,6 +343,12 @@ class TrainConfig(Section):
         return run_dir / "rollout_data" if self.debug_rollout_only else None
 
 
+def _as_dict(data: Any, key: str) -> dict[str, Any]:
+    """``data[key]`` when both are plain dicts (raw config), else empty."""
+    value = data.get(key) if isinstance(data, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
 class RunConfig(Section):
     """The root of a job's configuration: run identity plus one section per component."""
 
@@ -369,6 +375,21 @@ class RunConfig(Section):
     eval: EvalConfig = Field(
         default_factory=EvalConfig, description="held-out evaluation during training"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _torch_engines_serve_the_trained_model(cls, data: Any) -> Any:
+        """A torch engine section without ``model_path`` serves ``--hf-checkpoint``'s
+        model, as a job with no engine section does: ``--rollout-engine-in-process false``
+        alone must not ask for the path again."""
+        trainer, rollout = _as_dict(data, "trainer"), _as_dict(data, "rollout")
+        engine = _as_dict(rollout, "engine")
+        model = trainer.get("model_path")
+        if not model or not engine or engine.get("model_path"):
+            return data
+        if engine.get("type", "torch") != "torch":
+            return data
+        return {**data, "rollout": {**rollout, "engine": {**engine, "model_path": model}}}
 
     @model_validator(mode="after")
     def _backend_trains_the_algo(self) -> RunConfig:

@@ -359,3 +359,16 @@ def test_a_host_beyond_loopback_is_refused_unless_channels_are_encrypted(tmp_pat
     (tmp_path / "keys" / "job.key_secret").chmod(0o644)
     with pytest.raises(ConfigError, match="readable by others"):
         load_config(overrides=keys)
+
+
+def test_a_torch_engine_section_serves_the_trained_model_unless_told_otherwise():
+    # One engine flag makes an engine section; its model is still --hf-checkpoint's.
+    cfg = load_config(overrides=["--hf-checkpoint", "m", "--rollout-engine-in-process", "false"])
+    assert cfg.rollout.engine is not None and cfg.rollout.engine.model_path == "m"
+    assert cfg.rollout.engine.in_process is False
+    own = ["--hf-checkpoint", "m", "--rollout-engine-model-path", "other"]
+    assert load_config(overrides=own).rollout.engine.model_path == "other"
+    sim = ["--hf-checkpoint", "m", "--rollout-engine-type", "sim"]
+    assert load_config(overrides=sim).rollout.engine.model_path is None  # sim: vocab only
+    with pytest.raises(ConfigError, match="needs model_path"):
+        load_config(overrides=["--rollout-engine-in-process", "false"])
