@@ -378,18 +378,21 @@ class RunConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _torch_engines_serve_the_trained_model(cls, data: Any) -> Any:
-        """A torch engine section without ``model_path`` serves ``--hf-checkpoint``'s
-        model, as a job with no engine section does: ``--rollout-engine-in-process false``
-        alone must not ask for the path again."""
-        trainer, rollout = _as_dict(data, "trainer"), _as_dict(data, "rollout")
-        engine = _as_dict(rollout, "engine")
-        model = trainer.get("model_path")
-        if not model or not engine or engine.get("model_path"):
+    def _engines_serve_the_trained_model(cls, data: Any) -> Any:
+        """An engine section (rollout's, eval's) without ``model_path`` serves
+        ``--hf-checkpoint``'s model when it needs one (a torch engine, or engines launched
+        as actors), as a job with no engine section does: ``--rollout-engine-in-process
+        false`` alone must not ask for the path again."""
+        model = _as_dict(data, "trainer").get("model_path")
+        if not model:
             return data
-        if engine.get("type", "torch") != "torch":
-            return data
-        return {**data, "rollout": {**rollout, "engine": {**engine, "model_path": model}}}
+        for name in ("rollout", "eval"):
+            section = _as_dict(data, name)
+            engine = _as_dict(section, "engine")
+            needs = engine.get("type", "torch") == "torch" or engine.get("serve") == "actor"
+            if engine and needs and not engine.get("model_path"):
+                data = {**data, name: {**section, "engine": {**engine, "model_path": model}}}
+        return data
 
     @model_validator(mode="after")
     def _backend_trains_the_algo(self) -> RunConfig:

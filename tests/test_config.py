@@ -368,6 +368,11 @@ def test_a_torch_engine_section_serves_the_trained_model_unless_told_otherwise()
     assert cfg.rollout.engine.in_process is False
     own = ["--hf-checkpoint", "m", "--rollout-engine-model-path", "other"]
     assert load_config(overrides=own).rollout.engine.model_path == "other"
+    evals = ["--hf-checkpoint", "m", "--eval-engine-max-running", "4"]
+    assert load_config(overrides=evals).eval.engine.model_path == "m"
+    launched = ["--hf-checkpoint", "m", "--rollout-engine-type", "sglang",
+                "--rollout-engine-serve", "actor", "--update-weight-transport", "disk"]  # fmt: skip
+    assert load_config(overrides=launched).rollout.engine.model_path == "m"
     sim = ["--hf-checkpoint", "m", "--rollout-engine-type", "sim"]
     assert load_config(overrides=sim).rollout.engine.model_path is None  # sim: vocab only
     with pytest.raises(ConfigError, match="needs model_path"):

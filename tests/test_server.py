@@ -590,26 +590,45 @@ async def test_an_in_process_call_to_a_stopped_server_fails_over_like_a_refused_
         out = await client.generate(PROMPT, GREEDY, prefer=stopped.url)
         assert out.engine == url and len(out.output_ids) == 8
         assert client.in_rotation() == [url] and client.inflight()[stopped.url] == 0
-    async with SGLangClient([NO_SOCKET], local={NO_SOCKET: stopped.generate_local},
-                            config=config) as alone:  # fmt: skip
-        with pytest.raises(EngineUnavailable, match=r"not running|out of rotation"):
-            await alone.generate(PROMPT, GREEDY)
+    for retries, why in ((0, "not running"), (1, "out of rotation")):  # refused, then down
+        config = SGLangClient.Config(retries=retries, backoff_s=0.01)
+        async with SGLangClient([NO_SOCKET], local={NO_SOCKET: stopped.generate_local},
+                                config=config) as alone:  # fmt: skip
+            with pytest.raises(EngineUnavailable, match=why):
+                await alone.generate(PROMPT, GREEDY)
 
 
-async def test_an_in_process_call_past_its_timeout_is_cancelled_and_aborted(http, url, served):
+async def test_an_in_process_call_held_by_a_pause_is_refused_when_the_server_stops(model_dir):
+    closing = EngineServer(TorchEngine.from_pretrained(str(model_dir)))
+    await closing.start("127.0.0.1", 0)
+    config = SGLangClient.Config(retries=0)
+    local = {closing.url: closing.generate_local}
+    async with SGLangClient([closing.url], local=local, config=config) as client:
+        await client.pause()
+        held = asyncio.create_task(client.generate(PROMPT, GREEDY))
+        await asyncio.sleep(0.2)
+        assert not held.done()
+        await closing.stop()  # over HTTP the port closes; in process the gate refuses
+        with pytest.raises(EngineUnavailable, match="shutting down"):
+            await asyncio.wait_for(held, 10)
+        assert client.inflight() == {closing.url: 0}
+
+
+async def test_an_in_process_call_past_its_timeout_raises_and_leaves_nothing_behind(url, served):
     config = SGLangClient.Config(generate_timeout_s=0.3)
-    async with SGLangClient([NO_SOCKET], local={NO_SOCKET: served.generate_local},
-                            config=config) as client:  # fmt: skip
-        with pytest.raises(TimeoutError):
-            await client.generate(PROMPT, LONG)
-        assert client.inflight() == {NO_SOCKET: 0}
-    for _ in range(500):  # the cancelled call aborted its engine request
-        _, loads = await call(http, url, "/v1/loads", method="GET")
-        if loads["loads"][0]["num_running_reqs"] == 0:
-            break
-        await asyncio.sleep(0.01)
-    else:
-        raise AssertionError("the timed-out request still runs")
+    async with (
+        SGLangClient([url]) as control,
+        SGLangClient([NO_SOCKET], local={NO_SOCKET: served.generate_local},
+                     config=config) as client,
+    ):  # fmt: skip
+        await control.pause()  # held at the gate: past its timeout however fast the engine
+        try:
+            with pytest.raises(TimeoutError):
+                await client.generate(PROMPT, GREEDY)
+        finally:
+            await control.continue_()
+        assert client.inflight() == {NO_SOCKET: 0} and served.gate.calls == 0
+        assert len((await client.generate(PROMPT, GREEDY)).output_ids) == 8
 
 
 # ----------------------------------------------------------------------------- weights, admin

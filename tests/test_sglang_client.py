@@ -501,6 +501,13 @@ async def test_a_503_is_retried_on_queries_but_not_on_an_accepted_generate(fake,
     assert fake.paths() == ["/generate"] + ["/get_weight_version"] * 3
 
 
+async def test_an_empty_200_reply_to_generate_raises_and_is_never_sent_again(fake, client):
+    fake.generate = [reply(200, "")]  # accepted: a retry could run it twice
+    with pytest.raises(SGLangError, match="empty body"):
+        await client.generate([1])
+    assert fake.paths() == ["/generate"]
+
+
 async def test_a_routers_no_available_workers_503_is_retried_for_generate(fake, client):
     fake.fail["/generate"] = [(503, ROUTER_NO_WORKERS)]
     result = await client.generate([1])

@@ -254,7 +254,7 @@ class BatchAfterStop(OneBatch):
 
     def __init__(self, actor: TrainerActor) -> None:
         super().__init__()
-        self.actor, self.acked = actor, []
+        self.actor, self.acked = actor, list[int]()
 
     async def next(self, version: int, durable: int = -1) -> BatchReply:
         self.actor.request_stop("test")

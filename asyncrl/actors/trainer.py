@@ -148,18 +148,11 @@ class TrainerActor(Actor):
                     self.request_stop("the buffer has no more data")
                 continue
             batch = batch_reply.batch
-            if self.stopping:  # the drain's checkpoint may be taken: train nothing past it
-                log.info("batch left to the buffer: stopping", batch=batch.batch_id)
-                break  # unacknowledged, so the buffer keeps it and serves it again
-            if self.dump is not None:
-                await asyncio.to_thread(self.dump.write, batch)
-            try:
-                async with self._busy:
-                    result = await asyncio.to_thread(self.trainer.train_step, batch)
-            except UntrainableBatch as exc:  # its groups are accounted for; go on
-                self.skipped += 1
-                log.warning("batch skipped", batch=batch.batch_id, reason=str(exc))
-                result = None
+            async with self._busy:  # a drain's checkpoint comes before this step or after it
+                if self.stopping:  # it may be taken already: train nothing past it
+                    log.info("batch left to the buffer: stopping", batch=batch.batch_id)
+                    break  # unacknowledged, so the buffer keeps it and serves it again
+                result = await self._train(batch)
             self.batches.done(batch.batch_id)
             self._audit(batch, trained=result is not None)
             if result is not None:
@@ -167,6 +160,17 @@ class TrainerActor(Actor):
             waited = 0.0
         if self._done():  # a stop drains: the last acks go out and a checkpoint is taken
             self.request_stop(f"trained {self.num_steps} steps")
+
+    async def _train(self, batch: TrainBatch) -> StepResult | None:
+        """One optimizer step on ``batch`` (written to the dump first); None: skipped."""
+        if self.dump is not None:
+            await asyncio.to_thread(self.dump.write, batch)
+        try:
+            return await asyncio.to_thread(self.trainer.train_step, batch)
+        except UntrainableBatch as exc:  # its groups are accounted for; go on
+            self.skipped += 1
+            log.warning("batch skipped", batch=batch.batch_id, reason=str(exc))
+            return None
 
     def _done(self) -> bool:
         """``num_steps`` counts from the initial weights, so a resumed run stops at it too."""

@@ -73,6 +73,9 @@ def error_reply(exc: Exception, path: str, *, openai: bool = False) -> tuple[int
     """SGLang's status and body for a refusal (``ApiError``, ``ValueError``) or a bug (500)."""
     if isinstance(exc, ApiError):
         return exc.status, openai_error(exc.message, exc.status) if openai else exc.body
+    if isinstance(exc, ConnectionRefusedError):  # the traffic gate of a closing server
+        message = f"shutting down: {exc}"
+        return 503, openai_error(message, 503) if openai else {"error": {"message": message}}
     if isinstance(exc, ValueError):  # EngineError, SamplingParams.verify: the request's fault
         return 400, openai_error(str(exc)) if openai else {"error": {"message": str(exc)}}
     log.exception("request failed", path=path)  # a bug: the cause instead of a bare page
@@ -135,6 +138,7 @@ class TrafficGate:
         for event in (self.open, self.no_update, self.idle):
             event.set()
         self.calls = 0
+        self.closed = False  # the server is shutting down: refuse, do not hold
         self._update_lock = asyncio.Lock()
 
     @property
@@ -146,8 +150,10 @@ class TrafficGate:
     async def generating(self) -> AsyncIterator[None]:
         """Hold one call's place; returns without yielding when the gate is open, so the
         caller's engine admission happens in the same step (``pause`` relies on it)."""
-        while not (self.open.is_set() and self.no_update.is_set()):
+        while not (self.open.is_set() and self.no_update.is_set()) and not self.closed:
             await (self.no_update if self.open.is_set() else self.open).wait()
+        if self.closed:
+            raise ConnectionRefusedError("the engine server is shutting down")
         self.calls += 1
         self.idle.clear()
         try:
@@ -156,6 +162,12 @@ class TrafficGate:
             self.calls -= 1
             if not self.calls:
                 self.idle.set()
+
+    def close(self) -> None:
+        """Refuse every call from now on, those held by a pause or an update included."""
+        self.closed = True
+        self.open.set()
+        self.no_update.set()
 
     async def drained(self) -> None:
         """Wait until no call is past the gate."""
@@ -217,6 +229,7 @@ class EngineServer:
 
     # -- lifecycle ------------------------------------------------------------------------
     async def _engine_lifetime(self, app: web.Application) -> AsyncIterator[None]:
+        self.gate.closed = False  # a server started again serves again
         self._engine_task = asyncio.create_task(self.engine.run(), name="engine-run")
         self._warmup = asyncio.create_task(self._warm_up(), name="engine-warmup")
         yield
@@ -232,8 +245,10 @@ class EngineServer:
         log.info("engine ready", model=self.engine.model_path, version=self.engine.version)
 
     async def _on_shutdown(self, app: web.Application) -> None:
-        # Answer every open call with its partial output so the shutdown does not wait.
+        # Answer every open call with its partial output so the shutdown does not wait,
+        # and refuse the calls still to come (in-process callers have no port to close).
         self.ready = False
+        self.gate.close()
         self.engine.abort(abort_all=True)
 
     async def start(
@@ -386,9 +401,10 @@ class EngineServer:
         The same parsing, refusals, traffic gate and reply, without the loopback HTTP
         round trip (about 1 ms of CPU a call on both ends, most of an embedded rollout's
         per-sample cost). Non-stream bodies only; the client streams over HTTP. A stopped
-        server raises ``ConnectionRefusedError``, as its closed port would.
+        (or shutting down) server raises ``ConnectionRefusedError``, as its closed port
+        would.
         """
-        if self._engine_task is None or self._engine_task.done():
+        if self.gate.closed or self._engine_task is None or self._engine_task.done():
             raise ConnectionRefusedError(f"{self.url or 'engine server'}: not running")
         try:
             job = self._admit(body)
@@ -396,6 +412,8 @@ class EngineServer:
                 raise bad_request("in-process /generate does not stream: use HTTP")
             async with self.gate.generating():
                 return 200, await self._reply(job)
+        except ConnectionRefusedError:  # shutting down: the client tries another engine
+            raise
         except Exception as exc:
             return error_reply(exc, "/generate")
 

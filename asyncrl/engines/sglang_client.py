@@ -86,7 +86,8 @@ class SGLangClient(WeightUpdateCalls):
         ``rid`` defaults to a fresh uuid (use yours to abort one request). ``stream=True``
         consumes ``generate_stream`` and returns its last result. ``prefer`` pins an engine
         while it is in rotation; ``extra`` adds top-level keys (``lora_path``, ...).
-        Raises ``SGLangError`` (the server's message) or ``EngineUnavailable``.
+        Raises ``SGLangError`` (the server's message), ``EngineUnavailable``, or
+        ``TimeoutError`` past ``Config.generate_timeout_s``.
         """
         if stream:
             final = None
@@ -100,23 +101,29 @@ class SGLangClient(WeightUpdateCalls):
             return final
         rid = rid or uuid.uuid4().hex
         body = self._generate_body(input_ids, sampling_params, rid, return_logprob, False, extra)
+        wire = msgspec.json.encode(body) if len(self._local) < len(self._engines) else b""
         engine, payload = await self._retry_generate(
-            prefer, lambda engine, last: self._generate_once(engine, body, rid, last)
+            prefer, lambda engine, last: self._generate_once(engine, body, wire, rid, last)
         )
         if not isinstance(payload, dict) or "error" in payload:
             raise SGLangError(200, error_message(payload), payload, url=engine.url)
         return parse_generate_output(payload, engine=engine.url)
 
     async def _generate_once(
-        self, engine: _Engine, body: dict[str, Any], rid: str, last: bool
+        self, engine: _Engine, body: dict[str, Any], wire: bytes, rid: str, last: bool
     ) -> Any | None:
         """One non-stream ``/generate`` attempt: in process when ``engine`` lives in this
-        process, else over HTTP; its reply, or None to retry."""
+        process, else ``wire`` (``body`` encoded) over HTTP; its reply, or None to retry.
+        An empty 200 reply raises: the call was accepted, so it is never sent again."""
         if engine.url in self._local:
             return await self._call_local(engine, body, rid, last)
-        resp = await self._post_generate(engine, msgspec.json.encode(body), rid, last)
-        if resp is None:
+        if (resp := await self._post_generate(engine, wire, rid, last)) is None:
             return None
+        if (payload := await self._read_generate(engine, resp, rid)) is None:
+            raise SGLangError(200, "/generate answered with an empty body", url=engine.url)
+        return payload
+
+    async def _read_generate(self, engine: _Engine, resp: aiohttp.ClientResponse, rid: str) -> Any:
         try:
             async with resp:
                 return await self._read(resp)

@@ -51,8 +51,10 @@ them out (section 4.2).
 
 Engines in this process (``local``: URL -> the server's ``generate_local``): a non-stream
 ``/generate`` picked onto one is a call, not a loopback HTTP round trip; the same body, the
-same reply or error status, the same in-flight counts and rotation. Streams and every
-control call still go over HTTP to the same server.
+same reply or error status, the same in-flight counts, rotation, retries and
+``generate_timeout_s``. A stopped (or stopping) server refuses the call as its closed port
+would refuse a connect: the engine leaves the rotation and the call is retried elsewhere.
+Streams and every control call still go over HTTP to the same server.
 """
 
 from __future__ import annotations
@@ -580,7 +582,7 @@ class SGLangTransport:
             return None
         finally:
             self._release(engine, rid)
-        if status != 200:
+        if status != 200 or payload is None:  # None: a reply that never is one
             raise SGLangError(status, error_message(payload), payload, url=engine.url)
         return payload
 
