@@ -85,7 +85,7 @@ MISSING_BENCH = "bench/vs_trl.py needs TRL and matplotlib: pip install -e '.[ben
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A model size: the Qwen2 shape, its SFT warm-up, and the default RL steps."""
+    """A model size: the Qwen2 shape, its SFT warm-up, and the default RL steps and LR."""
 
     hidden: int
     layers: int
@@ -95,17 +95,20 @@ class Shape:
     batch_size: int
     sft_lr: float
     steps: int
+    lr: float
 
 
 SIZES: dict[str, Shape] = {
     # 0.50M parameters: per-sample overhead dominates. The demo's SFT recipe, half the rows.
     "0.5m": Shape(hidden=80, layers=5, heads=4, num_sft=32000, epochs=2, batch_size=32,
-                  sft_lr=3e-3, steps=60),
+                  sft_lr=3e-3, steps=60, lr=1e-4),
     # 31.6M parameters: compute dominates. One epoch of 1,800 steps at a lower LR (43
     # minutes here; pass@1 25% after it). At 1e-3 the loss stalled near 1.55, and 400
-    # steps left the model at 1.2%, which 16 RL steps could not move beyond noise.
+    # steps left the model at 1.2%, which 16 RL steps could not move beyond noise. RL at
+    # 1e-4 overshot here: TRL peaked at step 12 and fell back, asyncrl (two versions
+    # stale) at step 4.
     "30m": Shape(hidden=512, layers=8, heads=8, num_sft=57600, epochs=1, batch_size=32,
-                 sft_lr=3e-4, steps=40),
+                 sft_lr=3e-4, steps=40, lr=3e-5),
 }  # fmt: skip
 
 #: The issue's targets, asyncrl / TRL: samples/s at least, time to accuracy at most.
@@ -513,7 +516,7 @@ def run_spec(args: argparse.Namespace, size: str, model: str, framework: str) ->
     """The settings both frameworks share, and where this run writes."""
     return {"model": model, "train": str(args.train), "out": str(args.work / size / framework),
             "steps": args.steps or SIZES[size].steps, "groups": args.groups,
-            "samples": args.samples, "lr": args.lr, "seed": args.seed,
+            "samples": args.samples, "lr": args.lr or SIZES[size].lr, "seed": args.seed,
             "save_every": args.save_every, "max_new_tokens": args.max_new_tokens}  # fmt: skip
 
 
@@ -620,7 +623,9 @@ def parse_args() -> argparse.Namespace:
                         ", ".join(f"{k} {v.steps}" for k, v in SIZES.items()) + ")")  # fmt: skip
     parser.add_argument("--groups", type=int, default=16, help="prompts per step (G)")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (N)")
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=None,
+                        help="RL learning rate of both (default per size: " +
+                        ", ".join(f"{k} {v.lr:g}" for k, v in SIZES.items()) + ")")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--save-every", type=int, default=4, help="checkpoint every K steps")
