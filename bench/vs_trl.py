@@ -218,7 +218,9 @@ def asyncrl_flags(spec: dict[str, Any]) -> list[str]:
             "--entropy-coef", "0", "--eps-clip", "0.2", "--loss-aggregation", "token-mean",
             "--clip-grad", "1.0", "--weight-decay", "0", "--trainer-lr-schedule", "constant",
             "--lr-warmup-iters", "0", "--trainer-dtype", "float32",
-            "--trainer-seed", seed, "--rollout-seed", seed]  # fmt: skip
+            "--trainer-seed", seed, "--rollout-seed", seed,
+            *(["--buffer-max-staleness", str(spec["eta"])] if spec.get("eta") is not None
+              else [])]  # fmt: skip
 
 
 def run_asyncrl(spec: dict[str, Any]) -> None:
@@ -517,7 +519,8 @@ def run_spec(args: argparse.Namespace, size: str, model: str, framework: str) ->
     return {"model": model, "train": str(args.train), "out": str(args.work / size / framework),
             "steps": args.steps or SIZES[size].steps, "groups": args.groups,
             "samples": args.samples, "lr": args.lr or SIZES[size].lr, "seed": args.seed,
-            "save_every": args.save_every, "max_new_tokens": args.max_new_tokens}  # fmt: skip
+            "save_every": args.save_every, "max_new_tokens": args.max_new_tokens,
+            "eta": args.eta}  # fmt: skip
 
 
 def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
@@ -627,6 +630,7 @@ def parse_args() -> argparse.Namespace:
                         help="RL learning rate of both (default per size: " +
                         ", ".join(f"{k} {v.lr:g}" for k, v in SIZES.items()) + ")")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eta", type=int, default=None, help="asyncrl's staleness bound (2)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--save-every", type=int, default=4, help="checkpoint every K steps")
     parser.add_argument("--eval-rows", type=int, default=200, help="first N test rows")
