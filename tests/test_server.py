@@ -981,3 +981,13 @@ async def test_a_distributed_update_over_gloo_reaches_an_asyncrl_serve_process(
         after = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
         assert after["meta_info"]["weight_version"] == "4"
         assert after["output_ids"] != before["output_ids"]
+
+
+def test_only_a_closing_server_is_a_503_not_any_refused_connection():
+    from asyncrl.engines.server import ServerClosed, error_reply
+
+    assert error_reply(ServerClosed("shutting down"), "/generate") == (
+        503, {"error": {"message": "shutting down"}},
+    )  # fmt: skip
+    status, body = error_reply(ConnectionRefusedError("a group's peer"), "/generate")
+    assert status == 500 and "ConnectionRefusedError: a group's peer" in body["message"]

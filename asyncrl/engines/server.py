@@ -69,12 +69,17 @@ def _is_openai(request: web.Request) -> bool:
     return request.path in ("/v1/chat/completions", "/v1/completions")
 
 
+class ServerClosed(ConnectionRefusedError):
+    """The server is stopped or shutting down: a call is refused as its closed port would
+    refuse a connect (503 over HTTP; raised to an in-process caller)."""
+
+
 def error_reply(exc: Exception, path: str, *, openai: bool = False) -> tuple[int, Json]:
     """SGLang's status and body for a refusal (``ApiError``, ``ValueError``) or a bug (500)."""
     if isinstance(exc, ApiError):
         return exc.status, openai_error(exc.message, exc.status) if openai else exc.body
-    if isinstance(exc, ConnectionRefusedError):  # the traffic gate of a closing server
-        message = f"shutting down: {exc}"
+    if isinstance(exc, ServerClosed):  # the traffic gate of a closing server
+        message = str(exc)
         return 503, openai_error(message, 503) if openai else {"error": {"message": message}}
     if isinstance(exc, ValueError):  # EngineError, SamplingParams.verify: the request's fault
         return 400, openai_error(str(exc)) if openai else {"error": {"message": str(exc)}}
@@ -153,7 +158,7 @@ class TrafficGate:
         while not (self.open.is_set() and self.no_update.is_set()) and not self.closed:
             await (self.no_update if self.open.is_set() else self.open).wait()
         if self.closed:
-            raise ConnectionRefusedError("the engine server is shutting down")
+            raise ServerClosed("the engine server is shutting down")
         self.calls += 1
         self.idle.clear()
         try:
@@ -401,18 +406,18 @@ class EngineServer:
         The same parsing, refusals, traffic gate and reply, without the loopback HTTP
         round trip (about 1 ms of CPU a call on both ends, most of an embedded rollout's
         per-sample cost). Non-stream bodies only; the client streams over HTTP. A stopped
-        (or shutting down) server raises ``ConnectionRefusedError``, as its closed port
-        would.
+        (or shutting down) server raises ``ServerClosed``, a ``ConnectionRefusedError``, as
+        its closed port would.
         """
         if self.gate.closed or self._engine_task is None or self._engine_task.done():
-            raise ConnectionRefusedError(f"{self.url or 'engine server'}: not running")
+            raise ServerClosed(f"{self.url or 'engine server'}: not running")
         try:
             job = self._admit(body)
             if job.stream:
                 raise bad_request("in-process /generate does not stream: use HTTP")
             async with self.gate.generating():
                 return 200, await self._reply(job)
-        except ConnectionRefusedError:  # shutting down: the client tries another engine
+        except ServerClosed:  # shutting down: the client tries another engine
             raise
         except Exception as exc:
             return error_reply(exc, "/generate")
