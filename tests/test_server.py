@@ -614,6 +614,22 @@ async def test_an_in_process_call_held_by_a_pause_is_refused_when_the_server_sto
         assert client.inflight() == {closing.url: 0}
 
 
+async def test_an_in_process_call_open_when_the_engine_stops_is_lost_not_held(model_dir):
+    closing = EngineServer(TorchEngine.from_pretrained(str(model_dir)))
+    await closing.start("127.0.0.1", 0)
+    config = SGLangClient.Config(retries=1, backoff_s=0.01)
+    local = {closing.url: closing.generate_local}
+    async with SGLangClient([closing.url], local=local, config=config) as client:
+        await closing.engine.pause()  # past the server's gate, held inside the engine
+        held = asyncio.create_task(client.generate(PROMPT, GREEDY))
+        await asyncio.sleep(0.2)
+        assert not held.done() and closing.gate.calls == 1
+        await closing.stop()  # no shutdown abort reaches it: the engine never saw it
+        with pytest.raises(EngineUnavailable, match=r"lost: .*stopped mid-call"):
+            await asyncio.wait_for(held, 10)  # accepted once, so not sent again
+        assert client.inflight() == {closing.url: 0} and client.in_rotation() == []
+
+
 async def test_an_in_process_call_past_its_timeout_raises_and_leaves_nothing_behind(url, served):
     config = SGLangClient.Config(generate_timeout_s=0.3)
     async with (

@@ -74,6 +74,11 @@ class ServerClosed(ConnectionRefusedError):
     refuse a connect (503 over HTTP; raised to an in-process caller)."""
 
 
+class ServerGone(ConnectionResetError):
+    """The engine stopped with an in-process call still open: what a closed connection
+    tells an HTTP caller (the call was accepted, so it is not sent again)."""
+
+
 def error_reply(exc: Exception, path: str, *, openai: bool = False) -> tuple[int, Json]:
     """SGLang's status and body for a refusal (``ApiError``, ``ValueError``) or a bug (500)."""
     if isinstance(exc, ApiError):
@@ -416,11 +421,31 @@ class EngineServer:
             if job.stream:
                 raise bad_request("in-process /generate does not stream: use HTTP")
             async with self.gate.generating():
-                return 200, await self._reply(job)
-        except ServerClosed:  # shutting down: the client tries another engine
+                return 200, await self._while_engine_runs(self._reply(job))
+        except (ServerClosed, ServerGone):  # the client tries another engine, or gives up
             raise
         except Exception as exc:
             return error_reply(exc, "/generate")
+
+    async def _while_engine_runs(self, reply: Awaitable[Json]) -> Json:
+        """``reply``'s result, or ``ServerGone`` if the engine task ends first.
+
+        Over HTTP, aiohttp cancels the handlers still open at shutdown and the caller sees
+        its connection close; an in-process caller has no connection, so without this a
+        call the engine never answers (one waiting at an engine-level pause, say) would
+        wait for its timeout."""
+        engine = self._engine_task
+        assert engine is not None
+        work = asyncio.ensure_future(reply)
+        try:
+            await asyncio.wait((work, engine), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            raise ServerGone(f"{self.url or 'engine server'}: the engine stopped mid-call")
+        return work.result()
 
     def _admit(self, body: Json) -> GenerateJob:
         """Parse a body and refuse it (``ApiError``, ``ValueError``) before anything starts."""

@@ -580,6 +580,9 @@ class SGLangTransport:
             if last:
                 raise EngineUnavailable(0, str(exc), url=engine.url) from exc
             return None
+        except ConnectionResetError as exc:  # accepted, then lost: never sent twice
+            self._mark_down(engine, exc)
+            raise EngineUnavailable(0, f"/generate lost: {exc}", url=engine.url) from exc
         finally:
             self._release(engine, rid)
         if status != 200 or payload is None:  # None: a reply that never is one
