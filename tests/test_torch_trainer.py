@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.policies import PolicyConfig
 from asyncrl.trainers.base import Trainer
 from asyncrl.trainers.learner import Learner, OptimSettings, lr_factor
+from asyncrl.trainers.rollout_tensors import rollout_tensors
 from asyncrl.trainers.torch_trainer import TorchTrainer
 from asyncrl.types import Group, Sample, SampleStatus, TrainBatch
 from tests.tiny_model import build_tiny_model
@@ -333,6 +334,35 @@ def test_groups_with_unusable_samples_are_dropped_and_counted(tiny):
     every = {(g, 0): SampleStatus.ABORTED for g in range(3)}
     with pytest.raises(ValueError, match="no trainable group"):
         trainer.train_step(make_batch(statuses=every))
+
+
+def count_forwards(model: torch.nn.Module) -> list[int]:
+    calls = [0]
+    model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("correction", ["decoupled", "tis"])
+def test_the_old_log_probs_come_from_the_training_forward_without_a_second_pass(tiny, correction):
+    # A version-stale batch (behaviour ~ -4 against the model's ~ -6): the correction's
+    # weights and the clipped ratio both read the old log-probs.
+    algo = PolicyConfig(off_policy_correction=correction, eps_clip=0.1)
+    fused = TorchTrainer(config(tiny, max_tokens_per_microbatch=24), algo)
+    scored = TorchTrainer(config(tiny, max_tokens_per_microbatch=24), algo)
+    scored.score_old_logprobs = True  # the separate no-grad forward, as with a reference
+    calls = [count_forwards(t.policy.model) for t in (fused, scored)]
+    grads = [capture_grads(t.policy) for t in (fused, scored)]
+    for step in range(2):  # the second step trains on weights the first one moved
+        batch = make_batch(seed=step, version=step)
+        a, b = fused.train_step(batch), scored.train_step(batch)
+        for key in ("loss", "pg_loss", "grad_norm", "mismatch_kl", "is_weight", "ratio"):
+            assert a.metrics[key] == pytest.approx(b.metrics[key], rel=1e-5, abs=1e-6), key
+        assert_close(grads[0], grads[1], atol=1e-6)
+    assert_close(params(fused), params(scored), atol=1e-6)
+    batches = [rollout_tensors(make_batch(seed=k, version=k), "score") for k in range(2)]
+    micro_batches = sum(len(fused._microbatches(rows)) for rows in batches)
+    assert micro_batches > 2 and calls[0][0] == micro_batches  # one forward each
+    assert calls[1][0] == 2 * micro_batches
 
 
 def test_ppo_with_a_reference_model_reports_value_and_kl_metrics(tiny):

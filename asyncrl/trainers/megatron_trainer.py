@@ -77,6 +77,7 @@ from asyncrl.trainers.rl_columns import (
     Scored,
     Tally,
     batch_metrics,
+    old_logprobs,
     pad_row,
     step_columns,
     step_result,
@@ -109,6 +110,9 @@ class MegatronTrainer:
     """The megatron-core training backend (``Trainer`` protocol); see the module docstring."""
 
     Config = TrainerConfig
+    #: True: score the old log-probs in a no-grad forward before the step, as with a
+    #: reference model, even without one (equal to the default up to round-off; tests).
+    score_old_logprobs = False
 
     def __init__(self, config: Config, algo: PolicyConfig | None = None) -> None:
         from transformers import AutoConfig
@@ -376,7 +380,7 @@ class MegatronTrainer:
         shape = (rows.num_rows + 1, rows.width)
         cols = step_columns(
             self.algo, rows, self.device, lambda which: self._score(which, mbs, shape),
-            ref=self.ref is not None, critic=False,
+            ref=self.ref is not None, critic=False, score_old=self.score_old_logprobs,
         )  # fmt: skip
         loss_scale = LossScale.of(rows.mask, self.algo.max_response_len)
         extra = batch_metrics(rows, cols, self.version)
@@ -387,9 +391,10 @@ class MegatronTrainer:
         self, cols: Columns, scale: LossScale, mb: MicroBatch, logits: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = {k: v[mb.rows] for k, v in cols.items()}
+        logprobs = to_rows(vp.token_logprobs(logits, mb.targets, self.shard), mb)
         x = LossInputs(
-            logprobs=to_rows(vp.token_logprobs(logits, mb.targets, self.shard), mb),
-            old_logprobs=c["old"],
+            logprobs=logprobs,
+            old_logprobs=old_logprobs(c, logprobs),
             behaviour_logprobs=c["behaviour"],
             advantages=c["advantages"],
             mask=c["mask"],

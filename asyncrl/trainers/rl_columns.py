@@ -1,11 +1,20 @@
 """What both backends' RL steps share: the step's ``[B + 1, T]`` columns and metrics.
 
-A step scores its rows once before any gradient (``step_columns``): the old log-probs
-(unless the rollout's are used), the reference log-probs and KL, the critic's values,
-then the advantages of the whole batch. Row ``B`` (one past the last) belongs to the
-empty stand-in sequence (``EMPTY_SEQUENCE``) that fills a rank's missing micro-batches;
-its columns are all zero, so it adds nothing. ``Tally`` turns micro-batch metrics into
-step metrics (shares summed, means weighted by loss tokens, both over ranks).
+A step scores its rows once before any gradient (``step_columns``): the reference
+log-probs and KL, the critic's values, then the advantages of the whole batch.
+
+The old (proximal) log-probs are the policy's at the weights the step starts from. A step
+is one optimizer update, so every micro-batch's training forward runs at exactly those
+weights: ``logp_old = stopgrad(logp_theta)`` of that forward (``old_logprobs``), and no
+separate no-grad forward is needed (about a quarter of a step's compute: one forward
+beside a forward and a backward). The exception is a reference model, whose KL
+``old - ref`` enters the advantages before any training forward: then the old log-probs
+are scored up front. With ``use_rollout_logprobs`` they are the engine's.
+
+Row ``B`` (one past the last) belongs to the empty stand-in sequence (``EMPTY_SEQUENCE``)
+that fills a rank's missing micro-batches; its columns are all zero, so it adds nothing.
+``Tally`` turns micro-batch metrics into step metrics (shares summed, means weighted by
+loss tokens, both over ranks).
 """
 
 from __future__ import annotations
@@ -43,15 +52,21 @@ def step_columns(
     *,
     ref: bool,
     critic: bool,
+    score_old: bool = False,
 ) -> Columns:
-    """``mask``, ``behaviour``, ``old``, ``ref``/``kl`` (with ``ref``), ``values`` (with
-    ``critic``), ``advantages`` and ``returns``, each ``[B + 1, T]``; ``score(model)``
-    gives that model's ``[B + 1, T]`` log-probs (values for the critic) on every rank."""
+    """``mask``, ``behaviour``, ``old`` (unless the training forward gives it, see the
+    module docstring; ``score_old`` scores it anyway), ``ref``/``kl`` (with ``ref``),
+    ``values`` (with ``critic``), ``advantages`` and ``returns``, each ``[B + 1, T]``;
+    ``score(model)`` gives that model's ``[B + 1, T]`` log-probs (values for the critic)
+    on every rank."""
     cols = {
         "mask": pad_row(rows.mask.to(device)),
         "behaviour": pad_row(rows.behaviour.to(device)),
     }
-    cols["old"] = score("policy") if algo.recompute_old_logprobs else cols["behaviour"]
+    if not algo.recompute_old_logprobs:
+        cols["old"] = cols["behaviour"]
+    elif ref or score_old:
+        cols["old"] = score("policy")
     kl = None
     if ref:
         cols["ref"] = score("ref")
@@ -70,6 +85,12 @@ def step_columns(
     if returns is not None:
         cols["returns"] = pad_row(returns)
     return cols
+
+
+def old_logprobs(cols: Columns, logprobs: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's old log-probs: its ``old`` column, else its training forward's own
+    ``logprobs``, detached (the proximal policy is the weights that forward runs at)."""
+    return cols["old"] if "old" in cols else logprobs.detach()
 
 
 def batch_metrics(rows: RolloutTensors, cols: Columns, version: int) -> dict[str, float]:

@@ -7,8 +7,10 @@ Built by ``actors/trainer.py::build_trainer`` (RL, with the job's ``PolicyConfig
                 log-probs, token versions; scores [G, n]
     plan        plan_ranks: this rank's token-budget micro-batches (packed), padded with
                 an empty micro-batch up to the busiest rank's count
-    no-grad     old log-probs (skipped with use_rollout_logprobs), reference log-probs
-                (KL), critic values: each rank scores its rows, a sum over ranks fills [B, T]
+    no-grad     reference log-probs (KL) and the old log-probs with them, critic values:
+                each rank scores its rows, a sum over ranks fills [B, T] (without a
+                reference the old log-probs are the training forward's, detached:
+                rl_columns.py)
     advantages  compute_advantages on the whole batch (on every rank, identically)
     grad        per micro-batch: forward, rl_loss (+ value loss) against the step's
                 LossScale, backward of world_size * loss; gradients sync on the last one
@@ -77,6 +79,7 @@ from asyncrl.trainers.rl_columns import (
     Scored,
     Tally,
     batch_metrics,
+    old_logprobs,
     pad_row,
     step_columns,
     step_result,
@@ -92,6 +95,9 @@ class TorchTrainer:
     """The torch training backend (``Trainer`` protocol); see the module docstring."""
 
     Config = TrainerConfig
+    #: True: score the old log-probs in a no-grad forward before the step, as with a
+    #: reference model, even without one (equal to the default up to round-off; tests).
+    score_old_logprobs = False
 
     def __init__(self, config: Config, algo: PolicyConfig | None = None) -> None:
         self.config = config
@@ -229,7 +235,7 @@ class TorchTrainer:
 
         return step_columns(
             self.algo, rows, self.device, score, ref=self.ref is not None,
-            critic=self.critic is not None,
+            critic=self.critic is not None, score_old=self.score_old_logprobs,
         )  # fmt: skip
 
     @torch.no_grad()
@@ -254,9 +260,10 @@ class TorchTrainer:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = {k: v[mb.rows] for k, v in cols.items()}
         logits = forward_selected(self.policy.wrapped, mb)
+        logprobs = to_rows(token_logprobs(logits, mb.targets), mb)
         x = LossInputs(
-            logprobs=to_rows(token_logprobs(logits, mb.targets), mb),
-            old_logprobs=c["old"],
+            logprobs=logprobs,
+            old_logprobs=old_logprobs(c, logprobs),
             behaviour_logprobs=c["behaviour"],
             advantages=c["advantages"],
             mask=c["mask"],
