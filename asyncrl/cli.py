@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 _TRAIN_OPTIONS = ("--help", "--preset", "--dry-run", "--resume")
-_CHAOS_OPTIONS = ("--help", "--preset", "--kill", "--every", "--duration", "--chaos-seed",
-                  "--report")  # fmt: skip
+_CHAOS_OPTIONS = ("--help", "--preset", "--kill", "--every", "--duration", "--stop-when-back",
+                  "--chaos-seed", "--report")  # fmt: skip
 
 
 def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -100,6 +100,11 @@ def _add_chaos(sub: argparse._SubParsersAction) -> None:
     chaos.add_argument("--every", type=float, help="also kill a random actor every S seconds")
     chaos.add_argument(
         "--duration", type=float, help="stop the job after S seconds (its audit still runs)"
+    )
+    chaos.add_argument(
+        "--stop-when-back",
+        action="store_true",
+        help="stop the job once the last --kill's victim is running again (not with --every)",
     )
     chaos.add_argument("--chaos-seed", type=int, default=0, help="seed of the random choices")
     chaos.add_argument(
@@ -311,6 +316,11 @@ def _chaos(args: argparse.Namespace) -> int:
         print("asyncrl chaos: config error:\nnothing to kill: give --kill or --every",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.stop_when_back and args.every:
+        print("asyncrl chaos: config error:\n--every kills until the job ends; "
+              "--stop-when-back ends it after the --kill list: give one",
+              file=sys.stderr)  # fmt: skip
+        return 2
     cfg = _training_config(args, "chaos")
     if cfg is None:
         return 2
@@ -363,13 +373,13 @@ def _run_chaos(cfg: Any, console: Any, kills: list[Any], args: argparse.Namespac
     from asyncrl.runtime.recovery import restart_budgets
 
     roles = tuple(role for role, n in restart_budgets(cfg).items() if n > 0)
-    chaos = Chaos(
-        kills, every=args.every, duration=args.duration, seed=args.chaos_seed, roles=roles
-    )
+    chaos = Chaos(kills, every=args.every, duration=args.duration, seed=args.chaos_seed,
+                  roles=roles, stop_when_back=args.stop_when_back)  # fmt: skip
     result = asyncio.run(run_job(cfg, chaos=chaos))
     run_dir = cfg.resolved_output_dir()
-    # A job stopped by --duration ends wherever the trainer was.
-    audit = audit_run(run_dir, 0 if args.duration else cfg.train.num_steps)
+    # A job stopped early (--duration, --stop-when-back) ends wherever the trainer was.
+    stopped = args.duration or args.stop_when_back
+    audit = audit_run(run_dir, 0 if stopped else cfg.train.num_steps)
     report = chaos_report(result, chaos, audit)
     path = args.report or run_dir / "chaos.json"
     path.parent.mkdir(parents=True, exist_ok=True)

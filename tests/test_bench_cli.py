@@ -89,6 +89,7 @@ def test_a_small_cluster_simulation_runs_from_the_cli_and_plots(tmp_path: Path):
     out = tmp_path / "cluster_sim.json"
     flags = ["--workload", "short", "--gpus", "4", "--concurrency", "16", "--actors", "1",
              "--groups", "4", "--group-size", "4", "--steps", "3", "--time-scale", "20",
+             "--switch-s", "3", "--weight-update-s", "0.5", "--train-base-s", "1",
              "--modes", "sync-colocated", "async-2", "--out", str(out)]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "bench", "cluster-sim", *flags],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip

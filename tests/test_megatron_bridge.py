@@ -117,25 +117,29 @@ def test_tp_shards_gather_back_to_the_full_tensors():
         bridge.check_tp(cfg, 4)
 
 
-def spawn_per_model(worker: Callable[[int, int, str, str], None], out: Path) -> None:
-    """Run ``worker`` as 2 ranks for every model, each model in its own process groups (on
-    its own port) and folder ``out/<name>``, all in one pair of processes: each imports
-    torch and megatron once, not once per model."""
+Worker = Callable[[int, int, str, str], None]
+
+
+def spawn_per_model(workers: dict[str, Worker], out: Path) -> None:
+    """Run each worker as 2 ranks for every model, each (worker, model) in its own process
+    groups (on its own port) and folder ``out/<worker>/<name>``, all in one pair of
+    processes: each imports torch and megatron once, not once per worker and model."""
     import torch.multiprocessing as mp
 
-    ports: dict[str, int] = {}
-    while len(set(ports.values())) < len(MODELS):  # two groups must not share a port
-        ports = {name: free_port() for name in MODELS}
-    for name in MODELS:
-        (out / name).mkdir()
-    mp.spawn(_each_model, args=(worker, ports, str(out)), nprocs=2, join=True)
+    runs = [(kind, name) for kind in workers for name in MODELS]
+    ports: dict[tuple[str, str], int] = {}
+    while len(set(ports.values())) < len(runs):  # two groups must not share a port
+        ports = {run: free_port() for run in runs}
+    for kind, name in runs:
+        (out / kind / name).mkdir(parents=True)
+    plan = [(workers[kind], ports[kind, name], name, str(out / kind / name))
+            for kind, name in runs]  # fmt: skip
+    mp.spawn(_each_run, args=(plan,), nprocs=2, join=True)
 
 
-def _each_model(
-    rank: int, worker: Callable[[int, int, str, str], None], ports: dict[str, int], out: str
-) -> None:
-    for name, port in ports.items():
-        worker(rank, port, name, str(Path(out, name)))
+def _each_run(rank: int, plan: list[tuple[Worker, int, str, str]]) -> None:
+    for worker, port, name, out in plan:
+        worker(rank, port, name, out)
 
 
 def _tp_worker(rank: int, port: int, name: str, out: str) -> None:
@@ -165,11 +169,22 @@ def _tp_worker(rank: int, port: int, name: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tp2_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every model's 2 TP ranks (one spawn for all models): its folder per model name."""
-    out = tmp_path_factory.mktemp("tp2")
-    spawn_per_model(_tp_worker, out)
+def parallel_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every model's 2 TP ranks and 2 pipeline stages (one spawn for all): the folders
+    ``tp2/<name>`` and ``pp2/<name>``."""
+    out = tmp_path_factory.mktemp("parallel")
+    spawn_per_model({"tp2": _tp_worker, "pp2": _pp_worker}, out)
     return out
+
+
+@pytest.fixture
+def tp2_runs(parallel_runs: Path) -> Path:
+    return parallel_runs / "tp2"
+
+
+@pytest.fixture
+def pp2_runs(parallel_runs: Path) -> Path:
+    return parallel_runs / "pp2"
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -233,14 +248,6 @@ def _pp_worker(rank: int, port: int, name: str, out: str) -> None:
         if rank == 1:
             torch.save({"got": kept[0], "want": model(ids).logits.detach()}, Path(out, "logits.pt"))
         torch.save(bridge.gather_hf_weights(gpt, cfg), Path(out, f"weights{rank}.pt"))
-
-
-@pytest.fixture(scope="module")
-def pp2_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every model's 2 pipeline stages (one spawn for all models): its folder per model."""
-    out = tmp_path_factory.mktemp("pp2")
-    spawn_per_model(_pp_worker, out)
-    return out
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -2,8 +2,8 @@
 
 The router runs as a subprocess on 127.0.0.1 (``python -m sglang_router.launch_router``);
 workers register with ``POST /workers`` through the client's helpers. Two worker kinds:
-recorded fake SGLang servers (always), and two ``asyncrl serve`` processes on the tiny
-model when the embedded server exists. Generation goes through the router; control calls
+recorded fake SGLang servers, and two ``asyncrl serve`` processes on the tiny model.
+Generation goes through the router; control calls
 go to each worker, as slime does (the router does not fan them out).
 """
 
@@ -32,7 +32,6 @@ pytestmark = [
     ),
 ]
 
-SERVER_MODULE = Path(__file__).parents[1] / "asyncrl" / "engines" / "server.py"
 FAST = SGLangClient.Config(backoff_s=0.05, control_timeout_s=10.0, generate_timeout_s=60.0)
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -54,11 +53,18 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: 
 @contextlib.contextmanager
 def process(args: list[str], url: str, log: Path, timeout_s: float) -> Iterator[str]:
     """Run ``args`` with output to ``log``; yield ``url`` once healthy; stop it after."""
+    with spawned(args, log) as proc:
+        wait_healthy(url, proc, log, timeout_s)
+        yield url
+
+
+@contextlib.contextmanager
+def spawned(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``args`` with output to ``log``; stop it after."""
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_healthy(url, proc, log, timeout_s)
-        yield url
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -134,33 +140,27 @@ def serve_command() -> list[str]:
     ]
 
 
-def serve_available() -> str | None:
-    """None when ``asyncrl serve`` can run, else why not."""
-    if not SERVER_MODULE.exists():
-        return "asyncrl/engines/server.py does not exist yet"
-    probe = subprocess.run([*serve_command(), "--help"], capture_output=True, timeout=60)
-    if probe.returncode != 0:
-        return f"`asyncrl serve --help` failed: {probe.stderr.decode()[-300:]}"
-    return None
-
-
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[str]]]:
-    """Two ``asyncrl serve`` processes on the tiny model: (model dir, worker URLs)."""
-    if (reason := serve_available()) is not None:
-        pytest.skip(reason)
+    """Two ``asyncrl serve`` processes on the tiny model: (model dir, worker URLs). They
+    start side by side: most of a start is imports, one core each."""
     from tests.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("router")
     build_tiny_model(root / "model")  # conftest keeps the hub offline for the children too
     with contextlib.ExitStack() as stack:
-        urls = []
-        for name in ("w0", "w1"):
-            port = free_port()
+        ports = {free_port(), free_port()}
+        while len(ports) < 2:
+            ports.add(free_port())
+        started = []
+        for name, port in zip(("w0", "w1"), sorted(ports), strict=True):
             args = [*serve_command(), "--model", str(root / "model"), "--port", str(port)]
-            url = f"http://127.0.0.1:{port}"
-            urls.append(stack.enter_context(process(args, url, root / f"{name}.log", 45)))
-        yield str(root / "model"), urls
+            log = root / f"{name}.log"
+            proc = stack.enter_context(spawned(args, log))
+            started.append((f"http://127.0.0.1:{port}", proc, log))
+        for url, proc, log in started:
+            wait_healthy(url, proc, log, 60)
+        yield str(root / "model"), [url for url, _, _ in started]
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import uvloop
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from asyncrl.actors.controller import JobResult, check_agent, check_tool_use, run_job
@@ -100,15 +101,24 @@ def eval_flags(tmp_path: Path, interval: int) -> list[str]:
     return ["--eval-interval", str(interval), "--eval-sets", json.dumps(sets)]  # fmt: skip
 
 
-async def test_a_short_async_run_trains_and_accounts_for_every_prompt(tmp_path):
-    build_tiny_model(tmp_path / "model")
-    write_prompts(tmp_path / "prompts.jsonl")
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, JobResult]:
+    """One short async run, shared: 3 steps at eta 1, an eval actor, TensorBoard and W&B,
+    its batches saved to ``dump``. (Its folder, how it ended.)"""
+    root = tmp_path_factory.mktemp("short")
+    build_tiny_model(root / "model")
+    write_prompts(root / "prompts.jsonl")
     trackers = ["--use-tensorboard", "--use-wandb", "--wandb-mode", "offline"]
-    flags = [*job_flags(tmp_path, steps=3), *eval_flags(tmp_path, 2), *trackers]
-    result = await run_job(load_config(overrides=flags))
+    flags = [*job_flags(root, steps=3), *eval_flags(root, 2), *trackers,
+             "--save-debug-rollout-data", str(root / "dump")]  # fmt: skip
+    return root, uvloop.run(run_job(load_config(overrides=flags)))
+
+
+def test_a_short_async_run_trains_and_accounts_for_every_prompt(short_run):
+    root, result = short_run
     assert result.ok, result.error
     assert result.steps == 3
-    run_dir = tmp_path / "run"
+    run_dir = root / "run"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     # Admission keeps staleness near eta; a group that finishes late can pass it, and the
@@ -233,23 +243,20 @@ async def test_rollout_only_dumps_batches_at_version_0_with_the_accounting_whole
     assert not (run_dir / "checkpoints" / "trainer").exists()  # nothing was trained
 
 
-async def test_train_only_replays_a_saved_run_step_for_step(tmp_path):
+async def test_train_only_replays_a_saved_run_step_for_step(short_run, tmp_path):
     """A run that saved its batches, replayed from the same initial weights with no buffer
     or engine, takes the same steps with the same losses."""
-    build_tiny_model(tmp_path / "model")
-    write_prompts(tmp_path / "prompts.jsonl")
-    dump = tmp_path / "dump"
-    saved = [*job_flags(tmp_path, steps=3), "--save-debug-rollout-data", str(dump)]
-    first = await run_job(load_config(overrides=saved))
+    root, first = short_run
+    dump = root / "dump"
     assert first.ok, first.error
     assert len(batch_files(dump)) == 3
-    replay = [*job_flags(tmp_path, steps=0), "--output-dir", str(tmp_path / "replay")]
+    replay = [*job_flags(root, steps=0), "--output-dir", str(tmp_path / "replay")]
     replay += ["--load-debug-rollout-data", str(dump)]  # 0 steps: until the dump runs out
     second = await run_job(load_config(overrides=replay))
     assert second.ok and second.steps == 3, second.error
     assert set(second.codes) == {"trainer"}
     assert not (tmp_path / "replay" / "metrics" / "buffer.jsonl").exists()
-    original, replayed = metrics_rows(tmp_path / "run"), metrics_rows(tmp_path / "replay")
+    original, replayed = metrics_rows(root / "run"), metrics_rows(tmp_path / "replay")
     for a, b in zip(original, replayed, strict=True):
         assert b["step"] == a["step"] and b["num_tokens"] == a["num_tokens"]
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)

@@ -7,9 +7,10 @@ A schedule is a list of kills ``TARGET@WHEN`` (``asyncrl chaos --kill``):
 - ``WHEN``: ``30s`` (seconds after every actor is up) or ``step20`` (once the trainer's
   heartbeat reports version 20 or more).
 
-``every`` adds a ``random`` kill every that many seconds until the job ends, and
-``duration`` ends the job after that many seconds (the trainer is told to stop: it
-checkpoints and the job winds down as after its last step). Each kill
+``every`` adds a ``random`` kill every that many seconds until the job ends;
+``duration`` ends the job after that many seconds, and ``stop_when_back`` once the last
+scheduled kill's victim is back (either way the trainer is told to stop: it checkpoints
+and the job winds down as after its last step). Each kill
 waits until its victim is running (it said Hello since its last restart, and no other
 restart is under way), kills it with SIGKILL through the runtime (a local process group,
 or the Ray worker), and records when it went down and when it was back.
@@ -114,11 +115,13 @@ class Chaos:
         duration: float | None = None,
         seed: int = 0,
         roles: tuple[str, ...] = ("buffer", "trainer", "rollout", "engine", "eval"),
+        stop_when_back: bool = False,
     ) -> None:
         # Due order can mix a time and a step; within each kind, earliest first.
         self.schedule = sorted(schedule, key=_due_order)
         self.every = every
         self.duration = duration
+        self.stop_when_back = stop_when_back
         self.rng = random.Random(seed)
         self.roles = roles
         self.kills: list[Kill] = []
@@ -138,6 +141,9 @@ class Chaos:
             if self.duration is not None:
                 tg.create_task(self._end_after(sup), name="chaos.end")
             await self._kill_on_schedule(sup)
+            if self.stop_when_back and self.every is None:
+                await self._until_all_back(sup)
+                await self._stop_trainer(sup, "every victim is back")
 
     async def _kill_on_schedule(self, sup: Supervisor) -> None:
         for kill in self.schedule:
@@ -152,9 +158,18 @@ class Chaos:
         return over or _trainer_finished(sup)
 
     async def _end_after(self, sup: Supervisor) -> None:
-        """After ``duration``: tell the trainer to stop (again while it is restarting)."""
         await asyncio.sleep(self.duration or 0.0)
-        log.warning("chaos: duration reached; stopping the trainer", seconds=self.duration)
+        await self._stop_trainer(sup, f"{self.duration} s reached")
+
+    async def _until_all_back(self, sup: Supervisor) -> None:
+        while True:  # _watch_back stamps the returns
+            if self._ending(sup) or all(k.back_s is not None for k in self.kills):
+                return
+            await asyncio.sleep(_POLL_S)
+
+    async def _stop_trainer(self, sup: Supervisor, why: str) -> None:
+        """Tell the trainer to stop (again while it is restarting) unless it finished."""
+        log.warning("chaos: stopping the trainer", why=why)
         while not _trainer_finished(sup):
             with contextlib.suppress(PeerLost, RemoteError, TimeoutError):
                 async with asyncio.timeout(10.0):
