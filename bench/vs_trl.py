@@ -12,12 +12,13 @@ other, with the same batch shape and hyper-parameters:
     gradient checkpointing, and no dynamic-sampling filter (every sample is trained).
 
 asyncrl runs ``asyncrl train`` (``run_job``) on ``examples/arith/config.yaml`` with those
-settings: async with eta = 2 (the demo's setting), one rollout actor on the embedded engine,
-the trainer in its own process (asyncrl gives each of the two torch processes its share of
-the cores). TRL runs ``GRPOTrainer`` with transformers ``generate`` (``use_cpu``; it
-generates, then trains, in one process on all the cores). What differs is each
-framework's own design: asyncrl trains on samples up to 2 versions stale (decoupled PPO
-correction), TRL on fresh ones; each shuffles the prompts with its own sampler.
+settings: async with a staleness bound eta per size (``--eta``; 2 at 0.5M, the demo's
+setting, 1 at 30M), one rollout actor on the embedded engine, the trainer in its own
+process (asyncrl gives each of the two torch processes its share of the cores). TRL runs
+``GRPOTrainer`` with transformers ``generate`` (``use_cpu``; it generates, then trains,
+in one process on all the cores). What differs is each framework's own design: asyncrl
+trains on samples up to eta versions stale (decoupled PPO correction), TRL on fresh
+ones; each shuffles the prompts with its own sampler.
 
 Each run is a child process of this script (the same interpreter, started fresh), timed
 from just before it is launched, so start-up (imports, model load, actors) counts for both.
@@ -85,7 +86,8 @@ MISSING_BENCH = "bench/vs_trl.py needs TRL and matplotlib: pip install -e '.[ben
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A model size: the Qwen2 shape, its SFT warm-up, and the default RL steps and LR."""
+    """A model size: the Qwen2 shape, its SFT warm-up, and the default RL steps, LR and
+    asyncrl's staleness bound eta."""
 
     hidden: int
     layers: int
@@ -96,19 +98,21 @@ class Shape:
     sft_lr: float
     steps: int
     lr: float
+    eta: int
 
 
 SIZES: dict[str, Shape] = {
     # 0.50M parameters: per-sample overhead dominates. The demo's SFT recipe, half the rows.
     "0.5m": Shape(hidden=80, layers=5, heads=4, num_sft=32000, epochs=2, batch_size=32,
-                  sft_lr=3e-3, steps=60, lr=1e-4),
+                  sft_lr=3e-3, steps=60, lr=1e-4, eta=2),
     # 31.6M parameters: compute dominates. One epoch of 1,800 steps at a lower LR (43
     # minutes here; pass@1 25% after it). At 1e-3 the loss stalled near 1.55, and 400
     # steps left the model at 1.2%, which 16 RL steps could not move beyond noise. RL at
     # 1e-4 overshot here: TRL peaked at step 12 and fell back, asyncrl (two versions
-    # stale) at step 4.
+    # stale) at step 4. At 3e-5, eta 2 stopped gaining near 42% while TRL went on to 52%;
+    # eta 1 climbs like TRL (51.4% at step 40), at 2.0x its samples/s.
     "30m": Shape(hidden=512, layers=8, heads=8, num_sft=57600, epochs=1, batch_size=32,
-                 sft_lr=3e-4, steps=40, lr=3e-5),
+                 sft_lr=3e-4, steps=40, lr=3e-5, eta=1),
 }  # fmt: skip
 
 #: The issue's targets, asyncrl / TRL: samples/s at least, time to accuracy at most.
@@ -219,8 +223,7 @@ def asyncrl_flags(spec: dict[str, Any]) -> list[str]:
             "--clip-grad", "1.0", "--weight-decay", "0", "--trainer-lr-schedule", "constant",
             "--lr-warmup-iters", "0", "--trainer-dtype", "float32",
             "--trainer-seed", seed, "--rollout-seed", seed,
-            *(["--buffer-max-staleness", str(spec["eta"])] if spec.get("eta") is not None
-              else [])]  # fmt: skip
+            "--buffer-max-staleness", str(spec["eta"])]  # fmt: skip
 
 
 def run_asyncrl(spec: dict[str, Any]) -> None:
@@ -520,7 +523,7 @@ def run_spec(args: argparse.Namespace, size: str, model: str, framework: str) ->
             "steps": args.steps or SIZES[size].steps, "groups": args.groups,
             "samples": args.samples, "lr": args.lr or SIZES[size].lr, "seed": args.seed,
             "save_every": args.save_every, "max_new_tokens": args.max_new_tokens,
-            "eta": args.eta}  # fmt: skip
+            "eta": SIZES[size].eta if args.eta is None else args.eta}  # fmt: skip
 
 
 def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
@@ -617,7 +620,7 @@ def plot_json(payload: dict[str, Any], path: Path) -> None:
     plot(payload["sizes"], path)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
@@ -630,7 +633,9 @@ def parse_args() -> argparse.Namespace:
                         help="RL learning rate of both (default per size: " +
                         ", ".join(f"{k} {v.lr:g}" for k, v in SIZES.items()) + ")")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eta", type=int, default=None, help="asyncrl's staleness bound (2)")
+    parser.add_argument("--eta", type=int, default=None,
+                        help="asyncrl's staleness bound (default per size: " +
+                        ", ".join(f"{k} {v.eta}" for k, v in SIZES.items()) + ")")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--save-every", type=int, default=4, help="checkpoint every K steps")
     parser.add_argument("--eval-rows", type=int, default=200, help="first N test rows")
@@ -642,7 +647,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench/results/vs_trl.json"))
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def main() -> None:

@@ -97,9 +97,11 @@ def test_a_gain_within_two_standard_errors_of_the_start_is_noise() -> None:
     assert vs_trl.compare("30m", clear, start=0.012, scored=800)["time_to_accuracy"] == 1.0
 
 
-def test_eta_sets_asyncrls_staleness_bound_only_when_given() -> None:
-    spec = {"model": "m", "train": "t", "out": "o", "steps": 2, "groups": 2, "samples": 2,
-            "lr": 1e-4, "seed": 0, "save_every": 1, "max_new_tokens": 8}  # fmt: skip
-    assert "--buffer-max-staleness" not in vs_trl.asyncrl_flags(spec | {"eta": None})
-    flags = vs_trl.asyncrl_flags(spec | {"eta": 1})
-    assert flags[flags.index("--buffer-max-staleness") + 1] == "1"
+def test_eta_is_asyncrls_staleness_bound_per_size_unless_given() -> None:
+    def eta(size: str, *flags: str) -> str:
+        spec = vs_trl.run_spec(vs_trl.parse_args(list(flags)), size, "m", "asyncrl")
+        out = vs_trl.asyncrl_flags(spec)
+        return out[out.index("--buffer-max-staleness") + 1]
+
+    assert (eta("0.5m"), eta("30m")) == ("2", "1")
+    assert (eta("0.5m", "--eta", "0"), eta("30m", "--eta", "4")) == ("0", "4")
