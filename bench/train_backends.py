@@ -4,8 +4,9 @@ Both train the same random-init Qwen2 (``--size``: ``30m``, bench/trainer.py's s
 ``0.5b``, Qwen2-0.5B's) on the same long-tail GRPO batch with the same token budget; the
 steps alternate (one megatron, one torch) after a warm-up step each, and the medians of
 ``--steps`` are compared. Tokens/s = real tokens / step seconds. MFU (CUDA only) counts
-8 N FLOPs per token (forward and backward 6 N, the no-grad old-log-prob pass 2 N; the
-attention's FLOPs are left out) against the GPU's dense bf16 peak.
+6 N FLOPs per token (forward and backward; the old log-probs come from that forward, so
+no other pass runs without a reference model; the attention's FLOPs are left out)
+against the GPU's dense bf16 peak.
 
 ``.venv/bin/python bench/train_backends.py --device cuda --size 0.5b`` on a GPU (bf16) writes
 ``bench/results/train_backends.json``. On the CPU it runs megatron-core under the tests' shim
@@ -97,7 +98,7 @@ def compare(args: argparse.Namespace, model_dir: Path, params: int) -> dict[str,
         step = statistics.median(seconds)
         out[backend] = {"step_s": step, "tokens_per_s": tokens / step, "steps_s": seconds}
         if peak:
-            out[backend]["mfu"] = 8 * params * tokens / step / peak
+            out[backend]["mfu"] = 6 * params * tokens / step / peak
     out["ratio_tokens_per_s"] = out["megatron"]["tokens_per_s"] / out["torch"]["tokens_per_s"]
     return out
 

@@ -187,6 +187,8 @@ def pp2_runs(parallel_runs: Path) -> Path:
     return parallel_runs / "pp2"
 
 
+# The first one to run spawns both (about 30 s here, more on a slow CI machine).
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", MODELS)
 def test_tp2_shards_give_the_hf_logits_and_gather_back_exactly(tp2_runs: Path, name: str):
     import json
@@ -250,6 +252,8 @@ def _pp_worker(rank: int, port: int, name: str, out: str) -> None:
         torch.save(bridge.gather_hf_weights(gpt, cfg), Path(out, f"weights{rank}.pt"))
 
 
+# The first one to run spawns both (about 30 s here, more on a slow CI machine).
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", MODELS)
 def test_pp2_stages_give_the_hf_logits_and_merge_back_exactly(pp2_runs: Path, name: str):
     tmp_path = pp2_runs / name

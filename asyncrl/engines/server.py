@@ -221,6 +221,8 @@ class EngineServer:
         self.ready = False
         self.url = ""
         self._engine_task: asyncio.Task[None] | None = None
+        # Open in-process /generate calls: their task -> ended by the engine's end.
+        self._local_calls: dict[asyncio.Task[Any], bool] = {}
         self._warmup: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self.started = time.time()  # reported by /server_info and /v1/models
@@ -241,6 +243,7 @@ class EngineServer:
     async def _engine_lifetime(self, app: web.Application) -> AsyncIterator[None]:
         self.gate.closed = False  # a server started again serves again
         self._engine_task = asyncio.create_task(self.engine.run(), name="engine-run")
+        self._engine_task.add_done_callback(self._engine_ended)
         self._warmup = asyncio.create_task(self._warm_up(), name="engine-warmup")
         yield
         self.ready = False
@@ -433,19 +436,31 @@ class EngineServer:
         Over HTTP, aiohttp cancels the handlers still open at shutdown and the caller sees
         its connection close; an in-process caller has no connection, so without this a
         call the engine never answers (one waiting at an engine-level pause, say) would
-        wait for its timeout."""
-        engine = self._engine_task
-        assert engine is not None
-        work = asyncio.ensure_future(reply)
+        wait for its timeout. ``reply`` runs in the caller's task, as before, so its engine
+        admission stays in the step the gate let it in (``pause`` relies on it); the
+        engine task's end cancels the open calls (``_engine_ended``)."""
+        me = asyncio.current_task()
+        assert me is not None
+        self._local_calls[me] = False
         try:
-            await asyncio.wait((work, engine), return_when=asyncio.FIRST_COMPLETED)
+            return await reply
+        except asyncio.CancelledError:
+            if self._local_calls[me] and me.uncancel() == 0:
+                why = f"{self.url or 'engine server'}: the engine stopped mid-call"
+                raise ServerGone(why) from None
+            raise
         finally:
-            if not work.done():
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-        if work.cancelled():
-            raise ServerGone(f"{self.url or 'engine server'}: the engine stopped mid-call")
-        return work.result()
+            del self._local_calls[me]
+
+    def _engine_ended(self, _: asyncio.Task[None]) -> None:
+        """The engine task ended (stopped or failed): nothing can answer now. Refuse calls
+        held at the gate, and end the open in-process calls (``_while_engine_runs``)."""
+        self.ready = False
+        self.gate.close()
+        for call, gone in self._local_calls.items():
+            if not gone:
+                self._local_calls[call] = True
+                call.cancel()
 
     def _admit(self, body: Json) -> GenerateJob:
         """Parse a body and refuse it (``ApiError``, ``ValueError``) before anything starts."""
