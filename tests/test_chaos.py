@@ -71,6 +71,8 @@ def test_asyncrl_chaos_refuses_a_bad_kill_before_launch(tmp_path, capsys):
     flags = ["--kill", "trainer@step5", "--every", "10", "--stop-when-back"]
     assert main(["chaos", *flags, *chaos_flags(tmp_path)]) == 2
     assert "--stop-when-back ends it after the --kill list" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="give one"):
+        Chaos([KillAt.parse("trainer@step5")], every=10.0, stop_when_back=True)
 
 
 def write_run(run_dir, buffer_row: dict, trained: list[dict], final: int) -> None:

@@ -117,6 +117,9 @@ class Chaos:
         roles: tuple[str, ...] = ("buffer", "trainer", "rollout", "engine", "eval"),
         stop_when_back: bool = False,
     ) -> None:
+        if stop_when_back and every is not None:
+            raise ValueError("chaos: every kills until the job ends; stop_when_back ends it "
+                             "after the schedule: give one")  # fmt: skip
         # Due order can mix a time and a step; within each kind, earliest first.
         self.schedule = sorted(schedule, key=_due_order)
         self.every = every
@@ -141,7 +144,7 @@ class Chaos:
             if self.duration is not None:
                 tg.create_task(self._end_after(sup), name="chaos.end")
             await self._kill_on_schedule(sup)
-            if self.stop_when_back and self.every is None:
+            if self.stop_when_back:
                 await self._until_all_back(sup)
                 await self._stop_trainer(sup, "every victim is back")
 
