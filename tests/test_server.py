@@ -630,6 +630,37 @@ async def test_an_in_process_call_open_when_the_engine_stops_is_lost_not_held(mo
         assert client.inflight() == {closing.url: 0} and client.in_rotation() == []
 
 
+async def test_an_engine_that_fails_ends_its_open_calls_and_refuses_new_ones(model_dir):
+    engine = TorchEngine.from_pretrained(str(model_dir))
+    fail, serve = asyncio.Event(), engine.run
+
+    async def run_until_it_fails() -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(serve())
+            await fail.wait()
+            raise RuntimeError("engine step blew up")
+
+    engine.run = run_until_it_fails  # type: ignore[method-assign]
+    server = EngineServer(engine)
+    await server.start("127.0.0.1", 0)
+    config = SGLangClient.Config(retries=0)
+    local = {server.url: server.generate_local}
+    try:
+        async with SGLangClient([server.url], local=local, config=config) as client:
+            await engine.pause()  # past the gate, held inside the engine
+            held = asyncio.create_task(client.generate(PROMPT, GREEDY))
+            await asyncio.sleep(0.2)
+            fail.set()
+            with pytest.raises(EngineUnavailable, match=r"lost: .*stopped mid-call"):
+                await asyncio.wait_for(held, 10)
+        assert server.gate.closed and not server.ready
+        async with SGLangClient([server.url], local=local, config=config) as fresh:
+            with pytest.raises(EngineUnavailable, match="not running"):
+                await fresh.generate(PROMPT, GREEDY)
+    finally:
+        await server.stop()
+
+
 async def test_an_in_process_call_past_its_timeout_raises_and_leaves_nothing_behind(url, served):
     config = SGLangClient.Config(generate_timeout_s=0.3)
     async with (

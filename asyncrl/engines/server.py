@@ -452,9 +452,11 @@ class EngineServer:
         finally:
             del self._local_calls[me]
 
-    def _engine_ended(self, _: asyncio.Task[None]) -> None:
+    def _engine_ended(self, task: asyncio.Task[None]) -> None:
         """The engine task ended (stopped or failed): nothing can answer now. Refuse calls
         held at the gate, and end the open in-process calls (``_while_engine_runs``)."""
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("engine task failed", error=f"{type(exc).__name__}: {exc}")
         self.ready = False
         self.gate.close()
         for call, gone in self._local_calls.items():
