@@ -110,7 +110,8 @@ SIZES: dict[str, Shape] = {
     # steps left the model at 1.2%, which 16 RL steps could not move beyond noise. RL at
     # 1e-4 overshot here: TRL peaked at step 12 and fell back, asyncrl (two versions
     # stale) at step 4. At 3e-5, eta 2 stopped gaining near 42% while TRL went on to 52%;
-    # eta 1 climbs like TRL (51.4% at step 40), at 2.0x its samples/s.
+    # eta 1 climbs like TRL (51.4% at step 40): 2.64x its samples/s and 0.44x its time
+    # to 51.4% (docs/benchmarks.md).
     "30m": Shape(hidden=512, layers=8, heads=8, num_sft=57600, epochs=1, batch_size=32,
                  sft_lr=3e-4, steps=40, lr=3e-5, eta=1),
 }  # fmt: skip
