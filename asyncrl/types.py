@@ -150,6 +150,10 @@ class Sample(Message):
     admitted_at_version: int = 0
     attempts: int = 0
     timings: dict[str, float] = msgspec.field(default_factory=dict)
+    #: Temperature the response was sampled at: the engine reports, and the trainer
+    #: recomputes, log-probs under ``softmax(z / temperature)`` (1.0 when greedy). Last,
+    #: so that records written before it (array-like) still decode.
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         # Runs on construction and on every decode, so a torn buffer never gets in.

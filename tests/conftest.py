@@ -46,3 +46,12 @@ def ref_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ref")
     build_tiny_model(path, seed=1)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder (asyncrl/model_zoo.py), built once per
+    machine into the model cache: the real pretrained model of the real-model tests."""
+    from asyncrl.model_zoo import smollm2_dir
+
+    return smollm2_dir()

@@ -24,8 +24,8 @@ from asyncrl.trainers.packing import (
     smoothed_logprobs,
     split_across_ranks,
     to_rows,
-    token_logprobs,
 )
+from asyncrl.trainers.token_stats import token_logprobs
 from tests.tiny_model import build_tiny_model
 
 # Four sequences (prompt + response) and where each response starts.

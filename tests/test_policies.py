@@ -20,7 +20,6 @@ from asyncrl.policies import (
     approx_kl,
     compute_advantages,
     discounted_returns,
-    entropy_from_logits,
     gae,
     group_advantages,
     importance_weights,
@@ -157,12 +156,6 @@ def test_micro_batch_shares_under_the_step_scale_sum_to_the_whole(mode):
 
 def test_sft_loss_is_the_mean_negative_log_likelihood_of_masked_tokens():
     assert close(sft_loss(t([-1.0, -3.0, -100.0]), t([1, 1, 0])), 2.0)
-
-
-def test_entropy_of_uniform_logits_is_log_vocab():
-    assert close(entropy_from_logits(torch.zeros(2, 4)), [math.log(4)] * 2)
-    # p = (1, 0): entropy 0
-    assert close(entropy_from_logits(torch.tensor([0.0, -1e4])), 0.0)
 
 
 # ----------------------------------------------------------------------------- PPO

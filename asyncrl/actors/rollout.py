@@ -36,9 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.buffer import BufferEvent, WorkReply, WorkRequest
 from asyncrl.actors.engine import engine_url
+from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.sglang_wire import EngineUnavailable, SGLangError
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
@@ -107,6 +110,7 @@ class RolloutActor(Actor):
             aborts=lambda: self._aborts,
             tools=tools,
         )
+        self._temperature = msgspec.convert(self.ctx.sampling, SamplingParams).logprob_temperature
         if hasattr(self.workflow, "resources"):  # e.g. the agent workflow's OpenAI proxy
             await self.hold(self.workflow.resources(self.ctx))
         await self._open_channels()
@@ -252,6 +256,9 @@ class RolloutActor(Actor):
     async def _run_sample(self, sample: Sample) -> None:
         """The workflow on one sample; user code may raise: the sample fails, not us."""
         sample.attempts += 1
+        # What the trainer needs to recompute the engine's log-probs (a workflow that
+        # samples at another temperature sets its own).
+        sample.temperature = self._temperature
         try:
             result = await self.workflow(self.ctx, sample)
         except EngineUnavailable as exc:

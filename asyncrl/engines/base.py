@@ -117,6 +117,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Temperature 0 or top_k 1: take the argmax."""
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def logprob_temperature(self) -> float:
+        """``T`` of the reported log-probs ``log_softmax(z / T)``: 1 when greedy."""
+        return 1.0 if self.greedy else self.temperature
+
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
     """One sequence to generate (``n > 1`` is expanded by the server into ``rid_i``)."""

@@ -1,22 +1,33 @@
 """Turning next-token logits into a sampled token and its behaviour log-prob, per request.
 
-For one row with raw logits ``z`` (float32), the processed distribution is::
+For one row with raw logits ``z`` (float32)::
 
     z' = z + logit_bias                        (bias by token id)
     z' = penalise(z', counts)                  repetition (divide positive / multiply
                                                negative logits of seen tokens by r),
                                                frequency (- f * count), presence (- p * [count > 0])
     z' = z' / T                                (temperature; T = 0 means greedy)
+    logprob(x) = log_softmax(z')[x]            the reported log-prob: full vocabulary
     keep the top_k, then the smallest top-p nucleus, then tokens with p >= min_p * p_max
-    logprob(x) = log_softmax(z')[x]
+    x ~ softmax(z' restricted to what is kept)
+
+The log-prob convention is SGLang's (its sampler takes ``log_softmax`` of the
+temperature-scaled logits before top-k/top-p truncation): the reported value is the
+token's log-prob under ``softmax(z / T)`` over the whole vocabulary, which is what the
+trainer recomputes from a sample's ``temperature`` (``trainers/token_stats.py``). The
+truncation only decides which tokens may be drawn: a kept token's probability under the
+truncated distribution is its reported probability divided by the kept mass, a
+per-position constant the trainer cannot see and the policy gradient does not need.
+Penalties and ``logit_bias`` change ``z'`` in ways the trainer does not reproduce, so
+training rollouts refuse them (``rollout/config.py::check_sampling``).
 
 EOS and stop-token ids are masked while fewer than ``min_new_tokens`` were generated.
-The sampled token is drawn from ``softmax(z')`` with the request's own generator (seeded
-by ``sampling_seed``), so a seeded request samples the same tokens whatever else shares
-its batch. Greedy requests take ``argmax z'`` and report the log-prob under the model's
-unscaled distribution (``log_softmax(z)``), which is what a trainer recomputes. The top-k
-alternatives (SGLang's ``top_logprobs_num``) come from that same log-softmax, so the
-sampled token's own entry, when it is among them, equals its reported log-prob.
+The sampled token is drawn with the request's own generator (seeded by
+``sampling_seed``), so a seeded request samples the same tokens whatever else shares its
+batch. Greedy requests take ``argmax z'`` and report the log-prob under the model's
+unscaled distribution (``log_softmax(z)``: temperature 1). The top-k alternatives
+(SGLang's ``top_logprobs_num``) come from the same log-softmax as the sampled token's,
+so its own entry, when it is among them, equals its reported log-prob.
 
 Users: ``TorchEngine``; tested directly.
 """
@@ -44,7 +55,7 @@ class RowState:
 
 
 def process_logits(logits: torch.Tensor, row: RowState) -> torch.Tensor:
-    """The processed logits ``z'`` of one row (see the module docstring)."""
+    """The scaled logits ``z'`` of one row, before truncation (see the module docstring)."""
     p = row.params
     z = logits.float().clone()
     if p.logit_bias:
@@ -55,8 +66,7 @@ def process_logits(logits: torch.Tensor, row: RowState) -> torch.Tensor:
         z[row.blocked] = float("-inf")
     if p.greedy:
         return z
-    z = z / p.temperature
-    return _filter(z, p)
+    return z / p.temperature
 
 
 def _penalise(z: torch.Tensor, row: RowState) -> torch.Tensor:
@@ -104,39 +114,52 @@ def sample(logits: torch.Tensor, row: RowState, num_top: int = 0) -> Sampled:
         logp = torch.log_softmax(logits.float(), -1)
     else:
         logp = torch.log_softmax(z, -1)
-        token = int(torch.multinomial(logp.exp(), 1, generator=row.generator))
+        kept = torch.softmax(_filter(z, row.params), -1)
+        token = int(torch.multinomial(kept, 1, generator=row.generator))
     return Sampled(token, float(logp[token]), top_logprobs(logp, num_top) if num_top else None)
 
 
 def top_logprobs(logp: torch.Tensor, k: int) -> list[tuple[float, int]]:
     """The ``k`` largest entries of a log-prob row as ``(logprob, token_id)`` pairs.
 
-    Tokens that top-k/top-p/min-p filtered out have log-prob ``-inf`` and only appear when
-    ``k`` exceeds the tokens left (the server writes ``-inf`` as JSON null).
+    Full-vocabulary log-probs (before truncation), as the sampled token's.
     """
     values, ids = torch.topk(logp, min(k, logp.shape[-1]))
     return list(zip(values.tolist(), ids.tolist(), strict=True))
 
 
 def prompt_logprobs(
-    logits: torch.Tensor, prompt: list[int], start_len: int, num_top: int
+    logits: torch.Tensor,
+    prompt: list[int],
+    start_len: int,
+    num_top: int,
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int = 256,
 ) -> tuple[list[float | None], list[list[tuple[float, int]] | None] | None]:
-    """Teacher-forced log-probs of ``prompt`` from position ``start_len`` (the first prompt
-    token has none: None), under the model's unscaled distribution, and the ``num_top``
+    """Teacher-forced log-probs ``log_softmax(z / temperature)`` of ``prompt`` from
+    position ``start_len`` (the first prompt token has none: None), and the ``num_top``
     most likely tokens at each of those positions (None when ``num_top`` is 0).
 
-    ``logits`` are the prefill's ``[len(prompt), vocab]`` rows of this prompt.
+    ``logits`` are the prefill's ``[len(prompt), vocab]`` rows of this prompt, in any
+    dtype; they are scored ``chunk_rows`` positions at a time, so a long prompt never
+    holds a whole ``[len(prompt), vocab]`` fp32 copy.
     """
-    logp = torch.log_softmax(logits[:-1].float(), -1)
-    targets = torch.tensor(prompt[1:], dtype=torch.long, device=logp.device)
-    values = logp.gather(-1, targets[:, None]).squeeze(-1)
-    out: list[float | None] = [None, *values.tolist()]
+    first = max(start_len, 1)  # position t's log-prob comes from the logits at t - 1
+    values: list[float] = []
+    tops: list[list[tuple[float, int]]] = []
+    for lo in range(first - 1, len(prompt) - 1, chunk_rows):
+        hi = min(lo + chunk_rows, len(prompt) - 1)
+        logp = torch.log_softmax(logits[lo:hi].float() / temperature, -1)
+        targets = torch.tensor(prompt[lo + 1 : hi + 1], dtype=torch.long, device=logp.device)
+        values += logp.gather(-1, targets[:, None]).squeeze(-1).tolist()
+        if num_top > 0:
+            v, ids = torch.topk(logp, min(num_top, logp.shape[-1]), dim=-1)
+            tops += [
+                list(zip(a, b, strict=True)) for a, b in zip(v.tolist(), ids.tolist(), strict=True)
+            ]
+    head: list[None] = [None] if start_len == 0 else []
+    out: list[float | None] = [*head, *values]
     if num_top <= 0:
-        return out[start_len:], None
-    top_values, top_ids = torch.topk(logp, min(num_top, logp.shape[-1]), dim=-1)
-    top: list[list[tuple[float, int]] | None] = [None]
-    top += [
-        list(zip(v, i, strict=True))
-        for v, i in zip(top_values.tolist(), top_ids.tolist(), strict=True)
-    ]
-    return out[start_len:], top[start_len:]
+        return out, None
+    return out, [*head, *tops]

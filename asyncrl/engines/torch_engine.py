@@ -403,24 +403,29 @@ class TorchEngine:
             ids[i, width - len(s.prompt) :] = torch.tensor(s.prompt)
             mask[i, width - len(s.prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # Only a request for prompt log-probs needs logits at every prompt position; the
+        # rest need the last one (a [b, width, V] projection is most of a short prompt's
+        # prefill with a 49k vocabulary, and its fp32 copy hundreds of MB).
+        scored = [s.req.logprob_start_len >= 0 and s.input_logprobs is None for s in seqs]
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
             use_cache=True,
+            logits_to_keep=0 if any(scored) else 1,
         )
         self.stats["prefills"] += 1
-        logits = out.logits.float()
         for i, s in enumerate(seqs):
             s.queued = False
-            if s.req.logprob_start_len >= 0 and s.input_logprobs is None:
+            if scored[i]:
                 s.input_logprobs, s.input_top = prompt_logprobs(
-                    logits[i, width - len(s.prompt) :],
+                    out.logits[i, width - len(s.prompt) :],
                     s.prompt,
                     s.req.logprob_start_len,
                     s.req.top_logprobs_num,
+                    temperature=s.row.params.logprob_temperature,
                 )
-        self._merge(seqs, out.past_key_values, mask, logits[:, -1, :])
+        self._merge(seqs, out.past_key_values, mask, out.logits[:, -1, :].float())
 
     def _merge(self, seqs: list[_Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
         tokens = [self._first_token(s, last[i]) for i, s in enumerate(seqs)]

@@ -37,7 +37,6 @@ _EXPORTS = {
     "losses": (
         "LossScale",
         "aggregate",
-        "entropy_from_logits",
         "masked_mean",
         "policy_loss",
         "sft_loss",
@@ -55,7 +54,6 @@ __all__ = [
     "approx_kl",
     "compute_advantages",
     "discounted_returns",
-    "entropy_from_logits",
     "gae",
     "group_advantages",
     "importance_weights",
@@ -83,7 +81,6 @@ if TYPE_CHECKING:
     from asyncrl.policies.losses import (
         LossScale,
         aggregate,
-        entropy_from_logits,
         masked_mean,
         policy_loss,
         sft_loss,

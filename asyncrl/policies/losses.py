@@ -212,10 +212,3 @@ def sft_loss(
 ) -> torch.Tensor:
     """Negative log-likelihood of the masked tokens: ``aggregate(-logp, mask)``."""
     return aggregate(-logprobs, mask, aggregation, scale)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax over the last axis: ``H = logsumexp(z) - sum_v p_v z_v``."""
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)

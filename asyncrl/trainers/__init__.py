@@ -10,7 +10,8 @@
 | ``megatron_trainer``| megatron-core GPTModel, TP/PP/DP, distributed optimizer       |
 | ``sim_trainer``     | no model: each step takes modelled time (cluster simulator)   |
 | ``megatron_bridge`` | HF Qwen2/Llama <-> megatron weights, TP shards, PP stages     |
-| ``vocab_parallel``  | log-probs and entropy from vocab-sharded (TP) logits          |
+| ``vocab_parallel``  | a TP rank's vocab slice; the SFT loss from sharded logits     |
+| ``token_stats``     | log-probs and entropy at a sample's temperature, chunked      |
 | ``rl_columns``      | what both RL steps share: columns, advantages, metric tally   |
 | ``rng``             | seeding and RNG state for bit-exact resumes                   |
 | ``learner``         | one trained model: DP wrapper, AdamW, LR schedule, HF weights |

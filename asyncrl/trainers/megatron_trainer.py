@@ -84,6 +84,7 @@ from asyncrl.trainers.rl_columns import (
 )
 from asyncrl.trainers.rng import load_rng, rng_state, seed_everything, set_rng_state
 from asyncrl.trainers.rollout_tensors import RolloutTensors, rollout_tensors, sft_tensors
+from asyncrl.trainers.token_stats import token_logprobs, token_stats
 from asyncrl.types import TrainBatch
 
 P = ParamSpec("P")
@@ -257,7 +258,15 @@ class MegatronTrainer:
         seqs, starts = [*rows.sequences, EMPTY_SEQUENCE], [*rows.prompt_lens, 1]
         layout = "packed" if self.config.packing and not self.te else "padded"
         return [
-            build_microbatch(seqs, starts, m, rows.width, layout=layout, device=self.device)
+            build_microbatch(
+                seqs,
+                starts,
+                m,
+                rows.width,
+                layout=layout,
+                device=self.device,
+                temperatures=[*rows.temperatures, 1.0],
+            )
             for m in mine
         ]
 
@@ -312,7 +321,8 @@ class MegatronTrainer:
         out = torch.zeros(shape, device=self.device)
 
         def keep(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-            out[mb.rows] = to_rows(vp.token_logprobs(logits, mb.targets, self.shard), mb)
+            logp = token_logprobs(logits, mb.targets, mb.inv_temperature, self.shard)
+            out[mb.rows] = to_rows(logp, mb)
             return logits.new_zeros(()), {}
 
         model = self.model if which == "policy" else self.ref
@@ -391,26 +401,21 @@ class MegatronTrainer:
         self, cols: Columns, scale: LossScale, mb: MicroBatch, logits: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = {k: v[mb.rows] for k, v in cols.items()}
-        logprobs = to_rows(vp.token_logprobs(logits, mb.targets, self.shard), mb)
+        logp_N, entropy_N = token_stats(logits, mb.targets, mb.inv_temperature, self.shard)
+        logprobs = to_rows(logp_N, mb)
         x = LossInputs(
             logprobs=logprobs,
             old_logprobs=old_logprobs(c, logprobs),
             behaviour_logprobs=c["behaviour"],
             advantages=c["advantages"],
             mask=c["mask"],
-            entropy=self._entropy(logits, mb),
+            # A metric only (no gradient) unless there is an entropy bonus.
+            entropy=to_rows(entropy_N if self.algo.entropy_coef > 0 else entropy_N.detach(), mb),
             ref_logprobs=c.get("ref"),
         )
         loss, metrics = rl_loss(self.algo, x, scale)
         metrics["loss"] = loss.detach()
         return loss, metrics
-
-    def _entropy(self, logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        """Per-token entropy ``[b, T]``; detached (a metric only) when ``entropy_coef == 0``."""
-        if self.algo.entropy_coef > 0:
-            return to_rows(vp.entropy(logits, self.shard), mb)
-        with torch.no_grad():
-            return to_rows(vp.entropy(logits.detach(), self.shard), mb)
 
     # -- the SFT step ---------------------------------------------------------------------
     @_on_device
@@ -459,12 +464,14 @@ class MegatronTrainer:
 
     @_on_device
     def save_checkpoint(self, path: Path) -> None:
-        """``megatron/`` (model and optimizer, ``dist_checkpointing``), ``rng/rank{r}.pt``,
-        ``trainer.json``. Every rank calls it; ``path`` is shared."""
+        """``policy/`` (the complete HF folder a user loads, ``save_hf``), ``megatron/``
+        (model and optimizer, ``dist_checkpointing``: what a resume reads),
+        ``rng/rank{r}.pt``, ``trainer.json``. Every rank calls it; ``path`` is shared."""
         from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         path = Path(path)
+        self.save_hf(path / "policy")
         if dist.get_rank() == 0:
             (path / "megatron").mkdir(parents=True, exist_ok=True)
             (path / "rng").mkdir(exist_ok=True)

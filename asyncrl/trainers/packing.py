@@ -34,6 +34,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from asyncrl.trainers.token_stats import token_logprobs
+
 Layout = Literal["packed", "padded"]
 FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
@@ -93,7 +95,8 @@ class MicroBatch:
 
     ``rows`` are the batch rows it holds, in order. ``keep`` indexes the logits that predict
     a response token: positions in the row (packed) or flat indices into ``b * L``
-    (padded); ``targets`` are those tokens, ``slot`` their flat index in ``[b, T]``.
+    (padded); ``targets`` are those tokens, ``slot`` their flat index in ``[b, T]``, and
+    ``inv_temperature`` ``1 / T`` of the sample each was drawn in (``token_stats.py``).
     """
 
     rows: list[int]
@@ -105,6 +108,7 @@ class MicroBatch:
     targets: torch.Tensor
     slot: torch.Tensor
     width: int
+    inv_temperature: torch.Tensor
 
     @property
     def num_rows(self) -> int:
@@ -122,11 +126,13 @@ def build_microbatch(
     attn_implementation: str = "sdpa",
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    temperatures: Sequence[float] | None = None,
 ) -> MicroBatch:
     """The micro-batch of ``rows`` (indices into ``sequences``); ``width`` is ``T``.
 
     ``attn_implementation`` is the model's (``config._attn_implementation``): it picks the
-    packed mask's form; ``dtype`` is the additive mask's dtype (the model's).
+    packed mask's form; ``dtype`` is the additive mask's dtype (the model's);
+    ``temperatures[r]`` is sequence ``r``'s sampling temperature (None: all 1).
     """
     seqs = [np.asarray(sequences[r], dtype=np.int64) for r in rows]
     starts = [int(prompt_lens[r]) for r in rows]
@@ -144,6 +150,8 @@ def build_microbatch(
     slot = np.concatenate(
         [i * width + np.arange(n - p) for i, (p, n) in enumerate(zip(starts, lens, strict=True))]
     )
+    temps = [1.0 if temperatures is None else float(temperatures[r]) for r in rows]
+    inv_t = np.repeat(1.0 / np.asarray(temps), [n - p for p, n in zip(starts, lens, strict=True)])
 
     def tensor(x: np.ndarray | torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(x).to(device)
@@ -158,6 +166,7 @@ def build_microbatch(
         targets=tensor(targets),
         slot=tensor(slot.astype(np.int64)),
         width=width,
+        inv_temperature=tensor(inv_t.astype(np.float32)),
     )
 
 
@@ -242,19 +251,12 @@ def forward_selected(model: torch.nn.Module, mb: MicroBatch, *, lm: bool = True)
     return logits.flatten(0, 1)[mb.keep]
 
 
-def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
-    """``log softmax(z)[y] = z_y - logsumexp(z)`` in fp32, ``[N, V], [N] -> [N]``."""
-    logits = logits_NV.float()
-    picked = logits.gather(-1, targets_N[:, None]).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
 def smoothed_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, eps: float) -> torch.Tensor:
     """Minus the label-smoothed cross-entropy, ``[N, V], [N] -> [N]``, in fp32.
 
     ``(1 - eps) * log p_y + eps * mean_v log p_v`` with ``log p = log softmax(z)``; at
-    ``eps = 0`` this is ``token_logprobs``. The optimum puts ``1 - eps + eps / V`` on the
-    target and ``eps / V`` on every other token.
+    ``eps = 0`` this is ``token_stats.token_logprobs`` at temperature 1. The optimum puts
+    ``1 - eps + eps / V`` on the target and ``eps / V`` on every other token.
     """
     picked = token_logprobs(logits_NV, targets_N)
     if eps == 0.0:

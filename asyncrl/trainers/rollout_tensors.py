@@ -29,7 +29,8 @@ class RolloutTensors:
     ``sequences[i]`` is prompt + response token ids, the response from ``prompt_lens[i]``.
     ``[B, T]`` columns: ``mask`` (float loss mask, 0 on padding), ``behaviour`` (engine
     log-probs), ``versions`` (weight version of each token, int64). ``scores_GN`` holds
-    the scalar rewards, one row per group.
+    the scalar rewards, one row per group. ``temperatures[i]`` is the temperature row
+    ``i`` was sampled at: its log-probs are recomputed under ``softmax(z / T)``.
     """
 
     sequences: list[np.ndarray]
@@ -38,6 +39,7 @@ class RolloutTensors:
     behaviour: torch.Tensor
     versions: torch.Tensor
     scores_GN: torch.Tensor
+    temperatures: list[float]
     num_dropped_groups: int = 0
 
     @property
@@ -93,6 +95,7 @@ def rollout_tensors(batch: TrainBatch, reward_key: str = "score") -> RolloutTens
         behaviour=columns[1].float(),
         versions=columns[2].long(),
         scores_GN=torch.tensor(scores, dtype=torch.float32),
+        temperatures=[s.temperature for s in samples],
         num_dropped_groups=len(batch.groups) - len(groups),
     )
 
@@ -129,4 +132,5 @@ def sft_tensors(tokens: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]) 
         behaviour=zeros,
         versions=zeros.long(),
         scores_GN=torch.zeros(0, 0),
+        temperatures=[1.0] * len(seqs),
     )

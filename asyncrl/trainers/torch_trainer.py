@@ -55,7 +55,6 @@ from asyncrl.policies import (
     LossInputs,
     LossScale,
     PolicyConfig,
-    entropy_from_logits,
     rl_loss,
     sft_loss,
     value_loss,
@@ -70,7 +69,6 @@ from asyncrl.trainers.packing import (
     plan_ranks,
     smoothed_logprobs,
     to_rows,
-    token_logprobs,
 )
 from asyncrl.trainers.parallel import DataParallel
 from asyncrl.trainers.rl_columns import (
@@ -86,6 +84,7 @@ from asyncrl.trainers.rl_columns import (
 )
 from asyncrl.trainers.rng import load_rng, rng_state, seed_everything, set_rng_state
 from asyncrl.trainers.rollout_tensors import RolloutTensors, rollout_tensors, sft_tensors
+from asyncrl.trainers.token_stats import token_logprobs, token_stats
 from asyncrl.types import TrainBatch
 
 MicroStep = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -219,6 +218,7 @@ class TorchTrainer:
                 attn_implementation=self.attn,
                 dtype=self.dtype,
                 device=self.device,
+                temperatures=[*rows.temperatures, 1.0],
             )
             for m in mine
         ]
@@ -250,7 +250,9 @@ class TorchTrainer:
         out = torch.zeros(shape, device=self.device)
         for mb in mbs:
             pred = forward_selected(model, mb, lm=lm)
-            values = token_logprobs(pred, mb.targets) if lm else pred[:, 0].float()
+            values = (
+                token_logprobs(pred, mb.targets, mb.inv_temperature) if lm else pred[:, 0].float()
+            )
             out[mb.rows] = to_rows(values, mb)
         out[-1] = 0.0
         return self.dp.all_reduce_sum(out)
@@ -260,14 +262,16 @@ class TorchTrainer:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = {k: v[mb.rows] for k, v in cols.items()}
         logits = forward_selected(self.policy.wrapped, mb)
-        logprobs = to_rows(token_logprobs(logits, mb.targets), mb)
+        logp_N, entropy_N = token_stats(logits, mb.targets, mb.inv_temperature)
+        logprobs = to_rows(logp_N, mb)
         x = LossInputs(
             logprobs=logprobs,
             old_logprobs=old_logprobs(c, logprobs),
             behaviour_logprobs=c["behaviour"],
             advantages=c["advantages"],
             mask=c["mask"],
-            entropy=self._entropy(logits, mb),
+            # A metric only (no gradient) unless there is an entropy bonus.
+            entropy=to_rows(entropy_N if self.algo.entropy_coef > 0 else entropy_N.detach(), mb),
             ref_logprobs=c.get("ref"),
         )
         loss, metrics = rl_loss(self.algo, x, scale)
@@ -286,13 +290,6 @@ class TorchTrainer:
             metrics |= v_metrics | {"value_loss": v_loss.detach()}
             loss = loss + v_loss
         return loss, metrics
-
-    def _entropy(self, logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        """Per-token entropy ``[b, T]``; detached (a metric only) when ``entropy_coef == 0``."""
-        if self.algo.entropy_coef > 0:
-            return to_rows(entropy_from_logits(logits), mb)
-        with torch.no_grad():
-            return to_rows(entropy_from_logits(logits.detach()), mb)
 
     # -- the SFT step ---------------------------------------------------------------------
     def sft_step(

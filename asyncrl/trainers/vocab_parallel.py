@@ -1,4 +1,4 @@
-"""Token log-probs, label smoothing and entropy from vocab-sharded logits (TP).
+"""A TP rank's vocab slice (``VocabShard``) and the SFT loss from vocab-sharded logits.
 
 Under tensor parallelism megatron's output layer leaves rank ``t`` the logits of vocab
 slice ``[t*V/T, (t+1)*V/T)``; gathering the whole ``[N, V]`` on every rank would cost
@@ -16,8 +16,9 @@ exp(z_v - log Z)`` summed per rank would get only its own rank's share of
     H       = log Z - (sum_v e_v z_v) / S               (= log Z - sum_v p_v z_v)
     mean_v log p_v = (sum_v z_v) / V - log Z            (label smoothing's uniform term)
 
-With ``T = 1`` every join is the identity and these equal ``packing.token_logprobs``,
-``smoothed_logprobs`` and ``entropy_from_logits`` on the full logits.
+With ``T = 1`` every join is the identity and ``smoothed_logprobs`` equals
+``packing.smoothed_logprobs`` on the full logits. The RL log-probs and entropy, with a
+sample's temperature, are ``token_stats.py``'s (chunked, with the same joins).
 """
 
 from __future__ import annotations
@@ -84,14 +85,6 @@ def _target_logit(z: torch.Tensor, targets: torch.Tensor, shard: VocabShard) -> 
     return shard.reduce(torch.where(owned, picked, torch.zeros_like(picked)))
 
 
-def token_logprobs(
-    logits_NV: torch.Tensor, targets_N: torch.Tensor, shard: VocabShard
-) -> torch.Tensor:
-    """``log p_y = z_y - log Z`` in fp32, ``[N, V/T], [N] -> [N]``."""
-    z = logits_NV.float()
-    return _target_logit(z, targets_N, shard) - _log_z(z, shard)
-
-
 def smoothed_logprobs(
     logits_NV: torch.Tensor, targets_N: torch.Tensor, eps: float, shard: VocabShard
 ) -> torch.Tensor:
@@ -103,11 +96,3 @@ def smoothed_logprobs(
         return picked
     mean_logp = shard.reduce(z.sum(dim=-1)) / shard.vocab - log_z
     return (1.0 - eps) * picked + eps * mean_logp
-
-
-def entropy(logits_NV: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """``H = log Z - sum_v p_v z_v`` per row, ``[N, V/T] -> [N]``, in fp32."""
-    z = logits_NV.float()
-    m, e = _exp_sums(z, shard)
-    total = shard.reduce(e.sum(dim=-1))
-    return m + torch.log(total) - shard.reduce((e * z).sum(dim=-1)) / total

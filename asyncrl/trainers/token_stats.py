@@ -1,0 +1,137 @@
+"""Per-token log-probs and entropy of the sampling distribution, in bounded memory.
+
+The policy a sample's tokens were drawn from is ``softmax(z / T)`` over the whole
+vocabulary, ``T`` being the sample's temperature (``Sample.temperature``; 1 for greedy),
+which is exactly what the engine reports (``engines/sampling.py``). For each predicted
+position with logits ``z`` (``[V]``, possibly a TP rank's slice of them) and inverse
+temperature ``s = 1 / T``::
+
+    u       = s * z
+    log Z   = logsumexp_v u_v                          (joined over TP ranks)
+    log p_y = u_y - log Z
+    H       = log Z - sum_v p_v u_v                    (entropy of softmax(u))
+
+and the gradients the backward pass writes, per logit::
+
+    d log p_y / d z_v = s * ([v = y] - p_v)
+    d H / d z_v       = -s * p_v * (u_v - sum_w p_w u_w)
+
+A 49k vocabulary makes ``[N, V]`` the largest tensors of a step (4,096 positions are
+805 MB in fp32), and autograd through ``log_softmax`` would keep several of them. Here
+positions go through in chunks of about ``CHUNK_ELEMENTS`` logits: forward keeps only
+``log Z`` and ``sum p u`` per position (``[N]``), backward recomputes each chunk's
+softmax and writes its slice of the logits' gradient. No fp32 ``[N, V]`` tensor exists
+beyond one chunk; the logits and their gradient stay in the model's dtype.
+
+Under tensor parallelism the joins are the shard's all-reduces (``VocabShard``), taken
+in forward only: every rank then holds the same ``[N]`` results and the same upstream
+gradient, and its own slice of the logit gradient follows from local values (see
+``vocab_parallel.py`` for why a joined value must not be differentiated through).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asyncrl.trainers.vocab_parallel import VocabShard
+
+#: fp32 logits a chunk holds (64 MiB): with V = 49,152 that is 341 positions.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def token_stats(
+    logits_NV: torch.Tensor,
+    targets_N: torch.Tensor,
+    inv_temperature_N: torch.Tensor | None = None,
+    shard: VocabShard | None = None,
+    *,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p_y, H)``, each fp32 ``[N]``, of ``softmax(z / T)`` (module docstring).
+
+    ``inv_temperature_N`` is ``1 / T`` per position (None: 1); ``shard`` is this rank's
+    vocab slice (None: the whole vocabulary). Both outputs are differentiable in the
+    logits; an unused one costs a few elementwise passes, never memory.
+    """
+    shard = shard or VocabShard.whole(logits_NV.shape[-1])
+    if inv_temperature_N is None:
+        inv_temperature_N = torch.ones(logits_NV.shape[0], device=logits_NV.device)
+    rows = max(1, chunk_elements // max(1, logits_NV.shape[-1]))
+    return _TokenStats.apply(logits_NV, targets_N, inv_temperature_N.float(), shard, rows)
+
+
+def token_logprobs(
+    logits_NV: torch.Tensor,
+    targets_N: torch.Tensor,
+    inv_temperature_N: torch.Tensor | None = None,
+    shard: VocabShard | None = None,
+) -> torch.Tensor:
+    """``log p_y`` of ``softmax(z / T)``, fp32 ``[N]``."""
+    return token_stats(logits_NV, targets_N, inv_temperature_N, shard)[0]
+
+
+def _chunk_forward(
+    z: torch.Tensor, targets: torch.Tensor, s: torch.Tensor, shard: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(log p_y, log Z, sum p u)`` of one chunk of positions (joined over the shard)."""
+    u = z.float() * s[:, None]
+    m = shard.reduce_max(u.max(dim=-1).values.clone())
+    e = torch.exp(u - m[:, None])
+    total = shard.reduce(e.sum(dim=-1))
+    log_z = m + torch.log(total)
+    mean_u = shard.reduce((e * u).sum(dim=-1)) / total
+    local = targets - shard.start
+    owned = (local >= 0) & (local < shard.size)
+    picked = u.gather(-1, local.clamp(0, shard.size - 1)[:, None]).squeeze(-1)
+    u_y = shard.reduce(torch.where(owned, picked, torch.zeros_like(picked)))
+    return u_y - log_z, log_z, mean_u
+
+
+class _TokenStats(torch.autograd.Function):
+    """Chunked ``(log p_y, H)`` with a hand-written backward (module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        s: torch.Tensor,
+        shard: VocabShard,
+        rows: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = logits.shape[0]
+        logp = torch.empty(n, device=logits.device)
+        log_z = torch.empty_like(logp)
+        mean_u = torch.empty_like(logp)
+        for lo in range(0, n, rows):
+            c = slice(lo, lo + rows)
+            logp[c], log_z[c], mean_u[c] = _chunk_forward(logits[c], targets[c], s[c], shard)
+        ctx.save_for_backward(logits, targets, s, log_z, mean_u)
+        ctx.shard, ctx.rows = shard, rows
+        ctx.set_materialize_grads(False)  # an output the loss ignores costs no pass
+        return logp, log_z - mean_u
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+        logits, targets, s, log_z, mean_u = ctx.saved_tensors
+        shard: VocabShard = ctx.shard
+        grad = torch.empty_like(logits)
+        for lo in range(0, logits.shape[0], ctx.rows):
+            c = slice(lo, lo + ctx.rows)
+            u = logits[c].float() * s[c, None]
+            p = torch.exp(u - log_z[c, None])
+            g = torch.zeros_like(u)
+            if grad_logp is not None:
+                g -= p * grad_logp[c, None]
+                local = targets[c] - shard.start
+                owned = (local >= 0) & (local < shard.size)
+                rows = torch.arange(len(local), device=g.device)[owned]
+                g[rows, local[owned]] += grad_logp[c][owned]
+            if grad_entropy is not None:
+                g -= grad_entropy[c, None] * p * (u - mean_u[c, None])
+            grad[c] = (g * s[c, None]).to(grad.dtype)
+        return grad, None, None, None, None
