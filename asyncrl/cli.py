@@ -58,6 +58,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     _add_sft(sub, argv)
     _add_serve(sub)
     _add_plot(sub)
+    _add_export(sub)
     keys = sub.add_parser(
         "keys",
         help="make a CurveZMQ job certificate (--wire-curve-keys DIR)",
@@ -186,6 +187,20 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    export = sub.add_parser(
+        "export",
+        help="copy a run's trained policy out as a plain HF model folder",
+        description="Copy the policy of a trainer checkpoint of RUN_DIR (the newest, or "
+        "--step N) to OUT: config, generation config, weights, tokenizer and chat "
+        "template, without the optimizer state. AutoModelForCausalLM and AutoTokenizer "
+        "load OUT as it is.",
+    )
+    export.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's output_dir")
+    export.add_argument("out", type=Path, metavar="OUT", help="new (or empty) folder")
+    export.add_argument("--step", type=int, help="the checkpoint's step (default: newest)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -211,11 +226,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "plot":
         return _plot(args)
+    if args.command == "export":
+        return _export(args)
     if args.command == "keys":
         return _keys(args)
     if args.command == "chaos":
         return _chaos(args)
     return _train(args)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from asyncrl.export import ExportError, export_policy
+
+    try:
+        out = export_policy(args.run_dir, args.out, args.step)
+    except ExportError as exc:
+        print(f"asyncrl export: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
 
 
 def _sglang_flags(argv: list[str]) -> list[str]:

@@ -12,6 +12,7 @@ directory), ``optimizer.pt`` and ``scheduler.pt``; rank 0 writes it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -80,12 +81,22 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
 def write_hf_dir(
     path: Path, config: Any, tensors: dict[str, torch.Tensor], generation: Any = None
 ) -> None:
-    """``config.json`` (+ ``generation_config.json``) and one ``model.safetensors``."""
+    """``config.json`` (+ ``generation_config.json``) and one ``model.safetensors``,
+    readable by others (safetensors writes its file 0600)."""
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
     if generation is not None:
         generation.save_pretrained(path)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    share_files(path)
+
+
+def share_files(path: Path) -> None:
+    """Make every file in ``path`` readable by group and others (a checkpoint is read by
+    whoever serves or evaluates it, not only by the user who trained it)."""
+    for f in path.iterdir():
+        if f.is_file():
+            f.chmod(f.stat().st_mode | 0o044)
 
 
 def write_model_dir(path: Path, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -93,15 +104,23 @@ def write_model_dir(path: Path, model: nn.Module, tensors: dict[str, torch.Tenso
     write_hf_dir(path, model.config, tensors, getattr(model, "generation_config", None))
 
 
-def copy_tokenizer(source: str, path: Path) -> None:
-    """Save the tokenizer of ``source`` into ``path``, when ``source`` has one."""
+@functools.lru_cache(maxsize=4)
+def _tokenizer(source: str) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):  # no tokenizer next to the weights: weights only
-        return
-    tokenizer.save_pretrained(path)
+        return None
+
+
+def copy_tokenizer(source: str, path: Path) -> None:
+    """Save the tokenizer of ``source`` (with its chat template) into ``path``, when
+    ``source`` has one; loaded once per process, however many checkpoints follow."""
+    tokenizer = _tokenizer(source)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+        share_files(path)
 
 
 @dataclass(slots=True)
@@ -171,20 +190,26 @@ class Learner:
                 full.setdefault(alias, full[kept])
         self.dp.load_full_state_dict(self.model, full)
 
-    def save(self, path: Path) -> None:
-        """Weights, optimizer and schedule into ``path`` (rank 0 writes; all ranks call)."""
+    def save(self, path: Path, state: Path, tokenizer: str | None = None) -> None:
+        """The HF folder of the weights (with ``tokenizer``'s tokenizer) into ``path``, the
+        optimizer and schedule into ``state`` (rank 0 writes; all ranks call)."""
         weights = self.hf_weights()
         optimizer = self.dp.optimizer_state(self.model, self.optimizer)
         if self.dp.rank != 0:
             return
         write_model_dir(path, self.model, weights)
-        torch.save(optimizer, path / "optimizer.pt")
-        torch.save(self.scheduler.state_dict(), path / "scheduler.pt")
+        if tokenizer is not None:
+            copy_tokenizer(tokenizer, path)
+        state.mkdir(parents=True, exist_ok=True)
+        torch.save(optimizer, state / "optimizer.pt")
+        torch.save(self.scheduler.state_dict(), state / "scheduler.pt")
 
-    def load(self, path: Path) -> None:
-        """Restore ``save``'s directory (every rank reads it)."""
+    def load(self, path: Path, state: Path) -> None:
+        """Restore ``save``'s folders (every rank reads them). Checkpoints written before
+        the optimizer moved out of the HF folder keep it in ``path``: read there."""
         self.load_hf_weights(load_file(str(path / "model.safetensors")))
+        state = state if (state / "optimizer.pt").is_file() else path
         # weights_only: tensors and plain containers, never arbitrary pickled objects.
-        optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+        optimizer = torch.load(state / "optimizer.pt", weights_only=True)
         self.dp.load_optimizer_state(self.model, self.optimizer, optimizer)
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(state / "scheduler.pt", weights_only=True))

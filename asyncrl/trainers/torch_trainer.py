@@ -351,12 +351,14 @@ class TorchTrainer:
         self.dp.barrier()
 
     def save_checkpoint(self, path: Path) -> None:
-        """``policy/`` (and ``critic/``): HF weights, optimizer, schedule; ``rng/rank{r}.pt``;
-        ``trainer.json`` (version, configs). Every rank calls it; ``path`` is shared."""
+        """``policy/`` (and ``critic/``): complete HF folders (weights, config, generation
+        config, tokenizer and chat template); ``optimizer/{policy,critic}/``: optimizer
+        and schedule; ``rng/rank{r}.pt``; ``trainer.json`` (version, configs). Every rank
+        calls it; ``path`` is shared."""
         path = Path(path)
-        self.policy.save(path / "policy")
+        self.policy.save(path / "policy", path / "optimizer" / "policy", self.config.model_path)
         if self.critic is not None:
-            self.critic.save(path / "critic")
+            self.critic.save(path / "critic", path / "optimizer" / "critic")
         (path / "rng").mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), path / "rng" / f"rank{self.dp.rank}.pt")
         if self.dp.rank == 0:
@@ -378,7 +380,7 @@ class TorchTrainer:
         try:
             state = json.loads((path / "trainer.json").read_text())
             version = int(state["version"])
-            self.policy.load(path / "policy")
+            self.policy.load(path / "policy", path / "optimizer" / "policy")
         except Exception as exc:  # json, safetensors, torch.load: all mean the same here
             raise ValueError(
                 f"trainer checkpoint {path} is unreadable (truncated or incomplete?): "
@@ -387,7 +389,7 @@ class TorchTrainer:
         if self.critic is not None:
             if not (path / "critic").is_dir():
                 raise ValueError(f"{path}: this trainer has a critic but the checkpoint does not")
-            self.critic.load(path / "critic")
+            self.critic.load(path / "critic", path / "optimizer" / "critic")
         rng = path / "rng" / f"rank{self.dp.rank}.pt"
         if rng.is_file():
             set_rng_state(load_rng(rng))

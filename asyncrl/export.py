@@ -1,0 +1,61 @@
+"""``asyncrl export RUN_DIR [--step N] OUT``: a run's trained policy as a plain HF folder.
+
+Each trainer checkpoint (``RUN_DIR/checkpoints/trainer/step_NNNNNN/``) holds the policy as
+a complete HF folder (``policy/``: config, generation config, ``model.safetensors``,
+tokenizer and chat template) beside the state only a resume needs (optimizer, RNG,
+megatron shards). Export copies the policy folder of the step asked for (default: the
+newest) to ``OUT``, which ``AutoModelForCausalLM`` and ``AutoTokenizer`` then load.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+#: What a checkpoint's policy folder may hold that a user's model folder should not
+#: (checkpoints written before the optimizer moved beside the HF folder).
+_TRAINER_STATE = frozenset({"optimizer.pt", "scheduler.pt"})
+
+
+class ExportError(ValueError):
+    """The run, step or destination cannot be exported; the message says which."""
+
+
+def checkpoint_steps(run_dir: Path) -> dict[int, Path]:
+    """``{step: policy folder}`` of the run's complete checkpoints."""
+    root = run_dir / "checkpoints" / "trainer"
+    found = {}
+    for path in sorted(root.glob("step_*")):
+        name = path.name.removeprefix("step_")
+        if path.is_dir() and name.isdigit() and (path / "policy" / "config.json").is_file():
+            found[int(name)] = path / "policy"
+    return found
+
+
+def export_policy(run_dir: Path, out: Path, step: int | None = None) -> Path:
+    """Copy step ``step``'s (default: the newest) policy folder of ``run_dir`` to ``out``."""
+    run_dir, out = Path(run_dir), Path(out)
+    if not run_dir.is_dir():
+        raise ExportError(f"{run_dir}: no such run directory")
+    steps = checkpoint_steps(run_dir)
+    if not steps:
+        raise ExportError(
+            f"{run_dir}: no trainer checkpoint with a policy folder under "
+            f"{run_dir / 'checkpoints' / 'trainer'} (was it trained with checkpoints on?)"
+        )
+    if step is None:
+        step = max(steps)
+    if step not in steps:
+        raise ExportError(f"{run_dir}: no checkpoint of step {step}; steps saved: {sorted(steps)}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not an empty folder: choose another OUT")
+    source = steps[step]
+    if not (source / "model.safetensors").is_file():
+        raise ExportError(f"{source}: the checkpoint has no model.safetensors (incomplete?)")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp, ignore=lambda _dir, names: _TRAINER_STATE & set(names))
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    return out
