@@ -311,23 +311,23 @@ def _training_config(args: argparse.Namespace, command: str) -> Any:
     except ConfigError as exc:
         print(f"asyncrl {command}: config error:\n{exc}", file=sys.stderr)
         return None
-    if getattr(args, "dry_run", False):
-        return cfg
-    missing = [
-        f for f, v in (("--hf-checkpoint", cfg.trainer), ("--prompt-data", cfg.data)) if v is None
-    ]
-    if missing:
-        print(
-            f"asyncrl {command}: config error:\nto train, set {' and '.join(missing)}",
-            file=sys.stderr,
-        )
-        return None
-    from asyncrl.actors.controller import check_agent, check_tool_use
+    if not getattr(args, "dry_run", False):
+        missing = [
+            f
+            for f, v in (("--hf-checkpoint", cfg.trainer), ("--prompt-data", cfg.data))
+            if v is None
+        ]
+        if missing:
+            print(
+                f"asyncrl {command}: config error:\nto train, set {' and '.join(missing)}",
+                file=sys.stderr,
+            )
+            return None
+    from asyncrl.preflight import PreflightError, preflight
 
     try:
-        check_tool_use(cfg)  # a missing corpus or an unfit chat template: before launch
-        check_agent(cfg)  # an agent path that does not load: before launch
-    except ValueError as exc:
+        preflight(cfg)  # data, models, chat templates, lengths, user code: before launch
+    except PreflightError as exc:
         print(f"asyncrl {command}: config error:\n{exc}", file=sys.stderr)
         return None
     return cfg
@@ -383,7 +383,7 @@ def _run_training(cfg: Any, *, resume: bool, chaos: Any = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 140)
     if chaos is not None:
         return _run_chaos(cfg, console, *chaos)
-    result = asyncio.run(run_job(cfg, resume=resume))
+    result = asyncio.run(run_job(cfg, resume=resume, checked=True))
     for restart in result.restarts:
         console.print(f"[yellow]restarted after a crash[/yellow]: {restart}")
     if result.ok:
@@ -404,7 +404,7 @@ def _run_chaos(cfg: Any, console: Any, kills: list[Any], args: argparse.Namespac
     roles = tuple(role for role, n in restart_budgets(cfg).items() if n > 0)
     chaos = Chaos(kills, every=args.every, duration=args.duration, seed=args.chaos_seed,
                   roles=roles, stop_when_back=args.stop_when_back)  # fmt: skip
-    result = asyncio.run(run_job(cfg, chaos=chaos))
+    result = asyncio.run(run_job(cfg, chaos=chaos, checked=True))
     run_dir = cfg.resolved_output_dir()
     # A job stopped early (--duration, --stop-when-back) ends wherever the trainer was.
     stopped = args.duration or args.stop_when_back

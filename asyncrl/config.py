@@ -395,6 +395,15 @@ class RunConfig(Section):
         return data
 
     @model_validator(mode="after")
+    def _eval_sets_render_like_the_data(self) -> RunConfig:
+        """An eval set that does not say renders its prompts as the training data does: a
+        chat model evaluated on raw text would be scored on a task it was not trained on."""
+        for s in self.eval.sets:
+            if s.apply_chat_template is None:
+                s.apply_chat_template = bool(self.data and self.data.apply_chat_template)
+        return self
+
+    @model_validator(mode="after")
     def _backend_trains_the_algo(self) -> RunConfig:
         if not self.trainer or self.trainer.backend != "megatron":
             return self

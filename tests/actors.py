@@ -58,6 +58,14 @@ class Crasher(Recorder):
         raise RuntimeError("boom at step 3")
 
 
+class BadInput(Recorder):
+    """Fails while setting up, as an actor given a malformed file does."""
+
+    async def setup(self) -> None:
+        await super().setup()
+        raise ValueError("data.jsonl:3: invalid JSON")
+
+
 class HardExit(Recorder):
     """Leaves with ``os._exit(3)``: no Bye, no cleanup, like a segfaulting extension."""
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.actors.controller import check_agent, check_tool_use, run_job
+from asyncrl.actors.controller import run_job
 from asyncrl.config import load_config
+from asyncrl.preflight import check_agent, check_tool_use
 from tests.test_train import accounted, last_buffer_metrics
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,6 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -36,10 +35,7 @@ async def _generate(model_dir: Path, prompts: list[list[int]], n: int) -> TrainB
             for i in range(n):
                 params = SamplingParams(**SAMPLING, sampling_seed=100 * g + i)
                 request = GenerateRequest(rid=f"{g}-{i}", input_ids=prompt, sampling=params)
-                out = None
-                async for out in engine.generate(request):
-                    pass
-                assert out is not None
+                out = [snapshot async for snapshot in engine.generate(request)][-1]
                 s = Sample(uid=f"{g}/{i}", group_id=str(g), index=i,
                            packed_prompt=np.asarray(prompt, np.int32).tobytes())  # fmt: skip
                 s.append_response(out.output_ids, out.logprobs, 0)

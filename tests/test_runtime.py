@@ -191,6 +191,18 @@ async def test_a_crashing_actor_is_restarted_until_its_budget_is_spent(
     assert setups == 3  # three incarnations ran
 
 
+async def test_an_actor_failing_on_its_input_while_setting_up_is_not_restarted(
+    restarting: tuple[Supervisor, list[str]], tmp_path: Path
+):
+    sup, prepared = restarting
+    await sup.launch([spec("b", "BadInput", tmp_path)])
+    died = await death(sup)
+    assert prepared == [] and sup.status["b"].restarts == 0 and sup.deaths == []
+    assert "ValueError: data.jsonl:3: invalid JSON" in died.reason
+    assert "a restart would repeat: not restarted" in died.reason
+    assert (tmp_path / "b.journal").read_text().split().count("setup") == 1
+
+
 async def test_a_hung_actor_is_killed_and_restarted(
     restarting: tuple[Supervisor, list[str]], tmp_path: Path
 ):

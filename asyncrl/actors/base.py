@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -210,9 +211,10 @@ class Actor(ABC):
         return 0 if ok else 1
 
     def _failed(self, group: BaseException) -> str:
+        self._permanent = is_permanent(group, set_up=self._set_up.is_set())
         self.state = "failed"
         reason = _describe(group)
-        log.error("actor failed", error=reason, exc_info=group)
+        log.error("actor failed", error=reason, permanent=self._permanent, exc_info=group)
         return reason
 
     async def _with_control(self) -> None:
@@ -318,7 +320,8 @@ class Actor(ABC):
             self.link.reply(command_id, CommandResult(ok=False, error=_describe(exc)))
 
     def _bye(self, ok: bool, reason: str) -> Bye:
-        return Bye(actor=self.name, pid=os.getpid(), reason=reason, ok=ok)
+        permanent = not ok and getattr(self, "_permanent", False)
+        return Bye(actor=self.name, pid=os.getpid(), reason=reason, ok=ok, permanent=permanent)
 
     def _say_bye(self, ok: bool, reason: str) -> bool:
         """Tell the controller why we exit, through the still-open link."""
@@ -344,6 +347,32 @@ def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
     sock.connect(endpoint)
     sock.send(framing.pack(env))
     sock.close()
+
+
+class PermanentError(Exception):
+    """Raised by an actor for an error a restart would only repeat (the job ends)."""
+
+
+#: Errors that setting up an actor raises for bad input (data, config, model files, user
+#: code): the same input gives the same error in every restart.
+_INPUT_ERRORS = (ValueError, TypeError, KeyError, ImportError, FileNotFoundError, PermissionError)
+
+
+def is_permanent(exc: BaseException, *, set_up: bool) -> bool:
+    """True when restarting would fail the same way: a ``PermanentError`` anywhere, or,
+    before setup finished, nothing but input errors (a timeout or a lost peer is not)."""
+    leaves = list(_exceptions(exc))
+    if any(isinstance(e, PermanentError) for e in leaves):
+        return True
+    return not set_up and bool(leaves) and all(isinstance(e, _INPUT_ERRORS) for e in leaves)
+
+
+def _exceptions(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for e in exc.exceptions:
+            yield from _exceptions(e)
+    else:
+        yield exc
 
 
 def _describe(exc: BaseException) -> str:

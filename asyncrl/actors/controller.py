@@ -50,6 +50,7 @@ from asyncrl.config import RunConfig
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.progress import JobProgress
 from asyncrl.observe.trackers import TensorBoardTracker, Tracker, WandbTracker, following
+from asyncrl.preflight import PreflightError, preflight, tool_schemas
 from asyncrl.runtime.base import PlacementFailed, open_runtime, place_job
 from asyncrl.runtime.chaos import Chaos
 from asyncrl.runtime.recovery import RestartHooks, restart_budgets
@@ -87,12 +88,21 @@ class JobResult:
     restarts: list[str] = field(default_factory=list)  # "actor: cause" per restart survived
 
 
-async def run_job(cfg: RunConfig, *, resume: bool = False, chaos: Chaos | None = None) -> JobResult:
+async def run_job(
+    cfg: RunConfig, *, resume: bool = False, chaos: Chaos | None = None, checked: bool = False
+) -> JobResult:
     """Run ``cfg`` to its end; never raises for actor failures (see ``JobResult.error``).
 
-    ``chaos`` kills actors on its schedule while the job runs (``asyncrl chaos``).
+    ``preflight`` checks the job first (unless the caller did: ``checked``); a job that
+    fails it starts no actor. ``chaos`` kills actors on its schedule while the job runs
+    (``asyncrl chaos``).
     """
     start = time.monotonic()
+    if not checked:
+        try:
+            await asyncio.to_thread(preflight, cfg)
+        except PreflightError as exc:
+            return JobResult(ok=False, seconds=time.monotonic() - start, error=str(exc))
     run_dir = cfg.resolved_output_dir()
     specs = job_actor_specs(cfg, {}, run_dir, resume=resume)
     result = JobResult(ok=False, seconds=0.0)
@@ -283,70 +293,6 @@ def _threads_per_torch_process(cfg: RunConfig) -> int:
     trainer = 0 if cfg.train.debug_rollout_only else 1
     busy = trainer + engines + int(cfg.eval.enabled)
     return max(1, (os.cpu_count() or 1) // max(busy, 1))
-
-
-def tool_schemas(cfg: RunConfig) -> list[dict[str, Any]] | None:
-    """The schemas of ``rollout.tool_use``'s tools (None without tool use).
-
-    Building the registry loads each tool, so a missing corpus or a bad custom tool is
-    refused here, before any process starts (``asyncrl train`` calls this first).
-    """
-    if cfg.rollout.tool_use is None:
-        return None
-    from asyncrl.rollout.tools.build import build_registry
-
-    return build_registry(cfg.rollout.tool_use).schemas()
-
-
-def check_tool_use(cfg: RunConfig) -> None:
-    """Before launch: the tools load and the policy's chat template can render a tool
-    observation after an assistant turn (a template that is not prefix-stable, or that
-    closes turns with another token than ``eos_token``, is a ``ValueError`` here, not a
-    failed sample per episode later)."""
-    if cfg.rollout.tool_use is None or cfg.trainer is None:
-        return
-    schemas = tool_schemas(cfg)
-    if cfg.data is not None and cfg.data.default_tools is None:
-        cfg.data.default_tools = schemas  # so launching does not load every tool again
-    from transformers import AutoTokenizer
-
-    from asyncrl.rollout.multi_turn import ObservationRenderer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
-    try:
-        ObservationRenderer(tokenizer).render([{"role": "tool", "content": "ok"}], turn_closed=True)
-    except Exception as exc:  # jinja raises its own errors; all mean the same here
-        raise ValueError(
-            f"{cfg.trainer.model_path}: the chat template cannot render tool observations "
-            f"for multi-turn rollouts: {exc}"
-        ) from None
-
-
-def check_agent(cfg: RunConfig) -> None:
-    """Before launch: ``rollout.agent`` loads, and the policy's tokenizer has a chat
-    template that renders the messages an agent appends after a reply."""
-    if cfg.rollout.agent is None or cfg.trainer is None:
-        return
-    from transformers import AutoTokenizer
-
-    from asyncrl.rollout.multi_turn import ObservationRenderer
-    from asyncrl.rollout.workflows import load_workflow
-
-    load_workflow(None, agent=cfg.rollout.agent)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{cfg.trainer.model_path}: rollout.agent needs a chat template")
-    renderer, errors = ObservationRenderer(tokenizer), []
-    for role in ("tool", "user"):  # an agent appends one or the other after a reply
-        try:
-            renderer.render([{"role": role, "name": "f", "content": "ok"}], turn_closed=True)
-        except Exception as exc:  # jinja raises its own errors; all mean the same here
-            errors.append(f"{role}: {exc}")
-    if len(errors) == 2:
-        raise ValueError(
-            f"{cfg.trainer.model_path}: the chat template cannot render the messages an "
-            f"agent appends after a reply ({'; '.join(errors)})"
-        )
 
 
 def _source_params(cfg: RunConfig) -> dict[str, Any] | None:

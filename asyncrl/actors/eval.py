@@ -97,7 +97,7 @@ class EvalActor(Actor):
             input_key=cfg.input_key,
             label_key=cfg.label_key,
             metadata_key=cfg.metadata_key,
-            apply_chat_template=cfg.apply_chat_template,
+            apply_chat_template=bool(cfg.apply_chat_template),
             default_tools=tools.schemas() if tools else None,
             shuffle=False,
             name=cfg.name,

@@ -29,6 +29,7 @@ import difflib
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -274,6 +275,13 @@ class PromptSource:
         if not isinstance(text, str):
             raise DataError(f"{row.where}: chat template returned {type(text).__name__}")
         return text
+
+    def prompt_lengths(self) -> Iterator[tuple[str, int]]:
+        """``(where, tokens)`` of every row's prompt as the engine gets it (rendered with
+        the chat template when configured); needs the tokenizer. ``DataError`` for a row
+        the template fails on."""
+        for row in self._rows:
+            yield row.where, len(self._tokenize(row)[1]) // 4
 
     def _check_tokenizer_fit(self) -> None:
         if not self.config.apply_chat_template:

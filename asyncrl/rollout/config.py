@@ -156,8 +156,31 @@ class RewardConfig(BaseModel):
             )
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _path_selects_custom(cls, data: Any) -> Any:
+        """A custom path (or remote url) without a type selects that type, as slime's
+        ``--custom-rm-path`` does; with another type it is a contradiction (``_complete``)."""
+        if isinstance(data, dict) and "type" not in data:
+            if data.get("path"):
+                return {**data, "type": "custom"}
+            if data.get("url"):
+                return {**data, "type": "remote"}
+        return data
+
     @model_validator(mode="after")
     def _complete(self) -> RewardConfig:
+        if self.path and self.type != "custom":
+            raise ValueError(
+                f"path (--custom-rm-path {self.path}) is set but the reward type is "
+                f"{self.type!r} (--rm-type): drop --rm-type to use the custom reward, or "
+                "drop --custom-rm-path"
+            )
+        if self.url and self.type != "remote":
+            raise ValueError(
+                f"url {self.url} is set but the reward type is {self.type!r}: drop the type "
+                "to use the remote reward, or drop the url"
+            )
         if self.type == "custom" and not self.path:
             raise ValueError("the custom reward needs path (--custom-rm-path module:function)")
         if self.type == "remote" and not self.url:
@@ -267,7 +290,8 @@ class RolloutConfig(BaseModel):
     @field_validator("sampling")
     @classmethod
     def _valid_sampling(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return check_sampling(value)
+        check_sampling(value)
+        return check_trainable_sampling(value)
 
 
 def check_sampling(value: dict[str, Any]) -> dict[str, Any]:
@@ -283,6 +307,30 @@ def check_sampling(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+#: Sampling keys whose effect on the engine's distribution the trainer does not reproduce
+#: (it recomputes ``log_softmax(z / T)``; engines/sampling.py), with their neutral values.
+UNTRAINABLE_SAMPLING = {
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "logit_bias": None,
+}
+
+
+def check_trainable_sampling(value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` unless it sets a key the trainer cannot reproduce (a ValueError naming it):
+    training rollouts' log-probs must be the policy's ``log_softmax(z / T)``."""
+    bad = [k for k, neutral in UNTRAINABLE_SAMPLING.items() if value.get(k, neutral) != neutral]
+    if bad:
+        raise ValueError(
+            f"rollout.sampling sets {', '.join(bad)}: the trainer recomputes each token's "
+            "log-prob as log_softmax(logits / temperature) and cannot reproduce penalties or "
+            "logit_bias, so training would correct for a policy it never sampled from; drop "
+            "them (an eval set's own sampling may use them)"
+        )
+    return value
+
+
 class EvalSetConfig(BaseModel):
     """One named held-out set: its prompts, and its own reward and sampling settings."""
 
@@ -293,7 +341,9 @@ class EvalSetConfig(BaseModel):
     input_key: str = Field("prompt", description="key of the prompt")
     label_key: str = Field("label", description="key of the label")
     metadata_key: str | None = Field("metadata", description="key of a metadata object")
-    apply_chat_template: bool = Field(False, description="render with the chat template")
+    apply_chat_template: bool | None = Field(
+        None, description="render with the chat template; default: the training data's"
+    )
     reward: RewardConfig | None = Field(None, description="default: the rollout reward")
     sampling: dict[str, Any] | None = Field(None, description="default: rollout sampling")
     n_samples: int = Field(1, ge=1, description="samples per prompt (pass@k needs k of them)")

@@ -19,9 +19,11 @@ requeues a dead producer's in-flight work at the buffer, and starts a buffer or 
 in recovery mode), then the actor starts again, on the same endpoints, and must say
 Hello within ``startup_timeout``; then ``after_restart(spec)`` runs (the controller has
 a restarted engine's rollout actor reload its weights). Past its budget a death fails
-the job as above. An actor being stopped (``stop(names)``, or all by ``stop_all()``) is
-neither restarted nor a failure when it dies; the others keep their policy (an eval actor
-killed in the final evaluation, after the producers were stopped, is still restarted).
+the job as above, and so does at once a death whose ``Bye`` says ``permanent`` (an error
+of the actor's input or code, which a restart would only repeat). An actor being stopped
+(``stop(names)``, or all by ``stop_all()``) is neither restarted nor a failure when it
+dies; the others keep their policy (an eval actor killed in the final evaluation, after
+the producers were stopped, is still restarted).
 """
 
 from __future__ import annotations
@@ -282,8 +284,11 @@ class Supervisor:
             self._changed.set()
             return
         death_cls = ActorHung if st.hung else ActorDied
+        permanent = st.bye is not None and st.bye.permanent
+        if permanent:
+            reason += " (an error of its input or code that a restart would repeat: not restarted)"
         death = death_cls(handle.spec.name, code, reason, handle.tail())
-        if self._may_restart(st):
+        if self._may_restart(st) and not permanent:
             await self._restart(handle.spec.name, death)
         else:
             self._fail(death)

@@ -1,0 +1,269 @@
+"""Everything about a job that can be checked without starting it, checked before launch.
+
+``preflight(cfg)`` runs in the controller (``run_job``), in ``asyncrl train`` before it
+launches, and in ``asyncrl train --dry-run``; a job that fails it starts no process. It
+collects every problem it finds (one line each, with file and line where there is one)
+and raises one ``PreflightError``:
+
+- the models: the trainer's, reference and critic folders, and a torch engine's, hold an
+  HF ``config.json``, and the policy's tokenizer loads;
+- the data and every eval set: each row read and validated (``PromptSource.open``), its
+  chat template rendered when the source asks for one (a tokenizer without a template is
+  named), and each prompt plus ``max_new_tokens`` within the model's context;
+- user code named by path: the reward (``--custom-rm-path``), the rollout workflow,
+  buffer filters and priority, tools and agents (``check_tool_use``, ``check_agent``).
+
+Checks that need a trained model or a live engine are the dry run's (``runtime/dryrun.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.buffer.sources import PromptSource
+    from asyncrl.config import RunConfig
+
+
+class PreflightError(ValueError):
+    """The job cannot run as configured; ``problems`` holds one line per finding."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Raise ``PreflightError`` naming every problem found in ``cfg`` (module docstring)."""
+    problems: list[str] = []
+    for check in _code_checks(cfg):  # first: tool use fills the data's default tools
+        _collect(check, problems)
+    tokenizer = _models(cfg, problems)
+    context = _context_length(cfg)
+    if cfg.data is not None:
+        _source(cfg.data, "data", cfg, tokenizer, context, problems)
+    for s in cfg.eval.sets if cfg.eval.enabled else []:
+        sampling = s.sampling or cfg.rollout.sampling
+        source = _eval_source(cfg, s)
+        _source(source, f"eval set {s.name!r}", cfg, tokenizer, context, problems, sampling)
+    if problems:
+        raise PreflightError(problems)
+
+
+def _collect(check: Callable[[], Any], problems: list[str]) -> Any:
+    try:
+        return check()
+    except ValueError as exc:
+        problems.append(str(exc))
+        return None
+
+
+def _models(cfg: RunConfig, problems: list[str]) -> Any:
+    """Each configured model folder has an HF config; the policy's tokenizer, or None."""
+    t = cfg.trainer
+    folders = {}
+    if t is not None and t.backend != "sim":
+        folders = {"trainer.model_path (--hf-checkpoint)": t.model_path}
+        folders["trainer.ref_model_path"] = t.ref_model_path
+        folders["trainer.critic_model_path"] = t.critic_model_path
+    for name in ("rollout", "eval"):
+        engine = getattr(cfg, name).engine
+        if engine is not None and engine.type == "torch":
+            folders[f"{name}.engine.model_path"] = engine.model_path
+    for key, folder in folders.items():
+        if folder and not (Path(folder).expanduser() / "config.json").is_file():
+            problems.append(f"{key}: {folder} is not a Hugging Face model folder (no config.json)")
+    if t is None or t.backend == "sim":
+        return None
+    return _collect(lambda: _tokenizer(t.model_path), problems)
+
+
+#: A tokenizer is read from one of these; without any, transformers builds an empty one.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _tokenizer(path: str) -> Any:
+    """The policy's tokenizer, which must come from files in its folder and whose ids must
+    all have an embedding row."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        return None  # reported by _models
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{path}: no tokenizer files ({', '.join(_TOKENIZER_FILES)}): save the tokenizer "
+            "with the model (tokenizer.save_pretrained)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises many kinds for a folder it cannot read
+        raise ValueError(
+            f"{path}: the tokenizer does not load: {type(exc).__name__}: {exc}"
+        ) from None
+    vocab = json.loads((folder / "config.json").read_text()).get("vocab_size")
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise ValueError(
+            f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{vocab}: ids past it have no embedding"
+        )
+    return tokenizer
+
+
+def _context_length(cfg: RunConfig) -> int | None:
+    """The policy's ``max_position_embeddings`` (None when unknown)."""
+    if cfg.trainer is None:
+        return None
+    try:
+        hf = json.loads((Path(cfg.trainer.model_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = hf.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
+
+
+def _eval_source(cfg: RunConfig, s: Any) -> PromptSource.Config:
+    from asyncrl.buffer.sources import PromptSource
+
+    return PromptSource.Config(
+        path=s.path, input_key=s.input_key, label_key=s.label_key, metadata_key=s.metadata_key,
+        apply_chat_template=bool(s.apply_chat_template), shuffle=False, name=s.name,
+    )  # fmt: skip
+
+
+def _source(
+    source: PromptSource.Config,
+    what: str,
+    cfg: RunConfig,
+    tokenizer: Any,
+    context: int | None,
+    problems: list[str],
+    sampling: dict[str, Any] | None = None,
+) -> None:
+    """Rows valid, chat template there when asked for, prompts within the context."""
+    from asyncrl.buffer.sources import DataError, PromptSource
+
+    if source.apply_chat_template and tokenizer is not None and not tokenizer.chat_template:
+        problems.append(
+            f"{what}: apply_chat_template is set but the tokenizer of "
+            f"{cfg.trainer.model_path if cfg.trainer else '?'} has no chat template"
+        )
+        return
+    try:
+        opened = PromptSource.open(source, tokenizer)
+    except (DataError, ValueError, OSError) as exc:
+        problems.append(f"{what}: {exc}")
+        return
+    if tokenizer is None or context is None:
+        return
+    budget = int((sampling or cfg.rollout.sampling).get("max_new_tokens", 128))
+    _lengths(opened, what, budget, context, problems)
+
+
+def _lengths(
+    source: PromptSource, what: str, budget: int, context: int, problems: list[str]
+) -> None:
+    """Every prompt leaves room for ``budget`` new tokens in the model's ``context``."""
+    from asyncrl.buffer.sources import DataError
+
+    too_long, first = 0, ""
+    try:
+        for where, n in source.prompt_lengths():
+            if n + budget > context:
+                too_long += 1
+                first = first or f"{where} has {n} prompt tokens"
+    except DataError as exc:
+        problems.append(f"{what}: {exc}")
+        return
+    if too_long:
+        problems.append(
+            f"{what}: {too_long} prompt(s) plus max_new_tokens {budget} exceed the model's "
+            f"context of {context} tokens (first: {first}); shorten or drop them, or lower "
+            "max_new_tokens"
+        )
+
+
+def _code_checks(cfg: RunConfig) -> list[Callable[[], Any]]:
+    """Loaders of every piece of user code the job names."""
+    from asyncrl.rollout.rewards import build_reward
+
+    checks: list[Callable[[], Any]] = [lambda: check_tool_use(cfg), lambda: check_agent(cfg)]
+    rewards = [cfg.rollout.reward, *(s.reward for s in cfg.eval.sets if s.reward)]
+    checks += [lambda r=r: build_reward(r) for r in rewards if r.type == "custom"]
+    if cfg.rollout.workflow:
+        from asyncrl.rollout.workflows import load_workflow
+
+        checks.append(lambda: load_workflow(cfg.rollout.workflow))
+    from asyncrl.buffer.filters import load_filter
+    from asyncrl.buffer.store import load_priority
+
+    checks += [lambda name=name: load_filter(name) for name in cfg.buffer.filters]
+    checks.append(lambda: load_priority(cfg.buffer.priority))
+    return checks
+
+
+def tool_schemas(cfg: RunConfig) -> list[dict[str, Any]] | None:
+    """The schemas of ``rollout.tool_use``'s tools (None without tool use).
+
+    Building the registry loads each tool, so a missing corpus or a bad custom tool is
+    refused here, before any process starts (``asyncrl train`` calls this first).
+    """
+    if cfg.rollout.tool_use is None:
+        return None
+    from asyncrl.rollout.tools.build import build_registry
+
+    return build_registry(cfg.rollout.tool_use).schemas()
+
+
+def check_tool_use(cfg: RunConfig) -> None:
+    """Before launch: the tools load and the policy's chat template can render a tool
+    observation after an assistant turn (a template that is not prefix-stable, or that
+    closes turns with another token than ``eos_token``, is a ``ValueError`` here, not a
+    failed sample per episode later)."""
+    if cfg.rollout.tool_use is None or cfg.trainer is None:
+        return
+    schemas = tool_schemas(cfg)
+    if cfg.data is not None and cfg.data.default_tools is None:
+        cfg.data.default_tools = schemas  # so launching does not load every tool again
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.multi_turn import ObservationRenderer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    try:
+        ObservationRenderer(tokenizer).render([{"role": "tool", "content": "ok"}], turn_closed=True)
+    except Exception as exc:  # jinja raises its own errors; all mean the same here
+        raise ValueError(
+            f"{cfg.trainer.model_path}: the chat template cannot render tool observations "
+            f"for multi-turn rollouts: {exc}"
+        ) from None
+
+
+def check_agent(cfg: RunConfig) -> None:
+    """Before launch: ``rollout.agent`` loads, and the policy's tokenizer has a chat
+    template that renders the messages an agent appends after a reply."""
+    if cfg.rollout.agent is None or cfg.trainer is None:
+        return
+    from transformers import AutoTokenizer
+
+    from asyncrl.rollout.multi_turn import ObservationRenderer
+    from asyncrl.rollout.workflows import load_workflow
+
+    load_workflow(None, agent=cfg.rollout.agent)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{cfg.trainer.model_path}: rollout.agent needs a chat template")
+    renderer, errors = ObservationRenderer(tokenizer), []
+    for role in ("tool", "user"):  # an agent appends one or the other after a reply
+        try:
+            renderer.render([{"role": role, "name": "f", "content": "ok"}], turn_closed=True)
+        except Exception as exc:  # jinja raises its own errors; all mean the same here
+            errors.append(f"{role}: {exc}")
+    if len(errors) == 2:
+        raise ValueError(
+            f"{cfg.trainer.model_path}: the chat template cannot render the messages an "
+            f"agent appends after a reply ({'; '.join(errors)})"
+        )

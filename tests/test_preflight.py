@@ -1,0 +1,158 @@
+"""Everything checkable is checked before launch (asyncrl/preflight.py): each class of
+input error is refused by ``asyncrl train`` (and by ``--dry-run``, and by the controller's
+``run_job``) with the file, line or key at fault, before any actor or run folder exists."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from asyncrl.actors.controller import run_job
+from asyncrl.cli import main
+from asyncrl.config import load_config
+
+ROWS = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(6)]
+
+
+def write_rows(path: Path, rows: list[dict], extra: str = "") -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + extra)
+    return path
+
+
+@pytest.fixture
+def job(tmp_path: Path, tiny_dir: Path):
+    """``(flags, run_dir)`` of a job that passes preflight; tests break one thing each."""
+    data = write_rows(tmp_path / "train.jsonl", ROWS)
+    run = tmp_path / "run"
+    flags = ["--hf-checkpoint", str(tiny_dir), "--prompt-data", str(data),
+             "--output-dir", str(run), "--rollout-batch-size", "2",
+             "--n-samples-per-prompt", "2", "--train-num-steps", "1"]  # fmt: skip
+    return flags, run
+
+
+def refused(capsys, flags: list[str], run: Path, *expected: str, dry_run: bool = False) -> None:
+    code = main(["train", *flags, *(["--dry-run"] if dry_run else [])])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for text in expected:
+        assert text in err, err
+    assert not run.exists()  # nothing started: not even the run folder
+
+
+def test_a_job_that_is_fine_passes(job):
+    from asyncrl.preflight import preflight
+
+    flags, _ = job
+    preflight(load_config(None, overrides=flags))
+
+
+def test_a_missing_or_malformed_data_file_is_named_with_its_line(job, tmp_path, capsys):
+    flags, run = job
+    refused(capsys, [*flags, "--prompt-data", str(tmp_path / "nope.jsonl")], run,
+            "data:", "nope.jsonl: no such file")  # fmt: skip
+    bad = write_rows(tmp_path / "bad.jsonl", ROWS[:2], extra='{"prompt": "1+1=", "label": \n')
+    refused(capsys, [*flags, "--prompt-data", str(bad)], run, "bad.jsonl:3: invalid JSON")
+
+
+def test_an_eval_set_is_checked_like_the_data(job, tmp_path, capsys):
+    flags, run = job
+    bad = write_rows(tmp_path / "test.jsonl", [{"question": "1+1="}])
+    sets = json.dumps([{"name": "test", "path": str(bad)}])
+    refused(capsys, [*flags, "--eval-interval", "1", "--eval-sets", sets], run,
+            "eval set 'test':", "test.jsonl:1: missing key 'prompt'")  # fmt: skip
+
+
+def test_a_model_folder_without_a_config_is_refused(job, tmp_path, capsys):
+    flags, run = job
+    empty = tmp_path / "empty_model"
+    empty.mkdir()
+    refused(capsys, [*flags, "--hf-checkpoint", str(empty)], run,
+            "trainer.model_path (--hf-checkpoint):", "is not a Hugging Face model")  # fmt: skip
+
+
+def test_a_model_whose_tokenizer_does_not_load_is_refused(job, tmp_path, tiny_dir, capsys):
+    flags, run = job
+    model = tmp_path / "no_tokenizer"
+    shutil.copytree(tiny_dir, model, ignore=shutil.ignore_patterns("tokenizer*", "*.jinja"))
+    refused(capsys, [*flags, "--hf-checkpoint", str(model)], run, "no tokenizer files")
+
+
+def test_a_chat_template_asked_for_but_missing_is_refused(job, tmp_path, tiny_dir, capsys):
+    flags, run = job
+    model = tmp_path / "no_template"
+    shutil.copytree(tiny_dir, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    refused(capsys, [*flags, "--hf-checkpoint", str(model), "--apply-chat-template"], run,
+            "data: apply_chat_template is set but", "has no chat template")  # fmt: skip
+
+
+def test_eval_sets_inherit_the_datas_chat_template_unless_they_say(job, tmp_path):
+    flags, _ = job
+    sets = [{"name": "a", "path": "x.jsonl"},
+            {"name": "b", "path": "x.jsonl", "apply_chat_template": False}]  # fmt: skip
+    extra = ["--eval-interval", "1", "--eval-sets", json.dumps(sets)]
+    cfg = load_config(None, overrides=[*flags, *extra, "--apply-chat-template"])
+    assert [s.apply_chat_template for s in cfg.eval.sets] == [True, False]
+    cfg = load_config(None, overrides=[*flags, *extra])
+    assert [s.apply_chat_template for s in cfg.eval.sets] == [False, False]
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--custom-rm-path", "no_such_module:fn"],
+         "reward path 'no_such_module:fn': cannot import 'no_such_module'"),
+        (["--custom-generate-function-path", "json:nothing_here"],
+         "workflow path 'json:nothing_here': 'json' has no 'nothing_here'"),
+        (["--buffer-filters", '["no_such_module.my_filter"]'],
+         "filter path 'no_such_module.my_filter': cannot import"),
+    ],
+)  # fmt: skip
+def test_user_code_named_by_path_must_load(job, capsys, extra, expected):
+    flags, run = job
+    refused(capsys, [*flags, *extra], run, expected)
+
+
+def test_a_custom_reward_path_selects_the_custom_reward_or_contradicts_a_type(job, capsys):
+    flags, run = job
+    cfg = load_config(None, overrides=[*flags, "--custom-rm-path", "json:dumps"])
+    assert cfg.rollout.reward.type == "custom"
+    refused(capsys, [*flags, "--custom-rm-path", "json:dumps", "--rm-type", "math"], run,
+            "--custom-rm-path json:dumps) is set but the reward type is 'math'")  # fmt: skip
+
+
+def test_a_prompt_that_leaves_no_room_for_the_response_is_refused(job, tmp_path, capsys):
+    flags, run = job
+    long = write_rows(tmp_path / "long.jsonl", [*ROWS, {"prompt": "1+" * 300, "label": "x"}])
+    sampling = json.dumps({"temperature": 1.0, "max_new_tokens": 64})
+    refused(capsys, [*flags, "--prompt-data", str(long), "--rollout-sampling", sampling], run,
+            "data: 1 prompt(s) plus max_new_tokens 64 exceed the model's context of 512",
+            "long.jsonl:7 has")  # fmt: skip
+
+
+def test_the_dry_run_and_the_controller_check_too(job, tmp_path, capsys):
+    flags, run = job
+    missing = [*flags, "--prompt-data", str(tmp_path / "nope.jsonl")]
+    refused(capsys, missing, run, "nope.jsonl: no such file", dry_run=True)
+    result = asyncio_run(run_job(load_config(None, overrides=missing)))
+    assert not result.ok and "nope.jsonl: no such file" in result.error
+    assert result.codes == {} and not run.exists()
+
+
+def test_training_sampling_the_trainer_cannot_reproduce_is_refused(job, capsys):
+    flags, run = job
+    sampling = json.dumps({"temperature": 0.8, "repetition_penalty": 1.1})
+    refused(capsys, [*flags, "--rollout-sampling", sampling], run,
+            "rollout.sampling sets repetition_penalty", "cannot reproduce penalties")  # fmt: skip
+
+
+def asyncio_run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
