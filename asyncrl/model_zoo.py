@@ -87,3 +87,25 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
     for path in out.iterdir():  # safetensors writes 0600; a shared cache is read by others
         path.chmod(0o644)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m asyncrl.model_zoo [--link PATH]``: build SmolLM2 into the cache, print
+    its folder, and point ``PATH`` (a symlink) at it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build SmolLM2-135M-Instruct as an HF folder.")
+    parser.add_argument("--link", type=Path, help="symlink to create (or replace) to it")
+    args = parser.parse_args(argv)
+    path = smollm2_dir()
+    if args.link is not None:
+        args.link.parent.mkdir(parents=True, exist_ok=True)
+        if args.link.is_symlink() or args.link.exists():
+            args.link.unlink()
+        args.link.symlink_to(path, target_is_directory=True)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -79,7 +79,7 @@ def compare(args: argparse.Namespace, model_dir: Path, params: int) -> dict[str,
         "model_path": str(model_dir),
         "max_tokens_per_microbatch": args.budget,
         "device": args.device,
-        "dtype": "bfloat16" if args.device.startswith("cuda") else "float32",
+        "dtype": "bf16-mixed" if args.device.startswith("cuda") else "float32",
         "lr": 1e-6,
     }
     trainers = {

@@ -137,7 +137,7 @@ def test_activation_recompute_trades_memory_not_gradients(cpu, tiny_dir):
 
 def test_bf16_trains_close_to_fp32(cpu, tiny_dir):
     fp32 = megatron(tiny_dir).train_step(make_batch(4))
-    bf16 = megatron(tiny_dir, dtype="bfloat16")
+    bf16 = megatron(tiny_dir, dtype="bf16-mixed")
     result = bf16.train_step(make_batch(4))
     assert abs(result.metrics["loss"] - fp32.metrics["loss"]) < 2e-2
     assert abs(result.metrics["grad_norm"] / fp32.metrics["grad_norm"] - 1) < 5e-2

@@ -413,3 +413,35 @@ def test_configs_that_cannot_work_are_refused(tiny):
         config(tiny, lr_schedule="cosine", warmup_steps=5, total_steps=5)
     with pytest.raises(ValueError, match="only ppo uses a critic"):
         TorchTrainer(config(tiny, critic=True))
+
+
+# ------------------------------------------------------------------ precision and attention
+
+
+def test_bf16_mixed_keeps_fp32_weights_and_optimizer_state_and_trains_close_to_fp32(tiny):
+    fp32 = TorchTrainer(config(tiny)).train_step(make_batch(5))
+    mixed = TorchTrainer(config(tiny, dtype="bf16-mixed"))
+    result = mixed.train_step(make_batch(5))
+    assert abs(result.metrics["loss"] - fp32.metrics["loss"]) < 2e-2
+    assert abs(result.metrics["grad_norm"] / fp32.metrics["grad_norm"] - 1) < 5e-2
+    assert {p.dtype for p in mixed.policy.model.parameters()} == {torch.float32}
+    state = mixed.policy.optimizer.state
+    assert {s["exp_avg"].dtype for s in state.values()} == {torch.float32}
+    pure = TorchTrainer(config(tiny, dtype="bfloat16"))
+    assert {p.dtype for p in pure.policy.model.parameters()} == {torch.bfloat16}
+
+
+def test_packed_rows_attend_per_sequence_by_default_with_sdpas_results(tiny):
+    from asyncrl.trainers.packed_attention import ATTENTION
+
+    packed = TorchTrainer(config(tiny))
+    masked = TorchTrainer(config(tiny, attn_implementation="sdpa"))
+    assert packed.attn == ATTENTION and masked.attn == "sdpa"
+    rows = rollout_tensors(make_batch(6), "score")
+    mb = packed._microbatches(rows)[0]
+    assert mb.attention_mask is None and mb.segments is not None and len(mb.segments) > 1
+    grads = [capture_grads(t.policy) for t in (packed, masked)]
+    a, b = packed.train_step(make_batch(6)), masked.train_step(make_batch(6))
+    for key in ("loss", "grad_norm", "entropy"):
+        assert a.metrics[key] == pytest.approx(b.metrics[key], rel=1e-5, abs=1e-6), key
+    assert_close(grads[0], grads[1], atol=1e-6)

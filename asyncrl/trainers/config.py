@@ -85,12 +85,17 @@ class TrainerConfig(BaseModel):
     )
 
     model_path: str = Field(..., min_length=1, description="HF model directory of the policy.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter (and optimizer state) dtype."
+    dtype: Literal["float32", "bf16-mixed", "bfloat16", "float16"] = Field(
+        "float32",
+        description="float32; bf16-mixed: fp32 master weights and optimizer state, bf16 "
+        "compute (torch: autocast; megatron: its bf16 model with fp32 main params); "
+        "bfloat16 / float16: weights and optimizer state themselves in that dtype (pure "
+        "low precision, torch only)",
     )
     attn_implementation: str | None = Field(
         None,
-        description="transformers attention (sdpa, eager, flash_attention_2); default "
+        description="transformers attention (sdpa, eager, flash_attention_2); default: "
+        "asyncrl_packed when packing (sdpa per packed sequence, no L x L mask), else "
         "transformers' choice. flash-attention packs by position_ids alone.",
     )
     device: str = Field("cpu", description="cpu, or cuda (each rank takes its LOCAL_RANK).")
@@ -148,8 +153,13 @@ class TrainerConfig(BaseModel):
             return self
         if self.dtype == "float16":
             raise ValueError(
-                "trainer.backend=megatron trains in float32 or bfloat16: float16's dynamic "
+                "trainer.backend=megatron trains in float32 or bf16-mixed: float16's dynamic "
                 "loss scale skips steps that overflow, which this trainer does not account for"
+            )
+        if self.dtype == "bfloat16":
+            raise ValueError(
+                "trainer.backend=megatron keeps fp32 main weights in its optimizer whenever it "
+                "computes in bf16: set dtype bf16-mixed (pure bfloat16 is the torch backend's)"
             )
         m = self.megatron
         if self.num_ranks % (m.tensor_parallel * m.pipeline_parallel):

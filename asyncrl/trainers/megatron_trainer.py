@@ -90,7 +90,8 @@ from asyncrl.types import TrainBatch
 P = ParamSpec("P")
 R = TypeVar("R")
 LossOf = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-_HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The model's dtype per trainer dtype (megatron keeps fp32 main params in its optimizer).
+_HALF = {"bf16-mixed": torch.bfloat16}
 
 
 def _on_device(method: Callable[P, R]) -> Callable[P, R]:
@@ -150,8 +151,7 @@ class MegatronTrainer:
             "pipeline_model_parallel_size": m.pipeline_parallel,
             "params_dtype": dtype,
             "pipeline_dtype": dtype,
-            "bf16": c.dtype == "bfloat16",
-            "fp16": c.dtype == "float16",
+            "bf16": c.dtype == "bf16-mixed",
             # Micro-batches differ in shape: stages exchange shapes first. (The check that
             # refuses this names MoE's dispatcher even for dense models.)
             "variable_seq_lengths": m.pipeline_parallel > 1,
@@ -223,8 +223,7 @@ class MegatronTrainer:
                 adam_beta2=c.betas[1],
                 adam_eps=c.adam_eps,
                 clip_grad=c.grad_clip or 0.0,
-                bf16=c.dtype == "bfloat16",
-                fp16=c.dtype == "float16",
+                bf16=c.dtype == "bf16-mixed",
                 params_dtype=_HALF.get(c.dtype, torch.float32),
                 use_distributed_optimizer=c.megatron.distributed_optimizer,
             ),

@@ -17,7 +17,9 @@ Layouts of one micro-batch (``build_microbatch``):
   restarting at 0 per sequence, and a block-diagonal causal mask (a sequence never sees
   another): a boolean ``[1, 1, L, L]`` mask for sdpa, an additive float one for eager,
   and no mask at all for flash-attention, whose varlen kernel cuts the row at every
-  ``position_ids == 0`` (transformers derives ``cu_seqlens`` from them);
+  ``position_ids == 0`` (transformers derives ``cu_seqlens`` from them), nor for
+  ``packed_attention.ATTENTION``, which gets the lengths (``segments``) and attends
+  within each sequence (no ``L x L`` scores: the trainer's default);
 - ``padded``: one row per sequence, right padded to the longest, a ``[b, L]`` 0/1 mask.
 
 Both give the same logits on the real tokens (tests check 1e-5 in fp32); packing wastes
@@ -34,6 +36,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from asyncrl.trainers.packed_attention import ATTENTION
 from asyncrl.trainers.token_stats import token_logprobs
 
 Layout = Literal["packed", "padded"]
@@ -101,6 +104,7 @@ class MicroBatch:
 
     rows: list[int]
     layout: Layout
+    segments: tuple[int, ...] | None  # packed for ATTENTION: the sequences' lengths
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None
@@ -159,6 +163,7 @@ def build_microbatch(
     return MicroBatch(
         rows=list(rows),
         layout=layout,
+        segments=tuple(lens) if layout == "packed" and attn_implementation == ATTENTION else None,
         input_ids=tensor(ids),
         position_ids=tensor(pos),
         attention_mask=None if mask is None else tensor(mask),
@@ -180,7 +185,8 @@ def _packed(
 ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None, np.ndarray]:
     ids = np.concatenate(seqs)[None]
     pos = np.concatenate([np.arange(n) for n in lens])[None]
-    mask = None if attn in FLASH_ATTENTION else block_causal_mask(lens, attn, dtype, device)
+    no_mask = attn in FLASH_ATTENTION or attn == ATTENTION
+    mask = None if no_mask else block_causal_mask(lens, attn, dtype, device)
     offsets = np.cumsum([0, *lens[:-1]])
     keep = [np.arange(o + p - 1, o + n - 1) for o, p, n in zip(offsets, starts, lens, strict=True)]
     return ids, pos, mask, np.concatenate(keep)
@@ -243,6 +249,8 @@ def forward_selected(model: torch.nn.Module, mb: MicroBatch, *, lm: bool = True)
         "attention_mask": mb.attention_mask,
         "use_cache": False,
     }
+    if mb.segments is not None:
+        kwargs["packed_segments"] = mb.segments
     if lm and mb.layout == "packed":
         return model(**kwargs, logits_to_keep=mb.keep).logits[0]
     if not lm:

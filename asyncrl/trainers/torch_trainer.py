@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from asyncrl.policies import (
     sft_loss,
     value_loss,
 )
+from asyncrl.trainers import packed_attention
 from asyncrl.trainers.base import StepResult
 from asyncrl.trainers.config import TrainerConfig
 from asyncrl.trainers.learner import Learner, OptimSettings, copy_tokenizer, write_model_dir
@@ -103,7 +104,9 @@ class TorchTrainer:
         self.algo = algo if algo is not None else PolicyConfig()
         self.dp = DataParallel.detect(config.parallel)
         self.device = self.dp.device(config.device)
-        self.dtype = getattr(torch, config.dtype)
+        # bf16-mixed: fp32 weights (and so fp32 AdamW state), bf16 matmuls under autocast.
+        self.mixed = config.dtype == "bf16-mixed"
+        self.dtype = torch.float32 if self.mixed else getattr(torch, config.dtype)
         seed_everything(config.seed)
         self.version = 0
         self.policy = self._trainable(self._load_lm(config.model_path), config.lr)
@@ -129,12 +132,21 @@ class TorchTrainer:
         kwargs: dict[str, Any] = {"dtype": self.dtype}
         if self.config.attn_implementation:
             kwargs["attn_implementation"] = self.config.attn_implementation
+        elif self.config.packing:  # each packed sequence attends alone: no L x L scores
+            kwargs["attn_implementation"] = packed_attention.register()
         return kwargs
 
     def _load_lm(self, path: str) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(path, **self._model_kwargs())
+
+    def _compute(self) -> AbstractContextManager[Any]:
+        """Where forwards run: under bf16 autocast with ``bf16-mixed`` (its backward runs
+        in the same dtypes), plainly otherwise."""
+        if not self.mixed:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def _trainable(self, model: nn.Module, lr: float) -> Learner:
         if self.config.gradient_checkpointing:
@@ -249,7 +261,8 @@ class TorchTrainer:
         """
         out = torch.zeros(shape, device=self.device)
         for mb in mbs:
-            pred = forward_selected(model, mb, lm=lm)
+            with self._compute():
+                pred = forward_selected(model, mb, lm=lm)
             values = (
                 token_logprobs(pred, mb.targets, mb.inv_temperature) if lm else pred[:, 0].float()
             )
@@ -261,7 +274,8 @@ class TorchTrainer:
         self, mb: MicroBatch, cols: Columns, scale: LossScale
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = {k: v[mb.rows] for k, v in cols.items()}
-        logits = forward_selected(self.policy.wrapped, mb)
+        with self._compute():
+            logits = forward_selected(self.policy.wrapped, mb)
         logp_N, entropy_N = token_stats(logits, mb.targets, mb.inv_temperature)
         logprobs = to_rows(logp_N, mb)
         x = LossInputs(
@@ -277,7 +291,9 @@ class TorchTrainer:
         loss, metrics = rl_loss(self.algo, x, scale)
         metrics["loss"] = loss.detach()
         if self.critic is not None:
-            values = to_rows(forward_selected(self.critic.wrapped, mb, lm=False)[:, 0].float(), mb)
+            with self._compute():
+                values = forward_selected(self.critic.wrapped, mb, lm=False)[:, 0].float()
+            values = to_rows(values, mb)
             v_loss, v_metrics = value_loss(
                 values,
                 c["values"],
@@ -306,7 +322,8 @@ class TorchTrainer:
         scale = LossScale.of(rows.mask)
 
         def micro_step(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            logits = forward_selected(self.policy.wrapped, mb)
+            with self._compute():
+                logits = forward_selected(self.policy.wrapped, mb)
             logprobs = smoothed_logprobs(logits, mb.targets, label_smoothing)
             loss = sft_loss(to_rows(logprobs, mb), mask[mb.rows], scale=scale)
             return loss, {"loss": loss.detach()}
