@@ -75,6 +75,7 @@ class RolloutActor(Actor):
         self._busy: list[list[float]] = []  # [start, end] unix seconds with groups running
         self._busy_since: float | None = None
         self.metrics: JsonlMetricsSink | None = None
+        self._temperature = 1.0  # of the sampling params, set in setup
 
     async def setup(self) -> None:
         params = self.spec.params
