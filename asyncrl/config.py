@@ -37,6 +37,7 @@ from pydantic_core import ErrorDetails
 from asyncrl.buffer.dump import batch_files
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
+from asyncrl.errors import InputError
 from asyncrl.observe.trackers import check_tracker_setup
 from asyncrl.policies.config import PolicyConfig
 from asyncrl.rollout.config import EvalConfig, RolloutConfig
@@ -59,7 +60,7 @@ def _is_loopback_host(host: str) -> bool:
     return True
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A config problem, one line each, naming the key, the flag, the value and a hint."""
 
 

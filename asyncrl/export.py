@@ -10,6 +10,7 @@ newest) to ``OUT``, which ``AutoModelForCausalLM`` and ``AutoTokenizer`` then lo
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 #: What a checkpoint's policy folder may hold that a user's model folder should not
@@ -34,7 +35,7 @@ def checkpoint_steps(run_dir: Path) -> dict[int, Path]:
 
 def export_policy(run_dir: Path, out: Path, step: int | None = None) -> Path:
     """Copy step ``step``'s (default: the newest) policy folder of ``run_dir`` to ``out``."""
-    run_dir, out = Path(run_dir), Path(out)
+    run_dir, out = Path(run_dir), Path(out).resolve()
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run directory")
     steps = checkpoint_steps(run_dir)
@@ -58,4 +59,10 @@ def export_policy(run_dir: Path, out: Path, step: int | None = None) -> Path:
     if out.exists():
         out.rmdir()
     tmp.rename(out)
+    if not any((out / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        print(
+            f"asyncrl export: warning: {source} has no tokenizer (a checkpoint written "
+            "before checkpoints held one): copy it from the base model",
+            file=sys.stderr,
+        )
     return out

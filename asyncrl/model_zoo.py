@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     path = smollm2_dir()
     if args.link is not None:
         args.link.parent.mkdir(parents=True, exist_ok=True)
-        if args.link.is_symlink() or args.link.exists():
+        if args.link.exists() and not args.link.is_symlink():
+            parser.error(f"--link {args.link} exists and is not a symlink: remove it first")
+        if args.link.is_symlink():
             args.link.unlink()
         args.link.symlink_to(path, target_is_directory=True)
     print(path)

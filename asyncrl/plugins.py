@@ -16,14 +16,20 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from asyncrl.errors import InputError
+
+
+class PluginError(InputError):
+    """User code named by path cannot be loaded (a ``ValueError``)."""
+
 
 def load_object(path: str, *, what: str = "object") -> Any:
-    """Import and return the object named by ``path``; ``ValueError`` says what failed."""
+    """Import and return the object named by ``path``; ``PluginError`` says what failed."""
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(
+        raise PluginError(
             f"{what} path {path!r} must look like 'package.module:name' or 'file.py:name'"
         )
     try:
@@ -32,13 +38,13 @@ def load_object(path: str, *, what: str = "object") -> Any:
         else:
             module = importlib.import_module(module_name)
     except Exception as exc:  # user code runs on import: any error means it cannot load
-        raise ValueError(f"{what} path {path!r}: cannot import {module_name!r}: {exc}") from exc
+        raise PluginError(f"{what} path {path!r}: cannot import {module_name!r}: {exc}") from exc
     obj: Any = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"{what} path {path!r}: {module_name!r} has no {attr!r}") from None
+            raise PluginError(f"{what} path {path!r}: {module_name!r} has no {attr!r}") from None
     return obj
 
 

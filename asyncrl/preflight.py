@@ -9,7 +9,8 @@ and raises one ``PreflightError``:
   HF ``config.json``, and the policy's tokenizer loads;
 - the data and every eval set: each row read and validated (``PromptSource.open``), its
   chat template rendered when the source asks for one (a tokenizer without a template is
-  named), and each prompt plus ``max_new_tokens`` within the model's context;
+  named), each prompt shorter than the model's context (a warning names the prompts
+  that leave less than ``max_new_tokens``);
 - user code named by path: the reward (``--custom-rm-path``), the rollout workflow,
   buffer filters and priority, tools and agents (``check_tool_use``, ``check_agent``).
 
@@ -23,12 +24,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.errors import InputError
+from asyncrl.observe.logs import get_logger
+
 if TYPE_CHECKING:
     from asyncrl.buffer.sources import PromptSource
     from asyncrl.config import RunConfig
 
 
-class PreflightError(ValueError):
+log = get_logger("asyncrl.preflight")
+
+
+class PreflightError(InputError):
     """The job cannot run as configured; ``problems`` holds one line per finding."""
 
     def __init__(self, problems: list[str]) -> None:
@@ -56,7 +63,7 @@ def preflight(cfg: RunConfig) -> None:
 def _collect(check: Callable[[], Any], problems: list[str]) -> Any:
     try:
         return check()
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a file a check reads is missing
         problems.append(str(exc))
         return None
 
@@ -159,30 +166,38 @@ def _source(
         return
     if tokenizer is None or context is None:
         return
-    budget = int((sampling or cfg.rollout.sampling).get("max_new_tokens", 128))
+    budget = int((sampling or cfg.rollout.sampling).get("max_new_tokens") or 128)
     _lengths(opened, what, budget, context, problems)
 
 
 def _lengths(
     source: PromptSource, what: str, budget: int, context: int, problems: list[str]
 ) -> None:
-    """Every prompt leaves room for ``budget`` new tokens in the model's ``context``."""
+    """A prompt of ``context`` tokens or more is refused (no engine can serve it); one that
+    leaves less than ``budget`` new tokens is generated only up to the context: warned."""
     from asyncrl.buffer.sources import DataError
 
-    too_long, first = 0, ""
+    full: list[str] = []
+    short: list[str] = []
     try:
         for where, n in source.prompt_lengths():
-            if n + budget > context:
-                too_long += 1
-                first = first or f"{where} has {n} prompt tokens"
+            if n >= context:
+                full.append(f"{where} has {n} prompt tokens")
+            elif n + budget > context:
+                short.append(f"{where} has {n} prompt tokens")
     except DataError as exc:
         problems.append(f"{what}: {exc}")
         return
-    if too_long:
+    if full:
         problems.append(
-            f"{what}: {too_long} prompt(s) plus max_new_tokens {budget} exceed the model's "
-            f"context of {context} tokens (first: {first}); shorten or drop them, or lower "
-            "max_new_tokens"
+            f"{what}: {len(full)} prompt(s) fill the model's context of {context} tokens, "
+            f"leaving no room for a response (first: {full[0]}); shorten or drop them"
+        )
+    if short:
+        log.warning(
+            f"{what}: {len(short)} prompt(s) leave less than max_new_tokens {budget} of the "
+            f"model's context of {context} tokens; their responses stop at the context "
+            f"(first: {short[0]})"
         )
 
 

@@ -57,14 +57,13 @@ def child(args: argparse.Namespace) -> None:
     """Run the steps of one variant in this process and print one JSON line."""
     import torch
 
-    from asyncrl.model_zoo import smollm2_dir
     from asyncrl.policies import PolicyConfig
     from asyncrl.trainers.torch_trainer import TorchTrainer
 
     torch.set_num_threads(args.threads)
     extra = {"attn_implementation": "sdpa"} if args.variant == "masked" else {}
     cfg = TorchTrainer.Config(
-        model_path=str(smollm2_dir()), lr=1e-6, max_tokens_per_microbatch=args.budget, **extra
+        model_path=args.model, lr=1e-6, max_tokens_per_microbatch=args.budget, **extra
     )
     trainer = TorchTrainer(cfg, PolicyConfig())
     times, tokens = [], 0.0
@@ -82,7 +81,7 @@ def run(variant: str, repo: Path, args: argparse.Namespace) -> dict:
     sizes = {"--steps": args.steps, "--budget": args.budget, "--groups": args.groups,
              "--prompt": args.prompt, "--response": args.response,
              "--threads": args.threads}  # fmt: skip
-    cmd = [sys.executable, __file__, "--child", "--variant", variant]
+    cmd = [sys.executable, __file__, "--child", "--variant", variant, "--model", args.model]
     cmd += [str(x) for kv in sizes.items() for x in kv]
     env = {**os.environ, "PYTHONPATH": str(repo)}
     out = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, check=True)
@@ -104,7 +103,12 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/real_trainer.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help="model folder (default: SmolLM2, built if missing)")
     args = ap.parse_args()
+    if args.model is None:
+        from asyncrl.model_zoo import smollm2_dir
+
+        args.model = str(smollm2_dir())
     if args.child:
         child(args)
         return

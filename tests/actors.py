@@ -62,8 +62,10 @@ class BadInput(Recorder):
     """Fails while setting up, as an actor given a malformed file does."""
 
     async def setup(self) -> None:
+        from asyncrl.buffer.sources import DataError
+
         await super().setup()
-        raise ValueError("data.jsonl:3: invalid JSON")
+        raise DataError("data.jsonl:3: invalid JSON")
 
 
 class HardExit(Recorder):

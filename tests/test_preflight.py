@@ -127,13 +127,25 @@ def test_a_custom_reward_path_selects_the_custom_reward_or_contradicts_a_type(jo
             "--custom-rm-path json:dumps) is set but the reward type is 'math'")  # fmt: skip
 
 
-def test_a_prompt_that_leaves_no_room_for_the_response_is_refused(job, tmp_path, capsys):
+def test_a_prompt_that_fills_the_context_is_refused(job, tmp_path, capsys):
     flags, run = job
     long = write_rows(tmp_path / "long.jsonl", [*ROWS, {"prompt": "1+" * 300, "label": "x"}])
-    sampling = json.dumps({"temperature": 1.0, "max_new_tokens": 64})
-    refused(capsys, [*flags, "--prompt-data", str(long), "--rollout-sampling", sampling], run,
-            "data: 1 prompt(s) plus max_new_tokens 64 exceed the model's context of 512",
+    refused(capsys, [*flags, "--prompt-data", str(long)], run,
+            "data: 1 prompt(s) fill the model's context of 512 tokens",
             "long.jsonl:7 has")  # fmt: skip
+
+
+def test_a_prompt_leaving_less_than_max_new_tokens_is_only_warned_about(job, tmp_path, capsys):
+    from asyncrl.preflight import preflight
+
+    flags, _ = job
+    rows = [*ROWS, {"prompt": "1+" * 220, "label": "x"}]
+    sampling = json.dumps({"temperature": 1.0, "max_new_tokens": 200})
+    data = write_rows(tmp_path / "near.jsonl", rows)
+    preflight(load_config(None, overrides=[*flags, "--prompt-data", str(data),
+                                           "--rollout-sampling", sampling]))  # fmt: skip
+    out = capsys.readouterr()
+    assert "leave less than max_new_tokens 200" in out.out + out.err
 
 
 def test_the_dry_run_and_the_controller_check_too(job, tmp_path, capsys):

@@ -198,7 +198,7 @@ async def test_an_actor_failing_on_its_input_while_setting_up_is_not_restarted(
     await sup.launch([spec("b", "BadInput", tmp_path)])
     died = await death(sup)
     assert prepared == [] and sup.status["b"].restarts == 0 and sup.deaths == []
-    assert "ValueError: data.jsonl:3: invalid JSON" in died.reason
+    assert "DataError: data.jsonl:3: invalid JSON" in died.reason
     assert "a restart would repeat: not restarted" in died.reason
     assert (tmp_path / "b.journal").read_text().split().count("setup") == 1
 

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from asyncrl.errors import InputError
 from asyncrl.observe.logs import bind_context, get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.wire.channels import _Channel
@@ -211,7 +212,7 @@ class Actor(ABC):
         return 0 if ok else 1
 
     def _failed(self, group: BaseException) -> str:
-        self._permanent = is_permanent(group, set_up=self._set_up.is_set())
+        self._permanent = is_permanent(group)
         self.state = "failed"
         reason = _describe(group)
         log.error("actor failed", error=reason, permanent=self._permanent, exc_info=group)
@@ -349,22 +350,19 @@ def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
     sock.close()
 
 
-class PermanentError(Exception):
-    """Raised by an actor for an error a restart would only repeat (the job ends)."""
+def is_permanent(exc: BaseException) -> bool:
+    """True when restarting would fail the same way: an ``InputError`` (bad data, config
+    or user code; ``asyncrl/errors.py``) among the errors or their causes."""
+    return any(_is_input_error(e) for e in _exceptions(exc))
 
 
-#: Errors that setting up an actor raises for bad input (data, config, model files, user
-#: code): the same input gives the same error in every restart.
-_INPUT_ERRORS = (ValueError, TypeError, KeyError, ImportError, FileNotFoundError, PermissionError)
-
-
-def is_permanent(exc: BaseException, *, set_up: bool) -> bool:
-    """True when restarting would fail the same way: a ``PermanentError`` anywhere, or,
-    before setup finished, nothing but input errors (a timeout or a lost peer is not)."""
-    leaves = list(_exceptions(exc))
-    if any(isinstance(e, PermanentError) for e in leaves):
-        return True
-    return not set_up and bool(leaves) and all(isinstance(e, _INPUT_ERRORS) for e in leaves)
+def _is_input_error(exc: BaseException | None) -> bool:
+    seen = 0
+    while exc is not None and seen < 8:  # the cause chain (a wrapped InputError counts)
+        if isinstance(exc, InputError):
+            return True
+        exc, seen = exc.__cause__, seen + 1
+    return False
 
 
 def _exceptions(exc: BaseException) -> Iterator[BaseException]:

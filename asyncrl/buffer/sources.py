@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from asyncrl.errors import InputError
 from asyncrl.types import ChatMessage, Prompt, pack_int32
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ _SLICE = re.compile(r"@\[(?P<body>[^\]]*)\]$")
 _STATE_VERSION = 1
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """Bad prompt data or a resume state that does not fit it; names file, line and problem."""
 
 

@@ -314,19 +314,22 @@ UNTRAINABLE_SAMPLING = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "logit_bias": None,
+    # EOS and stop ids are masked out of the reported distribution while it is short of
+    # min_new_tokens (engines/sampling.py), which the trainer does not know.
+    "min_new_tokens": 0,
 }
 
 
 def check_trainable_sampling(value: dict[str, Any]) -> dict[str, Any]:
     """``value`` unless it sets a key the trainer cannot reproduce (a ValueError naming it):
     training rollouts' log-probs must be the policy's ``log_softmax(z / T)``."""
-    bad = [k for k, neutral in UNTRAINABLE_SAMPLING.items() if value.get(k, neutral) != neutral]
+    bad = [k for k, neutral in UNTRAINABLE_SAMPLING.items() if (value.get(k) or neutral) != neutral]
     if bad:
         raise ValueError(
             f"rollout.sampling sets {', '.join(bad)}: the trainer recomputes each token's "
-            "log-prob as log_softmax(logits / temperature) and cannot reproduce penalties or "
-            "logit_bias, so training would correct for a policy it never sampled from; drop "
-            "them (an eval set's own sampling may use them)"
+            "log-prob as log_softmax(logits / temperature) and cannot reproduce penalties, "
+            "logit_bias or min_new_tokens' masking, so training would correct for a policy "
+            "it never sampled from; drop them (an eval set's own sampling may use them)"
         )
     return value
 

@@ -12,6 +12,7 @@ directory), ``optimizer.pt`` and ``scheduler.pt``; rank 0 writes it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Iterator
@@ -96,7 +97,8 @@ def share_files(path: Path) -> None:
     whoever serves or evaluates it, not only by the user who trained it)."""
     for f in path.iterdir():
         if f.is_file():
-            f.chmod(f.stat().st_mode | 0o044)
+            with contextlib.suppress(OSError):  # a mount that refuses chmod keeps its modes
+                f.chmod(f.stat().st_mode | 0o044)
 
 
 def write_model_dir(path: Path, model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

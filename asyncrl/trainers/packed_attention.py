@@ -9,9 +9,11 @@ forward as a keyword that transformers hands down to every attention call) and r
 ``scaled_dot_product_attention(..., is_causal=True)`` per sequence, which lets torch pick
 its fused kernels (flash on CPU and GPU) with O(len) memory.
 
-Registered with transformers as ``ATTENTION`` (``"asyncrl_packed"``), with a mask function
-that builds no mask. Without ``packed_segments`` (a padded batch, generation) it falls
-back to transformers' sdpa with the mask given, so a model loaded with it works anywhere.
+Registered with transformers as ``ATTENTION`` (``"asyncrl_packed"``) with sdpa's mask
+function, so the mask transformers builds is sdpa's (one boolean mask per forward, not
+scores per layer). Without ``packed_segments`` (a padded batch, generation) it is sdpa with
+that mask, so a model loaded with it works anywhere; lengths that do not add up to the
+row are an error, never a silent attention across sequences.
 Used by ``TorchTrainer`` for packed micro-batches unless ``trainer.attn_implementation``
 names another; ``packing.build_microbatch`` gives the lengths.
 """
@@ -42,11 +44,16 @@ def packed_attention(
     ``query`` is ``[1, H, L, D]``, ``key``/``value`` ``[1, H_kv, L, D]``; returns
     ``[1, L, H, D]`` as transformers' attention functions do.
     """
-    if packed_segments is None or query.shape[2] != sum(packed_segments):
+    if packed_segments is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if query.shape[0] != 1 or query.shape[2] != sum(packed_segments):
+        raise ValueError(
+            f"packed_segments {list(packed_segments)} (sum {sum(packed_segments)}) do not "
+            f"cover the packed row of shape {tuple(query.shape)}"
         )
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: each KV head serves ``groups`` query heads
@@ -66,16 +73,11 @@ def packed_attention(
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """The mask function of ``ATTENTION``: sequences are cut by length, not by a mask."""
-    return None
-
-
 def register() -> str:
     """Register ``ATTENTION`` with transformers (idempotent); returns its name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTENTION, packed_attention)
-    AttentionMaskInterface.register(ATTENTION, _no_mask)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     return ATTENTION

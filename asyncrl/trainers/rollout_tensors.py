@@ -86,6 +86,11 @@ def rollout_tensors(batch: TrainBatch, reward_key: str = "score") -> RolloutTens
     for s in samples:
         if len(s.prompt_tokens) == 0:
             raise ValueError(f"sample {s.uid}: empty prompt, its first token has no context")
+        if not (math.isfinite(s.temperature) and s.temperature > 0):
+            raise ValueError(
+                f"sample {s.uid}: temperature {s.temperature} (the log-probs are "
+                "log_softmax(z / T): T must be finite and > 0; greedy samples carry 1)"
+            )
     scores = [[sample_score(s.reward, reward_key) for s in g.samples] for g in groups]
     columns = _columns(samples)
     return RolloutTensors(

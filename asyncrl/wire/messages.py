@@ -64,9 +64,9 @@ class Heartbeat(Message):
 class Bye(Message):
     """An actor is about to exit; ``reason`` says why (``"stopped"`` or the error).
 
-    ``permanent``: the error would recur in a restarted actor (bad data, config or user
-    code found while setting up; ``actors/base.py::is_permanent``), so the supervisor
-    ends the job with it instead of restarting.
+    ``permanent``: the error would recur in a restarted actor (an ``InputError``: bad
+    data, config or user code; ``actors/base.py::is_permanent``), so the supervisor ends
+    the job with it instead of restarting.
     """
 
     actor: str

@@ -25,18 +25,23 @@ ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "coins"
 
 def problem(rng: random.Random) -> tuple[str, int, str]:
     """``(question, answer, kind)`` of one random problem."""
-    name, item, kind = rng.choice(NAMES), rng.choice(ITEMS), rng.choice(["add", "sub", "mul", "div"])
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.choice(["add", "sub", "mul", "div"])
     a, b = rng.randint(2, 20), rng.randint(2, 20)
     if kind == "add":
-        return f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", a + b, kind
+        q = f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?"
+        return q, a + b, kind
     if kind == "sub":
         a, b = max(a, b) + b, b
         return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b, kind
     if kind == "mul":
         a = rng.randint(2, 10)
-        return f"{name} buys {a} boxes with {b} {item} in each box. How many {item} is that in all?", a * b, kind
+        q = f"{name} buys {a} boxes with {b} {item} in each box. How many {item} is that in all?"
+        return q, a * b, kind
     a = rng.randint(2, 10)
-    return f"{name} shares {a * b} {item} equally among {a} friends. How many {item} does each friend get?", b, kind
+    q = f"{name} shares {a * b} {item} equally among {a} friends. "
+    q += f"How many {item} does each friend get?"
+    return q, b, kind
 
 
 def is_test(question: str) -> bool:

@@ -1,0 +1,15 @@
+"""Errors that say the job's input is wrong, as opposed to something having gone wrong.
+
+An ``InputError`` (bad data, config or user code; ``DataError``, ``ConfigError``,
+``PreflightError`` and the plugin loader's ``PluginError`` are ones) recurs however often
+the actor that hit it is restarted, so an actor failing with one says so in its ``Bye``
+(``actors/base.py::is_permanent``) and the supervisor ends the job with the reason
+instead of restarting it. Anything else (a lost peer, a timeout, out of memory, a
+checkpoint that fails to load) may pass and is restarted within the budget.
+"""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """The job's input is wrong in a way a restart would only repeat."""
