@@ -12,6 +12,7 @@
 | ``megatron_bridge`` | HF Qwen2/Llama <-> megatron weights, TP shards, PP stages     |
 | ``vocab_parallel``  | a TP rank's vocab slice; the SFT loss from sharded logits     |
 | ``token_stats``     | log-probs and entropy at a sample's temperature, chunked      |
+| ``packed_attention``| sdpa per packed sequence, no ``L x L`` mask (the default)     |
 | ``rl_columns``      | what both RL steps share: columns, advantages, metric tally   |
 | ``rng``             | seeding and RNG state for bit-exact resumes                   |
 | ``learner``         | one trained model: DP wrapper, AdamW, LR schedule, HF weights |
