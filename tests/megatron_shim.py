@@ -3,7 +3,7 @@
 megatron-core 0.16.1 calls CUDA in code paths that have nothing to do with a GPU: the
 model-parallel RNG tracker (``torch.cuda.get_rng_state``), RoPE's ``inv_freq.to(
 torch.cuda.current_device())``, ``torch.cuda.synchronize`` in pipeline p2p, and tensors
-made with ``device="cuda"`` in its optimizers (``../shared/reference/cpu_machine.md`` §3).
+made with ``device="cuda"`` in its optimizers.
 ``cpu_megatron()`` redirects each of these to the CPU for the block and undoes it after:
 
 - ``torch.cuda.current_device`` answers ``"cpu"``; its RNG state calls use the CPU RNG;
