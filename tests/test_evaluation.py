@@ -3,6 +3,7 @@ checks; and the per-process thread limit the controller hands every actor."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import subprocess
@@ -13,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from asyncrl.actors.base import ActorSpec
+from asyncrl.actors.eval import EvalActor
 from asyncrl.engines.base import FinishReason
 from asyncrl.engines.sglang_wire import GenerateResult
 from asyncrl.rollout.base import RolloutContext
@@ -127,3 +130,29 @@ def test_an_actor_process_gets_the_thread_limit_of_its_spec():
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.split() == ["1", "1"], out.stderr
+
+
+async def test_an_eval_actor_that_missed_the_final_pull_evaluates_the_final_checkpoint(
+    tmp_path,
+):
+    """The trainer exits once the final version is pulled; an eval incarnation that comes
+    up after that (a restart) falls back to the final checkpoint, or ends without it."""
+    final = tmp_path / "step_000004" / "policy"
+    spec = ActorSpec(name="eval", role="eval", cls="x:y", params={"final_checkpoint": str(final)})
+
+    def fresh() -> EvalActor:
+        actor = EvalActor(spec)
+        actor.num_steps, actor._pending, actor._final_lost = 4, None, False
+        actor._ready = asyncio.Event()
+        return actor
+
+    gone = fresh()
+    gone._final_from_disk(4)  # no checkpoint: the eval ends without the final version
+    assert gone._final_lost and gone._pending is None and gone._ready.is_set()
+    final.mkdir(parents=True)
+    saved = fresh()
+    saved._final_from_disk(4)
+    assert not saved._final_lost and saved._ready.is_set()
+    assert saved._pending is not None
+    msg, tensors = saved._pending
+    assert (msg.version, msg.transport, msg.location, tensors) == (4, "disk", str(final), None)

@@ -392,7 +392,8 @@ async def test_an_openai_client_agent_trains_through_the_proxy(tmp_path):
         assert not s.loss_mask[user.start : user.end].any()
         assert first.end - first.start <= 6 and last.end - last.start <= 6  # max_tokens held
     evals = [json.loads(x) for x in (tmp_path / "run/metrics/eval.jsonl").read_text().splitlines()]
-    assert evals and all(r["samples"] == 6 for r in evals)
+    eval_log = lines(tmp_path / "run/logs/eval.jsonl")[-20:]
+    assert evals and all(r["samples"] == 6 for r in evals), (result.restarts, eval_log)
 
 
 def test_train_refuses_an_agent_that_does_not_load_before_launch(tmp_path, capsys):

@@ -201,7 +201,7 @@ async def _wait_final_eval(sup: Supervisor, cfg: RunConfig, hooks: RestartHooks)
     reached = await asyncio.to_thread(_last_step, run_dir / "metrics.jsonl")
     if steps <= 0 or reached < steps:
         return ""  # no known final version (or stopped before it): what it evaluated stands
-    final = run_dir / "checkpoints" / "trainer" / f"step_{steps:06d}" / "policy"
+    final = final_policy_dir(run_dir, steps)
     # A plain task, not a TaskGroup: an ActorDied from the wait must reach the except
     # below as itself, not wrapped in an ExceptionGroup.
     feed = asyncio.create_task(hooks.feed_final(sup, steps, final), name="controller.final")
@@ -234,6 +234,11 @@ def open_trackers(cfg: RunConfig, run_dir: Path) -> list[Tracker]:
         )
         trackers.append(wandb)
     return trackers
+
+
+def final_policy_dir(run_dir: Path, steps: int) -> Path:
+    """Where the trainer's checkpoint of its last step keeps the HF weights."""
+    return run_dir / "checkpoints" / "trainer" / f"step_{steps:06d}" / "policy"
 
 
 def _last_step(metrics: Path) -> int:
@@ -383,6 +388,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dic
             ),
             "eval": cfg.eval.model_dump(mode="json"),
             "num_steps": cfg.train.num_steps,
+            "final_checkpoint": str(final_policy_dir(run_dir, cfg.train.num_steps)),
             "metrics_path": str(run_dir / "metrics" / "eval.jsonl"),
         },
     }

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors.base import Actor, ActorSpec
@@ -145,8 +146,7 @@ class EvalActor(Actor):
             except (PeerLost, RemoteError, TimeoutError) as exc:
                 log.warning("weights not pulled", version=msg.version, error=str(exc))
                 if self._is_final(msg.version):  # the trainer is gone: nothing more comes
-                    self._final_lost = True
-                    self._ready.set()
+                    self._final_from_disk(msg.version)
                 continue
             if not self._due(msg.version):  # an evaluation started meanwhile moved next_due
                 continue
@@ -165,6 +165,17 @@ class EvalActor(Actor):
         if cmd.kind == "evaluate_final":
             return {"queued": self._queue_final(int(cmd.args["version"]), str(cmd.args["path"]))}
         return await super().on_command(cmd)
+
+    def _final_from_disk(self, version: int) -> None:
+        """The trainer exited before this incarnation pulled the final version (it may
+        have been pulled by one that died): evaluate the trainer's final checkpoint, which
+        it writes before it exits, or end without it if there is none."""
+        path = self.spec.params.get("final_checkpoint")
+        if path and Path(path).is_dir() and self._queue_final(version, str(path)):
+            log.warning("evaluating the final version from its checkpoint", path=path)
+            return
+        self._final_lost = True
+        self._ready.set()
 
     def _queue_final(self, version: int, path: str) -> bool:
         """Evaluate the final ``version`` from HF weights at ``path`` (a restarted eval
