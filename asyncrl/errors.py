@@ -13,3 +13,14 @@ from __future__ import annotations
 
 class InputError(ValueError):
     """The job's input is wrong in a way a restart would only repeat."""
+
+
+class RunStateLost(InputError):
+    """The run directory lost state the job needs to go on exactly (a checkpoint or a
+    journal deleted or moved while the job ran): going on would serve consumed work again,
+    and a restart would find the same directory."""
+
+
+class SamplesFailing(InputError):
+    """Most samples fail (``buffer.max_failed_share``): the data, the reward or agent code,
+    or the sampling settings are wrong, and going on would train nothing."""

@@ -51,7 +51,9 @@ def preflight(cfg: RunConfig) -> None:
     tokenizer = _models(cfg, problems)
     context = _context_length(cfg)
     if cfg.data is not None:
-        _source(cfg.data, "data", cfg, tokenizer, context, problems)
+        data = _source(cfg.data, "data", cfg, tokenizer, context, problems)
+        if data is not None:
+            _collect(lambda: _batches_fill(cfg, data), problems)
     for s in cfg.eval.sets if cfg.eval.enabled else []:
         sampling = s.sampling or cfg.rollout.sampling
         source = _eval_source(cfg, s)
@@ -141,6 +143,20 @@ def _eval_source(cfg: RunConfig, s: Any) -> PromptSource.Config:
     )  # fmt: skip
 
 
+def _batches_fill(cfg: RunConfig, data: PromptSource) -> None:
+    """A job whose whole data cannot fill one batch would run and train nothing."""
+    if cfg.train.debug_rollout_only or cfg.train.num_steps == 0:
+        return
+    prompts = data.config.num_rollouts or data.num_rows * data.config.num_epochs
+    need = cfg.buffer.groups_per_step
+    if need > prompts:
+        raise ValueError(
+            f"buffer.groups_per_step (--rollout-batch-size) is {need} prompt groups a step, "
+            f"but the data holds {prompts} prompts over all its epochs: no batch can fill; "
+            "lower it or raise --num-epoch"
+        )
+
+
 def _source(
     source: PromptSource.Config,
     what: str,
@@ -149,8 +165,9 @@ def _source(
     context: int | None,
     problems: list[str],
     sampling: dict[str, Any] | None = None,
-) -> None:
-    """Rows valid, chat template there when asked for, prompts within the context."""
+) -> PromptSource | None:
+    """Rows valid, chat template there when asked for, prompts within the context; the
+    opened source, or None when it did not open."""
     from asyncrl.buffer.sources import DataError, PromptSource
 
     if source.apply_chat_template and tokenizer is not None and not tokenizer.chat_template:
@@ -158,16 +175,16 @@ def _source(
             f"{what}: apply_chat_template is set but the tokenizer of "
             f"{cfg.trainer.model_path if cfg.trainer else '?'} has no chat template"
         )
-        return
+        return None
     try:
         opened = PromptSource.open(source, tokenizer)
     except (DataError, ValueError, OSError) as exc:
         problems.append(f"{what}: {exc}")
-        return
-    if tokenizer is None or context is None:
-        return
-    budget = int((sampling or cfg.rollout.sampling).get("max_new_tokens") or 128)
-    _lengths(opened, what, budget, context, problems)
+        return None
+    if tokenizer is not None and context is not None:
+        budget = int((sampling or cfg.rollout.sampling).get("max_new_tokens") or 128)
+        _lengths(opened, what, budget, context, problems)
+    return opened
 
 
 def _lengths(

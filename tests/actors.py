@@ -109,3 +109,11 @@ class Spawner(Recorder):
         self.child = subprocess.Popen(["sleep", "60"])  # noqa: ASYNC220 - test fixture
         Path(self.spec.params["grandchild"]).write_text(str(self.child.pid))  # noqa: ASYNC240
         await super().run()
+
+
+class BusySetup(Recorder):
+    """Tokenises a huge file, say: its set-up blocks a worker thread for a minute."""
+
+    async def setup(self) -> None:
+        self.note("setup")
+        await asyncio.to_thread(time.sleep, 60)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -116,3 +121,19 @@ async def test_an_actor_keeps_serving_while_garbage_arrives_on_its_channels(tmp_
     attacker.close()
     actor.request_stop("test")
     assert await main == 0
+
+
+def test_a_child_obeys_sigterm_while_a_worker_thread_is_busy_in_setup(tmp_path: Path):
+    """The interpreter waits for busy threads at exit; the stop's watchdog does not."""
+    busy = spec(tmp_path, "tests.actors:BusySetup")
+    child = subprocess.Popen([sys.executable, "-m", "asyncrl.runtime.child"], stdin=subprocess.PIPE)
+    assert child.stdin is not None
+    child.stdin.write(msgspec.json.encode(busy))
+    child.stdin.close()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "j").exists():  # in setup, its thread asleep
+        assert time.monotonic() < deadline and child.poll() is None
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    # drain_timeout (1 s) + EXIT_GRACE_S (10 s), well before the thread's 60 s end
+    assert child.wait(timeout=30) == 1

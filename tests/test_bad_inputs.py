@@ -29,6 +29,9 @@ DATA = {
     "prompt_not_text.jsonl": r"prompt_not_text\.jsonl:2: 'prompt' is a number, expected a string",
     "row_not_object.jsonl": r"row_not_object\.jsonl:2: row is an array, expected an object",
     "not_utf8.jsonl": r"not_utf8\.jsonl:2: invalid JSON",
+    "lone_surrogate.jsonl": (
+        r"lone_surrogate\.jsonl:2: a lone UTF-16 surrogate escape \('\\ud800'\) is not text"
+    ),
 }  # fmt: skip
 
 CONFIG = {
@@ -56,6 +59,12 @@ CONFIG = {
     "sim_engine_without_a_vocabulary.yaml": (
         r"sim_engine_without_a_vocabulary\.yaml:3: rollout\.engine: the sim engine takes its "
         r"vocabulary from tests/bad_inputs/data/config\.json, which has none"
+    ),
+    "duplicate_key.yaml": (
+        r"duplicate_key\.yaml:3: duplicate key 'trainer\.lr' \(first at line 2\)"
+    ),
+    "repeated_section.yaml": (
+        r"repeated_section\.yaml:5: duplicate key 'buffer' \(first at line 1\)"
     ),
     "inconsistent_values.yaml": (
         r"inconsistent_values\.yaml:2: .*heartbeat_timeout \(2\.0\) must be greater "
@@ -109,3 +118,10 @@ def test_a_truncated_trainer_checkpoint_is_refused_with_its_name(tmp_path: Path)
     (tmp_path / "step_1" / "trainer.json").write_text("{")
     with pytest.raises(ValueError, match="JSONDecodeError"):
         TorchTrainer(config).load_checkpoint(tmp_path / "step_1")
+
+
+def test_a_row_over_the_size_limit_is_refused_before_it_is_parsed(tmp_path: Path):
+    path = tmp_path / "big.jsonl"
+    path.write_text('{"prompt": "1+1="}\n{"prompt": "' + "x" * 5000 + '"}\n')
+    with pytest.raises(DataError, match=r"big\.jsonl:2: the row is 0\.0 MiB, over the 4096 bytes"):
+        PromptSource.open(PromptSource.Config(path=str(path), max_row_bytes=4096))

@@ -76,3 +76,17 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]):
 
     assert main(["version"]) == 0
     assert capsys.readouterr().out.strip() == __version__
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["chaos", "--every", "-1"], "argument --every: expected a number of seconds > 0"),
+        (["chaos", "--duration", "0"], "argument --duration: expected a number of seconds > 0"),
+        (["serve", "--port", "99999"], "argument --port: a TCP port is 0 to 65535, got 99999"),
+    ],
+)
+def test_out_of_range_numbers_are_refused_at_their_flag(argv, words, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and words in capsys.readouterr().err

@@ -377,3 +377,16 @@ def test_a_torch_engine_section_serves_the_trained_model_unless_told_otherwise()
     assert load_config(overrides=sim).rollout.engine.model_path is None  # sim: vocab only
     with pytest.raises(ConfigError, match="needs model_path"):
         load_config(overrides=["--rollout-engine-in-process", "false"])
+
+
+def test_flag_values_that_are_json_are_read_as_json_before_yaml():
+    # YAML 1.1 reads 1e-300 (no dot) as a string, inside a mapping as well.
+    model = ["--hf-checkpoint", "m"]
+    cfg = load_config(
+        overrides=[*model, "--rollout-sampling", '{"temperature": 1e-300, "top_p": 1}']
+    )
+    assert cfg.rollout.sampling == {"temperature": 1e-300, "top_p": 1}
+    cfg = load_config(
+        overrides=[*model, "--lr", "3e-6", "--buffer-filters", "[zero_reward_variance]"]
+    )
+    assert cfg.trainer.lr == 3e-6 and cfg.buffer.filters == ["zero_reward_variance"]

@@ -164,6 +164,19 @@ def test_training_sampling_the_trainer_cannot_reproduce_is_refused(job, capsys):
             "rollout.sampling sets repetition_penalty", "cannot reproduce penalties")  # fmt: skip
 
 
+def test_a_batch_larger_than_the_whole_data_is_refused(job, capsys):
+    flags, run = job
+    refused(capsys, [*flags, "--rollout-batch-size", str(10**12), "--num-epoch", "2"], run,
+            f"--rollout-batch-size) is {10**12} prompt groups a step",
+            f"the data holds {2 * len(ROWS)} prompts over all its epochs")  # fmt: skip
+
+
+def test_grpo_with_one_sample_per_prompt_is_refused(job, capsys):
+    flags, run = job
+    refused(capsys, [*flags, "--n-samples-per-prompt", "1"], run,
+            "grpo's advantages compare the samples", "--n-samples-per-prompt 2")  # fmt: skip
+
+
 def asyncio_run(coro):
     import asyncio
 

@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.actors.base import ActorSpec
 from asyncrl.runtime.local import LocalRuntime
-from asyncrl.runtime.supervisor import ActorDied, ActorHung, Supervisor
+from asyncrl.runtime.supervisor import ActorDied, ActorHung, ActorStatus, Supervisor
 from asyncrl.runtime.topology import allocate_endpoints
 from asyncrl.wire.control import ControlHub
 
@@ -160,7 +160,7 @@ async def restarting(tmp_path: Path) -> AsyncIterator[tuple[Supervisor, list[str
     to prepare a restart for (``before_restart``)."""
     prepared: list[str] = []
 
-    async def before_restart(spec: ActorSpec) -> None:
+    async def before_restart(spec: ActorSpec, status: ActorStatus) -> None:
         prepared.append(spec.name)
         await asyncio.sleep(float(spec.params.get("prepare_s", 0)))
 

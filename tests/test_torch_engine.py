@@ -312,3 +312,28 @@ async def test_cached_tokens_is_zero_for_new_resumed_and_retracted_requests(engi
 async def test_destroying_a_weights_update_group_that_was_never_joined_fails(engine):
     with pytest.raises(EngineError, match="does not exist"):
         await engine.destroy_weights_update_group("weight_update_group")
+
+
+async def test_a_request_whose_sampling_breaks_fails_alone_and_tiny_temperatures_are_greedy(
+    engine, tiny
+):
+    _, model, _ = tiny
+    vocab = model.config.vocab_size
+    # A bias of -1e39 is -inf in fp32: no token is left to sample (a 1e-300 temperature
+    # did the same, dividing the logits to inf, before it counted as greedy).
+    broken = {str(i): -1e39 for i in range(vocab)}
+    ids = PROMPTS[0]
+    normal, tiny_t, bad, greedy = await asyncio.gather(
+        run(engine, "ok", ids, max_new_tokens=16, ignore_eos=True, sampling_seed=1),
+        run(engine, "eps", ids, temperature=1e-300, max_new_tokens=16, ignore_eos=True),
+        run(engine, "bad", ids, max_new_tokens=16, logit_bias=broken),
+        run(engine, "t0", ids, temperature=0, max_new_tokens=16, ignore_eos=True),
+    )
+    assert bad.finish_reason.status_code == 400 and bad.output_ids == []
+    assert "sampling failed" in bad.finish_reason.message
+    assert len(normal.output_ids) == 16 and normal.finish_reason.type == "length"
+    assert tiny_t.output_ids == greedy.output_ids == hf_greedy(model, ids, 16)
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams(temperature=float("inf")).verify()
+    with pytest.raises(ValueError, match=r"n must be in \[1, 256\]"):
+        SamplingParams(n=100_000).verify()

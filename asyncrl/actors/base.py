@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,6 +53,8 @@ C = TypeVar("C", bound=_Channel)
 R = TypeVar("R", bound=contextlib.AbstractAsyncContextManager[Any])
 log = get_logger("asyncrl.actor")
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: Seconds past ``drain_timeout`` a stopping child process may take before it is ended.
+EXIT_GRACE_S = 10.0
 #: Commands every actor answers at once, even while its setup still runs.
 _ANYTIME = ("stop", "pause", "resume", "stats")
 
@@ -92,6 +94,12 @@ class Actor(ABC):
         self._channels: dict[str, _Channel] = {}
         self._stack = contextlib.AsyncExitStack()
         self._loop_lag = 0.0
+        #: Set by the child process (``runtime/child.py``): once a stop is asked for, the
+        #: process ends within ``drain_timeout + EXIT_GRACE_S`` even if a worker thread is
+        #: busy (in set-up, say) and would hold the interpreter's exit.
+        self.exit_watchdog = False
+        self._watchdog: threading.Timer | None = None
+        self._exit_code: int | None = None  # what main() returned, once it has
 
     # -- hooks for subclasses -------------------------------------------------------
     async def setup(self) -> None:  # noqa: B027 - optional hook
@@ -147,6 +155,20 @@ class Actor(ABC):
             self._stop_reason = reason
             log.info("stop requested", reason=reason)
             self._stop.set()
+            if self.exit_watchdog:
+                self._arm_watchdog()
+
+    def _arm_watchdog(self) -> None:
+        limit = self.spec.drain_timeout + EXIT_GRACE_S
+
+        def overdue() -> None:
+            code = self._exit_code
+            log.error("stop overran its time: exiting now", seconds=limit, state=self.state)
+            os._exit(1 if code is None else code)
+
+        self._watchdog = threading.Timer(limit, overdue)
+        self._watchdog.daemon = True
+        self._watchdog.start()
 
     @property
     def version(self) -> int:
@@ -162,6 +184,11 @@ class Actor(ABC):
         """Enter ``resource`` (an async context manager: engines, clients); it is closed
         after ``teardown()``, in reverse order with the channels."""
         return await self._stack.enter_async_context(resource)
+
+    def close_later(self, close: Callable[[], object]) -> None:
+        """Call ``close()`` after ``teardown()``, after the channels opened from now on are
+        closed (no request handler can run by then)."""
+        self._stack.callback(close)
 
     def open_metrics(self, path: str | Path, *, flush_every: float = 1.0) -> JsonlMetricsSink:
         """A JSONL metrics sink at ``path``, flushed and closed after ``teardown()``."""
@@ -209,7 +236,9 @@ class Actor(ABC):
             with contextlib.suppress(Exception):
                 _send_bye(self.spec.control, self.name, self._bye(ok, reason))
         log.info("actor exiting", ok=ok, reason=reason)
-        return 0 if ok else 1
+        # The watchdog stays armed: the interpreter's exit waits for busy worker threads.
+        self._exit_code = 0 if ok else 1
+        return self._exit_code
 
     def _failed(self, group: BaseException) -> str:
         self._permanent = is_permanent(group)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,11 +50,13 @@ from typing import Any
 import msgspec
 
 from asyncrl.actors.base import Actor, ActorSpec
+from asyncrl.buffer.accounting import FailureWatch
 from asyncrl.buffer.admission import fair_share
 from asyncrl.buffer.hub import Hub, HubState
 from asyncrl.buffer.journal import Journal, fsync_dir, read_journal
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import BufferStats, VersionedBuffer
+from asyncrl.errors import RunStateLost, SamplesFailing
 from asyncrl.observe.logs import get_logger
 from asyncrl.types import Group, TrainBatch, WorkItem
 from asyncrl.wire.codec import Codec, Message
@@ -166,18 +168,11 @@ def write_checkpoint(state: HubState, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def recover_hub(hub: Hub, checkpoint: Path, journal: Path | None, *, job: str | None = None) -> int:
-    """Load ``checkpoint`` (when it exists) into ``hub`` and replay ``journal`` after it;
+def recover_hub(hub: Hub, checkpoint: Path, journal: Path | None) -> int:
+    """Load ``checkpoint`` into ``hub`` (its job included) and replay ``journal`` after it;
     returns the records replayed. A journal of another lineage is older than the
-    checkpoint (a fresh start writes its checkpoint first) and is ignored. With ``job``,
-    a checkpoint another job wrote is ignored too (this job's first buffer died before
-    its first checkpoint, so nothing of this job was acknowledged yet)."""
-    if checkpoint.exists():
-        state = read_checkpoint(checkpoint)
-        if job is not None and state.job != job:
-            log.warning("checkpoint of another job ignored", checkpoint=str(checkpoint))
-            return 0
-        hub.load_state_dict(state)
+    checkpoint (a fresh start writes its checkpoint first) and is ignored."""
+    hub.load_state_dict(read_checkpoint(checkpoint))
     if journal is None or not journal.exists():
         return 0
     header, records = read_journal(journal)
@@ -207,16 +202,20 @@ class BufferActor(Actor):
         journal = Path(params["journal"]) if params.get("journal") else None
         fsync = bool(params.get("journal_fsync"))
         hub = Hub(self.buffer, Journal(journal, fsync=fsync) if journal else None)
+        if hub.journal is not None:
+            self.close_later(hub.journal.close)  # after the channels: no commit comes later
         hub.job = str(params.get("job", ""))
         self.checkpoint_path = Path(params["checkpoint"]) if params.get("checkpoint") else None
         if params.get("recover") or params.get("resume"):
-            await asyncio.to_thread(self._recover, hub, journal, bool(params.get("resume")))
+            await asyncio.to_thread(self._recover, hub, journal)
         self.hub = hub  # only now: stats() reads it, and recovery ran in a thread
         self._checkpoint()  # a fresh lineage's first, or what recovery rebuilt
         self.version = self.buffer.version
         self._waiters: set[asyncio.Future[None]] = set()
         self._aborted_at = -1
         self._outcomes: dict[str, int] = defaultdict(int)
+        cfg = self.buffer.config
+        self._failures = FailureWatch(cfg.failure_window, cfg.max_failed_share)
         self.colocate = bool(params.get("colocate", False))
         # Colocated: actor -> engines released; an actor not heard from yet is awake.
         self._asleep = dict.fromkeys(params.get("rollout_actors", []), False)
@@ -343,14 +342,29 @@ class BufferActor(Actor):
                 self._record(group)
             self._commit()
             received.ack()  # only once journaled: an unacked result is redelivered
+            self._check_failures()
             self._maybe_abort()
             self._notify()
 
     def _record(self, group: Group) -> None:
         outcome = self.hub.put(group)
         self._outcomes[outcome] += 1
+        self._failures.record(outcome)
         if outcome in ("failed", "filtered"):
             log.debug("group dropped", group=group.uid, outcome=outcome)
+
+    def _check_failures(self) -> None:
+        """End the job (a permanent error) once samples keep failing; see ``FailureWatch``."""
+        watch = self._failures
+        if not watch.tripped():
+            return
+        failed = Counter(self.buffer.ledger.failed).most_common(3)
+        reasons = "; ".join(f"{n} x [{reason}]" for reason, n in failed)
+        raise SamplesFailing(
+            f"samples keep failing: {sum(watch.recent)} of the last {watch.window} finished "
+            f"groups failed (limit buffer.max_failed_share {watch.max_share}); the commonest "
+            f"reasons over the run: {reasons}"
+        )
 
     def _maybe_abort(self) -> None:
         if self.buffer.should_abort() and self._aborted_at != self.buffer.version:
@@ -433,15 +447,37 @@ class BufferActor(Actor):
         return n
 
     # -- crash safety --------------------------------------------------------------------
-    def _recover(self, hub: Hub, journal: Path | None, new_job: bool) -> None:
-        start = time.monotonic()
+    def _recover(self, hub: Hub, journal: Path | None) -> None:
+        """Rebuild ``hub`` from the checkpoint and journal (module docstring).
+
+        A restart (``recover``) continues this job's state; a resumed job (``resume``)
+        takes the state another job left, makes it its own (a checkpoint and a fresh
+        journal first, so that a crash from here on recovers as this job) and requeues
+        what the old producers held. State that a previous incarnation wrote and that is
+        gone now (``state_expected``) is an error, never a fresh start."""
+        start, params = time.monotonic(), self.spec.params
         path = self.checkpoint_path
         if path is None:
             raise ValueError("buffer recovery needs params.checkpoint")
+        self._check_state_kept(path, journal, bool(params.get("state_expected")))
+        if not path.exists():
+            log.warning("no buffer checkpoint yet: the buffer starts fresh", checkpoint=str(path))
+            return
         job = hub.job
-        replayed = recover_hub(hub, path, journal, job=None if new_job else job)
-        hub.job = job  # a resumed run's checkpoints are this job's from now on
-        requeued = hub.requeue_all() if new_job else 0
+        replayed = recover_hub(hub, path, journal)
+        written_by, hub.job = hub.job, job
+        if written_by != job and not params.get("resume"):
+            raise RunStateLost(
+                f"{path} holds the buffer of another job ({written_by}), not this one's: "
+                "the run directory was reused; continue that run with --resume or "
+                "start over with --overwrite"
+            )
+        # A resumed job's first buffer takes the old job's state; so does a restart of it
+        # that died before making that state its own (the checkpoint is still the old one).
+        requeued = 0
+        if params.get("resume") and (not params.get("recover") or written_by != job):
+            self._persist(hub)
+            requeued = hub.requeue_all()
         hub.commit()
         log.info(
             "buffer restored",
@@ -449,8 +485,23 @@ class BufferActor(Actor):
             version=self.buffer.version,
             journal_records=replayed,
             requeued=requeued,
+            resumed_from=written_by if written_by != job else None,
             seconds=round(time.monotonic() - start, 3),
         )
+
+    def _check_state_kept(self, path: Path, journal: Path | None, expected: bool) -> None:
+        """A previous incarnation of this buffer wrote a checkpoint and, with journaling,
+        a journal after it: both must still be there."""
+        if not expected:
+            return
+        missing = [p for p in (path, journal) if p is not None and not p.exists()]
+        if missing:
+            names = " and ".join(str(p) for p in missing)
+            raise RunStateLost(
+                f"the buffer's state is gone ({names} deleted or moved while the job ran): "
+                "restarting from nothing would hand out prompts the trainer has consumed "
+                "again. Restore the files, or start a new run"
+            )
 
     def _commit(self) -> None:
         """Journal what changed before anyone hears of it. A failed write leaves memory
@@ -467,9 +518,14 @@ class BufferActor(Actor):
         if self.checkpoint_path is None:
             return
         self._commit()
-        write_checkpoint(self.hub.state_dict(), self.checkpoint_path)
-        if self.hub.journal is not None:
-            self.hub.journal.reset(self.hub.lineage, self.hub.journal_seq + 1)
+        self._persist(self.hub)
+
+    def _persist(self, hub: Hub) -> None:
+        """Write ``hub``'s committed state as the checkpoint and start the journal after it."""
+        assert self.checkpoint_path is not None
+        write_checkpoint(hub.state_dict(), self.checkpoint_path)
+        if hub.journal is not None:
+            hub.journal.reset(hub.lineage, hub.journal_seq + 1)
         self._checkpointed_at = time.monotonic()
 
     async def _checkpoint_loop(self) -> None:
@@ -486,10 +542,6 @@ class BufferActor(Actor):
     async def drain(self) -> None:
         self._write_metrics()  # the last row holds the final accounting
         self._checkpoint()
-
-    async def teardown(self) -> None:
-        if self.hub is not None and self.hub.journal is not None:
-            self.hub.journal.close()
 
     def stats(self) -> dict[str, float]:
         if self.hub is None:

@@ -39,14 +39,17 @@ import contextlib
 import json
 import os
 import secrets
+import signal
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.base import ActorSpec
 from asyncrl.config import RunConfig
+from asyncrl.errors import InputError
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.progress import JobProgress
 from asyncrl.observe.trackers import TensorBoardTracker, Tracker, WandbTracker, following
@@ -54,7 +57,8 @@ from asyncrl.preflight import PreflightError, preflight, tool_schemas
 from asyncrl.runtime.base import PlacementFailed, open_runtime, place_job
 from asyncrl.runtime.chaos import Chaos
 from asyncrl.runtime.recovery import RestartHooks, restart_budgets
-from asyncrl.runtime.supervisor import ActorDied, Supervisor
+from asyncrl.runtime.run_dir import claim_run_dir
+from asyncrl.runtime.supervisor import ActorDied, Supervisor, signal_reason
 from asyncrl.runtime.topology import job_specs, rollout_actor_names
 from asyncrl.wire import security
 from asyncrl.wire.control import ControlHub
@@ -74,6 +78,7 @@ DUMPER_CLASS = "asyncrl.actors.dumper:BatchDumper"
 _UNBOUNDED = 1 << 30
 #: Seconds a finished trainer keeps serving its final weights for the eval actor to pull.
 _FINAL_LINGER_S = 120.0
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass
@@ -86,16 +91,24 @@ class JobResult:
     error: str = ""
     codes: dict[str, int | None] = field(default_factory=dict)
     restarts: list[str] = field(default_factory=list)  # "actor: cause" per restart survived
+    interrupted: str = ""  # the signal (SIGINT: Ctrl-C) that stopped the job early
 
 
 async def run_job(
-    cfg: RunConfig, *, resume: bool = False, chaos: Chaos | None = None, checked: bool = False
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    chaos: Chaos | None = None,
+    checked: bool = False,
 ) -> JobResult:
     """Run ``cfg`` to its end; never raises for actor failures (see ``JobResult.error``).
 
     ``preflight`` checks the job first (unless the caller did: ``checked``); a job that
-    fails it starts no actor. ``chaos`` kills actors on its schedule while the job runs
-    (``asyncrl chaos``).
+    fails it starts no actor. The run directory is claimed for the job's life
+    (``runtime/run_dir.py``: one job at a time; a run in it is continued with ``resume``
+    or deleted first with ``overwrite``). ``chaos`` kills actors on its schedule while
+    the job runs (``asyncrl chaos``).
     """
     start = time.monotonic()
     if not checked:
@@ -103,6 +116,19 @@ async def run_job(
             await asyncio.to_thread(preflight, cfg)
         except PreflightError as exc:
             return JobResult(ok=False, seconds=time.monotonic() - start, error=str(exc))
+    with contextlib.ExitStack() as claim:
+        try:
+            claim.enter_context(
+                claim_run_dir(cfg.resolved_output_dir(), resume=resume, overwrite=overwrite)
+            )
+        except InputError as exc:
+            return JobResult(ok=False, seconds=time.monotonic() - start, error=str(exc))
+        return await _run_claimed(cfg, resume=resume, chaos=chaos, start=start)
+
+
+async def _run_claimed(
+    cfg: RunConfig, *, resume: bool, chaos: Chaos | None, start: float
+) -> JobResult:
     run_dir = cfg.resolved_output_dir()
     specs = job_actor_specs(cfg, {}, run_dir, resume=resume)
     result = JobResult(ok=False, seconds=0.0)
@@ -131,7 +157,11 @@ async def run_job(
             )
             async with sup:
                 async with _chaos_running(chaos, sup):
-                    result.error = await _train(sup, specs, cfg)
+                    with _interruptible() as interrupt:
+                        result.error = await _train(sup, specs, cfg, interrupt)
+                    if interrupt.is_set():
+                        result.interrupted = interrupt.signal
+                        result.error = result.error or f"stopped by {interrupt.signal}"
                     # Producers first: what they hold lands in the buffer before it stops.
                     # Then their engines, which serve no one else (and are not restarted
                     # for a rollout actor that is gone).
@@ -147,7 +177,13 @@ async def run_job(
                 result.codes = await sup.stop_all(cfg.runtime.stop_timeout)
             result.restarts = [f"{d.name}: {d.reason}" for d in sup.deaths]
     result.steps = _last_step(run_dir / "metrics.jsonl")
-    result.ok = not result.error and all(code == 0 for code in result.codes.values())
+    trains = cfg.train.num_steps > 0 and not cfg.train.debug_rollout_only
+    if not result.error and trains and result.steps == 0:
+        result.error = _nothing_trained(run_dir / "metrics" / "buffer.jsonl")
+    unclean = {name: code for name, code in result.codes.items() if code != 0}
+    if not result.error and unclean:
+        result.error = _stopped_uncleanly(unclean)
+    result.ok = not result.error
     result.seconds = time.monotonic() - start
     return result
 
@@ -174,16 +210,53 @@ async def _curve(cfg: RunConfig) -> AsyncIterator[None]:
         yield
 
 
-async def _train(sup: Supervisor, specs: list[ActorSpec], cfg: RunConfig) -> str:
-    """Launch ``specs`` and wait for the trainer's last step, with a progress bar; the
-    failure that ended it early, or ''."""
+class _Interrupt(asyncio.Event):
+    """Set by the first SIGINT or SIGTERM to the controller; ``signal`` names it."""
+
+    signal = ""
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[_Interrupt]:
+    """The first Ctrl-C (or SIGTERM) stops the job in order, as its end does: producers,
+    engines, then the trainer, which checkpoints, then the buffer; a second one is a
+    ``KeyboardInterrupt`` at once. Main thread only (elsewhere signals are not ours)."""
+    interrupt = _Interrupt()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupt
+        return
+    loop = asyncio.get_running_loop()
+
+    def first(sig: signal.Signals) -> None:
+        interrupt.signal = sig.name
+        interrupt.set()
+        for s in _STOP_SIGNALS:  # the next one: Python's default
+            loop.remove_signal_handler(s)
+        log.warning(f"{sig.name}: stopping the job in order; the trainer checkpoints "
+                    "(press Ctrl-C again to abort at once)")  # fmt: skip
+
+    for s in _STOP_SIGNALS:
+        loop.add_signal_handler(s, first, s)
+    try:
+        yield interrupt
+    finally:
+        for s in _STOP_SIGNALS:
+            loop.remove_signal_handler(s)
+
+
+async def _train(
+    sup: Supervisor, specs: list[ActorSpec], cfg: RunConfig, interrupt: asyncio.Event
+) -> str:
+    """Launch ``specs`` and wait for the trainer's last step (or ``interrupt``), with a
+    progress bar; the failure that ended it early, or ''."""
     samples_per_step = cfg.buffer.groups_per_step * cfg.buffer.num_samples_per_prompt
     progress = JobProgress(cfg.train.num_steps, samples_per_step)
     async with asyncio.TaskGroup() as tg:
         bar = tg.create_task(progress.run(sup.status), name="controller.progress")
         try:
             await sup.launch(specs)
-            await sup.wait_until(lambda st: st["trainer"].state == "finished")
+            # Re-checked at every status change: heartbeats come at least every second.
+            await sup.wait_until(lambda st: interrupt.is_set() or st["trainer"].state == "finished")
         except ActorDied as exc:
             return str(exc)
         except Exception as exc:  # an actor that could not be started (placement, Ray)
@@ -234,6 +307,38 @@ def open_trackers(cfg: RunConfig, run_dir: Path) -> list[Tracker]:
         )
         trackers.append(wandb)
     return trackers
+
+
+def _stopped_uncleanly(codes: dict[str, int | None]) -> str:
+    """The job ran to its end, but these actors had to be killed at the stop (hung, or
+    stopped by SIGSTOP): what they would have written last (a final checkpoint, metrics)
+    may be missing, though --resume recovers from the journal and earlier checkpoints."""
+    how = ", ".join(
+        f"{name} {'never exited' if code is None else signal_reason(code)}"
+        for name, code in codes.items()
+    )
+    return (
+        f"the job ran to its end but did not stop cleanly: {how} (it ignored the stop "
+        "command and SIGTERM: hung, or paused by SIGSTOP); see its log in RUN_DIR/logs"
+    )
+
+
+def _nothing_trained(buffer_metrics: Path) -> str:
+    """Why a job that ran to its end trained no step, from the buffer's last counts."""
+    rows = buffer_metrics.read_text().splitlines() if buffer_metrics.exists() else []
+    row = json.loads(rows[-1]) if rows else {}
+
+    def ended(kind: str) -> str:
+        counts = {k.removeprefix(f"buffer.{kind}."): v for k, v in row.items()
+                  if k.startswith(f"buffer.{kind}.")}  # fmt: skip
+        top = sorted(counts.items(), key=lambda kv: -kv[1])[:3]
+        return f"{int(sum(counts.values()))} {kind}" + (f" ({top})" if top else "")
+
+    return (
+        "the job trained nothing: the data ran out before one batch was ready; of "
+        f"{int(row.get('buffer.admitted', 0))} groups admitted, {ended('failed')}, "
+        f"{ended('filtered')} (see {buffer_metrics})"
+    )
 
 
 def final_policy_dir(run_dir: Path, steps: int) -> Path:

@@ -19,7 +19,7 @@ Users: ``VersionedBuffer``; its checkpoint carries ``state_dict()``.
 from __future__ import annotations
 
 import enum
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 from asyncrl.wire.codec import Message
@@ -163,3 +163,23 @@ class Ledger:
         self.filtered, self.failed = Counter(state["filtered"]), Counter(state["failed"])
         self._sizes = Counter(self.live.values())
         self.check()
+
+
+class FailureWatch:
+    """Whether samples keep failing: of the last ``window`` groups that finished (trained
+    material, filtered or failed), at least ``max_share`` failed. A job in that state
+    trains little or nothing, and its cause (data, reward code, sampling settings) does
+    not pass by itself. ``window`` 0 never trips."""
+
+    def __init__(self, window: int, max_share: float) -> None:
+        self.window, self.max_share = window, max_share
+        self.recent: deque[bool] = deque(maxlen=max(window, 1))
+
+    def record(self, outcome: str) -> None:
+        """One ``VersionedBuffer.put`` outcome; partials and duplicates have not finished."""
+        if outcome in ("stored", "filtered", "failed"):
+            self.recent.append(outcome == "failed")
+
+    def tripped(self) -> bool:
+        full = self.window > 0 and len(self.recent) == self.window
+        return full and sum(self.recent) >= self.max_share * self.window

@@ -50,6 +50,11 @@ _SLICE = re.compile(r"@\[(?P<body>[^\]]*)\]$")
 _STATE_VERSION = 1
 
 
+#: The largest row ``PromptSource`` accepts by default (its JSON line's bytes).
+MAX_ROW_BYTES = 8 * 2**20
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 class DataError(InputError):
     """Bad prompt data or a resume state that does not fit it; names file, line and problem."""
 
@@ -128,6 +133,11 @@ class PromptSource:
             None, ge=1, description="stop after this many prompts; overrides num_epochs if set"
         )
         name: str | None = Field(None, description="prefix of prompt ids; the file stem if null")
+        max_row_bytes: int = Field(
+            MAX_ROW_BYTES,
+            ge=1,
+            description="largest row accepted (bytes of its JSON line); a larger one is an error",
+        )
 
         @field_validator("path")
         @classmethod
@@ -158,7 +168,7 @@ class PromptSource:
         With a tokenizer each draw carries ``text`` and ``packed_prompt`` token ids; without
         one they are ``None`` and empty (a rollout workflow tokenises itself).
         """
-        file, data, start, stop, objs = _read_selected(config.path)
+        file, data, start, stop, objs = _read_selected(config.path, config.max_row_bytes)
         rows = [_check_row(where, obj, config, start + i) for i, (where, obj) in enumerate(objs)]
         _check_optional_keys(file, [obj for _, obj in objs], config)
         identity = {
@@ -371,15 +381,24 @@ def read_objects(spec: str) -> list[tuple[str, dict[str, Any]]]:
     Raises ``DataError`` for a missing or empty file, a bad slice or a row that is not an
     object. Used by ``PromptSource`` and by the SFT data loader.
     """
-    return _read_selected(spec)[4]
+    return _read_selected(spec, MAX_ROW_BYTES)[4]
 
 
-def _read_selected(spec: str) -> tuple[str, bytes, int, int, list[tuple[str, dict[str, Any]]]]:
+def _read_selected(
+    spec: str, max_row_bytes: int
+) -> tuple[str, bytes, int, int, list[tuple[str, dict[str, Any]]]]:
     file, rows_slice = split_path(spec)
     data = _read_bytes(file)
     raw_rows = _read_raw_rows(file, data)
     start, stop = _select(spec, file, rows_slice, len(raw_rows))
-    return file, data, start, stop, [(w, _as_object(w, raw)) for w, raw in raw_rows[start:stop]]
+    selected = raw_rows[start:stop]
+    for where, raw in selected:
+        if isinstance(raw, bytes) and len(raw) > max_row_bytes:
+            raise DataError(
+                f"{where}: the row is {len(raw) / 2**20:.1f} MiB, over the {max_row_bytes} "
+                "bytes allowed (data.max_row_bytes): no prompt that long fits a context"
+            )
+    return file, data, start, stop, [(w, _as_object(w, raw)) for w, raw in selected]
 
 
 def _read_raw_rows(file: str, data: bytes) -> list[tuple[str, Any]]:
@@ -425,11 +444,20 @@ def _check_row(where: str, obj: dict[str, Any], config: PromptSource.Config, ind
 
 def _decode(where: str, line: bytes) -> Any:
     try:
-        return json.loads(line)
+        obj = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         hint = " (.json files are read as JSON lines, one object per line)"
         hint = hint if where.rpartition(":")[0].endswith(".json") else ""
         raise DataError(f"{where}: invalid JSON: {exc}{hint}") from None
+    if _SURROGATE_ESCAPE.search(line):  # only an escape can smuggle a lone surrogate in
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise DataError(
+                f"{where}: a lone UTF-16 surrogate escape ({exc.object[exc.start]!r}) is not "
+                "text: no tokenizer or message frame can encode it; fix or drop the row"
+            ) from None
+    return obj
 
 
 def _check_prompt(where: str, key: str, value: Any) -> str | list[ChatMessage]:

@@ -123,6 +123,16 @@ class VersionedBuffer:
         mask_resumed_tokens: bool = Field(
             False, description="Take tokens generated before an APRIL resume out of the loss."
         )
+        max_failed_share: float = Field(
+            0.9,
+            gt=0.0,
+            le=1.0,
+            description="End the job once this share of the last failure_window finished "
+            "groups failed (1.0: only when all of them did).",
+        )
+        failure_window: int = Field(
+            32, ge=0, description="Finished groups max_failed_share is judged over; 0: never."
+        )
 
         @model_validator(mode="after")
         def _hard_at_least_eta(self) -> VersionedBuffer.Config:

@@ -14,6 +14,7 @@ tests drive engines directly.
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal, Protocol
@@ -24,6 +25,10 @@ PauseMode = Literal["abort", "in_place", "retract"]
 
 #: Constrained-decoding keys SGLang accepts; this server refuses them with a clear 400.
 UNSUPPORTED_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+#: Below this temperature sampling is greedy (SGLang's ``_SAMPLING_EPS``).
+SAMPLING_EPS = 1e-6
+#: The most completions one request may ask for (``n``): each is a sequence in the batch.
+MAX_N = 256
 
 
 class EngineError(ValueError):
@@ -74,14 +79,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (self.min_new_tokens >= 0, "min_new_tokens must be >= 0"),
             (self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens,
              "min_new_tokens must be <= max_new_tokens"),
-            (self.temperature >= 0, "temperature must be >= 0"),
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             "temperature must be a finite number >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (disable) or >= 1"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]"),
-            (self.n >= 1, "n must be >= 1"),
+            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]"),
             (len(self.stop_strings) <= 32, "at most 32 stop strings"),
             (self.stream_interval is None or self.stream_interval >= 0,
              "stream_interval must be >= 0 (0 or null: every token)"),
@@ -114,8 +120,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0 or top_k 1: take the argmax."""
-        return self.temperature == 0 or self.top_k == 1
+        """Temperature below ``SAMPLING_EPS`` or top_k 1: take the argmax. SGLang's rule:
+        dividing logits by a temperature that small overflows them to inf and NaN."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def logprob_temperature(self) -> float:

@@ -455,7 +455,14 @@ class TorchEngine:
         self._finish_checks()
 
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> int:
-        token, logprob, top = sample(logits.cpu(), seq.row, seq.req.top_logprobs_num)
+        try:
+            token, logprob, top = sample(logits.cpu(), seq.row, seq.req.top_logprobs_num)
+        except RuntimeError as exc:  # e.g. no finite probability left: this request alone
+            seq.finish = FinishReason(
+                type="abort", message=f"sampling failed: {exc}", status_code=400,
+                err_type="BadRequestError",
+            )  # fmt: skip
+            return 0  # a placeholder input for the row, which leaves at the finish check
         seq.output.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.version)

@@ -83,6 +83,7 @@ def main() -> None:
     except ValueError as exc:
         print(f"asyncrl actor: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    actor.exit_watchdog = True  # a stop ends this process in bounded time
     sys.exit(uvloop.run(actor.main()))
 
 

@@ -10,7 +10,9 @@ restarted trainer retrains them), the buffer needs its journal (``runtime.journa
 - rollout actor: the buffer first requeues the work it held (its partials resume
   elsewhere); asked again while the buffer itself is away (restarting), up to
   ``wait_s``;
-- buffer: starts with ``recover``: its checkpoint plus the journal;
+- buffer: starts with ``recover``: its checkpoint plus the journal (a resumed job's
+  buffer that died before its first checkpoint resumes again); once an incarnation has
+  run, a checkpoint or journal gone missing ends the job (``RunStateLost``);
 - trainer: starts with ``restart``: the newest checkpoint this job wrote, and its first
   request resyncs, so the buffer serves again every batch after that checkpoint;
 - engine actor: once up, its rollout actor reloads the weights it had into it before
@@ -38,7 +40,7 @@ from asyncrl.wire.messages import Command
 
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig
-    from asyncrl.runtime.supervisor import Supervisor
+    from asyncrl.runtime.supervisor import ActorStatus, Supervisor
     from asyncrl.wire.control import ControlHub
 
 log = get_logger("asyncrl.controller")
@@ -71,12 +73,15 @@ class RestartHooks:
         self.wait_s = wait_s
         self.engine_wait_s = engine_wait_s  # an engine's start-up (its model load) and more
 
-    async def before_restart(self, spec: ActorSpec) -> ActorSpec | None:
+    async def before_restart(self, spec: ActorSpec, status: ActorStatus) -> ActorSpec | None:
         """Prepare the restart of ``spec``; returns the spec to start, if changed."""
         if spec.role == "rollout":
             await self._requeue(spec.name)
         elif spec.role == "buffer":
-            return _with_params(spec, recover=True, resume=False)
+            # Once an incarnation got past its set-up, it wrote a checkpoint (and a
+            # journal): from then on, that state missing is an error, not a fresh start.
+            expected = bool(spec.params.get("state_expected")) or status.ran
+            return _with_params(spec, recover=True, state_expected=expected)
         elif spec.role == "trainer":
             return _with_params(spec, restart=True)
         return None

@@ -14,7 +14,8 @@ then SIGTERM, then SIGKILL).
 
 Restart policy (``restarts``: role -> most restarts per actor): a death or hang of an
 actor of such a role is logged with its evidence and kept in ``deaths``;
-``before_restart(spec)`` runs and may return the spec to start instead (the controller
+``before_restart(spec, status)`` runs (``status.ran``: the dead incarnation got past its
+set-up) and may return the spec to start instead (the controller
 requeues a dead producer's in-flight work at the buffer, and starts a buffer or trainer
 in recovery mode), then the actor starts again, on the same endpoints, and must say
 Hello within ``startup_timeout``; then ``after_restart(spec)`` runs (the controller has
@@ -68,6 +69,7 @@ class ActorStatus:
     hello: bool = False
     restarts: int = 0
     hung: str = ""  # why the liveness check killed it (to restart with that reason)
+    ran: bool = False  # this incarnation reported "running" (its setup finished)
 
 
 class ActorDied(RuntimeError):
@@ -96,7 +98,8 @@ class Supervisor:
         heartbeat_timeout: float = 10.0,
         startup_timeout: float = 120.0,
         restarts: Mapping[str, int] | None = None,
-        before_restart: Callable[[ActorSpec], Awaitable[ActorSpec | None]] | None = None,
+        before_restart: Callable[[ActorSpec, ActorStatus], Awaitable[ActorSpec | None]]
+        | None = None,
         after_restart: Callable[[ActorSpec], Awaitable[None]] | None = None,
     ) -> None:
         self.runtime, self.hub = runtime, hub
@@ -264,6 +267,7 @@ class Supervisor:
                 st.hello, st.pid = True, msg.pid
             elif isinstance(msg, Heartbeat):
                 st.state, st.version, st.stats = msg.state, msg.version, msg.stats
+                st.ran = st.ran or msg.state in ("running", "draining")
                 st.heartbeats += 1
             elif isinstance(msg, Bye):
                 st.bye, st.state = msg, "stopped" if msg.ok else "failed"
@@ -283,7 +287,7 @@ class Supervisor:
         st.exit_code = code
         if st.bye is None or st.state not in ("stopped", "failed"):
             st.state = "exited"
-        reason = st.hung or (st.bye.reason if st.bye else handle.cause or _signal_reason(code))
+        reason = st.hung or (st.bye.reason if st.bye else handle.cause or signal_reason(code))
         if self._winding_down(handle.spec.name) and code != 0:
             log.warning(
                 "actor stopped uncleanly", actor=handle.spec.name, exit_code=code, reason=reason
@@ -334,11 +338,11 @@ class Supervisor:
 
     async def _start_again(self, name: str, spec: ActorSpec, st: ActorStatus) -> None:
         if self.before_restart is not None:
-            spec = await self.before_restart(spec) or spec
+            spec = await self.before_restart(spec, st) or spec
             self.specs[name] = spec
         if self._winding_down(name):
             return  # it is being stopped: nothing to restart for
-        st.hello, st.bye, st.hung, st.state = False, None, "", "restarting"
+        st.hello, st.bye, st.hung, st.state, st.ran = False, None, "", "restarting", False
         st.exit_code, st.last_seen = None, time.monotonic()
         handle = await self.runtime.start(spec)
         self.handles[name], st.pid = handle, handle.pid
@@ -383,7 +387,8 @@ class Supervisor:
                     self.runtime.kill(handle)  # its exit restarts it when the policy allows
 
 
-def _signal_reason(code: int) -> str:
+def signal_reason(code: int) -> str:
+    """An exit code in words: 'killed by SIGKILL', 'exited'."""
     if code < 0:
         import signal
 

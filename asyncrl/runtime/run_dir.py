@@ -1,0 +1,141 @@
+"""A run directory belongs to one job at a time, and a fresh job does not reuse a run.
+
+``claim_run_dir(run_dir, resume=..., overwrite=...)`` is held for a job's whole life:
+
+- an exclusive ``flock`` on ``RUN_DIR/.lock`` (the holder's pid, host and start time are
+  written into it, for the refusal's message). The kernel drops the lock when the holder
+  exits however it exits, so a SIGKILLed controller leaves no stale lock; a second job in
+  the same directory is refused (``RunDirInUse``) before it writes anything there;
+- a directory that holds a run (trainer checkpoints, ``metrics.jsonl`` or
+  ``trained.jsonl``) is continued with ``resume``, cleared first with ``overwrite``
+  (asyncrl's own files only, never anything else a user keeps there), and otherwise
+  refused (``RunDirHoldsRun``): a fresh job in it would mix its metrics, checkpoints
+  and journal with the old run's.
+
+A claim is re-entrant within a process (the CLI claims before it opens the run's log,
+``run_job`` claims again), and released when the outermost claim ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from asyncrl.errors import InputError
+
+#: What asyncrl writes in a run directory; ``overwrite`` removes these and nothing else.
+RUN_FILES = (
+    "checkpoints", "logs", "metrics", "metrics.jsonl", "trained.jsonl", "config.json",
+    "chaos.json", "plots", "rollout_data", "tensorboard", "weights",
+)  # fmt: skip
+_LOCK = ".lock"
+_held: dict[Path, tuple[int, int]] = {}  # resolved run dir -> (lock fd, claim depth)
+
+
+class RunDirInUse(InputError):
+    """Another live job holds the run directory."""
+
+
+class RunDirHoldsRun(InputError):
+    """A fresh job was pointed at a directory that holds a run."""
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run's progress: trained steps or checkpoints."""
+    checkpoints = run_dir / "checkpoints"
+    has_checkpoints = checkpoints.is_dir() and any(checkpoints.iterdir())
+    progress = any((run_dir / f).exists() for f in ("metrics.jsonl", "trained.jsonl"))
+    return has_checkpoints or progress
+
+
+@contextlib.contextmanager
+def claim_run_dir(
+    run_dir: Path, *, resume: bool = False, overwrite: bool = False
+) -> Iterator[None]:
+    """Hold ``run_dir`` for one job (module docstring)."""
+    if resume and overwrite:
+        raise InputError(
+            "--resume continues the run in the directory and --overwrite deletes it: give one"
+        )
+    key = _make(run_dir).resolve()
+    if key in _held:
+        fd, depth = _held[key]
+        _held[key] = (fd, depth + 1)
+    else:
+        _held[key] = (_lock(key), 1)
+        try:
+            _check_fresh(key, resume=resume, overwrite=overwrite)
+        except BaseException:
+            _release(key)
+            raise
+    try:
+        yield
+    finally:
+        _release(key)
+
+
+def _make(run_dir: Path) -> Path:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot create the run directory {run_dir}: {exc.strerror}") from None
+    return run_dir
+
+
+def _lock(run_dir: Path) -> int:
+    """An exclusive lock on ``run_dir``'s lock file, with this process's name in it."""
+    fd = os.open(run_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise RunDirInUse(
+            f"the run directory {run_dir} is in use by another job ({holder}); wait for it "
+            "to end, stop it, or give this job another --output-dir"
+        ) from None
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%FT%T%z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    return fd
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        who = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {who['pid']} on {who['host']}, since {who['since']}"
+    except (ValueError, KeyError, OSError):
+        return "holder unknown"
+
+
+def _check_fresh(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    if resume or not holds_run(run_dir):
+        return
+    if not overwrite:
+        raise RunDirHoldsRun(
+            f"{run_dir} holds a run (checkpoints or metrics): continue it with --resume, "
+            "start over with --overwrite (deletes that run's files), or give this job "
+            "another --output-dir"
+        )
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def _release(key: Path) -> None:
+    fd, depth = _held[key]
+    if depth > 1:
+        _held[key] = (fd, depth - 1)
+        return
+    del _held[key]
+    os.close(fd)  # closing the only descriptor drops the flock

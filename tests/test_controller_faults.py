@@ -1,0 +1,124 @@
+"""Faults outside the actors: the controller SIGKILLed and the job resumed, the run's
+checkpoints deleted under a running job. Real processes, real kills, then the audit of
+``trained.jsonl``: no group trained twice, and a job that cannot go on exactly says so and
+ends non-zero instead of starting over."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.cli import main
+from asyncrl.runtime.chaos import audit_run
+from tests.test_train import LONG_RUN, job_flags, kill_mid_run, lines, write_prompts
+from tests.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+AUDITED = ["--train-audit-log", "true", "--save-interval", "2"]
+
+
+def actor_pids(run_dir: Path) -> list[int]:
+    pids = []
+    for log in (run_dir / "logs").glob("*.jsonl"):
+        first = lines(log)[:1]
+        if first and log.stem != "controller":
+            pids.append(int(json.loads(first[0])["pid"]))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_job_resumed_after_its_controller_was_sigkilled_trains_no_group_twice(tmp_path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=32)
+    run_dir = tmp_path / "run"
+    flags = [*job_flags(tmp_path, steps=40), *LONG_RUN, *AUDITED]
+    code = "import sys; from asyncrl.cli import main; sys.exit(main(sys.argv[1:]))"
+    first = subprocess.Popen([sys.executable, "-c", code, "train", *flags])
+    try:
+        wait_for(lambda: len(lines(run_dir / "metrics.jsonl")) >= 3, 180, "three steps")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    reached = len(lines(run_dir / "metrics.jsonl"))
+    assert reached < 12, "the first run got too far for the test to mean anything"
+    # Its actors notice their controller is gone and exit; the user waits for that.
+    wait_for(lambda: not any(alive(p) for p in actor_pids(run_dir)), 120, "orphans to exit")
+    # The user resumes with another step count than the first run asked for.
+    resumed = [*job_flags(tmp_path, steps=12), *LONG_RUN, *AUDITED]
+    assert main(["train", *resumed, "--resume"]) == 0
+    audit = audit_run(run_dir, 12)
+    assert audit.ok, audit.problems
+    assert audit.duplicated == 0 and audit.lost == 0 and audit.final_version == 12
+    buffer_log = [json.loads(x) for x in lines(run_dir / "logs" / "buffer.jsonl")]
+    restored = [r for r in buffer_log if r["event"] == "buffer restored"]
+    assert restored and restored[-1]["resumed_from"], restored  # the old job's state, not fresh
+
+
+async def test_deleted_checkpoints_and_a_buffer_crash_end_the_job_instead_of_starting_over(
+    tmp_path,
+):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=32)
+    run_dir = tmp_path / "run"
+    flags = [*job_flags(tmp_path, steps=60), *LONG_RUN, *AUDITED]
+    # No timed buffer checkpoint that could write the state back before the kill.
+    flags += ["--runtime-buffer-checkpoint-interval", "3600"]
+    _, result = await kill_mid_run(
+        run_dir, "buffer", flags, before_kill=lambda: shutil.rmtree(run_dir / "checkpoints")
+    )
+    assert not result.ok
+    assert "the buffer's state is gone" in result.error, result.error
+    assert "not restarted" in result.error  # a restart would find the same directory
+    audit = audit_run(run_dir, 0)
+    assert audit.duplicated == 0, audit
+
+
+def test_ctrl_c_stops_the_job_in_order_and_says_how_to_go_on(tmp_path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=32)
+    run_dir = tmp_path / "run"
+    flags = [*job_flags(tmp_path, steps=200), *LONG_RUN, *AUDITED]
+    code = "import sys; from asyncrl.cli import main; sys.exit(main(sys.argv[1:]))"
+    job = subprocess.Popen(
+        [sys.executable, "-c", code, "train", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(lambda: len(lines(run_dir / "metrics.jsonl")) >= 2, 180, "two steps")
+        job.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the controller
+        out, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 130, out
+    assert "train stopped by SIGINT" in out and "--resume" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    trainer = [json.loads(x) for x in lines(run_dir / "logs" / "trainer.jsonl")]
+    assert trainer[-1]["event"] == "actor exiting" and trainer[-1]["ok"], trainer[-1]
+    steps = len(lines(run_dir / "metrics.jsonl"))
+    # The trainer drained: its last step is checkpointed, so --resume loses nothing.
+    assert (run_dir / "checkpoints" / "trainer" / f"step_{steps:06d}").is_dir()

@@ -1,0 +1,92 @@
+"""A run directory belongs to one job, and a fresh job does not reuse a run
+(``asyncrl/runtime/run_dir.py``): a second job is refused while the first runs, a run is
+continued with --resume or deleted with --overwrite, and nothing else a user keeps there
+is touched."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.cli import main
+from asyncrl.errors import InputError
+from asyncrl.runtime.run_dir import RunDirHoldsRun, RunDirInUse, claim_run_dir
+from tests.test_train import job_flags, write_prompts
+from tests.tiny_model import build_tiny_model
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from asyncrl.runtime.run_dir import claim_run_dir
+with claim_run_dir(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_second_job_is_refused_while_another_process_holds_the_directory(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirInUse, match=rf"in use by another job \(pid {holder.pid} on"):
+            with claim_run_dir(tmp_path / "run"):
+                pass
+    finally:
+        holder.kill()  # a killed holder leaves no stale lock: the kernel drops it
+        holder.wait()
+    with claim_run_dir(tmp_path / "run"):
+        with claim_run_dir(tmp_path / "run"):  # re-entrant in one process
+            pass
+
+
+def a_finished_run(run_dir: Path) -> None:
+    (run_dir / "checkpoints" / "trainer" / "step_000002").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "logs").mkdir(exist_ok=True)
+    (run_dir / "notes.txt").write_text("mine")
+
+
+def test_a_fresh_job_in_a_directory_with_a_run_is_refused_unless_resumed_or_overwritten(
+    tmp_path,
+):
+    run = tmp_path / "run"
+    with claim_run_dir(run):  # an empty (or log-only) directory is free to use
+        (run / "logs").mkdir()
+    with claim_run_dir(run):
+        pass
+    a_finished_run(run)
+    with pytest.raises(RunDirHoldsRun, match=r"holds a run.*--resume.*--overwrite"):
+        with claim_run_dir(run):
+            pass
+    with claim_run_dir(run, resume=True):
+        assert (run / "metrics.jsonl").exists()
+    with pytest.raises(InputError, match="give one"):
+        with claim_run_dir(run, resume=True, overwrite=True):
+            pass
+    with claim_run_dir(run, overwrite=True):
+        assert sorted(p.name for p in run.iterdir()) == [".lock", "notes.txt"]
+
+
+def test_a_run_directory_that_cannot_be_made_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InputError, match="cannot create the run directory"):
+        with claim_run_dir(tmp_path / "file" / "run"):
+            pass
+
+
+def test_train_refuses_a_directory_with_a_run_before_writing_anything(tmp_path, capsys):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    run = tmp_path / "run"
+    a_finished_run(run)
+    (run / "config.json").write_text('{"old": true}')
+    assert main(["train", *job_flags(tmp_path, steps=1)]) == 2
+    assert "holds a run" in capsys.readouterr().err
+    assert json.loads((run / "config.json").read_text()) == {"old": True}
+    assert not (run / "logs" / "controller.jsonl").exists()
