@@ -402,7 +402,9 @@ def _run_training(cfg: Any, *, resume: bool, overwrite: bool = False, chaos: Any
     run_dir = cfg.resolved_output_dir()
     with contextlib.ExitStack() as held:
         try:  # before the run's log and config.json are written: they may be another job's
-            held.enter_context(claim_run_dir(run_dir, resume=resume, overwrite=overwrite))
+            buffered = not cfg.train.load_rollout_data
+            claim = claim_run_dir(run_dir, resume=resume, overwrite=overwrite, buffered=buffered)
+            held.enter_context(claim)
         except InputError as exc:
             print(f"asyncrl: {exc}", file=sys.stderr)
             return 2
@@ -424,7 +426,14 @@ def _run_claimed(cfg: Any, run_dir: Path, *, resume: bool, chaos: Any) -> int:
     console = Console(width=None if sys.stdout.isatty() else 140)
     if chaos is not None:
         return _run_chaos(cfg, console, *chaos)
-    result = asyncio.run(run_job(cfg, resume=resume, checked=True))
+    try:
+        result = asyncio.run(run_job(cfg, resume=resume, checked=True))
+    except KeyboardInterrupt:  # before the job could stop in order, or a second Ctrl-C
+        console.print(
+            "[red]train aborted[/red] by Ctrl-C: actors were stopped without a final "
+            f"checkpoint; --resume continues from the last one in {run_dir / 'checkpoints'}"
+        )
+        return 130
     for restart in result.restarts:
         console.print(f"[yellow]restarted after a crash[/yellow]: {restart}")
     if result.ok:

@@ -423,7 +423,8 @@ class RunConfig(Section):
         sample would train with zero loss, silently."""
         estimator = self.algo.advantage_estimator
         group_relative = ("grpo", "dr_grpo", "rloo", "gspo", "cispo", "reinforce_pp_baseline")
-        if estimator in group_relative and self.buffer.num_samples_per_prompt < 2:
+        trains = not self.train.debug_rollout_only
+        if trains and estimator in group_relative and self.buffer.num_samples_per_prompt < 2:
             raise KeyConflict(
                 f"{estimator}'s advantages compare the samples of a prompt's group: with "
                 "one sample per prompt each is 0 and nothing is learned; set "

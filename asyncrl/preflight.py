@@ -53,7 +53,7 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.data is not None:
         data = _source(cfg.data, "data", cfg, tokenizer, context, problems)
         if data is not None:
-            _collect(lambda: _batches_fill(cfg, data), problems)
+            _warn_short_data(cfg, data)
     for s in cfg.eval.sets if cfg.eval.enabled else []:
         sampling = s.sampling or cfg.rollout.sampling
         source = _eval_source(cfg, s)
@@ -143,17 +143,19 @@ def _eval_source(cfg: RunConfig, s: Any) -> PromptSource.Config:
     )  # fmt: skip
 
 
-def _batches_fill(cfg: RunConfig, data: PromptSource) -> None:
-    """A job whose whole data cannot fill one batch would run and train nothing."""
+def _warn_short_data(cfg: RunConfig, data: PromptSource) -> None:
+    """Data that cannot fill the steps asked for: the job ends early (the last batch may
+    be short), or trains nothing, which then fails it with the counts."""
     if cfg.train.debug_rollout_only or cfg.train.num_steps == 0:
         return
     prompts = data.config.num_rollouts or data.num_rows * data.config.num_epochs
-    need = cfg.buffer.groups_per_step
+    need = cfg.buffer.groups_per_step * cfg.train.num_steps
     if need > prompts:
-        raise ValueError(
-            f"buffer.groups_per_step (--rollout-batch-size) is {need} prompt groups a step, "
-            f"but the data holds {prompts} prompts over all its epochs: no batch can fill; "
-            "lower it or raise --num-epoch"
+        log.warning(
+            f"{cfg.train.num_steps} steps of {cfg.buffer.groups_per_step} prompt groups "
+            f"(--train-num-steps, --rollout-batch-size) need {need} prompts, but the data "
+            f"holds {prompts} over all its epochs: the job ends when they run out "
+            "(raise --num-epoch to go on)"
         )
 
 

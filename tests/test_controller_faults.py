@@ -5,6 +5,7 @@ ends non-zero instead of starting over."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -16,9 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.actors.controller import run_job
 from asyncrl.cli import main
+from asyncrl.config import load_config
 from asyncrl.runtime.chaos import audit_run
-from tests.test_train import LONG_RUN, job_flags, kill_mid_run, lines, write_prompts
+from asyncrl.runtime.run_dir import RunDirInUse, claim_run_dir
+from tests.test_train import LONG_RUN, job_flags, lines, write_prompts
 from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -33,6 +37,10 @@ def actor_pids(run_dir: Path) -> list[int]:
         if first and log.stem != "controller":
             pids.append(int(json.loads(first[0])["pid"]))
     return pids
+
+
+def pid_of(run_dir: Path, actor: str) -> int:
+    return int(json.loads(lines(run_dir / "logs" / f"{actor}.jsonl")[0])["pid"])
 
 
 def alive(pid: int) -> bool:
@@ -59,12 +67,19 @@ def test_a_job_resumed_after_its_controller_was_sigkilled_trains_no_group_twice(
     first = subprocess.Popen([sys.executable, "-c", code, "train", *flags])
     try:
         wait_for(lambda: len(lines(run_dir / "metrics.jsonl")) >= 3, 180, "three steps")
+        buffer = pid_of(run_dir, "buffer")
+        os.kill(buffer, signal.SIGSTOP)  # an orphan that is slow to stop
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
     reached = len(lines(run_dir / "metrics.jsonl"))
     assert reached < 12, "the first run got too far for the test to mean anything"
-    # Its actors notice their controller is gone and exit; the user waits for that.
+    # The orphaned actors still hold the run: a resume now is refused, not mixed in.
+    with pytest.raises(RunDirInUse, match="or its actors, which may still be stopping"):
+        with claim_run_dir(run_dir, resume=True):
+            pass
+    os.kill(buffer, signal.SIGCONT)
+    # They notice their controller is gone and exit; the user waits for that.
     wait_for(lambda: not any(alive(p) for p in actor_pids(run_dir)), 120, "orphans to exit")
     # The user resumes with another step count than the first run asked for.
     resumed = [*job_flags(tmp_path, steps=12), *LONG_RUN, *AUDITED]
@@ -77,20 +92,33 @@ def test_a_job_resumed_after_its_controller_was_sigkilled_trains_no_group_twice(
     assert restored and restored[-1]["resumed_from"], restored  # the old job's state, not fresh
 
 
-async def test_deleted_checkpoints_and_a_buffer_crash_end_the_job_instead_of_starting_over(
-    tmp_path,
+@pytest.mark.parametrize(
+    ("victim", "says"),
+    [("buffer", "the buffer's state is gone"), ("trainer", "the trainer's checkpoints in")],
+)
+async def test_deleted_checkpoints_and_a_crash_end_the_job_instead_of_starting_over(
+    tmp_path, victim, says
 ):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl", n=32)
     run_dir = tmp_path / "run"
-    flags = [*job_flags(tmp_path, steps=60), *LONG_RUN, *AUDITED]
+    flags = [*job_flags(tmp_path, steps=60), *LONG_RUN, "--train-audit-log", "true"]
+    flags += ["--save-interval", "1"]  # the trainer has a checkpoint from its first step on
     # No timed buffer checkpoint that could write the state back before the kill.
     flags += ["--runtime-buffer-checkpoint-interval", "3600"]
-    _, result = await kill_mid_run(
-        run_dir, "buffer", flags, before_kill=lambda: shutil.rmtree(run_dir / "checkpoints")
-    )
+    job = asyncio.create_task(run_job(load_config(overrides=flags)))
+    async with asyncio.timeout(120):
+        while len(lines(run_dir / "metrics.jsonl")) < 2:
+            assert not job.done(), job.result()
+            await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)  # a heartbeat tells the supervisor how far the victim got
+    pid = pid_of(run_dir, victim)
+    os.kill(pid, signal.SIGSTOP)  # it writes no checkpoint back before the kill
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # others may write there
+    os.kill(pid, signal.SIGKILL)
+    result = await job
     assert not result.ok
-    assert "the buffer's state is gone" in result.error, result.error
+    assert says in result.error, result.error
     assert "not restarted" in result.error  # a restart would find the same directory
     audit = audit_run(run_dir, 0)
     assert audit.duplicated == 0, audit

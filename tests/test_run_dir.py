@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,7 @@ def test_a_second_job_is_refused_while_another_process_holds_the_directory(tmp_p
 
 def a_finished_run(run_dir: Path) -> None:
     (run_dir / "checkpoints" / "trainer" / "step_000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "buffer.ckpt").write_bytes(b"state")
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "notes.txt").write_text("mine")
@@ -71,6 +73,22 @@ def test_a_fresh_job_in_a_directory_with_a_run_is_refused_unless_resumed_or_over
             pass
     with claim_run_dir(run, overwrite=True):
         assert sorted(p.name for p in run.iterdir()) == [".lock", "notes.txt"]
+    a_finished_run(run)
+    (run / "checkpoints" / "buffer.ckpt").unlink()
+    with pytest.raises(RunDirHoldsRun, match="trainer checkpoints but no buffer checkpoint"):
+        with claim_run_dir(run, resume=True):
+            pass
+    with claim_run_dir(run, resume=True, buffered=False):  # a train-only job has no buffer
+        pass
+
+
+def test_two_jobs_in_one_process_are_two_claims(tmp_path):
+    """Re-entrant within one flow of control, not across two jobs of one process."""
+    with claim_run_dir(tmp_path / "run"):
+        with ThreadPoolExecutor(1) as pool:  # another job's thread: a fresh context
+            other = pool.submit(lambda: claim_run_dir(tmp_path / "run").__enter__())
+            with pytest.raises(RunDirInUse):
+                other.result()
 
 
 def test_a_run_directory_that_cannot_be_made_is_a_clear_error(tmp_path):

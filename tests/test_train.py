@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -77,14 +76,11 @@ LONG_RUN = ["--rollout-max-groups", "2", "--num-epoch", "10",
             "--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 32}']  # fmt: skip
 
 
-async def kill_mid_run(
-    run_dir: Path, actor: str, flags: list[str], before_kill: Callable[[], object] = lambda: None
-) -> tuple[int, JobResult]:
-    """Run the job of ``flags``, SIGKILL ``actor`` once the trainer has stepped (right
-    after ``before_kill()``); the victim's pid and how the job ended."""
+async def kill_mid_run(run_dir: Path, actor: str, flags: list[str]) -> tuple[int, JobResult]:
+    """Run the job of ``flags``, SIGKILL ``actor`` once the trainer has stepped; the
+    victim's pid and how the job ended."""
     job = asyncio.create_task(run_job(load_config(overrides=flags)))
     victim = await pid_once_stepping(run_dir, actor, job)
-    before_kill()
     os.kill(victim, signal.SIGKILL)
     return victim, await job
 

@@ -94,7 +94,7 @@ class Actor(ABC):
         self._channels: dict[str, _Channel] = {}
         self._stack = contextlib.AsyncExitStack()
         self._loop_lag = 0.0
-        #: Set by the child process (``runtime/child.py``): once a stop is asked for, the
+        #: Set by the child process (``runtime/child.py``): after SIGTERM or SIGINT the
         #: process ends within ``drain_timeout + EXIT_GRACE_S`` even if a worker thread is
         #: busy (in set-up, say) and would hold the interpreter's exit.
         self.exit_watchdog = False
@@ -155,8 +155,15 @@ class Actor(ABC):
             self._stop_reason = reason
             log.info("stop requested", reason=reason)
             self._stop.set()
-            if self.exit_watchdog:
-                self._arm_watchdog()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        """A signal's stop, the one no supervisor may follow up on (an orphan's parent
+        death signal, a user's kill): with ``exit_watchdog`` it ends the process in bounded
+        time. A stop the actor asks for itself (a trainer's last step) is never cut short:
+        its final checkpoint may take longer."""
+        self.request_stop(sig.name)
+        if self.exit_watchdog and self._watchdog is None:
+            self._arm_watchdog()
 
     def _arm_watchdog(self) -> None:
         limit = self.spec.drain_timeout + EXIT_GRACE_S
@@ -218,7 +225,7 @@ class Actor(ABC):
         # the runtime stops the actor through a method call instead.
         signals = _SIGNALS if threading.current_thread() is threading.main_thread() else ()
         for sig in signals:
-            loop.add_signal_handler(sig, self.request_stop, sig.name)
+            loop.add_signal_handler(sig, self._on_signal, sig)
         ok, reason, said_bye = True, "stopped", False
         try:
             async with self._stack:

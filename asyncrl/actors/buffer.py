@@ -187,6 +187,11 @@ def recover_hub(hub: Hub, checkpoint: Path, journal: Path | None) -> int:
     return hub.replay(records)
 
 
+def _engine_was_down(group: Group) -> bool:
+    """A sample failed because its engine could not be reached (a remote engine restarting)."""
+    return any((s.error or "").startswith("EngineUnavailable") for s in group.samples)
+
+
 class BufferActor(Actor):
     """Serves work and batches from a ``VersionedBuffer``; see the module docstring."""
 
@@ -349,7 +354,8 @@ class BufferActor(Actor):
     def _record(self, group: Group) -> None:
         outcome = self.hub.put(group)
         self._outcomes[outcome] += 1
-        self._failures.record(outcome)
+        if not (outcome == "failed" and _engine_was_down(group)):
+            self._failures.record(outcome)  # an engine outage passes: not the job's fault
         if outcome in ("failed", "filtered"):
             log.debug("group dropped", group=group.uid, outcome=outcome)
 

@@ -42,7 +42,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,8 +118,9 @@ async def run_job(
             return JobResult(ok=False, seconds=time.monotonic() - start, error=str(exc))
     with contextlib.ExitStack() as claim:
         try:
+            run_dir, buffered = cfg.resolved_output_dir(), not cfg.train.load_rollout_data
             claim.enter_context(
-                claim_run_dir(cfg.resolved_output_dir(), resume=resume, overwrite=overwrite)
+                claim_run_dir(run_dir, resume=resume, overwrite=overwrite, buffered=buffered)
             )
         except InputError as exc:
             return JobResult(ok=False, seconds=time.monotonic() - start, error=str(exc))
@@ -244,6 +245,21 @@ def _interruptible() -> Iterator[_Interrupt]:
             loop.remove_signal_handler(s)
 
 
+async def _unless(interrupt: asyncio.Event, work: Coroutine[Any, Any, None]) -> None:
+    """Await ``work``, or cancel it once ``interrupt`` is set; its error is raised here."""
+    task = asyncio.create_task(work, name="controller.work")
+    stop = asyncio.create_task(interrupt.wait(), name="controller.interrupt")
+    try:
+        await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, stop):
+            t.cancel()
+        await asyncio.gather(task, stop, return_exceptions=True)
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        raise error
+
+
 async def _train(
     sup: Supervisor, specs: list[ActorSpec], cfg: RunConfig, interrupt: asyncio.Event
 ) -> str:
@@ -254,9 +270,8 @@ async def _train(
     async with asyncio.TaskGroup() as tg:
         bar = tg.create_task(progress.run(sup.status), name="controller.progress")
         try:
-            await sup.launch(specs)
-            # Re-checked at every status change: heartbeats come at least every second.
-            await sup.wait_until(lambda st: interrupt.is_set() or st["trainer"].state == "finished")
+            await _unless(interrupt, sup.launch(specs))  # a start-up may take minutes
+            await _unless(interrupt, sup.wait_until(lambda st: st["trainer"].state == "finished"))
         except ActorDied as exc:
             return str(exc)
         except Exception as exc:  # an actor that could not be started (placement, Ray)
@@ -313,20 +328,28 @@ def _stopped_uncleanly(codes: dict[str, int | None]) -> str:
     """The job ran to its end, but these actors had to be killed at the stop (hung, or
     stopped by SIGSTOP): what they would have written last (a final checkpoint, metrics)
     may be missing, though --resume recovers from the journal and earlier checkpoints."""
-    how = ", ".join(
-        f"{name} {'never exited' if code is None else signal_reason(code)}"
-        for name, code in codes.items()
-    )
-    return (
-        f"the job ran to its end but did not stop cleanly: {how} (it ignored the stop "
-        "command and SIGTERM: hung, or paused by SIGSTOP); see its log in RUN_DIR/logs"
-    )
+
+    def how(code: int | None) -> str:
+        if code is None:
+            return "never exited"
+        if code < 0:  # the supervisor's last resort: it ignored the stop and SIGTERM
+            return f"{signal_reason(code)} (hung, or paused by SIGSTOP)"
+        return f"exited with code {code} while stopping"
+
+    said = ", ".join(f"{name} {how(code)}" for name, code in codes.items())
+    return f"the job ran to its end but did not stop cleanly: {said}; see RUN_DIR/logs"
 
 
 def _nothing_trained(buffer_metrics: Path) -> str:
     """Why a job that ran to its end trained no step, from the buffer's last counts."""
     rows = buffer_metrics.read_text().splitlines() if buffer_metrics.exists() else []
-    row = json.loads(rows[-1]) if rows else {}
+    row: dict[str, Any] = {}
+    for line in reversed(rows):  # the last complete row (a kill may cut the last one)
+        try:
+            row = json.loads(line)
+            break
+        except ValueError:
+            continue
 
     def ended(kind: str) -> str:
         counts = {k.removeprefix(f"buffer.{kind}."): v for k, v in row.items()

@@ -35,6 +35,7 @@ of the run config (``PolicyConfig``) is read from ``spec.config``.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from pathlib import Path
@@ -44,6 +45,8 @@ from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.batches import BatchSource, BufferBatches, DumpedBatches
 from asyncrl.actors.buffer import BatchReply, BatchRequest
 from asyncrl.buffer.dump import BatchWriter
+from asyncrl.buffer.journal import fsync_dir
+from asyncrl.errors import RunStateLost
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.policies.config import PolicyConfig
@@ -217,6 +220,12 @@ class TrainerActor(Actor):
             path = _newest_checkpoint(root, job=params.get("job")) or path
         if not path and params.get("resume"):
             path = _newest_checkpoint(root)
+        if not path and params.get("restart") and params.get("checkpoint_expected"):
+            raise RunStateLost(
+                f"the trainer's checkpoints in {root} are gone (deleted or moved while the "
+                "job ran): a restart from the initial weights would silently lose the steps "
+                "trained. Restore them, or start a new run"
+            )
         if path:
             self.trainer.load_checkpoint(Path(path))
             log.info("trainer resumed", path=str(path), version=self.trainer.version)
@@ -300,11 +309,26 @@ def _save_atomically(trainer: Trainer, path: Path, job: str | None = None) -> No
     trainer.save_checkpoint(tmp)
     if job:
         (tmp / _JOB_FILE).write_text(job)
+    _fsync_tree(tmp)  # on disk before the buffer hears it is durable
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         path.rename(old)
     tmp.rename(path)
+    fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file under ``root`` and every directory entry, flushed to disk: a machine
+    crash after the buffer was told this checkpoint is durable must not lose it."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(Path(folder) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(folder))
 
 
 def _checkpoints(root: Path) -> list[Path]:

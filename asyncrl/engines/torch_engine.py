@@ -425,7 +425,7 @@ class TorchEngine:
                     s.req.top_logprobs_num,
                     temperature=s.row.params.logprob_temperature,
                 )
-        self._merge(seqs, out.past_key_values, mask, out.logits[:, -1, :].float())
+        self._merge(seqs, out.past_key_values, mask, out.logits[:, -1, :].float().cpu())
 
     def _merge(self, seqs: list[_Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
         tokens = [self._first_token(s, last[i]) for i, s in enumerate(seqs)]
@@ -450,13 +450,15 @@ class TorchEngine:
             use_cache=True,
         )
         b.cache, b.mask, b.positions = out.past_key_values, mask, b.positions + 1
-        logits = out.logits[:, -1, :].float()
+        logits = out.logits[:, -1, :].float().cpu()
         b.last = torch.tensor([self._sample(s, logits[i]) for i, s in enumerate(b.seqs)])
         self._finish_checks()
 
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> int:
+        """Sample ``seq``'s next token from its row of CPU ``logits`` (a device error
+        surfaces before this, where the whole batch fails)."""
         try:
-            token, logprob, top = sample(logits.cpu(), seq.row, seq.req.top_logprobs_num)
+            token, logprob, top = sample(logits, seq.row, seq.req.top_logprobs_num)
         except RuntimeError as exc:  # e.g. no finite probability left: this request alone
             seq.finish = FinishReason(
                 type="abort", message=f"sampling failed: {exc}", status_code=400,

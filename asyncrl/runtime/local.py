@@ -25,6 +25,7 @@ from types import TracebackType
 import msgspec
 
 from asyncrl.actors.base import ActorSpec
+from asyncrl.runtime.run_dir import lock_fds
 from asyncrl.runtime.topology import allocate_endpoints, endpoint_names
 
 _LINE_LIMIT = 1024 * 1024
@@ -153,6 +154,7 @@ class LocalRuntime:
             cwd=os.getcwd(),
             start_new_session=True,
             limit=_LINE_LIMIT,
+            pass_fds=lock_fds(self.run_dir),  # the run stays claimed while any actor lives
         )
         assert proc.stdin is not None
         proc.stdin.write(msgspec.json.encode(spec))

@@ -83,7 +83,13 @@ class RestartHooks:
             expected = bool(spec.params.get("state_expected")) or status.ran
             return _with_params(spec, recover=True, state_expected=expected)
         elif spec.role == "trainer":
-            return _with_params(spec, restart=True)
+            # A trainer that reported a version at or past its checkpoint interval wrote a
+            # checkpoint: the restart must find one, not start again from the base model.
+            interval = int(spec.params.get("checkpoint_interval") or 0)
+            wrote = bool(spec.params.get("checkpoint_expected")) or (
+                interval > 0 and status.version >= interval
+            )
+            return _with_params(spec, restart=True, checkpoint_expected=wrote)
         return None
 
     async def after_restart(self, spec: ActorSpec) -> None:

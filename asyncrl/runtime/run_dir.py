@@ -12,13 +12,19 @@
   refused (``RunDirHoldsRun``): a fresh job in it would mix its metrics, checkpoints
   and journal with the old run's.
 
-A claim is re-entrant within a process (the CLI claims before it opens the run's log,
-``run_job`` claims again), and released when the outermost claim ends.
+A claim is re-entrant within one flow of control (a ``ContextVar``: the CLI claims before
+it opens the run's log, ``run_job`` inside it claims again), and released when the
+outermost claim ends; two jobs in one process are two claims, and the second is refused.
+Local actor processes inherit the lock's descriptor (``lock_fds``), so the directory stays
+claimed until the last of them has exited: a controller SIGKILLed mid-run leaves actors
+that drain and write their last checkpoint for a few seconds, and a ``--resume`` started
+meanwhile is refused until they are gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fcntl
 import json
 import os
@@ -36,7 +42,10 @@ RUN_FILES = (
     "chaos.json", "plots", "rollout_data", "tensorboard", "weights",
 )  # fmt: skip
 _LOCK = ".lock"
-_held: dict[Path, tuple[int, int]] = {}  # resolved run dir -> (lock fd, claim depth)
+#: The run directories this flow of control holds, resolved, with their lock descriptors.
+_claimed: contextvars.ContextVar[dict[Path, int] | None] = contextvars.ContextVar(
+    "asyncrl_run_dirs", default=None
+)
 
 
 class RunDirInUse(InputError):
@@ -57,28 +66,37 @@ def holds_run(run_dir: Path) -> bool:
 
 @contextlib.contextmanager
 def claim_run_dir(
-    run_dir: Path, *, resume: bool = False, overwrite: bool = False
+    run_dir: Path, *, resume: bool = False, overwrite: bool = False, buffered: bool = True
 ) -> Iterator[None]:
-    """Hold ``run_dir`` for one job (module docstring)."""
+    """Hold ``run_dir`` for one job (module docstring); ``buffered``: the job has a
+    buffer (a train-only job from rollout files has none), whose checkpoint a resume
+    needs beside the trainer's."""
     if resume and overwrite:
         raise InputError(
             "--resume continues the run in the directory and --overwrite deletes it: give one"
         )
     key = _make(run_dir).resolve()
-    if key in _held:
-        fd, depth = _held[key]
-        _held[key] = (fd, depth + 1)
-    else:
-        _held[key] = (_lock(key), 1)
-        try:
-            _check_fresh(key, resume=resume, overwrite=overwrite)
-        except BaseException:
-            _release(key)
-            raise
-    try:
+    held = _claimed.get() or {}
+    if key in held:  # the same job, claiming again further in
         yield
+        return
+    fd = _lock(key)
+    try:
+        _check_fresh(key, resume=resume, overwrite=overwrite, buffered=buffered)
+        token = _claimed.set({**held, key: fd})
+        try:
+            yield
+        finally:
+            _claimed.reset(token)
     finally:
-        _release(key)
+        os.close(fd)  # the children that inherited it keep the lock until they exit
+
+
+def lock_fds(run_dir: Path) -> tuple[int, ...]:
+    """The lock descriptor this flow of control holds for ``run_dir`` (for a child
+    process to inherit), or none."""
+    fd = (_claimed.get() or {}).get(run_dir.resolve())
+    return () if fd is None else (fd,)
 
 
 def _make(run_dir: Path) -> Path:
@@ -98,8 +116,9 @@ def _lock(run_dir: Path) -> int:
         holder = _read_holder(fd)
         os.close(fd)
         raise RunDirInUse(
-            f"the run directory {run_dir} is in use by another job ({holder}); wait for it "
-            "to end, stop it, or give this job another --output-dir"
+            f"the run directory {run_dir} is in use by another job ({holder}, or its actors, "
+            "which may still be stopping); wait for it to end, stop it, or give this job "
+            "another --output-dir"
         ) from None
     me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%FT%T%z")}
     os.ftruncate(fd, 0)
@@ -115,8 +134,12 @@ def _read_holder(fd: int) -> str:
         return "holder unknown"
 
 
-def _check_fresh(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    if resume or not holds_run(run_dir):
+def _check_fresh(run_dir: Path, *, resume: bool, overwrite: bool, buffered: bool) -> None:
+    if resume:
+        if buffered:
+            _check_resumable(run_dir)
+        return
+    if not holds_run(run_dir):
         return
     if not overwrite:
         raise RunDirHoldsRun(
@@ -132,10 +155,15 @@ def _check_fresh(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
             path.unlink()
 
 
-def _release(key: Path) -> None:
-    fd, depth = _held[key]
-    if depth > 1:
-        _held[key] = (fd, depth - 1)
-        return
-    del _held[key]
-    os.close(fd)  # closing the only descriptor drops the flock
+def _check_resumable(run_dir: Path) -> None:
+    """Trainer checkpoints without the buffer's: resuming would serve the data again from
+    the start to a trainer that has trained on it."""
+    trainer = run_dir / "checkpoints" / "trainer"
+    steps = [p for p in trainer.glob("step_*") if p.is_dir()] if trainer.is_dir() else []
+    buffer = run_dir / "checkpoints" / "buffer.ckpt"
+    if steps and not buffer.exists():
+        raise RunDirHoldsRun(
+            f"{run_dir} has trainer checkpoints but no buffer checkpoint ({buffer}): "
+            "resuming would hand out again the prompts already trained on; restore it, or "
+            "start over with --overwrite"
+        )

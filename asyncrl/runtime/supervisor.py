@@ -214,7 +214,8 @@ class Supervisor:
         await self._settle_restarts(grace, names)
         async with asyncio.TaskGroup() as tg:
             for name in names:
-                if self.handles[name].exit_code is None:
+                handle = self.handles.get(name)  # none: a launch interrupted before it
+                if handle is not None and handle.exit_code is None:
                     tg.create_task(self._stop_one(name, grace), name=f"supervisor.stop.{name}")
 
     def _winding_down(self, name: str) -> bool:
