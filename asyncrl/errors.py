@@ -4,8 +4,10 @@ An ``InputError`` (bad data, config or user code; ``DataError``, ``ConfigError``
 ``PreflightError`` and the plugin loader's ``PluginError`` are ones) recurs however often
 the actor that hit it is restarted, so an actor failing with one says so in its ``Bye``
 (``actors/base.py::is_permanent``) and the supervisor ends the job with the reason
-instead of restarting it. Anything else (a lost peer, a timeout, out of memory, a
-checkpoint that fails to load) may pass and is restarted within the budget.
+instead of restarting it. So are state the run directory lost (``RunStateLost``), a
+checkpoint that cannot be read (``CheckpointUnreadable``) and samples that keep failing
+(``SamplesFailing``). Anything else (a lost peer, a timeout, out of memory) may pass and
+is restarted within the budget.
 """
 
 from __future__ import annotations
@@ -24,3 +26,8 @@ class RunStateLost(InputError):
 class SamplesFailing(InputError):
     """Most samples fail (``buffer.max_failed_share``): the data, the reward or agent code,
     or the sampling settings are wrong, and going on would train nothing."""
+
+
+class CheckpointUnreadable(InputError):
+    """A checkpoint the job must load is truncated or not one: a restart would read the
+    same bytes again."""

@@ -14,6 +14,7 @@ from asyncrl.buffer.hub import Hub
 from asyncrl.buffer.sources import DataError, PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.config import ConfigError, load_config
+from asyncrl.errors import CheckpointUnreadable
 from asyncrl.trainers.torch_trainer import TorchTrainer
 from tests.buffer_sim import ListSource, make_prompts
 from tests.tiny_model import build_tiny_model
@@ -100,7 +101,8 @@ def test_a_truncated_buffer_checkpoint_is_refused_with_its_name(tmp_path: Path):
     write_checkpoint(hub.state_dict(), whole)
     cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     assert read_checkpoint(whole) == hub.state_dict()
-    with pytest.raises(ValueError, match=r"buffer checkpoint .*cut\.ckpt is unreadable"):
+    # Permanent: a restart would read the same bytes (the actor is not restarted).
+    with pytest.raises(CheckpointUnreadable, match=r"buffer checkpoint .*cut\.ckpt is unreadable"):
         read_checkpoint(cut)
     (tmp_path / "other.ckpt").write_bytes(b'{"not": "a checkpoint"}')
     with pytest.raises(ValueError, match="not a buffer checkpoint"):
@@ -113,7 +115,7 @@ def test_a_truncated_trainer_checkpoint_is_refused_with_its_name(tmp_path: Path)
     TorchTrainer(config).save_checkpoint(tmp_path / "step_1")
     weights = next((tmp_path / "step_1").rglob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:1000])
-    with pytest.raises(ValueError, match=r"trainer checkpoint .*step_1 is unreadable"):
+    with pytest.raises(CheckpointUnreadable, match=r"trainer checkpoint .*step_1 is unreadable"):
         TorchTrainer(config).load_checkpoint(tmp_path / "step_1")
     (tmp_path / "step_1" / "trainer.json").write_text("{")
     with pytest.raises(ValueError, match="JSONDecodeError"):

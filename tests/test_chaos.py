@@ -56,6 +56,9 @@ async def test_sigkill_of_each_actor_kind_loses_nothing_and_trains_each_group_on
     audit = audit_run(tmp_path / "run", result.steps)
     assert audit.ok, audit.problems
     assert audit.final_version == result.steps == audit.batches_trained
+    # Every step has its metrics row, the killed trainer's last ones included.
+    steps = {json.loads(x)["step"] for x in lines(tmp_path / "run" / "metrics.jsonl")}
+    assert steps == set(range(1, result.steps + 1)), sorted(set(range(1, result.steps + 1)) - steps)
     # Two groups a step; a batch taken while the trainer stopped is held, not trained.
     assert audit.consumed - audit.held == result.steps * 2
     assert audit.lost == 0 and audit.duplicated == 0

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,8 @@ from tests.tiny_model import build_tiny_model
 pytestmark = pytest.mark.slow
 
 AUDITED = ["--train-audit-log", "true", "--save-interval", "2"]
+#: A failed job's other actors need not wait the default 10 s each to stop.
+QUICK_STOP = ["--runtime-stop-timeout", "3"]
 
 
 def actor_pids(run_dir: Path) -> list[int]:
@@ -58,13 +61,18 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def test_a_job_resumed_after_its_controller_was_sigkilled_trains_no_group_twice(tmp_path):
+def train_in_a_process(tmp_path: Path, steps: int, **popen: Any) -> subprocess.Popen:
+    """``asyncrl train`` of a tiny audited job in a process of its own (its controller)."""
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl", n=32)
-    run_dir = tmp_path / "run"
-    flags = [*job_flags(tmp_path, steps=40), *LONG_RUN, *AUDITED]
+    flags = [*job_flags(tmp_path, steps=steps), *LONG_RUN, *AUDITED, *QUICK_STOP]
     code = "import sys; from asyncrl.cli import main; sys.exit(main(sys.argv[1:]))"
-    first = subprocess.Popen([sys.executable, "-c", code, "train", *flags])
+    return subprocess.Popen([sys.executable, "-c", code, "train", *flags], **popen)
+
+
+def test_a_job_resumed_after_its_controller_was_sigkilled_trains_no_group_twice(tmp_path):
+    run_dir = tmp_path / "run"
+    first = train_in_a_process(tmp_path, steps=40)
     try:
         wait_for(lambda: len(lines(run_dir / "metrics.jsonl")) >= 3, 180, "three steps")
         buffer = pid_of(run_dir, "buffer")
@@ -73,7 +81,7 @@ def test_a_job_resumed_after_its_controller_was_sigkilled_trains_no_group_twice(
         first.send_signal(signal.SIGKILL)
         first.wait()
     reached = len(lines(run_dir / "metrics.jsonl"))
-    assert reached < 12, "the first run got too far for the test to mean anything"
+    assert reached < 8, "the first run got too far for the test to mean anything"
     # The orphaned actors still hold the run: a resume now is refused, not mixed in.
     with pytest.raises(RunDirInUse, match="or its actors, which may still be stopping"):
         with claim_run_dir(run_dir, resume=True):
@@ -82,11 +90,11 @@ def test_a_job_resumed_after_its_controller_was_sigkilled_trains_no_group_twice(
     # They notice their controller is gone and exit; the user waits for that.
     wait_for(lambda: not any(alive(p) for p in actor_pids(run_dir)), 120, "orphans to exit")
     # The user resumes with another step count than the first run asked for.
-    resumed = [*job_flags(tmp_path, steps=12), *LONG_RUN, *AUDITED]
+    resumed = [*job_flags(tmp_path, steps=8), *LONG_RUN, *AUDITED, *QUICK_STOP]
     assert main(["train", *resumed, "--resume"]) == 0
-    audit = audit_run(run_dir, 12)
+    audit = audit_run(run_dir, 8)
     assert audit.ok, audit.problems
-    assert audit.duplicated == 0 and audit.lost == 0 and audit.final_version == 12
+    assert audit.duplicated == 0 and audit.lost == 0 and audit.final_version == 8
     buffer_log = [json.loads(x) for x in lines(run_dir / "logs" / "buffer.jsonl")]
     restored = [r for r in buffer_log if r["event"] == "buffer restored"]
     assert restored and restored[-1]["resumed_from"], restored  # the old job's state, not fresh
@@ -102,7 +110,7 @@ async def test_deleted_checkpoints_and_a_crash_end_the_job_instead_of_starting_o
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl", n=32)
     run_dir = tmp_path / "run"
-    flags = [*job_flags(tmp_path, steps=60), *LONG_RUN, "--train-audit-log", "true"]
+    flags = [*job_flags(tmp_path, steps=60), *LONG_RUN, "--train-audit-log", "true", *QUICK_STOP]
     flags += ["--save-interval", "1"]  # the trainer has a checkpoint from its first step on
     # No timed buffer checkpoint that could write the state back before the kill.
     flags += ["--runtime-buffer-checkpoint-interval", "3600"]
@@ -125,16 +133,9 @@ async def test_deleted_checkpoints_and_a_crash_end_the_job_instead_of_starting_o
 
 
 def test_ctrl_c_stops_the_job_in_order_and_says_how_to_go_on(tmp_path):
-    build_tiny_model(tmp_path / "model")
-    write_prompts(tmp_path / "prompts.jsonl", n=32)
     run_dir = tmp_path / "run"
-    flags = [*job_flags(tmp_path, steps=200), *LONG_RUN, *AUDITED]
-    code = "import sys; from asyncrl.cli import main; sys.exit(main(sys.argv[1:]))"
-    job = subprocess.Popen(
-        [sys.executable, "-c", code, "train", *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    job = train_in_a_process(
+        tmp_path, steps=200, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         wait_for(lambda: len(lines(run_dir / "metrics.jsonl")) >= 2, 180, "two steps")
@@ -150,3 +151,23 @@ def test_ctrl_c_stops_the_job_in_order_and_says_how_to_go_on(tmp_path):
     steps = len(lines(run_dir / "metrics.jsonl"))
     # The trainer drained: its last step is checkpointed, so --resume loses nothing.
     assert (run_dir / "checkpoints" / "trainer" / f"step_{steps:06d}").is_dir()
+
+
+async def test_an_actor_paused_at_the_stop_is_named_with_how_it_ended(tmp_path):
+    """SIGSTOP leaves a process that ignores the stop command and SIGTERM alike: the
+    supervisor's SIGKILL ends it, and the job says who and how, not just {'buffer': -9}."""
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=32)
+    run_dir = tmp_path / "run"
+    flags = [*job_flags(tmp_path, steps=2), *LONG_RUN, "--runtime-stop-timeout", "2"]
+    flags += ["--runtime-heartbeat-timeout", "120"]  # not found hung (and restarted) first
+    job = asyncio.create_task(run_job(load_config(overrides=flags)))
+    async with asyncio.timeout(120):
+        while len(lines(run_dir / "metrics.jsonl")) < 2:  # trained: the job stops next
+            assert not job.done(), job.result()
+            await asyncio.sleep(0.05)
+    os.kill(pid_of(run_dir, "buffer"), signal.SIGSTOP)  # the buffer is stopped last
+    result = await job
+    assert not result.ok and result.steps == 2
+    assert "did not stop cleanly: " in result.error, result.error
+    assert "buffer killed by SIGKILL (hung, or paused by SIGSTOP)" in result.error, result.error

@@ -56,7 +56,7 @@ from asyncrl.buffer.hub import Hub, HubState
 from asyncrl.buffer.journal import Journal, fsync_dir, read_journal
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import BufferStats, VersionedBuffer
-from asyncrl.errors import RunStateLost, SamplesFailing
+from asyncrl.errors import CheckpointUnreadable, RunStateLost, SamplesFailing
 from asyncrl.observe.logs import get_logger
 from asyncrl.types import Group, TrainBatch, WorkItem
 from asyncrl.wire.codec import Codec, Message
@@ -149,9 +149,9 @@ def read_checkpoint(path: Path) -> HubState:
     try:
         return Codec(HubState, **_CHECKPOINT_CODEC_ARGS).decode([path.read_bytes()])
     except WireError as exc:
-        raise ValueError(
+        raise CheckpointUnreadable(
             f"buffer checkpoint {path} is unreadable (truncated, or not a buffer checkpoint): "
-            f"{exc}; move it away to start the buffer fresh"
+            f"{exc}; restore it from a copy, or start the run over (--overwrite)"
         ) from None
 
 

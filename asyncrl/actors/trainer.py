@@ -90,7 +90,9 @@ class TrainerActor(Actor):
         self.num_steps = int(params.get("num_steps", 0))
         await self._open_channels()
         path = params.get("metrics_path")
-        self.metrics = self.open_metrics(path) if path else None
+        # Flushed per row (one a step): a row buffered when a kill comes may be of a step
+        # at or before the checkpoint the restart resumes from, which is never retrained.
+        self.metrics = self.open_metrics(path, flush_every=0) if path else None
 
     async def _open_channels(self) -> None:
         ep, frame = self.spec.endpoints, self.max_frame_bytes

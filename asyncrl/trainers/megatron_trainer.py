@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from asyncrl.errors import CheckpointUnreadable
 from asyncrl.policies import LossInputs, LossScale, PolicyConfig, rl_loss, sft_loss
 from asyncrl.trainers import megatron_bridge as bridge
 from asyncrl.trainers import vocab_parallel as vp
@@ -506,7 +507,7 @@ class MegatronTrainer:
         except LayoutMismatch:
             raise
         except (Exception, CheckpointException) as exc:  # all mean the same here
-            raise ValueError(
+            raise CheckpointUnreadable(
                 f"trainer checkpoint {path} is unreadable (truncated or incomplete?): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from asyncrl.errors import CheckpointUnreadable
 from asyncrl.policies import (
     LossInputs,
     LossScale,
@@ -399,7 +400,7 @@ class TorchTrainer:
             version = int(state["version"])
             self.policy.load(path / "policy", path / "optimizer" / "policy")
         except Exception as exc:  # json, safetensors, torch.load: all mean the same here
-            raise ValueError(
+            raise CheckpointUnreadable(
                 f"trainer checkpoint {path} is unreadable (truncated or incomplete?): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
