@@ -107,7 +107,8 @@ def test_a_call_that_raises_leaves_the_ranks_closed_by_a_kill(world, tiny_dir, t
     assert isinstance(leader, LeaderTrainer)
     with pytest.raises(ValueError, match="unreadable"):
         leader.load_checkpoint(tmp_path / "missing")
-    with pytest.raises(RuntimeError, match="out of step: load_checkpoint raised ValueError"):
+    out_of_step = "out of step: load_checkpoint raised CheckpointUnreadable"
+    with pytest.raises(RuntimeError, match=out_of_step):
         leader.train_step(make_batch(0))
     leader.close(timeout=10)
     assert all(p.returncode is not None for p in leader.followers)
