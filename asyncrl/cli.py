@@ -430,8 +430,9 @@ def _run_claimed(cfg: Any, run_dir: Path, *, resume: bool, chaos: Any) -> int:
         result = asyncio.run(run_job(cfg, resume=resume, checked=True))
     except KeyboardInterrupt:  # before the job could stop in order, or a second Ctrl-C
         console.print(
-            "[red]train aborted[/red] by Ctrl-C: actors were stopped without a final "
-            f"checkpoint; --resume continues from the last one in {run_dir / 'checkpoints'}"
+            "[red]train aborted[/red] (Ctrl-C, or a second stop signal): actors were killed "
+            "without a final checkpoint; --resume continues from the last one in "
+            f"{run_dir / 'checkpoints'}"
         )
         return 130
     for restart in result.restarts:

@@ -22,7 +22,7 @@ from asyncrl.actors.controller import run_job
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.runtime.chaos import audit_run
-from asyncrl.runtime.run_dir import RunDirInUse, claim_run_dir
+from asyncrl.runtime.run_dir import RunDirHoldsRun, RunDirInUse, claim_run_dir
 from tests.test_train import LONG_RUN, job_flags, lines, write_prompts
 from tests.tiny_model import build_tiny_model
 
@@ -47,11 +47,11 @@ def pid_of(run_dir: Path, actor: str) -> int:
 
 
 def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead and not yet reaped, is not alive)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
         return False
-    return True
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -151,6 +151,30 @@ def test_ctrl_c_stops_the_job_in_order_and_says_how_to_go_on(tmp_path):
     steps = len(lines(run_dir / "metrics.jsonl"))
     # The trainer drained: its last step is checkpointed, so --resume loses nothing.
     assert (run_dir / "checkpoints" / "trainer" / f"step_{steps:06d}").is_dir()
+
+
+def test_a_second_sigterm_aborts_at_once_and_leaves_no_actor_behind(tmp_path):
+    """A process manager that escalates (SIGTERM, then SIGTERM again) must not orphan the
+    job's actors: the second signal kills them, and the run directory is free after."""
+    run_dir = tmp_path / "run"
+    job = train_in_a_process(
+        tmp_path, steps=200, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        wait_for(lambda: len(lines(run_dir / "metrics.jsonl")) >= 1, 180, "a step")
+        pids = actor_pids(run_dir)
+        job.send_signal(signal.SIGTERM)
+        wait_for(lambda: "stopping the job in order" in (run_dir / "logs" / "controller.jsonl")
+                 .read_text(), 30, "the orderly stop")  # fmt: skip
+        job.send_signal(signal.SIGTERM)
+        out, _ = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 130 and "train aborted" in out, out
+    assert not [pid for pid in pids if alive(pid)]
+    # The lock is free (no actor holds it); only then is the run found and refused.
+    with pytest.raises(RunDirHoldsRun), claim_run_dir(run_dir):
+        pass
 
 
 async def test_an_actor_paused_at_the_stop_is_named_with_how_it_ended(tmp_path):

@@ -145,6 +145,35 @@ def test_a_restarted_trainer_is_served_every_batch_after_its_checkpoint_again_in
     assert following is not None and following.batch_id == batches[-1].batch_id + 1
 
 
+def test_a_skipped_batch_is_served_again_in_its_place_and_skipped_again():
+    """A batch the trainer skipped (no trainable group: the version stays) sits among the
+    kept batches like any other. A trainer restarted from the checkpoint before it gets
+    it again in order; skipping is a function of the batch alone, so it is skipped again,
+    the next batch makes the same version, and no group counts as consumed twice."""
+    cfg = VersionedBuffer.Config(groups_per_step=2, num_samples_per_prompt=1, max_staleness=8)
+    hub = new_hub(cfg)
+    trained_batches(hub, 2, durable=2)  # checkpoint at version 2
+    hub.settle(2, [], 2, resync=False)
+    skipped = hub.take(2)
+    assert skipped is not None and skipped.step == 2
+    hub.settle(2, [skipped.batch_id], 2, resync=False)  # acknowledged, version unchanged
+    trained = hub.take(2)
+    assert trained is not None and trained.step == 2  # the same step: nothing was trained
+    hub.follow(3)
+    consumed = hub.buffer.ledger.consumed
+    hub.settle(2, [], 2, resync=True)  # the trainer died before its checkpoint at 3
+    again = hub.take(2)
+    assert again is not None and again.batch_id == skipped.batch_id
+    hub.settle(2, [again.batch_id], 2, resync=False)  # skipped again
+    then = hub.take(2)
+    assert then is not None and then.batch_id == trained.batch_id
+    hub.settle(3, [then.batch_id], 2, resync=False)
+    assert hub.buffer.ledger.consumed == consumed and hub.buffer.lost_steps == 0
+    following = hub.take(2)
+    assert following is not None and following.step == 3
+    assert following.batch_id > trained.batch_id
+
+
 def test_a_batch_in_the_restarted_trainers_checkpoint_is_not_served_again():
     cfg = VersionedBuffer.Config(groups_per_step=2, num_samples_per_prompt=1, max_staleness=8)
     hub = new_hub(cfg)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from asyncrl.actors.base import ActorSpec
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import ActorDied, ActorHung, ActorStatus, Supervisor
 from asyncrl.runtime.topology import allocate_endpoints
+from asyncrl.wire import sockets
 from asyncrl.wire.control import ControlHub
 
 
@@ -152,6 +155,49 @@ def test_job_endpoints_are_distinct_and_below_the_ephemeral_port_range():
     ports = [int(ep.rsplit(":", 1)[1]) for _ in range(20) for ep in allocate_endpoints().values()]
     assert len(set(ports)) == len(ports)
     assert all(1024 <= p < first for p in ports)
+
+
+CLAIM_IN_A_CHILD = """
+import sys, time
+from asyncrl.wire import sockets
+sockets._fixed_port_range = lambda: (int(sys.argv[1]), int(sys.argv[2]))
+print(sockets.free_tcp_endpoint(), flush=True)
+time.sleep(60)
+"""
+
+
+def bindable_pair() -> tuple[int, int]:
+    """Two adjacent ports below the ephemeral range that nothing holds now."""
+    first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for low in range(first - 2, 1024, -2):
+        if sockets._bindable("127.0.0.1", low) and sockets._bindable("127.0.0.1", low + 1):
+            return low, low + 2
+    raise AssertionError("no two free ports below the ephemeral range")
+
+
+def test_a_port_claimed_by_another_process_is_never_drawn_until_it_ends(monkeypatch):
+    """Two jobs allocating at once: the port one drew stays its own until its actor binds
+    it, even though nothing is bound to it in between (the race two jobs used to lose)."""
+    low, high = bindable_pair()
+    monkeypatch.setattr(sockets, "_fixed_port_range", lambda: (low, high))
+    child = subprocess.Popen(
+        [sys.executable, "-c", CLAIM_IN_A_CHILD, str(low), str(high)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        theirs = child.stdout.readline().strip()
+        assert theirs.startswith("tcp://127.0.0.1:"), theirs
+        ours = [sockets.free_tcp_endpoint() for _ in range(3)]
+        mine_in_range = [ep for ep in ours if low <= int(ep.rsplit(":", 1)[1]) < high]
+        assert theirs not in ours and len(mine_in_range) == 1, (theirs, ours)
+        sockets.release_endpoints(mine_in_range)
+        assert sockets.free_tcp_endpoint() == mine_in_range[0]  # given back: drawn again
+    finally:
+        child.kill()
+        child.wait()
+    again = sockets.free_tcp_endpoint()
+    sockets.release_endpoints([again, mine_in_range[0]])
+    assert again == theirs  # its claim ended with the process
 
 
 @pytest.fixture

@@ -124,6 +124,7 @@ async def run_job(
             )
         except InputError as exc:
             return JobResult(ok=False, seconds=time.monotonic() - start, error=str(exc))
+        claim.enter_context(_sigterm_interrupts())
         return await _run_claimed(cfg, resume=resume, chaos=chaos, start=start)
 
 
@@ -220,8 +221,9 @@ class _Interrupt(asyncio.Event):
 @contextlib.contextmanager
 def _interruptible() -> Iterator[_Interrupt]:
     """The first Ctrl-C (or SIGTERM) stops the job in order, as its end does: producers,
-    engines, then the trainer, which checkpoints, then the buffer; a second one is a
-    ``KeyboardInterrupt`` at once. Main thread only (elsewhere signals are not ours)."""
+    engines, then the trainer, which checkpoints, then the buffer; a second one of either
+    is a ``KeyboardInterrupt`` at once, and every actor is killed. Main thread only
+    (elsewhere signals are not ours)."""
     interrupt = _Interrupt()
     if threading.current_thread() is not threading.main_thread():
         yield interrupt
@@ -231,8 +233,7 @@ def _interruptible() -> Iterator[_Interrupt]:
     def first(sig: signal.Signals) -> None:
         interrupt.signal = sig.name
         interrupt.set()
-        for s in _STOP_SIGNALS:  # the next one: Python's default
-            loop.remove_signal_handler(s)
+        _stop_handling(loop)  # the next one is a KeyboardInterrupt
         log.warning(f"{sig.name}: stopping the job in order; the trainer checkpoints "
                     "(press Ctrl-C again to abort at once)")  # fmt: skip
 
@@ -241,8 +242,30 @@ def _interruptible() -> Iterator[_Interrupt]:
     try:
         yield interrupt
     finally:
-        for s in _STOP_SIGNALS:
-            loop.remove_signal_handler(s)
+        _stop_handling(loop)
+
+
+def _stop_handling(loop: asyncio.AbstractEventLoop) -> None:
+    """Remove the loop's handlers: SIGINT is Python's ``KeyboardInterrupt`` again, and so is
+    SIGTERM (asyncio would restore its default, which orphans the actors)."""
+    for s in _STOP_SIGNALS:
+        loop.remove_signal_handler(s)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """For the job's life, SIGTERM is a ``KeyboardInterrupt`` as SIGINT is: whatever the
+    job is doing, its context managers unwind and the runtime kills the actors, instead
+    of the process ending at once and leaving them orphaned. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 async def _unless(interrupt: asyncio.Event, work: Coroutine[Any, Any, None]) -> None:

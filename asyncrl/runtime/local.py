@@ -27,6 +27,7 @@ import msgspec
 from asyncrl.actors.base import ActorSpec
 from asyncrl.runtime.run_dir import lock_fds
 from asyncrl.runtime.topology import allocate_endpoints, endpoint_names
+from asyncrl.wire.sockets import release_endpoints
 
 _LINE_LIMIT = 1024 * 1024
 _DRAIN_OUTPUT_SECONDS = 2.0
@@ -115,6 +116,7 @@ class LocalRuntime:
         self.tail_lines = tail_lines
         self.env = {**os.environ, **(env or {})}
         self.actors: list[LocalActor] = []
+        self.endpoints: dict[str, str] = {}
         self._tg = asyncio.TaskGroup()
 
     async def __aenter__(self) -> LocalRuntime:
@@ -131,6 +133,7 @@ class LocalRuntime:
             await actor.wait()
             if actor.pump_task is not None:
                 actor.pump_task.cancel()  # a surviving grandchild may hold the pipe
+        release_endpoints(self.endpoints.values())  # no actor of ours binds them now
         return await self._tg.__aexit__(et, exc, tb)
 
     async def place(self, specs: Sequence[ActorSpec]) -> dict[str, str]:
@@ -139,7 +142,9 @@ class LocalRuntime:
         names = endpoint_names(specs)
         http = [n for n in names if n.endswith(".http")]
         channels = [n for n in names if n not in http]
-        return allocate_endpoints(self.host, channels) | allocate_endpoints("127.0.0.1", http)
+        self.endpoints = allocate_endpoints(self.host, channels)
+        self.endpoints |= allocate_endpoints("127.0.0.1", http)
+        return self.endpoints
 
     async def start(self, spec: ActorSpec) -> LocalActor:
         """Launch a child for ``spec``."""

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import ipaddress
+import os
 import random
 import socket
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -144,28 +147,69 @@ def send_now(sock: zmq.asyncio.Socket, frames: Sequence[object]) -> bool:
     raise exc
 
 
-_taken: set[int] = set()  # ports this process has handed out
+#: Ports this process has claimed -> the descriptor that holds the claim (-1: unchecked).
+_claims: dict[int, int] = {}
+#: One file per claimed port, shared by this user's asyncrl processes.
+_CLAIMS_DIR = Path(tempfile.gettempdir()) / f"asyncrl-ports-{os.getuid()}"
 
 
 def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
-    """A ``tcp://host:port`` whose port was free a moment ago (for pre-assigned addresses).
+    """A ``tcp://host:port`` whose port was free a moment ago and is now claimed by this
+    process (for pre-assigned addresses, bound later by an actor).
 
     The port is drawn below the kernel's ephemeral range: a port the kernel itself picked
     (``bind(0)``) can be handed, between our check and the actor's bind, to any outgoing
     connection on the machine as its local port, and the bind then fails with "Address
     already in use" (seen in a 30-minute benchmark). Ports below the range are only taken
-    by explicit binds. No port is handed out twice by one process.
+    by explicit binds. Between the draw and the bind, the claim (``_claim``) keeps every
+    other asyncrl process of this user from drawing the same port: two jobs started at
+    once on one machine never collide. ``release_endpoints`` gives the claims back.
     """
     low, high = _fixed_port_range()
     rng = random.SystemRandom()
     for _ in range(200 if low < high else 0):
         port = rng.randrange(low, high)
-        if port not in _taken and _bindable(host, port):
-            _taken.add(port)
-            return f"tcp://{host}:{port}"
+        if port not in _claims and _claim(port):
+            if _bindable(host, port):
+                return f"tcp://{host}:{port}"
+            _release(port)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range
         s.bind((host, 0))
         return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+def release_endpoints(endpoints: Iterable[str]) -> None:
+    """Give back this process's claims on the ports of ``endpoints`` (a job's end)."""
+    for endpoint in endpoints:
+        port = urlsplit(endpoint).port
+        if port is not None and port in _claims:
+            _release(port)
+
+
+def _claim(port: int) -> bool:
+    """Claim ``port`` machine-wide: an exclusive ``flock`` on a file named after it, held
+    until released or this process ends (the kernel drops it however the process dies,
+    so a crash leaves no stale claim). The files are never deleted: unlinking a locked
+    file would let a second process lock a new file of the same name."""
+    try:
+        _CLAIMS_DIR.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(_CLAIMS_DIR / str(port), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:  # no usable temp directory: claims within this process only
+        _claims[port] = -1
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _claims[port] = fd
+    return True
+
+
+def _release(port: int) -> None:
+    fd = _claims.pop(port)
+    if fd >= 0:
+        os.close(fd)
 
 
 def _bindable(host: str, port: int) -> bool:
