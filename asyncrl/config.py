@@ -505,8 +505,8 @@ def debug_cpu() -> RunConfig:
 PRESETS: dict[str, Callable[[], BaseModel]] = {"debug_cpu": debug_cpu}
 
 
-#: slime's names for leaves of sections that components own (DESIGN section 10); a field's
-#: own ``json_schema_extra={"flag": ...}`` wins over this table.
+#: slime's names for leaves of sections that components own (``docs/design.md`` section
+#: 8); a field's own ``json_schema_extra={"flag": ...}`` wins over this table.
 SLIME_FLAGS: dict[tuple[str, ...], str] = {
     ("buffer", "groups_per_step"): "rollout-batch-size",
     ("buffer", "num_samples_per_prompt"): "n-samples-per-prompt",

@@ -117,7 +117,7 @@ class Turn(Message):
 
 
 class Sample(Message):
-    """One response to one prompt, token-exact (DESIGN section 4).
+    """One response to one prompt, token-exact (``docs/design.md`` section 4).
 
     Response columns live in ``packed_response`` (layout in the module docstring) and are
     read through the properties; change them only with ``append_response``,

@@ -92,8 +92,9 @@ class Workload:
     note: str
 
 
-#: Shaped after the anchors' workloads (async_anchors.md sections 1-5). The references give
-#: maximum lengths; medians and tails are our assumption ("p99 ~ 10x median", Laminar).
+#: Shaped after the workloads the async RL systems publish (AReaL, slime's APRIL, verl's
+#: one-step and fully-async recipes, Laminar). They give maximum lengths; medians and
+#: tails are our assumption ("p99 ~ 10x median", as Laminar reports).
 WORKLOADS = {
     "short": Workload(200, 3.0, 1024, "GSM8K-like short answers: where async should not help"),
     "math-8k": Workload(1000, 6.0, 8192, "DAPO-Math-17k at 8k tokens (APRIL, verl one-step)"),

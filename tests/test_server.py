@@ -1,7 +1,7 @@
 """The SGLang-compatible HTTP server over real HTTP on 127.0.0.1, with the tiny Qwen2.
 
 One server (``EngineServer`` in this process) serves the module; each test checks the
-golden shapes of ``reference/sglang_api.md`` (key sets and types, not values), the abort
+golden shapes of ``docs/sglang_api.md`` (key sets and types, not values), the abort
 and pause guarantees of section 5, weight updates, refusals, and the OpenAI routes. The
 distributed weight update runs ``asyncrl serve`` as a subprocess, because this process
 is the trainer's rank 0 and torch.distributed allows one default group per process.

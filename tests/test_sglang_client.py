@@ -1,6 +1,6 @@
-"""SGLangClient against recorded SGLang wire shapes (``reference/sglang_api.md``).
+"""SGLangClient against recorded SGLang wire shapes (``docs/sglang_api.md``).
 
-A small aiohttp app replays the JSON examples of the reference for several SGLang versions
+A small aiohttp app replays SGLang's reply shapes for several SGLang versions
 (normal output, every abort shape, cumulative and delta streams, each error envelope,
 text replies of ``/flush_cache``, renamed endpoints) and records what the client sent, so
 each test checks both directions of the contract.

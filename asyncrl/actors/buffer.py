@@ -1,4 +1,4 @@
-"""BufferActor: the hub between rollout producers and the trainer (DESIGN section 2).
+"""BufferActor: the hub between rollout producers and the trainer (``docs/design.md`` section 2).
 
 Channels (names as in ``runtime/topology.py``)::
 

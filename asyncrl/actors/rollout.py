@@ -1,4 +1,4 @@
-"""RolloutActor: work from the buffer, workflows against engines, groups back (DESIGN s.2).
+"""RolloutActor: work from the buffer, workflows against engines, groups back (docs/design.md s.2).
 
 Channels (names as in ``runtime/topology.py``)::
 

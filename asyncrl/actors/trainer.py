@@ -1,4 +1,4 @@
-"""TrainerActor: batches in, optimizer steps, weight versions out (DESIGN section 2).
+"""TrainerActor: batches in, optimizer steps, weight versions out (docs/design.md s.2).
 
 Channels (names as in ``runtime/topology.py``)::
 

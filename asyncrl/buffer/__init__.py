@@ -1,4 +1,4 @@
-"""The buffer: prompt data in, versioned groups out (DESIGN section 6).
+"""The buffer: prompt data in, versioned groups out (``docs/design.md`` section 5).
 
 Plain classes, no sockets; ``asyncrl.actors.buffer.BufferActor`` drives them.
 

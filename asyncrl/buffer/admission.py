@@ -1,6 +1,6 @@
 """Admission control: how many prompt groups may be generating or waiting, as pure arithmetic.
 
-Principle 4 of DESIGN: staleness is bounded by *admission*, not by discarding finished
+Principle 4 of ``docs/design.md``: staleness is bounded by *admission*, not by discarding finished
 work. With ``B`` groups per train step, max staleness ``eta`` and trainer version ``v``
 (optimizer steps applied), a new group may start only while::
 

@@ -1,5 +1,5 @@
 """Inference engines: the embedded torch engine, its SGLang-compatible HTTP server, and the
-SGLang client rollout actors use for every engine (DESIGN section 7).
+SGLang client rollout actors use for every engine (``docs/design.md`` section 2).
 
 - ``base``: the records (sampling params, requests, outputs), the engine protocol and
   ``EngineError``.

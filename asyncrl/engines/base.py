@@ -2,7 +2,7 @@
 
 An engine takes token ids in and gives token ids out (token-in/token-out: no step
 re-tokenises text), with the behaviour log-prob and the weight version of every sampled
-token. The records follow SGLang's ``/generate`` semantics (``reference/sglang_api.md``
+token. The records follow SGLang's ``/generate`` semantics (``docs/sglang_api.md``
 section 1) so that the HTTP server (``engines/server.py``) is a thin translation and the
 same rollout code drives the embedded engine, a real SGLang server or a router.
 

@@ -1,4 +1,4 @@
-"""The control-plane routes of the embedded server (``reference/sglang_api.md`` section 2).
+"""The control-plane routes of the embedded server (``docs/sglang_api.md`` section 2).
 
 ``ControlRoutes`` answers every call RL frameworks and routers make besides generation:
 abort and pause (2.8, 2.9), weight updates and the weight version (2.1 to 2.6), cache and

@@ -1,6 +1,6 @@
 """The ``/generate`` wire of the embedded server: request parsing and reply formatting.
 
-Pure translation between SGLang's JSON (``reference/sglang_api.md`` sections 1.1 to 1.7)
+Pure translation between SGLang's JSON (``docs/sglang_api.md`` sections 1.1 to 1.7)
 and the engine records of ``engines/base.py``; no engine calls, no traffic control::
 
     body (dict) -> parse_generate -> GenerateJob (engine requests, flattened per item)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes of the embedded server (``reference/sglang_api.md`` section 3).
+"""The OpenAI-compatible routes of the embedded server (``docs/sglang_api.md`` section 3).
 
 ``/v1/chat/completions`` applies the tokenizer's chat template (or takes ``input_ids``,
 0.5.15+) and ``/v1/completions`` takes text or token ids; both then run the same engine

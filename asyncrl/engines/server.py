@@ -1,7 +1,7 @@
 """The SGLang-compatible HTTP server over an embedded engine (``asyncrl serve``).
 
 Rollout code, slime, AReaL and the real sglang-router talk to it exactly as to an SGLang
-server: the shapes are ``reference/sglang_api.md`` sections 1 to 3 and checklist 7.2.
+server: the shapes are ``docs/sglang_api.md`` sections 1 to 3 and 7.
 One ``EngineServer`` owns one engine (a ``TorchEngine``) and its aiohttp application::
 
     HTTP /generate, /v1/*  -> parse + validate (400 before anything starts)

@@ -1,6 +1,6 @@
 """The async SGLang client: how rollout actors and the trainer talk to every inference engine.
 
-One ``SGLangClient`` speaks SGLang's HTTP API (``reference/sglang_api.md``) to N engines: the
+One ``SGLangClient`` speaks SGLang's HTTP API (``docs/sglang_api.md``) to N engines: the
 embedded server (``asyncrl serve``), real SGLang servers, or one real sglang-router.
 Rollout actors call ``generate`` / ``generate_stream``; the trainer calls ``update_weights``
 (section 2.15: pause, flush, update, continue); APRIL calls ``abort_all_and_wait``.

@@ -1,4 +1,4 @@
-"""The SGLang client's weight-update calls (``reference/sglang_api.md`` sections 2.1 to 2.5).
+"""The SGLang client's weight-update calls (``docs/sglang_api.md`` sections 2.1 to 2.5).
 
 ``WeightUpdateCalls`` adds one method per weight endpoint to the transport: updates from
 disk, the distributed group (init, destroy, update) and the begin/end session servers

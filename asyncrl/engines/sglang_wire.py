@@ -1,7 +1,7 @@
 """The SGLang wire as the client reads and writes it: records, errors and reply parsing.
 
 Everything here is pure (no sockets): the result and error types callers see, the
-parsing of ``/generate`` replies in every shape ``reference/sglang_api.md`` records
+parsing of ``/generate`` replies in every shape ``docs/sglang_api.md`` records
 (section 1.3, the abort shapes of 5.1, cumulative and delta streams of 1.6, the error
 envelopes of 1.7, 3.5 and 4.2), SSE line framing, and the checks on the
 ``sampling_params`` a client may send.

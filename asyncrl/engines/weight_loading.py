@@ -3,7 +3,7 @@
 ``read_safetensors`` loads a directory written by a trainer or by ``save_pretrained``;
 ``check_names`` refuses tensors the model does not have (before anything is copied, or
 before a collective starts); ``WeightGroup`` is the engine's side of SGLang's distributed
-update (``reference/sglang_api.md`` 2.2, 2.3): join the trainer's torch.distributed group,
+update (``docs/sglang_api.md`` 2.2, 2.3): join the trainer's torch.distributed group,
 receive each tensor by ``broadcast(src=0)`` in the announced order, leave.
 
 Users: ``TorchEngine`` (``torch_engine.py``), which copies the tensors into its model at a

@@ -13,8 +13,9 @@ ratio needs an "old" policy; which one, and how ``mu`` enters, is the correction
   ``[low, high]`` are dropped from the loss.
 
 Without any of these, recomputed old log-probs equal the current policy at the first
-micro-batch, the ratio is 1 and clipping does nothing for stale samples (async_anchors
-section 0 item 5); ``PolicyConfig`` refuses that combination in async mode.
+micro-batch, the ratio is 1 and clipping does nothing for stale samples (the trust
+region is silently off, as miles and SkyRL users found); ``PolicyConfig`` refuses that
+combination in async mode.
 """
 
 from __future__ import annotations

@@ -163,10 +163,6 @@ class ProxyConfig:
             raise ValueError(f"max_calls must be >= 1 and timeout_s > 0: {self}")
 
 
-class EpisodeAborted(Exception):
-    """All in-flight work was aborted (APRIL, drain) while the episode ran."""
-
-
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> ApiError:
     """OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``."""
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}

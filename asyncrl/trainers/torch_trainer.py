@@ -1,4 +1,4 @@
-"""TorchTrainer: RL and SFT steps on a Hugging Face causal LM with AdamW (DESIGN section 8).
+"""TorchTrainer: RL and SFT steps on a Hugging Face causal LM with AdamW.
 
 Built by ``actors/trainer.py::build_trainer`` (RL, with the job's ``PolicyConfig``) and by
 ``asyncrl sft``. One ``train_step(batch)``::

@@ -1,6 +1,6 @@
 """Weight versions from the trainer to every engine: ``WeightPublisher`` and ``WeightReceiver``.
 
-The trainer publishes each new version in two parts (DESIGN section 5): the tensors are
+The trainer publishes each new version in two parts (``docs/design.md`` section 6): the tensors are
 put where subscribers can fetch them, then a small ``WeightVersion`` is announced on the
 ``weights`` pub/sub topic. Transports (``transport`` setting):
 

@@ -1,4 +1,4 @@
-"""The one wire: ZeroMQ channels carrying MessagePack records (see DESIGN.md section 5).
+"""The one wire: ZeroMQ channels carrying MessagePack records (``docs/design.md`` section 3).
 
 | module        | holds                                                              |
 |---------------|--------------------------------------------------------------------|

@@ -157,13 +157,3 @@ def split_buffers(frames: Sequence[Any], counts: Sequence[int]) -> list[Sequence
         start += n
     return out
 
-
-def to_ranges(seqs: Sequence[int]) -> list[tuple[int, int]]:
-    """Compress seqs into sorted inclusive ranges: ``[1, 2, 3, 7] -> [(1, 3), (7, 7)]``."""
-    ranges: list[tuple[int, int]] = []
-    for s in sorted(seqs):
-        if ranges and s == ranges[-1][1] + 1:
-            ranges[-1] = (ranges[-1][0], s)
-        elif not ranges or s > ranges[-1][1]:
-            ranges.append((s, s))
-    return ranges

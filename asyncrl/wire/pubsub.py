@@ -115,10 +115,6 @@ class Publisher(_Channel, Generic[T]):
         self._send(self._pub, [frame, *self._publish_frames(topic)])
         return seq
 
-    def latest_seq(self, topic: str) -> int:
-        """The seq of the newest update of ``topic`` (0 if none)."""
-        return self._latest.get(topic, (0,))[0]
-
     def _publish_frames(self, topic: str) -> list[Any]:
         seq, body, buffers = self._latest.get(topic, (0, b"\xc0", []))
         env = framing.Publish(
