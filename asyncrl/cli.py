@@ -382,7 +382,7 @@ def _chaos(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     cfg.train.audit_log = True  # what the audit checks exactly-once training against
-    from asyncrl.actors.controller import job_actor_specs
+    from asyncrl.job import job_actor_specs
     from asyncrl.runtime.chaos import check_targets
     from asyncrl.runtime.recovery import restart_budgets
 
@@ -414,8 +414,8 @@ def _run_training(cfg: Any, *, resume: bool, overwrite: bool = False, chaos: Any
 def _run_claimed(cfg: Any, run_dir: Path, *, resume: bool, chaos: Any) -> int:
     from rich.console import Console
 
-    from asyncrl.actors.controller import run_job
     from asyncrl.config import dump_resolved
+    from asyncrl.job import run_job
     from asyncrl.observe.logs import configure_logging
 
     configure_logging(
@@ -454,7 +454,7 @@ def _run_claimed(cfg: Any, run_dir: Path, *, resume: bool, chaos: Any) -> int:
 
 
 def _run_chaos(cfg: Any, console: Any, kills: list[Any], args: argparse.Namespace) -> int:
-    from asyncrl.actors.controller import run_job
+    from asyncrl.job import run_job
     from asyncrl.runtime.chaos import Chaos, audit_run, chaos_report, print_report
     from asyncrl.runtime.recovery import restart_budgets
 

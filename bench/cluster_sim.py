@@ -77,8 +77,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.actors.controller import run_job
 from asyncrl.config import load_config
+from asyncrl.job import run_job
 from bench.overlap import read_jsonl, summarize
 
 

@@ -33,8 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.actors.controller import run_job
 from asyncrl.config import load_config
+from asyncrl.job import run_job
 from bench.overlap import read_jsonl, summarize
 
 RUNTIMES = ("local", "ray")

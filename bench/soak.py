@@ -40,8 +40,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.actors.controller import run_job  # noqa: E402
 from asyncrl.config import load_config  # noqa: E402
+from asyncrl.job import run_job  # noqa: E402
 from asyncrl.runtime.chaos import Chaos, audit_run, chaos_report  # noqa: E402
 from asyncrl.runtime.supervisor import ActorDied, Supervisor  # noqa: E402
 

@@ -231,8 +231,8 @@ def run_asyncrl(spec: dict[str, Any]) -> None:
     """The asyncrl job, in this process's event loop (its actors are child processes)."""
     import asyncio
 
-    from asyncrl.actors.controller import run_job
     from asyncrl.config import load_config
+    from asyncrl.job import run_job
 
     cfg = load_config(str(ARITH / "config.yaml"), overrides=asyncrl_flags(spec))
     result = asyncio.run(run_job(cfg))

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from asyncrl.actors.controller import run_job
 from asyncrl.cli import main
 from asyncrl.config import load_config
+from asyncrl.job import run_job
 from asyncrl.runtime.chaos import Chaos, Kill, KillAt, audit_run, check_targets
 from asyncrl.runtime.supervisor import Supervisor
 from tests.test_train import LONG_RUN, eval_flags, job_flags, lines, write_prompts

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from asyncrl.actors.controller import run_job
 from asyncrl.cli import main
 from asyncrl.config import load_config
+from asyncrl.job import run_job
 from asyncrl.runtime.chaos import audit_run
 from asyncrl.runtime.run_dir import RunDirHoldsRun, RunDirInUse, claim_run_dir
 from tests.test_train import LONG_RUN, job_flags, lines, write_prompts

@@ -21,10 +21,10 @@ import aiohttp
 import pytest
 
 from asyncrl.actors.base import ActorSpec
-from asyncrl.actors.controller import run_job
 from asyncrl.actors.engine import EngineActor, sglang_command
 from asyncrl.cli import _sglang_flags
 from asyncrl.config import ConfigError, load_config
+from asyncrl.job import run_job
 from asyncrl.rollout.config import EngineConfig
 from asyncrl.wire.sockets import free_tcp_endpoint
 from tests.test_train import (

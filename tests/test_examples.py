@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.actors.controller import run_job
 from asyncrl.config import load_config
+from asyncrl.job import run_job
 from asyncrl.preflight import check_agent, check_tool_use
 from tests.test_train import accounted, last_buffer_metrics
 

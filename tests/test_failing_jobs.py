@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.actors.controller import run_job
 from asyncrl.buffer.accounting import FailureWatch
 from asyncrl.config import load_config
+from asyncrl.job import run_job
 from tests.test_train import job_flags, write_prompts
 from tests.tiny_model import build_tiny_model
 

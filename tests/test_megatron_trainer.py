@@ -242,8 +242,8 @@ async def test_the_arith_example_trains_on_the_megatron_backend(tmp_path, monkey
     2-stage pipeline: the trainer actor (rank 0) and its follower get the CPU shim through
     ``tests/megatron_site``; every other process runs as is. (One rank in the actor is the
     same code path with a one-rank group.)"""
-    from asyncrl.actors.controller import run_job
     from asyncrl.config import load_config
+    from asyncrl.job import run_job
     from tests.test_train import accounted, last_buffer_metrics
 
     monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository root

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.actors.controller import run_job
 from asyncrl.cli import main
 from asyncrl.config import load_config
+from asyncrl.job import run_job
 
 ROWS = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(6)]
 

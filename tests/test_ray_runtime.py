@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.actors.controller import run_job
 from asyncrl.cli import main
 from asyncrl.config import RayConfig, load_config
+from asyncrl.job import run_job
 from asyncrl.observe.logs import configure_logging
 from asyncrl.runtime.dryrun import dry_run
 from asyncrl.runtime.ray import ActorHost, RayRuntime

@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.actors.controller import run_job
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.engines.base import GenerateRequest, SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.job import run_job
 from tests.test_train import accounted, last_buffer_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,9 +18,9 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 
-from asyncrl.actors.controller import run_job
 from asyncrl.cli import main
 from asyncrl.config import load_config
+from asyncrl.job import run_job
 from asyncrl.wire import framing, security
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.messages import WeightVersion

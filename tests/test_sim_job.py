@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from asyncrl.actors.controller import run_job
 from asyncrl.config import load_config
+from asyncrl.job import run_job
 from tests.test_train import accounted, job_flags, last_buffer_metrics, write_prompts
 from tests.tiny_model import build_tiny_model
 

@@ -15,10 +15,10 @@ import pytest
 import uvloop
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from asyncrl.actors.controller import JobResult, run_job
 from asyncrl.buffer.dump import batch_files, read_batch
 from asyncrl.cli import main
 from asyncrl.config import load_config
+from asyncrl.job import JobResult, run_job
 from asyncrl.preflight import check_agent, check_tool_use
 from tests.test_trackers import wandb_history
 from tests.tiny_model import build_tiny_model

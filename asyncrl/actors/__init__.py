@@ -17,6 +17,6 @@
 Each actor waits only on its channels: a rollout actor blocks when it has no credits for
 work, the trainer when the buffer has no batch, the buffer never (it answers requests as
 state allows). ``base.py`` holds the lifecycle every actor follows; ``probe.py`` stands
-in for each role in ``asyncrl train --dry-run``; ``controller.py`` launches and
-supervises a job.
+in for each role in ``asyncrl train --dry-run``. The controller, which launches and
+supervises a job, is not an actor: ``asyncrl/job.py``.
 """

@@ -42,7 +42,7 @@ from asyncrl.wire.errors import PeerLost, RemoteError
 from asyncrl.wire.messages import Command
 
 if TYPE_CHECKING:
-    from asyncrl.actors.controller import JobResult
+    from asyncrl.job import JobResult
 
 log = get_logger("asyncrl.chaos")
 _WHEN = re.compile(r"^(?:(\d+(?:\.\d+)?)s|step(\d+))$")

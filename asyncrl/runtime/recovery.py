@@ -21,7 +21,7 @@ restarted trainer retrains them), the buffer needs its journal (``runtime.journa
   trainer has finished, a restarted eval actor is told where the final version is (the
   trainer's final checkpoint, ``feed_final``): its announcement left with the trainer.
 
-Users: ``asyncrl.actors.controller.run_job``.
+Users: ``asyncrl.job.run_job``.
 """
 
 from __future__ import annotations

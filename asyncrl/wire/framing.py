@@ -156,4 +156,3 @@ def split_buffers(frames: Sequence[Any], counts: Sequence[int]) -> list[Sequence
         out.append(frames[start : start + n])
         start += n
     return out
-
