@@ -3,16 +3,17 @@
     controller --launch--> buffer, rollout-0..n-1, trainer   (processes or Ray actors)
                <--Hello/Heartbeat/Bye-- every actor           (ControlHub)
 
-``run_job`` turns the validated ``RunConfig`` into actor specs (each role's ``params``
-below), launches them under a ``Supervisor``, waits until the trainer has taken its
-last step (``train.num_steps``; 0: until the data is used up), then stops everyone:
-rollout actors abort what is in flight (it returns to the buffer as partial work), the
-buffer checkpoints its state, the trainer checkpoints its weights. An actor that dies is
-restarted (``runtime.max_restarts`` times each; ``asyncrl.runtime.recovery`` says how
-each role comes back: a producer's work is requeued, the buffer replays its journal, the
-trainer resumes from its checkpoint and retrains the batches after it, an engine gets
-its weights back); a death past the budget ends the job with the supervisor's report
-(exit code, reason, last log lines).
+``run_job`` turns the validated ``RunConfig`` into actor specs (each role's typed
+settings, ``actors/config.py``, built once in ``role_params``), launches them under a
+``Supervisor``, waits until the trainer has taken its last step (``train.num_steps``; 0:
+until the data is used up), then stops everyone: rollout actors abort what is in flight
+(it returns to the buffer as partial work), the buffer checkpoints its state, the
+trainer checkpoints its weights. An actor that dies is restarted
+(``runtime.max_restarts`` times each; ``asyncrl.runtime.recovery`` says how each role
+comes back: a producer's work is requeued, the buffer replays its journal, the trainer
+resumes from its checkpoint and retrains the batches after it, an engine gets its
+weights back); a death past the budget ends the job with the supervisor's report (exit
+code, reason, last log lines).
 
 Run directory: ``config.json`` (resolved config), ``logs/<actor>.{out,jsonl}``,
 ``metrics.jsonl`` (trainer steps), ``metrics/{buffer,rollout-N}.jsonl``,
@@ -48,12 +49,26 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.base import ActorSpec
+from asyncrl.actors.config import (
+    ActorConfig,
+    BatchDumperConfig,
+    BufferActorConfig,
+    EngineActorConfig,
+    EvalActorConfig,
+    PublishConfig,
+    RolloutActorConfig,
+    TrainerActorConfig,
+    WorkflowConfig,
+)
+from asyncrl.buffer.sources import PromptSource
+from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.config import RunConfig
 from asyncrl.errors import InputError
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.progress import JobProgress
 from asyncrl.observe.trackers import TensorBoardTracker, Tracker, WandbTracker, following
 from asyncrl.preflight import PreflightError, preflight, tool_schemas
+from asyncrl.rollout.config import EngineConfig
 from asyncrl.runtime.base import PlacementFailed, open_runtime, place_job
 from asyncrl.runtime.chaos import Chaos
 from asyncrl.runtime.recovery import RestartHooks, restart_budgets
@@ -147,7 +162,11 @@ async def _run_claimed(
             return result
         async with ControlHub(endpoints["control"]) as hub:
             engine = cfg.rollout.engine
-            hooks = RestartHooks(hub, engine_wait_s=engine.startup_timeout + 60 if engine else 900)
+            hooks = RestartHooks(
+                hub,
+                engine_wait_s=engine.startup_timeout + 60 if engine else 900,
+                checkpoint_interval=cfg.train.checkpoint_interval,
+            )
             sup = Supervisor(
                 runtime,
                 hub,
@@ -419,7 +438,7 @@ def job_actor_specs(
         num_rollout_actors=0 if train_only else cfg.rollout.num_actors,
         endpoints=endpoints,
         run_dir=run_dir,
-        config=cfg.model_dump(mode="json"),
+        wire=cfg.wire.model_dump(mode="json"),
         common=common,
         params=role_params(cfg, run_dir, resume=resume),
         extra_roles=["eval"] if cfg.eval.enabled else [],
@@ -451,104 +470,131 @@ def _threads_per_torch_process(cfg: RunConfig) -> int:
     return max(1, (os.cpu_count() or 1) // max(busy, 1))
 
 
-def _source_params(cfg: RunConfig) -> dict[str, Any] | None:
+def _source_params(cfg: RunConfig) -> PromptSource.Config | None:
     """The data source's config; with tool use, the tools' schemas for rows without any."""
-    if cfg.data is None:
-        return None
-    source = cfg.data.model_dump(mode="json")
-    if source.get("default_tools") is None:
-        source["default_tools"] = tool_schemas(cfg)
-    return source
+    if cfg.data is None or cfg.data.default_tools is not None:
+        return cfg.data
+    return cfg.data.model_copy(update={"default_tools": tool_schemas(cfg)})
 
 
-def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, dict[str, Any]]:
-    """Each role's ``params`` (what its actor reads in ``setup``)."""
+def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, ActorConfig]:
+    """Each role's settings, built once from ``cfg`` (what its actor reads as ``config``)."""
     if cfg.trainer is None:
         raise ValueError("training needs a trainer section (--hf-checkpoint)")
     if cfg.data is None and cfg.train.load_rollout_data is None:
         raise ValueError("training needs data (--prompt-data) or --load-debug-rollout-data")
-    model = cfg.trainer.model_path
-    ckpt = run_dir / "checkpoints"
-    engine = cfg.rollout.engine or {"type": "torch", "model_path": model}
-    publish: dict[str, Any] = {"transport": cfg.train.publish, "keep": 2}
-    if cfg.train.publish == "disk":
-        publish["dir"] = str(run_dir / "weights")
-    if cfg.eval.enabled:  # the eval actor pulls the final version after the last step
-        publish.update(final_pullers=["eval"], linger_s=_FINAL_LINGER_S)
-    tool_use = cfg.rollout.tool_use
     # Engine actors' HTTP APIs take this job's key (made here, never written to disk).
     engine_key = secrets.token_urlsafe(24) if _engine_actors(cfg) else None
     # Marks this job's checkpoints: a restarted trainer or buffer loads only its own job's.
     job = secrets.token_hex(8)
-    rollout = {
-        "engine": engine if isinstance(engine, dict) else engine.model_dump(mode="json"),
-        "sampling": dict(cfg.rollout.sampling),
-        "reward": cfg.rollout.reward.model_dump(mode="json"),
-        "workflow": cfg.rollout.workflow,
-        "tool_use": tool_use.model_dump(mode="json") if tool_use else None,
-        "agent": cfg.rollout.agent.model_dump(mode="json") if cfg.rollout.agent else None,
-        "max_groups": cfg.rollout.max_groups,
-        "tokenizer": model,
-        "metrics_dir": str(run_dir / "metrics"),
-        "metrics_interval": cfg.train.metrics_interval,
-        "colocate": cfg.rollout.colocate,
-        "engine_api_key": engine_key,
-    }
-    dump = cfg.train.rollout_data_dir(run_dir)
-    trainer: dict[str, Any] = {
-        "trainer": cfg.trainer.model_dump(mode="json"),
-        "publish": publish,
-        "num_steps": cfg.train.num_steps,
-        "checkpoint_dir": str(ckpt / "trainer"),
-        "checkpoint_interval": cfg.train.checkpoint_interval,
-        "keep_checkpoints": cfg.train.keep_checkpoints,
-        "metrics_path": str(run_dir / "metrics.jsonl"),
-        "audit_path": str(run_dir / "trained.jsonl") if cfg.train.audit_log else None,
-        "job": job,
-        "resume": resume,
-        "save_dump": str(dump) if dump else None,
-        "load_dump": cfg.train.load_rollout_data,
-    }
-    if cfg.train.debug_rollout_only:
-        trainer = {k: trainer[k] for k in ("num_steps", "metrics_path")} | {"dump_dir": str(dump)}
+    rollout = _rollout_config(cfg, run_dir, engine_key)
     return {
-        "buffer": {
-            "buffer": _buffer_params(cfg),
-            "source": _source_params(cfg),
-            "tokenizer": model,
-            "metrics_path": str(run_dir / "metrics" / "buffer.jsonl"),
-            "metrics_interval": cfg.train.metrics_interval,
-            "colocate": cfg.rollout.colocate,
-            "rollout_actors": rollout_actor_names(cfg.rollout.num_actors),
-            "checkpoint": str(ckpt / "buffer.ckpt"),
-            "journal": str(ckpt / "buffer.journal") if cfg.runtime.journal else None,
-            "journal_fsync": cfg.runtime.journal_fsync,
-            "checkpoint_interval": cfg.runtime.buffer_checkpoint_interval,
-            "resume": resume,
-            "job": job,
-        },
+        "buffer": _buffer_config(cfg, run_dir, resume=resume, job=job),
         "rollout": rollout,
-        "trainer": trainer,
-        "engine": {"engine": rollout["engine"], "api_key": engine_key},
-        "eval": {
-            **rollout,
-            "engine": (
-                cfg.eval.engine.model_dump(mode="json")
-                if cfg.eval.engine
-                else rollout["engine"] | {"serve": "embedded"}  # the eval actor's own
-            ),
-            "eval": cfg.eval.model_dump(mode="json"),
-            "num_steps": cfg.train.num_steps,
-            "final_checkpoint": str(final_policy_dir(run_dir, cfg.train.num_steps)),
-            "metrics_path": str(run_dir / "metrics" / "eval.jsonl"),
-        },
+        "trainer": _trainer_config(cfg, run_dir, resume=resume, job=job),
+        "engine": EngineActorConfig(engine=rollout.engine, api_key=engine_key),
+        "eval": EvalActorConfig(
+            **_workflow_fields(rollout)
+            # The eval actor's own engine: embedded, whatever serves the rollout.
+            | {"engine": cfg.eval.engine or _embedded(rollout.engine)},
+            eval=cfg.eval,
+            num_steps=cfg.train.num_steps,
+            final_checkpoint=str(final_policy_dir(run_dir, cfg.train.num_steps)),
+            metrics_path=str(run_dir / "metrics" / "eval.jsonl"),
+        ),
     }
 
 
-def _buffer_params(cfg: RunConfig) -> dict[str, Any]:
+def _rollout_config(cfg: RunConfig, run_dir: Path, engine_key: str | None) -> RolloutActorConfig:
+    assert cfg.trainer is not None
+    model = cfg.trainer.model_path
+    r = cfg.rollout
+    return RolloutActorConfig(
+        engine=r.engine or EngineConfig(type="torch", model_path=model),
+        sampling=dict(r.sampling),
+        reward=r.reward,
+        workflow=r.workflow,
+        tool_use=r.tool_use,
+        agent=r.agent,
+        tokenizer=model,
+        max_groups=r.max_groups,
+        metrics_dir=str(run_dir / "metrics"),
+        metrics_interval=cfg.train.metrics_interval,
+        colocate=r.colocate,
+        engine_api_key=engine_key,
+    )
+
+
+def _embedded(engine: EngineConfig) -> EngineConfig:
+    return EngineConfig.model_validate({**engine.model_dump(), "serve": "embedded"})
+
+
+def _workflow_fields(rollout: RolloutActorConfig) -> dict[str, Any]:
+    """What the eval actor shares with the rollout actor (``WorkflowConfig``)."""
+    return {name: getattr(rollout, name) for name in WorkflowConfig.model_fields}
+
+
+def _trainer_config(
+    cfg: RunConfig, run_dir: Path, *, resume: bool, job: str
+) -> TrainerActorConfig | BatchDumperConfig:
+    assert cfg.trainer is not None
+    train = cfg.train
+    dump = train.rollout_data_dir(run_dir)
+    if train.debug_rollout_only:
+        return BatchDumperConfig(
+            dump_dir=str(dump),
+            num_steps=train.num_steps,
+            metrics_path=str(run_dir / "metrics.jsonl"),
+        )
+    # The eval actor pulls the final version after the last step: the trainer lingers.
+    final = {"final_pullers": ("eval",), "linger_s": _FINAL_LINGER_S} if cfg.eval.enabled else {}
+    publish = PublishConfig(
+        transport=train.publish,
+        keep=2,
+        dir=str(run_dir / "weights") if train.publish == "disk" else None,
+        **final,
+    )
+    return TrainerActorConfig(
+        trainer=cfg.trainer,
+        algo=cfg.algo,
+        publish=publish,
+        num_steps=train.num_steps,
+        checkpoint_interval=train.checkpoint_interval,
+        keep_checkpoints=train.keep_checkpoints,
+        checkpoint_dir=str(run_dir / "checkpoints" / "trainer"),
+        resume=resume,
+        job=job,
+        metrics_path=str(run_dir / "metrics.jsonl"),
+        audit_path=str(run_dir / "trained.jsonl") if train.audit_log else None,
+        save_dump=str(dump) if dump else None,
+        load_dump=train.load_rollout_data,
+    )
+
+
+def _buffer_config(cfg: RunConfig, run_dir: Path, *, resume: bool, job: str) -> BufferActorConfig:
+    assert cfg.trainer is not None
+    ckpt = run_dir / "checkpoints"
+    return BufferActorConfig(
+        buffer=_buffer_params(cfg),
+        source=_source_params(cfg),
+        tokenizer=cfg.trainer.model_path,
+        checkpoint=str(ckpt / "buffer.ckpt"),
+        journal=str(ckpt / "buffer.journal") if cfg.runtime.journal else None,
+        journal_fsync=cfg.runtime.journal_fsync,
+        checkpoint_interval=cfg.runtime.buffer_checkpoint_interval,
+        resume=resume,
+        job=job,
+        metrics_path=str(run_dir / "metrics" / "buffer.jsonl"),
+        metrics_interval=cfg.train.metrics_interval,
+        colocate=cfg.rollout.colocate,
+        rollout_actors=tuple(rollout_actor_names(cfg.rollout.num_actors)),
+    )
+
+
+def _buffer_params(cfg: RunConfig) -> VersionedBuffer.Config:
     """The buffer's config. Rollout-only lifts the staleness bound: the weights never
     change, so every sample is fresh and admission need not wait for a trainer."""
-    params = cfg.buffer.model_dump(mode="json")
-    if cfg.train.debug_rollout_only:
-        params.update(max_staleness=_UNBOUNDED, hard_staleness=None, age_guarantee=None)
-    return params
+    if not cfg.train.debug_rollout_only:
+        return cfg.buffer
+    lifted = {"max_staleness": _UNBOUNDED, "hard_staleness": None, "age_guarantee": None}
+    return cfg.buffer.model_copy(update=lifted)

@@ -133,7 +133,8 @@ async def bench_actor(
     data = tmp / "prompts.jsonl"
     data.write_text("".join(f'{{"prompt": "q{i}"}}\n' for i in range(num_groups)))
     ep = allocate_endpoints()
-    params = {"buffer": CONFIG, "source": {"path": str(data), "label_key": None}}
+    params = {"buffer": CONFIG, "source": {"path": str(data), "label_key": None},
+              "checkpoint_interval": 60.0, "metrics_interval": 5.0}  # fmt: skip
     if journal is not None:
         params |= {"checkpoint": str(tmp / "buffer.ckpt"), "journal": str(tmp / "buffer.journal"),
                    "journal_fsync": journal == "fsync", "checkpoint_interval": 30.0}  # fmt: skip

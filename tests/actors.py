@@ -9,16 +9,31 @@ import time
 from pathlib import Path
 
 from asyncrl.actors.base import Actor
+from asyncrl.actors.config import ActorConfig
 from asyncrl.wire.messages import Command, Scalar
 
 
+class RecorderConfig(ActorConfig):
+    """The test actors' knobs, each one's default its idle behaviour."""
+
+    journal: str | None = None  # each lifecycle step is appended here
+    version: int = 0
+    linger: float = 0.0  # seconds run() waits before it idles
+    drain_seconds: float = 0.0
+    after: float = 0.2  # Crasher: seconds before it raises
+    grandchild: str | None = None  # Spawner: where it writes its child's pid
+    prepare_s: float = 0.0  # seconds a supervisor test's before_restart takes
+
+
 class Recorder(Actor):
-    """Idles until stopped; appends each lifecycle step to ``params["journal"]``."""
+    """Idles until stopped; appends each lifecycle step to ``config.journal``."""
+
+    Config = RecorderConfig
+    config: RecorderConfig
 
     def note(self, step: str) -> None:
-        journal = self.spec.params.get("journal")
-        if journal:
-            with Path(journal).open("a") as f:
+        if self.config.journal:
+            with Path(self.config.journal).open("a") as f:
                 f.write(step + "\n")
 
     async def setup(self) -> None:
@@ -27,15 +42,15 @@ class Recorder(Actor):
 
     async def run(self) -> None:
         self.note("run")
-        self.version = int(self.spec.params.get("version", 0))
+        self.version = self.config.version
         while not self.stopping:
             self.ticks += 1
             await asyncio.sleep(0.01)
-        await asyncio.sleep(float(self.spec.params.get("linger", 0)))
+        await asyncio.sleep(self.config.linger)
 
     async def drain(self) -> None:
         self.note("drain")
-        await asyncio.sleep(float(self.spec.params.get("drain_seconds", 0)))
+        await asyncio.sleep(self.config.drain_seconds)
         self.note("drained")
 
     async def teardown(self) -> None:
@@ -54,7 +69,7 @@ class Crasher(Recorder):
 
     async def run(self) -> None:
         print("crasher: about to fail", flush=True)
-        await asyncio.sleep(float(self.spec.params.get("after", 0.2)))
+        await asyncio.sleep(self.config.after)
         raise RuntimeError("boom at step 3")
 
 
@@ -107,7 +122,7 @@ class Spawner(Recorder):
         import subprocess
 
         self.child = subprocess.Popen(["sleep", "60"])  # noqa: ASYNC220 - test fixture
-        Path(self.spec.params["grandchild"]).write_text(str(self.child.pid))  # noqa: ASYNC240
+        Path(str(self.config.grandchild)).write_text(str(self.child.pid))  # noqa: ASYNC240
         await super().run()
 
 

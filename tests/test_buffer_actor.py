@@ -54,6 +54,7 @@ def buffer_spec(
             "source": {"path": str(tmp_path / "prompts.jsonl"), "seed": 3},
             "metrics_path": str(tmp_path / "metrics.jsonl"),
             "metrics_interval": 0.2,
+            "checkpoint_interval": 60.0,
             **params,
         },
     )

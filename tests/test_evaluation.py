@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 
 from asyncrl.actors.base import ActorSpec
+from asyncrl.actors.config import EvalActorConfig
 from asyncrl.actors.eval import EvalActor
 from asyncrl.engines.base import FinishReason
 from asyncrl.engines.sglang_wire import GenerateResult
 from asyncrl.rollout.base import RolloutContext
-from asyncrl.rollout.config import EvalConfig, EvalSetConfig, RewardConfig
+from asyncrl.rollout.config import EngineConfig, EvalConfig, EvalSetConfig, RewardConfig
 from asyncrl.rollout.evaluation import evaluate_set, score_samples
 from asyncrl.rollout.rewards import build_reward
 from asyncrl.rollout.single_turn import single_turn
@@ -138,7 +139,16 @@ async def test_an_eval_actor_that_missed_the_final_pull_evaluates_the_final_chec
     """The trainer exits once the final version is pulled; an eval incarnation that comes
     up after that (a restart) falls back to the final checkpoint, or ends without it."""
     final = tmp_path / "step_000004" / "policy"
-    spec = ActorSpec(name="eval", role="eval", cls="x:y", params={"final_checkpoint": str(final)})
+    config = EvalActorConfig(
+        engine=EngineConfig(model_path="unused"),
+        sampling={},
+        reward=RewardConfig(),
+        eval=EvalConfig(sets=[EvalSetConfig(name="held-out", path="unused.jsonl")]),
+        num_steps=4,
+        metrics_path="unused.jsonl",
+        final_checkpoint=str(final),
+    )
+    spec = ActorSpec(name="eval", role="eval", cls="x:y", params=config.model_dump(mode="json"))
 
     def fresh() -> EvalActor:
         actor = EvalActor(spec)

@@ -96,3 +96,15 @@ def test_no_two_packages_import_each_other_around_a_loop():
         if reaches(b, a)
     ]
     assert not loops, loops
+
+
+def test_actors_read_their_typed_config_not_the_raw_params():
+    """Each actor's settings are its ``Config``, validated once in ``Actor.__init__``; the
+    raw ``spec.params`` dictionary is read there and nowhere else."""
+    readers = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "asyncrl" / "actors").glob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bparams(\.get\(|\[)|spec\.params(?!\))", line.split("#")[0])
+    ]
+    assert readers == [], readers

@@ -19,12 +19,14 @@ from safetensors.torch import load_file
 
 from asyncrl.actors.base import ActorSpec
 from asyncrl.actors.buffer import BatchReply, WorkReply, WorkRequest
+from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.actors.trainer import TrainerActor
 from asyncrl.policies.config import PolicyConfig
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import Supervisor
 from asyncrl.runtime.topology import allocate_endpoints
 from asyncrl.trainers.base import StepResult
+from asyncrl.trainers.config import TrainerConfig
 from asyncrl.trainers.torch_trainer import TorchTrainer
 from asyncrl.types import Group, TrainBatch
 from asyncrl.wire.codec import Codec
@@ -47,22 +49,31 @@ def trainer_spec(tmp_path: Path, ep: dict[str, str], name: str, num_steps: int) 
         heartbeat_interval=0.2,
         drain_timeout=150.0,
         log_file=str(tmp_path / f"{name}.jsonl"),
-        config={"algo": {"off_policy_correction": "decoupled"}},
-        params={
-            "trainer": {"model_path": str(tmp_path / "model"), "lr": 1e-2, "seed": 0},
+        params=trainer_config(
+            trainer=TrainerConfig(model_path=str(tmp_path / "model"), lr=1e-2, seed=0),
             # The subscriber process may join after the last step: wait for its pull.
-            "publish": {
-                "transport": "pull",
-                "keep": 2,
-                "final_pullers": ["subscriber"],
-                "linger_s": 120,
-            },
-            "num_steps": num_steps,
-            "checkpoint_dir": str(tmp_path / "ckpt"),
-            "checkpoint_interval": 1,
-            "metrics_path": str(tmp_path / f"{name}.metrics.jsonl"),
-        },
+            publish=PublishConfig(
+                transport="pull", keep=2, final_pullers=("subscriber",), linger_s=120
+            ),
+            num_steps=num_steps,
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            checkpoint_interval=1,
+            metrics_path=str(tmp_path / f"{name}.metrics.jsonl"),
+        ).model_dump(mode="json"),
     )
+
+
+def trainer_config(**fields: object) -> TrainerActorConfig:
+    """A trainer actor's settings: ``fields`` over a decoupled-PPO job's."""
+    base: dict[str, object] = {
+        "trainer": TrainerConfig(model_path="unused"),
+        "algo": PolicyConfig(off_policy_correction="decoupled"),
+        "publish": PublishConfig(transport="pull", keep=2),
+        "num_steps": 0,
+        "checkpoint_interval": 0,
+        "keep_checkpoints": None,
+    }
+    return TrainerActorConfig.model_validate(base | fields)
 
 
 async def produce_until(supervisor: Supervisor, ep: dict[str, str], trainer: str) -> int:
@@ -141,6 +152,7 @@ async def test_the_trainer_actor_trains_publishes_acknowledges_and_resumes(
     resumed = trainer_spec(tmp_path, ep, "trainer-2", num_steps=3)
     resumed.params["resume"] = True
     resumed.params["publish"]["final_pullers"] = []  # nobody subscribes this time
+    TrainerActorConfig.model_validate(resumed.params)  # still a valid config
     await supervisor.launch([resumed])
     async with asyncio.timeout(180):
         await produce_until(supervisor, ep, "trainer-2")
@@ -229,7 +241,7 @@ class NoSubscribers:
 async def test_a_stop_during_a_step_checkpoints_after_the_step(tmp_path):
     # A stop drains (a checkpoint) while run() is still inside a step in its worker thread:
     # the checkpoint must wait for the step, or it would hold half of one.
-    params = {"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_interval": 0}
+    params = trainer_config(checkpoint_dir=str(tmp_path / "ckpt")).model_dump(mode="json")
     actor = TrainerActor(ActorSpec(name="trainer", role="trainer", cls="", params=params))
     trainer = SlowTrainer()
     actor.trainer, actor.batches, actor.weights = trainer, OneBatch(), NoSubscribers()  # type: ignore[assignment]
@@ -268,7 +280,7 @@ class BatchAfterStop(OneBatch):
 async def test_a_batch_that_arrives_during_a_stop_is_left_to_the_buffer(tmp_path):
     # Training it would step past the drain's checkpoint; unacknowledged, the buffer keeps
     # it and serves it again to the next trainer, so nothing is lost or trained twice.
-    params = {"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_interval": 0}
+    params = trainer_config(checkpoint_dir=str(tmp_path / "ckpt")).model_dump(mode="json")
     actor = TrainerActor(ActorSpec(name="trainer", role="trainer", cls="", params=params))
     trainer, batches = SlowTrainer(), BatchAfterStop(actor)
     actor.trainer, actor.batches, actor.weights = trainer, batches, Lingering()  # type: ignore[assignment]
@@ -295,7 +307,8 @@ class LateBatch(OneBatch):
 async def test_the_wait_for_data_counts_every_request_until_the_batch(tmp_path):
     # time/wait_data is the generation phase of a synchronous run (bench/overlap.py's G):
     # the empty replies before the batch are waiting too.
-    actor = TrainerActor(ActorSpec(name="trainer", role="trainer", cls="", params={}))
+    params = trainer_config().model_dump(mode="json")
+    actor = TrainerActor(ActorSpec(name="trainer", role="trainer", cls="", params=params))
     trainer = SlowTrainer()
     actor.trainer, actor.batches, actor.weights = trainer, LateBatch(), NoSubscribers()  # type: ignore[assignment]
     actor.durable, actor.num_steps, actor.audit, actor.metrics, actor.dump = -1, 1, None, None, None

@@ -29,15 +29,16 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
+from asyncrl.actors.config import ActorConfig
 from asyncrl.errors import InputError
 from asyncrl.observe.logs import bind_context, get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.wire.channels import _Channel
-from asyncrl.wire.codec import DEFAULT_MAX_FRAME_BYTES
+from asyncrl.wire.config import WireConfig
 from asyncrl.wire.control import ControlLink
 from asyncrl.wire.messages import (
     ActorStateName,
@@ -59,6 +60,16 @@ EXIT_GRACE_S = 10.0
 _ANYTIME = ("stop", "pause", "resume", "stats")
 
 
+class Incarnation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How this start of an actor comes about; the supervisor's restart hooks set it
+    (``runtime/recovery.py``)."""
+
+    restarted: bool = False  # the supervisor restarted it after a crash
+    #: An earlier incarnation wrote durable state (a checkpoint, a journal): a restart
+    #: that finds none must fail loudly instead of starting over.
+    state_expected: bool = False
+
+
 class ActorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Everything a process needs to become an actor. Sent to the child as JSON."""
 
@@ -72,17 +83,23 @@ class ActorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "info"
     log_format: str = "console"
     log_file: str | None = None
-    config: dict[str, Any] = msgspec.field(default_factory=dict)  # resolved run config
-    params: dict[str, Any] = msgspec.field(default_factory=dict)  # role-specific settings
+    wire: dict[str, Any] = msgspec.field(default_factory=dict)  # the job's ``WireConfig``
+    params: dict[str, Any] = msgspec.field(default_factory=dict)  # the role's ``Config``
+    incarnation: Incarnation = msgspec.field(default_factory=Incarnation)
     threads: int | None = None  # torch/OpenMP threads of this process; None: the library's
 
 
 class Actor(ABC):
     """Base class: subclass, implement ``run()``, optionally the other hooks."""
 
+    #: The role's settings; ``self.config`` is ``spec.params`` validated as one of these.
+    Config: ClassVar[type[ActorConfig]] = ActorConfig
+
     def __init__(self, spec: ActorSpec) -> None:
         self.spec = spec
         self.name = spec.name
+        self.config = self.Config.model_validate(spec.params)
+        self.wire = WireConfig.model_validate(spec.wire)
         self.state: ActorStateName = "starting"
         self.link: ControlLink | None = None
         self.paused = asyncio.Event()
@@ -206,8 +223,7 @@ class Actor(ABC):
     @property
     def max_frame_bytes(self) -> int:
         """The job's frame limit (``wire.max_frame_bytes``) for this actor's codecs."""
-        wire = self.spec.config.get("wire", {})
-        return int(wire.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES))
+        return self.wire.max_frame_bytes
 
     def all_stats(self) -> dict[str, float]:
         """Actor stats plus ``<channel>.<counter>`` for every opened channel."""

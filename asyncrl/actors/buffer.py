@@ -14,7 +14,7 @@ polling: admission room for work, a full batch for the trainer. Every state chan
 (a result, a new version, a batch taken) wakes the waiters. All policy lives in
 ``VersionedBuffer``; this actor only moves messages and exports its numbers.
 
-Colocated jobs (``params.colocate``, eta = 0): engines and trainer share devices, so a
+Colocated jobs (``config.colocate``, eta = 0): engines and trainer share devices, so a
 batch goes to the trainer only once every rollout actor reports (``WorkRequest.asleep``)
 that its engines released their memory; an actor is told it may sleep (``WorkReply.sleep``)
 as soon as nothing can be handed out before the next version.
@@ -23,18 +23,14 @@ Crash safety: the state lives in a ``Hub`` (``asyncrl.buffer.hub``) that journal
 change; the actor commits the journal before it answers a request or acknowledges a
 result, and writes a checkpoint (``checkpoint``, then a fresh journal) at start, every
 ``checkpoint_interval`` seconds, when the journal passes ``journal_max_bytes``, and on
-stop. A restarted buffer (``recover``) loads the checkpoint and replays the journal:
-what it had acknowledged or handed out is all there, and its producers' and trainer's
-retries (same work request id; the lowest unacknowledged batch first) find it again. A
-new job (``resume``) does the same, then requeues the work the old job's producers held.
+stop. A restarted buffer (``ActorSpec.incarnation``) loads the checkpoint and replays
+the journal: what it had acknowledged or handed out is all there, and its producers' and
+trainer's retries (same work request id; the lowest unacknowledged batch first) find it
+again. A new job (``resume``) does the same, then requeues the work the old job's producers held.
 
 Commands: ``requeue`` (``actor=NAME``: its in-flight work goes back to be resumed, used
 by the supervisor when a producer dies) and ``checkpoint`` (``path=FILE``: a copy).
-``params``: ``buffer`` (``VersionedBuffer.Config``), ``source``
-(``PromptSource.Config``), ``tokenizer`` (a directory), ``checkpoint`` (the checkpoint
-file), ``journal`` (the journal file; none: checkpoints on stop only), ``recover``,
-``resume``, ``checkpoint_interval``, ``journal_max_bytes``, ``journal_fsync``,
-``metrics_path``, ``metrics_interval``, ``colocate`` and ``rollout_actors`` (names).
+Settings: ``BufferActor.Config``.
 """
 
 from __future__ import annotations
@@ -50,6 +46,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.actors.base import Actor, ActorSpec
+from asyncrl.actors.config import BufferActorConfig
 from asyncrl.buffer.accounting import FailureWatch
 from asyncrl.buffer.admission import fair_share
 from asyncrl.buffer.hub import Hub, HubState
@@ -195,23 +192,26 @@ def _engine_was_down(group: Group) -> bool:
 class BufferActor(Actor):
     """Serves work and batches from a ``VersionedBuffer``; see the module docstring."""
 
+    Config = BufferActorConfig
+    config: BufferActorConfig
+
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
         self.hub: Hub | None = None  # heartbeats may ask for stats while setup runs
         self._checkpointed_at = time.monotonic()
 
     async def setup(self) -> None:
-        params = self.spec.params
-        source = await asyncio.to_thread(_open_source, params)  # tokenizing: off the loop
-        self.buffer = VersionedBuffer(VersionedBuffer.Config(**params.get("buffer", {})), source)
-        journal = Path(params["journal"]) if params.get("journal") else None
-        fsync = bool(params.get("journal_fsync"))
+        config = self.config
+        source = await asyncio.to_thread(_open_source, config)  # tokenizing: off the loop
+        self.buffer = VersionedBuffer(config.buffer.model_copy(), source)
+        journal = Path(config.journal) if config.journal else None
+        fsync = config.journal_fsync
         hub = Hub(self.buffer, Journal(journal, fsync=fsync) if journal else None)
         if hub.journal is not None:
             self.close_later(hub.journal.close)  # after the channels: no commit comes later
-        hub.job = str(params.get("job", ""))
-        self.checkpoint_path = Path(params["checkpoint"]) if params.get("checkpoint") else None
-        if params.get("recover") or params.get("resume"):
+        hub.job = config.job
+        self.checkpoint_path = Path(config.checkpoint) if config.checkpoint else None
+        if self.spec.incarnation.restarted or config.resume:
             await asyncio.to_thread(self._recover, hub, journal)
         self.hub = hub  # only now: stats() reads it, and recovery ran in a thread
         self._checkpoint()  # a fresh lineage's first, or what recovery rebuilt
@@ -221,30 +221,30 @@ class BufferActor(Actor):
         self._outcomes: dict[str, int] = defaultdict(int)
         cfg = self.buffer.config
         self._failures = FailureWatch(cfg.failure_window, cfg.max_failed_share)
-        self.colocate = bool(params.get("colocate", False))
+        self.colocate = config.colocate
         # Colocated: actor -> engines released; an actor not heard from yet is awake.
-        self._asleep = dict.fromkeys(params.get("rollout_actors", []), False)
+        self._asleep = dict.fromkeys(config.rollout_actors, False)
         # Producer -> loop time it last asked for work (the configured ones: from now, so
         # the first to ask does not take a whole step before the others have started).
         now = asyncio.get_running_loop().time()
-        self._asked = dict.fromkeys(params.get("rollout_actors", []), now)
+        self._asked = dict.fromkeys(config.rollout_actors, now)
         await self._open_channels()
-        path = params.get("metrics_path")
+        path = config.metrics_path
         self.metrics = self.open_metrics(path) if path else None
 
     async def _open_channels(self) -> None:
-        ep, frame = self.spec.endpoints, self.max_frame_bytes
+        ep, frame, hwm = self.spec.endpoints, self.max_frame_bytes, self.wire.hwm
         work, batch = Codec(WorkRequest, max_frame_bytes=frame), Codec(BatchRequest)
         await self.open(
             RpcServer(ep["buffer.work"], work, Codec(WorkReply, max_frame_bytes=frame),
-                      self._serve_work), "work",
+                      self._serve_work, hwm=hwm), "work",
         )  # fmt: skip
         await self.open(
             RpcServer(ep["buffer.batches"], batch, Codec(BatchReply, max_frame_bytes=frame),
-                      self._serve_batch), "batches",
+                      self._serve_batch, hwm=hwm), "batches",
         )  # fmt: skip
         self.results = await self.open(
-            ReliableReceiver(ep["buffer.results"], Codec(Group, max_frame_bytes=frame)),
+            ReliableReceiver(ep["buffer.results"], Codec(Group, max_frame_bytes=frame), hwm=hwm),
             "results",
         )
         self.events = await self.open(
@@ -461,18 +461,18 @@ class BufferActor(Actor):
         journal first, so that a crash from here on recovers as this job) and requeues
         what the old producers held. State that a previous incarnation wrote and that is
         gone now (``state_expected``) is an error, never a fresh start."""
-        start, params = time.monotonic(), self.spec.params
+        start, resume = time.monotonic(), self.config.resume
         path = self.checkpoint_path
         if path is None:
-            raise ValueError("buffer recovery needs params.checkpoint")
-        self._check_state_kept(path, journal, bool(params.get("state_expected")))
+            raise ValueError("buffer recovery needs config.checkpoint")
+        self._check_state_kept(path, journal, self.spec.incarnation.state_expected)
         if not path.exists():
             log.warning("no buffer checkpoint yet: the buffer starts fresh", checkpoint=str(path))
             return
         job = hub.job
         replayed = recover_hub(hub, path, journal)
         written_by, hub.job = hub.job, job
-        if written_by != job and not params.get("resume"):
+        if written_by != job and not resume:
             raise RunStateLost(
                 f"{path} holds the buffer of another job ({written_by}), not this one's: "
                 "the run directory was reused; continue that run with --resume or "
@@ -481,7 +481,7 @@ class BufferActor(Actor):
         # A resumed job's first buffer takes the old job's state; so does a restart of it
         # that died before making that state its own (the checkpoint is still the old one).
         requeued = 0
-        if params.get("resume") and (not params.get("recover") or written_by != job):
+        if resume and (not self.spec.incarnation.restarted or written_by != job):
             self._persist(hub)
             requeued = hub.requeue_all()
         hub.commit()
@@ -535,9 +535,8 @@ class BufferActor(Actor):
         self._checkpointed_at = time.monotonic()
 
     async def _checkpoint_loop(self) -> None:
-        params = self.spec.params
-        interval = float(params.get("checkpoint_interval", 60.0))
-        max_bytes = int(params.get("journal_max_bytes", 256 * 1024 * 1024))
+        interval = self.config.checkpoint_interval
+        max_bytes = self.config.journal_max_bytes
         journal = self.hub.journal
         while True:
             await asyncio.sleep(min(1.0, interval))
@@ -568,7 +567,7 @@ class BufferActor(Actor):
         }
 
     async def _metrics_loop(self) -> None:
-        interval = float(self.spec.params.get("metrics_interval", 5.0))
+        interval = self.config.metrics_interval
         while True:
             await asyncio.sleep(interval)
             self._write_metrics()
@@ -612,12 +611,12 @@ def _mean(hist: dict[int, int]) -> float:
     return sum(k * v for k, v in hist.items()) / total if total else 0.0
 
 
-def _open_source(params: dict[str, Any]) -> PromptSource | None:
-    if not params.get("source"):
+def _open_source(config: BufferActorConfig) -> PromptSource | None:
+    if config.source is None:
         return None
     tokenizer = None
-    if params.get("tokenizer"):
+    if config.tokenizer:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(params["tokenizer"])
-    return PromptSource.open(PromptSource.Config(**params["source"]), tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    return PromptSource.open(config.source.model_copy(), tokenizer)

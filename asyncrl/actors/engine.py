@@ -15,7 +15,7 @@ Two kinds (``rollout.engine.type``):
 exits, or fails ``HEALTH_FAILURES`` (3) checks in a row, fails the actor with the reason, and
 the supervisor reports it. Weights reach either kind from the rollout actor over HTTP
 (``/update_weights_from_disk``), as they reach any SGLang server. Both kinds take the job's
-engine key (``params.api_key``, SGLang's ``--api-key``): every route but ``/health`` needs
+engine key (``config.api_key``, SGLang's ``--api-key``): every route but ``/health`` needs
 ``Authorization: Bearer <key>``.
 """
 
@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from asyncrl.actors.base import Actor
+from asyncrl.actors.config import EngineActorConfig
 from asyncrl.observe.logs import get_logger
 from asyncrl.rollout.config import EngineConfig
 
@@ -66,9 +67,12 @@ def sglang_command(cfg: EngineConfig, host: str, port: int) -> list[str]:
 class EngineActor(Actor):
     """Starts one engine server and keeps checking its health; see the module docstring."""
 
+    Config = EngineActorConfig
+    config: EngineActorConfig
+
     async def setup(self) -> None:
-        self.cfg = EngineConfig(**self.spec.params["engine"])
-        self.api_key: str | None = self.spec.params.get("api_key")
+        self.cfg = self.config.engine
+        self.api_key = self.config.api_key
         parts = urlsplit(self.spec.endpoints[f"{self.name}.http"])
         host, port = str(parts.hostname), int(parts.port or 0)
         self.url = f"http://{host}:{port}"

@@ -13,9 +13,9 @@ A version announced while an evaluation runs replaces an older pulled one that h
 started (so a slow eval falls back to the newest due version instead of queueing); rows
 are tagged with the version they used. After the final version the actor finishes.
 
-``params``: ``eval`` (``EvalConfig``), ``engine`` (``EngineConfig``), ``sampling`` and
-``reward`` (the rollout's, the defaults of each set), ``workflow``, ``tokenizer``,
-``num_steps``, ``metrics_path``.
+Settings: ``EvalActor.Config``: the rollout's ``WorkflowConfig`` (its sampling, reward,
+workflow and tools are each set's defaults) with the eval engine, ``eval``
+(``EvalConfig``), ``num_steps`` and where the rows and the final checkpoint are.
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors.base import Actor, ActorSpec
-from asyncrl.actors.rollout import policy_tokenizer
+from asyncrl.actors.config import EvalActorConfig
+from asyncrl.actors.rollout import (
+    build_reward,
+    build_tools,
+    load_workflow,
+    policy_tokenizer,
+)
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.rollout.base import RolloutContext, Workflow
-from asyncrl.rollout.config import (
-    AgentConfig,
-    EngineConfig,
-    EvalConfig,
-    EvalSetConfig,
-    RewardConfig,
-)
+from asyncrl.rollout.config import EvalSetConfig
 from asyncrl.rollout.engines import EngineHost
 from asyncrl.rollout.evaluation import evaluate_set
 from asyncrl.trainers.weight_sync import WeightReceiver
@@ -58,6 +58,9 @@ _PULL_TIMEOUT_S = 300.0
 class EvalActor(Actor):
     """Evaluates due weight versions; see the module docstring."""
 
+    Config = EvalActorConfig
+    config: EvalActorConfig
+
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
         self.evaluated = 0
@@ -65,33 +68,29 @@ class EvalActor(Actor):
         self.metrics: JsonlMetricsSink | None = None
 
     async def setup(self) -> None:
-        params = self.spec.params
-        self.cfg = EvalConfig(**params["eval"])
-        self.num_steps = int(params.get("num_steps", 0))
+        config = self.config
+        self.cfg = config.eval
+        self.num_steps = config.num_steps
         self.next_due = 0 if self.cfg.at_start else self.cfg.interval
         self._pending: tuple[WeightVersion, dict[str, torch.Tensor] | None] | None = None
         self._ready = asyncio.Event()
         self._final_lost = False
-        self.host = await self.hold(EngineHost(EngineConfig(**params["engine"])))
+        self.host = await self.hold(EngineHost(config.engine))
         # The engine's, or the policy's from disk for remote engines (as rollout actors do).
-        tokenizer = await asyncio.to_thread(policy_tokenizer, params, self.host)
+        tokenizer = await asyncio.to_thread(policy_tokenizer, config.tokenizer, self.host)
         self.sets = [await self._open_set(s, tokenizer) for s in self.cfg.sets]
         ep = self.spec.endpoints
         frame = self.max_frame_bytes
         rx = WeightReceiver(ep["trainer.weights"], ep["trainer.weights_snapshot"],
                             max_frame_bytes=frame, puller=self.name)  # fmt: skip
         self.receiver = await self.hold(rx)
-        self.metrics = self.open_metrics(params["metrics_path"], flush_every=0)
+        self.metrics = self.open_metrics(config.metrics_path, flush_every=0)
 
     async def _open_set(self, cfg: EvalSetConfig, tokenizer: Any) -> _EvalSet:
-        from asyncrl.rollout.rewards import build_reward
-        from asyncrl.rollout.tools.build import tools_from_params
-        from asyncrl.rollout.workflows import load_workflow
-
-        params = self.spec.params
+        config = self.config
         # The training rollout's tools: a tool-use policy is evaluated with its tools.
-        tool_use, tools = await asyncio.to_thread(tools_from_params, params.get("tool_use"))
-        reward_cfg = cfg.reward or RewardConfig(**params.get("reward", {}))
+        tools = await asyncio.to_thread(build_tools, config.tool_use)
+        reward_cfg = cfg.reward or config.reward
         score = await self.hold(contextlib.aclosing(build_reward(reward_cfg)))
         source = PromptSource.Config(
             path=cfg.path,
@@ -107,15 +106,12 @@ class EvalActor(Actor):
         ctx = RolloutContext(
             engine=self.host.client,  # type: ignore[arg-type]
             score=score,
-            sampling=dict(cfg.sampling or params.get("sampling", {})),
+            sampling=dict(cfg.sampling or config.sampling),
             tokenizer=tokenizer,
             version=lambda: self.host.version,
             tools=tools,
         )
-        agent = params.get("agent")
-        workflow = load_workflow(
-            params.get("workflow"), tool_use, AgentConfig(**agent) if agent else None
-        )
+        workflow = load_workflow(config.workflow, config.tool_use, config.agent)
         if hasattr(workflow, "resources"):  # e.g. the agent workflow's OpenAI proxy
             await self.hold(workflow.resources(ctx))
         return _EvalSet(cfg, opened.take(opened.num_rows), ctx, workflow, reward_cfg.correct)
@@ -170,7 +166,7 @@ class EvalActor(Actor):
         """The trainer exited before this incarnation pulled the final version (it may
         have been pulled by one that died): evaluate the trainer's final checkpoint, which
         it writes before it exits, or end without it if there is none."""
-        path = self.spec.params.get("final_checkpoint")
+        path = self.config.final_checkpoint
         if path and Path(path).is_dir() and self._queue_final(version, str(path)):
             log.warning("evaluating the final version from its checkpoint", path=path)
             return

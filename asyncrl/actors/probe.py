@@ -2,7 +2,7 @@
 
 ``asyncrl train --dry-run`` starts one probe per role of the real topology (see
 ``runtime/topology.py``). Each opens exactly the channels its role opens and pushes
-``params["count"]`` synthetic messages through every one of them:
+``config.count`` synthetic messages through every one of them:
 
     rollout-i --RequestWork rpc--> buffer           (work)
     rollout-i --reliable results--> buffer          (results, acked)
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from asyncrl.actors.base import Actor
+from asyncrl.actors.config import ProbeActorConfig
 from asyncrl.wire.blob import BlobClient, BlobServer
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import Probe, WeightVersion
@@ -47,24 +48,27 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 class ProbeActor(Actor):
-    """One role of the dry-run topology (``params``: role, count, rollouts)."""
+    """One role of the dry-run topology; see the module docstring."""
+
+    Config = ProbeActorConfig
+    config: ProbeActorConfig
 
     async def setup(self) -> None:
-        wire, frame = self.spec.config.get("wire", {}), self.max_frame_bytes
+        wire, frame = self.wire, self.max_frame_bytes
         self.codec, self.weights_codec = (
             Codec(Probe, max_frame_bytes=frame),
             Codec(WeightVersion, max_frame_bytes=frame),
         )
-        self.hwm = int(wire.get("hwm", 1000))
+        self.hwm = wire.hwm
         self.reliable = {
-            "window": int(wire.get("window", 8192)),
-            "batch_bytes": int(wire.get("batch_bytes", 256 << 10)),
-            "redeliver_after": float(wire.get("redeliver_after", 2.0)),
+            "window": wire.window,
+            "batch_bytes": wire.batch_bytes,
+            "redeliver_after": wire.redeliver_after,
         }
-        self.chunk_bytes = int(wire.get("chunk_bytes", 4 << 20))
-        self.role = self.spec.params.get("role", self.spec.role)
-        self.count = int(self.spec.params.get("count", 16))
-        self.rollouts = int(self.spec.params.get("rollouts", 1))
+        self.chunk_bytes = wire.chunk_bytes
+        self.role = self.config.role
+        self.count = self.config.count
+        self.rollouts = self.config.rollouts
         self.counters = {"work": 0, "results": 0, "batches": 0, "weights": 0, "blob_bytes": 0}
         self.done = False
         await getattr(self, f"_setup_{self.role}")()

@@ -18,12 +18,9 @@ so; the buffer hands the trainer its batch only when every actor sleeps, and the
 loop wakes the engines before loading the new version.
 
 A workflow or reward that raises marks only that sample ``failed`` with the reason (the
-buffer then accounts the group as failed); the actor goes on. ``params``: ``engine``
-(``EngineConfig``), ``sampling`` (SGLang sampling params), ``reward`` (``RewardConfig``),
-``workflow`` (dotted path; default single-turn), ``max_groups``, ``tokenizer`` (a
-directory; default the engine's model), ``metrics_dir`` and ``metrics_interval`` (rows of
-counters and engine-busy intervals to ``<metrics_dir>/<name>.jsonl``), ``weights``
-(``dist_address``, ``dist_rank``, ``dist_world_size`` for the dist transport).
+buffer then accounts the group as failed); the actor goes on. Settings:
+``RolloutActor.Config``; what a workflow runs with (``WorkflowConfig``: engine, sampling,
+reward, workflow, tools, agent, tokenizer) is shared with the eval actor.
 """
 
 from __future__ import annotations
@@ -40,12 +37,14 @@ import msgspec
 
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.buffer import BufferEvent, WorkReply, WorkRequest
+from asyncrl.actors.config import RolloutActorConfig
 from asyncrl.actors.engine import engine_url
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.sglang_wire import EngineUnavailable, SGLangError
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.rollout.base import RolloutContext, Workflow
+from asyncrl.rollout.config import RewardConfig, ToolUseConfig
 from asyncrl.rollout.engines import EngineConfig, EngineHost
 from asyncrl.trainers.weight_sync import WeightReceiver
 from asyncrl.types import Group, Sample, SampleStatus, WorkItem
@@ -64,6 +63,9 @@ _TERMINAL = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.FAILED
 class RolloutActor(Actor):
     """Runs workflows for the buffer's work items; see the module docstring."""
 
+    Config = RolloutActorConfig
+    config: RolloutActorConfig
+
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
         self.counts = dict.fromkeys(
@@ -78,13 +80,13 @@ class RolloutActor(Actor):
         self._temperature = 1.0  # of the sampling params, set in setup
 
     async def setup(self) -> None:
-        params = self.spec.params
-        self.max_groups = int(params.get("max_groups", 8))
+        cfg = self.config
+        self.max_groups = cfg.max_groups
         self._free = self.max_groups
         self._slot_freed = asyncio.Event()
         self._behind = 0  # the buffer's version at our last request
         self._loaded = asyncio.Event()
-        self.colocate = bool(params.get("colocate", False))
+        self.colocate = cfg.colocate
         self._asleep = False  # colocated: the engines released their memory
         self._aborts = 0  # abort-alls so far (APRIL, drain): see RolloutContext.aborts
         # Work request ids: unique to this incarnation, so the buffer can tell a retry
@@ -93,20 +95,20 @@ class RolloutActor(Actor):
         self._requests = itertools.count(1)
         self._loading = asyncio.Lock()  # one weight load at a time into the engines
         self._newest: WeightVersion | None = None  # the last version loaded
-        engine = EngineConfig(**params["engine"])
+        engine = cfg.engine
         self.own_engine = engine.serve == "actor"
         wait = engine.startup_timeout if self.own_engine else None
-        key = params.get("engine_api_key") if engine.serve == "actor" else None
+        key = cfg.engine_api_key if self.own_engine else None
         host = EngineHost(self._engine_config(engine), wait_ready_s=wait, api_key=key)
         self.host = await self.hold(host)
-        tool_use, tools = await asyncio.to_thread(_tools, params.get("tool_use"))
-        self.workflow = _load_workflow(params.get("workflow"), tool_use, params.get("agent"))
-        self.score = await self.hold(contextlib.aclosing(_build_reward(params.get("reward", {}))))
+        tools = await asyncio.to_thread(build_tools, cfg.tool_use)
+        self.workflow = load_workflow(cfg.workflow, cfg.tool_use, cfg.agent)
+        self.score = await self.hold(contextlib.aclosing(build_reward(cfg.reward)))
         self.ctx = RolloutContext(
             engine=self.host.client,  # type: ignore[arg-type]
             score=self.score,
-            sampling=dict(params.get("sampling", {})),
-            tokenizer=await asyncio.to_thread(policy_tokenizer, params, self.host),
+            sampling=dict(cfg.sampling),
+            tokenizer=await asyncio.to_thread(policy_tokenizer, cfg.tokenizer, self.host),
             version=lambda: self.host.version,
             aborts=lambda: self._aborts,
             tools=tools,
@@ -115,8 +117,8 @@ class RolloutActor(Actor):
         if hasattr(self.workflow, "resources"):  # e.g. the agent workflow's OpenAI proxy
             await self.hold(self.workflow.resources(self.ctx))
         await self._open_channels()
-        if params.get("metrics_dir"):
-            self.metrics = self.open_metrics(Path(params["metrics_dir"]) / f"{self.name}.jsonl")
+        if cfg.metrics_dir:
+            self.metrics = self.open_metrics(Path(cfg.metrics_dir) / f"{self.name}.jsonl")
 
     def _engine_config(self, cfg: EngineConfig) -> EngineConfig:
         """The engines to use; ``serve: actor``: this actor's engine actor, over HTTP."""
@@ -134,9 +136,16 @@ class RolloutActor(Actor):
             ),
             "work",
         )
-        self.results = await self.open(
-            ReliableSender(ep["buffer.results"], Codec(Group, max_frame_bytes=frame)), "results"
+        wire = self.wire
+        sender = ReliableSender(
+            ep["buffer.results"],
+            Codec(Group, max_frame_bytes=frame),
+            hwm=wire.hwm,
+            window=wire.window,
+            batch_bytes=wire.batch_bytes,
+            redeliver_after=wire.redeliver_after,
         )
+        self.results = await self.open(sender, "results")
         self.events = await self.open(
             Subscriber(ep["buffer.events"], ep["buffer.events_snapshot"], Codec(BufferEvent),
                        ["events"]),
@@ -152,18 +161,12 @@ class RolloutActor(Actor):
         self.receiver = await self.hold(receiver)
 
     async def _join_weight_group(self) -> Any:
-        dist = self.spec.params.get("weights", {})
-        if not dist.get("dist_address"):
+        group = self.config.weight_group
+        if group is None:
             return None
         from asyncrl.trainers.weight_group import BroadcastGroup
 
-        return await asyncio.to_thread(
-            BroadcastGroup.join,
-            str(dist["dist_address"]),
-            int(dist["dist_rank"]),
-            int(dist["dist_world_size"]),
-            backend=str(dist.get("dist_backend", "gloo")),
-        )
+        return await asyncio.to_thread(BroadcastGroup.join_config, group)
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -356,7 +359,7 @@ class RolloutActor(Actor):
     async def _metrics_loop(self) -> None:
         """Every ``metrics_interval`` s: the counters and the busy intervals since the last
         row (an interval still open is cut at now and continues in the next row)."""
-        interval = float(self.spec.params.get("metrics_interval", 5.0))
+        interval = self.config.metrics_interval
         while self.metrics is not None:
             await asyncio.sleep(interval)
             self._write_metrics()
@@ -414,29 +417,31 @@ def _samples_of(item: WorkItem) -> list[Sample]:
     ]
 
 
-def _tools(raw: dict[str, Any] | None) -> tuple[Any, Any]:
-    from asyncrl.rollout.tools.build import tools_from_params
+def build_tools(cfg: ToolUseConfig | None) -> Any:
+    """The tool registry of ``cfg`` (None without tool use)."""
+    from asyncrl.rollout.tools.build import build_registry
 
-    return tools_from_params(raw)
-
-
-def _load_workflow(path: str | None, tool_use: Any = None, agent: Any = None) -> Workflow:
-    from asyncrl.rollout.config import AgentConfig
-    from asyncrl.rollout.workflows import load_workflow
-
-    return load_workflow(path, tool_use, AgentConfig(**agent) if agent else None)
+    return build_registry(cfg) if cfg is not None else None
 
 
-def _build_reward(config: dict[str, Any]) -> Any:
-    from asyncrl.rollout.config import RewardConfig
-    from asyncrl.rollout.rewards import build_reward
+def load_workflow(path: str | None, tool_use: Any = None, agent: Any = None) -> Workflow:
+    """The workflow at ``path`` (default: single-turn, or the tool-use or agent one)."""
+    from asyncrl.rollout.workflows import load_workflow as load
 
-    return build_reward(RewardConfig(**config))
+    return load(path, tool_use, agent)
 
 
-def policy_tokenizer(params: dict[str, Any], host: EngineHost) -> Any:
-    """The embedded engine's tokenizer, else the one at params["tokenizer"] (the policy's)."""
-    path = params.get("tokenizer") or host.config.model_path
+def build_reward(config: RewardConfig) -> Any:
+    """The reward hub of ``config``."""
+    from asyncrl.rollout.rewards import build_reward as build
+
+    return build(config)
+
+
+def policy_tokenizer(path: str | None, host: EngineHost) -> Any:
+    """The embedded engine's tokenizer, else the one at ``path`` (the policy's), else the
+    engine model's."""
+    path = path or host.config.model_path
     if host.engine is not None and host.engine.tokenizer is not None:
         return host.engine.tokenizer
     if not path:

@@ -22,14 +22,11 @@ Debug modes: with ``load_dump`` (a directory of ``asyncrl.buffer.dump`` files) t
 batches come from those files instead of the buffer (train-only); with ``save_dump`` each
 batch taken is also written there.
 
-``params``: ``trainer`` (``TrainerConfig``: the backend and its settings), ``publish``
-(``transport`` pull|disk|dist, ``dir``, ``keep``; for dist ``dist_address`` host:port,
-``dist_world_size`` = 1 + subscribers, ``dist_backend``), ``num_steps`` (stop at this
-version; 0: when the data is exhausted), ``resume``, ``restart``, ``job``,
-``checkpoint_dir``, ``checkpoint_interval``, ``keep_checkpoints``, ``resume_from``,
-``metrics_path``, ``audit_path`` (one JSON line per batch trained or skipped: its id,
-its ``step``, the trainer ``version`` after it and its group uids). The ``algo`` section
-of the run config (``PolicyConfig``) is read from ``spec.config``.
+Its settings are ``TrainerActor.Config`` (``self.config``): the backend (``trainer``,
+``TrainerConfig``) and the algorithm (``algo``, ``PolicyConfig``), how versions leave
+(``publish``, ``PublishConfig``), when to stop and checkpoint, and where it writes;
+``audit_path`` gets one JSON line per batch trained or skipped (its id, its ``step``, the
+trainer ``version`` after it and its group uids).
 """
 
 from __future__ import annotations
@@ -39,17 +36,17 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.batches import BatchSource, BufferBatches, DumpedBatches
 from asyncrl.actors.buffer import BatchReply, BatchRequest
+from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.buffer.dump import BatchWriter
 from asyncrl.buffer.journal import fsync_dir
 from asyncrl.errors import RunStateLost
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
-from asyncrl.policies.config import PolicyConfig
+from asyncrl.trainers.backends import create_trainer
 from asyncrl.trainers.base import StepResult, Trainer, UntrainableBatch
 from asyncrl.trainers.weight_group import BroadcastGroup
 from asyncrl.trainers.weight_sync import WeightPublisher
@@ -66,6 +63,9 @@ log = get_logger("asyncrl.trainer")
 class TrainerActor(Actor):
     """Trains on batches from the buffer and publishes each version; see the module doc."""
 
+    Config = TrainerActorConfig
+    config: TrainerActorConfig
+
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
         # Heartbeats report these from the start, while setup still loads the model.
@@ -78,69 +78,60 @@ class TrainerActor(Actor):
         self._busy = asyncio.Lock()
 
     async def setup(self) -> None:
-        params = self.spec.params
-        self.trainer = await asyncio.to_thread(build_trainer, self.spec.config, params)
-        await asyncio.to_thread(self._resume, params)
+        cfg = self.config
+        self.trainer = await asyncio.to_thread(create_trainer, cfg.trainer, cfg.algo)
+        await asyncio.to_thread(self._resume)
         self.version = self.trainer.version
         # Batches after this version are kept by the buffer until a checkpoint covers them.
-        self.durable = self.trainer.version if self._interval() > 0 else -1
-        audit = params.get("audit_path")
+        self.durable = self.trainer.version if cfg.checkpoint_interval > 0 else -1
         # Flushed per row: a row lost to a crash may be of a batch no restart trains again.
-        self.audit = self.open_metrics(audit, flush_every=0) if audit else None
-        self.num_steps = int(params.get("num_steps", 0))
+        self.audit = self.open_metrics(cfg.audit_path, flush_every=0) if cfg.audit_path else None
+        self.num_steps = cfg.num_steps
         await self._open_channels()
-        path = params.get("metrics_path")
         # Flushed per row (one a step): a row buffered when a kill comes may be of a step
         # at or before the checkpoint the restart resumes from, which is never retrained.
+        path = cfg.metrics_path
         self.metrics = self.open_metrics(path, flush_every=0) if path else None
 
     async def _open_channels(self) -> None:
-        ep, frame = self.spec.endpoints, self.max_frame_bytes
-        params = self.spec.params
+        ep, frame, cfg = self.spec.endpoints, self.max_frame_bytes, self.config
         self.batches: BatchSource
-        if params.get("load_dump"):  # train-only: no buffer in this job
-            self.batches = DumpedBatches(Path(params["load_dump"]), skip=self.trainer.version)
+        if cfg.load_dump:  # train-only: no buffer in this job
+            self.batches = DumpedBatches(Path(cfg.load_dump), skip=self.trainer.version)
         else:
             codec_rep = Codec(BatchReply, max_frame_bytes=frame)
             client = RpcClient(ep["buffer.batches"], Codec(BatchRequest), codec_rep)
             self.batches = BufferBatches(await self.open(client, "batches"), self.name)
-        self.dump = BatchWriter(Path(params["save_dump"])) if params.get("save_dump") else None
+        self.dump = BatchWriter(Path(cfg.save_dump)) if cfg.save_dump else None
         announcer = await self.open(
             Publisher(ep["trainer.weights"], ep["trainer.weights_snapshot"], Codec(WeightVersion)),
             "weights",
         )
-        publish = dict(self.spec.params.get("publish", {}))
-        transport = publish.get("transport", "pull")
+        publish = cfg.publish
         blob = None
-        if transport == "pull":
-            wire = self.spec.config.get("wire", {})
+        if publish.transport == "pull":
             server = BlobServer(
                 ep["trainer.blob"],
-                chunk_bytes=int(wire.get("chunk_bytes", 4 * 1024 * 1024)),
-                keep=int(publish.get("keep", 2)),
+                chunk_bytes=self.wire.chunk_bytes,
+                keep=publish.keep,
                 max_frame_bytes=frame,
             )
             blob = await self.open(server, "blob")
-        disk = Path(publish["dir"]) if publish.get("dir") else None
-        group = await self._join_group(publish) if transport == "dist" else None
+        group = await self._join_group(publish) if publish.transport == "dist" else None
         self.weights = WeightPublisher(
             announcer,
-            transport=transport,
+            transport=publish.transport,
             blob=blob,
-            disk_dir=disk,
+            disk_dir=Path(publish.dir) if publish.dir else None,
             group=group,
-            keep=publish.get("keep", 2),
+            keep=publish.keep,
         )
 
-    async def _join_group(self, publish: dict[str, Any]) -> BroadcastGroup:
+    async def _join_group(self, publish: PublishConfig) -> BroadcastGroup:
         """Rank 0 of the weight broadcast group; waits for every subscriber to join."""
-        return await asyncio.to_thread(
-            BroadcastGroup.join,
-            str(publish["dist_address"]),
-            0,
-            int(publish["dist_world_size"]),
-            backend=str(publish.get("dist_backend", "gloo")),
-        )
+        if publish.group is None or publish.group.rank != 0:
+            raise ValueError("publish.transport dist needs publish.group, with rank 0")
+        return await asyncio.to_thread(BroadcastGroup.join_config, publish.group)
 
     async def run(self) -> None:
         await self._publish()  # engines and the buffer learn where we start
@@ -195,7 +186,7 @@ class TrainerActor(Actor):
         self._last = {**result.metrics, "time/wait_data": waited, "time/publish": publish_s}
         if self.metrics is not None:
             self.metrics.write({"actor": self.name, "step": result.version, **self._last})
-        interval = self._interval()
+        interval = self.config.checkpoint_interval
         if interval > 0 and result.version % interval == 0:
             await self._checkpoint()
         log.info("step", version=result.version, loss=result.metrics.get("loss"))
@@ -212,17 +203,15 @@ class TrainerActor(Actor):
                               "version": self.trainer.version, "groups": groups})  # fmt: skip
 
     # -- checkpoints, acks on stop, commands ----------------------------------------------
-    def _interval(self) -> int:
-        return int(self.spec.params.get("checkpoint_interval", 0))
-
-    def _resume(self, params: dict[str, Any]) -> None:
-        path = params.get("resume_from")
-        root = params.get("checkpoint_dir")
-        if params.get("restart"):  # the supervisor restarted us: this job's newest
-            path = _newest_checkpoint(root, job=params.get("job")) or path
-        if not path and params.get("resume"):
+    def _resume(self) -> None:
+        cfg, incarnation = self.config, self.spec.incarnation
+        path: str | Path | None = cfg.resume_from
+        root = cfg.checkpoint_dir
+        if incarnation.restarted:  # the supervisor restarted us: this job's newest
+            path = _newest_checkpoint(root, job=cfg.job) or path
+        if not path and cfg.resume:
             path = _newest_checkpoint(root)
-        if not path and params.get("restart") and params.get("checkpoint_expected"):
+        if not path and incarnation.restarted and incarnation.state_expected:
             raise RunStateLost(
                 f"the trainer's checkpoints in {root} are gone (deleted or moved while the "
                 "job ran): a restart from the initial weights would silently lose the steps "
@@ -233,20 +222,18 @@ class TrainerActor(Actor):
             log.info("trainer resumed", path=str(path), version=self.trainer.version)
 
     async def _checkpoint(self) -> Path | None:
-        params = self.spec.params
-        root = params.get("checkpoint_dir")
-        if not root:
+        cfg = self.config
+        if not cfg.checkpoint_dir:
             return None
-        job = params.get("job")
+        root = Path(cfg.checkpoint_dir)
         async with self._busy:
             version = self.trainer.version
-            path = Path(root) / f"step_{version:06d}"
-            await asyncio.to_thread(_save_atomically, self.trainer, path, job)
-        if self._interval() > 0:
+            path = root / f"step_{version:06d}"
+            await asyncio.to_thread(_save_atomically, self.trainer, path, cfg.job)
+        if cfg.checkpoint_interval > 0:
             self.durable = version
-        keep = params.get("keep_checkpoints")
-        if keep:
-            await asyncio.to_thread(_prune_checkpoints, Path(root), int(keep), job)
+        if cfg.keep_checkpoints:
+            await asyncio.to_thread(_prune_checkpoints, root, cfg.keep_checkpoints, cfg.job)
         return path
 
     async def teardown(self) -> None:
@@ -267,10 +254,10 @@ class TrainerActor(Actor):
         """Keep serving the final version until the subscribers named in
         ``publish.final_pullers`` (the eval actor, say) pulled it, for at most
         ``publish.linger_s`` seconds: the weights live in this process and go with it."""
-        publish = self.spec.params.get("publish", {})
-        want = list(publish.get("final_pullers", []))
+        publish = self.config.publish
+        want = list(publish.final_pullers)
         try:
-            async with asyncio.timeout(float(publish.get("linger_s", 30.0))):
+            async with asyncio.timeout(publish.linger_s):
                 await self.weights.wait_fetched(want)
         except TimeoutError:
             got = self.weights.fetched()
@@ -284,15 +271,6 @@ class TrainerActor(Actor):
 
     def stats(self) -> dict[str, float]:
         return {"steps": float(self.steps_done), "skipped": float(self.skipped), **self._last}
-
-
-def build_trainer(config: dict[str, Any], params: dict[str, Any]) -> Trainer:
-    """The training backend of ``params["trainer"]`` with the job's ``algo`` section."""
-    from asyncrl.trainers.backends import create_trainer
-    from asyncrl.trainers.config import TrainerConfig
-
-    algo = PolicyConfig(**config.get("algo", {}))
-    return create_trainer(TrainerConfig(**params.get("trainer", {})), algo)
 
 
 _JOB_FILE = "job"

@@ -69,7 +69,7 @@ def load_actor(raw: bytes) -> Actor:
         pid=os.getpid(),
     )
     try:  # before any channel opens: CurveZMQ when the job has keys
-        security.enable_from_config(spec.config.get("wire", {}))
+        security.enable_from_config(spec.wire)
     except ValueError as exc:
         raise ValueError(f"wire.curve_keys: {exc}") from None
     return cls(spec)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.base import ActorSpec
+from asyncrl.actors.config import ProbeActorConfig
 from asyncrl.config import RunConfig
 from asyncrl.runtime.base import ActorHandle, PlacementFailed, open_runtime, place_job
 from asyncrl.runtime.supervisor import ActorStatus, Supervisor
@@ -91,7 +92,7 @@ def _specs(cfg: RunConfig, run_dir: Path, count: int) -> list[ActorSpec]:
     }
     n = cfg.rollout.num_actors
     params = {
-        role: {"role": role, "count": count, "rollouts": n}
+        role: ProbeActorConfig(role=role, count=count, rollouts=n)
         for role in ("buffer", "rollout", "trainer")
     }
     return job_specs(
@@ -99,7 +100,7 @@ def _specs(cfg: RunConfig, run_dir: Path, count: int) -> list[ActorSpec]:
         num_rollout_actors=n,
         endpoints={},
         run_dir=run_dir,
-        config=cfg.model_dump(mode="json"),
+        wire=cfg.wire.model_dump(mode="json"),
         common=common,
         params=params,
     )

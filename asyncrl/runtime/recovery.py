@@ -10,10 +10,10 @@ restarted trainer retrains them), the buffer needs its journal (``runtime.journa
 - rollout actor: the buffer first requeues the work it held (its partials resume
   elsewhere); asked again while the buffer itself is away (restarting), up to
   ``wait_s``;
-- buffer: starts with ``recover``: its checkpoint plus the journal (a resumed job's
+- buffer: starts as ``restarted``: its checkpoint plus the journal (a resumed job's
   buffer that died before its first checkpoint resumes again); once an incarnation has
   run, a checkpoint or journal gone missing ends the job (``RunStateLost``);
-- trainer: starts with ``restart``: the newest checkpoint this job wrote, and its first
+- trainer: starts as ``restarted``: the newest checkpoint this job wrote, and its first
   request resyncs, so the buffer serves again every batch after that checkpoint;
 - engine actor: once up, its rollout actor reloads the weights it had into it before
   asking for work again (an idle rollout actor would not notice the engine died);
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from asyncrl.actors.base import ActorSpec
+from asyncrl.actors.base import ActorSpec, Incarnation
 from asyncrl.observe.logs import get_logger
 from asyncrl.wire.errors import PeerLost, RemoteError
 from asyncrl.wire.messages import Command
@@ -67,11 +67,17 @@ class RestartHooks:
     """``before_restart`` / ``after_restart`` for the supervisor (module docstring)."""
 
     def __init__(
-        self, hub: ControlHub, *, wait_s: float = 300.0, engine_wait_s: float = 900.0
+        self,
+        hub: ControlHub,
+        *,
+        wait_s: float = 300.0,
+        engine_wait_s: float = 900.0,
+        checkpoint_interval: int = 0,
     ) -> None:
         self.hub = hub
         self.wait_s = wait_s
         self.engine_wait_s = engine_wait_s  # an engine's start-up (its model load) and more
+        self.checkpoint_interval = checkpoint_interval  # the trainer's (train.*)
 
     async def before_restart(self, spec: ActorSpec, status: ActorStatus) -> ActorSpec | None:
         """Prepare the restart of ``spec``; returns the spec to start, if changed."""
@@ -80,16 +86,12 @@ class RestartHooks:
         elif spec.role == "buffer":
             # Once an incarnation got past its set-up, it wrote a checkpoint (and a
             # journal): from then on, that state missing is an error, not a fresh start.
-            expected = bool(spec.params.get("state_expected")) or status.ran
-            return _with_params(spec, recover=True, state_expected=expected)
+            return _restarted(spec, wrote_state=status.ran)
         elif spec.role == "trainer":
             # A trainer that reported a version at or past its checkpoint interval wrote a
             # checkpoint: the restart must find one, not start again from the base model.
-            interval = int(spec.params.get("checkpoint_interval") or 0)
-            wrote = bool(spec.params.get("checkpoint_expected")) or (
-                interval > 0 and status.version >= interval
-            )
-            return _with_params(spec, restart=True, checkpoint_expected=wrote)
+            interval = self.checkpoint_interval
+            return _restarted(spec, wrote_state=interval > 0 and status.version >= interval)
         return None
 
     async def after_restart(self, spec: ActorSpec) -> None:
@@ -154,5 +156,9 @@ class RestartHooks:
             await asyncio.sleep(_RETRY_S)
 
 
-def _with_params(spec: ActorSpec, **params: object) -> ActorSpec:
-    return msgspec.structs.replace(spec, params={**spec.params, **params})
+def _restarted(spec: ActorSpec, *, wrote_state: bool) -> ActorSpec:
+    """``spec`` for a restart; state an earlier incarnation wrote stays expected."""
+    expected = spec.incarnation.state_expected or wrote_state
+    return msgspec.structs.replace(
+        spec, incarnation=Incarnation(restarted=True, state_expected=expected)
+    )

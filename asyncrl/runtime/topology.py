@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.base import ActorSpec
+from asyncrl.actors.config import ActorConfig
 from asyncrl.wire.sockets import free_tcp_endpoint
 
 ENDPOINTS = (
@@ -68,9 +69,9 @@ def job_specs(
     num_rollout_actors: int,
     endpoints: Mapping[str, str],
     run_dir: Path,
-    config: Mapping[str, Any],
+    wire: Mapping[str, Any],
     common: Mapping[str, Any],
-    params: Mapping[str, Mapping[str, Any]] | None = None,
+    params: Mapping[str, ActorConfig] | None = None,
     extra_roles: Sequence[str] = (),
     num_engine_actors: int = 0,
 ) -> list[ActorSpec]:
@@ -78,8 +79,9 @@ def job_specs(
     rollout actors, the trainer and one actor of each of ``extra_roles`` (named after its
     role, e.g. ``eval``).
 
-    ``classes`` maps role -> actor class path; ``common`` holds ``ActorSpec`` fields shared
-    by all (heartbeat interval, log settings); ``params`` role -> role-specific settings.
+    ``classes`` maps role -> actor class path; ``wire`` is the job's ``WireConfig`` (as
+    JSON); ``common`` holds ``ActorSpec`` fields shared by all (heartbeat interval, log
+    settings); ``params`` maps role -> its actor's settings (``actors/config.py``).
     """
     names = [("buffer", "buffer")]
     names += [(name, "engine") for name in engine_actor_names(num_engine_actors)]
@@ -93,10 +95,14 @@ def job_specs(
             cls=classes[role],
             control=endpoints.get("control"),
             endpoints=dict(endpoints),
-            config=dict(config),
+            wire=dict(wire),
             log_file=str(run_dir / "logs" / f"{name}.jsonl"),
-            params=dict((params or {}).get(role, {})),
+            params=_params((params or {}).get(role)),
             **common,
         )
         for name, role in names
     ]
+
+
+def _params(config: ActorConfig | None) -> dict[str, Any]:
+    return {} if config is None else config.model_dump(mode="json")

@@ -193,3 +193,14 @@ class TrainerConfig(BaseModel):
                 f"(got total_steps={self.total_steps}, warmup_steps={self.warmup_steps})"
             )
         return self
+
+
+class GroupConfig(BaseModel):
+    """Where a weight broadcast group meets, and this process's place in it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    address: str = Field(description="host:port of rank 0 (the trainer), which serves the store")
+    world_size: int = Field(ge=2, description="1 + subscribers")
+    rank: int = Field(0, ge=0, description="0: the trainer")
+    backend: str = "gloo"

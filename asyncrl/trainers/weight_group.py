@@ -17,6 +17,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from asyncrl.trainers.config import GroupConfig
+
 
 class BroadcastGroup:
     """``world_size`` processes that broadcast tensors from rank 0."""
@@ -50,6 +52,11 @@ class BroadcastGroup:
         else:
             raise ValueError(f"weight group backend must be gloo or nccl, got {backend!r}")
         return cls(group, store, rank, world_size)
+
+    @classmethod
+    def join_config(cls, cfg: GroupConfig) -> BroadcastGroup:
+        """``join`` with a ``GroupConfig``."""
+        return cls.join(cfg.address, cfg.rank, cfg.world_size, backend=cfg.backend)
 
     def broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Broadcast each tensor from rank 0 in list order (in place on other ranks)."""

@@ -7,8 +7,6 @@ also refuses a missing corpus or a bad custom path before any process starts).
 
 from __future__ import annotations
 
-from typing import Any
-
 from asyncrl.plugins import load_object
 from asyncrl.rollout.config import ToolConfig, ToolUseConfig
 from asyncrl.rollout.tools.calculator import calculator_tool
@@ -38,13 +36,3 @@ def build_registry(cfg: ToolUseConfig) -> ToolRegistry:
     """The registry of every configured tool, with the configured call limits."""
     tools = [build_tool(t) for t in cfg.tools]
     return ToolRegistry(tools, timeout_s=cfg.timeout_s, max_output_chars=cfg.max_output_chars)
-
-
-def tools_from_params(
-    raw: dict[str, Any] | None,
-) -> tuple[ToolUseConfig | None, ToolRegistry | None]:
-    """An actor's ``tool_use`` param (the config's JSON dump) as config and registry."""
-    if not raw:
-        return None, None
-    cfg = ToolUseConfig(**raw)
-    return cfg, build_registry(cfg)
