@@ -1,4 +1,7 @@
-"""The data model: prompts, token-exact samples, groups and train batches.
+"""The data model: prompts, token-exact samples, groups and train batches, and the
+records of the buffer's channels that carry them (work and batch requests and replies,
+buffer events). The wire's own protocol records (control, weights, blob) are in
+``wire/messages.py``.
 
 Everything here is a wire ``Message`` (msgspec struct), so the same object is built by
 a data source, filled by a rollout workflow, stored by the buffer, logged to its
@@ -32,6 +35,9 @@ import numpy as np
 from asyncrl.wire.codec import Message
 
 __all__ = [
+    "BatchReply",
+    "BatchRequest",
+    "BufferEvent",
     "ChatMessage",
     "Group",
     "Prompt",
@@ -39,6 +45,9 @@ __all__ = [
     "SampleStatus",
     "TrainBatch",
     "Turn",
+    "WorkItem",
+    "WorkReply",
+    "WorkRequest",
     "pack_int32",
 ]
 
@@ -421,3 +430,73 @@ class WorkItem(Message):
     version: int
     attempt: int = 1
     partial: Group | None = None
+
+
+# -- the buffer's channels (``actors/buffer.py``) ----------------------------------------
+
+
+class WorkRequest(Message):
+    """A rollout actor asks for up to ``max_items`` groups, waiting up to ``wait`` s.
+
+    ``version`` is the weight version its engines serve (-1: unknown). Admission counts a
+    group as started at the buffer's version, so a producer whose engines still serve an
+    older one gets nothing until it has loaded the new weights: otherwise its tokens would
+    be a version older than admission assumed, and staleness could pass ``eta``.
+    """
+
+    actor: str
+    max_items: int
+    wait: float = 1.0
+    version: int = -1
+    asleep: bool = False  # colocated: this actor's engines have released their memory
+    #: Unique per request of one producer incarnation; asking again with the same id
+    #: (its reply was lost) gets the same groups, not new ones. Empty: no such guarantee.
+    request: str = ""
+
+
+class WorkReply(Message):
+    """Work to do (maybe none yet); ``exhausted`` means no more will ever come. ``sleep``
+    (colocated jobs): no work until the trainer's next version, so an idle actor may
+    release its engines' memory for the train step."""
+
+    items: list[WorkItem]
+    version: int
+    exhausted: bool = False
+    sleep: bool = False
+
+
+class BatchRequest(Message):
+    """The trainer asks for a batch of ``num_groups`` (0: the configured B).
+
+    ``ack`` lists batches the trainer has finished (its optimizer step is done); until
+    acknowledged a batch is held and served again before any new one (a reply lost on
+    the way). ``durable`` is the version of the trainer's newest checkpoint (-1: it
+    keeps none): batches it covers are released, the others kept, and a trainer that
+    restarts from that checkpoint sends ``resync=True`` with its version to be served
+    every batch after it again. ``take=False`` only acknowledges. ``version`` is the
+    trainer's current weight version: the buffer follows it from here too, since a
+    pub/sub announcement made just before the trainer stops may never arrive.
+    """
+
+    trainer: str
+    num_groups: int = 0
+    wait: float = 1.0
+    ack: list[int] = msgspec.field(default_factory=list)
+    resync: bool = False
+    take: bool = True
+    version: int = -1
+    durable: int = -1
+
+
+class BatchReply(Message):
+    """A batch, or None when none was ready in time; ``exhausted``: the data is used up."""
+
+    batch: TrainBatch | None
+    exhausted: bool = False
+
+
+class BufferEvent(Message):
+    """Published to rollout actors; ``kind="abort"``: abort in-flight work (APRIL)."""
+
+    kind: str
+    version: int

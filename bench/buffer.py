@@ -36,12 +36,21 @@ import numpy as np
 import uvloop
 
 from asyncrl.actors.base import ActorSpec
-from asyncrl.actors.buffer import BatchReply, BatchRequest, WorkReply, WorkRequest
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import Supervisor
 from asyncrl.runtime.topology import allocate_endpoints
-from asyncrl.types import Group, Prompt, Sample, SampleStatus, WorkItem
+from asyncrl.types import (
+    BatchReply,
+    BatchRequest,
+    Group,
+    Prompt,
+    Sample,
+    SampleStatus,
+    WorkItem,
+    WorkReply,
+    WorkRequest,
+)
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.control import ControlHub
 from asyncrl.wire.messages import WeightVersion

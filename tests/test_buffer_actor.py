@@ -11,17 +11,20 @@ from pathlib import Path
 import pytest
 
 from asyncrl.actors.base import ActorSpec
-from asyncrl.actors.buffer import (
-    BatchReply,
-    BatchRequest,
-    BufferEvent,
-    WorkReply,
-    WorkRequest,
-)
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import Supervisor
 from asyncrl.runtime.topology import allocate_endpoints
-from asyncrl.types import Group, Sample, SampleStatus, WorkItem
+from asyncrl.types import (
+    BatchReply,
+    BatchRequest,
+    BufferEvent,
+    Group,
+    Sample,
+    SampleStatus,
+    WorkItem,
+    WorkReply,
+    WorkRequest,
+)
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.control import ControlHub
 from asyncrl.wire.messages import Command, WeightVersion

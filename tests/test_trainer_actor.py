@@ -18,7 +18,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from asyncrl.actors.base import ActorSpec
-from asyncrl.actors.buffer import BatchReply, WorkReply, WorkRequest
 from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.actors.trainer import TrainerActor
 from asyncrl.policies.config import PolicyConfig
@@ -28,7 +27,7 @@ from asyncrl.runtime.topology import allocate_endpoints
 from asyncrl.trainers.base import StepResult
 from asyncrl.trainers.config import TrainerConfig
 from asyncrl.trainers.torch_trainer import TorchTrainer
-from asyncrl.types import Group, TrainBatch
+from asyncrl.types import BatchReply, Group, TrainBatch, WorkReply, WorkRequest
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.control import ControlHub
 from asyncrl.wire.messages import Command

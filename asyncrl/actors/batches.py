@@ -14,9 +14,9 @@ from typing import Protocol
 
 import msgspec
 
-from asyncrl.actors.buffer import BatchReply, BatchRequest
 from asyncrl.buffer.dump import batch_files, read_batch
 from asyncrl.observe.logs import get_logger
+from asyncrl.types import BatchReply, BatchRequest
 from asyncrl.wire.errors import PeerLost
 from asyncrl.wire.rpc import RpcClient
 

@@ -43,8 +43,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.config import BufferActorConfig
 from asyncrl.buffer.accounting import FailureWatch
@@ -55,8 +53,8 @@ from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import BufferStats, VersionedBuffer
 from asyncrl.errors import CheckpointUnreadable, RunStateLost, SamplesFailing
 from asyncrl.observe.logs import get_logger
-from asyncrl.types import Group, TrainBatch, WorkItem
-from asyncrl.wire.codec import Codec, Message
+from asyncrl.types import BatchReply, BatchRequest, BufferEvent, Group, WorkReply, WorkRequest
+from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import WireError
 from asyncrl.wire.messages import Command, Scalar, WeightVersion
 from asyncrl.wire.pubsub import Publisher, Subscriber
@@ -68,73 +66,6 @@ log = get_logger("asyncrl.buffer")
 #: A producer that asked for work this recently (seconds) still gets its share; producers
 #: ask about once a second (each request waits up to a second) while they have free slots.
 _LIVE_S = 5.0
-
-
-class WorkRequest(Message):
-    """A rollout actor asks for up to ``max_items`` groups, waiting up to ``wait`` s.
-
-    ``version`` is the weight version its engines serve (-1: unknown). Admission counts a
-    group as started at the buffer's version, so a producer whose engines still serve an
-    older one gets nothing until it has loaded the new weights: otherwise its tokens would
-    be a version older than admission assumed, and staleness could pass ``eta``.
-    """
-
-    actor: str
-    max_items: int
-    wait: float = 1.0
-    version: int = -1
-    asleep: bool = False  # colocated: this actor's engines have released their memory
-    #: Unique per request of one producer incarnation; asking again with the same id
-    #: (its reply was lost) gets the same groups, not new ones. Empty: no such guarantee.
-    request: str = ""
-
-
-class WorkReply(Message):
-    """Work to do (maybe none yet); ``exhausted`` means no more will ever come. ``sleep``
-    (colocated jobs): no work until the trainer's next version, so an idle actor may
-    release its engines' memory for the train step."""
-
-    items: list[WorkItem]
-    version: int
-    exhausted: bool = False
-    sleep: bool = False
-
-
-class BatchRequest(Message):
-    """The trainer asks for a batch of ``num_groups`` (0: the configured B).
-
-    ``ack`` lists batches the trainer has finished (its optimizer step is done); until
-    acknowledged a batch is held and served again before any new one (a reply lost on
-    the way). ``durable`` is the version of the trainer's newest checkpoint (-1: it
-    keeps none): batches it covers are released, the others kept, and a trainer that
-    restarts from that checkpoint sends ``resync=True`` with its version to be served
-    every batch after it again. ``take=False`` only acknowledges. ``version`` is the
-    trainer's current weight version: the buffer follows it from here too, since a
-    pub/sub announcement made just before the trainer stops may never arrive.
-    """
-
-    trainer: str
-    num_groups: int = 0
-    wait: float = 1.0
-    ack: list[int] = msgspec.field(default_factory=list)
-    resync: bool = False
-    take: bool = True
-    version: int = -1
-    durable: int = -1
-
-
-class BatchReply(Message):
-    """A batch, or None when none was ready in time; ``exhausted``: the data is used up."""
-
-    batch: TrainBatch | None
-    exhausted: bool = False
-
-
-class BufferEvent(Message):
-    """Published to rollout actors; ``kind="abort"``: abort in-flight work (APRIL)."""
-
-    kind: str
-    version: int
 
 
 #: Arrays inline: a checkpoint is one frame.

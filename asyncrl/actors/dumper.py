@@ -23,11 +23,10 @@ import numpy as np
 
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.batches import BufferBatches
-from asyncrl.actors.buffer import BatchReply, BatchRequest
 from asyncrl.actors.config import BatchDumperConfig
 from asyncrl.buffer.dump import BatchWriter
 from asyncrl.observe.logs import get_logger
-from asyncrl.types import SampleStatus, TrainBatch
+from asyncrl.types import BatchReply, BatchRequest, SampleStatus, TrainBatch
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.rpc import RpcClient
 

@@ -36,7 +36,6 @@ from typing import Any
 import msgspec
 
 from asyncrl.actors.base import Actor, ActorSpec
-from asyncrl.actors.buffer import BufferEvent, WorkReply, WorkRequest
 from asyncrl.actors.config import RolloutActorConfig
 from asyncrl.actors.engine import engine_url
 from asyncrl.engines.base import SamplingParams
@@ -47,7 +46,7 @@ from asyncrl.rollout.base import RolloutContext, Workflow
 from asyncrl.rollout.config import RewardConfig, ToolUseConfig
 from asyncrl.rollout.engines import EngineConfig, EngineHost
 from asyncrl.trainers.weight_sync import WeightReceiver
-from asyncrl.types import Group, Sample, SampleStatus, WorkItem
+from asyncrl.types import BufferEvent, Group, Sample, SampleStatus, WorkItem, WorkReply, WorkRequest
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import PeerLost, RemoteError
 from asyncrl.wire.messages import Command, Scalar, WeightVersion

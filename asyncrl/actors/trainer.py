@@ -39,7 +39,6 @@ from pathlib import Path
 
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.batches import BatchSource, BufferBatches, DumpedBatches
-from asyncrl.actors.buffer import BatchReply, BatchRequest
 from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.buffer.dump import BatchWriter
 from asyncrl.buffer.journal import fsync_dir
@@ -50,7 +49,7 @@ from asyncrl.trainers.backends import create_trainer
 from asyncrl.trainers.base import StepResult, Trainer, UntrainableBatch
 from asyncrl.trainers.weight_group import BroadcastGroup
 from asyncrl.trainers.weight_sync import WeightPublisher
-from asyncrl.types import TrainBatch
+from asyncrl.types import BatchReply, BatchRequest, TrainBatch
 from asyncrl.wire.blob import BlobServer
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import Command, Scalar, WeightVersion
