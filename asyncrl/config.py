@@ -14,8 +14,13 @@ From argparse: ``add_arguments`` registers each flag with ``default=argparse.SUP
 
 Every problem becomes one line of a single ``ConfigError``, raised before any process
 starts: unknown keys and flags get a did-you-mean, bad values name key, flag, expectation
-and value, and values from the file name file and line. Called by the CLI; the validated
-tree travels to every actor as JSON. Components own their sections; ``RunConfig`` composes.
+and value, and values from the file name file and line. Called by the CLI; from the
+validated tree the job builds each actor's own settings (``actors/config.py``).
+Components own their sections; ``RunConfig`` composes.
+
+Size: the tree and the machinery that reads it (YAML with its line numbers, flags,
+did-you-mean, error explanations). The machinery moves to a module of its own when YAML
+keys and flags become one vocabulary.
 """
 
 from __future__ import annotations

@@ -108,3 +108,17 @@ def test_actors_read_their_typed_config_not_the_raw_params():
         if re.search(r"\bparams(\.get\(|\[)|spec\.params(?!\))", line.split("#")[0])
     ]
     assert readers == [], readers
+
+
+#: About 600 lines; a module past this says why at the top of its docstring ("Size: ...").
+LONG_MODULE = 620
+
+
+def test_a_long_module_says_why_it_is_long():
+    unexplained = []
+    for path in sorted((ROOT / "asyncrl").rglob("*.py")):
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > LONG_MODULE and "\nSize: " not in (ast.get_docstring(ast.parse(text)) or ""):
+            unexplained.append(f"{path.relative_to(ROOT)} ({lines} lines)")
+    assert not unexplained, f"split these, or say why at the top ('Size: ...'): {unexplained}"

@@ -55,6 +55,10 @@ same reply or error status, the same in-flight counts, rotation, retries and
 ``generate_timeout_s``. A stopped (or stopping) server refuses the call as its closed port
 would refuse a connect: the engine leaves the rotation and the call is retried elsewhere.
 Streams and every control call still go over HTTP to the same server.
+
+Size: retries, rotation, health and the in-process path share one connection state.
+It is to be split when the engine client is rebuilt by composition (a transport held by
+the client, a generator for in-process engines).
 """
 
 from __future__ import annotations

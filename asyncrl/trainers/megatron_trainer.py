@@ -46,6 +46,9 @@ Checkpoints: ``megatron/`` (``dist_checkpointing``: the model's and the optimize
 sharded state; reloadable under another DP size, not another TP/PP, which ``load_checkpoint``
 refuses by name), ``rng/rank{r}.pt`` and ``trainer.json``.
 Metrics: those of ``TorchTrainer`` less the critic's.
+
+Size: one backend's RL and SFT steps under megatron's schedule with TP, PP and DP, and
+its checkpoints; the model conversion is already apart (``megatron_bridge.py``).
 """
 
 from __future__ import annotations

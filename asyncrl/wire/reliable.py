@@ -28,6 +28,10 @@ Pattern and loss rules
 - Exactly-once processing across a receiver restart: save ``dedup_state()`` together
   with the application state the delivered messages changed (between batches), and pass
   it back as ``dedup_state=`` to the new receiver.
+
+Size: the two ends of one protocol (seqs, acks, the window, redelivery and
+de-duplication) are read and changed together; split apart, each half would need the
+other open beside it.
 """
 
 from __future__ import annotations
