@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo smollm2 word-problems arith-model calculator-model test lint bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends bench-cluster-sim \
+.PHONY: demo smollm2 word-problems arith-model calculator-model test lint config-doc bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends bench-cluster-sim \
 	bench-cluster-load bench-vs-trl bench-extra bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak clean
 
 # The rest goes in with uv when it can be had (about 10 s, against about 100 s for pip on
@@ -72,6 +72,10 @@ bench-curve: $(STAMP)
 # 30 minutes under chaos (a random actor SIGKILLed every 2 minutes), then the audit.
 bench-soak: $(STAMP)
 	$(PY) bench/soak.py --minutes 30 --every 120
+
+# docs/config.md: every config key, its flag and default, from the schema.
+config-doc: $(STAMP)
+	$(PY) -c "from asyncrl.config import config_reference; print(config_reference(), end='')" > docs/config.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncrl tests bench examples

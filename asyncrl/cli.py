@@ -28,22 +28,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-_TRAIN_OPTIONS = ("--help", "--preset", "--dry-run", "--resume", "--overwrite")
-_CHAOS_OPTIONS = ("--help", "--preset", "--kill", "--every", "--duration", "--stop-when-back",
-                  "--chaos-seed", "--report", "--overwrite")  # fmt: skip
+_TRAIN_OPTIONS = ("--help", "--help-all", "--preset", "--dry-run", "--resume", "--overwrite")
+_CHAOS_OPTIONS = ("--help", "--help-all", "--preset", "--kill", "--every", "--duration",
+                  "--stop-when-back", "--chaos-seed", "--report", "--overwrite")  # fmt: skip
+_KEYS_HELP = (
+    "Every config key is also a flag: rollout.num_actors is --rollout.num-actors (slime's "
+    "names work too, e.g. --rollout-batch-size). Flags win over the YAML file, which wins "
+    "over the preset. --help shows the everyday keys; --help-all shows all of them; "
+    "docs/config.md lists each with its default."
+)
 
 
 def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
-    from asyncrl.config import add_arguments
+    from asyncrl.config import add_arguments, everyday
 
+    show = None if "--help-all" in argv else everyday
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train",
         allow_abbrev=False,
         help="run a training job",
-        description="Run a training job. Every config key is also a flag; flags win over "
-        "the YAML file, which wins over the preset.",
+        description=f"Run a training job. {_KEYS_HELP}",
     )
     _add_job_source(train)
     train.add_argument(
@@ -62,17 +68,18 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         help="delete the run in output_dir first (its checkpoints, metrics and logs); "
         "without it (or --resume) a directory that holds a run is refused",
     )
-    add_arguments(train)
-    _add_chaos(sub)
+    _add_help_all(train)
+    add_arguments(train, show=show or (lambda spec: True))
+    _add_chaos(sub, show)
     _add_sft(sub, argv)
     _add_serve(sub)
     _add_plot(sub)
     _add_export(sub)
     keys = sub.add_parser(
         "keys",
-        help="make a CurveZMQ job certificate (--wire-curve-keys DIR)",
+        help="make a CurveZMQ job certificate (--wire.curve-keys DIR)",
         description="Write a new CurveZMQ key pair for a job into DIR: job.key (public) "
-        "and job.key_secret (mode 0600). With --wire-curve-keys DIR every channel of the "
+        "and job.key_secret (mode 0600). With --wire.curve-keys DIR every channel of the "
         "job is encrypted and admits only processes that hold the secret key.",
     )
     keys.add_argument("dir", type=Path, metavar="DIR", help="folder to create (or empty)")
@@ -86,7 +93,13 @@ def _add_job_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", help="start from a named preset (e.g. debug_cpu)")
 
 
-def _add_chaos(sub: argparse._SubParsersAction) -> None:
+def _add_help_all(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--help-all", action="help", help="show every config key, not only the everyday ones"
+    )
+
+
+def _add_chaos(sub: argparse._SubParsersAction, show: Any) -> None:
     from asyncrl.config import add_arguments
 
     chaos = sub.add_parser(
@@ -96,7 +109,7 @@ def _add_chaos(sub: argparse._SubParsersAction) -> None:
         description="Run a training job (the same config and flags as train) while "
         "SIGKILLing its actors on a schedule; the supervisor restarts them. Afterwards the "
         "run is audited: no prompt lost, no group trained twice, the step count right. "
-        "Exit code 0 only when the job and the audit pass.",
+        f"Exit code 0 only when the job and the audit pass. {_KEYS_HELP}",
     )
     _add_job_source(chaos)
     chaos.add_argument(
@@ -127,7 +140,8 @@ def _add_chaos(sub: argparse._SubParsersAction) -> None:
     chaos.add_argument(
         "--overwrite", action="store_true", help="delete the run in output_dir first"
     )
-    add_arguments(chaos)
+    _add_help_all(chaos)
+    add_arguments(chaos, show=show or (lambda spec: True))
 
 
 def _positive_seconds(raw: str) -> float:
@@ -236,6 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    from asyncrl.config import normal_flag
+
+    argv = [normal_flag(token) for token in argv]  # --a.b_c is --a.b-c
     command = argv[0] if argv[:1] in (["train"], ["chaos"]) else None
     if command:
         argv = _sglang_flags(argv)
@@ -297,7 +314,7 @@ def _sglang_flags(argv: list[str]) -> list[str]:
             server_args.append(argv[i + 1])
         i += 2 if has_value else 1
     if server_args:
-        rest += ["--rollout-engine-server-args", json.dumps(server_args)]
+        rest += ["--rollout.engine.server-args", json.dumps(server_args)]
     return rest
 
 

@@ -1,12 +1,15 @@
 """One typed config tree for a job, loaded from a preset, a YAML file and ``--flag`` values.
 
 Precedence, lowest first: section defaults, a preset (a function in ``PRESETS``), the YAML
-file, then flags (a later flag beats an earlier one). Every leaf has one flag: ``seed`` is
-``--seed``, ``rollout.num_actors`` is ``--rollout-num-actors``, ``a.b.c_d`` is ``--a-b-c-d``;
-``json_schema_extra={"flag": ..., "aliases": [...]}`` gives slime's name instead (DESIGN
-section 10). A field typed as a pydantic model is a section; anything else is a leaf. Every
-flag takes a value, read as YAML (``--seed 3``, ``--x "[1, 2]"``, ``--x true``) except for
-string leaves, which keep it verbatim (``--name 007``).
+file, then flags (a later flag beats an earlier one). One vocabulary: every leaf's flag is
+its YAML key, dotted, ``--`` in front: ``seed`` is ``--seed``, ``rollout.num_actors`` is
+``--rollout.num-actors`` (``--rollout.num_actors`` too: ``_`` and ``-`` are the same in a
+flag). slime's names for the same concept are aliases (``--rollout-batch-size`` is
+``--buffer.groups-per-step``; ``SLIME_FLAGS``, or a field's
+``json_schema_extra={"flag": ..., "aliases": [...]}``). A field typed as a pydantic model
+is a section; anything else is a leaf. Every flag takes a value, read as JSON, then YAML
+(``--seed 3``, ``--x "[1, 2]"``, ``--x true``), except for string leaves, which keep it
+verbatim (``--name 007``). ``docs/config.md`` lists every key (``config_reference``).
 
 From argparse: ``add_arguments`` registers each flag with ``default=argparse.SUPPRESS``,
 ``overrides_from_namespace`` returns what the user typed as ``{"--flag": "text"}``, and
@@ -353,7 +356,7 @@ class RunConfig(Section):
     def _engines_serve_the_trained_model(cls, data: Any) -> Any:
         """An engine section (rollout's, eval's) without ``model_path`` serves
         ``--hf-checkpoint``'s model when it needs one (a torch engine, or engines launched
-        as actors), as a job with no engine section does: ``--rollout-engine-in-process
+        as actors), as a job with no engine section does: ``--rollout.engine.in-process
         false`` alone must not ask for the path again."""
         model = _as_dict(data, "trainer").get("model_path")
         if not model:
@@ -412,7 +415,7 @@ class RunConfig(Section):
             raise ValueError(
                 f"rollout.colocate with max_staleness={self.buffer.max_staleness}: colocated "
                 "engines sleep while the trainer steps, so generation cannot run ahead of "
-                "training; set --buffer-max-staleness 0 (synchronous) or drop --colocate"
+                "training; set --buffer.max-staleness 0 (synchronous) or drop --colocate"
             )
         if self.rollout.tool_use is not None and self.data and not self.data.apply_chat_template:
             raise ValueError(
@@ -434,7 +437,7 @@ class RunConfig(Section):
             raise ValueError(
                 f"runtime.host {self.runtime.host!r} is not loopback: channels bind beyond "
                 "this host only encrypted; make keys with `asyncrl keys DIR` and set "
-                "--wire-curve-keys DIR"
+                "--wire.curve-keys DIR"
             )
         return self
 
@@ -476,8 +479,8 @@ def debug_cpu() -> RunConfig:
 PRESETS: dict[str, Callable[[], BaseModel]] = {"debug_cpu": debug_cpu}
 
 
-#: slime's names for leaves of sections that components own (``docs/design.md`` section
-#: 8); a field's own ``json_schema_extra={"flag": ...}`` wins over this table.
+#: slime's names (aliases of the key flags) for leaves of sections that components own
+#: (``docs/design.md`` section 8); a field's own ``json_schema_extra`` adds more.
 SLIME_FLAGS: dict[tuple[str, ...], str] = {
     ("buffer", "groups_per_step"): "rollout-batch-size",
     ("buffer", "num_samples_per_prompt"): "n-samples-per-prompt",
@@ -522,6 +525,26 @@ SLIME_FLAGS: dict[tuple[str, ...], str] = {
 }
 
 
+#: What ``asyncrl train --help`` shows; ``--help-all`` shows every key.
+EVERYDAY: tuple[tuple[str, ...], ...] = (
+    ("name",), ("output_dir",), ("seed",),
+    ("data", "path"), ("data", "input_key"), ("data", "label_key"),
+    ("data", "apply_chat_template"), ("data", "num_epochs"),
+    ("trainer", "model_path"), ("trainer", "backend"), ("trainer", "lr"),
+    ("trainer", "dtype"), ("trainer", "max_tokens_per_microbatch"),
+    ("buffer", "groups_per_step"), ("buffer", "num_samples_per_prompt"),
+    ("buffer", "max_staleness"), ("buffer", "over_provision"), ("buffer", "filters"),
+    ("rollout", "num_actors"), ("rollout", "sampling"), ("rollout", "workflow"),
+    ("rollout", "engine", "type"), ("rollout", "engine", "urls"),
+    ("rollout", "reward", "type"),
+    ("algo", "advantage_estimator"), ("algo", "off_policy_correction"),
+    ("algo", "kl_loss_coef"),
+    ("train", "num_steps"), ("train", "checkpoint_interval"), ("train", "publish"),
+    ("eval", "interval"), ("eval", "sets"),
+    ("runtime", "type"), ("log", "level"), ("log", "use_tensorboard"), ("log", "use_wandb"),
+)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class FlagSpec:
     """One leaf of the tree as a command-line option (a row of ``flag_table``)."""
@@ -543,7 +566,8 @@ class FlagSpec:
 
 
 def flag_table(model: type[BaseModel] = RunConfig) -> dict[str, FlagSpec]:
-    """``{"--flag": FlagSpec}`` for every leaf of ``model``, aliases included.
+    """``{"--flag": FlagSpec}`` for every leaf of ``model``, aliases included (the dotted
+    key flag first, then slime's names).
 
     Used by ``load_config``, ``add_arguments`` and the CLI's unknown-option check. Two
     leaves claiming one flag is a programming error and raises ``ValueError``.
@@ -571,17 +595,36 @@ def _leaves(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[Fl
 def _leaf_spec(path: tuple[str, ...], field: pydantic.fields.FieldInfo) -> FlagSpec:
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     required = field.is_required()
+    named = [extra.get("flag"), SLIME_FLAGS.get(path), *(extra.get("aliases") or ())]
+    flag = key_flag(path)
+    aliases = dict.fromkeys(_as_flag(str(a)) for a in named if a and _as_flag(str(a)) != flag)
     return FlagSpec(
-        flag=_as_flag(str(extra.get("flag") or SLIME_FLAGS.get(path) or "-".join(path))),
+        flag=flag,
         path=path,
         annotation=_type_text(field.annotation),
         default=None if required else field.get_default(call_default_factory=True),
         description=field.description or "",
         metavar=_metavar(field.annotation),
-        aliases=tuple(_as_flag(str(a)) for a in extra.get("aliases") or ()),
+        aliases=tuple(aliases),
         required=required,
         parse=_value_parser(field.annotation),
     )
+
+
+def key_flag(path: tuple[str, ...]) -> str:
+    """The flag of the key at ``path``: ``("rollout", "num_actors")`` is
+    ``--rollout.num-actors``."""
+    return "--" + ".".join(part.replace("_", "-") for part in path)
+
+
+def normal_flag(token: str) -> str:
+    """``token`` (``--flag`` or ``--flag=value``) as the table spells the flag: ``_`` and
+    ``-`` are one in a key flag, so ``--rollout.num_actors`` is ``--rollout.num-actors``.
+    Other tokens (values, slime's names, an SGLang server's flags) are left as they are."""
+    name, eq, value = token.partition("=")
+    if not (name.startswith("--") and "." in name):
+        return token
+    return name.replace("_", "-") + eq + value
 
 
 def _section_model(ann: Any) -> type[BaseModel] | None:
@@ -654,11 +697,17 @@ def _show(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
-def add_arguments(parser: argparse.ArgumentParser, model: type[BaseModel] = RunConfig) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    model: type[BaseModel] = RunConfig,
+    *,
+    show: Callable[[FlagSpec], bool] = lambda spec: True,
+) -> None:
     """Add every flag of ``model`` to ``parser``, one argument group per section.
 
-    Called by the CLI so ``asyncrl train --help`` lists every option with its meaning and
-    default. Values stay raw text; read them back with ``overrides_from_namespace``.
+    Called by the CLI so ``asyncrl train --help`` lists options with their meaning and
+    default: those ``show`` picks (the rest are accepted, and listed by ``--help-all``).
+    Values stay raw text; read them back with ``overrides_from_namespace``.
     """
     groups: dict[str, argparse._ArgumentGroup] = {}
     for spec in {spec.path: spec for spec in flag_table(model).values()}.values():
@@ -671,9 +720,14 @@ def add_arguments(parser: argparse.ArgumentParser, model: type[BaseModel] = RunC
             dest=_DEST + spec.flag,
             default=argparse.SUPPRESS,
             metavar=spec.metavar,
-            help=_help_text(spec),
+            help=_help_text(spec) if show(spec) else argparse.SUPPRESS,
             **({"nargs": "?", "const": "true"} if spec.is_switch else {}),
         )
+
+
+def everyday(spec: FlagSpec) -> bool:
+    """An option ``asyncrl train --help`` shows (``EVERYDAY``)."""
+    return spec.path in EVERYDAY
 
 
 def _help_text(spec: FlagSpec) -> str:
@@ -804,6 +858,7 @@ def _flag_values(
     values: list[tuple[FlagSpec, Any]] = []
     problems: list[str] = []
     for flag, raw in pairs:
+        flag = normal_flag(flag)
         if not flag.startswith("--"):
             problems.append(f"expected an option like --flag VALUE, got {flag!r}")
         elif flag not in table:
@@ -865,8 +920,8 @@ def _explain(err: ErrorDetails, table: dict[str, FlagSpec], origins: dict[tuple,
     if err["type"] == "extra_forbidden":
         return f"{prefix}unknown key '{'.'.join(loc)}'{_key_hint(loc, table)}"
     spec = _longest_prefix({s.path: s for s in table.values()}, loc)
-    head = ".".join(loc) or "config"
-    head += f" ({spec.flag})" if spec else ""
+    head = ".".join(loc) or "config"  # the key, which is also the flag
+    head += f" ({spec.aliases[0]})" if spec and spec.aliases else ""  # slime's name
     message = err["msg"].removeprefix("Value error, ")
     hide = err["type"] == "missing" or isinstance(blamed, KeyConflict)
     hide = hide or (spec is None and isinstance(err.get("input"), dict))
@@ -879,9 +934,43 @@ def _longest_prefix(mapping: Mapping[tuple, Any], loc: tuple[str, ...]) -> Any:
 
 
 def _key_hint(loc: tuple[str, ...], table: dict[str, FlagSpec]) -> str:
-    """Did-you-mean for an unknown key, against every section and leaf path of the tree."""
+    """Did-you-mean for an unknown key, against every section and leaf path of the tree;
+    a flag's name written as a key (slime's ``rollout_batch_size``) names its key."""
+    as_flag = _as_flag(loc[-1]) if loc else ""
+    if as_flag in table and table[as_flag].path != loc:
+        key = ".".join(table[as_flag].path)
+        return f" ({as_flag} is a flag; its key is '{key}')"
     paths = {".".join(s.path[:n]) for s in table.values() for n in range(1, len(s.path) + 1)}
     return _hint(".".join(loc), sorted(paths))
+
+
+def config_reference(model: type[BaseModel] = RunConfig) -> str:
+    """``docs/config.md``: every key of ``model`` with its flag, slime's names, type,
+    default and meaning, one table per section (``make config-doc`` writes it; a test
+    keeps it current)."""
+    specs = list({spec.path: spec for spec in flag_table(model).values()}.values())
+    sections: dict[str, list[FlagSpec]] = {}
+    for spec in specs:
+        sections.setdefault(".".join(spec.path[:-1]) or "(top level)", []).append(spec)
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from the config schema (`asyncrl/config.py`) by `make config-doc`; do not "
+        "edit by hand. Every key is a YAML key and, dotted, a flag of `asyncrl train`: "
+        "`rollout.num_actors` is `--rollout.num-actors`. Other names are slime's, accepted "
+        "as aliases. `asyncrl train --help` shows the everyday keys (marked *), "
+        "`--help-all` all of them.",
+    ]
+    for section, rows in sections.items():
+        out += ["", f"## {section}", "", "| key | flag | type | default | meaning |"]
+        out += ["|---|---|---|---|---|"]
+        for spec in rows:
+            names = ", ".join(f"`{a}`" for a in (spec.flag, *spec.aliases))
+            key = "`" + ".".join(spec.path) + "`" + (" *" if spec.path in EVERYDAY else "")
+            default = "required" if spec.required else f"`{_show(spec.default)}`"
+            cells = [key, names, f"`{spec.metavar}`", default, spec.description]
+            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(out) + "\n"
 
 
 def dump_resolved(cfg: BaseModel, path: str | Path) -> None:

@@ -19,7 +19,7 @@ Run directory: ``config.json`` (resolved config), ``logs/<actor>.{out,jsonl}``,
 ``metrics.jsonl`` (trainer steps), ``metrics/{buffer,rollout-N}.jsonl``,
 ``metrics/eval.jsonl`` (held-out sets, when ``eval.interval`` is set: an eval actor
 follows the versions), ``checkpoints/trainer/step_NNNNNN``, ``checkpoints/buffer.ckpt``
-and ``checkpoints/buffer.journal``, ``trained.jsonl`` (``--train-audit-log``: every batch
+and ``checkpoints/buffer.journal``, ``trained.jsonl`` (``--train.audit-log``: every batch
 trained, with its group uids), ``weights/`` (disk transport), ``tensorboard/`` and
 ``wandb/`` (``--use-tensorboard``, ``--use-wandb``: the controller forwards the metrics
 files there). ``--resume`` starts the trainer from its newest checkpoint and the buffer

@@ -153,7 +153,7 @@ def _warn_short_data(cfg: RunConfig, data: PromptSource) -> None:
     if need > prompts:
         log.warning(
             f"{cfg.train.num_steps} steps of {cfg.buffer.groups_per_step} prompt groups "
-            f"(--train-num-steps, --rollout-batch-size) need {need} prompts, but the data "
+            f"(--train.num-steps, --rollout-batch-size) need {need} prompts, but the data "
             f"holds {prompts} over all its epochs: the job ends when they run out "
             "(raise --num-epoch to go on)"
         )

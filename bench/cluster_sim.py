@@ -1,6 +1,6 @@
 """Cluster simulator (issue 11): a GPU cluster's rollout/train overlap, planned on 2 cores.
 
-Every mode runs ``asyncrl train`` with ``--rollout-engine-type sim`` (model-free engines
+Every mode runs ``asyncrl train`` with ``--rollout.engine.type sim`` (model-free engines
 whose decode time follows a latency model, ``asyncrl/engines/sim_engine.py``) and
 ``--train-backend sim`` (a step takes modelled time, ``asyncrl/trainers/sim_trainer.py``).
 Everything else is the real code: the buffer and its admission rule, APRIL, the rollout
@@ -177,23 +177,24 @@ def sim_flags(mode: str, args: argparse.Namespace, work: Workload, scale: float)
               "prefill-s-per-token": 0.0, "weight-update-s": args.weight_update_s,
               "switch-s": args.switch_s, "length-median": work.median,
               "length-p99-ratio": work.p99_ratio, "length-max": work.max_len,
-              "time-scale": scale, "token-stride": k, "engines": per_actor}  # fmt: skip
+              "time-scale": scale, "token-stride": k}  # fmt: skip
     trainer = {"step-base-s": args.train_base_s, "time-scale": scale,
                "step-s-per-token": per_token(args, train_gpus) * k}  # fmt: skip
     sampling = {"temperature": 1.0, "max_new_tokens": math.ceil(work.max_len / k)}
     slots = per_actor * args.concurrency // args.group_size
     return [
-        "--rollout-engine-type", "sim", "--rollout-engine-model-path", "examples/arith/model",
-        "--rollout-engine-max-running", str(args.concurrency),
-        "--rollout-num-actors", str(args.actors), "--rollout-max-groups", str(max(1, slots)),
-        "--rollout-sampling", json.dumps(sampling),
+        "--rollout.engine.type", "sim", "--rollout.engine.model-path", "examples/arith/model",
+        "--rollout.engine.max-running", str(args.concurrency),
+        "--rollout.num-actors", str(args.actors), "--rollout.max-groups", str(max(1, slots)),
+        "--rollout.sampling", json.dumps(sampling),
         "--rollout-batch-size", str(args.groups), "--n-samples-per-prompt", str(args.group_size),
-        *(x for key, v in engine.items() for x in (f"--rollout-engine-sim-{key}", str(v))),
+        *(x for key, v in engine.items() for x in (f"--rollout.engine.sim.{key}", str(v))),
+        "--rollout.engine.sim-engines", str(per_actor),
         "--train-backend", "sim",
-        *(x for key, v in trainer.items() for x in (f"--trainer-sim-{key}", str(v))),
-        "--buffer-max-staleness", str(eta), "--buffer-hard-staleness", str(eta + 2),
-        "--buffer-over-provision", str(alpha), "--colocate", str(colocated).lower(),
-        "--buffer-filters", "[]", "--eval-interval", "0",
+        *(x for key, v in trainer.items() for x in (f"--trainer.sim.{key}", str(v))),
+        "--buffer.max-staleness", str(eta), "--buffer.hard-staleness", str(eta + 2),
+        "--buffer.over-provision", str(alpha), "--colocate", str(colocated).lower(),
+        "--buffer.filters", "[]", "--eval-interval", "0",
     ]  # fmt: skip
 
 
@@ -203,8 +204,8 @@ async def run_mode(
     """Run ``mode`` to its end; its figures in modelled seconds and tokens."""
     scale = time_scale(mode, args, work)
     flags = ["--name", f"sim-{mode}", "--output-dir", str(run_dir), "--seed", str(args.seed),
-             "--train-num-steps", str(args.steps), "--save-interval", "0",
-             "--train-metrics-interval", "1.0", *sim_flags(mode, args, work, scale)]  # fmt: skip
+             "--train.num-steps", str(args.steps), "--save-interval", "0",
+             "--train.metrics-interval", "1.0", *sim_flags(mode, args, work, scale)]  # fmt: skip
     cfg = load_config("examples/arith/config.yaml", overrides=flags)
     result = await run_job(cfg)
     if not result.ok:
@@ -316,27 +317,27 @@ async def run_load(
     groups = max(1, args.load_batch // args.group_size)
     engine = {"decode-base-s": step_wall, "decode-s-per-seq": 0.0, "prefill-s-per-token": 0.0,
               "weight-update-s": 0.0, "length-median": args.load_tokens,
-              "length-p99-ratio": 1.0, "length-max": args.load_tokens,
-              "engines": args.load_engines}  # fmt: skip
+              "length-p99-ratio": 1.0, "length-max": args.load_tokens}  # fmt: skip
     eta = math.ceil(in_flight / (groups * args.group_size)) + 1
     fill = eta  # steps that drain the requests in flight at the start (not sustained)
     flags = [
         "--name", f"load-{in_flight}", "--output-dir", str(run_dir), "--seed", str(args.seed),
-        "--train-num-steps", str(fill + args.load_steps), "--save-interval", "0",
-        "--train-metrics-interval", "1.0",
-        "--rollout-engine-type", "sim", "--rollout-engine-model-path", "examples/arith/model",
-        "--rollout-engine-in-process", str(transport == "in-process").lower(),
-        "--rollout-engine-max-running", str(per_engine),
-        "--rollout-num-actors", str(args.actors),
-        "--rollout-max-groups", str(math.ceil(in_flight / args.actors / args.group_size)),
-        "--rollout-sampling", json.dumps({"temperature": 1.0,
+        "--train.num-steps", str(fill + args.load_steps), "--save-interval", "0",
+        "--train.metrics-interval", "1.0",
+        "--rollout.engine.type", "sim", "--rollout.engine.model-path", "examples/arith/model",
+        "--rollout.engine.in-process", str(transport == "in-process").lower(),
+        "--rollout.engine.max-running", str(per_engine),
+        "--rollout.num-actors", str(args.actors),
+        "--rollout.max-groups", str(math.ceil(in_flight / args.actors / args.group_size)),
+        "--rollout.sampling", json.dumps({"temperature": 1.0,
                                           "max_new_tokens": args.load_tokens}),
         "--rollout-batch-size", str(groups), "--n-samples-per-prompt", str(args.group_size),
-        *(x for key, v in engine.items() for x in (f"--rollout-engine-sim-{key}", str(v))),
-        "--train-backend", "sim", "--trainer-sim-step-base-s", str(args.load_step_s),
-        "--trainer-sim-step-s-per-token", "0",
-        "--buffer-max-staleness", str(eta), "--buffer-hard-staleness", str(eta + 4),
-        "--buffer-filters", "[]", "--eval-interval", "0",
+        *(x for key, v in engine.items() for x in (f"--rollout.engine.sim.{key}", str(v))),
+        "--rollout.engine.sim-engines", str(args.load_engines),
+        "--train-backend", "sim", "--trainer.sim.step-base-s", str(args.load_step_s),
+        "--trainer.sim.step-s-per-token", "0",
+        "--buffer.max-staleness", str(eta), "--buffer.hard-staleness", str(eta + 4),
+        "--buffer.filters", "[]", "--eval-interval", "0",
     ]  # fmt: skip
     cfg = load_config("examples/arith/config.yaml", overrides=flags)
     cpu_before = _children_cpu_s()

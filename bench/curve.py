@@ -3,7 +3,7 @@
     python bench/curve.py [--messages 100000] [--payload-mb 64] [--repeats 3]
 
 The two transfers of ``bench/wire.py``, between two processes, each run plain and with
-CurveZMQ (``--wire-curve-keys``: a job certificate made in a temp folder, CURVE on both
+CurveZMQ (``--wire.curve-keys``: a job certificate made in a temp folder, CURVE on both
 processes' sockets, the ZAP handler admitting the job key), alternately ``--repeats``
 times; the median of each and the ratio encrypted / plain are reported:
 

@@ -56,12 +56,12 @@ from asyncrl.config import load_config
 from asyncrl.job import run_job
 
 MODES: dict[str, list[str]] = {
-    "sync": ["--buffer-max-staleness", "0", "--buffer-hard-staleness", "0"],
-    "colocated": ["--buffer-max-staleness", "0", "--buffer-hard-staleness", "0", "--colocate"],
-    "one-step": ["--buffer-max-staleness", "1"],
-    "async-2": ["--buffer-max-staleness", "2"],
-    "async-4": ["--buffer-max-staleness", "4"],
-    "april": ["--buffer-max-staleness", "2", "--buffer-over-provision", "0.5"],
+    "sync": ["--buffer.max-staleness", "0", "--buffer.hard-staleness", "0"],
+    "colocated": ["--buffer.max-staleness", "0", "--buffer.hard-staleness", "0", "--colocate"],
+    "one-step": ["--buffer.max-staleness", "1"],
+    "async-2": ["--buffer.max-staleness", "2"],
+    "async-4": ["--buffer.max-staleness", "4"],
+    "april": ["--buffer.max-staleness", "2", "--buffer.over-provision", "0.5"],
 }
 
 
@@ -69,8 +69,8 @@ def eval_flags(test: str, steps: int) -> list[str]:
     """Evaluate only the final version on ``test``: 4 samples a prompt at T = 1."""
     sampling = {"temperature": 1.0, "max_new_tokens": 64}
     sets = [{"name": "test", "path": test, "n_samples": 4, "sampling": sampling}]
-    return ["--eval-interval", str(steps), "--eval-at-start", "false",
-            "--eval-sets", json.dumps(sets)]  # fmt: skip
+    return ["--eval-interval", str(steps), "--eval.at-start", "false",
+            "--eval.sets", json.dumps(sets)]  # fmt: skip
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -134,8 +134,8 @@ async def run_mode(
 ) -> dict[str, Any]:
     """Run ``mode`` into ``run_dir`` to its end and summarize it."""
     flags = ["--name", f"overlap-{mode}", "--output-dir", str(run_dir),
-             "--train-num-steps", str(args.steps), "--save-interval", "0",
-             "--train-metrics-interval", "1.0", *MODES[mode]]  # fmt: skip
+             "--train.num-steps", str(args.steps), "--save-interval", "0",
+             "--train.metrics-interval", "1.0", *MODES[mode]]  # fmt: skip
     flags += eval_flags(args.test, args.steps)
     cfg = load_config(args.config, overrides=flags)
     result = await run_job(cfg)

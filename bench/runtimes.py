@@ -44,7 +44,7 @@ FIGURES = ("wall_s", "first_step_s", "samples/s", "trainer_idle")
 async def run_once(runtime: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """One job on ``runtime``; its figures."""
     flags = ["--runtime", runtime, "--output-dir", str(run_dir), "--eval-interval", "0",
-             "--train-num-steps", str(args.steps)]  # fmt: skip
+             "--train.num-steps", str(args.steps)]  # fmt: skip
     cfg = load_config(args.config, flags)
     start_wall, start = time.time(), time.monotonic()
     result = await run_job(cfg)

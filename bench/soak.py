@@ -112,11 +112,11 @@ def fresh_run_dir(run_dir: Path) -> None:
 def job_flags(run_dir: Path, seed: int) -> list[str]:
     return [
         "--name", "soak", "--output-dir", str(run_dir), "--seed", str(seed),
-        "--rollout-num-actors", "2", "--rollout-max-groups", "24",
-        "--rollout-engine-serve", "actor", "--update-weight-transport", "disk",
-        "--train-num-steps", "1000000", "--save-interval", "10",
-        "--train-keep-checkpoints", "2", "--train-audit-log", "true",
-        "--runtime-max-restarts", "1000", "--runtime-buffer-checkpoint-interval", "30",
+        "--rollout.num-actors", "2", "--rollout.max-groups", "24",
+        "--rollout.engine.serve", "actor", "--update-weight-transport", "disk",
+        "--train.num-steps", "1000000", "--save-interval", "10",
+        "--train.keep-checkpoints", "2", "--train.audit-log", "true",
+        "--runtime.max-restarts", "1000", "--runtime.buffer-checkpoint-interval", "30",
         "--num-epoch", "1000",
     ]  # fmt: skip
 

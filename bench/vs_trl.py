@@ -214,17 +214,17 @@ def asyncrl_flags(spec: dict[str, Any]) -> list[str]:
     seed = str(spec["seed"])
     return ["--name", "vs-trl-asyncrl", "--output-dir", spec["out"], "--seed", seed,
             "--prompt-data", spec["train"], "--hf-checkpoint", spec["model"],
-            "--rollout-engine-model-path", spec["model"], "--lr", str(spec["lr"]),
+            "--rollout.engine.model-path", spec["model"], "--lr", str(spec["lr"]),
             "--rollout-batch-size", str(spec["groups"]),
-            "--n-samples-per-prompt", str(spec["samples"]), "--buffer-filters", "[]",
-            "--rollout-sampling", json.dumps(sampling), "--rm-type", "exact",
-            "--train-num-steps", str(spec["steps"]), "--save-interval", str(spec["save_every"]),
+            "--n-samples-per-prompt", str(spec["samples"]), "--buffer.filters", "[]",
+            "--rollout.sampling", json.dumps(sampling), "--rm-type", "exact",
+            "--train.num-steps", str(spec["steps"]), "--save-interval", str(spec["save_every"]),
             "--eval-interval", "0", "--kl-coef", "0", "--use-kl-loss", "false",
             "--entropy-coef", "0", "--eps-clip", "0.2", "--loss-aggregation", "token-mean",
-            "--clip-grad", "1.0", "--weight-decay", "0", "--trainer-lr-schedule", "constant",
-            "--lr-warmup-iters", "0", "--trainer-dtype", "float32",
-            "--trainer-seed", seed, "--rollout-seed", seed,
-            "--buffer-max-staleness", str(spec["eta"])]  # fmt: skip
+            "--clip-grad", "1.0", "--weight-decay", "0", "--trainer.lr-schedule", "constant",
+            "--lr-warmup-iters", "0", "--trainer.dtype", "float32",
+            "--trainer.seed", seed, "--rollout-seed", seed,
+            "--buffer.max-staleness", str(spec["eta"])]  # fmt: skip
 
 
 def run_asyncrl(spec: dict[str, Any]) -> None:

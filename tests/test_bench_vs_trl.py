@@ -101,7 +101,7 @@ def test_eta_is_asyncrls_staleness_bound_per_size_unless_given() -> None:
     def eta(size: str, *flags: str) -> str:
         spec = vs_trl.run_spec(vs_trl.parse_args(list(flags)), size, "m", "asyncrl")
         out = vs_trl.asyncrl_flags(spec)
-        return out[out.index("--buffer-max-staleness") + 1]
+        return out[out.index("--buffer.max-staleness") + 1]
 
     assert (eta("0.5m"), eta("30m")) == ("2", "1")
     assert (eta("0.5m", "--eta", "0"), eta("30m", "--eta", "4")) == ("0", "4")

@@ -2,7 +2,7 @@
 test that plays producers and a trainer against it in random order.
 
 The property test keeps its own model of where every prompt is and checks, after every
-step, that the buffer agrees: no prompt lost or repeated (DESIGN principle 7), staleness
+step, that the buffer agrees: no prompt lost or repeated (docs/design.md, principle 6), staleness
 within the backstop (principle 4), whole groups only, and the age guarantee.
 """
 

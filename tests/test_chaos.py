@@ -31,12 +31,12 @@ def chaos_flags(tmp_path) -> list[str]:
     return [
         *job_flags(tmp_path, steps=STEPS), *LONG_RUN, "--num-epoch", "40",
         *eval_flags(tmp_path, 100),
-        *["--rollout-num-actors", "2", "--rollout-engine-model-path", str(tmp_path / "model")],
-        *["--rollout-engine-serve", "actor", "--update-weight-transport", "disk"],
-        *["--save-interval", "5", "--train-keep-checkpoints", "2", "--train-audit-log", "true"],
+        *["--rollout.num-actors", "2", "--rollout.engine.model-path", str(tmp_path / "model")],
+        *["--rollout.engine.serve", "actor", "--update-weight-transport", "disk"],
+        *["--save-interval", "5", "--train.keep-checkpoints", "2", "--train.audit-log", "true"],
         # No timed buffer checkpoint after the one at start: the killed buffer must come
         # back by replaying its journal (a timed one could land just before the kill).
-        *["--runtime-buffer-checkpoint-interval", "3600"],
+        *["--runtime.buffer-checkpoint-interval", "3600"],
     ]  # fmt: skip
 
 
@@ -149,8 +149,8 @@ async def test_an_eval_actor_killed_after_the_trainer_exited_evaluates_the_final
     # lands inside it (the trainer takes 1-2 s from its last step to its exit).
     sets = [{"name": "held", "path": str(tmp_path / "prompts.jsonl@[0:64]"), "n_samples": 16,
              "pass_k": [1], "sampling": {"temperature": 1.0, "max_new_tokens": 32}}]  # fmt: skip
-    flags = [*job_flags(tmp_path, steps=4), "--eval-interval", "1000", "--eval-at-start", "false",
-             "--eval-sets", json.dumps(sets)]  # fmt: skip
+    flags = [*job_flags(tmp_path, steps=4), "--eval-interval", "1000", "--eval.at-start", "false",
+             "--eval.sets", json.dumps(sets)]  # fmt: skip
     chaos = KillEvalAfterTheTrainer([])
     result = await run_job(load_config(overrides=flags), chaos=chaos)
     assert result.ok, result.error

@@ -22,13 +22,23 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
     )
 
 
-def test_train_help_lists_every_option_with_its_default(capsys: pytest.CaptureFixture[str]):
+def help_text(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     with pytest.raises(SystemExit) as info:
-        main(["train", "--help"])
+        main(list(argv))
     assert info.value.code == 0
-    text = " ".join(capsys.readouterr().out.split())
-    assert "--rollout-num-actors INT number of rollout actors (default: 2)" in text
-    assert "--dry-run" in text and "--runtime {local,ray}" in text
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_help_shows_the_everyday_options_and_help_all_every_one(capsys):
+    everyday = help_text(capsys, "train", "--help")
+    assert "--rollout.num-actors INT number of rollout actors (default: 2)" in everyday
+    assert "--dry-run" in everyday and "--runtime {local,ray}" in everyday
+    assert "--rollout.engine.sim.decode-base-s" not in everyday  # the simulator's
+    every = help_text(capsys, "train", "--help-all")
+    assert "--rollout.engine.sim.decode-base-s" in every and "--wire.hwm INT" in every
+    assert "--wire.hwm" in help_text(capsys, "chaos", "--help-all")
+    # Hidden from --help, a key is still a flag.
+    assert main(["train", "--wire.hwm", "0", "--dry-run"]) == 2
 
 
 def test_a_bad_config_is_refused_before_any_process_starts(
@@ -39,7 +49,7 @@ def test_a_bad_config_is_refused_before_any_process_starts(
             "train",
             "--output-dir",
             str(tmp_path / "run"),
-            "--rollout-num-actors",
+            "--rollout.num-actors",
             "0",
             "--runtime-hwm",
             "3",

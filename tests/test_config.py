@@ -13,11 +13,13 @@ import pytest
 from pydantic import Field
 
 from asyncrl.config import (
+    EVERYDAY,
     PRESETS,
     ConfigError,
     RunConfig,
     Section,
     add_arguments,
+    config_reference,
     debug_cpu,
     dump_resolved,
     flag_table,
@@ -75,7 +77,7 @@ def test_flags_beat_the_file_which_beats_the_preset(tmp_path: Path):
 
 def test_flag_values_are_read_as_yaml_in_both_forms_and_from_a_mapping():
     cfg = load_config(
-        overrides=["--rollout-num-actors=4", "--wire-redeliver-after", "0.25", "--name=a=b"]
+        overrides=["--rollout.num-actors=4", "--wire.redeliver-after", "0.25", "--name=a=b"]
     )
     assert (cfg.rollout.num_actors, cfg.wire.redeliver_after, cfg.name) == (4, 0.25, "a=b")
     cfg = load_config(overrides={"--seed": "7", "--runtime": "ray", "--ray-address": "auto"})
@@ -101,18 +103,17 @@ def test_an_unknown_nested_key_names_file_and_line_and_suggests_the_right_one(tm
 
 def test_an_unknown_flag_suggests_the_closest_one():
     assert problems(overrides=["--rollout-num-actor", "3"]) == [
-        "unknown option --rollout-num-actor (did you mean --rollout-num-actors?)"
+        "unknown option --rollout-num-actor (did you mean --rollout.num-actors?)"
     ]
     assert problems(overrides={"--sed": "1"}) == ["unknown option --sed (did you mean --seed?)"]
 
 
 def test_bad_values_name_key_flag_expectation_and_value():
-    assert problems(overrides=["--rollout-num-actors", "-1"]) == [
-        "rollout.num_actors (--rollout-num-actors): Input should be "
-        "greater than or equal to 1, got -1"
+    assert problems(overrides=["--rollout.num-actors", "-1"]) == [
+        "rollout.num_actors: Input should be greater than or equal to 1, got -1"
     ]
-    [line] = problems(overrides=["--wire-hwm", "many"])
-    assert line.startswith("wire.hwm (--wire-hwm): Input should be a valid integer")
+    [line] = problems(overrides=["--wire.hwm", "many"])
+    assert line.startswith("wire.hwm: Input should be a valid integer")
     assert line.endswith('got "many"')
     assert problems(overrides=["--runtime", "k8s"]) == [
         "runtime.type (--runtime): Input should be 'local' or 'ray', got \"k8s\""
@@ -124,35 +125,35 @@ def test_a_bad_value_from_the_file_names_the_file_and_line_unless_a_flag_replace
 ):
     path = write(tmp_path, "wire:\n  window: 8\n  hwm: 0\n")
     assert problems(path) == [
-        f"{path}:3: wire.hwm (--wire-hwm): Input should be greater than or equal to 1, got 0"
+        f"{path}:3: wire.hwm: Input should be greater than or equal to 1, got 0"
     ]
-    assert problems(path, ["--wire-hwm", "-5"]) == [
-        "wire.hwm (--wire-hwm): Input should be greater than or equal to 1, got -5"
+    assert problems(path, ["--wire.hwm", "-5"]) == [
+        "wire.hwm: Input should be greater than or equal to 1, got -5"
     ]
-    assert load_config(path, ["--wire-hwm", "5"]).wire.hwm == 5
+    assert load_config(path, ["--wire.hwm", "5"]).wire.hwm == 5
 
 
 def test_the_heartbeat_timeout_must_exceed_the_interval():
     assert problems(
-        overrides=["--runtime-heartbeat-interval", "2", "--runtime-heartbeat-timeout", "2"]
+        overrides=["--runtime.heartbeat-interval", "2", "--runtime.heartbeat-timeout", "2"]
     ) == [
         "runtime: heartbeat_timeout (2.0) must be greater than heartbeat_interval (2.0), "
         "or a healthy actor would count as hung between two heartbeats"
     ]
-    cfg = load_config(overrides=["--runtime-heartbeat-interval", "2"])
+    cfg = load_config(overrides=["--runtime.heartbeat-interval", "2"])
     with pytest.raises(pydantic.ValidationError, match="must be greater than"):
         cfg.runtime.heartbeat_timeout = 1.0  # assignments are validated too
 
 
 def test_frames_must_fit_the_batch_and_the_chunk():
-    [line] = problems(overrides=["--wire-chunk-bytes", str(512 * 1024 * 1024)])
+    [line] = problems(overrides=["--wire.chunk-bytes", str(512 * 1024 * 1024)])
     assert line.startswith("wire: chunk_bytes (536870912) must not exceed max_frame_bytes")
 
 
 def test_every_problem_is_reported_in_one_error(tmp_path: Path):
     path = write(tmp_path, "rollout:\n  num_actorz: 3\n")
     lines = problems(
-        path, ["--sedd", "1", "--log-level", "loud", "--wire-window", "0", "stray", "--seed"]
+        path, ["--sedd", "1", "--log-level", "loud", "--wire.window", "0", "stray", "--seed"]
     )
     assert len(lines) == 6, lines
     assert lines[:3] == [
@@ -160,7 +161,7 @@ def test_every_problem_is_reported_in_one_error(tmp_path: Path):
         "expected an option like --flag VALUE, got 'stray'",
         "option --seed needs a value: --seed INT",
     ]
-    assert lines[3].startswith("wire.window (--wire-window): Input should be greater than")
+    assert lines[3].startswith("wire.window: Input should be greater than")
     assert lines[4].startswith("log.level (--log-level): Input should be 'debug', 'info'")
     assert lines[5].startswith(f"{path}:2: unknown key 'rollout.num_actorz'")
 
@@ -216,13 +217,13 @@ def test_every_leaf_has_exactly_one_flag_and_a_description():
     # A section left null in one config is a "leaf" there; its fields are the leaves.
     leaves = {p for p in both if not any(q[: len(p)] == p and q != p for q in both)}
     assert {spec.path for spec in table.values()} == leaves
-    assert len(table) == len(leaves)
+    assert len({spec.flag for spec in table.values()}) == len(leaves)  # one key flag each
     assert [flag for flag, spec in table.items() if not spec.description] == []
     assert table["--runtime"].path == ("runtime", "type")
     assert table["--ray-address"].path == ("runtime", "ray", "address")
     assert table["--log-level"].path == ("log", "level")
-    assert table["--rollout-num-actors"].path == ("rollout", "num_actors")
-    # slime's names for the buffer and data leaves (DESIGN section 10)
+    assert table["--rollout.num-actors"].path == ("rollout", "num_actors")
+    # slime's names for the buffer and data leaves, as aliases
     assert table["--rollout-batch-size"].path == ("buffer", "groups_per_step")
     assert table["--n-samples-per-prompt"].path == ("buffer", "num_samples_per_prompt")
     assert table["--prompt-data"].path == ("data", "path")
@@ -239,7 +240,7 @@ def test_the_optional_data_section_is_created_by_its_flags_and_checked():
 
 def test_buffer_settings_are_checked_together_before_anything_starts():
     with pytest.raises(ConfigError, match="hard_staleness \\(1\\) must be >= max_staleness"):
-        load_config(None, ["--buffer-max-staleness", "2", "--buffer-hard-staleness", "1"])
+        load_config(None, ["--buffer.max-staleness", "2", "--buffer.hard-staleness", "1"])
     with pytest.raises(ConfigError, match="--rollout-batch-size"):
         load_config(None, ["--rollout-batch-size", "0"])
 
@@ -261,14 +262,14 @@ class Outer(Section):
 def test_flags_follow_the_rule_at_any_depth_and_aliases_work():
     table = flag_table(Outer)
     assert set(table) == {
-        "--middle-inner-deep-value",
-        "--middle-inner-sizes",
-        "--middle-inner-label",
+        "--middle.inner.deep-value",
+        "--middle.inner.sizes",
+        "--middle.inner.label",
         "--tag",
     }
-    assert table["--tag"] is table["--middle-inner-label"]
+    assert table["--tag"] is table["--middle.inner.label"]
     cfg = load_config(
-        overrides=["--middle-inner-deep-value", "5", "--middle-inner-sizes", "[2, 3]", "--tag=y"],
+        overrides=["--middle.inner.deep_value", "5", "--middle.inner.sizes", "[2, 3]", "--tag=y"],
         model=Outer,
     )
     assert (cfg.middle.inner.deep_value, cfg.middle.inner.sizes, cfg.middle.inner.label) == (
@@ -299,9 +300,9 @@ def test_help_lists_every_flag_with_its_type_and_default():
     parser = argparse.ArgumentParser(prog="t")
     add_arguments(parser)
     text = " ".join(parser.format_help().split())
-    assert set(flag_table()) <= set(re.findall(r"--[a-z][a-z0-9-]*", text))
-    assert "--rollout-num-actors INT number of rollout actors (default: 2)" in text
-    assert "--runtime {local,ray}" in text and "--runtime-host STR" in text
+    assert set(flag_table()) <= set(re.findall(r"--[a-z][a-z0-9.-]*", text))
+    assert "--rollout.num-actors INT number of rollout actors (default: 2)" in text
+    assert "--runtime {local,ray}" in text and "--runtime.host STR" in text
     assert "(default: 127.0.0.1)" in text and "(default: null)" in text
     assert "(default: 268435456)" in text
 
@@ -311,7 +312,7 @@ def test_the_parsed_namespace_feeds_load_config():
     parser.add_argument("--dry-run", action="store_true")
     add_arguments(parser)
     ns = parser.parse_args(["--seed", "3", "--dry-run", "--log-level", "debug", "--seed", "4"])
-    assert overrides_from_namespace(ns) == {"--seed": "4", "--log-level": "debug"}
+    assert overrides_from_namespace(ns) == {"--seed": "4", "--log.level": "debug"}
     cfg = load_config(overrides=overrides_from_namespace(ns))
     assert (cfg.seed, cfg.log.level) == (4, "debug")
 
@@ -332,7 +333,7 @@ def test_a_bool_flag_alone_means_true_as_in_slime():
 def test_an_alias_reaches_the_same_field_through_argparse():
     parser = argparse.ArgumentParser(prog="t")
     add_arguments(parser, Outer)
-    ns = parser.parse_args(["--middle-inner-label", "a", "--tag", "b"])
+    ns = parser.parse_args(["--middle.inner.label", "a", "--tag", "b"])
     assert (
         load_config(overrides=overrides_from_namespace(ns), model=Outer).middle.inner.label == "b"
     )
@@ -348,14 +349,14 @@ def test_the_resolved_config_round_trips_as_json(tmp_path: Path):
 
 def test_a_host_beyond_loopback_is_refused_unless_channels_are_encrypted(tmp_path):
     with pytest.raises(ConfigError, match=r"'10\.0\.0\.1' is not loopback.*asyncrl keys"):
-        load_config(overrides=["--runtime-host", "10.0.0.1"])
-    assert load_config(overrides=["--runtime-host", "localhost"]).runtime.host == "localhost"
+        load_config(overrides=["--runtime.host", "10.0.0.1"])
+    assert load_config(overrides=["--runtime.host", "localhost"]).runtime.host == "localhost"
     security.generate(tmp_path / "keys")
-    keys = ["--wire-curve-keys", str(tmp_path / "keys")]
-    cfg = load_config(overrides=["--runtime-host", "10.0.0.1", *keys])
+    keys = ["--wire.curve-keys", str(tmp_path / "keys")]
+    cfg = load_config(overrides=["--runtime.host", "10.0.0.1", *keys])
     assert cfg.runtime.host == "10.0.0.1" and cfg.wire.curve_keys == str(tmp_path / "keys")
     with pytest.raises(ConfigError, match="asyncrl keys"):  # no certificate there
-        load_config(overrides=["--wire-curve-keys", str(tmp_path)])
+        load_config(overrides=["--wire.curve-keys", str(tmp_path)])
     (tmp_path / "keys" / "job.key_secret").chmod(0o644)
     with pytest.raises(ConfigError, match="readable by others"):
         load_config(overrides=keys)
@@ -363,30 +364,56 @@ def test_a_host_beyond_loopback_is_refused_unless_channels_are_encrypted(tmp_pat
 
 def test_a_torch_engine_section_serves_the_trained_model_unless_told_otherwise():
     # One engine flag makes an engine section; its model is still --hf-checkpoint's.
-    cfg = load_config(overrides=["--hf-checkpoint", "m", "--rollout-engine-in-process", "false"])
+    cfg = load_config(overrides=["--hf-checkpoint", "m", "--rollout.engine.in-process", "false"])
     assert cfg.rollout.engine is not None and cfg.rollout.engine.model_path == "m"
     assert cfg.rollout.engine.in_process is False
-    own = ["--hf-checkpoint", "m", "--rollout-engine-model-path", "other"]
+    own = ["--hf-checkpoint", "m", "--rollout.engine.model-path", "other"]
     assert load_config(overrides=own).rollout.engine.model_path == "other"
-    evals = ["--hf-checkpoint", "m", "--eval-engine-max-running", "4"]
+    evals = ["--hf-checkpoint", "m", "--eval.engine.max-running", "4"]
     assert load_config(overrides=evals).eval.engine.model_path == "m"
-    launched = ["--hf-checkpoint", "m", "--rollout-engine-type", "sglang",
-                "--rollout-engine-serve", "actor", "--update-weight-transport", "disk"]  # fmt: skip
+    launched = ["--hf-checkpoint", "m", "--rollout.engine.type", "sglang",
+                "--rollout.engine.serve", "actor", "--update-weight-transport", "disk"]  # fmt: skip
     assert load_config(overrides=launched).rollout.engine.model_path == "m"
-    sim = ["--hf-checkpoint", "m", "--rollout-engine-type", "sim"]
+    sim = ["--hf-checkpoint", "m", "--rollout.engine.type", "sim"]
     assert load_config(overrides=sim).rollout.engine.model_path is None  # sim: vocab only
     with pytest.raises(ConfigError, match="needs model_path"):
-        load_config(overrides=["--rollout-engine-in-process", "false"])
+        load_config(overrides=["--rollout.engine.in-process", "false"])
 
 
 def test_flag_values_that_are_json_are_read_as_json_before_yaml():
     # YAML 1.1 reads 1e-300 (no dot) as a string, inside a mapping as well.
     model = ["--hf-checkpoint", "m"]
     cfg = load_config(
-        overrides=[*model, "--rollout-sampling", '{"temperature": 1e-300, "top_p": 1}']
+        overrides=[*model, "--rollout.sampling", '{"temperature": 1e-300, "top_p": 1}']
     )
     assert cfg.rollout.sampling == {"temperature": 1e-300, "top_p": 1}
     cfg = load_config(
-        overrides=[*model, "--lr", "3e-6", "--buffer-filters", "[zero_reward_variance]"]
+        overrides=[*model, "--lr", "3e-6", "--buffer.filters", "[zero_reward_variance]"]
     )
     assert cfg.trainer.lr == 3e-6 and cfg.buffer.filters == ["zero_reward_variance"]
+
+
+def test_every_key_is_its_own_flag_and_slimes_names_are_aliases():
+    """One vocabulary: the YAML key ``a.b_c`` is the flag ``--a.b-c`` (``--a.b_c`` too)."""
+    for flag, spec in flag_table().items():
+        assert spec.flag == "--" + ".".join(part.replace("_", "-") for part in spec.path)
+        assert flag == spec.flag or flag in spec.aliases
+    cfg = load_config(overrides=["--buffer.groups_per_step", "3", "--rollout.num-actors=4"])
+    assert (cfg.buffer.groups_per_step, cfg.rollout.num_actors) == (3, 4)
+    assert load_config(overrides=["--rollout-batch-size", "5"]).buffer.groups_per_step == 5
+
+
+def test_a_flag_name_written_as_a_yaml_key_names_the_key(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout_batch_size: 4\n")
+    assert problems(path) == [
+        f"{path}:1: unknown key 'rollout_batch_size' (--rollout-batch-size is a flag; its key "
+        "is 'buffer.groups_per_step')"
+    ]
+
+
+def test_the_everyday_keys_exist_and_the_reference_page_is_current():
+    paths = {spec.path for spec in flag_table().values()}
+    assert set(EVERYDAY) <= paths, set(EVERYDAY) - paths
+    page = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    assert page.read_text() == config_reference(), "docs/config.md is stale: make config-doc"

@@ -28,9 +28,9 @@ from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
-AUDITED = ["--train-audit-log", "true", "--save-interval", "2"]
+AUDITED = ["--train.audit-log", "true", "--save-interval", "2"]
 #: A failed job's other actors need not wait the default 10 s each to stop.
-QUICK_STOP = ["--runtime-stop-timeout", "3"]
+QUICK_STOP = ["--runtime.stop-timeout", "3"]
 
 
 def actor_pids(run_dir: Path) -> list[int]:
@@ -110,10 +110,10 @@ async def test_deleted_checkpoints_and_a_crash_end_the_job_instead_of_starting_o
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl", n=32)
     run_dir = tmp_path / "run"
-    flags = [*job_flags(tmp_path, steps=60), *LONG_RUN, "--train-audit-log", "true", *QUICK_STOP]
+    flags = [*job_flags(tmp_path, steps=60), *LONG_RUN, "--train.audit-log", "true", *QUICK_STOP]
     flags += ["--save-interval", "1"]  # the trainer has a checkpoint from its first step on
     # No timed buffer checkpoint that could write the state back before the kill.
-    flags += ["--runtime-buffer-checkpoint-interval", "3600"]
+    flags += ["--runtime.buffer-checkpoint-interval", "3600"]
     job = asyncio.create_task(run_job(load_config(overrides=flags)))
     async with asyncio.timeout(120):
         while len(lines(run_dir / "metrics.jsonl")) < 2:
@@ -183,8 +183,8 @@ async def test_an_actor_paused_at_the_stop_is_named_with_how_it_ended(tmp_path):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl", n=32)
     run_dir = tmp_path / "run"
-    flags = [*job_flags(tmp_path, steps=2), *LONG_RUN, "--runtime-stop-timeout", "2"]
-    flags += ["--runtime-heartbeat-timeout", "120"]  # not found hung (and restarted) first
+    flags = [*job_flags(tmp_path, steps=2), *LONG_RUN, "--runtime.stop-timeout", "2"]
+    flags += ["--runtime.heartbeat-timeout", "120"]  # not found hung (and restarted) first
     job = asyncio.create_task(run_job(load_config(overrides=flags)))
     async with asyncio.timeout(120):
         while len(lines(run_dir / "metrics.jsonl")) < 2:  # trained: the job stops next

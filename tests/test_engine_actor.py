@@ -39,7 +39,7 @@ from tests.test_train import (
 from tests.tiny_model import build_tiny_model
 
 STUB = Path(__file__).parent / "sglang_stub"
-SGLANG = ["--rollout-engine-type", "sglang", "--rollout-engine-serve", "actor"]
+SGLANG = ["--rollout.engine.type", "sglang", "--rollout.engine.serve", "actor"]
 SGLANG += ["--update-weight-transport", "disk"]
 
 
@@ -69,12 +69,12 @@ def test_sglang_flags_become_the_servers_arguments():
     argv = ["train", "c.yaml", "--sglang-mem-fraction-static", "0.8", "--seed", "1",
             "--sglang-enable-torch-compile", "--sglang-tp=2"]  # fmt: skip
     assert _sglang_flags(argv) == [
-        "train", "c.yaml", "--seed", "1", "--rollout-engine-server-args",
+        "train", "c.yaml", "--seed", "1", "--rollout.engine.server-args",
         json.dumps(["--mem-fraction-static", "0.8", "--enable-torch-compile", "--tp=2"]),
     ]  # fmt: skip
     # A switch before the config file does not take the file as its value.
     assert _sglang_flags(["train", "--sglang-enable-x", "c.yaml"]) == [
-        "train", "c.yaml", "--rollout-engine-server-args", json.dumps(["--enable-x"])
+        "train", "c.yaml", "--rollout.engine.server-args", json.dumps(["--enable-x"])
     ]  # fmt: skip
     cfg = EngineConfig(type="sglang", serve="actor", model_path="m", server_args=["--tp", "2"])
     command = sglang_command(cfg, "127.0.0.1", 31000)
@@ -87,19 +87,19 @@ def test_sglang_flags_become_the_servers_arguments():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--rollout-engine-serve", "actor"], "--update-weight-transport disk"),
-        (["--rollout-engine-server-args", "[--tp, 2]"], "launched sglang servers only"),
-        (["--rollout-engine-type", "sglang"], "or serve: actor"),
-        (["--rollout-engine-urls", "[http://x:1]", "--rollout-engine-serve", "actor"], "urls"),
-        (["--eval-engine-model-path", "m", "--eval-engine-serve", "actor"], "eval actor embeds"),
-        ([*SGLANG, "--rollout-engine-server-args", "[--port, 1]"], "assigns these itself"),
-        (["--runtime-ray-roles", "{rollout: {resources: {GPU: 1}}}"], "use num_cpus / num_gpus"),
-        (["--runtime-ray-roles", "{trainer: {num_gpus: 1.5}}"], "whole GPUs, not 1.5"),
-        (["--runtime-ray-roles", "{trainer: {num_cpus: .nan}}"], "finite number"),
+        (["--rollout.engine.serve", "actor"], "--update-weight-transport disk"),
+        (["--rollout.engine.server-args", "[--tp, 2]"], "launched sglang servers only"),
+        (["--rollout.engine.type", "sglang"], "or serve: actor"),
+        (["--rollout.engine.urls", "[http://x:1]", "--rollout.engine.serve", "actor"], "urls"),
+        (["--eval.engine.model-path", "m", "--eval.engine.serve", "actor"], "eval actor embeds"),
+        ([*SGLANG, "--rollout.engine.server-args", "[--port, 1]"], "assigns these itself"),
+        (["--runtime.ray.roles", "{rollout: {resources: {GPU: 1}}}"], "use num_cpus / num_gpus"),
+        (["--runtime.ray.roles", "{trainer: {num_gpus: 1.5}}"], "whole GPUs, not 1.5"),
+        (["--runtime.ray.roles", "{trainer: {num_cpus: .nan}}"], "finite number"),
     ],
 )
 def test_engine_actor_configs_that_cannot_work_are_refused(flags: list[str], message: str):
-    base = ["--rollout-engine-model-path", "m"]
+    base = ["--rollout.engine.model-path", "m"]
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(overrides=[*base, *flags])
 
@@ -193,8 +193,8 @@ async def test_a_job_generates_through_engine_actors(model: Path, tmp_path: Path
     write_prompts(tmp_path / "prompts.jsonl")
     flags = [
         *job_flags(tmp_path, steps=3),
-        *["--rollout-num-actors", "2", "--rollout-engine-model-path", str(model)],
-        *["--rollout-engine-serve", "actor", "--update-weight-transport", "disk"],
+        *["--rollout.num-actors", "2", "--rollout.engine.model-path", str(model)],
+        *["--rollout.engine.serve", "actor", "--update-weight-transport", "disk"],
     ]
     result = await run_job(load_config(overrides=flags))
     assert result.ok, result.error
@@ -222,8 +222,8 @@ async def test_a_killed_engine_actor_is_restarted_and_nothing_is_lost(model: Pat
     steps = 12
     flags = [
         *job_flags(tmp_path, steps=steps), *LONG_RUN,
-        *["--rollout-num-actors", "1", "--rollout-engine-model-path", str(model)],
-        *["--rollout-engine-serve", "actor", "--update-weight-transport", "disk"],
+        *["--rollout.num-actors", "1", "--rollout.engine.model-path", str(model)],
+        *["--rollout.engine.serve", "actor", "--update-weight-transport", "disk"],
     ]  # fmt: skip
     victim, result = await kill_mid_run(run_dir, "engine-0", flags)
     assert result.ok, result.error

@@ -30,9 +30,9 @@ def short(tmp_path: Path, example: str) -> list[str]:
                         "apply_chat_template": example == "calculator_agent",
                         "sampling": {"temperature": 1.0, "max_new_tokens": 120}}])  # fmt: skip
     return [
-        "--output-dir", str(tmp_path / "run"), "--train-num-steps", "2",
+        "--output-dir", str(tmp_path / "run"), "--train.num-steps", "2",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--eval-interval", "2",
-        "--eval-sets", test, "--save-interval", "0", "--buffer-filters", "[]",
+        "--eval.sets", test, "--save-interval", "0", "--buffer.filters", "[]",
     ]  # fmt: skip
 
 

@@ -41,8 +41,8 @@ async def test_a_job_whose_samples_keep_failing_ends_with_the_reason(tmp_path):
     write_prompts(tmp_path / "prompts.jsonl")
     flags = [*job_flags(tmp_path, steps=4), "--rm-type", "custom"]
     flags += ["--custom-rm-path", "tests.test_failing_jobs:reward_that_always_raises"]
-    flags += ["--buffer-failure-window", "4", "--num-epoch", "50"]
-    flags += ["--runtime-stop-timeout", "3"]  # the others stop quickly once it failed
+    flags += ["--buffer.failure-window", "4", "--num-epoch", "50"]
+    flags += ["--runtime.stop-timeout", "3"]  # the others stop quickly once it failed
     result = await run_job(load_config(overrides=flags))
     assert not result.ok and result.steps == 0
     assert "samples keep failing: 4 of the last 4 finished groups failed" in result.error
@@ -56,7 +56,7 @@ async def test_a_job_that_trains_nothing_says_why(tmp_path):
     flags = [*job_flags(tmp_path, steps=4), "--rm-type", "custom"]
     flags += ["--custom-rm-path", "tests.test_failing_jobs:constant_reward"]
     # Every group has one reward for all its samples: GRPO learns nothing from it.
-    flags += ["--buffer-filters", '["zero_reward_variance"]', "--num-epoch", "1"]
+    flags += ["--buffer.filters", '["zero_reward_variance"]', "--num-epoch", "1"]
     result = await run_job(load_config(overrides=flags))
     assert not result.ok and result.steps == 0
     assert "the job trained nothing" in result.error, result.error

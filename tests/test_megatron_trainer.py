@@ -253,12 +253,12 @@ async def test_the_arith_example_trains_on_the_megatron_backend(tmp_path, monkey
                         "n_samples": 1, "pass_k": [1]}])  # fmt: skip
     flags = [
         "--train-backend", "megatron", "--output-dir", str(tmp_path / "run"),
-        "--train-num-steps", "4", "--save-interval", "2", "--rollout-batch-size", "2",
+        "--train.num-steps", "4", "--save-interval", "2", "--rollout-batch-size", "2",
         "--max-tokens-per-gpu", "128",  # a few micro-batches through the pipeline a step
-        "--buffer-max-staleness", "0", "--eval-interval", "4", "--eval-sets", test,
+        "--buffer.max-staleness", "0", "--eval-interval", "4", "--eval.sets", test,
         "--trainer-num-ranks", "2", "--pipeline-model-parallel-size", "2",
         # below 1 and truncated: the trainer must score at the sample's temperature
-        "--rollout-sampling", '{"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 64}',
+        "--rollout.sampling", '{"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 64}',
     ]  # fmt: skip
     result = await run_job(load_config("examples/arith/config.yaml", overrides=flags))
     assert result.ok and result.steps == 4, result.error

@@ -392,7 +392,7 @@ def test_every_public_name_resolves_and_the_config_needs_no_torch():
 def test_the_job_config_refuses_async_ppo_without_correction_before_anything_starts():
     from asyncrl.config import ConfigError, load_config
 
-    flags = ["--buffer-max-staleness", "2", "--off-policy-correction", "none"]
+    flags = ["--buffer.max-staleness", "2", "--off-policy-correction", "none"]
     with pytest.raises(ConfigError, match="--off-policy-correction decoupled"):
         load_config(overrides=flags)
     config = load_config(overrides=[*flags[:2], "--eps-clip-high", "0.28", "--tis-clip", "3"])

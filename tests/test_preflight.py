@@ -29,7 +29,7 @@ def job(tmp_path: Path, tiny_dir: Path):
     run = tmp_path / "run"
     flags = ["--hf-checkpoint", str(tiny_dir), "--prompt-data", str(data),
              "--output-dir", str(run), "--rollout-batch-size", "2",
-             "--n-samples-per-prompt", "2", "--train-num-steps", "1"]  # fmt: skip
+             "--n-samples-per-prompt", "2", "--train.num-steps", "1"]  # fmt: skip
     return flags, run
 
 
@@ -61,7 +61,7 @@ def test_an_eval_set_is_checked_like_the_data(job, tmp_path, capsys):
     flags, run = job
     bad = write_rows(tmp_path / "test.jsonl", [{"question": "1+1="}])
     sets = json.dumps([{"name": "test", "path": str(bad)}])
-    refused(capsys, [*flags, "--eval-interval", "1", "--eval-sets", sets], run,
+    refused(capsys, [*flags, "--eval-interval", "1", "--eval.sets", sets], run,
             "eval set 'test':", "test.jsonl:1: missing key 'prompt'")  # fmt: skip
 
 
@@ -96,7 +96,7 @@ def test_eval_sets_inherit_the_datas_chat_template_unless_they_say(job, tmp_path
     flags, _ = job
     sets = [{"name": "a", "path": "x.jsonl"},
             {"name": "b", "path": "x.jsonl", "apply_chat_template": False}]  # fmt: skip
-    extra = ["--eval-interval", "1", "--eval-sets", json.dumps(sets)]
+    extra = ["--eval-interval", "1", "--eval.sets", json.dumps(sets)]
     cfg = load_config(None, overrides=[*flags, *extra, "--apply-chat-template"])
     assert [s.apply_chat_template for s in cfg.eval.sets] == [True, False]
     cfg = load_config(None, overrides=[*flags, *extra])
@@ -110,7 +110,7 @@ def test_eval_sets_inherit_the_datas_chat_template_unless_they_say(job, tmp_path
          "reward path 'no_such_module:fn': cannot import 'no_such_module'"),
         (["--custom-generate-function-path", "json:nothing_here"],
          "workflow path 'json:nothing_here': 'json' has no 'nothing_here'"),
-        (["--buffer-filters", '["no_such_module.my_filter"]'],
+        (["--buffer.filters", '["no_such_module.my_filter"]'],
          "filter path 'no_such_module.my_filter': cannot import"),
     ],
 )  # fmt: skip
@@ -143,7 +143,7 @@ def test_a_prompt_leaving_less_than_max_new_tokens_is_only_warned_about(job, tmp
     sampling = json.dumps({"temperature": 1.0, "max_new_tokens": 200})
     data = write_rows(tmp_path / "near.jsonl", rows)
     preflight(load_config(None, overrides=[*flags, "--prompt-data", str(data),
-                                           "--rollout-sampling", sampling]))  # fmt: skip
+                                           "--rollout.sampling", sampling]))  # fmt: skip
     out = capsys.readouterr()
     assert "leave less than max_new_tokens 200" in out.out + out.err
 
@@ -160,7 +160,7 @@ def test_the_dry_run_and_the_controller_check_too(job, tmp_path, capsys):
 def test_training_sampling_the_trainer_cannot_reproduce_is_refused(job, capsys):
     flags, run = job
     sampling = json.dumps({"temperature": 0.8, "repetition_penalty": 1.1})
-    refused(capsys, [*flags, "--rollout-sampling", sampling], run,
+    refused(capsys, [*flags, "--rollout.sampling", sampling], run,
             "rollout.sampling sets repetition_penalty", "cannot reproduce penalties")  # fmt: skip
 
 

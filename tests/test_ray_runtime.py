@@ -78,8 +78,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def ray_job_flags(root: Path, run: str, steps: int) -> list[str]:
     flags = job_flags(root, steps=steps)
     flags[flags.index("--output-dir") + 1] = str(root / run)
-    flags[flags.index("--rollout-num-actors") + 1] = "2"
-    return [*flags, "--runtime", "ray", "--runtime-ray-roles", PINNED]
+    flags[flags.index("--rollout.num-actors") + 1] = "2"
+    return [*flags, "--runtime", "ray", "--runtime.ray.roles", PINNED]
 
 
 async def test_actors_land_where_their_placement_asks_and_channels_cross_nodes(
@@ -87,7 +87,7 @@ async def test_actors_land_where_their_placement_asks_and_channels_cross_nodes(
 ):
     flags = ["--runtime", "ray", "--output-dir", str(tmp_path / "dry")]
     cfg = load_config(
-        overrides=[*flags, "--rollout-num-actors", "2", "--runtime-ray-roles", PINNED]
+        overrides=[*flags, "--rollout.num-actors", "2", "--runtime.ray.roles", PINNED]
     )
     result = await dry_run(cfg, count=32, deadline=60)
     assert result.ok, result.error
@@ -112,7 +112,7 @@ async def test_a_job_the_cluster_cannot_hold_is_refused_before_any_actor_starts(
     cluster: dict[str, str], tmp_path: Path
 ):
     roles = "{trainer: {num_gpus: 1}, rollout: {resources: {node_c: 1}}}"
-    flags = ["--runtime", "ray", "--output-dir", str(tmp_path / "r"), "--runtime-ray-roles", roles]
+    flags = ["--runtime", "ray", "--output-dir", str(tmp_path / "r"), "--runtime.ray.roles", roles]
     result = await dry_run(load_config(overrides=flags), deadline=30)
     assert not result.ok and result.rows == []
     assert "GPU: needs 1, has 0" in result.error and "node_c: needs 2, has 0" in result.error
@@ -172,8 +172,8 @@ async def test_engine_actors_serve_their_rollout_actors_from_the_same_node(
     roles = "{engine: {num_cpus: 0.5, resources: {node_a: 0.5}}, trainer: {resources: {head: 1}}}"
     flags = [
         *ray_job_flags(model, "engines", steps=3),
-        *["--runtime-ray-roles", roles, "--rollout-engine-model-path", str(model / "model")],
-        *["--rollout-engine-serve", "actor", "--update-weight-transport", "disk"],
+        *["--runtime.ray.roles", roles, "--rollout.engine.model-path", str(model / "model")],
+        *["--rollout.engine.serve", "actor", "--update-weight-transport", "disk"],
     ]
     result = await run_job(load_config(overrides=flags))
     assert result.ok, result.error
@@ -192,7 +192,7 @@ async def test_killing_a_rollout_actors_ray_worker_is_survived(
     # a few steps after the kill (at step 1 or 2) prove that it came back and produced;
     # beside a second producer they did not, however many steps the run took.
     steps = 12
-    flags = [*ray_job_flags(model, "killed", steps=steps), *LONG_RUN, "--rollout-num-actors", "1"]
+    flags = [*ray_job_flags(model, "killed", steps=steps), *LONG_RUN, "--rollout.num-actors", "1"]
     victim, result = await kill_mid_run(run_dir, "rollout-0", flags)
     assert result.ok, result.error
     assert result.steps == steps

@@ -42,10 +42,10 @@ async def test_two_steps_with_chat_template_eval_and_export(smollm2_dir, tmp_pat
                         "n_samples": 1, "pass_k": [1]}])  # fmt: skip
     flags = [
         "--hf-checkpoint", str(smollm2_dir), "--output-dir", str(run),
-        "--train-num-steps", "2", "--save-interval", "2", "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "2", "--buffer-filters", "[]",
-        "--rollout-sampling", '{"temperature": 0.7, "max_new_tokens": 12}',
-        "--eval-interval", "2", "--eval-sets", test,
+        "--train.num-steps", "2", "--save-interval", "2", "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "2", "--buffer.filters", "[]",
+        "--rollout.sampling", '{"temperature": 0.7, "max_new_tokens": 12}',
+        "--eval-interval", "2", "--eval.sets", test,
     ]  # fmt: skip
     cfg = load_config("examples/word_problems/config.yaml", overrides=flags)
     assert cfg.eval.sets[0].apply_chat_template  # inherited from the data

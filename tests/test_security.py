@@ -163,7 +163,7 @@ async def test_a_training_job_runs_with_every_channel_encrypted(tmp_path: Path):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")
     security.generate(tmp_path / "keys")
-    flags = [*job_flags(tmp_path, steps=3), "--wire-curve-keys", str(tmp_path / "keys")]
+    flags = [*job_flags(tmp_path, steps=3), "--wire.curve-keys", str(tmp_path / "keys")]
     result = await run_job(load_config(overrides=flags))
     assert result.ok, result.error
     assert security.active() is None  # the job turned CURVE off again in this process

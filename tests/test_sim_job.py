@@ -22,11 +22,11 @@ async def test_a_sim_job_trains_in_modelled_time_with_the_accounting_whole(tmp_p
     trainer = {"step-base-s": 2.0, "step-s-per-token": 0.01, "time-scale": 100.0}
     flags = [
         *job_flags(tmp_path, steps=4),
-        "--rollout-engine-type", "sim", "--rollout-engine-model-path", str(tmp_path / "model"),
-        *(x for k, v in engine.items() for x in (f"--rollout-engine-sim-{k}", str(v))),
+        "--rollout.engine.type", "sim", "--rollout.engine.model-path", str(tmp_path / "model"),
+        *(x for k, v in engine.items() for x in (f"--rollout.engine.sim.{k}", str(v))),
         "--train-backend", "sim",
-        *(x for k, v in trainer.items() for x in (f"--trainer-sim-{k}", str(v))),
-        "--buffer-filters", "[]",
+        *(x for k, v in trainer.items() for x in (f"--trainer.sim.{k}", str(v))),
+        "--buffer.filters", "[]",
     ]  # fmt: skip
     result = await run_job(load_config(overrides=flags))
     assert result.ok and result.steps == 4, result.error

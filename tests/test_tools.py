@@ -407,14 +407,14 @@ def test_tool_use_config_errors_are_refused_before_launch(tmp_path, capsys):
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
     base = ["train", "--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(data)]
     base += ["--output-dir", str(tmp_path / "run")]
-    search = ["--rollout-tool-use-tools", '[{"type": "search"}]', "--apply-chat-template"]
+    search = ["--rollout.tool-use.tools", '[{"type": "search"}]', "--apply-chat-template"]
     assert main([*base, *search]) == 2
     assert "the search tool needs corpus" in capsys.readouterr().err
-    calc = ["--rollout-tool-use-tools", '[{"type": "calculator"}]']
+    calc = ["--rollout.tool-use.tools", '[{"type": "calculator"}]']
     assert main([*base, *calc]) == 2
     assert "rollout.tool_use needs data.apply_chat_template" in capsys.readouterr().err
     missing = '[{"type": "search", "corpus": "' + str(tmp_path / "nope.jsonl") + '"}]'
-    assert main([*base, "--rollout-tool-use-tools", missing, "--apply-chat-template"]) == 2
+    assert main([*base, "--rollout.tool-use.tools", missing, "--apply-chat-template"]) == 2
     assert "nope.jsonl" in capsys.readouterr().err
     # a chat template that cannot render an observation after a turn (not prefix-stable)
     from transformers import AutoTokenizer

@@ -37,12 +37,12 @@ def job_flags(tmp_path: Path, steps: int, eta: int = 1) -> list[str]:
         "--name", "t", "--output-dir", str(tmp_path / "run"),
         "--hf-checkpoint", str(tmp_path / "model"), "--lr", "1e-3",
         "--prompt-data", str(tmp_path / "prompts.jsonl"),
-        "--rollout-num-actors", "1", "--rollout-max-groups", "4",
-        "--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 6}',
+        "--rollout.num-actors", "1", "--rollout.max-groups", "4",
+        "--rollout.sampling", '{"temperature": 1.0, "max_new_tokens": 6}',
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-        "--buffer-max-staleness", str(eta), "--buffer-hard-staleness", str(eta),
-        "--train-num-steps", str(steps),
-        "--train-metrics-interval", "0.5", "--runtime-heartbeat-interval", "0.5",
+        "--buffer.max-staleness", str(eta), "--buffer.hard-staleness", str(eta),
+        "--train.num-steps", str(steps),
+        "--train.metrics-interval", "0.5", "--runtime.heartbeat-interval", "0.5",
     ]  # fmt: skip
 
 
@@ -72,8 +72,8 @@ async def pid_once_stepping(run_dir: Path, actor: str, job: asyncio.Task) -> int
 
 #: A run long enough for a killed actor's successor to rejoin it: two groups per producer
 #: (so each has work in flight), data for ten epochs, 32-token responses.
-LONG_RUN = ["--rollout-max-groups", "2", "--num-epoch", "10",
-            "--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 32}']  # fmt: skip
+LONG_RUN = ["--rollout.max-groups", "2", "--num-epoch", "10",
+            "--rollout.sampling", '{"temperature": 1.0, "max_new_tokens": 32}']  # fmt: skip
 
 
 async def kill_mid_run(run_dir: Path, actor: str, flags: list[str]) -> tuple[int, JobResult]:
@@ -99,7 +99,7 @@ def eval_flags(tmp_path: Path, interval: int) -> list[str]:
             "sampling": {"temperature": 1.0, "max_new_tokens": 4},
         }
     ]
-    return ["--eval-interval", str(interval), "--eval-sets", json.dumps(sets)]  # fmt: skip
+    return ["--eval-interval", str(interval), "--eval.sets", json.dumps(sets)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ async def test_a_resumed_run_continues_from_its_checkpoints(tmp_path):
 def test_train_refuses_missing_model_or_data_before_launch(tmp_path, capsys):
     assert main(["train", "--prompt-data", str(write_prompts(tmp_path / "p.jsonl"))]) == 2
     assert "--hf-checkpoint" in capsys.readouterr().err
-    assert main(["train", "--rollout-sampling", '{"temperature": -1}']) == 2
+    assert main(["train", "--rollout.sampling", '{"temperature": -1}']) == 2
     assert "sampling" in capsys.readouterr().err
 
 
@@ -205,15 +205,15 @@ async def test_a_raising_reward_fails_its_samples_and_the_run_goes_on(tmp_path):
 @pytest.mark.parametrize(
     "mode",
     [
-        ["--buffer-max-staleness", "0", "--buffer-hard-staleness", "0"],  # synchronous
-        ["--buffer-over-provision", "0.5", "--rollout-engine-on-update", "abort"],  # APRIL
+        ["--buffer.max-staleness", "0", "--buffer.hard-staleness", "0"],  # synchronous
+        ["--buffer.over-provision", "0.5", "--rollout.engine.on-update", "abort"],  # APRIL
     ],
     ids=["sync", "april-abort-on-update"],
 )
 async def test_each_mode_of_the_same_code_finishes_with_the_accounting_whole(tmp_path, mode):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")
-    engine = ["--rollout-engine-model-path", str(tmp_path / "model")]
+    engine = ["--rollout.engine.model-path", str(tmp_path / "model")]
     result = await run_job(load_config(overrides=[*job_flags(tmp_path, 3), *engine, *mode]))
     assert result.ok and result.steps == 3, result.error
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -269,8 +269,8 @@ async def test_colocated_engines_sleep_through_every_train_step(tmp_path):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")
     # Generation over HTTP here (the default is in process): a job test for each path.
-    flags = [*job_flags(tmp_path, steps=3, eta=0), "--colocate", "--rollout-num-actors", "2",
-             "--rollout-engine-in-process", "false"]  # fmt: skip
+    flags = [*job_flags(tmp_path, steps=3, eta=0), "--colocate", "--rollout.num-actors", "2",
+             "--rollout.engine.in-process", "false"]  # fmt: skip
     result = await run_job(load_config(overrides=flags))
     assert result.ok and result.steps == 3, result.error
     run_dir = tmp_path / "run"
@@ -312,14 +312,14 @@ async def test_multi_turn_tool_use_trains_on_sampled_tokens_with_observations_ma
     write_prompts(tmp_path / "prompts.jsonl", n=8)
     dump = tmp_path / "dump"
     flags = [*job_flags(tmp_path, steps=2), "--apply-chat-template", "true"]
-    flags += ["--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 48}']
-    flags += ["--rollout-tool-use-tools", '[{"type": "calculator"}]']
-    flags += ["--rollout-tool-use-max-turns", "2", "--rollout-tool-use-max-tokens-per-turn", "4"]
-    flags += ["--rollout-tool-use-parser", "tests.test_train:AlwaysCallsCalculator"]
+    flags += ["--rollout.sampling", '{"temperature": 1.0, "max_new_tokens": 48}']
+    flags += ["--rollout.tool-use.tools", '[{"type": "calculator"}]']
+    flags += ["--rollout.tool-use.max-turns", "2", "--rollout.tool-use.max-tokens-per-turn", "4"]
+    flags += ["--rollout.tool-use.parser", "tests.test_train:AlwaysCallsCalculator"]
     flags += ["--save-debug-rollout-data", str(dump)]
     held = {"name": "held", "path": str(tmp_path / "prompts.jsonl@[0:3]"), "n_samples": 2}
     held |= {"apply_chat_template": True, "sampling": {"temperature": 1.0, "max_new_tokens": 48}}
-    flags += ["--eval-interval", "2", "--eval-sets", json.dumps([held])]
+    flags += ["--eval-interval", "2", "--eval.sets", json.dumps([held])]
     cfg = load_config(overrides=flags)
     check_tool_use(cfg)  # what asyncrl train checks before launch: the template fits
     result = await run_job(cfg)
@@ -370,13 +370,13 @@ async def test_an_openai_client_agent_trains_through_the_proxy(tmp_path):
     dump = tmp_path / "dump"
     flags = [
         *job_flags(tmp_path, steps=2),
-        "--rollout-agent-path",
+        "--rollout.agent.path",
         "tests.test_train:two_call_agent",
     ]
-    flags += ["--rollout-sampling", '{"temperature": 1.0, "max_new_tokens": 48}']
+    flags += ["--rollout.sampling", '{"temperature": 1.0, "max_new_tokens": 48}']
     flags += ["--save-debug-rollout-data", str(dump)]
     held = {"name": "held", "path": str(tmp_path / "prompts.jsonl@[0:3]"), "n_samples": 2}
-    flags += ["--eval-interval", "2", "--eval-sets", json.dumps([held])]
+    flags += ["--eval-interval", "2", "--eval.sets", json.dumps([held])]
     cfg = load_config(overrides=flags)
     check_agent(cfg)  # what asyncrl train checks before launch
     result = await run_job(cfg)
@@ -398,12 +398,12 @@ async def test_an_openai_client_agent_trains_through_the_proxy(tmp_path):
 
 def test_train_refuses_an_agent_that_does_not_load_before_launch(tmp_path, capsys):
     build_tiny_model(tmp_path / "model")
-    flags = [*job_flags(tmp_path, steps=1), "--rollout-agent-path", "tests.test_train:nope"]
+    flags = [*job_flags(tmp_path, steps=1), "--rollout.agent.path", "tests.test_train:nope"]
     assert main(["train", *flags]) == 2
     assert "agent path 'tests.test_train:nope'" in capsys.readouterr().err
     flags[-1] = "tests.test_train:two_call_agent"
     flags += [
-        "--rollout-tool-use-tools",
+        "--rollout.tool-use.tools",
         '[{"type": "calculator"}]',
         "--apply-chat-template",
         "true",
@@ -421,8 +421,8 @@ async def test_a_killed_rollout_actor_is_restarted_with_its_work_requeued(tmp_pa
     # a few steps after the kill (at step 1 or 2) prove that it rejoined; beside a second
     # producer they did not, however many steps the run took.
     steps = 12
-    flags = [*job_flags(tmp_path, steps=steps), *LONG_RUN, "--rollout-num-actors", "1",
-             "--runtime-max-restarts", str(restarts)]  # fmt: skip
+    flags = [*job_flags(tmp_path, steps=steps), *LONG_RUN, "--rollout.num-actors", "1",
+             "--runtime.max-restarts", str(restarts)]  # fmt: skip
     victim, result = await kill_mid_run(run_dir, "rollout-0", flags)
     if not restarts:  # the policy's budget is spent: the death ends the job, with evidence
         assert not result.ok

@@ -134,5 +134,5 @@ class PolicyConfig(BaseModel):
                 f"async training (max_staleness={max_staleness}) with recomputed old log-probs "
                 "and no off-policy correction: PPO clipping would not bound the update against "
                 "the behaviour policy. Set --off-policy-correction decoupled (or tis / mis), "
-                "or --use-rollout-logprobs, or --buffer-max-staleness 0 for synchronous training"
+                "or --use-rollout-logprobs, or --buffer.max-staleness 0 for synchronous training"
             )

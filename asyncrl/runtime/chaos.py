@@ -89,7 +89,7 @@ def check_targets(kills: list[KillAt], roles: dict[str, str], budgets: dict[str,
         if budgets.get(role, 0) < 1:
             why = " (the trainer needs --save-interval N)" if role == "trainer" else ""
             raise ValueError(f"chaos kill {kill.target!r}: {role} actors are not restarted "
-                             f"in this job{why}; set --runtime-max-restarts N")  # fmt: skip
+                             f"in this job{why}; set --runtime.max-restarts N")  # fmt: skip
 
 
 @dataclasses.dataclass

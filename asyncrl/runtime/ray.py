@@ -291,7 +291,7 @@ class RayRuntime:
                 f"this Ray cluster spans hosts {hosts} (the controller is on {here}): its "
                 "channels must bind each node's address, which asyncrl allows only "
                 "encrypted; make keys with `asyncrl keys DIR` on the shared filesystem and "
-                "set --wire-curve-keys DIR (docs/ray.md)"
+                "set --wire.curve-keys DIR (docs/ray.md)"
             )
         self.controller_host = here
         return None

@@ -1,7 +1,7 @@
 """CurveZMQ on every channel: encryption and mutual authentication with one job certificate.
 
     asyncrl keys DIR        DIR/job.key (public), DIR/job.key_secret (secret, mode 0600)
-    --wire-curve-keys DIR   every process of the job (controller and actors) calls
+    --wire.curve-keys DIR   every process of the job (controller and actors) calls
                             ``enable(DIR)`` before it opens a channel
 
 Once enabled, for the rest of the process (``sockets.bind`` / ``sockets.connect`` ask
