@@ -81,7 +81,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncrl tests bench examples
 	$(VENV)/bin/ruff format --check asyncrl tests bench examples
 
-# --durations: CI's log names the slowest tests (the suite's budget is 15 minutes).
+# --durations: CI's log names the slowest tests (the suite's budget is 20 minutes on 2 cores).
 test: lint
 	$(VENV)/bin/pytest -q --durations=25
 
