@@ -1,7 +1,7 @@
 """The controller: one training job (``asyncrl train``) on the local or Ray runtime.
 
     controller --launch--> buffer, rollout-0..n-1, trainer   (processes or Ray actors)
-               <--Hello/Heartbeat/Bye-- every actor           (ControlHub)
+               <--Hello/Heartbeat/Bye-- every actor           (ControlServer)
 
 ``run_job`` turns the validated ``RunConfig`` into actor specs (each role's typed
 settings, ``actors/config.py``, built once in ``role_params``), launches them under a
@@ -76,7 +76,7 @@ from asyncrl.runtime.run_dir import claim_run_dir
 from asyncrl.runtime.supervisor import ActorDied, Supervisor, signal_reason
 from asyncrl.runtime.topology import job_specs, rollout_actor_names
 from asyncrl.wire import security
-from asyncrl.wire.control import ControlHub
+from asyncrl.wire.control import ControlServer
 
 log = get_logger("asyncrl.controller")
 
@@ -152,7 +152,7 @@ async def _run_claimed(
     trackers = await asyncio.to_thread(open_trackers, cfg, run_dir)
     async with (
         following(run_dir, trackers, cfg.train.metrics_interval),
-        _curve(cfg),  # the control hub is a channel too
+        _curve(cfg),  # the control server is a channel too
         open_runtime(cfg.runtime, run_dir) as runtime,
     ):
         try:
@@ -160,16 +160,16 @@ async def _run_claimed(
         except PlacementFailed as exc:
             result.error, result.seconds = str(exc), time.monotonic() - start
             return result
-        async with ControlHub(endpoints["control"]) as hub:
+        async with ControlServer(endpoints["control"]) as control:
             engine = cfg.rollout.engine
             hooks = RestartHooks(
-                hub,
+                control,
                 engine_wait_s=engine.startup_timeout + 60 if engine else 900,
                 checkpoint_interval=cfg.train.checkpoint_interval,
             )
             sup = Supervisor(
                 runtime,
-                hub,
+                control,
                 heartbeat_timeout=cfg.runtime.heartbeat_timeout,
                 startup_timeout=600,
                 restarts=restart_budgets(cfg),

@@ -52,7 +52,7 @@ from asyncrl.types import (
     WorkRequest,
 )
 from asyncrl.wire.codec import Codec
-from asyncrl.wire.control import ControlHub
+from asyncrl.wire.control import ControlServer
 from asyncrl.wire.messages import WeightVersion
 from asyncrl.wire.pubsub import Publisher
 from asyncrl.wire.reliable import ReliableSender
@@ -155,7 +155,7 @@ async def bench_actor(
         log_file=str(tmp / "buffer.jsonl"),
         params=params,
     )
-    async with ControlHub("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp) as runtime:
+    async with ControlServer("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp) as runtime:
         async with Supervisor(runtime, hub, startup_timeout=60) as sup:
             await sup.launch([spec])
             procs = [_spawn_producer(ep, f"producer-{i}") for i in range(num_producers)]

@@ -26,7 +26,7 @@ from asyncrl.types import (
     WorkRequest,
 )
 from asyncrl.wire.codec import Codec
-from asyncrl.wire.control import ControlHub
+from asyncrl.wire.control import ControlServer
 from asyncrl.wire.messages import Command, WeightVersion
 from asyncrl.wire.pubsub import Publisher, Subscriber
 from asyncrl.wire.reliable import ReliableSender
@@ -113,7 +113,7 @@ class Peers:
 @pytest.fixture
 async def supervisor(tmp_path: Path) -> AsyncIterator[Supervisor]:
     write_prompts(tmp_path / "prompts.jsonl")
-    async with ControlHub("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
+    async with ControlServer("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
         async with Supervisor(runtime, hub, heartbeat_timeout=5.0, startup_timeout=60) as sup:
             yield sup
             await sup.stop_all(grace=10)
@@ -163,7 +163,7 @@ async def test_buffer_actor_admits_serves_and_accounts_for_every_prompt(
         assert (await peers.ask(100)).exhausted
         rest = await peers.batch(wait=0.5)
         assert rest.batch is None and rest.exhausted
-        stats = (await supervisor.hub.command("buffer", Command(kind="stats"))).data
+        stats = (await supervisor.control.command("buffer", Command(kind="stats"))).data
     assert sorted(consumed) == sorted({f"prompts:{i}@0" for i in range(NUM_PROMPTS)})
     assert stats["buffer.consumed"] == NUM_PROMPTS and stats["buffer.admitted"] == NUM_PROMPTS
     assert stats["buffer.duplicates"] == 1 and stats["buffer.staleness_max"] <= 1
@@ -183,7 +183,7 @@ async def test_requeue_and_resume_from_a_checkpoint_lose_and_repeat_nothing(
     async with asyncio.timeout(90), Peers(ep) as peers:
         held = (await peers.ask(3, actor="rollout-dead")).items
         done = (await peers.ask(1, actor="rollout-1")).items
-        requeued = await supervisor.hub.command(
+        requeued = await supervisor.control.command(
             "buffer", Command(kind="requeue", args={"actor": "rollout-dead"})
         )
         assert requeued.data["requeued"] == 3
@@ -194,7 +194,9 @@ async def test_requeue_and_resume_from_a_checkpoint_lose_and_repeat_nothing(
             await peers.results.send(finish(item, version=0))
         await peers.results.join()
         ckpt = tmp_path / "buffer.ckpt"
-        await supervisor.hub.command("buffer", Command(kind="checkpoint", args={"path": str(ckpt)}))
+        await supervisor.control.command(
+            "buffer", Command(kind="checkpoint", args={"path": str(ckpt)})
+        )
     await supervisor.stop_all(grace=10)
 
     # A new buffer process resumes: the two groups still in flight come back first.
@@ -208,7 +210,7 @@ async def test_requeue_and_resume_from_a_checkpoint_lose_and_repeat_nothing(
             await peers.results.send(finish(item, version=0))
         await peers.results.join()
         seen = [g for v in range(2) for g in await train_step(peers, supervisor, v, "buffer-2")]
-        stats = (await supervisor.hub.command("buffer-2", Command(kind="stats"))).data
+        stats = (await supervisor.control.command("buffer-2", Command(kind="stats"))).data
     expected = {i.group_uid for i in [*held, *done]}
     assert set(seen) == expected and len(seen) == len(expected)
     assert stats["buffer.admitted"] == 4 and stats["buffer.consumed"] == 4
@@ -229,14 +231,14 @@ async def test_a_batch_is_held_until_acknowledged_and_served_again_to_a_restarte
         again = await peers.batches.call(BatchRequest(trainer="trainer", resync=True))
         assert again.batch is not None and again.batch.batch_id == taken.batch_id
         assert [g.uid for g in again.batch.groups] == [g.uid for g in taken.groups]
-        stats = (await supervisor.hub.command("buffer", Command(kind="stats"))).data
+        stats = (await supervisor.control.command("buffer", Command(kind="stats"))).data
         assert stats["unacked_batches"] == 1
         # Acknowledged: a resync now gets the next batch, never the finished one.
         ack = BatchRequest(trainer="trainer", ack=[taken.batch_id], resync=True, wait=5.0)
         following = (await peers.batches.call(ack)).batch
         assert following is not None and following.batch_id != taken.batch_id
         await peers.batches.call(BatchRequest(trainer="t", ack=[following.batch_id], take=False))
-        stats = (await supervisor.hub.command("buffer", Command(kind="stats"))).data
+        stats = (await supervisor.control.command("buffer", Command(kind="stats"))).data
         assert stats["unacked_batches"] == 0
 
 

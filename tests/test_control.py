@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from asyncrl.wire.control import ControlHub, ControlLink
+from asyncrl.wire.control import ControlLink, ControlServer
 from asyncrl.wire.errors import PeerLost, RemoteError
 from asyncrl.wire.messages import Command, CommandResult, Heartbeat, Hello
 
 
 async def test_notifications_reach_the_hub_tagged_with_the_actor_name(endpoint: str):
-    async with ControlHub(endpoint) as hub, ControlLink(hub.endpoint, "rollout-3") as link:
+    async with ControlServer(endpoint) as hub, ControlLink(hub.endpoint, "rollout-3") as link:
         link.notify(Hello(actor="rollout-3", role="rollout", pid=11, host="h"))
         link.notify(Heartbeat(actor="rollout-3", pid=11, seq=0, state="running", version=2))
         async with asyncio.timeout(5):
@@ -22,7 +22,7 @@ async def test_notifications_reach_the_hub_tagged_with_the_actor_name(endpoint: 
 
 
 async def test_commands_are_answered_by_the_named_actor(endpoint: str):
-    async with ControlHub(endpoint) as hub, ControlLink(hub.endpoint, "trainer") as link:
+    async with ControlServer(endpoint) as hub, ControlLink(hub.endpoint, "trainer") as link:
         link.notify(Hello(actor="trainer", role="trainer", pid=1, host="h"))
         await hub.receive()
 
@@ -45,14 +45,14 @@ async def test_commands_are_answered_by_the_named_actor(endpoint: str):
 
 
 async def test_a_command_to_an_unknown_actor_fails_at_once(endpoint: str):
-    async with ControlHub(endpoint) as hub:
+    async with ControlServer(endpoint) as hub:
         with pytest.raises(PeerLost, match="'ghost' is not connected"):
             await hub.command("ghost", Command(kind="ping"))
 
 
 async def test_a_reply_from_another_actor_cannot_answer_a_command(endpoint: str):
     async with (
-        ControlHub(endpoint) as hub,
+        ControlServer(endpoint) as hub,
         ControlLink(hub.endpoint, "a") as a,
         ControlLink(hub.endpoint, "b") as b,
     ):

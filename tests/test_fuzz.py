@@ -1,6 +1,6 @@
 """Fuzz: 10,000 random and mutated messages into each channel endpoint.
 
-Bound ends: the reliable results channel, RPC, the control hub, the weights broadcast's
+Bound ends: the reliable results channel, RPC, the control server, the weights broadcast's
 snapshot service, the blob server. Connecting ends: a subscriber fed by a hostile
 publisher, a reliable sender fed hostile acks. Nothing crashes; every message is
 accounted for (dropped with a reason, or, for a mutation that still decodes, handled as a
@@ -27,7 +27,7 @@ from asyncrl.wire import framing
 from asyncrl.wire.blob import BlobClient, BlobServer
 from asyncrl.wire.channels import ChannelStats
 from asyncrl.wire.codec import WIRE_VERSION, Codec
-from asyncrl.wire.control import ControlHub, ControlLink
+from asyncrl.wire.control import ControlLink, ControlServer
 from asyncrl.wire.messages import (
     Command,
     CommandResult,
@@ -159,14 +159,14 @@ async def test_rpc_survives_and_counts_every_fuzzed_message(endpoint: str):
             assert (await client.call(Command(kind="ping"))).data == {"kind": "ping"}
 
 
-async def test_the_control_hub_survives_and_counts_every_fuzzed_message(endpoint: str):
+async def test_the_control_server_survives_and_counts_every_fuzzed_message(endpoint: str):
     rng = random.Random(3)
     beat = Heartbeat(actor="a", pid=1, seq=1, state="running", version=0, stats={})
     notify = Codec(type(beat)).encode_parts(beat)[0]
     seeds = [[b"a", request(notify)], [b"b", request(b"\x90")]]
     # The hub's ROUTER adds the sender's identity frame itself: send the envelope only.
     seeds = [[s[1]] for s in seeds]
-    async with ControlHub(endpoint, hwm=N + 10) as hub:
+    async with ControlServer(endpoint, hwm=N + 10) as hub:
         async with flooding(hub.endpoint, mutations(seeds, rng, N)):
             await until(lambda: handled(hub.stats) >= N, stats=hub.stats)
         assert handled(hub.stats) == N

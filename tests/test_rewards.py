@@ -1,4 +1,4 @@
-"""The reward hub: built-ins on hand-written cases, custom functions, a remote reward model.
+"""The reward scorer: built-ins on hand-written cases, custom functions, a remote reward model.
 
 Remote rewards are served by a real aiohttp app on 127.0.0.1. Custom rewards are the
 module-level functions below, loaded by dotted path as a user's would be.

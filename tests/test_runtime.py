@@ -15,7 +15,7 @@ from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import ActorDied, ActorHung, ActorStatus, Supervisor
 from asyncrl.runtime.topology import allocate_endpoints
 from asyncrl.wire import sockets
-from asyncrl.wire.control import ControlHub
+from asyncrl.wire.control import ControlServer
 
 
 def spec(name: str, cls: str, tmp_path: Path, **params: object) -> ActorSpec:
@@ -40,7 +40,7 @@ async def death(supervisor: Supervisor) -> ActorDied:
 
 @pytest.fixture
 async def supervisor(tmp_path: Path) -> AsyncIterator[Supervisor]:
-    async with ControlHub("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
+    async with ControlServer("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
         async with Supervisor(runtime, hub, heartbeat_timeout=2.0, startup_timeout=60) as sup:
             yield sup
             await sup.stop_all(grace=5)
@@ -210,7 +210,7 @@ async def restarting(tmp_path: Path) -> AsyncIterator[tuple[Supervisor, list[str
         prepared.append(spec.name)
         await asyncio.sleep(float(spec.params.get("prepare_s", 0)))
 
-    async with ControlHub("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
+    async with ControlServer("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
         async with Supervisor(
             runtime,
             hub,

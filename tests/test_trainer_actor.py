@@ -29,7 +29,7 @@ from asyncrl.trainers.config import TrainerConfig
 from asyncrl.trainers.torch_trainer import TorchTrainer
 from asyncrl.types import BatchReply, Group, TrainBatch, WorkReply, WorkRequest
 from asyncrl.wire.codec import Codec
-from asyncrl.wire.control import ControlHub
+from asyncrl.wire.control import ControlServer
 from asyncrl.wire.messages import Command
 from asyncrl.wire.reliable import ReliableSender
 from asyncrl.wire.rpc import RpcClient
@@ -102,7 +102,7 @@ def subscribe(ep: dict[str, str], version: int, model: Path, out: Path) -> subpr
 async def supervisor(tmp_path: Path):
     write_prompts(tmp_path / "prompts.jsonl")
     build_tiny_model(tmp_path / "model")
-    async with ControlHub("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
+    async with ControlServer("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
         async with Supervisor(runtime, hub, heartbeat_timeout=20.0, startup_timeout=120) as sup:
             yield sup
             await sup.stop_all(grace=10)
@@ -128,7 +128,7 @@ async def test_the_trainer_actor_trains_publishes_acknowledges_and_resumes(
     async with asyncio.timeout(180):
         await produce_until(supervisor, ep, "trainer")
         assert await asyncio.to_thread(sub.wait, 120) == 0
-        stats = (await supervisor.hub.command("buffer", Command(kind="stats"))).data
+        stats = (await supervisor.control.command("buffer", Command(kind="stats"))).data
     # Every batch the trainer stepped on was acknowledged before it exited.
     assert stats["buffer.consumed"] == 2 * B and stats["unacked_batches"] == 0
     assert stats["buffer.version"] == 2
@@ -155,7 +155,7 @@ async def test_the_trainer_actor_trains_publishes_acknowledges_and_resumes(
     await supervisor.launch([resumed])
     async with asyncio.timeout(180):
         await produce_until(supervisor, ep, "trainer-2")
-        stats = (await supervisor.hub.command("buffer", Command(kind="stats"))).data
+        stats = (await supervisor.control.command("buffer", Command(kind="stats"))).data
     assert stats["buffer.version"] == 3 and stats["buffer.consumed"] == 3 * B
     rows = (tmp_path / "trainer-2.metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [3]

@@ -76,7 +76,7 @@ class ActorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     role: str
     cls: str  # "package.module:ClassName"
-    control: str | None = None  # the controller's ControlHub endpoint
+    control: str | None = None  # the controller's ControlServer endpoint
     endpoints: dict[str, str] = msgspec.field(default_factory=dict)  # channel -> address
     heartbeat_interval: float = 1.0
     drain_timeout: float = 10.0

@@ -1,4 +1,4 @@
-"""BufferActor: the hub between rollout producers and the trainer (``docs/design.md`` section 2).
+"""BufferActor: where rollout producers and the trainer meet (``docs/design.md`` section 2).
 
 Channels (names as in ``runtime/topology.py``)::
 

@@ -431,7 +431,7 @@ def load_workflow(path: str | None, tool_use: Any = None, agent: Any = None) -> 
 
 
 def build_reward(config: RewardConfig) -> Any:
-    """The reward hub of ``config``."""
+    """The reward scorer of ``config``."""
     from asyncrl.rollout.rewards import build_reward as build
 
     return build(config)

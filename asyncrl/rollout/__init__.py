@@ -1,4 +1,4 @@
-"""Rollout: workflows that turn prompts into scored samples, tools, and the reward hub.
+"""Rollout: workflows that turn prompts into scored samples, tools, and the reward scorer.
 
 | module           | what it holds                                                   |
 |------------------|-----------------------------------------------------------------|
@@ -7,5 +7,5 @@
 | ``multi_turn``   | tool use over turns: Hermes calls, masked observations, limits  |
 | ``tools/``       | tool registry, calculator, Python sandbox, BM25 search          |
 | ``workflows``    | which workflow an actor runs (single, multi-turn, dotted path)  |
-| ``rewards``      | the reward hub: exact, numeric, math, f1, custom, remote        |
+| ``rewards``      | the reward scorer: exact, numeric, math, f1, custom, remote        |
 """

@@ -4,7 +4,7 @@ A workflow turns one ``Sample`` (a prompt, possibly with a partial response to r
 into a finished one: ``async def workflow(ctx, sample) -> Sample | list[Sample]``. The
 engine is its only handle on the model; ``ctx.score`` computes the reward. Returning
 several samples is for workflows that branch (each must keep the group's ``group_id``).
-Records and protocols only; ``single_turn.py`` is the reference workflow, the reward hub
+Records and protocols only; ``single_turn.py`` is the reference workflow, the reward scorer
 is ``rewards.py``, and ``actors/rollout.py`` runs workflows against engines.
 """
 

@@ -114,7 +114,7 @@ class EngineConfig(BaseModel):
 
 
 class RewardConfig(BaseModel):
-    """The reward hub (``rollout/rewards.py``): which reward, and its limits.
+    """The reward scorer (``rollout/rewards.py``): which reward, and its limits.
 
     ``type``: ``exact`` / ``numeric`` / ``math`` / ``f1`` compare the answer in the
     response with the sample's label; ``custom`` calls ``path`` (``module:function``,
@@ -272,7 +272,7 @@ class RolloutConfig(BaseModel):
         json_schema_extra={"flag": "custom-generate-function-path"},
     )
     reward: RewardConfig = Field(
-        default_factory=lambda: RewardConfig(), description="the reward hub's settings"
+        default_factory=lambda: RewardConfig(), description="the reward scorer's settings"
     )
     tool_use: ToolUseConfig | None = Field(
         None, description="multi-turn tool use: tools and limits (null: single-turn)"

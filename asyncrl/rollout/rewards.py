@@ -1,4 +1,4 @@
-"""The reward hub: scores a finished sample; a failure is the sample's, never the run's.
+"""The reward scorer: scores a finished sample; a failure is the sample's, never the run's.
 
 Built-ins compare the answer in the response with the sample's ``label`` (a list label
 holds every acceptable answer: the best score over them counts):
@@ -45,7 +45,7 @@ from asyncrl.types import Sample
 __all__ = [
     "RewardConfig",
     "RewardError",
-    "RewardHub",
+    "RewardScorer",
     "build_reward",
     "exact_match",
     "extract_answer",
@@ -125,7 +125,7 @@ def math_match(answer: str, label: Any) -> bool:
     """Symbolic equality by ``math-verify`` (``\\frac{1}{2}`` equals ``0.5``).
 
     math-verify's own timeouts use ``signal.alarm``, which only works on the main thread,
-    so they are off here: the hub runs this in a worker thread under ``timeout_s``.
+    so they are off here: the scorer runs this in a worker thread under ``timeout_s``.
     """
     from math_verify import verify
 
@@ -166,10 +166,10 @@ def _tokens(text: str) -> list[str]:
     return _ARTICLES.sub(" ", text).split()
 
 
-# ---------------------------------------------------------------------------- the hub
+# ------------------------------------------------------------------------- the scorer
 
 
-class RewardHub:
+class RewardScorer:
     """``await hub(sample)`` -> reward; ``stats`` counts calls and failures; ``aclose()``.
 
     ``stats``: ``reward/calls``, ``reward/errors`` (raised or returned garbage) and
@@ -267,9 +267,9 @@ class RewardHub:
             self._session = None
 
 
-def build_reward(config: RewardConfig) -> RewardHub:
+def build_reward(config: RewardConfig) -> RewardScorer:
     """The hub for ``config``; a bad custom path fails here, before any sample."""
-    return RewardHub(config)
+    return RewardScorer(config)
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -176,7 +176,7 @@ class Chaos:
         while not _trainer_finished(sup):
             with contextlib.suppress(PeerLost, RemoteError, TimeoutError):
                 async with asyncio.timeout(10.0):
-                    await sup.hub.command("trainer", Command(kind="stop"))
+                    await sup.control.command("trainer", Command(kind="stop"))
                 return
             await asyncio.sleep(1.0)
 

@@ -2,7 +2,7 @@
 
 Runs the real topology (``runtime/topology.py``) with a ``ProbeActor`` in each role on
 the configured runtime (local processes, or Ray actors placed as the job's would be),
-under the real supervisor and control hub, and returns one row per actor: node, pid,
+under the real supervisor and control server, and returns one row per actor: node, pid,
 messages moved per channel, weight version reached, exit code. A dry run
 costs seconds and catches what would otherwise fail an hour into a job: ports, imports,
 a config that does not load in a child process, a firewall between actors.
@@ -23,7 +23,7 @@ from asyncrl.runtime.base import ActorHandle, PlacementFailed, open_runtime, pla
 from asyncrl.runtime.supervisor import ActorStatus, Supervisor
 from asyncrl.runtime.topology import job_specs
 from asyncrl.wire import security
-from asyncrl.wire.control import ControlHub
+from asyncrl.wire.control import ControlServer
 
 PROBE = "asyncrl.actors.probe:ProbeActor"
 
@@ -56,10 +56,10 @@ async def _dry_run(
             endpoints = await place_job(runtime, specs)
         except PlacementFailed as exc:
             return DryRunResult(ok=False, seconds=time.monotonic() - start, rows=[], error=str(exc))
-        async with ControlHub(endpoints["control"]) as hub:
+        async with ControlServer(endpoints["control"]) as control:
             sup = Supervisor(
                 runtime,
-                hub,
+                control,
                 heartbeat_timeout=cfg.runtime.heartbeat_timeout,
                 startup_timeout=deadline,
             )

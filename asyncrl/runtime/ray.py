@@ -19,7 +19,7 @@ Addresses: a channel binds on the node of the actor that owns it (``topology.bin
 and the port is found free by a host on that node, so the addresses travel through Ray,
 not through any guess made by the controller. When every node is on the controller's host
 (a local cluster, or ``ray.cluster_utils.Cluster``) they bind ``runtime.host`` (loopback).
-On a cluster that spans hosts each binds its node's address (the control hub the
+On a cluster that spans hosts each binds its node's address (the control server the
 controller's), which asyncrl allows only with CurveZMQ (``wire.curve_keys``): without keys
 such a cluster is refused with that reason.
 
@@ -205,7 +205,7 @@ class RayRuntime:
         self._options: dict[str, dict[str, Any]] = {}  # actor name -> Ray options
         self._groups: list[Any] = []
         self._started_ray = False
-        self.controller_host = host  # the control hub's address (the node IP multi-host)
+        self.controller_host = host  # the control server's address (the node IP multi-host)
         self._tg = asyncio.TaskGroup()
 
     async def __aenter__(self) -> RayRuntime:

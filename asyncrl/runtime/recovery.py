@@ -41,7 +41,7 @@ from asyncrl.wire.messages import Command
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig
     from asyncrl.runtime.supervisor import ActorStatus, Supervisor
-    from asyncrl.wire.control import ControlHub
+    from asyncrl.wire.control import ControlServer
 
 log = get_logger("asyncrl.controller")
 _RETRY_S = 0.5
@@ -68,13 +68,13 @@ class RestartHooks:
 
     def __init__(
         self,
-        hub: ControlHub,
+        control: ControlServer,
         *,
         wait_s: float = 300.0,
         engine_wait_s: float = 900.0,
         checkpoint_interval: int = 0,
     ) -> None:
-        self.hub = hub
+        self.control = control
         self.wait_s = wait_s
         self.engine_wait_s = engine_wait_s  # an engine's start-up (its model load) and more
         self.checkpoint_interval = checkpoint_interval  # the trainer's (train.*)
@@ -116,7 +116,7 @@ class RestartHooks:
                 cmd = Command(kind="evaluate_final", args={"version": version, "path": str(path)})
                 try:
                     async with asyncio.timeout(30.0):
-                        await self.hub.command("eval", cmd)
+                        await self.control.command("eval", cmd)
                     told = st.restarts
                     log.warning("the restarted eval actor evaluates the final checkpoint",
                                 version=version, path=str(path))  # fmt: skip
@@ -145,7 +145,7 @@ class RestartHooks:
             left = deadline - time.monotonic()
             try:
                 async with asyncio.timeout(max(1.0, min(per_call_s or left, left))):
-                    return dict((await self.hub.command(actor, cmd)).data)
+                    return dict((await self.control.command(actor, cmd)).data)
             except (PeerLost, TimeoutError) as exc:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(

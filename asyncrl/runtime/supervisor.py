@@ -1,4 +1,4 @@
-"""The supervisor: starts actors through a runtime and watches them over the control hub.
+"""The supervisor: starts actors through a runtime and watches them over the control server.
 
 It knows each actor's status from its notifications (``Hello``, ``Heartbeat``, ``Bye``)
 and its process exit, and turns trouble into one exception with the evidence:
@@ -41,7 +41,7 @@ import msgspec
 from asyncrl.actors.base import ActorSpec
 from asyncrl.observe.logs import get_logger
 from asyncrl.runtime.base import ActorHandle, Runtime
-from asyncrl.wire.control import ControlHub
+from asyncrl.wire.control import ControlServer
 from asyncrl.wire.errors import PeerLost, RemoteError
 from asyncrl.wire.messages import Bye, Command, Heartbeat, Hello
 
@@ -93,7 +93,7 @@ class Supervisor:
     def __init__(
         self,
         runtime: Runtime,
-        hub: ControlHub,
+        control: ControlServer,
         *,
         heartbeat_timeout: float = 10.0,
         startup_timeout: float = 120.0,
@@ -102,7 +102,7 @@ class Supervisor:
         | None = None,
         after_restart: Callable[[ActorSpec], Awaitable[None]] | None = None,
     ) -> None:
-        self.runtime, self.hub = runtime, hub
+        self.runtime, self.control = runtime, control
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
         self.restarts = dict(restarts or {})
@@ -147,9 +147,9 @@ class Supervisor:
     async def launch(self, specs: Sequence[ActorSpec]) -> None:
         """Start every actor and wait until each has said Hello.
 
-        Each spec's ``control`` is set to this supervisor's hub.
+        Each spec's ``control`` is set to this supervisor's control server.
         """
-        specs = [msgspec.structs.replace(s, control=self.hub.endpoint) for s in specs]
+        specs = [msgspec.structs.replace(s, control=self.control.endpoint) for s in specs]
         for spec in specs:
             if spec.name in self.status:
                 raise ValueError(f"actor name {spec.name!r} used twice")
@@ -208,7 +208,7 @@ class Supervisor:
     async def stop(self, names: Sequence[str], grace: float = 10.0) -> None:
         """Stop these actors (together) and wait for them; the job goes on without them.
 
-        Used to stop producers before the hub they talk to, so their last work lands.
+        Used to stop producers before the buffer they talk to, so their last work lands.
         """
         self._stopped.update(names)
         await self._settle_restarts(grace, names)
@@ -247,7 +247,7 @@ class Supervisor:
             return
         with contextlib.suppress(PeerLost, RemoteError, TimeoutError):
             async with asyncio.timeout(min(grace, 5.0)):
-                await self.hub.command(name, Command(kind="stop"))
+                await self.control.command(name, Command(kind="stop"))
         try:
             async with asyncio.timeout(grace):
                 await handle.wait()
@@ -258,7 +258,7 @@ class Supervisor:
     # -- background -----------------------------------------------------------------
     async def _notifications(self) -> None:
         while True:
-            actor, msg = await self.hub.receive()
+            actor, msg = await self.control.receive()
             st = self.status.get(actor)
             if st is None:
                 log.warning("notification from unknown actor", actor=actor)

@@ -39,7 +39,7 @@ ENDPOINTS = (
 
 
 def binder(endpoint: str) -> str:
-    """The actor that binds ``endpoint`` (``controller`` for the control hub)."""
+    """The actor that binds ``endpoint`` (``controller`` for the control server)."""
     return "controller" if endpoint == "control" else endpoint.split(".", 1)[0]
 
 

@@ -20,7 +20,7 @@
 from asyncrl.wire.blob import BlobClient, BlobManifest, BlobServer
 from asyncrl.wire.channels import ChannelStats, ReceiveChannel, SendChannel
 from asyncrl.wire.codec import WIRE_VERSION, Codec, Message
-from asyncrl.wire.control import ControlHub, ControlLink
+from asyncrl.wire.control import ControlLink, ControlServer
 from asyncrl.wire.errors import (
     ChannelClosed,
     EndOfStream,
@@ -42,8 +42,8 @@ __all__ = [
     "ChannelClosed",
     "ChannelStats",
     "Codec",
-    "ControlHub",
     "ControlLink",
+    "ControlServer",
     "Delivery",
     "EndOfStream",
     "FrameTooLarge",

@@ -1,13 +1,13 @@
-"""The control channel: ``ControlHub`` (controller, ROUTER) and ``ControlLink`` (actor, DEALER).
+"""The control channel: ``ControlServer`` (controller, ROUTER) and ``ControlLink`` (actor, DEALER).
 
-Every actor connects one ``ControlLink`` to the controller's hub, with its actor name as
+Every actor connects one ``ControlLink`` to the controller's server, with its actor name as
 its zmq identity. Two kinds of traffic share it:
 
-- notifications, actor -> hub (``Hello``, ``Heartbeat``, ``Bye``): fire-and-forget. When
-  the hub is slow and the link's queue is at ``hwm`` a notification is dropped and
+- notifications, actor -> server (``Hello``, ``Heartbeat``, ``Bye``): fire-and-forget. When
+  the server is slow and the link's queue is at ``hwm`` a notification is dropped and
   counted; heartbeats are periodic, so the next one carries the news.
-- commands, hub -> actor (``Command``), each answered by a ``CommandResult``. A command
-  to an actor that is gone fails with ``PeerLost`` after the caller's timeout; the hub
+- commands, server -> actor (``Command``), each answered by a ``CommandResult``. A command
+  to an actor that is gone fails with ``PeerLost`` after the caller's timeout; the server
   never blocks on one slow actor.
 
 Envelopes are ``Request``/``Reply``; a notification is a ``Request`` with id 0.
@@ -37,7 +37,7 @@ _command_codec: Codec[Command] = Codec(Command, max_frame_bytes=_MAX_FRAME)
 _result_codec: Codec[CommandResult] = Codec(CommandResult, max_frame_bytes=_MAX_FRAME)
 
 
-class ControlHub(_Channel):
+class ControlServer(_Channel):
     """The controller's end: receives notifications, sends commands to named actors."""
 
     def __init__(self, endpoint: str, *, hwm: int = 10000, allow_remote: bool = False) -> None:
@@ -55,12 +55,12 @@ class ControlHub(_Channel):
         self.endpoint = await abind(self._sock, self.endpoint, allow_remote=self._allow_remote)
 
     def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
-        return [("control.hub", self._receive_each(self._sock, self._dispatch))]
+        return [("control.server", self._receive_each(self._sock, self._dispatch))]
 
     def _close_sockets(self) -> None:
         for _, fut in self._waiting.values():
             if not fut.done():
-                fut.set_exception(ChannelClosed("control hub closed"))
+                fut.set_exception(ChannelClosed("control server closed"))
         self._sock.close(linger=0)
 
     async def receive(self) -> tuple[str, Notification]:
@@ -73,7 +73,7 @@ class ControlHub(_Channel):
         Raises ``PeerLost`` if the actor is not connected, ``RemoteError`` if it failed.
         """
         if self._closed:
-            raise ChannelClosed("control hub closed")
+            raise ChannelClosed("control server closed")
         call_id = next(self._ids)
         fut: asyncio.Future[CommandResult] = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = (actor, fut)
