@@ -232,7 +232,11 @@ class OneBatch:
 
 
 class NoSubscribers:
-    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
+    def __init__(self) -> None:
+        self.published: list[int] = []
+
+    async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.published.append(version)
 
     async def wait_fetched(self, want: list[str]) -> None: ...
 
@@ -242,15 +246,21 @@ async def test_a_stop_during_a_step_checkpoints_after_the_step(tmp_path):
     # the checkpoint must wait for the step, or it would hold half of one.
     params = trainer_config(checkpoint_dir=str(tmp_path / "ckpt")).model_dump(mode="json")
     actor = TrainerActor(ActorSpec(name="trainer", role="trainer", cls="", params=params))
-    trainer = SlowTrainer()
-    actor.trainer, actor.batches, actor.weights = trainer, OneBatch(), NoSubscribers()  # type: ignore[assignment]
-    actor.durable, actor.num_steps, actor.audit, actor.metrics, actor.dump = -1, 0, None, None, None
+    trainer, weights = SlowTrainer(), NoSubscribers()
+    actor.trainer, actor.batches, actor.weights = trainer, OneBatch(), weights  # type: ignore[assignment]
+    actor.durable, actor.num_steps, actor.audit, actor.dump = -1, 0, None, None
+    actor.metrics = actor.open_metrics(tmp_path / "metrics.jsonl", flush_every=0)
     running = asyncio.create_task(actor._run_until_stopped())
     await asyncio.to_thread(trainer.stepping.wait, 10)
     actor.request_stop("test")
     await running
     assert trainer.calls == ["step begins", "step ends", "checkpoint of version 1"]
     assert (tmp_path / "ckpt" / "step_000001").is_dir()
+    # The step's bookkeeping finished before the stop: its version was announced and
+    # has its metrics row (the soak once ended with a checkpointed step and no row).
+    assert weights.published == [0, 1]
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1]
 
 
 class Lingering(NoSubscribers):

@@ -75,6 +75,10 @@ class TrainerActor(Actor):
         # One trainer call at a time: a stop drains (a checkpoint) while run() may still be
         # inside a step, and a checkpoint taken mid-step would hold half of it.
         self._busy = asyncio.Lock()
+        # A step and its bookkeeping (the ack, the audit row, the publish, the metrics
+        # row) are one: a drain waits for the step under way to finish all of it, so a
+        # stop never leaves a trained version without its row or its announcement.
+        self._stepping = asyncio.Lock()
 
     async def setup(self) -> None:
         cfg = self.config
@@ -143,15 +147,16 @@ class TrainerActor(Actor):
                     self.request_stop("the buffer has no more data")
                 continue
             batch = batch_reply.batch
-            async with self._busy:  # a drain's checkpoint comes before this step or after it
-                if self.stopping:  # it may be taken already: train nothing past it
+            async with self._stepping:  # a drain comes before this step or after all of it
+                if self.stopping:  # its checkpoint may be taken already: train nothing past it
                     log.info("batch left to the buffer: stopping", batch=batch.batch_id)
                     break  # unacknowledged, so the buffer keeps it and serves it again
-                result = await self._train(batch)
-            self.batches.done(batch.batch_id)
-            self._audit(batch, trained=result is not None)
-            if result is not None:
-                await self._after_step(result, waited)
+                async with self._busy:
+                    result = await self._train(batch)
+                self.batches.done(batch.batch_id)
+                self._audit(batch, trained=result is not None)
+                if result is not None:
+                    await self._after_step(result, waited)
             waited = 0.0
         if self._done():  # a stop drains: the last acks go out and a checkpoint is taken
             self.request_stop(f"trained {self.num_steps} steps")
@@ -245,7 +250,8 @@ class TrainerActor(Actor):
     async def drain(self) -> None:
         # Checkpoint first: the buffer releases the batches kept for us once it hears of
         # a checkpoint that covers them, and a kill between the two must lose nothing.
-        await self._checkpoint()
+        async with self._stepping:
+            await self._checkpoint()
         await self.batches.close(self.trainer.version, self.durable)
         await self._linger()
 
