@@ -44,7 +44,7 @@ CONFIG = {
         r"negative_lr\.yaml:4: trainer\.lr \(--lr\): Input should be greater than 0, got -1"
     ),
     "wrong_type.yaml": (
-        r"wrong_type\.yaml:3: buffer\.max_staleness \(--buffer.max-staleness\): .*got \"two\""
+        r"wrong_type\.yaml:3: buffer\.max_staleness: .*got \"two\""
     ),
     "megatron_with_a_critic.yaml": (
         r"megatron_with_a_critic\.yaml:6: algo\.advantage_estimator \(--advantage-estimator\): "
