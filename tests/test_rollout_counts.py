@@ -7,7 +7,9 @@ import asyncio
 from typing import Any
 
 from asyncrl.actors.base import ActorSpec
+from asyncrl.actors.config import RolloutActorConfig
 from asyncrl.actors.rollout import RolloutActor
+from asyncrl.rollout.config import EngineConfig, RewardConfig
 from asyncrl.types import Group, Prompt, Sample, SampleStatus, WorkItem
 
 
@@ -26,7 +28,15 @@ async def _three_more_tokens(ctx: Any, sample: Sample) -> Sample:
 
 
 def _actor() -> RolloutActor:
-    actor = RolloutActor(ActorSpec(name="rollout-0", role="rollout", cls="x:y"))
+    config = RolloutActorConfig(
+        engine=EngineConfig(model_path="unused"),
+        sampling={},
+        reward=RewardConfig(),
+        max_groups=2,
+        metrics_interval=5.0,
+    )
+    spec = ActorSpec(name="rollout-0", role="rollout", cls="x:y", params=config.model_dump())
+    actor = RolloutActor(spec)
     actor.results, actor.workflow, actor.ctx = _Sent(), _three_more_tokens, None  # type: ignore[assignment]
     actor.own_engine, actor._free, actor._slot_freed = False, 2, asyncio.Event()
     return actor
