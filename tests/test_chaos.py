@@ -68,6 +68,11 @@ async def test_sigkill_of_each_actor_kind_loses_nothing_and_trains_each_group_on
     buffer_log = [json.loads(x) for x in lines(tmp_path / "run" / "logs" / "buffer.jsonl")]
     restored = [r for r in buffer_log if r["event"] == "buffer restored"]
     assert restored and restored[0]["journal_records"] > 0, restored
+    # Each engine actor served its rollout actor and took the weights over HTTP from disk.
+    for engine in ("engine-0", "engine-1"):
+        log = [json.loads(x) for x in lines(tmp_path / "run" / "logs" / f"{engine}.jsonl")]
+        assert any(r["event"] == "engine serving" for r in log), engine
+        assert any(r["event"] == "weights updated" for r in log), engine
 
 
 def test_asyncrl_chaos_refuses_a_bad_kill_before_launch(tmp_path, capsys):

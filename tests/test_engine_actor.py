@@ -24,7 +24,6 @@ from asyncrl.actors.base import ActorSpec
 from asyncrl.actors.engine import EngineActor, sglang_command
 from asyncrl.cli import _sglang_flags
 from asyncrl.config import ConfigError, load_config
-from asyncrl.job import run_job
 from asyncrl.rollout.config import EngineConfig
 from asyncrl.wire.sockets import free_tcp_endpoint
 from tests.test_train import (
@@ -185,30 +184,6 @@ async def test_a_server_that_never_starts_fails_with_its_last_output(
     with pytest.raises(RuntimeError, match=r"exited with code 1.*asked to fail at start"):
         async with actor._stack:
             await actor.setup()
-
-
-@pytest.mark.slow
-async def test_a_job_generates_through_engine_actors(model: Path, tmp_path: Path):
-    (tmp_path / "model").symlink_to(model)
-    write_prompts(tmp_path / "prompts.jsonl")
-    flags = [
-        *job_flags(tmp_path, steps=3),
-        *["--rollout.num-actors", "2", "--rollout.engine.model-path", str(model)],
-        *["--rollout.engine.serve", "actor", "--update-weight-transport", "disk"],
-    ]
-    result = await run_job(load_config(overrides=flags))
-    assert result.ok, result.error
-    assert result.steps == 3 and set(result.codes) >= {"engine-0", "engine-1"}
-    run_dir = tmp_path / "run"
-    last = last_buffer_metrics(run_dir)
-    assert last["buffer.consumed"] == 3 * 2 and accounted(last)
-    updated = set()
-    for i in range(2):  # each engine served; the weights reached them over HTTP from disk
-        log = [json.loads(x) for x in lines(run_dir / "logs" / f"engine-{i}.jsonl")]
-        assert any(r["event"] == "engine serving" for r in log)
-        updated |= {r["version"] for r in log if r["event"] == "weights updated"}
-    # An actor whose engine came up late may have had no work before the 3rd step.
-    assert 3 in updated, updated
 
 
 @pytest.mark.slow
