@@ -82,16 +82,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check asyncrl tests bench examples
 
 # --durations: CI's log names the slowest tests (the suite's budget is 20 minutes on 2 cores).
-# Two sessions side by side: the job tests one after another in one, the single-process
-# tests in the other (tests/conftest.py, JOB_MODULES); the second's log follows the first's.
+# Two workers: the job tests one after another on one, the rest on the other
+# (tests/conftest.py, JOB_MODULES).
 test: lint
-	@rm -f .pytest-rest.log; \
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not jobs" --durations=10 > .pytest-rest.log 2>&1 & rest=$$!; \
-	$(VENV)/bin/pytest -q -m jobs --durations=25; jobs=$$?; \
-	wait $$rest; rest_rc=$$?; \
-	echo "== the single-process tests (pytest -m 'not jobs')"; cat .pytest-rest.log; \
-	echo "job tests: exit $$jobs; single-process tests: exit $$rest_rc"; \
-	test $$jobs -eq 0 && test $$rest_rc -eq 0
+	$(VENV)/bin/pytest -q -n 2 --dist loadgroup --durations=25
 
 bench-wire: $(STAMP)
 	$(PY) bench/wire.py

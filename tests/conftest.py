@@ -1,11 +1,11 @@
 """Shared pytest set-up: offline transformers, every async test runs on uvloop, and the
-tests that run whole jobs are marked ``jobs``.
+tests that run whole jobs share one xdist worker.
 
-``make test`` runs two pytest sessions side by side: ``-m jobs`` and ``-m "not jobs"``.
-The modules in ``JOB_MODULES`` start several processes each (actors, ranks, a Ray
-cluster, the real model) and keep a 2-core machine busy on their own: they run one after
-another in the first session, while the second takes the single-process tests. Two jobs
-at once would starve each other's heartbeats, and two Ray clusters would share a node.
+``make test`` runs two pytest-xdist workers (``-n 2 --dist loadgroup``). The modules in
+``JOB_MODULES`` start several processes each (actors, ranks, a Ray cluster, the real
+model) and keep a 2-core machine busy on their own: they run one after another on one
+worker, in the group ``jobs``, while the other worker takes the single-process tests.
+Two jobs at once would starve each other's heartbeats.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ JOB_MODULES = frozenset({
 
 
 def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None:
-    """The tests of ``JOB_MODULES`` are marked ``jobs`` (module docstring)."""
+    """The tests of ``JOB_MODULES`` in one xdist group (module docstring)."""
     for item in items:
         if item.path.name in JOB_MODULES:
-            item.add_marker(pytest.mark.jobs)
+            item.add_marker(pytest.mark.xdist_group("jobs"))
 
 
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> Mapping[str, Callable[[], Any]]:
