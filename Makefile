@@ -82,10 +82,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check asyncrl tests bench examples
 
 # --durations: CI's log names the slowest tests (the suite's budget is 20 minutes on 2 cores).
-# Two workers: the job tests one after another on one, the rest on the other
-# (tests/conftest.py, JOB_MODULES).
 test: lint
-	$(VENV)/bin/pytest -q -n 2 --dist loadgroup --durations=25
+	$(VENV)/bin/pytest -q --durations=25
 
 bench-wire: $(STAMP)
 	$(PY) bench/wire.py

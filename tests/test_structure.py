@@ -122,11 +122,3 @@ def test_a_long_module_says_why_it_is_long():
         if lines > LONG_MODULE and "\nSize: " not in (ast.get_docstring(ast.parse(text)) or ""):
             unexplained.append(f"{path.relative_to(ROOT)} ({lines} lines)")
     assert not unexplained, f"split these, or say why at the top ('Size: ...'): {unexplained}"
-
-
-def test_every_job_module_exists():
-    """A renamed job-test module would silently leave the xdist group ``jobs``."""
-    from tests.conftest import JOB_MODULES
-
-    missing = sorted(name for name in JOB_MODULES if not (ROOT / "tests" / name).is_file())
-    assert not missing, missing
