@@ -335,9 +335,15 @@ class RunConfig(Section):
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout actors")
     trainer: TrainerConfig | None = Field(
-        None, description="the torch trainer (needed to train; --hf-checkpoint sets the model)"
+        None,
+        description="the trainer actor: model, optimizer, backend (needed to train; "
+        "--hf-checkpoint sets the model)",
     )
-    train: TrainConfig = Field(default_factory=TrainConfig, description="the training loop")
+    train: TrainConfig = Field(
+        default_factory=TrainConfig,
+        description="the training loop around the trainer: steps, checkpoints, weight "
+        "publishing, audit",
+    )
     buffer: VersionedBuffer.Config = Field(
         default_factory=VersionedBuffer.Config, description="admission, store, APRIL, filters"
     )
@@ -590,6 +596,16 @@ def _leaves(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[Fl
             yield from _leaves(section, (*prefix, name))
         else:
             yield _leaf_spec((*prefix, name), field)
+
+
+def _section_meanings(
+    model: type[BaseModel], prefix: tuple[str, ...] = ()
+) -> Iterator[tuple[str, str]]:
+    """``(dotted section, its field's description)`` for every section of ``model``."""
+    for name, field in model.model_fields.items():
+        if (section := _section_model(field.annotation)) is not None:
+            yield ".".join((*prefix, name)), field.description or ""
+            yield from _section_meanings(section, (*prefix, name))
 
 
 def _leaf_spec(path: tuple[str, ...], field: pydantic.fields.FieldInfo) -> FlagSpec:
@@ -961,8 +977,12 @@ def config_reference(model: type[BaseModel] = RunConfig) -> str:
         "as aliases. `asyncrl train --help` shows the everyday keys (marked *), "
         "`--help-all` all of them.",
     ]
+    meanings = dict(_section_meanings(model))
     for section, rows in sections.items():
-        out += ["", f"## {section}", "", "| key | flag | type | default | meaning |"]
+        out += ["", f"## {section}", ""]
+        if meanings.get(section):
+            out += [meanings[section][0].upper() + meanings[section][1:] + ".", ""]
+        out += ["| key | flag | type | default | meaning |"]
         out += ["|---|---|---|---|---|"]
         for spec in rows:
             names = ", ".join(f"`{a}`" for a in (spec.flag, *spec.aliases))

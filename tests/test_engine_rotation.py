@@ -70,7 +70,7 @@ async def test_a_failing_engine_leaves_the_rotation_and_returns_with_the_current
                 raise TimeoutError("stuck")
 
             b.probe = broken  # type: ignore[method-assign]
-            await until(lambda: client.in_rotation() == [urls[0]])
+            await until(lambda: client.transport.in_rotation() == [urls[0]])
             outs = [await client.generate([5, 6, 7], SAMPLING) for _ in range(6)]
             assert all(o.weight_version == 3 for o in outs)
             # A weight update meanwhile goes to the engines in rotation only.
@@ -79,17 +79,17 @@ async def test_a_failing_engine_leaves_the_rotation_and_returns_with_the_current
 
             # It passes again: it gets version 4 before it rejoins.
             b.probe = healthy_probe  # type: ignore[method-assign]
-            await until(lambda: len(client.in_rotation()) == 2)
+            await until(lambda: len(client.transport.in_rotation()) == 2)
             assert b.engine.version == 4
 
             # Killed: a weight update meanwhile takes it out instead of failing.
             await b.stop()
             await host.load(version_on_disk(model, tmp_path / "v5", 5), receiver=None)
-            assert a.engine.version == 5 and client.in_rotation() == [urls[0]]
+            assert a.engine.version == 5 and client.transport.in_rotation() == [urls[0]]
             # Replaced by a fresh engine at version 0 on the same port: caught up first.
             b = await serve(model, ports[1])
             assert b.engine.version == 0
-            await until(lambda: len(client.in_rotation()) == 2)
+            await until(lambda: len(client.transport.in_rotation()) == 2)
             assert b.engine.version == 5
             outs = [await client.generate([5, 6, 7], SAMPLING, prefer=urls[1]) for _ in range(3)]
             assert all(o.weight_version == 5 for o in outs)

@@ -26,6 +26,7 @@ import pytest
 import pytest_asyncio
 
 from asyncrl.cli import main
+from asyncrl.engines.in_process import InProcessGenerator
 from asyncrl.engines.server import EngineServer
 from asyncrl.engines.sglang_client import EngineUnavailable, SGLangClient, SGLangError
 from asyncrl.engines.torch_engine import TorchEngine
@@ -537,100 +538,93 @@ async def test_bad_requests_get_400_with_a_message_and_the_server_keeps_serving(
 
 # ----------------------------------------------------------------------------- in process
 
-#: Nothing listens here: a call that reaches the engine through it did not use HTTP.
-NO_SOCKET = "http://127.0.0.1:9"
 
-
-async def test_an_in_process_generate_answers_as_http_does_without_a_socket(url, served):
-    async with (
-        SGLangClient([url]) as over_http,
-        SGLangClient([NO_SOCKET], local={NO_SOCKET: served.generate_local}) as local,
-    ):
+async def test_an_in_process_generate_answers_as_http_does(url, served):
+    local = InProcessGenerator([served])
+    async with SGLangClient([url]) as over_http:
         a = await over_http.generate(PROMPT, GREEDY, rid="via-http")
         b = await local.generate(PROMPT, GREEDY, rid="in-process")
         assert (b.output_ids, b.logprobs, b.finish_reason) == (
             a.output_ids, a.logprobs, a.finish_reason,
         )  # fmt: skip
-        assert len(b.output_ids) == 8 and b.engine == NO_SOCKET
+        assert len(b.output_ids) == 8 and b.engine == url
         errors = []
-        for client in (over_http, local):  # refused by the server: one status, one message
+        for generator in (over_http, local):  # refused by the server: one status, one message
             with pytest.raises(SGLangError) as caught:
-                await client.generate([1, 99999], GREEDY)
+                await generator.generate([1, 99999], GREEDY)
             errors.append((caught.value.status, caught.value.message))
         assert errors[0] == errors[1] and errors[1][0] == 400
         assert "must be integers" in errors[1][1]
-        assert local.inflight() == {NO_SOCKET: 0}
+        assert local.inflight() == {url: 0}
 
 
 async def test_an_in_process_call_is_counted_aborted_by_rid_and_held_by_a_pause(http, url, served):
-    async with SGLangClient([url], local={url: served.generate_local}) as client:
-        task = asyncio.create_task(client.generate(PROMPT, LONG, rid="local-long"))
+    local = InProcessGenerator([served])
+    async with SGLangClient([url]) as control:
+        task = asyncio.create_task(local.generate(PROMPT, LONG, rid="local-long"))
         await wait_running(http, url)
-        assert client.inflight() == {url: 1}
-        await client.abort("local-long")  # over HTTP, to the server the call is inside
+        assert local.inflight() == {url: 1}
+        await control.abort("local-long")  # over HTTP, to the server the call is inside
         out = await asyncio.wait_for(task, 10)
         assert out.finish_reason.type == "abort" and 0 < len(out.output_ids) < 480
-        assert client.inflight() == {url: 0}
-        await client.pause()
-        held = asyncio.create_task(client.generate(PROMPT, GREEDY))
+        assert local.inflight() == {url: 0}
+        await control.pause()
+        held = asyncio.create_task(local.generate(PROMPT, GREEDY))
         await asyncio.sleep(0.3)
         assert not held.done()
-        await client.continue_()
+        await control.continue_()
         assert len((await asyncio.wait_for(held, 10)).output_ids) == 8
-        streamed = await client.generate(PROMPT, GREEDY, stream=True)  # streams use HTTP
-        assert streamed.output_ids == (await client.generate(PROMPT, GREEDY)).output_ids
 
 
-async def test_an_in_process_call_to_a_stopped_server_fails_over_like_a_refused_connect(
-    url, served, model_dir
-):
+async def test_an_in_process_generator_spreads_calls_over_its_servers(model_dir, served, url):
+    other = EngineServer(TorchEngine.from_pretrained(str(model_dir)))
+    await other.start("127.0.0.1", 0)
+    try:
+        local = InProcessGenerator([served, other])
+        outs = await asyncio.gather(*(local.generate(PROMPT, GREEDY) for _ in range(4)))
+        assert sorted(o.engine for o in outs) == sorted([url, other.url] * 2)
+        assert {tuple(o.output_ids) for o in outs} == {tuple(outs[0].output_ids)}
+    finally:
+        await other.stop()
+
+
+async def test_an_in_process_call_to_a_stopped_server_fails_at_once(model_dir):
     stopped = EngineServer(TorchEngine.from_pretrained(str(model_dir)))
     await stopped.start("127.0.0.1", 0)
     await stopped.stop()
-    config = SGLangClient.Config(retries=1, backoff_s=0.01)
-    calls = {stopped.url: stopped.generate_local, url: served.generate_local}
-    async with SGLangClient([stopped.url, url], local=calls, config=config) as client:
-        out = await client.generate(PROMPT, GREEDY, prefer=stopped.url)
-        assert out.engine == url and len(out.output_ids) == 8
-        assert client.in_rotation() == [url] and client.inflight()[stopped.url] == 0
-    for retries, why in ((0, "not running"), (1, "out of rotation")):  # refused, then down
-        config = SGLangClient.Config(retries=retries, backoff_s=0.01)
-        async with SGLangClient([NO_SOCKET], local={NO_SOCKET: stopped.generate_local},
-                                config=config) as alone:  # fmt: skip
-            with pytest.raises(EngineUnavailable, match=why):
-                await alone.generate(PROMPT, GREEDY)
+    local = InProcessGenerator([stopped])
+    with pytest.raises(EngineUnavailable, match="not running"):
+        await local.generate(PROMPT, GREEDY)
+    assert local.inflight() == {stopped.url: 0}
 
 
 async def test_an_in_process_call_held_by_a_pause_is_refused_when_the_server_stops(model_dir):
     closing = EngineServer(TorchEngine.from_pretrained(str(model_dir)))
     await closing.start("127.0.0.1", 0)
-    config = SGLangClient.Config(retries=0)
-    local = {closing.url: closing.generate_local}
-    async with SGLangClient([closing.url], local=local, config=config) as client:
-        await client.pause()
-        held = asyncio.create_task(client.generate(PROMPT, GREEDY))
-        await asyncio.sleep(0.2)
-        assert not held.done()
-        await closing.stop()  # over HTTP the port closes; in process the gate refuses
-        with pytest.raises(EngineUnavailable, match="shutting down"):
-            await asyncio.wait_for(held, 10)
-        assert client.inflight() == {closing.url: 0}
+    local = InProcessGenerator([closing])
+    async with SGLangClient([closing.url]) as control:
+        await control.pause()
+    held = asyncio.create_task(local.generate(PROMPT, GREEDY))
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    await closing.stop()  # over HTTP the port closes; in process the gate refuses
+    with pytest.raises(EngineUnavailable, match="shutting down"):
+        await asyncio.wait_for(held, 10)
+    assert local.inflight() == {closing.url: 0}
 
 
 async def test_an_in_process_call_open_when_the_engine_stops_is_lost_not_held(model_dir):
     closing = EngineServer(TorchEngine.from_pretrained(str(model_dir)))
     await closing.start("127.0.0.1", 0)
-    config = SGLangClient.Config(retries=1, backoff_s=0.01)
-    local = {closing.url: closing.generate_local}
-    async with SGLangClient([closing.url], local=local, config=config) as client:
-        await closing.engine.pause()  # past the server's gate, held inside the engine
-        held = asyncio.create_task(client.generate(PROMPT, GREEDY))
-        await asyncio.sleep(0.2)
-        assert not held.done() and closing.gate.calls == 1
-        await closing.stop()  # no shutdown abort reaches it: the engine never saw it
-        with pytest.raises(EngineUnavailable, match=r"lost: .*stopped mid-call"):
-            await asyncio.wait_for(held, 10)  # accepted once, so not sent again
-        assert client.inflight() == {closing.url: 0} and client.in_rotation() == []
+    local = InProcessGenerator([closing])
+    await closing.engine.pause()  # past the server's gate, held inside the engine
+    held = asyncio.create_task(local.generate(PROMPT, GREEDY))
+    await asyncio.sleep(0.2)
+    assert not held.done() and closing.gate.calls == 1
+    await closing.stop()  # no shutdown abort reaches it: the engine never saw it
+    with pytest.raises(EngineUnavailable, match=r"lost: .*stopped mid-call"):
+        await asyncio.wait_for(held, 10)  # accepted once, so not made again
+    assert local.inflight() == {closing.url: 0}
 
 
 async def test_an_engine_that_fails_ends_its_open_calls_and_refuses_new_ones(model_dir):
@@ -646,39 +640,32 @@ async def test_an_engine_that_fails_ends_its_open_calls_and_refuses_new_ones(mod
     engine.run = run_until_it_fails  # type: ignore[method-assign]
     server = EngineServer(engine)
     await server.start("127.0.0.1", 0)
-    config = SGLangClient.Config(retries=0)
-    local = {server.url: server.generate_local}
+    local = InProcessGenerator([server])
     try:
-        async with SGLangClient([server.url], local=local, config=config) as client:
-            await engine.pause()  # past the gate, held inside the engine
-            held = asyncio.create_task(client.generate(PROMPT, GREEDY))
-            await asyncio.sleep(0.2)
-            fail.set()
-            with pytest.raises(EngineUnavailable, match=r"lost: .*stopped mid-call"):
-                await asyncio.wait_for(held, 10)
+        await engine.pause()  # past the gate, held inside the engine
+        held = asyncio.create_task(local.generate(PROMPT, GREEDY))
+        await asyncio.sleep(0.2)
+        fail.set()
+        with pytest.raises(EngineUnavailable, match=r"lost: .*stopped mid-call"):
+            await asyncio.wait_for(held, 10)
         assert server.gate.closed and not server.ready
-        async with SGLangClient([server.url], local=local, config=config) as fresh:
-            with pytest.raises(EngineUnavailable, match="not running"):
-                await fresh.generate(PROMPT, GREEDY)
+        with pytest.raises(EngineUnavailable, match="not running"):
+            await local.generate(PROMPT, GREEDY)
     finally:
         await server.stop()
 
 
 async def test_an_in_process_call_past_its_timeout_raises_and_leaves_nothing_behind(url, served):
-    config = SGLangClient.Config(generate_timeout_s=0.3)
-    async with (
-        SGLangClient([url]) as control,
-        SGLangClient([NO_SOCKET], local={NO_SOCKET: served.generate_local},
-                     config=config) as client,
-    ):  # fmt: skip
+    local = InProcessGenerator([served], timeout_s=0.3)
+    async with SGLangClient([url]) as control:
         await control.pause()  # held at the gate: past its timeout however fast the engine
         try:
             with pytest.raises(TimeoutError):
-                await client.generate(PROMPT, GREEDY)
+                await local.generate(PROMPT, GREEDY)
         finally:
             await control.continue_()
-        assert client.inflight() == {NO_SOCKET: 0} and served.gate.calls == 0
-        assert len((await client.generate(PROMPT, GREEDY)).output_ids) == 8
+    assert local.inflight() == {url: 0} and served.gate.calls == 0
+    assert len((await local.generate(PROMPT, GREEDY)).output_ids) == 8
 
 
 # ----------------------------------------------------------------------------- weights, admin
@@ -929,7 +916,7 @@ async def test_with_an_api_key_every_route_but_health_needs_it(model_dir: Path):
         # The client sends the key when given it (SGLangTransport.Config.api_key).
         config = SGLangClient.Config(api_key="s3cret")
         async with SGLangClient([url], config=config) as client:
-            assert (await client.health()) == {url: True}
+            assert (await client.transport.health()) == {url: True}
             assert await client.weight_version() == 0
     finally:
         await server.stop()

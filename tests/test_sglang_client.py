@@ -622,7 +622,7 @@ async def test_a_stream_that_ends_without_a_final_chunk_raises(fake, client):
     fake.generate.append(stream(b"data: " + json.dumps(chunk(IDS[:1], 1)).encode() + b"\n\n"))
     with pytest.raises(EngineUnavailable, match="final chunk"):
         await client.generate([1], stream=True)
-    assert client.inflight() == {fake.url: 0}
+    assert client.transport.inflight() == {fake.url: 0}
 
 
 # ----------------------------------------------------------------------------- control
@@ -713,7 +713,7 @@ async def test_abort_waits_for_nothing_but_the_aborted_call_returns_its_partial_
 @pytest.mark.parametrize(("version", "session"), [("0.5.15.post1", False), ("0.5.21", True)])
 async def test_begin_and_end_wrap_distributed_updates_only_from_0_5_21(version, session):
     async with serving(Fake(version=version)) as fake, SGLangClient(fake.url, config=FAST) as c:
-        pending = await c.update_weights_from_distributed(
+        pending = await c.weights.update_weights_from_distributed(
             ["w"], ["torch.bfloat16"], [[4, 2]], version=7
         )
         await pending
@@ -733,7 +733,7 @@ async def test_begin_and_end_wrap_distributed_updates_only_from_0_5_21(version, 
 
 async def test_a_distributed_update_returns_while_the_server_waits_for_the_broadcast(fake, client):
     fake.hold = asyncio.Event()  # the server sits in its broadcast until "the trainer" sends
-    pending = await client.update_weights_from_distributed(["w"], ["float32"], [[2]])
+    pending = await client.weights.update_weights_from_distributed(["w"], ["float32"], [[2]])
     assert not pending.done()
     await asyncio.wait_for(fake.received.wait(), 5)  # the announcement reached the server
     fake.hold.set()  # the broadcast
@@ -789,8 +789,8 @@ async def test_update_weights_distributed_announces_each_bucket_before_its_broad
 async def test_init_weights_update_group_offsets_ranks_by_each_engines_tp_size():
     async with serving(Fake(tp_size=2)) as a, serving(Fake(tp_size=1)) as b:
         async with SGLangClient([a.url, b.url], config=FAST) as c:
-            offsets, world = await c.group_layout()
-            pending = await c.init_weights_update_group(
+            offsets, world = await c.weights.group_layout()
+            pending = await c.weights.init_weights_update_group(
                 "127.0.0.1",
                 "29500",
                 backend="gloo",  # type: ignore[arg-type]
@@ -812,7 +812,7 @@ async def test_init_weights_update_group_offsets_ranks_by_each_engines_tp_size()
 async def test_a_failed_admin_reply_raises_even_with_status_200(fake, client):
     fake.fail["/update_weights_from_disk"] = [(200, {"success": False, "message": "no file"})]
     with pytest.raises(SGLangError, match="no file"):
-        await client.update_weights_from_disk("/missing", 1)
+        await client.weights.update_weights_from_disk("/missing", 1)
 
 
 # ----------------------------------------------------------------------------- several engines
@@ -825,10 +825,10 @@ async def test_requests_go_to_the_engine_with_the_fewest_in_flight():
         c = await stack.enter_async_context(SGLangClient([f.url for f in fakes], config=FAST))
         calls = [asyncio.create_task(c.generate([i])) for i in range(6)]
         await asyncio.sleep(0.1)
-        assert c.inflight() == {f.url: 2 for f in fakes}
+        assert c.transport.inflight() == {f.url: 2 for f in fakes}
         hold.set()
         await asyncio.gather(*calls)
-        assert c.inflight() == {f.url: 0 for f in fakes}
+        assert c.transport.inflight() == {f.url: 0 for f in fakes}
 
 
 async def test_load_reported_by_an_engine_steers_requests_away_from_it():
@@ -839,10 +839,10 @@ async def test_load_reported_by_an_engine_steers_requests_away_from_it():
         c = await stack.enter_async_context(
             SGLangClient([busy.url] + [f.url for f in idle], config=FAST)
         )
-        await c.refresh_loads()
+        await c.transport.refresh_loads()
         calls = [asyncio.create_task(c.generate([i])) for i in range(4)]
         await asyncio.sleep(0.1)
-        assert c.inflight() == {busy.url: 0, idle[0].url: 2, idle[1].url: 2}
+        assert c.transport.inflight() == {busy.url: 0, idle[0].url: 2, idle[1].url: 2}
         hold.set()
         await asyncio.gather(*calls)
 
@@ -853,11 +853,11 @@ async def test_an_unreachable_engine_leaves_the_rotation_until_its_health_answer
     async with serving(Fake()) as live, SGLangClient([dead, live.url], config=FAST) as c:
         results = [await c.generate([i]) for i in range(3)]
         assert {r.engine for r in results} == {live.url}
-        assert c.in_rotation() == [live.url]
-        assert await c.health() == {dead: False, live.url: True}
+        assert c.transport.in_rotation() == [live.url]
+        assert await c.transport.health() == {dead: False, live.url: True}
         async with serving(Fake(), port=dead_port):
-            assert await c.health() == {dead: True, live.url: True}
-            assert c.in_rotation() == [dead, live.url]
+            assert await c.transport.health() == {dead: True, live.url: True}
+            assert c.transport.in_rotation() == [dead, live.url]
 
 
 async def test_prefer_pins_a_request_to_its_engine(fake):

@@ -208,10 +208,11 @@ async def test_an_engine_host_calls_its_engines_in_process_unless_told_not_to(
     sim = {"length_median": 5, "length_p99_ratio": 1.0, "time_scale": 1e4}
     config = EngineConfig(type="sim", sim=sim, sim_engines=2, in_process=in_process)
     async with EngineHost(config) as host:
-        assert host.client is not None
-        outs = [await host.client.generate([1], {}) for _ in range(4)]
+        assert host.generator is not None
+        outs = [await host.generator.generate([1], {}) for _ in range(4)]
     assert all(len(o.output_ids) == 5 for o in outs)
     assert over_http == ([] if in_process else ["/generate"] * 4)
+    assert len({o.engine for o in outs}) == 2  # both sims served, either way
 
 
 async def test_callers_wake_at_the_end_or_every_stream_interval_tokens():

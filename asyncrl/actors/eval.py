@@ -104,7 +104,7 @@ class EvalActor(Actor):
         )
         opened = await asyncio.to_thread(PromptSource.open, source, tokenizer)
         ctx = RolloutContext(
-            engine=self.host.client,  # type: ignore[arg-type]
+            engine=self.host.generator,  # type: ignore[arg-type]
             score=score,
             sampling=dict(cfg.sampling or config.sampling),
             tokenizer=tokenizer,
@@ -152,9 +152,8 @@ class EvalActor(Actor):
     async def _load(self, msg: WeightVersion, tensors: dict[str, torch.Tensor] | None) -> None:
         if tensors is not None:
             await self.host.load_tensors(tensors, msg.version)
-        else:
-            await self.host.load(msg, self.receiver)
-        self.version = msg.version
+        elif not await self.host.load(msg, self.receiver):
+            raise RuntimeError(f"weight version {msg.version} is gone before it was evaluated")
 
     async def on_command(self, cmd: Command) -> dict[str, Scalar]:
         """``evaluate_final``: evaluate the final version from a checkpoint path."""

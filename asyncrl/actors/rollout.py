@@ -39,7 +39,7 @@ from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.config import RolloutActorConfig
 from asyncrl.actors.engine import engine_url
 from asyncrl.engines.base import SamplingParams
-from asyncrl.engines.sglang_wire import EngineUnavailable, SGLangError
+from asyncrl.engines.sglang_wire import EngineUnavailable
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.rollout.base import RolloutContext, Workflow
@@ -48,7 +48,7 @@ from asyncrl.rollout.engines import EngineConfig, EngineHost
 from asyncrl.trainers.weight_sync import WeightReceiver
 from asyncrl.types import BufferEvent, Group, Sample, SampleStatus, WorkItem, WorkReply, WorkRequest
 from asyncrl.wire.codec import Codec
-from asyncrl.wire.errors import PeerLost, RemoteError
+from asyncrl.wire.errors import PeerLost
 from asyncrl.wire.messages import Command, Scalar, WeightVersion
 from asyncrl.wire.pubsub import Subscriber
 from asyncrl.wire.reliable import ReliableSender
@@ -92,8 +92,6 @@ class RolloutActor(Actor):
         # (same id: the reply was lost) from a new request.
         self._incarnation = os.urandom(4).hex()
         self._requests = itertools.count(1)
-        self._loading = asyncio.Lock()  # one weight load at a time into the engines
-        self._newest: WeightVersion | None = None  # the last version loaded
         engine = cfg.engine
         self.own_engine = engine.serve == "actor"
         wait = engine.startup_timeout if self.own_engine else None
@@ -104,7 +102,7 @@ class RolloutActor(Actor):
         self.workflow = load_workflow(cfg.workflow, cfg.tool_use, cfg.agent)
         self.score = await self.hold(contextlib.aclosing(build_reward(cfg.reward)))
         self.ctx = RolloutContext(
-            engine=self.host.client,  # type: ignore[arg-type]
+            engine=self.host.generator,  # type: ignore[arg-type]
             score=self.score,
             sampling=dict(cfg.sampling),
             tokenizer=await asyncio.to_thread(policy_tokenizer, cfg.tokenizer, self.host),
@@ -311,25 +309,8 @@ class RolloutActor(Actor):
 
     async def _load(self, msg: WeightVersion) -> bool:
         """Load ``msg`` into the engines; False when it is gone (wait for the next)."""
-        async with self._loading:
-            return await self._load_locked(msg)
-
-    async def _load_locked(self, msg: WeightVersion) -> bool:
-        try:
-            await self.host.load(msg, self.receiver)
-        except (PeerLost, RemoteError) as exc:
-            # The trainer stopped, or already dropped this version: wait for the next.
-            log.warning("weights not loaded", version=msg.version, error=str(exc))
+        if not await self.host.load(msg, self.receiver):
             return False
-        except SGLangError as exc:
-            if msg.transport != "disk" or await asyncio.to_thread(Path(msg.location).exists):
-                raise
-            # The trainer pruned this version's files (it keeps the newest few) before we
-            # got to it: a newer one is out, so take that.
-            log.warning("weights gone before loading", version=msg.version, error=str(exc))
-            return False
-        self._newest = msg
-        self.version = msg.version
         self._loaded.set()
         return True
 
@@ -340,20 +321,13 @@ class RolloutActor(Actor):
         return await super().on_command(cmd)
 
     async def _reload_engine(self) -> int:
-        """Our engine actor came back with its initial weights. If it serves an older
-        version than we loaded (the weights loop may have brought it up to date already),
-        load ours again; if that version's files are gone (the trainer moved on), a newer
-        announcement is waiting for the weights loop, and until it is loaded our requests
-        say version 0, so the buffer hands us no work. Returns the engine's version."""
+        """Our engine actor came back with its initial weights: ``EngineHost.reload``
+        (once it answers) loads ours again if it serves older ones."""
         await self.host.wait_ready(self.host.wait_ready_s or 120.0)
-        assert self.host.client is not None
-        async with self._loading:
-            serving, msg = await self.host.client.weight_version(), self._newest
-            if msg is None or serving >= msg.version:
-                return serving
-            self.host.version = 0
-            log.warning("a restarted engine serves old weights", engine=serving, ours=msg.version)
-            return msg.version if await self._load_locked(msg) else 0
+        version = await self.host.reload(self.receiver)
+        if version:
+            self._loaded.set()
+        return version
 
     async def _metrics_loop(self) -> None:
         """Every ``metrics_interval`` s: the counters and the busy intervals since the last

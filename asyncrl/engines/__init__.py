@@ -12,7 +12,9 @@ SGLang client rollout actors use for every engine (``docs/design.md`` section 2)
 - ``server``: the aiohttp application, its traffic gate and ``/generate``;
   ``control_routes`` (SGLang section 2), ``openai_routes`` (section 3) and
   ``generate_wire`` (body parsing, reply formatting, error shapes) complete it.
-- ``sglang_client``: ``SGLangClient``, built on ``sglang_transport`` (session, retries,
+- ``sglang_client``: ``SGLangClient``, holding an ``sglang_transport`` (session, retries,
   engine rotation) and ``sglang_weights`` (weight-update calls), with the records and
   reply parsing of ``sglang_wire``.
+- ``in_process``: ``InProcessGenerator``, how workflows call engines in their own
+  process: a direct call into the server's ``/generate``, no HTTP.
 """

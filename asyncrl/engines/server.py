@@ -69,14 +69,14 @@ def _is_openai(request: web.Request) -> bool:
     return request.path in ("/v1/chat/completions", "/v1/completions")
 
 
-class ServerClosed(ConnectionRefusedError):
-    """The server is stopped or shutting down: a call is refused as its closed port would
-    refuse a connect (503 over HTTP; raised to an in-process caller)."""
+class ServerClosed(Exception):
+    """The server is stopped or shutting down: a call is refused (503 over HTTP; raised
+    to an in-process caller, ``in_process.py``)."""
 
 
-class ServerGone(ConnectionResetError):
-    """The engine stopped with an in-process call still open: what a closed connection
-    tells an HTTP caller (the call was accepted, so it is not sent again)."""
+class ServerGone(Exception):
+    """The engine stopped with an in-process call still open (over HTTP the caller sees
+    its connection close); the call was accepted, so it is not made again."""
 
 
 def error_reply(exc: Exception, path: str, *, openai: bool = False) -> tuple[int, Json]:
@@ -414,8 +414,8 @@ class EngineServer:
         The same parsing, refusals, traffic gate and reply, without the loopback HTTP
         round trip (about 1 ms of CPU a call on both ends, most of an embedded rollout's
         per-sample cost). Non-stream bodies only; the client streams over HTTP. A stopped
-        (or shutting down) server raises ``ServerClosed``, a ``ConnectionRefusedError``, as
-        its closed port would.
+        (or shutting down) server raises ``ServerClosed``; an engine that stops with the
+        call open raises ``ServerGone``. Its caller is ``in_process.InProcessGenerator``.
         """
         if self.gate.closed or self._engine_task is None or self._engine_task.done():
             raise ServerClosed(f"{self.url or 'engine server'}: not running")
@@ -425,7 +425,7 @@ class EngineServer:
                 raise bad_request("in-process /generate does not stream: use HTTP")
             async with self.gate.generating():
                 return 200, await self._while_engine_runs(self._reply(job))
-        except (ServerClosed, ServerGone):  # the client tries another engine, or gives up
+        except (ServerClosed, ServerGone):  # not the request's fault: no error reply
             raise
         except Exception as exc:
             return error_reply(exc, "/generate")

@@ -5,13 +5,16 @@ embedded server (``asyncrl serve``), real SGLang servers, or one real sglang-rou
 Rollout actors call ``generate`` / ``generate_stream``; the trainer calls ``update_weights``
 (section 2.15: pause, flush, update, continue); APRIL calls ``abort_all_and_wait``.
 
-The client is split by concern; this module holds the public calls and their sequences::
+The client is composed of parts, each with one job; this module holds the public calls
+and their sequences::
 
-    sglang_wire.py       records, errors, reply and SSE parsing (pure)
+    sglang_wire.py       records, errors, bodies, reply and SSE parsing (pure)
     sglang_transport.py  SGLangTransport: session, retries, engine rotation, loads
-    sglang_weights.py    WeightUpdateCalls(SGLangTransport): one method per weight endpoint
-    sglang_client.py     SGLangClient(WeightUpdateCalls): generate, abort, pause, cache,
-                         memory, update_weights, router workers
+    sglang_weights.py    WeightUpdateCalls(transport): one method per weight endpoint
+    sglang_client.py     SGLangClient: holds ``transport`` and ``weights``; generate,
+                         abort, pause, cache, memory, update_weights, router workers
+
+Engines in this process are called without a transport: ``in_process.py``.
 
 The transport's docstring states the timeout, retry and engine-choice policy. With
 ``router=True`` the one URL is a sglang-router: generation goes through it, and control
@@ -32,7 +35,7 @@ import aiohttp
 import msgspec
 
 from asyncrl.engines.base import PauseMode, SamplingParams
-from asyncrl.engines.sglang_transport import _Engine
+from asyncrl.engines.sglang_transport import EngineState, SGLangTransport
 from asyncrl.engines.sglang_weights import DEFAULT_GROUP, PendingCall, WeightUpdateCalls
 from asyncrl.engines.sglang_wire import (
     EngineUnavailable,
@@ -41,6 +44,7 @@ from asyncrl.engines.sglang_wire import (
     StreamState,
     WeightBucket,
     error_message,
+    generate_body,
     load_count,
     parse_generate_output,
     parse_weight_version,
@@ -64,11 +68,31 @@ __all__ = [
 ]
 
 
-class SGLangClient(WeightUpdateCalls):
+class SGLangClient:
     """Async client for SGLang-API engines; use as ``async with SGLangClient(urls) as c:``.
 
-    ``SGLangClient.Config`` (defined on ``SGLangTransport``) holds timeouts and retries.
+    ``transport`` (an ``SGLangTransport``) carries every call and keeps the rotation and
+    health (``c.transport.health()``, ``in_rotation()``, ``on_return``); ``weights`` (a
+    ``WeightUpdateCalls``) has one method per weight endpoint. ``SGLangClient.Config`` is
+    the transport's: timeouts and retries.
     """
+
+    Config = SGLangTransport.Config
+
+    def __init__(
+        self, urls: str | Sequence[str], *, router: bool = False, config: Config | None = None
+    ) -> None:
+        self.transport = SGLangTransport(urls, router=router, config=config)
+        self.weights = WeightUpdateCalls(self.transport)
+        self.config, self.router = self.transport.config, router
+        self._legacy_loads: set[str] = set()  # engines answering only /get_load
+
+    async def __aenter__(self) -> SGLangClient:
+        await self.transport.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.transport.close()
 
     async def generate(
         self,
@@ -100,38 +124,40 @@ class SGLangClient(WeightUpdateCalls):
             assert final is not None
             return final
         rid = rid or uuid.uuid4().hex
-        body = self._generate_body(input_ids, sampling_params, rid, return_logprob, False, extra)
-        wire = msgspec.json.encode(body) if len(self._local) < len(self._engines) else b""
-        engine, payload = await self._retry_generate(
-            prefer, lambda engine, last: self._generate_once(engine, body, wire, rid, last)
+        body = generate_body(
+            input_ids, sampling_params, rid, return_logprob=return_logprob, extra=extra
+        )
+        wire = msgspec.json.encode(body)
+        engine, payload = await self.transport.retry_generate(
+            prefer, lambda engine, last: self._generate_once(engine, wire, rid, last)
         )
         if not isinstance(payload, dict) or "error" in payload:
             raise SGLangError(200, error_message(payload), payload, url=engine.url)
         return parse_generate_output(payload, engine=engine.url)
 
     async def _generate_once(
-        self, engine: _Engine, body: dict[str, Any], wire: bytes, rid: str, last: bool
+        self, engine: EngineState, wire: bytes, rid: str, last: bool
     ) -> Any | None:
-        """One non-stream ``/generate`` attempt: in process when ``engine`` lives in this
-        process, else ``wire`` (``body`` encoded) over HTTP; its reply, or None to retry.
-        An empty 200 reply raises: the call was accepted, so it is never sent again."""
-        if engine.url in self._local:
-            return await self._call_local(engine, body, rid, last)
-        if (resp := await self._post_generate(engine, wire, rid, last)) is None:
+        """One non-stream ``/generate`` attempt with the encoded body ``wire``: its reply,
+        or None to retry. An empty 200 reply raises: the call was accepted, so it is never
+        sent again."""
+        if (resp := await self.transport.post_generate(engine, wire, rid, last)) is None:
             return None
         if (payload := await self._read_generate(engine, resp, rid)) is None:
             raise SGLangError(200, "/generate answered with an empty body", url=engine.url)
         return payload
 
-    async def _read_generate(self, engine: _Engine, resp: aiohttp.ClientResponse, rid: str) -> Any:
+    async def _read_generate(
+        self, engine: EngineState, resp: aiohttp.ClientResponse, rid: str
+    ) -> Any:
         try:
             async with resp:
-                return await self._read(resp)
+                return await self.transport.read(resp)
         except aiohttp.ClientError as exc:
-            self._mark_down(engine, exc)
+            self.transport.mark_down(engine, exc)
             raise EngineUnavailable(0, f"/generate lost: {exc}", url=engine.url) from exc
         finally:
-            self._release(engine, rid)
+            self.transport.release(engine, rid)
 
     async def generate_stream(
         self,
@@ -150,8 +176,11 @@ class SGLangClient(WeightUpdateCalls):
         that ends without a final chunk raises ``EngineUnavailable``.
         """
         rid = rid or uuid.uuid4().hex
-        body = self._generate_body(input_ids, sampling_params, rid, return_logprob, True, extra)
-        engine, resp = await self._open_generate(body, rid, prefer)
+        body = generate_body(
+            input_ids, sampling_params, rid, return_logprob=return_logprob, stream=True,
+            extra=extra,
+        )  # fmt: skip
+        engine, resp = await self.transport.open_generate(body, rid, prefer)
         state, final = StreamState(engine.url), None
         try:
             async with resp:
@@ -163,10 +192,10 @@ class SGLangClient(WeightUpdateCalls):
                     final = state.add(chunk)
                     yield final
         except aiohttp.ClientError as exc:
-            self._mark_down(engine, exc)
+            self.transport.mark_down(engine, exc)
             raise EngineUnavailable(0, f"/generate stream lost: {exc}", url=engine.url) from exc
         finally:
-            self._release(engine, rid)
+            self.transport.release(engine, rid)
         if final is None or not final.finished:
             raise EngineUnavailable(0, "stream ended without a final chunk", url=engine.url)
 
@@ -184,9 +213,9 @@ class SGLangClient(WeightUpdateCalls):
         if (rid is None) == (not abort_all):
             raise ValueError("abort takes either rid=... or abort_all=True")
         body: dict[str, Any] = {"abort_all": True} if abort_all else {"rid": rid}
-        if url is None and rid is not None and not self.router and rid in self._rids:
-            url = self._rids[rid].url
-        await self._post_each(url, "/abort_request", body, idempotent=True)
+        if url is None and rid is not None and not self.router:
+            url = self.transport.engine_of(rid)
+        await self.transport.post_each(url, "/abort_request", body, idempotent=True)
 
     async def pause(self, mode: PauseMode = "abort", *, url: str | None = None) -> None:
         """``/pause_generation``; in ``abort`` mode it returns once every call has answered.
@@ -194,25 +223,25 @@ class SGLangClient(WeightUpdateCalls):
         The default mode is sent as ``{}`` (SGLang's default), which 0.5.5 also accepts.
         """
         body = {} if mode == "abort" else {"mode": mode}
-        await self._post_each(
+        await self.transport.post_each(
             url, "/pause_generation", body, idempotent=True, timeout_s=self.config.update_timeout_s
         )
 
     async def continue_(self, *, url: str | None = None) -> None:
         """``/continue_generation``: undo ``pause``."""
-        await self._post_each(url, "/continue_generation", {}, idempotent=True)
+        await self.transport.post_each(url, "/continue_generation", {}, idempotent=True)
 
     async def _engine_load(self, url: str) -> int:
         if url not in self._legacy_loads:
             try:
                 return load_count(
-                    await self._call(url, "GET", "/v1/loads?include=core", idempotent=True)
+                    await self.transport.call(url, "GET", "/v1/loads?include=core", idempotent=True)
                 )
             except SGLangError as exc:
                 if exc.status != 404:
                     raise
             self._legacy_loads.add(url)  # servers before 0.5.10
-        return load_count(await self._call(url, "GET", "/get_load", idempotent=True))
+        return load_count(await self.transport.call(url, "GET", "/get_load", idempotent=True))
 
     async def wait_idle(
         self,
@@ -229,8 +258,8 @@ class SGLangClient(WeightUpdateCalls):
         loop = asyncio.get_running_loop()
         start = last_abort = loop.time()
         while True:
-            loads = await self._each(None, self._engine_load)
-            own = sum(engine.inflight for engine in self._engines)
+            loads = await self.transport.each(None, self._engine_load)
+            own = sum(self.transport.inflight().values())
             if own == 0 and not any(loads.values()):
                 return
             now = loop.time()
@@ -253,15 +282,15 @@ class SGLangClient(WeightUpdateCalls):
 
     async def server_info(self, url: str | None = None) -> dict[str, Any]:
         """``/get_server_info`` (fallback ``/server_info``) of one engine (default: the first)."""
-        target = (await self._targets(url))[0]
-        return await self._get_first(target, ("/get_server_info", "/server_info"))
+        target = (await self.transport.targets(url))[0]
+        return await self.transport.get_first(target, ("/get_server_info", "/server_info"))
 
     async def weight_version(self, url: str | None = None) -> int:
         """The weight version served: one engine's, or the oldest across all engines.
 
         Reads ``/get_weight_version`` and falls back to ``/model_info`` (404 from 0.5.8).
         """
-        versions = await self._each(url, self._engine_weight_version)
+        versions = await self.transport.each(url, self.transport.engine_weight_version)
         return min(versions.values())
 
     # ------------------------------------------------------------------ cache and memory
@@ -269,7 +298,7 @@ class SGLangClient(WeightUpdateCalls):
     async def _flush_one(self, url: str, retries: int, interval_s: float) -> str:
         for attempt in range(retries + 1):
             try:
-                return await self._call(url, "GET", "/flush_cache", idempotent=True) or ""
+                return await self.transport.call(url, "GET", "/flush_cache", idempotent=True) or ""
             except SGLangError as exc:
                 if exc.status != 400 or attempt == retries:
                     raise
@@ -280,21 +309,21 @@ class SGLangClient(WeightUpdateCalls):
         self, retries: int = 60, *, interval_s: float = 1.0, url: str | None = None
     ) -> None:
         """``GET /flush_cache``, polled while it answers 400 (requests still running), as slime."""
-        await self._each(url, lambda u: self._flush_one(u, retries, interval_s))
+        await self.transport.each(url, lambda u: self._flush_one(u, retries, interval_s))
 
     async def release_memory(
         self, tags: Sequence[str] | None = None, *, url: str | None = None
     ) -> None:
         """``/release_memory_occupation`` (engines must be idle; pause or abort first)."""
         body = {} if tags is None else {"tags": list(tags)}
-        await self._post_each(url, "/release_memory_occupation", body, idempotent=False)
+        await self.transport.post_each(url, "/release_memory_occupation", body, idempotent=False)
 
     async def resume_memory(
         self, tags: Sequence[str] | None = None, *, url: str | None = None
     ) -> None:
         """``/resume_memory_occupation``: undo ``release_memory``."""
         body = {} if tags is None else {"tags": list(tags)}
-        await self._post_each(url, "/resume_memory_occupation", body, idempotent=False)
+        await self.transport.post_each(url, "/resume_memory_occupation", body, idempotent=False)
 
     # ------------------------------------------------------------------ weights
 
@@ -326,7 +355,7 @@ class SGLangClient(WeightUpdateCalls):
         if pause_mode == "abort":
             await self.flush_cache(flush_retries)
         if path is not None:
-            await self.update_weights_from_disk(path, version, flush_cache=False)
+            await self.weights.update_weights_from_disk(path, version, flush_cache=False)
         else:
             await self._distributed_buckets(version, buckets, broadcast, group_name)
         await self.continue_()
@@ -339,10 +368,10 @@ class SGLangClient(WeightUpdateCalls):
         group_name: str,
     ) -> None:
         assert broadcast is not None
-        await self.begin_weight_update()
+        await self.weights.begin_weight_update()
         for index, bucket in enumerate(buckets):
             last = index == len(buckets) - 1
-            pending = await self.update_weights_from_distributed(
+            pending = await self.weights.update_weights_from_distributed(
                 bucket.names,
                 bucket.dtypes,
                 bucket.shapes,
@@ -353,9 +382,13 @@ class SGLangClient(WeightUpdateCalls):
             if inspect.isawaitable(sent := broadcast(bucket)):
                 await sent
             await pending
-        await self.end_weight_update()
+        await self.weights.end_weight_update()
 
     # ------------------------------------------------------------------ router workers
+
+    async def list_workers(self) -> list[dict[str, Any]]:
+        """The router's workers (``GET /workers``; legacy ``/list_workers`` gives urls only)."""
+        return await self.transport.list_workers()
 
     async def add_worker(
         self, url: str, *, worker_type: str = "regular", wait_s: float | None = 30.0
@@ -365,11 +398,13 @@ class SGLangClient(WeightUpdateCalls):
         With ``wait_s`` it polls ``GET /workers`` until the worker is listed and healthy.
         """
         body = {"url": url.rstrip("/"), "worker_type": worker_type}
-        reply = await self._call(self._router_url(), "POST", "/workers", body, idempotent=False)
+        reply = await self.transport.call(
+            self.transport.router_url(), "POST", "/workers", body, idempotent=False
+        )
         worker_id = str((reply or {}).get("worker_id", ""))
         deadline = time.monotonic() + (wait_s or 0)
         while wait_s is not None:
-            listed = [w for w in await self.list_workers() if w.get("url") == body["url"]]
+            listed = [w for w in await self.transport.list_workers() if w.get("url") == body["url"]]
             if listed and listed[0].get("is_healthy", True):
                 return str(listed[0].get("id", worker_id))
             if time.monotonic() >= deadline:
@@ -384,14 +419,17 @@ class SGLangClient(WeightUpdateCalls):
         the caller can rely on the router not sending it new work.
         """
         if worker.startswith(("http://", "https://")):
-            ids = [w["id"] for w in await self.list_workers() if w.get("url") == worker.rstrip("/")]
+            listed = await self.transport.list_workers()
+            ids = [w["id"] for w in listed if w.get("url") == worker.rstrip("/")]
             if not ids:
                 raise ValueError(f"the router lists no worker at {worker}")
             worker = str(ids[0])
-        await self._call(self._router_url(), "DELETE", f"/workers/{worker}", idempotent=False)
+        await self.transport.call(
+            self.transport.router_url(), "DELETE", f"/workers/{worker}", idempotent=False
+        )
         deadline = time.monotonic() + (wait_s or 0)
         while wait_s is not None:
-            if all(str(w.get("id")) != worker for w in await self.list_workers()):
+            if all(str(w.get("id")) != worker for w in await self.transport.list_workers()):
                 return
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"router still lists worker {worker} after {wait_s}s")

@@ -1,8 +1,8 @@
 """The SGLang client's transport: one connection pool, retries and the choice of engine.
 
-``SGLangTransport`` is the base of ``SGLangClient`` (``sglang_client.py``): it owns the
-aiohttp session, the retry rules, the engine rotation and the load refresher, and the
-raw ``/generate`` POST; the subclasses add the call sequences on top.
+``SGLangClient`` (``sglang_client.py``) holds one ``SGLangTransport``: it owns the aiohttp
+session, the retry rules, the engine rotation and the load refresher, and the raw
+``/generate`` POST; the client and its ``WeightUpdateCalls`` make their calls through it.
 
 Transport. One aiohttp ``ClientSession`` (one connection pool, no proxies from the
 environment) per client. Every POST carries a JSON body, ``{}`` when it has nothing to say,
@@ -49,16 +49,12 @@ With ``router=True`` the one URL is a sglang-router: generation goes through it,
 control calls go to each worker URL from ``GET /workers``, because the router does not fan
 them out (section 4.2).
 
-Engines in this process (``local``: URL -> the server's ``generate_local``): a non-stream
-``/generate`` picked onto one is a call, not a loopback HTTP round trip; the same body, the
-same reply or error status, the same in-flight counts, rotation, retries and
-``generate_timeout_s``. A stopped (or stopping) server refuses the call as its closed port
-would refuse a connect: the engine leaves the rotation and the call is retried elsewhere.
-Streams and every control call still go over HTTP to the same server.
+Engines in this process are not reached through a transport: ``in_process.py``'s
+``InProcessGenerator`` calls their servers directly.
 
-Size: retries, rotation, health and the in-process path share one connection state.
-It is to be split when the engine client is rebuilt by composition (a transport held by
-the client, a generator for in-process engines).
+Size: retries, rotation, health and the router's worker list share one connection state
+(the engines' in-flight counts, their rotation and their load reports), so they stay in one
+class; the calls made through it live in ``sglang_client.py`` and ``sglang_weights.py``.
 """
 
 from __future__ import annotations
@@ -80,7 +76,6 @@ from asyncrl.engines.sglang_wire import (
     load_count,
     parse_weight_version,
     router_refused,
-    sampling_dict,
 )
 from asyncrl.observe.logs import get_logger
 
@@ -124,7 +119,7 @@ async def gather_replies(tasks: Mapping[str, Awaitable[Any]]) -> dict[str, Any]:
 
 
 @dataclass(slots=True)
-class _Engine:
+class EngineState:
     """What the client knows about one base URL."""
 
     url: str
@@ -139,10 +134,6 @@ class _Engine:
     def score(self) -> int:
         """Own in-flight calls plus what others put on the engine at its last report."""
         return self.inflight + max(0, self.reported - self.inflight_at_report)
-
-
-#: An engine server's ``/generate`` called in this process: body -> (HTTP status, reply).
-LocalGenerate = Callable[[dict[str, Any]], Awaitable[tuple[int, Any]]]
 
 
 def _timeout(total: float, connect: float) -> aiohttp.ClientTimeout:
@@ -186,7 +177,6 @@ class SGLangTransport:
         *,
         router: bool = False,
         config: Config | None = None,
-        local: Mapping[str, LocalGenerate] | None = None,
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -195,15 +185,8 @@ class SGLangTransport:
             raise ValueError(f"router=True takes the one router URL, got {len(urls)} URLs")
         self.config = config or type(self).Config()
         self.router = router
-        self._engines = [_Engine(url.rstrip("/")) for url in urls]
-        #: Engines in this process (module docstring): URL -> their in-process /generate.
-        self._local = {url.rstrip("/"): call for url, call in (local or {}).items()}
-        self._rids: dict[str, _Engine] = {}
-        # Per-engine facts the subclasses learn: server versions and open begin/end
-        # sessions (sglang_weights.py), engines answering only the legacy /get_load.
-        self._server_versions: dict[str, tuple[int, ...] | None] = {}
-        self._sessions_open: set[str] = set()
-        self._legacy_loads: set[str] = set()
+        self._engines = [EngineState(url.rstrip("/")) for url in urls]
+        self._rids: dict[str, EngineState] = {}
         self._cursor = 0
         self._refresh_task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -262,7 +245,7 @@ class SGLangTransport:
             raise RuntimeError("SGLangClient is not open: use `async with SGLangClient(...)`")
         return self._http
 
-    async def _read(self, resp: aiohttp.ClientResponse) -> Any:
+    async def read(self, resp: aiohttp.ClientResponse) -> Any:
         """JSON when it parses, else the text (``flush_cache``), None when empty."""
         raw = await resp.read()
         if not raw.strip():
@@ -272,7 +255,7 @@ class SGLangTransport:
         except msgspec.DecodeError:
             return raw.decode(errors="replace")
 
-    async def _call(
+    async def call(
         self,
         url: str,
         method: str,
@@ -301,7 +284,7 @@ class SGLangTransport:
                     timeout=timeout,
                     trace_request_ctx=trace,
                 ) as resp:
-                    payload = await self._read(resp)
+                    payload = await self.read(resp)
             except aiohttp.ClientConnectorError as exc:
                 if last:
                     raise EngineUnavailable(0, str(exc), url=url) from exc
@@ -317,21 +300,21 @@ class SGLangTransport:
             delay = min(2 * delay, self.config.max_backoff_s)
         raise AssertionError("unreachable")
 
-    async def _admin(self, url: str, path: str, body: Any, **kwargs: Any) -> Any:
+    async def admin(self, url: str, path: str, body: Any, **kwargs: Any) -> Any:
         """A ``{"success", "message"}`` call: ``success: false`` is an error even on 200."""
-        reply = await self._call(url, "POST", path, body, **kwargs)
+        reply = await self.call(url, "POST", path, body, **kwargs)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise SGLangError(400, error_message(reply), reply, url=url)
         return reply
 
-    async def _each(self, url: str | None, fn: Callable[[str], Awaitable[Any]]) -> dict[str, Any]:
+    async def each(self, url: str | None, fn: Callable[[str], Awaitable[Any]]) -> dict[str, Any]:
         """Run ``fn`` on one engine or on all control targets at once.
 
         With a rotation to keep (``on_return`` set), an engine that cannot be reached
         leaves the rotation instead of failing the call, as long as another engine
         answered: ``on_return`` brings it up to date before it serves again.
         """
-        targets = await self._targets(url)
+        targets = await self.targets(url)
         if url is not None or self.router or self.on_return is None or len(targets) < 2:
             return await gather_replies({target: fn(target) for target in targets})
         results = await asyncio.gather(*(fn(t) for t in targets), return_exceptions=True)
@@ -340,17 +323,17 @@ class SGLangTransport:
         if len(gone) == len(targets):
             raise next(iter(gone.values()))
         for target, error in gone.items():
-            self._mark_down(self._engine(target), error)
+            self.mark_down(self._engine(target), error)
             del replies[target]
         for reply in replies.values():
             if isinstance(reply, BaseException):
                 raise reply
         return replies
 
-    def _engine(self, url: str) -> _Engine:
+    def _engine(self, url: str) -> EngineState:
         return next(e for e in self._engines if e.url == url)
 
-    async def _post_each(
+    async def post_each(
         self,
         url: str | None,
         path: str,
@@ -361,16 +344,16 @@ class SGLangTransport:
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """POST one body to one engine or to all control targets; ``{url: reply}``."""
-        call = self._admin if admin else functools.partial(self._call, method="POST")
+        call = self.admin if admin else functools.partial(self.call, method="POST")
 
         async def one(target: str) -> Any:
             return await call(
                 target, path=path, body=body, idempotent=idempotent, timeout_s=timeout_s
             )
 
-        return await self._each(url, one)
+        return await self.each(url, one)
 
-    async def _targets(self, url: str | None) -> list[str]:
+    async def targets(self, url: str | None) -> list[str]:
         """One engine, a router's workers, or the engines in rotation (all of them when
         none is: then the call's own failure says why)."""
         if url is not None:
@@ -381,7 +364,7 @@ class SGLangTransport:
 
     # ------------------------------------------------------------------ engine choice
 
-    def _mark_down(self, engine: _Engine, reason: object) -> None:
+    def mark_down(self, engine: EngineState, reason: object) -> None:
         if engine.down_until is None:
             log.warning("engine out of rotation", url=engine.url, reason=str(reason))
         engine.down_until = time.monotonic() + self.config.recheck_s
@@ -390,7 +373,7 @@ class SGLangTransport:
     def _health_path(self) -> str:
         return "/health" if self.config.health_check_s is None else "/health_generate"
 
-    async def _check(self, engine: _Engine) -> tuple[bool, object]:
+    async def _check(self, engine: EngineState) -> tuple[bool, object]:
         """One health request; ``(healthy, why not)``."""
         timeout = _timeout(self.config.control_timeout_s, self.config.control_timeout_s)
         path = self._health_path
@@ -401,7 +384,7 @@ class SGLangTransport:
             return False, exc
         return resp.status == 200, f"{path} answered {resp.status}"
 
-    async def _probe(self, engine: _Engine) -> bool:
+    async def _probe(self, engine: EngineState) -> bool:
         """The health probe once; a pass puts the engine (back) in rotation, after
         ``on_return`` when it was out."""
         healthy, reason = await self._check(engine)
@@ -412,10 +395,10 @@ class SGLangTransport:
         if healthy:
             engine.down_until = None
         else:
-            self._mark_down(engine, reason)
+            self.mark_down(engine, reason)
         return healthy
 
-    async def _catch_up(self, engine: _Engine) -> tuple[bool, object]:
+    async def _catch_up(self, engine: EngineState) -> tuple[bool, object]:
         """``on_return`` for an engine about to rejoin the rotation (one at a time)."""
         if self.on_return is None:
             return True, None
@@ -437,33 +420,33 @@ class SGLangTransport:
             await asyncio.sleep(interval)
             await asyncio.gather(*(self._health_one(e) for e in self._engines))
 
-    async def _health_one(self, engine: _Engine) -> None:
+    async def _health_one(self, engine: EngineState) -> None:
         try:
             if engine.down_until is not None:
                 await self._probe(engine)
                 return
             healthy, reason = await self._check(engine)
             if healthy and self.expected_version is not None:
-                served = await self._engine_weight_version(engine.url)
+                served = await self.engine_weight_version(engine.url)
                 if served < self.expected_version:
                     healthy = False
                     reason = f"serves version {served}, not {self.expected_version} (restarted?)"
             if not healthy and engine.down_until is None:
-                self._mark_down(engine, reason)
+                self.mark_down(engine, reason)
         except Exception:  # a check must not end the loop, whatever went wrong
             log.exception("engine health check failed", url=engine.url)
 
-    async def _engine_weight_version(self, url: str) -> int:
-        info = await self._get_first(url, ("/get_weight_version", "/model_info", "/get_model_info"))
+    async def engine_weight_version(self, url: str) -> int:
+        info = await self.get_first(url, ("/get_weight_version", "/model_info", "/get_model_info"))
         return parse_weight_version(info.get("weight_version")) or 0
 
-    async def _fetch_load(self, engine: _Engine) -> None:
+    async def _fetch_load(self, engine: EngineState) -> None:
         timeout = _timeout(self.config.control_timeout_s, self.config.control_timeout_s)
         try:
             async with self._session.get(engine.url + engine.loads_path, timeout=timeout) as r:
-                payload = await self._read(r)
+                payload = await self.read(r)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self._mark_down(engine, exc)
+            self.mark_down(engine, exc)
             return
         if r.status == 404 and engine.loads_path != "/get_load":
             engine.loads_path = "/get_load"  # servers before 0.5.10
@@ -502,7 +485,7 @@ class SGLangTransport:
         except Exception:  # a refresh failure must not surface in an unrelated request
             log.exception("load refresh failed")
 
-    async def _pick(self, prefer: str | None) -> _Engine:
+    async def _pick(self, prefer: str | None) -> EngineState:
         """The engine for one request (policy in the module docstring)."""
         candidates = [e for e in self._engines if e.down_until is None]
         if not candidates:
@@ -516,31 +499,13 @@ class SGLangTransport:
                 return engine
         start = self._cursor % len(candidates)
         self._cursor += 1
-        return min(candidates[start:] + candidates[:start], key=_Engine.score)
+        return min(candidates[start:] + candidates[:start], key=EngineState.score)
 
     # ------------------------------------------------------------------ generation
 
-    def _generate_body(
-        self,
-        input_ids: Sequence[int],
-        sampling_params: Any,
-        rid: str,
-        return_logprob: bool,
-        stream: bool,
-        extra: Mapping[str, Any] | None,
-    ) -> dict[str, Any]:
-        return {
-            **(extra or {}),
-            "input_ids": list(input_ids),
-            "rid": rid,
-            "sampling_params": sampling_dict(sampling_params),
-            "return_logprob": return_logprob,
-            "stream": stream,
-        }
-
-    async def _retry_generate(
-        self, prefer: str | None, attempt: Callable[[_Engine, bool], Awaitable[_T | None]]
-    ) -> tuple[_Engine, _T]:
+    async def retry_generate(
+        self, prefer: str | None, attempt: Callable[[EngineState, bool], Awaitable[_T | None]]
+    ) -> tuple[EngineState, _T]:
         """Pick an engine and make one ``attempt(engine, last)`` on it until one answers
         (None: retry), up to ``retries`` more times with doubling backoff; the pick itself
         is retried too while every engine is out of rotation."""
@@ -559,42 +524,17 @@ class SGLangTransport:
             delay = min(2 * delay, cfg.max_backoff_s)
         raise AssertionError("unreachable")
 
-    async def _open_generate(
+    async def open_generate(
         self, fields: dict[str, Any], rid: str, prefer: str | None
-    ) -> tuple[_Engine, aiohttp.ClientResponse]:
+    ) -> tuple[EngineState, aiohttp.ClientResponse]:
         """POST ``/generate`` until an engine answers 200; the caller releases ``inflight``."""
         body = msgspec.json.encode(fields)
-        return await self._retry_generate(
-            prefer, lambda engine, last: self._post_generate(engine, body, rid, last)
+        return await self.retry_generate(
+            prefer, lambda engine, last: self.post_generate(engine, body, rid, last)
         )
 
-    async def _call_local(
-        self, engine: _Engine, body: dict[str, Any], rid: str, last: bool
-    ) -> Any | None:
-        """One non-stream ``/generate`` on an engine in this process: its reply, None to
-        retry (its server stopped: a refused connect over HTTP), or an exception. Same
-        in-flight count, timeout and error status as over HTTP."""
-        engine.inflight += 1
-        self._rids[rid] = engine
-        try:
-            async with asyncio.timeout(self.config.generate_timeout_s):
-                status, payload = await self._local[engine.url](body)
-        except ConnectionRefusedError as exc:
-            self._mark_down(engine, exc)
-            if last:
-                raise EngineUnavailable(0, str(exc), url=engine.url) from exc
-            return None
-        except ConnectionResetError as exc:  # accepted, then lost: never sent twice
-            self._mark_down(engine, exc)
-            raise EngineUnavailable(0, f"/generate lost: {exc}", url=engine.url) from exc
-        finally:
-            self._release(engine, rid)
-        if status != 200 or payload is None:  # None: a reply that never is one
-            raise SGLangError(status, error_message(payload), payload, url=engine.url)
-        return payload
-
-    async def _post_generate(
-        self, engine: _Engine, body: bytes, rid: str, last: bool
+    async def post_generate(
+        self, engine: EngineState, body: bytes, rid: str, last: bool
     ) -> aiohttp.ClientResponse | None:
         """One attempt: the 200 response, None to retry, or an exception."""
         timeout = _timeout(self.config.generate_timeout_s, self.config.control_timeout_s)
@@ -605,27 +545,32 @@ class SGLangTransport:
                 engine.url + "/generate", data=body, headers=_JSON, timeout=timeout
             )
         except aiohttp.ClientConnectorError as exc:  # nothing was sent: safe to retry anywhere
-            self._release(engine, rid)
-            self._mark_down(engine, exc)
+            self.release(engine, rid)
+            self.mark_down(engine, exc)
             if last:
                 raise EngineUnavailable(0, str(exc), url=engine.url) from exc
             return None
         except BaseException as exc:
-            self._release(engine, rid)
+            self.release(engine, rid)
             if isinstance(exc, aiohttp.ClientError):  # sent, maybe running: never retried
-                self._mark_down(engine, exc)
+                self.mark_down(engine, exc)
                 raise EngineUnavailable(0, f"/generate: {exc}", url=engine.url) from exc
             raise
         if resp.status == 200:
             return resp
         async with resp:
-            payload = await self._read(resp)
-        self._release(engine, rid)
+            payload = await self.read(resp)
+        self.release(engine, rid)
         if last or not router_refused(resp.status, payload):
             raise SGLangError(resp.status, error_message(payload), payload, url=engine.url)
         return None
 
-    def _release(self, engine: _Engine, rid: str) -> None:
+    def engine_of(self, rid: str) -> str | None:
+        """The URL of the engine running this client's ``/generate`` ``rid``, if open."""
+        engine = self._rids.get(rid)
+        return None if engine is None else engine.url
+
+    def release(self, engine: EngineState, rid: str) -> None:
         engine.inflight -= 1
         if self._rids.get(rid) is engine:
             del self._rids[rid]
@@ -640,31 +585,31 @@ class SGLangTransport:
         results = await asyncio.gather(*(self._probe(e) for e in self._engines))
         return dict(zip(self.urls, results, strict=True))
 
-    async def _get_first(self, url: str, paths: Sequence[str]) -> Any:
+    async def get_first(self, url: str, paths: Sequence[str]) -> Any:
         """GET the first path that is not 404 (renamed endpoints across versions)."""
         for path in paths[:-1]:
             try:
-                return await self._call(url, "GET", path, idempotent=True)
+                return await self.call(url, "GET", path, idempotent=True)
             except SGLangError as exc:
                 if exc.status not in (404, 405):
                     raise
-        return await self._call(url, "GET", paths[-1], idempotent=True)
+        return await self.call(url, "GET", paths[-1], idempotent=True)
 
     # ------------------------------------------------------------------ router workers
 
-    def _router_url(self) -> str:
+    def router_url(self) -> str:
         if not self.router:
             raise ValueError("worker management needs SGLangClient(url, router=True)")
         return self._engines[0].url
 
     async def list_workers(self) -> list[dict[str, Any]]:
         """The router's workers (``GET /workers``; legacy ``/list_workers`` gives urls only)."""
-        router = self._router_url()
+        router = self.router_url()
         try:
-            reply = await self._call(router, "GET", "/workers", idempotent=True)
+            reply = await self.call(router, "GET", "/workers", idempotent=True)
             return list(reply.get("workers", []))
         except SGLangError as exc:
             if exc.status != 404:
                 raise
-        reply = await self._call(router, "GET", "/list_workers", idempotent=True)
+        reply = await self.call(router, "GET", "/list_workers", idempotent=True)
         return [{"url": u} for u in reply.get("urls", [])]

@@ -1,12 +1,14 @@
 """The SGLang client's weight-update calls (``docs/sglang_api.md`` sections 2.1 to 2.5).
 
-``WeightUpdateCalls`` adds one method per weight endpoint to the transport: updates from
-disk, the distributed group (init, destroy, update) and the begin/end session servers
-from 0.5.21 require. Calls that start a collective return a ``PendingCall`` as soon as
-their requests are written, so the trainer can broadcast while the servers receive.
+``WeightUpdateCalls`` holds the client's ``SGLangTransport`` and makes one call per weight
+endpoint through it: updates from disk, the distributed group (init, destroy, update) and
+the begin/end session servers from 0.5.21 require. It keeps what it learns per engine:
+the server's version and whether a begin/end session is open. Calls that start a
+collective return a ``PendingCall`` as soon as their requests are written, so the trainer
+can broadcast while the servers receive.
 The full sequence (pause, flush, update, continue) is ``SGLangClient.update_weights``.
 
-Users: ``SGLangClient`` (``sglang_client.py``) is its subclass.
+Users: ``SGLangClient`` (``sglang_client.py``) holds one as ``client.weights``.
 """
 
 from __future__ import annotations
@@ -58,8 +60,14 @@ class PendingCall:
         return self.wait().__await__()
 
 
-class WeightUpdateCalls(SGLangTransport):
+class WeightUpdateCalls:
     """One method per weight-update endpoint, on one engine or on every control target."""
+
+    def __init__(self, transport: SGLangTransport) -> None:
+        self.transport = transport
+        self.config = transport.config
+        self._server_versions: dict[str, tuple[int, ...] | None] = {}
+        self._sessions_open: set[str] = set()
 
     async def update_weights_from_disk(
         self,
@@ -85,7 +93,7 @@ class WeightUpdateCalls(SGLangTransport):
             body["abort_all_requests"] = True
         if load_format is not None:
             body["load_format"] = load_format
-        return await self._post_each(
+        return await self.transport.post_each(
             url,
             "/update_weights_from_disk",
             body,
@@ -99,9 +107,9 @@ class WeightUpdateCalls(SGLangTransport):
 
         The trainer is rank 0; each engine's TP ranks follow (``tp_size`` from server info).
         """
-        targets = await self._targets(None)
+        targets = await self.transport.targets(None)
         infos = await gather_replies(
-            {u: self._get_first(u, ("/get_server_info", "/server_info")) for u in targets}
+            {u: self.transport.get_first(u, ("/get_server_info", "/server_info")) for u in targets}
         )
         offsets, next_rank = {}, 1
         for target in targets:
@@ -120,7 +128,7 @@ class WeightUpdateCalls(SGLangTransport):
         watches = {u: SentWatch(len(msgspec.json.encode(bodies[u]))) for u in urls}
         tasks = {
             u: asyncio.create_task(
-                self._admin(
+                self.transport.admin(
                     u,
                     path,
                     bodies[u],
@@ -182,7 +190,7 @@ class WeightUpdateCalls(SGLangTransport):
     ) -> None:
         """``/destroy_weights_update_group`` on one or every engine."""
         body = {"group_name": group_name}
-        await self._post_each(
+        await self.transport.post_each(
             url, "/destroy_weights_update_group", body, idempotent=False, admin=True
         )
 
@@ -195,10 +203,12 @@ class WeightUpdateCalls(SGLangTransport):
 
         async def begin(u: str) -> None:
             if await self._needs_session(u) and u not in self._sessions_open:
-                await self._admin(u, "/begin_weight_update", {"selector": "all"}, idempotent=False)
+                await self.transport.admin(
+                    u, "/begin_weight_update", {"selector": "all"}, idempotent=False
+                )
                 self._sessions_open.add(u)
 
-        await self._each(url, begin)
+        await self.transport.each(url, begin)
 
     async def end_weight_update(self, *, url: str | None = None) -> None:
         """Close the session ``begin_weight_update`` opened (runs post-load hooks)."""
@@ -206,7 +216,7 @@ class WeightUpdateCalls(SGLangTransport):
         async def end(u: str) -> None:
             if u in self._sessions_open:
                 self._sessions_open.discard(u)
-                await self._admin(
+                await self.transport.admin(
                     u,
                     "/end_weight_update",
                     {},
@@ -214,7 +224,7 @@ class WeightUpdateCalls(SGLangTransport):
                     timeout_s=self.config.update_timeout_s,
                 )
 
-        await self._each(url, end)
+        await self.transport.each(url, end)
 
     async def update_weights_from_distributed(
         self,
@@ -252,7 +262,7 @@ class WeightUpdateCalls(SGLangTransport):
         ):
             if value is not None:
                 body[key] = value
-        targets = await self._targets(url)
+        targets = await self.transport.targets(url)
         fresh = [
             u for u in targets if u not in self._sessions_open and await self._needs_session(u)
         ]
@@ -268,6 +278,6 @@ class WeightUpdateCalls(SGLangTransport):
 
     async def _server_version(self, url: str) -> tuple[int, ...] | None:
         if url not in self._server_versions:
-            info = await self._get_first(url, ("/get_server_info", "/server_info"))
+            info = await self.transport.get_first(url, ("/get_server_info", "/server_info"))
             self._server_versions[url] = version_tuple(info.get("version"))
         return self._server_versions[url]

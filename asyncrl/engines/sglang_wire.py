@@ -6,14 +6,15 @@ parsing of ``/generate`` replies in every shape ``docs/sglang_api.md`` records
 envelopes of 1.7, 3.5 and 4.2), SSE line framing, and the checks on the
 ``sampling_params`` a client may send.
 
-Users: ``sglang_client.py``, ``sglang_transport.py`` and ``sglang_weights.py``;
+Users: ``sglang_client.py``, ``sglang_transport.py``, ``sglang_weights.py`` and
+``in_process.py``;
 ``sglang_client`` re-exports the public names, so callers import them from there.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -305,6 +306,26 @@ def sampling_dict(params: SamplingParams | Mapping[str, Any] | None) -> dict[str
     if struct.n != 1:
         raise ValueError(f"sampling_params.n is {struct.n}; send n requests with distinct rids")
     return sent
+
+
+def generate_body(
+    input_ids: Sequence[int],
+    sampling_params: SamplingParams | Mapping[str, Any] | None,
+    rid: str,
+    *,
+    return_logprob: bool = True,
+    stream: bool = False,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A ``/generate`` body (section 1.1); ``extra`` adds top-level keys (``lora_path``)."""
+    return {
+        **(extra or {}),
+        "input_ids": list(input_ids),
+        "rid": rid,
+        "sampling_params": sampling_dict(sampling_params),
+        "return_logprob": return_logprob,
+        "stream": stream,
+    }
 
 
 def _non_defaults(params: SamplingParams) -> dict[str, Any]:

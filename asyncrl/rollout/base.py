@@ -24,7 +24,8 @@ Reward = float | dict[str, float]
 
 
 class Generator(Protocol):
-    """What a workflow calls to generate (``SGLangClient`` is one, for every engine)."""
+    """What a workflow calls to generate: ``SGLangClient`` for engines reached over HTTP,
+    ``InProcessGenerator`` for embedded engines in the actor's own process."""
 
     async def generate(
         self,

@@ -3,15 +3,16 @@
 ``EngineConfig.type``:
 
 - ``torch``: the embedded ``TorchEngine`` runs in the rollout actor's process behind the
-  SGLang-compatible ``EngineServer`` on a loopback port; workflows reach it through the
-  same ``SGLangClient`` as any engine (``in_process``: its non-stream ``/generate`` calls
-  are direct calls into the server, not loopback HTTP). Weights are copied straight into
-  the model at a decode-step boundary (any transport: pull, disk or dist).
+  SGLang-compatible ``EngineServer`` on a loopback port. Workflows generate through an
+  ``InProcessGenerator`` (``in_process``: direct calls into the server, no loopback
+  HTTP), or through the ``SGLangClient`` as with any engine (``in_process: false``).
+  Weights are copied straight into the model at a decode-step boundary (any transport:
+  pull, disk or dist).
 - ``sglang``: SGLang servers (or an ``sglang-router``) at ``urls``, started elsewhere;
   weights go by ``/update_weights_from_disk`` (the ``disk`` transport).
 - ``sim``: ``sim_engines`` ``SimEngine``s (no model, time from ``sim``'s latency model),
-  each behind its own loopback server, the client rotating over them like over SGLang
-  servers; their vocabulary and EOS come from ``model_path``'s ``config.json`` when given
+  each behind its own loopback server, the generator (or the client) spreading calls
+  over them; their vocabulary and EOS come from ``model_path``'s ``config.json`` when given
   (so a real trainer can train on their tokens). Weight updates take modelled time.
 
 ``on_update``: ``continue`` keeps in-flight requests going (their later tokens carry the
@@ -20,20 +21,25 @@ samples go back to the buffer and resume on the new weights. Colocated jobs ``sl
 the engines (flush, release memory) before each train step and ``wake`` them for the new
 weights. Used by ``actors/rollout.py``.
 
-Engines at ``urls`` are health-checked (``health_check_s``): one that fails
-``/health_generate`` leaves the client's rotation, and before it rejoins, ``catch_up``
-loads into it the version every other engine has (under the same lock as ``load``, so a
-returning engine never misses an update made meanwhile).
+``EngineHost`` is the one owner of the engines' weights: ``version`` and ``last`` (the
+announcement every engine in rotation has loaded) change only under its loading lock, in
+``load``, ``load_tensors`` and ``reload``. Engines at ``urls`` are health-checked
+(``health_check_s``): one that fails ``/health_generate`` leaves the client's rotation,
+and before it rejoins, ``catch_up`` loads into it the version every other engine has
+(under the same lock, so a returning engine never misses an update made meanwhile). An
+engine actor that restarted with its initial weights is brought back by ``reload``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.engines.sglang_client import SGLangClient
+from asyncrl.engines.sglang_client import SGLangClient, SGLangError
 from asyncrl.observe.logs import get_logger
 from asyncrl.rollout.config import EngineConfig, sim_shape
+from asyncrl.wire.errors import PeerLost, RemoteError
 
 log = get_logger("asyncrl.rollout")
 
@@ -43,12 +49,17 @@ if TYPE_CHECKING:
     from asyncrl.engines.server import EngineServer
     from asyncrl.engines.sim_engine import SimEngine
     from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.rollout.base import Generator
     from asyncrl.trainers.weight_sync import WeightReceiver
     from asyncrl.wire.messages import WeightVersion
 
 
 class EngineHost:
-    """Starts (or connects to) the engines; ``client`` is what workflows generate with."""
+    """Starts (or connects to) the engines and owns their weights (module docstring).
+
+    ``generator`` is what workflows generate with; ``client`` makes the control calls
+    (abort, pause, memory, weights) on every engine.
+    """
 
     def __init__(
         self, config: EngineConfig, *, wait_ready_s: float | None = None, api_key: str | None = None
@@ -60,9 +71,10 @@ class EngineHost:
         self.sims: list[SimEngine] = []  # every sim engine (engine is the first)
         self.servers: list[EngineServer] = []
         self.client: SGLangClient | None = None
-        self.version = 0
-        self.last: WeightVersion | None = None  # the version every engine in rotation has
-        self._loading = asyncio.Lock()
+        self.generator: Generator | None = None
+        self.version = 0  # the version the engines serve; 0 until the first load
+        self.last: WeightVersion | None = None  # its announcement (None: not loaded by us)
+        self._loading = asyncio.Lock()  # one weight load at a time into the engines
 
     async def __aenter__(self) -> EngineHost:
         urls = list(self.config.urls)
@@ -73,12 +85,14 @@ class EngineHost:
         external = self.config.type == "sglang" and self.config.serve == "embedded"
         health = self.config.health_check_s if external and not self.config.router else None
         client_config = SGLangClient.Config(api_key=self.api_key, health_check_s=health)
-        local = {s.url: s.generate_local for s in self.servers} if self.config.in_process else {}
-        self.client = SGLangClient(
-            urls, router=self.config.router, config=client_config, local=local
-        )
-        self.client.on_return = self.catch_up
+        self.client = SGLangClient(urls, router=self.config.router, config=client_config)
+        self.client.transport.on_return = self.catch_up
         await self.client.__aenter__()
+        self.generator = self.client
+        if self.servers and self.config.in_process:
+            from asyncrl.engines.in_process import InProcessGenerator
+
+            self.generator = InProcessGenerator(self.servers)
         if self.wait_ready_s is not None:
             await self.wait_ready(self.wait_ready_s)
         return self
@@ -89,7 +103,7 @@ class EngineHost:
         try:
             async with asyncio.timeout(limit_s):
                 while True:  # polling: the engine is another process, no event to await
-                    if all((await self.client.health()).values()):
+                    if all((await self.client.transport.health()).values()):
                         return
                     await asyncio.sleep(0.5)
         except TimeoutError:
@@ -134,8 +148,9 @@ class EngineHost:
         """Copy pulled ``tensors`` into the embedded engine as ``version``."""
         if self.engine is None:
             raise ValueError("only the embedded engine takes tensors; SGLang loads from disk")
-        await self._update_embedded(tensors, version)
-        self.version = version
+        async with self._loading:
+            await self._update_embedded(tensors, version)
+            self.version = version
 
     async def _update_embedded(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Every embedded engine takes ``version`` (the sim engines together)."""
@@ -164,33 +179,65 @@ class EngineHost:
                 return
             if msg.transport != "disk":
                 raise ValueError(f"cannot bring {url} to version {msg.version}: not on disk")
-            await self.client.update_weights_from_disk(msg.location, msg.version, url=url)
+            await self.client.weights.update_weights_from_disk(msg.location, msg.version, url=url)
             log.warning("a returning engine was given the current weights", url=url,
                         version=msg.version)  # fmt: skip
 
-    async def load(self, msg: WeightVersion, receiver: WeightReceiver) -> None:
-        """Bring every engine (in rotation) to weight version ``msg.version``."""
-        async with self._loading:
-            await self._load(msg, receiver)
-            self.last = msg
-            if self.client is not None:
-                self.client.expected_version = msg.version
+    async def load(self, msg: WeightVersion, receiver: WeightReceiver | None) -> bool:
+        """Bring every engine (in rotation) to weight version ``msg.version``.
 
-    async def _load(self, msg: WeightVersion, receiver: WeightReceiver) -> None:
+        False when that version is gone before it could be loaded (the trainer stopped,
+        dropped it, or pruned its files): a newer announcement follows, so wait for it.
+        """
+        async with self._loading:
+            return await self._load_gone_ok(msg, receiver)
+
+    async def reload(self, receiver: WeightReceiver | None) -> int:
+        """An engine actor restarted with its initial weights: if it serves an older version
+        than ours, load ours again. If that version is gone, the engines say version 0
+        until the next announcement is loaded (so the buffer hands out no work for them).
+        Returns the version the engines serve now."""
+        assert self.client is not None
+        async with self._loading:
+            serving, msg = await self.client.weight_version(), self.last
+            if msg is None or serving >= msg.version:
+                return serving
+            self.version = 0
+            log.warning("a restarted engine serves old weights", engine=serving, ours=msg.version)
+            return msg.version if await self._load_gone_ok(msg, receiver) else 0
+
+    async def _load_gone_ok(self, msg: WeightVersion, receiver: WeightReceiver | None) -> bool:
+        try:
+            await self._load(msg, receiver)
+        except (PeerLost, RemoteError) as exc:
+            log.warning("weights not loaded", version=msg.version, error=str(exc))
+            return False
+        except SGLangError as exc:
+            if msg.transport != "disk" or await asyncio.to_thread(Path(msg.location).exists):
+                raise
+            log.warning("weights gone before loading", version=msg.version, error=str(exc))
+            return False
+        self.last, self.version = msg, msg.version
+        assert self.client is not None
+        self.client.transport.expected_version = msg.version
+        return True
+
+    async def _load(self, msg: WeightVersion, receiver: WeightReceiver | None) -> None:
         assert self.client is not None
         if self.config.on_update == "abort":
             await self.client.abort(abort_all=True)
         if self.engine is not None:
+            if receiver is None:
+                raise ValueError(f"version {msg.version}: an embedded engine needs a receiver")
             tensors = await receiver.fetch(msg)
             await self._update_embedded(tensors, msg.version)
         elif msg.transport == "disk":
-            await self.client.update_weights_from_disk(msg.location, msg.version)
+            await self.client.weights.update_weights_from_disk(msg.location, msg.version)
         else:
             raise ValueError(
                 f"SGLang engines take weights from disk; the trainer publishes by "
                 f"{msg.transport!r}: set the trainer's publish transport to disk"
             )
-        self.version = msg.version
 
 
 def _sim_engine(cfg: EngineConfig, *, seed: int = 0) -> SimEngine:
