@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from asyncrl.config import load_config
 from asyncrl.job import run_job
 from asyncrl.runtime.chaos import audit_run
 from asyncrl.runtime.run_dir import RunDirInUse, claim_run_dir
-from tests.test_train import LONG_RUN, job_flags, lines, write_prompts
+from tests.test_train import LONG_RUN, eval_flags, job_flags, lines, write_prompts
 from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -61,11 +62,13 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def train_in_a_process(tmp_path: Path, steps: int, **popen: Any) -> subprocess.Popen:
+def train_in_a_process(
+    tmp_path: Path, steps: int, extra: Sequence[str] = (), **popen: Any
+) -> subprocess.Popen:
     """``asyncrl train`` of a tiny audited job in a process of its own (its controller)."""
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl", n=32)
-    flags = [*job_flags(tmp_path, steps=steps), *LONG_RUN, *AUDITED, *QUICK_STOP]
+    flags = [*job_flags(tmp_path, steps=steps), *LONG_RUN, *AUDITED, *QUICK_STOP, *extra]
     code = "import sys; from asyncrl.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen([sys.executable, "-c", code, "train", *flags], **popen)
 
@@ -134,9 +137,13 @@ async def test_deleted_checkpoints_and_a_crash_end_the_job_instead_of_starting_o
 
 def test_ctrl_c_stops_the_job_in_order_and_says_how_to_go_on(tmp_path):
     run_dir = tmp_path / "run"
+    # With an eval actor whose next version is not due: the trainer must not wait for it
+    # to pull the version it stops at (that wait is for the final version only), or it
+    # outlives the stop timeout and is killed instead of exiting cleanly.
     job = train_in_a_process(
-        tmp_path, steps=200, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        tmp_path, steps=200, extra=eval_flags(tmp_path, 100),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     try:
         wait_for(lambda: len(lines(run_dir / "metrics.jsonl")) >= 2, 180, "two steps")
         job.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the controller

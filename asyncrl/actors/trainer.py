@@ -90,6 +90,7 @@ class TrainerActor(Actor):
         # Flushed per row: a row lost to a crash may be of a batch no restart trains again.
         self.audit = self.open_metrics(cfg.audit_path, flush_every=0) if cfg.audit_path else None
         self.num_steps = cfg.num_steps
+        self._finished = False  # the run ended (num_steps, or no more data), not a stop
         await self._open_channels()
         # Flushed per row (one a step): a row buffered when a kill comes may be of a step
         # at or before the checkpoint the restart resumes from, which is never retrained.
@@ -144,6 +145,7 @@ class TrainerActor(Actor):
             waited += wait
             if batch_reply.batch is None:
                 if batch_reply.exhausted:
+                    self._finished = True
                     self.request_stop("the buffer has no more data")
                 continue
             batch = batch_reply.batch
@@ -159,6 +161,7 @@ class TrainerActor(Actor):
                     await self._after_step(result, waited)
             waited = 0.0
         if self._done():  # a stop drains: the last acks go out and a checkpoint is taken
+            self._finished = True
             self.request_stop(f"trained {self.num_steps} steps")
 
     async def _train(self, batch: TrainBatch) -> StepResult | None:
@@ -253,7 +256,8 @@ class TrainerActor(Actor):
         async with self._stepping:
             await self._checkpoint()
         await self.batches.close(self.trainer.version, self.durable)
-        await self._linger()
+        if self._finished:  # a stop mid-run (Ctrl-C) has no final version to hand over
+            await self._linger()
 
     async def _linger(self) -> None:
         """Keep serving the final version until the subscribers named in
