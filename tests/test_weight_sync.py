@@ -121,7 +121,7 @@ async def test_dist_transport_broadcasts_each_version_to_every_subscriber(tmp_pa
     groups = await asyncio.gather(*joins)
     pub = Publisher(free_tcp_endpoint(), free_tcp_endpoint(), Codec(WeightVersion))
     async with pub:
-        sync = WeightPublisher(pub, transport="dist", group=groups[0])
+        sync = WeightPublisher(pub, transport="dist", group=groups[0], bucket_bytes=256)
         receivers = [
             WeightReceiver(pub.endpoint, pub.snapshot_endpoint, group=g) for g in groups[1:]
         ]

@@ -129,6 +129,7 @@ class TrainerActor(Actor):
             disk_dir=Path(publish.dir) if publish.dir else None,
             group=group,
             keep=publish.keep,
+            **({"bucket_bytes": publish.group.bucket_bytes} if publish.group else {}),
         )
 
     async def _join_group(self, publish: PublishConfig) -> BroadcastGroup:

@@ -204,3 +204,14 @@ class GroupConfig(BaseModel):
     world_size: int = Field(ge=2, description="1 + subscribers")
     rank: int = Field(0, ge=0, description="0: the trainer")
     backend: str = "gloo"
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="rendezvous, and each collective: a rank that never comes "
+        "fails the others' call after this long",
+    )
+    bucket_bytes: int = Field(
+        512 * 1024 * 1024,
+        gt=0,
+        description="bytes per broadcast bucket, as slime's --update-weight-buffer-size",
+    )

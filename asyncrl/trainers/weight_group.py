@@ -6,18 +6,23 @@ address both know from the config, and build a ``ProcessGroupGloo`` (CPU tensors
 so a DDP trainer's own group is untouched and several groups can coexist in a process.
 
 Blocking calls: run them in a worker thread (``asyncio.to_thread``). A broadcast waits for
-every rank, so a subscriber must take every version it is announced; used by
-``weight_sync`` for the ``dist`` transport.
+every rank, so a subscriber must take every version it is announced; one that never comes
+fails the others' broadcast after ``timeout_s`` (gloo's collective timeout) instead of
+hanging them. A version goes in buckets (``weight_buckets.py``): ``send_buckets`` on rank
+0, ``receive_buckets`` elsewhere. Used by ``weight_sync`` for the ``dist`` transport.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.trainers.config import GroupConfig
+from asyncrl.trainers.weight_buckets import Sink, empty_bucket, flatten, manifest_buckets, views
+from asyncrl.wire.messages import BlobManifest
 
 
 class BroadcastGroup:
@@ -56,7 +61,9 @@ class BroadcastGroup:
     @classmethod
     def join_config(cls, cfg: GroupConfig) -> BroadcastGroup:
         """``join`` with a ``GroupConfig``."""
-        return cls.join(cfg.address, cfg.rank, cfg.world_size, backend=cfg.backend)
+        return cls.join(
+            cfg.address, cfg.rank, cfg.world_size, backend=cfg.backend, timeout_s=cfg.timeout_s
+        )
 
     def broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Broadcast each tensor from rank 0 in list order (in place on other ranks)."""
@@ -64,3 +71,18 @@ class BroadcastGroup:
         opts.rootRank = 0
         for t in tensors:
             self.group.broadcast([t], opts).wait()
+
+    def send_buckets(self, manifest: BlobManifest, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Rank 0: each bucket of ``manifest`` flattened, one broadcast per bucket."""
+        for bucket in manifest_buckets(manifest):
+            self.broadcast([flatten(bucket, manifest.entries, tensors)])
+
+    def receive_buckets(
+        self, manifest: BlobManifest, sink: Sink, device: torch.device | str = "cpu"
+    ) -> None:
+        """Other ranks: each bucket into one buffer, then ``sink(name, view)`` per tensor."""
+        for bucket in manifest_buckets(manifest):
+            flat = empty_bucket(bucket, device)
+            self.broadcast([flat])
+            for name, view in views(bucket, manifest.entries, flat):
+                sink(name, view)

@@ -13,9 +13,10 @@ put where subscribers can fetch them, then a small ``WeightVersion`` is announce
   ``update_weights_from_disk``. The newest ``keep`` directories are kept.
 - ``dist``: the trainer (rank 0) and the subscribers share a ``BroadcastGroup``
   (``weight_group.py``; gloo, or nccl for CUDA tensors); after the announcement (which
-  carries the manifest: names, dtypes, shapes) every tensor is broadcast in manifest
-  order. The trainer waits for every subscriber: the fastest path between GPUs, and
-  the one where a stalled subscriber stalls the trainer.
+  carries the manifest: names, dtypes, shapes, and the bucket size as ``chunk_bytes``)
+  the tensors are broadcast in buckets (``weight_buckets.py``). The trainer waits for
+  every subscriber: the fastest path between GPUs, and the one where a stalled
+  subscriber stalls the trainer (until the group's timeout).
 
 Pub/sub is lossy and conflated (``wire/pubsub.py``): a receiver always moves to the newest
 announced version, and one that joins late asks for it, so none silently misses the
@@ -36,7 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from asyncrl.trainers.weight_group import BroadcastGroup
 from asyncrl.wire.blob import BlobClient, BlobServer, layout
-from asyncrl.wire.codec import Codec, torch_dtype
+from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import WouldBlock
 from asyncrl.wire.messages import WeightVersion
 from asyncrl.wire.pubsub import Publisher, Subscriber
@@ -67,6 +68,7 @@ class WeightPublisher:
         disk_dir: Path | None = None,
         group: BroadcastGroup | None = None,
         keep: int = 2,
+        bucket_bytes: int = 512 * 1024 * 1024,
     ) -> None:
         if transport == "pull" and blob is None:
             raise ValueError("transport 'pull' needs the trainer's BlobServer")
@@ -75,7 +77,7 @@ class WeightPublisher:
         if transport == "dist" and (group is None or group.rank != 0):
             raise ValueError("transport 'dist' needs a BroadcastGroup where the trainer is rank 0")
         self.publisher, self.transport, self.blob, self.group = publisher, transport, blob, group
-        self.disk_dir, self.keep = disk_dir, max(1, keep)
+        self.disk_dir, self.keep, self.bucket_bytes = disk_dir, max(1, keep), bucket_bytes
         self.latest: WeightVersion | None = None
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
@@ -105,10 +107,10 @@ class WeightPublisher:
 
     async def _broadcast(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
         assert self.group is not None
-        manifest = layout(tensors, chunk_bytes=1 << 30, blob=blob_name(version))
+        manifest = layout(tensors, chunk_bytes=self.bucket_bytes, blob=blob_name(version))
         msg = WeightVersion(version=version, transport="dist", location="", manifest=manifest)
         self.publisher.publish(TOPIC, msg)  # subscribers join the broadcast on seeing it
-        await asyncio.to_thread(self.group.broadcast, list(tensors.values()))
+        await asyncio.to_thread(self.group.send_buckets, manifest, tensors)
         self.latest = msg
         return msg
 
@@ -211,11 +213,16 @@ class WeightReceiver:
     ) -> dict[str, torch.Tensor]:
         if self.group is None or msg.manifest is None:
             raise ValueError("a 'dist' weight version needs the receiver's BroadcastGroup")
-        entries = msg.manifest.entries
-        if out is None:
-            out = {e.name: torch.empty(e.shape, dtype=torch_dtype(e.dtype)) for e in entries}
-        await asyncio.to_thread(self.group.broadcast, [out[e.name] for e in entries])
-        return out
+        got: dict[str, torch.Tensor] = {} if out is None else out
+
+        def sink(name: str, view: torch.Tensor) -> None:
+            if out is None:
+                got[name] = view.clone()
+            else:
+                out[name].copy_(view)
+
+        await asyncio.to_thread(self.group.receive_buckets, msg.manifest, sink)
+        return got
 
     async def _client(self, endpoint: str) -> BlobClient:
         client = self._clients.get(endpoint)

@@ -1,0 +1,107 @@
+"""Weight buckets for the ``dist`` transport: the plan both ends compute from a manifest,
+flattening and the views a receiver copies out, and a bucketed broadcast over gloo."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from asyncrl.trainers.weight_buckets import (
+    Bucket,
+    empty_bucket,
+    flatten,
+    manifest_buckets,
+    plan_buckets,
+    views,
+)
+from asyncrl.wire.blob import layout
+from asyncrl.wire.sockets import free_tcp_endpoint
+
+
+def model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": torch.randn(40, 8, generator=g),  # 1280 bytes
+        "norm1": torch.randn(8, generator=g),  # 32
+        "proj": torch.randn(8, 8, generator=g),  # 256
+        "half": torch.randn(4, 4, generator=g).to(torch.bfloat16),  # 32, another dtype
+        "norm2": torch.randn(8, generator=g),  # 32
+        "head": torch.randn(8, 3, generator=g),  # 96
+    }
+
+
+def test_a_plan_covers_every_tensor_once_in_order_one_dtype_per_bucket():
+    entries = layout(model(), chunk_bytes=1, blob="b").entries
+    plan = plan_buckets(entries, bucket_bytes=300)
+    assert plan == [
+        Bucket(0, 1, "float32", 320),  # larger than a bucket: alone
+        Bucket(1, 3, "float32", 72),  # 32 + 256 fit 300
+        Bucket(3, 4, "bfloat16", 16),  # a dtype change starts a bucket
+        Bucket(4, 6, "float32", 32),
+    ]
+    covered = [i for b in plan for i in range(b.start, b.end)]
+    assert covered == list(range(len(entries)))
+    assert plan_buckets(entries, 1 << 30) == [
+        Bucket(0, 3, "float32", 392), Bucket(3, 4, "bfloat16", 16), Bucket(4, 6, "float32", 32),
+    ]  # fmt: skip
+    assert plan_buckets([], 100) == []
+    with pytest.raises(ValueError, match="positive"):
+        plan_buckets(entries, 0)
+
+
+def test_views_of_a_flattened_bucket_are_the_tensors_again():
+    tensors = model()
+    manifest = layout(tensors, chunk_bytes=300, blob="b")
+    for bucket in manifest_buckets(manifest):
+        flat = flatten(bucket, manifest.entries, tensors)
+        assert flat.dim() == 1 and flat.numel() == bucket.numel
+        received = empty_bucket(bucket)
+        received.copy_(flat)
+        for name, view in views(bucket, manifest.entries, received):
+            assert torch.equal(view, tensors[name]) and view.dtype == tensors[name].dtype
+
+
+async def test_a_bucketed_broadcast_delivers_every_tensor_to_every_rank():
+    from asyncrl.trainers.weight_group import BroadcastGroup
+
+    address = free_tcp_endpoint().removeprefix("tcp://")
+    groups = await asyncio.gather(
+        *(asyncio.to_thread(BroadcastGroup.join, address, r, 3) for r in range(3))
+    )
+    tensors = model(7)
+    manifest = layout(tensors, chunk_bytes=300, blob="b")  # four buckets, two dtypes
+    got: list[dict[str, torch.Tensor]] = [{}, {}]
+
+    def receive(rank: int) -> None:
+        sink = got[rank - 1]
+        groups[rank].receive_buckets(manifest, lambda n, v: sink.__setitem__(n, v.clone()))
+
+    await asyncio.wait_for(
+        asyncio.gather(
+            asyncio.to_thread(groups[0].send_buckets, manifest, tensors),
+            *(asyncio.to_thread(receive, r) for r in (1, 2)),
+        ),
+        30,
+    )
+    for tensors_got in got:
+        assert tensors_got.keys() == tensors.keys()
+        assert all(torch.equal(tensors_got[k], tensors[k]) for k in tensors)
+
+
+async def test_a_receiver_whose_sender_never_sends_fails_after_the_timeout():
+    from asyncrl.trainers.weight_group import BroadcastGroup
+
+    address = free_tcp_endpoint().removeprefix("tcp://")
+    groups = await asyncio.gather(
+        *(asyncio.to_thread(BroadcastGroup.join, address, r, 2, timeout_s=1.0) for r in (0, 1))
+    )
+    manifest = layout(model(), chunk_bytes=300, blob="b")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):  # rank 0 (the trainer) died or stalled: no hang
+        await asyncio.wait_for(
+            asyncio.to_thread(groups[1].receive_buckets, manifest, lambda n, v: None), 30
+        )
+    assert time.monotonic() - start < 20
