@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: demo smollm2 word-problems arith-model calculator-model test lint config-doc bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends bench-cluster-sim \
-	bench-cluster-load bench-vs-trl bench-extra bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak clean
+	bench-cluster-load bench-vs-trl bench-extra bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak bench-weight-sync clean
 
 # The rest goes in with uv when it can be had (about 10 s, against about 100 s for pip on
 # a 2-core machine), else with pip; either way the pinned torch must still be there after.
@@ -99,6 +99,11 @@ bench-server: $(STAMP)
 
 bench-trainer: $(STAMP)
 	$(PY) bench/trainer.py
+
+# Weight sync (pull, dist, disk) of the real 135M model and a 0.5B-shaped one to 1 and 2
+# engine processes, each against its raw transport (about 10 minutes; needs smollm2).
+bench-weight-sync: smollm2
+	$(PY) bench/weight_sync.py
 
 bench-train-backends: $(STAMP)
 	$(PY) bench/train_backends.py

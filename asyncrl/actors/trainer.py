@@ -79,6 +79,7 @@ class TrainerActor(Actor):
         # row) are one: a drain waits for the step under way to finish all of it, so a
         # stop never leaves a trained version without its row or its announcement.
         self._stepping = asyncio.Lock()
+        self._finished = False  # the run ended (num_steps, or no more data), not a stop
 
     async def setup(self) -> None:
         cfg = self.config
@@ -90,7 +91,6 @@ class TrainerActor(Actor):
         # Flushed per row: a row lost to a crash may be of a batch no restart trains again.
         self.audit = self.open_metrics(cfg.audit_path, flush_every=0) if cfg.audit_path else None
         self.num_steps = cfg.num_steps
-        self._finished = False  # the run ended (num_steps, or no more data), not a stop
         await self._open_channels()
         # Flushed per row (one a step): a row buffered when a kill comes may be of a step
         # at or before the checkpoint the restart resumes from, which is never retrained.

@@ -1,0 +1,387 @@
+"""Weight sync: one version from a trainer to 1 and 2 engine processes, per transport,
+side by side with the raw transport moving the same bytes.
+
+Models: SmolLM2-135M-Instruct (the real model, fp32 as the trainer publishes it) and a
+random-init model of Qwen2.5-0.5B's shape (494M parameters, built from its config; no
+download). Transports, each against its raw counterpart in the same run:
+
+- ``pull``: ``WeightPublisher`` (BlobServer + announcement) to ``WeightReceiver``s that
+  pull into preallocated tensors (an engine's parameters) | raw: a pyzmq ROUTER sends the
+  same bytes in the same chunks to each DEALER that asks (``bench/weights_publish.py``).
+- ``dist``: the trainer broadcasts the version in flat buckets over gloo to receivers
+  that copy each bucket out into their tensors | raw: a bare ``torch.distributed``
+  broadcast of the same bucket sizes into preallocated buffers, nothing copied out.
+- ``disk``: the trainer writes a safetensors directory (temp, then rename) and receivers
+  load it | raw: ``safetensors`` ``save_file`` and ``load_file`` of the same tensors.
+
+Time = from the publish call (or the go signal) until the last receiver holds every
+tensor; median over ``--versions`` after one warm-up, in ``--rounds`` rounds that
+alternate asyncrl and raw (a noisy spell hits both). Ratio = raw time / asyncrl time.
+Also each receiver's peak RSS above what it held once its destination tensors were
+allocated (an engine's weights are already there): what an update costs in memory.
+
+Run: ``.venv/bin/python bench/weight_sync.py`` (about 10 minutes on 2 cores; ``--quick``:
+the 135M model alone). Writes ``bench/results/weight_sync.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import uvloop
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncrl.trainers.weight_buckets import empty_bucket, manifest_buckets
+from asyncrl.trainers.weight_group import BroadcastGroup
+from asyncrl.trainers.weight_sync import WeightPublisher, WeightReceiver
+from asyncrl.wire.blob import BlobServer, layout
+from asyncrl.wire.codec import Codec
+from asyncrl.wire.messages import WeightVersion
+from asyncrl.wire.pubsub import Publisher
+from asyncrl.wire.sockets import free_tcp_endpoint
+
+CHUNK_BYTES = 4 * 1024 * 1024
+BUCKET_BYTES = 512 * 1024 * 1024
+TARGETS = {"pull": 0.8, "dist": 0.8}
+
+
+def real_model() -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.model_zoo import smollm2_dir
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), torch_dtype=torch.float32)
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+
+def qwen05_shape() -> dict[str, torch.Tensor]:
+    """Qwen2.5-0.5B's architecture (its config.json), random weights, fp32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+        max_position_embeddings=32768, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(cfg)
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+
+MODELS = {"smollm2-135m": real_model, "qwen2.5-0.5b-shape": qwen05_shape}
+
+
+# -- receiver processes ----------------------------------------------------------------
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def report(version: int, base: float) -> None:
+    done = time.perf_counter()
+    print(json.dumps({"version": version, "done": done, "extra_mb": rss_mb() - base}), flush=True)
+
+
+def allocate(manifest) -> dict[str, torch.Tensor]:
+    out = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in manifest.entries}
+    for t in out.values():
+        t.zero_()  # touch the pages: they count in the baseline, as an engine's weights do
+    return out
+
+
+async def child_asyncrl(opts: dict) -> None:
+    group = None
+    if opts["transport"] == "dist":
+        group = await asyncio.to_thread(
+            BroadcastGroup.join, opts["address"], opts["rank"], opts["world"]
+        )
+    async with WeightReceiver(
+        opts["pub"], opts["snap"], max_frame_bytes=64 << 20, group=group
+    ) as rx:
+        print("READY", flush=True)
+        out, base, seen = None, 0.0, 0
+        for _ in range(opts["versions"]):
+            msg = await rx.next_version(after=seen)
+            if out is None and msg.manifest is not None:
+                out, base = allocate(msg.manifest), rss_mb()
+            if msg.transport == "disk":
+                base = base or rss_mb()
+                await rx.fetch(msg)  # a safetensors load: it allocates what it reads
+            else:
+                await rx.fetch(msg, out=out)
+            seen = msg.version
+            report(seen, base)
+
+
+def child_raw_zmq(opts: dict) -> None:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(opts["endpoint"])
+    buf = np.zeros(opts["nbytes"], dtype=np.uint8)
+    base = rss_mb()
+    print("READY", flush=True)
+    for version in range(1, opts["versions"] + 1):
+        sys.stdin.readline()
+        sock.send(b"get")
+        got = 0
+        while got < len(buf):
+            frame = sock.recv(copy=False)
+            buf[got : got + len(frame)] = np.frombuffer(frame.buffer, dtype=np.uint8)
+            got += len(frame)
+        report(version, base)
+
+
+def child_raw_dist(opts: dict) -> None:
+    group = BroadcastGroup.join(opts["address"], opts["rank"], opts["world"])
+    sizes = [(n, getattr(torch, d)) for n, d in opts["buckets"]]
+    buffers = [torch.zeros(n, dtype=dtype) for n, dtype in sizes]
+    base = rss_mb()
+    print("READY", flush=True)
+    for version in range(1, opts["versions"] + 1):
+        group.broadcast(buffers)
+        report(version, base)
+
+
+def child_raw_disk(opts: dict) -> None:
+    from safetensors.torch import load_file
+
+    base = rss_mb()
+    print("READY", flush=True)
+    for version in range(1, opts["versions"] + 1):
+        path = sys.stdin.readline().strip()
+        load_file(path)
+        report(version, base)
+
+
+# -- the parent --------------------------------------------------------------------------
+def spawn(opts: dict) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--child", json.dumps(opts)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    return proc
+
+
+def ready(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        assert line == "READY", f"receiver failed to start: {line!r}"
+
+
+def read_done(procs: list[subprocess.Popen]) -> tuple[float, float]:
+    rows = []
+    for proc in procs:
+        assert proc.stdout is not None
+        rows.append(json.loads(proc.stdout.readline()))
+    return max(r["done"] for r in rows), max(r["extra_mb"] for r in rows)
+
+
+def finish(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.communicate(timeout=120)
+
+
+def measure_asyncrl(transport: str, tensors: dict, n: int, versions: int, tmp: Path):
+    """``(seconds per version, receivers' peak extra MB)``."""
+    pub_ep, snap_ep = free_tcp_endpoint(), free_tcp_endpoint()
+    address = free_tcp_endpoint().removeprefix("tcp://")
+
+    async def run() -> tuple[list[float], float]:
+        pub = Publisher(pub_ep, snap_ep, Codec(WeightVersion))
+        blob = BlobServer(free_tcp_endpoint(), chunk_bytes=CHUNK_BYTES, keep=2)
+        async with pub, blob:
+            opts = {"role": "asyncrl", "transport": transport, "pub": pub_ep, "snap": snap_ep,
+                    "versions": versions, "address": address, "world": n + 1}  # fmt: skip
+            procs = [spawn(opts | {"rank": r + 1}) for r in range(n)]
+            group = None
+            if transport == "dist":
+                group = await asyncio.to_thread(BroadcastGroup.join, address, 0, n + 1)
+            await asyncio.to_thread(ready, procs)
+            await asyncio.sleep(0.5)  # subscribed (a late one would get a snapshot)
+            sync = WeightPublisher(
+                pub, transport=transport, blob=blob, disk_dir=tmp / "weights", group=group,
+                bucket_bytes=BUCKET_BYTES,
+            )  # fmt: skip
+            times, extra = [], 0.0
+            for version in range(1, versions + 1):
+                start = time.perf_counter()
+                publish = asyncio.ensure_future(sync.publish(version, tensors))
+                done, mb = await asyncio.to_thread(read_done, procs)
+                await publish
+                times.append(done - start)
+                extra = max(extra, mb)
+            await asyncio.to_thread(finish, procs)
+            return times, extra
+
+    return uvloop.run(run())
+
+
+def measure_raw(transport: str, tensors: dict, n: int, versions: int, tmp: Path):
+    if transport == "pull":
+        return _raw_zmq(tensors, n, versions)
+    if transport == "dist":
+        return _raw_dist(tensors, n, versions)
+    return _raw_disk(tensors, n, versions, tmp)
+
+
+def _raw_zmq(tensors: dict, n: int, versions: int):
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]).numpy()
+    view = memoryview(flat)
+    endpoint = free_tcp_endpoint()
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    procs = [spawn({"role": "raw-zmq", "endpoint": endpoint, "nbytes": len(flat),
+                    "versions": versions}) for _ in range(n)]  # fmt: skip
+    ready(procs)
+    times, extra = [], 0.0
+    for _ in range(versions):
+        start = time.perf_counter()
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        for _ in procs:
+            peer, _ask = sock.recv_multipart()
+            for off in range(0, len(flat), CHUNK_BYTES):
+                sock.send_multipart([peer, view[off : off + CHUNK_BYTES]], copy=False)
+        done, mb = read_done(procs)
+        times.append(done - start)
+        extra = max(extra, mb)
+    finish(procs)
+    sock.close(linger=0)
+    return times, extra
+
+
+def _raw_dist(tensors: dict, n: int, versions: int):
+    manifest = layout(tensors, chunk_bytes=BUCKET_BYTES, blob="raw")
+    plan = manifest_buckets(manifest)
+    flats = []
+    for b in plan:
+        flat = empty_bucket(b)
+        flat.copy_(
+            torch.cat([tensors[e.name].reshape(-1) for e in manifest.entries[b.start : b.end]])
+        )
+        flats.append(flat)
+    address = free_tcp_endpoint().removeprefix("tcp://")
+    opts = {"role": "raw-dist", "address": address, "world": n + 1, "versions": versions,
+            "buckets": [[b.numel, b.dtype] for b in plan]}  # fmt: skip
+    procs = [spawn(opts | {"rank": r + 1}) for r in range(n)]
+    group = BroadcastGroup.join(address, 0, n + 1)
+    ready(procs)
+    times, extra = [], 0.0
+    for _ in range(versions):
+        start = time.perf_counter()
+        group.broadcast(flats)  # the same bucket sizes, no flattening, no copy out
+        done, mb = read_done(procs)
+        times.append(done - start)
+        extra = max(extra, mb)
+    finish(procs)
+    return times, extra
+
+
+def _raw_disk(tensors: dict, n: int, versions: int, tmp: Path):
+    from safetensors.torch import save_file
+
+    procs = [spawn({"role": "raw-disk", "versions": versions}) for _ in range(n)]
+    ready(procs)
+    times, extra = [], 0.0
+    for version in range(versions):
+        start = time.perf_counter()
+        path = tmp / f"raw_{version}.safetensors"
+        save_file(tensors, str(path))
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(f"{path}\n")
+            proc.stdin.flush()
+        done, mb = read_done(procs)
+        times.append(done - start)
+        extra = max(extra, mb)
+        path.unlink()
+    finish(procs)
+    return times, extra
+
+
+def compare(transport: str, tensors: dict, n: int, versions: int, rounds: int) -> dict:
+    ours: list[float] = []
+    raw: list[float] = []
+    ours_mb = raw_mb = 0.0
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            t, mb = measure_raw(transport, tensors, n, versions + 1, Path(tmp))
+            raw += t[1:]
+            raw_mb = max(raw_mb, mb)
+        with tempfile.TemporaryDirectory() as tmp:
+            t, mb = measure_asyncrl(transport, tensors, n, versions + 1, Path(tmp))
+            ours += t[1:]
+            ours_mb = max(ours_mb, mb)
+    ours_s, raw_s = statistics.median(ours), statistics.median(raw)
+    row = {"transport": transport, "engines": n, "asyncrl_s": ours_s, "raw_s": raw_s,
+           "ratio": raw_s / ours_s, "asyncrl_extra_mb": ours_mb,
+           "raw_extra_mb": raw_mb}  # fmt: skip
+    if transport in TARGETS:
+        row["target"] = {"want": TARGETS[transport], "met": row["ratio"] >= TARGETS[transport]}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="the 135M model only")
+    ap.add_argument("--transports", default="pull,dist,disk")
+    ap.add_argument("--out", default="bench/results/weight_sync.json")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        opts = json.loads(args.child)
+        role = opts["role"]
+        if role == "asyncrl":
+            uvloop.run(child_asyncrl(opts))
+        else:
+            {"raw-zmq": child_raw_zmq, "raw-dist": child_raw_dist,
+             "raw-disk": child_raw_disk}[role](opts)  # fmt: skip
+        return
+    torch.set_num_threads(2)
+    results = []
+    models = list(MODELS)[:1] if args.quick else list(MODELS)
+    for name in models:
+        tensors = MODELS[name]()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        print(f"\n{name}: {sum(t.numel() for t in tensors.values()) / 1e6:.1f}M parameters, "
+              f"{nbytes / 2**20:,.0f} MiB fp32, {len(tensors)} tensors")  # fmt: skip
+        print(f"{'transport':<10}{'engines':>8}{'asyncrl s':>11}{'raw s':>9}{'ratio':>7}"
+              f"{'GB/s':>7}{'extra MB':>10}{'raw MB':>8}")  # fmt: skip
+        for transport in args.transports.split(","):
+            for n in (1, 2):
+                row = compare(transport, tensors, n, args.versions, args.rounds)
+                row |= {"model": name, "bytes": nbytes}
+                results.append(row)
+                print(f"{transport:<10}{n:>8}{row['asyncrl_s']:>11.3f}{row['raw_s']:>9.3f}"
+                      f"{row['ratio']:>7.2f}{n * nbytes / row['asyncrl_s'] / 1e9:>7.2f}"
+                      f"{row['asyncrl_extra_mb']:>10.0f}{row['raw_extra_mb']:>8.0f}")  # fmt: skip
+        del tensors
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    out.write_text(json.dumps({"bench": "weight_sync", "time": stamp, "results": results,
+                               "bucket_bytes": BUCKET_BYTES, "chunk_bytes": CHUNK_BYTES,
+                               "threads": torch.get_num_threads()}, indent=2))  # fmt: skip
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
