@@ -12,7 +12,9 @@ download). Transports, each against its raw counterpart in the same run:
   that copy each bucket out into their tensors | raw: a bare ``torch.distributed``
   broadcast of the same bucket sizes into preallocated buffers, nothing copied out.
 - ``disk``: the trainer writes a safetensors directory (temp, then rename) and receivers
-  load it | raw: ``safetensors`` ``save_file`` and ``load_file`` of the same tensors.
+  load it and copy it into their tensors | raw: ``safetensors`` ``save_file`` and
+  ``load_file`` of the same tensors, copied the same way (a load maps the file lazily:
+  the copy is what reads it).
 
 Time = from the publish call (or the go signal) until the last receiver holds every
 tensor; median over ``--versions`` after one warm-up, in ``--rounds`` rounds that
@@ -30,7 +32,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -64,8 +65,20 @@ def real_model() -> dict[str, torch.Tensor]:
 
     from asyncrl.model_zoo import smollm2_dir
 
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), torch_dtype=torch.float32)
-    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32)
+    return untied(model.state_dict())
+
+
+def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict without tied duplicates (``lm_head`` = the embedding), as the trainer
+    publishes it (``Learner.hf_weights``)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in state.items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out[name] = t.detach().contiguous()
+    return out
 
 
 def qwen05_shape() -> dict[str, torch.Tensor]:
@@ -80,7 +93,7 @@ def qwen05_shape() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = Qwen2ForCausalLM(cfg)
-    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    return untied(model.state_dict())
 
 
 MODELS = {"smollm2-135m": real_model, "qwen2.5-0.5b-shape": qwen05_shape}
@@ -88,7 +101,12 @@ MODELS = {"smollm2-135m": real_model, "qwen2.5-0.5b-shape": qwen05_shape}
 
 # -- receiver processes ----------------------------------------------------------------
 def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS (VmHWM). Not ``ru_maxrss``: that keeps the RSS of the
+    parent it was forked from (the bench's, several GB), so a child's own peak hides."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def report(version: int, base: float) -> None:
@@ -101,6 +119,10 @@ def allocate(manifest) -> dict[str, torch.Tensor]:
     for t in out.values():
         t.zero_()  # touch the pages: they count in the baseline, as an engine's weights do
     return out
+
+
+def allocate_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros_like(t) for name, t in tensors.items()}
 
 
 async def child_asyncrl(opts: dict) -> None:
@@ -119,8 +141,12 @@ async def child_asyncrl(opts: dict) -> None:
             if out is None and msg.manifest is not None:
                 out, base = allocate(msg.manifest), rss_mb()
             if msg.transport == "disk":
-                base = base or rss_mb()
-                await rx.fetch(msg)  # a safetensors load: it allocates what it reads
+                loaded = await rx.fetch(msg)  # mapped lazily: the copy below reads it
+                if out is None:
+                    out, base = allocate_like(loaded), rss_mb()
+                for name, t in loaded.items():
+                    out[name].copy_(t)
+                del loaded
             else:
                 await rx.fetch(msg, out=out)
             seen = msg.version
@@ -158,11 +184,16 @@ def child_raw_dist(opts: dict) -> None:
 def child_raw_disk(opts: dict) -> None:
     from safetensors.torch import load_file
 
-    base = rss_mb()
+    out, base = None, 0.0
     print("READY", flush=True)
     for version in range(1, opts["versions"] + 1):
         path = sys.stdin.readline().strip()
-        load_file(path)
+        loaded = load_file(path)
+        if out is None:
+            out, base = allocate_like(loaded), rss_mb()
+        for name, t in loaded.items():
+            out[name].copy_(t)
+        del loaded
         report(version, base)
 
 
@@ -310,7 +341,9 @@ def _raw_disk(tensors: dict, n: int, versions: int, tmp: Path):
         done, mb = read_done(procs)
         times.append(done - start)
         extra = max(extra, mb)
-        path.unlink()
+        # Keep the newest 2, as the trainer does (keep=2): deleting a file at once would
+        # drop its dirty pages before they are ever written back, which no trainer does.
+        (tmp / f"raw_{version - 2}.safetensors").unlink(missing_ok=True)
     finish(procs)
     return times, extra
 

@@ -105,3 +105,16 @@ async def test_a_receiver_whose_sender_never_sends_fails_after_the_timeout():
             asyncio.to_thread(groups[1].receive_buckets, manifest, lambda n, v: None), 30
         )
     assert time.monotonic() - start < 20
+
+
+def test_bucket_buffers_reuse_one_buffer_per_dtype_and_grow_for_a_larger_bucket():
+    from asyncrl.trainers.weight_buckets import BucketBuffers
+
+    buffers = BucketBuffers()
+    a = buffers.get(Bucket(0, 1, "float32", 100))
+    b = buffers.get(Bucket(1, 2, "float32", 60))
+    assert b.data_ptr() == a.data_ptr() and b.numel() == 60  # the same memory again
+    c = buffers.get(Bucket(2, 3, "bfloat16", 10))
+    assert c.dtype == torch.bfloat16 and buffers.nbytes == 100 * 4 + 10 * 2
+    d = buffers.get(Bucket(3, 4, "float32", 200))
+    assert d.numel() == 200 and buffers.nbytes == 200 * 4 + 10 * 2  # grown, not added

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.trainers.config import GroupConfig
-from asyncrl.trainers.weight_buckets import Sink, empty_bucket, flatten, manifest_buckets, views
+from asyncrl.trainers.weight_buckets import BucketBuffers, Sink, flatten, manifest_buckets, views
 from asyncrl.wire.messages import BlobManifest
 
 
@@ -30,6 +30,7 @@ class BroadcastGroup:
 
     def __init__(self, group: dist.ProcessGroup, store: dist.TCPStore, rank: int, size: int):
         self.group, self._store, self.rank, self.world_size = group, store, rank, size
+        self.buffers = BucketBuffers()  # one bucket per dtype, reused every version
 
     @classmethod
     def join(
@@ -75,14 +76,17 @@ class BroadcastGroup:
     def send_buckets(self, manifest: BlobManifest, tensors: Mapping[str, torch.Tensor]) -> None:
         """Rank 0: each bucket of ``manifest`` flattened, one broadcast per bucket."""
         for bucket in manifest_buckets(manifest):
-            self.broadcast([flatten(bucket, manifest.entries, tensors)])
+            flat = flatten(bucket, manifest.entries, tensors, out=self.buffers.get(bucket))
+            self.broadcast([flat])
 
     def receive_buckets(
         self, manifest: BlobManifest, sink: Sink, device: torch.device | str = "cpu"
     ) -> None:
         """Other ranks: each bucket into one buffer, then ``sink(name, view)`` per tensor."""
+        if self.buffers.device != device:
+            self.buffers = BucketBuffers(device)
         for bucket in manifest_buckets(manifest):
-            flat = empty_bucket(bucket, device)
+            flat = self.buffers.get(bucket)
             self.broadcast([flat])
             for name, view in views(bucket, manifest.entries, flat):
                 sink(name, view)
