@@ -8,6 +8,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from asyncrl.actors.base import ActorSpec
@@ -290,3 +291,26 @@ async def test_stopping_some_actors_leaves_the_others_restartable(
         await sup.wait_until(lambda st: st["eval"].pid != killed and st["eval"].hello)
     assert prepared == ["eval"] and sup.status["eval"].restarts == 1
     assert sup.failure is None and sup.status["producer"].restarts == 0
+
+
+@pytest.mark.parametrize(
+    ("checkpointed", "expected"),
+    [(-1.0, False), (0.0, False), (2.0, True)],  # none; the base model only; a real one
+)
+async def test_a_restarted_trainer_must_find_a_checkpoint_only_once_one_was_complete(
+    tmp_path, checkpointed, expected
+):
+    """The real-model chaos run found this: a trainer SIGKILLed while writing its first
+    checkpoint (version 2, interval 2: seconds of writing on a 135M model) had reported
+    version 2, so its restart was told to expect a checkpoint, found none and failed the
+    job as lost state. What counts is the newest complete checkpoint it reported."""
+    from asyncrl.actors.base import CHECKPOINTED_STAT
+    from asyncrl.runtime.recovery import RestartHooks
+
+    trainer = msgspec.structs.replace(spec("trainer", "Recorder", tmp_path), role="trainer")
+    status = ActorStatus(name="trainer", role="trainer", version=2,
+                         stats={CHECKPOINTED_STAT: checkpointed})  # fmt: skip
+    hooks = RestartHooks(None, checkpoint_interval=2)  # type: ignore[arg-type]
+    restarted = await hooks.before_restart(trainer, status)
+    assert restarted is not None and restarted.incarnation.restarted
+    assert restarted.incarnation.state_expected is expected

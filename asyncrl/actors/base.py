@@ -60,6 +60,11 @@ EXIT_GRACE_S = 10.0
 _ANYTIME = ("stop", "pause", "resume", "stats")
 
 
+#: A trainer's heartbeat stat: the version of its newest complete checkpoint (-1: none).
+#: The supervisor's restart hooks read it to know whether a restart must find one.
+CHECKPOINTED_STAT = "checkpointed_version"
+
+
 class Incarnation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How this start of an actor comes about; the supervisor's restart hooks set it
     (``runtime/recovery.py``)."""

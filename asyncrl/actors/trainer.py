@@ -37,7 +37,7 @@ import shutil
 import time
 from pathlib import Path
 
-from asyncrl.actors.base import Actor, ActorSpec
+from asyncrl.actors.base import CHECKPOINTED_STAT, Actor, ActorSpec
 from asyncrl.actors.batches import BatchSource, BufferBatches, DumpedBatches
 from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.buffer.dump import BatchWriter
@@ -80,6 +80,11 @@ class TrainerActor(Actor):
         # stop never leaves a trained version without its row or its announcement.
         self._stepping = asyncio.Lock()
         self._finished = False  # the run ended (num_steps, or no more data), not a stop
+        # The newest version a complete checkpoint holds (-1: none is taken). Heartbeats
+        # report it: a restart must find a checkpoint only once one was complete, and
+        # ``version`` runs ahead of it while a checkpoint is written (seconds on a real
+        # model).
+        self.durable = -1
 
     async def setup(self) -> None:
         cfg = self.config
@@ -280,7 +285,12 @@ class TrainerActor(Actor):
         return await super().on_command(cmd)
 
     def stats(self) -> dict[str, float]:
-        return {"steps": float(self.steps_done), "skipped": float(self.skipped), **self._last}
+        return {
+            "steps": float(self.steps_done),
+            "skipped": float(self.skipped),
+            CHECKPOINTED_STAT: float(self.durable),
+            **self._last,
+        }
 
 
 _JOB_FILE = "job"

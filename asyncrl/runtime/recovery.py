@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from asyncrl.actors.base import ActorSpec, Incarnation
+from asyncrl.actors.base import CHECKPOINTED_STAT, ActorSpec, Incarnation
 from asyncrl.observe.logs import get_logger
 from asyncrl.wire.errors import PeerLost, RemoteError
 from asyncrl.wire.messages import Command
@@ -88,10 +88,12 @@ class RestartHooks:
             # journal): from then on, that state missing is an error, not a fresh start.
             return _restarted(spec, wrote_state=status.ran)
         elif spec.role == "trainer":
-            # A trainer that reported a version at or past its checkpoint interval wrote a
-            # checkpoint: the restart must find one, not start again from the base model.
-            interval = self.checkpoint_interval
-            return _restarted(spec, wrote_state=interval > 0 and status.version >= interval)
+            # A trainer that reported a complete checkpoint past its start: the restart
+            # must find one, not start again from the base model. Not its version: that
+            # runs ahead while a checkpoint is written, and a kill then (seconds on a real
+            # model) leaves none to find; the buffer still holds every batch since.
+            wrote = status.stats.get(CHECKPOINTED_STAT, -1.0) > 0
+            return _restarted(spec, wrote_state=self.checkpoint_interval > 0 and wrote)
         return None
 
     async def after_restart(self, spec: ActorSpec) -> None:
