@@ -4,7 +4,6 @@ flattening and the views a receiver copies out, and a bucketed broadcast over gl
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -99,12 +98,12 @@ async def test_a_receiver_whose_sender_never_sends_fails_after_the_timeout():
         *(asyncio.to_thread(BroadcastGroup.join, address, r, 2, timeout_s=1.0) for r in (0, 1))
     )
     manifest = layout(model(), chunk_bytes=300, blob="b")
-    start = time.monotonic()
-    with pytest.raises(RuntimeError):  # rank 0 (the trainer) died or stalled: no hang
+    # Rank 0 (the trainer) died or stalled: gloo's timeout raises a RuntimeError. A hang
+    # would end in wait_for's TimeoutError instead, which this does not accept.
+    with pytest.raises(RuntimeError):
         await asyncio.wait_for(
             asyncio.to_thread(groups[1].receive_buckets, manifest, lambda n, v: None), 30
         )
-    assert time.monotonic() - start < 20
 
 
 def test_bucket_buffers_reuse_one_buffer_per_dtype_and_grow_for_a_larger_bucket():
