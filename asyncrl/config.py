@@ -271,10 +271,17 @@ class TrainConfig(Section):
         description="write RUN_DIR/trained.jsonl: every batch trained, with its group uids "
         "(what `asyncrl chaos` checks exactly-once training against)",
     )
-    publish: Literal["pull", "disk"] = Field(
+    publish: Literal["pull", "disk", "dist"] = Field(
         "pull",
-        description="weights to engines: chunked pull from the trainer, or safetensors on disk",
+        description="weights to engines: chunked pull from the trainer, safetensors on "
+        "disk, or broadcast in buckets over a gloo group (dist)",
         json_schema_extra={"flag": "update-weight-transport"},
+    )
+    update_weight_buffer_size: int = Field(
+        512 * 1024 * 1024,
+        gt=0,
+        description="dist: bytes per broadcast bucket (the memory an update takes on each side)",
+        json_schema_extra={"flag": "update-weight-buffer-size"},
     )
     metrics_interval: float = Field(5.0, gt=0, description="seconds between buffer metrics")
     debug_rollout_only: bool = Field(
@@ -453,6 +460,11 @@ class RunConfig(Section):
                 "eval.engine.serve: actor is not supported; the eval actor embeds its engine"
             )
         engine = self.rollout.engine
+        if self.train.publish == "dist" and engine is not None and engine.type == "sglang":
+            raise ValueError(
+                "--update-weight-transport dist reaches embedded engines (torch, sim) in a "
+                "job; SGLang servers take weights from disk: set --update-weight-transport disk"
+            )
         if engine is None or engine.serve != "actor":
             return
         if self.train.publish != "disk":

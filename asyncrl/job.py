@@ -75,6 +75,7 @@ from asyncrl.runtime.recovery import RestartHooks, restart_budgets
 from asyncrl.runtime.run_dir import claim_run_dir
 from asyncrl.runtime.supervisor import ActorDied, Supervisor, signal_reason
 from asyncrl.runtime.topology import job_specs, rollout_actor_names
+from asyncrl.trainers.config import GroupConfig
 from asyncrl.wire import security
 from asyncrl.wire.control import ControlServer
 
@@ -522,6 +523,16 @@ def _rollout_config(cfg: RunConfig, run_dir: Path, engine_key: str | None) -> Ro
         metrics_interval=cfg.train.metrics_interval,
         colocate=r.colocate,
         engine_api_key=engine_key,
+        weight_group=_weight_group(cfg),
+    )
+
+
+def _weight_group(cfg: RunConfig) -> GroupConfig | None:
+    """The dist transport's group: the trainer (rank 0) and every rollout actor."""
+    if cfg.train.publish != "dist":
+        return None
+    return GroupConfig(
+        world_size=1 + cfg.rollout.num_actors, bucket_bytes=cfg.train.update_weight_buffer_size
     )
 
 
@@ -552,6 +563,7 @@ def _trainer_config(
         transport=train.publish,
         keep=2,
         dir=str(run_dir / "weights") if train.publish == "disk" else None,
+        group=_weight_group(cfg),
         **final,
     )
     return TrainerActorConfig(

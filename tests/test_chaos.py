@@ -5,6 +5,7 @@ every consumed group in the trainer's own audit log."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -169,3 +170,55 @@ async def test_an_eval_actor_killed_after_the_trainer_exited_evaluates_the_final
     eval_log = [json.loads(x) for x in lines(run_dir / "logs" / "eval.jsonl")]
     final = [r for r in eval_log if r["event"] == "evaluated the final version"]
     assert [r["pid"] for r in final] != [chaos.kills[0].pid] and len(final) == 1, final
+
+
+class KillGroupMembers(Chaos):
+    """The dist transport's group under kills: once every rollout actor has taken a version
+    by broadcast, SIGKILL rollout-1 and wait until its successor takes one by broadcast
+    (the group re-formed with it); then SIGKILL the trainer and wait until both rollout
+    actors take one from its successor (re-formed again); then stop the run."""
+
+    async def run(self, sup: Supervisor) -> None:
+        await sup.wait_until(lambda _: sup.up)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._watch_back(sup), name="chaos.back")  # until the job ends
+            await self._broadcasts(sup, {"rollout-0": 1, "rollout-1": 1})
+            for victim in ("rollout-1", "trainer"):
+                await self._kill(sup, victim)
+                await sup.wait_until(lambda _: self.kills[-1].back_s is not None)
+                # Counts from now on are by the group formed after the kill.
+                counts = {r: self._count(sup, r) for r in ("rollout-0", "rollout-1")}
+                await self._broadcasts(sup, {r: n + 1 for r, n in counts.items()})
+            await self._stop_trainer(sup, "the group re-formed after each kill")
+
+    @staticmethod
+    def _count(sup: Supervisor, actor: str) -> int:
+        return int(sup.status[actor].stats.get("rollout/weights_broadcast", 0))
+
+    async def _broadcasts(self, sup: Supervisor, at_least: dict[str, int]) -> None:
+        await sup.wait_until(lambda _: all(self._count(sup, a) >= n for a, n in at_least.items()))
+
+
+async def test_the_dist_group_re_forms_after_a_member_and_the_trainer_are_killed(tmp_path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=64)
+    flags = [
+        *job_flags(tmp_path, steps=STEPS), *LONG_RUN, "--num-epoch", "40",
+        *["--rollout.num-actors", "2", "--update-weight-transport", "dist"],
+        *["--save-interval", "5", "--train.audit-log", "true"],
+    ]  # fmt: skip
+    chaos = KillGroupMembers([])
+    result = await asyncio.wait_for(run_job(load_config(overrides=flags), chaos=chaos), 300)
+    assert result.ok, result.error
+    assert [k.actor for k in chaos.kills] == ["rollout-1", "trainer"], chaos.kills
+    assert result.steps < STEPS  # stopped by the chaos: the group re-formed twice
+    audit = audit_run(tmp_path / "run", result.steps)
+    assert audit.ok and audit.lost == 0 and audit.duplicated == 0, audit.problems
+    # Rank 0 formed a group three times: at the start, after the member was lost, and the
+    # restarted trainer (a new incarnation, so a new id) once more.
+    trainer_log = [json.loads(x) for x in lines(tmp_path / "run" / "logs" / "trainer.jsonl")]
+    formed = [r["group"] for r in trainer_log if r["event"] == "weight group formed"]
+    assert len(set(formed)) == len(formed) >= 3, formed
+    assert len({g.rpartition("-")[0] for g in formed}) == 2, formed  # two trainer processes
+    failed = [r for r in trainer_log if r["event"].startswith("weight broadcast failed")]
+    assert failed and "rank" in failed[0], failed  # the lost member's broadcast, logged

@@ -1,5 +1,6 @@
-"""WeightPublisher and WeightReceiver over real sockets: pull and disk transports, late
-joiners, conflation to the newest version, pruning."""
+"""WeightPublisher and WeightReceiver over real sockets: pull, disk and dist transports,
+late joiners, conflation to the newest version, pruning; the dist group forming, losing a
+member, and re-forming with a replacement or a restarted trainer."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.trainers.config import GroupConfig
+from asyncrl.trainers.weight_group import GroupMembership
 from asyncrl.trainers.weight_sync import WeightPublisher, WeightReceiver, disk_path
 from asyncrl.wire.blob import BlobServer
 from asyncrl.wire.codec import Codec
@@ -113,39 +116,141 @@ def test_a_transport_without_its_store_is_refused():
         WeightPublisher(pub, transport="disk")
 
 
-async def test_dist_transport_broadcasts_each_version_to_every_subscriber(tmp_path):
-    from asyncrl.trainers.weight_group import BroadcastGroup
+GROUP = GroupConfig(world_size=3, timeout_s=20, join_timeout_s=10)
+BUCKET = 1 << 20
 
-    address = free_tcp_endpoint().removeprefix("tcp://")
-    joins = [asyncio.to_thread(BroadcastGroup.join, address, r, 3) for r in range(3)]
-    groups = await asyncio.gather(*joins)
+
+def big_weights(version: int) -> dict[str, torch.Tensor]:
+    """More than a socket buffer holds: a send to a dead rank fails before the rest go."""
+    return weights(version) | {"big": torch.full((BUCKET,), float(version))}
+
+
+class DistRig:
+    """A trainer's WeightPublisher (rank 0) and members' receivers, in this process."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.address = free_tcp_endpoint().removeprefix("tcp://")
+        self.pub = Publisher(free_tcp_endpoint(), free_tcp_endpoint(), Codec(WeightVersion))
+        self.blob = BlobServer(free_tcp_endpoint(), keep=2, chunk_bytes=256 * 1024)
+        self.receivers: dict[int, WeightReceiver] = {}
+        self.version = 0
+
+    async def __aenter__(self) -> DistRig:
+        await self.pub.__aenter__()
+        await self.blob.__aenter__()
+        self.start_trainer()
+        for rank in (1, 2):
+            await self.add(rank)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for rx in self.receivers.values():
+            rx.group.close()
+            await rx.__aexit__(None, None, None)
+        self.trainer.close()
+        await self.blob.aclose()
+        await self.pub.aclose()
+
+    def start_trainer(self) -> None:
+        self.trainer = GroupMembership(GROUP, rank=0, address=self.address)
+        self.trainer.open()
+        self.sync = WeightPublisher(
+            self.pub, transport="dist", blob=self.blob, group=self.trainer, bucket_bytes=BUCKET
+        )
+
+    async def add(self, rank: int) -> None:
+        group = GroupMembership(GROUP, rank=rank, address=self.address)
+        rx = WeightReceiver(self.pub.endpoint, self.pub.snapshot_endpoint, group=group)
+        self.receivers[rank] = await rx.__aenter__()
+
+    async def drop(self, rank: int) -> None:
+        """A member goes away: its connections close, as when its process dies."""
+        rx = self.receivers.pop(rank)
+        rx.group.close()
+        await rx.__aexit__(None, None, None)
+
+    async def step(self, limit_s: float = 60) -> WeightVersion:
+        """Publish the next version; every member takes it; all got the same tensors."""
+        self.version += 1
+        v = self.version
+
+        async def take(rx: WeightReceiver) -> dict[str, torch.Tensor]:
+            return await rx.fetch(await rx.next_version(after=v - 1))
+
+        # A TimeoutError here is a hang: a member stuck on a broadcast that never comes.
+        msg, *got = await asyncio.wait_for(
+            asyncio.gather(self.sync.publish(v, big_weights(v)),
+                           *(take(rx) for rx in self.receivers.values())),
+            limit_s,
+        )  # fmt: skip
+        assert all(same(tensors, big_weights(v)) for tensors in got)
+        return msg
+
+    async def until_broadcast(self) -> WeightVersion:
+        """Versions until one goes by broadcast (the group formed in the background)."""
+        for _ in range(100):
+            msg = await self.step()
+            if msg.formed:
+                return msg
+            await asyncio.sleep(0.1)
+        raise AssertionError("the weight group never formed")
+
+
+async def test_dist_pulls_while_the_group_forms_then_broadcasts_every_version(tmp_path):
+    async with DistRig(tmp_path) as rig:
+        first = await rig.step()
+        assert first.transport == "dist" and not first.formed and first.group  # pulled
+        formed = await rig.until_broadcast()
+        assert formed.group == first.group  # formed at the first try: everyone was there
+        for _ in range(3):
+            assert (await rig.step()).formed
+        for rx in rig.receivers.values():
+            assert rx.counts["broadcast"] >= 4 and rx.counts["pulled"] >= 1, rx.counts
+        # The manifest's chunks are the buckets; the blob (pull) keeps its own chunking.
+        assert formed.manifest is not None and formed.manifest.chunk_bytes == BUCKET
+
+
+async def test_a_lost_member_fails_one_broadcast_at_once_and_its_replacement_rejoins(tmp_path):
+    async with DistRig(tmp_path) as rig:
+        formed = await rig.until_broadcast()
+        survivor = rig.receivers[2]
+        before = sum(survivor.counts.values())
+        await rig.drop(1)  # rank 0 sends to rank 1 first: rank 2 is left waiting
+        # Rank 0's broadcast fails (the dead rank's connection is closed) and it aborts the
+        # group, so the survivor's receive fails at once too, not at the 20 s collective
+        # timeout: the version reaches it (by pull) well before that.
+        lost = await rig.step(limit_s=GROUP.timeout_s / 2)
+        assert lost.formed and lost.group == formed.group
+        assert rig.trainer.group is None  # dropped: the next version re-forms
+        assert sum(survivor.counts.values()) == before + 1
+        reforming = await rig.step()
+        assert not reforming.formed and reforming.group != formed.group  # a new id
+        await rig.add(1)  # the restarted member: it learns the id from the snapshot
+        again = await rig.until_broadcast()
+        assert again.group != formed.group
+        assert rig.receivers[1].counts["broadcast"] == 1
+
+
+async def test_a_restarted_trainer_forms_a_new_group_with_the_same_members(tmp_path):
+    async with DistRig(tmp_path) as rig:
+        formed = await rig.until_broadcast()
+        rig.trainer.close()  # the trainer process dies: its store and group go with it
+        rig.start_trainer()  # a new one serves the store at the same address
+        again = await rig.until_broadcast()
+        incarnation = formed.group.rpartition("-")[0]
+        assert again.group.rpartition("-")[0] != incarnation  # its own ids
+        assert all(rx.counts["broadcast"] >= 2 for rx in rig.receivers.values())
+
+
+def test_dist_needs_rank_0_and_the_blob_server_and_a_host_port(tmp_path):
     pub = Publisher(free_tcp_endpoint(), free_tcp_endpoint(), Codec(WeightVersion))
-    async with pub:
-        sync = WeightPublisher(pub, transport="dist", group=groups[0], bucket_bytes=256)
-        receivers = [
-            WeightReceiver(pub.endpoint, pub.snapshot_endpoint, group=g) for g in groups[1:]
-        ]
-        for rx in receivers:
-            await rx.__aenter__()
-        try:
-
-            async def take(rx: WeightReceiver, version: int) -> dict[str, torch.Tensor]:
-                return await rx.fetch(await rx.next_version(after=version - 1))
-
-            for version in (1, 2):
-                got = await asyncio.wait_for(
-                    asyncio.gather(
-                        sync.publish(version, weights(version)),
-                        *(take(rx, version) for rx in receivers),
-                    ),
-                    30,
-                )
-                assert all(same(tensors, weights(version)) for tensors in got[1:])
-                assert got[0].transport == "dist" and got[0].version == version
-        finally:
-            for rx in receivers:
-                await rx.__aexit__(None, None, None)
+    blob = BlobServer(free_tcp_endpoint())
+    member = GroupMembership(GROUP, rank=1, address="127.0.0.1:1")
     with pytest.raises(ValueError, match="rank 0"):
-        WeightPublisher(pub, transport="dist", group=groups[1])
+        WeightPublisher(pub, transport="dist", blob=blob, group=member)
+    with pytest.raises(ValueError, match="BlobServer"):
+        WeightPublisher(pub, transport="dist", group=member)
     with pytest.raises(ValueError, match="host:port"):
-        BroadcastGroup.join("nowhere", 0, 1)
+        GroupMembership(GROUP, rank=0, address="nowhere")
+    with pytest.raises(ValueError, match="outside a group of 3"):
+        GroupMembership(GROUP, rank=3, address="127.0.0.1:1")

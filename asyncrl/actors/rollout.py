@@ -158,12 +158,18 @@ class RolloutActor(Actor):
         self.receiver = await self.hold(receiver)
 
     async def _join_weight_group(self) -> Any:
-        group = self.config.weight_group
-        if group is None:
+        """The dist transport's group membership (rank: rollout-i is i + 1); the group
+        forms in the background once the trainer names it (``weight_group.py``)."""
+        cfg = self.config.weight_group
+        if cfg is None:
             return None
-        from asyncrl.trainers.weight_group import BroadcastGroup
+        from asyncrl.trainers.weight_group import GroupMembership
 
-        return await asyncio.to_thread(BroadcastGroup.join_config, group)
+        rank = cfg.rank if cfg.rank is not None else 1 + int(self.name.rpartition("-")[2])
+        address = cfg.address or self.spec.endpoints["trainer.group"]
+        membership = GroupMembership(cfg, rank=rank, address=address)
+        self.close_later(membership.close)
+        return membership
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -377,7 +383,15 @@ class RolloutActor(Actor):
             **{k: float(v) for k, v in getattr(getattr(self, "score", None), "stats", {}).items()},
             "rollout/in_flight": float(self._in_flight),
             **rates,
+            **self._weight_counts(),
         }
+
+    def _weight_counts(self) -> dict[str, float]:
+        """dist: versions taken by broadcast and by pull (the group forming, or failed)."""
+        receiver = getattr(self, "receiver", None)
+        if receiver is None or receiver.group is None:
+            return {}
+        return {f"rollout/weights_{k}": float(v) for k, v in receiver.counts.items()}
 
 
 def _samples_of(item: WorkItem) -> list[Sample]:

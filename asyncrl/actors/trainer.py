@@ -47,7 +47,7 @@ from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.trainers.backends import create_trainer
 from asyncrl.trainers.base import StepResult, Trainer, UntrainableBatch
-from asyncrl.trainers.weight_group import BroadcastGroup
+from asyncrl.trainers.weight_group import GroupMembership
 from asyncrl.trainers.weight_sync import WeightPublisher
 from asyncrl.types import BatchReply, BatchRequest, TrainBatch
 from asyncrl.wire.blob import BlobServer
@@ -118,7 +118,7 @@ class TrainerActor(Actor):
         )
         publish = cfg.publish
         blob = None
-        if publish.transport == "pull":
+        if publish.transport in ("pull", "dist"):  # dist: for those outside the group
             server = BlobServer(
                 ep["trainer.blob"],
                 chunk_bytes=self.wire.chunk_bytes,
@@ -137,11 +137,17 @@ class TrainerActor(Actor):
             **({"bucket_bytes": publish.group.bucket_bytes} if publish.group else {}),
         )
 
-    async def _join_group(self, publish: PublishConfig) -> BroadcastGroup:
-        """Rank 0 of the weight broadcast group; waits for every subscriber to join."""
-        if publish.group is None or publish.group.rank != 0:
+    async def _join_group(self, publish: PublishConfig) -> GroupMembership:
+        """Rank 0 of the weight broadcast group: serves its store; the group forms in the
+        background as the subscribers join (``weight_group.py``)."""
+        cfg = publish.group
+        if cfg is None or cfg.rank not in (0, None):
             raise ValueError("publish.transport dist needs publish.group, with rank 0")
-        return await asyncio.to_thread(BroadcastGroup.join_config, publish.group)
+        address = cfg.address or self.spec.endpoints["trainer.group"]
+        membership = GroupMembership(cfg, rank=0, address=address)
+        await asyncio.to_thread(membership.open)
+        self.close_later(membership.close)
+        return membership
 
     async def run(self) -> None:
         await self._publish()  # engines and the buffer learn where we start

@@ -345,6 +345,7 @@ class Supervisor:
             return  # it is being stopped: nothing to restart for
         st.hello, st.bye, st.hung, st.state, st.ran = False, None, "", "restarting", False
         st.exit_code, st.last_seen = None, time.monotonic()
+        st.stats = {}  # the dead incarnation's; the new one's come with its heartbeats
         handle = await self.runtime.start(spec)
         self.handles[name], st.pid = handle, handle.pid
         self._tg.create_task(self._watch_exit(handle), name=f"supervisor.exit.{name}")

@@ -4,9 +4,11 @@
     buffer      binds: buffer.work (rpc), buffer.results (reliable), buffer.batches (rpc),
                 buffer.events(+_snapshot) (pub/sub: APRIL aborts)
     engine-i    binds: engine-i.http (SGLang API; only with rollout.engine.serve: actor)
-    rollout-i   connects: buffer.work, buffer.results, trainer.weights(+_snapshot), trainer.blob
+    rollout-i   connects: buffer.work, buffer.results, trainer.weights(+_snapshot), trainer.blob,
+                trainer.group (dist)
                 (and engine-i.http, over HTTP)
-    trainer     binds: trainer.weights(+_snapshot) (pub/sub), trainer.blob (blob pull);
+    trainer     binds: trainer.weights(+_snapshot) (pub/sub), trainer.blob (blob pull),
+                trainer.group (the dist transport's rendezvous store, a torch TCPStore);
                 connects: buffer.batches
 
 Endpoints are assigned before any actor starts (``Runtime.place``: on one machine all on
@@ -35,6 +37,7 @@ ENDPOINTS = (
     "trainer.weights",
     "trainer.weights_snapshot",
     "trainer.blob",
+    "trainer.group",
 )
 
 

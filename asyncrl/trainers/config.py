@@ -200,15 +200,27 @@ class GroupConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    address: str = Field(description="host:port of rank 0 (the trainer), which serves the store")
+    address: str | None = Field(
+        None,
+        description="host:port of rank 0 (the trainer), which serves the store; "
+        "None: the job's trainer.group endpoint",
+    )
     world_size: int = Field(ge=2, description="1 + subscribers")
-    rank: int = Field(0, ge=0, description="0: the trainer")
+    rank: int | None = Field(
+        None, ge=0, description="0: the trainer; None: the trainer 0, rollout-i i + 1"
+    )
     backend: str = "gloo"
     timeout_s: float = Field(
         300.0,
         gt=0,
-        description="rendezvous, and each collective: a rank that never comes "
-        "fails the others' call after this long",
+        description="each collective: a rank that never comes fails the others' "
+        "broadcast after this long (a rank that dies fails it at once)",
+    )
+    join_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="forming the group: it forms only when every rank arrives; "
+        "until then, and after this long, versions go by pull and it is tried again",
     )
     bucket_bytes: int = Field(
         512 * 1024 * 1024,

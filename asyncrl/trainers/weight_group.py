@@ -1,35 +1,63 @@
-"""``BroadcastGroup``: a torch.distributed group of its own for weight broadcast.
+"""The weight broadcast group: ``BroadcastGroup`` (one formed group) and ``GroupMembership``
+(a process's rank in the job's group across re-formings).
 
-The trainer (rank 0) and every subscriber (ranks 1..N) rendezvous on a ``TCPStore`` at an
-address both know from the config, and build a ``ProcessGroupGloo`` (CPU tensors) or
-``ProcessGroupNCCL`` (CUDA tensors) directly on it. No default process group is created,
-so a DDP trainer's own group is untouched and several groups can coexist in a process.
+The trainer (rank 0) and every subscriber (ranks 1..N) rendezvous on a ``TCPStore`` that
+rank 0 serves, and build a ``ProcessGroupGloo`` (CPU tensors) or ``ProcessGroupNCCL``
+(CUDA tensors) directly on it. No default process group is created, so a DDP trainer's
+own group is untouched and several groups can coexist in a process.
 
 Blocking calls: run them in a worker thread (``asyncio.to_thread``). A broadcast waits for
-every rank, so a subscriber must take every version it is announced; one that never comes
-fails the others' broadcast after ``timeout_s`` (gloo's collective timeout) instead of
-hanging them. A version goes in buckets (``weight_buckets.py``): ``send_buckets`` on rank
-0, ``receive_buckets`` elsewhere. Used by ``weight_sync`` for the ``dist`` transport.
+every rank: a rank that died fails it at once, one that never comes fails it after
+``timeout_s``. A version goes in buckets (``weight_buckets.py``): ``send_buckets`` on rank
+0, ``receive_buckets`` elsewhere.
+
+Re-forming (``GroupMembership``): a gloo group cannot take a new member, so the job's
+group is formed again under a new id whenever a member is lost. Each id keys its own
+rendezvous in the store (``weights/<id>/``): ``<trainer incarnation>-<epoch>``. Rank 0
+starts forming an id in the background and names it in every announcement with
+``formed=False`` until every rank has arrived; members seeing a new id join it in the
+background too. A broadcast that fails makes rank 0 abort the group (so the members'
+half-done receives fail at once instead of at the timeout) and form the next id. Until a
+group is formed, and for a member whose broadcast failed, versions go by pull from the
+trainer's blob server. A restarted trainer is a new incarnation: new ids, one re-form.
+Used by ``weight_sync`` for the ``dist`` transport.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import ipaddress
+import os
+import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 
+from asyncrl.observe.logs import get_logger
 from asyncrl.trainers.config import GroupConfig
 from asyncrl.trainers.weight_buckets import BucketBuffers, Sink, flatten, manifest_buckets, views
 from asyncrl.wire.messages import BlobManifest
+
+log = get_logger("asyncrl.weights")
 
 
 class BroadcastGroup:
     """``world_size`` processes that broadcast tensors from rank 0."""
 
-    def __init__(self, group: dist.ProcessGroup, store: dist.TCPStore, rank: int, size: int):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        *,
+        timeout_s: float = 300.0,
+    ) -> None:
         self.group, self._store, self.rank, self.world_size = group, store, rank, size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
         self.buffers = BucketBuffers()  # one bucket per dtype, reused every version
 
     @classmethod
@@ -44,34 +72,54 @@ class BroadcastGroup:
     ) -> BroadcastGroup:
         """Rendezvous at ``address`` ("host:port"; rank 0 serves the store). Blocks until
         all ``world_size`` ranks arrive or ``timeout_s`` passes."""
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"weight group address must be host:port, got {address!r}")
+        host, port = split_address(address)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, int(port), world_size, rank == 0, timeout=timeout)
+        store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+        return cls.form(store, rank, world_size, backend=backend, join_timeout_s=timeout_s,
+                        timeout_s=timeout_s)  # fmt: skip
+
+    @classmethod
+    def form(
+        cls,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        join_timeout_s: float = 60.0,
+        timeout_s: float = 300.0,
+        bind: str | None = None,
+    ) -> BroadcastGroup:
+        """The group of the ranks meeting on ``store`` (prefix it to form several). Blocks
+        until every rank arrives; ``join_timeout_s`` bounds that (gloo). ``bind``: the
+        address gloo listens on (default: the host name's, or ``GLOO_SOCKET_IFNAME``)."""
         if backend == "gloo":
-            group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            gloo = dist.ProcessGroupGloo
+            options = gloo._Options()
+            options._timeout = datetime.timedelta(seconds=join_timeout_s)
+            options._devices = [
+                gloo.create_device(hostname=bind) if bind else gloo.create_default_device()
+            ]
+            group: dist.ProcessGroup = gloo(store, rank, world_size, options)
         elif backend == "nccl":
             group = dist.ProcessGroupNCCL(store, rank, world_size)
         else:
             raise ValueError(f"weight group backend must be gloo or nccl, got {backend!r}")
-        return cls(group, store, rank, world_size)
-
-    @classmethod
-    def join_config(cls, cfg: GroupConfig) -> BroadcastGroup:
-        """``join`` with a ``GroupConfig``."""
-        return cls.join(
-            cfg.address, cfg.rank, cfg.world_size, backend=cfg.backend, timeout_s=cfg.timeout_s
-        )
+        return cls(group, store, rank, world_size, timeout_s=timeout_s)
 
     def broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Broadcast each tensor from rank 0 in list order (in place on other ranks)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        opts.timeout = self.timeout
         for t in tensors:
             self.group.broadcast([t], opts).wait()
+
+    def abort(self) -> None:
+        """Close every connection now: the other ranks' calls fail at once."""
+        self.group.abort()
 
     def send_buckets(self, manifest: BlobManifest, tensors: Mapping[str, torch.Tensor]) -> None:
         """Rank 0: each bucket of ``manifest`` flattened, one broadcast per bucket."""
@@ -90,3 +138,150 @@ class BroadcastGroup:
             self.broadcast([flat])
             for name, view in views(bucket, manifest.entries, flat):
                 sink(name, view)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``("host", port)`` of ``"host:port"`` (or ``"tcp://host:port"``)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"weight group address must be host:port, got {address!r}")
+    return host, int(port)
+
+
+class GroupMembership:
+    """This process's rank in the job's weight group, re-formed when a member is lost.
+
+    ``id`` is the group formed or being formed (empty before any); ``group`` is it once
+    formed. Rank 0 calls ``usable`` before each version; the others ``notice`` every
+    announcement and ``for_version`` the one they take; either calls ``failed`` when a
+    broadcast fails. Joins run in daemon threads, each bounded by ``join_timeout_s``, so
+    none outlives the process.
+    """
+
+    def __init__(self, cfg: GroupConfig, *, rank: int, address: str) -> None:
+        if not 0 <= rank < cfg.world_size:
+            raise ValueError(f"weight group rank {rank} is outside a group of {cfg.world_size}")
+        self.cfg, self.rank, self.address = cfg, rank, split_address(address)
+        self.id = ""
+        self.group: BroadcastGroup | None = None
+        self._forming: Future[BroadcastGroup] | None = None
+        self._epoch = 0
+        self._incarnation = os.urandom(3).hex()  # rank 0: its ids differ from a predecessor's
+        self._store: dist.TCPStore | None = None
+
+    def open(self) -> None:
+        """Rank 0: serve the rendezvous store (blocking; the address must be free)."""
+        if self.rank == 0 and self._store is None:
+            host, port = self.address
+            self._store = dist.TCPStore(host, port, None, True, timeout=self._join_timeout,
+                                        wait_for_workers=False)  # fmt: skip
+
+    def close(self) -> None:
+        """Leave the group (its members' next broadcast fails at once, and re-forms)."""
+        self._drop()
+        self._forming, self._store = None, None
+
+    # -- rank 0 ---------------------------------------------------------------------------
+    def usable(self) -> BroadcastGroup | None:
+        """Rank 0, before a version: the formed group; None while one forms (this starts
+        forming the next id when none is)."""
+        if self.group is not None:
+            return self.group
+        forming = self._forming
+        if forming is not None and forming.done():
+            self._forming = None
+            try:
+                self.group = forming.result()
+            except Exception as exc:  # a rank did not arrive in time: try a new id
+                log.warning("weight group did not form; versions go by pull meanwhile",
+                            group=self.id, error=_first_line(exc))  # fmt: skip
+            else:
+                log.info("weight group formed", group=self.id, world_size=self.cfg.world_size)
+                return self.group
+        if self._forming is None:
+            self._epoch += 1
+            self._start(f"{self._incarnation}-{self._epoch}")
+        return None
+
+    # -- ranks 1..N -----------------------------------------------------------------------
+    def notice(self, group_id: str, formed: bool) -> None:
+        """Member, on any announcement (one skipped as old too): join a new id that is
+        still forming, in the background. A formed one we are not in lacks us: the next
+        id (rank 0 re-forms when its broadcast fails) will not."""
+        if group_id and group_id != self.id and not formed:
+            self._drop()
+            self._start(group_id)
+
+    async def for_version(self, group_id: str, formed: bool) -> BroadcastGroup | None:
+        """Member, on the announcement it takes: the group to receive it on, or None
+        (pull it)."""
+        self.notice(group_id, formed)
+        if not formed or group_id != self.id:
+            return None
+        forming = self._forming
+        if self.group is None and forming is not None:
+            # Rank 0 formed it; our side of the same rendezvous is finishing.
+            self._forming = None
+            try:
+                self.group = await asyncio.wait_for(asyncio.wrap_future(forming),
+                                                    self.cfg.join_timeout_s)  # fmt: skip
+            except Exception as exc:
+                log.warning("weight group join failed", group=group_id, error=_first_line(exc))
+        return self.group
+
+    def failed(self, exc: BaseException) -> None:
+        """A broadcast on the group failed: abort it (rank 0 forms a new one next)."""
+        log.warning("weight broadcast failed; versions go by pull until the group re-forms",
+                    group=self.id, rank=self.rank, error=_first_line(exc))  # fmt: skip
+        self._drop()
+
+    # -- both -----------------------------------------------------------------------------
+    @property
+    def _join_timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.cfg.join_timeout_s)
+
+    def _start(self, group_id: str) -> None:
+        self.id = group_id
+        forming: Future[BroadcastGroup] = Future()
+        self._forming = forming
+
+        def run() -> None:
+            try:
+                forming.set_result(self._form(group_id))
+            except BaseException as exc:  # handed to whoever waits on the future
+                forming.set_exception(exc)
+
+        threading.Thread(target=run, name=f"weight-group-{group_id}", daemon=True).start()
+
+    def _form(self, group_id: str) -> BroadcastGroup:
+        store = self._store
+        if store is None:  # a member: a store client of its own per rendezvous
+            host, port = self.address
+            store = dist.TCPStore(host, port, None, False, timeout=self._join_timeout)
+        cfg = self.cfg
+        return BroadcastGroup.form(
+            dist.PrefixStore(f"weights/{group_id}/", store),
+            self.rank,
+            cfg.world_size,
+            backend=cfg.backend,
+            join_timeout_s=cfg.join_timeout_s,
+            timeout_s=cfg.timeout_s,
+            # A job on one host keeps gloo's sockets on loopback too, not on every interface.
+            bind=self.address[0] if _is_loopback(self.address[0]) else None,
+        )
+
+    def _drop(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.abort()
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

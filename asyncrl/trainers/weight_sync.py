@@ -11,12 +11,15 @@ put where subscribers can fetch them, then a small ``WeightVersion`` is announce
   (written to a temporary directory, then renamed, so a reader never sees a partial
   file); a subscriber reads them, or passes the path to an engine's
   ``update_weights_from_disk``. The newest ``keep`` directories are kept.
-- ``dist``: the trainer (rank 0) and the subscribers share a ``BroadcastGroup``
+- ``dist``: the trainer (rank 0) and the subscribers form a broadcast group
   (``weight_group.py``; gloo, or nccl for CUDA tensors); after the announcement (which
   carries the manifest: names, dtypes, shapes, and the bucket size as ``chunk_bytes``)
   the tensors are broadcast in buckets (``weight_buckets.py``). The trainer waits for
   every subscriber: the fastest path between GPUs, and the one where a stalled
-  subscriber stalls the trainer (until the group's timeout).
+  subscriber stalls the trainer (until the group's timeout). Every version is also put
+  on the blob server, as for ``pull``: while the group forms or re-forms (a member was
+  lost), for a member whose broadcast failed, and for subscribers outside the group
+  (the eval actor), a version goes by pull.
 
 Pub/sub is lossy and conflated (``wire/pubsub.py``): a receiver always moves to the newest
 announced version, and one that joins late asks for it, so none silently misses the
@@ -35,7 +38,8 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncrl.trainers.weight_group import BroadcastGroup
+from asyncrl.observe.logs import get_logger
+from asyncrl.trainers.weight_group import GroupMembership
 from asyncrl.wire.blob import BlobClient, BlobServer, layout
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import WouldBlock
@@ -44,6 +48,7 @@ from asyncrl.wire.pubsub import Publisher, Subscriber
 
 Transport = Literal["pull", "disk", "dist"]
 TOPIC = "weights"
+log = get_logger("asyncrl.weights")
 
 
 def blob_name(version: int) -> str:
@@ -66,16 +71,16 @@ class WeightPublisher:
         transport: Transport = "pull",
         blob: BlobServer | None = None,
         disk_dir: Path | None = None,
-        group: BroadcastGroup | None = None,
+        group: GroupMembership | None = None,
         keep: int = 2,
         bucket_bytes: int = 512 * 1024 * 1024,
     ) -> None:
-        if transport == "pull" and blob is None:
-            raise ValueError("transport 'pull' needs the trainer's BlobServer")
+        if transport in ("pull", "dist") and blob is None:
+            raise ValueError(f"transport {transport!r} needs the trainer's BlobServer")
         if transport == "disk" and disk_dir is None:
             raise ValueError("transport 'disk' needs a directory (disk_dir)")
         if transport == "dist" and (group is None or group.rank != 0):
-            raise ValueError("transport 'dist' needs a BroadcastGroup where the trainer is rank 0")
+            raise ValueError("transport 'dist' needs a GroupMembership where the trainer is rank 0")
         self.publisher, self.transport, self.blob, self.group = publisher, transport, blob, group
         self.disk_dir, self.keep, self.bucket_bytes = disk_dir, max(1, keep), bucket_bytes
         self.latest: WeightVersion | None = None
@@ -102,16 +107,25 @@ class WeightPublisher:
         """Before the trainer exits: wait until each of ``pullers`` pulled the latest
         version. Disk and broadcast versions outlive the trainer or were delivered already,
         so they need no wait."""
-        if self.latest is not None and self.blob is not None and self.transport == "pull":
+        if self.latest is not None and self.blob is not None and self.latest.blob:
             await self.blob.wait_completed(self.latest.blob, pullers)
 
     async def _broadcast(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
+        """Put on the blob server, announce, broadcast if the group is formed."""
         assert self.group is not None
-        manifest = layout(tensors, chunk_bytes=self.bucket_bytes, blob=blob_name(version))
-        msg = WeightVersion(version=version, transport="dist", location="", manifest=manifest)
+        pulled = self._put_blob(version, tensors)
+        group = self.group.usable()
+        manifest = layout(tensors, chunk_bytes=self.bucket_bytes, blob=pulled.blob)
+        msg = WeightVersion(version=version, transport="dist", location=pulled.location,
+                            blob=pulled.blob, manifest=manifest, group=self.group.id,
+                            formed=group is not None)  # fmt: skip
         self.publisher.publish(TOPIC, msg)  # subscribers join the broadcast on seeing it
-        await asyncio.to_thread(self.group.send_buckets, manifest, tensors)
         self.latest = msg
+        if group is not None:
+            try:
+                await asyncio.to_thread(group.send_buckets, manifest, tensors)
+            except RuntimeError as exc:  # a member died or never came: it pulls instead
+                self.group.failed(exc)
         return msg
 
     def _put_blob(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
@@ -159,7 +173,7 @@ class WeightReceiver:
         *,
         max_frame_bytes: int = 64 * 1024 * 1024,
         window: int = 16,
-        group: BroadcastGroup | None = None,
+        group: GroupMembership | None = None,
         name: str = "weights",
         puller: str = "",
     ) -> None:
@@ -168,6 +182,8 @@ class WeightReceiver:
         self.subscriber = Subscriber(endpoint, snapshot_endpoint, codec, [TOPIC], name=name)
         self.window, self.max_frame_bytes, self.puller = window, max_frame_bytes, puller
         self._clients: dict[str, BlobClient] = {}
+        #: dist versions taken by broadcast, and by pull (the group forming or failed)
+        self.counts = {"broadcast": 0, "pulled": 0}
 
     async def __aenter__(self) -> WeightReceiver:
         await self.subscriber.__aenter__()
@@ -182,7 +198,7 @@ class WeightReceiver:
     async def next_version(self, after: int = -1) -> WeightVersion:
         """Wait for an announcement newer than ``after``; the newest one if several queued."""
         while True:
-            msg = (await self.subscriber.receive()).msg
+            msg = self._notice((await self.subscriber.receive()).msg)
             msg = self._newest_pending(msg)
             if msg.version > after:
                 return msg
@@ -190,11 +206,17 @@ class WeightReceiver:
     def _newest_pending(self, msg: WeightVersion) -> WeightVersion:
         while True:
             try:
-                newer = self.subscriber.receive_nowait().msg
+                newer = self._notice(self.subscriber.receive_nowait().msg)
             except WouldBlock:
                 return msg
             if newer.version > msg.version:
                 msg = newer
+
+    def _notice(self, msg: WeightVersion) -> WeightVersion:
+        """A dist announcement names the group to join, even one we skip."""
+        if self.group is not None and msg.transport == "dist":
+            self.group.notice(msg.group, msg.formed)
+        return msg
 
     async def fetch(
         self, msg: WeightVersion, *, out: dict[str, torch.Tensor] | None = None
@@ -211,18 +233,32 @@ class WeightReceiver:
     async def _receive_broadcast(
         self, msg: WeightVersion, out: dict[str, torch.Tensor] | None
     ) -> dict[str, torch.Tensor]:
-        if self.group is None or msg.manifest is None:
-            raise ValueError("a 'dist' weight version needs the receiver's BroadcastGroup")
-        got: dict[str, torch.Tensor] = {} if out is None else out
+        """Over the group when it is formed with us in it, else by pull (module doc)."""
+        if msg.manifest is None:
+            raise ValueError(f"'dist' weight version {msg.version} has no manifest")
+        group = await self.group.for_version(msg.group, msg.formed) if self.group else None
+        if group is not None:
+            got: dict[str, torch.Tensor] = {} if out is None else out
 
-        def sink(name: str, view: torch.Tensor) -> None:
-            if out is None:
-                got[name] = view.clone()
-            else:
-                out[name].copy_(view)
+            def sink(name: str, view: torch.Tensor) -> None:
+                if out is None:
+                    got[name] = view.clone()
+                else:
+                    out[name].copy_(view)
 
-        await asyncio.to_thread(self.group.receive_buckets, msg.manifest, sink)
-        return got
+            try:
+                await asyncio.to_thread(group.receive_buckets, msg.manifest, sink)
+                self.counts["broadcast"] += 1
+                return got
+            except RuntimeError as exc:  # rank 0 aborted it (a member died): pull this one
+                assert self.group is not None
+                self.group.failed(exc)
+        if not msg.blob:
+            raise ValueError(f"'dist' weight version {msg.version} names no blob to pull")
+        client = await self._client(msg.location)
+        tensors = await client.fetch(msg.blob, out=out)
+        self.counts["pulled"] += 1
+        return tensors
 
     async def _client(self, endpoint: str) -> BlobClient:
         client = self._clients.get(endpoint)

@@ -148,7 +148,8 @@ class WeightVersion(Message):
 
     ``transport`` says how to get the tensors: ``pull`` from the blob server at
     ``location`` (blob name ``blob``), ``disk`` from the directory ``location``, or
-    ``dist`` over the torch.distributed group named ``location``.
+    ``dist`` by broadcast on the weight group ``group`` (``manifest`` gives the buckets)
+    when ``formed``, else (the group still forming) by pull as for ``pull``.
     """
 
     version: int
@@ -156,6 +157,8 @@ class WeightVersion(Message):
     location: str
     blob: str = ""
     manifest: BlobManifest | None = None
+    group: str = ""
+    formed: bool = False
 
 
 class Probe(Message):
