@@ -8,9 +8,12 @@ download). Transports, each against its raw counterpart in the same run:
 - ``pull``: ``WeightPublisher`` (BlobServer + announcement) to ``WeightReceiver``s that
   pull into preallocated tensors (an engine's parameters) | raw: a pyzmq ROUTER sends the
   same bytes in the same chunks to each DEALER that asks (``bench/weights_publish.py``).
-- ``dist``: the trainer broadcasts the version in flat buckets over gloo to receivers
-  that copy each bucket out into their tensors | raw: a bare ``torch.distributed``
-  broadcast of the same bucket sizes into preallocated buffers, nothing copied out.
+- ``dist``: the trainer's ``GroupMembership`` (as in a job: the group formed in the
+  background, the first broadcast version is the warm-up) broadcasts the version in
+  buckets over gloo, a large tensor as itself and received straight into the
+  receivers' tensors, the small ones flattened and copied out | raw: a bare
+  ``torch.distributed`` broadcast of the same bucket sizes into preallocated buffers,
+  nothing copied.
 - ``disk``: the trainer writes a safetensors directory (temp, then rename) and receivers
   load it and copy it into their tensors | raw: ``safetensors`` ``save_file`` and
   ``load_file`` of the same tensors, copied the same way (a load maps the file lazily:
@@ -46,8 +49,9 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from asyncrl.trainers.config import GroupConfig
 from asyncrl.trainers.weight_buckets import empty_bucket, manifest_buckets
-from asyncrl.trainers.weight_group import BroadcastGroup
+from asyncrl.trainers.weight_group import BroadcastGroup, GroupMembership
 from asyncrl.trainers.weight_sync import WeightPublisher, WeightReceiver
 from asyncrl.wire.blob import BlobServer, layout
 from asyncrl.wire.codec import Codec
@@ -127,16 +131,15 @@ def allocate_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 async def child_asyncrl(opts: dict) -> None:
     group = None
-    if opts["transport"] == "dist":
-        group = await asyncio.to_thread(
-            BroadcastGroup.join, opts["address"], opts["rank"], opts["world"]
-        )
+    if opts["transport"] == "dist":  # as a rollout actor joins the job's group
+        config = GroupConfig(world_size=opts["world"])
+        group = GroupMembership(config, rank=opts["rank"], address=opts["address"])
     async with WeightReceiver(
         opts["pub"], opts["snap"], max_frame_bytes=64 << 20, group=group
     ) as rx:
         print("READY", flush=True)
         out, base, seen = None, 0.0, 0
-        for _ in range(opts["versions"]):
+        while True:  # until the parent kills us
             msg = await rx.next_version(after=seen)
             if out is None and msg.manifest is not None:
                 out, base = allocate(msg.manifest), rss_mb()
@@ -239,23 +242,40 @@ def measure_asyncrl(transport: str, tensors: dict, n: int, versions: int, tmp: P
                     "versions": versions, "address": address, "world": n + 1}  # fmt: skip
             procs = [spawn(opts | {"rank": r + 1}) for r in range(n)]
             group = None
-            if transport == "dist":
-                group = await asyncio.to_thread(BroadcastGroup.join, address, 0, n + 1)
+            if transport == "dist":  # as the trainer serves the job's group
+                group = GroupMembership(GroupConfig(world_size=n + 1), rank=0, address=address)
+                group.open()
             await asyncio.to_thread(ready, procs)
             await asyncio.sleep(0.5)  # subscribed (a late one would get a snapshot)
             sync = WeightPublisher(
                 pub, transport=transport, blob=blob, disk_dir=tmp / "weights", group=group,
                 bucket_bytes=BUCKET_BYTES,
             )  # fmt: skip
-            times, extra = [], 0.0
-            for version in range(1, versions + 1):
+
+            async def one(version: int) -> tuple[WeightVersion, float, float]:
                 start = time.perf_counter()
                 publish = asyncio.ensure_future(sync.publish(version, tensors))
                 done, mb = await asyncio.to_thread(read_done, procs)
-                await publish
-                times.append(done - start)
+                return await publish, done - start, mb
+
+            # Warm-up: dist versions go by pull until the group has formed; the first
+            # broadcast is the warm-up (compare() drops it), as the first pull is.
+            version = 1
+            msg, warm, extra = await one(version)
+            while transport == "dist" and not msg.formed:
+                await asyncio.sleep(0.5)
+                version += 1
+                msg, warm, extra = await one(version)
+            times = [warm]
+            for timed in range(version + 1, version + versions):
+                _, seconds, mb = await one(timed)
+                times.append(seconds)
                 extra = max(extra, mb)
-            await asyncio.to_thread(finish, procs)
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            if group is not None:
+                group.close()
             return times, extra
 
     return uvloop.run(run())

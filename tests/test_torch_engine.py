@@ -161,6 +161,58 @@ async def test_in_place_pause_and_weight_swap_stamps_new_tokens_with_the_new_ver
     assert set(out.versions[first_new:]) == {3} and engine.version == 3
 
 
+async def test_an_in_place_update_writes_the_model_while_no_step_runs(engine, tiny):
+    _, model, _ = tiny
+    new_weights = {k: v + 0.01 for k, v in model.state_dict().items() if "norm" not in k}
+    from asyncrl.wire.blob import layout
+
+    assert engine.takes_in_place(layout(new_weights, 1 << 20, "b"))
+    assert not engine.takes_in_place(layout({"nope": torch.zeros(2)}, 1 << 20, "b"))
+    steps_during: list[float] = []
+
+    async def fill(params: dict[str, torch.Tensor]) -> None:
+        before = engine.stats["steps"]
+        for name, t in new_weights.items():
+            params[name].copy_(t)
+            await asyncio.sleep(0)  # a transfer takes turns of the loop: no step may run
+        steps_during.append(engine.stats["steps"] - before)
+
+    request = GenerateRequest(
+        rid="in-place", input_ids=PROMPTS[0],
+        sampling=SamplingParams(max_new_tokens=60, ignore_eos=True, sampling_seed=1),
+    )  # fmt: skip
+    updated = False
+    async for out in engine.generate(request):
+        if not updated and len(out.output_ids) >= 5:
+            await engine.update_weights_in_place(fill, version=4)
+            updated = True
+    assert steps_during == [0] and not engine._paused and engine.stats["update_pause_s"] > 0
+    first_new = out.versions.index(4)
+    assert first_new >= 5 and set(out.versions[first_new:]) == {4} and len(out.versions) == 60
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in new_weights.items())
+
+
+async def test_a_failed_in_place_update_holds_decoding_until_an_update_completes(engine, tiny):
+    _, model, _ = tiny
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+
+    async def half(params: dict[str, torch.Tensor]) -> None:
+        params["lm_head.weight"].add_(1.0)  # part of a version, then the trainer is gone
+        raise ConnectionResetError("trainer lost mid-transfer")
+
+    with pytest.raises(ConnectionResetError):
+        await engine.update_weights_in_place(half, version=5)
+    assert engine.torn and engine.version == 0
+    held = asyncio.create_task(run(engine, "held", PROMPTS[0], max_new_tokens=3))
+    await asyncio.sleep(0.2)
+    await engine.resume()  # refused: the weights are a mix of two versions
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    await engine.update_weights_from_tensors(old, version=6)  # a complete one mends it
+    assert not engine.torn
+    assert (await asyncio.wait_for(held, 30)).versions == [6, 6, 6]
+
+
 async def test_pause_abort_answers_every_caller_and_holds_new_ones_until_resume(engine):
     longs = [
         asyncio.create_task(run(engine, f"l{i}", p, max_new_tokens=400, ignore_eos=True))

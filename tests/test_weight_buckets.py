@@ -117,3 +117,44 @@ def test_bucket_buffers_reuse_one_buffer_per_dtype_and_grow_for_a_larger_bucket(
     assert c.dtype == torch.bfloat16 and buffers.nbytes == 100 * 4 + 10 * 2
     d = buffers.get(Bucket(3, 4, "float32", 200))
     assert d.numel() == 200 and buffers.nbytes == 200 * 4 + 10 * 2  # grown, not added
+
+
+def test_a_large_tensor_is_a_bucket_of_its_own():
+    entries = layout(model(), chunk_bytes=1, blob="b").entries
+    assert plan_buckets(entries, bucket_bytes=1 << 30, direct_bytes=256) == [
+        Bucket(0, 1, "float32", 320),  # embed: 1280 bytes, alone
+        Bucket(1, 2, "float32", 8),  # norm1: cut off by the large one after it
+        Bucket(2, 3, "float32", 64),  # proj: 256 bytes, alone
+        Bucket(3, 4, "bfloat16", 16),
+        Bucket(4, 6, "float32", 32),  # norm2 + head: small, together
+    ]  # fmt: skip
+
+
+async def test_large_tensors_are_received_straight_into_their_destination():
+    from asyncrl.trainers.weight_buckets import DIRECT_BYTES
+    from asyncrl.trainers.weight_group import BroadcastGroup
+
+    address = free_tcp_endpoint().removeprefix("tcp://")
+    sender, receiver = await asyncio.gather(
+        *(asyncio.to_thread(BroadcastGroup.join, address, r, 2) for r in (0, 1))
+    )
+    tensors = model(3) | {"big": torch.randn(DIRECT_BYTES // 4 + 1)}
+    manifest = layout(tensors, chunk_bytes=1 << 30, blob="b")
+    out = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    where = out["big"].data_ptr()
+    sunk: list[str] = []
+
+    def sink(name: str, view: torch.Tensor) -> None:
+        sunk.append(name)
+        out[name].copy_(view)
+
+    await asyncio.wait_for(
+        asyncio.gather(
+            asyncio.to_thread(sender.send_buckets, manifest, tensors),
+            asyncio.to_thread(receiver.receive_buckets, manifest, sink, out=out),
+        ),
+        30,
+    )
+    assert all(torch.equal(out[k], tensors[k]) for k in tensors)
+    assert "big" not in sunk and "embed" in sunk  # small ones went through the buffer
+    assert out["big"].data_ptr() == where  # into the destination, not a buffer

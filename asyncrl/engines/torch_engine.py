@@ -30,7 +30,7 @@ import itertools
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,8 @@ from asyncrl.engines.kv_batch import KVBatch
 from asyncrl.engines.sampling import RowState, prompt_logprobs, sample
 from asyncrl.engines.weight_loading import WeightGroup, check_names, read_safetensors
 from asyncrl.observe.logs import get_logger
+from asyncrl.wire.codec import torch_dtype
+from asyncrl.wire.messages import BlobManifest
 
 log = get_logger("asyncrl.engine")
 
@@ -117,6 +119,7 @@ class TorchEngine:
         self._batch: KVBatch[_Seq] = KVBatch()
         self._rids: dict[str, _Seq] = {}
         self._paused = False
+        self.torn = False  # a failed in-place update left a mix of versions: stay paused
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._wake = asyncio.Event()
@@ -125,7 +128,8 @@ class TorchEngine:
         self._just_finished: list[_Seq] = []
         self._group = WeightGroup()
         self._stepped = asyncio.Event()  # set after every step (pause waits on it)
-        self.stats = {"steps": 0, "prefills": 0, "generated_tokens": 0}
+        self.stats: dict[str, float] = {"steps": 0, "prefills": 0, "generated_tokens": 0,
+                                        "update_pause_s": 0.0}  # fmt: skip
 
     @classmethod
     def from_pretrained(
@@ -266,7 +270,11 @@ class TorchEngine:
             await self._at_boundary(self._retract)
 
     async def resume(self) -> None:
-        """Continue after ``pause``."""
+        """Continue after ``pause`` (not while the weights are torn: see
+        ``update_weights_in_place``)."""
+        if self.torn:
+            log.warning("resume refused: the weights are torn until an update completes")
+            return
         self._paused = False
         self._resumed.set()
         self._wake.set()
@@ -283,15 +291,73 @@ class TorchEngine:
         """Copy ``tensors`` (names as in ``state_dict``) into the model at a step boundary."""
         check_names(self.model, tensors)
         await self._at_boundary(lambda: self._load(tensors, version))
+        await self._mended()
+
+    def takes_in_place(self, manifest: BlobManifest | None) -> bool:
+        """Whether ``update_weights_in_place`` can write ``manifest``'s tensors straight
+        into the model: every name known, of the same shape and dtype, on the CPU."""
+        if manifest is None or self.device.type != "cpu":
+            return False
+        params = self.model.state_dict(keep_vars=True)
+        return all(
+            (p := params.get(e.name)) is not None
+            and list(p.shape) == list(e.shape)
+            and p.dtype == torch_dtype(e.dtype)
+            and p.is_contiguous()
+            for e in manifest.entries
+        )
+
+    async def update_weights_in_place(
+        self, fill: Callable[[dict[str, torch.Tensor]], Awaitable[object]], version: int
+    ) -> None:
+        """Write a new version straight into the model's tensors: no staging copy.
+
+        Decoding stops at the next step boundary (requests and their KV stay, as in an
+        ``in_place`` pause), ``await fill(params)`` writes the tensors (``params``: the
+        model's, by ``state_dict`` name, tied ones under each), and decoding goes on with
+        ``version``. The pause lasts the whole transfer, as SGLang's distributed update
+        does. If ``fill`` raises, the weights are part new and part old: the engine stays
+        paused (``torn``) until an update completes, so no token is sampled from a mix.
+        """
+        held_by_user = self._paused and not self.torn
+        self._paused = True
+        self._resumed.clear()
+        await self._at_boundary(lambda: None)  # the step under way ends; none runs now
+        start = time.perf_counter()
+        params = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
+        try:
+            await fill(params)
+        except BaseException as exc:
+            self.torn = True
+            log.error("weights torn by a failed update: paused until one completes",
+                      version=self.version, error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            raise
+        self.version = version
+        pause = time.perf_counter() - start
+        self.stats["update_pause_s"] += pause
+        log.info("weights updated", version=version, in_place=True, pause_s=round(pause, 4))
+        self.torn = False
+        if not held_by_user:
+            await self.resume()
+
+    async def _mended(self) -> None:
+        """A complete update after a torn one: decoding may go on."""
+        if self.torn:
+            self.torn = False
+            await self.resume()
 
     def _load(self, tensors: dict[str, torch.Tensor], version: int | None) -> None:
+        start = time.perf_counter()  # decoding waits for this: the update's pause
         params = self.model.state_dict(keep_vars=True)  # tied weights under each name
         with torch.no_grad():
             for name, t in tensors.items():
                 params[name].copy_(t.to(params[name].device, params[name].dtype))
         if version is not None:
             self.version = version
-        log.info("weights updated", version=self.version, tensors=len(tensors))
+        pause = time.perf_counter() - start
+        self.stats["update_pause_s"] += pause
+        log.info("weights updated", version=self.version, tensors=len(tensors),
+                 pause_s=round(pause, 4))  # fmt: skip
 
     async def _at_boundary(self, fn: Any) -> None:
         """Run ``fn`` in the step thread between two decode steps."""

@@ -52,6 +52,12 @@ class EngineConfig(BaseModel):
     on_update: Literal["continue", "abort"] = Field(
         "continue", description="In-flight requests on a weight update: continue or abort."
     )
+    update_in_place: bool = Field(
+        True,
+        description="torch engine, pull and dist: write a new version straight into the "
+        "model, decoding paused for the transfer (false: stage a full copy first, then "
+        "pause only to swap it in: a shorter pause for a model's worth of memory)",
+    )
     serve: Literal["embedded", "actor"] = Field(
         "embedded",
         description="embedded: the torch engine runs in the rollout actor; actor: each "

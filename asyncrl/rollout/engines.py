@@ -6,8 +6,10 @@
   SGLang-compatible ``EngineServer`` on a loopback port. Workflows generate through an
   ``InProcessGenerator`` (``in_process``: direct calls into the server, no loopback
   HTTP), or through the ``SGLangClient`` as with any engine (``in_process: false``).
-  Weights are copied straight into the model at a decode-step boundary (any transport:
-  pull, disk or dist).
+  Pull and dist versions are written straight into the model while decoding pauses at
+  a step boundary (``update_in_place``; no staged copy of the model); disk versions,
+  and any with ``update_in_place: false``, are read whole, then copied in at a
+  boundary.
 - ``sglang``: SGLang servers (or an ``sglang-router``) at ``urls``, started elsewhere;
   weights go by ``/update_weights_from_disk`` (the ``disk`` transport).
 - ``sim``: ``sim_engines`` ``SimEngine``s (no model, time from ``sim``'s latency model),
@@ -229,6 +231,13 @@ class EngineHost:
         if self.engine is not None:
             if receiver is None:
                 raise ValueError(f"version {msg.version}: an embedded engine needs a receiver")
+            if self._in_place(msg):
+
+                async def fill(params: dict[str, torch.Tensor]) -> object:
+                    return await receiver.fetch(msg, out=params)
+
+                await self.engine.update_weights_in_place(fill, msg.version)  # type: ignore[union-attr]
+                return
             tensors = await receiver.fetch(msg)
             await self._update_embedded(tensors, msg.version)
         elif msg.transport == "disk":
@@ -238,6 +247,17 @@ class EngineHost:
                 f"SGLang engines take weights from disk; the trainer publishes by "
                 f"{msg.transport!r}: set the trainer's publish transport to disk"
             )
+
+    def _in_place(self, msg: WeightVersion) -> bool:
+        """Pull and dist versions go straight into one torch engine's model (no staged
+        copy) when ``update_in_place`` and the tensors match the model's."""
+        takes = getattr(self.engine, "takes_in_place", None)
+        return (
+            self.config.update_in_place
+            and msg.transport in ("pull", "dist")
+            and takes is not None
+            and takes(msg.manifest)
+        )
 
 
 def _sim_engine(cfg: EngineConfig, *, seed: int = 0) -> SimEngine:

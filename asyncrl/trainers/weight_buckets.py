@@ -3,9 +3,15 @@
 Broadcasting a model tensor by tensor costs one collective per tensor (272 for
 SmolLM2-135M), and each has a fixed cost that dominates the small ones (norms, biases).
 A bucket is a run of consecutive manifest entries of one dtype, at most ``bucket_bytes``
-in all (a larger tensor is a bucket alone), sent as one flat 1-D tensor::
+in all, sent as one flat 1-D tensor::
 
     bucket[k] = cat(t.reshape(-1) for t in tensors[start_k:end_k])
+
+A tensor of at least ``DIRECT_BYTES`` (or larger than a bucket) is a bucket alone and is
+sent as itself: the sender broadcasts it from where it lies and a receiver that gives
+its destination (``out``) receives straight into it, so the large tensors, nearly all of
+a model's bytes, are copied by neither end. Only the small ones pay the two copies,
+where a collective each would cost more.
 
 The plan is a pure function of the announced manifest (its entries, and its
 ``chunk_bytes`` as the bucket size), so both ends compute the same plan and nothing but
@@ -40,16 +46,26 @@ class Bucket:
     numel: int
 
 
-def plan_buckets(entries: Sequence[TensorEntry], bucket_bytes: int) -> list[Bucket]:
-    """Consecutive runs of one dtype, each at most ``bucket_bytes`` unless one tensor is."""
+#: A tensor this large goes as itself, in a bucket of its own (module docstring): a copy
+#: of 1 MiB costs about as much as a collective's fixed cost on loopback gloo.
+DIRECT_BYTES = 1 << 20
+
+
+def plan_buckets(
+    entries: Sequence[TensorEntry], bucket_bytes: int, direct_bytes: int | None = None
+) -> list[Bucket]:
+    """Consecutive runs of one dtype, each at most ``bucket_bytes``; a tensor of at least
+    ``direct_bytes`` (None: only one larger than a bucket) is a bucket alone."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    alone = min(bucket_bytes + 1, direct_bytes or bucket_bytes + 1)
     buckets: list[Bucket] = []
     start, size, numel = 0, 0, 0
     for i, entry in enumerate(entries):
-        same = i > start and entry.dtype == entries[start].dtype
-        if i > start and (not same or size + entry.nbytes > bucket_bytes):
-            buckets.append(Bucket(start, i, entries[start].dtype, numel))
+        first = entries[start]
+        fits = entry.dtype == first.dtype and size + entry.nbytes <= bucket_bytes
+        if i > start and (not fits or entry.nbytes >= alone or first.nbytes >= alone):
+            buckets.append(Bucket(start, i, first.dtype, numel))
             start, size, numel = i, 0, 0
         size += entry.nbytes
         numel += _numel(entry)
@@ -60,7 +76,22 @@ def plan_buckets(entries: Sequence[TensorEntry], bucket_bytes: int) -> list[Buck
 
 def manifest_buckets(manifest: BlobManifest) -> list[Bucket]:
     """The plan of an announced ``dist`` version (``chunk_bytes`` is its bucket size)."""
-    return plan_buckets(manifest.entries, manifest.chunk_bytes)
+    return plan_buckets(manifest.entries, manifest.chunk_bytes, DIRECT_BYTES)
+
+
+def as_itself(
+    bucket: Bucket, entries: Sequence[TensorEntry], tensors: Mapping[str, torch.Tensor] | None
+) -> torch.Tensor | None:
+    """The one tensor of a one-tensor ``bucket`` in ``tensors``, when it can be sent or
+    received as the bucket itself (contiguous, of the bucket's dtype); else None."""
+    if tensors is None or bucket.end - bucket.start != 1:
+        return None
+    entry = entries[bucket.start]
+    t = tensors.get(entry.name)
+    if t is None or t.dtype != torch_dtype(bucket.dtype) or list(t.shape) != list(entry.shape):
+        return None
+    t = t.detach()
+    return t.view(-1) if t.is_contiguous() else None
 
 
 def flatten(

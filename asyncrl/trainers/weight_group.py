@@ -38,7 +38,14 @@ import torch.distributed as dist
 
 from asyncrl.observe.logs import get_logger
 from asyncrl.trainers.config import GroupConfig
-from asyncrl.trainers.weight_buckets import BucketBuffers, Sink, flatten, manifest_buckets, views
+from asyncrl.trainers.weight_buckets import (
+    BucketBuffers,
+    Sink,
+    as_itself,
+    flatten,
+    manifest_buckets,
+    views,
+)
 from asyncrl.wire.messages import BlobManifest
 
 log = get_logger("asyncrl.weights")
@@ -122,22 +129,33 @@ class BroadcastGroup:
         self.group.abort()
 
     def send_buckets(self, manifest: BlobManifest, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Rank 0: each bucket of ``manifest`` flattened, one broadcast per bucket."""
+        """Rank 0: one broadcast per bucket of ``manifest``; a large tensor goes as itself,
+        the small ones flattened into a reused buffer (``weight_buckets.py``)."""
         for bucket in manifest_buckets(manifest):
-            flat = flatten(bucket, manifest.entries, tensors, out=self.buffers.get(bucket))
+            flat = as_itself(bucket, manifest.entries, tensors)
+            if flat is None:
+                flat = flatten(bucket, manifest.entries, tensors, out=self.buffers.get(bucket))
             self.broadcast([flat])
 
     def receive_buckets(
-        self, manifest: BlobManifest, sink: Sink, device: torch.device | str = "cpu"
+        self,
+        manifest: BlobManifest,
+        sink: Sink,
+        device: torch.device | str = "cpu",
+        *,
+        out: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        """Other ranks: each bucket into one buffer, then ``sink(name, view)`` per tensor."""
+        """Other ranks: each bucket into one buffer, then ``sink(name, view)`` per tensor;
+        a large tensor whose destination ``out`` holds is received straight into it."""
         if self.buffers.device != device:
             self.buffers = BucketBuffers(device)
         for bucket in manifest_buckets(manifest):
-            flat = self.buffers.get(bucket)
+            direct = as_itself(bucket, manifest.entries, out)
+            flat = self.buffers.get(bucket) if direct is None else direct
             self.broadcast([flat])
-            for name, view in views(bucket, manifest.entries, flat):
-                sink(name, view)
+            if direct is None:
+                for name, view in views(bucket, manifest.entries, flat):
+                    sink(name, view)
 
 
 def split_address(address: str) -> tuple[str, int]:

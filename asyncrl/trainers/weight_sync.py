@@ -247,7 +247,7 @@ class WeightReceiver:
                     out[name].copy_(view)
 
             try:
-                await asyncio.to_thread(group.receive_buckets, msg.manifest, sink)
+                await asyncio.to_thread(group.receive_buckets, msg.manifest, sink, out=out)
                 self.counts["broadcast"] += 1
                 return got
             except RuntimeError as exc:  # rank 0 aborted it (a member died): pull this one
