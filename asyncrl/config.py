@@ -278,9 +278,11 @@ class TrainConfig(Section):
         json_schema_extra={"flag": "update-weight-transport"},
     )
     update_weight_buffer_size: int = Field(
-        512 * 1024 * 1024,
+        64 * 1024 * 1024,
         gt=0,
-        description="dist: bytes per broadcast bucket (the memory an update takes on each side)",
+        description="dist: bytes per broadcast bucket; each side holds two (one on the "
+        "wire, one being filled). 64 MiB: gloo's best size on loopback (slime's 512 MiB "
+        "suits NCCL)",
         json_schema_extra={"flag": "update-weight-buffer-size"},
     )
     metrics_interval: float = Field(5.0, gt=0, description="seconds between buffer metrics")

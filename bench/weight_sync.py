@@ -60,7 +60,7 @@ from asyncrl.wire.pubsub import Publisher
 from asyncrl.wire.sockets import free_tcp_endpoint
 
 CHUNK_BYTES = 4 * 1024 * 1024
-BUCKET_BYTES = 512 * 1024 * 1024
+BUCKET_BYTES = 64 * 1024 * 1024  # the job default (--update-weight-buffer-size)
 TARGETS = {"pull": 0.8, "dist": 0.8}
 
 
@@ -391,11 +391,14 @@ def compare(transport: str, tensors: dict, n: int, versions: int, rounds: int) -
 
 
 def main() -> None:
+    global BUCKET_BYTES  # --bucket-mib sets it; the measure functions read it
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="the 135M model only")
     ap.add_argument("--transports", default="pull,dist,disk")
+    ap.add_argument("--bucket-mib", type=int, default=BUCKET_BYTES >> 20,
+                    help="dist bucket size (a job's --update-weight-buffer-size)")
     ap.add_argument("--out", default="bench/results/weight_sync.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -408,6 +411,7 @@ def main() -> None:
             {"raw-zmq": child_raw_zmq, "raw-dist": child_raw_dist,
              "raw-disk": child_raw_disk}[role](opts)  # fmt: skip
         return
+    BUCKET_BYTES = args.bucket_mib << 20
     torch.set_num_threads(2)
     results = []
     models = list(MODELS)[:1] if args.quick else list(MODELS)

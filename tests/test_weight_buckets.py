@@ -106,7 +106,7 @@ async def test_a_receiver_whose_sender_never_sends_fails_after_the_timeout():
         )
 
 
-def test_bucket_buffers_reuse_one_buffer_per_dtype_and_grow_for_a_larger_bucket():
+def test_bucket_buffers_reuse_one_buffer_per_dtype_and_slot_and_grow_for_a_larger_bucket():
     from asyncrl.trainers.weight_buckets import BucketBuffers
 
     buffers = BucketBuffers()
@@ -117,6 +117,8 @@ def test_bucket_buffers_reuse_one_buffer_per_dtype_and_grow_for_a_larger_bucket(
     assert c.dtype == torch.bfloat16 and buffers.nbytes == 100 * 4 + 10 * 2
     d = buffers.get(Bucket(3, 4, "float32", 200))
     assert d.numel() == 200 and buffers.nbytes == 200 * 4 + 10 * 2  # grown, not added
+    e = buffers.get(Bucket(4, 5, "float32", 50), slot=1)  # the bucket filled beside it
+    assert e.data_ptr() != d.data_ptr() and buffers.nbytes == 250 * 4 + 10 * 2
 
 
 def test_a_large_tensor_is_a_bucket_of_its_own():

@@ -223,7 +223,8 @@ class GroupConfig(BaseModel):
         "until then, and after this long, versions go by pull and it is tried again",
     )
     bucket_bytes: int = Field(
-        512 * 1024 * 1024,
+        64 * 1024 * 1024,
         gt=0,
-        description="bytes per broadcast bucket, as slime's --update-weight-buffer-size",
+        description="bytes per broadcast bucket (two in flight), as slime's "
+        "--update-weight-buffer-size",
     )

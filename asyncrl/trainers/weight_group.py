@@ -30,7 +30,7 @@ import datetime
 import ipaddress
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -39,6 +39,7 @@ import torch.distributed as dist
 from asyncrl.observe.logs import get_logger
 from asyncrl.trainers.config import GroupConfig
 from asyncrl.trainers.weight_buckets import (
+    Bucket,
     BucketBuffers,
     Sink,
     as_itself,
@@ -46,7 +47,7 @@ from asyncrl.trainers.weight_buckets import (
     manifest_buckets,
     views,
 )
-from asyncrl.wire.messages import BlobManifest
+from asyncrl.wire.messages import BlobManifest, TensorEntry
 
 log = get_logger("asyncrl.weights")
 
@@ -118,11 +119,16 @@ class BroadcastGroup:
 
     def broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Broadcast each tensor from rank 0 in list order (in place on other ranks)."""
+        for t in tensors:
+            self.start(t).wait()
+
+    def start(self, tensor: torch.Tensor) -> dist.Work:
+        """Begin broadcasting ``tensor`` from rank 0; ``wait()`` on the result ends it.
+        Every rank must start the same broadcasts in the same order."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = self.timeout
-        for t in tensors:
-            self.group.broadcast([t], opts).wait()
+        return self.group.broadcast([tensor], opts)
 
     def abort(self) -> None:
         """Close every connection now: the other ranks' calls fail at once."""
@@ -130,12 +136,20 @@ class BroadcastGroup:
 
     def send_buckets(self, manifest: BlobManifest, tensors: Mapping[str, torch.Tensor]) -> None:
         """Rank 0: one broadcast per bucket of ``manifest``; a large tensor goes as itself,
-        the small ones flattened into a reused buffer (``weight_buckets.py``)."""
-        for bucket in manifest_buckets(manifest):
+        the small ones flattened into a reused buffer (``weight_buckets.py``), the next
+        bucket filled while the last one is on the wire."""
+        on_wire: dist.Work | None = None
+        for i, bucket in enumerate(manifest_buckets(manifest)):
             flat = as_itself(bucket, manifest.entries, tensors)
-            if flat is None:
-                flat = flatten(bucket, manifest.entries, tensors, out=self.buffers.get(bucket))
-            self.broadcast([flat])
+            if flat is None:  # its slot's last bucket (i - 2) is off the wire: waited below
+                out = self.buffers.get(bucket, slot=i % 2)
+                flat = flatten(bucket, manifest.entries, tensors, out=out)
+            work = self.start(flat)
+            if on_wire is not None:
+                on_wire.wait()
+            on_wire = work
+        if on_wire is not None:
+            on_wire.wait()
 
     def receive_buckets(
         self,
@@ -145,17 +159,35 @@ class BroadcastGroup:
         *,
         out: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        """Other ranks: each bucket into one buffer, then ``sink(name, view)`` per tensor;
-        a large tensor whose destination ``out`` holds is received straight into it."""
+        """Other ranks: each bucket into a buffer, then ``sink(name, view)`` per tensor,
+        while the next bucket arrives; a large tensor whose destination ``out`` holds is
+        received straight into it."""
         if self.buffers.device != device:
             self.buffers = BucketBuffers(device)
-        for bucket in manifest_buckets(manifest):
-            direct = as_itself(bucket, manifest.entries, out)
-            flat = self.buffers.get(bucket) if direct is None else direct
-            self.broadcast([flat])
-            if direct is None:
-                for name, view in views(bucket, manifest.entries, flat):
-                    sink(name, view)
+        entries = manifest.entries
+        arriving: tuple[dist.Work, Bucket, torch.Tensor | None] | None = None
+        for i, bucket in enumerate(manifest_buckets(manifest)):
+            direct = as_itself(bucket, entries, out)
+            flat = self.buffers.get(bucket, slot=i % 2) if direct is None else direct
+            work = self.start(flat)
+            if arriving is not None:  # empties slot (i - 1) % 2 before bucket i + 1 fills it
+                _empty(arriving, entries, sink)
+            arriving = (work, bucket, None if direct is not None else flat)
+        if arriving is not None:
+            _empty(arriving, entries, sink)
+
+
+def _empty(
+    arriving: tuple[dist.Work, Bucket, torch.Tensor | None],
+    entries: Sequence[TensorEntry],
+    sink: Sink,
+) -> None:
+    """Wait for a bucket; hand each tensor of a buffered one to ``sink``."""
+    work, bucket, flat = arriving
+    work.wait()
+    if flat is not None:
+        for name, view in views(bucket, entries, flat):
+            sink(name, view)
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -73,7 +73,7 @@ class WeightPublisher:
         disk_dir: Path | None = None,
         group: GroupMembership | None = None,
         keep: int = 2,
-        bucket_bytes: int = 512 * 1024 * 1024,
+        bucket_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         if transport in ("pull", "dist") and blob is None:
             raise ValueError(f"transport {transport!r} needs the trainer's BlobServer")
