@@ -184,6 +184,7 @@ class DistRig:
             limit_s,
         )  # fmt: skip
         assert all(same(tensors, big_weights(v)) for tensors in got)
+        await asyncio.wait_for(self.sync.settle(), limit_s)  # the trainer's send has ended
         return msg
 
     async def until_broadcast(self) -> WeightVersion:

@@ -256,6 +256,9 @@ class TrainerActor(Actor):
         return path
 
     async def teardown(self) -> None:
+        weights = getattr(self, "weights", None)
+        if weights is not None:  # dist: the last broadcast ends (or fails) first
+            await weights.settle()
         # A multi-process trainer stops its other ranks (a one-process one has no close).
         close = getattr(getattr(self, "trainer", None), "close", None)
         if close is not None:

@@ -39,11 +39,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncrl.observe.logs import get_logger
-from asyncrl.trainers.weight_group import GroupMembership
+from asyncrl.trainers.weight_group import BroadcastGroup, GroupMembership
 from asyncrl.wire.blob import BlobClient, BlobServer, layout
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import WouldBlock
-from asyncrl.wire.messages import WeightVersion
+from asyncrl.wire.messages import BlobManifest, WeightVersion
 from asyncrl.wire.pubsub import Publisher, Subscriber
 
 Transport = Literal["pull", "disk", "dist"]
@@ -84,6 +84,7 @@ class WeightPublisher:
         self.publisher, self.transport, self.blob, self.group = publisher, transport, blob, group
         self.disk_dir, self.keep, self.bucket_bytes = disk_dir, max(1, keep), bucket_bytes
         self.latest: WeightVersion | None = None
+        self._sending: asyncio.Future[None] | None = None  # dist: the broadcast under way
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
         """Make ``tensors`` (CPU, not modified afterwards) fetchable as ``version``; announce."""
@@ -110,9 +111,18 @@ class WeightPublisher:
         if self.latest is not None and self.blob is not None and self.latest.blob:
             await self.blob.wait_completed(self.latest.blob, pullers)
 
+    async def settle(self) -> None:
+        """Wait until the last version's broadcast has ended (before exiting)."""
+        if self._sending is not None:
+            await self._sending
+            self._sending = None
+
     async def _broadcast(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
-        """Put on the blob server, announce, broadcast if the group is formed."""
+        """Put on the blob server, announce, and start the broadcast if the group is
+        formed. It runs while the trainer trains on: the next version's waits for it
+        (every member takes the versions in order), as does ``settle``."""
         assert self.group is not None
+        await self.settle()
         pulled = self._put_blob(version, tensors)
         group = self.group.usable()
         manifest = layout(tensors, chunk_bytes=self.bucket_bytes, blob=pulled.blob)
@@ -122,11 +132,17 @@ class WeightPublisher:
         self.publisher.publish(TOPIC, msg)  # subscribers join the broadcast on seeing it
         self.latest = msg
         if group is not None:
-            try:
-                await asyncio.to_thread(group.send_buckets, manifest, tensors)
-            except RuntimeError as exc:  # a member died or never came: it pulls instead
-                self.group.failed(exc)
+            self._sending = asyncio.ensure_future(self._send(group, manifest, tensors))
         return msg
+
+    async def _send(
+        self, group: BroadcastGroup, manifest: BlobManifest, tensors: dict[str, torch.Tensor]
+    ) -> None:
+        try:
+            await asyncio.to_thread(group.send_buckets, manifest, tensors)
+        except RuntimeError as exc:  # a member died or never came: it pulls instead
+            assert self.group is not None
+            self.group.failed(exc)
 
     def _put_blob(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
         assert self.blob is not None
