@@ -397,8 +397,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="the 135M model only")
     ap.add_argument("--transports", default="pull,dist,disk")
-    ap.add_argument("--bucket-mib", type=int, default=BUCKET_BYTES >> 20,
-                    help="dist bucket size (a job's --update-weight-buffer-size)")
+    ap.add_argument(
+        "--bucket-mib",
+        type=int,
+        default=BUCKET_BYTES >> 20,
+        help="dist bucket size (a job's --update-weight-buffer-size)",
+    )
     ap.add_argument("--out", default="bench/results/weight_sync.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
