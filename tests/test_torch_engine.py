@@ -192,9 +192,12 @@ async def test_an_in_place_update_writes_the_model_while_no_step_runs(engine, ti
     assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in new_weights.items())
 
 
-async def test_a_failed_in_place_update_holds_decoding_until_an_update_completes(engine, tiny):
+async def test_a_failed_in_place_update_aborts_requests_until_an_update_completes(engine, tiny):
     _, model, _ = tiny
     old = {k: v.clone() for k, v in model.state_dict().items()}
+    long = asyncio.create_task(run(engine, "long", PROMPTS[1], max_new_tokens=400, ignore_eos=True))
+    while engine.stats["generated_tokens"] < 3:  # noqa: ASYNC110 (no event to wait on)
+        await asyncio.sleep(0.01)
 
     async def half(params: dict[str, torch.Tensor]) -> None:
         params["lm_head.weight"].add_(1.0)  # part of a version, then the trainer is gone
@@ -203,14 +206,18 @@ async def test_a_failed_in_place_update_holds_decoding_until_an_update_completes
     with pytest.raises(ConnectionResetError):
         await engine.update_weights_in_place(half, version=5)
     assert engine.torn and engine.version == 0
-    held = asyncio.create_task(run(engine, "held", PROMPTS[0], max_new_tokens=3))
-    await asyncio.sleep(0.2)
-    await engine.resume()  # refused: the weights are a mix of two versions
-    await asyncio.sleep(0.2)
-    assert not held.done()
+    # The request in flight returns its partial output; a new one is aborted at once:
+    # nothing is sampled from the mix of two versions.
+    cut = await asyncio.wait_for(long, 30)
+    assert cut.finish_reason.type == "abort" and set(cut.versions) == {0}
+    fresh = await asyncio.wait_for(run(engine, "fresh", PROMPTS[0], max_new_tokens=3), 30)
+    assert fresh.finish_reason.type == "abort" and fresh.output_ids == []
+    await engine.resume()  # refused: the weights are still a mix
+    assert engine.torn
     await engine.update_weights_from_tensors(old, version=6)  # a complete one mends it
     assert not engine.torn
-    assert (await asyncio.wait_for(held, 30)).versions == [6, 6, 6]
+    after = await asyncio.wait_for(run(engine, "after", PROMPTS[0], max_new_tokens=3), 30)
+    assert after.versions == [6, 6, 6]
 
 
 async def test_pause_abort_answers_every_caller_and_holds_new_ones_until_resume(engine):

@@ -188,7 +188,9 @@ class RolloutActor(Actor):
             while self._free == 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
-            if self._behind > self.host.version:  # the buffer waits for our new weights
+            if self._behind > self.host.version or self.host.torn:
+                # The buffer waits for our new weights, or our engine aborts every request
+                # until a complete version is loaded: ask for no work meanwhile.
                 await self._wait_loaded()
             req = WorkRequest(
                 actor=self.name,

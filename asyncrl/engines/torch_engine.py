@@ -20,6 +20,9 @@ No KV outlives its request (there is no prefix cache), so ``cached_tokens`` is 0
 resumed partial rollout and a retracted request prefill their whole prompt again.
 
 Users: the HTTP server (``engines/server.py``), tests and ``bench/engine.py``.
+
+Size: the step loop and the weight updates share the engine's private state (the
+running batch, the pause, the step-boundary queue); one class keeps them consistent.
 """
 
 from __future__ import annotations
@@ -185,6 +188,8 @@ class TorchEngine:
         """Cumulative outputs as tokens arrive; the last one carries ``finish_reason``."""
         await self._resumed.wait()  # SGLang: a paused server holds new requests
         seq = self._admit(request)
+        if self.torn:  # nothing samples from a mix of two versions: the partial goes back
+            seq.aborted = True
         async for out in follow(seq, self._wake):
             yield out
 
@@ -316,8 +321,10 @@ class TorchEngine:
         ``in_place`` pause), ``await fill(params)`` writes the tensors (``params``: the
         model's, by ``state_dict`` name, tied ones under each), and decoding goes on with
         ``version``. The pause lasts the whole transfer, as SGLang's distributed update
-        does. If ``fill`` raises, the weights are part new and part old: the engine stays
-        paused (``torn``) until an update completes, so no token is sampled from a mix.
+        does. If ``fill`` raises (or is cancelled), the weights are part new and part old:
+        until an update completes (``torn``), the engine aborts every request, in flight
+        or new, so no token is sampled from a mix and each partial output goes back to
+        its caller to resume on a complete version.
         """
         held_by_user = self._paused and not self.torn
         self._paused = True
@@ -328,9 +335,7 @@ class TorchEngine:
         try:
             await fill(params)
         except BaseException as exc:
-            self.torn = True
-            log.error("weights torn by a failed update: paused until one completes",
-                      version=self.version, error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            self._tear(exc)
             raise
         self.version = version
         pause = time.perf_counter() - start
@@ -339,6 +344,18 @@ class TorchEngine:
         self.torn = False
         if not held_by_user:
             await self.resume()
+
+    def _tear(self, exc: BaseException) -> None:
+        """A failed in-place update: abort every request (its partial output returns to
+        its caller, to resume on a complete version), and abort new ones at once, until
+        an update completes. Held requests are let in only to be aborted."""
+        self.torn = True
+        log.error("weights torn by a failed update: requests are aborted until one completes",
+                  version=self.version, error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+        for seq in self._rids.values():
+            seq.aborted = True
+        self._resumed.set()
+        self._wake.set()
 
     async def _mended(self) -> None:
         """A complete update after a torn one: decoding may go on."""

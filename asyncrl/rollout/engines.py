@@ -248,6 +248,12 @@ class EngineHost:
                 f"{msg.transport!r}: set the trainer's publish transport to disk"
             )
 
+    @property
+    def torn(self) -> bool:
+        """An in-place update failed midway: the engine aborts every request until a
+        complete version is loaded (``TorchEngine.update_weights_in_place``)."""
+        return bool(getattr(self.engine, "torn", False))
+
     def _in_place(self, msg: WeightVersion) -> bool:
         """Pull and dist versions go straight into one torch engine's model (no staged
         copy) when ``update_in_place`` and the tensors match the model's."""
