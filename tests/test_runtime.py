@@ -168,12 +168,20 @@ time.sleep(60)
 
 
 def bindable_pair() -> tuple[int, int]:
-    """Two adjacent ports below the ephemeral range that nothing holds now."""
+    """Two adjacent ports below the ephemeral range that nothing holds now: neither bound
+    nor claimed, by another process or by this one (an earlier test's draw)."""
     first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for low in range(first - 2, 1024, -2):
-        if sockets._bindable("127.0.0.1", low) and sockets._bindable("127.0.0.1", low + 1):
+        if all(free_and_unclaimed(port) for port in (low, low + 1)):
             return low, low + 2
     raise AssertionError("no two free ports below the ephemeral range")
+
+
+def free_and_unclaimed(port: int) -> bool:
+    if port in sockets._claims or not sockets._claim(port):
+        return False
+    sockets._release(port)
+    return sockets._bindable("127.0.0.1", port)
 
 
 def test_a_port_claimed_by_another_process_is_never_drawn_until_it_ends(monkeypatch):
