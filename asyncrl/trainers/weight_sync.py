@@ -38,7 +38,6 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncrl.observe.logs import get_logger
 from asyncrl.trainers.weight_group import BroadcastGroup, GroupMembership
 from asyncrl.wire.blob import BlobClient, BlobServer, layout
 from asyncrl.wire.codec import Codec
@@ -48,7 +47,6 @@ from asyncrl.wire.pubsub import Publisher, Subscriber
 
 Transport = Literal["pull", "disk", "dist"]
 TOPIC = "weights"
-log = get_logger("asyncrl.weights")
 
 
 def blob_name(version: int) -> str:
