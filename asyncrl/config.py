@@ -48,7 +48,7 @@ from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.errors import InputError
 from asyncrl.observe.trackers import check_tracker_setup
 from asyncrl.policies.config import PolicyConfig
-from asyncrl.rollout.config import EvalConfig, RolloutConfig
+from asyncrl.rollout.config import EngineConfig, EvalConfig, RolloutConfig
 from asyncrl.trainers.config import TrainerConfig
 from asyncrl.wire.config import WireConfig
 from asyncrl.wire.sockets import check_endpoint
@@ -57,6 +57,19 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 Overrides = Sequence[str] | Mapping[str, Any]
 _DEST = "config:"
 _MISSING = object()
+
+
+_TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size")
+
+
+def _server_tp(args: list[str]) -> int:
+    """The tensor-parallel size that ``sglang.launch_server`` arguments ask for (1 if none)."""
+    for i, arg in enumerate(args):
+        flag, _, value = arg.partition("=")
+        if flag in _TP_FLAGS:
+            value = value or (args[i + 1] if i + 1 < len(args) else "1")
+            return int(value) if value.isdigit() else 1
+    return 1
 
 
 def _is_loopback_host(host: str) -> bool:
@@ -456,23 +469,42 @@ class RunConfig(Section):
             )
         return self
 
+    def _one_rank_per_rollout_actor(self, engine: EngineConfig) -> None:
+        """dist: each rollout actor's engines are one rank of the weight group (rollout-i
+        is rank i + 1), so one server with one TP rank (``rollout/server_group.py``)."""
+        flag = "--update-weight-transport dist"
+        if engine.router:
+            raise ValueError(
+                f"{flag} broadcasts to each server, not through a router: list the servers "
+                "in urls, or use --update-weight-transport disk"
+            )
+        if engine.urls and (len(engine.urls) > 1 or self.rollout.num_actors > 1):
+            raise ValueError(
+                f"{flag} gives each rollout actor one server: {len(engine.urls)} urls for "
+                f"{self.rollout.num_actors} rollout actor(s); use --rollout-engine-serve actor "
+                "(a server per rollout actor) or --update-weight-transport disk"
+            )
+        tp = _server_tp(engine.server_args)
+        if tp > 1:
+            raise ValueError(
+                f"{flag} into a server with {tp} tensor-parallel ranks is not supported yet "
+                "(one rank per rollout actor): use --update-weight-transport disk"
+            )
+
     def _engine_actors_fit(self) -> None:
         if self.eval.engine is not None and self.eval.engine.serve == "actor":
             raise ValueError(
                 "eval.engine.serve: actor is not supported; the eval actor embeds its engine"
             )
         engine = self.rollout.engine
-        if self.train.publish == "dist" and engine is not None and engine.type == "sglang":
-            raise ValueError(
-                "--update-weight-transport dist reaches embedded engines (torch, sim) in a "
-                "job; SGLang servers take weights from disk: set --update-weight-transport disk"
-            )
+        if self.train.publish == "dist" and engine is not None:
+            self._one_rank_per_rollout_actor(engine)
         if engine is None or engine.serve != "actor":
             return
-        if self.train.publish != "disk":
+        if self.train.publish == "pull":
             raise ValueError(
-                "rollout.engine.serve: actor serves the engines over HTTP, which load new "
-                "weights from disk: set --update-weight-transport disk"
+                "rollout.engine.serve: actor serves the engines over HTTP, which take new "
+                "weights from disk or by broadcast: set --update-weight-transport disk or dist"
             )
         if self.rollout.colocate:
             raise ValueError("rollout.engine.serve: actor cannot be colocated (yet)")

@@ -524,6 +524,7 @@ def _rollout_config(cfg: RunConfig, run_dir: Path, engine_key: str | None) -> Ro
         colocate=r.colocate,
         engine_api_key=engine_key,
         weight_group=_weight_group(cfg),
+        spill_dir=str(run_dir / "engine_weights"),
     )
 
 

@@ -40,6 +40,8 @@ from tests.tiny_model import build_tiny_model
 STUB = Path(__file__).parent / "sglang_stub"
 SGLANG = ["--rollout.engine.type", "sglang", "--rollout.engine.serve", "actor"]
 SGLANG += ["--update-weight-transport", "disk"]
+DIST = ["--update-weight-transport", "dist"]
+URLS = ["--rollout.engine.type", "sglang", "--rollout.engine.urls"]
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +94,9 @@ def test_sglang_flags_become_the_servers_arguments():
         (["--rollout.engine.urls", "[http://x:1]", "--rollout.engine.serve", "actor"], "urls"),
         (["--eval.engine.model-path", "m", "--eval.engine.serve", "actor"], "eval actor embeds"),
         ([*SGLANG, "--rollout.engine.server-args", "[--port, 1]"], "assigns these itself"),
+        ([*SGLANG, "--rollout.engine.server-args", "[--tp, 2]", *DIST], "2 tensor-parallel"),
+        ([*URLS, "[http://x:1, http://y:2]", *DIST], "one server: 2 urls"),
+        ([*URLS, "[http://x:1]", "--rollout.engine.router", "true", *DIST], "not through a router"),
         (["--runtime.ray.roles", "{rollout: {resources: {GPU: 1}}}"], "use num_cpus / num_gpus"),
         (["--runtime.ray.roles", "{trainer: {num_gpus: 1.5}}"], "whole GPUs, not 1.5"),
         (["--runtime.ray.roles", "{trainer: {num_cpus: .nan}}"], "finite number"),
@@ -187,7 +192,10 @@ async def test_a_server_that_never_starts_fails_with_its_last_output(
 
 
 @pytest.mark.slow
-async def test_a_killed_engine_actor_is_restarted_and_nothing_is_lost(model: Path, tmp_path: Path):
+@pytest.mark.parametrize("transport", ["disk", "dist"])
+async def test_a_killed_engine_actor_is_restarted_and_nothing_is_lost(
+    model: Path, tmp_path: Path, transport: str
+):
     (tmp_path / "model").symlink_to(model)
     write_prompts(tmp_path / "prompts.jsonl", n=64)
     run_dir = tmp_path / "run"
@@ -198,7 +206,7 @@ async def test_a_killed_engine_actor_is_restarted_and_nothing_is_lost(model: Pat
     flags = [
         *job_flags(tmp_path, steps=steps), *LONG_RUN,
         *["--rollout.num-actors", "1", "--rollout.engine.model-path", str(model)],
-        *["--rollout.engine.serve", "actor", "--update-weight-transport", "disk"],
+        *["--rollout.engine.serve", "actor", "--update-weight-transport", transport],
     ]  # fmt: skip
     victim, result = await kill_mid_run(run_dir, "engine-0", flags)
     assert result.ok, result.error
@@ -209,3 +217,9 @@ async def test_a_killed_engine_actor_is_restarted_and_nothing_is_lost(model: Pat
     # The second engine incarnation served and took the trainer's weights.
     log = [json.loads(x) for x in lines(run_dir / "logs" / "engine-0.jsonl")]
     assert any(r["pid"] != victim and r["event"] == "weights updated" for r in log), result.restarts
+    if transport == "dist":  # by broadcast into both incarnations, over the SGLang routes
+        rollout = [json.loads(x) for x in lines(run_dir / "logs" / "rollout-0.jsonl")]
+        joins = [r for r in rollout if r["event"] == "engine joined the weight group"]
+        assert len({r["group"] for r in joins}) >= 2, joins  # the group re-formed for it
+        received = [r for r in log if r["event"] == "weights updated" and r["pid"] != victim]
+        assert received, "the successor took no version"

@@ -953,71 +953,55 @@ async def serve_process(model_dir: Path, log: Path) -> AsyncIterator[str]:
 async def test_a_distributed_update_over_gloo_reaches_an_asyncrl_serve_process(
     http, model_dir, other_weights, tmp_path
 ):
+    """The job's path into a server: the trainer forms the group as rank 0 on its own
+    store, the server joins it as SGLang does, and each bucket (a lone tensor, or several
+    flattened into bytes) is announced over HTTP while the trainer broadcasts."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    new = dict(AutoModelForCausalLM.from_pretrained(str(other_weights)).named_parameters())
+    from asyncrl.rollout.server_group import server_buckets
+    from asyncrl.trainers.weight_group import BroadcastGroup
+    from asyncrl.wire.blob import layout
+
+    new = {k: v.detach() for k, v in
+           AutoModelForCausalLM.from_pretrained(str(other_weights)).state_dict().items()}  # fmt: skip
+    manifest = layout(new, chunk_bytes=64 * 1024, blob="v4")  # flattened and lone buckets
+    calls = server_buckets(manifest)
+    assert {c.load_format for c in calls} == {None, "flattened_bucket"}
     async with serve_process(model_dir, tmp_path / "serve.log") as url:
         assert await call(http, url, "/health", method="GET") == (200, "")
         before = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
         assert before["meta_info"]["weight_version"] == "3"
         port = free_port()
-        group = {"group_name": "g", "backend": "gloo"}
-        joined = asyncio.create_task(
-            call(
-                http,
-                url,
-                "/init_weights_update_group",
-                {
-                    "master_address": "127.0.0.1",
-                    "master_port": str(port),
-                    "rank_offset": 1,
-                    "world_size": 2,
-                    "pp_rank": 0,
-                    **group,
-                },
-            )
-        )
-        await asyncio.to_thread(
-            dist.init_process_group,
-            backend="gloo",
-            rank=0,
-            world_size=2,
-            init_method=f"tcp://127.0.0.1:{port}",
-        )
-        try:
-            assert (await joined)[1]["success"] is True
-            received = asyncio.create_task(
-                call(
-                    http,
-                    url,
-                    "/update_weights_from_distributed",
-                    {
-                        "names": list(new),
-                        "dtypes": ["torch.float32"] * len(new),
-                        "shapes": [list(t.shape) for t in new.values()],
-                        "weight_version": "4",
-                        "flush_cache": False,
-                        **group,
-                    },
+        store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+        async with SGLangClient(url) as client:
+            joined = await client.weights.init_weights_update_group(
+                "127.0.0.1", port, world_size=2, rank_offsets={url: 1}, group_name="g",
+                backend="gloo",
+            )  # fmt: skip
+            group = await asyncio.to_thread(BroadcastGroup.form, store, 0, 2, name="g")
+            try:
+                await joined
+                sending = asyncio.create_task(
+                    asyncio.to_thread(group.send_buckets, manifest, new)
                 )
-            )
-
-            def broadcast() -> None:
-                with torch.no_grad():
-                    for tensor in new.values():
-                        dist.broadcast(tensor.detach().contiguous(), src=0)
-
-            await asyncio.to_thread(broadcast)
-            status, reply = await received
-            assert status == 200 and reply["success"] is True, reply
-        finally:
-            dist.destroy_process_group()
-        assert (await call(http, url, "/destroy_weights_update_group", group))[0] == 200
+                await client.update_weights(
+                    4, buckets=calls, broadcast=lambda bucket: None, group_name="g",
+                    pause_mode="in_place",
+                )  # fmt: skip
+                await sending
+            finally:
+                group.abort()
+            await client.weights.destroy_weights_update_group("g")
         after = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
         assert after["meta_info"]["weight_version"] == "4"
         assert after["output_ids"] != before["output_ids"]
+    served = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    served.load_state_dict(new)  # what the server now holds: greedy decoding agrees
+    with torch.no_grad():
+        ids = served.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)
+    assert ids[0, len(PROMPT) :].tolist()[: len(after["output_ids"])] == after["output_ids"]
 
 
 def test_only_a_closing_server_is_a_503_not_any_refused_connection():

@@ -112,6 +112,11 @@ class RolloutActorConfig(WorkflowConfig):
     colocate: bool = False
     engine_api_key: str | None = Field(None, description="its engine actor's key (serve: actor)")
     weight_group: GroupConfig | None = Field(None, description="the dist transport's group")
+    spill_dir: str | None = Field(
+        None,
+        description="dist into SGLang-API engines: where a version that cannot go by "
+        "broadcast is written for them to load (<spill_dir>/<name>/)",
+    )
 
 
 class EvalActorConfig(WorkflowConfig):

@@ -96,7 +96,9 @@ class RolloutActor(Actor):
         self.own_engine = engine.serve == "actor"
         wait = engine.startup_timeout if self.own_engine else None
         key = cfg.engine_api_key if self.own_engine else None
-        host = EngineHost(self._engine_config(engine), wait_ready_s=wait, api_key=key)
+        spill = Path(cfg.spill_dir) / self.name if cfg.spill_dir else None
+        host = EngineHost(self._engine_config(engine), wait_ready_s=wait, api_key=key,
+                          spill_dir=spill)  # fmt: skip
         self.host = await self.hold(host)
         tools = await asyncio.to_thread(build_tools, cfg.tool_use)
         self.workflow = load_workflow(cfg.workflow, cfg.tool_use, cfg.agent)
@@ -159,14 +161,24 @@ class RolloutActor(Actor):
 
     async def _join_weight_group(self) -> Any:
         """The dist transport's group membership (rank: rollout-i is i + 1); the group
-        forms in the background once the trainer names it (``weight_group.py``)."""
+        forms in the background once the trainer names it (``weight_group.py``). An
+        embedded engine receives in this process; engines behind the SGLang API join
+        themselves, at our asking (``rollout/server_group.py``)."""
         cfg = self.config.weight_group
         if cfg is None:
             return None
-        from asyncrl.trainers.weight_group import GroupMembership
-
         rank = cfg.rank if cfg.rank is not None else 1 + int(self.name.rpartition("-")[2])
         address = cfg.address or self.spec.endpoints["trainer.group"]
+        if self.host.engine is None:
+            from asyncrl.rollout.server_group import ServerGroup
+
+            assert self.host.client is not None
+            group = ServerGroup(cfg, rank=rank, address=address, client=self.host.client)
+            await group.check()
+            self.host.server_group = await self.hold(contextlib.aclosing(group))
+            return group
+        from asyncrl.trainers.weight_group import GroupMembership
+
         membership = GroupMembership(cfg, rank=rank, address=address)
         self.close_later(membership.close)
         return membership

@@ -177,11 +177,13 @@ class ControlRoutes:
         return await self._admin(request, action)
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        """``/update_weights_from_distributed`` (2.3): receive by broadcast, then load."""
+        """``/update_weights_from_distributed`` (2.3): receive by broadcast (per tensor, or
+        one ``flattened_bucket`` of their bytes), then load."""
 
         async def action(body: Json) -> Json:
-            if body.get("load_format") not in (None, "direct"):
-                raise ValueError(f"load_format {body['load_format']!r} is not supported")
+            load_format = body.get("load_format")
+            if load_format not in (None, "direct", "flattened_bucket"):
+                raise ValueError(f"load_format {load_format!r} is not supported")
             version = parse_version(body.get("weight_version"))
             self._abort_first(body)
             async with self.gate.updating():
@@ -191,6 +193,7 @@ class ControlRoutes:
                     shapes=_required(body, "shapes", list),
                     group_name=field(body, "group_name", str, "weight_update_group"),
                     version=version,
+                    flattened=load_format == "flattened_bucket",
                 )
             return {"message": _updated("parameter online", self.engine.version)}
 

@@ -337,8 +337,10 @@ class SGLangClient:
         group_name: str = DEFAULT_GROUP,
         pause_mode: PauseMode = "abort",
         flush_retries: int = 60,
+        url: str | None = None,
     ) -> None:
-        """Section 2.15 on every engine: pause, flush (retried), update, continue.
+        """Section 2.15 on every engine (or the one at ``url``, from disk only): pause,
+        flush (retried), update, continue.
 
         Disk: ``path``. Distributed: ``buckets`` and ``broadcast(bucket)`` (sync or async),
         which the trainer uses to send each bucket's tensors; each bucket is announced
@@ -351,14 +353,16 @@ class SGLangClient:
             raise ValueError("update_weights takes path=... or buckets=... with broadcast=...")
         if broadcast is not None and not buckets:
             raise ValueError("update_weights got broadcast= but no buckets to announce")
-        await self.pause(pause_mode)
+        if url is not None and path is None:
+            raise ValueError("update_weights: a broadcast goes to every engine, not one url")
+        await self.pause(pause_mode, url=url)
         if pause_mode == "abort":
-            await self.flush_cache(flush_retries)
+            await self.flush_cache(flush_retries, url=url)
         if path is not None:
-            await self.weights.update_weights_from_disk(path, version, flush_cache=False)
+            await self.weights.update_weights_from_disk(path, version, flush_cache=False, url=url)
         else:
             await self._distributed_buckets(version, buckets, broadcast, group_name)
-        await self.continue_()
+        await self.continue_(url=url)
 
     async def _distributed_buckets(
         self,
@@ -378,6 +382,7 @@ class SGLangClient:
                 group_name=group_name,
                 version=version if last else None,
                 flush_cache=False,
+                load_format=bucket.load_format,
             )
             if inspect.isawaitable(sent := broadcast(bucket)):
                 await sent

@@ -84,6 +84,8 @@ class WeightBucket(msgspec.Struct, kw_only=True):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
+    #: None: one broadcast per tensor; "flattened_bucket": one of all their bytes.
+    load_format: str | None = None
 
 
 # ----------------------------------------------------------------------------- parsing

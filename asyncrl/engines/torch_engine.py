@@ -52,7 +52,7 @@ from asyncrl.engines.base import (
 )
 from asyncrl.engines.kv_batch import KVBatch
 from asyncrl.engines.sampling import RowState, prompt_logprobs, sample
-from asyncrl.engines.weight_loading import WeightGroup, check_names, read_safetensors
+from asyncrl.engines.weight_loading import WeightGroups, check_names, read_safetensors
 from asyncrl.observe.logs import get_logger
 from asyncrl.wire.codec import torch_dtype
 from asyncrl.wire.messages import BlobManifest
@@ -129,7 +129,7 @@ class TorchEngine:
         self._updates: deque[tuple[Any, asyncio.Future[None]]] = deque()
         self._seed = itertools.count(1)
         self._just_finished: list[_Seq] = []
-        self._group = WeightGroup()
+        self._groups = WeightGroups()
         self._stepped = asyncio.Event()  # set after every step (pause waits on it)
         self.stats: dict[str, float] = {"steps": 0, "prefills": 0, "generated_tokens": 0,
                                         "update_pause_s": 0.0}  # fmt: skip
@@ -392,8 +392,8 @@ class TorchEngine:
         group_name: str,
         backend: str,
     ) -> None:
-        """Join the trainer's torch.distributed group (blocking rendezvous, in a thread)."""
-        await self._group.join(master_address, master_port, rank, world_size, group_name, backend)
+        """Join the trainer's group as SGLang does (blocking rendezvous, in a thread)."""
+        await self._groups.join(master_address, master_port, rank, world_size, group_name, backend)
 
     async def update_weights_from_distributed(
         self,
@@ -402,16 +402,22 @@ class TorchEngine:
         shapes: list[list[int]],
         group_name: str,
         version: int | None,
+        *,
+        flattened: bool = False,
     ) -> None:
-        """Receive each tensor by ``broadcast(src=0)`` in list order, then load them."""
-        tensors = await self._group.receive(
-            group_name, names, dtypes, shapes, self.model, self.device
+        """Receive the tensors by ``broadcast(src=0)`` (each in list order, or one
+        ``flattened`` bucket of their bytes), then load them."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise EngineError("names, dtypes and shapes must have the same length")
+        entries = list(zip(names, dtypes, shapes, strict=True))
+        tensors = await self._groups.receive(
+            group_name, entries, self.model, self.device, flattened=flattened
         )
         await self.update_weights_from_tensors(tensors, version)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         """Leave the group; ``EngineError`` when no group of that name was joined."""
-        await self._group.leave(group_name)
+        await self._groups.leave(group_name)
 
     async def flush_cache(self) -> bool:
         """Nothing is cached across requests; refuse while requests run, as SGLang does."""

@@ -2,9 +2,10 @@
 
 ``read_safetensors`` loads a directory written by a trainer or by ``save_pretrained``;
 ``check_names`` refuses tensors the model does not have (before anything is copied, or
-before a collective starts); ``WeightGroup`` is the engine's side of SGLang's distributed
-update (``docs/sglang_api.md`` 2.2, 2.3): join the trainer's torch.distributed group,
-receive each tensor by ``broadcast(src=0)`` in the announced order, leave.
+before a collective starts); ``WeightGroups`` is the engine's side of SGLang's distributed
+update (``docs/sglang_api.md`` 2.2, 2.3): join the trainer's group as SGLang does, receive
+each tensor (or one flattened bucket) by ``broadcast(src=0)`` in the announced order,
+leave.
 
 Users: ``TorchEngine`` (``torch_engine.py``), which copies the tensors into its model at a
 decode-step boundary.
@@ -13,9 +14,12 @@ decode-step boundary.
 from __future__ import annotations
 
 import asyncio
+import datetime
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from asyncrl.engines.base import EngineError
 
@@ -46,14 +50,44 @@ def check_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Non
             )
 
 
-class WeightGroup:
-    """The one torch.distributed group an engine process joins (the default group).
+#: How long a member waits for the whole group to arrive, and for each broadcast.
+JOIN_TIMEOUT_S = 120.0
+RECEIVE_TIMEOUT_S = 300.0
 
-    ``name`` is the ``group_name`` it was joined under, empty while none is joined.
-    """
+
+def join_as_sglang(
+    address: str, port: int, rank: int, world_size: int, name: str, backend: str
+) -> dist.ProcessGroup:
+    """Join group ``name`` exactly as an SGLang server does (its ``init_custom_process_group``):
+    a ``tcp://`` rendezvous with rank 0, the store prefixed with ``name``, and torch's own
+    group helper. Blocks until every rank arrived (``JOIN_TIMEOUT_S``)."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), PrefixStore(name, store),
+        group_name=name, timeout=timeout,
+    )  # fmt: skip
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+class WeightGroups:
+    """The weight-update groups an engine process joined, by ``group_name`` (SGLang keeps
+    one per name too, so a trainer can form a new group before the old one is left)."""
 
     def __init__(self) -> None:
-        self.name = ""
+        self._groups: dict[str, dist.ProcessGroup] = {}
 
     async def join(
         self,
@@ -65,53 +99,63 @@ class WeightGroup:
         backend: str,
     ) -> None:
         """Rendezvous with the trainer (rank 0) in a thread: it blocks until all joined."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            raise EngineError(f"a weights update group already exists ({self.name})")
-        await asyncio.to_thread(
-            dist.init_process_group,
-            backend=backend,
-            world_size=world_size,
-            rank=rank,
-            init_method=f"tcp://{master_address}:{master_port}",
+        if name in self._groups:
+            raise EngineError(f"a weights update group named {name!r} exists already")
+        self._groups[name] = await asyncio.to_thread(
+            join_as_sglang, master_address, master_port, rank, world_size, name, backend
         )
-        self.name = name
 
     async def receive(
         self,
         name: str,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
+        entries: list[tuple[str, str, list[int]]],
         model: torch.nn.Module,
         device: torch.device,
+        *,
+        flattened: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Each tensor by ``broadcast(src=0)``, in list order, once the names are checked."""
-        import torch.distributed as dist
-
-        if not dist.is_initialized() or name != self.name:
+        """The tensors ``(name, dtype, shape)`` broadcast from rank 0, once their names are
+        checked: one broadcast each, in order, or with ``flattened`` one of all their
+        bytes, concatenated in order (SGLang's ``flattened_bucket``)."""
+        group = self._groups.get(name)
+        if group is None:
             raise EngineError(f"no weights update group named {name!r}: init it first")
-        if not len(names) == len(dtypes) == len(shapes):
-            raise EngineError("names, dtypes and shapes must have the same length")
         tensors = {
             n: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            for n, dtype, shape in zip(names, dtypes, shapes, strict=True)
+            for n, dtype, shape in entries
         }
         check_names(model, tensors)
-
-        def broadcast_all() -> None:
-            for t in tensors.values():
-                dist.broadcast(t, src=0)
-
-        await asyncio.to_thread(broadcast_all)
-        return tensors
+        if not flattened:
+            await asyncio.to_thread(_broadcast_each, group, list(tensors.values()))
+            return tensors
+        flat = torch.empty(sum(t.nbytes for t in tensors.values()), dtype=torch.uint8,
+                           device=device)  # fmt: skip
+        await asyncio.to_thread(_broadcast_each, group, [flat])
+        return dict(zip(tensors, _split(flat, tensors.values()), strict=True))
 
     async def leave(self, name: str) -> None:
-        """Destroy the group; ``EngineError`` when no group of that name was joined."""
-        import torch.distributed as dist
-
-        if not dist.is_initialized() or name != self.name:
+        """Destroy group ``name``; ``EngineError`` when no group of that name was joined."""
+        group = self._groups.pop(name, None)
+        if group is None:
             raise EngineError(f"The group to be destroyed does not exist: {name!r}")
-        await asyncio.to_thread(dist.destroy_process_group)
-        self.name = ""
+        await asyncio.to_thread(dist.destroy_process_group, group)
+
+
+def _broadcast_each(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.timeout = datetime.timedelta(seconds=RECEIVE_TIMEOUT_S)
+    works = [group.broadcast([t], opts) for t in tensors]
+    for work in works:
+        work.wait()
+
+
+def _split(flat: torch.Tensor, like: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """``flat``'s bytes cut into tensors shaped and typed as ``like``, in order."""
+    offset = 0
+    for t in like:
+        piece = flat[offset : offset + t.nbytes]
+        if piece.data_ptr() % t.element_size():  # mixed dtypes: realign by a copy
+            piece = piece.clone()
+        yield piece.view(t.dtype).view(t.shape)
+        offset += t.nbytes

@@ -10,8 +10,12 @@
   a step boundary (``update_in_place``; no staged copy of the model); disk versions,
   and any with ``update_in_place: false``, are read whole, then copied in at a
   boundary.
-- ``sglang``: SGLang servers (or an ``sglang-router``) at ``urls``, started elsewhere;
-  weights go by ``/update_weights_from_disk`` (the ``disk`` transport).
+- ``sglang``: SGLang servers (or an ``sglang-router``) at ``urls``, started elsewhere, or
+  this actor's engine actor; weights go by ``/update_weights_from_disk`` (the ``disk``
+  transport), or by broadcast (``dist``: ``server_group.py``; the engine joins the
+  trainer's group). A ``dist`` version that cannot go by broadcast (the group forming or
+  re-forming, a broadcast failed midway, an engine restarted or back in rotation) is
+  pulled from the trainer, written to ``spill_dir`` and loaded from there.
 - ``sim``: ``sim_engines`` ``SimEngine``s (no model, time from ``sim``'s latency model),
   each behind its own loopback server, the generator (or the client) spreading calls
   over them; their vocabulary and EOS come from ``model_path``'s ``config.json`` when given
@@ -35,12 +39,16 @@ engine actor that restarted with its initial weights is brought back by ``reload
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from asyncrl.engines.sglang_client import SGLangClient, SGLangError
 from asyncrl.observe.logs import get_logger
 from asyncrl.rollout.config import EngineConfig, sim_shape
+from asyncrl.rollout.server_group import ServerGroup, server_buckets
 from asyncrl.wire.errors import PeerLost, RemoteError
 
 log = get_logger("asyncrl.rollout")
@@ -48,6 +56,7 @@ log = get_logger("asyncrl.rollout")
 if TYPE_CHECKING:
     import torch
 
+    from asyncrl.engines.base import PauseMode
     from asyncrl.engines.server import EngineServer
     from asyncrl.engines.sim_engine import SimEngine
     from asyncrl.engines.torch_engine import TorchEngine
@@ -64,9 +73,17 @@ class EngineHost:
     """
 
     def __init__(
-        self, config: EngineConfig, *, wait_ready_s: float | None = None, api_key: str | None = None
+        self,
+        config: EngineConfig,
+        *,
+        wait_ready_s: float | None = None,
+        api_key: str | None = None,
+        spill_dir: Path | None = None,
     ) -> None:
         self.config = config
+        self.spill_dir = spill_dir  # dist into servers: versions that go by disk instead
+        self.server_group: ServerGroup | None = None  # dist into servers: set by the actor
+        self._receiver: WeightReceiver | None = None
         self.wait_ready_s = wait_ready_s  # engines started beside us: wait for their health
         self.api_key = api_key  # sent as Authorization: Bearer (engine actors' servers)
         self.engine: TorchEngine | SimEngine | None = None  # the first embedded engine
@@ -179,9 +196,14 @@ class EngineHost:
             msg = self.last
             if msg is None or await self.client.weight_version(url) >= msg.version:
                 return
-            if msg.transport != "disk":
+            if msg.transport == "dist" and self._receiver is not None:
+                await self._via_disk(msg, self._receiver, url=url)
+            elif msg.transport != "disk":
                 raise ValueError(f"cannot bring {url} to version {msg.version}: not on disk")
-            await self.client.weights.update_weights_from_disk(msg.location, msg.version, url=url)
+            else:
+                await self.client.weights.update_weights_from_disk(
+                    msg.location, msg.version, url=url
+                )
             log.warning("a returning engine was given the current weights", url=url,
                         version=msg.version)  # fmt: skip
 
@@ -242,11 +264,57 @@ class EngineHost:
             await self._update_embedded(tensors, msg.version)
         elif msg.transport == "disk":
             await self.client.weights.update_weights_from_disk(msg.location, msg.version)
+        elif msg.transport == "dist" and receiver is not None:
+            await self._load_dist(msg, receiver)
         else:
             raise ValueError(
-                f"SGLang engines take weights from disk; the trainer publishes by "
-                f"{msg.transport!r}: set the trainer's publish transport to disk"
+                f"SGLang engines take weights from disk or by broadcast; the trainer "
+                f"publishes by {msg.transport!r}: set --update-weight-transport disk or dist"
             )
+
+    async def _load_dist(self, msg: WeightVersion, receiver: WeightReceiver) -> None:
+        """A ``dist`` version into servers: by broadcast when the engines are in its group,
+        else (or when the broadcast fails) from disk (``server_group.py``)."""
+        assert self.client is not None and msg.manifest is not None
+        self._receiver = receiver
+        group = self.server_group
+        name = await group.for_version(msg.group, msg.formed) if group is not None else None
+        if name is not None:
+            try:
+                await self.client.update_weights(
+                    msg.version, buckets=server_buckets(msg.manifest), broadcast=_sent_by_trainer,
+                    group_name=name, pause_mode=self._pause_mode,
+                )  # fmt: skip
+                receiver.counts["broadcast"] += 1
+                return
+            except SGLangError as exc:  # a member died: the engines stay paused, part new
+                assert group is not None
+                group.failed(exc)
+        elif await self.client.weight_version() >= msg.version:
+            return  # e.g. version 0 at the start: the engines load it themselves
+        await self._via_disk(msg, receiver)
+
+    @property
+    def _pause_mode(self) -> PauseMode:
+        return "abort" if self.config.on_update == "abort" else "in_place"
+
+    async def _via_disk(
+        self, msg: WeightVersion, receiver: WeightReceiver, *, url: str | None = None
+    ) -> None:
+        """Pull ``msg`` from the trainer, write it under ``spill_dir``, and load it from
+        there into one engine (``url``) or all, continuing any paused by a failed update."""
+        assert self.client is not None
+        if self.spill_dir is None:
+            raise ValueError(f"version {msg.version} cannot go by broadcast, and no spill_dir")
+        tensors = await receiver.fetch(msgspec.structs.replace(msg, transport="pull"))
+        path = await asyncio.to_thread(spill, self.spill_dir, msg.version, tensors)
+        del tensors
+        await self.client.update_weights(
+            msg.version, path=str(path), pause_mode=self._pause_mode, url=url
+        )
+        receiver.counts["pulled"] += 1
+        log.warning("weights went to the engines from disk, not by broadcast",
+                    version=msg.version, path=str(path))  # fmt: skip
 
     @property
     def torn(self) -> bool:
@@ -264,6 +332,28 @@ class EngineHost:
             and takes is not None
             and takes(msg.manifest)
         )
+
+
+def _sent_by_trainer(bucket: object) -> None:
+    """The trainer broadcasts every bucket on its own: the servers only need the calls."""
+
+
+def spill(root: Path, version: int, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write ``tensors`` as ``root/weight_v{version:06d}/model.safetensors`` (whole or not
+    at all: renamed into place), and remove older versions there."""
+    from safetensors.torch import save_file
+
+    final = root / f"weight_v{version:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in root.glob("weight_v*"):
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def _sim_engine(cfg: EngineConfig, *, seed: int = 0) -> SimEngine:

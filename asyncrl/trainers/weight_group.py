@@ -6,6 +6,16 @@ rank 0 serves, and build a ``ProcessGroupGloo`` (CPU tensors) or ``ProcessGroupN
 (CUDA tensors) directly on it. No default process group is created, so a DDP trainer's
 own group is untouched and several groups can coexist in a process.
 
+SGLang's layout: a group named ``G`` meets under the same store keys as one that an
+SGLang server joins by ``/init_weights_update_group`` (``group_name: G``). SGLang's
+``init_custom_process_group`` prefixes the store with ``G``, then torch's
+``_new_process_group_helper`` with ``G/`` and the device (``cpu/`` for gloo, ``cuda/``
+for NCCL), and sets the group's sequence number through the store; ``form`` does the
+same on its own, so an SGLang server (or the embedded one, which joins exactly as SGLang
+does) can be any member. The wire follows SGLang's ``/update_weights_from_distributed``:
+a one-tensor bucket goes as that tensor, a longer one as its bytes (``uint8``; SGLang's
+``load_format: "flattened_bucket"``).
+
 Blocking calls: run them in a worker thread (``asyncio.to_thread``). A broadcast waits for
 every rank: a rank that died fails it at once, one that never comes fails it after
 ``timeout_s``. A version goes in buckets (``weight_buckets.py``): ``send_buckets`` on rank
@@ -13,7 +23,7 @@ every rank: a rank that died fails it at once, one that never comes fails it aft
 
 Re-forming (``GroupMembership``): a gloo group cannot take a new member, so the job's
 group is formed again under a new id whenever a member is lost. Each id keys its own
-rendezvous in the store (``weights/<id>/``): ``<trainer incarnation>-<epoch>``. Rank 0
+rendezvous in the store (group ``asyncrl-weights-<id>``): ``<trainer incarnation>-<epoch>``. Rank 0
 starts forming an id in the background and names it in every announcement with
 ``formed=False`` until every rank has arrived; members seeing a new id join it in the
 background too. A broadcast that fails makes rank 0 abort the group (so the members'
@@ -51,6 +61,26 @@ from asyncrl.wire.messages import BlobManifest, TensorEntry
 
 log = get_logger("asyncrl.weights")
 
+#: The group name SGLang's API uses when none is given.
+DEFAULT_GROUP = "weight_update_group"
+
+
+def group_name(group_id: str) -> str:
+    """The torch/SGLang group name of a job group id (``<incarnation>-<epoch>``)."""
+    return f"asyncrl-weights-{group_id}"
+
+
+def sglang_layout(store: dist.Store, name: str, device: str) -> dist.Store:
+    """``store`` prefixed as a member that joins group ``name`` SGLang's way sees it
+    (module docstring): its backend's keys, on ``device`` ("cpu" or "cuda")."""
+    sglangs = dist.PrefixStore(name, store)  # init_custom_process_group's own prefix
+    return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{name}/", sglangs))
+
+
+def on_the_wire(bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
+    """What a bucket's broadcast carries: a lone tensor as itself, several as bytes."""
+    return flat if bucket.end - bucket.start == 1 else flat.view(torch.uint8)
+
 
 class BroadcastGroup:
     """``world_size`` processes that broadcast tensors from rank 0."""
@@ -77,16 +107,17 @@ class BroadcastGroup:
         *,
         backend: str = "gloo",
         timeout_s: float = 300.0,
+        name: str = DEFAULT_GROUP,
     ) -> BroadcastGroup:
-        """Rendezvous at ``address`` ("host:port"; rank 0 serves the store). Blocks until
-        all ``world_size`` ranks arrive or ``timeout_s`` passes."""
+        """Rendezvous at ``address`` ("host:port"; rank 0 serves the store) as group
+        ``name``. Blocks until all ``world_size`` ranks arrive or ``timeout_s`` passes."""
         host, port = split_address(address)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
-        return cls.form(store, rank, world_size, backend=backend, join_timeout_s=timeout_s,
-                        timeout_s=timeout_s)  # fmt: skip
+        return cls.form(store, rank, world_size, name=name, backend=backend,
+                        join_timeout_s=timeout_s, timeout_s=timeout_s)  # fmt: skip
 
     @classmethod
     def form(
@@ -95,14 +126,17 @@ class BroadcastGroup:
         rank: int,
         world_size: int,
         *,
+        name: str = DEFAULT_GROUP,
         backend: str = "gloo",
         join_timeout_s: float = 60.0,
         timeout_s: float = 300.0,
         bind: str | None = None,
     ) -> BroadcastGroup:
-        """The group of the ranks meeting on ``store`` (prefix it to form several). Blocks
-        until every rank arrives; ``join_timeout_s`` bounds that (gloo). ``bind``: the
-        address gloo listens on (default: the host name's, or ``GLOO_SOCKET_IFNAME``)."""
+        """Group ``name`` of the ranks meeting on ``store``, laid out as SGLang's (module
+        docstring), so several can share a store. Blocks until every rank arrives;
+        ``join_timeout_s`` bounds that. ``bind``: the address gloo listens on (default:
+        the host name's, or ``GLOO_SOCKET_IFNAME``)."""
+        group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         if backend == "gloo":
             gloo = dist.ProcessGroupGloo
             options = gloo._Options()
@@ -110,11 +144,12 @@ class BroadcastGroup:
             options._devices = [
                 gloo.create_device(hostname=bind) if bind else gloo.create_default_device()
             ]
-            group: dist.ProcessGroup = gloo(store, rank, world_size, options)
+            group = gloo(sglang_layout(store, name, "cpu"), rank, world_size, options)
         elif backend == "nccl":
-            group = dist.ProcessGroupNCCL(store, rank, world_size)
+            group = dist.ProcessGroupNCCL(sglang_layout(store, name, "cuda"), rank, world_size)
         else:
             raise ValueError(f"weight group backend must be gloo or nccl, got {backend!r}")
+        group._set_sequence_number_for_group()  # through the store, as torch's helper does
         return cls(group, store, rank, world_size, timeout_s=timeout_s)
 
     def broadcast(self, tensors: list[torch.Tensor]) -> None:
@@ -144,7 +179,7 @@ class BroadcastGroup:
             if flat is None:  # its slot's last bucket (i - 2) is off the wire: waited below
                 out = self.buffers.get(bucket, slot=i % 2)
                 flat = flatten(bucket, manifest.entries, tensors, out=out)
-            work = self.start(flat)
+            work = self.start(on_the_wire(bucket, flat))
             if on_wire is not None:
                 on_wire.wait()
             on_wire = work
@@ -169,7 +204,7 @@ class BroadcastGroup:
         for i, bucket in enumerate(manifest_buckets(manifest)):
             direct = as_itself(bucket, entries, out)
             flat = self.buffers.get(bucket, slot=i % 2) if direct is None else direct
-            work = self.start(flat)
+            work = self.start(on_the_wire(bucket, flat))
             if arriving is not None:  # empties slot (i - 1) % 2 before bucket i + 1 fills it
                 _empty(arriving, entries, sink)
             arriving = (work, bucket, None if direct is not None else flat)
@@ -310,9 +345,10 @@ class GroupMembership:
             store = dist.TCPStore(host, port, None, False, timeout=self._join_timeout)
         cfg = self.cfg
         return BroadcastGroup.form(
-            dist.PrefixStore(f"weights/{group_id}/", store),
+            store,
             self.rank,
             cfg.world_size,
+            name=group_name(group_id),
             backend=cfg.backend,
             join_timeout_s=cfg.join_timeout_s,
             timeout_s=cfg.timeout_s,

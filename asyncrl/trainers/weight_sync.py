@@ -33,7 +33,7 @@ import asyncio
 import shutil
 from collections.abc import Collection
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -47,6 +47,14 @@ from asyncrl.wire.pubsub import Publisher, Subscriber
 
 Transport = Literal["pull", "disk", "dist"]
 TOPIC = "weights"
+
+
+class GroupMember(Protocol):
+    """Told of every ``dist`` announcement, skipped ones too (a new group id to join):
+    ``GroupMembership`` (this process receives) or ``rollout.server_group.ServerGroup``
+    (its engines do)."""
+
+    def notice(self, group_id: str, formed: bool) -> None: ...
 
 
 def blob_name(version: int) -> str:
@@ -187,7 +195,7 @@ class WeightReceiver:
         *,
         max_frame_bytes: int = 64 * 1024 * 1024,
         window: int = 16,
-        group: GroupMembership | None = None,
+        group: GroupMember | None = None,
         name: str = "weights",
         puller: str = "",
     ) -> None:
@@ -250,7 +258,8 @@ class WeightReceiver:
         """Over the group when it is formed with us in it, else by pull (module doc)."""
         if msg.manifest is None:
             raise ValueError(f"'dist' weight version {msg.version} has no manifest")
-        group = await self.group.for_version(msg.group, msg.formed) if self.group else None
+        member = self.group if isinstance(self.group, GroupMembership) else None
+        group = await member.for_version(msg.group, msg.formed) if member else None
         if group is not None:
             got: dict[str, torch.Tensor] = {} if out is None else out
 
@@ -265,8 +274,8 @@ class WeightReceiver:
                 self.counts["broadcast"] += 1
                 return got
             except RuntimeError as exc:  # rank 0 aborted it (a member died): pull this one
-                assert self.group is not None
-                self.group.failed(exc)
+                assert member is not None
+                member.failed(exc)
         if not msg.blob:
             raise ValueError(f"'dist' weight version {msg.version} names no blob to pull")
         client = await self._client(msg.location)

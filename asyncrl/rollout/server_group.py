@@ -1,0 +1,146 @@
+"""The ``dist`` transport into engines behind the SGLang API: ``ServerGroup``.
+
+An SGLang server, or an engine actor serving the embedded engine, cannot join the
+trainer's group from inside the rollout actor: the rollout actor asks it to, over SGLang's
+own routes (``docs/sglang_api.md`` 2.2, 2.3, 2.5), and the server is the group's member.
+
+    trainer (rank 0)                 rollout-i                     its engine (rank i + 1)
+    announce v (group G forming) ->  /init_weights_update_group -> joins G SGLang's way
+    G formed; announce v+1       ->  pause, then per bucket:
+    broadcast bucket 0, 1, ...       /update_weights_from_distributed -> receives it
+                                     continue
+
+The rank is the rollout actor's (its one engine: ``tp_size`` 1). Buckets are announced
+one at a time, each after the last one's reply, so the server joins the broadcasts in
+the order the trainer sends them; a bucket of one tensor is announced as that tensor,
+one of several as ``load_format: "flattened_bucket"`` (their bytes, as the trainer
+sends them: ``weight_group.on_the_wire``). The trainer re-forms the group under a new id
+when a member is lost (``weight_group.GroupMembership``); the engines then join the new
+id, and leave the old one. A version that cannot go by broadcast (the group forming,
+or a broadcast that failed midway) is handed to the engines from disk instead
+(``EngineHost``).
+
+Users: ``EngineHost`` (``rollout/engines.py``), built by ``actors/rollout.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+from asyncrl.engines.sglang_client import SGLangError
+from asyncrl.engines.sglang_wire import WeightBucket
+from asyncrl.errors import InputError
+from asyncrl.observe.logs import get_logger
+from asyncrl.trainers.weight_buckets import manifest_buckets
+from asyncrl.trainers.weight_group import group_name, split_address
+
+if TYPE_CHECKING:
+    from asyncrl.engines.sglang_client import SGLangClient
+    from asyncrl.trainers.config import GroupConfig
+    from asyncrl.wire.messages import BlobManifest
+
+log = get_logger("asyncrl.weights")
+
+
+def server_buckets(manifest: BlobManifest) -> list[WeightBucket]:
+    """The ``/update_weights_from_distributed`` calls of one version, in broadcast order."""
+    entries = manifest.entries
+    calls = []
+    for bucket in manifest_buckets(manifest):
+        part = entries[bucket.start : bucket.end]
+        calls.append(
+            WeightBucket(
+                names=[e.name for e in part],
+                dtypes=[e.dtype for e in part],
+                shapes=[list(e.shape) for e in part],
+                load_format=None if len(part) == 1 else "flattened_bucket",
+            )
+        )
+    return calls
+
+
+class ServerGroup:
+    """The rollout actor's engine in the job's weight group, by the SGLang routes.
+
+    ``notice`` every announcement (a new id forming: the engine joins it in the
+    background); ``for_version`` gives the group name to receive a version on, or None.
+    """
+
+    def __init__(self, cfg: GroupConfig, *, rank: int, address: str, client: SGLangClient):
+        self.cfg, self.rank, self.client = cfg, rank, client
+        self.address = split_address(address)
+        self.id = ""  # the id the engine joined or is joining
+        self.joined = ""  # the group name it is in ("" until a join succeeds)
+        self._joining: asyncio.Task[None] | None = None
+
+    async def check(self) -> None:
+        """Refuse engines that cannot be one rank: several, or one of several TP ranks."""
+        offsets, world = await self.client.weights.group_layout()
+        if len(offsets) != 1 or world != 2:
+            raise InputError(
+                f"--update-weight-transport dist gives each rollout actor one rank, but its "
+                f"engines have {world - 1} ({len(offsets)} server(s), tp_size summed): use one "
+                f"server with tp_size 1 per rollout actor, or --update-weight-transport disk"
+            )
+
+    def notice(self, group_id: str, formed: bool) -> None:
+        """On any announcement: join a new id that is still forming (as ``GroupMembership``)."""
+        if group_id and group_id != self.id and not formed:
+            self.id = group_id
+            previous = self._joining
+            self._joining = asyncio.ensure_future(self._join(group_id, previous))
+
+    async def for_version(self, group_id: str, formed: bool) -> str | None:
+        """The group name to receive this version on; None when it cannot go by broadcast."""
+        self.notice(group_id, formed)
+        if not formed or group_id != self.id or self._joining is None:
+            return None
+        try:
+            await asyncio.wait_for(asyncio.shield(self._joining), self.cfg.join_timeout_s)
+        except Exception as exc:
+            log.warning("engine did not join the weight group", group=group_id, error=repr(exc))
+            return None
+        return self.joined if self.joined == group_name(group_id) else None
+
+    def failed(self, exc: BaseException) -> None:
+        """A broadcast into the engine failed: the trainer re-forms under a new id."""
+        log.warning(
+            "weight broadcast into the engine failed; it takes this version from disk "
+            "and rejoins when the group re-forms",
+            group=self.id,
+            error=repr(exc),
+        )
+        self.joined = ""
+
+    async def aclose(self) -> None:
+        """Stop joining, and leave the group (best effort: the engine may be gone)."""
+        if self._joining is not None:
+            self._joining.cancel()
+            with contextlib.suppress(BaseException):
+                await self._joining
+        await self._leave()
+
+    async def _join(self, group_id: str, previous: asyncio.Task[None] | None) -> None:
+        if previous is not None:
+            previous.cancel()
+            with contextlib.suppress(BaseException):
+                await previous
+        await self._leave()
+        name = group_name(group_id)
+        (url,) = (await self.client.weights.group_layout())[0]
+        host, port = self.address
+        pending = await self.client.weights.init_weights_update_group(
+            host, port, world_size=self.cfg.world_size, rank_offsets={url: self.rank},
+            group_name=name, backend=self.cfg.backend,
+        )  # fmt: skip
+        await pending  # the server answers once every rank has arrived
+        self.joined = name
+        log.info("engine joined the weight group", group=group_id, rank=self.rank)
+
+    async def _leave(self) -> None:
+        name, self.joined = self.joined, ""
+        if name:
+            with contextlib.suppress(SGLangError, OSError):
+                await self.client.weights.destroy_weights_update_group(name)
