@@ -766,7 +766,7 @@ async def test_admin_routes_take_empty_bodies_and_answer_success_and_message(htt
     status, reply = await call(
         http, url, "/update_weights_from_tensor", {"serialized_named_tensors": ["gASV"]}
     )
-    assert status == 400 and "not supported" in reply["message"]
+    assert status == 400 and "cannot be read" in reply["message"]
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
         assert await call(http, url, path) == (200, None)
         assert await call(http, url, path, {"tags": ["weights"]}) == (200, None)
@@ -964,8 +964,8 @@ async def test_a_distributed_update_over_gloo_reaches_an_asyncrl_serve_process(
     from asyncrl.trainers.weight_group import BroadcastGroup
     from asyncrl.wire.blob import layout
 
-    new = {k: v.detach() for k, v in
-           AutoModelForCausalLM.from_pretrained(str(other_weights)).state_dict().items()}  # fmt: skip
+    other = AutoModelForCausalLM.from_pretrained(str(other_weights))
+    new = {k: v.detach() for k, v in other.state_dict().items()}
     manifest = layout(new, chunk_bytes=64 * 1024, blob="v4")  # flattened and lone buckets
     calls = server_buckets(manifest)
     assert {c.load_format for c in calls} == {None, "flattened_bucket"}
@@ -983,9 +983,7 @@ async def test_a_distributed_update_over_gloo_reaches_an_asyncrl_serve_process(
             group = await asyncio.to_thread(BroadcastGroup.form, store, 0, 2, name="g")
             try:
                 await joined
-                sending = asyncio.create_task(
-                    asyncio.to_thread(group.send_buckets, manifest, new)
-                )
+                sending = asyncio.create_task(asyncio.to_thread(group.send_buckets, manifest, new))
                 await client.update_weights(
                     4, buckets=calls, broadcast=lambda bucket: None, group_name="g",
                     pause_mode="in_place",
@@ -1002,6 +1000,58 @@ async def test_a_distributed_update_over_gloo_reaches_an_asyncrl_serve_process(
     with torch.no_grad():
         ids = served.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)
     assert ids[0, len(PROMPT) :].tolist()[: len(after["output_ids"])] == after["output_ids"]
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+async def test_tensors_handed_over_by_reference_reach_an_asyncrl_serve_process(
+    http, model_dir, other_weights, tmp_path, flattened
+):
+    """/update_weights_from_tensor from another process on the host: the tensors travel
+    as shared memory (as CUDA tensors would as IPC handles), one by one or flattened."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(str(other_weights))
+    new = {k: v.detach() for k, v in other.state_dict().items()}
+    async with serve_process(model_dir, tmp_path / "serve.log") as url:
+        before = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
+        async with SGLangClient(url) as client:
+            replies = await client.weights.update_weights_from_tensor(
+                list(new.items()), version=5, flattened=flattened
+            )
+        assert replies[url]["success"] is True, replies
+        after = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
+    assert after["meta_info"]["weight_version"] == "5"
+    assert after["output_ids"] != before["output_ids"]
+    served = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    served.load_state_dict(new)
+    with torch.no_grad():
+        ids = served.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)
+    assert ids[0, len(PROMPT) :].tolist()[: len(after["output_ids"])] == after["output_ids"]
+
+
+async def test_tensor_payloads_are_read_through_an_allow_list(http, url):
+    import base64
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            import os
+
+            return (os.system, ("echo owned",))
+
+    evil = base64.b64encode(pickle.dumps([("w", Payload())])).decode()
+    cases = [
+        ([evil], "posix.system is not allowed"),
+        (["%%%"], "not base64"),
+        ([evil, evil], "got 2 entries"),
+        ([base64.b64encode(pickle.dumps([("w", 1)])).decode()], "list of (name, tensor)"),
+    ]
+    for entries, message in cases:
+        body = {"serialized_named_tensors": entries}
+        status, reply = await call(http, url, "/update_weights_from_tensor", body)
+        assert status == 400 and message in reply["message"], reply
+    assert (await call(http, url, "/health", method="GET"))[0] == 200
 
 
 def test_only_a_closing_server_is_a_503_not_any_refused_connection():

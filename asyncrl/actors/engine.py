@@ -13,8 +13,10 @@ Two kinds (``rollout.engine.type``):
 
 ``run()`` then checks ``/health_generate`` every ``health_interval`` seconds. A server that
 exits, or fails ``HEALTH_FAILURES`` (3) checks in a row, fails the actor with the reason, and
-the supervisor reports it. Weights reach either kind from the rollout actor over HTTP
-(``/update_weights_from_disk``), as they reach any SGLang server. Both kinds take the job's
+the supervisor reports it. Weights reach either kind from the rollout actor over HTTP,
+as they reach any SGLang server: ``/update_weights_from_disk``, or with the ``dist``
+transport ``/init_weights_update_group`` and ``/update_weights_from_distributed``
+(``rollout/server_group.py``). Both kinds take the job's
 engine key (``config.api_key``, SGLang's ``--api-key``): every route but ``/health`` needs
 ``Authorization: Bearer <key>``.
 """

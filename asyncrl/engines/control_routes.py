@@ -6,8 +6,9 @@ memory (2.7, 2.10), and discovery: health, model and server info, loads (2.11 to
 Admin calls answer ``{"success", "message"}``, with 400 when ``success`` is false.
 
 Versions: the engine's int version is reported as a string (``"42"``); ``weight_version``
-parameters arrive as strings and must be numeric. Nothing is ever unpickled, so
-``update_weights_from_tensor`` is refused; use the disk or distributed paths.
+parameters arrive as strings and must be numeric. ``update_weights_from_tensor`` payloads
+are pickles: they are read through an allow-list of the globals such payloads use
+(``tensor_payload.py``), never unpickled freely.
 
 Users: ``EngineServer`` (``server.py``) registers these routes on its application.
 """
@@ -210,10 +211,31 @@ class ControlRoutes:
         return await self._admin(request, action)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        """Refused: its payload is a pickle, and this server never unpickles (2.4)."""
-        await read_json(request)
-        message = "not supported: use update_weights_from_disk or update_weights_from_distributed"
-        return json_response({"success": False, "message": message}, status=400)
+        """``/update_weights_from_tensor`` (2.4): tensors handed over by reference from a
+        process on this host (shared memory, or CUDA IPC), decoded by an allow-list
+        (``tensor_payload.py``), then loaded."""
+
+        async def action(body: Json) -> Json:
+            from asyncrl.engines.tensor_payload import decode, named_tensors
+
+            entries = _required(body, "serialized_named_tensors", list)
+            if len(entries) != 1 or not isinstance(entries[0], str):
+                raise ValueError(
+                    f"serialized_named_tensors: one base64 string per TP rank; this server "
+                    f"has 1 rank, got {len(entries)} entries"
+                )
+            load_format = body.get("load_format")
+            if load_format not in (None, "direct", "flattened_bucket"):
+                raise ValueError(f"load_format {load_format!r} is not supported")
+            version = parse_version(body.get("weight_version"))
+            payload = await asyncio.to_thread(decode, entries[0])
+            tensors = named_tensors(payload, load_format)
+            self._abort_first(body)
+            async with self.gate.updating():
+                await self.engine.update_weights_from_tensors(tensors, version)
+            return {"message": _updated("parameter online", self.engine.version)}
+
+        return await self._admin(request, action)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``/update_weight_version`` (2.6); ``abort_all_requests`` defaults to true."""

@@ -1,8 +1,9 @@
 """The SGLang client's weight-update calls (``docs/sglang_api.md`` sections 2.1 to 2.5).
 
 ``WeightUpdateCalls`` holds the client's ``SGLangTransport`` and makes one call per weight
-endpoint through it: updates from disk, the distributed group (init, destroy, update) and
-the begin/end session servers from 0.5.21 require. It keeps what it learns per engine:
+endpoint through it: updates from disk, from tensors on this host (by reference), the
+distributed group (init, destroy, update) and the begin/end session servers from 0.5.21
+require. It keeps what it learns per engine:
 the server's version and whether a begin/end session is open. Calls that start a
 collective return a ``PendingCall`` as soon as their requests are written, so the trainer
 can broadcast while the servers receive.
@@ -275,6 +276,45 @@ class WeightUpdateCalls:
         return await self._issue(
             targets, "/update_weights_from_distributed", dict.fromkeys(targets, body), close_fresh
         )
+
+    async def update_weights_from_tensor(
+        self,
+        named: Sequence[tuple[str, Any]],
+        *,
+        version: int | None = None,
+        flattened: bool = False,
+        flush_cache: bool | None = None,
+        url: str | None = None,
+    ) -> dict[str, Any]:
+        """``/update_weights_from_tensor`` (section 2.4) on one or every engine; each gets
+        its own pickle of ``named`` (a shared storage is fetched once per pickle), in one
+        flattened bucket with ``flattened``. Engines and caller share the host. Servers
+        >= 0.5.21 get a begin/end session around it when none is open."""
+        from asyncrl.engines.tensor_payload import encode
+        from asyncrl.engines.tensor_payload import flattened as flatten
+
+        payload: object = flatten(list(named)) if flattened else list(named)
+        body: dict[str, Any] = {"load_format": "flattened_bucket" if flattened else None}
+        if flush_cache is not None:
+            body["flush_cache"] = flush_cache
+        if version is not None:
+            body["weight_version"] = str(version)
+
+        async def one(u: str) -> Any:
+            opened = u not in self._sessions_open and await self._needs_session(u)
+            if opened:
+                await self.begin_weight_update(url=u)
+            try:
+                return await self.transport.admin(
+                    u, "/update_weights_from_tensor",
+                    {**body, "serialized_named_tensors": [encode(payload)]},
+                    idempotent=False, timeout_s=self.config.update_timeout_s,
+                )  # fmt: skip
+            finally:
+                if opened:
+                    await self.end_weight_update(url=u)
+
+        return await self.transport.each(url, one)
 
     async def _server_version(self, url: str) -> tuple[int, ...] | None:
         if url not in self._server_versions:

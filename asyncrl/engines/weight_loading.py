@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.engines.base import EngineError
+from asyncrl.engines.tensor_payload import bucket_layout, piece
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -128,10 +128,10 @@ class WeightGroups:
         if not flattened:
             await asyncio.to_thread(_broadcast_each, group, list(tensors.values()))
             return tensors
-        flat = torch.empty(sum(t.nbytes for t in tensors.values()), dtype=torch.uint8,
-                           device=device)  # fmt: skip
+        layout = bucket_layout(tensors.items())
+        flat = torch.empty(layout[-1].end_idx if layout else 0, dtype=torch.uint8, device=device)
         await asyncio.to_thread(_broadcast_each, group, [flat])
-        return dict(zip(tensors, _split(flat, tensors.values()), strict=True))
+        return {meta.name: piece(flat, meta) for meta in layout}
 
     async def leave(self, name: str) -> None:
         """Destroy group ``name``; ``EngineError`` when no group of that name was joined."""
@@ -148,14 +148,3 @@ def _broadcast_each(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> No
     works = [group.broadcast([t], opts) for t in tensors]
     for work in works:
         work.wait()
-
-
-def _split(flat: torch.Tensor, like: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """``flat``'s bytes cut into tensors shaped and typed as ``like``, in order."""
-    offset = 0
-    for t in like:
-        piece = flat[offset : offset + t.nbytes]
-        if piece.data_ptr() % t.element_size():  # mixed dtypes: realign by a copy
-            piece = piece.clone()
-        yield piece.view(t.dtype).view(t.shape)
-        offset += t.nbytes

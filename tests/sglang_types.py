@@ -1,0 +1,84 @@
+"""SGLang's own request types, read from its source: the oracle of the wire contract tests.
+
+``pip download --no-deps sglang==SGLANG`` fetches the wheel once into the model cache's
+sibling folder (``~/.cache/asyncrl/sglang``; 39 MB); ``request_fields(name)`` parses
+``sglang/srt/managers/io_struct.py`` out of it with ``ast`` (importing it would need
+SGLang's whole runtime) and gives each field of the named ``msgspec.Struct`` with its
+annotation and whether it has a default. The inherited ``BaseReq`` fields (``rid``,
+``http_worker_ipc``) are internal and left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from asyncrl.model_zoo import cache_dir
+
+#: Pinned, so every machine checks against the same definitions.
+SGLANG = "0.5.23"
+IO_STRUCT = "sglang/srt/managers/io_struct.py"
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    annotation: str  # as written, e.g. "List[List[int]]", "Optional[str]"
+    required: bool
+
+
+def _wheel() -> Path:
+    folder = cache_dir().parent / "sglang"
+    found = sorted(folder.glob(f"sglang-{SGLANG}-*.whl"))
+    if not found:
+        folder.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
+             "--no-deps", f"sglang=={SGLANG}", "-d", str(folder)],
+            check=True,
+        )  # fmt: skip
+        found = sorted(folder.glob(f"sglang-{SGLANG}-*.whl"))
+    return found[0]
+
+
+@cache
+def _classes() -> dict[str, ast.ClassDef]:
+    with zipfile.ZipFile(_wheel()) as wheel:
+        tree = ast.parse(wheel.read(IO_STRUCT).decode())
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+def request_fields(name: str) -> dict[str, Field]:
+    """The fields of SGLang's ``io_struct.<name>``, by name."""
+    fields = {}
+    for node in _classes()[name].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            annotation = ast.unparse(node.annotation)
+            if annotation.startswith("ClassVar"):
+                continue
+            fields[node.target.id] = Field(node.target.id, annotation, node.value is None)
+    return fields
+
+
+def fits(value: object, annotation: str) -> bool:
+    """Whether a JSON ``value`` is of the (simple) annotation SGLang gives the field."""
+    text = annotation.replace("typing.", "").replace(" ", "")
+    if text.startswith("Optional[") and text.endswith("]"):
+        return value is None or fits(value, text[len("Optional[") : -1])
+    if text.startswith("Annotated["):  # Annotated[List[bytes], Base64Bytes()]: base64 text
+        inner = text[len("Annotated[") :].split(",")[0]
+        return fits(value, inner.replace("bytes", "str"))
+    if text.startswith(("List[", "list[")) and text.endswith("]"):
+        return isinstance(value, list) and all(fits(v, text[5:-1]) for v in value)
+    if text.startswith("Literal["):
+        return value in ast.literal_eval(f"[{text[len('Literal[') : -1]}]")
+    simple = {"str": str, "int": int, "bool": bool, "float": (int, float)}
+    if text in simple:
+        kind = simple[text]
+        return isinstance(value, kind) and not (text == "int" and isinstance(value, bool))
+    raise ValueError(f"annotation {annotation!r} is not one this check knows")

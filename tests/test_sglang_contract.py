@@ -1,0 +1,131 @@
+"""The weight-update wire, field by field, against SGLang's own request types.
+
+Every body the client sends on a weight route (the calls of the ``disk`` and ``dist``
+transports, and ``/update_weights_from_tensor``) is checked against the matching
+``msgspec.Struct`` of SGLang's ``io_struct.py`` (``tests/sglang_types.py`` reads it from
+the pinned wheel): each key is a field SGLang declares, each value fits its annotation,
+and every field without a default is sent. And the embedded server takes a body of every
+field SGLang declares, so a client written against SGLang can call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import torch
+
+from asyncrl.engines.server import EngineServer
+from asyncrl.engines.sglang_client import SGLangClient, WeightBucket
+from asyncrl.engines.torch_engine import TorchEngine
+from tests.sglang_types import fits, request_fields
+from tests.test_server import call
+from tests.test_sglang_client import FAST, Fake, serving
+from tests.tiny_model import build_tiny_model
+
+#: Route -> SGLang's request type.
+ROUTES = {
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
+}
+
+
+def check_body(path: str, body: dict[str, Any]) -> None:
+    fields = request_fields(ROUTES[path])
+    unknown = set(body) - set(fields)
+    assert not unknown, f"{path}: {sorted(unknown)} are not fields of {ROUTES[path]}"
+    for key, value in body.items():
+        assert fits(value, fields[key].annotation), (path, key, value, fields[key].annotation)
+    missing = {f.name for f in fields.values() if f.required} - set(body)
+    assert not missing, f"{path}: required {sorted(missing)} not sent"
+
+
+async def test_every_weight_update_body_the_client_sends_is_an_sglang_request():
+    buckets = [
+        WeightBucket(names=["a"], dtypes=["bfloat16"], shapes=[[4, 2]]),
+        WeightBucket(names=["b", "c"], dtypes=["float32", "float32"], shapes=[[3], [2, 2]],
+                     load_format="flattened_bucket"),
+    ]  # fmt: skip
+    async with serving(Fake(version="0.5.23")) as fake:
+        async with SGLangClient(fake.url, config=FAST) as client:
+            await client.update_weights(3, path="/ckpt/3")
+            await client.update_weights(3, path="/ckpt/3", pause_mode="in_place")
+            pending = await client.weights.init_weights_update_group(
+                "127.0.0.1", 29500, world_size=2, group_name="g", backend="gloo"
+            )
+            await pending
+            await client.update_weights(
+                4, buckets=buckets, broadcast=lambda bucket: None, group_name="g",
+                pause_mode="retract",
+            )  # fmt: skip
+            await client.weights.destroy_weights_update_group("g")
+            await client.weights.update_weights_from_tensor(
+                [("a", torch.zeros(2))], version=5, flattened=True, flush_cache=False
+            )
+    checked = set()
+    for sent in fake.calls:
+        if sent.path in ROUTES:
+            check_body(sent.path, sent.body)
+            checked.add(sent.path)
+    assert checked == set(ROUTES) - {"/update_weight_version"}, checked
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def url(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    model = tmp_path_factory.mktemp("contract") / "model"
+    build_tiny_model(model)
+    server = EngineServer(TorchEngine.from_pretrained(str(model)))
+    yield await server.start("127.0.0.1", 0)
+    await server.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize(
+    ("path", "refusal"),
+    [
+        ("/update_weights_from_distributed", "init it first"),
+        ("/update_weights_from_tensor", "cannot be read"),
+        ("/destroy_weights_update_group", "does not exist"),
+        ("/update_weights_from_disk", "no *.safetensors"),
+    ],
+)
+async def test_the_embedded_server_reads_a_body_of_every_sglang_field(
+    http: aiohttp.ClientSession, url: str, path: str, refusal: str, tmp_path: Path
+):
+    """Every field SGLang declares, at a value of its type: refused only for what the
+    request asks (no such group, an unreadable payload, no weights in the folder),
+    never for a field."""
+    values = {"str": "x", "int": 1, "bool": False, "List[str]": ["w"], "List[int]": [1],
+              "List[List[int]]": [[1]], "Optional[str]": None,
+              "Optional[Dict[str, Any]]": None}  # fmt: skip
+    body = {}
+    for field in request_fields(ROUTES[path]).values():
+        if field.annotation in values:
+            body[field.name] = values[field.annotation]
+        elif field.annotation.startswith("Literal"):
+            body[field.name] = "all"
+        elif field.annotation.startswith("Annotated[List[bytes]"):
+            body[field.name] = ["AAAA"]
+    body |= {"dtypes": ["float32"], "weight_version": "7", "model_path": str(tmp_path)}
+    body = {k: v for k, v in body.items() if k in request_fields(ROUTES[path])}
+    assert set(body) == set(request_fields(ROUTES[path]))
+    status, reply = await call(http, url, path, body)
+    assert status == 400 and refusal in reply["message"], reply
