@@ -284,10 +284,11 @@ class TrainConfig(Section):
         description="write RUN_DIR/trained.jsonl: every batch trained, with its group uids "
         "(what `asyncrl chaos` checks exactly-once training against)",
     )
-    publish: Literal["pull", "disk", "dist"] = Field(
+    publish: Literal["pull", "disk", "dist", "ipc"] = Field(
         "pull",
         description="weights to engines: chunked pull from the trainer, safetensors on "
-        "disk, or broadcast in buckets over a gloo group (dist)",
+        "disk, broadcast in buckets over a gloo group (dist), or shared memory on the "
+        "trainer's host (ipc; pulled elsewhere)",
         json_schema_extra={"flag": "update-weight-transport"},
     )
     update_weight_buffer_size: int = Field(
@@ -295,7 +296,7 @@ class TrainConfig(Section):
         gt=0,
         description="dist: bytes per broadcast bucket; each side holds two (one on the "
         "wire, one being filled). 64 MiB: gloo's best size on loopback (slime's 512 MiB "
-        "suits NCCL)",
+        "suits NCCL). ipc: bytes per shared bucket",
         json_schema_extra={"flag": "update-weight-buffer-size"},
     )
     metrics_interval: float = Field(5.0, gt=0, description="seconds between buffer metrics")

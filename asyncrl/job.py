@@ -565,6 +565,7 @@ def _trainer_config(
         keep=2,
         dir=str(run_dir / "weights") if train.publish == "disk" else None,
         group=_weight_group(cfg),
+        bucket_bytes=train.update_weight_buffer_size,
         **final,
     )
     return TrainerActorConfig(

@@ -192,7 +192,7 @@ async def test_a_server_that_never_starts_fails_with_its_last_output(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["disk", "dist"])
+@pytest.mark.parametrize("transport", ["disk", "dist", "ipc"])
 async def test_a_killed_engine_actor_is_restarted_and_nothing_is_lost(
     model: Path, tmp_path: Path, transport: str
 ):
@@ -223,3 +223,6 @@ async def test_a_killed_engine_actor_is_restarted_and_nothing_is_lost(
         assert len({r["group"] for r in joins}) >= 2, joins  # the group re-formed for it
         rows = [json.loads(x) for x in lines(run_dir / "metrics" / "rollout-0.jsonl")]
         assert rows[-1]["rollout/weights_broadcast"] >= 1, rows[-1]  # after the re-form
+    if transport == "ipc":  # /update_weights_from_tensor with the trainer's handles
+        rows = [json.loads(x) for x in lines(run_dir / "metrics" / "rollout-0.jsonl")]
+        assert rows[-1]["rollout/weights_shared"] >= 1, rows[-1]

@@ -222,6 +222,20 @@ async def test_each_mode_of_the_same_code_finishes_with_the_accounting_whole(tmp
     assert accounted(last_buffer_metrics(tmp_path / "run"))
 
 
+async def test_ipc_versions_reach_the_engine_from_the_trainers_shared_memory(tmp_path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    flags = [*job_flags(tmp_path, 3), "--rollout.engine.model-path", str(tmp_path / "model"),
+             "--update-weight-transport", "ipc"]  # fmt: skip
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok and result.steps == 3, result.error
+    rows = (tmp_path / "run" / "metrics" / "rollout-0.jsonl").read_text().splitlines()
+    last = json.loads(rows[-1])
+    # Every version the engine loaded came from the trainer's memory: none was pulled.
+    assert last["rollout/weights_shared"] >= 1 and last["rollout/weights_pulled"] == 0, last
+    assert accounted(last_buffer_metrics(tmp_path / "run"))
+
+
 def metrics_rows(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -45,7 +46,7 @@ async def publisher(transport: str, tmp_path: Path, keep: int = 2):
     return pub, blob, sync
 
 
-@pytest.mark.parametrize("transport", ["pull", "disk"])
+@pytest.mark.parametrize("transport", ["pull", "disk", "ipc"])
 async def test_a_subscriber_fetches_each_announced_version_exactly(transport, tmp_path):
     pub, blob, sync = await publisher(transport, tmp_path)
     try:
@@ -87,6 +88,26 @@ async def test_fetch_into_preallocated_tensors_copies_in_place(tmp_path):
             out = {k: torch.zeros_like(v) for k, v in weights(4).items()}
             got = await rx.fetch(msg, out=out)
             assert got is out and same(out, weights(4))
+    finally:
+        await blob.aclose()
+        await pub.aclose()
+
+
+async def test_ipc_versions_are_shared_on_the_host_and_pulled_from_elsewhere(tmp_path):
+    pub, blob, sync = await publisher("ipc", tmp_path, keep=1)
+    try:
+        async with WeightReceiver(pub.endpoint, pub.snapshot_endpoint) as rx:
+            msg = await sync.publish(1, weights(1))
+            assert msg.handles and msg.host  # one handle per bucket, and where they live
+            out = {k: torch.zeros_like(v) for k, v in weights(1).items()}
+            assert same(await rx.fetch(msg, out=out), weights(1))
+            elsewhere = msgspec.structs.replace(msg, host="another-host")
+            assert same(await rx.fetch(elsewhere), weights(1))
+            assert rx.counts == {"broadcast": 0, "shared": 1, "pulled": 1}
+            await sync.publish(2, weights(2))  # keep=1: version 1 is dropped everywhere
+            with pytest.raises(RemoteError, match="weights-v2"):
+                await rx.fetch(msg)
+            assert rx.counts["shared"] == 1
     finally:
         await blob.aclose()
         await pub.aclose()

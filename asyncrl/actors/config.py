@@ -39,8 +39,9 @@ class PublishConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    transport: Literal["pull", "disk", "dist"]
-    keep: int = Field(ge=1, description="versions kept for slow subscribers (pull, disk)")
+    transport: Literal["pull", "disk", "dist", "ipc"]
+    keep: int = Field(ge=1, description="versions kept for slow subscribers (pull, disk, ipc)")
+    bucket_bytes: int = Field(64 << 20, gt=0, description="dist, ipc: bytes per bucket")
     dir: str | None = None  # disk: where each version's safetensors directory goes
     group: GroupConfig | None = None  # dist: the broadcast group, this process rank 0
     #: Subscribers the trainer's drain waits for to pull the final version (the eval

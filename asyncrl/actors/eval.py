@@ -81,8 +81,9 @@ class EvalActor(Actor):
         self.sets = [await self._open_set(s, tokenizer) for s in self.cfg.sets]
         ep = self.spec.endpoints
         frame = self.max_frame_bytes
+        # shared=False: it pulls ipc versions too, so the trainer's drain sees it done.
         rx = WeightReceiver(ep["trainer.weights"], ep["trainer.weights_snapshot"],
-                            max_frame_bytes=frame, puller=self.name)  # fmt: skip
+                            max_frame_bytes=frame, puller=self.name, shared=False)  # fmt: skip
         self.receiver = await self.hold(rx)
         self.metrics = self.open_metrics(config.metrics_path, flush_every=0)
 

@@ -401,9 +401,10 @@ class RolloutActor(Actor):
         }
 
     def _weight_counts(self) -> dict[str, float]:
-        """dist: versions taken by broadcast and by pull (the group forming, or failed)."""
+        """dist, ipc: versions taken by broadcast, from shared memory, and by pull (the
+        group forming or failed, a version dropped, another host)."""
         receiver = getattr(self, "receiver", None)
-        if receiver is None or receiver.group is None:
+        if receiver is None or not any(receiver.counts.values()):
             return {}
         return {f"rollout/weights_{k}": float(v) for k, v in receiver.counts.items()}
 

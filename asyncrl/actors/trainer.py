@@ -118,7 +118,7 @@ class TrainerActor(Actor):
         )
         publish = cfg.publish
         blob = None
-        if publish.transport in ("pull", "dist"):  # dist: for those outside the group
+        if publish.transport in ("pull", "dist", "ipc"):  # dist, ipc: for those outside
             server = BlobServer(
                 ep["trainer.blob"],
                 chunk_bytes=self.wire.chunk_bytes,
@@ -134,7 +134,7 @@ class TrainerActor(Actor):
             disk_dir=Path(publish.dir) if publish.dir else None,
             group=group,
             keep=publish.keep,
-            **({"bucket_bytes": publish.group.bucket_bytes} if publish.group else {}),
+            bucket_bytes=publish.bucket_bytes,
         )
 
     async def _join_group(self, publish: PublishConfig) -> GroupMembership:

@@ -335,12 +335,14 @@ class SGLangClient:
         buckets: Sequence[WeightBucket] = (),
         broadcast: Callable[[WeightBucket], Any] | None = None,
         group_name: str = DEFAULT_GROUP,
+        payloads: Sequence[str] = (),
         pause_mode: PauseMode = "abort",
         flush_retries: int = 60,
         url: str | None = None,
     ) -> None:
         """Section 2.15 on every engine (or the one at ``url``, from disk only): pause,
-        flush (retried), update, continue.
+        flush (retried), update, continue. ``payloads``: ``/update_weights_from_tensor``
+        flattened buckets, already serialized (shared by the trainer on this host).
 
         Disk: ``path``. Distributed: ``buckets`` and ``broadcast(bucket)`` (sync or async),
         which the trainer uses to send each bucket's tensors; each bucket is announced
@@ -349,8 +351,10 @@ class SGLangClient:
         while they exist. On failure the engines stay paused (weights may be half
         loaded); retry the update or restart them.
         """
-        if (path is None) == (broadcast is None):
-            raise ValueError("update_weights takes path=... or buckets=... with broadcast=...")
+        if (path is not None) + (broadcast is not None) + bool(payloads) != 1:
+            raise ValueError(
+                "update_weights takes path=..., buckets=... with broadcast=..., or payloads=..."
+            )
         if broadcast is not None and not buckets:
             raise ValueError("update_weights got broadcast= but no buckets to announce")
         if url is not None and path is None:
@@ -360,6 +364,8 @@ class SGLangClient:
             await self.flush_cache(flush_retries, url=url)
         if path is not None:
             await self.weights.update_weights_from_disk(path, version, flush_cache=False, url=url)
+        elif payloads:
+            await self.weights.update_weights_from_payloads(payloads, version=version)
         else:
             await self._distributed_buckets(version, buckets, broadcast, group_name)
         await self.continue_(url=url)

@@ -286,30 +286,47 @@ class WeightUpdateCalls:
         flush_cache: bool | None = None,
         url: str | None = None,
     ) -> dict[str, Any]:
-        """``/update_weights_from_tensor`` (section 2.4) on one or every engine; each gets
-        its own pickle of ``named`` (a shared storage is fetched once per pickle), in one
-        flattened bucket with ``flattened``. Engines and caller share the host. Servers
-        >= 0.5.21 get a begin/end session around it when none is open."""
+        """``/update_weights_from_tensor`` (section 2.4) of ``named``, by reference, on one
+        or every engine (they share our host), in one flattened bucket with ``flattened``."""
         from asyncrl.engines.tensor_payload import encode
         from asyncrl.engines.tensor_payload import flattened as flatten
 
-        payload: object = flatten(list(named)) if flattened else list(named)
+        payload = encode(flatten(list(named)) if flattened else list(named))
+        return await self.update_weights_from_payloads(
+            [payload], version=version, flattened=flattened, flush_cache=flush_cache, url=url
+        )
+
+    async def update_weights_from_payloads(
+        self,
+        payloads: Sequence[str],
+        *,
+        version: int | None = None,
+        flattened: bool = True,
+        flush_cache: bool | None = None,
+        url: str | None = None,
+    ) -> dict[str, Any]:
+        """One ``/update_weights_from_tensor`` per serialized payload, in order, on one or
+        every engine; ``version`` set with the last. Servers >= 0.5.21 get a begin/end
+        session around them when none is open. ``{url: last reply}``."""
         body: dict[str, Any] = {"load_format": "flattened_bucket" if flattened else None}
         if flush_cache is not None:
             body["flush_cache"] = flush_cache
-        if version is not None:
-            body["weight_version"] = str(version)
 
         async def one(u: str) -> Any:
             opened = u not in self._sessions_open and await self._needs_session(u)
             if opened:
                 await self.begin_weight_update(url=u)
             try:
-                return await self.transport.admin(
-                    u, "/update_weights_from_tensor",
-                    {**body, "serialized_named_tensors": [encode(payload)]},
-                    idempotent=False, timeout_s=self.config.update_timeout_s,
-                )  # fmt: skip
+                reply = None
+                for i, payload in enumerate(payloads):
+                    last = {"weight_version": str(version)} if i == len(payloads) - 1 else {}
+                    reply = await self.transport.admin(
+                        u, "/update_weights_from_tensor",
+                        {**body, **({} if version is None else last),
+                         "serialized_named_tensors": [payload]},
+                        idempotent=False, timeout_s=self.config.update_timeout_s,
+                    )  # fmt: skip
+                return reply
             finally:
                 if opened:
                     await self.end_weight_update(url=u)

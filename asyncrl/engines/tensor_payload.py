@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -74,18 +75,25 @@ class _AllowListUnpickler(pickle.Unpickler):
         raise EngineError(f"serialized_named_tensors: {module}.{name} is not allowed")
 
 
-def encode(payload: object) -> str:
-    """``payload`` pickled by reference as base64. CPU storages move to shared memory
-    named in the file system, which any process on the host can open (torch's default,
-    a file descriptor, is handed only to a process that shares our ``multiprocessing``
-    authentication key: our own children)."""
-    buffer = io.BytesIO()
+@contextlib.contextmanager
+def named_sharing() -> Iterator[None]:
+    """CPU storages shared meanwhile go to shared memory named in the file system, which
+    any process on the host can open. (torch's default, a file descriptor, is handed only
+    to a process that shares our ``multiprocessing`` authentication key: our children.)"""
     strategy = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
-        ForkingPickler(buffer).dump(payload)
+        yield
     finally:
         torch.multiprocessing.set_sharing_strategy(strategy)
+
+
+def encode(payload: object) -> str:
+    """``payload`` pickled by reference as base64: CPU storages move to named shared
+    memory (``named_sharing``), CUDA ones go as IPC handles."""
+    buffer = io.BytesIO()
+    with named_sharing():
+        ForkingPickler(buffer).dump(payload)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 

@@ -49,6 +49,7 @@ from asyncrl.engines.sglang_client import SGLangClient, SGLangError
 from asyncrl.observe.logs import get_logger
 from asyncrl.rollout.config import EngineConfig, sim_shape
 from asyncrl.rollout.server_group import ServerGroup, server_buckets
+from asyncrl.trainers.weight_share import HOST
 from asyncrl.wire.errors import PeerLost, RemoteError
 
 log = get_logger("asyncrl.rollout")
@@ -196,7 +197,7 @@ class EngineHost:
             msg = self.last
             if msg is None or await self.client.weight_version(url) >= msg.version:
                 return
-            if msg.transport == "dist" and self._receiver is not None:
+            if msg.transport in ("dist", "ipc") and self._receiver is not None:
                 await self._via_disk(msg, self._receiver, url=url)
             elif msg.transport != "disk":
                 raise ValueError(f"cannot bring {url} to version {msg.version}: not on disk")
@@ -266,6 +267,8 @@ class EngineHost:
             await self.client.weights.update_weights_from_disk(msg.location, msg.version)
         elif msg.transport == "dist" and receiver is not None:
             await self._load_dist(msg, receiver)
+        elif msg.transport == "ipc" and receiver is not None:
+            await self._load_shared(msg, receiver)
         else:
             raise ValueError(
                 f"SGLang engines take weights from disk or by broadcast; the trainer "
@@ -294,6 +297,23 @@ class EngineHost:
             return  # e.g. version 0 at the start: the engines load it themselves
         await self._via_disk(msg, receiver)
 
+    async def _load_shared(self, msg: WeightVersion, receiver: WeightReceiver) -> None:
+        """An ``ipc`` version into servers on the trainer's host: its handles go to
+        ``/update_weights_from_tensor`` as they are; elsewhere, or once dropped, by disk."""
+        assert self.client is not None
+        self._receiver = receiver
+        if msg.host == HOST and receiver.shared:
+            try:
+                await self.client.update_weights(
+                    msg.version, payloads=msg.handles, pause_mode=self._pause_mode
+                )
+                receiver.counts["shared"] += 1
+                return
+            except SGLangError as exc:  # dropped meanwhile, or the server cannot map it
+                log.warning("shared weights not taken; from disk instead",
+                            version=msg.version, error=str(exc))  # fmt: skip
+        await self._via_disk(msg, receiver)
+
     @property
     def _pause_mode(self) -> PauseMode:
         return "abort" if self.config.on_update == "abort" else "in_place"
@@ -306,7 +326,8 @@ class EngineHost:
         assert self.client is not None
         if self.spill_dir is None:
             raise ValueError(f"version {msg.version} cannot go by broadcast, and no spill_dir")
-        tensors = await receiver.fetch(msgspec.structs.replace(msg, transport="pull"))
+        pulled = msgspec.structs.replace(msg, transport="pull", handles=[])
+        tensors = await receiver.fetch(pulled)
         path = await asyncio.to_thread(spill, self.spill_dir, msg.version, tensors)
         del tensors
         await self.client.update_weights(
@@ -323,12 +344,12 @@ class EngineHost:
         return bool(getattr(self.engine, "torn", False))
 
     def _in_place(self, msg: WeightVersion) -> bool:
-        """Pull and dist versions go straight into one torch engine's model (no staged
-        copy) when ``update_in_place`` and the tensors match the model's."""
+        """Pull, dist and ipc versions go straight into one torch engine's model (no
+        staged copy) when ``update_in_place`` and the tensors match the model's."""
         takes = getattr(self.engine, "takes_in_place", None)
         return (
             self.config.update_in_place
-            and msg.transport in ("pull", "dist")
+            and msg.transport in ("pull", "dist", "ipc")
             and takes is not None
             and takes(msg.manifest)
         )

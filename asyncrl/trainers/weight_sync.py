@@ -20,6 +20,10 @@ put where subscribers can fetch them, then a small ``WeightVersion`` is announce
   on the blob server, as for ``pull``: while the group forms or re-forms (a member was
   lost), for a member whose broadcast failed, and for subscribers outside the group
   (the eval actor), a version goes by pull.
+- ``ipc``: each version is copied once into shared memory on the trainer's host
+  (``weight_share.py``); the announcement carries a handle per bucket, and a subscriber
+  on the host copies from there into its engine. The blob server serves views of the
+  same memory: a subscriber elsewhere, or one that finds its version dropped, pulls.
 
 Pub/sub is lossy and conflated (``wire/pubsub.py``): a receiver always moves to the newest
 announced version, and one that joins late asks for it, so none silently misses the
@@ -35,17 +39,23 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Literal, Protocol
 
+import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
+from asyncrl.engines.base import EngineError
+from asyncrl.observe.logs import get_logger
 from asyncrl.trainers.weight_group import BroadcastGroup, GroupMembership
+from asyncrl.trainers.weight_share import HOST, SharedVersions, take_shared
 from asyncrl.wire.blob import BlobClient, BlobServer, layout
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import WouldBlock
 from asyncrl.wire.messages import BlobManifest, WeightVersion
 from asyncrl.wire.pubsub import Publisher, Subscriber
 
-Transport = Literal["pull", "disk", "dist"]
+log = get_logger("asyncrl.weights")
+
+Transport = Literal["pull", "disk", "dist", "ipc"]
 TOPIC = "weights"
 
 
@@ -81,7 +91,7 @@ class WeightPublisher:
         keep: int = 2,
         bucket_bytes: int = 64 * 1024 * 1024,
     ) -> None:
-        if transport in ("pull", "dist") and blob is None:
+        if transport in ("pull", "dist", "ipc") and blob is None:
             raise ValueError(f"transport {transport!r} needs the trainer's BlobServer")
         if transport == "disk" and disk_dir is None:
             raise ValueError("transport 'disk' needs a directory (disk_dir)")
@@ -91,12 +101,15 @@ class WeightPublisher:
         self.disk_dir, self.keep, self.bucket_bytes = disk_dir, max(1, keep), bucket_bytes
         self.latest: WeightVersion | None = None
         self._sending: asyncio.Future[None] | None = None  # dist: the broadcast under way
+        self._shared = SharedVersions(keep=self.keep, bucket_bytes=bucket_bytes)
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
         """Make ``tensors`` (CPU, not modified afterwards) fetchable as ``version``; announce."""
         if self.transport == "dist":
             return await self._broadcast(version, tensors)
-        if self.transport == "pull":
+        if self.transport == "ipc":
+            msg = await self._share(version, tensors)
+        elif self.transport == "pull":
             msg = self._put_blob(version, tensors)
         else:
             msg = await asyncio.to_thread(self._write_disk, version, tensors)
@@ -150,6 +163,12 @@ class WeightPublisher:
             assert self.group is not None
             self.group.failed(exc)
 
+    async def _share(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
+        """Into shared memory, and on the blob server as views of it (module docstring)."""
+        handles, views = await asyncio.to_thread(self._shared.share, version, tensors)
+        pulled = self._put_blob(version, views)
+        return msgspec.structs.replace(pulled, transport="ipc", handles=handles, host=HOST)
+
     def _put_blob(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
         assert self.blob is not None
         manifest = self.blob.put(blob_name(version), tensors)
@@ -198,14 +217,16 @@ class WeightReceiver:
         group: GroupMember | None = None,
         name: str = "weights",
         puller: str = "",
+        shared: bool = True,
     ) -> None:
         codec = Codec(WeightVersion, max_frame_bytes=max_frame_bytes)
         self.group = group
         self.subscriber = Subscriber(endpoint, snapshot_endpoint, codec, [TOPIC], name=name)
         self.window, self.max_frame_bytes, self.puller = window, max_frame_bytes, puller
+        self.shared = shared  # ipc versions from shared memory (False: always pull)
         self._clients: dict[str, BlobClient] = {}
-        #: dist versions taken by broadcast, and by pull (the group forming or failed)
-        self.counts = {"broadcast": 0, "pulled": 0}
+        #: dist and ipc versions taken by broadcast, from shared memory, and by pull
+        self.counts = {"broadcast": 0, "shared": 0, "pulled": 0}
 
     async def __aenter__(self) -> WeightReceiver:
         await self.subscriber.__aenter__()
@@ -250,7 +271,34 @@ class WeightReceiver:
         if msg.transport == "disk":
             path = Path(msg.location)
             return await asyncio.to_thread(_load_dir, path)
+        if msg.transport == "ipc":
+            return await self._take_shared(msg, out)
         return await self._receive_broadcast(msg, out)
+
+    async def _take_shared(
+        self, msg: WeightVersion, out: dict[str, torch.Tensor] | None
+    ) -> dict[str, torch.Tensor]:
+        """From the trainer's shared memory when on its host, else (or when the version
+        is gone there) by pull."""
+        if msg.host == HOST and self.shared:
+            got: dict[str, torch.Tensor] = {} if out is None else out
+
+            def sink(name: str, view: torch.Tensor) -> None:
+                if out is None:
+                    got[name] = view.clone()
+                else:
+                    out[name].copy_(view)
+
+            try:
+                await asyncio.to_thread(take_shared, msg.handles, sink)
+                self.counts["shared"] += 1
+                return got
+            except EngineError as exc:  # dropped meanwhile: the blob server may have it
+                log.warning("shared weights gone; pulling", version=msg.version, error=str(exc))
+        client = await self._client(msg.location)
+        tensors = await client.fetch(msg.blob, out=out)
+        self.counts["pulled"] += 1
+        return tensors
 
     async def _receive_broadcast(
         self, msg: WeightVersion, out: dict[str, torch.Tensor] | None

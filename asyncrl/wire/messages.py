@@ -149,16 +149,20 @@ class WeightVersion(Message):
     ``transport`` says how to get the tensors: ``pull`` from the blob server at
     ``location`` (blob name ``blob``), ``disk`` from the directory ``location``, or
     ``dist`` by broadcast on the weight group ``group`` (``manifest`` gives the buckets)
-    when ``formed``, else (the group still forming) by pull as for ``pull``.
+    when ``formed``, else (the group still forming) by pull as for ``pull``, or ``ipc``
+    from shared memory on host ``host`` (``handles``: one ``/update_weights_from_tensor``
+    payload per bucket), else by pull.
     """
 
     version: int
-    transport: Literal["pull", "disk", "dist"]
+    transport: Literal["pull", "disk", "dist", "ipc"]
     location: str
     blob: str = ""
     manifest: BlobManifest | None = None
     group: str = ""
     formed: bool = False
+    handles: list[str] = msgspec.field(default_factory=list)
+    host: str = ""
 
 
 class Probe(Message):
