@@ -14,6 +14,10 @@ download). Transports, each against its raw counterpart in the same run:
   receivers' tensors, the small ones flattened and copied out | raw: a bare
   ``torch.distributed`` broadcast of the same bucket sizes into preallocated buffers,
   nothing copied.
+- ``ipc``: the trainer copies the version into shared buckets (named shared memory) and
+  announces a handle per bucket; receivers on the host map them and copy into their
+  tensors | raw: ``multiprocessing.shared_memory``: the trainer copies the same bytes
+  into one segment the receivers attached beforehand, each copies them out.
 - ``disk``: the trainer writes a safetensors directory (temp, then rename) and receivers
   load it and copy it into their tensors | raw: ``safetensors`` ``save_file`` and
   ``load_file`` of the same tensors, copied the same way (a load maps the file lazily:
@@ -61,7 +65,7 @@ from asyncrl.wire.sockets import free_tcp_endpoint
 
 CHUNK_BYTES = 4 * 1024 * 1024
 BUCKET_BYTES = 64 * 1024 * 1024  # the job default (--update-weight-buffer-size)
-TARGETS = {"pull": 0.8, "dist": 0.8}
+TARGETS = {"pull": 0.8, "dist": 0.8, "ipc": 0.8}
 
 
 def real_model() -> dict[str, torch.Tensor]:
@@ -184,6 +188,22 @@ def child_raw_dist(opts: dict) -> None:
         report(version, base)
 
 
+def child_raw_shm(opts: dict) -> None:
+    from multiprocessing import shared_memory
+
+    segment = shared_memory.SharedMemory(name=opts["name"])
+    shared = np.ndarray((opts["nbytes"],), dtype=np.uint8, buffer=segment.buf)
+    buf = np.zeros(opts["nbytes"], dtype=np.uint8)
+    base = rss_mb()
+    print("READY", flush=True)
+    for version in range(1, opts["versions"] + 1):
+        sys.stdin.readline()
+        np.copyto(buf, shared)
+        report(version, base)
+    del shared
+    segment.close()
+
+
 def child_raw_disk(opts: dict) -> None:
     from safetensors.torch import load_file
 
@@ -286,7 +306,36 @@ def measure_raw(transport: str, tensors: dict, n: int, versions: int, tmp: Path)
         return _raw_zmq(tensors, n, versions)
     if transport == "dist":
         return _raw_dist(tensors, n, versions)
+    if transport == "ipc":
+        return _raw_shm(tensors, n, versions)
     return _raw_disk(tensors, n, versions, tmp)
+
+
+def _raw_shm(tensors: dict, n: int, versions: int):
+    from multiprocessing import shared_memory
+
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    segment = shared_memory.SharedMemory(create=True, size=nbytes)
+    shared = torch.frombuffer(segment.buf, dtype=torch.uint8)
+    opts = {"role": "raw-shm", "name": segment.name, "nbytes": nbytes, "versions": versions}
+    procs = [spawn(opts) for _ in range(n)]
+    ready(procs)
+    times, extra = [], 0.0
+    for _ in range(versions):
+        start = time.perf_counter()
+        torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()], out=shared)
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        done, mb = read_done(procs)
+        times.append(done - start)
+        extra = max(extra, mb)
+    finish(procs)
+    del shared
+    segment.close()
+    segment.unlink()
+    return times, extra
 
 
 def _raw_zmq(tensors: dict, n: int, versions: int):
@@ -396,7 +445,7 @@ def main() -> None:
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="the 135M model only")
-    ap.add_argument("--transports", default="pull,dist,disk")
+    ap.add_argument("--transports", default="pull,dist,ipc,disk")
     ap.add_argument(
         "--bucket-mib",
         type=int,
@@ -412,7 +461,7 @@ def main() -> None:
         if role == "asyncrl":
             uvloop.run(child_asyncrl(opts))
         else:
-            {"raw-zmq": child_raw_zmq, "raw-dist": child_raw_dist,
+            {"raw-zmq": child_raw_zmq, "raw-dist": child_raw_dist, "raw-shm": child_raw_shm,
              "raw-disk": child_raw_disk}[role](opts)  # fmt: skip
         return
     BUCKET_BYTES = args.bucket_mib << 20

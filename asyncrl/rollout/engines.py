@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -283,12 +284,15 @@ class EngineHost:
         group = self.server_group
         name = await group.for_version(msg.group, msg.formed) if group is not None else None
         if name is not None:
+            start = time.perf_counter()
             try:
                 await self.client.update_weights(
                     msg.version, buckets=server_buckets(msg.manifest), broadcast=_sent_by_trainer,
                     group_name=name, pause_mode=self._pause_mode,
                 )  # fmt: skip
                 receiver.counts["broadcast"] += 1
+                log.info("weights broadcast into the engines", version=msg.version,
+                         pause_s=round(time.perf_counter() - start, 4))  # fmt: skip
                 return
             except SGLangError as exc:  # a member died: the engines stay paused, part new
                 assert group is not None
@@ -303,11 +307,14 @@ class EngineHost:
         assert self.client is not None
         self._receiver = receiver
         if msg.host == HOST and receiver.shared:
+            start = time.perf_counter()
             try:
                 await self.client.update_weights(
                     msg.version, payloads=msg.handles, pause_mode=self._pause_mode
                 )
                 receiver.counts["shared"] += 1
+                log.info("shared weights into the engines", version=msg.version,
+                         pause_s=round(time.perf_counter() - start, 4))  # fmt: skip
                 return
             except SGLangError as exc:  # dropped meanwhile, or the server cannot map it
                 log.warning("shared weights not taken; from disk instead",

@@ -86,10 +86,18 @@ class ServerGroup:
             )
 
     def notice(self, group_id: str, formed: bool) -> None:
-        """On any announcement: join a new id that is still forming (as ``GroupMembership``)."""
-        if group_id and group_id != self.id and not formed:
-            self.id = group_id
-            previous = self._joining
+        """On any announcement: join a new id that is still forming (as ``GroupMembership``).
+        A formed one we never joined may hold our engine from a predecessor of this actor
+        that died between two buckets: the trainer's next broadcast would wait for the
+        engine until its timeout. Take the engine out (best effort), so it fails at once
+        and the trainer re-forms."""
+        if not group_id or group_id == self.id:
+            return
+        previous = self._joining
+        self.id = group_id
+        if formed:
+            self._joining = asyncio.ensure_future(self._evict(group_id, previous))
+        else:
             self._joining = asyncio.ensure_future(self._join(group_id, previous))
 
     async def for_version(self, group_id: str, formed: bool) -> str | None:
@@ -123,10 +131,7 @@ class ServerGroup:
         await self._leave()
 
     async def _join(self, group_id: str, previous: asyncio.Task[None] | None) -> None:
-        if previous is not None:
-            previous.cancel()
-            with contextlib.suppress(BaseException):
-                await previous
+        await _cancelled(previous)
         await self._leave()
         name = group_name(group_id)
         (url,) = (await self.client.weights.group_layout())[0]
@@ -139,8 +144,21 @@ class ServerGroup:
         self.joined = name
         log.info("engine joined the weight group", group=group_id, rank=self.rank)
 
+    async def _evict(self, group_id: str, previous: asyncio.Task[None] | None) -> None:
+        await _cancelled(previous)
+        with contextlib.suppress(SGLangError, OSError):
+            await self.client.weights.destroy_weights_update_group(group_name(group_id))
+            log.warning("our engine was left in the weight group; taken out", group=group_id)
+
     async def _leave(self) -> None:
         name, self.joined = self.joined, ""
         if name:
             with contextlib.suppress(SGLangError, OSError):
                 await self.client.weights.destroy_weights_update_group(name)
+
+
+async def _cancelled(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
