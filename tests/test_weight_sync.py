@@ -104,9 +104,11 @@ async def test_ipc_versions_are_shared_on_the_host_and_pulled_from_elsewhere(tmp
             elsewhere = msgspec.structs.replace(msg, host="another-host")
             assert same(await rx.fetch(elsewhere), weights(1))
             assert rx.counts == {"broadcast": 0, "shared": 1, "pulled": 1}
-            await sync.publish(2, weights(2))  # keep=1: version 1 is dropped everywhere
-            with pytest.raises(RemoteError, match="weights-v2"):
-                await rx.fetch(msg)
+            # keep=1: two slots, so version 3 refills version 1's; the blob holds 3 alone.
+            for version in (2, 3):
+                await sync.publish(version, weights(version))
+            with pytest.raises(RemoteError, match="weights-v3"):
+                await rx.fetch(msg)  # the stamp says 3, not 1: not taken from there
             assert rx.counts["shared"] == 1
     finally:
         await blob.aclose()

@@ -290,7 +290,7 @@ class WeightReceiver:
                     out[name].copy_(view)
 
             try:
-                await asyncio.to_thread(take_shared, msg.handles, sink)
+                await asyncio.to_thread(take_shared, msg.handles, msg.version, sink)
                 self.counts["shared"] += 1
                 return got
             except EngineError as exc:  # dropped meanwhile: the blob server may have it
