@@ -115,6 +115,42 @@ async def test_ipc_versions_are_shared_on_the_host_and_pulled_from_elsewhere(tmp
         await pub.aclose()
 
 
+def test_shared_versions_are_taken_by_several_processes_version_after_version():
+    """Each engine on the host opens every version's buckets, and the ring's slots are
+    refilled: no open may use up a bucket's name (torch unlinks it when its count of
+    opens runs out)."""
+    import json
+    import subprocess
+    import sys
+
+    from asyncrl.trainers.weight_share import SharedVersions
+
+    shared = SharedVersions(keep=2, bucket_bytes=1 << 20)
+    takers = [
+        subprocess.Popen([sys.executable, "-m", "tests.shared_taker"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+        for _ in range(2)
+    ]  # fmt: skip
+    try:
+        for version in range(8):  # the 3 slots, each refilled twice
+            tensors = weights(version)
+            handles, _ = shared.share(version, tensors)
+            for taker in takers:
+                assert taker.stdin is not None
+                taker.stdin.write(json.dumps([version, handles]) + "\n")
+                taker.stdin.flush()
+            expected = sum(float(t.double().sum()) for t in tensors.values())
+            for taker in takers:
+                assert taker.stdout is not None
+                got = json.loads(taker.stdout.readline())
+                assert got == {"version": version, "sum": pytest.approx(expected)}, got
+    finally:
+        for taker in takers:
+            assert taker.stdin is not None
+            taker.stdin.close()
+            taker.wait(30)
+
+
 async def test_disk_versions_are_written_whole_and_old_ones_pruned(tmp_path):
     pub, blob, sync = await publisher("disk", tmp_path, keep=2)
     try:
