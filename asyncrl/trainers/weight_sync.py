@@ -213,7 +213,7 @@ class WeightReceiver:
         snapshot_endpoint: str,
         *,
         max_frame_bytes: int = 64 * 1024 * 1024,
-        window: int = 16,
+        window: int = 64,
         group: GroupMember | None = None,
         name: str = "weights",
         puller: str = "",

@@ -26,7 +26,7 @@ import bisect
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -80,6 +80,7 @@ class _StoredBlob:
             tensors[e.name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             for e in manifest.entries
         ]
+        self.starts = [e.offset for e in manifest.entries]
 
     def chunk(self, index: int) -> list[tuple[int, np.ndarray]]:
         m = self.manifest
@@ -87,11 +88,23 @@ class _StoredBlob:
             raise IndexError(f"chunk {index} out of range; {m.blob} has {m.num_chunks}")
         lo, hi = index * m.chunk_bytes, min((index + 1) * m.chunk_bytes, m.total_bytes)
         parts = []
-        for entry, view in zip(m.entries, self.views, strict=True):
-            start, end = max(lo, entry.offset), min(hi, entry.offset + entry.nbytes)
-            if start < end:
-                parts.append((start, view[start - entry.offset : end - entry.offset]))
+        for i, start, end in _overlapping(m.entries, self.starts, lo, hi):
+            view, offset = self.views[i], m.entries[i].offset
+            parts.append((start, view[start - offset : end - offset]))
         return parts
+
+
+def _overlapping(
+    entries: Sequence[TensorEntry], starts: list[int], lo: int, hi: int
+) -> Iterator[tuple[int, int, int]]:
+    """``(i, start, end)``: the bytes of ``[lo, hi)`` that entry ``i`` holds, in order
+    (found by bisection: a chunk spans few of a model's hundreds of tensors)."""
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    while i < len(entries) and entries[i].offset < hi:
+        start, end = max(lo, entries[i].offset), min(hi, entries[i].offset + entries[i].nbytes)
+        if start < end:
+            yield i, start, end
+        i += 1
 
 
 class BlobServer(RpcServer[BlobRequest, BlobReply]):
@@ -241,22 +254,12 @@ def _write_chunk(
     if not isinstance(reply, BlobChunk) or reply.index != index:
         raise WireError(f"bad reply for chunk {index} of {m.blob!r}")
     lo, hi = index * m.chunk_bytes, min((index + 1) * m.chunk_bytes, m.total_bytes)
+    expected = list(_overlapping(m.entries, starts, lo, hi))
     got = [(offset, offset + data.nbytes) for offset, data in reply.parts]
-    if got != _expected_parts(m, lo, hi):  # every tensor byte exactly once: no gap left
+    if got != [(start, end) for _, start, end in expected]:  # every byte once: no gap left
         raise WireError(f"chunk {index} of {m.blob!r} does not cover its bytes: {got}")
-    for offset, data in reply.parts:
-        i = bisect.bisect_right(starts, offset) - 1
-        _copy_into(targets[i], offset - m.entries[i].offset, data)
-
-
-def _expected_parts(m: BlobManifest, lo: int, hi: int) -> list[tuple[int, int]]:
-    """The byte ranges of chunk ``[lo, hi)`` that belong to tensors, in order."""
-    out = []
-    for e in m.entries:
-        start, end = max(lo, e.offset), min(hi, e.offset + e.nbytes)
-        if start < end:
-            out.append((start, end))
-    return out
+    for (i, start, _), (_, data) in zip(expected, reply.parts, strict=True):
+        _copy_into(targets[i], start - m.entries[i].offset, data)
 
 
 def _copy_into(target: torch.Tensor, start: int, data: np.ndarray) -> None:
