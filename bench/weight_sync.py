@@ -298,6 +298,7 @@ def measure_asyncrl(transport: str, tensors: dict, n: int, versions: int, tmp: P
                 proc.wait()
             if group is not None:
                 group.close()
+            sync.close()
             return times, extra
 
     return uvloop.run(run())

@@ -5,6 +5,7 @@ member, and re-forming with a replacement or a restarted trainer."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import msgspec
@@ -125,6 +126,10 @@ def test_shared_versions_are_taken_by_several_processes_version_after_version():
 
     from asyncrl.trainers.weight_share import SharedVersions
 
+    def ours() -> list[Path]:
+        return list(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))
+
+    before = set(ours())
     shared = SharedVersions(keep=2, bucket_bytes=1 << 20)
     takers = [
         subprocess.Popen([sys.executable, "-m", "tests.shared_taker"], stdin=subprocess.PIPE,
@@ -149,6 +154,8 @@ def test_shared_versions_are_taken_by_several_processes_version_after_version():
             assert taker.stdin is not None
             taker.stdin.close()
             taker.wait(30)
+        shared.close()
+    assert set(ours()) <= before  # every name unlinked
 
 
 async def test_disk_versions_are_written_whole_and_old_ones_pruned(tmp_path):

@@ -136,6 +136,7 @@ class TrainerActor(Actor):
             keep=publish.keep,
             bucket_bytes=publish.bucket_bytes,
         )
+        self.close_later(self.weights.close)
 
     async def _join_group(self, publish: PublishConfig) -> GroupMembership:
         """Rank 0 of the weight broadcast group: serves its store; the group forms in the

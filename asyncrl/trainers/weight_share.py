@@ -23,7 +23,11 @@ Used by ``weight_sync.WeightPublisher`` (trainer side) and ``WeightReceiver.fetc
 
 from __future__ import annotations
 
+import _posixshmem
+import contextlib
+import shutil
 import socket
+from pathlib import Path
 
 import torch
 
@@ -36,6 +40,7 @@ from asyncrl.engines.tensor_payload import (
     named_tensors,
     piece,
 )
+from asyncrl.errors import InputError
 from asyncrl.trainers.weight_buckets import Sink, plan_buckets
 from asyncrl.wire.blob import layout
 
@@ -60,6 +65,15 @@ class _Slot:
             self.flats.append(flat)
             self.handles.append(encode(payload))
             self.views.update((m.name, piece(flat, m)) for m in metadata)
+
+    def release(self) -> None:
+        """Unlink the slot's names: no new open finds them; the memory goes once the
+        last process that has it mapped lets go."""
+        for t in (self.stamp, *self.flats):
+            if t.device.type == "cpu":
+                _, name, _ = t.untyped_storage()._share_filename_cpu_()
+                with contextlib.suppress(FileNotFoundError):
+                    _posixshmem.shm_unlink(name.decode())
 
     def fill(self, version: int, named: list[list[tuple[str, torch.Tensor]]]) -> None:
         """Copy a version in; the stamp says -1 meanwhile, so a reader can tell."""
@@ -98,9 +112,35 @@ class SharedVersions:
         self._next += 1
         slot = self._slots[index]
         if slot is None or slot.signature != _signature(named):
+            if slot is not None:  # its memory goes back before the new one is taken
+                slot.release()
+                self._slots[index] = None
+            _check_room(named, len(self._slots))
             slot = self._slots[index] = _Slot(named)
         slot.fill(version, named)
         return slot.handles, slot.views
+
+    def close(self) -> None:
+        """Unlink every slot (the extra opens would keep them until the process exits)."""
+        for slot in self._slots:
+            if slot is not None:
+                slot.release()
+        self._slots = [None] * len(self._slots)
+
+
+def _check_room(named: list[list[tuple[str, torch.Tensor]]], slots: int) -> None:
+    """Refuse, with what to do, a version the host's shared memory cannot hold (Docker
+    gives /dev/shm 64 MB unless told otherwise): failing later would be a bus error."""
+    if named[0][0][1].device.type != "cpu" or not Path("/dev/shm").is_dir():
+        return
+    need = sum(t.nbytes for bucket in named for _, t in bucket)
+    free = shutil.disk_usage("/dev/shm").free
+    if need > free:
+        raise InputError(
+            f"--update-weight-transport ipc shares {slots} versions of {need / 2**30:.2f} GiB "
+            f"in /dev/shm, which has {free / 2**30:.2f} GiB free: enlarge it (docker "
+            f"--shm-size) or use --update-weight-transport pull"
+        )
 
 
 def _signature(named: list[list[tuple[str, torch.Tensor]]]) -> list[list[tuple]]:

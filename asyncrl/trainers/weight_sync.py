@@ -130,6 +130,11 @@ class WeightPublisher:
         if self.latest is not None and self.blob is not None and self.latest.blob:
             await self.blob.wait_completed(self.latest.blob, pullers)
 
+    def close(self) -> None:
+        """Give back the shared memory of ipc versions (engines still copying keep
+        theirs until done; later opens fail and pull)."""
+        self._shared.close()
+
     async def settle(self) -> None:
         """Wait until the last version's broadcast has ended (before exiting)."""
         if self._sending is not None:
