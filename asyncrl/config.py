@@ -36,6 +36,7 @@ import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, overload
+from urllib.parse import urlsplit
 
 import pydantic
 import yaml
@@ -484,6 +485,14 @@ class RunConfig(Section):
                 f"{flag} gives each rollout actor one server: {len(engine.urls)} urls for "
                 f"{self.rollout.num_actors} rollout actor(s); use --rollout-engine-serve actor "
                 "(a server per rollout actor) or --update-weight-transport disk"
+            )
+        remote = [u for u in engine.urls if not _is_loopback_host(urlsplit(u).hostname or "")]
+        if remote:
+            raise ValueError(
+                f"{flag} into {remote[0]}: a version the group cannot carry (while it forms, "
+                "after a failed broadcast) goes to the server through a local folder, which a "
+                "server on another host cannot read; use --update-weight-transport disk with "
+                "a shared folder, or a server on this host"
             )
         tp = _server_tp(engine.server_args)
         if tp > 1:

@@ -65,6 +65,20 @@ def request_fields(name: str) -> dict[str, Field]:
     return fields
 
 
+def safe_unpickler_globals() -> set[tuple[str, str]]:
+    """``SafeUnpickler.ALLOWED_GLOBALS`` of ``sglang/srt/utils/common.py``: the only
+    globals an SGLang server lets an ``/update_weights_from_tensor`` payload name."""
+    with zipfile.ZipFile(_wheel()) as wheel:
+        tree = ast.parse(wheel.read("sglang/srt/utils/common.py").decode())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "SafeUnpickler":
+            for item in node.body:
+                target = ast.unparse(item.targets[0]) if isinstance(item, ast.Assign) else ""
+                if target == "ALLOWED_GLOBALS":
+                    return set(ast.literal_eval(item.value))
+    raise LookupError("SafeUnpickler.ALLOWED_GLOBALS not found in the wheel")
+
+
 def fits(value: object, annotation: str) -> bool:
     """Whether a JSON ``value`` is of the (simple) annotation SGLang gives the field."""
     text = annotation.replace("typing.", "").replace(" ", "")

@@ -96,6 +96,7 @@ def test_sglang_flags_become_the_servers_arguments():
         ([*SGLANG, "--rollout.engine.server-args", "[--port, 1]"], "assigns these itself"),
         ([*SGLANG, "--rollout.engine.server-args", "[--tp, 2]", *DIST], "2 tensor-parallel"),
         ([*URLS, "[http://x:1, http://y:2]", *DIST], "one server: 2 urls"),
+        ([*URLS, "[http://10.0.0.5:1]", *DIST, "--rollout.num-actors", "1"], "on this host"),
         ([*URLS, "[http://x:1]", "--rollout.engine.router", "true", *DIST], "not through a router"),
         (["--runtime.ray.roles", "{rollout: {resources: {GPU: 1}}}"], "use num_cpus / num_gpus"),
         (["--runtime.ray.roles", "{trainer: {num_gpus: 1.5}}"], "whole GPUs, not 1.5"),

@@ -82,6 +82,35 @@ async def test_every_weight_update_body_the_client_sends_is_an_sglang_request():
     assert checked == set(ROUTES) - {"/update_weight_version"}, checked
 
 
+def test_tensor_payloads_name_only_globals_an_sglang_server_unpickles():
+    """What we send to /update_weights_from_tensor (tensors one by one, a flattened
+    bucket, and the ipc transport's shared buckets) names only globals in SGLang's own
+    SafeUnpickler allow-list: a server refuses, or dies on, any other."""
+    import base64
+    import io
+
+    from asyncrl.engines import tensor_payload
+    from asyncrl.trainers.weight_share import SharedVersions
+    from tests.sglang_types import safe_unpickler_globals
+
+    named = [("a", torch.arange(4.0)), ("b", torch.ones(2, dtype=torch.bfloat16))]
+    handles, _ = (shared := SharedVersions()).share(1, dict(named))
+    payloads = [tensor_payload.encode(named),
+                tensor_payload.encode(tensor_payload.flattened(named)), *handles]  # fmt: skip
+    seen: set[tuple[str, str]] = set()
+
+    class Recording(tensor_payload._AllowListUnpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    for payload in payloads:
+        Recording(io.BytesIO(base64.b64decode(payload))).load()
+    shared.close()
+    assert ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata") in seen
+    assert seen <= safe_unpickler_globals(), seen - safe_unpickler_globals()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def url(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     model = tmp_path_factory.mktemp("contract") / "model"

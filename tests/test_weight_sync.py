@@ -158,6 +158,19 @@ def test_shared_versions_are_taken_by_several_processes_version_after_version():
     assert set(ours()) <= before  # every name unlinked
 
 
+def test_a_version_dev_shm_cannot_hold_is_refused_with_what_to_do(monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from asyncrl.errors import InputError
+    from asyncrl.trainers.weight_share import SharedVersions
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, 1024))
+    with pytest.raises(InputError, match=r"docker --shm-size\) or use --update-weight-transport"):
+        SharedVersions().share(1, weights(1))
+
+
 async def test_disk_versions_are_written_whole_and_old_ones_pruned(tmp_path):
     pub, blob, sync = await publisher("disk", tmp_path, keep=2)
     try:

@@ -365,7 +365,9 @@ class SGLangClient:
         if path is not None:
             await self.weights.update_weights_from_disk(path, version, flush_cache=False, url=url)
         elif payloads:
-            await self.weights.update_weights_from_payloads(payloads, version=version)
+            await self.weights.update_weights_from_payloads(
+                payloads, version=version, flush_cache=False
+            )
         else:
             await self._distributed_buckets(version, buckets, broadcast, group_name)
         await self.continue_(url=url)

@@ -88,12 +88,33 @@ def named_sharing() -> Iterator[None]:
         torch.multiprocessing.set_sharing_strategy(strategy)
 
 
+class _SGLangPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    """``ForkingPickler``'s reductions (torch's storages by reference), with our
+    ``FlattenedTensorMetadata`` written under SGLang's name: an SGLang server's
+    ``SafeUnpickler`` allows that exact name, and we need not import SGLang to write it."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=4)
+        self.dispatch_table = ForkingPickler._copyreg_dispatch_table.copy()  # type: ignore[attr-defined]
+        self.dispatch_table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
+
+    def save_global(self, obj: object, name: str | None = None) -> None:
+        if obj is FlattenedTensorMetadata:
+            module, qualname = _SGLANG_METADATA
+            self.save(module)
+            self.save(qualname)
+            self.write(pickle.STACK_GLOBAL)
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
 def encode(payload: object) -> str:
     """``payload`` pickled by reference as base64: CPU storages move to named shared
     memory (``named_sharing``), CUDA ones go as IPC handles."""
     buffer = io.BytesIO()
     with named_sharing():
-        ForkingPickler(buffer).dump(payload)
+        _SGLangPickler(buffer).dump(payload)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 

@@ -46,11 +46,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from asyncrl.engines.base import EngineError
 from asyncrl.engines.sglang_client import SGLangClient, SGLangError
 from asyncrl.observe.logs import get_logger
 from asyncrl.rollout.config import EngineConfig, sim_shape
 from asyncrl.rollout.server_group import ServerGroup, server_buckets
-from asyncrl.trainers.weight_share import HOST
+from asyncrl.trainers.weight_share import HOST, check_shared
 from asyncrl.wire.errors import PeerLost, RemoteError
 
 log = get_logger("asyncrl.rollout")
@@ -296,7 +297,7 @@ class EngineHost:
                 return
             except SGLangError as exc:  # a member died: the engines stay paused, part new
                 assert group is not None
-                group.failed(exc)
+                await group.failed(exc)
         elif await self.client.weight_version() >= msg.version:
             return  # e.g. version 0 at the start: the engines load it themselves
         await self._via_disk(msg, receiver)
@@ -309,14 +310,17 @@ class EngineHost:
         if msg.host == HOST and receiver.shared:
             start = time.perf_counter()
             try:
+                # The servers cannot tell a refilled slot: check its stamp around them.
+                await asyncio.to_thread(check_shared, msg.handles, msg.version)
                 await self.client.update_weights(
                     msg.version, payloads=msg.handles, pause_mode=self._pause_mode
                 )
+                await asyncio.to_thread(check_shared, msg.handles, msg.version)
                 receiver.counts["shared"] += 1
                 log.info("shared weights into the engines", version=msg.version,
                          pause_s=round(time.perf_counter() - start, 4))  # fmt: skip
                 return
-            except SGLangError as exc:  # dropped meanwhile, or the server cannot map it
+            except (SGLangError, EngineError) as exc:  # dropped meanwhile, or refilled
                 log.warning("shared weights not taken; from disk instead",
                             version=msg.version, error=str(exc))  # fmt: skip
         await self._via_disk(msg, receiver)

@@ -112,22 +112,21 @@ class ServerGroup:
             return None
         return self.joined if self.joined == group_name(group_id) else None
 
-    def failed(self, exc: BaseException) -> None:
-        """A broadcast into the engine failed: the trainer re-forms under a new id."""
+    async def failed(self, exc: BaseException) -> None:
+        """A broadcast into the engine failed: take the engine out of the group (best
+        effort), so the trainer's broadcast fails at once if it still waits for it (the
+        call may have failed on our side only), and the trainer re-forms."""
         log.warning(
             "weight broadcast into the engine failed; it takes this version from disk "
             "and rejoins when the group re-forms",
             group=self.id,
             error=repr(exc),
         )
-        self.joined = ""
+        await self._leave()
 
     async def aclose(self) -> None:
         """Stop joining, and leave the group (best effort: the engine may be gone)."""
-        if self._joining is not None:
-            self._joining.cancel()
-            with contextlib.suppress(BaseException):
-                await self._joining
+        await _cancelled(self._joining)
         await self._leave()
 
     async def _join(self, group_id: str, previous: asyncio.Task[None] | None) -> None:
@@ -158,7 +157,9 @@ class ServerGroup:
 
 
 async def _cancelled(task: asyncio.Task[None] | None) -> None:
+    """Cancel ``task`` and wait until it has ended; our own cancellation still raises."""
     if task is not None:
         task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("an earlier join ended", error=repr(task.exception()))

@@ -15,8 +15,10 @@ a bucket alone): few handles to open, which matters for CUDA, where each costs a
 map. The newest ``keep`` versions stay shared, in a ring of ``keep + 1`` slots that later
 versions refill: fresh shared memory costs its page faults (0.4 s for 135M in fp32 on
 the project's machine, against 0.06 s to refill a slot). An engine that opens an older
-version, or is still copying one whose slot is refilled, finds it gone (each bucket
-carries its slot's version stamp) and pulls.
+version, or is still copying one whose slot is refilled, finds it gone: each bucket
+carries its slot's version stamp. By then the blob server has dropped that version
+too (it keeps ``keep``), so the engine waits for the next one (an embedded engine that
+was writing in place stays torn until then).
 
 Used by ``weight_sync.WeightPublisher`` (trainer side) and ``WeightReceiver.fetch``.
 """
@@ -82,7 +84,9 @@ class _Slot:
             torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket],
                       out=flat)  # fmt: skip
             _allow_opens(flat)
-        _allow_opens(self.stamp)
+        _allow_opens(self.stamp, len(self.handles))  # each bucket's handle opens it
+        if self.stamp.device.type == "cuda":  # readers map it from other processes
+            torch.cuda.synchronize(self.stamp.device)
         self.stamp[0] = version
 
 
@@ -158,7 +162,7 @@ def _shared_empty(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
-def _allow_opens(flat: torch.Tensor) -> None:
+def _allow_opens(flat: torch.Tensor, handles: int = 1) -> None:
     """torch counts the opens of named shared memory in the memory itself and unlinks its
     name when the count reaches zero: a handle is meant to be opened once, but ours is
     opened by every engine, version after version. So each version adds ``_OPENS`` to the
@@ -166,7 +170,7 @@ def _allow_opens(flat: torch.Tensor) -> None:
     every process that used it is gone."""
     if flat.device.type == "cpu":
         storage = flat.untyped_storage()
-        for _ in range(_OPENS):
+        for _ in range(_OPENS * handles):
             storage._shared_incref()
 
 
@@ -181,6 +185,14 @@ def take_shared(handles: list[str], version: int, sink: Sink) -> None:
         for name, view in named_tensors(payload, "flattened_bucket").items():
             sink(name, view)
         _check_stamp(stamp, version)
+
+
+def check_shared(handles: list[str], version: int) -> None:
+    """``EngineError`` unless the slot of ``handles`` holds ``version`` (a server that is
+    handed them cannot tell a refilled slot: its caller checks before and after)."""
+    if handles:
+        payload = decode(handles[0])
+        _check_stamp(payload.get("stamp") if isinstance(payload, dict) else None, version)
 
 
 def _check_stamp(stamp: object, version: int) -> None:
