@@ -132,8 +132,11 @@ class WeightPublisher:
 
     def close(self) -> None:
         """Give back the shared memory of ipc versions (engines still copying keep
-        theirs until done; later opens fail and pull)."""
+        theirs until done; later opens fail) and the blobs that are views of it."""
         self._shared.close()
+        if self.transport == "ipc" and self.blob is not None:
+            for name in self.blob.blobs:
+                self.blob.remove(name)
 
     async def settle(self) -> None:
         """Wait until the last version's broadcast has ended (before exiting)."""
