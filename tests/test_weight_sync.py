@@ -81,6 +81,24 @@ async def test_a_late_joiner_gets_the_newest_version_and_older_ones_are_conflate
         await pub.aclose()
 
 
+async def test_a_restarted_trainers_versions_replace_its_predecessors_whatever_their_number(
+    tmp_path,
+):
+    """It resumed from an older checkpoint: its version 3 follows the old trainer's 5
+    (with dist, every member must take each version it broadcasts)."""
+    endpoints = (free_tcp_endpoint(), free_tcp_endpoint())
+    async with WeightReceiver(*endpoints) as rx:
+        for version in (5, 3):  # the first trainer's last version, the second's first
+            pub = Publisher(*endpoints, Codec(WeightVersion))
+            blob = BlobServer(free_tcp_endpoint(), keep=2, chunk_bytes=1024)
+            async with pub, blob:
+                sync = WeightPublisher(pub, transport="pull", blob=blob)
+                await sync.publish(version, weights(version))
+                msg = await asyncio.wait_for(rx.next_version(after=5 if version == 3 else -1), 10)
+                assert msg.version == version and msg.trainer == sync.lineage
+                assert same(await rx.fetch(msg), weights(version))
+
+
 async def test_fetch_into_preallocated_tensors_copies_in_place(tmp_path):
     pub, blob, sync = await publisher("pull", tmp_path)
     try:

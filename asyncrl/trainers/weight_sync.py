@@ -34,6 +34,7 @@ current weights. Called by ``actors/trainer.py`` (publisher) and by engine hosts
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from collections.abc import Collection
 from pathlib import Path
@@ -102,6 +103,7 @@ class WeightPublisher:
         self.latest: WeightVersion | None = None
         self._sending: asyncio.Future[None] | None = None  # dist: the broadcast under way
         self._shared = SharedVersions(keep=self.keep, bucket_bytes=bucket_bytes)
+        self.lineage = os.urandom(4).hex()  # WeightVersion.trainer
 
     async def publish(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
         """Make ``tensors`` (CPU, not modified afterwards) fetchable as ``version``; announce."""
@@ -153,9 +155,8 @@ class WeightPublisher:
         pulled = self._put_blob(version, tensors)
         group = self.group.usable()
         manifest = layout(tensors, chunk_bytes=self.bucket_bytes, blob=pulled.blob)
-        msg = WeightVersion(version=version, transport="dist", location=pulled.location,
-                            blob=pulled.blob, manifest=manifest, group=self.group.id,
-                            formed=group is not None)  # fmt: skip
+        msg = msgspec.structs.replace(pulled, transport="dist", manifest=manifest,
+                                      group=self.group.id, formed=group is not None)  # fmt: skip
         self.publisher.publish(TOPIC, msg)  # subscribers join the broadcast on seeing it
         self.latest = msg
         if group is not None:
@@ -186,6 +187,7 @@ class WeightPublisher:
             location=self.blob.endpoint,
             blob=manifest.blob,
             manifest=manifest,
+            trainer=self.lineage,
         )
 
     def _write_disk(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
@@ -198,7 +200,9 @@ class WeightPublisher:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         self._prune_disk(version)
-        return WeightVersion(version=version, transport="disk", location=str(final))
+        return WeightVersion(
+            version=version, transport="disk", location=str(final), trainer=self.lineage
+        )
 
     def _prune_disk(self, newest: int) -> None:
         assert self.disk_dir is not None
@@ -232,6 +236,7 @@ class WeightReceiver:
         self.subscriber = Subscriber(endpoint, snapshot_endpoint, codec, [TOPIC], name=name)
         self.window, self.max_frame_bytes, self.puller = window, max_frame_bytes, puller
         self.shared = shared  # ipc versions from shared memory (False: always pull)
+        self.lineage = ""  # the trainer whose versions we take (WeightVersion.trainer)
         self._clients: dict[str, BlobClient] = {}
         #: dist and ipc versions taken by broadcast, from shared memory, and by pull
         self.counts = {"broadcast": 0, "shared": 0, "pulled": 0}
@@ -247,11 +252,15 @@ class WeightReceiver:
         await self.subscriber.__aexit__(*exc)
 
     async def next_version(self, after: int = -1) -> WeightVersion:
-        """Wait for an announcement newer than ``after``; the newest one if several queued."""
+        """Wait for an announcement newer than ``after``; the newest one if several queued.
+        A restarted trainer's announcement is newer whatever its number: it resumed from
+        a checkpoint, and its versions replace its predecessor's (and with ``dist`` every
+        member must take each one it broadcasts)."""
         while True:
             msg = self._notice((await self.subscriber.receive()).msg)
             msg = self._newest_pending(msg)
-            if msg.version > after:
+            if msg.version > after or (self.lineage and msg.trainer != self.lineage):
+                self.lineage = msg.trainer
                 return msg
 
     def _newest_pending(self, msg: WeightVersion) -> WeightVersion:
@@ -260,8 +269,8 @@ class WeightReceiver:
                 newer = self._notice(self.subscriber.receive_nowait().msg)
             except WouldBlock:
                 return msg
-            if newer.version > msg.version:
-                msg = newer
+            if newer.version > msg.version or newer.trainer != msg.trainer:
+                msg = newer  # a later trainer's versions win, as they come later
 
     def _notice(self, msg: WeightVersion) -> WeightVersion:
         """A dist announcement names the group to join, even one we skip."""

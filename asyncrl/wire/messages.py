@@ -163,6 +163,10 @@ class WeightVersion(Message):
     formed: bool = False
     handles: list[str] = msgspec.field(default_factory=list)
     host: str = ""
+    #: The publishing trainer process: a restarted trainer's versions replace the ones
+    #: its predecessor announced, even where their numbers are lower (it resumed from
+    #: an older checkpoint).
+    trainer: str = ""
 
 
 class Probe(Message):
