@@ -371,17 +371,12 @@ def _sent_by_trainer(bucket: object) -> None:
 
 
 def spill(root: Path, version: int, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write ``tensors`` as ``root/weight_v{version:06d}/model.safetensors`` (whole or not
-    at all: renamed into place), and remove older versions there."""
-    from safetensors.torch import save_file
+    """Write ``tensors`` as the disk transport writes a version (``disk_path``, whole or
+    not at all), and remove older versions there."""
+    from asyncrl.trainers.weight_sync import disk_path, write_version_dir
 
-    final = root / f"weight_v{version:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    final = disk_path(root, version)
+    write_version_dir(final, tensors)
     for old in root.glob("weight_v*"):
         if old != final:
             shutil.rmtree(old, ignore_errors=True)

@@ -46,6 +46,7 @@ from safetensors.torch import load_file, save_file
 
 from asyncrl.engines.base import EngineError
 from asyncrl.observe.logs import get_logger
+from asyncrl.trainers.weight_buckets import Sink
 from asyncrl.trainers.weight_group import BroadcastGroup, GroupMembership
 from asyncrl.trainers.weight_share import HOST, SharedVersions, take_shared
 from asyncrl.wire.blob import BlobClient, BlobServer, layout
@@ -193,12 +194,7 @@ class WeightPublisher:
     def _write_disk(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
         assert self.disk_dir is not None
         final = disk_path(self.disk_dir, version)
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        write_version_dir(final, tensors)
         self._prune_disk(version)
         return WeightVersion(
             version=version, transport="disk", location=str(final), trainer=self.lineage
@@ -298,14 +294,7 @@ class WeightReceiver:
         """From the trainer's shared memory when on its host, else (or when the version
         is gone there) by pull."""
         if msg.host == HOST and self.shared:
-            got: dict[str, torch.Tensor] = {} if out is None else out
-
-            def sink(name: str, view: torch.Tensor) -> None:
-                if out is None:
-                    got[name] = view.clone()
-                else:
-                    out[name].copy_(view)
-
+            got, sink = _collector(out)
             try:
                 await asyncio.to_thread(take_shared, msg.handles, msg.version, sink)
                 self.counts["shared"] += 1
@@ -326,14 +315,7 @@ class WeightReceiver:
         member = self.group if isinstance(self.group, GroupMembership) else None
         group = await member.for_version(msg.group, msg.formed) if member else None
         if group is not None:
-            got: dict[str, torch.Tensor] = {} if out is None else out
-
-            def sink(name: str, view: torch.Tensor) -> None:
-                if out is None:
-                    got[name] = view.clone()
-                else:
-                    out[name].copy_(view)
-
+            got, sink = _collector(out)
             try:
                 await asyncio.to_thread(group.receive_buckets, msg.manifest, sink, out=out)
                 self.counts["broadcast"] += 1
@@ -361,6 +343,31 @@ class WeightReceiver:
             await client.__aenter__()
             self._clients[endpoint] = client
         return client
+
+
+def _collector(out: dict[str, torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], Sink]:
+    """A sink for views that go away (a bucket buffer, shared memory): each is copied
+    into ``out[name]``, or without ``out`` cloned into the returned dict."""
+    got: dict[str, torch.Tensor] = {} if out is None else out
+
+    def sink(name: str, view: torch.Tensor) -> None:
+        if out is None:
+            got[name] = view.clone()
+        else:
+            out[name].copy_(view)
+
+    return got, sink
+
+
+def write_version_dir(final: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` as ``final/model.safetensors``, whole or not at all: written to a
+    temporary directory, then renamed into place."""
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
 
 
 def _load_dir(path: Path) -> dict[str, torch.Tensor]:
