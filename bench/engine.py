@@ -1,20 +1,35 @@
-"""Embedded engine against Hugging Face ``generate`` on a long-tail workload, one run.
+"""The embedded engine against HF ``generate`` and vLLM's CPU build, one run, side by side.
 
-    python bench/engine.py [--requests 64] [--batch 16] [--median 24] [--tail 16]
-                           [--threads 2] [--device cpu] [--out FILE]
+    python bench/engine.py [--model toy|DIR] [--requests 64] [--batch 64] [--median 32]
+                           [--tail 9.5] [--uniform 64] [--threads 2]
+                           [--vllm-python .venv-vllm/bin/python] [--out FILE]
 
-A random-init Qwen2 of about 30M parameters (hidden 512, 8 layers, 8 heads / 4 KV,
-intermediate 2048, vocab 512, fp32 on CPU, bf16 on CUDA) serves ``--requests`` prompts of
-16-64 tokens whose response lengths are lognormal with the given median and a p99 about
-``--tail`` times the median (EOS ignored, so each request generates exactly its length).
+``--model toy`` is a random-init Qwen2 of about 30M parameters (hidden 512, 8 layers,
+vocab 512); a folder is any HF causal LM (``make bench-engine`` uses SmolLM2-135M-Instruct),
+fp32 on CPU. Two workloads of ``--requests`` prompts of 16-64 random token ids:
 
-- **engine**: every request submitted at once to ``TorchEngine`` with ``--batch`` running
-  sequences at most; requests join the batch as others finish (continuous batching).
+- **long-tail**: response lengths lognormal with median ``--median`` and p99 about
+  ``--tail`` times the median at evenly spaced quantiles (p99/p50 = 8.3 at the defaults;
+  the run refuses one under 8);
+- **uniform**: every response ``--uniform`` tokens, so ``--batch`` sequences stay running:
+  decode at a full batch, measured against the machine's own limit.
+
+EOS is ignored, so each request generates exactly its length; temperature 1; the sampled
+token's log-prob is returned by every system (HF: ``output_logits``, then log-softmax).
+
+- **engine**: every request submitted at once to ``TorchEngine`` (``--batch`` running at
+  most; continuous batching);
 - **hf**: ``model.generate`` in static batches of ``--batch`` requests in arrival order,
-  left-padded, each batch run to its longest request (what a static batch costs).
+  left-padded, each batch run to its longest request;
+- **vllm**: vLLM's offline ``LLM.generate`` with every request at once, ``max_num_seqs``
+  = ``--batch``, eager, both cores (``bench/vllm_worker.py`` in vLLM's venv; skipped
+  with a note when ``--vllm-python`` is missing: ``make vllm-venv`` builds it).
 
-Rate = completed (requested) tokens / wall seconds; sampling at temperature 1 in both.
-Target: engine >= 1.5x hf. Writes JSON (default ``bench/results/engine.json``).
+Rate = completed (requested) tokens / wall seconds. **Peak**: the best of five fp32
+``torch.mm`` of 2048x2048 on the same threads, measured in the same run; the engine's
+share of it is ``2 * params * tokens/s / peak`` (the weights' FLOPs per token, attention
+left out). Targets: engine >= 2x hf and >= 1.0x vllm on the long tail, >= 50% of the peak
+on the uniform workload. Writes JSON (default ``bench/results/engine.json``).
 """
 
 from __future__ import annotations
@@ -23,64 +38,82 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
+import tempfile
 import time
 from pathlib import Path
+from statistics import NormalDist
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.engines.base import GenerateRequest, SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
 
+Work = list[tuple[list[int], int]]
 
-def build_model(device: str) -> Qwen2ForCausalLM:
+
+def build_model(name: str, device: str) -> torch.nn.Module:
+    """The random 30M toy, or an HF folder's model; fp32 on CPU, bf16 on CUDA."""
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name != "toy":
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
     torch.manual_seed(0)
     cfg = Qwen2Config(
         hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=4, vocab_size=512, max_position_embeddings=4096,
         tie_word_embeddings=True, initializer_range=0.2,
     )  # fmt: skip
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     return Qwen2ForCausalLM(cfg).to(device, dtype).eval()
 
 
-def workload(n: int, median: int, tail: float, seed: int = 0) -> list[tuple[list[int], int]]:
-    """Prompts and response lengths; lognormal sigma chosen so p99 / median = ``tail``."""
+def workload(n: int, lengths: np.ndarray, vocab: int, seed: int = 0) -> Work:
+    """``n`` prompts of 16-64 random ids in ``[4, vocab - 4)`` with the given lengths."""
     rng = np.random.default_rng(seed)
-    sigma = np.log(tail) / 2.326  # z of the 99th percentile
-    lengths = np.clip(rng.lognormal(np.log(median), sigma, n), 1, None).astype(int)
-    prompts = [rng.integers(4, 500, rng.integers(16, 65)).tolist() for _ in range(n)]
+    prompts = [rng.integers(4, vocab - 4, rng.integers(16, 65)).tolist() for _ in range(n)]
     return list(zip(prompts, lengths.tolist(), strict=True))
 
 
-async def run_engine(model: Qwen2ForCausalLM, work: list, batch: int) -> tuple[float, int]:
+def long_tail(n: int, median: int, tail: float, seed: int = 0) -> np.ndarray:
+    """``n`` lognormal lengths at evenly spaced quantiles (no sampling noise in the
+    shape), shuffled; sigma chosen so that p99 / median = ``tail``."""
+    sigma = np.log(tail) / 2.326  # z of the 99th percentile
+    z = np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+    lengths = np.maximum(np.exp(np.log(median) + sigma * z), 1).astype(int)
+    return np.random.default_rng(seed).permutation(lengths)
+
+
+async def run_engine(model: torch.nn.Module, work: Work, batch: int) -> float:
+    """Tokens/s of every request submitted at once to a fresh ``TorchEngine``."""
     engine = TorchEngine(model, max_running=batch)
-    task = asyncio.create_task(engine.run())
 
     async def one(i: int, ids: list[int], n: int) -> int:
         params = SamplingParams(max_new_tokens=n, ignore_eos=True, sampling_seed=i)
         request = GenerateRequest(rid=f"r{i}", input_ids=ids, sampling=params)
         outputs = [out async for out in engine.generate(request)]
-        assert len(outputs[-1].output_ids) == n
+        assert len(outputs[-1].output_ids) == len(outputs[-1].logprobs) == n
         return n
 
-    await one(-1, work[0][0], 4)  # warm-up
-    t0 = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(i, ids, n) for i, (ids, n) in enumerate(work))))
-    elapsed = time.perf_counter() - t0
-    task.cancel()
-    return tokens / elapsed, tokens
+    async with asyncio.TaskGroup() as tg:
+        runner = tg.create_task(engine.run())
+        await one(-1, work[0][0], 4)  # warm-up
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(i, ids, n) for i, (ids, n) in enumerate(work))))
+        elapsed = time.perf_counter() - start
+        runner.cancel()
+    return tokens / elapsed
 
 
-def run_hf(model: Qwen2ForCausalLM, work: list, batch: int) -> tuple[float, int]:
+def run_hf(model: torch.nn.Module, work: Work, batch: int) -> float:
+    """Tokens/s of ``generate`` in static batches, with each sampled token's log-prob."""
     device = next(model.parameters()).device
     model.generate(torch.tensor([work[0][0]], device=device), max_new_tokens=4, do_sample=True)
-    t0, tokens = time.perf_counter(), 0
-    for start in range(0, len(work), batch):
-        chunk = work[start : start + batch]
+    start, tokens = time.perf_counter(), 0
+    for lo in range(0, len(work), batch):
+        chunk = work[lo : lo + batch]
         width = max(len(ids) for ids, _ in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -88,48 +121,138 @@ def run_hf(model: Qwen2ForCausalLM, work: list, batch: int) -> tuple[float, int]
             ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
         longest = max(n for _, n in chunk)
         with torch.inference_mode():
-            model.generate(
+            out = model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
-                max_new_tokens=longest, min_new_tokens=longest, pad_token_id=0,
+                temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=longest,
+                min_new_tokens=longest, pad_token_id=0, output_logits=True,
+                return_dict_in_generate=True,
             )  # fmt: skip
+            sampled = out.sequences[:, width:]
+            logits = torch.stack(out.logits, 1).float()
+            logprobs = torch.log_softmax(logits, -1).gather(-1, sampled[..., None])
+            assert logprobs.shape[:2] == (len(chunk), longest)
         tokens += sum(n for _, n in chunk)  # only requested tokens count as completed
-    return tokens / (time.perf_counter() - t0), tokens
+    return tokens / (time.perf_counter() - start)
+
+
+def run_vllm(
+    python: str, model: str, works: dict[str, Work], batch: int, threads: int
+) -> dict | None:
+    """vLLM's tokens/s per workload from its own venv, or None when it is not built."""
+    if model == "toy":
+        print("vllm: skipped (the toy model has no folder; pass --model DIR)")
+        return None
+    if not python or not Path(python).exists():
+        print(f"vllm: skipped ({python or 'no --vllm-python'} missing; make vllm-venv)")
+        return None
+    longest = max(len(ids) + n for work in works.values() for ids, n in work)
+    spec = {"model": str(Path(model).resolve()), "max_running": batch,
+            "max_model_len": longest + 8, "workloads": works}  # fmt: skip
+    # vLLM binds one core and reserves the other by default; give it the same threads.
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir(), "asyncrl-vllm-cache"))}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_file, out_file = Path(tmp, "work.json"), Path(tmp, "out.json")
+        spec_file.write_text(json.dumps(spec))
+        worker = Path(__file__).with_name("vllm_worker.py")
+        command = [str(Path(python).absolute()), str(worker), str(spec_file), str(out_file)]
+        proc = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"vllm worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(out_file.read_text())
+
+
+def matmul_peak(threads: int) -> float:
+    """GFLOP/s of the best of five fp32 2048x2048 ``torch.mm`` on ``threads`` threads."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
+    return 2 * 2048**3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="toy")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--median", type=int, default=24)
-    ap.add_argument("--tail", type=float, default=16.0)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--median", type=int, default=32)
+    ap.add_argument("--tail", type=float, default=9.5)
+    ap.add_argument("--uniform", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--vllm-python", default="")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["engine", "hf", "vllm"])
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = build_model(args.device)
-    work = workload(args.requests, args.median, args.tail)
-    lengths = np.array([n for _, n in work])
+    model = build_model(args.model, args.device)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    lengths = long_tail(args.requests, args.median, args.tail)
     p50, p99 = np.percentile(lengths, 50), np.percentile(lengths, 99)
     if p99 < 8 * p50:
         raise SystemExit(f"workload tail p99/p50 = {p99 / p50:.1f} < 8: raise --tail")
-    engine_rate, tokens = asyncio.run(run_engine(model, work, args.batch))
-    hf_rate, _ = run_hf(model, work, args.batch)
+    works = {
+        "long-tail": workload(args.requests, lengths, vocab),
+        "uniform": workload(args.requests, np.full(args.requests, args.uniform), vocab, seed=1),
+    }
     params = sum(p.numel() for p in model.parameters())
-    print(f"model {params / 1e6:.1f}M params on {args.device}; {args.requests} requests, "
-          f"{tokens} tokens, length p50 {p50:.0f} p99 {p99:.0f} ({p99 / p50:.1f}x), "
-          f"batch {args.batch}, {args.threads} threads")  # fmt: skip
-    print(f"{'':<34}{'tokens/s':>10}")
-    print(f"{'HF generate, static batches':<34}{hf_rate:>10,.0f}")
-    print(f"{'TorchEngine, continuous batching':<34}{engine_rate:>10,.0f}")
-    ratio = engine_rate / hf_rate
-    print(f"{'ratio (target >= 1.5)':<34}{ratio:>10.2f}")
+    peak = matmul_peak(args.threads)
+    rates: dict[str, dict[str, float]] = {name: {} for name in works}
+    # HF gets a model of its own: TorchEngine computes its model's CPU linears its own way
+    # (engines/cpu_linear.py), and HF generate is measured as it ships.
+    hf_model = build_model(args.model, args.device) if "hf" not in args.skip else None
+    for name, work in works.items():
+        if "engine" not in args.skip:
+            rates[name]["engine"] = asyncio.run(run_engine(model, work, args.batch))
+        if hf_model is not None:
+            rates[name]["hf"] = run_hf(hf_model, work, args.batch)
+        print(name, {k: round(v, 1) for k, v in rates[name].items()}, flush=True)
+    vllm = None
+    if "vllm" not in args.skip:
+        vllm = run_vllm(args.vllm_python, args.model, works, args.batch, args.threads)
+    if vllm:
+        for name in works:
+            rates[name]["vllm"] = vllm["workloads"][name]["tokens_per_s"]
+    report(args, params, peak, rates, works, p50, p99, vllm)
+
+
+def report(args, params, peak, rates, works, p50, p99, vllm) -> None:
+    print(f"model {args.model} ({params / 1e6:.1f}M params) on {args.device}, {args.threads} "
+          f"threads; {args.requests} requests, batch {args.batch}; long tail p50 {p50:.0f} "
+          f"p99 {p99:.0f} ({p99 / p50:.1f}x); matmul peak {peak:.0f} GFLOP/s")  # fmt: skip
+    print(f"{'workload':<11}{'system':<8}{'tokens':>8}{'tokens/s':>10}{'% peak':>8}")
+    for name, per in rates.items():
+        tokens = sum(n for _, n in works[name])
+        for system, rate in per.items():
+            share = 2 * params * rate / (peak * 1e9)
+            print(f"{name:<11}{system:<8}{tokens:>8}{rate:>10.1f}{share:>8.1%}")
+    ratios = {}
+    for name, per in rates.items():
+        for base in ("hf", "vllm"):
+            if "engine" in per and base in per:
+                ratios[f"{name}/engine_over_{base}"] = per["engine"] / per[base]
+    for key, value in ratios.items():
+        print(f"{key:<36}{value:>6.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"bench": "engine", "device": args.device, "params": params, "tokens": tokens,
-              "p50": p50, "p99": p99, "batch": args.batch, "threads": args.threads,
-              "hf_tokens_per_s": hf_rate, "engine_tokens_per_s": engine_rate,
-              "ratio": ratio, "target": 1.5}  # fmt: skip
+    result = {
+        "bench": "engine", "model": args.model, "device": args.device, "params": params,
+        "threads": args.threads, "requests": args.requests, "batch": args.batch,
+        "p50": p50, "p99": p99, "matmul_peak_gflops": peak, "tokens_per_s": rates,
+        "share_of_peak": {n: {s: 2 * params * r / (peak * 1e9) for s, r in per.items()}
+                          for n, per in rates.items()},
+        "ratios": ratios, "vllm_startup_s": vllm and vllm["startup_s"],
+        "targets": {"long-tail/engine_over_hf": 2.0, "long-tail/engine_over_vllm": 1.0,
+                    "uniform/engine_share_of_peak": 0.5},
+    }  # fmt: skip
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 

@@ -7,12 +7,57 @@ from __future__ import annotations
 import torch
 
 from asyncrl.engines.base import SamplingParams
-from asyncrl.engines.sampling import RowState, prompt_logprobs, sample
+from asyncrl.engines.sampling import RowState, prompt_logprobs, sample, sample_rows
 
 
-def row(**params) -> RowState:
-    generator = torch.Generator().manual_seed(0)
+def row(seed: int = 0, **params) -> RowState:
+    generator = torch.Generator().manual_seed(seed)
     return RowState(SamplingParams(**params), generator, None, {}, 0, [])
+
+
+def test_rows_sampled_together_draw_from_softmax_at_each_rows_temperature():
+    torch.manual_seed(2)
+    z = torch.randn(2, 6) * 2
+    rows = [row(seed=1, temperature=0.5), row(seed=2, temperature=1.3)]
+    full = torch.log_softmax(z / torch.tensor([[0.5], [1.3]]), -1)
+    counts = torch.zeros(2, 6)
+    for _ in range(4000):
+        for i, (token, logprob, _) in enumerate(sample_rows(z, rows, [0, 0])):
+            assert abs(logprob - float(full[i, token])) < 1e-5
+            counts[i, token] += 1
+    assert torch.allclose(counts / 4000, full.exp(), atol=0.03)
+
+
+def test_a_seeded_row_draws_the_same_tokens_alone_or_beside_other_rows():
+    torch.manual_seed(3)
+    logits = [torch.randn(3, 40) for _ in range(30)]
+    alone, together = row(seed=7, temperature=0.9), row(seed=7, temperature=0.9)
+    others = [row(seed=8, temperature=0.7), row(seed=9, temperature=1.0, top_p=0.8)]
+    for z in logits:
+        (a,) = sample_rows(z[1:2], [alone], [0])
+        b = sample_rows(z, [others[0], together, others[1]], [0, 0, 0])[1]
+        assert a == b
+
+
+def test_a_row_with_no_finite_probability_fails_alone_on_either_path():
+    z = torch.randn(4, 10)
+    z[1] = float("-inf")
+    z[3] = float("nan")
+    rows = [row(), row(), row(top_k=5), row(top_k=5)]
+    results = sample_rows(z, rows, [0, 0, 2, 0])
+    assert isinstance(results[1], RuntimeError) and isinstance(results[3], RuntimeError)
+    assert results[0].token in range(10) and results[2].token in range(10)
+    assert results[2].top is not None and len(results[2].top) == 2
+
+
+def test_min_new_tokens_masks_eos_on_the_shared_path():
+    z = torch.zeros(1, 5)
+    z[0, 2] = 30.0  # EOS would be drawn every time
+    state = RowState(SamplingParams(min_new_tokens=3), torch.Generator().manual_seed(0),
+                     None, {}, 0, [2])  # fmt: skip
+    for _ in range(50):
+        (result,) = sample_rows(z, [state], [0])
+        assert result.token != 2
 
 
 def test_a_top_p_draw_stays_in_the_nucleus_and_reports_the_full_vocabulary_log_prob():

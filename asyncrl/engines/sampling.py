@@ -22,9 +22,16 @@ Penalties and ``logit_bias`` change ``z'`` in ways the trainer does not reproduc
 training rollouts refuse them (``rollout/config.py::check_sampling``).
 
 EOS and stop-token ids are masked while fewer than ``min_new_tokens`` were generated.
-The sampled token is drawn with the request's own generator (seeded by
-``sampling_seed``), so a seeded request samples the same tokens whatever else shares its
-batch. Greedy requests take ``argmax z'`` and report the log-prob under the model's
+The sampled token is drawn by inverting the kept distribution's CDF at one uniform
+number from the request's own generator (seeded by ``sampling_seed``):
+``x = min{i : sum_{j<=i} p_j > u * sum_j p_j}``, so a seeded request samples the same
+tokens whatever else shares its batch. ``sample_rows`` does a decode step's rows
+together: the rows that need no per-row work (no bias, penalty or truncation; the
+common case of a training rollout) share one log-softmax and one cumulative sum over
+``[rows, vocab]``; the others go through ``sample`` one by one. The path depends on the
+row's own parameters only, and both draw with the same inverse CDF.
+
+Greedy requests take ``argmax z'`` and report the log-prob under the model's
 unscaled distribution (``log_softmax(z)``: temperature 1). The top-k alternatives
 (SGLang's ``top_logprobs_num``) come from the same log-softmax as the sampled token's,
 so its own entry, when it is among them, equals its reported log-prob.
@@ -115,8 +122,71 @@ def sample(logits: torch.Tensor, row: RowState, num_top: int = 0) -> Sampled:
     else:
         logp = torch.log_softmax(z, -1)
         kept = torch.softmax(_filter(z, row.params), -1)
-        token = int(torch.multinomial(kept, 1, generator=row.generator))
+        token = int(_draw(kept[None], [row.generator])[0])
+        if token < 0:
+            raise RuntimeError("no token has a finite probability")
     return Sampled(token, float(logp[token]), top_logprobs(logp, num_top) if num_top else None)
+
+
+def sample_rows(
+    logits: torch.Tensor, rows: list[RowState], num_tops: list[int]
+) -> list[Sampled | RuntimeError]:
+    """``sample`` for every row of ``logits`` ``[len(rows), vocab]``; a row that cannot be
+    sampled (no finite probability left) gets its ``RuntimeError`` instead."""
+    out: list[Sampled | RuntimeError | None] = [None] * len(rows)
+    plain = [i for i, row in enumerate(rows) if _is_plain(row.params)]
+    if plain:
+        for i, result in zip(plain, _sample_plain(logits, rows, num_tops, plain), strict=True):
+            out[i] = result
+    for i, row in enumerate(rows):
+        if out[i] is None:
+            try:
+                out[i] = sample(logits[i], row, num_tops[i])
+            except RuntimeError as exc:
+                out[i] = exc
+    return out  # type: ignore[return-value]
+
+
+def _is_plain(p: SamplingParams) -> bool:
+    """Rows whose ``z'`` is ``z / T`` with EOS masking at most, and nothing truncated."""
+    return (
+        not p.greedy and not p.logit_bias and p.repetition_penalty == 1.0
+        and not p.frequency_penalty and not p.presence_penalty
+        and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0
+    )  # fmt: skip
+
+
+def _sample_plain(
+    logits: torch.Tensor, rows: list[RowState], num_tops: list[int], index: list[int]
+) -> list[Sampled | RuntimeError]:
+    z = logits[index].float()
+    for j, i in enumerate(index):
+        if rows[i].num_generated < rows[i].params.min_new_tokens and rows[i].blocked:
+            z[j, rows[i].blocked] = float("-inf")
+    temperature = torch.tensor([rows[i].params.temperature for i in index], dtype=z.dtype)
+    logp = torch.log_softmax(z / temperature[:, None], -1)
+    tokens = _draw(logp.exp(), [rows[i].generator for i in index])
+    picked = logp.gather(-1, tokens.clamp(min=0)[:, None]).squeeze(-1).tolist()
+    out: list[Sampled | RuntimeError] = []
+    for j, i in enumerate(index):
+        token = int(tokens[j])
+        if token < 0:
+            out.append(RuntimeError("no token has a finite probability"))
+            continue
+        top = top_logprobs(logp[j], num_tops[i]) if num_tops[i] else None
+        out.append(Sampled(token, picked[j], top))
+    return out
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of (unnormalised) ``probs``, by inverting the row's CDF at a
+    uniform number from its generator; -1 for a row with no positive finite mass."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1]
+    u = torch.cat([torch.rand(1, generator=g) for g in generators]) * total
+    tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1)
+    bad = ~torch.isfinite(total) | (total <= 0)
+    return torch.where(bad, -1, tokens.clamp(max=probs.shape[-1] - 1))
 
 
 def top_logprobs(logp: torch.Tensor, k: int) -> list[tuple[float, int]]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import re
 import time
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.engines import cpu_linear
 from asyncrl.engines.base import (
     EngineError,
     EngineLoad,
@@ -50,8 +52,8 @@ from asyncrl.engines.base import (
     follow,
     mark_aborted,
 )
-from asyncrl.engines.kv_batch import KVBatch
-from asyncrl.engines.sampling import RowState, prompt_logprobs, sample
+from asyncrl.engines.kv_batch import KVBatch, new_cache
+from asyncrl.engines.sampling import RowState, Sampled, prompt_logprobs, sample_rows
 from asyncrl.engines.weight_loading import WeightGroups, check_names, read_safetensors
 from asyncrl.observe.logs import get_logger
 from asyncrl.wire.codec import torch_dtype
@@ -112,6 +114,10 @@ class TorchEngine:
         model_path: str = "",
     ) -> None:
         self.model = model.eval()
+        cpu_linear.use_for(model)
+        # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns).
+        forward = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward else "past_key_values"
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_running, self.max_total_tokens = max_running, max_total_tokens
@@ -481,8 +487,8 @@ class TorchEngine:
                 break
             budget -= need
             new.append(self._waiting.popleft())
-        if new:
-            self._prefill(new)
+        for chunk in _similar_lengths(new):
+            self._prefill(chunk)
 
     def _prefill(self, seqs: list[_Seq]) -> None:
         width = max(len(s.prompt) for s in seqs)
@@ -496,11 +502,13 @@ class TorchEngine:
         # rest need the last one (a [b, width, V] projection is most of a short prompt's
         # prefill with a 49k vocabulary, and its fp32 copy hundreds of MB).
         scored = [s.req.logprob_start_len >= 0 and s.input_logprobs is None for s in seqs]
+        cache = new_cache()
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
             use_cache=True,
+            **{self._cache_kwarg: cache},  # filled in place
             logits_to_keep=0 if any(scored) else 1,
         )
         self.stats["prefills"] += 1
@@ -514,19 +522,22 @@ class TorchEngine:
                     s.req.top_logprobs_num,
                     temperature=s.row.params.logprob_temperature,
                 )
-        self._merge(seqs, out.past_key_values, mask, out.logits[:, -1, :].float().cpu())
+        self._merge(seqs, cache, mask, out.logits[:, -1, :].float().cpu())
 
     def _merge(self, seqs: list[_Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
-        tokens = [self._first_token(s, last[i]) for i, s in enumerate(seqs)]
+        tokens = [0] * len(seqs)  # placeholders for rows that leave at the finish check
+        live = []
+        for i, s in enumerate(seqs):
+            if s.req.sampling.max_new_tokens == 0:  # SGLang: prefill only (prompt log-probs)
+                s.finish = FinishReason(type="length", length=0)
+            else:
+                live.append(i)
+        if live:
+            sampled = self._sample([seqs[i] for i in live], last[live])
+            for i, token in zip(live, sampled, strict=True):
+                tokens[i] = token
         self._batch.add(seqs, cache, mask, tokens)
         self._finish_checks()
-
-    def _first_token(self, seq: _Seq, logits: torch.Tensor) -> int:
-        if seq.req.sampling.max_new_tokens == 0:
-            # SGLang: prefill only (prompt log-probs); the row leaves at the finish check.
-            seq.finish = FinishReason(type="length", length=0)
-            return 0
-        return self._sample(seq, logits)
 
     def _decode(self) -> None:
         b = self._batch
@@ -535,25 +546,30 @@ class TorchEngine:
             input_ids=b.last[:, None].to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=b.positions[:, None].to(self.device),
-            past_key_values=b.cache,
             use_cache=True,
+            **{self._cache_kwarg: b.cache},  # filled in place
         )
-        b.cache, b.mask, b.positions = out.past_key_values, mask, b.positions + 1
+        b.mask, b.positions = mask, b.positions + 1
         logits = out.logits[:, -1, :].float().cpu()
-        b.last = torch.tensor([self._sample(s, logits[i]) for i, s in enumerate(b.seqs)])
+        b.last = torch.tensor(self._sample(b.seqs, logits))
         self._finish_checks()
 
-    def _sample(self, seq: _Seq, logits: torch.Tensor) -> int:
-        """Sample ``seq``'s next token from its row of CPU ``logits`` (a device error
-        surfaces before this, where the whole batch fails)."""
-        try:
-            token, logprob, top = sample(logits, seq.row, seq.req.top_logprobs_num)
-        except RuntimeError as exc:  # e.g. no finite probability left: this request alone
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
+        """Sample each row's next token from its row of CPU ``logits`` and record it (a
+        device error surfaces before this, where the whole batch fails); a row that
+        cannot be sampled fails alone, with a placeholder token until its finish check."""
+        rows = [s.row for s in seqs]
+        results = sample_rows(logits, rows, [s.req.top_logprobs_num for s in seqs])
+        return [self._record(s, r) for s, r in zip(seqs, results, strict=True)]
+
+    def _record(self, seq: _Seq, result: Sampled | RuntimeError) -> int:
+        if isinstance(result, RuntimeError):  # e.g. no finite probability: this request alone
             seq.finish = FinishReason(
-                type="abort", message=f"sampling failed: {exc}", status_code=400,
+                type="abort", message=f"sampling failed: {result}", status_code=400,
                 err_type="BadRequestError",
             )  # fmt: skip
-            return 0  # a placeholder input for the row, which leaves at the finish check
+            return 0
+        token, logprob, top = result
         seq.output.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.version)
@@ -632,6 +648,22 @@ class TorchEngine:
     def paused(self) -> bool:
         """True between ``pause`` and ``resume``."""
         return self._paused
+
+
+def _similar_lengths(seqs: list[_Seq], waste: float = 0.25) -> list[list[_Seq]]:
+    """``seqs`` by prompt length in chunks whose left padding is at most ``waste`` of
+    their tokens: one prefill of prompts of 16 and 64 tokens would compute 64 for each."""
+    chunks: list[list[_Seq]] = []
+    tokens = 0
+    for seq in sorted(seqs, key=lambda s: len(s.prompt)):
+        width = len(seq.prompt)  # the longest so far: the chunk's width if it joins
+        if chunks and (len(chunks[-1]) + 1) * width <= (1 + waste) * (tokens + width):
+            chunks[-1].append(seq)
+            tokens += width
+        else:
+            chunks.append([seq])
+            tokens = width
+    return chunks
 
 
 def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:

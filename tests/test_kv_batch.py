@@ -1,0 +1,70 @@
+"""The engine's KV slabs (asyncrl/engines/kv_batch.py) hold exactly what Hugging Face's
+concatenating cache would, through appends, growth, left trims, row selection and
+merges, and the CPU decode matmuls (asyncrl/engines/cpu_linear.py) equal ``F.linear``."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.engines import cpu_linear
+from asyncrl.engines.kv_batch import SlabLayer, _concat_caches, new_cache
+
+
+def kv(b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(b, 2, t, 4), torch.randn(b, 2, t, 4)
+
+
+def test_a_slab_holds_what_concatenation_would_through_growth_trims_and_selection():
+    torch.manual_seed(0)
+    layer, keys, values = SlabLayer(), None, None
+    for t in (5, 1, 1, 70, 1, 200, 1):  # prefill, decode steps, and appends past capacity
+        k, v = kv(3, t)
+        got_k, got_v = layer.update(k, v)
+        keys = k if keys is None else torch.cat([keys, k], dim=2)
+        values = v if values is None else torch.cat([values, v], dim=2)
+        assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+        assert layer.get_seq_length() == keys.shape[2]
+    layer.trim_left(7)
+    keys, values = keys[:, :, 7:], values[:, :, 7:]
+    assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    keys, values = keys[[2, 0]], values[[2, 0]]
+    assert torch.equal(layer.keys, keys) and layer.get_seq_length() == keys.shape[2]
+    k, v = kv(2, 1)  # the selected rows go on growing
+    got_k, _ = layer.update(k, v)
+    assert torch.equal(got_k, torch.cat([keys, k], dim=2))
+
+
+def test_merged_caches_are_left_padded_with_zeros_to_the_wider_width():
+    torch.manual_seed(1)
+    a, b = new_cache(), new_cache()
+    ka, va = kv(2, 6)
+    kb, vb = kv(1, 9)
+    a.update(ka, va, 0)
+    b.update(kb, vb, 0)
+    merged = _concat_caches(a, b, 9)
+    layer = merged.layers[0]
+    assert isinstance(layer, SlabLayer) and layer.keys.shape == (3, 2, 9, 4)
+    assert torch.equal(layer.keys[:2, :, 3:], ka) and torch.equal(layer.values[2:], vb)
+    assert not layer.keys[:2, :, :3].any()  # zeros: masked scores must stay finite
+    k, v = kv(3, 1)
+    assert torch.equal(merged.update(k, v, 0)[0][:, :, -1:], k)
+
+
+def test_cpu_decode_linears_equal_f_linear_and_leave_the_module_as_it_was():
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8, bias=False))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs = [torch.randn(1, 16), torch.randn(3, 5, 16), torch.randn(300, 16)]
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+    assert cpu_linear.use_for(model) == 2
+    with torch.inference_mode():
+        for x, want in zip(inputs, expected, strict=True):
+            got = model(x)
+            assert got.shape == want.shape and got.is_contiguous()
+            assert torch.allclose(got, want, atol=1e-5)
+    loss = model(torch.randn(4, 16)).sum()  # with gradients: F.linear, which trains
+    loss.backward()
+    assert model[0].weight.grad is not None
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
