@@ -4,6 +4,8 @@ merges, and the CPU decode matmuls (asyncrl/engines/cpu_linear.py) equal ``F.lin
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 
 from asyncrl.engines import cpu_linear
@@ -68,3 +70,6 @@ def test_cpu_decode_linears_equal_f_linear_and_leave_the_module_as_it_was():
     loss.backward()
     assert model[0].weight.grad is not None
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    copy = pickle.loads(pickle.dumps(model))  # a changed model still pickles
+    with torch.inference_mode():
+        assert torch.allclose(copy(inputs[0]), expected[0], atol=1e-5)

@@ -109,7 +109,7 @@ class SlabLayer(DynamicLayer):
     ``lo:n`` are the cache (``keys``/``values`` are views of them).
 
     ``update`` writes new columns at ``n``; when the slab is full it moves the live
-    columns into one of twice their width (amortised O(1) per column). ``trim_left``
+    columns into a slab with room (``_room``; amortised O(1) per column). ``trim_left``
     moves ``lo``; ``batch_select_indices`` copies the kept rows' live columns.
     """
 
@@ -139,7 +139,7 @@ class SlabLayer(DynamicLayer):
         if self._k is not None and self.n + t <= self._k.shape[2]:
             return
         live = self.n - self.lo
-        capacity = _round_up(2 * (live + t), 64)
+        capacity = _room(live + t)
         self._k = self._moved(self._k, k, capacity, live)
         self._v = self._moved(self._v, v, capacity, live)
         self.lo, self.n = 0, live
@@ -177,12 +177,21 @@ class SlabLayer(DynamicLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("the engine never repeats rows of its running batch")
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("the engine runs no beam search")
+
+    def offload(self) -> None:
+        raise NotImplementedError("the engine's cache stays on its device")
+
+    def prefetch(self) -> None:
+        raise NotImplementedError("the engine's cache stays on its device")
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep rows ``indices``: their live columns go into fresh slabs with room."""
-        if self.get_seq_length() == 0:
+        if not self.is_initialized or self._k is None:
             return
         live = self.n - self.lo
-        capacity = _round_up(live + max(live, 64), 64)
+        capacity = _room(live)
         for name in ("_k", "_v"):
             kept = getattr(self, name)[:, :, self.lo : self.n].index_select(0, indices)
             slab = kept.new_empty(kept.shape[0], kept.shape[1], capacity, kept.shape[3])
@@ -198,18 +207,22 @@ class SlabLayer(DynamicLayer):
         layer = cls()
         ka, kb = a.keys, b.keys
         layer.lazy_initialization(ka, a.values)
-        capacity = _round_up(2 * width, 64)
         rows, heads, d = ka.shape[0] + kb.shape[0], ka.shape[1], ka.shape[3]
-        layer._k = ka.new_zeros(rows, heads, capacity, d)
-        layer._v = ka.new_zeros(rows, heads, capacity, d)
+        layer._k = ka.new_empty(rows, heads, _room(width), d)
+        layer._v = ka.new_empty(rows, heads, _room(width), d)
         for lo_row, src in ((0, a), (ka.shape[0], b)):
             n_rows, cols = src.keys.shape[0], src.keys.shape[2]
-            layer._k[lo_row : lo_row + n_rows, :, width - cols : width] = src.keys
-            layer._v[lo_row : lo_row + n_rows, :, width - cols : width] = src.values
+            for slab, part in ((layer._k, src.keys), (layer._v, src.values)):
+                block = slab[lo_row : lo_row + n_rows]
+                block[:, :, : width - cols] = 0  # columns past width are written before read
+                block[:, :, width - cols : width] = part
         layer.n = width
         layer._expose()
         return layer
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def _room(columns: int) -> int:
+    """A slab's capacity for ``columns`` live ones: half again, at least 64 more, rounded
+    up to 64 (amortised O(1) per appended column; at most 1.5x the cache plus the copy
+    being made while a slab moves)."""
+    return -(-(columns + max(columns // 2, 64)) // 64) * 64

@@ -24,12 +24,15 @@ training rollouts refuse them (``rollout/config.py::check_sampling``).
 EOS and stop-token ids are masked while fewer than ``min_new_tokens`` were generated.
 The sampled token is drawn by inverting the kept distribution's CDF at one uniform
 number from the request's own generator (seeded by ``sampling_seed``):
-``x = min{i : sum_{j<=i} p_j > u * sum_j p_j}``, so a seeded request samples the same
-tokens whatever else shares its batch. ``sample_rows`` does a decode step's rows
-together: the rows that need no per-row work (no bias, penalty or truncation; the
-common case of a training rollout) share one log-softmax and one cumulative sum over
-``[rows, vocab]``; the others go through ``sample`` one by one. The path depends on the
-row's own parameters only, and both draw with the same inverse CDF.
+``x = min{i : sum_{j<=i} p_j > u * sum_j p_j}`` (in float64), so a seeded request draws
+the same random numbers whatever else shares its batch (its logits may still differ in
+the last bits with the batch's shape: padding width, matmul sizes).
+
+``sample_rows`` does a decode step's rows together: the rows that need no per-row work
+(no bias, penalty or truncation; the common case of a training rollout) share one
+log-softmax and one cumulative sum over ``[rows, vocab]``; the others go through
+``sample`` one by one. The path depends on the row's own parameters only, and both draw
+with the same inverse CDF.
 
 Greedy requests take ``argmax z'`` and report the log-prob under the model's
 unscaled distribution (``log_softmax(z)``: temperature 1). The top-k alternatives
@@ -148,7 +151,8 @@ def sample_rows(
 
 
 def _is_plain(p: SamplingParams) -> bool:
-    """Rows whose ``z'`` is ``z / T`` with EOS masking at most, and nothing truncated."""
+    """Rows whose ``z'`` is ``z / T`` with EOS and stop tokens masked at most (below
+    ``min_new_tokens``), and nothing truncated."""
     return (
         not p.greedy and not p.logit_bias and p.repetition_penalty == 1.0
         and not p.frequency_penalty and not p.presence_penalty
@@ -180,10 +184,15 @@ def _sample_plain(
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of (unnormalised) ``probs``, by inverting the row's CDF at a
-    uniform number from its generator; -1 for a row with no positive finite mass."""
-    cdf = probs.cumsum(-1)
+    uniform number from its generator; -1 for a row with no positive finite mass.
+
+    In float64: a float32 CDF past 0.5 cannot resolve a step under about 3e-8, so rare
+    tokens would be drawn at the wrong rate (or never) while their log-probs say otherwise.
+    """
+    cdf = probs.double().cumsum(-1)
     total = cdf[:, -1]
-    u = torch.cat([torch.rand(1, generator=g) for g in generators]) * total
+    uniform = [torch.rand(1, generator=g, dtype=torch.float64) for g in generators]
+    u = torch.cat(uniform) * total
     tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1)
     bad = ~torch.isfinite(total) | (total <= 0)
     return torch.where(bad, -1, tokens.clamp(max=probs.shape[-1] - 1))
