@@ -25,7 +25,9 @@ token's log-prob is returned by every system (HF: ``output_logits``, then log-so
   = ``--batch``, eager, both cores (``bench/vllm_worker.py`` in vLLM's venv; skipped
   with a note when ``--vllm-python`` is missing: ``make vllm-venv`` builds it).
 
-Rate = completed (requested) tokens / wall seconds. **Peak**: the best of five fp32
+Each system first runs the workload's first 8 requests once (a warm-up: vLLM's first call
+is slow, and a first large forward page-faults its activations in). Rate = completed
+(requested) tokens / wall seconds of the timed run. **Peak**: the best of five fp32
 ``torch.mm`` of 2048x2048 on the same threads, measured in the same run; the engine's
 share of it is ``2 * params * tokens/s / peak`` (the weights' FLOPs per token, attention
 left out). Targets: engine >= 2x hf and >= 1.0x vllm on the long tail, >= 50% of the peak
@@ -86,22 +88,31 @@ def long_tail(n: int, median: int, tail: float, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).permutation(lengths)
 
 
+#: Every system first runs the workload's first requests once (vLLM's first call is
+#: slow; the engine's and HF's first large forward page-faults its activations in).
+WARM_UP = 8
+
+
 async def run_engine(model: torch.nn.Module, work: Work, batch: int) -> float:
     """Tokens/s of every request submitted at once to a fresh ``TorchEngine``."""
     engine = TorchEngine(model, max_running=batch)
 
-    async def one(i: int, ids: list[int], n: int) -> int:
-        params = SamplingParams(max_new_tokens=n, ignore_eos=True, sampling_seed=i)
-        request = GenerateRequest(rid=f"r{i}", input_ids=ids, sampling=params)
+    async def one(rid: str, seed: int, ids: list[int], n: int) -> int:
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True, sampling_seed=seed)
+        request = GenerateRequest(rid=rid, input_ids=ids, sampling=params)
         outputs = [out async for out in engine.generate(request)]
         assert len(outputs[-1].output_ids) == len(outputs[-1].logprobs) == n
         return n
 
+    async def all_of(part: Work, tag: str) -> int:
+        calls = (one(f"{tag}{i}", i, ids, n) for i, (ids, n) in enumerate(part))
+        return sum(await asyncio.gather(*calls))
+
     async with asyncio.TaskGroup() as tg:
         runner = tg.create_task(engine.run())
-        await one(-1, work[0][0], 4)  # warm-up
+        await all_of(work[:WARM_UP], "warm-up")
         start = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(i, ids, n) for i, (ids, n) in enumerate(work))))
+        tokens = await all_of(work, "r")
         elapsed = time.perf_counter() - start
         runner.cancel()
     return tokens / elapsed
@@ -109,9 +120,16 @@ async def run_engine(model: torch.nn.Module, work: Work, batch: int) -> float:
 
 def run_hf(model: torch.nn.Module, work: Work, batch: int) -> float:
     """Tokens/s of ``generate`` in static batches, with each sampled token's log-prob."""
+    hf_batches(model, work[:WARM_UP], batch)
+    start = time.perf_counter()
+    tokens = hf_batches(model, work, batch)
+    return tokens / (time.perf_counter() - start)
+
+
+def hf_batches(model: torch.nn.Module, work: Work, batch: int) -> int:
+    """``generate`` over ``work`` in static batches; the requested tokens it completed."""
     device = next(model.parameters()).device
-    model.generate(torch.tensor([work[0][0]], device=device), max_new_tokens=4, do_sample=True)
-    start, tokens = time.perf_counter(), 0
+    tokens = 0
     for lo in range(0, len(work), batch):
         chunk = work[lo : lo + batch]
         width = max(len(ids) for ids, _ in chunk)
@@ -132,7 +150,7 @@ def run_hf(model: torch.nn.Module, work: Work, batch: int) -> float:
             logprobs = torch.log_softmax(logits, -1).gather(-1, sampled[..., None])
             assert logprobs.shape[:2] == (len(chunk), longest)
         tokens += sum(n for _, n in chunk)  # only requested tokens count as completed
-    return tokens / (time.perf_counter() - start)
+    return tokens
 
 
 def run_vllm(

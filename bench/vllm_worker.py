@@ -38,7 +38,7 @@ def main() -> None:
                            logprobs=0, seed=i)
             for i, (_, n) in enumerate(work)
         ]  # fmt: skip
-        llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
+        llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up, as the others
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start

@@ -396,3 +396,41 @@ async def test_a_request_whose_sampling_breaks_fails_alone_and_tiny_temperatures
         SamplingParams(temperature=float("inf")).verify()
     with pytest.raises(ValueError, match=r"n must be in \[1, 256\]"):
         SamplingParams(n=100_000).verify()
+
+
+async def test_a_packed_prefill_gives_what_a_padded_one_gives(tiny):
+    directory, _, _ = tiny
+    engines = [TorchEngine.from_pretrained(str(directory)) for _ in range(2)]
+    assert engines[0]._packs  # sdpa models prefill packed (checked by a probe at start)
+    engines[1]._packs = False  # the padded prefill, as for models that cannot pack
+    outs = []
+    for eng in engines:
+        task = asyncio.create_task(eng.run())
+        requests = [
+            GenerateRequest(rid=f"p{i}", input_ids=ids, logprob_start_len=0, top_logprobs_num=2,
+                            sampling=SamplingParams(max_new_tokens=6, sampling_seed=i))
+            for i, ids in enumerate(PROMPTS)
+        ]  # fmt: skip
+        outs.append(await asyncio.gather(*(final(eng, r) for r in requests)))
+        task.cancel()
+    for packed, padded in zip(*outs, strict=True):
+        assert packed.output_ids == padded.output_ids
+        assert torch.allclose(
+            torch.tensor(packed.logprobs), torch.tensor(padded.logprobs), atol=1e-4
+        )
+        a, b = packed.input_logprobs, padded.input_logprobs
+        assert a[0] is None and b[0] is None and len(a) == len(b)
+        assert torch.allclose(torch.tensor(a[1:]), torch.tensor(b[1:]), atol=1e-4)
+
+
+async def test_a_model_on_another_attention_prefills_padded(tiny):
+    directory, _, _ = tiny
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), attn_implementation="eager")
+    eng = TorchEngine(model)
+    assert not eng._packs and model.config._attn_implementation == "eager"
+    task = asyncio.create_task(eng.run())
+    out = await run(eng, "e", PROMPTS[1], max_new_tokens=3, temperature=0)
+    task.cancel()
+    assert len(out.output_ids) == 3
