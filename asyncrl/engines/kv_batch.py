@@ -91,14 +91,9 @@ def _lpad(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if pad == 0 else torch.nn.functional.pad(t, (pad, 0))
 
 
-def new_cache(packed: tuple[list[int], int] | None = None) -> Any:
-    """An empty cache whose layers are ``SlabLayer``s, for a prefill to fill.
-
-    ``packed=(lengths, width)``: the prefill runs the prompts packed in one row of
-    ``sum(lengths)`` tokens; each layer's first update spreads them into left-padded rows
-    of ``width`` columns (and hands the packed keys and values on to the attention).
-    """
-    return Cache(layer_class_to_replicate=lambda: SlabLayer(packed=packed))
+def new_cache() -> Any:
+    """An empty cache whose layers are ``SlabLayer``s, for a prefill to fill."""
+    return Cache(layer_class_to_replicate=SlabLayer)
 
 
 def _concat_caches(a: Any, b: Any, width: int) -> Any:
@@ -113,15 +108,10 @@ class SlabLayer(DynamicLayer):
     """One layer's keys and values in slabs ``[b, heads, capacity, d]``; columns
     ``lo:n`` are the cache (``keys``/``values`` are views of them).
 
-    A layer made with ``packed=(lengths, width)`` takes one packed update first (see
-    ``new_cache``). ``update`` writes new columns at ``n``; when the slab is full it moves the live
+    ``update`` writes new columns at ``n``; when the slab is full it moves the live
     columns into a slab with room (``_room``; amortised O(1) per column). ``trim_left``
     moves ``lo``; ``batch_select_indices`` copies the kept rows' live columns.
     """
-
-    def __init__(self, packed: tuple[list[int], int] | None = None) -> None:
-        super().__init__()
-        self._packed = packed
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -135,8 +125,6 @@ class SlabLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self._packed is not None:
-            return self._spread(key_states, value_states)
         t = key_states.shape[-2]
         self._reserve(key_states, value_states, t)
         assert self._k is not None and self._v is not None
@@ -145,28 +133,6 @@ class SlabLayer(DynamicLayer):
         self.n += t
         self._expose()
         return self.keys, self.values
-
-    def _spread(
-        self, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The packed prefill's ``[1, heads, sum(lengths), d]`` into left-padded rows."""
-        assert self._packed is not None
-        lengths, width = self._packed
-        self._packed = None
-        _, heads, total, d = key_states.shape
-        if total != sum(lengths):
-            raise ValueError(f"packed lengths {lengths} do not add up to {total} tokens")
-        self._k = key_states.new_empty(len(lengths), heads, _room(width), d)
-        self._v = value_states.new_empty(len(lengths), heads, _room(width), d)
-        start = 0
-        for row, n in enumerate(lengths):
-            for slab, packed in ((self._k, key_states), (self._v, value_states)):
-                slab[row, :, : width - n] = 0
-                slab[row, :, width - n : width] = packed[0, :, start : start + n]
-            start += n
-        self.lo, self.n = 0, width
-        self._expose()
-        return key_states, value_states  # the attention runs on the packed row
 
     def _reserve(self, k: torch.Tensor, v: torch.Tensor, t: int) -> None:
         """Room for ``t`` more columns: the live ones move into fresh slabs when needed."""

@@ -48,7 +48,6 @@ from asyncrl.engines.base import (
     GenerateOutput,
     GenerateRequest,
     PauseMode,
-    SamplingParams,
     check_prompt,
     follow,
     mark_aborted,
@@ -57,14 +56,10 @@ from asyncrl.engines.kv_batch import KVBatch, new_cache
 from asyncrl.engines.sampling import RowState, Sampled, prompt_logprobs, sample_rows
 from asyncrl.engines.weight_loading import WeightGroups, check_names, read_safetensors
 from asyncrl.observe.logs import get_logger
-from asyncrl.trainers import packed_attention
 from asyncrl.wire.codec import torch_dtype
 from asyncrl.wire.messages import BlobManifest
 
 log = get_logger("asyncrl.engine")
-
-#: Prompt tokens per packed prefill: the row's ``T x T`` boolean mask is 16 MB at 4,096.
-PACKED_PREFILL_TOKENS = 4096
 
 
 @dataclass(eq=False)
@@ -144,7 +139,6 @@ class TorchEngine:
         self._stepped = asyncio.Event()  # set after every step (pause waits on it)
         self.stats: dict[str, float] = {"steps": 0, "prefills": 0, "generated_tokens": 0,
                                         "update_pause_s": 0.0}  # fmt: skip
-        self._packs = self._packed_prefill_works()
 
     @classmethod
     def from_pretrained(
@@ -483,34 +477,6 @@ class TorchEngine:
         self._just_finished.append(seq)
         self._rids.pop(seq.req.rid, None)
 
-    def _packed_prefill_works(self) -> bool:
-        """Switch the model to ``packed_attention`` when it runs sdpa, and keep it only if
-        a packed prefill of two short prompts gives the padded prefill's logits (a model
-        whose attention ignores ``packed_segments`` would attend across prompts)."""
-        config = getattr(self.model, "config", None)
-        if getattr(config, "_attn_implementation", None) != "sdpa":
-            return False
-        try:
-            self.model.set_attn_implementation(packed_attention.register())
-        except (ValueError, AttributeError, TypeError) as exc:
-            log.info("packed prefill off: the model keeps its attention", reason=str(exc))
-            return False
-        vocab = self._vocab_size
-        probe = [_Seq(_PROBE_REQUEST, _PROBE_ROW, 0.0, [(7 * i + 3) % vocab for i in range(n)])
-                 for n in (3, 5)]  # fmt: skip
-        try:
-            with torch.inference_mode():
-                _, packed = self._forward_packed(probe, [3, 5], 5, keep_all=False)
-                _, padded = self._forward_padded(probe, [3, 5], 5, keep_all=False)
-            same = all(torch.allclose(a.float(), b.float(), atol=1e-3, rtol=1e-3)
-                       for a, b in zip(packed, padded, strict=True))  # fmt: skip
-        except Exception as exc:  # any failure: the padded prefill, which always works
-            log.info("packed prefill off: the probe failed", reason=f"{type(exc).__name__}: {exc}")
-            same = False
-        if not same:
-            self.model.set_attn_implementation("sdpa")
-        return same
-
     def _prefill_waiting(self) -> None:
         new: list[_Seq] = []
         budget = self.max_total_tokens - self._batch.num_tokens
@@ -521,47 +487,21 @@ class TorchEngine:
                 break
             budget -= need
             new.append(self._waiting.popleft())
-        chunks = _by_tokens(new, PACKED_PREFILL_TOKENS) if self._packs else _similar_lengths(new)
-        for chunk in chunks:
+        for chunk in _similar_lengths(new):
             self._prefill(chunk)
 
     def _prefill(self, seqs: list[_Seq]) -> None:
-        """Prefill ``seqs`` together: packed in one row when the model can (no padding),
-        else left-padded; their KV and first tokens join the running batch."""
-        lengths = [len(s.prompt) for s in seqs]
-        width = max(lengths)
+        width = max(len(s.prompt) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s.prompt) :] = torch.tensor(s.prompt)
+            mask[i, width - len(s.prompt) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         # Only a request for prompt log-probs needs logits at every prompt position; the
         # rest need the last one (a [b, width, V] projection is most of a short prompt's
         # prefill with a 49k vocabulary, and its fp32 copy hundreds of MB).
         scored = [s.req.logprob_start_len >= 0 and s.input_logprobs is None for s in seqs]
-        run = self._forward_packed if self._packs else self._forward_padded
-        cache, logits = run(seqs, lengths, width, keep_all=any(scored))
-        self.stats["prefills"] += 1
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            mask[i, width - lengths[i] :] = 1
-            s.queued = False
-            if scored[i]:
-                s.input_logprobs, s.input_top = prompt_logprobs(
-                    logits[i],
-                    s.prompt,
-                    s.req.logprob_start_len,
-                    s.req.top_logprobs_num,
-                    temperature=s.row.params.logprob_temperature,
-                )
-        last = torch.stack([row[-1] for row in logits]).float().cpu()
-        self._merge(seqs, cache, mask, last)
-
-    def _forward_padded(
-        self, seqs: list[_Seq], lengths: list[int], width: int, *, keep_all: bool
-    ) -> tuple[Any, list[torch.Tensor]]:
-        """Left-padded rows; each prompt's logits (all positions, or its last)."""
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - lengths[i] :] = torch.tensor(s.prompt)
-            mask[i, width - lengths[i] :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = new_cache()
         out = self.model(
             input_ids=ids.to(self.device),
@@ -569,34 +509,20 @@ class TorchEngine:
             position_ids=positions.to(self.device),
             use_cache=True,
             **{self._cache_kwarg: cache},  # filled in place
-            logits_to_keep=0 if keep_all else 1,
+            logits_to_keep=0 if any(scored) else 1,
         )
-        if not keep_all:
-            return cache, [out.logits[i, -1:] for i in range(len(seqs))]
-        return cache, [out.logits[i, width - n :] for i, n in enumerate(lengths)]
-
-    def _forward_packed(
-        self, seqs: list[_Seq], lengths: list[int], width: int, *, keep_all: bool
-    ) -> tuple[Any, list[torch.Tensor]]:
-        """All prompts in one row, each attending on its own (``packed_attention``): no
-        padding, and one large matmul per weight instead of one per row length."""
-        ids = torch.tensor([t for s in seqs for t in s.prompt], device=self.device)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
-        ends = torch.tensor(lengths).cumsum(0)
-        cache = new_cache(packed=(lengths, width))
-        out = self.model(
-            input_ids=ids[None],
-            position_ids=positions[None],
-            use_cache=True,
-            **{self._cache_kwarg: cache},  # spread into left-padded rows
-            packed_segments=tuple(lengths),
-            logits_to_keep=0 if keep_all else (ends - 1).to(self.device),
-        )
-        logits = out.logits[0]
-        if not keep_all:
-            return cache, [logits[i : i + 1] for i in range(len(seqs))]
-        starts = (ends - torch.tensor(lengths)).tolist()
-        return cache, [logits[a : a + n] for a, n in zip(starts, lengths, strict=True)]
+        self.stats["prefills"] += 1
+        for i, s in enumerate(seqs):
+            s.queued = False
+            if scored[i]:
+                s.input_logprobs, s.input_top = prompt_logprobs(
+                    out.logits[i, width - len(s.prompt) :],
+                    s.prompt,
+                    s.req.logprob_start_len,
+                    s.req.top_logprobs_num,
+                    temperature=s.row.params.logprob_temperature,
+                )
+        self._merge(seqs, cache, mask, out.logits[:, -1, :].float().cpu())
 
     def _merge(self, seqs: list[_Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
         tokens = [0] * len(seqs)  # placeholders for rows that leave at the finish check
@@ -722,24 +648,6 @@ class TorchEngine:
     def paused(self) -> bool:
         """True between ``pause`` and ``resume``."""
         return self._paused
-
-
-_PROBE_REQUEST = GenerateRequest(rid="packed-prefill-probe", input_ids=[0])
-_PROBE_ROW = RowState(SamplingParams(), None, None, {}, 0, [])
-
-
-def _by_tokens(seqs: list[_Seq], budget: int) -> list[list[_Seq]]:
-    """``seqs`` in arrival order, in chunks of at most ``budget`` prompt tokens (a longer
-    prompt alone): transformers builds a ``T x T`` mask for a packed row of ``T``."""
-    chunks: list[list[_Seq]] = []
-    tokens = budget
-    for seq in seqs:
-        if tokens + len(seq.prompt) > budget:
-            chunks.append([])
-            tokens = 0
-        chunks[-1].append(seq)
-        tokens += len(seq.prompt)
-    return chunks
 
 
 def _similar_lengths(seqs: list[_Seq], waste: float = 0.25) -> list[list[_Seq]]:
