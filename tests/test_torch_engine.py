@@ -268,6 +268,9 @@ async def test_update_weights_from_disk_changes_outputs_and_version(engine, tmp_
         (list(range(1, 500)) * 2, {}, "longer than the model's context length"),
         ([1], {"top_p": 0}, "top_p"),
         ([1], {"regex": "a+"}, "not supported"),
+        ([1], {"stop_token_ids": [99999]}, "stop_token_ids: 99999 is not in"),
+        ([1], {"logit_bias": {"99999": 1.0}}, "logit_bias: token 99999 is not in"),
+        ([1], {"logit_bias": {"eos": 1.0}}, "logit_bias: key 'eos' is not a token id"),
     ],
 )
 async def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine, ids, sampling, match):

@@ -268,6 +268,22 @@ def check_prompt(
         )
     if request.rid in live:
         raise EngineError(f"Duplicate request ID detected: {request.rid}")
+    _check_sampling_ids(request.sampling, vocab_size)
+
+
+def _check_sampling_ids(p: SamplingParams, vocab_size: int) -> None:
+    """Token ids in ``stop_token_ids`` and ``logit_bias`` must be in the vocabulary: one
+    outside it would fail the engine's whole step, every running request with it."""
+    for token in p.stop_token_ids or ():
+        if not 0 <= int(token) < vocab_size:
+            raise EngineError(f"stop_token_ids: {token} is not in [0, {vocab_size})")
+    for key in p.logit_bias or {}:
+        try:
+            token = int(key)
+        except ValueError:
+            raise EngineError(f"logit_bias: key {key!r} is not a token id") from None
+        if not 0 <= token < vocab_size:
+            raise EngineError(f"logit_bias: token {token} is not in [0, {vocab_size})")
 
 
 async def follow(record: Tracked, wake: asyncio.Event) -> AsyncIterator[GenerateOutput]:
