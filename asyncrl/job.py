@@ -497,7 +497,11 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, Act
         "eval": EvalActorConfig(
             **_workflow_fields(rollout)
             # The eval actor's own engine: embedded, whatever serves the rollout.
-            | {"engine": cfg.eval.engine or _embedded(rollout.engine)},
+            | {
+                "engine": _seeded(cfg.eval.engine, cfg.seed)
+                if cfg.eval.engine
+                else _embedded(rollout.engine)
+            },
             eval=cfg.eval,
             num_steps=cfg.train.num_steps,
             final_checkpoint=str(final_policy_dir(run_dir, cfg.train.num_steps)),
@@ -511,7 +515,7 @@ def _rollout_config(cfg: RunConfig, run_dir: Path, engine_key: str | None) -> Ro
     model = cfg.trainer.model_path
     r = cfg.rollout
     return RolloutActorConfig(
-        engine=r.engine or EngineConfig(type="torch", model_path=model),
+        engine=_seeded(r.engine or EngineConfig(type="torch", model_path=model), cfg.seed),
         sampling=dict(r.sampling),
         reward=r.reward,
         workflow=r.workflow,
@@ -535,6 +539,14 @@ def _weight_group(cfg: RunConfig) -> GroupConfig | None:
     return GroupConfig(
         world_size=1 + cfg.rollout.num_actors, bucket_bytes=cfg.train.update_weight_buffer_size
     )
+
+
+def _seeded(engine: EngineConfig, seed: int) -> EngineConfig:
+    """``engine`` sampling from the job's seed unless it names its own: a rerun replays
+    its draws, a run with another seed draws others (``rollout/engines.py::engine_seed``)."""
+    if engine.seed is not None:
+        return engine
+    return engine.model_copy(update={"seed": seed})
 
 
 def _embedded(engine: EngineConfig) -> EngineConfig:

@@ -417,3 +417,17 @@ def test_the_everyday_keys_exist_and_the_reference_page_is_current():
     assert set(EVERYDAY) <= paths, set(EVERYDAY) - paths
     page = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert page.read_text() == config_reference(), "docs/config.md is stale: make config-doc"
+
+
+def test_every_engine_samples_from_the_jobs_seed_mixed_with_its_actor_name(tmp_path: Path):
+    from asyncrl.job import role_params
+    from asyncrl.rollout.engines import engine_seed
+
+    flags = ["--seed", "3", "--trainer.model-path", "m", "--data.path", "d.jsonl"]
+    eval_on = ["--eval.interval", "1", "--eval.sets", '[{"name": "t", "path": "t.jsonl"}]']
+    params = role_params(load_config(overrides=flags + eval_on), tmp_path, resume=False)
+    assert params["rollout"].engine.seed == params["eval"].engine.seed == 3  # type: ignore[attr-defined]
+    own = load_config(overrides=[*flags, "--rollout.engine.seed", "9"])
+    assert role_params(own, tmp_path, resume=False)["rollout"].engine.seed == 9  # type: ignore[attr-defined]
+    assert engine_seed(3, "rollout-0", False) != engine_seed(3, "rollout-1", False)
+    assert engine_seed(3, "rollout-0", True) is None  # a restart does not replay its draws

@@ -4,6 +4,7 @@ batching, aborts and resumes, pause modes and weight swaps at step boundaries.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -100,6 +101,29 @@ async def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(engi
         *(run(engine, f"other{i}", p, max_new_tokens=30) for i, p in enumerate(PROMPTS)),
     )
     assert crowd[0].output_ids == alone.output_ids
+
+
+async def draws(tiny, seed: int | str | None) -> list[list[int]]:
+    """Unseeded requests one after another on a fresh engine seeded with ``seed``."""
+    eng = TorchEngine.from_pretrained(str(tiny[0]), seed=seed)
+    task = asyncio.create_task(eng.run())
+    try:
+        return [(await run(eng, f"r{i}", p, max_new_tokens=12)).output_ids
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_unseeded_requests_draw_from_the_engines_stream(tiny):
+    """The same engine seed replays its draws; another seed, or none, draws others (a
+    fixed count made every engine and every run of a job sample in lockstep)."""
+    first = await draws(tiny, "0/rollout-0")
+    assert await draws(tiny, "0/rollout-0") == first
+    assert await draws(tiny, "0/rollout-1") != first
+    assert await draws(tiny, "1/rollout-0") != first
+    assert await draws(tiny, None) != await draws(tiny, None)
 
 
 async def test_stop_token_ids_stop_strings_and_min_new_tokens(engine, tiny):

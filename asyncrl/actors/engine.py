@@ -91,6 +91,7 @@ class EngineActor(Actor):
     async def _start_embedded(self, host: str, port: int) -> None:
         from asyncrl.engines.server import EngineServer
         from asyncrl.engines.torch_engine import TorchEngine
+        from asyncrl.rollout.engines import engine_seed
 
         engine = await asyncio.to_thread(
             TorchEngine.from_pretrained,
@@ -98,6 +99,7 @@ class EngineActor(Actor):
             device=self.cfg.device,
             dtype=self.cfg.dtype,
             max_running=self.cfg.max_running,
+            seed=engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted),
         )
         self.server = EngineServer(
             engine, server_args={"host": host, "port": port}, api_key=self.api_key

@@ -39,7 +39,7 @@ from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.rollout.base import RolloutContext, Workflow
 from asyncrl.rollout.config import EvalSetConfig
-from asyncrl.rollout.engines import EngineHost
+from asyncrl.rollout.engines import EngineHost, engine_seed
 from asyncrl.rollout.evaluation import evaluate_set
 from asyncrl.trainers.weight_sync import WeightReceiver
 from asyncrl.wire.errors import PeerLost, RemoteError
@@ -75,7 +75,8 @@ class EvalActor(Actor):
         self._pending: tuple[WeightVersion, dict[str, torch.Tensor] | None] | None = None
         self._ready = asyncio.Event()
         self._final_lost = False
-        self.host = await self.hold(EngineHost(config.engine))
+        seed = engine_seed(config.engine.seed, self.name, self.spec.incarnation.restarted)
+        self.host = await self.hold(EngineHost(config.engine, seed=seed))
         # The engine's, or the policy's from disk for remote engines (as rollout actors do).
         tokenizer = await asyncio.to_thread(policy_tokenizer, config.tokenizer, self.host)
         self.sets = [await self._open_set(s, tokenizer) for s in self.cfg.sets]

@@ -44,7 +44,7 @@ from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.rollout.base import RolloutContext, Workflow
 from asyncrl.rollout.config import RewardConfig, ToolUseConfig
-from asyncrl.rollout.engines import EngineConfig, EngineHost
+from asyncrl.rollout.engines import EngineConfig, EngineHost, engine_seed
 from asyncrl.trainers.weight_sync import WeightReceiver
 from asyncrl.types import BufferEvent, Group, Sample, SampleStatus, WorkItem, WorkReply, WorkRequest
 from asyncrl.wire.codec import Codec
@@ -97,8 +97,9 @@ class RolloutActor(Actor):
         wait = engine.startup_timeout if self.own_engine else None
         key = cfg.engine_api_key if self.own_engine else None
         spill = Path(cfg.spill_dir) / self.name if cfg.spill_dir else None
+        seed = engine_seed(engine.seed, self.name, self.spec.incarnation.restarted)
         host = EngineHost(self._engine_config(engine), wait_ready_s=wait, api_key=key,
-                          spill_dir=spill)  # fmt: skip
+                          spill_dir=spill, seed=seed)  # fmt: skip
         self.host = await self.hold(host)
         tools = await asyncio.to_thread(build_tools, cfg.tool_use)
         self.workflow = load_workflow(cfg.workflow, cfg.tool_use, cfg.agent)

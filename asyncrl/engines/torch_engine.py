@@ -16,6 +16,12 @@ Every sampled token is stamped with ``version``, the weight version that produce
 Aborted requests return what they generated so far; ``pause("in_place")`` keeps the
 batch and its KV, ``pause("retract")`` drops the KV and re-prefills later, and
 ``pause("abort")`` aborts everything and returns once every caller has its output.
+A request without a ``sampling_seed`` gets one drawn from the engine's own stream
+(``seed``: the same seed replays the same stream, None draws from the OS), so two
+engines, or two runs with different job seeds, never sample in lockstep. (A fixed count
+from 1 made every run of a job sample the same way, whatever its seed: two otherwise
+equal runs differed only by their sampler's code, which read as a regression.)
+
 No KV outlives its request (there is no prefix cache), so ``cached_tokens`` is 0: a
 resumed partial rollout and a retracted request prefill their whole prompt again.
 
@@ -30,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import itertools
+import random
 import re
 import time
 from collections import deque
@@ -112,6 +118,7 @@ class TorchEngine:
         max_total_tokens: int = 1 << 18,
         version: int = 0,
         model_path: str = "",
+        seed: int | str | None = None,
     ) -> None:
         self.model = model.eval()
         cpu_linear.use_for(model)
@@ -133,7 +140,9 @@ class TorchEngine:
         self._resumed.set()
         self._wake = asyncio.Event()
         self._updates: deque[tuple[Any, asyncio.Future[None]]] = deque()
-        self._seed = itertools.count(1)
+        # Requests without a sampling_seed get one drawn from this stream: the same seed
+        # gives the same stream; None draws from the OS (``engine_seed`` in the job).
+        self._seeds = random.Random(seed)
         self._just_finished: list[_Seq] = []
         self._groups = WeightGroups()
         self._stepped = asyncio.Event()  # set after every step (pause waits on it)
@@ -202,7 +211,9 @@ class TorchEngine:
     def _admit(self, request: GenerateRequest) -> _Seq:
         self.check(request)
         seed = request.sampling.sampling_seed
-        gen = torch.Generator().manual_seed(seed if seed is not None else next(self._seed))
+        if seed is None:
+            seed = self._seeds.getrandbits(63)
+        gen = torch.Generator().manual_seed(seed)
         row = RowState(
             params=request.sampling,
             generator=gen,

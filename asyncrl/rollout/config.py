@@ -47,6 +47,11 @@ class EngineConfig(BaseModel):
     device: str = Field("cpu", description="torch device of the embedded engine.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights")
     max_running: int = Field(64, ge=1, description="Requests decoded together (torch engine).")
+    seed: int | None = Field(
+        None,
+        description="torch engine: the stream its requests' sampling seeds come from, "
+        "mixed with the actor's name (a restarted actor draws afresh); None: the job's seed",
+    )
     urls: list[str] = Field(default_factory=list, description="SGLang server URLs (sglang).")
     router: bool = Field(False, description="The one URL is an sglang-router.")
     on_update: Literal["continue", "abort"] = Field(

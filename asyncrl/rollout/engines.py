@@ -82,8 +82,10 @@ class EngineHost:
         wait_ready_s: float | None = None,
         api_key: str | None = None,
         spill_dir: Path | None = None,
+        seed: str | None = None,
     ) -> None:
         self.config = config
+        self.seed = seed  # the embedded torch engine's sampling stream (``engine_seed``)
         self.spill_dir = spill_dir  # dist into servers: versions that go by disk instead
         self.server_group: ServerGroup | None = None  # dist into servers: set by the actor
         self._receiver: WeightReceiver | None = None
@@ -151,6 +153,7 @@ class EngineHost:
             device=cfg.device,
             dtype=cfg.dtype,
             max_running=cfg.max_running,
+            seed=self.seed,
         )
         self.engine = engine
         self.servers.append(EngineServer(engine))
@@ -364,6 +367,14 @@ class EngineHost:
             and takes is not None
             and takes(msg.manifest)
         )
+
+
+def engine_seed(seed: int | None, name: str, restarted: bool) -> str | None:
+    """An embedded engine's sampling stream: ``seed`` and the actor's ``name``, so two
+    actors' engines never sample in lockstep and a rerun with the same seed replays its
+    draws; None (fresh OS entropy) for a restarted incarnation, which should not replay
+    whatever its predecessor drew before it died."""
+    return None if seed is None or restarted else f"{seed}/{name}"
 
 
 def _sent_by_trainer(bucket: object) -> None:
