@@ -489,6 +489,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, Act
     # Marks this job's checkpoints: a restarted trainer or buffer loads only its own job's.
     job = secrets.token_hex(8)
     rollout = _rollout_config(cfg, run_dir, engine_key)
+    eval_engine = cfg.eval.engine.seeded(cfg.seed) if cfg.eval.engine else None
     return {
         "buffer": _buffer_config(cfg, run_dir, resume=resume, job=job),
         "rollout": rollout,
@@ -497,11 +498,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, Act
         "eval": EvalActorConfig(
             **_workflow_fields(rollout)
             # The eval actor's own engine: embedded, whatever serves the rollout.
-            | {
-                "engine": _seeded(cfg.eval.engine, cfg.seed)
-                if cfg.eval.engine
-                else _embedded(rollout.engine)
-            },
+            | {"engine": eval_engine or _embedded(rollout.engine)},
             eval=cfg.eval,
             num_steps=cfg.train.num_steps,
             final_checkpoint=str(final_policy_dir(run_dir, cfg.train.num_steps)),
@@ -515,7 +512,7 @@ def _rollout_config(cfg: RunConfig, run_dir: Path, engine_key: str | None) -> Ro
     model = cfg.trainer.model_path
     r = cfg.rollout
     return RolloutActorConfig(
-        engine=_seeded(r.engine or EngineConfig(type="torch", model_path=model), cfg.seed),
+        engine=(r.engine or EngineConfig(type="torch", model_path=model)).seeded(cfg.seed),
         sampling=dict(r.sampling),
         reward=r.reward,
         workflow=r.workflow,
@@ -539,14 +536,6 @@ def _weight_group(cfg: RunConfig) -> GroupConfig | None:
     return GroupConfig(
         world_size=1 + cfg.rollout.num_actors, bucket_bytes=cfg.train.update_weight_buffer_size
     )
-
-
-def _seeded(engine: EngineConfig, seed: int) -> EngineConfig:
-    """``engine`` sampling from the job's seed unless it names its own: a rerun replays
-    its draws, a run with another seed draws others (``rollout/engines.py::engine_seed``)."""
-    if engine.seed is not None:
-        return engine
-    return engine.model_copy(update={"seed": seed})
 
 
 def _embedded(engine: EngineConfig) -> EngineConfig:

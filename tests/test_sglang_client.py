@@ -680,11 +680,15 @@ async def test_wait_idle_falls_back_to_get_load_on_old_servers(fake, client):
 
 
 async def test_wait_idle_re_aborts_lingering_requests_and_times_out(fake, client):
+    # Ten busy polls at least 10 ms apart: at least 4 re-aborts at a 20 ms period however
+    # slow the machine is (a poll re-aborts at most once; a loaded one sooner, not later).
+    fake.loads = [2] * 10 + [0]
+    await client.wait_idle(poll_s=0.01, reabort_s=0.02)
+    assert len(fake.bodies("/abort_request")) >= 4
+    assert fake.bodies("/abort_request")[0] == {"abort_all": True}
     fake.load = 2
     with pytest.raises(TimeoutError, match="not idle"):
-        await client.wait_idle(timeout_s=0.2, poll_s=0.01, reabort_s=0.05)
-    assert len(fake.bodies("/abort_request")) >= 2
-    assert fake.bodies("/abort_request")[0] == {"abort_all": True}
+        await client.wait_idle(timeout_s=0.05, poll_s=0.01)
 
 
 async def test_abort_all_and_wait_aborts_then_waits_for_the_drain(fake, client):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -124,6 +125,54 @@ async def test_unseeded_requests_draw_from_the_engines_stream(tiny):
     assert await draws(tiny, "0/rollout-1") != first
     assert await draws(tiny, "1/rollout-0") != first
     assert await draws(tiny, None) != await draws(tiny, None)
+
+
+def pit(
+    model, ids: list[int], output: list[int], temperature: float, gen: torch.Generator
+) -> torch.Tensor:
+    """The randomised probability integral transform ``F(x-) + V p(x)`` (V uniform) of
+    each sampled token under ``softmax(z / T)``: uniform on [0, 1) when x was drawn
+    from that distribution."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + output])).logits[0, len(ids) - 1 : -1].double()
+    p = torch.softmax(logits / temperature, -1)
+    x = torch.tensor(output)[:, None]
+    px = p.gather(-1, x).squeeze(-1)
+    below = p.cumsum(-1).gather(-1, x).squeeze(-1) - px
+    return below + torch.rand(len(output), generator=gen, dtype=torch.double) * px
+
+
+def chi2_of_deciles(u: torch.Tensor) -> float:
+    counts = torch.histc(u.float(), bins=10, min=0, max=1)
+    expected = len(u) / 10
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+async def test_sampled_tokens_follow_the_distribution_their_logprobs_come_from(tiny):
+    """The engine's draws at T = 0.7 against the model's own ``softmax(z / 0.7)``: the
+    PIT's deciles pass a chi-square test (9 degrees of freedom, 27.9 is p = 0.001), and
+    fail it under T = 1 (the control: the test sees a wrong distribution). The logits are
+    sharpened x3 so the temperature matters (a random tiny model's are nearly flat)."""
+    model = copy.deepcopy(tiny[1])
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(3)
+    eng = TorchEngine(model, seed="pit")
+    task = asyncio.create_task(eng.run())
+    try:
+        outs = await asyncio.gather(
+            *(run(eng, f"p{i}", PROMPTS[i % 4], max_new_tokens=32, temperature=0.7,
+                  ignore_eos=True) for i in range(64))
+        )  # fmt: skip
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    gen = torch.Generator().manual_seed(0)
+    at = {t: torch.cat([pit(model, PROMPTS[i % 4], o.output_ids, t, gen)
+                        for i, o in enumerate(outs)]) for t in (0.7, 1.0)}  # fmt: skip
+    assert chi2_of_deciles(at[0.7]) < 27.9 < chi2_of_deciles(at[1.0]), {
+        t: chi2_of_deciles(u) for t, u in at.items()
+    }
 
 
 async def test_stop_token_ids_stop_strings_and_min_new_tokens(engine, tiny):

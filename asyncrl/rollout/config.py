@@ -94,6 +94,11 @@ class EngineConfig(BaseModel):
             return [a if isinstance(a, str) else json.dumps(a) for a in args]
         return args
 
+    def seeded(self, seed: int) -> EngineConfig:
+        """This engine sampling from the job's ``seed`` unless it names its own: a rerun
+        replays its draws, another seed draws others (``rollout/engines.py::engine_seed``)."""
+        return self if self.seed is not None else self.model_copy(update={"seed": seed})
+
     @model_validator(mode="after")
     def _sim_is_embedded(self) -> EngineConfig:
         if self.type != "sim":
