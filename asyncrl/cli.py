@@ -191,6 +191,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--max-running", type=int, default=64, help="max concurrent requests")
     serve.add_argument(
+        "--random-seed",
+        type=int,
+        default=None,
+        help="seed of the stream unseeded requests draw their sampling seeds from "
+        "(SGLang's flag; default: fresh from the OS)",
+    )
+    serve.add_argument(
         "--weight-version", type=int, default=0, help="initial weight version (optimizer steps)"
     )
     serve.add_argument(
@@ -616,6 +623,7 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_running=args.max_running,
         version=args.weight_version,
+        seed=args.random_seed,
     )
     server_args = {"host": host, "port": args.port, "dtype": args.dtype}
     server = EngineServer(engine, server_args=server_args, api_key=args.api_key)

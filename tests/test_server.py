@@ -26,6 +26,7 @@ import pytest
 import pytest_asyncio
 
 from asyncrl.cli import main
+from asyncrl.engines.base import GenerateRequest, SamplingParams
 from asyncrl.engines.in_process import InProcessGenerator
 from asyncrl.engines.server import EngineServer
 from asyncrl.engines.sglang_client import EngineUnavailable, SGLangClient, SGLangError
@@ -923,7 +924,7 @@ async def test_with_an_api_key_every_route_but_health_needs_it(model_dir: Path):
 
 
 @contextlib.asynccontextmanager
-async def serve_process(model_dir: Path, log: Path) -> AsyncIterator[str]:
+async def serve_process(model_dir: Path, log: Path, *extra: str) -> AsyncIterator[str]:
     """``asyncrl serve`` on a free port; yields its URL once it printed it (warmed up)."""
     args = ["-c", "import sys; from asyncrl.cli import main; sys.exit(main())"]
     with log.open("wb") as err:
@@ -937,6 +938,7 @@ async def serve_process(model_dir: Path, log: Path) -> AsyncIterator[str]:
             "0",
             "--weight-version",
             "3",
+            *extra,
             stdout=asyncio.subprocess.PIPE,
             stderr=err,
         )
@@ -948,6 +950,30 @@ async def serve_process(model_dir: Path, log: Path) -> AsyncIterator[str]:
     finally:
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 20) == 0, f"unclean exit; see {log}"
+
+
+async def test_asyncrl_serve_random_seed_fixes_the_draws_of_unseeded_requests(
+    http, model_dir, tmp_path
+):
+    """``--random-seed`` (SGLang's flag) seeds the stream unseeded requests draw from:
+    the server samples what an in-process engine with that seed samples."""
+    body = {"input_ids": [[5, 9, 11], [20, 21]], "sampling_params": {"max_new_tokens": 12}}
+    engine = TorchEngine.from_pretrained(str(model_dir), seed=5)
+    task = asyncio.create_task(engine.run())
+    try:
+        expected = []
+        for i, ids in enumerate(body["input_ids"]):
+            request = GenerateRequest(rid=f"r{i}", input_ids=ids,
+                                      sampling=SamplingParams(max_new_tokens=12))  # fmt: skip
+            expected.append([o async for o in engine.generate(request)][-1].output_ids)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    async with serve_process(model_dir, tmp_path / "serve.log", "--random-seed", "5") as url:
+        for ids, want in zip(body["input_ids"], expected, strict=True):
+            status, reply = await call(http, url, "/generate", {**body, "input_ids": ids})
+            assert status == 200 and reply["output_ids"] == want
 
 
 async def test_a_distributed_update_over_gloo_reaches_an_asyncrl_serve_process(

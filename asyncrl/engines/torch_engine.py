@@ -211,9 +211,9 @@ class TorchEngine:
     def _admit(self, request: GenerateRequest) -> _Seq:
         self.check(request)
         seed = request.sampling.sampling_seed
-        if seed is None:
+        if seed is None and not request.sampling.greedy:  # probes leave the stream alone
             seed = self._seeds.getrandbits(63)
-        gen = torch.Generator().manual_seed(seed)
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
         row = RowState(
             params=request.sampling,
             generator=gen,
