@@ -533,7 +533,8 @@ async def test_bad_requests_get_400_with_a_message_and_the_server_keeps_serving(
     error = reply.get("error", reply)
     message = error if isinstance(error, str) else error["message"]
     assert needle in message
-    ok = await generate(http, url, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+    params = {"max_new_tokens": 2, "ignore_eos": True}  # a sampled EOS would end it at 1
+    ok = await generate(http, url, input_ids=[1, 2], sampling_params=params)
     assert len(ok["output_ids"]) == 2
 
 

@@ -17,7 +17,8 @@ Aborted requests return what they generated so far; ``pause("in_place")`` keeps 
 batch and its KV, ``pause("retract")`` drops the KV and re-prefills later, and
 ``pause("abort")`` aborts everything and returns once every caller has its output.
 A request without a ``sampling_seed`` gets one drawn from the engine's own stream
-(``seed``: the same seed replays the same stream, None draws from the OS), so two
+(``seed``: the same seed replays the same stream, 0 by default as in vLLM, None draws
+from the OS). A job gives each engine its seed mixed with the actor's name, so two
 engines, or two runs with different job seeds, never sample in lockstep. (A fixed count
 from 1 made every run of a job sample the same way, whatever its seed: two otherwise
 equal runs differed only by their sampler's code, which read as a regression.)
@@ -118,7 +119,7 @@ class TorchEngine:
         max_total_tokens: int = 1 << 18,
         version: int = 0,
         model_path: str = "",
-        seed: int | str | None = None,
+        seed: int | str | None = 0,
     ) -> None:
         self.model = model.eval()
         cpu_linear.use_for(model)
@@ -141,7 +142,8 @@ class TorchEngine:
         self._wake = asyncio.Event()
         self._updates: deque[tuple[Any, asyncio.Future[None]]] = deque()
         # Requests without a sampling_seed get one drawn from this stream: the same seed
-        # gives the same stream; None draws from the OS (``engine_seed`` in the job).
+        # gives the same stream (0 by default, as vLLM's engines); None draws from the OS
+        # (a restarted actor's: ``rollout/engines.py::engine_seed``).
         self._seeds = random.Random(seed)
         self._just_finished: list[_Seq] = []
         self._groups = WeightGroups()
