@@ -1,17 +1,44 @@
-"""One GRPO step on the real model, SmolLM2-135M-Instruct: time, tokens/s and peak RSS.
+"""One GRPO step on the real model, SmolLM2-135M-Instruct, against TRL's: time, tokens/s,
+model FLOPs utilisation and peak RSS.
 
 Each variant runs in a fresh process (peak RSS is that process's ``ru_maxrss``), one
-after the other, on the same batch: ``--groups`` groups of 8 samples, ``--prompt``
-prompt and ``--response`` response tokens each, sampled at T 0.7, in micro-batches of
-``--budget`` tokens (default 4,096: the whole batch in one packed row). Variants:
+after the other, on the same batch: ``--groups`` groups of 8 samples, in micro-batches
+of ``--budget`` tokens (default 4,096). ``--lengths equal`` gives every sample
+``--prompt`` prompt and ``--response`` response tokens; ``--lengths varied`` (the
+default) draws prompts of 0.6-1.4 x ``--prompt`` tokens and lognormal responses of median
+``--response`` tokens cut at 3 x that, as a rollout batch has. Variants:
 
-- ``packed``: the defaults (each packed sequence attends alone, chunked log-probs);
-- ``masked``: the same with sdpa and a block-diagonal ``L x L`` mask (the attention
+- ``packed``: asyncrl's defaults: decoupled PPO, one forward and backward per
+  micro-batch (a step is one optimizer update, so the proximal log-probs are that
+  forward's own, detached: no separate pass), each packed sequence attending alone,
+  chunked log-probs;
+- ``bypass``: the same with ``--use-rollout-logprobs`` (the engine's log-probs are the
+  old policy's; the same compute);
+- ``masked``: ``packed`` with sdpa and a block-diagonal ``L x L`` mask (the attention
   the trainer used before ``packed_attention``);
-- ``--repo DIR`` runs the ``masked`` variant against another checkout (an older commit,
-  for a before/after: ``git worktree add /tmp/before COMMIT``).
+- ``trl-onpolicy``: TRL's ``GRPOTrainer`` on the same samples as padded tensors (left-padded
+  prompts, right-padded completions, as its ``_generate_and_score_completions`` builds
+  them), cut into per-device batches of ``--trl-micro`` rows (default 8, as a TRL user
+  fits a 24 GB machine; 32 rows at once peaked at 23 GB) with gradients accumulated over
+  them: its ``compute_loss`` (``loss_type="dapo"``: token-mean, as asyncrl's default),
+  backward, grad clip 1.0 and AdamW. With one update per generated batch TRL skips the
+  old-log-prob pass, as asyncrl does: the same compute as ``packed``;
+- ``trl``: the same plus the no-grad old-log-prob pass TRL runs whenever a generated
+  batch may be off-policy (several updates per generation, or vLLM's importance-sampling
+  correction);
+- ``--repo DIR`` runs ``masked`` against another checkout (a before/after:
+  ``git worktree add /tmp/before COMMIT``).
 
-    .venv/bin/python bench/real_trainer.py [--steps 2] [--budget 4096]
+Model FLOPs utilisation is ``6 x parameters x tokens/s`` over the matmul peak, measured
+in the same run in its own process: the best of five ``torch.mm`` of 2048 x 2048 on
+``--threads`` threads, fp32 and bf16, before and after the variants (the higher of the
+two: a slow spell of this shared machine would otherwise read as high utilisation).
+``trl`` does ``8 x parameters`` FLOPs a token (2 more for the no-grad forward); MFU
+counts only the 6, as is usual, so TRL's extra pass shows as lost utilisation.
+``--dtype bf16-mixed`` runs both frameworks with fp32 master weights and bf16 autocast
+(TRL: ``bf16=True``); MFU is then read against the bf16 peak.
+
+    .venv/bin/python bench/real_trainer.py [--steps 3] [--budget 1024] [--dtype bf16-mixed]
 
 prints a table and writes ``bench/results/real_trainer.json``.
 """
@@ -29,20 +56,36 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+ASYNCRL = ("packed", "bypass", "masked")
+TRL = ("trl", "trl-onpolicy")
 
 
-def batch(seed: int, groups: int, prompt: int, response: int) -> Any:
+def lengths(seed: int, args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(prompt, response) token counts of the batch's ``8 x groups`` samples."""
+    import numpy as np
+
+    n = 8 * args.groups
+    if args.lengths == "equal":
+        return [(args.prompt, args.response)] * n
+    rng = np.random.default_rng(1000 + seed)
+    prompts = rng.integers(int(0.6 * args.prompt), int(1.4 * args.prompt) + 1, args.groups)
+    responses = np.clip(rng.lognormal(np.log(args.response), 0.6, n), 4, 3 * args.response)
+    return [(int(prompts[i // 8]), int(r)) for i, r in enumerate(responses)]
+
+
+def batch(seed: int, args: argparse.Namespace) -> Any:
     """Random token ids (the step's cost does not depend on them), rewards that vary."""
     import numpy as np
 
     from asyncrl.types import Group, Sample, SampleStatus, TrainBatch
 
     rng = np.random.default_rng(seed)
-    out = []
-    for g in range(groups):
-        ids = rng.integers(3, 49_000, prompt).astype(np.int32)
+    sizes, out = lengths(seed, args), []
+    for g in range(args.groups):
+        ids = rng.integers(3, 49_000, sizes[8 * g][0]).astype(np.int32)
         samples = []
         for i in range(8):
+            response = sizes[8 * g + i][1]
             s = Sample(uid=f"{g}/{i}", group_id=str(g), index=i, packed_prompt=ids.tobytes())
             s.append_response(rng.integers(3, 49_000, response), rng.normal(-3, 0.5, response), 0)
             s.reward, s.status = float(i % 2), SampleStatus.COMPLETED
@@ -53,25 +96,144 @@ def batch(seed: int, groups: int, prompt: int, response: int) -> Any:
     return TrainBatch(batch_id=seed, step=0, groups=out)
 
 
-def child(args: argparse.Namespace) -> None:
-    """Run the steps of one variant in this process and print one JSON line."""
-    import torch
-
+def asyncrl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
+    """Step seconds and trained tokens (prompt + response) of asyncrl's TorchTrainer."""
     from asyncrl.policies import PolicyConfig
     from asyncrl.trainers.torch_trainer import TorchTrainer
 
-    torch.set_num_threads(args.threads)
     extra = {"attn_implementation": "sdpa"} if args.variant == "masked" else {}
     cfg = TorchTrainer.Config(
-        model_path=args.model, lr=1e-6, max_tokens_per_microbatch=args.budget, **extra
-    )
-    trainer = TorchTrainer(cfg, PolicyConfig())
+        model_path=args.model, lr=1e-6, max_tokens_per_microbatch=args.budget,
+        dtype=args.dtype, **extra,
+    )  # fmt: skip
+    policy = PolicyConfig(use_rollout_logprobs=True) if args.variant == "bypass" else PolicyConfig()
+    trainer = TorchTrainer(cfg, policy)
     times, tokens = [], 0.0
     for k in range(args.steps):
         start = time.perf_counter()
-        result = trainer.train_step(batch(k, args.groups, args.prompt, args.response))
+        result = trainer.train_step(batch(k, args))
         times.append(time.perf_counter() - start)
         tokens = result.metrics["tokens"]
+    return times, tokens
+
+
+def trl_inputs(train_batch: Any) -> dict[str, Any]:
+    """The batch as TRL's GRPOTrainer holds a generation batch: padded id/mask tensors."""
+    import torch
+
+    samples = [s for g in train_batch.groups for s in g.samples]
+    prompts = [torch.as_tensor(s.prompt_tokens, dtype=torch.long) for s in samples]
+    replies = [torch.as_tensor(s.response_tokens, dtype=torch.long) for s in samples]
+    p_len, c_len = max(len(p) for p in prompts), max(len(c) for c in replies)
+    prompt_ids = torch.zeros(len(samples), p_len, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    completion_ids = torch.zeros(len(samples), c_len, dtype=torch.long)
+    completion_mask = torch.zeros_like(completion_ids)
+    for i, (p, c) in enumerate(zip(prompts, replies, strict=True)):
+        prompt_ids[i, p_len - len(p) :], prompt_mask[i, p_len - len(p) :] = p, 1  # left pad
+        completion_ids[i, : len(c)], completion_mask[i, : len(c)] = c, 1
+    rewards = torch.tensor([s.reward for s in samples]).view(-1, 8)
+    advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids, "completion_mask": completion_mask,
+            "advantages": advantages.view(-1),
+            "num_items_in_batch": completion_mask.sum()}  # fmt: skip
+
+
+def trl_split(inputs: dict[str, Any], chunks: int) -> list[dict[str, Any]]:
+    """Per-device batches as TRL cuts them: rows split evenly, each trimmed to its own
+    longest prompt (left-padded) and completion (right-padded)."""
+    rows = inputs["prompt_ids"].size(0) // chunks
+    parts = []
+    for c in range(chunks):
+        part = {k: v[c * rows : (c + 1) * rows] for k, v in inputs.items() if v.dim() > 0}
+        p_keep = int(part["prompt_mask"].sum(1).max())
+        c_keep = int(part["completion_mask"].sum(1).max())
+        for key in ("prompt_ids", "prompt_mask"):
+            part[key] = part[key][:, -p_keep:]
+        for key in ("completion_ids", "completion_mask"):
+            part[key] = part[key][:, :c_keep]
+        parts.append(part | {"num_items_in_batch": inputs["num_items_in_batch"]})
+    return parts
+
+
+def trl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
+    """Step seconds and trained tokens (prompt + response, unpadded) of TRL's GRPO step."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    n = 8 * args.groups
+    config = GRPOConfig(
+        output_dir="/tmp/asyncrl-bench-trl", use_cpu=True, seed=0,
+        bf16=args.dtype == "bf16-mixed", fp16=False,
+        per_device_train_batch_size=args.trl_micro, num_generations=8,
+        gradient_accumulation_steps=max(1, n // args.trl_micro),
+        max_completion_length=3 * args.response, learning_rate=1e-6, max_grad_norm=1.0,
+        beta=0.0, epsilon=0.2, loss_type="dapo", gradient_checkpointing=False,
+        use_vllm=False, report_to="none", disable_tqdm=True, logging_steps=1,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=config, train_dataset=Dataset.from_dict({"prompt": ["x"] * n}),
+        processing_class=AutoTokenizer.from_pretrained(args.model),
+    )  # fmt: skip
+    chunks = max(1, n // args.trl_micro)
+    # TRL splits a generation batch into per-device batches and accumulates: the dapo
+    # normalizer is then num_items_in_batch x accumulation / steps_per_generation.
+    trainer.current_gradient_accumulation_steps = chunks
+    trainer.args.steps_per_generation = chunks
+    trainer.create_optimizer()
+    model = trainer.model
+    model.train()
+    times, tokens = [], 0.0
+    for k in range(args.steps):
+        inputs = trl_inputs(batch(k, args))
+        start = time.perf_counter()
+        for part in trl_split(inputs, chunks):
+            if args.variant == "trl":  # the pass _generate_and_score_completions makes
+                ids = torch.cat([part["prompt_ids"], part["completion_ids"]], 1)
+                mask = torch.cat([part["prompt_mask"], part["completion_mask"]], 1)
+                with torch.no_grad():
+                    part["old_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                        model, ids, mask, part["completion_ids"].size(1), batch_size=n
+                    )[0]
+            trainer.compute_loss(model, part).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+        tokens = float(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+    return times, tokens
+
+
+def matmul_peak(threads: int) -> dict[str, float]:
+    """GFLOP/s of the best of five 2048^2 ``torch.mm`` per dtype on this many threads."""
+    import torch
+
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        out[name] = 2 * 2048**3 / best / 1e9
+    return out
+
+
+def child(args: argparse.Namespace) -> None:
+    """Run one variant in this process and print one JSON line."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.variant == "peak":
+        print(json.dumps({"variant": "peak", "gflops": matmul_peak(args.threads)}))
+        return
+    times, tokens = (trl_steps if args.variant in TRL else asyncrl_steps)(args)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     print(json.dumps({"variant": args.variant, "step_s": times, "tokens": tokens,
                       "tokens_per_s": tokens / min(times), "peak_rss_gib": rss}))  # fmt: skip
@@ -80,14 +242,43 @@ def child(args: argparse.Namespace) -> None:
 def run(variant: str, repo: Path, args: argparse.Namespace) -> dict:
     sizes = {"--steps": args.steps, "--budget": args.budget, "--groups": args.groups,
              "--prompt": args.prompt, "--response": args.response,
-             "--threads": args.threads}  # fmt: skip
+             "--threads": args.threads, "--lengths": args.lengths,
+             "--dtype": args.dtype, "--trl-micro": args.trl_micro}  # fmt: skip
     cmd = [sys.executable, __file__, "--child", "--variant", variant, "--model", args.model]
     cmd += [str(x) for kv in sizes.items() for x in kv]
     env = {**os.environ, "PYTHONPATH": str(repo)}
-    out = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, check=True)
+    out = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"variant {variant} failed:\n{out.stderr[-3000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
     row["repo"] = str(repo)
     return row
+
+
+def parameters(model: str) -> int:
+    """The model's parameter count, from its config (no weights loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with __import__("torch").device("meta"):
+        net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    return sum(p.numel() for p in net.parameters())
+
+
+def report(rows: list[dict], peak: dict[str, float], n_params: int, dtype: str) -> None:
+    """Print the table and the asyncrl / TRL ratios of the pairs doing the same work."""
+    dtype = "bf16" if dtype == "bf16-mixed" else "fp32"
+    print(f"matmul peak on this run: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f}")
+    print(f"{'variant':13} {'step s':>14} {'tokens/s':>9} {'MFU ' + dtype:>9} {'peak RSS GiB':>13}")
+    for r in rows:
+        r["mfu"] = 6 * n_params * r["tokens_per_s"] / (peak[dtype] * 1e9)
+        steps = ", ".join(f"{t:.1f}" for t in r["step_s"])
+        print(f"{r['variant']:13} {steps:>14} {r['tokens_per_s']:9.1f} {r['mfu']:9.1%} "
+              f"{r['peak_rss_gib']:13.2f}")  # fmt: skip
+    by = {r["variant"]: r for r in rows}
+    for ours, theirs in (("packed", "trl-onpolicy"), ("packed", "trl")):
+        if ours in by and theirs in by:
+            ratio = by[ours]["tokens_per_s"] / by[theirs]["tokens_per_s"]
+            print(f"{ours} / {theirs}: {ratio:.2f}x tokens/s")
 
 
 def main() -> None:
@@ -97,8 +288,21 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=4, help="groups of 8 samples")
     ap.add_argument("--prompt", type=int, default=50)
     ap.add_argument("--response", type=int, default=70)
+    ap.add_argument("--lengths", choices=("varied", "equal"), default="varied")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--variants", default="packed,masked")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bf16-mixed"),
+        default="float32",
+        help="bf16-mixed: fp32 weights and AdamW state, bf16 autocast (both sides)",
+    )
+    ap.add_argument(
+        "--trl-micro",
+        type=int,
+        default=8,
+        help="TRL's per-device batch (rows); the step accumulates over the rest",
+    )
+    ap.add_argument("--variants", default="packed,trl-onpolicy,trl")
     ap.add_argument("--repo", type=Path, help="also run 'masked' in this checkout (before)")
     ap.add_argument("--out", default="bench/results/real_trainer.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -112,15 +316,17 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    before = run("peak", ROOT, args)["gflops"]
     rows = [run(v, ROOT, args) for v in args.variants.split(",")]
+    after = run("peak", ROOT, args)["gflops"]
+    peak = {k: max(before[k], after[k]) for k in before}
     if args.repo is not None:
         rows.append(run("masked", args.repo.resolve(), args) | {"variant": "before"})
-    print(f"{'variant':10} {'step s':>16} {'tokens/s':>9} {'peak RSS GiB':>13}")
-    for r in rows:
-        steps = ", ".join(f"{t:.1f}" for t in r["step_s"])
-        print(f"{r['variant']:10} {steps:>16} {r['tokens_per_s']:9.1f} {r['peak_rss_gib']:13.2f}")
+    n_params = parameters(args.model)
+    report(rows, peak, n_params, args.dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args) | {"repo": str(args.repo)},
+                                          "peak_gflops": peak, "parameters": n_params,
                                           "rows": rows}, indent=2, default=str))  # fmt: skip
 
 

@@ -133,6 +133,28 @@ def test_an_actor_process_gets_the_thread_limit_of_its_spec():
     assert out.stdout.split() == ["1", "1"], out.stderr
 
 
+def test_the_eval_actor_lowers_the_priority_of_every_thread_and_those_it_starts_later():
+    code = (
+        "import os, threading, time\n"
+        "from asyncrl.actors.eval import lower_priority\n"
+        "stop = threading.Event()\n"
+        "early = threading.Thread(target=stop.wait); early.start(); time.sleep(0.05)\n"
+        "base = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        "lower_priority(3)\n"
+        "late = []\n"
+        "t = threading.Thread(target=lambda: late.append(os.getpriority(os.PRIO_PROCESS, 0)))\n"
+        "t.start(); t.join()\n"
+        "print(base, os.getpriority(os.PRIO_PROCESS, 0), "
+        "os.getpriority(os.PRIO_PROCESS, early.native_id), late[0])\n"
+        "stop.set()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    base, main, early, late = map(int, out.stdout.split())
+    want = min(19, base + 3)
+    assert (main, early, late) == (want, want, want), out.stderr
+    assert EvalConfig().nice == 10  # the default: evaluation takes the cores training leaves
+
+
 async def test_an_eval_actor_that_missed_the_final_pull_evaluates_the_final_checkpoint(
     tmp_path,
 ):

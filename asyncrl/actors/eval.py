@@ -13,6 +13,12 @@ A version announced while an evaluation runs replaces an older pulled one that h
 started (so a slow eval falls back to the newest due version instead of queueing); rows
 are tagged with the version they used. After the final version the actor finishes.
 
+Evaluation is off the training's critical path, so the actor gives up CPU priority
+(``eval.nice``, default 10): where it shares cores with the trainer and the rollout
+engines it takes what they leave. On the real-model example on 2 cores, the version-0
+eval beside the first rollouts made the first train step take 94 s against about 40 s
+alone (docs/benchmarks.md, start-up).
+
 Settings: ``EvalActor.Config``: the rollout's ``WorkflowConfig`` (its sampling, reward,
 workflow and tools are each set's defaults) with the eval engine, ``eval``
 (``EvalConfig``), ``num_steps`` and where the rows and the final checkpoint are.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +62,24 @@ log = get_logger("asyncrl.eval")
 _PULL_TIMEOUT_S = 300.0
 
 
+def lower_priority(increment: int) -> None:
+    """Raise every thread of this process's nice value by ``increment``.
+
+    Linux keeps a nice value per thread and a new thread inherits its creator's, so each
+    existing thread is reniced; later ones start at the lower priority.
+    """
+    if increment <= 0:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the process's value
+        tids = [0]
+    for tid in tids:
+        with contextlib.suppress(OSError):  # a thread that just exited
+            current = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, current + increment))
+
+
 class EvalActor(Actor):
     """Evaluates due weight versions; see the module docstring."""
 
@@ -70,6 +95,7 @@ class EvalActor(Actor):
     async def setup(self) -> None:
         config = self.config
         self.cfg = config.eval
+        lower_priority(self.cfg.nice)  # before the engine's threads start: they inherit it
         self.num_steps = config.num_steps
         self.next_due = 0 if self.cfg.at_start else self.cfg.interval
         self._pending: tuple[WeightVersion, dict[str, torch.Tensor] | None] | None = None

@@ -392,6 +392,13 @@ class EvalConfig(BaseModel):
     at_start: bool = Field(True, description="evaluate the initial weights (version 0) too")
     engine: EngineConfig | None = Field(None, description="default: like the rollout engine")
     max_concurrency: int = Field(256, ge=1, description="eval requests in flight at once")
+    nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="CPU priority the eval actor gives up (os.nice): off the training's "
+        "critical path, it takes the cores the trainer and rollouts leave; 0: an equal share",
+    )
     final_timeout: float = Field(
         600.0, gt=0, description="seconds the job waits for the final version's eval"
     )
