@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import resource
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from asyncrl.engines.sglang_client import (
     error_message,
     parse_generate_output,
 )
+from asyncrl.engines.sglang_transport import pool_size
 
 # ----------------------------------------------------------------------------- recorded shapes
 
@@ -862,6 +864,26 @@ async def test_an_unreachable_engine_leaves_the_rotation_until_its_health_answer
         async with serving(Fake(), port=dead_port):
             assert await c.transport.health() == {dead: True, live.url: True}
             assert c.transport.in_rotation() == [dead, live.url]
+
+
+async def test_requests_waiting_on_engines_out_of_rotation_share_one_probe_each():
+    """With every engine out, each request used to probe every engine itself: at 20,000
+    in flight that flood of probes kept the engines out (docs/benchmarks.md)."""
+    async with serving(Fake()) as a, serving(Fake()) as b:
+        async with SGLangClient([a.url, b.url], config=FAST) as c:
+            for url in (a.url, b.url):
+                c.transport.mark_down(c.transport._engine(url), "test")
+            results = await asyncio.gather(*(c.generate([i]) for i in range(200)))
+    assert len(results) == 200
+    assert [call.path for call in a.calls].count("/health") == 1
+    assert [call.path for call in b.calls].count("/health") == 1
+
+
+def test_the_connection_pool_stays_within_the_open_file_limit():
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    reserve = max(512, soft // 8)
+    assert pool_size(None) == max(64, (soft - reserve) // 2) or soft == resource.RLIM_INFINITY
+    assert pool_size(0) == 0 and pool_size(100) == 100  # as configured
 
 
 async def test_prefer_pins_a_request_to_its_engine(fake):

@@ -5,7 +5,9 @@ session, the retry rules, the engine rotation and the load refresher, and the ra
 ``/generate`` POST; the client and its ``WeightUpdateCalls`` make their calls through it.
 
 Transport. One aiohttp ``ClientSession`` (one connection pool, no proxies from the
-environment) per client. Every POST carries a JSON body, ``{}`` when it has nothing to say,
+environment) per client. The pool is bounded by the process's open-file limit
+(``pool_size``): calls past it wait here for a connection rather than fail to connect.
+Every POST carries a JSON body, ``{}`` when it has nothing to say,
 because SGLang 0.5.23 refuses body-less control POSTs. Timeouts: ``generate_timeout_s``
 (default 4 h, slime's router timeout) for ``/generate``; ``update_timeout_s`` for calls that
 wait on a drain or a collective (pause, weight updates, group init); ``control_timeout_s``
@@ -36,7 +38,8 @@ refreshed in one background task, at most every ``load_refresh_s``, only when th
 engines to choose between, so the request path never waits on it. ``prefer=`` pins a
 request to an engine while it is in rotation (resume a partial rollout where its KV cache
 is). An engine whose connect fails, or whose ``/health`` fails, leaves the rotation and is
-probed with ``GET /health`` every ``recheck_s`` until it answers 200. With
+probed with ``GET /health`` every ``recheck_s`` until it answers 200; requests that find
+every engine out share one probe per engine. With
 ``health_check_s`` every engine in rotation is also checked that often with
 ``GET /health_generate`` (a real one-token generation: a server that answers ``/health``
 but cannot generate fails it), and an engine out of rotation must pass that probe to come
@@ -61,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import resource
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -130,10 +134,37 @@ class EngineState:
     down_until: float | None = None
     loads_path: str = "/v1/loads?include=core"
     returning: bool = False  # ``on_return`` is running for it
+    probing: asyncio.Task[bool] | None = None  # the probe every concurrent caller awaits
 
     def score(self) -> int:
         """Own in-flight calls plus what others put on the engine at its last report."""
         return self.inflight + max(0, self.reported - self.inflight_at_report)
+
+
+#: The share of open files kept for everything but the pool's sockets (listening
+#: sockets, zmq's sockets and eventfds, logs, pipes, model files); at least 512.
+_RESERVED_SHARE = 8
+
+
+def pool_size(configured: int | None) -> int:
+    """Connections one client may open: ``configured``, else half of this process's
+    open-file limit less a reserve (an eighth of it, at least 512).
+
+    Each connection is a socket, and an engine embedded in this process holds the server
+    end of it as another. Past the limit connects fail with EMFILE and the engines leave
+    the rotation; a bounded pool queues the calls here instead.
+    """
+    if configured is not None:
+        return configured
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 0
+    return max(64, (soft - max(512, soft // _RESERVED_SHARE)) // 2)
+
+
+def _forget_probe(engine: EngineState, probe: asyncio.Task[bool]) -> None:
+    if engine.probing is probe:
+        engine.probing = None
 
 
 def _timeout(total: float, connect: float) -> aiohttp.ClientTimeout:
@@ -168,8 +199,9 @@ class SGLangTransport:
         only failed calls take an engine out). Also makes it the probe to come back."""
         api_key: str | None = None
         """Sent as ``Authorization: Bearer`` when the servers run with ``--api-key``."""
-        max_connections: int = 0
-        """Connection-pool size; 0 is unlimited, so every in-flight generate reaches the server."""
+        max_connections: int | None = None
+        """Connection-pool size; calls beyond it wait in this process for a connection.
+        None: from the open-file limit (``pool_size``); 0: unlimited."""
 
     def __init__(
         self,
@@ -203,7 +235,7 @@ class SGLangTransport:
         trace.on_request_chunk_sent.append(_on_chunk_sent)
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         self._http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.config.max_connections),
+            connector=aiohttp.TCPConnector(limit=pool_size(self.config.max_connections)),
             headers=headers,
             trace_configs=[trace],
             trust_env=False,
@@ -216,8 +248,9 @@ class SGLangTransport:
         await self.close()
 
     async def close(self) -> None:
-        """Stop the load refresher and the health checks; close the connection pool."""
-        for task in (self._refresh_task, self._health_task):
+        """Stop the load refresher, the health checks and the probes; close the pool."""
+        probes = [e.probing for e in self._engines]
+        for task in (self._refresh_task, self._health_task, *probes):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -386,7 +419,18 @@ class SGLangTransport:
 
     async def _probe(self, engine: EngineState) -> bool:
         """The health probe once; a pass puts the engine (back) in rotation, after
-        ``on_return`` when it was out."""
+        ``on_return`` when it was out. Concurrent callers share one probe per engine:
+        when every engine is out, each waiting request probing on its own sent thousands
+        of probes, which kept the engines out (the 20,000-in-flight collapse)."""
+        probe = engine.probing
+        if probe is None:
+            probe = engine.probing = asyncio.create_task(
+                self._probe_once(engine), name=f"probe {engine.url}"
+            )
+            probe.add_done_callback(lambda done: _forget_probe(engine, done))
+        return await asyncio.shield(probe)
+
+    async def _probe_once(self, engine: EngineState) -> bool:
         healthy, reason = await self._check(engine)
         if healthy and engine.down_until is not None:
             healthy, reason = await self._catch_up(engine)

@@ -1,17 +1,20 @@
 """Entry point of an actor process: ``python -m asyncrl.runtime.child < spec.json``.
 
 The local runtime starts one of these per actor and writes the ``ActorSpec`` as JSON to
-its stdin. The child configures logging (console on stderr for the runtime's log tail,
-JSON lines to ``spec.log_file``), asks the kernel to SIGTERM it when its parent dies
-(no orphan actors), imports the actor class and runs it on uvloop.
+its stdin. The child lifts its soft open-file limit to the hard one, configures logging
+(console on stderr for the runtime's log tail, JSON lines to ``spec.log_file``), asks the
+kernel to SIGTERM it when its parent dies (no orphan actors), imports the actor class and
+runs it on uvloop.
 
 Exit codes: 0 stopped cleanly, 1 the actor failed, 2 the spec or class could not load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import resource
 import signal
 import sys
 
@@ -36,6 +39,18 @@ def _die_with_parent() -> None:
         return
     if os.getppid() != parent:  # the parent died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def raise_open_file_limit() -> None:
+    """Lift the soft open-file limit to the hard one, as SGLang's servers do at start.
+
+    A rollout actor holds a socket per request in flight; the usual soft limit of 1,024
+    would fail connects with EMFILE long before the engines are full.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # a hard limit the kernel refuses
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def limit_threads(threads: int | None) -> None:
@@ -78,6 +93,7 @@ def load_actor(raw: bytes) -> Actor:
 def main() -> None:
     """Read the spec from stdin, run the actor, exit with its code."""
     _die_with_parent()
+    raise_open_file_limit()
     try:
         actor = load_actor(sys.stdin.buffer.read())
     except ValueError as exc:
