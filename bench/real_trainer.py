@@ -122,8 +122,8 @@ def trl_inputs(train_batch: Any) -> dict[str, Any]:
     import torch
 
     samples = [s for g in train_batch.groups for s in g.samples]
-    prompts = [torch.as_tensor(s.prompt_tokens, dtype=torch.long) for s in samples]
-    replies = [torch.as_tensor(s.response_tokens, dtype=torch.long) for s in samples]
+    prompts = [torch.tensor(s.prompt_tokens, dtype=torch.long) for s in samples]
+    replies = [torch.tensor(s.response_tokens, dtype=torch.long) for s in samples]
     p_len, c_len = max(len(p) for p in prompts), max(len(c) for c in replies)
     prompt_ids = torch.zeros(len(samples), p_len, dtype=torch.long)
     prompt_mask = torch.zeros_like(prompt_ids)
