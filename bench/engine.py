@@ -58,9 +58,11 @@ from asyncrl.engines.torch_engine import TorchEngine
 Work = list[tuple[list[int], int]]
 
 
-def build_model(name: str, device: str) -> torch.nn.Module:
-    """The random 30M toy, or an HF folder's model; fp32 on CPU, bf16 on CUDA."""
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+def build_model(name: str, device: str, dtype_name: str = "auto") -> torch.nn.Module:
+    """The random 30M toy, or an HF folder's model; ``auto``: fp32 on CPU, bf16 on CUDA."""
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.startswith("cuda") else "float32"
+    dtype = getattr(torch, dtype_name)
     if name != "toy":
         return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
     torch.manual_seed(0)
@@ -154,8 +156,9 @@ def hf_batches(model: torch.nn.Module, work: Work, batch: int) -> int:
 
 
 def run_vllm(
-    python: str, model: str, works: dict[str, Work], batch: int, threads: int
-) -> dict | None:
+    python: str, model: str, works: dict[str, Work], batch: int, threads: int,
+    dtype: str = "float32",
+) -> dict | None:  # fmt: skip
     """vLLM's tokens/s per workload from its own venv, or None when it is not built."""
     if model == "toy":
         print("vllm: skipped (the toy model has no folder; pass --model DIR)")
@@ -164,7 +167,7 @@ def run_vllm(
         print(f"vllm: skipped ({python or 'no --vllm-python'} missing; make vllm-venv)")
         return None
     longest = max(len(ids) + n for work in works.values() for ids, n in work)
-    spec = {"model": str(Path(model).resolve()), "max_running": batch,
+    spec = {"model": str(Path(model).resolve()), "max_running": batch, "dtype": dtype,
             "max_model_len": longest + 8, "workloads": works}  # fmt: skip
     # vLLM binds one core and reserves the other by default; give it the same threads.
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
@@ -181,10 +184,10 @@ def run_vllm(
         return json.loads(out_file.read_text())
 
 
-def matmul_peak(threads: int) -> float:
-    """GFLOP/s of the best of five fp32 2048x2048 ``torch.mm`` on ``threads`` threads."""
+def matmul_peak(threads: int, dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of the best of five 2048x2048 ``torch.mm`` in ``dtype`` on ``threads``."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
     torch.mm(a, b)
     best = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
     return 2 * 2048**3 / best / 1e9
@@ -206,12 +209,18 @@ def main() -> None:
     ap.add_argument("--uniform", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="every system's weights and the peak's matmul (auto: fp32 on CPU)",
+    )
     ap.add_argument("--vllm-python", default="")
     ap.add_argument("--skip", nargs="*", default=[], choices=["engine", "hf", "vllm"])
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = build_model(args.model, args.device)
+    model = build_model(args.model, args.device, args.dtype)
     vocab = int(model.get_input_embeddings().weight.shape[0])
     lengths = long_tail(args.requests, args.median, args.tail)
     p50, p99 = np.percentile(lengths, 50), np.percentile(lengths, 99)
@@ -222,11 +231,11 @@ def main() -> None:
         "uniform": workload(args.requests, np.full(args.requests, args.uniform), vocab, seed=1),
     }
     params = sum(p.numel() for p in model.parameters())
-    peak = matmul_peak(args.threads)
+    peak = matmul_peak(args.threads, next(model.parameters()).dtype)
     rates: dict[str, dict[str, float]] = {name: {} for name in works}
     # HF gets a model of its own: TorchEngine computes its model's CPU linears its own way
     # (engines/cpu_linear.py), and HF generate is measured as it ships.
-    hf_model = build_model(args.model, args.device) if "hf" not in args.skip else None
+    hf_model = build_model(args.model, args.device, args.dtype) if "hf" not in args.skip else None
     for name, work in works.items():
         if "engine" not in args.skip:
             rates[name]["engine"] = asyncio.run(run_engine(model, work, args.batch))
@@ -235,7 +244,8 @@ def main() -> None:
         print(name, {k: round(v, 1) for k, v in rates[name].items()}, flush=True)
     vllm = None
     if "vllm" not in args.skip:
-        vllm = run_vllm(args.vllm_python, args.model, works, args.batch, args.threads)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        vllm = run_vllm(args.vllm_python, args.model, works, args.batch, args.threads, dtype)
     if vllm:
         for name in works:
             rates[name]["vllm"] = vllm["workloads"][name]["tokens_per_s"]

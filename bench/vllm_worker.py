@@ -27,8 +27,9 @@ def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     t0 = time.perf_counter()
     llm = LLM(
-        model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"],
-        max_num_seqs=spec["max_running"], enforce_eager=spec.get("eager", True), seed=0,
+        model=spec["model"], dtype=spec.get("dtype", "float32"),
+        max_model_len=spec["max_model_len"], max_num_seqs=spec["max_running"],
+        enforce_eager=spec.get("eager", True), seed=0,
     )  # fmt: skip
     result: dict = {"startup_s": time.perf_counter() - t0, "workloads": {}}
     for name, work in spec["workloads"].items():
