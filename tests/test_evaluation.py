@@ -1,11 +1,13 @@
 """Held-out evaluation: pass@k over prompts, failures counted wrong, breakdowns, config
-checks; and the per-process thread limit the controller hands every actor."""
+checks, the eval actor's lower priority; and the per-process limits of every actor
+(threads, open files)."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import os
+import resource
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -131,6 +133,24 @@ def test_an_actor_process_gets_the_thread_limit_of_its_spec():
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.split() == ["1", "1"], out.stderr
+
+
+def test_an_actor_process_lifts_its_soft_open_file_limit_to_the_hard_one():
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY or hard <= 256:
+        pytest.skip(f"hard open-file limit {hard}: nothing to lift")
+    code = (
+        "import resource; from asyncrl.runtime.child import raise_open_file_limit;"
+        "before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]; raise_open_file_limit();"
+        "print(before, *resource.getrlimit(resource.RLIMIT_NOFILE))"
+    )
+
+    def lowered() -> None:  # as a login shell's usual soft limit of 1,024 would be
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         preexec_fn=lowered)  # fmt: skip
+    assert out.stdout.split() == ["256", str(hard), str(hard)], out.stderr
 
 
 def test_the_eval_actor_lowers_the_priority_of_every_thread_and_those_it_starts_later():

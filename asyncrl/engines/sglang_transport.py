@@ -4,10 +4,11 @@
 session, the retry rules, the engine rotation and the load refresher, and the raw
 ``/generate`` POST; the client and its ``WeightUpdateCalls`` make their calls through it.
 
-Transport. One aiohttp ``ClientSession`` (one connection pool, no proxies from the
-environment) per client. The pool is bounded by the process's open-file limit
-(``pool_size``): calls past it wait here for a connection rather than fail to connect.
-Every POST carries a JSON body, ``{}`` when it has nothing to say,
+Transport. Two aiohttp ``ClientSession``s per client (no proxies from the environment).
+Generations share one pool bounded by the process's open-file limit (``pool_size``):
+those past it wait here for a connection rather than fail to connect. Control calls,
+probes and load reports have a pool of their own, so they never queue behind
+generations. Every POST carries a JSON body, ``{}`` when it has nothing to say,
 because SGLang 0.5.23 refuses body-less control POSTs. Timeouts: ``generate_timeout_s``
 (default 4 h, slime's router timeout) for ``/generate``; ``update_timeout_s`` for calls that
 wait on a drain or a collective (pause, weight updates, group init); ``control_timeout_s``
@@ -222,7 +223,8 @@ class SGLangTransport:
         self._cursor = 0
         self._refresh_task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
-        self._http: aiohttp.ClientSession | None = None
+        self._http: aiohttp.ClientSession | None = None  # /generate
+        self._control: aiohttp.ClientSession | None = None  # every other call
         #: Runs before an engine out of rotation rejoins it (see the module docstring).
         self.on_return: Callable[[str], Awaitable[None]] | None = None
         #: The weight version every engine in rotation should serve (set by whoever loads
@@ -234,11 +236,18 @@ class SGLangTransport:
         trace = aiohttp.TraceConfig()
         trace.on_request_chunk_sent.append(_on_chunk_sent)
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-        self._http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=pool_size(self.config.max_connections)),
-            headers=headers,
-            trace_configs=[trace],
-            trust_env=False,
+        # Two pools: generations in one bounded by the open-file limit, control calls,
+        # probes and load reports in their own, so that a pool full of long generations
+        # never holds back a pause, an abort or a health check (which would then time out
+        # and take a healthy engine out of the rotation).
+        self._http, self._control = (
+            aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=limit),
+                headers=headers,
+                trace_configs=[trace],
+                trust_env=False,
+            )
+            for limit in (pool_size(self.config.max_connections), 0)
         )
         if self.config.health_check_s is not None and not self.router:
             self._health_task = asyncio.create_task(self._health_loop(), name="sglang-health")
@@ -254,8 +263,9 @@ class SGLangTransport:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        if self._http is not None:
-            await self._http.close()
+        for session in (self._http, self._control):
+            if session is not None:
+                await session.close()
 
     @property
     def urls(self) -> list[str]:
@@ -274,6 +284,14 @@ class SGLangTransport:
 
     @property
     def _session(self) -> aiohttp.ClientSession:
+        """The control calls' session (see ``__aenter__``)."""
+        if self._control is None:
+            raise RuntimeError("SGLangClient is not open: use `async with SGLangClient(...)`")
+        return self._control
+
+    @property
+    def _generate_session(self) -> aiohttp.ClientSession:
+        """The generations' session, its pool bounded by ``pool_size``."""
         if self._http is None:
             raise RuntimeError("SGLangClient is not open: use `async with SGLangClient(...)`")
         return self._http
@@ -585,7 +603,7 @@ class SGLangTransport:
         engine.inflight += 1
         self._rids[rid] = engine
         try:
-            resp = await self._session.post(
+            resp = await self._generate_session.post(
                 engine.url + "/generate", data=body, headers=_JSON, timeout=timeout
             )
         except aiohttp.ClientConnectorError as exc:  # nothing was sent: safe to retry anywhere

@@ -99,8 +99,9 @@ class ActorHost:
 
     async def run(self, raw: bytes) -> int:
         """Build the actor from its JSON spec and run its lifecycle; its exit code."""
-        from asyncrl.runtime.child import load_actor
+        from asyncrl.runtime.child import load_actor, raise_open_file_limit
 
+        raise_open_file_limit()  # as the local runtime's children do
         try:
             self.actor = load_actor(raw)
         except ValueError as exc:
