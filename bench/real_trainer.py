@@ -210,19 +210,14 @@ def trl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
 
 
 def matmul_peak(threads: int) -> dict[str, float]:
-    """GFLOP/s of the best of five 2048^2 ``torch.mm`` per dtype on this many threads."""
+    """GFLOP/s of the best of five 2048^2 ``torch.mm`` per dtype (``bench/engine.py``'s)."""
     import torch
 
-    out = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-        out[name] = 2 * 2048**3 / best / 1e9
-    return out
+    sys.path.insert(0, str(ROOT))
+    from bench.engine import matmul_peak as peak
+
+    return {name: peak(threads, dtype) for name, dtype in (("fp32", torch.float32),
+                                                          ("bf16", torch.bfloat16))}  # fmt: skip
 
 
 def child(args: argparse.Namespace) -> None:
