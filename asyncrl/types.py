@@ -496,7 +496,11 @@ class BatchReply(Message):
 
 
 class BufferEvent(Message):
-    """Published to rollout actors; ``kind="abort"``: abort in-flight work (APRIL)."""
+    """Published to rollout actors. ``kind="abort"`` (topic ``events``): abort every
+    request in flight (synchronous APRIL). ``kind="cancel"`` (topic ``cancel``): abort
+    ``groups``, the groups asynchronous APRIL cut as too stale whose results are not back
+    yet (all of them, so an event that replaces an unread one loses none)."""
 
     kind: str
     version: int
+    groups: list[str] = msgspec.field(default_factory=list)

@@ -8,8 +8,11 @@ engines, trainer, data and seed, for ``--steps`` steps; only the overlap setting
               and wake for the new weights: sync plus the switch cost
     one-step  eta = 1
     async-2   eta = 2           async-4   eta = 4
-    april     eta = 2 with APRIL over-provisioning (alpha = 0.5: start 1.5x the groups,
-              abort the rest once a step has enough; partials resume later)
+    sync-april  sync with APRIL over-provisioning (alpha = 0.5: start 1.5x the groups,
+              abort the rest once a step has enough; their partials resume at the next
+              version), slime's setting
+    april     eta = 2 with APRIL (alpha = 0.5): the extras run on across steps, and only
+              work that can no longer land within the backstop is cut
 
 Reported per mode, over the steady state (the steps after the first, which includes
 start-up):
@@ -55,9 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.config import load_config
 from asyncrl.job import run_job
 
+SYNC = ["--buffer.max-staleness", "0", "--buffer.hard-staleness", "0"]
 MODES: dict[str, list[str]] = {
-    "sync": ["--buffer.max-staleness", "0", "--buffer.hard-staleness", "0"],
-    "colocated": ["--buffer.max-staleness", "0", "--buffer.hard-staleness", "0", "--colocate"],
+    "sync": SYNC,
+    "colocated": [*SYNC, "--colocate"],
+    "sync-april": [*SYNC, "--buffer.over-provision", "0.5"],
     "one-step": ["--buffer.max-staleness", "1"],
     "async-2": ["--buffer.max-staleness", "2"],
     "async-4": ["--buffer.max-staleness", "4"],
@@ -135,7 +140,7 @@ async def run_mode(
     """Run ``mode`` into ``run_dir`` to its end and summarize it."""
     flags = ["--name", f"overlap-{mode}", "--output-dir", str(run_dir),
              "--train.num-steps", str(args.steps), "--save-interval", "0",
-             "--train.metrics-interval", "1.0", *MODES[mode]]  # fmt: skip
+             "--train.metrics-interval", "1.0", *args.flags, *MODES[mode]]  # fmt: skip
     flags += eval_flags(args.test, args.steps)
     cfg = load_config(args.config, overrides=flags)
     result = await run_job(cfg)
@@ -170,11 +175,11 @@ def print_table(results: dict[str, dict[str, Any]], bound: dict[str, float]) -> 
             ("staleness_mean", "{:.2f}"), ("staleness_p95", "{:.0f}"),
             ("staleness_max", "{:.0f}"), ("wasted_share", "{:.1%}"),
             ("accuracy", "{:.1%}")]  # fmt: skip
-    print(f"{'mode':<9}" + "".join(f"{c:>15}" for c, _ in cols) + f"{'samples/s range':>18}")
+    print(f"{'mode':<11}" + "".join(f"{c:>15}" for c, _ in cols) + f"{'samples/s range':>18}")
     for mode, r in results.items():
         spread = f"{r['samples/s min']:.1f}-{r['samples/s max']:.1f}"
         print(
-            f"{mode:<9}" + "".join(f"{fmt.format(r[c]):>15}" for c, fmt in cols) + f"{spread:>18}"
+            f"{mode:<11}" + "".join(f"{fmt.format(r[c]):>15}" for c, fmt in cols) + f"{spread:>18}"
         )
     print(
         f"sync phases: G = {bound['G_s']:.2f} s generating, T = {bound['T_s']:.2f} s training "
@@ -221,10 +226,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode (medians)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--out", type=Path, default=Path("bench/results/overlap.json"))
+    parser.add_argument("flags", nargs="*", help="asyncrl train flags for every mode (after --)")
     args = parser.parse_args()
     if args.modes[0] != "sync":
         args.modes = ["sync", *[m for m in args.modes if m != "sync"]]  # the baseline
-    base = load_config(args.config)
+    base = load_config(args.config, overrides=args.flags)
     samples_per_step = base.buffer.groups_per_step * base.buffer.num_samples_per_prompt
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
     with tempfile.TemporaryDirectory(prefix="overlap-") as tmp:
@@ -237,7 +243,8 @@ def main() -> None:
     bound = add_bounds(results)
     print_table(results, bound)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"config": args.config, "steps": args.steps, "repeats": args.repeats,
+    payload = {"config": args.config, "flags": args.flags, "steps": args.steps,
+               "repeats": args.repeats,
                "bound": bound, "modes": results, "runs": runs}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     plot(results, bound, args.out.with_suffix(".png"))

@@ -141,16 +141,75 @@ def test_april_over_provisions_aborts_the_extras_and_resumes_them_first() -> Non
 
 
 def test_groups_kept_for_reuse_do_not_trigger_an_april_abort() -> None:
-    # B = 1, alpha = 1, eta = 1, reuse 2: (1 + 0 + 1) * 1 + 1 = 3 groups at v = 0.
-    buf = buffer(groups_per_step=1, num_samples_per_prompt=2, over_provision=1.0, max_reuse=2)
-    a, _, _ = handed_out(buf, 3)
+    # B = 1, alpha = 1, eta = 0, reuse 2: (0 + 0 + 1) * 1 + 1 = 2 groups at v = 0.
+    buf = buffer(
+        groups_per_step=1, num_samples_per_prompt=2, max_staleness=0, over_provision=1.0,
+        max_reuse=2,
+    )  # fmt: skip
+    a, _ = handed_out(buf, 2)
     assert buf.put(finished_group(a)) == "stored"
-    assert buf.should_abort()  # B = 1 finished, two still generating
+    assert buf.should_abort()  # B = 1 finished, one still generating
     assert buf.take_batch() is not None
     # p0 stays in the store for a second serving, but nothing new has finished: aborting
-    # the two groups still generating now would throw their step away.
+    # the group still generating now would throw its step away.
     assert len(buf.store) == 1
     assert not buf.should_abort()
+
+
+def test_async_april_never_aborts_for_a_step_and_cuts_only_what_turned_too_stale() -> None:
+    # B = 1, eta = 1 (backstop 2), alpha = 1: (1 + 0 + 1) * 1 + 1 = 3 groups at v = 0.
+    buf = buffer(groups_per_step=1, num_samples_per_prompt=2, over_provision=1.0)
+    a, b, c = handed_out(buf, 3)
+    assert buf.put(finished_group(a)) == "stored"
+    # A step's worth is done while b and c generate: they go on into the next steps.
+    assert not buf.should_abort()
+    assert buf.put(aborted_group(b, versions=[0, 0], aborted=[0], finished_versions=[0])) == (
+        "partial"
+    )
+    assert buf.take_batch() is not None
+    assert buf.set_version(1) == []
+    (d,) = handed_out(buf, 1)  # the pool first: b resumes at v = 1 with its v = 0 tokens
+    assert (d.group_uid, d.version) == ("p1", 1)
+    (e,) = handed_out(buf, 1)
+    assert (e.group_uid, e.version) == ("p3", 1)
+    assert buf.set_version(2) == []  # heads 0 and 1: staleness 2 is within the backstop
+    capacity = buf.capacity()
+    # At v = 3 anything headed at v = 0 can only land past the backstop (3 - 0 > 2): c,
+    # handed out at 0, and b, resumed at 1 but holding tokens from 0. e (head 1) goes on.
+    assert buf.set_version(3) == ["p1", "p2"]
+    assert buf.in_flight == ["p3"] and buf.cancelled == ["p1", "p2"]
+    assert buf.capacity() == capacity + 1 + 2  # a step's B, and their slots back
+    assert buf.statistics().filtered == {"stale": 2}
+    # The producers abort them; what comes back is neither stored nor a duplicate.
+    assert buf.put(aborted_group(c, versions=[0, 1], aborted=[0, 1])) == "cancelled"
+    assert buf.put(aborted_group(c, versions=[0, 1], aborted=[0, 1])) == "duplicate"
+    restored = buffer(groups_per_step=1, num_samples_per_prompt=2, over_provision=1.0)
+    restored.load_state_dict(through_codec(buf.state_dict()))
+    assert restored.cancelled == ["p1"]  # still expected after a restart
+    assert restored.put(finished_group(d, versions=[3])) == "cancelled"
+    assert restored.statistics().duplicates == 1 and restored.cancelled == []
+    assert restored.put(finished_group(e, versions=[3])) == "stored"
+    restored.ledger.check()
+
+
+def test_async_april_drops_a_waiting_partial_too_stale_to_resume() -> None:
+    buf = buffer(groups_per_step=1, num_samples_per_prompt=1, over_provision=1.0)
+    a, b, _ = handed_out(buf, 3)
+    assert buf.put(finished_group(a)) == "stored"
+    assert buf.put(aborted_group(b, versions=[0], aborted=[0])) == "partial"
+    assert buf.take_batch() is not None
+    assert buf.set_version(2) == []
+    assert len(buf.pool) == 1
+    assert buf.set_version(3) == ["p2"]  # the pool's b is dropped, not resumed
+    assert len(buf.pool) == 0 and buf.cancelled == ["p2"]
+    assert buf.statistics().filtered == {"stale": 2}
+
+
+def test_plain_async_and_sync_april_cut_nothing_in_flight() -> None:
+    for config in ({"max_staleness": 1}, {"max_staleness": 0, "over_provision": 1.0}):
+        buf = buffer(groups_per_step=1, num_samples_per_prompt=1, **config)
+        handed_out(buf, 3)
+        assert buf.set_version(9) == [] and buf.cancelled == []
 
 
 def test_remaining_tokens_never_goes_negative() -> None:
@@ -460,6 +519,8 @@ class Simulation:
         self.where: dict[str, str] = {}
         self.served: Counter[str] = Counter()
         self.outstanding: list[WorkItem] = []  # held by producers, alive or presumed dead
+        self.items: dict[str, WorkItem] = {}  # each group's work as the buffer holds it
+        self.cancelled: set[str] = set()  # cut in flight by asynchronous APRIL, not back yet
         self.delivered: list[Group] = []
         self.consumed_this_version = False
 
@@ -515,6 +576,7 @@ class Simulation:
         for item in items:
             assert item.num_samples == cfg.num_samples_per_prompt
             self.where[item.group_uid] = "in_flight"
+            self.items[item.group_uid] = item
         self.outstanding += items
 
     def offer(self, arg: int, seed: int) -> None:
@@ -574,11 +636,16 @@ class Simulation:
         expected = self.predict(group)
         self.delivered.append(group)
         assert self.buf.put(over_the_wire(group)) == expected
-        if expected != "duplicate":
+        if expected == "partial":
+            self.items[group.uid] = msgspec.structs.replace(self.items[group.uid], partial=group)
+        if expected not in ("duplicate", "cancelled"):
             state = {"stored": "buffered", "partial": "pool"}.get(expected, expected)
             self.where[group.uid] = state
 
     def predict(self, group: Group) -> str:
+        if group.uid in self.cancelled:  # the first result after the cut
+            self.cancelled.discard(group.uid)
+            return "cancelled"
         if self.where.get(group.uid) not in ("in_flight", "pool"):
             return "duplicate"
         if len(group.samples) != self.cfg.num_samples_per_prompt:
@@ -605,17 +672,32 @@ class Simulation:
     # -- trainer ----------------------------------------------------------------------------
     def bump(self, arg: int, seed: int) -> None:
         # The trainer steps after consuming a batch; now and then it steps anyway (a batch
-        # that came from elsewhere, an eval step), which ages the buffered work.
+        # that came from elsewhere, an eval step), which ages the buffered work. Now and
+        # then it jumps past the backstop (announcements conflated while work still runs).
         if self.consumed_this_version or arg % 4 == 0:
-            v = self.buf.version + 1
+            v = self.buf.version + (1 + self.hard if arg % 8 == 4 else 1)
             stale = [
                 e.group.uid for e in self.buf.store.entries() if v - e.head_version > self.hard
             ]
-            self.buf.set_version(v)
+            doomed = self.doomed(v)
+            cut = sorted(u for u in doomed if self.where[u] == "in_flight")
+            assert self.buf.set_version(v) == cut
             for uid in stale:  # dropped by the backstop at once, not at the next take
                 if self.where[uid] == "buffered":  # a reused group was consumed already
                     self.where[uid] = "filtered"
+            for uid in doomed:
+                if self.where[uid] == "in_flight":
+                    self.cancelled.add(uid)
+                self.where[uid] = "filtered"
             self.consumed_this_version = False
+
+    def doomed(self, v: int) -> list[str]:
+        """Asynchronous APRIL cuts work that can only end past the backstop at ``v``: in
+        flight or waiting, handed out at a head older than ``v - hard``."""
+        if self.cfg.over_provision == 0 or self.cfg.max_staleness == 0:
+            return []
+        live = [u for u, s in self.where.items() if s in ("in_flight", "pool")]
+        return [u for u in live if april.head_version(self.items[u]) < v - self.hard]
 
     def consume(self, arg: int = 0, seed: int = 0) -> bool:
         """The trainer asks for a batch; True if it got one."""
@@ -709,10 +791,13 @@ class Simulation:
         live = self.uids_in("in_flight") | self.uids_in("pool") | self.uids_in("buffered")
         source_done = self.from_source == NUM_PROMPTS
         assert buf.exhausted == (source_done and not self.waiting and not live)
-        # APRIL aborts once a step's worth of new groups finished while others still run.
+        # Synchronous APRIL aborts once a step's worth of new groups finished while others
+        # still run; asynchronous APRIL never aborts for a step.
         enough = len(self.uids_in("buffered")) >= self.cfg.groups_per_step
         flying = bool(self.uids_in("in_flight"))
-        assert buf.should_abort() == (self.cfg.over_provision > 0 and enough and flying)
+        sync_april = self.cfg.over_provision > 0 and self.cfg.max_staleness == 0
+        assert buf.should_abort() == (sync_april and enough and flying)
+        assert set(buf.cancelled) == self.cancelled
 
 
 def run_operation(sim: Simulation, op: tuple[str, int, int]) -> None:

@@ -216,6 +216,39 @@ async def test_requeue_and_resume_from_a_checkpoint_lose_and_repeat_nothing(
     assert stats["buffer.admitted"] == 4 and stats["buffer.consumed"] == 4
 
 
+async def test_async_april_cuts_the_groups_a_jump_in_version_made_too_stale(
+    supervisor: Supervisor, tmp_path: Path
+):
+    ep = allocate_endpoints()
+    april = {"groups_per_step": B, "num_samples_per_prompt": N, "max_staleness": 1,
+             "over_provision": 1.0}  # fmt: skip
+    await supervisor.launch([buffer_spec(tmp_path, ep, buffer=april)])
+    events = Subscriber(ep["buffer.events"], ep["buffer.events_snapshot"], Codec(BufferEvent),
+                        ["events", "cancel"])  # fmt: skip
+    async with asyncio.timeout(90), Peers(ep) as peers, events:
+        items = (await peers.ask(100)).items
+        # Rule (1) at v = 0 with alpha = 1: (1 + 0 + 1) * B + B groups.
+        assert len(items) == 3 * B
+        tail = items[-2:]  # the long answers: still generating
+        for item in items[:-2]:
+            await peers.results.send(finish(item, version=0))
+        await peers.results.join()
+        # A step's worth is done and more: asynchronous APRIL aborts nothing for it.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(events.receive(), 0.5)
+        await wait_version(peers, supervisor, 3, "buffer")  # 3 - 0 > the backstop of 2
+        event = (await asyncio.wait_for(events.receive(), 10)).msg
+        assert (event.kind, event.version) == ("cancel", 3)
+        assert event.groups == sorted(i.group_uid for i in tail)
+        for item in tail:  # the producer aborted them; their partials come back
+            await peers.results.send(finish(item, version=2))
+        await peers.results.join()
+        stats = (await supervisor.control.command("buffer", Command(kind="stats"))).data
+    # The two cut in flight and the four stored at v = 0: all past the backstop, none lost.
+    assert stats["buffer.filtered.stale"] == 3 * B and stats["buffer.duplicates"] == 0
+    assert stats["buffer.in_flight"] == 0 and stats["buffer.admitted"] == 3 * B
+
+
 async def test_a_batch_is_held_until_acknowledged_and_served_again_to_a_restarted_trainer(
     supervisor: Supervisor, tmp_path: Path
 ):

@@ -4,6 +4,7 @@ The cluster simulator's APRIL runs found resumed partials counted twice."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 from asyncrl.actors.base import ActorSpec
@@ -56,3 +57,44 @@ async def test_a_resumed_partial_counts_only_the_tokens_this_run_generated():
     await actor._run_group(WorkItem(group_uid="h", prompt=prompt, num_samples=2, version=1))
     assert actor.counts["tokens"] == 2 * 3 + 2 * 3 and actor.counts["samples"] == 4
     assert [len(s.response_tokens) for g in actor.results.groups for s in g.samples] == [8, 8, 3, 3]
+
+
+class _Client:
+    """Records aborts; an abort releases the requests waiting on it."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str | None] = []
+        self.released = asyncio.Event()
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        self.aborted.append(rid)
+        self.released.set()
+
+
+async def test_a_cancel_aborts_the_requests_of_the_groups_running_here_and_no_others():
+    actor, client = _actor(), _Client()
+    actor.host = SimpleNamespace(client=client)  # type: ignore[assignment]
+    rids: list[str] = []
+    both_running = asyncio.Event()
+
+    async def until_aborted(ctx: Any, sample: Sample) -> Sample:
+        rids.append(f"{sample.uid}#{sample.attempts}#")  # as single_turn names its request
+        if len(rids) == 2:
+            both_running.set()
+        await client.released.wait()
+        sample.status = SampleStatus.ABORTED
+        return sample
+
+    actor.workflow = until_aborted  # type: ignore[assignment]
+    prompt = Prompt(uid="p:0@0", prompt_id="p:0", prompt="1+1=")
+    item = WorkItem(group_uid="g", prompt=prompt, num_samples=2, version=0)
+    running = asyncio.create_task(actor._run_group(item))
+    await both_running.wait()
+    # The buffer's event lists every group cut and not back yet, wherever it runs.
+    await actor._cancel(["elsewhere", "g"])
+    await running
+    assert client.aborted == ["g/"] and all(rid.startswith("g/") for rid in rids)
+    (group,) = actor.results.groups
+    assert all(s.status is SampleStatus.ABORTED for s in group.samples)
+    await actor._cancel(["g"])  # its result is sent: nothing left to abort
+    assert client.aborted == ["g/"]

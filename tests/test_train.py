@@ -202,13 +202,17 @@ async def test_a_raising_reward_fails_its_samples_and_the_run_goes_on(tmp_path):
     assert accounted(last)
 
 
+SYNC = ["--buffer.max-staleness", "0", "--buffer.hard-staleness", "0"]
+
+
 @pytest.mark.parametrize(
     "mode",
     [
-        ["--buffer.max-staleness", "0", "--buffer.hard-staleness", "0"],  # synchronous
+        SYNC,
         ["--buffer.over-provision", "0.5", "--rollout.engine.on-update", "abort"],  # APRIL
+        [*SYNC, "--buffer.over-provision", "1.0"],  # synchronous APRIL: extras are aborted
     ],
-    ids=["sync", "april-abort-on-update"],
+    ids=["sync", "april-abort-on-update", "sync-april"],
 )
 async def test_each_mode_of_the_same_code_finishes_with_the_accounting_whole(tmp_path, mode):
     build_tiny_model(tmp_path / "model")

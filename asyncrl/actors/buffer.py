@@ -7,7 +7,8 @@ Channels (names as in ``runtime/topology.py``)::
     trainer   --BatchRequest rpc-------> buffer.batches    BatchReply(TrainBatch); acks ride
                                                            on the next request
     trainer   --WeightVersion pub------> (subscribed)      set_version: admission grows
-    buffer    --BufferEvent pub--------> buffer.events     APRIL "abort" to rollout actors
+    buffer    --BufferEvent pub--------> buffer.events     APRIL: "abort" all (eta 0), "cancel"
+                                                           groups too stale to train (eta > 0)
 
 Requests wait (up to their ``wait`` seconds) for something to hand out instead of
 polling: admission room for work, a full batch for the trainer. Every state change
@@ -335,7 +336,10 @@ class BufferActor(Actor):
 
     def _follow_version(self, version: int) -> None:
         if version > self.buffer.version:
-            self.hub.follow(version)
+            if self.hub.follow(version):
+                groups = self.buffer.cancelled
+                log.info("stale groups cut in flight", version=version, groups=len(groups))
+                self.events.publish("cancel", BufferEvent("cancel", version, groups))
             self.version = version
             self._notify()
 

@@ -4,14 +4,16 @@ Channels (names as in ``runtime/topology.py``)::
 
     rollout --WorkRequest rpc--------> buffer.work        up to ``free slots`` groups
     rollout --Group, reliable--------> buffer.results     complete, or partial (aborted)
-    buffer  --BufferEvent pub--------> rollout            "abort": APRIL, enough is done
+    buffer  --BufferEvent pub--------> rollout            APRIL: "abort" all, enough is done
+                                                          (eta 0); "cancel" stale groups
     trainer --WeightVersion pub------> rollout            load it into the engines
 
 Loops, under one TaskGroup: ``work`` asks for as many groups as it has free slots
 (``max_groups`` in flight) and starts a task per group; each group task runs the workflow
 on every unfinished sample concurrently and sends the group; ``weights`` loads each new
 version into the engines (``EngineHost.load``); ``events`` aborts in-flight requests when
-the buffer says a step has enough (APRIL), so their partials go back to the pool.
+the buffer says a step has enough (synchronous APRIL), so their partials go back to the
+pool, and aborts the groups it cancels as too stale to train (asynchronous APRIL).
 Colocated (``colocate``): when the buffer says no work can come before the next version
 and nothing runs here, the engines sleep (release their memory) and the next request says
 so; the buffer hands the trainer its batch only when every actor sleeps, and the weights
@@ -72,6 +74,7 @@ class RolloutActor(Actor):
         )
         self.busy_s = 0.0
         self._in_flight = 0
+        self._held: set[str] = set()  # uids of the groups running here
         self._started = time.monotonic()
         self._busy: list[list[float]] = []  # [start, end] unix seconds with groups running
         self._busy_since: float | None = None
@@ -148,7 +151,7 @@ class RolloutActor(Actor):
         self.results = await self.open(sender, "results")
         self.events = await self.open(
             Subscriber(ep["buffer.events"], ep["buffer.events_snapshot"], Codec(BufferEvent),
-                       ["events"]),
+                       ["events", "cancel"]),
             "events",
         )  # fmt: skip
         group = await self._join_weight_group()
@@ -254,6 +257,7 @@ class RolloutActor(Actor):
     async def _run_group(self, item: WorkItem) -> None:
         start = time.monotonic()
         self._in_flight += 1
+        self._held.add(item.group_uid)
         if self._in_flight == 1:
             self._busy_since = time.time()
         try:
@@ -268,6 +272,7 @@ class RolloutActor(Actor):
             self._count(group, resumed)
         finally:
             self._in_flight -= 1
+            self._held.discard(item.group_uid)
             if self._in_flight == 0 and self._busy_since is not None:
                 self._busy.append([self._busy_since, time.time()])
                 self._busy_since = None
@@ -371,14 +376,24 @@ class RolloutActor(Actor):
     async def _events_loop(self) -> None:
         while True:
             event = (await self.events.receive()).msg
-            if event.kind == "abort" and self.host.client is not None:
+            if self.host.client is None:
+                continue
+            if event.kind == "abort":
                 await self._abort_all()
+            elif event.kind == "cancel":
+                await self._cancel(event.groups)
 
     async def _abort_all(self) -> None:
         # Counted first: a multi-turn episode between two engine calls (running its tools)
         # has no request to abort, and sees the count change before its next turn.
         self._aborts += 1
         await self.host.client.abort(abort_all=True)
+
+    async def _cancel(self, groups: list[str]) -> None:
+        """Abort the requests of the ``groups`` running here (rids start ``<uid>/``)."""
+        assert self.host.client is not None
+        for uid in sorted(self._held.intersection(groups)):
+            await self.host.client.abort(rid=f"{uid}/")
 
     async def drain(self) -> None:
         """Abort what is in flight and deliver it: partial groups resume elsewhere."""

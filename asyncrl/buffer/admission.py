@@ -9,8 +9,9 @@ work. With ``B`` groups per train step, max staleness ``eta`` and trainer versio
 where ``admitted`` counts groups that are in flight, waiting as partials, buffered or
 consumed; groups that were filtered or failed give their slot back (otherwise dynamic
 sampling would starve generation). ``alpha`` is APRIL's over-provisioning factor: up to
-``alpha * B`` extra groups run so that the slowest (longest) ones do not stall a step;
-when ``B`` are done the extras are aborted and resumed first next step.
+``alpha * B`` extra groups run so that the slowest (longest) ones do not stall a step.
+Synchronously (``eta = 0``) the extras are aborted once ``B`` are done and resume first
+at the next version; asynchronously they run on into the next steps (``VersionedBuffer``).
 
 Why (1) bounds staleness: groups are served oldest-first, so the ``k``-th admitted group
 is trained at version about ``floor((k - 1) / B)``; (1) admits it at version

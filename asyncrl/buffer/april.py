@@ -57,7 +57,10 @@ class PartialPool:
 
     def __iter__(self) -> Iterator[WorkItem]:
         """In ``pop`` order, so re-adding them in this order restores the same order."""
-        return iter(sorted(self._items.values(), key=lambda i: (_head(i), self._seqs[i.group_uid])))
+        return iter(sorted(self._items.values(), key=self._order))
+
+    def _order(self, item: WorkItem) -> tuple[int, int]:
+        return head_version(item), self._seqs[item.group_uid]
 
     def add(self, item: WorkItem) -> None:
         """Queue ``item`` (its ``partial`` holds the samples so far, if any)."""
@@ -66,7 +69,7 @@ class PartialPool:
         self._seq += 1
         self._items[item.group_uid] = item
         self._seqs[item.group_uid] = self._seq
-        heapq.heappush(self._heap, (_head(item), self._seq, item.group_uid))
+        heapq.heappush(self._heap, (*self._order(item), item.group_uid))
 
     def pop(self) -> WorkItem | None:
         """The oldest waiting item, or None."""
@@ -83,5 +86,10 @@ class PartialPool:
         return self._items.pop(uid)
 
 
-def _head(item: WorkItem) -> int:
-    return item.partial.head_version if item.partial is not None else item.version
+def head_version(item: WorkItem) -> int:
+    """The oldest weight version ``item``'s group can end with, as far as the buffer
+    knows: the oldest token of its partial, else the version it was handed out at (a
+    sample that has not started yet gets its first token at that version or later)."""
+    partial = item.partial
+    started = [s.head_version for s in partial.samples if s.packed_response] if partial else []
+    return min(started, default=item.version)

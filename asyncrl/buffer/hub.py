@@ -148,11 +148,14 @@ class Hub:
         return sum(self.requeue(actor) for actor in sorted(self.holders))
 
     # -- the trainer ---------------------------------------------------------------------
-    def follow(self, version: int) -> None:
-        """The trainer reached ``version`` (older announcements are ignored)."""
-        if version > self.buffer.version:
-            self.buffer.set_version(version)
-            self._log(Followed(version=version))
+    def follow(self, version: int) -> list[str]:
+        """The trainer reached ``version`` (older announcements are ignored); returns the
+        in-flight groups that version cut (``VersionedBuffer.set_version``)."""
+        if version <= self.buffer.version:
+            return []
+        cancelled = self.buffer.set_version(version)
+        self._log(Followed(version=version))
+        return cancelled
 
     def settle(self, version: int, acks: Iterable[int], durable: int, resync: bool) -> None:
         """A trainer request's acks, its durable version and (first request of a trainer

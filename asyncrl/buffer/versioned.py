@@ -101,7 +101,12 @@ class VersionedBuffer:
             description="Backstop: drop buffered groups staler than this (default eta + 1).",
         )
         over_provision: float = Field(
-            0.0, ge=0.0, le=4.0, description="APRIL alpha: run (1 + alpha) * B groups a step."
+            0.0,
+            ge=0.0,
+            le=4.0,
+            description="APRIL alpha: run (1 + alpha) * B groups a step. eta 0 aborts the "
+            "extras once B are done; eta > 0 lets them run on and cuts only work that can no "
+            "longer land within the backstop.",
         )
         max_in_flight: int | None = Field(
             None, ge=1, description="Cap on groups generating at once (engine concurrency)."
@@ -171,6 +176,7 @@ class VersionedBuffer:
         self.filters = [(name, load_filter(name)) for name in config.filters]
         self._in_flight: dict[str, WorkItem] = {}
         self._resumed_at: dict[str, int] = {}  # group uid -> version of its latest resume
+        self._cancelled: set[str] = set()  # cut in flight, their results not back yet
         self._pending: list[Prompt] = []  # drawn from the source, not yet admitted
         self._batches = 0
         self._duplicates = 0
@@ -181,17 +187,51 @@ class VersionedBuffer:
         self._stale_tokens: Counter[int] = Counter()
 
     # -- versions and admission -------------------------------------------------------
-    def set_version(self, version: int) -> None:
+    def set_version(self, version: int) -> list[str]:
         """The trainer reached ``version`` (optimizer steps applied); never goes back.
 
         Groups now staler than the backstop are dropped at once (not at the next take),
         so the state after a sequence of calls does not depend on when ``ready()`` was
-        polled: a journal replay reproduces it exactly.
+        polled: a journal replay reproduces it exactly. Returns the in-flight groups
+        asynchronous APRIL cancelled (``_cancel_doomed``), for their producers to abort.
         """
         if version < self.version:
             raise ValueError(f"version went back from {self.version} to {version}")
         self.version = version
         self._evict_stale()
+        return self._cancel_doomed()
+
+    def _cancel_doomed(self) -> list[str]:
+        """Asynchronous APRIL: drop now the work the backstop would drop on arrival.
+
+        A group handed out at head version ``h`` (its partial's head, if it resumed) is
+        past the backstop at version ``v`` once ``v - h > hard_staleness``: whatever it
+        still generates is thrown away when it lands. Filtered (``stale``) now, it frees
+        its engine slot and its admission slot for a group that can still be trained;
+        waiting partials are dropped instead of resumed. Returns the in-flight uids, for
+        their producers to abort; their late results are ``cancelled``.
+
+        ``h`` is what the buffer knows: the version at hand-out. An engine still on older
+        weights makes the true head older (the cut is then late, never wrong); samples
+        that queued in an engine past a version change make it newer, so a group could be
+        cut one version early. Synchronous APRIL (eta 0) and plain async keep their rules.
+        """
+        cfg = self.config
+        if cfg.over_provision == 0 or cfg.max_staleness == 0:
+            return []
+        oldest_kept = self.version - cfg.resolved_hard_staleness
+        for item in [i for i in self.pool if april.head_version(i) < oldest_kept]:
+            self.pool.remove(item.group_uid)
+            self._forget(item.group_uid)
+            self.ledger.filter(item.group_uid, "stale", expect=(Live.PARTIAL,))
+        flying = self._in_flight.items()
+        doomed = sorted(u for u, i in flying if april.head_version(i) < oldest_kept)
+        for uid in doomed:
+            del self._in_flight[uid]
+            self._cancelled.add(uid)
+            self._forget(uid)
+            self.ledger.filter(uid, "stale", expect=(Live.IN_FLIGHT,))
+        return doomed
 
     def rebase(self, version: int) -> None:
         """The trainer went back to ``version`` and the steps since are lost (it resumed
@@ -218,6 +258,11 @@ class VersionedBuffer:
             over_provision=cfg.over_provision,
             max_in_flight=cfg.max_in_flight,
         )
+
+    @property
+    def cancelled(self) -> list[str]:
+        """Groups cut in flight (``_cancel_doomed``) whose results have not come back."""
+        return sorted(self._cancelled)
 
     @property
     def in_flight(self) -> list[str]:
@@ -310,9 +355,13 @@ class VersionedBuffer:
 
     # -- results ---------------------------------------------------------------------
     def put(self, group: Group) -> str:
-        """Take a result; returns what became of it (stored/partial/filtered/failed/duplicate)."""
+        """Take a result; returns what became of it: stored, partial, filtered, failed,
+        duplicate, or cancelled (the late result of a group cut in flight)."""
         item = self._claim(group.uid)
         if item is None:
+            if group.uid in self._cancelled:
+                self._cancelled.discard(group.uid)
+                return "cancelled"
             self._duplicates += 1
             return "duplicate"
         # A group of the wrong size cannot be trained (GRPO needs all n) nor resumed, and an
@@ -385,11 +434,18 @@ class VersionedBuffer:
         return n
 
     def should_abort(self) -> bool:
-        """APRIL: a step's worth is buffered while over-provisioned groups still generate."""
+        """Synchronous APRIL (eta 0): a step's worth is buffered while over-provisioned
+        groups still generate, and the trainer waits for the engines to stop.
+
+        Asynchronous APRIL aborts nothing for a step: the engines generate through it, and
+        an abort would only re-prefill the partials. Its extras run on into the next
+        steps; only what a new version makes too stale is cut (``_cancel_doomed``).
+        """
         cfg = self.config
         # Buffered, not len(store): groups kept for reuse were trained on already.
         enough = self.ledger.count(Live.BUFFERED) >= cfg.groups_per_step
-        return cfg.over_provision > 0 and enough and bool(self._in_flight)
+        sync = cfg.max_staleness == 0
+        return sync and cfg.over_provision > 0 and enough and bool(self._in_flight)
 
     # -- serving the trainer -------------------------------------------------------------
     def ready(self, n: int | None = None) -> bool:
@@ -491,6 +547,7 @@ class VersionedBuffer:
             "queue_age_max": self._queue_age_max,
             "stale_samples": dict(self._stale_samples),
             "stale_tokens": dict(self._stale_tokens),
+            "cancelled": sorted(self._cancelled),
         }
 
     def load_state_dict(self, state: BufferState, *, requeue_in_flight: bool = True) -> None:
@@ -531,6 +588,7 @@ class VersionedBuffer:
         # JSON keys are strings; the histograms are keyed by staleness.
         self._stale_samples = Counter({int(k): v for k, v in t.get("stale_samples", {}).items()})
         self._stale_tokens = Counter({int(k): v for k, v in t.get("stale_tokens", {}).items()})
+        self._cancelled = set(t.get("cancelled", []))
 
 
 class BufferState(Message):
