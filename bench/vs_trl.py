@@ -1,24 +1,30 @@
-"""asyncrl against TRL's GRPOTrainer, side by side in one run, on two model sizes.
+"""asyncrl against TRL's GRPOTrainer, side by side in one run, on toy sizes and a real model.
 
-Both frameworks train GRPO on the arith demo (``examples/arith``: character tokenizer,
-``data/train.jsonl`` prompts as raw text, exact-match reward on the text after ``####``)
-from the same locally built checkpoint, on the same machine (CPU, no vLLM), one after the
-other, with the same batch shape and hyper-parameters:
+Two tasks. The toy sizes (``0.5m``, ``30m``) train GRPO on the arith demo
+(``examples/arith``: character tokenizer, ``data/train.jsonl`` prompts as raw text,
+exact-match reward on the text after ``####``) from a locally built checkpoint. The real
+model (``real``, or ``--model real``) is SmolLM2-135M-Instruct on the word-problems
+example (``examples/word_problems``: chat prompts rendered with the model's template,
+the numeric reward, T = 0.7, 8 prompts x 4 samples a step). Both frameworks run on the
+same machine (CPU, no vLLM), one after the other, with the same batch shape and
+hyper-parameters:
 
     G prompts x N samples a step (one optimizer step per generated batch), learning rate,
-    seed, max_new_tokens, temperature 1.0 (top-p 1, no top-k), KL coefficient 0, entropy 0,
+    seed, max_new_tokens, the task's temperature (top-p 1, no top-k), KL coefficient 0, entropy 0,
     clip 0.2, token-mean loss (TRL's ``dapo``), advantages (r - mean) / std within a group,
     AdamW (betas 0.9/0.999, no weight decay), grad clip 1.0, constant LR, float32, no
     gradient checkpointing, and no dynamic-sampling filter (every sample is trained).
 
-asyncrl runs ``asyncrl train`` (``run_job``) on ``examples/arith/config.yaml`` with those
+asyncrl runs ``asyncrl train`` (``run_job``) on the task's example config with those
 settings: async with a staleness bound eta per size (``--eta``; 2 at 0.5M, the demo's
-setting, 1 at 30M), one rollout actor on the embedded engine, the trainer in its own
-process (asyncrl gives each of the two torch processes its share of the cores). TRL runs
-``GRPOTrainer`` with transformers ``generate`` (``use_cpu``; it generates, then trains,
-in one process on all the cores). What differs is each framework's own design: asyncrl
-trains on samples up to eta versions stale (decoupled PPO correction), TRL on fresh
-ones; each shuffles the prompts with its own sampler.
+setting, 1 at 30M and on the real model), one rollout actor on the embedded engine, the
+trainer in its own process (asyncrl gives each of the two torch processes its share of the
+cores). TRL runs ``GRPOTrainer`` with transformers ``generate`` (``use_cpu``; it
+generates, then trains, in one process on all the cores); on the real model it trains
+each step's batch in micro-batches of 8 samples with gradients accumulated (the whole
+batch in one forward takes 20 GB and more here). What differs is each framework's own
+design: asyncrl trains on samples up to eta versions stale (decoupled PPO correction),
+TRL on fresh ones; each shuffles the prompts with its own sampler.
 
 Each run is a child process of this script (the same interpreter, started fresh), timed
 from just before it is launched, so start-up (imports, model load, actors) counts for both.
@@ -31,23 +37,25 @@ Reported per size and framework:
 - ``samples/s`` = trained samples / seconds between the first and the last step's end
   (the steady state: the steps after the first, which includes start-up); ``tokens/s``
   the same for trained (response, loss) tokens; ``step_s`` the mean seconds per step;
-- held-out accuracy: pass@1 at T = 1 (``--eval-samples`` samples a prompt) on the first
-  ``--eval-rows`` rows of ``data/test.jsonl``, scored after training (outside the timed
-  part) for the starting checkpoint and every saved one, by one evaluator for both:
-  Hugging Face ``generate`` with ``examples/arith/evaluate.py``'s ``generate`` and
-  ``extract_answer``, seeded the same for every checkpoint;
+- held-out accuracy: pass@1 at the task's temperature (``--eval-samples`` samples a
+  prompt) on the first ``--eval-rows`` rows of the task's ``data/test.jsonl``, scored
+  after training (outside the timed part) for the starting checkpoint and every saved
+  one, by one evaluator for both: Hugging Face ``generate`` with
+  ``examples/arith/evaluate.py``'s ``generate`` and the task's reward, seeded the same
+  for every checkpoint;
 - time to accuracy: wall seconds from launch to the end of the first step whose
   checkpoint reaches the target, the highest accuracy both frameworks reach (the smaller
   of their two best); none when that is no better than the starting checkpoint.
 
-The ratios (asyncrl / TRL) are printed next to the issue's targets: at 30M, samples/s
->= 2x and time to accuracy <= 0.5x; at 0.5M, samples/s >= 1x.
+The ratios (asyncrl / TRL) are printed next to the issue's targets: at 30M and on the
+real model, samples/s >= 2x and time to accuracy <= 0.5x; at 0.5M, samples/s >= 1x.
 
 Models: ``--cache/<size>`` holds each size's starting checkpoint, built when missing with
 ``examples/arith/make_model.py``'s recipe (``build_init``: random-init Qwen2 and the
 character tokenizer; ``sft_command``: ``asyncrl sft`` with label smoothing 0.1), on SFT
 data written by ``make_data.py`` into the cache (the repository's data files are not
-touched); ``build.json`` records the flags and the seconds it took.
+touched); ``build.json`` records the flags and the seconds it took. The real model comes
+from ``asyncrl.model_zoo`` (``make smollm2``).
 
 ``.venv/bin/python bench/vs_trl.py`` prints the table, writes ``bench/results/vs_trl.json``
 and ``bench/results/vs_trl.png`` (accuracy against wall seconds, per size). It needs
@@ -80,14 +88,40 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 ARITH = ROOT / "examples" / "arith"
+WORDS = ROOT / "examples" / "word_problems"
 FRAMEWORKS = ("asyncrl", "trl")
 MISSING_BENCH = "bench/vs_trl.py needs TRL and matplotlib: pip install -e '.[bench]'"
 
 
 @dataclasses.dataclass(frozen=True)
-class Shape:
-    """A model size: the Qwen2 shape, its SFT warm-up, and the default RL steps, LR and
-    asyncrl's staleness bound eta."""
+class Task:
+    """What both frameworks train on: asyncrl's starting config, the data, the reward
+    (asyncrl's built-in type), the sampling temperature, whether prompts are chat messages
+    (rendered with the model's template), the batch shape and the held-out scoring."""
+
+    config: Path
+    train: Path
+    test: Path
+    reward: str
+    temperature: float
+    chat: bool
+    groups: int
+    samples: int
+    eval_samples: int
+    trl_micro: int | None  # TRL's per-device batch in samples; None: the whole step
+
+
+ARITH_TASK = Task(ARITH / "config.yaml", ARITH / "data" / "train.jsonl",
+                  ARITH / "data" / "test.jsonl", reward="exact", temperature=1.0, chat=False,
+                  groups=16, samples=8, eval_samples=4, trl_micro=None)  # fmt: skip
+WORDS_TASK = Task(WORDS / "config.yaml", WORDS / "data" / "train.jsonl",
+                  WORDS / "data" / "test.jsonl", reward="numeric", temperature=0.7, chat=True,
+                  groups=8, samples=4, eval_samples=2, trl_micro=8)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """A toy checkpoint: the Qwen2 shape and its SFT warm-up."""
 
     hidden: int
     layers: int
@@ -96,15 +130,24 @@ class Shape:
     epochs: int
     batch_size: int
     sft_lr: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """A model: how its checkpoint is made (None: the real model, from the model zoo),
+    its task, and the default RL steps, LR and asyncrl's staleness bound eta."""
+
+    build: Build | None
+    task: Task
     steps: int
     lr: float
     eta: int
 
 
-SIZES: dict[str, Shape] = {
+SIZES: dict[str, Size] = {
     # 0.50M parameters: per-sample overhead dominates. The demo's SFT recipe, half the rows.
-    "0.5m": Shape(hidden=80, layers=5, heads=4, num_sft=32000, epochs=2, batch_size=32,
-                  sft_lr=3e-3, steps=60, lr=1e-4, eta=2),
+    "0.5m": Size(Build(hidden=80, layers=5, heads=4, num_sft=32000, epochs=2, batch_size=32,
+                       sft_lr=3e-3), ARITH_TASK, steps=60, lr=1e-4, eta=2),
     # 31.6M parameters: compute dominates. One epoch of 1,800 steps at a lower LR (43
     # minutes here; pass@1 25% after it). At 1e-3 the loss stalled near 1.55, and 400
     # steps left the model at 1.2%, which 16 RL steps could not move beyond noise. RL at
@@ -112,14 +155,18 @@ SIZES: dict[str, Shape] = {
     # stale) at step 4. At 3e-5, eta 2 stopped gaining near 42% while TRL went on to 52%;
     # eta 1 climbs like TRL (51.4% at step 40): 2.64x its samples/s and 0.44x its time
     # to 51.4% (docs/benchmarks.md).
-    "30m": Shape(hidden=512, layers=8, heads=8, num_sft=57600, epochs=1, batch_size=32,
-                 sft_lr=3e-4, steps=40, lr=3e-5, eta=1),
+    "30m": Size(Build(hidden=512, layers=8, heads=8, num_sft=57600, epochs=1, batch_size=32,
+                      sft_lr=3e-4), ARITH_TASK, steps=40, lr=3e-5, eta=1),
+    # SmolLM2-135M-Instruct (134.5M parameters, 49k vocabulary): the word-problems
+    # example's settings, eta 1 as at 30M.
+    "real": Size(None, WORDS_TASK, steps=16, lr=2.5e-5, eta=1),
 }  # fmt: skip
 
 #: The issue's targets, asyncrl / TRL: samples/s at least, time to accuracy at most.
 TARGETS: dict[str, dict[str, float]] = {
     "0.5m": {"samples/s": 1.0},
     "30m": {"samples/s": 2.0, "time_to_accuracy": 0.5},
+    "real": {"samples/s": 2.0, "time_to_accuracy": 0.5},
 }
 
 
@@ -157,7 +204,8 @@ def count_params(model_dir: Path) -> int:
 
 def build_model(size: str, dest: Path, seed: int) -> dict[str, Any]:
     """Build ``size``'s starting checkpoint into ``dest`` with make_model.py's recipe."""
-    shape = SIZES[size]
+    shape = SIZES[size].build
+    assert shape is not None, f"{size} is not built here"
     make_model = load_module("arith_make_model", ARITH / "make_model.py")
     work = dest.parent / f"{dest.name}-work"
     shutil.rmtree(work, ignore_errors=True)
@@ -176,7 +224,7 @@ def build_model(size: str, dest: Path, seed: int) -> dict[str, Any]:
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True)
     install(make_model, work, dest)
-    info = {"size": size, "shape": dataclasses.asdict(shape), "seed": seed,
+    info = {"size": size, "build": dataclasses.asdict(shape), "seed": seed,
             "seconds": time.perf_counter() - start}  # fmt: skip
     (dest / "build.json").write_text(json.dumps(info, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
@@ -195,6 +243,11 @@ def install(make_model: ModuleType, work: Path, dest: Path) -> None:
 
 def ensure_model(size: str, cache: Path, seed: int) -> dict[str, Any]:
     """``size``'s checkpoint (built when missing), its parameter count and build time."""
+    if SIZES[size].build is None:
+        from asyncrl.model_zoo import smollm2_dir
+
+        path = smollm2_dir()
+        return {"path": str(path), "params": count_params(path), "build_s": None, "build": {}}
     dest = cache / size
     if not (dest / "model.safetensors").exists():
         print(f"building the {size} model into {dest} ...", flush=True)
@@ -210,14 +263,15 @@ def ensure_model(size: str, cache: Path, seed: int) -> dict[str, Any]:
 
 def asyncrl_flags(spec: dict[str, Any]) -> list[str]:
     """``asyncrl train`` flags for ``spec`` on top of the demo's config."""
-    sampling = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": spec["max_new_tokens"]}
+    sampling = {"temperature": spec["temperature"], "top_p": 1.0,
+                "max_new_tokens": spec["max_new_tokens"]}  # fmt: skip
     seed = str(spec["seed"])
     return ["--name", "vs-trl-asyncrl", "--output-dir", spec["out"], "--seed", seed,
             "--prompt-data", spec["train"], "--hf-checkpoint", spec["model"],
             "--rollout.engine.model-path", spec["model"], "--lr", str(spec["lr"]),
             "--rollout-batch-size", str(spec["groups"]),
             "--n-samples-per-prompt", str(spec["samples"]), "--buffer.filters", "[]",
-            "--rollout.sampling", json.dumps(sampling), "--rm-type", "exact",
+            "--rollout.sampling", json.dumps(sampling), "--rm-type", spec["reward"],
             "--train.num-steps", str(spec["steps"]), "--save-interval", str(spec["save_every"]),
             "--eval-interval", "0", "--kl-coef", "0", "--use-kl-loss", "false",
             "--entropy-coef", "0", "--eps-clip", "0.2", "--loss-aggregation", "token-mean",
@@ -234,51 +288,61 @@ def run_asyncrl(spec: dict[str, Any]) -> None:
     from asyncrl.config import load_config
     from asyncrl.job import run_job
 
-    cfg = load_config(str(ARITH / "config.yaml"), overrides=asyncrl_flags(spec))
+    cfg = load_config(spec["config"], overrides=asyncrl_flags(spec))
     result = asyncio.run(run_job(cfg))
     if not result.ok:
         raise SystemExit(f"asyncrl: {result.error or result.codes}")
 
 
-def trl_dataset(path: str, tokenizer: Any) -> Any:
-    """``prompt`` (raw text, as asyncrl renders it) and ``label`` columns of ``path``."""
+def render(prompt: Any, tokenizer: Any, chat: bool) -> str:
+    """A prompt as asyncrl's data source renders it: raw text, or chat messages through
+    the model's template with the assistant turn opened."""
+    if not chat:
+        return prompt
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+
+def trl_dataset(spec: dict[str, Any], tokenizer: Any) -> Any:
+    """``prompt`` and ``label`` columns of the task's training data. Chat prompts stay
+    messages (TRL renders them with the same template); checked to give asyncrl's ids."""
     from datasets import Dataset
 
-    rows = read_jsonl(Path(path))
+    rows = read_jsonl(Path(spec["train"]))
     for row in rows[:32]:  # TRL tokenizes with special tokens, asyncrl without: same ids?
-        if (
-            tokenizer(row["prompt"])["input_ids"]
-            != tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        ):
-            raise SystemExit(f"the tokenizer adds special tokens to {row['prompt']!r}")
+        text = render(row["prompt"], tokenizer, spec["chat"])
+        if tokenizer(text)["input_ids"] != tokenizer(text, add_special_tokens=False)["input_ids"]:
+            raise SystemExit(f"the tokenizer adds special tokens to {text!r}")
     return Dataset.from_dict(
         {"prompt": [r["prompt"] for r in rows], "label": [r["label"] for r in rows]}
     )
 
 
-class ExactReward:
-    """asyncrl's ``exact`` reward (1 when the text after the last ``####`` equals the
-    label); records each call's samples, completion tokens and mean reward."""
+def matches(kind: str, text: str, label: str) -> bool:
+    """asyncrl's built-in reward ``kind`` (exact or numeric) on one reply, as a bool."""
+    from asyncrl.rollout.rewards import exact_match, extract_answer, numeric_match
 
-    __name__ = "exact"
+    answer = extract_answer(text)
+    return numeric_match(answer, label) if kind == "numeric" else exact_match(answer, label)
 
-    def __init__(self) -> None:
+
+class TaskReward:
+    """asyncrl's reward of the task for TRL; records each call's samples, completion
+    tokens and mean reward."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.__name__ = kind, kind
         self.calls: list[dict[str, float]] = []
 
     def __call__(
         self,
-        prompts: list[str],
-        completions: list[str],
+        prompts: list[Any],
+        completions: list[Any],
         completion_ids: list[list[int]],
         label: list[str],
         **_: Any,
     ) -> list[float]:
-        from asyncrl.rollout.rewards import exact_match, extract_answer
-
-        scores = [
-            1.0 if exact_match(extract_answer(text), want) else 0.0
-            for text, want in zip(completions, label, strict=True)
-        ]
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        scores = [float(matches(self.kind, t, want)) for t, want in zip(texts, label, strict=True)]
         self.calls.append({"samples": len(scores), "tokens": sum(map(len, completion_ids)),
                            "reward": statistics.fmean(scores)})  # fmt: skip
         return scores
@@ -288,11 +352,17 @@ def trl_config(spec: dict[str, Any]) -> Any:
     """``GRPOConfig`` with asyncrl's settings (see the module docstring)."""
     from trl import GRPOConfig
 
+    batch = spec["groups"] * spec["samples"]
+    micro = min(spec["trl_micro"] or batch, batch)
+    if batch % micro:
+        raise SystemExit(f"TRL's micro-batch {micro} must divide the step's {batch} samples")
+    # One generation of the whole step, trained in batch / micro accumulated micro-batches.
     return GRPOConfig(
         output_dir=spec["out"], use_cpu=True, bf16=False, fp16=False, seed=spec["seed"],
-        max_steps=spec["steps"], per_device_train_batch_size=spec["groups"] * spec["samples"],
-        gradient_accumulation_steps=1, num_generations=spec["samples"], num_iterations=1,
-        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
+        max_steps=spec["steps"], per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro, num_generations=spec["samples"],
+        num_iterations=1, max_completion_length=spec["max_new_tokens"],
+        temperature=spec["temperature"], top_p=1.0, top_k=0,
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, epsilon=0.2, loss_type="dapo",
         scale_rewards="group", gradient_checkpointing=False, use_vllm=False,
@@ -328,9 +398,9 @@ def run_trl(spec: dict[str, Any]) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    reward, clock = ExactReward(), Clock()
+    reward, clock = TaskReward(spec["reward"]), Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_config(spec),
-                          train_dataset=trl_dataset(spec["train"], tokenizer),
+                          train_dataset=trl_dataset(spec, tokenizer),
                           processing_class=tokenizer, callbacks=[clock])  # fmt: skip
     trainer.remove_callback(PrinterCallback)  # a dict on stdout every step
     trainer.train()
@@ -430,16 +500,22 @@ def figures(steps: list[dict[str, Any]], clock: dict[str, float]) -> dict[str, A
 
 
 class Evaluator:
-    """pass@1 at T = 1 of a checkpoint: ``n`` samples for each of ``rows``, Hugging Face
-    ``generate`` through ``examples/arith/evaluate.py``, the same seed for every model."""
+    """pass@1 of a checkpoint at the task's temperature: ``n`` samples for each of
+    ``rows``, Hugging Face ``generate`` through ``examples/arith/evaluate.py``, scored by
+    the task's reward, the same seed for every model."""
 
-    def __init__(self, tokenizer_dir: Path, rows: list[dict[str, Any]], args: argparse.Namespace):
+    def __init__(self, tokenizer_dir: Path, rows: list[dict[str, Any]], spec: dict[str, Any]):
         from transformers import AutoTokenizer
 
         self.arith = load_module("arith_evaluate", ARITH / "evaluate.py")
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.rows = sorted(rows, key=lambda r: len(r["prompt"]))  # batches of like lengths
-        self.n, self.seed, self.max_new_tokens = args.eval_samples, args.seed, args.max_new_tokens
+        self.tokenizer.padding_side = "left"  # generate continues each prompt's last token
+        texts = [render(r["prompt"], self.tokenizer, spec["chat"]) for r in rows]
+        self.rows = sorted(zip(texts, [r["label"] for r in rows], strict=True),
+                           key=lambda r: len(r[0]))  # fmt: skip  # batches of like lengths
+        self.n, self.seed = spec["eval_samples"], spec["seed"]
+        self.temperature, self.reward = spec["temperature"], spec["reward"]
+        self.max_new_tokens = spec["max_new_tokens"]
         self.batch = max(1, 256 // self.n)
 
     def __call__(self, model_dir: str) -> float:
@@ -451,11 +527,11 @@ class Evaluator:
         correct = 0
         for lo in range(0, len(self.rows), self.batch):
             chunk = self.rows[lo : lo + self.batch]
-            samples = self.arith.generate(model, self.tokenizer, [r["prompt"] for r in chunk],
-                                          n=self.n, temperature=1.0,
+            samples = self.arith.generate(model, self.tokenizer, [text for text, _ in chunk],
+                                          n=self.n, temperature=self.temperature,
                                           max_new_tokens=self.max_new_tokens)  # fmt: skip
-            for row, drawn in zip(chunk, samples, strict=True):
-                correct += sum(self.arith.extract_answer(t) == row["label"] for t, _, _ in drawn)
+            for (_, label), drawn in zip(chunk, samples, strict=True):
+                correct += sum(matches(self.reward, t, label) for t, _, _ in drawn)
         return correct / (self.n * len(self.rows))
 
 
@@ -519,12 +595,22 @@ def _met(key: str, ratio: float | None, want: float) -> bool | None:
 
 
 def run_spec(args: argparse.Namespace, size: str, model: str, framework: str) -> dict[str, Any]:
-    """The settings both frameworks share, and where this run writes."""
-    return {"model": model, "train": str(args.train), "out": str(args.work / size / framework),
-            "steps": args.steps or SIZES[size].steps, "groups": args.groups,
-            "samples": args.samples, "lr": args.lr or SIZES[size].lr, "seed": args.seed,
-            "save_every": args.save_every, "max_new_tokens": args.max_new_tokens,
-            "eta": SIZES[size].eta if args.eta is None else args.eta}  # fmt: skip
+    """The settings both frameworks share, and where this run writes: the size's task
+    and defaults, where a flag does not set them."""
+    sz, task = SIZES[size], SIZES[size].task
+
+    def pick(flag: Any, default: Any) -> Any:
+        return default if flag is None else flag
+
+    return {"model": model, "config": str(task.config),
+            "train": str(pick(args.train, task.train)),
+            "test": str(pick(args.test, task.test)), "reward": task.reward,
+            "temperature": task.temperature, "chat": task.chat, "trl_micro": task.trl_micro,
+            "out": str(args.work / size / framework), "steps": args.steps or sz.steps,
+            "groups": pick(args.groups, task.groups), "samples": pick(args.samples, task.samples),
+            "eval_samples": pick(args.eval_samples, task.eval_samples),
+            "lr": args.lr or sz.lr, "seed": args.seed, "save_every": args.save_every,
+            "max_new_tokens": args.max_new_tokens, "eta": pick(args.eta, sz.eta)}  # fmt: skip
 
 
 def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
@@ -533,21 +619,22 @@ def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
     print(f"{size}: {model['params']:,} parameters ({model['path']})", flush=True)
     runs: dict[str, dict[str, Any]] = {}
     timelines: dict[str, tuple[dict[str, Any], dict[str, float]]] = {}
+    spec = run_spec(args, size, model["path"], "none")
     for fw in args.frameworks:
         spec = run_spec(args, size, model["path"], fw)
         print(f"{size}: training {fw} ({spec['steps']} steps) ...", flush=True)
         clock = launch(fw, spec)
         out = Path(spec["out"])
         if fw == "asyncrl":
-            timeline = asyncrl_timeline(out, args.groups, args.samples)
+            timeline = asyncrl_timeline(out, spec["groups"], spec["samples"])
         else:
             timeline = trl_timeline(out)
         timelines[fw] = timeline, clock
         runs[fw] = figures(timeline["steps"], clock) | {"requested_steps": spec["steps"]}
         runs[fw]["save_s"] = sum(c["save_s"] or 0.0 for c in timeline["checkpoints"])
         runs[fw]["timeline"] = [s | {"time": s["time"] - clock["t0"]} for s in timeline["steps"]]
-    rows = read_jsonl(args.test)[: args.eval_rows]
-    evaluator = Evaluator(Path(model["path"]), rows, args)
+    rows = read_jsonl(Path(spec["test"]))[: args.eval_rows]
+    evaluator = Evaluator(Path(model["path"]), rows, spec)
     print(f"{size}: evaluating the checkpoints on {len(rows)} test rows ...", flush=True)
     start = evaluator(model["path"])
     print(f"  start: accuracy {start:.1%}", flush=True)
@@ -555,8 +642,9 @@ def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
         print(f"  {fw}:", flush=True)
         runs[fw]["curve"] = accuracy_curve(timeline, clock["t0"], start, evaluator)
         runs[fw]["best_accuracy"] = max(p["accuracy"] for p in runs[fw]["curve"][1:])
-    return {"model": model, "start_accuracy": start, "frameworks": runs,
-            "comparison": compare(size, runs, start, len(rows) * args.eval_samples)}  # fmt: skip
+    return {"model": model, "start_accuracy": start, "temperature": spec["temperature"],
+            "frameworks": runs,
+            "comparison": compare(size, runs, start, len(rows) * spec["eval_samples"])}  # fmt: skip
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -609,7 +697,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
             ax.axhline(res["comparison"]["target_accuracy"], color="k", ls=":", label="target")
         ax.set_title(f"{size} ({res['model']['params'] / 1e6:.1f}M parameters)")
         ax.set_xlabel("wall seconds since launch")
-        ax.set_ylabel("held-out pass@1 (T = 1)")
+        ax.set_ylabel(f"held-out pass@1 (T = {res.get('temperature', 1.0):g})")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -623,13 +711,24 @@ def plot_json(payload: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["0.5m", "30m"], choices=list(SIZES))
+    parser.add_argument("--model", choices=list(SIZES), help="one size: --model real")
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per run (default per size: " +
                         ", ".join(f"{k} {v.steps}" for k, v in SIZES.items()) + ")")  # fmt: skip
-    parser.add_argument("--groups", type=int, default=16, help="prompts per step (G)")
-    parser.add_argument("--samples", type=int, default=8, help="samples per prompt (N)")
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="prompts per step, G (default per task: arith 16, real 8)",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="samples per prompt, N (default per task: arith 8, real 4)",
+    )
     parser.add_argument("--lr", type=float, default=None,
                         help="RL learning rate of both (default per size: " +
                         ", ".join(f"{k} {v.lr:g}" for k, v in SIZES.items()) + ")")  # fmt: skip
@@ -640,15 +739,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--save-every", type=int, default=4, help="checkpoint every K steps")
     parser.add_argument("--eval-rows", type=int, default=200, help="first N test rows")
-    parser.add_argument("--eval-samples", type=int, default=4, help="samples per test prompt")
-    parser.add_argument("--train", type=Path, default=ARITH / "data" / "train.jsonl")
-    parser.add_argument("--test", type=Path, default=ARITH / "data" / "test.jsonl")
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=None,
+        help="samples per test prompt (default per task: arith 4, real 2)",
+    )
+    parser.add_argument("--train", type=Path, default=None, help="default: the task's")
+    parser.add_argument("--test", type=Path, default=None, help="default: the task's")
     parser.add_argument("--cache", type=Path, default=Path("runs/vs-trl/models"))
     parser.add_argument("--work", type=Path, default=Path("runs/vs-trl"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/vs_trl.json"))
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.model:
+        args.sizes = [args.model]
+    return args
 
 
 def main() -> None:
@@ -665,7 +772,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                 if k not in ("worker", "spec")}  # fmt: skip
-    payload = {"settings": settings, "shapes": {k: dataclasses.asdict(v) for k, v in SIZES.items()},
+    payload = {"settings": settings,
+               "shapes": {k: dataclasses.asdict(SIZES[k]) for k in args.sizes},
                "targets": TARGETS, "sizes": results}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     plot(results, args.out.with_suffix(".png"))

@@ -105,3 +105,41 @@ def test_eta_is_asyncrls_staleness_bound_per_size_unless_given() -> None:
 
     assert (eta("0.5m"), eta("30m")) == ("2", "1")
     assert (eta("0.5m", "--eta", "0"), eta("30m", "--eta", "4")) == ("0", "4")
+
+
+def test_the_real_model_runs_the_word_problems_task_with_its_own_defaults() -> None:
+    spec = vs_trl.run_spec(vs_trl.parse_args(["--model", "real"]), "real", "m", "trl")
+    assert vs_trl.parse_args(["--model", "real"]).sizes == ["real"]
+    assert spec["config"].endswith("examples/word_problems/config.yaml")
+    assert spec["train"].endswith("examples/word_problems/data/train.jsonl")
+    assert (spec["reward"], spec["temperature"], spec["chat"]) == ("numeric", 0.7, True)
+    assert (spec["groups"], spec["samples"], spec["eval_samples"], spec["eta"]) == (8, 4, 2, 1)
+    flags = vs_trl.asyncrl_flags(spec)
+    assert flags[flags.index("--rm-type") + 1] == "numeric"
+    assert json.loads(flags[flags.index("--rollout.sampling") + 1])["temperature"] == 0.7
+    # A flag still wins over the task's default; the arith sizes keep theirs.
+    spec = vs_trl.run_spec(vs_trl.parse_args(["--groups", "2"]), "real", "m", "trl")
+    assert (spec["groups"], spec["samples"]) == (2, 4)
+    arith = vs_trl.run_spec(vs_trl.parse_args([]), "30m", "m", "trl")
+    assert (arith["reward"], arith["temperature"], arith["groups"]) == ("exact", 1.0, 16)
+
+
+def test_trl_trains_the_real_models_step_in_accumulated_micro_batches() -> None:
+    pytest.importorskip("trl")
+    spec = vs_trl.run_spec(vs_trl.parse_args(["--model", "real"]), "real", "m", "trl")
+    cfg = vs_trl.trl_config(spec)
+    # One generation of the step's 32 samples, trained 8 at a time: one optimizer step.
+    assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (8, 4)
+    assert cfg.temperature == 0.7 and cfg.num_generations == 4
+    with pytest.raises(SystemExit, match="must divide"):
+        vs_trl.trl_config({**spec, "groups": 3, "samples": 3})  # 9 samples, 8 a batch
+
+
+def test_trls_reward_is_asyncrls_numeric_reward_on_chat_completions() -> None:
+    reward = vs_trl.TaskReward("numeric")
+    replies = [[{"role": "assistant", "content": "7 x 4 = 28. The answer is 28."}],
+               [{"role": "assistant", "content": "The answer is 27"}],
+               [{"role": "assistant", "content": "no number"}]]  # fmt: skip
+    scores = reward([None] * 3, replies, [[1, 2], [3], []], label=["28", "28", "28"])
+    assert scores == [1.0, 0.0, 0.0]
+    assert reward.calls == [{"samples": 3, "tokens": 3, "reward": pytest.approx(1 / 3)}]

@@ -469,13 +469,15 @@ NUM_EXTRA = 6  # offered from outside the source (eval sets)
 @st.composite
 def configs(draw: st.DrawFn) -> VersionedBuffer.Config:
     eta = draw(st.integers(0, 3))
+    alpha = draw(st.sampled_from([0.0, 0.5, 1.0]))
+    lowest_hard = max(eta, 1) if alpha else eta  # APRIL's partials land a version old
     return VersionedBuffer.Config(
         groups_per_step=draw(st.integers(1, 4)),
         num_samples_per_prompt=draw(st.integers(1, 3)),
         max_staleness=eta,
-        hard_staleness=draw(st.none() | st.integers(eta, eta + 2)),
+        hard_staleness=draw(st.none() | st.integers(lowest_hard, eta + 2)),
         age_guarantee=draw(st.none() | st.integers(0, 3)),
-        over_provision=draw(st.sampled_from([0.0, 0.5, 1.0])),
+        over_provision=alpha,
         max_in_flight=draw(st.none() | st.integers(1, 6)),
         priority=draw(st.sampled_from(sorted(PRIORITIES))),
         max_reuse=draw(st.integers(1, 2)),

@@ -146,6 +146,12 @@ class VersionedBuffer:
                     f"hard_staleness ({self.hard_staleness}) must be >= max_staleness "
                     f"({self.max_staleness}): the backstop would drop work admission allowed"
                 )
+            if self.over_provision > 0 and self.resolved_hard_staleness == 0:
+                raise ValueError(
+                    "hard_staleness 0 with over_provision (APRIL) would drop every resumed "
+                    "partial: its tokens are at least one version old when it lands. Leave "
+                    "hard_staleness unset (eta + 1) or set it to 1 or more"
+                )
             return self
 
         @property
