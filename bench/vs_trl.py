@@ -775,7 +775,7 @@ def main() -> None:
     payload = {"settings": settings,
                "shapes": {k: dataclasses.asdict(SIZES[k]) for k in args.sizes},
                "targets": TARGETS, "sizes": results}  # fmt: skip
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    args.out.write_text(json.dumps(payload, indent=2, default=str) + "\n")  # paths as text
     plot(results, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
