@@ -185,6 +185,13 @@ class RuntimeConfig(Section):
         description="torch threads per actor process; null: the cores shared among the "
         "processes that run torch (trainer, embedded engines, eval)",
     )
+    trainer_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads of the trainer process; null: as threads. Idle "
+        "OpenMP threads sleep (OMP_WAIT_POLICY=passive), so a trainer given every core "
+        "takes the ones idle engines leave",
+    )
     max_restarts: int = Field(
         3,
         ge=0,

@@ -450,6 +450,8 @@ def job_actor_specs(
     threads = cfg.runtime.threads or _threads_per_torch_process(cfg)
     for spec in specs:
         spec.threads = threads
+        if spec.role == "trainer" and cfg.runtime.trainer_threads is not None:
+            spec.threads = cfg.runtime.trainer_threads
         if spec.role == "trainer" and cfg.eval.enabled:
             spec.drain_timeout += _FINAL_LINGER_S  # its drain waits for the final pull
     return specs

@@ -1,10 +1,12 @@
 """Soak: a long CPU run under chaos; restarts, losses, memory growth and throughput.
 
-    python bench/soak.py [--minutes 30] [--every 120] [--seed 0] [--out PATH]
+    python bench/soak.py [--minutes 30] [--every 120] [--seed 0] [--config PATH] [--out PATH]
 
 The job is the arith example (``examples/arith``: the shipped 1M-parameter model, GRPO,
 eval every 50 versions) with two rollout actors, each with its own engine actor, and a
-trainer checkpoint every 10 steps. ``asyncrl.runtime.chaos.Chaos`` SIGKILLs a random
+trainer checkpoint every 10 steps. ``--every 0`` kills nothing: a memory soak of the
+``--config`` job as it is configured (e.g. ``examples/word_problems/config.yaml``, the
+real model), with a checkpoint every 10 steps. ``asyncrl.runtime.chaos.Chaos`` SIGKILLs a random
 actor of any role every ``--every`` seconds (one at a time: the next kill waits until
 the last victim is back) and stops the trainer after ``--minutes``; the supervisor
 restarts every victim. A monitor samples each actor's resident memory
@@ -109,16 +111,21 @@ def fresh_run_dir(run_dir: Path) -> None:
     shutil.rmtree(run_dir)
 
 
-def job_flags(run_dir: Path, seed: int) -> list[str]:
-    return [
+def job_flags(run_dir: Path, seed: int, chaos: bool = True) -> list[str]:
+    """A job that runs until the soak stops it; under chaos, with engine actors of their
+    own to kill and the restart budgets to come back."""
+    flags = [
         "--name", "soak", "--output-dir", str(run_dir), "--seed", str(seed),
-        "--rollout.num-actors", "2", "--rollout.max-groups", "24",
-        "--rollout.engine.serve", "actor", "--update-weight-transport", "disk",
         "--train.num-steps", "1000000", "--save-interval", "10",
-        "--train.keep-checkpoints", "2", "--train.audit-log", "true",
-        "--runtime.max-restarts", "1000", "--runtime.buffer-checkpoint-interval", "30",
-        "--num-epoch", "1000",
+        "--train.keep-checkpoints", "2", "--train.audit-log", "true", "--num-epoch", "1000",
     ]  # fmt: skip
+    if chaos:
+        flags += [
+            "--rollout.num-actors", "2", "--rollout.max-groups", "24",
+            "--rollout.engine.serve", "actor", "--update-weight-transport", "disk",
+            "--runtime.max-restarts", "1000", "--runtime.buffer-checkpoint-interval", "30",
+        ]  # fmt: skip
+    return flags
 
 
 def memory_slopes(samples: list[Sample], warmup_s: float) -> dict[str, dict[str, float]]:
@@ -174,7 +181,9 @@ def _rate(series: list[tuple[float, int]], t0: float, t1: float) -> float | None
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0)
-    parser.add_argument("--every", type=float, default=120.0, help="seconds between kills")
+    parser.add_argument("--every", type=float, default=120.0,
+                        help="seconds between kills; 0: none, a memory soak")  # fmt: skip
+    parser.add_argument("--config", default="examples/arith/config.yaml")
     parser.add_argument("--warmup", type=float, default=5.0, help="minutes before slopes count")
     parser.add_argument(
         "--analyse", type=Path, help="recompute the memory and throughput figures of a report"
@@ -191,11 +200,13 @@ def main() -> int:
 
     fresh_run_dir(args.run_dir)
     os.chdir(ROOT)  # the example's config names its files relative to the repository
-    cfg = load_config("examples/arith/config.yaml", overrides=job_flags(args.run_dir, args.seed))
+    chaos = args.every > 0
+    cfg = load_config(args.config, overrides=job_flags(args.run_dir, args.seed, chaos))
     from asyncrl.runtime.recovery import restart_budgets
 
     roles = tuple(r for r, n in restart_budgets(cfg).items() if n > 0)
-    soak = Soak([], every=args.every, duration=args.minutes * 60, seed=args.seed, roles=roles)
+    every = args.every if chaos else None
+    soak = Soak([], every=every, duration=args.minutes * 60, seed=args.seed, roles=roles)
     start = time.monotonic()
     result = asyncio.run(run_job(cfg, chaos=soak))
     audit = audit_run(args.run_dir, 0)

@@ -140,6 +140,21 @@ def test_april_over_provisions_aborts_the_extras_and_resumes_them_first() -> Non
     assert april.remaining_tokens(first.response_length, 5) == 3
 
 
+def test_a_synchronous_april_step_that_is_done_starts_nothing_new_until_the_next_version():
+    buf = buffer(groups_per_step=2, num_samples_per_prompt=2, max_staleness=0,
+                 over_provision=0.5, filters=["zero_reward_variance"])  # fmt: skip
+    a, b, c = handed_out(buf, 3)  # (0 + 0 + 1) * 2 + ceil(0.5 * 2)
+    assert buf.put(finished_group(a)) == "stored"
+    assert buf.put(finished_group(b)) == "stored"
+    # c ends with equal rewards and gives its slot back; eta 0 must not start a group
+    # in it now: it would generate during the step and be trained a version late.
+    assert buf.put(finished_group(c, rewards=[1.0, 1.0])) == "filtered"
+    assert buf.capacity() == 0 and handed_out(buf, 3) == []
+    assert buf.take_batch() is not None
+    buf.set_version(1)
+    assert [i.group_uid for i in handed_out(buf, 9)] == ["p3", "p4", "p5"]
+
+
 def test_groups_kept_for_reuse_do_not_trigger_an_april_abort() -> None:
     # B = 1, alpha = 1, eta = 0, reuse 2: (0 + 0 + 1) * 1 + 1 = 2 groups at v = 0.
     buf = buffer(
@@ -545,10 +560,11 @@ class Simulation:
         pool, in_flight = len(self.uids_in("pool")), len(self.uids_in("in_flight"))
         cap = cfg.max_in_flight
         resumes = min(k, pool, k if cap is None else max(cap - in_flight, 0))
-        # Synchronous APRIL: once a step's groups are buffered, its aborted extras wait for
-        # the next version.
+        # Synchronous APRIL: once a step's groups are buffered, its aborted extras and any
+        # new group wait for the next version.
         step_done = len(self.uids_in("buffered")) >= cfg.groups_per_step
-        if cfg.max_staleness == 0 and cfg.over_provision > 0 and step_done:
+        sync_step_done = cfg.max_staleness == 0 and cfg.over_provision > 0 and step_done
+        if sync_step_done:
             resumes = 0
         # Rule (1) on the model's own counts: live groups plus every group ever consumed.
         holding = sum(s in ("in_flight", "pool", "buffered") for s in self.where.values())
@@ -562,6 +578,8 @@ class Simulation:
         room -= holding
         if cap is not None:
             room = min(room, cap - in_flight - resumes)
+        if sync_step_done:
+            room = 0
         queued = self.waiting + [p.uid for p in self.prompts[self.from_source :]]
         fresh = max(0, min(k - resumes, room, len(queued)))
         items = [over_the_wire(i) for i in buf.next_work(k)]

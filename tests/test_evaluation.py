@@ -130,9 +130,28 @@ def test_an_actor_process_gets_the_thread_limit_of_its_spec():
         "from asyncrl.runtime.child import limit_threads; import os, torch;"
         "limit_threads(1); print(os.environ['OMP_NUM_THREADS'], torch.get_num_threads())"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.split() == ["1", "1"], out.stderr
+    # Idle OpenMP threads sleep instead of spinning on a core, unless the user says otherwise.
+    code = code.replace("torch.get_num_threads()", "os.environ['OMP_WAIT_POLICY']")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.split() == ["1", "PASSIVE"], out.stderr
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.split() == ["1", "ACTIVE"], out.stderr
+
+
+def test_the_trainer_alone_gets_runtime_trainer_threads(tmp_path):
+    from asyncrl.config import load_config
+    from asyncrl.job import job_actor_specs
+    from asyncrl.runtime.topology import allocate_endpoints
+
+    flags = ["--runtime.threads", "1", "--runtime.trainer-threads", "2"]
+    cfg = load_config("examples/arith/config.yaml", overrides=flags)
+    specs = job_actor_specs(cfg, allocate_endpoints(), tmp_path, resume=False)
+    threads = {s.role: s.threads for s in specs}
+    assert threads == {"buffer": 1, "rollout": 1, "trainer": 2, "eval": 1}
 
 
 def test_an_actor_process_lifts_its_soft_open_file_limit_to_the_hard_one():

@@ -253,8 +253,11 @@ class VersionedBuffer:
         self.version = version
 
     def capacity(self) -> int:
-        """New groups that may start now, by admission rule (1)."""
+        """New groups that may start now, by admission rule (1); none once a synchronous
+        APRIL step is done (``_sync_step_done``)."""
         cfg = self.config
+        if self._sync_step_done():
+            return 0
         return admission_capacity(
             admitted=self.ledger.holding,
             in_flight=len(self._in_flight),
@@ -305,9 +308,11 @@ class VersionedBuffer:
 
     def _sync_step_done(self) -> bool:
         """Synchronous APRIL (eta 0, as in slime): a step's groups are done, so the extras
-        aborted for it resume with the next version. Resumed at once, they would run to
-        their end before a colocated step could start (its engines must be idle), and the
-        abort would save nothing."""
+        aborted for it resume with the next version, and new groups start with it too.
+        Resumed at once, the extras would run to their end before a colocated step could
+        start (its engines must be idle), and the abort would save nothing; new groups
+        started now (in the slots of filtered ones) would be trained a version late, which
+        eta 0 promises not to do."""
         cfg = self.config
         buffered = self.ledger.count(Live.BUFFERED)
         return cfg.max_staleness == 0 and cfg.over_provision > 0 and buffered >= cfg.groups_per_step

@@ -61,6 +61,9 @@ def limit_threads(threads: int | None) -> None:
         return
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(threads)  # before torch is imported, it reads them
+    # An OpenMP thread that waits spins first (libgomp: about 300k turns) and takes a core
+    # another process could use; passive, it sleeps at once.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
 
