@@ -220,6 +220,13 @@ def test_async_april_drops_a_waiting_partial_too_stale_to_resume() -> None:
     assert buf.statistics().filtered == {"stale": 2}
 
 
+def test_april_with_a_backstop_of_zero_is_refused_before_anything_runs() -> None:
+    # A resumed partial always lands at least a version old: all would be dropped.
+    with pytest.raises(ValueError, match="hard_staleness 0 with over_provision"):
+        VersionedBuffer.Config(max_staleness=0, hard_staleness=0, over_provision=0.5)
+    VersionedBuffer.Config(max_staleness=0, over_provision=0.5)  # the default backstop: 1
+
+
 def test_plain_async_and_sync_april_cut_nothing_in_flight() -> None:
     for config in ({"max_staleness": 1}, {"max_staleness": 0, "over_provision": 1.0}):
         buf = buffer(groups_per_step=1, num_samples_per_prompt=1, **config)
