@@ -7,6 +7,17 @@ new prompt, so long responses are finished across steps instead of being thrown 
 (throwing them away biases training toward short answers). The same pool holds groups
 aborted on a weight update and the in-flight work of a producer that died.
 
+Synchronous (eta 0, as in slime): once a step's groups are done the extras are aborted
+(``VersionedBuffer.should_abort``), and neither they nor new groups start until the next
+version. Resumed at once, the extras would run to their end before a colocated step could
+start (its engines must be idle), and the abort would save nothing; new groups started in
+filtered groups' slots would be trained a version late, which eta 0 promises not to do.
+
+Asynchronous (eta > 0): nothing waits for the tail, so an abort would only make the
+engines prefill the partials again: the extras run on into the next steps. A new version
+cuts only the work that can no longer land within the backstop (``too_stale``), in flight
+or waiting, which is filtered ``stale`` at once instead of on arrival.
+
 Resuming a sample continues its response: the engine gets ``prompt + response`` tokens
 and ``max_new_tokens - response_length`` new tokens at most (``remaining_tokens``). The
 tokens generated before the resume came from older weights; ``mask_resumed_tokens``
@@ -18,7 +29,7 @@ Users: ``VersionedBuffer``.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from asyncrl.types import Group, WorkItem
 
@@ -84,6 +95,17 @@ class PartialPool:
         """Take ``uid`` out (its result arrived from an earlier attempt)."""
         del self._seqs[uid]
         return self._items.pop(uid)
+
+
+def too_stale(items: Iterable[WorkItem], oldest_kept: int) -> list[str]:
+    """Uids, sorted, of the ``items`` whose group can only land past the backstop: head
+    version below ``oldest_kept = v - hard_staleness``.
+
+    The head is what the buffer knows (``head_version``). An engine still on older weights
+    makes the true head older: the cut is then late, never wrong. Samples that queued in an
+    engine past a version change make it newer, so a group could be cut a version early.
+    """
+    return sorted(i.group_uid for i in items if head_version(i) < oldest_kept)
 
 
 def head_version(item: WorkItem) -> int:

@@ -104,9 +104,8 @@ class VersionedBuffer:
             0.0,
             ge=0.0,
             le=4.0,
-            description="APRIL alpha: run (1 + alpha) * B groups a step. eta 0 aborts the "
-            "extras once B are done; eta > 0 lets them run on and cuts only work that can no "
-            "longer land within the backstop.",
+            description="APRIL alpha: run (1 + alpha) * B groups a step (eta 0: extras aborted "
+            "once B are done; eta > 0: they run on).",
         )
         max_in_flight: int | None = Field(
             None, ge=1, description="Cap on groups generating at once (engine concurrency)."
@@ -148,9 +147,8 @@ class VersionedBuffer:
                 )
             if self.over_provision > 0 and self.resolved_hard_staleness == 0:
                 raise ValueError(
-                    "hard_staleness 0 with over_provision (APRIL) would drop every resumed "
-                    "partial: its tokens are at least one version old when it lands. Leave "
-                    "hard_staleness unset (eta + 1) or set it to 1 or more"
+                    "hard_staleness 0 with over_provision (APRIL) would drop every "
+                    "resumed partial (it lands a version old): unset it, or >= 1"
                 )
             return self
 
@@ -198,9 +196,8 @@ class VersionedBuffer:
 
         Groups now staler than the backstop are dropped at once (not at the next take),
         so the state after a sequence of calls does not depend on when ``ready()`` was
-        polled: a journal replay reproduces it exactly. Returns the in-flight groups
-        asynchronous APRIL cancelled (``_cancel_doomed``), for their producers to abort.
-        """
+        polled: a journal replay reproduces it exactly. Returns the groups cut in flight
+        (``_cancel_doomed``)."""
         if version < self.version:
             raise ValueError(f"version went back from {self.version} to {version}")
         self.version = version
@@ -208,30 +205,18 @@ class VersionedBuffer:
         return self._cancel_doomed()
 
     def _cancel_doomed(self) -> list[str]:
-        """Asynchronous APRIL: drop now the work the backstop would drop on arrival.
-
-        A group handed out at head version ``h`` (its partial's head, if it resumed) is
-        past the backstop at version ``v`` once ``v - h > hard_staleness``: whatever it
-        still generates is thrown away when it lands. Filtered (``stale``) now, it frees
-        its engine slot and its admission slot for a group that can still be trained;
-        waiting partials are dropped instead of resumed. Returns the in-flight uids, for
-        their producers to abort; their late results are ``cancelled``.
-
-        ``h`` is what the buffer knows: the version at hand-out. An engine still on older
-        weights makes the true head older (the cut is then late, never wrong); samples
-        that queued in an engine past a version change make it newer, so a group could be
-        cut one version early. Synchronous APRIL (eta 0) and plain async keep their rules.
-        """
+        """Asynchronous APRIL (``april`` module): filter ``stale`` now the work the
+        backstop would drop on arrival; returns the in-flight uids, for their producers
+        to abort (their late results are ``cancelled``)."""
         cfg = self.config
         if cfg.over_provision == 0 or cfg.max_staleness == 0:
             return []
         oldest_kept = self.version - cfg.resolved_hard_staleness
-        for item in [i for i in self.pool if april.head_version(i) < oldest_kept]:
-            self.pool.remove(item.group_uid)
-            self._forget(item.group_uid)
-            self.ledger.filter(item.group_uid, "stale", expect=(Live.PARTIAL,))
-        flying = self._in_flight.items()
-        doomed = sorted(u for u, i in flying if april.head_version(i) < oldest_kept)
+        for uid in april.too_stale(self.pool, oldest_kept):
+            self.pool.remove(uid)
+            self._forget(uid)
+            self.ledger.filter(uid, "stale", expect=(Live.PARTIAL,))
+        doomed = april.too_stale(self._in_flight.values(), oldest_kept)
         for uid in doomed:
             del self._in_flight[uid]
             self._cancelled.add(uid)
@@ -253,8 +238,7 @@ class VersionedBuffer:
         self.version = version
 
     def capacity(self) -> int:
-        """New groups that may start now, by admission rule (1); none once a synchronous
-        APRIL step is done (``_sync_step_done``)."""
+        """New groups that may start now: rule (1); none once a sync APRIL step is done."""
         cfg = self.config
         if self._sync_step_done():
             return 0
@@ -270,7 +254,7 @@ class VersionedBuffer:
 
     @property
     def cancelled(self) -> list[str]:
-        """Groups cut in flight (``_cancel_doomed``) whose results have not come back."""
+        """Groups cut in flight (``_cancel_doomed``) whose results are not back."""
         return sorted(self._cancelled)
 
     @property
@@ -307,12 +291,8 @@ class VersionedBuffer:
         )
 
     def _sync_step_done(self) -> bool:
-        """Synchronous APRIL (eta 0, as in slime): a step's groups are done, so the extras
-        aborted for it resume with the next version, and new groups start with it too.
-        Resumed at once, the extras would run to their end before a colocated step could
-        start (its engines must be idle), and the abort would save nothing; new groups
-        started now (in the slots of filtered ones) would be trained a version late, which
-        eta 0 promises not to do."""
+        """Synchronous APRIL: a step's groups are done; its aborted extras and new groups
+        wait for the next version (``april`` module)."""
         cfg = self.config
         buffered = self.ledger.count(Live.BUFFERED)
         return cfg.max_staleness == 0 and cfg.over_provision > 0 and buffered >= cfg.groups_per_step
@@ -445,13 +425,8 @@ class VersionedBuffer:
         return n
 
     def should_abort(self) -> bool:
-        """Synchronous APRIL (eta 0): a step's worth is buffered while over-provisioned
-        groups still generate, and the trainer waits for the engines to stop.
-
-        Asynchronous APRIL aborts nothing for a step: the engines generate through it, and
-        an abort would only re-prefill the partials. Its extras run on into the next
-        steps; only what a new version makes too stale is cut (``_cancel_doomed``).
-        """
+        """Synchronous APRIL: a step's worth is buffered while over-provisioned groups
+        still generate (asynchronous APRIL aborts nothing for a step: ``april`` module)."""
         cfg = self.config
         # Buffered, not len(store): groups kept for reuse were trained on already.
         enough = self.ledger.count(Live.BUFFERED) >= cfg.groups_per_step
