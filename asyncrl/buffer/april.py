@@ -8,10 +8,11 @@ new prompt, so long responses are finished across steps instead of being thrown 
 aborted on a weight update and the in-flight work of a producer that died.
 
 Synchronous (eta 0, as in slime): once a step's groups are done the extras are aborted
-(``VersionedBuffer.should_abort``), and neither they nor new groups start until the next
-version. Resumed at once, the extras would run to their end before a colocated step could
-start (its engines must be idle), and the abort would save nothing; new groups started in
-filtered groups' slots would be trained a version late, which eta 0 promises not to do.
+(``VersionedBuffer.should_abort``), and neither they nor new groups start until the batch
+is taken; then the extras resume, during the train step. Resumed at once, they would run
+to their end before a colocated step could start (its engines must be idle), and the abort
+would save nothing; new groups started in filtered groups' slots would be trained a
+version late, which eta 0 promises not to do.
 
 Asynchronous (eta > 0): nothing waits for the tail, so an abort would only make the
 engines prefill the partials again: the extras run on into the next steps. A new version

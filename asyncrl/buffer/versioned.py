@@ -292,7 +292,7 @@ class VersionedBuffer:
 
     def _sync_step_done(self) -> bool:
         """Synchronous APRIL: a step's groups are done; its aborted extras and new groups
-        wait for the next version (``april`` module)."""
+        wait until they are taken (``april`` module)."""
         cfg = self.config
         buffered = self.ledger.count(Live.BUFFERED)
         return cfg.max_staleness == 0 and cfg.over_provision > 0 and buffered >= cfg.groups_per_step
