@@ -205,6 +205,9 @@ def test_async_april_never_aborts_for_a_step_and_cuts_only_what_turned_too_stale
     assert restored.statistics().duplicates == 1 and restored.cancelled == []
     assert restored.put(finished_group(e, versions=[3])) == "stored"
     restored.ledger.check()
+    # A cut group whose producer then died sends nothing back: it is not waited for.
+    assert buf.cancelled == ["p1"]
+    assert buf.requeue(["p1"]) == 0 and buf.cancelled == []
 
 
 def test_async_april_drops_a_waiting_partial_too_stale_to_resume() -> None:

@@ -346,8 +346,7 @@ class VersionedBuffer:
 
     # -- results ---------------------------------------------------------------------
     def put(self, group: Group) -> str:
-        """Take a result; returns what became of it: stored, partial, filtered, failed,
-        duplicate, or cancelled (the late result of a group cut in flight)."""
+        """Take a result; returns stored, partial, filtered, failed, duplicate or cancelled."""
         item = self._claim(group.uid)
         if item is None:
             if group.uid in self._cancelled:
@@ -417,6 +416,7 @@ class VersionedBuffer:
         """Put in-flight groups back to be handed out again (their producer died)."""
         n = 0
         for uid in uids:
+            self._cancelled.discard(uid)  # cut in flight, and no late result will come now
             item = self._in_flight.pop(uid, None)
             if item is not None:
                 self.pool.add(item)
