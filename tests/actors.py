@@ -22,6 +22,7 @@ class RecorderConfig(ActorConfig):
     drain_seconds: float = 0.0
     after: float = 0.2  # Crasher: seconds before it raises
     grandchild: str | None = None  # Spawner: where it writes its child's pid
+    daemon: bool = False  # Spawner: the child gets a session of its own (no stop reaches it)
     prepare_s: float = 0.0  # seconds a supervisor test's before_restart takes
 
 
@@ -121,7 +122,9 @@ class Spawner(Recorder):
     async def run(self) -> None:
         import subprocess
 
-        self.child = subprocess.Popen(["sleep", "60"])  # noqa: ASYNC220 - test fixture
+        self.child = subprocess.Popen(  # noqa: ASYNC220 - test fixture
+            ["sleep", "60"], start_new_session=self.config.daemon
+        )
         Path(str(self.config.grandchild)).write_text(str(self.child.pid))  # noqa: ASYNC240
         await super().run()
 

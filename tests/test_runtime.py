@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -139,6 +141,30 @@ async def test_stopping_an_actor_also_stops_what_it_started(supervisor: Supervis
         await asyncio.sleep(0.1)
     else:
         raise AssertionError(f"grandchild {grandchild} outlived its actor")
+
+
+def test_an_actor_is_seen_to_exit_while_a_daemon_it_started_holds_its_output(tmp_path: Path):
+    """As torch's shm manager (the ipc transport's) outlives a trainer, in a session of
+    its own that no stop reaches, holding the actor's stdout: the exit still counts. On
+    asyncio's own loop, which the CLI's controller runs (its ``Process.wait`` waits for
+    the pipes too; uvloop's, which the other tests run, does not)."""
+    pid_file = tmp_path / "daemon.pid"
+
+    async def stop_the_spawner() -> dict[str, int]:
+        async with ControlServer("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
+            async with Supervisor(runtime, hub, heartbeat_timeout=2.0, startup_timeout=60) as sup:
+                launched = spec("s", "Spawner", tmp_path, grandchild=str(pid_file), daemon=True)
+                await sup.launch([launched])
+                async with asyncio.timeout(20):
+                    await sup.wait_until(lambda st: pid_file.exists() and st["s"].heartbeats >= 1)
+                    return await sup.stop_all(grace=5)
+
+    try:
+        assert asyncio.run(stop_the_spawner()) == {"s": 0}
+        assert _alive(int(pid_file.read_text()))  # the pipe was still open
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:

@@ -60,7 +60,7 @@ class LocalActor:
 
     async def wait(self) -> int:
         """Wait for exit and (briefly) for the last output lines to be read."""
-        code = await self.proc.wait()
+        code = await self._exited()
         # Whatever the actor started and left behind is an orphan now: end it.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -68,6 +68,21 @@ class LocalActor:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_DRAIN_OUTPUT_SECONDS):
                 await self._drained.wait()
+        return code
+
+    async def _exited(self) -> int:
+        """The exit code once the process has exited. Not ``proc.wait()`` alone: on Python
+        3.11 it returns only once the output pipe has closed too, and a daemon the actor
+        started holds that pipe as long as it lives (torch's ``torch_shm_manager``, which
+        the ``ipc`` transport starts, outlives the trainer in a session of its own)."""
+        waiter = asyncio.ensure_future(self.proc.wait())
+        try:
+            while self.proc.returncode is None and not waiter.done():
+                await asyncio.wait({waiter}, timeout=0.1)
+        finally:
+            waiter.cancel()
+        code = self.proc.returncode
+        assert code is not None
         return code
 
     def tail(self, n: int = 40) -> list[str]:
@@ -133,6 +148,11 @@ class LocalRuntime:
             await actor.wait()
             if actor.pump_task is not None:
                 actor.pump_task.cancel()  # a surviving grandchild may hold the pipe
+            # ...and then the pipe stays open past the loop, which asyncio reports when it
+            # collects the transport: close our end now (Process has no public close).
+            transport = getattr(actor.proc, "_transport", None)
+            if transport is not None:
+                transport.close()
         release_endpoints(self.endpoints.values())  # no actor of ours binds them now
         return await self._tg.__aexit__(et, exc, tb)
 
