@@ -282,6 +282,20 @@ def test_exported_weights_are_copies_that_later_steps_do_not_touch(tiny):
     )
 
 
+def test_uncopied_weights_are_the_live_parameters_under_the_same_names(tiny):
+    """``copy=False`` (the ipc transport copies at once): no copy is made, so a GPU
+    trainer hands CUDA IPC its own tensors; the names and values are export_weights'."""
+    trainer = TorchTrainer(config(tiny))
+    copies, live = trainer.export_weights(), trainer.export_weights(copy=False)
+    assert live.keys() == copies.keys()
+    assert all(torch.equal(live[k], copies[k]) for k in live)
+    pointers = {p.data_ptr() for p in trainer.policy.model.parameters()}
+    assert {t.data_ptr() for t in live.values()} <= pointers | {
+        b.data_ptr() for b in trainer.policy.model.buffers()
+    }
+    assert not {t.data_ptr() for t in copies.values()} & pointers
+
+
 # ------------------------------------------------------------------------- the RL step
 
 

@@ -232,6 +232,8 @@ class OneBatch:
 
 
 class NoSubscribers:
+    transport = "pull"
+
     def __init__(self) -> None:
         self.published: list[int] = []
 

@@ -35,6 +35,7 @@ import asyncio
 import os
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 from asyncrl.actors.base import CHECKPOINTED_STAT, Actor, ActorSpec
@@ -213,7 +214,11 @@ class TrainerActor(Actor):
 
     async def _publish(self) -> None:
         async with self._busy:
-            tensors = await asyncio.to_thread(self.trainer.export_weights)
+            export = self.trainer.export_weights
+            if self.weights.transport == "ipc":  # copies a version into shared buckets at
+                # once: the live weights (a GPU's, for CUDA IPC) save a copy through the host
+                export = partial(export, copy=False)
+            tensors = await asyncio.to_thread(export)
         await self.weights.publish(self.trainer.version, tensors)
 
     def _audit(self, batch: TrainBatch, *, trained: bool) -> None:

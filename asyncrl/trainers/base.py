@@ -71,8 +71,10 @@ class Trainer(Protocol):
         """
         ...
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """The current weights under HF names: CPU, contiguous, copies (safe to serve)."""
+    def export_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The current weights under HF names: CPU, contiguous, copies (safe to serve).
+        ``copy=False`` lets a backend hand out its weights where they live (on a GPU for
+        CUDA IPC), valid only until the next step: the caller copies them at once."""
         ...
 
     def save_hf(self, path: Path) -> None:

@@ -179,8 +179,14 @@ class Learner:
         return float(norm), lr
 
     # -- weights and state ----------------------------------------------------------------
-    def hf_weights(self) -> dict[str, torch.Tensor]:
-        """CPU copies under HF names, tied duplicates dropped (collective under FSDP)."""
+    def hf_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """CPU copies under HF names, tied duplicates dropped (collective under FSDP).
+        ``copy=False``: the weights themselves where they live (a GPU's), detached, valid
+        until the next step, for a caller that copies them at once (the ``ipc``
+        transport); sharded weights are still gathered to CPU copies."""
+        if not copy and not self.dp.sharded:
+            live = self.model.state_dict()
+            return {k: v.detach() for k, v in live.items() if k not in self.aliases}
         full = self.dp.full_state_dict(self.model)
         return {k: v.contiguous() for k, v in full.items() if k not in self.aliases}
 

@@ -444,12 +444,13 @@ class MegatronTrainer:
 
     # -- weights and checkpoints ----------------------------------------------------------
     @_on_device
-    def export_weights(self) -> dict[str, torch.Tensor]:
+    def export_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """HF-named CPU copies of the whole policy (a collective: TP shards are
         all-gathered, pipeline stages broadcast). Only rank 0 publishes, so only rank 0
-        copies; the other ranks get the gathered tensors where they are."""
+        copies; the other ranks, and ``copy=False``, get the gathered tensors where they
+        are (on the GPU for CUDA IPC)."""
         weights = bridge.gather_hf_weights(self.gpt, self.hf, te=self.te)
-        if dist.get_rank() != 0:
+        if dist.get_rank() != 0 or not copy:
             return weights
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}
 

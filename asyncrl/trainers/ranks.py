@@ -147,8 +147,9 @@ class LeaderTrainer:
             partial(self.trainer.sft_step, tokens, loss_masks, label_smoothing),
         )
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        return self._on_all("export_weights", {}, self.trainer.export_weights)
+    def export_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        # The other ranks take part in the gather, if any; their copies are not served.
+        return self._on_all("export_weights", {}, partial(self.trainer.export_weights, copy))
 
     def save_hf(self, path: Path) -> None:
         self._on_all("save_hf", {"path": str(path)}, partial(self.trainer.save_hf, path))

@@ -77,7 +77,7 @@ class SimTrainer:
         self.clock += seconds
         return {"time/modelled_step": seconds, "time/modelled_clock": self.clock}
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
+    def export_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """No weights: a version carries no tensors."""
         return {}
 

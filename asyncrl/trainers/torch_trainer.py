@@ -354,9 +354,10 @@ class TorchTrainer:
         return step_result(self.version, rows, metrics | {"grad_norm": grad_norm, "lr": lr}, start)
 
     # -- weights and checkpoints ----------------------------------------------------------
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """HF-named CPU copies of the policy (a collective under FSDP: rank 0 gets them)."""
-        return self.policy.hf_weights()
+    def export_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """HF-named CPU copies of the policy (a collective under FSDP: rank 0 gets them);
+        ``copy=False``: ``Learner.hf_weights``'s live tensors."""
+        return self.policy.hf_weights(copy)
 
     def save_hf(self, path: Path) -> None:
         """An HF model directory (config, ``model.safetensors``, tokenizer if the source
