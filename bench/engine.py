@@ -184,18 +184,24 @@ def run_vllm(
         return json.loads(out_file.read_text())
 
 
-def matmul_peak(threads: int, dtype: torch.dtype = torch.float32) -> float:
-    """GFLOP/s of the best of five 2048x2048 ``torch.mm`` in ``dtype`` on ``threads``."""
+def matmul_peak(threads: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
+    """GFLOP/s of the best of five square ``torch.mm`` in ``dtype``: 2048 on ``threads``
+    CPU threads, 8192 on a GPU (a size that fills the chip), after a warm-up."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    n = 8192 if device.startswith("cuda") else 2048
+    a = torch.randn(n, n, dtype=dtype, device=device)  # random data: zeros run faster
+    b = torch.randn(n, n, dtype=dtype, device=device)
     torch.mm(a, b)
-    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(5))
-    return 2 * 2048**3 / best / 1e9
+    best = min(_timed(lambda: torch.mm(a, b), device) for _ in range(5))
+    return 2 * n**3 / best / 1e9
 
 
-def _timed(fn) -> float:
+def _timed(fn, device: str = "cpu") -> float:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - start
 
 
@@ -231,7 +237,7 @@ def main() -> None:
         "uniform": workload(args.requests, np.full(args.requests, args.uniform), vocab, seed=1),
     }
     params = sum(p.numel() for p in model.parameters())
-    peak = matmul_peak(args.threads, next(model.parameters()).dtype)
+    peak = matmul_peak(args.threads, next(model.parameters()).dtype, args.device)
     rates: dict[str, dict[str, float]] = {name: {} for name in works}
     # HF gets a model of its own: TorchEngine computes its model's CPU linears its own way
     # (engines/cpu_linear.py), and HF generate is measured as it ships.

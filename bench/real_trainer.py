@@ -104,7 +104,7 @@ def asyncrl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
     extra = {"attn_implementation": "sdpa"} if args.variant == "masked" else {}
     cfg = TorchTrainer.Config(
         model_path=args.model, lr=1e-6, max_tokens_per_microbatch=args.budget,
-        dtype=args.dtype, **extra,
+        dtype=args.dtype, device=args.device, **extra,
     )  # fmt: skip
     policy = PolicyConfig(use_rollout_logprobs=True) if args.variant == "bypass" else PolicyConfig()
     trainer = TorchTrainer(cfg, policy)
@@ -112,6 +112,7 @@ def asyncrl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
     for k in range(args.steps):
         start = time.perf_counter()
         result = trainer.train_step(batch(k, args))
+        sync(args.device)
         times.append(time.perf_counter() - start)
         tokens = result.metrics["tokens"]
     return times, tokens
@@ -166,7 +167,7 @@ def trl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
 
     n = 8 * args.groups
     config = GRPOConfig(
-        output_dir="/tmp/asyncrl-bench-trl", use_cpu=True, seed=0,
+        output_dir="/tmp/asyncrl-bench-trl", use_cpu=args.device == "cpu", seed=0,
         bf16=args.dtype == "bf16-mixed", fp16=False,
         per_device_train_batch_size=args.trl_micro, num_generations=8,
         gradient_accumulation_steps=max(1, n // args.trl_micro),
@@ -174,7 +175,7 @@ def trl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
         beta=0.0, epsilon=0.2, loss_type="dapo", gradient_checkpointing=False,
         use_vllm=False, report_to="none", disable_tqdm=True, logging_steps=1,
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
     trainer = GRPOTrainer(
         model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions),
         args=config, train_dataset=Dataset.from_dict({"prompt": ["x"] * n}),
@@ -190,7 +191,8 @@ def trl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
     model.train()
     times, tokens = [], 0.0
     for k in range(args.steps):
-        inputs = trl_inputs(batch(k, args))
+        inputs = {key: t.to(args.device) for key, t in trl_inputs(batch(k, args)).items()}
+        sync(args.device)
         start = time.perf_counter()
         for part in trl_split(inputs, chunks):
             if args.variant == "trl":  # the pass _generate_and_score_completions makes
@@ -204,20 +206,27 @@ def trl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         trainer.optimizer.step()
         trainer.optimizer.zero_grad()
+        sync(args.device)
         times.append(time.perf_counter() - start)
         tokens = float(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
     return times, tokens
 
 
-def matmul_peak(threads: int) -> dict[str, float]:
-    """GFLOP/s of the best of five 2048^2 ``torch.mm`` per dtype (``bench/engine.py``'s)."""
+def sync(device: str) -> None:
+    """Wait for the GPU's queued work, so a host clock read after it times the work."""
+    if device.startswith("cuda"):
+        __import__("torch").cuda.synchronize()
+
+
+def matmul_peak(threads: int, device: str) -> dict[str, float]:
+    """GFLOP/s of the best of five square ``torch.mm`` per dtype (``bench/engine.py``'s)."""
     import torch
 
     sys.path.insert(0, str(ROOT))
     from bench.engine import matmul_peak as peak
 
-    return {name: peak(threads, dtype) for name, dtype in (("fp32", torch.float32),
-                                                          ("bf16", torch.bfloat16))}  # fmt: skip
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    return {name: peak(threads, dtype, device) for name, dtype in dtypes.items()}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -226,22 +235,28 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     if args.variant == "peak":
-        print(json.dumps({"variant": "peak", "gflops": matmul_peak(args.threads)}))
+        print(json.dumps({"variant": "peak", "gflops": matmul_peak(args.threads, args.device)}))
         return
     times, tokens = (trl_steps if args.variant in TRL else asyncrl_steps)(args)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-    print(json.dumps({"variant": args.variant, "step_s": times, "tokens": tokens,
-                      "tokens_per_s": tokens / min(times), "peak_rss_gib": rss}))  # fmt: skip
+    row = {"variant": args.variant, "step_s": times, "tokens": tokens,
+           "tokens_per_s": tokens / min(times), "peak_rss_gib": rss}  # fmt: skip
+    if args.device.startswith("cuda"):
+        row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(json.dumps(row))
 
 
 def run(variant: str, repo: Path, args: argparse.Namespace) -> dict:
     sizes = {"--steps": args.steps, "--budget": args.budget, "--groups": args.groups,
              "--prompt": args.prompt, "--response": args.response,
              "--threads": args.threads, "--lengths": args.lengths,
-             "--dtype": args.dtype, "--trl-micro": args.trl_micro}  # fmt: skip
+             "--dtype": args.dtype, "--trl-micro": args.trl_micro,
+             "--device": args.device}  # fmt: skip
     cmd = [sys.executable, __file__, "--child", "--variant", variant, "--model", args.model]
     cmd += [str(x) for kv in sizes.items() for x in kv]
-    env = {**os.environ, "PYTHONPATH": str(repo)}
+    # The checkout first; what the caller's path held (packages installed aside) after it.
+    path = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     out = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"variant {variant} failed:\n{out.stderr[-3000:]}")
@@ -267,8 +282,9 @@ def report(rows: list[dict], peak: dict[str, float], n_params: int, dtype: str) 
     for r in rows:
         r["mfu"] = 6 * n_params * r["tokens_per_s"] / (peak[dtype] * 1e9)
         steps = ", ".join(f"{t:.1f}" for t in r["step_s"])
+        gpu = f"  GPU peak {r['peak_gpu_gib']:.2f} GiB" if "peak_gpu_gib" in r else ""
         print(f"{r['variant']:13} {steps:>14} {r['tokens_per_s']:9.1f} {r['mfu']:9.1%} "
-              f"{r['peak_rss_gib']:13.2f}")  # fmt: skip
+              f"{r['peak_rss_gib']:13.2f}{gpu}")  # fmt: skip
     by = {r["variant"]: r for r in rows}
     for ours, theirs in (("packed", "trl-onpolicy"), ("packed", "trl")):
         if ours in by and theirs in by:
@@ -285,6 +301,7 @@ def main() -> None:
     ap.add_argument("--response", type=int, default=70)
     ap.add_argument("--lengths", choices=("varied", "equal"), default="varied")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (both frameworks on the GPU)")
     ap.add_argument(
         "--dtype",
         choices=("float32", "bf16-mixed"),
@@ -312,7 +329,10 @@ def main() -> None:
         child(args)
         return
     before = run("peak", ROOT, args)["gflops"]
-    rows = [run(v, ROOT, args) for v in args.variants.split(",")]
+    rows = []
+    for variant in args.variants.split(","):
+        rows.append(run(variant, ROOT, args))
+        print(json.dumps(rows[-1]), flush=True)  # kept in the log if a later one fails
     after = run("peak", ROOT, args)["gflops"]
     peak = {k: max(before[k], after[k]) for k in before}
     if args.repo is not None:

@@ -23,6 +23,15 @@ download). Transports, each against its raw counterpart in the same run:
   ``load_file`` of the same tensors, copied the same way (a load maps the file lazily:
   the copy is what reads it).
 
+``--device cuda`` (a lent GPU): the trainer's tensors and the receivers' destinations
+are on the GPU and the transport is ``ipc`` alone, as for engines colocated on one GPU:
+the buckets are device memory whose CUDA IPC handles travel, the receivers map and copy
+them device to device | raw: one device buffer shared by its CUDA IPC handle, the same
+bytes copied into it and out of it. (NCCL ``dist`` needs a GPU per member: not on one.)
+The 135M model is then ``smollm2-135m-shape``, random weights of SmolLM2's config, as the
+real one's file does not travel to the device. Each receiver checks the first version's
+checksum against the trainer's: the bytes arrived, not just a signal.
+
 Time = from the publish call (or the go signal) until the last receiver holds every
 tensor; median over ``--versions`` after one warm-up, in ``--rounds`` rounds that
 alternate asyncrl and raw (a noisy spell hits both). Ratio = raw time / asyncrl time.
@@ -105,7 +114,26 @@ def qwen05_shape() -> dict[str, torch.Tensor]:
     return untied(model.state_dict())
 
 
-MODELS = {"smollm2-135m": real_model, "qwen2.5-0.5b-shape": qwen05_shape}
+def smollm2_shape() -> dict[str, torch.Tensor]:
+    """SmolLM2-135M-Instruct's architecture, random weights, fp32 (the same bytes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(cfg)
+    return untied(model.state_dict())
+
+
+MODELS = {
+    "smollm2-135m": real_model,
+    "qwen2.5-0.5b-shape": qwen05_shape,
+    "smollm2-135m-shape": smollm2_shape,
+}
+DEVICE = "cpu"  # --device: where the trainer's tensors and the receivers' copies live
 
 
 # -- receiver processes ----------------------------------------------------------------
@@ -118,13 +146,24 @@ def rss_mb() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def report(version: int, base: float) -> None:
-    done = time.perf_counter()
-    print(json.dumps({"version": version, "done": done, "extra_mb": rss_mb() - base}), flush=True)
+def report(version: int, base: float, out: dict[str, torch.Tensor] | None = None) -> None:
+    """One line per version: when the receiver held it, its extra RSS, and (``out``) the
+    checksum of what it holds, taken after the time is read."""
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+    row = {"version": version, "done": time.perf_counter(), "extra_mb": rss_mb() - base}
+    if out is not None:
+        row["checksum"] = checksum(out)
+    print(json.dumps(row), flush=True)
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> float:
+    return sum(float(t.double().sum()) for t in tensors.values())
 
 
 def allocate(manifest) -> dict[str, torch.Tensor]:
-    out = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in manifest.entries}
+    out = {e.name: torch.empty(e.shape, dtype=getattr(torch, e.dtype), device=DEVICE)
+           for e in manifest.entries}  # fmt: skip
     for t in out.values():
         t.zero_()  # touch the pages: they count in the baseline, as an engine's weights do
     return out
@@ -157,8 +196,8 @@ async def child_asyncrl(opts: dict) -> None:
                 del loaded
             else:
                 await rx.fetch(msg, out=out)
+            report(msg.version, base, out if seen == 0 else None)
             seen = msg.version
-            report(seen, base)
 
 
 def child_raw_zmq(opts: dict) -> None:
@@ -207,6 +246,19 @@ def child_raw_shm(opts: dict) -> None:
     segment.close()
 
 
+def child_raw_cuda(opts: dict) -> None:
+    from asyncrl.engines.tensor_payload import decode
+
+    shared = decode(opts["handle"])  # the parent's device buffer, mapped
+    buf = torch.zeros_like(shared)
+    base = rss_mb()
+    print("READY", flush=True)
+    for version in range(1, opts["versions"] + 1):
+        sys.stdin.readline()
+        buf.copy_(shared)
+        report(version, base)
+
+
 def child_raw_disk(opts: dict) -> None:
     from safetensors.torch import load_file
 
@@ -239,11 +291,17 @@ def ready(procs: list[subprocess.Popen]) -> None:
         assert line == "READY", f"receiver failed to start: {line!r}"
 
 
-def read_done(procs: list[subprocess.Popen]) -> tuple[float, float]:
+def read_done(procs: list[subprocess.Popen], expect: float | None = None) -> tuple[float, float]:
+    """The last receiver's done time and the largest extra RSS; with ``expect``, each
+    receiver's checksum must match it (float64 sums of the same fp32 values)."""
     rows = []
     for proc in procs:
         assert proc.stdout is not None
         rows.append(json.loads(proc.stdout.readline()))
+    if expect is not None:
+        sums = [r.get("checksum") for r in rows]
+        assert all(s is not None and abs(s - expect) <= 1e-6 * max(1.0, abs(expect))
+                   for s in sums), f"receivers hold other bytes: {sums} != {expect}"  # fmt: skip
     return max(r["done"] for r in rows), max(r["extra_mb"] for r in rows)
 
 
@@ -262,7 +320,9 @@ def measure_asyncrl(transport: str, tensors: dict, n: int, versions: int, tmp: P
         blob = BlobServer(free_tcp_endpoint(), chunk_bytes=CHUNK_BYTES, keep=2)
         async with pub, blob:
             opts = {"role": "asyncrl", "transport": transport, "pub": pub_ep, "snap": snap_ep,
-                    "versions": versions, "address": address, "world": n + 1}  # fmt: skip
+                    "versions": versions, "address": address, "world": n + 1,
+                    "device": DEVICE}  # fmt: skip
+            first = checksum(tensors)
             procs = [spawn(opts | {"rank": r + 1}) for r in range(n)]
             group = None
             if transport == "dist":  # as the trainer serves the job's group
@@ -278,7 +338,8 @@ def measure_asyncrl(transport: str, tensors: dict, n: int, versions: int, tmp: P
             async def one(version: int) -> tuple[WeightVersion, float, float]:
                 start = time.perf_counter()
                 publish = asyncio.ensure_future(sync.publish(version, tensors))
-                done, mb = await asyncio.to_thread(read_done, procs)
+                expect = first if version == 1 else None
+                done, mb = await asyncio.to_thread(read_done, procs, expect)
                 return await publish, done - start, mb
 
             # Warm-up: dist versions go by pull until the group has formed; the first
@@ -311,7 +372,8 @@ def measure_raw(transport: str, tensors: dict, n: int, versions: int, tmp: Path)
     if transport == "dist":
         return _raw_dist(tensors, n, versions)
     if transport == "ipc":
-        return _raw_shm(tensors, n, versions)
+        raw = _raw_cuda if DEVICE != "cpu" else _raw_shm
+        return raw(tensors, n, versions)
     return _raw_disk(tensors, n, versions, tmp)
 
 
@@ -339,6 +401,30 @@ def _raw_shm(tensors: dict, n: int, versions: int):
     del shared
     segment.close()
     segment.unlink()
+    return times, extra
+
+
+def _raw_cuda(tensors: dict, n: int, versions: int):
+    from asyncrl.engines.tensor_payload import encode
+
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    shared = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    opts = {"role": "raw-cuda", "handle": encode(shared), "versions": versions, "device": DEVICE}
+    procs = [spawn(opts) for _ in range(n)]
+    ready(procs)
+    times, extra = [], 0.0
+    for _ in range(versions):
+        start = time.perf_counter()
+        torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()], out=shared)
+        torch.cuda.synchronize()  # the bytes are there before anyone is told
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        done, mb = read_done(procs)
+        times.append(done - start)
+        extra = max(extra, mb)
+    finish(procs)
     return times, extra
 
 
@@ -448,37 +534,47 @@ def compare(transport: str, tensors: dict, n: int, versions: int, rounds: int) -
 
 
 def main() -> None:
-    global BUCKET_BYTES  # --bucket-mib sets it; the measure functions read it
+    global BUCKET_BYTES, DEVICE  # flags that the measure functions and children read
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="the 135M model only")
     ap.add_argument("--transports", default="pull,dist,ipc,disk")
-    ap.add_argument("--models", default=",".join(MODELS), help="of: " + ", ".join(MODELS))
+    ap.add_argument(
+        "--models", default="smollm2-135m,qwen2.5-0.5b-shape", help="of: " + ", ".join(MODELS)
+    )
     ap.add_argument(
         "--bucket-mib",
         type=int,
         default=BUCKET_BYTES >> 20,
         help="dist bucket size (a job's --update-weight-buffer-size)",
     )
+    ap.add_argument("--device", default="cpu", help="cuda: ipc by CUDA IPC (module docstring)")
     ap.add_argument("--out", default="bench/results/weight_sync.json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         opts = json.loads(args.child)
+        DEVICE = opts.get("device", "cpu")
         role = opts["role"]
         if role == "asyncrl":
             uvloop.run(child_asyncrl(opts))
         else:
             {"raw-zmq": child_raw_zmq, "raw-dist": child_raw_dist, "raw-shm": child_raw_shm,
-             "raw-disk": child_raw_disk}[role](opts)  # fmt: skip
+             "raw-disk": child_raw_disk, "raw-cuda": child_raw_cuda}[role](opts)  # fmt: skip
         return
-    BUCKET_BYTES = args.bucket_mib << 20
+    BUCKET_BYTES, DEVICE = args.bucket_mib << 20, args.device
+    if DEVICE != "cpu":
+        if args.transports != "ipc":
+            print(f"--device {DEVICE}: the ipc transport alone (module docstring)")
+        args.transports = "ipc"
+        if "smollm2-135m" in args.models.split(","):
+            args.models = args.models.replace("smollm2-135m", "smollm2-135m-shape")
     torch.set_num_threads(2)
     results = []
-    models = list(MODELS)[:1] if args.quick else args.models.split(",")
+    models = args.models.split(",")[:1] if args.quick else args.models.split(",")
     for name in models:
-        tensors = MODELS[name]()
+        tensors = {k: t.to(DEVICE) for k, t in MODELS[name]().items()}
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         print(f"\n{name}: {sum(t.numel() for t in tensors.values()) / 1e6:.1f}M parameters, "
               f"{nbytes / 2**20:,.0f} MiB fp32, {len(tensors)} tensors")  # fmt: skip

@@ -25,8 +25,10 @@ from asyncrl.types import Group, Sample, SampleStatus, TrainBatch
 SAMPLING = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 24, "ignore_eos": True}
 
 
-async def _generate(model_dir: Path, prompts: list[list[int]], n: int) -> TrainBatch:
-    engine = TorchEngine.from_pretrained(str(model_dir))
+async def _generate(
+    model_dir: Path, prompts: list[list[int]], n: int, device: str = "cpu"
+) -> TrainBatch:
+    engine = TorchEngine.from_pretrained(str(model_dir), device=device)
     task = asyncio.create_task(engine.run())
     try:
         groups = []
@@ -58,9 +60,10 @@ def _recomputed(trainer: TorchTrainer, batch: TrainBatch) -> tuple[torch.Tensor,
     return scored[mask], rows.behaviour[mask]
 
 
-def _check(model_dir: Path, prompts: list[list[int]], n: int, dtype: str = "float32") -> None:
-    batch = asyncio.run(_generate(model_dir, prompts, n))
-    cfg = TorchTrainer.Config(model_path=str(model_dir), lr=1e-6, dtype=dtype)
+def _check(model_dir: Path, prompts: list[list[int]], n: int, device: str = "cpu") -> None:
+    """Engine and trainer on ``device`` (tests/test_gpu.py runs it on a GPU)."""
+    batch = asyncio.run(_generate(model_dir, prompts, n, device))
+    cfg = TorchTrainer.Config(model_path=str(model_dir), lr=1e-6, device=device)
     trainer = TorchTrainer(cfg, PolicyConfig(off_policy_correction="tis"))
     ours, engine = _recomputed(trainer, batch)
     assert ours.numel() == sum(s.response_length for g in batch.groups for s in g.samples)
