@@ -41,6 +41,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +55,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.engines.base import GenerateRequest, SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, too
+from bench.torch_profile import profiled
 
 Work = list[tuple[list[int], int]]
 
@@ -223,6 +227,7 @@ def main() -> None:
     )
     ap.add_argument("--vllm-python", default="")
     ap.add_argument("--skip", nargs="*", default=[], choices=["engine", "hf", "vllm"])
+    ap.add_argument("--profile", action="store_true", help="profile the engine's uniform run")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -244,10 +249,12 @@ def main() -> None:
     hf_model = build_model(args.model, args.device, args.dtype) if "hf" not in args.skip else None
     for name, work in works.items():
         if "engine" not in args.skip:
-            rates[name]["engine"] = asyncio.run(run_engine(model, work, args.batch))
+            with profiled(f"engine, {name}", enabled=args.profile and name == "uniform"):
+                rates[name]["engine"] = asyncio.run(run_engine(model, work, args.batch))
+            print(f"{name} engine: {rates[name]['engine']:.1f} tokens/s", flush=True)
         if hf_model is not None:
             rates[name]["hf"] = run_hf(hf_model, work, args.batch)
-        print(name, {k: round(v, 1) for k, v in rates[name].items()}, flush=True)
+            print(f"{name} hf: {rates[name]['hf']:.1f} tokens/s", flush=True)
     vllm = None
     if "vllm" not in args.skip:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -7,11 +7,13 @@
 # The device's image has torch, transformers and peft but not our other dependencies:
 # carry them as Python 3.12 wheels in .whl/ (pyzmq, msgspec, pydantic, pydantic-core,
 # typing-inspection, annotated-types, typing-extensions, structlog, transformers, and for
-# TRL: trl, datasets, dill, multiprocess, pytest-asyncio for the tests), and SmolLM2's
+# TRL: trl, datasets, dill, multiprocess; jsonschema, referencing, rpds-py and
+# jsonschema-specifications for the job; pytest-asyncio for the tests), and SmolLM2's
 # config and tokenizer in .gpu/smol/: its weights (a 98 MB file) do not travel, so the
 # benches run a model of its shape with random weights, which costs the same compute.
 #
-#   run(command="bash bench/gpu.sh", carry=[".whl", ".gpu"], timeout_s=540)
+#   run(command="bash bench/gpu.sh", carry=[".whl", ".gpu"], timeout_s=420)
+# At most 8 files come back from $OUT: the logs hold the results.
 set -u
 OUT=${OUT:-/tmp/asyncrl-gpu}
 mkdir -p "$OUT"
@@ -22,9 +24,9 @@ if [ -d .whl ]; then
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/summary.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__,
-    'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
+    'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/summary.txt"
 
 SMOL=/tmp/smollm2-shape
 python3 - "$SMOL" <<'EOF'
@@ -53,16 +55,18 @@ step() {  # step NAME SECONDS COMMAND...: its log under $OUT, its tail here
     tail -n 18 "$OUT/$name.log"
 }
 
-step pytest 80 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
-step weight_sync 140 python3 bench/weight_sync.py --device cuda --versions 3 --rounds 1 \
+# In order of need: a step cut short by the device time left loses only what follows it.
+step pytest 50 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step weight_sync 85 python3 bench/weight_sync.py --device cuda --versions 3 --rounds 1 \
     --out "$OUT/weight_sync.json"
-step engine 90 python3 bench/engine.py --device cuda --model "$SMOL" --skip vllm \
-    --requests 128 --batch 128 --out "$OUT/engine.json"
-step real_trainer 100 python3 bench/real_trainer.py --device cuda --model "$SMOL" \
-    --dtype bf16-mixed --groups 16 --budget 8192 --steps 3 --variants packed,trl-onpolicy \
-    --out "$OUT/real_trainer.json"
-step job 80 python3 -m asyncrl.cli train examples/arith/config.yaml --name gpu \
+step job 60 python3 -m asyncrl.cli train examples/arith/config.yaml --name gpu \
     --trainer.device cuda --rollout.engine.device cuda --update-weight-transport ipc \
     --train.num-steps 12 --eval-interval 0 --overwrite
-cp runs/gpu/metrics.jsonl "$OUT/job_metrics.jsonl" 2>/dev/null
+tail -n 3 runs/gpu/metrics.jsonl >>"$OUT/job.log" 2>/dev/null
+step engine 100 python3 bench/engine.py --device cuda --model "$SMOL" --skip vllm \
+    --requests 32 --batch 32 --median 16 --tail 12 --uniform 32 --profile \
+    --out /tmp/engine.json
+step real_trainer 90 python3 bench/real_trainer.py --device cuda --model "$SMOL" \
+    --dtype bf16-mixed --groups 16 --budget 8192 --steps 2 --variants packed,padded \
+    --profile --out /tmp/real_trainer.json
 cat "$OUT/summary.txt"

@@ -16,6 +16,8 @@ default) draws prompts of 0.6-1.4 x ``--prompt`` tokens and lognormal responses 
   old policy's; the same compute);
 - ``masked``: ``packed`` with sdpa and a block-diagonal ``L x L`` mask (the attention
   the trainer used before ``packed_attention``);
+- ``padded``: ``packed``'s step on micro-batches right-padded to their longest sequence
+  (``packing=False``), one batched attention call per layer;
 - ``trl-onpolicy``: TRL's ``GRPOTrainer`` on the same samples as padded tensors (left-padded
   prompts, right-padded completions, as its ``_generate_and_score_completions`` builds
   them), cut into per-device batches of ``--trl-micro`` rows (default 8, as a TRL user
@@ -56,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ASYNCRL = ("packed", "bypass", "masked")
+ASYNCRL = ("packed", "bypass", "masked", "padded")
 TRL = ("trl", "trl-onpolicy")
 
 
@@ -100,8 +102,11 @@ def asyncrl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
     """Step seconds and trained tokens (prompt + response) of asyncrl's TorchTrainer."""
     from asyncrl.policies import PolicyConfig
     from asyncrl.trainers.torch_trainer import TorchTrainer
+    from bench.torch_profile import profiled
 
-    extra = {"attn_implementation": "sdpa"} if args.variant == "masked" else {}
+    extra: dict[str, Any] = {"attn_implementation": "sdpa"} if args.variant == "masked" else {}
+    if args.variant == "padded":  # each micro-batch right-padded to its longest sequence
+        extra["packing"] = False
     cfg = TorchTrainer.Config(
         model_path=args.model, lr=1e-6, max_tokens_per_microbatch=args.budget,
         dtype=args.dtype, device=args.device, **extra,
@@ -111,8 +116,9 @@ def asyncrl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
     times, tokens = [], 0.0
     for k in range(args.steps):
         start = time.perf_counter()
-        result = trainer.train_step(batch(k, args))
-        sync(args.device)
+        with profiled(f"{args.variant} step", enabled=args.profile and k == args.steps - 1):
+            result = trainer.train_step(batch(k, args))
+            sync(args.device)
         times.append(time.perf_counter() - start)
         tokens = result.metrics["tokens"]
     return times, tokens
@@ -165,6 +171,8 @@ def trl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    from bench.torch_profile import profiled
+
     n = 8 * args.groups
     config = GRPOConfig(
         output_dir="/tmp/asyncrl-bench-trl", use_cpu=args.device == "cpu", seed=0,
@@ -194,6 +202,8 @@ def trl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
         inputs = {key: t.to(args.device) for key, t in trl_inputs(batch(k, args)).items()}
         sync(args.device)
         start = time.perf_counter()
+        region = profiled(f"{args.variant} step", enabled=args.profile and k == args.steps - 1)
+        region.__enter__()
         for part in trl_split(inputs, chunks):
             if args.variant == "trl":  # the pass _generate_and_score_completions makes
                 ids = torch.cat([part["prompt_ids"], part["completion_ids"]], 1)
@@ -207,6 +217,7 @@ def trl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
         trainer.optimizer.step()
         trainer.optimizer.zero_grad()
         sync(args.device)
+        region.__exit__(None, None, None)
         times.append(time.perf_counter() - start)
         tokens = float(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
     return times, tokens
@@ -253,6 +264,7 @@ def run(variant: str, repo: Path, args: argparse.Namespace) -> dict:
              "--dtype": args.dtype, "--trl-micro": args.trl_micro,
              "--device": args.device}  # fmt: skip
     cmd = [sys.executable, __file__, "--child", "--variant", variant, "--model", args.model]
+    cmd += ["--profile"] if args.profile else []
     cmd += [str(x) for kv in sizes.items() for x in kv]
     # The checkout first; what the caller's path held (packages installed aside) after it.
     path = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)
@@ -260,6 +272,8 @@ def run(variant: str, repo: Path, args: argparse.Namespace) -> dict:
     out = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"variant {variant} failed:\n{out.stderr[-3000:]}")
+    if args.profile and "== " in out.stderr:  # the child's profiler tables
+        print(out.stderr[out.stderr.index("== ") :], file=sys.stderr, flush=True)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     row["repo"] = str(repo)
     return row
@@ -315,6 +329,7 @@ def main() -> None:
         help="TRL's per-device batch (rows); the step accumulates over the rest",
     )
     ap.add_argument("--variants", default="packed,trl-onpolicy,trl")
+    ap.add_argument("--profile", action="store_true", help="profile each variant's last step")
     ap.add_argument("--repo", type=Path, help="also run 'masked' in this checkout (before)")
     ap.add_argument("--out", default="bench/results/real_trainer.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

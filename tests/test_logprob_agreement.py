@@ -57,7 +57,7 @@ def _recomputed(trainer: TorchTrainer, batch: TrainBatch) -> tuple[torch.Tensor,
     mbs = trainer._microbatches(rows)
     scored = trainer._score(trainer.policy.model, mbs, (rows.num_rows + 1, rows.width))[:-1]
     mask = rows.mask.bool()
-    return scored[mask], rows.behaviour[mask]
+    return scored.cpu()[mask], rows.behaviour[mask]  # scored on the trainer's device
 
 
 def _check(model_dir: Path, prompts: list[list[int]], n: int, device: str = "cpu") -> None:
