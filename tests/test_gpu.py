@@ -20,8 +20,9 @@ import torch
 
 from asyncrl.policies import PolicyConfig
 from asyncrl.trainers.torch_trainer import TorchTrainer
+from asyncrl.trainers.weight_sync import WeightReceiver
 from tests.test_logprob_agreement import _check, _generate
-from tests.test_weight_sync import publisher, weights
+from tests.test_weight_sync import publisher, same, weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -55,6 +56,33 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 
 def test_the_cuda_trainer_recomputes_the_cuda_engines_log_probs(tiny_dir):
     _check(tiny_dir, PROMPTS, n=2, device="cuda")
+
+
+async def test_plain_rows_sampled_on_the_gpu_report_their_log_probs_under_z_over_t(tiny_dir):
+    """Rows with no truncation are sampled on the logits' device (sampling.py): each
+    reported log-prob is log_softmax(z / T) of a teacher-forced forward at that token."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.engines.base import GenerateRequest, SamplingParams
+    from asyncrl.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine.from_pretrained(str(tiny_dir), device="cuda")
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir)).to("cuda").eval()
+    task = asyncio.create_task(engine.run())
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            params = SamplingParams(temperature=0.8, max_new_tokens=16, ignore_eos=True,
+                                    sampling_seed=i)  # fmt: skip
+            request = GenerateRequest(rid=f"p{i}", input_ids=prompt, sampling=params)
+            out = [o async for o in engine.generate(request)][-1]
+            with torch.no_grad():
+                ids = torch.tensor([prompt + out.output_ids], device="cuda")
+                z = model(ids).logits[0, len(prompt) - 1 : -1].float() / 0.8
+            want = torch.log_softmax(z, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+            assert torch.allclose(torch.tensor(out.logprobs), want.cpu(), atol=1e-4)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def test_a_bf16_mixed_step_on_the_gpu_trains_and_exports_its_live_weights(tiny_dir):
@@ -95,6 +123,11 @@ async def test_cuda_ipc_versions_reach_a_receiver_process_on_the_gpu(tmp_path):
             want = {k: float(v.double().sum()) for k, v in tensors.items()}
             assert got == {"version": version, "transport": "ipc", "sums": want}
         assert await asyncio.wait_for(proc.wait(), 60) == 0
+        # Off the host (or too late for the slot) a receiver pulls: the blob server copies
+        # the device buckets to the host a chunk at a time.
+        async with WeightReceiver(pub.endpoint, pub.snapshot_endpoint, shared=False) as rx:
+            msg = await asyncio.wait_for(rx.next_version(after=3), 10)
+            assert same(await rx.fetch(msg), weights(4)) and rx.counts["pulled"] == 1
     finally:
         if proc.returncode is None:
             proc.kill()

@@ -30,9 +30,10 @@ the last bits with the batch's shape: padding width, matmul sizes).
 
 ``sample_rows`` does a decode step's rows together: the rows that need no per-row work
 (no bias, penalty or truncation; the common case of a training rollout) share one
-log-softmax and one cumulative sum over ``[rows, vocab]``; the others go through
-``sample`` one by one. The path depends on the row's own parameters only, and both draw
-with the same inverse CDF.
+log-softmax and one cumulative sum over ``[rows, vocab]``, on the logits' device (a
+GPU's: only the uniforms go up and the tokens and their log-probs come back); the others
+go through ``sample`` one by one, on the CPU. The path depends on the row's own
+parameters only, and both draw with the same inverse CDF.
 
 Greedy requests take ``argmax z'`` and report the log-prob under the model's
 unscaled distribution (``log_softmax(z)``: temperature 1). The top-k alternatives
@@ -143,8 +144,8 @@ def sample_rows(
             out[i] = result
     for i, row in enumerate(rows):
         if out[i] is None:
-            try:
-                out[i] = sample(logits[i], row, num_tops[i])
+            try:  # per-row state (seen tokens, counts) lives on the CPU
+                out[i] = sample(logits[i].cpu(), row, num_tops[i])
             except RuntimeError as exc:
                 out[i] = exc
     return out  # type: ignore[return-value]
@@ -167,13 +168,14 @@ def _sample_plain(
     for j, i in enumerate(index):
         if rows[i].num_generated < rows[i].params.min_new_tokens and rows[i].blocked:
             z[j, rows[i].blocked] = float("-inf")
-    temperature = torch.tensor([rows[i].params.temperature for i in index], dtype=z.dtype)
-    logp = torch.log_softmax(z / temperature[:, None], -1)
-    tokens = _draw(logp.exp(), [rows[i].generator for i in index])
-    picked = logp.gather(-1, tokens.clamp(min=0)[:, None]).squeeze(-1).tolist()
+    temperature = [rows[i].params.temperature for i in index]
+    logp = torch.log_softmax(z / torch.tensor(temperature, device=z.device)[:, None], -1)
+    drawn = _draw(logp.exp(), [rows[i].generator for i in index])
+    picked = logp.gather(-1, drawn.clamp(min=0)[:, None]).squeeze(-1).tolist()
+    tokens = drawn.tolist()  # one transfer from a GPU, not one per row
     out: list[Sampled | RuntimeError] = []
     for j, i in enumerate(index):
-        token = int(tokens[j])
+        token = tokens[j]
         if token < 0:
             out.append(RuntimeError("no token has a finite probability"))
             continue
@@ -192,7 +194,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1]
     uniform = [torch.rand(1, generator=g, dtype=torch.float64) for g in generators]
-    u = torch.cat(uniform) * total
+    u = torch.cat(uniform).to(probs.device) * total  # drawn on the CPU, whatever the device
     tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1)
     bad = ~torch.isfinite(total) | (total <= 0)
     return torch.where(bad, -1, tokens.clamp(max=probs.shape[-1] - 1))

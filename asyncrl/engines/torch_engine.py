@@ -535,7 +535,7 @@ class TorchEngine:
                     s.req.top_logprobs_num,
                     temperature=s.row.params.logprob_temperature,
                 )
-        self._merge(seqs, cache, mask, out.logits[:, -1, :].float().cpu())
+        self._merge(seqs, cache, mask, out.logits[:, -1, :].float())
 
     def _merge(self, seqs: list[_Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
         tokens = [0] * len(seqs)  # placeholders for rows that leave at the finish check
@@ -563,12 +563,12 @@ class TorchEngine:
             **{self._cache_kwarg: b.cache},  # filled in place
         )
         b.mask, b.positions = mask, b.positions + 1
-        logits = out.logits[:, -1, :].float().cpu()
+        logits = out.logits[:, -1, :].float()  # sampled where it is (sampling.py)
         b.last = torch.tensor(self._sample(b.seqs, logits))
         self._finish_checks()
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
-        """Sample each row's next token from its row of CPU ``logits`` and record it (a
+        """Sample each row's next token from its row of ``logits`` and record it (a
         device error surfaces before this, where the whole batch fails); a row that
         cannot be sampled fails alone, with a placeholder token until its finish check."""
         rows = [s.row for s in seqs]

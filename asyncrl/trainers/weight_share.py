@@ -178,11 +178,10 @@ def _allow_opens(flat: torch.Tensor, handles: int = 1) -> None:
 
 class SharedMaps:
     """A receiver's open mappings of shared buckets, by handle list, so that a slot the
-    trainer refills version after version is mapped once. Mapped anew each version, a
-    0.5B model's CUDA IPC update took 0.77 s on an H200 where copying the same bytes out
-    of a buffer mapped once took 4 ms (``bench/weight_sync.py --device cuda``). The
-    newest ``limit`` lists stay open (the trainer's ring has ``keep + 1`` slots); an
-    older one is let go, so memory the trainer replaced is freed."""
+    trainer refills version after version is mapped once (an IPC handle's open, a named
+    segment's page faults), as the raw comparison in ``bench/weight_sync.py`` maps its
+    buffer once. The newest ``limit`` lists stay open (the trainer's ring has ``keep + 1``
+    slots); an older one is let go, so memory the trainer replaced is freed."""
 
     def __init__(self, limit: int = 4) -> None:
         self.limit = limit
