@@ -60,16 +60,15 @@ def packed_attention(
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     p = dropout if module.training else 0.0
-    outs, start = [], 0
-    for n in packed_segments:
-        s = slice(start, start + n)
-        outs.append(
-            F.scaled_dot_product_attention(
-                query[:, :, s], key[:, :, s], value[:, :, s], dropout_p=p, is_causal=True,
-                scale=scaling,
-            )
-        )  # fmt: skip
-        start += n
+    # One split per tensor, not a slice per sequence: a slice's backward writes its
+    # gradient into a zeroed tensor of the whole row, so k sequences cost k full-row fills
+    # and adds per layer (128 sequences of 16 tokens: 20 of a step's 40 s of CPU and
+    # 20 GB); the split's backward is one concatenation.
+    pieces = zip(*(x.split(list(packed_segments), dim=2) for x in (query, key, value)), strict=True)
+    outs = [
+        F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling)
+        for q, k, v in pieces
+    ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
