@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +55,33 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
+def claimable(run_dir: Path) -> bool:
+    try:
+        with claim_run_dir(run_dir, resume=True):
+            return True
+    except RunDirInUse:
+        return False
+
+
+def lock_holders(run_dir: Path) -> str:
+    """The processes with the run's lock file open, for a timeout's message."""
+    lock, holders = (run_dir / ".lock").resolve(), []
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if Path(os.readlink(fd)) == lock:
+                pid = fd.parent.parent.name
+                holders.append(f"{pid} {Path(f'/proc/{pid}/cmdline').read_text()!r}")
+        except OSError:
+            continue
+    return ", ".join(holders) or "none"
+
+
+def wait_for(predicate, timeout: float, what: str | Callable[[], str]) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, (
+            f"timed out waiting for {what() if callable(what) else what}"
+        )
         time.sleep(0.1)
 
 
@@ -90,8 +113,10 @@ def test_a_job_resumed_after_its_controller_was_sigkilled_trains_no_group_twice(
         with claim_run_dir(run_dir, resume=True):
             pass
     os.kill(buffer, signal.SIGCONT)
-    # They notice their controller is gone and exit; the user waits for that.
+    # They notice their controller is gone and exit; the user waits for that, and for the
+    # run to be free: an actor whose log was still empty is not in actor_pids.
     wait_for(lambda: not any(alive(p) for p in actor_pids(run_dir)), 120, "orphans to exit")
+    wait_for(lambda: claimable(run_dir), 60, lambda: f"the run's lock: {lock_holders(run_dir)}")
     # The user resumes with another step count than the first run asked for.
     resumed = [*job_flags(tmp_path, steps=8), *LONG_RUN, *AUDITED, *QUICK_STOP]
     assert main(["train", *resumed, "--resume"]) == 0
