@@ -384,24 +384,11 @@ def _raw_shm(tensors: dict, n: int, versions: int):
     segment = shared_memory.SharedMemory(create=True, size=nbytes)
     shared = torch.frombuffer(segment.buf, dtype=torch.uint8)
     opts = {"role": "raw-shm", "name": segment.name, "nbytes": nbytes, "versions": versions}
-    procs = [spawn(opts) for _ in range(n)]
-    ready(procs)
-    times, extra = [], 0.0
-    for _ in range(versions):
-        start = time.perf_counter()
-        torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()], out=shared)
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        done, mb = read_done(procs)
-        times.append(done - start)
-        extra = max(extra, mb)
-    finish(procs)
+    result = copy_rounds(tensors, shared, [spawn(opts) for _ in range(n)], versions)
     del shared
     segment.close()
     segment.unlink()
-    return times, extra
+    return result
 
 
 def _raw_cuda(tensors: dict, n: int, versions: int):
@@ -410,13 +397,19 @@ def _raw_cuda(tensors: dict, n: int, versions: int):
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     shared = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     opts = {"role": "raw-cuda", "handle": encode(shared), "versions": versions, "device": DEVICE}
-    procs = [spawn(opts) for _ in range(n)]
+    return copy_rounds(tensors, shared, [spawn(opts) for _ in range(n)], versions)
+
+
+def copy_rounds(tensors: dict, shared: torch.Tensor, procs: list, versions: int):
+    """Per version: the bytes copied into ``shared`` (on a GPU, finished before anyone is
+    told), then every receiver told to copy them out."""
     ready(procs)
     times, extra = [], 0.0
     for _ in range(versions):
         start = time.perf_counter()
         torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()], out=shared)
-        torch.cuda.synchronize()  # the bytes are there before anyone is told
+        if shared.device.type == "cuda":
+            torch.cuda.synchronize()
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
