@@ -112,38 +112,6 @@ async def test_fetch_into_preallocated_tensors_copies_in_place(tmp_path):
         await pub.aclose()
 
 
-async def test_a_receiver_maps_each_shared_slot_once_and_reads_each_refill(tmp_path, monkeypatch):
-    """Five versions through a ring of three slots: each slot's buckets are opened once
-    (opening a CUDA IPC handle costs milliseconds), and a reopened slot shows its new
-    version's values, not the old one's."""
-    from asyncrl.trainers import weight_share
-
-    opened: list[str] = []
-
-    def counting_decode(handle: str):
-        opened.append(handle)
-        return decode(handle)
-
-    decode = weight_share.decode
-    monkeypatch.setattr(weight_share, "decode", counting_decode)
-    pub, blob, sync = await publisher("ipc", tmp_path)  # keep 2: a ring of 3 slots
-    try:
-        async with WeightReceiver(pub.endpoint, pub.snapshot_endpoint) as rx:
-            handles = []
-            for version in range(1, 6):
-                msg = await sync.publish(version, weights(version))
-                handles.append(tuple(msg.handles))
-                got = await asyncio.wait_for(rx.next_version(after=version - 1), 10)
-                assert same(await rx.fetch(got), weights(version))
-            assert handles[3] == handles[0] and handles[4] == handles[1]  # slots refilled
-            assert len(opened) == sum(len(h) for h in handles[:3])
-            assert rx.counts["shared"] == 5
-    finally:
-        sync.close()
-        await blob.aclose()
-        await pub.aclose()
-
-
 async def test_ipc_versions_are_shared_on_the_host_and_pulled_from_elsewhere(tmp_path):
     pub, blob, sync = await publisher("ipc", tmp_path, keep=1)
     try:

@@ -29,9 +29,7 @@ import _posixshmem
 import contextlib
 import shutil
 import socket
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -176,41 +174,12 @@ def _allow_opens(flat: torch.Tensor, handles: int = 1) -> None:
             storage._shared_incref()
 
 
-class SharedMaps:
-    """A receiver's open mappings of shared buckets, by handle list, so that a slot the
-    trainer refills version after version is mapped once (an IPC handle's open, a named
-    segment's page faults), as the raw comparison in ``bench/weight_sync.py`` maps its
-    buffer once. The newest ``limit`` lists stay open (the trainer's ring has ``keep + 1``
-    slots); an older one is let go, so memory the trainer replaced is freed."""
-
-    def __init__(self, limit: int = 4) -> None:
-        self.limit = limit
-        self._open: OrderedDict[tuple[str, ...], list[Any]] = OrderedDict()
-
-    def payloads(self, handles: list[str]) -> list[Any]:
-        """Each handle's decoded payload (its tensors mapped), from the cache if open."""
-        key = tuple(handles)
-        if key in self._open:
-            self._open.move_to_end(key)
-            return self._open[key]
-        self._open[key] = [decode(h) for h in handles]
-        while len(self._open) > self.limit:
-            self._open.popitem(last=False)
-        return self._open[key]
-
-    def close(self) -> None:
-        """Let every mapping go."""
-        self._open.clear()
-
-
-def take_shared(
-    handles: list[str], version: int, sink: Sink, maps: SharedMaps | None = None
-) -> None:
-    """Map each bucket of ``handles`` (through ``maps`` if given) and hand each of its
-    tensors to ``sink(name, view)`` (a view of shared memory: copy it). ``EngineError``
-    when a bucket is gone, or no longer holds ``version`` (refilled: we were too slow)."""
-    payloads = maps.payloads(handles) if maps is not None else [decode(h) for h in handles]
-    for payload in payloads:
+def take_shared(handles: list[str], version: int, sink: Sink) -> None:
+    """Map each bucket of ``handles`` and hand each of its tensors to ``sink(name, view)``
+    (a view of shared memory: copy it). ``EngineError`` when a bucket is gone, or no
+    longer holds ``version`` (refilled: we were too slow)."""
+    for handle in handles:
+        payload = decode(handle)
         stamp = payload.get("stamp") if isinstance(payload, dict) else None
         _check_stamp(stamp, version)
         for name, view in named_tensors(payload, "flattened_bucket").items():

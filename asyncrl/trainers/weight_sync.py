@@ -48,7 +48,7 @@ from asyncrl.engines.base import EngineError
 from asyncrl.observe.logs import get_logger
 from asyncrl.trainers.weight_buckets import Sink
 from asyncrl.trainers.weight_group import BroadcastGroup, GroupMembership
-from asyncrl.trainers.weight_share import HOST, SharedMaps, SharedVersions, take_shared
+from asyncrl.trainers.weight_share import HOST, SharedVersions, take_shared
 from asyncrl.wire.blob import BlobClient, BlobServer, layout
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import WouldBlock
@@ -232,7 +232,6 @@ class WeightReceiver:
         self.subscriber = Subscriber(endpoint, snapshot_endpoint, codec, [TOPIC], name=name)
         self.window, self.max_frame_bytes, self.puller = window, max_frame_bytes, puller
         self.shared = shared  # ipc versions from shared memory (False: always pull)
-        self._maps = SharedMaps()
         self.lineage = ""  # the trainer whose versions we take (WeightVersion.trainer)
         self._clients: dict[str, BlobClient] = {}
         #: dist and ipc versions taken by broadcast, from shared memory, and by pull
@@ -246,7 +245,6 @@ class WeightReceiver:
         for client in self._clients.values():
             await client.aclose()
         self._clients.clear()
-        self._maps.close()
         await self.subscriber.__aexit__(*exc)
 
     async def next_version(self, after: int = -1) -> WeightVersion:
@@ -298,7 +296,7 @@ class WeightReceiver:
         if msg.host == HOST and self.shared:
             got, sink = _collector(out)
             try:
-                await asyncio.to_thread(take_shared, msg.handles, msg.version, sink, self._maps)
+                await asyncio.to_thread(take_shared, msg.handles, msg.version, sink)
                 self.counts["shared"] += 1
                 return got
             except EngineError as exc:  # dropped meanwhile: the blob server may have it
