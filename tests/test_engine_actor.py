@@ -83,6 +83,12 @@ def test_sglang_flags_become_the_servers_arguments():
     assert command[4:6] == ["-m", "sglang.launch_server"]
     assert command[6:] == ["--model-path", "m", "--host", "127.0.0.1", "--port", "31000",
                            "--tp", "2"]  # fmt: skip
+    # The job's seed and the actor's name give each server its own, replayable stream.
+    seeds = [sglang_command(cfg, "h", 1, f"0/{n}") for n in ("engine-0", "engine-0", "engine-1")]
+    values = [c[c.index("--random-seed") + 1] for c in seeds]
+    assert values[0] == values[1] != values[2] and all(v.isdigit() for v in values)
+    own = cfg.model_copy(update={"server_args": ["--random-seed=7"]})
+    assert sglang_command(own, "h", 1, "0/engine-0").count("--random-seed") == 0
 
 
 @pytest.mark.parametrize(

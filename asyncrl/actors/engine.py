@@ -28,6 +28,7 @@ import contextlib
 import os
 import signal
 import sys
+import zlib
 from collections import deque
 from typing import Any
 from urllib.parse import urlsplit
@@ -52,17 +53,22 @@ def engine_url(endpoint: str) -> str:
     return f"http://{parts.hostname}:{parts.port}"
 
 
-def sglang_command(cfg: EngineConfig, host: str, port: int) -> list[str]:
+def sglang_command(cfg: EngineConfig, host: str, port: int, seed: str | None = None) -> list[str]:
     """The SGLang server's command line, tethered to this process (``runtime/tether.py``).
 
     No ``--dtype``: SGLang's own default (the checkpoint's dtype) beats our float32 default
-    for the embedded engine; ``--sglang-dtype`` sets it.
+    for the embedded engine; ``--sglang-dtype`` sets it. ``--random-seed`` comes from
+    ``seed`` (``rollout/engines.py::engine_seed``: the job's seed and this actor's name,
+    None for a restarted incarnation) unless the server arguments set one: a rerun's
+    servers sample as the first run's did, and two servers not in lockstep.
     """
+    named = any(a.split("=")[0] == "--random-seed" for a in cfg.server_args)
+    seeded = [] if seed is None or named else ["--random-seed", str(zlib.crc32(seed.encode()))]
     return [
         sys.executable, "-m", "asyncrl.runtime.tether",
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(cfg.model_path), "--host", host, "--port", str(port),
-        *cfg.server_args,
+        *seeded, *cfg.server_args,
     ]  # fmt: skip
 
 
@@ -108,7 +114,10 @@ class EngineActor(Actor):
         self._stack.push_async_callback(self.server.stop)
 
     async def _start_sglang(self, host: str, port: int) -> None:
-        command = sglang_command(self.cfg, host, port)
+        from asyncrl.rollout.engines import engine_seed
+
+        seed = engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted)
+        command = sglang_command(self.cfg, host, port, seed)
         log.info("starting sglang", command=" ".join(command))  # before the key is added
         key = ["--api-key", self.api_key] if self.api_key else []
         self.proc = await asyncio.create_subprocess_exec(
