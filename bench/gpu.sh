@@ -12,7 +12,7 @@
 # config and tokenizer in .gpu/smol/: its weights (a 98 MB file) do not travel, so the
 # benches run a model of its shape with random weights, which costs the same compute.
 #
-#   run(command="bash bench/gpu.sh", carry=[".whl", ".gpu"], timeout_s=420)
+#   run(command="bash bench/gpu.sh", carry=[".whl", ".gpu"], timeout_s=580)
 # At most 8 files come back from $OUT: the logs hold the results.
 set -u
 OUT=${OUT:-/tmp/asyncrl-gpu}
@@ -57,16 +57,19 @@ step() {  # step NAME SECONDS COMMAND...: its log under $OUT, its tail here
 
 # In order of need: a step cut short by the device time left loses only what follows it.
 step pytest 50 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
-step weight_sync 85 python3 bench/weight_sync.py --device cuda --versions 3 --rounds 1 \
+step weight_sync 100 python3 bench/weight_sync.py --device cuda --versions 3 --rounds 1 \
     --out "$OUT/weight_sync.json"
 step job 60 python3 -m asyncrl.cli train examples/arith/config.yaml --name gpu \
     --trainer.device cuda --rollout.engine.device cuda --update-weight-transport ipc \
     --train.num-steps 12 --eval-interval 0 --overwrite
 tail -n 3 runs/gpu/metrics.jsonl >>"$OUT/job.log" 2>/dev/null
 step engine 100 python3 bench/engine.py --device cuda --model "$SMOL" --skip vllm \
-    --requests 32 --batch 32 --median 16 --tail 12 --uniform 32 --profile \
+    --requests 64 --batch 64 --median 16 --tail 12 --uniform 32 --profile \
     --out /tmp/engine.json
-step real_trainer 90 python3 bench/real_trainer.py --device cuda --model "$SMOL" \
-    --dtype bf16-mixed --groups 16 --budget 8192 --steps 2 --variants packed,padded \
-    --profile --out /tmp/real_trainer.json
+step real_trainer 150 python3 bench/real_trainer.py --device cuda --model "$SMOL" \
+    --dtype bf16-mixed --groups 16 --budget 8192 --steps 2 \
+    --variants packed,padded,trl-onpolicy --out /tmp/real_trainer.json
+step real_trainer_profile 60 python3 bench/real_trainer.py --device cuda --model "$SMOL" \
+    --dtype bf16-mixed --groups 16 --budget 8192 --steps 1 --variants packed --profile \
+    --out /tmp/real_trainer_profile.json
 cat "$OUT/summary.txt"
