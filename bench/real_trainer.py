@@ -202,22 +202,20 @@ def trl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
         inputs = {key: t.to(args.device) for key, t in trl_inputs(batch(k, args)).items()}
         sync(args.device)
         start = time.perf_counter()
-        region = profiled(f"{args.variant} step", enabled=args.profile and k == args.steps - 1)
-        region.__enter__()
-        for part in trl_split(inputs, chunks):
-            if args.variant == "trl":  # the pass _generate_and_score_completions makes
-                ids = torch.cat([part["prompt_ids"], part["completion_ids"]], 1)
-                mask = torch.cat([part["prompt_mask"], part["completion_mask"]], 1)
-                with torch.no_grad():
-                    part["old_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
-                        model, ids, mask, part["completion_ids"].size(1), batch_size=n
-                    )[0]
-            trainer.compute_loss(model, part).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad()
-        sync(args.device)
-        region.__exit__(None, None, None)
+        with profiled(f"{args.variant} step", enabled=args.profile and k == args.steps - 1):
+            for part in trl_split(inputs, chunks):
+                if args.variant == "trl":  # the pass _generate_and_score_completions makes
+                    ids = torch.cat([part["prompt_ids"], part["completion_ids"]], 1)
+                    mask = torch.cat([part["prompt_mask"], part["completion_mask"]], 1)
+                    with torch.no_grad():
+                        part["old_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                            model, ids, mask, part["completion_ids"].size(1), batch_size=n
+                        )[0]
+                trainer.compute_loss(model, part).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad()
+            sync(args.device)
         times.append(time.perf_counter() - start)
         tokens = float(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
     return times, tokens

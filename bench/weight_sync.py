@@ -158,7 +158,14 @@ def report(version: int, base: float, out: dict[str, torch.Tensor] | None = None
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> float:
-    return sum(float(t.double().sum()) for t in tensors.values())
+    """The float64 sum of every value, 1M values at a time: a whole tensor in float64
+    (the 0.5B shape's embedding: 1.1 GB) would raise the peak RSS the later versions'
+    reports read (VmHWM)."""
+    return sum(
+        float(piece.double().sum())
+        for t in tensors.values()
+        for piece in t.reshape(-1).split(1 << 20)
+    )
 
 
 def allocate(manifest) -> dict[str, torch.Tensor]:

@@ -213,13 +213,17 @@ class TrainerActor(Actor):
         log.info("step", version=result.version, loss=result.metrics.get("loss"))
 
     async def _publish(self) -> None:
+        # ipc copies a version into its shared buckets as it publishes: it takes the live
+        # weights (a GPU's, for CUDA IPC: no copy through the host), so nothing may step
+        # the trainer until that copy is made.
+        live = self.weights.transport == "ipc"
         async with self._busy:
-            export = self.trainer.export_weights
-            if self.weights.transport == "ipc":  # copies a version into shared buckets at
-                # once: the live weights (a GPU's, for CUDA IPC) save a copy through the host
-                export = partial(export, copy=False)
-            tensors = await asyncio.to_thread(export)
-        await self.weights.publish(self.trainer.version, tensors)
+            export = partial(self.trainer.export_weights, copy=False) if live else None
+            tensors = await asyncio.to_thread(export or self.trainer.export_weights)
+            if live:
+                await self.weights.publish(self.trainer.version, tensors)
+        if not live:
+            await self.weights.publish(self.trainer.version, tensors)
 
     def _audit(self, batch: TrainBatch, *, trained: bool) -> None:
         if self.audit is not None:

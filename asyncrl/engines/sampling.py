@@ -142,10 +142,12 @@ def sample_rows(
     if plain:
         for i, result in zip(plain, _sample_plain(logits, rows, num_tops, plain), strict=True):
             out[i] = result
-    for i, row in enumerate(rows):
-        if out[i] is None:
-            try:  # per-row state (seen tokens, counts) lives on the CPU
-                out[i] = sample(logits[i].cpu(), row, num_tops[i])
+    rest = [i for i in range(len(rows)) if out[i] is None]
+    if rest:  # per-row state (seen tokens, counts) lives on the CPU
+        host = logits.cpu()  # no copy on a CPU; from a GPU one transfer, not one a row
+        for i in rest:
+            try:
+                out[i] = sample(host[i], rows[i], num_tops[i])
             except RuntimeError as exc:
                 out[i] = exc
     return out  # type: ignore[return-value]
