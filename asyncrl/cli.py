@@ -191,6 +191,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--max-running", type=int, default=64, help="max concurrent requests")
     serve.add_argument(
+        "--no-packed-weights",
+        dest="packed_weights",
+        action="store_false",
+        help="on the CPU: no oneDNN-packed copy of the linear weights (half their memory, "
+        "slower matmuls)",
+    )
+    serve.add_argument(
         "--random-seed",
         type=int,
         default=None,
@@ -624,6 +631,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         version=args.weight_version,
         seed=args.random_seed,
+        packed=args.packed_weights,
     )
     server_args = {"host": host, "port": args.port, "dtype": args.dtype}
     server = EngineServer(engine, server_args=server_args, api_key=args.api_key)

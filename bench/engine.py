@@ -19,6 +19,8 @@ token's log-prob is returned by every system (HF: ``output_logits``, then log-so
 
 - **engine**: every request submitted at once to ``TorchEngine`` (``--batch`` running at
   most; continuous batching);
+- **unpacked**: the same without its oneDNN-packed CPU weights (``packed=False``,
+  ``engines/cpu_linear.py``): what the packing buys, in the same run;
 - **hf**: ``model.generate`` in static batches of ``--batch`` requests in arrival order,
   left-padded, each batch run to its longest request;
 - **vllm**: vLLM's offline ``LLM.generate`` with every request at once, ``max_num_seqs``
@@ -99,9 +101,9 @@ def long_tail(n: int, median: int, tail: float, seed: int = 0) -> np.ndarray:
 WARM_UP = 8
 
 
-async def run_engine(model: torch.nn.Module, work: Work, batch: int) -> float:
+async def run_engine(model: torch.nn.Module, work: Work, batch: int, packed: bool = True) -> float:
     """Tokens/s of every request submitted at once to a fresh ``TorchEngine``."""
-    engine = TorchEngine(model, max_running=batch)
+    engine = TorchEngine(model, max_running=batch, packed=packed)
 
     async def one(rid: str, seed: int, ids: list[int], n: int) -> int:
         params = SamplingParams(max_new_tokens=n, ignore_eos=True, sampling_seed=seed)
@@ -226,7 +228,7 @@ def main() -> None:
         help="every system's weights and the peak's matmul (auto: fp32 on CPU)",
     )
     ap.add_argument("--vllm-python", default="")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["engine", "hf", "vllm"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["engine", "unpacked", "hf", "vllm"])
     ap.add_argument("--profile", action="store_true", help="profile the engine's uniform run")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
@@ -252,6 +254,9 @@ def main() -> None:
             with profiled(f"engine, {name}", enabled=args.profile and name == "uniform"):
                 rates[name]["engine"] = asyncio.run(run_engine(model, work, args.batch))
             print(f"{name} engine: {rates[name]['engine']:.1f} tokens/s", flush=True)
+        if "unpacked" not in args.skip and args.device == "cpu":
+            rates[name]["unpacked"] = asyncio.run(run_engine(model, work, args.batch, False))
+            print(f"{name} unpacked: {rates[name]['unpacked']:.1f} tokens/s", flush=True)
         if hf_model is not None:
             rates[name]["hf"] = run_hf(hf_model, work, args.batch)
             print(f"{name} hf: {rates[name]['hf']:.1f} tokens/s", flush=True)
@@ -269,15 +274,15 @@ def report(args, params, peak, rates, works, p50, p99, vllm) -> None:
     print(f"model {args.model} ({params / 1e6:.1f}M params) on {args.device}, {args.threads} "
           f"threads; {args.requests} requests, batch {args.batch}; long tail p50 {p50:.0f} "
           f"p99 {p99:.0f} ({p99 / p50:.1f}x); matmul peak {peak:.0f} GFLOP/s")  # fmt: skip
-    print(f"{'workload':<11}{'system':<8}{'tokens':>8}{'tokens/s':>10}{'% peak':>8}")
+    print(f"{'workload':<11}{'system':<10}{'tokens':>8}{'tokens/s':>10}{'% peak':>8}")
     for name, per in rates.items():
         tokens = sum(n for _, n in works[name])
         for system, rate in per.items():
             share = 2 * params * rate / (peak * 1e9)
-            print(f"{name:<11}{system:<8}{tokens:>8}{rate:>10.1f}{share:>8.1%}")
+            print(f"{name:<11}{system:<10}{tokens:>8}{rate:>10.1f}{share:>8.1%}")
     ratios = {}
     for name, per in rates.items():
-        for base in ("hf", "vllm"):
+        for base in ("hf", "vllm", "unpacked"):
             if "engine" in per and base in per:
                 ratios[f"{name}/engine_over_{base}"] = per["engine"] / per[base]
     for key, value in ratios.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 import torch
 
 from asyncrl.engines import cpu_linear
@@ -53,19 +54,21 @@ def test_merged_caches_are_left_padded_with_zeros_to_the_wider_width():
     assert torch.equal(merged.update(k, v, 0)[0][:, :, -1:], k)
 
 
-def test_cpu_decode_linears_equal_f_linear_and_leave_the_module_as_it_was():
+@pytest.mark.parametrize("packed", [True, False])
+def test_cpu_decode_linears_equal_f_linear_and_leave_the_module_as_it_was(packed: bool):
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8, bias=False))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     inputs = [torch.randn(1, 16), torch.randn(3, 5, 16), torch.randn(300, 16)]
     with torch.no_grad():
         expected = [model(x) for x in inputs]
-    assert cpu_linear.use_for(model) == 2
+    assert cpu_linear.use_for(model, packed=packed) == 2
     with torch.inference_mode():
         for x, want in zip(inputs, expected, strict=True):
             got = model(x)
             assert got.shape == want.shape and got.is_contiguous()
             assert torch.allclose(got, want, atol=1e-5)
+    assert (model[0]._packed is not None) == (packed and cpu_linear.packable(torch.float32))
     loss = model(torch.randn(4, 16)).sum()  # with gradients: F.linear, which trains
     loss.backward()
     assert model[0].weight.grad is not None
@@ -73,3 +76,41 @@ def test_cpu_decode_linears_equal_f_linear_and_leave_the_module_as_it_was():
     copy = pickle.loads(pickle.dumps(model))  # a changed model still pickles
     with torch.inference_mode():
         assert torch.allclose(copy(inputs[0]), expected[0], atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_linear.packable(torch.bfloat16), reason="no oneDNN bf16 here")
+def test_packed_bf16_linears_equal_f_linear():
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double())
+    cpu_linear.use_for(layer)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == torch.bfloat16 and layer._packed is not None
+    assert torch.allclose(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_a_packed_weight_follows_writes_through_torch_and_invalidate_for_the_rest():
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32))
+    cpu_linear.use_for(model)
+    x = torch.randn(5, 16)
+
+    def out() -> torch.Tensor:
+        with torch.inference_mode():
+            return model(x)
+
+    def want() -> torch.Tensor:
+        with torch.no_grad():
+            return torch.nn.functional.linear(x, model[0].weight, model[0].bias)
+
+    out()  # packs the weight
+    with torch.no_grad():
+        model[0].weight.mul_(-2.0)  # in place through torch: its version counter moves
+    assert torch.allclose(out(), want(), atol=1e-5)
+    model[0].weight.detach().numpy()[:] = torch.randn(32, 16).numpy()  # around the counter
+    cpu_linear.invalidate(model)  # what a transport writing memory directly must do
+    assert torch.allclose(out(), want(), atol=1e-5)
+    model[0].weight = torch.nn.Parameter(torch.randn(32, 16))  # replaced: a new storage
+    assert torch.allclose(out(), want(), atol=1e-5)

@@ -265,6 +265,29 @@ async def test_an_in_place_update_writes_the_model_while_no_step_runs(engine, ti
     assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in new_weights.items())
 
 
+async def test_an_update_written_around_torchs_version_counter_reaches_the_packed_weights(
+    engine, tiny
+):
+    """The pull transport writes a version into the model's memory through numpy, unseen
+    by torch's version counters: the engine's packed copies (engines/cpu_linear.py) must
+    still be made again from the new weights."""
+    _, model, _ = tiny
+    prompt, n = PROMPTS[1], 12
+    old = await run(engine, "old", prompt, max_new_tokens=n, temperature=0)  # packs them
+    gen = torch.Generator().manual_seed(7)
+    new = {k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(new)
+
+    async def fill(params: dict[str, torch.Tensor]) -> None:
+        for name, t in new.items():
+            params[name].numpy()[:] = t.numpy()
+
+    await engine.update_weights_in_place(fill, version=2)
+    got = await run(engine, "new", prompt, max_new_tokens=n, temperature=0)
+    assert got.output_ids == hf_greedy(reference, prompt, n) != old.output_ids
+
+
 async def test_a_failed_in_place_update_aborts_requests_until_an_update_completes(engine, tiny):
     _, model, _ = tiny
     old = {k: v.clone() for k, v in model.state_dict().items()}

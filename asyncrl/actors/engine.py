@@ -105,6 +105,7 @@ class EngineActor(Actor):
             device=self.cfg.device,
             dtype=self.cfg.dtype,
             max_running=self.cfg.max_running,
+            packed=self.cfg.packed_weights,
             seed=engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted),
         )
         self.server = EngineServer(

@@ -1,50 +1,129 @@
-"""Linear layers computed as ``(W @ x^T)^T`` for a few rows on the CPU: decode's matmuls.
+"""The engine's linear layers on the CPU: oneDNN-packed weights, or ``W @ x^T`` for few rows.
 
 A decode step multiplies a few rows (one per running sequence) by every weight matrix,
-streaming the weights from memory. On this project's 2-core AVX2 machine, torch's
-``F.linear`` (``x @ W^T``) streamed them at 2-6 GB/s for 1-64 rows, while the same
-product taken as ``W @ x^T`` ran 1.1-2.5x faster for up to 128 rows and 0.85x for 512 and
-more (SmolLM2-135M shapes, streaming 100 distinct weights; docs/benchmarks.md, "The
-embedded engine"). A SmolLM2-135M decode step went from 117/199/253/552 ms to
-95/106/183/419 ms at 1/4/16/64 sequences. So the engine's CPU model computes
-``y = (W @ x^T)^T + b`` when at most ``MAX_ROWS`` rows come in without gradients (decode
-steps, and prefills of at most that many tokens), and ``F.linear`` otherwise (larger
-prefills, training, other devices).
+streaming the weights from memory, and a prefill multiplies many. Two ways beat torch's
+``F.linear`` (MKL's ``x @ W^T``) there, measured on SmolLM2-135M's shapes (30 layers'
+distinct weights, past the L3 cache, 2 threads; docs/benchmarks.md, "The embedded
+engine"):
+
+- **oneDNN with the weight reordered once** into its blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, then ``_linear_pointwise``; what
+  inductor's CPU freezing does). On the AVX512-BF16 machine, all 30 layers' linears took
+  20/26/72/497 ms at 1/16/64/512 rows in fp32, against 35/49/103/827 for ``F.linear``;
+  in bf16, 13/16/40/258 against 20/29/50/627. The reordered copy costs a second copy of
+  every linear weight (``packed``: false turns it off) and 0.1-0.2 s per new version
+  (135M parameters), taken lazily at each layer's first use.
+- **``(W @ x^T)^T``** where packing is off or the dtype has no oneDNN kernel on this CPU
+  (bf16 without AVX512): on the earlier AVX2 machine it streamed the weights 1.1-2.5x
+  faster than ``F.linear`` up to 128 rows, and 0.85x at 512 or more.
+
+Everything else (gradients on, another device, more rows than ``MAX_ROWS`` unpacked)
+goes to ``F.linear``. Parameters and ``state_dict`` stay as they were, so weight updates
+are unaffected, except that a packed copy must be dropped when its weight changes: a
+weight's version counter, storage or dtype changing drops it on the next call, and
+writes that bypass the counter (a transport filling the tensor's memory, a collective)
+must be followed by ``invalidate``.
 
 ``use_for`` turns each plain ``nn.Linear`` of a model into a ``DecodeLinear`` (a subclass
 that only overrides ``forward``), in place: the engine changes the model it is given.
-Parameters and ``state_dict`` stay as they were, so weight updates are unaffected.
 
 Users: ``TorchEngine`` (``torch_engine.py``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import structlog
 import torch
 
-#: Above this many rows ``F.linear`` is as fast or faster (measured: 0.85x at 512).
+log = structlog.get_logger(__name__)
+
+#: Above this many rows ``F.linear`` is as fast or faster than ``W @ x^T`` (0.85x at 512).
 MAX_ROWS = 128
 
 
+def packable(dtype: torch.dtype) -> bool:
+    """Whether this CPU has oneDNN kernels for ``dtype`` (bf16 needs AVX512)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False  # fp16 on a CPU: rare, and oneDNN's kernels for it need AMX
+
+
 class DecodeLinear(torch.nn.Linear):
-    """``nn.Linear`` whose forward takes ``W @ x^T`` for few rows on the CPU (above)."""
+    """``nn.Linear`` computed without gradients on the CPU as the module docstring says."""
+
+    packed: bool  # whether to keep a oneDNN-packed copy of ``weight``
+    _packed: tuple[tuple[int, int, torch.dtype], torch.Tensor] | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or torch.is_grad_enabled():
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        packed = self._packed_weight() if self.packed else None
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         rows = x.numel() // max(x.shape[-1], 1)
-        if x.device.type != "cpu" or rows > MAX_ROWS or torch.is_grad_enabled():
+        if rows > MAX_ROWS:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         y = (self.weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous()
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    def _packed_weight(self) -> torch.Tensor | None:
+        """The packed copy of the current ``weight``, made now if it is missing or stale."""
+        key = _identity(self.weight)
+        if self._packed is not None and self._packed[0] == key:
+            return self._packed[1]
+        self._packed = None  # the stale copy goes before the new one is made
+        if not packable(self.weight.dtype):
+            self.packed = False
+            return None
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        except RuntimeError as exc:  # an unusual shape or build: this layer goes unpacked
+            log.warning("linear weight not packed", shape=list(self.weight.shape), error=str(exc))
+            self.packed = False
+            return None
+        self._packed = (key, packed)
+        return packed
 
-def use_for(model: torch.nn.Module) -> int:
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled copy carries no packed weight (opaque oneDNN tensors do not pickle)."""
+        state = super().__getstate__()
+        return {**state, "_packed": None}
+
+
+def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    """What changes when ``weight`` is written in place through torch, or replaced."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor has no version counter
+        version = -1
+    return version, weight.data_ptr(), weight.dtype
+
+
+def use_for(model: torch.nn.Module, *, packed: bool = True) -> int:
     """Make every plain ``nn.Linear`` of ``model`` a ``DecodeLinear``; returns how many.
     Subclasses and modules with a forward of their own (hooks) are left alone."""
     linears = [
-        m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in vars(m)
+        m
+        for m in model.modules()
+        if type(m) in (torch.nn.Linear, DecodeLinear) and "forward" not in vars(m)
     ]
     for module in linears:
         module.__class__ = DecodeLinear
+        module.packed, module._packed = packed, None
     return len(linears)
+
+
+def invalidate(model: torch.nn.Module) -> None:
+    """Drop every packed copy: call after writing weights by a path that torch's version
+    counter does not see (the copies are made again, lazily, from the new weights)."""
+    for module in model.modules():
+        if isinstance(module, DecodeLinear):
+            module._packed = None

@@ -120,9 +120,10 @@ class TorchEngine:
         version: int = 0,
         model_path: str = "",
         seed: int | str | None = 0,
+        packed: bool = True,
     ) -> None:
         self.model = model.eval()
-        cpu_linear.use_for(model)
+        cpu_linear.use_for(model, packed=packed)
         # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns).
         forward = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward else "past_key_values"
@@ -356,6 +357,8 @@ class TorchEngine:
         except BaseException as exc:
             self._tear(exc)
             raise
+        finally:  # the fill may write the tensors' memory, unseen by their version counters
+            cpu_linear.invalidate(self.model)
         self.version = version
         pause = time.perf_counter() - start
         self.stats["update_pause_s"] += pause
@@ -388,6 +391,7 @@ class TorchEngine:
         with torch.no_grad():
             for name, t in tensors.items():
                 params[name].copy_(t.to(params[name].device, params[name].dtype))
+        cpu_linear.invalidate(self.model)
         if version is not None:
             self.version = version
         pause = time.perf_counter() - start

@@ -47,6 +47,12 @@ class EngineConfig(BaseModel):
     device: str = Field("cpu", description="torch device of the embedded engine.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights")
     max_running: int = Field(64, ge=1, description="Requests decoded together (torch engine).")
+    packed_weights: bool = Field(
+        True,
+        description="torch engine on the CPU: keep a oneDNN-packed copy of each linear "
+        "weight (1.3-2x faster matmuls, for a second copy of those weights; "
+        "engines/cpu_linear.py)",
+    )
     seed: int | None = Field(
         None,
         description="torch engine: the stream its requests' sampling seeds come from, "

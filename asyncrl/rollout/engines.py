@@ -153,6 +153,7 @@ class EngineHost:
             device=cfg.device,
             dtype=cfg.dtype,
             max_running=cfg.max_running,
+            packed=cfg.packed_weights,
             seed=self.seed,
         )
         self.engine = engine
