@@ -42,6 +42,7 @@ import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,20 +169,31 @@ class TorchEngine:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def run(self) -> None:
-        """The scheduler loop; run it as a task for as long as the engine serves."""
-        while True:
-            if not self._has_work():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            try:
-                await asyncio.to_thread(self._step)
-            except Exception as exc:  # fail every caller loudly rather than hang them
-                log.exception("engine step failed")
-                self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
-            for seq in [*self._batch.seqs, *self._just_finished]:
-                seq.updated.set()
-            self._stepped.set()
+        """The scheduler loop; run it as a task for as long as the engine serves.
+
+        Every step runs on one thread of its own: OpenMP keeps a team of worker threads
+        per calling thread, and the default executor's changing workers each started a
+        team that spun against the last one's (a 1-sequence step of SmolLM2-135M on 2
+        threads: 57 ms from ``asyncio.to_thread``, 41 ms from one thread).
+        """
+        loop = asyncio.get_running_loop()
+        steps = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        try:
+            while True:
+                if not self._has_work():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                try:
+                    await loop.run_in_executor(steps, self._step)
+                except Exception as exc:  # fail every caller loudly rather than hang them
+                    log.exception("engine step failed")
+                    self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+                for seq in [*self._batch.seqs, *self._just_finished]:
+                    seq.updated.set()
+                self._stepped.set()
+        finally:  # a step under way finishes on its thread, which then exits
+            steps.shutdown(wait=False)
 
     def _has_work(self) -> bool:
         if self._updates:
