@@ -490,7 +490,8 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, Act
     engine_key = secrets.token_urlsafe(24) if _engine_actors(cfg) else None
     # Marks this job's checkpoints: a restarted trainer or buffer loads only its own job's.
     job = secrets.token_hex(8)
-    rollout = _rollout_config(cfg, run_dir, engine_key)
+    resumed_at = _last_step(run_dir / "metrics.jsonl") if resume else None
+    rollout = _rollout_config(cfg, run_dir, engine_key, resumed_at)
     eval_engine = cfg.eval.engine.seeded(cfg.seed) if cfg.eval.engine else None
     return {
         "buffer": _buffer_config(cfg, run_dir, resume=resume, job=job),
@@ -509,12 +510,14 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, Act
     }
 
 
-def _rollout_config(cfg: RunConfig, run_dir: Path, engine_key: str | None) -> RolloutActorConfig:
+def _rollout_config(
+    cfg: RunConfig, run_dir: Path, engine_key: str | None, resumed_at: int | None
+) -> RolloutActorConfig:
     assert cfg.trainer is not None
-    model = cfg.trainer.model_path
-    r = cfg.rollout
+    r, model = cfg.rollout, cfg.trainer.model_path
+    engine = r.engine or EngineConfig(type="torch", model_path=model)
     return RolloutActorConfig(
-        engine=(r.engine or EngineConfig(type="torch", model_path=model)).seeded(cfg.seed),
+        engine=engine.seeded(cfg.seed, resumed_at),
         sampling=dict(r.sampling),
         reward=r.reward,
         workflow=r.workflow,

@@ -431,3 +431,24 @@ def test_every_engine_samples_from_the_jobs_seed_mixed_with_its_actor_name(tmp_p
     assert role_params(own, tmp_path, resume=False)["rollout"].engine.seed == 9  # type: ignore[attr-defined]
     assert engine_seed(3, "rollout-0", False) != engine_seed(3, "rollout-1", False)
     assert engine_seed(3, "rollout-0", True) is None  # a restart does not replay its draws
+
+
+def test_a_resumed_job_samples_from_a_stream_of_its_own(tmp_path: Path):
+    """--resume mixes the step it continues from into the engines' seed: the first run's
+    draws are not replayed on the prompts after it; the same resume point replays."""
+    from asyncrl.job import role_params
+
+    flags = ["--seed", "3", "--trainer.model-path", "m", "--data.path", "d.jsonl"]
+
+    def seeds(resume: bool, step: int | None) -> tuple[int, int]:
+        if step is not None:
+            (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": step}) + "\n")
+        params = role_params(load_config(overrides=flags), tmp_path, resume=resume)
+        return params["rollout"].engine.seed, params["engine"].engine.seed  # type: ignore[attr-defined]
+
+    fresh = seeds(False, None)
+    assert fresh == (3, 3)
+    after_5 = seeds(True, 5)
+    assert after_5[0] == after_5[1] and after_5[0] not in (3, seeds(True, 6)[0])
+    assert seeds(True, 5) == after_5
+    assert seeds(False, 5) == fresh  # a fresh job in a used directory: --overwrite

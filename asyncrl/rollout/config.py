@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -100,10 +101,17 @@ class EngineConfig(BaseModel):
             return [a if isinstance(a, str) else json.dumps(a) for a in args]
         return args
 
-    def seeded(self, seed: int) -> EngineConfig:
+    def seeded(self, seed: int, resumed_at: int | None = None) -> EngineConfig:
         """This engine sampling from the job's ``seed`` unless it names its own: a rerun
-        replays its draws, another seed draws others (``rollout/engines.py::engine_seed``)."""
-        return self if self.seed is not None else self.model_copy(update={"seed": seed})
+        replays its draws, another seed draws others (``rollout/engines.py::engine_seed``).
+        A job resumed after step ``resumed_at`` samples from that seed mixed with the step:
+        a stream of its own, not a replay of the first run's draws on new prompts (the same
+        resume point replays the same stream)."""
+        own = self if self.seed is not None else self.model_copy(update={"seed": seed})
+        if resumed_at is None:
+            return own
+        mixed = zlib.crc32(f"{own.seed}/resumed-after-{resumed_at}".encode())
+        return own.model_copy(update={"seed": mixed})
 
     @model_validator(mode="after")
     def _sim_is_embedded(self) -> EngineConfig:
