@@ -22,6 +22,7 @@ start-up):
 - idle fraction of the trainer (waiting for data / span) and of each engine
   (1 - busy / span, busy = some request running, from ``metrics/rollout-N.jsonl``);
 - staleness of trained samples (mean, p95, max, from the buffer's histogram);
+- groups cut by asynchronous APRIL (``cut``) and dropped by the backstop (``stale``);
 - wasted tokens: generated but never trained (aborted and dropped partials, filtered
   groups, and what was in flight at the end), as a share of generated tokens;
 - accuracy of the final weights on a held-out set (pass@1 at T = 1, 4 samples a prompt:
@@ -127,6 +128,9 @@ def summarize(run_dir: Path, samples_per_step: int) -> dict[str, Any]:
     out["staleness_mean"] = sum(float(k) * v for k, v in hist.items()) / n
     out["staleness_p95"] = percentile(hist, 0.95)
     out["staleness_max"] = max((float(k) for k in hist), default=0.0)
+    last = buffer[-1] if buffer else {}
+    out["cut_groups"] = last.get("buffer.filtered.cut", 0)  # asynchronous APRIL's cuts
+    out["stale_groups"] = last.get("buffer.filtered.stale", 0)  # the backstop's drops
     generated = sum(read_jsonl(p)[-1]["rollout/tokens"] for p in rollouts if read_jsonl(p))
     trained = sum(r["num_tokens"] for r in steps)
     out["wasted_share"] = max(0.0, generated - trained) / generated if generated else 0.0
@@ -174,8 +178,8 @@ def print_table(results: dict[str, dict[str, Any]], bound: dict[str, float]) -> 
     cols = [("samples/s", "{:.1f}"), ("tokens/s", "{:.0f}"), ("speedup", "{:.2f}x"),
             ("efficiency", "{:.0%}"), ("trainer_idle", "{:.0%}"), ("engine_idle", "{:.0%}"),
             ("staleness_mean", "{:.2f}"), ("staleness_p95", "{:.0f}"),
-            ("staleness_max", "{:.0f}"), ("wasted_share", "{:.1%}"),
-            ("accuracy", "{:.1%}")]  # fmt: skip
+            ("staleness_max", "{:.0f}"), ("cut_groups", "{:.0f}"), ("stale_groups", "{:.0f}"),
+            ("wasted_share", "{:.1%}"), ("accuracy", "{:.1%}")]  # fmt: skip
     print(f"{'mode':<11}" + "".join(f"{c:>15}" for c, _ in cols) + f"{'samples/s range':>18}")
     for mode, r in results.items():
         spread = f"{r['samples/s min']:.1f}-{r['samples/s max']:.1f}"

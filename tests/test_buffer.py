@@ -194,7 +194,7 @@ def test_async_april_never_aborts_for_a_step_and_cuts_only_what_turned_too_stale
     assert buf.set_version(3) == ["p1", "p2"]
     assert buf.in_flight == ["p3"] and buf.cancelled == ["p1", "p2"]
     assert buf.capacity() == capacity + 1 + 2  # a step's B, and their slots back
-    assert buf.statistics().filtered == {"stale": 2}
+    assert buf.statistics().filtered == {"cut": 2}  # apart from the backstop's "stale"
     # The producers abort them; what comes back is neither stored nor a duplicate.
     assert buf.put(aborted_group(c, versions=[0, 1], aborted=[0, 1])) == "cancelled"
     assert buf.put(aborted_group(c, versions=[0, 1], aborted=[0, 1])) == "duplicate"
@@ -220,7 +220,7 @@ def test_async_april_drops_a_waiting_partial_too_stale_to_resume() -> None:
     assert len(buf.pool) == 1
     assert buf.set_version(3) == ["p2"]  # the pool's b is dropped, not resumed
     assert len(buf.pool) == 0 and buf.cancelled == ["p2"]
-    assert buf.statistics().filtered == {"stale": 2}
+    assert buf.statistics().filtered == {"cut": 2}
 
 
 def test_april_with_a_backstop_of_zero_is_refused_before_anything_runs() -> None:

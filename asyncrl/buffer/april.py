@@ -17,7 +17,7 @@ version late, which eta 0 promises not to do.
 Asynchronous (eta > 0): nothing waits for the tail, so an abort would only make the
 engines prefill the partials again: the extras run on into the next steps. A new version
 cuts only the work that can no longer land within the backstop (``too_stale``), in flight
-or waiting, which is filtered ``stale`` at once instead of on arrival.
+or waiting, which is filtered ``cut`` at once instead of ``stale`` on arrival.
 
 Resuming a sample continues its response: the engine gets ``prompt + response`` tokens
 and ``max_new_tokens - response_length`` new tokens at most (``remaining_tokens``). The

@@ -205,9 +205,9 @@ class VersionedBuffer:
         return self._cancel_doomed()
 
     def _cancel_doomed(self) -> list[str]:
-        """Asynchronous APRIL (``april`` module): filter ``stale`` now the work the
-        backstop would drop on arrival; returns the in-flight uids, for their producers
-        to abort (their late results are ``cancelled``)."""
+        """Asynchronous APRIL (``april`` module): filter as ``cut`` now the work the
+        backstop would drop (``stale``) on arrival; returns the in-flight uids, for their
+        producers to abort (their late results are ``cancelled``)."""
         cfg = self.config
         if cfg.over_provision == 0 or cfg.max_staleness == 0:
             return []
@@ -215,13 +215,13 @@ class VersionedBuffer:
         for uid in april.too_stale(self.pool, oldest_kept):
             self.pool.remove(uid)
             self._forget(uid)
-            self.ledger.filter(uid, "stale", expect=(Live.PARTIAL,))
+            self.ledger.filter(uid, "cut", expect=(Live.PARTIAL,))
         doomed = april.too_stale(self._in_flight.values(), oldest_kept)
         for uid in doomed:
             del self._in_flight[uid]
             self._cancelled.add(uid)
             self._forget(uid)
-            self.ledger.filter(uid, "stale", expect=(Live.IN_FLIGHT,))
+            self.ledger.filter(uid, "cut", expect=(Live.IN_FLIGHT,))
         return doomed
 
     def rebase(self, version: int) -> None:
