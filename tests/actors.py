@@ -122,8 +122,10 @@ class Spawner(Recorder):
     async def run(self) -> None:
         import subprocess
 
+        # A daemon is started as torch's shm manager is: a fork and exec that keeps every
+        # inheritable descriptor.
         self.child = subprocess.Popen(  # noqa: ASYNC220 - test fixture
-            ["sleep", "60"], start_new_session=self.config.daemon
+            ["sleep", "60"], start_new_session=self.config.daemon, close_fds=not self.config.daemon
         )
         Path(str(self.config.grandchild)).write_text(str(self.child.pid))  # noqa: ASYNC240
         await super().run()

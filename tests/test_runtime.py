@@ -15,6 +15,7 @@ import pytest
 
 from asyncrl.actors.base import ActorSpec
 from asyncrl.runtime.local import LocalRuntime
+from asyncrl.runtime.run_dir import claim_run_dir
 from asyncrl.runtime.supervisor import ActorDied, ActorHung, ActorStatus, Supervisor
 from asyncrl.runtime.topology import allocate_endpoints
 from asyncrl.wire import sockets
@@ -162,6 +163,32 @@ def test_an_actor_is_seen_to_exit_while_a_daemon_it_started_holds_its_output(tmp
     try:
         assert asyncio.run(stop_the_spawner()) == {"s": 0}
         assert _alive(int(pid_file.read_text()))  # the pipe was still open
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_daemon_an_actor_started_does_not_keep_the_run_claimed(tmp_path: Path):
+    """Actors inherit the run's lock (it stays claimed while any of them lives); what they
+    execute does not, so torch's shm manager lingering after an ipc job does not refuse a
+    --resume started right after it."""
+    pid_file = tmp_path / "daemon.pid"
+
+    async def run_the_spawner() -> dict[str, int]:
+        async with ControlServer("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
+            async with Supervisor(runtime, hub, heartbeat_timeout=2.0, startup_timeout=60) as sup:
+                launched = spec("s", "Spawner", tmp_path, grandchild=str(pid_file), daemon=True)
+                await sup.launch([launched])
+                async with asyncio.timeout(20):
+                    await sup.wait_until(lambda st: pid_file.exists() and st["s"].heartbeats >= 1)
+                    return await sup.stop_all(grace=5)
+
+    try:
+        with claim_run_dir(tmp_path):
+            assert asyncio.run(run_the_spawner()) == {"s": 0}
+        assert _alive(int(pid_file.read_text()))
+        with claim_run_dir(tmp_path, resume=True):  # at once: the daemon holds no lock
+            pass
     finally:
         if pid_file.exists():
             os.kill(int(pid_file.read_text()), signal.SIGKILL)

@@ -24,6 +24,7 @@ import uvloop
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.observe.logs import configure_logging
 from asyncrl.plugins import load_object
+from asyncrl.runtime.run_dir import keep_lock_to_self
 from asyncrl.wire import security
 
 _PR_SET_PDEATHSIG = 1
@@ -97,6 +98,7 @@ def main() -> None:
     """Read the spec from stdin, run the actor, exit with its code."""
     _die_with_parent()
     raise_open_file_limit()
+    keep_lock_to_self()
     try:
         actor = load_actor(sys.stdin.buffer.read())
     except ValueError as exc:

@@ -25,7 +25,7 @@ from types import TracebackType
 import msgspec
 
 from asyncrl.actors.base import ActorSpec
-from asyncrl.runtime.run_dir import lock_fds
+from asyncrl.runtime.run_dir import LOCK_FD_ENV, lock_fds
 from asyncrl.runtime.topology import allocate_endpoints, endpoint_names
 from asyncrl.wire.sockets import release_endpoints
 
@@ -168,6 +168,8 @@ class LocalRuntime:
 
     async def start(self, spec: ActorSpec) -> LocalActor:
         """Launch a child for ``spec``."""
+        fds = lock_fds(self.run_dir)  # the run stays claimed while any actor lives
+        lock = {LOCK_FD_ENV: str(fds[0])} if fds else {}
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -175,11 +177,11 @@ class LocalRuntime:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env=self.env,
+            env=self.env | lock,
             cwd=os.getcwd(),
             start_new_session=True,
             limit=_LINE_LIMIT,
-            pass_fds=lock_fds(self.run_dir),  # the run stays claimed while any actor lives
+            pass_fds=fds,
         )
         assert proc.stdin is not None
         proc.stdin.write(msgspec.json.encode(spec))

@@ -18,7 +18,8 @@ outermost claim ends; two jobs in one process are two claims, and the second is 
 Local actor processes inherit the lock's descriptor (``lock_fds``), so the directory stays
 claimed until the last of them has exited: a controller SIGKILLed mid-run leaves actors
 that drain and write their last checkpoint for a few seconds, and a ``--resume`` started
-meanwhile is refused until they are gone.
+meanwhile is refused until they are gone. What the actors execute does not inherit it
+(``keep_lock_to_self``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,24 @@ def claim_run_dir(
             _claimed.reset(token)
     finally:
         os.close(fd)  # the children that inherited it keep the lock until they exit
+
+
+#: An actor process's copy of the lock's descriptor, by number (``keep_lock_to_self``).
+LOCK_FD_ENV = "ASYNCRL_RUN_LOCK_FD"
+
+
+def keep_lock_to_self() -> None:
+    """In an actor process: keep the inherited lock, but out of what it executes.
+
+    Daemons an actor starts (torch's shm manager, which the ipc transport starts with
+    a fork and exec that keeps every inheritable descriptor) would otherwise hold the
+    run claimed for seconds after the job, and a ``--resume`` right after it would be
+    refused. They never write to the run directory.
+    """
+    fd = os.environ.pop(LOCK_FD_ENV, None)
+    if fd is not None:
+        with contextlib.suppress(OSError, ValueError):  # not ours, or closed: nothing held
+            os.set_inheritable(int(fd), False)
 
 
 def lock_fds(run_dir: Path) -> tuple[int, ...]:
