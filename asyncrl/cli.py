@@ -198,6 +198,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "slower matmuls)",
     )
     serve.add_argument(
+        "--no-lean-forward",
+        dest="lean_forward",
+        action="store_false",
+        help="run Llama and Qwen2 models through transformers' forward, not asyncrl's own",
+    )
+    serve.add_argument(
         "--random-seed",
         type=int,
         default=None,
@@ -632,6 +638,7 @@ def _serve(args: argparse.Namespace) -> int:
         version=args.weight_version,
         seed=args.random_seed,
         packed=args.packed_weights,
+        lean=args.lean_forward,
     )
     server_args = {"host": host, "port": args.port, "dtype": args.dtype}
     server = EngineServer(engine, server_args=server_args, api_key=args.api_key)

@@ -21,14 +21,18 @@ token's log-prob is returned by every system (HF: ``output_logits``, then log-so
   most; continuous batching);
 - **unpacked**: the same without its oneDNN-packed CPU weights (``packed=False``,
   ``engines/cpu_linear.py``): what the packing buys, in the same run;
+- **hf-forward**: the same through transformers' forward, not the engine's own
+  (``lean=False``, ``engines/lean_forward.py``);
 - **hf**: ``model.generate`` in static batches of ``--batch`` requests in arrival order,
   left-padded, each batch run to its longest request;
 - **vllm**: vLLM's offline ``LLM.generate`` with every request at once, ``max_num_seqs``
   = ``--batch``, eager, both cores (``bench/vllm_worker.py`` in vLLM's venv; skipped
   with a note when ``--vllm-python`` is missing: ``make vllm-venv`` builds it).
 
-Each system first runs the workload's first 8 requests once (a warm-up: vLLM's first call
-is slow, and a first large forward page-faults its activations in). Rate = completed
+Each system runs in a process of its own (``run_isolated``: in one process, what ran
+before slowed what came after) and first runs the workload's first 8 requests once (a
+warm-up: vLLM's first call is slow, and a first large forward page-faults its
+activations in). Rate = completed
 (requested) tokens / wall seconds of the timed run. **Peak**: the best of five fp32
 ``torch.mm`` of 2048x2048 on the same threads, measured in the same run; the engine's
 share of it is ``2 * params * tokens/s / peak`` (the weights' FLOPs per token, attention
@@ -101,9 +105,15 @@ def long_tail(n: int, median: int, tail: float, seed: int = 0) -> np.ndarray:
 WARM_UP = 8
 
 
-async def run_engine(model: torch.nn.Module, work: Work, batch: int, packed: bool = True) -> float:
+#: The engine's variants beside it: what its CPU weight packing and its own forward buy.
+VARIANTS: dict[str, dict[str, bool]] = {
+    "engine": {}, "unpacked": {"packed": False}, "hf-forward": {"lean": False},
+}  # fmt: skip
+
+
+async def run_engine(model: torch.nn.Module, work: Work, batch: int, **variant: bool) -> float:
     """Tokens/s of every request submitted at once to a fresh ``TorchEngine``."""
-    engine = TorchEngine(model, max_running=batch, packed=packed)
+    engine = TorchEngine(model, max_running=batch, **variant)
 
     async def one(rid: str, seed: int, ids: list[int], n: int) -> int:
         params = SamplingParams(max_new_tokens=n, ignore_eos=True, sampling_seed=seed)
@@ -228,9 +238,10 @@ def main() -> None:
         help="every system's weights and the peak's matmul (auto: fp32 on CPU)",
     )
     ap.add_argument("--vllm-python", default="")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["engine", "unpacked", "hf", "vllm"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=[*VARIANTS, "hf", "vllm"])
     ap.add_argument("--profile", action="store_true", help="profile the engine's uniform run")
     ap.add_argument("--out", default="bench/results/engine.json")
+    ap.add_argument("--system", help=argparse.SUPPRESS)  # run_isolated's child
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(args.model, args.device, args.dtype)
@@ -244,25 +255,21 @@ def main() -> None:
         "uniform": workload(args.requests, np.full(args.requests, args.uniform), vocab, seed=1),
     }
     params = sum(p.numel() for p in model.parameters())
+    if args.system:  # a child: one system's rates, in a process of its own
+        Path(args.out).write_text(json.dumps(run_system(args, args.system, model, works)))
+        return
     peak = matmul_peak(args.threads, next(model.parameters()).dtype, args.device)
+    del model  # each system runs in a process of its own (``run_isolated``)
     rates: dict[str, dict[str, float]] = {name: {} for name in works}
-    # HF gets a model of its own: TorchEngine computes its model's CPU linears its own way
-    # (engines/cpu_linear.py), and HF generate is measured as it ships.
-    hf_model = build_model(args.model, args.device, args.dtype) if "hf" not in args.skip else None
-    for name, work in works.items():
-        if "engine" not in args.skip:
-            with profiled(f"engine, {name}", enabled=args.profile and name == "uniform"):
-                rates[name]["engine"] = asyncio.run(run_engine(model, work, args.batch))
-            print(f"{name} engine: {rates[name]['engine']:.1f} tokens/s", flush=True)
-        if "unpacked" not in args.skip and args.device == "cpu":
-            rates[name]["unpacked"] = asyncio.run(run_engine(model, work, args.batch, False))
-            print(f"{name} unpacked: {rates[name]['unpacked']:.1f} tokens/s", flush=True)
-        if hf_model is not None:
-            rates[name]["hf"] = run_hf(hf_model, work, args.batch)
-            print(f"{name} hf: {rates[name]['hf']:.1f} tokens/s", flush=True)
+    for system in [*VARIANTS, "hf"]:
+        if system in args.skip or (system == "unpacked" and args.device != "cpu"):
+            continue
+        for name, rate in run_isolated(system).items():
+            rates[name][system] = rate
+            print(f"{name} {system}: {rate:.1f} tokens/s", flush=True)
     vllm = None
     if "vllm" not in args.skip:
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        dtype = {"auto": "float32"}.get(args.dtype, args.dtype)
         vllm = run_vllm(args.vllm_python, args.model, works, args.batch, args.threads, dtype)
     if vllm:
         for name in works:
@@ -270,19 +277,49 @@ def main() -> None:
     report(args, params, peak, rates, works, p50, p99, vllm)
 
 
+def run_isolated(system: str) -> dict[str, float]:
+    """``system``'s tokens/s per workload, measured by this script in a fresh process.
+
+    In one process, whatever ran before slowed what came after: the engine's uniform
+    run decoded in 12.6 s after an HF ``generate`` of the same work, 9.8 s without, and
+    11.4 s after merely allocating and freeing the 0.8 GB of logits ``generate`` keeps
+    (the allocator's state, not the CPU's: a fixed mmap threshold did not help)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "rates.json")
+        command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--system", system,
+                   "--out", str(out)]  # fmt: skip
+        subprocess.run(command, check=True)
+        return json.loads(out.read_text())
+
+
+def run_system(
+    args: argparse.Namespace, system: str, model: torch.nn.Module, works: dict[str, Work]
+) -> dict[str, float]:
+    """Tokens/s of ``system`` (an engine variant, or ``hf``) on each workload, in order."""
+    rates = {}
+    for name, work in works.items():
+        if system == "hf":
+            rates[name] = run_hf(model, work, args.batch)
+            continue
+        profile = args.profile and name == "uniform" and system == "engine"
+        with profiled(f"engine, {name}", enabled=profile):
+            rates[name] = asyncio.run(run_engine(model, work, args.batch, **VARIANTS[system]))
+    return rates
+
+
 def report(args, params, peak, rates, works, p50, p99, vllm) -> None:
     print(f"model {args.model} ({params / 1e6:.1f}M params) on {args.device}, {args.threads} "
           f"threads; {args.requests} requests, batch {args.batch}; long tail p50 {p50:.0f} "
           f"p99 {p99:.0f} ({p99 / p50:.1f}x); matmul peak {peak:.0f} GFLOP/s")  # fmt: skip
-    print(f"{'workload':<11}{'system':<10}{'tokens':>8}{'tokens/s':>10}{'% peak':>8}")
+    print(f"{'workload':<11}{'system':<12}{'tokens':>8}{'tokens/s':>10}{'% peak':>8}")
     for name, per in rates.items():
         tokens = sum(n for _, n in works[name])
         for system, rate in per.items():
             share = 2 * params * rate / (peak * 1e9)
-            print(f"{name:<11}{system:<10}{tokens:>8}{rate:>10.1f}{share:>8.1%}")
+            print(f"{name:<11}{system:<12}{tokens:>8}{rate:>10.1f}{share:>8.1%}")
     ratios = {}
     for name, per in rates.items():
-        for base in ("hf", "vllm", "unpacked"):
+        for base in ("hf", "vllm", "unpacked", "hf-forward"):
             if "engine" in per and base in per:
                 ratios[f"{name}/engine_over_{base}"] = per["engine"] / per[base]
     for key, value in ratios.items():

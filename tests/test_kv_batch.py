@@ -57,9 +57,10 @@ def test_merged_caches_are_left_padded_with_zeros_to_the_wider_width():
 @pytest.mark.parametrize("packed", [True, False])
 def test_cpu_decode_linears_equal_f_linear_and_leave_the_module_as_it_was(packed: bool):
     torch.manual_seed(2)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8, bias=False))
+    # Weights past MIN_ELEMENTS (smaller ones go to F.linear).
+    model = torch.nn.Sequential(torch.nn.Linear(256, 320), torch.nn.Linear(320, 256, bias=False))
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    inputs = [torch.randn(1, 16), torch.randn(3, 5, 16), torch.randn(300, 16)]
+    inputs = [torch.randn(1, 256), torch.randn(3, 5, 256), torch.randn(300, 256)]
     with torch.no_grad():
         expected = [model(x) for x in inputs]
     assert cpu_linear.use_for(model, packed=packed) == 2
@@ -67,22 +68,22 @@ def test_cpu_decode_linears_equal_f_linear_and_leave_the_module_as_it_was(packed
         for x, want in zip(inputs, expected, strict=True):
             got = model(x)
             assert got.shape == want.shape and got.is_contiguous()
-            assert torch.allclose(got, want, atol=1e-5)
+            assert torch.allclose(got, want, atol=1e-4)
     assert (model[0]._packed is not None) == (packed and cpu_linear.packable(torch.float32))
-    loss = model(torch.randn(4, 16)).sum()  # with gradients: F.linear, which trains
+    loss = model(torch.randn(4, 256)).sum()  # with gradients: F.linear, which trains
     loss.backward()
     assert model[0].weight.grad is not None
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     copy = pickle.loads(pickle.dumps(model))  # a changed model still pickles
     with torch.inference_mode():
-        assert torch.allclose(copy(inputs[0]), expected[0], atol=1e-5)
+        assert torch.allclose(copy(inputs[0]), expected[0], atol=1e-4)
 
 
 @pytest.mark.skipif(not cpu_linear.packable(torch.bfloat16), reason="no oneDNN bf16 here")
 def test_packed_bf16_linears_equal_f_linear():
     torch.manual_seed(3)
-    layer = torch.nn.Linear(64, 96).to(torch.bfloat16)
-    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    layer = torch.nn.Linear(256, 384).to(torch.bfloat16)
+    x = torch.randn(7, 256, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double())
     cpu_linear.use_for(layer)
     with torch.inference_mode():
@@ -93,9 +94,9 @@ def test_packed_bf16_linears_equal_f_linear():
 
 def test_a_packed_weight_follows_writes_through_torch_and_invalidate_for_the_rest():
     torch.manual_seed(4)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 320))
     cpu_linear.use_for(model)
-    x = torch.randn(5, 16)
+    x = torch.randn(5, 256)
 
     def out() -> torch.Tensor:
         with torch.inference_mode():
@@ -105,12 +106,13 @@ def test_a_packed_weight_follows_writes_through_torch_and_invalidate_for_the_res
         with torch.no_grad():
             return torch.nn.functional.linear(x, model[0].weight, model[0].bias)
 
-    out()  # packs the weight
+    out()
+    assert model[0]._packed is not None or not cpu_linear.packable(torch.float32)
     with torch.no_grad():
         model[0].weight.mul_(-2.0)  # in place through torch: its version counter moves
-    assert torch.allclose(out(), want(), atol=1e-5)
-    model[0].weight.detach().numpy()[:] = torch.randn(32, 16).numpy()  # around the counter
+    assert torch.allclose(out(), want(), atol=1e-4)
+    model[0].weight.detach().numpy()[:] = torch.randn(320, 256).numpy()  # around the counter
     cpu_linear.invalidate(model)  # what a transport writing memory directly must do
-    assert torch.allclose(out(), want(), atol=1e-5)
-    model[0].weight = torch.nn.Parameter(torch.randn(32, 16))  # replaced: a new storage
-    assert torch.allclose(out(), want(), atol=1e-5)
+    assert torch.allclose(out(), want(), atol=1e-4)
+    model[0].weight = torch.nn.Parameter(torch.randn(320, 256))  # replaced: a new storage
+    assert torch.allclose(out(), want(), atol=1e-4)

@@ -106,6 +106,7 @@ class EngineActor(Actor):
             dtype=self.cfg.dtype,
             max_running=self.cfg.max_running,
             packed=self.cfg.packed_weights,
+            lean=self.cfg.lean_forward,
             seed=engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted),
         )
         self.server = EngineServer(

@@ -6,7 +6,8 @@ SGLang client rollout actors use for every engine (``docs/design.md`` section 2)
 - ``sampling``: logits to a sampled token, its behaviour log-prob and top alternatives.
 - ``torch_engine``: continuous batching over a Hugging Face causal LM with a KV cache;
   ``kv_batch`` holds its left-padded running batch in preallocated slabs,
-  ``cpu_linear`` its matmuls on the CPU, ``weight_loading`` how weights arrive.
+  ``cpu_linear`` its matmuls on the CPU, ``lean_forward`` its own forward for Llama and
+  Qwen2 models, ``weight_loading`` how weights arrive.
 - ``sim_engine``: ``SimEngine``, the protocol with no model: random tokens, time from a
   latency model (prefill, per-sequence decode cost, lognormal response lengths), for the
   cluster simulator and load tests.

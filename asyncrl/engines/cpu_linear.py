@@ -17,8 +17,9 @@ engine"):
   (bf16 without AVX512): on the earlier AVX2 machine it streamed the weights 1.1-2.5x
   faster than ``F.linear`` up to 128 rows, and 0.85x at 512 or more.
 
-Everything else (gradients on, another device, more rows than ``MAX_ROWS`` unpacked)
-goes to ``F.linear``. Parameters and ``state_dict`` stay as they were, so weight updates
+Everything else (gradients on, another device, weights under ``MIN_ELEMENTS``, more
+rows than ``MAX_ROWS`` unpacked) goes to ``F.linear``. Parameters and ``state_dict`` stay
+as they were, so weight updates
 are unaffected, except that a packed copy must be dropped when its weight changes: a
 weight's version counter, storage or dtype changing drops it on the next call, and
 writes that bypass the counter (a transport filling the tensor's memory, a collective)
@@ -41,6 +42,11 @@ log = structlog.get_logger(__name__)
 
 #: Above this many rows ``F.linear`` is as fast or faster than ``W @ x^T`` (0.85x at 512).
 MAX_ROWS = 128
+#: Weights smaller than this go to ``F.linear``: 200 square weights at 1-64 rows, 2
+#: threads, F.linear took 2.5-11 us at 64x64 and 7-24 at 128x128, packed 14-25 and 16-26,
+#: ``W @ x^T`` 6-23 and 13-37; from 256x256 on, packed was fastest (27-62 us against
+#: 34-91). The 1M-parameter toy models' linears are all below it.
+MIN_ELEMENTS = 256 * 256
 
 
 def packable(dtype: torch.dtype) -> bool:
@@ -58,10 +64,10 @@ class DecodeLinear(torch.nn.Linear):
     """``nn.Linear`` computed without gradients on the CPU as the module docstring says."""
 
     packed: bool  # whether to keep a oneDNN-packed copy of ``weight``
-    _packed: tuple[tuple[int, int, torch.dtype], torch.Tensor] | None
+    _packed: tuple[tuple[int, int, torch.dtype, torch.device], torch.Tensor] | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or torch.is_grad_enabled():
+        if x.device.type != "cpu" or torch.is_grad_enabled() or self.weight.numel() < MIN_ELEMENTS:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         packed = self._packed_weight() if self.packed else None
         if packed is not None:
@@ -98,13 +104,65 @@ class DecodeLinear(torch.nn.Linear):
         return {**state, "_packed": None}
 
 
-def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
+class FusedLinear:
+    """Linears that take the same input, as one matmul: ``x @ [W1; W2; ...]^T + [b1; ...]``
+    split back into each one's output (the q/k/v and the gate/up projections).
+
+    The concatenated weight is made at the first call and again whenever one of the
+    parts' weights changes as ``_identity`` sees it, or after ``invalidate``. On the CPU
+    it is kept packed only (``packed``, ``packable``): the same memory as the parts'
+    packed copies would take. Elsewhere it is a concatenated copy.
+    """
+
+    def __init__(self, parts: list[torch.nn.Linear], *, packed: bool = True) -> None:
+        self.parts, self.packed = parts, packed
+        self.sizes = [p.out_features for p in parts]
+        self._fused: tuple[tuple[object, ...], torch.Tensor, torch.Tensor | None, bool] | None
+        self._fused = None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weight, bias, is_packed = self._weights()
+        if is_packed:
+            y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        else:
+            y = torch.nn.functional.linear(x, weight, bias)
+        return y.split(self.sizes, dim=-1)
+
+    def invalidate(self) -> None:
+        self._fused = None
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        key = tuple(_identity(t) for p in self.parts for t in (p.weight, p.bias) if t is not None)
+        if self._fused is not None and self._fused[0] == key:
+            return self._fused[1:]
+        self._fused = None  # the stale copy goes before the new one is made
+        weight = torch.cat([p.weight.detach() for p in self.parts])
+        bias = self._bias(weight)
+        is_packed = False
+        small = weight.numel() < MIN_ELEMENTS  # F.linear is faster there (MIN_ELEMENTS)
+        if self.packed and not small and weight.device.type == "cpu" and packable(weight.dtype):
+            weight, is_packed = torch.ops.mkldnn._reorder_linear_weight(weight, None), True
+        self._fused = (key, weight, bias, is_packed)
+        return weight, bias, is_packed
+
+    def _bias(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The parts' biases end to end (zeros for a part without one), or None."""
+        if all(p.bias is None for p in self.parts):
+            return None
+        return torch.cat([
+            p.bias.detach() if p.bias is not None
+            else weight.new_zeros(p.out_features)
+            for p in self.parts
+        ])  # fmt: skip
+
+
+def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype, torch.device]:
     """What changes when ``weight`` is written in place through torch, or replaced."""
     try:
         version = weight._version
     except RuntimeError:  # an inference tensor has no version counter
         version = -1
-    return version, weight.data_ptr(), weight.dtype
+    return version, weight.data_ptr(), weight.dtype, weight.device
 
 
 def use_for(model: torch.nn.Module, *, packed: bool = True) -> int:

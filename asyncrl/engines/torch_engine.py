@@ -61,6 +61,7 @@ from asyncrl.engines.base import (
     mark_aborted,
 )
 from asyncrl.engines.kv_batch import KVBatch, new_cache
+from asyncrl.engines.lean_forward import lean_forward
 from asyncrl.engines.sampling import RowState, Sampled, prompt_logprobs, sample_rows
 from asyncrl.engines.weight_loading import WeightGroups, check_names, read_safetensors
 from asyncrl.observe.logs import get_logger
@@ -122,9 +123,11 @@ class TorchEngine:
         model_path: str = "",
         seed: int | str | None = 0,
         packed: bool = True,
+        lean: bool = True,
     ) -> None:
         self.model = model.eval()
         cpu_linear.use_for(model, packed=packed)
+        self._lean = lean_forward(model, packed=packed) if lean else None
         # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns).
         forward = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward else "past_key_values"
@@ -370,7 +373,7 @@ class TorchEngine:
             self._tear(exc)
             raise
         finally:  # the fill may write the tensors' memory, unseen by their version counters
-            cpu_linear.invalidate(self.model)
+            self._invalidate()
         self.version = version
         pause = time.perf_counter() - start
         self.stats["update_pause_s"] += pause
@@ -403,13 +406,19 @@ class TorchEngine:
         with torch.no_grad():
             for name, t in tensors.items():
                 params[name].copy_(t.to(params[name].device, params[name].dtype))
-        cpu_linear.invalidate(self.model)
+        self._invalidate()
         if version is not None:
             self.version = version
         pause = time.perf_counter() - start
         self.stats["update_pause_s"] += pause
         log.info("weights updated", version=self.version, tensors=len(tensors),
                  pause_s=round(pause, 4))  # fmt: skip
+
+    def _invalidate(self) -> None:
+        """Drop the copies made of the weights (packed, fused): they are made again."""
+        cpu_linear.invalidate(self.model)
+        if self._lean is not None:
+            self._lean.invalidate()
 
     async def _at_boundary(self, fn: Any) -> None:
         """Run ``fn`` in the step thread between two decode steps."""
@@ -532,26 +541,19 @@ class TorchEngine:
         # prefill with a 49k vocabulary, and its fp32 copy hundreds of MB).
         scored = [s.req.logprob_start_len >= 0 and s.input_logprobs is None for s in seqs]
         cache = new_cache()
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            use_cache=True,
-            **{self._cache_kwarg: cache},  # filled in place
-            logits_to_keep=0 if any(scored) else 1,
-        )
+        logits = self._forward(ids, mask, positions, cache, keep=0 if any(scored) else 1)
         self.stats["prefills"] += 1
         for i, s in enumerate(seqs):
             s.queued = False
             if scored[i]:
                 s.input_logprobs, s.input_top = prompt_logprobs(
-                    out.logits[i, width - len(s.prompt) :],
+                    logits[i, width - len(s.prompt) :],
                     s.prompt,
                     s.req.logprob_start_len,
                     s.req.top_logprobs_num,
                     temperature=s.row.params.logprob_temperature,
                 )
-        self._merge(seqs, cache, mask, out.logits[:, -1, :].float())
+        self._merge(seqs, cache, mask, logits[:, -1, :].float())
 
     def _merge(self, seqs: list[_Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
         tokens = [0] * len(seqs)  # placeholders for rows that leave at the finish check
@@ -571,17 +573,24 @@ class TorchEngine:
     def _decode(self) -> None:
         b = self._batch
         mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], dim=1)
-        out = self.model(
-            input_ids=b.last[:, None].to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=b.positions[:, None].to(self.device),
-            use_cache=True,
-            **{self._cache_kwarg: b.cache},  # filled in place
-        )
+        logits = self._forward(b.last[:, None], mask, b.positions[:, None], b.cache, keep=1)
         b.mask, b.positions = mask, b.positions + 1
-        logits = out.logits[:, -1, :].float()  # sampled where it is (sampling.py)
+        logits = logits[:, -1, :].float()  # sampled where it is (sampling.py)
         b.last = torch.tensor(self._sample(b.seqs, logits))
         self._finish_checks()
+
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, keep: int
+    ) -> torch.Tensor:
+        """Logits ``[b, keep or t, V]`` of ``ids`` (``keep`` 0: every position), their KV
+        into ``cache`` (filled in place): the lean forward where it covers the model."""
+        ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
+        if self._lean is not None:
+            return self._lean(ids, mask, positions, cache, keep)
+        return self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            **{self._cache_kwarg: cache}, logits_to_keep=keep,
+        ).logits  # fmt: skip
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
         """Sample each row's next token from its row of ``logits`` and record it (a

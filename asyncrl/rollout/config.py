@@ -54,6 +54,12 @@ class EngineConfig(BaseModel):
         "weight (1.3-2x faster matmuls, for a second copy of those weights; "
         "engines/cpu_linear.py)",
     )
+    lean_forward: bool = Field(
+        True,
+        description="torch engine: run Llama and Qwen2 models through asyncrl's own forward "
+        "(fused projections, no per-module Python; engines/lean_forward.py); false, or "
+        "another architecture: through transformers",
+    )
     seed: int | None = Field(
         None,
         description="torch engine: the stream its requests' sampling seeds come from, "

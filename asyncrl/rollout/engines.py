@@ -154,6 +154,7 @@ class EngineHost:
             dtype=cfg.dtype,
             max_running=cfg.max_running,
             packed=cfg.packed_weights,
+            lean=cfg.lean_forward,
             seed=self.seed,
         )
         self.engine = engine
