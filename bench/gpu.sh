@@ -59,11 +59,11 @@ step() {  # step NAME SECONDS COMMAND...: its log under $OUT, its tail here
 step pytest 50 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
 step weight_sync 100 python3 bench/weight_sync.py --device cuda --versions 3 --rounds 1 \
     --out "$OUT/weight_sync.json"
-step job 60 python3 -m asyncrl.cli train examples/arith/config.yaml --name gpu \
+step job 50 python3 -m asyncrl.cli train examples/arith/config.yaml --name gpu \
     --trainer.device cuda --rollout.engine.device cuda --update-weight-transport ipc \
     --train.num-steps 12 --eval-interval 0 --overwrite
 tail -n 3 runs/gpu/metrics.jsonl >>"$OUT/job.log" 2>/dev/null
-step engine 100 python3 bench/engine.py --device cuda --model "$SMOL" --skip vllm \
+step engine 120 python3 bench/engine.py --device cuda --model "$SMOL" --skip vllm \
     --requests 64 --batch 64 --median 16 --tail 12 --uniform 32 --profile \
     --out /tmp/engine.json
 step real_trainer 150 python3 bench/real_trainer.py --device cuda --model "$SMOL" \

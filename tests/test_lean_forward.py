@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.engines import cpu_linear
+from asyncrl.engines import lean_forward as lean_forward_module
 from asyncrl.engines.kv_batch import new_cache
 from asyncrl.engines.lean_forward import lean_forward
 
@@ -71,7 +72,11 @@ def lean(model, packed: bool):
 
 @pytest.mark.parametrize("build", [qwen2, llama])
 @pytest.mark.parametrize("packed", [True, False])
-def test_the_lean_forward_gives_transformers_logits(build, packed: bool):
+@pytest.mark.parametrize("folded", [True, False])
+def test_the_lean_forward_gives_transformers_logits(build, packed: bool, folded: bool, monkeypatch):
+    # Decode attention both ways: grouped query heads folded into positions (bf16, CUDA)
+    # and sdpa's enable_gqa (fp32 on the CPU).
+    monkeypatch.setattr(lean_forward_module, "_gqa_is_faster", lambda q: not folded)
     model = build()
     engine_model = copy.deepcopy(model)
     cpu_linear.use_for(engine_model, packed=packed)

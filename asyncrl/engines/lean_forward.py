@@ -108,10 +108,25 @@ class _Layer:
         q, k, v = (y.view(b, t, -1, self.head_dim).transpose(1, 2) for y in self.qkv(h))
         q, k = _rotate(q, *rope), _rotate(k, *rope)
         k, v = cache.update(k, v, index)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attend, scale=self.scaling, enable_gqa=self.heads != self.kv_heads
-        )
+        if t == 1 and self.heads != self.kv_heads and not _gqa_is_faster(q):
+            # A decode step: the query heads that share a KV head go in as that head's
+            # positions (``[b, kv_heads, groups, d]``), as transformers does. sdpa's
+            # enable_gqa took 5.2 ms a layer at 64 sequences in bf16 on the CPU against
+            # 0.6 folded; on CUDA a masked GQA call falls back to the math kernel.
+            folded = q.reshape(b, self.kv_heads, -1, self.head_dim)
+            o = F.scaled_dot_product_attention(folded, k, v, attn_mask=attend, scale=self.scaling)
+            o = o.reshape(b, self.heads, 1, self.head_dim)
+        else:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attend, scale=self.scaling,
+                enable_gqa=self.heads != self.kv_heads,
+            )  # fmt: skip
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+def _gqa_is_faster(q: torch.Tensor) -> bool:
+    """fp32 on the CPU: enable_gqa took 0.44 ms a layer at 64 sequences, folded 0.63."""
+    return q.device.type == "cpu" and q.dtype == torch.float32
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
