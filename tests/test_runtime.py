@@ -144,24 +144,26 @@ async def test_stopping_an_actor_also_stops_what_it_started(supervisor: Supervis
         raise AssertionError(f"grandchild {grandchild} outlived its actor")
 
 
+async def _stop_a_daemon_spawner(run_dir: Path, pid_file: Path) -> dict[str, int]:
+    """Launch a Spawner whose grandchild is a daemon (``pid_file``), then stop it; its
+    exit codes. On the loop the caller runs (``asyncio.run``: asyncio's own)."""
+    async with ControlServer("tcp://127.0.0.1:0") as hub, LocalRuntime(run_dir) as runtime:
+        async with Supervisor(runtime, hub, heartbeat_timeout=2.0, startup_timeout=60) as sup:
+            launched = spec("s", "Spawner", run_dir, grandchild=str(pid_file), daemon=True)
+            await sup.launch([launched])
+            async with asyncio.timeout(20):
+                await sup.wait_until(lambda st: pid_file.exists() and st["s"].heartbeats >= 1)
+                return await sup.stop_all(grace=5)
+
+
 def test_an_actor_is_seen_to_exit_while_a_daemon_it_started_holds_its_output(tmp_path: Path):
     """As torch's shm manager (the ipc transport's) outlives a trainer, in a session of
     its own that no stop reaches, holding the actor's stdout: the exit still counts. On
     asyncio's own loop, which the CLI's controller runs (its ``Process.wait`` waits for
     the pipes too; uvloop's, which the other tests run, does not)."""
     pid_file = tmp_path / "daemon.pid"
-
-    async def stop_the_spawner() -> dict[str, int]:
-        async with ControlServer("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
-            async with Supervisor(runtime, hub, heartbeat_timeout=2.0, startup_timeout=60) as sup:
-                launched = spec("s", "Spawner", tmp_path, grandchild=str(pid_file), daemon=True)
-                await sup.launch([launched])
-                async with asyncio.timeout(20):
-                    await sup.wait_until(lambda st: pid_file.exists() and st["s"].heartbeats >= 1)
-                    return await sup.stop_all(grace=5)
-
     try:
-        assert asyncio.run(stop_the_spawner()) == {"s": 0}
+        assert asyncio.run(_stop_a_daemon_spawner(tmp_path, pid_file)) == {"s": 0}
         assert _alive(int(pid_file.read_text()))  # the pipe was still open
     finally:
         if pid_file.exists():
@@ -173,19 +175,9 @@ def test_a_daemon_an_actor_started_does_not_keep_the_run_claimed(tmp_path: Path)
     execute does not, so torch's shm manager lingering after an ipc job does not refuse a
     --resume started right after it."""
     pid_file = tmp_path / "daemon.pid"
-
-    async def run_the_spawner() -> dict[str, int]:
-        async with ControlServer("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
-            async with Supervisor(runtime, hub, heartbeat_timeout=2.0, startup_timeout=60) as sup:
-                launched = spec("s", "Spawner", tmp_path, grandchild=str(pid_file), daemon=True)
-                await sup.launch([launched])
-                async with asyncio.timeout(20):
-                    await sup.wait_until(lambda st: pid_file.exists() and st["s"].heartbeats >= 1)
-                    return await sup.stop_all(grace=5)
-
     try:
         with claim_run_dir(tmp_path):
-            assert asyncio.run(run_the_spawner()) == {"s": 0}
+            assert asyncio.run(_stop_a_daemon_spawner(tmp_path, pid_file)) == {"s": 0}
         assert _alive(int(pid_file.read_text()))
         with claim_run_dir(tmp_path, resume=True):  # at once: the daemon holds no lock
             pass
