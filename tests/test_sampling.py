@@ -113,3 +113,26 @@ def test_prompt_log_probs_in_chunks_equal_one_pass_at_the_temperature():
             and len(top) == len(values)
             and top[len(head)][0][0] >= values[len(head)]
         )
+
+
+def test_the_two_level_draw_picks_the_token_a_whole_vocabulary_cdf_would():
+    """``_draw`` inverts a CDF of blocks, then one block's: for the same uniforms it
+    draws what one float64 CDF over the vocabulary draws, and never a token of zero
+    probability (two at block ends here, beside mass), over a padded last block."""
+    from asyncrl.engines.sampling import _BLOCK, _draw
+
+    torch.manual_seed(5)
+    vocab = 3 * _BLOCK + 100
+    probs = torch.softmax(torch.randn(64, vocab) * 3, -1)
+    probs[:, [_BLOCK - 1, 2 * _BLOCK - 1]] = 0.0
+    probs[:8, :] = 0.0
+    probs[:8, [_BLOCK - 2, _BLOCK]] = 0.5  # all mass beside a zero at a block's end
+    for r in range(30):
+        seeds = [64 * r + i for i in range(64)]
+        got = _draw(probs, [torch.Generator().manual_seed(s) for s in seeds])
+        cdf = probs.double().cumsum(-1)
+        u = torch.cat([torch.rand(1, generator=torch.Generator().manual_seed(s),
+                                  dtype=torch.float64) for s in seeds]) * cdf[:, -1]  # fmt: skip
+        want = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1)
+        assert torch.equal(got, want)
+        assert (probs.gather(-1, got[:, None]) > 0).all()

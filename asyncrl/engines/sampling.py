@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from asyncrl.engines.base import SamplingParams
 
@@ -186,20 +187,37 @@ def _sample_plain(
     return out
 
 
+#: Tokens per block of the two-level CDF (``_draw``).
+_BLOCK = 1024
+
+
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row of (unnormalised) ``probs``, by inverting the row's CDF at a
     uniform number from its generator; -1 for a row with no positive finite mass.
 
     In float64: a float32 CDF past 0.5 cannot resolve a step under about 3e-8, so rare
     tokens would be drawn at the wrong rate (or never) while their log-probs say otherwise.
+    In two levels: the CDF of blocks of ``_BLOCK`` tokens picks a block, and that block's
+    own CDF the token (a float64 cumulative sum over the whole vocabulary was 6.8 of a
+    180 ms decode step at 64 rows and 49k tokens). The draw lands on a token of positive
+    probability, also where the two levels' sums differ in their last bits.
     """
-    cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1]
+    rows, vocab = probs.shape
+    pad = -vocab % _BLOCK
+    blocks = F.pad(probs, (0, pad)).view(rows, -1, _BLOCK) if pad else probs.view(rows, -1, _BLOCK)
+    cum = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [rows, blocks]
+    total = cum[:, -1]
     uniform = [torch.rand(1, generator=g, dtype=torch.float64) for g in generators]
     u = torch.cat(uniform).to(probs.device) * total  # drawn on the CPU, whatever the device
-    tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1)
+    block = torch.searchsorted(cum, u[:, None], right=True).clamp(max=cum.shape[1] - 1)
+    before = torch.where(block > 0, cum.gather(-1, (block - 1).clamp(min=0)), 0.0)
+    index = torch.arange(rows, device=probs.device)[:, None]
+    within = blocks[index, block].squeeze(1).double().cumsum(-1)  # [rows, _BLOCK]
+    last = (within < within[:, -1:]).sum(-1, keepdim=True)  # its last token of positive mass
+    token = torch.searchsorted(within, (u[:, None] - before), right=True).clamp(max=last)
+    tokens = (block * _BLOCK + token).squeeze(-1)
     bad = ~torch.isfinite(total) | (total <= 0)
-    return torch.where(bad, -1, tokens.clamp(max=probs.shape[-1] - 1))
+    return torch.where(bad, -1, tokens.clamp(max=vocab - 1))
 
 
 def top_logprobs(logp: torch.Tensor, k: int) -> list[tuple[float, int]]:
