@@ -86,8 +86,9 @@ def test_the_lean_forward_gives_transformers_logits(build, packed: bool, folded:
         want = steps(hf(model), prompts, decode)
         run = lean(engine_model, packed)
         got = steps(run, prompts, decode)
-    fused = run.layers[0].qkv._fused
-    assert fused is not None and fused[3] == (packed and cpu_linear.packable(torch.float32))
+    # Fused (one packed matmul) only where packed: otherwise each part on its own weight.
+    fused = run.layers[0].qkv._fused is not None
+    assert fused == (packed and cpu_linear.packable(torch.float32))
     width = max(map(len, prompts))
     for i, p in enumerate(prompts):  # the prefill's real positions
         assert torch.allclose(got[0][i, width - len(p) :], want[0][i, width - len(p) :], atol=2e-5)

@@ -108,42 +108,46 @@ class FusedLinear:
     """Linears that take the same input, as one matmul: ``x @ [W1; W2; ...]^T + [b1; ...]``
     split back into each one's output (the q/k/v and the gate/up projections).
 
-    The concatenated weight is made at the first call and again whenever one of the
-    parts' weights changes as ``_identity`` sees it, or after ``invalidate``. On the CPU
-    it is kept packed only (``packed``, ``packable``): the same memory as the parts'
-    packed copies would take. Elsewhere it is a concatenated copy.
+    Fused only where the fused weight is a packed one (the CPU, ``packed``, ``packable``,
+    at least ``MIN_ELEMENTS``): it takes the memory the parts' packed copies would. It is
+    made at the first call and again whenever a part's weight changes as ``_identity``
+    sees it, or after ``invalidate``. Elsewhere (a GPU, packing off) each part runs on
+    its own weight: a concatenated copy would cost 60% of a model's linear weights again.
     """
 
     def __init__(self, parts: list[torch.nn.Linear], *, packed: bool = True) -> None:
         self.parts, self.packed = parts, packed
         self.sizes = [p.out_features for p in parts]
-        self._fused: tuple[tuple[object, ...], torch.Tensor, torch.Tensor | None, bool] | None
-        self._fused = None
+        self._fused: tuple[tuple[object, ...], torch.Tensor, torch.Tensor | None] | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        weight, bias, is_packed = self._weights()
-        if is_packed:
-            y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        else:
-            y = torch.nn.functional.linear(x, weight, bias)
+        fused = self._weights() if self._fusable() else None
+        if fused is None:
+            return tuple(p(x) for p in self.parts)
+        weight, bias = fused
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return y.split(self.sizes, dim=-1)
 
     def invalidate(self) -> None:
         self._fused = None
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    def _fusable(self) -> bool:
+        w = self.parts[0].weight
+        return (
+            self.packed and w.device.type == "cpu" and packable(w.dtype)
+            and sum(p.weight.numel() for p in self.parts) >= MIN_ELEMENTS
+        )  # fmt: skip
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = tuple(_identity(t) for p in self.parts for t in (p.weight, p.bias) if t is not None)
         if self._fused is not None and self._fused[0] == key:
             return self._fused[1:]
         self._fused = None  # the stale copy goes before the new one is made
         weight = torch.cat([p.weight.detach() for p in self.parts])
         bias = self._bias(weight)
-        is_packed = False
-        small = weight.numel() < MIN_ELEMENTS  # F.linear is faster there (MIN_ELEMENTS)
-        if self.packed and not small and weight.device.type == "cpu" and packable(weight.dtype):
-            weight, is_packed = torch.ops.mkldnn._reorder_linear_weight(weight, None), True
-        self._fused = (key, weight, bias, is_packed)
-        return weight, bias, is_packed
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self._fused = (key, packed, bias)
+        return packed, bias
 
     def _bias(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The parts' biases end to end (zeros for a part without one), or None."""
