@@ -413,11 +413,11 @@ def final_policy_dir(run_dir: Path, steps: int) -> Path:
 
 
 def _last_step(metrics: Path) -> int:
-    """The trainer version of the last step recorded in ``metrics`` (0 if none)."""
-    if not metrics.exists():
-        return 0
-    lines = metrics.read_text().splitlines()
-    return int(json.loads(lines[-1]).get("step", 0)) if lines else 0
+    """The version of the last whole row in ``metrics`` (0 if none; a kill cuts lines)."""
+    for line in reversed(metrics.read_text().splitlines() if metrics.exists() else []):
+        with contextlib.suppress(json.JSONDecodeError):
+            return int(json.loads(line).get("step", 0))
+    return 0
 
 
 def job_actor_specs(

@@ -452,3 +452,7 @@ def test_a_resumed_job_samples_from_a_stream_of_its_own(tmp_path: Path):
     assert after_5[0] == after_5[1] and after_5[0] not in (3, seeds(True, 6)[0])
     assert seeds(True, 5) == after_5
     assert seeds(False, 5) == fresh  # a fresh job in a used directory: --overwrite
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "lo')  # a kill mid-write: the last whole row counts
+    params = role_params(load_config(overrides=flags), tmp_path, resume=True)
+    assert params["rollout"].engine.seed == after_5[0]  # type: ignore[attr-defined]
