@@ -48,8 +48,10 @@ from asyncrl.wire.messages import Bye, Command, Heartbeat, Hello
 log = get_logger("asyncrl.supervisor")
 
 
-#: Polls of 0.1 s for the Bye of an actor that exited with code 0 (2 s in all).
-_BYE_GRACE_POLLS = 20
+#: Polls of 0.1 s for the Bye of an actor that exited with code 0 (5 s in all). 2 s was
+#: too short on a loaded 2-core machine: an eval actor's Bye after its final evaluation
+#: came later, its exit counted as a death, and its restart evaluated the version again.
+_BYE_GRACE_POLLS = 50
 
 
 @dataclasses.dataclass
