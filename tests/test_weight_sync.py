@@ -99,6 +99,32 @@ async def test_a_restarted_trainers_versions_replace_its_predecessors_whatever_t
                 assert same(await rx.fetch(msg), weights(version))
 
 
+async def test_after_failing_a_restarted_trainers_first_version_its_next_is_not_skipped(
+    tmp_path,
+):
+    """The engines hold the old trainer's 5; the new trainer's 3 is gone before it is
+    pulled, so they still hold 5. Its 4 must come next, not wait for a 6 (with dist, the
+    trainer's broadcast of 4 would wait for this member until the group's timeout)."""
+    endpoints = (free_tcp_endpoint(), free_tcp_endpoint())
+    async with WeightReceiver(*endpoints) as rx:
+        pub = Publisher(*endpoints, Codec(WeightVersion))
+        async with pub, BlobServer(free_tcp_endpoint(), keep=1, chunk_bytes=1024) as blob:
+            old = WeightPublisher(pub, transport="pull", blob=blob)
+            await old.publish(5, weights(5))
+            held = await asyncio.wait_for(rx.next_version(), 10)
+        pub = Publisher(*endpoints, Codec(WeightVersion))
+        async with pub, BlobServer(free_tcp_endpoint(), keep=1, chunk_bytes=1024) as blob:
+            new = WeightPublisher(pub, transport="pull", blob=blob)
+            await new.publish(3, weights(3))
+            first = await asyncio.wait_for(rx.next_version(after=5, held=held.trainer), 10)
+            await new.publish(4, weights(4))  # keep=1: version 3 is dropped
+            with pytest.raises(RemoteError):
+                await rx.fetch(first)
+            msg = await asyncio.wait_for(rx.next_version(after=5, held=held.trainer), 10)
+            assert (msg.version, msg.trainer) == (4, new.lineage)
+            assert same(await rx.fetch(msg), weights(4))
+
+
 async def test_fetch_into_preallocated_tensors_copies_in_place(tmp_path):
     pub, blob, sync = await publisher("pull", tmp_path)
     try:

@@ -325,7 +325,7 @@ class RolloutActor(Actor):
     # -- weights and events ---------------------------------------------------------------
     async def _weights_loop(self) -> None:
         while True:
-            msg = await self.receiver.next_version(after=self.host.version)
+            msg = await self.receiver.next_version(after=self.host.version, held=self.host.lineage)
             start = time.monotonic()
             if self._asleep:  # colocated: the train step is over, the engines come back
                 await self.host.wake()

@@ -354,6 +354,12 @@ class EngineHost:
                     version=msg.version, path=str(path))  # fmt: skip
 
     @property
+    def lineage(self) -> str:
+        """The trainer whose version the engines serve (``WeightVersion.trainer``; empty
+        before our first load)."""
+        return self.last.trainer if self.last is not None else ""
+
+    @property
     def torn(self) -> bool:
         """An in-place update failed midway: the engine aborts every request until a
         complete version is loaded (``TorchEngine.update_weights_in_place``)."""

@@ -211,10 +211,11 @@ class GroupConfig(BaseModel):
     )
     backend: str = "gloo"
     timeout_s: float = Field(
-        300.0,
+        60.0,
         gt=0,
         description="each collective: a rank that never comes fails the others' "
-        "broadcast after this long (a rank that dies fails it at once)",
+        "broadcast after this long (a rank that dies fails it at once); the group then "
+        "re-forms and that version goes to the late rank by pull",
     )
     join_timeout_s: float = Field(
         60.0,

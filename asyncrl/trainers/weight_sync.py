@@ -247,15 +247,19 @@ class WeightReceiver:
         self._clients.clear()
         await self.subscriber.__aexit__(*exc)
 
-    async def next_version(self, after: int = -1) -> WeightVersion:
-        """Wait for an announcement newer than ``after``; the newest one if several queued.
-        A restarted trainer's announcement is newer whatever its number: it resumed from
-        a checkpoint, and its versions replace its predecessor's (and with ``dist`` every
-        member must take each one it broadcasts)."""
+    async def next_version(self, after: int = -1, *, held: str | None = None) -> WeightVersion:
+        """Wait for an announcement newer than the caller's weights, version ``after`` of
+        the trainer ``held`` (``WeightVersion.trainer``; None: the trainer of the last
+        announcement returned); the newest one if several queued. Another trainer's
+        announcement is newer whatever its number: a restarted trainer resumed from a
+        checkpoint, and its versions replace its predecessor's (and with ``dist`` every
+        member must take each one it broadcasts). A caller that failed to load one passes
+        ``held`` so that the new trainer's next versions are not skipped as old."""
         while True:
             msg = self._notice((await self.subscriber.receive()).msg)
             msg = self._newest_pending(msg)
-            if msg.version > after or (self.lineage and msg.trainer != self.lineage):
+            lineage = self.lineage if held is None else held
+            if msg.version > after or (lineage and msg.trainer != lineage):
                 self.lineage = msg.trainer
                 return msg
 
