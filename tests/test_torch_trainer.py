@@ -459,3 +459,27 @@ def test_packed_rows_attend_per_sequence_by_default_with_sdpas_results(tiny):
     for key in ("loss", "grad_norm", "entropy"):
         assert a.metrics[key] == pytest.approx(b.metrics[key], rel=1e-5, abs=1e-6), key
     assert_close(grads[0], grads[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_packed_attention_of_bf16_on_the_cpu_attends_in_fp32_under_autocast(rotated):
+    """bf16 inputs are attended in fp32 (faster there, and exact to fp32), cast back to
+    the values' dtype. ``rotated``: as under autocast, the rotary embedding has promoted
+    the queries and keys to fp32."""
+    import torch.nn.functional as F
+
+    from asyncrl.trainers.packed_attention import packed_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 12, 8, generator=g).bfloat16() for h in (4, 2, 2))
+    module = torch.nn.Module()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        qk = (q.float(), k.float()) if rotated else (q, k)
+        out, _ = packed_attention(module, *qk, v, None, packed_segments=(5, 7))
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 12, 4, 8)
+    kk, vv = (x.float().repeat_interleave(2, dim=1) for x in (k, v))
+    want = torch.cat([
+        F.scaled_dot_product_attention(a, b, c, is_causal=True)
+        for a, b, c in zip(*(x.split([5, 7], dim=2) for x in (q.float(), kk, vv)), strict=True)
+    ], dim=2)  # fmt: skip
+    assert torch.equal(out, want.bfloat16().transpose(1, 2))

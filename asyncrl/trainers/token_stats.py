@@ -72,19 +72,30 @@ def token_logprobs(
     return token_stats(logits_NV, targets_N, inv_temperature_N, shard)[0]
 
 
+def _scaled(z: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``u = s * z`` in fp32, in one pass (the multiply promotes bf16 logits itself)."""
+    return torch.mul(z, s[:, None], out=torch.empty(z.shape, device=z.device))
+
+
 def _chunk_forward(
     z: torch.Tensor, targets: torch.Tensor, s: torch.Tensor, shard: VocabShard
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(log p_y, log Z, sum p u)`` of one chunk of positions (joined over the shard)."""
-    u = z.float() * s[:, None]
-    m = shard.reduce_max(u.max(dim=-1).values.clone())
-    e = torch.exp(u - m[:, None])
+    """``(log p_y, log Z, sum p u)`` of one chunk of positions (joined over the shard).
+
+    Works on ``u - m`` in place (``m`` the row max): ``sum p u = m + sum p (u - m)``, and
+    the sum of ``e * (u - m)`` is a batched dot product, with no ``[n, V]`` product kept.
+    A 49k vocabulary makes each pass over the chunk cost as much as a small matmul."""
+    shifted = _scaled(z, s)
+    m = shard.reduce_max(shifted.max(dim=-1).values.clone())
+    shifted.sub_(m[:, None])
+    e = torch.exp(shifted)
     total = shard.reduce(e.sum(dim=-1))
     log_z = m + torch.log(total)
-    mean_u = shard.reduce((e * u).sum(dim=-1)) / total
+    dot = torch.bmm(e[:, None, :], shifted[:, :, None]).view(-1)
+    mean_u = m + shard.reduce(dot) / total
     local = targets - shard.start
     owned = (local >= 0) & (local < shard.size)
-    picked = u.gather(-1, local.clamp(0, shard.size - 1)[:, None]).squeeze(-1)
+    picked = shifted.gather(-1, local.clamp(0, shard.size - 1)[:, None]).squeeze(-1) + m
     u_y = shard.reduce(torch.where(owned, picked, torch.zeros_like(picked)))
     return u_y - log_z, log_z, mean_u
 
@@ -122,16 +133,49 @@ class _TokenStats(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for lo in range(0, logits.shape[0], ctx.rows):
             c = slice(lo, lo + ctx.rows)
-            u = logits[c].float() * s[c, None]
-            p = torch.exp(u - log_z[c, None])
-            g = torch.zeros_like(u)
-            if grad_logp is not None:
-                g -= p * grad_logp[c, None]
-                local = targets[c] - shard.start
-                owned = (local >= 0) & (local < shard.size)
-                rows = torch.arange(len(local), device=g.device)[owned]
-                g[rows, local[owned]] += grad_logp[c][owned]
-            if grad_entropy is not None:
-                g -= grad_entropy[c, None] * p * (u - mean_u[c, None])
-            grad[c] = (g * s[c, None]).to(grad.dtype)
+            grad[c] = _chunk_backward(
+                logits[c],
+                targets[c],
+                s[c],
+                log_z[c],
+                mean_u[c],
+                _part(grad_logp, c),
+                _part(grad_entropy, c),
+                shard,
+            )
         return grad, None, None, None, None
+
+
+def _part(grad: torch.Tensor | None, c: slice) -> torch.Tensor | None:
+    return None if grad is None else grad[c]
+
+
+def _chunk_backward(
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    s: torch.Tensor,
+    log_z: torch.Tensor,
+    mean_u: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    shard: VocabShard,
+) -> torch.Tensor:
+    """One chunk's ``d loss / d z`` (module docstring), fp32 ``[n, V]``, with in-place
+    passes: ``g = -s p (a + b (u - sum p u))`` plus ``s a`` at the target, where ``a``
+    and ``b`` are the upstream gradients of ``log p_y`` and ``H`` (0 when unused)."""
+    u = _scaled(z, s)
+    if grad_entropy is None:  # the usual case: p overwrites u
+        g = u.sub_(log_z[:, None]).exp_()
+        g.mul_(-(s * grad_logp)[:, None] if grad_logp is not None else 0.0)
+    else:
+        p = torch.exp(u - log_z[:, None])
+        g = u.sub_(mean_u[:, None]).mul_(grad_entropy[:, None])
+        if grad_logp is not None:
+            g.add_(grad_logp[:, None])
+        g.mul_(p).mul_(-s[:, None])
+    if grad_logp is not None:
+        local = targets - shard.start
+        owned = (local >= 0) & (local < shard.size)
+        rows = torch.arange(len(local), device=g.device)[owned]
+        g[rows, local[owned]] += (s * grad_logp)[owned]
+    return g
