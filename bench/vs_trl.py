@@ -261,6 +261,15 @@ def ensure_model(size: str, cache: Path, seed: int) -> dict[str, Any]:
 # -- the timed runs (each in a child process: ``--worker FRAMEWORK --spec FILE``) ------
 
 
+#: asyncrl's flags per ``--dtype``. bf16: the trainer as TRL's ``bf16=True`` (fp32
+#: master weights, bf16 autocast), and the engine samples from bf16 weights, as TRL's
+#: ``generate`` runs under the same autocast.
+DTYPE_FLAGS = {
+    "float32": ["--trainer.dtype", "float32"],
+    "bf16": ["--trainer.dtype", "bf16-mixed", "--rollout.engine.dtype", "bfloat16"],
+}
+
+
 def asyncrl_flags(spec: dict[str, Any]) -> list[str]:
     """``asyncrl train`` flags for ``spec`` on top of the demo's config."""
     sampling = {"temperature": spec["temperature"], "top_p": 1.0,
@@ -276,7 +285,7 @@ def asyncrl_flags(spec: dict[str, Any]) -> list[str]:
             "--eval-interval", "0", "--kl-coef", "0", "--use-kl-loss", "false",
             "--entropy-coef", "0", "--eps-clip", "0.2", "--loss-aggregation", "token-mean",
             "--clip-grad", "1.0", "--weight-decay", "0", "--trainer.lr-schedule", "constant",
-            "--lr-warmup-iters", "0", "--trainer.dtype", "float32",
+            "--lr-warmup-iters", "0", *DTYPE_FLAGS[spec.get("dtype", "float32")],
             "--trainer.seed", seed, "--rollout-seed", seed,
             "--buffer.max-staleness", str(spec["eta"])]  # fmt: skip
 
@@ -358,7 +367,8 @@ def trl_config(spec: dict[str, Any]) -> Any:
         raise SystemExit(f"TRL's micro-batch {micro} must divide the step's {batch} samples")
     # One generation of the whole step, trained in batch / micro accumulated micro-batches.
     return GRPOConfig(
-        output_dir=spec["out"], use_cpu=True, bf16=False, fp16=False, seed=spec["seed"],
+        output_dir=spec["out"], use_cpu=True, bf16=spec.get("dtype") == "bf16", fp16=False,
+        seed=spec["seed"],
         max_steps=spec["steps"], per_device_train_batch_size=micro,
         gradient_accumulation_steps=batch // micro, num_generations=spec["samples"],
         num_iterations=1, max_completion_length=spec["max_new_tokens"],
@@ -610,7 +620,8 @@ def run_spec(args: argparse.Namespace, size: str, model: str, framework: str) ->
             "groups": pick(args.groups, task.groups), "samples": pick(args.samples, task.samples),
             "eval_samples": pick(args.eval_samples, task.eval_samples),
             "lr": args.lr or sz.lr, "seed": args.seed, "save_every": args.save_every,
-            "max_new_tokens": args.max_new_tokens, "eta": pick(args.eta, sz.eta)}  # fmt: skip
+            "max_new_tokens": args.max_new_tokens, "eta": pick(args.eta, sz.eta),
+            "dtype": args.dtype}  # fmt: skip
 
 
 def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
@@ -737,6 +748,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="asyncrl's staleness bound (default per size: " +
                         ", ".join(f"{k} {v.eta}" for k, v in SIZES.items()) + ")")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", choices=list(DTYPE_FLAGS), default="float32",
+                        help="bf16: fp32 master weights and bf16 compute on both sides "
+                        "(TRL bf16=True; asyncrl bf16-mixed and a bf16 engine)")  # fmt: skip
     parser.add_argument("--save-every", type=int, default=4, help="checkpoint every K steps")
     parser.add_argument("--eval-rows", type=int, default=200, help="first N test rows")
     parser.add_argument(
