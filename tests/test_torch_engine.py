@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.engines import cpu_linear
 from asyncrl.engines.base import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
 from asyncrl.engines.torch_engine import EngineError, TorchEngine
 from tests.tiny_model import build_tiny_model
@@ -265,27 +266,57 @@ async def test_an_in_place_update_writes_the_model_while_no_step_runs(engine, ti
     assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in new_weights.items())
 
 
-async def test_an_update_written_around_torchs_version_counter_reaches_the_packed_weights(
-    engine, tiny
-):
+def wide_qwen2() -> torch.nn.Module:
+    """Wide enough that its linears are packed and q/k/v and gate/up fused
+    (``cpu_linear.MIN_ELEMENTS``); the tiny model's are all below it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    config = Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                         max_position_embeddings=256, initializer_range=0.05)  # fmt: skip
+    return Qwen2ForCausalLM(config).eval()
+
+
+def copies(engine: TorchEngine) -> int:
+    """The packed or fused copies of weights the engine holds now."""
+    plain = sum(getattr(m, "_packed", None) is not None for m in engine.model.modules())
+    lean = engine._lean.layers if engine._lean is not None else []
+    return plain + sum(f._fused is not None for layer in lean for f in (layer.qkv, layer.gate_up))
+
+
+@pytest.mark.parametrize("lean", [True, False])
+async def test_an_update_written_around_torchs_version_counter_reaches_the_packed_weights(lean):
     """The pull transport writes a version into the model's memory through numpy, unseen
-    by torch's version counters: the engine's packed copies (engines/cpu_linear.py) must
-    still be made again from the new weights."""
-    _, model, _ = tiny
-    prompt, n = PROMPTS[1], 12
-    old = await run(engine, "old", prompt, max_new_tokens=n, temperature=0)  # packs them
-    gen = torch.Generator().manual_seed(7)
-    new = {k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    by torch's version counters: the engine's packed and fused copies
+    (engines/cpu_linear.py) must still be made again from the new weights; and
+    release_memory frees them."""
+    model = wide_qwen2()
     reference = copy.deepcopy(model)
-    reference.load_state_dict(new)
+    engine = TorchEngine(model, lean=lean)
+    prompt, n = [5, 17, 42, 99], 12
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(engine.run())
+        old = await run(engine, "old", prompt, max_new_tokens=n, temperature=0)  # packs them
+        assert copies(engine) > 0 or not cpu_linear.packable(torch.float32)
+        gen = torch.Generator().manual_seed(7)
+        new = {k: v + 0.05 * torch.randn(v.shape, generator=gen)
+               for k, v in reference.state_dict().items()}  # fmt: skip
+        reference.load_state_dict(new)
 
-    async def fill(params: dict[str, torch.Tensor]) -> None:
-        for name, t in new.items():
-            params[name].numpy()[:] = t.numpy()
+        async def fill(params: dict[str, torch.Tensor]) -> None:
+            for name, t in new.items():
+                params[name].numpy()[:] = t.numpy()
 
-    await engine.update_weights_in_place(fill, version=2)
-    got = await run(engine, "new", prompt, max_new_tokens=n, temperature=0)
-    assert got.output_ids == hf_greedy(reference, prompt, n) != old.output_ids
+        await engine.update_weights_in_place(fill, version=2)
+        got = await run(engine, "new", prompt, max_new_tokens=n, temperature=0)
+        assert got.output_ids == hf_greedy(reference, prompt, n) != old.output_ids
+        await engine.release_memory(None)
+        assert copies(engine) == 0
+        await engine.resume_memory(None)
+        again = await run(engine, "again", prompt, max_new_tokens=n, temperature=0)
+        assert again.output_ids == got.output_ids
+        task.cancel()
 
 
 async def test_a_failed_in_place_update_aborts_requests_until_an_update_completes(engine, tiny):

@@ -468,11 +468,19 @@ class TorchEngine:
         return not self._rids
 
     async def release_memory(self, tags: list[str] | None) -> None:
-        """Free the KV cache (must be idle) and move weights to CPU if on an accelerator."""
+        """Free the KV cache (must be idle) and move weights to CPU if on an accelerator.
+        On the CPU that frees the packed and fused copies of the weights (``cpu_linear``),
+        as large as the linear weights themselves; the first step after ``resume_memory``
+        makes them again."""
         if self._rids:
             raise EngineError("release_memory_occupation needs an idle engine: pause first")
         if tags is None or "weights" in tags:
-            await self._at_boundary(lambda: self.model.to("cpu"))
+
+            def release() -> None:
+                self.model.to("cpu")
+                self._invalidate()
+
+            await self._at_boundary(release)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
