@@ -15,6 +15,11 @@ hyper-parameters:
     AdamW (betas 0.9/0.999, no weight decay), grad clip 1.0, constant LR, float32, no
     gradient checkpointing, and no dynamic-sampling filter (every sample is trained).
 
+``--dtype bf16`` computes in bf16 on both sides with fp32 master weights and optimizer
+state: TRL's ``bf16=True`` (Accelerate's autocast wraps its forwards, ``generate``
+included); asyncrl's ``trainer.dtype bf16-mixed`` and an engine that samples from bf16
+weights (``DTYPE_FLAGS``). Checkpoints are scored in fp32 either way.
+
 asyncrl runs ``asyncrl train`` (``run_job``) on the task's example config with those
 settings: async with a staleness bound eta per size (``--eta``; 2 at 0.5M, the demo's
 setting, 1 at 30M and on the real model), one rollout actor on the embedded engine, the
