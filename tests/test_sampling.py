@@ -4,6 +4,8 @@ from the truncated distribution, its log-prob is SGLang's full-vocabulary
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from asyncrl.engines.base import SamplingParams
@@ -51,13 +53,16 @@ def test_a_row_with_no_finite_probability_fails_alone_on_either_path():
 
 
 def test_min_new_tokens_masks_eos_on_the_shared_path():
+    """EOS far above the rest (exp(-200) is 0 in float32): the others are still drawn,
+    at their log-probs under the masked distribution, with or without top log-probs."""
     z = torch.zeros(1, 5)
-    z[0, 2] = 30.0  # EOS would be drawn every time
+    z[0, 2] = 200.0  # EOS would be drawn every time
     state = RowState(SamplingParams(min_new_tokens=3), torch.Generator().manual_seed(0),
                      None, {}, 0, [2])  # fmt: skip
-    for _ in range(50):
-        (result,) = sample_rows(z, [state], [0])
-        assert result.token != 2
+    for num_top in (0, 2) * 25:
+        (result,) = sample_rows(z, [state], [num_top])
+        assert result.token != 2 and abs(result.logprob - math.log(1 / 4)) < 1e-6
+        assert num_top == 0 or result.top[0][1] != 2
 
 
 def test_a_top_p_draw_stays_in_the_nucleus_and_reports_the_full_vocabulary_log_prob():
@@ -129,7 +134,7 @@ def test_the_two_level_draw_picks_the_token_a_whole_vocabulary_cdf_would():
     probs[:8, [_BLOCK - 2, _BLOCK]] = 0.5  # all mass beside a zero at a block's end
     for r in range(30):
         seeds = [64 * r + i for i in range(64)]
-        got = _draw(probs, [torch.Generator().manual_seed(s) for s in seeds])
+        got, _ = _draw(probs, [torch.Generator().manual_seed(s) for s in seeds])
         cdf = probs.double().cumsum(-1)
         u = torch.cat([torch.rand(1, generator=torch.Generator().manual_seed(s),
                                   dtype=torch.float64) for s in seeds]) * cdf[:, -1]  # fmt: skip
