@@ -12,7 +12,9 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 import uvloop
+from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from asyncrl.buffer.dump import batch_files, read_batch
@@ -158,20 +160,43 @@ def test_a_short_async_run_trains_and_accounts_for_every_prompt(short_run):
     assert [r["train/step"] for r in history if "train/loss" in r] == [1, 2, 3]
 
 
-async def test_a_resumed_run_continues_from_its_checkpoints(tmp_path):
+def reward_by_length(sample) -> float:
+    """A reward that varies inside a group (the tiny model never answers right)."""
+    return float(len(sample.response_text))
+
+
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", '["q_proj","v_proj"]',
+        "--rm-type", "custom", "--custom-rm-path", "tests.test_train:reward_by_length"]  # fmt: skip
+
+
+@pytest.mark.parametrize("lora", [[], LORA], ids=["full", "lora"])
+async def test_a_resumed_run_continues_from_its_checkpoints(tmp_path, lora):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")
-    first = await run_job(load_config(overrides=job_flags(tmp_path, steps=2)))
+    first = await run_job(load_config(overrides=[*job_flags(tmp_path, steps=2), *lora]))
     assert first.ok, first.error
     assert last_buffer_metrics(tmp_path / "run")["buffer.consumed"] == 2 * 2
-    second = await run_job(load_config(overrides=job_flags(tmp_path, steps=4)), resume=True)
+    flags = [*job_flags(tmp_path, steps=4), *lora]
+    second = await run_job(load_config(overrides=flags), resume=True)
     assert second.ok, second.error
+    if lora:
+        check_lora_checkpoint(tmp_path / "run", tmp_path / "model")
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, 4]
     last = last_buffer_metrics(tmp_path / "run")
     # The ledger came back from the checkpoint: 8 distinct groups consumed, none twice.
     assert last["buffer.consumed"] == 4 * 2 and accounted(last)
     assert last["buffer.duplicates"] == 0
+
+
+def check_lora_checkpoint(run_dir: Path, base: Path) -> None:
+    """The last checkpoint holds peft's adapter files and merged weights in which only the
+    adapted projections moved from the base model."""
+    [*_, ckpt] = sorted(run_dir.glob("**/adapter/adapter_config.json"))
+    merged = load_file(str(ckpt.parent.parent / "policy" / "model.safetensors"))
+    original = load_file(str(base / "model.safetensors"))
+    moved = {k for k in original if not torch.equal(original[k], merged[k])}
+    assert moved and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in moved)
 
 
 def test_train_refuses_missing_model_or_data_before_launch(tmp_path, capsys):

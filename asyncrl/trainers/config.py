@@ -59,6 +59,42 @@ class SimTrainerConfig(BaseModel):
     time_scale: float = Field(1.0, gt=0, description="modelled seconds per wall second")
 
 
+class LoraConfig(BaseModel):
+    """LoRA adapters on the policy (``trainers/lora.py``); rank 0 trains every weight."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    rank: int = Field(
+        0,
+        ge=0,
+        description="adapter rank r; 0: no adapters, every weight is trained",
+        json_schema_extra={"flag": "lora-rank"},
+    )
+    alpha: float = Field(
+        16.0,
+        gt=0,
+        description="adapter scale: an adapted linear adds (alpha / r) B A to its weight",
+        json_schema_extra={"flag": "lora-alpha"},
+    )
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="module names adapted (peft's target_modules, e.g. [q_proj, v_proj]); "
+        "all-linear: every linear of the decoder layers (not the output head)",
+        json_schema_extra={"flag": "lora-target-modules", "aliases": ["target-modules"]},
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="dropout on an adapter's input while training",
+        json_schema_extra={"flag": "lora-dropout"},
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class TrainerConfig(BaseModel):
     """Model, optimizer, micro-batching and parallelism of the trainer."""
 
@@ -137,6 +173,9 @@ class TrainerConfig(BaseModel):
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="Data parallelism when a process group of >1 ranks exists."
     )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="LoRA adapters on the policy (rank 0: off)"
+    )
 
     @model_validator(mode="after")
     def _sim_is_one_process(self) -> TrainerConfig:
@@ -169,6 +208,7 @@ class TrainerConfig(BaseModel):
                 "set --trainer-num-ranks"
             )
         torch_only = {
+            "lora": self.lora.enabled,
             "parallel": self.parallel != "ddp",
             "attn_implementation": self.attn_implementation is not None,
             "critic": bool(self.critic),
@@ -179,7 +219,16 @@ class TrainerConfig(BaseModel):
             raise ValueError(
                 f"trainer.backend=megatron does not use {', '.join(wrong)} (torch-backend "
                 "settings: megatron shards with megatron.tensor_parallel/pipeline_parallel, "
-                "runs its own attention, and trains no critic): drop them"
+                "runs its own attention, and trains no critic or LoRA adapters): drop them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_fits(self) -> TrainerConfig:
+        if self.lora.enabled and self.parallel == "fsdp":
+            raise ValueError(
+                "trainer.lora with parallel=fsdp: LoRA trains under ddp (its frozen base is "
+                "replicated; the adapters are small): set --trainer.parallel ddp"
             )
         return self
 

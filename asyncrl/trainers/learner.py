@@ -8,6 +8,11 @@ the tensors ``save_pretrained`` writes, so ``AutoModelForCausalLM.from_pretraine
 
 A learner's checkpoint directory holds ``config.json`` + ``model.safetensors`` (an HF
 directory), ``optimizer.pt`` and ``scheduler.pt``; rank 0 writes it.
+
+With LoRA (``lora.Adapters``) only the adapters are trained and in the optimizer; the
+weights leave merged (an ordinary HF model), and checkpoints add the adapters, which a
+resume loads (the HF folder of merged weights is for serving; loading it into the base
+would add the adapters twice).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from asyncrl.trainers.config import LoraConfig
+from asyncrl.trainers.lora import Adapters
 from asyncrl.trainers.parallel import DataParallel
 
 Schedule = Literal["constant", "cosine"]
@@ -136,18 +143,26 @@ class Learner:
     scheduler: LambdaLR
     aliases: dict[str, str]
     dp: DataParallel
+    adapters: Adapters | None = None
 
     @classmethod
     def build(
-        cls, model: nn.Module, dp: DataParallel, device: torch.device, settings: OptimSettings
+        cls,
+        model: nn.Module,
+        dp: DataParallel,
+        device: torch.device,
+        settings: OptimSettings,
+        lora: LoraConfig | None = None,
     ) -> Learner:
-        """Move ``model`` to ``device``, wrap it for ``dp`` and give it AdamW."""
+        """Move ``model`` to ``device`` (with LoRA adapters when ``lora`` is enabled), wrap
+        it for ``dp`` and give its trained parameters AdamW."""
         model.config.architectures = [type(model).__name__]
         aliases = tied_aliases(model)
+        adapters = Adapters.attach(model, lora) if lora is not None and lora.enabled else None
         model = model.to(device).train()
         wrapped = dp.wrap(model, device)
         optimizer = torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],
             lr=settings.lr,
             betas=settings.betas,
             eps=settings.eps,
@@ -157,15 +172,15 @@ class Learner:
             fused=not dp.sharded,
         )
         scheduler = LambdaLR(optimizer, partial(lr_factor, settings=settings))
-        return cls(model, wrapped, optimizer, scheduler, aliases, dp)
+        return cls(model, wrapped, optimizer, scheduler, aliases, dp, adapters)
 
     def sync(self, enabled: bool) -> AbstractContextManager[None]:
         """Gradient all-reduce on (last micro-batch) or off (the others)."""
         return self.dp.gradient_sync(self.wrapped, enabled)
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The trained parameters."""
-        return self.model.parameters()
+        """The trained parameters (the adapters alone with LoRA)."""
+        return (p for p in self.model.parameters() if p.requires_grad)
 
     def step(self, grad_clip: float | None) -> tuple[float, float]:
         """Clip, AdamW step, schedule step; returns ``(pre-clip grad norm, LR used)``.
@@ -186,7 +201,13 @@ class Learner:
         """CPU copies under HF names, tied duplicates dropped (collective under FSDP).
         ``copy=False``: the weights themselves where they live (a GPU's), detached, valid
         until the next step, for a caller that copies them at once (the ``ipc``
-        transport); sharded weights are still gathered to CPU copies."""
+        transport); sharded weights are still gathered to CPU copies. With LoRA: the
+        merged weights (``Adapters.merged_weights``), CPU copies unless ``copy=False``."""
+        if self.adapters is not None:
+            merged = self.adapters.merged_weights()
+            if copy:
+                merged = {k: v.to("cpu", copy=True) for k, v in merged.items()}
+            return {k: v.contiguous() for k, v in merged.items() if k not in self.aliases}
         if not copy and not self.dp.sharded:
             live = self.model.state_dict()
             return {k: v.detach() for k, v in live.items() if k not in self.aliases}
@@ -201,9 +222,12 @@ class Learner:
                 full.setdefault(alias, full[kept])
         self.dp.load_full_state_dict(self.model, full)
 
-    def save(self, path: Path, state: Path, tokenizer: str | None = None) -> None:
+    def save(
+        self, path: Path, state: Path, tokenizer: str | None = None, adapter: Path | None = None
+    ) -> None:
         """The HF folder of the weights (with ``tokenizer``'s tokenizer) into ``path``, the
-        optimizer and schedule into ``state`` (rank 0 writes; all ranks call)."""
+        optimizer and schedule into ``state``, and with LoRA the adapters into ``adapter``
+        (default ``state/adapter``; rank 0 writes; all ranks call)."""
         weights = self.hf_weights()
         optimizer = self.dp.optimizer_state(self.model, self.optimizer)
         if self.dp.rank != 0:
@@ -212,13 +236,20 @@ class Learner:
         if tokenizer is not None:
             copy_tokenizer(tokenizer, path)
         state.mkdir(parents=True, exist_ok=True)
+        if self.adapters is not None:
+            self.adapters.save(adapter or state / "adapter")
         torch.save(optimizer, state / "optimizer.pt")
         torch.save(self.scheduler.state_dict(), state / "scheduler.pt")
 
-    def load(self, path: Path, state: Path) -> None:
+    def load(self, path: Path, state: Path, adapter: Path | None = None) -> None:
         """Restore ``save``'s folders (every rank reads them). Checkpoints written before
-        the optimizer moved out of the HF folder keep it in ``path``: read there."""
-        self.load_hf_weights(load_file(str(path / "model.safetensors")))
+        the optimizer moved out of the HF folder keep it in ``path``: read there. With
+        LoRA the adapters come from ``adapter`` (default ``state/adapter``) onto the base
+        weights."""
+        if self.adapters is not None:
+            self.adapters.load(adapter or state / "adapter")
+        else:
+            self.load_hf_weights(load_file(str(path / "model.safetensors")))
         state = state if (state / "optimizer.pt").is_file() else path
         # weights_only: tensors and plain containers, never arbitrary pickled objects.
         optimizer = torch.load(state / "optimizer.pt", weights_only=True)

@@ -62,7 +62,7 @@ from asyncrl.policies import (
 )
 from asyncrl.trainers import packed_attention
 from asyncrl.trainers.base import StepResult
-from asyncrl.trainers.config import TrainerConfig
+from asyncrl.trainers.config import LoraConfig, TrainerConfig
 from asyncrl.trainers.learner import Learner, OptimSettings, copy_tokenizer, write_model_dir
 from asyncrl.trainers.packing import (
     MicroBatch,
@@ -110,7 +110,7 @@ class TorchTrainer:
         self.dtype = torch.float32 if self.mixed else getattr(torch, config.dtype)
         seed_everything(config.seed)
         self.version = 0
-        self.policy = self._trainable(self._load_lm(config.model_path), config.lr)
+        self.policy = self._trainable(self._load_lm(config.model_path), config.lr, config.lora)
         self.attn = str(self.policy.model.config._attn_implementation)
         self.ref = self._load_ref() if self.algo.needs_ref else None
         self.critic = self._load_critic() if self._wants_critic() else None
@@ -149,10 +149,10 @@ class TorchTrainer:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
-    def _trainable(self, model: nn.Module, lr: float) -> Learner:
+    def _trainable(self, model: nn.Module, lr: float, lora: LoraConfig | None = None) -> Learner:
         if self.config.gradient_checkpointing:
             _enable_checkpointing(model)
-        return Learner.build(model, self.dp, self.device, self._optim(lr))
+        return Learner.build(model, self.dp, self.device, self._optim(lr), lora)
 
     def _load_ref(self) -> nn.Module:
         model = self._load_lm(self.config.ref_model_path or self.config.model_path)
@@ -371,11 +371,15 @@ class TorchTrainer:
 
     def save_checkpoint(self, path: Path) -> None:
         """``policy/`` (and ``critic/``): complete HF folders (weights, config, generation
-        config, tokenizer and chat template); ``optimizer/{policy,critic}/``: optimizer
-        and schedule; ``rng/rank{r}.pt``; ``trainer.json`` (version, configs). Every rank
-        calls it; ``path`` is shared."""
+        config, tokenizer and chat template; with LoRA the merged weights);
+        ``optimizer/{policy,critic}/``: optimizer and schedule; ``adapter/`` with LoRA (peft's
+        layout); ``rng/rank{r}.pt``; ``trainer.json`` (version, configs). Every rank calls
+        it; ``path`` is shared."""
         path = Path(path)
-        self.policy.save(path / "policy", path / "optimizer" / "policy", self.config.model_path)
+        self.policy.save(
+            path / "policy", path / "optimizer" / "policy", self.config.model_path,
+            adapter=path / "adapter",
+        )  # fmt: skip
         if self.critic is not None:
             self.critic.save(path / "critic", path / "optimizer" / "critic")
         (path / "rng").mkdir(parents=True, exist_ok=True)
@@ -399,7 +403,9 @@ class TorchTrainer:
         try:
             state = json.loads((path / "trainer.json").read_text())
             version = int(state["version"])
-            self.policy.load(path / "policy", path / "optimizer" / "policy")
+            self.policy.load(
+                path / "policy", path / "optimizer" / "policy", adapter=path / "adapter"
+            )
         except Exception as exc:  # json, safetensors, torch.load: all mean the same here
             raise CheckpointUnreadable(
                 f"trainer checkpoint {path} is unreadable (truncated or incomplete?): "

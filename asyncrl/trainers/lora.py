@@ -1,0 +1,118 @@
+"""LoRA adapters on the policy (``trainer.lora``), with peft.
+
+``Adapters.attach(model, config)`` replaces the target linears of an HF causal LM by
+peft's LoRA layers, in place, and freezes every other weight, so the optimizer holds
+AdamW state for the adapters alone. An adapted linear computes
+
+    y = x W0^T + (alpha / r) * dropout(x) A^T B^T        A: [r, in], B: [out, r]
+
+with ``B = 0`` at the start (peft's initialisation), so version 0 is the base model.
+
+Weights leave the trainer **merged**: ``merged_weights`` gives every HF-named tensor, with
+``W = W0 + (alpha / r) B A`` for the adapted ones (peft's ``get_delta_weight``), and leaves
+the model as it is. Engines, every weight transport, the eval actor and ``asyncrl
+export`` therefore see an ordinary HF model, and what the engine samples from is what
+the trainer's forward computes (the adapted linear in two products, the merged one in
+one: equal up to float round-off). A version is as large as the full model's.
+
+Checkpoints keep the adapters in peft's format (``adapter_config.json`` and
+``adapter_model.safetensors``, which peft, vLLM and SGLang load onto the base model);
+a resume loads them onto the base weights of ``trainer.model_path``.
+
+Users: ``learner.Learner`` (built by ``torch_trainer.TorchTrainer``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from asyncrl.trainers.config import LoraConfig
+
+#: The file peft writes an adapter's weights to (``PeftModel.save_pretrained``).
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+@dataclass(slots=True)
+class Adapters:
+    """The peft wrapper around a policy whose target linears carry LoRA layers."""
+
+    peft_model: Any  # peft.PeftModel; its ``base_model.model`` is the HF model, adapted
+
+    @classmethod
+    def attach(cls, model: nn.Module, config: LoraConfig) -> Adapters:
+        """Adapt ``model`` in place (see the module docstring); only adapters train."""
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        peft_config = PeftLoraConfig(
+            r=config.rank,
+            lora_alpha=config.alpha,
+            lora_dropout=config.dropout,
+            target_modules=config.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        try:
+            peft_model = get_peft_model(model, peft_config)
+        except ValueError as exc:  # peft names the target it could not find
+            raise ValueError(f"trainer.lora.target_modules: {exc}") from exc
+        return cls(peft_model)
+
+    @property
+    def model(self) -> nn.Module:
+        """The HF model itself, with its target linears adapted."""
+        return self.peft_model.base_model.model
+
+    def layers(self) -> dict[str, nn.Module]:
+        """``{module name: LoRA layer}`` of the adapted linears."""
+        from peft.tuners.lora import LoraLayer
+
+        return {n: m for n, m in self.model.named_modules() if isinstance(m, LoraLayer)}
+
+    def num_trainable(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    @torch.no_grad()
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight under its HF name, adapters merged: ``W0 + (alpha / r) B A``.
+
+        Unadapted tensors are the model's own (detached, not copied); merged ones are new.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for key, value in self.model.state_dict().items():
+            if ".lora_" not in key:
+                out[key.replace(".base_layer.", ".")] = value.detach()
+        for name, layer in self.layers().items():
+            base = layer.get_base_layer().weight
+            delta = layer.get_delta_weight("default")
+            out[f"{name}.weight"] = (base + delta.to(base.dtype)).detach()
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapters' tensors under peft's names (what ``ADAPTER_FILE`` holds)."""
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.peft_model)
+
+    def save(self, path: Path) -> None:
+        """``adapter_config.json`` and ``ADAPTER_FILE`` into ``path`` (peft's layout)."""
+        self.peft_model.save_pretrained(str(path))
+
+    def load(self, path: Path) -> None:
+        """Load ``save``'s adapters onto this model; every adapter tensor must be there."""
+        from peft import set_peft_model_state_dict
+
+        tensors = load_file(str(Path(path) / ADAPTER_FILE))
+        result = set_peft_model_state_dict(self.peft_model, tensors)
+        missing = [k for k in result.missing_keys if ".lora_" in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"{path}: adapters do not match this model's (missing {missing[:3]}, "
+                f"unexpected {list(result.unexpected_keys)[:3]}): was it trained with "
+                "other trainer.lora settings?"
+            )

@@ -1,0 +1,133 @@
+"""LoRA on the policy (asyncrl/trainers/lora.py) through TorchTrainer, tiny Qwen2, CPU.
+
+Only the adapters train and sit in the optimizer; the weights leave merged, and a model
+loaded from them computes what the trainer's adapted forward computes; a checkpoint
+keeps the adapters in peft's layout, loadable by peft, and resumes bit-exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM
+
+from asyncrl.policies import PolicyConfig
+from asyncrl.trainers.torch_trainer import TorchTrainer
+from tests.test_torch_trainer import config, make_batch
+from tests.tiny_model import build_tiny_model
+
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(path, tie_word_embeddings=False)
+    return path
+
+
+def lora_trainer(path: Path, **lora: object) -> TorchTrainer:
+    return TorchTrainer(config(path, lora=LORA | lora, lr=1e-2))
+
+
+def test_only_the_adapters_train_and_sit_in_the_optimizer(tiny):
+    trainer = lora_trainer(tiny)
+    model = trainer.policy.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.train_step(make_batch())
+    after = model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    # B starts at 0, so after one step every B moved; A moves from the second step
+    assert changed and all(".lora_" in k for k in changed)
+    assert any(".lora_B." in k for k in changed)
+    optimized = {id(p) for g in trainer.policy.optimizer.param_groups for p in g["params"]}
+    adapters = {id(p) for n, p in model.named_parameters() if ".lora_" in n}
+    assert optimized == adapters
+    # every linear of both decoder layers (7 each), not the head: 14 x r x (in + out)
+    assert len(trainer.policy.adapters.layers()) == 14
+    assert "lm_head" not in str(trainer.policy.adapters.layers().keys())
+
+
+def test_the_exported_weights_are_merged_and_load_into_a_model_that_computes_the_same(
+    tiny, tmp_path
+):
+    trainer = lora_trainer(tiny)
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    start = trainer.export_weights()
+    assert start.keys() == base.state_dict().keys()  # HF names, no peft names
+    # version 0 is the base model (B = 0)
+    assert all(torch.equal(start[k], v) for k, v in base.state_dict().items())
+    for step in range(2):
+        trainer.train_step(make_batch(step, version=step))
+    weights = trainer.export_weights()
+    assert not torch.equal(
+        weights["model.layers.0.mlp.down_proj.weight"],
+        base.state_dict()["model.layers.0.mlp.down_proj.weight"],
+    )
+    base.load_state_dict(weights)
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        trainer.policy.model.eval()
+        adapted = trainer.policy.model(ids).logits
+    assert torch.allclose(base(ids).logits, adapted, atol=1e-4)
+    trainer.save_hf(tmp_path / "out")  # an ordinary HF folder of the merged weights
+    served = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.allclose(served(ids).logits, adapted, atol=1e-4)
+
+
+def test_a_lora_checkpoint_resumes_bit_exactly_and_its_adapter_loads_in_peft(tiny, tmp_path):
+    from peft import PeftModel
+
+    algo = PolicyConfig()
+    first = TorchTrainer(config(tiny, lora=LORA | {"dropout": 0.1}, lr=1e-2), algo)
+    for step in range(2):
+        first.train_step(make_batch(step, version=step))
+    first.save_checkpoint(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "adapter" / "adapter_config.json").is_file()
+    assert not (tmp_path / "ckpt" / "policy" / "adapter_config.json").exists()
+    saved = first.export_weights()
+    state = first.policy.optimizer.state_dict()["state"].values()
+    assert sum(s["exp_avg"].numel() for s in state) == first.policy.adapters.num_trainable()
+    rng = torch.get_rng_state(), np.random.rand(), random.random()
+    for step in range(2, 4):
+        first.train_step(make_batch(step, version=step))
+
+    second = TorchTrainer(config(tiny, lora=LORA | {"dropout": 0.1}, lr=1e-2), algo)
+    second.load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(torch.get_rng_state(), rng[0])
+    assert (np.random.rand(), random.random()) == rng[1:]
+    for step in range(2, 4):
+        second.train_step(make_batch(step, version=step))
+    a, b = first.policy.model.state_dict(), second.policy.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # peft itself puts the saved adapters on the base model: the merged weights of then
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32),
+        str(tmp_path / "ckpt" / "adapter"),
+    )
+    merged = peft_model.merge_and_unload().state_dict()
+    assert all(torch.allclose(merged[k], saved[k], atol=1e-6) for k in saved)
+
+
+def test_a_checkpoint_of_other_adapters_is_refused_by_name(tiny, tmp_path):
+    trainer = lora_trainer(tiny, target_modules=["q_proj", "v_proj"])
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    other = lora_trainer(tiny)  # all-linear
+    with pytest.raises(Exception, match="adapters do not match"):
+        other.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_lora_settings_that_cannot_work_are_refused(tiny):
+    with pytest.raises(ValidationError, match="parallel=fsdp"):
+        config(tiny, lora=LORA, parallel="fsdp")
+    with pytest.raises(ValidationError, match="LoRA"):
+        TorchTrainer.Config(model_path=str(tiny), backend="megatron", lora=LORA)
+    with pytest.raises(ValueError, match="target_modules"):
+        lora_trainer(tiny, target_modules=["no_such_proj"])
