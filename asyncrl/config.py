@@ -429,6 +429,30 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _adapter_versions_reach_the_engines(self) -> RunConfig:
+        """Only the embedded torch engine merges adapter-only versions (lora_merge.py),
+        from versions it pulls or reads from disk."""
+        lora = self.trainer.lora if self.trainer is not None else None
+        if lora is None or not lora.enabled or lora.publish != "adapters":
+            return self
+        engines = [e for e in (self.rollout.engine, self.eval.engine) if e is not None]
+        if any(e.type != "torch" or e.serve != "embedded" or e.urls for e in engines):
+            raise KeyConflict(
+                "trainer.lora.publish adapters: only the embedded torch engine merges "
+                "adapter versions onto its base weights; SGLang servers and engine actors "
+                "take merged versions: set --lora-publish merged",
+                ("trainer", "lora", "publish"),
+            )
+        if self.train.publish not in ("pull", "disk"):
+            raise KeyConflict(
+                f"trainer.lora.publish adapters goes by pull or disk, not "
+                f"{self.train.publish}: set --update-weight-transport pull (adapters are "
+                "small), or --lora-publish merged",
+                ("trainer", "lora", "publish"),
+            )
+        return self
+
+    @model_validator(mode="after")
     def _groups_to_compare(self) -> RunConfig:
         """A group-relative advantage of a group of one is ``r - mean(r) = 0``: every
         sample would train with zero loss, silently."""

@@ -7,7 +7,9 @@ keeps the adapters in peft's layout, loadable by peft, and resumes bit-exactly.
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +18,11 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
+from asyncrl.engines.base import EngineError, GenerateRequest, SamplingParams
+from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.policies import PolicyConfig
 from asyncrl.trainers.torch_trainer import TorchTrainer
+from tests.test_torch_engine import final
 from tests.test_torch_trainer import config, make_batch
 from tests.tiny_model import build_tiny_model
 
@@ -131,3 +136,65 @@ def test_lora_settings_that_cannot_work_are_refused(tiny):
         TorchTrainer.Config(model_path=str(tiny), backend="megatron", lora=LORA)
     with pytest.raises(ValueError, match="target_modules"):
         lora_trainer(tiny, target_modules=["no_such_proj"])
+
+
+# ------------------------------------------------------------- adapter-only versions
+
+
+@pytest.fixture
+async def engine(tiny) -> AsyncIterator[TorchEngine]:
+    eng = TorchEngine.from_pretrained(str(tiny))
+    task = asyncio.create_task(eng.run())
+    yield eng
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+async def greedy(engine: TorchEngine, ids: list[int]) -> list[int]:
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    out = await final(engine, GenerateRequest(rid="g", input_ids=ids, sampling=params))
+    return out.output_ids
+
+
+async def test_an_adapter_version_is_a_tenth_of_the_bytes_and_the_engine_merges_it_exactly(
+    tiny, engine
+):
+    trainer = lora_trainer(tiny, publish="adapters")
+    embed = engine.model.state_dict()["model.embed_tokens.weight"].clone()
+    ids = list(range(5, 20))
+    for version in (2, 3):  # each version merges onto the base, not onto the one before
+        while trainer.version < version:
+            trainer.train_step(make_batch(trainer.version, version=trainer.version))
+        adapters, merged = trainer.export_weights(), trainer.policy.hf_weights()
+        assert nbytes(merged) >= 10 * nbytes(adapters)
+        await engine.update_weights_from_tensors(adapters, version=version)
+        got = engine.model.state_dict()
+        assert all(torch.allclose(got[k], merged[k], atol=1e-6) for k in merged)
+        assert torch.equal(got["model.embed_tokens.weight"], embed) and engine.version == version
+    # it samples from the merged weights (the packed copies were made again)
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    hf.load_state_dict(merged)
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :]
+    assert await greedy(engine, ids) == want.tolist()
+
+
+async def test_a_malformed_adapter_version_is_refused_before_anything_is_copied(tiny, engine):
+    version = lora_trainer(tiny, publish="adapters").export_weights()
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    lost_b = {k: v for k, v in version.items() if k != "model.layers.0.mlp.up_proj.lora_B.weight"}
+    with pytest.raises(EngineError, match="missing"):
+        await engine.update_weights_from_tensors(lost_b, version=1)
+    narrow = dict(version)
+    narrow["model.layers.1.mlp.down_proj.lora_A.weight"] = torch.zeros(4, 7)
+    with pytest.raises(EngineError, match="shape"):
+        await engine.update_weights_from_tensors(narrow, version=1)
+    assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
+    assert engine.version == 0
+    bare = TorchEngine(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32))
+    with pytest.raises(EngineError, match="base model's safetensors"):
+        await bare.update_weights_from_tensors(version, version=1)

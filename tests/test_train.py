@@ -166,6 +166,7 @@ def reward_by_length(sample) -> float:
 
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", '["q_proj","v_proj"]',
+        "--lora-publish", "adapters",
         "--rm-type", "custom", "--custom-rm-path", "tests.test_train:reward_by_length"]  # fmt: skip
 
 
@@ -179,7 +180,10 @@ async def test_a_resumed_run_continues_from_its_checkpoints(tmp_path, lora):
     flags = [*job_flags(tmp_path, steps=4), *lora]
     second = await run_job(load_config(overrides=flags), resume=True)
     assert second.ok, second.error
-    if lora:
+    if lora:  # adapter versions reached the engine: 4 weights merged (q, v of 2 layers)
+        logs = map(json.loads, lines(tmp_path / "run" / "logs" / "rollout-0.jsonl"))
+        updates = [x for x in logs if x["event"] == "weights updated"]
+        assert updates and all(x["tensors"] == 4 for x in updates)
         check_lora_checkpoint(tmp_path / "run", tmp_path / "model")
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, 4]

@@ -62,6 +62,7 @@ from asyncrl.engines.base import (
 )
 from asyncrl.engines.kv_batch import KVBatch, new_cache
 from asyncrl.engines.lean_forward import lean_forward
+from asyncrl.engines.lora_merge import AdapterVersion, BaseWeights, is_adapter_version
 from asyncrl.engines.sampling import RowState, Sampled, prompt_logprobs, sample_rows
 from asyncrl.engines.weight_loading import WeightGroups, check_names, read_safetensors
 from asyncrl.observe.logs import get_logger
@@ -137,6 +138,9 @@ class TorchEngine:
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.eos_ids = _eos_ids(model, tokenizer)
         self.version, self.model_path = version, model_path
+        # Adapter versions merge onto the weights the engine started from (lora_merge.py).
+        self.base_path = model_path
+        self._base: BaseWeights | None = None
         self._waiting: deque[_Seq] = deque()
         self._batch: KVBatch[_Seq] = KVBatch()
         self._rids: dict[str, _Seq] = {}
@@ -328,9 +332,17 @@ class TorchEngine:
     async def update_weights_from_tensors(
         self, tensors: dict[str, torch.Tensor], version: int | None
     ) -> None:
-        """Copy ``tensors`` (names as in ``state_dict``) into the model at a step boundary."""
-        check_names(self.model, tensors)
-        await self._at_boundary(lambda: self._load(tensors, version))
+        """Copy ``tensors`` (names as in ``state_dict``) into the model at a step boundary;
+        an adapter version (``lora_merge.py``) is merged onto the base weights first."""
+        if is_adapter_version(tensors):
+            if self._base is None:
+                self._base = await asyncio.to_thread(BaseWeights, self.base_path)
+            params = self.model.state_dict(keep_vars=True)
+            merged = AdapterVersion(tensors, params, self._base)
+            await self._at_boundary(lambda: self._load(merged, version))
+        else:
+            check_names(self.model, tensors)
+            await self._at_boundary(lambda: self._load(tensors, version))
         await self._mended()
 
     def takes_in_place(self, manifest: BlobManifest | None) -> bool:
@@ -400,7 +412,7 @@ class TorchEngine:
             self.torn = False
             await self.resume()
 
-    def _load(self, tensors: dict[str, torch.Tensor], version: int | None) -> None:
+    def _load(self, tensors: dict[str, torch.Tensor] | AdapterVersion, version: int | None) -> None:
         start = time.perf_counter()  # decoding waits for this: the update's pause
         params = self.model.state_dict(keep_vars=True)  # tied weights under each name
         with torch.no_grad():

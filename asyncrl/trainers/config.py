@@ -90,6 +90,14 @@ class LoraConfig(BaseModel):
         json_schema_extra={"flag": "lora-dropout"},
     )
 
+    publish: Literal["merged", "adapters"] = Field(
+        "merged",
+        description="what a weight version carries: merged (full weights, any engine and "
+        "transport) or adapters (A, B and alpha/r only; the embedded engine merges them "
+        "onto its base weights; pull or disk)",
+        json_schema_extra={"flag": "lora-publish"},
+    )
+
     @property
     def enabled(self) -> bool:
         return self.rank > 0

@@ -214,6 +214,14 @@ class Learner:
         full = self.dp.full_state_dict(self.model)
         return {k: v.contiguous() for k, v in full.items() if k not in self.aliases}
 
+    def version_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """What a weight version carries: ``hf_weights``, or with LoRA what
+        ``trainer.lora.publish`` says (merged weights, or the adapters alone)."""
+        if self.adapters is not None:
+            tensors = self.adapters.version_tensors(copy)
+            return {k: v for k, v in tensors.items() if k not in self.aliases}
+        return self.hf_weights(copy)
+
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in; every parameter must be given (aliases excepted)."""
         full = dict(tensors)

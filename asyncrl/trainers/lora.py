@@ -8,12 +8,19 @@ AdamW state for the adapters alone. An adapted linear computes
 
 with ``B = 0`` at the start (peft's initialisation), so version 0 is the base model.
 
-Weights leave the trainer **merged**: ``merged_weights`` gives every HF-named tensor, with
-``W = W0 + (alpha / r) B A`` for the adapted ones (peft's ``get_delta_weight``), and leaves
-the model as it is. Engines, every weight transport, the eval actor and ``asyncrl
-export`` therefore see an ordinary HF model, and what the engine samples from is what
-the trainer's forward computes (the adapted linear in two products, the merged one in
-one: equal up to float round-off). A version is as large as the full model's.
+Weight versions (``trainer.lora.publish``):
+
+- ``merged`` (the default): ``merged_weights`` gives every HF-named tensor, with
+  ``W = W0 + (alpha / r) B A`` for the adapted ones (peft's ``get_delta_weight``), and
+  leaves the model as it is. Engines, every weight transport and the eval actor see an
+  ordinary HF model. A version is as large as the full model's.
+- ``adapters``: ``adapter_tensors`` gives each adapted linear's ``A`` and ``B`` and the
+  scalar ``alpha / r`` (``engines/lora_merge.py``'s format); the embedded engine merges
+  them onto its base weights by the same formula. r (in + out) numbers per linear
+  instead of in x out.
+
+Either way what the engine samples from is what the trainer's forward computes (the
+adapted linear in two products, the merged one in one: equal up to float round-off).
 
 Checkpoints keep the adapters in peft's format (``adapter_config.json`` and
 ``adapter_model.safetensors``, which peft, vLLM and SGLang load onto the base model);
@@ -32,6 +39,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from asyncrl.engines.lora_merge import SCALING
 from asyncrl.trainers.config import LoraConfig
 
 #: The file peft writes an adapter's weights to (``PeftModel.save_pretrained``).
@@ -43,6 +51,7 @@ class Adapters:
     """The peft wrapper around a policy whose target linears carry LoRA layers."""
 
     peft_model: Any  # peft.PeftModel; its ``base_model.model`` is the HF model, adapted
+    config: LoraConfig
 
     @classmethod
     def attach(cls, model: nn.Module, config: LoraConfig) -> Adapters:
@@ -61,7 +70,7 @@ class Adapters:
             peft_model = get_peft_model(model, peft_config)
         except ValueError as exc:  # peft names the target it could not find
             raise ValueError(f"trainer.lora.target_modules: {exc}") from exc
-        return cls(peft_model)
+        return cls(peft_model, config)
 
     @property
     def model(self) -> nn.Module:
@@ -91,6 +100,23 @@ class Adapters:
             base = layer.get_base_layer().weight
             delta = layer.get_delta_weight("default")
             out[f"{name}.weight"] = (base + delta.to(base.dtype)).detach()
+        return out
+
+    def version_tensors(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """What a weight version carries (``config.publish``): merged weights or adapters;
+        CPU copies unless ``copy=False``."""
+        tensors = self.adapter_tensors() if self.config.publish == "adapters" else None
+        tensors = self.merged_weights() if tensors is None else tensors
+        if copy:
+            tensors = {k: v.to("cpu", copy=True) for k, v in tensors.items()}
+        return {k: v.contiguous() for k, v in tensors.items()}
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """``{module}.lora_A.weight``, ``{module}.lora_B.weight`` under HF module names,
+        and ``SCALING`` (``alpha / r``): an adapter version (``engines/lora_merge.py``)."""
+        prefix = "base_model.model."
+        out = {k.removeprefix(prefix): v.detach() for k, v in self.state_dict().items()}
+        out[SCALING] = torch.tensor(self.config.alpha / self.config.rank, dtype=torch.float32)
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -355,15 +355,16 @@ class TorchTrainer:
 
     # -- weights and checkpoints ----------------------------------------------------------
     def export_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
-        """HF-named CPU copies of the policy (a collective under FSDP: rank 0 gets them);
-        ``copy=False``: ``Learner.hf_weights``'s live tensors."""
-        return self.policy.hf_weights(copy)
+        """What a weight version carries: HF-named CPU copies of the policy (a collective
+        under FSDP: rank 0 gets them), or with LoRA ``trainer.lora.publish``'s choice
+        (``Learner.version_weights``); ``copy=False``: live tensors where there are any."""
+        return self.policy.version_weights(copy)
 
     def save_hf(self, path: Path) -> None:
         """An HF model directory (config, ``model.safetensors``, tokenizer if the source
         has one) that ``AutoModelForCausalLM.from_pretrained`` and ``TorchEngine`` load."""
         path = Path(path)
-        weights = self.export_weights()
+        weights = self.policy.hf_weights()
         if self.dp.rank == 0:
             write_model_dir(path, self.policy.model, weights)
             copy_tokenizer(self.config.model_path, path)

@@ -1,0 +1,110 @@
+"""Adapter-only weight versions, merged by the engine onto its base weights.
+
+A LoRA trainer with ``trainer.lora.publish: adapters`` sends, for each adapted linear
+``M``, ``M.lora_A.weight`` ``[r, in]`` and ``M.lora_B.weight`` ``[out, r]``, plus one
+scalar ``SCALING`` (``alpha / r``). The engine loads, for each ``M``,
+
+    W_M = W0_M + (B_M @ A_M) * scaling
+
+with ``W0`` read from the base model's safetensors files (``BaseWeights``: memory-mapped,
+so the page cache holds them, not the engine), computed in float32 as the trainer merges
+(peft's ``get_delta_weight``), then cast to the engine's dtype. Unadapted weights are
+never touched. A version is absolute, base plus its own adapters: a skipped or failed
+version leaves nothing behind that the next one depends on.
+
+``AdapterVersion`` checks every name and shape against the model and the base before
+anything is copied, and yields the merged weights one at a time (at most one merged
+weight exists at once).
+
+Users: ``TorchEngine.update_weights_from_tensors``; ``trainers/lora.py`` writes the format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.engines.base import EngineError
+
+#: The tensor holding ``alpha / r`` in an adapter version (its presence marks one).
+SCALING = "lora.scaling"
+_A, _B = ".lora_A.weight", ".lora_B.weight"
+
+
+def is_adapter_version(tensors: dict[str, torch.Tensor]) -> bool:
+    return SCALING in tensors
+
+
+class BaseWeights:
+    """The base model's tensors by name, read on demand from its ``*.safetensors``."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        files = sorted(Path(path).glob("*.safetensors")) if path else []
+        if not files:
+            raise EngineError(
+                f"adapter versions merge onto the base model's safetensors, and {path!r} "
+                "has none: load the engine from the trainer's model_path"
+            )
+        self._handles: list[Any] = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        handle = self._where.get(name)
+        return None if handle is None else tuple(handle.get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+
+class AdapterVersion:
+    """The merged weights of one adapter version (module docstring), checked up front."""
+
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor], base: BaseWeights
+    ) -> None:
+        self.scaling = float(tensors[SCALING])
+        self.modules = sorted(n.removesuffix(_A) for n in tensors if n.endswith(_A))
+        self._tensors, self._base = tensors, base
+        self._check(params)
+
+    def _check(self, params: dict[str, torch.Tensor]) -> None:
+        expected = {SCALING} | {m + s for m in self.modules for s in (_A, _B)}
+        stray = sorted(set(self._tensors) - expected)
+        missing = sorted(expected - set(self._tensors))
+        if stray or missing:
+            raise EngineError(
+                f"adapter version: unexpected tensors {stray[:3]}, missing {missing[:3]}"
+            )
+        for module in self.modules:
+            a, b = self._tensors[module + _A], self._tensors[module + _B]
+            name = f"{module}.weight"
+            target = params.get(name)
+            if target is None:
+                raise EngineError(f"adapter version: the model has no weight {name}")
+            want = (b.shape[0], a.shape[1])
+            if a.shape[0] != b.shape[1] or tuple(target.shape) != want:
+                raise EngineError(
+                    f"adapter version: {module} has A {tuple(a.shape)} and B "
+                    f"{tuple(b.shape)}, for a weight of shape {tuple(target.shape)}"
+                )
+            if self._base.shape(name) != want:
+                raise EngineError(
+                    f"adapter version: the base model's {name} is "
+                    f"{self._base.shape(name)}, not {want}: another base model?"
+                )
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(weight name, W0 + (B @ A) * scaling)`` for each adapted linear, in float32."""
+        for module in self.modules:
+            a = self._tensors[module + _A].float()
+            b = self._tensors[module + _B].float()
+            base = self._base.get(f"{module}.weight").float()
+            yield f"{module}.weight", base + (b @ a) * self.scaling
