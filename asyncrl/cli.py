@@ -263,6 +263,12 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     export.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's output_dir")
     export.add_argument("out", type=Path, metavar="OUT", help="new (or empty) folder")
     export.add_argument("--step", type=int, help="the checkpoint's step (default: newest)")
+    export.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run's adapters alone, in peft's layout (the policy folder holds the "
+        "merged weights)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -306,7 +312,7 @@ def _export(args: argparse.Namespace) -> int:
     from asyncrl.export import ExportError, export_policy
 
     try:
-        out = export_policy(args.run_dir, args.out, args.step)
+        out = export_policy(args.run_dir, args.out, args.step, adapter=args.adapter)
     except ExportError as exc:
         print(f"asyncrl export: {exc}", file=sys.stderr)
         return 2

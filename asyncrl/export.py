@@ -4,7 +4,10 @@ Each trainer checkpoint (``RUN_DIR/checkpoints/trainer/step_NNNNNN/``) holds the
 a complete HF folder (``policy/``: config, generation config, ``model.safetensors``,
 tokenizer and chat template) beside the state only a resume needs (optimizer, RNG,
 megatron shards). Export copies the policy folder of the step asked for (default: the
-newest) to ``OUT``, which ``AutoModelForCausalLM`` and ``AutoTokenizer`` then load.
+newest) to ``OUT``, which ``AutoModelForCausalLM`` and ``AutoTokenizer`` then load. A LoRA
+run's policy folder holds the merged weights; ``--adapter`` copies its ``adapter/``
+folder instead (peft's layout: ``PeftModel.from_pretrained``, vLLM and SGLang load it
+onto the base model).
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ def checkpoint_steps(run_dir: Path) -> dict[int, Path]:
     return found
 
 
-def export_policy(run_dir: Path, out: Path, step: int | None = None) -> Path:
-    """Copy step ``step``'s (default: the newest) policy folder of ``run_dir`` to ``out``."""
+def export_policy(
+    run_dir: Path, out: Path, step: int | None = None, *, adapter: bool = False
+) -> Path:
+    """Copy step ``step``'s (default: the newest) policy folder of ``run_dir`` to ``out``
+    (``adapter``: its LoRA adapter folder)."""
     run_dir, out = Path(run_dir), Path(out).resolve()
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run directory")
@@ -50,16 +56,20 @@ def export_policy(run_dir: Path, out: Path, step: int | None = None) -> Path:
         raise ExportError(f"{run_dir}: no checkpoint of step {step}; steps saved: {sorted(steps)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not an empty folder: choose another OUT")
-    source = steps[step]
-    if not (source / "model.safetensors").is_file():
-        raise ExportError(f"{source}: the checkpoint has no model.safetensors (incomplete?)")
+    source = steps[step].parent / "adapter" if adapter else steps[step]
+    weights = "adapter_model.safetensors" if adapter else "model.safetensors"
+    if adapter and not source.is_dir():
+        raise ExportError(f"{source.parent}: no adapter folder (trained without --lora-rank?)")
+    if not (source / weights).is_file():
+        raise ExportError(f"{source}: the checkpoint has no {weights} (incomplete?)")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp, ignore=lambda _dir, names: _TRAINER_STATE & set(names))
     if out.exists():
         out.rmdir()
     tmp.rename(out)
-    if not any((out / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+    tokenizer = ("tokenizer.json", "tokenizer_config.json")
+    if not adapter and not any((out / name).is_file() for name in tokenizer):
         print(
             f"asyncrl export: warning: {source} has no tokenizer (a checkpoint written "
             "before checkpoints held one): copy it from the base model",

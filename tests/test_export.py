@@ -79,6 +79,7 @@ def test_export_copies_the_newest_policy_which_reproduces_the_trainers_generatio
         (["{tmp}/missing", "{tmp}/b"], "no such run directory"),
         (["{tmp}", "{tmp}/c"], "no trainer checkpoint"),
         (["{run}", "{run}"], "is not an empty folder"),
+        (["{run}", "{tmp}/d", "--adapter"], "no adapter folder (trained without --lora-rank?)"),
     ],
 )
 def test_export_refuses_what_it_cannot_do_and_says_why(run_dir, tmp_path, capsys, args, message):

@@ -18,6 +18,7 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
+from asyncrl.cli import main
 from asyncrl.engines.base import EngineError, GenerateRequest, SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.policies import PolicyConfig
@@ -93,9 +94,10 @@ def test_a_lora_checkpoint_resumes_bit_exactly_and_its_adapter_loads_in_peft(tin
     first = TorchTrainer(config(tiny, lora=LORA | {"dropout": 0.1}, lr=1e-2), algo)
     for step in range(2):
         first.train_step(make_batch(step, version=step))
-    first.save_checkpoint(tmp_path / "ckpt")
-    assert (tmp_path / "ckpt" / "adapter" / "adapter_config.json").is_file()
-    assert not (tmp_path / "ckpt" / "policy" / "adapter_config.json").exists()
+    ckpt = tmp_path / "run" / "checkpoints" / "trainer" / "step_000002"
+    first.save_checkpoint(ckpt)
+    assert (ckpt / "adapter" / "adapter_config.json").is_file()
+    assert not (ckpt / "policy" / "adapter_config.json").exists()
     saved = first.export_weights()
     state = first.policy.optimizer.state_dict()["state"].values()
     assert sum(s["exp_avg"].numel() for s in state) == first.policy.adapters.num_trainable()
@@ -104,7 +106,7 @@ def test_a_lora_checkpoint_resumes_bit_exactly_and_its_adapter_loads_in_peft(tin
         first.train_step(make_batch(step, version=step))
 
     second = TorchTrainer(config(tiny, lora=LORA | {"dropout": 0.1}, lr=1e-2), algo)
-    second.load_checkpoint(tmp_path / "ckpt")
+    second.load_checkpoint(ckpt)
     assert torch.equal(torch.get_rng_state(), rng[0])
     assert (np.random.rand(), random.random()) == rng[1:]
     for step in range(2, 4):
@@ -112,10 +114,10 @@ def test_a_lora_checkpoint_resumes_bit_exactly_and_its_adapter_loads_in_peft(tin
     a, b = first.policy.model.state_dict(), second.policy.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
-    # peft itself puts the saved adapters on the base model: the merged weights of then
+    # exported alone, peft puts the adapters on the base model: the merged weights of then
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--adapter"]) == 0
     peft_model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32),
-        str(tmp_path / "ckpt" / "adapter"),
+        AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32), str(tmp_path / "out")
     )
     merged = peft_model.merge_and_unload().state_dict()
     assert all(torch.allclose(merged[k], saved[k], atol=1e-6) for k in saved)
