@@ -7,21 +7,21 @@ scalar ``SCALING`` (``alpha / r``). The engine loads, for each ``M``,
     W_M = W0_M + (B_M @ A_M) * scaling
 
 with ``W0`` read from the base model's safetensors files (``BaseWeights``: memory-mapped,
-so the page cache holds them, not the engine), computed in float32 as the trainer merges
-(peft's ``get_delta_weight``), then cast to the engine's dtype. Unadapted weights are
-never touched. A version is absolute, base plus its own adapters: a skipped or failed
+so the page cache holds them, not the engine), in float32 as the trainer merges (peft's
+``get_delta_weight``: ``W0 + (B @ A) * scaling``, which one ``addmm_`` computes up to the
+last bit of rounding), then cast to the engine's dtype. Unadapted weights are never
+touched. A version is absolute, base plus its own adapters: a skipped or failed
 version leaves nothing behind that the next one depends on.
 
 ``AdapterVersion`` checks every name and shape against the model and the base before
-anything is copied, and yields the merged weights one at a time (at most one merged
-weight exists at once).
+anything is copied; ``load_into`` then writes each merged weight straight into the
+model's tensor (no second copy of the model at any time).
 
 Users: ``TorchEngine.update_weights_from_tensors``; ``trainers/lora.py`` writes the format.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,10 +101,18 @@ class AdapterVersion:
     def __len__(self) -> int:
         return len(self.modules)
 
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(weight name, W0 + (B @ A) * scaling)`` for each adapted linear, in float32."""
+    def load_into(self, params: dict[str, torch.Tensor]) -> None:
+        """Write ``W0 + scaling * (B @ A)`` into each adapted linear's weight in ``params``:
+        ``W0`` copied in, then one ``addmm_`` (float32 weights; others are merged in
+        float32 and cast)."""
         for module in self.modules:
-            a = self._tensors[module + _A].float()
-            b = self._tensors[module + _B].float()
-            base = self._base.get(f"{module}.weight").float()
-            yield f"{module}.weight", base + (b @ a) * self.scaling
+            name = f"{module}.weight"
+            a = self._tensors[module + _A].to(params[name].device, torch.float32)
+            b = self._tensors[module + _B].to(params[name].device, torch.float32)
+            target = params[name]
+            if target.dtype == torch.float32:
+                target.copy_(self._base.get(name))
+                target.addmm_(b, a, alpha=self.scaling)
+            else:
+                merged = self._base.get(name).float().addmm_(b, a, alpha=self.scaling)
+                target.copy_(merged)

@@ -416,8 +416,11 @@ class TorchEngine:
         start = time.perf_counter()  # decoding waits for this: the update's pause
         params = self.model.state_dict(keep_vars=True)  # tied weights under each name
         with torch.no_grad():
-            for name, t in tensors.items():
-                params[name].copy_(t.to(params[name].device, params[name].dtype))
+            if isinstance(tensors, AdapterVersion):
+                tensors.load_into(params)
+            else:
+                for name, t in tensors.items():
+                    params[name].copy_(t.to(params[name].device, params[name].dtype))
         self._invalidate()
         if version is not None:
             self.version = version
