@@ -453,6 +453,22 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _mini_batches_hold_whole_groups(self) -> RunConfig:
+        size = self.trainer.global_batch_size if self.trainer is not None else None
+        n, groups = self.buffer.num_samples_per_prompt, self.buffer.groups_per_step
+        if size is None:
+            return self
+        if size % n or size > groups * n:
+            raise KeyConflict(
+                f"trainer.global_batch_size {size} must be a multiple of n_samples_per_prompt "
+                f"({n}: a mini-batch holds whole groups, whose samples the advantages "
+                f"compare) and at most the rollout batch ({groups} groups x {n} = "
+                f"{groups * n} samples)",
+                ("trainer", "global_batch_size"),
+            )
+        return self
+
+    @model_validator(mode="after")
     def _groups_to_compare(self) -> RunConfig:
         """A group-relative advantage of a group of one is ``r - mean(r) = 0``: every
         sample would train with zero loss, silently."""

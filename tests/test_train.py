@@ -255,6 +255,20 @@ async def test_each_mode_of_the_same_code_finishes_with_the_accounting_whole(tmp
     assert accounted(last_buffer_metrics(tmp_path / "run"))
 
 
+async def test_mini_batches_and_epochs_make_one_version_of_several_updates(tmp_path):
+    """2 groups of 2 a step, one group per update, 2 epochs: 4 updates a version, and
+    staleness (in versions) stays within eta as with one update."""
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    flags = [*job_flags(tmp_path, 3), "--global-batch-size", "2", "--ppo-epochs", "2"]
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok and result.steps == 3, result.error
+    rows = metrics_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["optim_steps"] == 4 and r["staleness/max"] <= 1 for r in rows)
+    assert accounted(last_buffer_metrics(tmp_path / "run"))
+
+
 async def test_ipc_versions_reach_the_engine_from_the_trainers_shared_memory(tmp_path):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")

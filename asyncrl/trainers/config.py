@@ -184,6 +184,20 @@ class TrainerConfig(BaseModel):
     lora: LoraConfig = Field(
         default_factory=LoraConfig, description="LoRA adapters on the policy (rank 0: off)"
     )
+    global_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="samples per optimizer update: a rollout batch is cut into mini-batches "
+        "of whole groups (a multiple of n_samples_per_prompt); null: one update per batch",
+        json_schema_extra={"flag": "global-batch-size"},
+    )
+    ppo_epochs: int = Field(
+        1,
+        ge=1,
+        description="passes over each rollout batch (each pass one update per mini-batch); "
+        "a batch is still one weight version",
+        json_schema_extra={"flag": "ppo-epochs", "aliases": ["num-iterations"]},
+    )
 
     @model_validator(mode="after")
     def _sim_is_one_process(self) -> TrainerConfig:
@@ -217,6 +231,8 @@ class TrainerConfig(BaseModel):
             )
         torch_only = {
             "lora": self.lora.enabled,
+            "global_batch_size": self.global_batch_size is not None,
+            "ppo_epochs": self.ppo_epochs > 1,
             "parallel": self.parallel != "ddp",
             "attn_implementation": self.attn_implementation is not None,
             "critic": bool(self.critic),
@@ -227,7 +243,8 @@ class TrainerConfig(BaseModel):
             raise ValueError(
                 f"trainer.backend=megatron does not use {', '.join(wrong)} (torch-backend "
                 "settings: megatron shards with megatron.tensor_parallel/pipeline_parallel, "
-                "runs its own attention, and trains no critic or LoRA adapters): drop them"
+                "runs its own attention, and trains no critic or LoRA adapters, one update a "
+                "batch): drop them"
             )
         return self
 

@@ -4,12 +4,14 @@ A step scores its rows once before any gradient (``step_columns``): the referenc
 log-probs and KL, the critic's values, then the advantages of the whole batch.
 
 The old (proximal) log-probs are the policy's at the weights the step starts from. A step
-is one optimizer update, so every micro-batch's training forward runs at exactly those
-weights: ``logp_old = stopgrad(logp_theta)`` of that forward (``old_logprobs``), and no
-separate no-grad forward is needed (about a quarter of a step's compute: one forward
-beside a forward and a backward). The exception is a reference model, whose KL
-``old - ref`` enters the advantages before any training forward: then the old log-probs
-are scored up front. With ``use_rollout_logprobs`` they are the engine's.
+is one optimizer update by default, so every micro-batch's training forward runs at
+exactly those weights: ``logp_old = stopgrad(logp_theta)`` of that forward
+(``old_logprobs``), and no separate no-grad forward is needed (about a quarter of a
+step's compute: one forward beside a forward and a backward). The exceptions score the
+old log-probs up front: a reference model, whose KL ``old - ref`` enters the advantages
+before any training forward, and a step of several updates (``update_plan``: mini-batches,
+PPO epochs), whose later updates run at weights the earlier ones moved. With
+``use_rollout_logprobs`` they are the engine's.
 
 Row ``B`` (one past the last) belongs to the empty stand-in sequence (``EMPTY_SEQUENCE``)
 that fills a rank's missing micro-batches; its columns are all zero, so it adds nothing.
@@ -85,6 +87,21 @@ def step_columns(
     if returns is not None:
         cols["returns"] = pad_row(returns)
     return cols
+
+
+def update_plan(
+    rows: RolloutTensors, global_batch_size: int | None, epochs: int
+) -> list[list[int]]:
+    """The rows of each optimizer update of a step, in order: ``epochs`` passes over the
+    batch's mini-batches of ``global_batch_size // N`` whole groups each (``N`` samples a
+    group; the last may hold fewer groups), or over the whole batch as one (``None``).
+
+    A step is one weight version however many updates it makes: staleness and admission
+    count versions, the LR schedule counts updates."""
+    groups, n = rows.scores_GN.shape
+    per = groups if global_batch_size is None else max(1, global_batch_size // max(n, 1))
+    parts = [list(range(g * n, min(g + per, groups) * n)) for g in range(0, groups, per)]
+    return (parts or [list(range(rows.num_rows))]) * epochs
 
 
 def old_logprobs(cols: Columns, logprobs: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,7 @@ from asyncrl.trainers.rl_columns import (
     pad_row,
     step_columns,
     step_result,
+    update_plan,
 )
 from asyncrl.trainers.rng import load_rng, rng_state, seed_everything, set_rng_state
 from asyncrl.trainers.rollout_tensors import RolloutTensors, rollout_tensors, sft_tensors
@@ -191,29 +192,46 @@ class TorchTrainer:
 
     # -- the RL step ----------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> StepResult:
-        """One RL optimizer step on ``batch``; see the module docstring."""
+        """One RL step on ``batch``: one weight version, made of one optimizer update per
+        mini-batch per epoch (``update_plan``); see the module docstring."""
         start = time.perf_counter()
         rows = rollout_tensors(batch, self.config.reward_key)
         mbs = self._microbatches(rows)
-        cols = self._columns(rows, mbs)
-        scale = LossScale.of(rows.mask, self.algo.max_response_len)
+        plan = update_plan(rows, self.config.global_batch_size, self.config.ppo_epochs)
+        # Several updates: the old log-probs are the batch's start, scored before any.
+        cols = self._columns(rows, mbs, score_old=self.score_old_logprobs or len(plan) > 1)
         extra = batch_metrics(rows, cols, self.version)
+        updates = [
+            self._update(mbs if len(plan) == 1 else self._microbatches(rows, part), cols, part)
+            for part in plan
+        ]
+        metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
+        self.version += 1
+        return step_result(self.version, rows, metrics | extra | {"optim_steps": len(plan)}, start)
+
+    def _update(self, mbs: list[MicroBatch], cols: Columns, part: list[int]) -> dict[str, float]:
+        """One optimizer update on the micro-batches ``mbs`` of the rows ``part``."""
+        scale = LossScale.of(cols["mask"][part], self.algo.max_response_len)
 
         def micro_step(mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             return self._rl_micro_step(mb, cols, scale)
 
         metrics = self._accumulate(mbs, cols["mask"], micro_step, self._learners())
         if self.critic is not None:
-            extra["critic/grad_norm"] = self.critic.step(self.config.grad_clip)[0]
-        return self._finish(start, rows, metrics | extra)
+            metrics["critic/grad_norm"] = self.critic.step(self.config.grad_clip)[0]
+        grad_norm, lr = self.policy.step(self.config.grad_clip)
+        return metrics | {"grad_norm": grad_norm, "lr": lr}
 
-    def _microbatches(self, rows: RolloutTensors) -> list[MicroBatch]:
-        """This rank's micro-batches of the rows with loss tokens, padded to equal counts.
+    def _microbatches(
+        self, rows: RolloutTensors, part: list[int] | None = None
+    ) -> list[MicroBatch]:
+        """This rank's micro-batches of the rows (of ``part``, default all) with loss
+        tokens, padded to equal counts.
 
         Row ``B`` (one past the last) is the empty stand-in (``EMPTY_SEQUENCE``).
         """
         n = rows.num_rows
-        active = [i for i in range(n) if bool(rows.mask[i].any())]
+        active = [i for i in (range(n) if part is None else part) if bool(rows.mask[i].any())]
         lengths = [len(rows.sequences[i]) for i in active]
         plans = plan_ranks(lengths, self.config.max_tokens_per_microbatch, self.dp.world_size)
         count = max(1, *(len(p) for p in plans))
@@ -236,7 +254,7 @@ class TorchTrainer:
             for m in mine
         ]
 
-    def _columns(self, rows: RolloutTensors, mbs: list[MicroBatch]) -> Columns:
+    def _columns(self, rows: RolloutTensors, mbs: list[MicroBatch], score_old: bool) -> Columns:
         """``[B + 1, T]`` tensors of the step (the extra row is the empty stand-in's)."""
         shape = (rows.num_rows + 1, rows.width)
 
@@ -248,7 +266,7 @@ class TorchTrainer:
 
         return step_columns(
             self.algo, rows, self.device, score, ref=self.ref is not None,
-            critic=self.critic is not None, score_old=self.score_old_logprobs,
+            critic=self.critic is not None, score_old=score_old,
         )  # fmt: skip
 
     @torch.no_grad()
