@@ -226,7 +226,8 @@ def _code_checks(cfg: RunConfig) -> list[Callable[[], Any]]:
 
     checks: list[Callable[[], Any]] = [lambda: check_tool_use(cfg), lambda: check_agent(cfg)]
     rewards = [cfg.rollout.reward, *(s.reward for s in cfg.eval.sets if s.reward)]
-    checks += [lambda r=r: build_reward(r) for r in rewards if r.type == "custom"]
+    custom = [r for r in rewards if r.type == "custom" or any(t.type == "custom" for t in r.terms)]
+    checks += [lambda r=r: build_reward(r) for r in custom]
     if cfg.rollout.workflow:
         from asyncrl.rollout.workflows import load_workflow
 

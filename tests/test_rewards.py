@@ -195,6 +195,61 @@ async def test_a_builtin_reward_without_a_label_fails_the_sample():
     assert hub.stats["reward/errors"] == 1
 
 
+async def test_a_samples_rm_type_picks_its_builtin_comparison():
+    hub = build_reward(RewardConfig(type="exact"))
+    assert await hub(sample("#### 7.0", label="7")) == 0.0  # exact: "7.0" is not "7"
+    assert await hub(sample("#### 7.0", label="7", rm_type="numeric")) == 1.0
+    assert await hub(sample("\\boxed{\\frac{1}{2}}", label="0.5", rm_type="math")) == 1.0
+    with pytest.raises(RewardError, match="rm_type 'regex' is not a built-in reward"):
+        await hub(sample("x", label="x", rm_type="regex"))
+
+
+def length_term(sample: Sample) -> float:
+    return float(len(sample.response_text))
+
+
+def named_floats_term(sample: Sample) -> dict[str, float]:
+    return {"a": 1.0}
+
+
+async def test_reward_terms_are_each_scored_and_weighted_into_the_score():
+    """TRL's reward_funcs with reward_weights: every term under its name, score their
+    weighted sum (what the trainer trains on)."""
+    hub = build_reward(RewardConfig(terms=[
+        {"name": "correct", "type": "numeric"},
+        {"name": "length", "path": "tests.test_rewards:length_term", "weight": -0.1},
+    ]))  # fmt: skip
+    assert await hub(sample("#### 42", label="42")) == {
+        "correct": 1.0, "length": 7.0, "score": pytest.approx(1.0 - 0.7)
+    }  # fmt: skip
+    assert (await hub(sample("#### 41", label="42")))["score"] == pytest.approx(-0.7)
+
+
+@pytest.mark.parametrize(
+    ("term", "reason"),
+    [
+        ({"path": "tests.test_rewards:raising_reward"}, "reward term 'bad': custom reward raised"),
+        ({"path": "tests.test_rewards:named_floats_term"}, "reward term 'bad' returned a dict"),
+        ({"path": "tests.test_rewards:hanging_reward", "timeout_s": 0.05}, "timed out after"),
+        ({"type": "numeric"}, "reward term 'bad': the numeric reward needs a label"),
+    ],
+)
+async def test_a_failing_term_fails_the_sample_naming_the_term(term, reason):
+    ok = {"name": "ok", "path": "tests.test_rewards:length_term"}
+    hub = build_reward(RewardConfig(terms=[ok, {"name": "bad", **term}]))
+    with pytest.raises(RewardError, match=re.escape(reason)):
+        await hub(sample("x", label=None if "type" in term else "x"))
+
+
+def test_reward_terms_stand_alone_with_unique_names():
+    with pytest.raises(ValidationError, match="drop type"):
+        RewardConfig(type="math", terms=[{"name": "a"}])
+    with pytest.raises(ValidationError, match="unique and not 'score'"):
+        RewardConfig(terms=[{"name": "a"}, {"name": "a"}])
+    with pytest.raises(ValidationError, match="terms are flat"):
+        RewardConfig(terms=[{"name": "a", "terms": [{"name": "b"}]}])
+
+
 # ------------------------------------------------------------------------------- custom
 
 

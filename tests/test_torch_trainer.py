@@ -329,6 +329,12 @@ def test_a_step_raises_the_log_prob_of_positive_advantage_responses(tiny):
     assert result.num_tokens == good.response_length + bad.response_length
 
 
+def test_each_term_of_dict_rewards_is_reported_beside_the_trained_reward(tiny):
+    metrics = TorchTrainer(config(tiny)).train_step(make_batch()).metrics
+    assert metrics["reward/format"] == 1.0  # the odd samples' {"score": x, "format": 1.0}
+    assert "reward/score" not in metrics and 0 < metrics["reward/mean"] < 1
+
+
 def test_staleness_counts_versions_behind_over_loss_tokens(tiny):
     trainer = TorchTrainer(config(tiny))
     trainer.train_step(make_batch(0, version=0))

@@ -269,6 +269,19 @@ async def test_mini_batches_and_epochs_make_one_version_of_several_updates(tmp_p
     assert accounted(last_buffer_metrics(tmp_path / "run"))
 
 
+async def test_reward_terms_train_on_their_weighted_sum_and_are_logged_each(tmp_path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    long = {"name": "long", "path": "tests.test_train:reward_by_length", "weight": 0.5}
+    terms = [{"name": "right", "type": "exact"}, long]
+    flags = [*job_flags(tmp_path, 2), "--rollout.reward.terms", json.dumps(terms)]
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok and result.steps == 2, result.error
+    for r in metrics_rows(tmp_path / "run"):  # the tiny model never answers right
+        assert r["reward/right"] == 0.0
+        assert r["reward/mean"] == pytest.approx(0.5 * r["reward/long"]) and r["reward/long"] > 0
+
+
 async def test_ipc_versions_reach_the_engine_from_the_trainers_shared_memory(tmp_path):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")

@@ -176,6 +176,12 @@ class RewardConfig(BaseModel):
     numeric_tolerance: float = Field(1e-6, ge=0, description="numeric: allowed difference")
     correct: float = Field(1.0, description="reward of a correct answer")
     incorrect: float = Field(0.0, description="reward of a wrong answer")
+    terms: list[RewardTerm] = Field(
+        default_factory=list,
+        description="several rewards, each {name, weight, type, path, ...} (TRL's "
+        "reward_funcs and reward_weights): the reward is {name: value, ..., score: the "
+        "weighted sum}, and the trainer trains on score",
+    )
 
     @field_validator("answer_pattern")
     @classmethod
@@ -206,6 +212,8 @@ class RewardConfig(BaseModel):
 
     @model_validator(mode="after")
     def _complete(self) -> RewardConfig:
+        if self.terms:
+            return self._terms_alone()
         if self.path and self.type != "custom":
             raise ValueError(
                 f"path (--custom-rm-path {self.path}) is set but the reward type is "
@@ -221,6 +229,37 @@ class RewardConfig(BaseModel):
             raise ValueError("the custom reward needs path (--custom-rm-path module:function)")
         if self.type == "remote" and not self.url:
             raise ValueError("the remote reward needs url")
+        return self
+
+    def _terms_alone(self) -> RewardConfig:
+        """With ``terms`` the reward is theirs: a type, path or url beside them would be
+        silently unused."""
+        stray = [k for k in ("path", "url") if getattr(self, k)]
+        stray += ["type"] if self.type != "exact" else []  # read back from a dump, it is set
+        if stray:
+            raise ValueError(
+                f"reward.terms replaces the single reward: drop {', '.join(stray)} (give "
+                "each term its own)"
+            )
+        names = [t.name for t in self.terms]
+        dup = sorted({n for n in names if names.count(n) > 1} | ({"score"} & set(names)))
+        if dup:
+            raise ValueError(
+                f"reward.terms names must be unique and not 'score' (the weighted sum): {dup}"
+            )
+        return self
+
+
+class RewardTerm(RewardConfig):
+    """One reward of ``RewardConfig.terms``: a reward of its own, its name and weight."""
+
+    name: str = Field(..., min_length=1, description="the term's key in the reward dict")
+    weight: float = Field(1.0, description="its weight in the score (TRL's reward_weights)")
+
+    @model_validator(mode="after")
+    def _flat(self) -> RewardTerm:
+        if self.terms:
+            raise ValueError(f"reward term {self.name!r} has terms of its own: terms are flat")
         return self
 
 

@@ -15,6 +15,14 @@ after the last ``####`` (GSM8K), else the content of the last ``\\boxed{...}`` (
 braces allowed), else the whole response. A correct match scores ``correct``, a wrong
 one ``incorrect``; f1 scores the F1 itself.
 
+A sample's ``metadata["rm_type"]`` (slime's per-sample reward type) picks the built-in
+comparison for that sample in place of ``type`` (when ``type`` is a built-in).
+
+``terms`` (TRL's ``reward_funcs`` with ``reward_weights``) scores each term with a scorer
+of its own, concurrently, and gives ``{name: value, ..., "score": sum(weight * value)}``;
+the trainer trains on ``score`` and logs each term (``reward/<name>``). A term that fails
+fails the sample, with the term's name in the reason.
+
 ``custom`` calls a user function ``fn(sample) -> float | dict[str, float]`` (slime's
 ``--custom-rm-path``); an async function is awaited, a sync one runs in a worker thread
 so it cannot block the event loop. ``remote`` POSTs
@@ -39,7 +47,7 @@ from typing import Any
 
 from asyncrl.plugins import load_object
 from asyncrl.rollout.base import Reward
-from asyncrl.rollout.config import RewardConfig
+from asyncrl.rollout.config import RewardConfig, RewardTerm
 from asyncrl.types import Sample
 
 __all__ = [
@@ -59,6 +67,7 @@ __all__ = [
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _BOXED = "\\boxed{"
+_BUILTINS = ("exact", "numeric", "math", "f1")
 
 
 class RewardError(RuntimeError):
@@ -180,10 +189,16 @@ class RewardScorer:
         self.config = config
         self.stats = {"reward/calls": 0, "reward/errors": 0, "reward/timeouts": 0}
         self._session: Any = None
+        self._terms: list[tuple[RewardTerm, RewardScorer]] = []
         self._fn = self._build()
+        # Terms run concurrently, each under its own limit: the whole waits for the slowest.
+        self._timeout_s = max([config.timeout_s, *(t.timeout_s for t in config.terms)])
 
     def _build(self) -> Callable[[Sample], Awaitable[Any]]:
         cfg = self.config
+        if cfg.terms:
+            self._terms = [(t, RewardScorer(t)) for t in cfg.terms]
+            return self._weighted
         if cfg.type == "custom":
             assert cfg.path is not None  # RewardConfig requires it
             return _custom(cfg.path)
@@ -195,12 +210,12 @@ class RewardScorer:
         """The reward of ``sample``; ``RewardError`` says why there is none."""
         self.stats["reward/calls"] += 1
         try:
-            async with asyncio.timeout(self.config.timeout_s) as deadline:
+            async with asyncio.timeout(self._timeout_s) as deadline:
                 value = await self._fn(sample)
         except TimeoutError as exc:
             if deadline.expired():
                 self.stats["reward/timeouts"] += 1
-                raise RewardError(f"reward timed out after {self.config.timeout_s:g}s") from None
+                raise RewardError(f"reward timed out after {self._timeout_s:g}s") from None
             raise self._error(exc) from exc
         except RewardError:
             self.stats["reward/errors"] += 1
@@ -226,17 +241,40 @@ class RewardScorer:
             f"reward returned {_short(value)}, expected a number or a dict of numbers"
         )
 
+    async def _weighted(self, sample: Sample) -> dict[str, float]:
+        values = await asyncio.gather(
+            *(self._term(term, scorer, sample) for term, scorer in self._terms)
+        )
+        out = {term.name: value for (term, _), value in zip(self._terms, values, strict=True)}
+        out["score"] = sum(term.weight * out[term.name] for term, _ in self._terms)
+        return out
+
+    @staticmethod
+    async def _term(term: RewardTerm, scorer: RewardScorer, sample: Sample) -> float:
+        try:
+            value = await scorer(sample)
+        except RewardError as exc:
+            raise RewardError(f"reward term {term.name!r}: {exc}") from exc
+        if isinstance(value, dict):
+            raise RewardError(f"reward term {term.name!r} returned a dict: a term is one number")
+        return value
+
     async def _builtin(self, sample: Sample) -> float:
         cfg = self.config
+        kind = sample.metadata.get("rm_type", cfg.type)
+        if kind not in _BUILTINS:
+            raise RewardError(
+                f"the sample's rm_type {kind!r} is not a built-in reward ({', '.join(_BUILTINS)})"
+            )
         if sample.label is None:
-            raise RewardError(f"the {cfg.type} reward needs a label and the sample has none")
+            raise RewardError(f"the {kind} reward needs a label and the sample has none")
         answer = extract_answer(sample.response_text, cfg.answer_pattern)
         labels = sample.label if isinstance(sample.label, list) else [sample.label]
-        if cfg.type == "f1":
+        if kind == "f1":
             return f1_score(answer, labels)
-        if cfg.type == "math":  # sympy can take a while: keep it off the event loop
+        if kind == "math":  # sympy can take a while: keep it off the event loop
             ok = await asyncio.to_thread(_any_math, answer, labels)
-        elif cfg.type == "numeric":
+        elif kind == "numeric":
             ok = any(numeric_match(answer, gold, cfg.numeric_tolerance) for gold in labels)
         else:
             ok = any(exact_match(answer, gold) for gold in labels)

@@ -111,11 +111,14 @@ def old_logprobs(cols: Columns, logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def batch_metrics(rows: RolloutTensors, cols: Columns, version: int) -> dict[str, float]:
-    """Staleness (``version - token_version`` over loss tokens), reward, dropped groups,
-    and the mean KL when there is a reference model."""
+    """Staleness (``version - token_version`` over loss tokens), reward (and each term of
+    dict rewards, ``reward/<name>``), dropped groups, and the mean KL when there is a
+    reference model."""
     mask = rows.mask.bool()
     stale = (version - rows.versions)[mask].float()
-    metrics = {
+    # Terms first: a term named "mean" does not hide the trained reward's mean.
+    metrics = {f"reward/{name}": value for name, value in rows.reward_terms.items()}
+    metrics |= {
         "staleness/mean": float(stale.mean()) if stale.numel() else 0.0,
         "staleness/max": float(stale.max()) if stale.numel() else 0.0,
         "reward/mean": float(rows.scores_GN.mean()),

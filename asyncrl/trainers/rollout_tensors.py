@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,6 +41,8 @@ class RolloutTensors:
     scores_GN: torch.Tensor
     temperatures: list[float]
     num_dropped_groups: int = 0
+    #: Mean over the rows of each other entry of dict rewards (reward terms), by name.
+    reward_terms: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -51,6 +53,18 @@ class RolloutTensors:
     def width(self) -> int:
         """``T``, at least 1."""
         return int(self.mask.shape[1])
+
+
+def _term_means(samples: list[Sample], key: str) -> dict[str, float]:
+    """The mean of each entry of the samples' dict rewards but ``key`` (over the samples
+    that have it)."""
+    values: dict[str, list[float]] = {}
+    for s in samples:
+        if isinstance(s.reward, dict):
+            for name, value in s.reward.items():
+                if name != key:
+                    values.setdefault(name, []).append(float(value))
+    return {name: float(np.mean(v)) for name, v in values.items()}
 
 
 def sample_score(reward: float | dict[str, float] | None, key: str) -> float:
@@ -102,6 +116,7 @@ def rollout_tensors(batch: TrainBatch, reward_key: str = "score") -> RolloutTens
         scores_GN=torch.tensor(scores, dtype=torch.float32),
         temperatures=[s.temperature for s in samples],
         num_dropped_groups=len(batch.groups) - len(groups),
+        reward_terms=_term_means(samples, reward_key),
     )
 
 
