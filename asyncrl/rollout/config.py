@@ -263,6 +263,9 @@ class RewardTerm(RewardConfig):
         return self
 
 
+RewardConfig.model_rebuild()  # its terms are RewardTerms, defined after it
+
+
 class ToolConfig(BaseModel):
     """One tool of a multi-turn rollout (``rollout/tools/``).
 
