@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -437,42 +436,23 @@ def _chaos(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"asyncrl chaos: config error:\n{exc}", file=sys.stderr)
         return 2
-    return _run_training(cfg, resume=False, overwrite=args.overwrite, chaos=(kills, args))
+    return _run_chaos(cfg, kills, args)
 
 
-def _run_training(cfg: Any, *, resume: bool, overwrite: bool = False, chaos: Any = None) -> int:
-    from asyncrl.errors import InputError
-    from asyncrl.runtime.run_dir import claim_run_dir
-
-    run_dir = cfg.resolved_output_dir()
-    with contextlib.ExitStack() as held:
-        try:  # before the run's log and config.json are written: they may be another job's
-            buffered = not cfg.train.load_rollout_data
-            claim = claim_run_dir(run_dir, resume=resume, overwrite=overwrite, buffered=buffered)
-            held.enter_context(claim)
-        except InputError as exc:
-            print(f"asyncrl: {exc}", file=sys.stderr)
-            return 2
-        return _run_claimed(cfg, run_dir, resume=resume, chaos=chaos)
-
-
-def _run_claimed(cfg: Any, run_dir: Path, *, resume: bool, chaos: Any) -> int:
+def _run_training(cfg: Any, *, resume: bool, overwrite: bool = False) -> int:
+    """``asyncrl train``: ``api.run_training`` (checked already), then what happened."""
     from rich.console import Console
 
-    from asyncrl.config import dump_resolved
-    from asyncrl.job import run_job
-    from asyncrl.observe.logs import configure_logging
+    from asyncrl.api import run_training
+    from asyncrl.errors import InputError
 
-    configure_logging(
-        level=cfg.log.level, fmt=cfg.log.format, file=run_dir / "logs" / "controller.jsonl",
-        actor="controller",
-    )  # fmt: skip
-    dump_resolved(cfg, run_dir / "config.json")
+    run_dir = cfg.resolved_output_dir()
     console = Console(width=None if sys.stdout.isatty() else 140)
-    if chaos is not None:
-        return _run_chaos(cfg, console, *chaos)
     try:
-        result = asyncio.run(run_job(cfg, resume=resume, checked=True))
+        result = asyncio.run(run_training(cfg, resume=resume, overwrite=overwrite, checked=True))
+    except InputError as exc:  # the run folder: another job's, or a run without --resume
+        print(f"asyncrl: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # before the job could stop in order, or a second Ctrl-C
         console.print(
             "[red]train aborted[/red] (Ctrl-C, or a second stop signal): actors were killed "
@@ -498,15 +478,22 @@ def _run_claimed(cfg: Any, run_dir: Path, *, resume: bool, chaos: Any) -> int:
     return 1
 
 
-def _run_chaos(cfg: Any, console: Any, kills: list[Any], args: argparse.Namespace) -> int:
-    from asyncrl.job import run_job
+def _run_chaos(cfg: Any, kills: list[Any], args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from asyncrl.api import run_training
+    from asyncrl.errors import InputError
     from asyncrl.runtime.chaos import Chaos, audit_run, chaos_report, print_report
     from asyncrl.runtime.recovery import restart_budgets
 
     roles = tuple(role for role, n in restart_budgets(cfg).items() if n > 0)
     chaos = Chaos(kills, every=args.every, duration=args.duration, seed=args.chaos_seed,
                   roles=roles, stop_when_back=args.stop_when_back)  # fmt: skip
-    result = asyncio.run(run_job(cfg, chaos=chaos, checked=True))
+    try:
+        result = asyncio.run(run_training(cfg, overwrite=args.overwrite, checked=True, chaos=chaos))
+    except InputError as exc:
+        print(f"asyncrl: {exc}", file=sys.stderr)
+        return 2
     run_dir = cfg.resolved_output_dir()
     # A job stopped early (--duration, --stop-when-back) ends wherever the trainer was.
     stopped = args.duration or args.stop_when_back
@@ -515,6 +502,7 @@ def _run_chaos(cfg: Any, console: Any, kills: list[Any], args: argparse.Namespac
     path = args.report or run_dir / "chaos.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+    console = Console(width=None if sys.stdout.isatty() else 140)
     print_report(console, report)
     console.print(f"report in {path}")
     return 0 if result.ok and audit.ok else 1

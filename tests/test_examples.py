@@ -48,3 +48,26 @@ async def test_the_tool_use_examples_train_end_to_end(example, tmp_path, monkeyp
     rows = [json.loads(x) for x in (tmp_path / "run/metrics/eval.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == [0, 2] and all(r["samples"] == 12 for r in rows)
     assert all(r["failed"] == 0 and r["tool_calls"] > 0 for r in rows)  # the model calls tools
+
+
+def test_the_python_api_example_trains_reads_and_exports(tmp_path, monkeypatch, capsys):
+    """``examples/python_api/train.py``: config, train, metrics, eval, export, as a
+    script would (2 steps of the arith job)."""
+    import importlib.util
+
+    monkeypatch.chdir(ROOT)
+    spec = importlib.util.spec_from_file_location(
+        "api_example", ROOT / "examples/python_api/train.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--steps", "2", "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "trained 2 steps" in out and "eval v2: pass@1" in out
+    assert (tmp_path / "run" / "exported" / "model.safetensors").is_file()
+    import asyncrl
+
+    run = asyncrl.open_run(tmp_path / "run")
+    assert [r["step"] for r in run.metrics] == [1, 2] and run.checkpoints.keys() == {2}
+    with pytest.raises(asyncrl.ConfigError, match=r"--lora-rank"):
+        asyncrl.make_config(settings={"lora_rank": -1})

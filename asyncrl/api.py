@@ -1,0 +1,159 @@
+"""The Python API: build a job's config, run it, read what it produced.
+
+    import asyncrl
+
+    cfg = asyncrl.make_config("examples/arith/config.yaml", {"train.num_steps": 20, "lr": 1e-5})
+    run = asyncrl.train(cfg)              # blocks; asyncrl.JobFailed says why it failed
+    run.metrics[-1]["reward/mean"], run.evals, run.checkpoints
+    run.export("out")                     # the newest checkpoint's policy as an HF folder
+
+    run = await asyncrl.train_async(cfg)  # the same inside a running event loop
+    run = asyncrl.open_run("runs/arith")  # a finished run's results, from its folder
+
+``make_config`` takes what ``asyncrl train`` takes: a YAML file, a preset, and settings keyed
+by config key (``trainer.lr``) or flag name (``lr``, ``lora_rank``: ``_`` and ``-`` are
+one), with Python values; every problem is listed at once (``ConfigError``). ``train``
+checks the job before any process starts (``preflight``), holds the run folder for the
+job's life, writes the controller's log and the resolved config there, as the CLI does
+(``asyncrl train`` is this call and a printout). A job refused before it starts raises
+``PreflightError`` or ``InputError`` (both ``asyncrl.errors.InputError``) with every
+problem; one that starts and fails raises ``JobFailed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.config import ConfigError, RunConfig, dump_resolved, load_config
+from asyncrl.job import JobResult, run_job
+
+if TYPE_CHECKING:
+    from asyncrl.runtime.chaos import Chaos
+
+__all__ = ["ConfigError", "JobFailed", "Run", "RunConfig", "make_config", "open_run", "train",
+           "train_async"]  # fmt: skip
+
+
+def make_config(
+    path: str | Path | None = None,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    preset: str | None = None,
+) -> RunConfig:
+    """A job's validated config from ``preset``, the YAML file ``path`` and ``settings``
+    (later wins); ``ConfigError`` lists every problem, naming key and flag."""
+    overrides = {_flag(key): value for key, value in (settings or {}).items()}
+    return load_config(path, overrides, preset=preset)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.removeprefix("--").replace("_", "-")
+
+
+class JobFailed(RuntimeError):
+    """The job ended without finishing: ``run`` holds its result and folder."""
+
+    def __init__(self, run: Run) -> None:
+        reason = run.result.error if run.result else "no result"
+        super().__init__(f"job {run.run_dir} failed: {reason}")
+        self.run = run
+
+
+@dataclass
+class Run:
+    """A job's folder and, when this process ran it, how it ended (``result``)."""
+
+    run_dir: Path
+    result: JobResult | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None and self.result.ok
+
+    @cached_property
+    def metrics(self) -> list[dict[str, Any]]:
+        """The trainer's rows, one per step (``metrics.jsonl``)."""
+        return _jsonl(self.run_dir / "metrics.jsonl")
+
+    @cached_property
+    def evals(self) -> list[dict[str, Any]]:
+        """The eval actor's rows, one per version and set (``metrics/eval.jsonl``)."""
+        return _jsonl(self.run_dir / "metrics" / "eval.jsonl")
+
+    @property
+    def checkpoints(self) -> dict[int, Path]:
+        """``{step: policy folder}`` of the run's complete trainer checkpoints."""
+        from asyncrl.export import checkpoint_steps
+
+        return checkpoint_steps(self.run_dir)
+
+    def export(self, out: str | Path, step: int | None = None, *, adapter: bool = False) -> Path:
+        """A checkpoint's policy (default: the newest) as a plain HF folder ``out``
+        (``adapter``: a LoRA run's adapters, in peft's layout)."""
+        from asyncrl.export import export_policy
+
+        return export_policy(self.run_dir, Path(out), step, adapter=adapter)
+
+
+def open_run(run_dir: str | Path) -> Run:
+    """The results of the run in ``run_dir`` (finished, or still running)."""
+    path = Path(run_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no asyncrl run here (no config.json)")
+    return Run(path)
+
+
+def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False) -> Run:
+    """Run ``cfg`` to its end, blocking; ``JobFailed`` if it does not finish."""
+    return asyncio.run(train_async(cfg, resume=resume, overwrite=overwrite))
+
+
+async def train_async(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False) -> Run:
+    """``train`` in the running event loop."""
+    run = Run(cfg.resolved_output_dir())
+    run.result = await run_training(cfg, resume=resume, overwrite=overwrite)
+    if not run.result.ok:
+        raise JobFailed(run)
+    return run
+
+
+async def run_training(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    checked: bool = False,
+    chaos: Chaos | None = None,
+) -> JobResult:
+    """The job as ``asyncrl train`` runs it: checked (``preflight``, unless ``checked``:
+    ``PreflightError`` lists every problem), the run folder held (``InputError`` when
+    another job holds it, or a run is there without ``resume`` or ``overwrite``), the
+    controller's log and the resolved config written, then ``run_job`` (with ``chaos``'s
+    kills: ``asyncrl chaos``). Nothing starts before those errors."""
+    from asyncrl.observe.logs import configure_logging
+    from asyncrl.preflight import preflight
+    from asyncrl.runtime.run_dir import claim_run_dir
+
+    if not checked:
+        await asyncio.to_thread(preflight, cfg)
+    run_dir = cfg.resolved_output_dir()
+    buffered = not cfg.train.load_rollout_data
+    with claim_run_dir(run_dir, resume=resume, overwrite=overwrite, buffered=buffered):
+        configure_logging(
+            level=cfg.log.level, fmt=cfg.log.format, file=run_dir / "logs" / "controller.jsonl",
+            actor="controller",
+        )  # fmt: skip
+        dump_resolved(cfg, run_dir / "config.json")
+        return await run_job(cfg, resume=resume, checked=True, chaos=chaos)
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
