@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import os
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePath
@@ -443,12 +444,34 @@ class RunConfig(Section):
                 "take merged versions: set --lora-publish merged",
                 ("trainer", "lora", "publish"),
             )
+        base = os.path.realpath(self.trainer.model_path) if self.trainer else ""
+        other = [e.model_path for e in engines if e.model_path]
+        if any(os.path.realpath(p) != base for p in other):
+            raise KeyConflict(
+                f"trainer.lora.publish adapters: the engines merge adapters onto the model "
+                f"they load ({other[0]}), which must be the trainer's base "
+                f"({self.trainer.model_path if self.trainer else None}); drop the engine's "
+                "model_path or set --lora-publish merged",
+                ("trainer", "lora", "publish"),
+            )
         if self.train.publish not in ("pull", "disk"):
             raise KeyConflict(
                 f"trainer.lora.publish adapters goes by pull or disk, not "
                 f"{self.train.publish}: set --update-weight-transport pull (adapters are "
                 "small), or --lora-publish merged",
                 ("trainer", "lora", "publish"),
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _trained_reward_exists(self) -> RunConfig:
+        terms = [t.name for t in self.rollout.reward.terms]
+        key = self.trainer.reward_key if self.trainer is not None else "score"
+        if terms and key not in ("score", *terms):
+            raise KeyConflict(
+                f"trainer.reward_key {key!r} is not among the reward's keys (score, "
+                f"{', '.join(terms)}): every group would be untrainable",
+                ("trainer", "reward_key"),
             )
         return self
 

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
 from asyncrl.cli import main
+from asyncrl.config import ConfigError, load_config
 from asyncrl.engines.base import EngineError, GenerateRequest, SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.policies import PolicyConfig
@@ -127,9 +128,11 @@ def test_a_lora_checkpoint_resumes_bit_exactly_and_its_adapter_loads_in_peft(tin
 def test_a_checkpoint_of_other_adapters_is_refused_by_name(tiny, tmp_path):
     trainer = lora_trainer(tiny, target_modules=["q_proj", "v_proj"])
     trainer.save_checkpoint(tmp_path / "ckpt")
-    other = lora_trainer(tiny)  # all-linear
     with pytest.raises(Exception, match="adapters do not match"):
-        other.load_checkpoint(tmp_path / "ckpt")
+        lora_trainer(tiny).load_checkpoint(tmp_path / "ckpt")  # all-linear
+    other_scale = lora_trainer(tiny, target_modules=["q_proj", "v_proj"], alpha=16.0)
+    with pytest.raises(Exception, match=r"lora_alpha 8.0 \(this run: 16.0\)"):
+        other_scale.load_checkpoint(tmp_path / "ckpt")
 
 
 def test_lora_settings_that_cannot_work_are_refused(tiny):
@@ -139,6 +142,16 @@ def test_lora_settings_that_cannot_work_are_refused(tiny):
         TorchTrainer.Config(model_path=str(tiny), backend="megatron", lora=LORA)
     with pytest.raises(ValueError, match="target_modules"):
         lora_trainer(tiny, target_modules=["no_such_proj"])
+    base = ["--hf-checkpoint", str(tiny), "--prompt-data", "p.jsonl", "--lora-rank", "4",
+            "--lora-publish", "adapters"]  # fmt: skip
+    for extra, reason in (
+        (["--update-weight-transport", "dist"], "goes by pull or disk"),
+        (["--rollout.engine.model-path", "/elsewhere"], "must be the trainer's base"),
+        (["--rollout.engine.type", "sglang", "--rollout.engine.urls", '["http://h:1"]'],
+         "only the embedded torch engine"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=reason):
+            load_config(overrides=[*base, *extra])
 
 
 # ------------------------------------------------------------- adapter-only versions
@@ -184,6 +197,51 @@ async def test_an_adapter_version_is_a_tenth_of_the_bytes_and_the_engine_merges_
     hf.load_state_dict(merged)
     want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :]
     assert await greedy(engine, ids) == want.tolist()
+
+
+async def test_a_bf16_engine_merges_each_version_onto_the_untouched_base(tiny):
+    """A float32 base file under a bfloat16 engine: each version is the base plus its own
+    adapters, never plus the versions before (the base's mapped memory stays as read)."""
+    trainer = lora_trainer(tiny, publish="adapters")
+    eng = TorchEngine.from_pretrained(str(tiny), dtype="bfloat16")
+    task = asyncio.create_task(eng.run())
+    try:
+        for version in (1, 2, 3):
+            trainer.train_step(make_batch(version, version=trainer.version))
+            await eng.update_weights_from_tensors(trainer.export_weights(), version=version)
+        merged = trainer.policy.hf_weights()
+        got = eng.model.state_dict()
+        assert all(torch.equal(got[k], merged[k].bfloat16()) for k in merged)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_merge_that_fails_midway_tears_the_engine_until_a_version_completes(
+    tiny, engine, monkeypatch
+):
+    from asyncrl.engines import lora_merge
+
+    version = lora_trainer(tiny, publish="adapters").export_weights()
+    calls = []
+    real_get = lora_merge.BaseWeights.get
+
+    def failing_get(self, name):
+        calls.append(name)
+        if len(calls) == 3:
+            raise MemoryError("no room for the merge")
+        return real_get(self, name)
+
+    monkeypatch.setattr(lora_merge.BaseWeights, "get", failing_get)
+    with pytest.raises(MemoryError):
+        await engine.update_weights_from_tensors(version, version=1)
+    assert engine.torn and engine.version == 0
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    out = await final(engine, GenerateRequest(rid="t", input_ids=[5, 6, 7], sampling=params))
+    assert out.finish_reason.type == "abort"  # nothing is sampled from a mix
+    monkeypatch.setattr(lora_merge.BaseWeights, "get", real_get)
+    await engine.update_weights_from_tensors(version, version=1)
+    assert not engine.torn and engine.version == 1
 
 
 async def test_a_malformed_adapter_version_is_refused_before_anything_is_copied(tiny, engine):

@@ -241,6 +241,11 @@ async def test_a_failing_term_fails_the_sample_naming_the_term(term, reason):
         await hub(sample("x", label=None if "type" in term else "x"))
 
 
+async def test_a_samples_rm_type_picks_the_single_rewards_type_not_a_terms():
+    hub = build_reward(RewardConfig(terms=[{"name": "strict", "type": "exact"}]))
+    assert (await hub(sample("#### 7.0", label="7", rm_type="numeric")))["strict"] == 0.0
+
+
 def test_reward_terms_stand_alone_with_unique_names():
     with pytest.raises(ValidationError, match="drop type"):
         RewardConfig(type="math", terms=[{"name": "a"}])

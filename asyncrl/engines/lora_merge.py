@@ -110,9 +110,9 @@ class AdapterVersion:
             a = self._tensors[module + _A].to(params[name].device, torch.float32)
             b = self._tensors[module + _B].to(params[name].device, torch.float32)
             target = params[name]
+            # ``get`` may hand out the file's own (mapped) memory: it is read, never written.
             if target.dtype == torch.float32:
                 target.copy_(self._base.get(name))
                 target.addmm_(b, a, alpha=self.scaling)
             else:
-                merged = self._base.get(name).float().addmm_(b, a, alpha=self.scaling)
-                target.copy_(merged)
+                target.copy_(torch.addmm(self._base.get(name).float(), b, a, alpha=self.scaling))

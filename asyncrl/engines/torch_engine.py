@@ -141,6 +141,7 @@ class TorchEngine:
         # Adapter versions merge onto the weights the engine started from (lora_merge.py).
         self.base_path = model_path
         self._base: BaseWeights | None = None
+        self._half_loaded = False  # a load into the model's tensors began and did not end
         self._waiting: deque[_Seq] = deque()
         self._batch: KVBatch[_Seq] = KVBatch()
         self._rids: dict[str, _Seq] = {}
@@ -334,15 +335,21 @@ class TorchEngine:
     ) -> None:
         """Copy ``tensors`` (names as in ``state_dict``) into the model at a step boundary;
         an adapter version (``lora_merge.py``) is merged onto the base weights first."""
+        source: dict[str, torch.Tensor] | AdapterVersion = tensors
         if is_adapter_version(tensors):
             if self._base is None:
                 self._base = await asyncio.to_thread(BaseWeights, self.base_path)
             params = self.model.state_dict(keep_vars=True)
-            merged = AdapterVersion(tensors, params, self._base)
-            await self._at_boundary(lambda: self._load(merged, version))
+            source = AdapterVersion(tensors, params, self._base)
         else:
             check_names(self.model, tensors)
-            await self._at_boundary(lambda: self._load(tensors, version))
+        self._half_loaded = False
+        try:
+            await self._at_boundary(lambda: self._load(source, version))
+        except BaseException as exc:
+            if self._half_loaded:  # a mix of two versions must not sample
+                self._tear(exc)
+            raise
         await self._mended()
 
     def takes_in_place(self, manifest: BlobManifest | None) -> bool:
@@ -415,13 +422,17 @@ class TorchEngine:
     def _load(self, tensors: dict[str, torch.Tensor] | AdapterVersion, version: int | None) -> None:
         start = time.perf_counter()  # decoding waits for this: the update's pause
         params = self.model.state_dict(keep_vars=True)  # tied weights under each name
-        with torch.no_grad():
-            if isinstance(tensors, AdapterVersion):
-                tensors.load_into(params)
-            else:
-                for name, t in tensors.items():
-                    params[name].copy_(t.to(params[name].device, params[name].dtype))
-        self._invalidate()
+        self._half_loaded = True
+        try:
+            with torch.no_grad():
+                if isinstance(tensors, AdapterVersion):
+                    tensors.load_into(params)
+                else:
+                    for name, t in tensors.items():
+                        params[name].copy_(t.to(params[name].device, params[name].dtype))
+        finally:  # what was written is seen by the next step either way
+            self._invalidate()
+        self._half_loaded = False
         if version is not None:
             self.version = version
         pause = time.perf_counter() - start

@@ -16,7 +16,8 @@ braces allowed), else the whole response. A correct match scores ``correct``, a 
 one ``incorrect``; f1 scores the F1 itself.
 
 A sample's ``metadata["rm_type"]`` (slime's per-sample reward type) picks the built-in
-comparison for that sample in place of ``type`` (when ``type`` is a built-in).
+comparison for that sample in place of ``type`` (when ``type`` is a built-in; terms keep
+their own types).
 
 ``terms`` (TRL's ``reward_funcs`` with ``reward_weights``) scores each term with a scorer
 of its own, concurrently, and gives ``{name: value, ..., "score": sum(weight * value)}``;
@@ -185,8 +186,10 @@ class RewardScorer:
     ``reward/timeouts`` (slower than ``timeout_s``). Build it with ``build_reward``.
     """
 
-    def __init__(self, config: RewardConfig) -> None:
+    def __init__(self, config: RewardConfig, *, per_sample_type: bool = True) -> None:
         self.config = config
+        # A term keeps its own type: a sample's rm_type picks the single reward's.
+        self._per_sample_type = per_sample_type
         self.stats = {"reward/calls": 0, "reward/errors": 0, "reward/timeouts": 0}
         self._session: Any = None
         self._terms: list[tuple[RewardTerm, RewardScorer]] = []
@@ -197,7 +200,7 @@ class RewardScorer:
     def _build(self) -> Callable[[Sample], Awaitable[Any]]:
         cfg = self.config
         if cfg.terms:
-            self._terms = [(t, RewardScorer(t)) for t in cfg.terms]
+            self._terms = [(t, RewardScorer(t, per_sample_type=False)) for t in cfg.terms]
             return self._weighted
         if cfg.type == "custom":
             assert cfg.path is not None  # RewardConfig requires it
@@ -242,10 +245,12 @@ class RewardScorer:
         )
 
     async def _weighted(self, sample: Sample) -> dict[str, float]:
-        values = await asyncio.gather(
-            *(self._term(term, scorer, sample) for term, scorer in self._terms)
-        )
-        out = {term.name: value for (term, _), value in zip(self._terms, values, strict=True)}
+        try:  # the first failing term cancels the others
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._term(t, s, sample)) for t, s in self._terms]
+        except* RewardError as failed:
+            raise failed.exceptions[0] from None
+        out = {term.name: task.result() for (term, _), task in zip(self._terms, tasks, strict=True)}
         out["score"] = sum(term.weight * out[term.name] for term, _ in self._terms)
         return out
 
@@ -261,7 +266,7 @@ class RewardScorer:
 
     async def _builtin(self, sample: Sample) -> float:
         cfg = self.config
-        kind = sample.metadata.get("rm_type", cfg.type)
+        kind = sample.metadata.get("rm_type", cfg.type) if self._per_sample_type else cfg.type
         if kind not in _BUILTINS:
             raise RewardError(
                 f"the sample's rm_type {kind!r} is not a built-in reward ({', '.join(_BUILTINS)})"
@@ -303,6 +308,8 @@ class RewardScorer:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        for _, scorer in self._terms:
+            await scorer.aclose()
 
 
 def build_reward(config: RewardConfig) -> RewardScorer:

@@ -153,9 +153,14 @@ class TrainerConfig(BaseModel):
     lr_schedule: Literal["constant", "cosine"] = Field(
         "constant", description="After warmup: constant, or cosine decay to min_lr_ratio."
     )
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (--lr-warmup-iters).")
+    warmup_steps: int = Field(
+        0, ge=0, description="Linear warmup, in optimizer updates (--lr-warmup-iters)."
+    )
     total_steps: int | None = Field(
-        None, ge=1, description="Steps of the cosine schedule (warmup included)."
+        None,
+        ge=1,
+        description="Optimizer updates of the cosine schedule, warmup included (a version "
+        "is ppo_epochs x mini-batches of them).",
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor, times lr.")
     max_tokens_per_microbatch: int = Field(

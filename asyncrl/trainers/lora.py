@@ -31,6 +31,7 @@ Users: ``learner.Learner`` (built by ``torch_trainer.TorchTrainer``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,8 @@ class Adapters:
         for name, layer in self.layers().items():
             base = layer.get_base_layer().weight
             delta = layer.get_delta_weight("default")
-            out[f"{name}.weight"] = (base + delta.to(base.dtype)).detach()
+            # In float32, rounded once to the weights' dtype: as the engine merges.
+            out[f"{name}.weight"] = (base.float() + delta.float()).to(base.dtype).detach()
         return out
 
     def version_tensors(self, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -129,10 +131,23 @@ class Adapters:
         """``adapter_config.json`` and ``ADAPTER_FILE`` into ``path`` (peft's layout)."""
         self.peft_model.save_pretrained(str(path))
 
+    def _check_saved_config(self, path: Path) -> None:
+        """Refuse adapters saved with another rank or alpha (another scale)."""
+        saved = json.loads((path / "adapter_config.json").read_text())
+        ours = {"r": self.config.rank, "lora_alpha": self.config.alpha}
+        differ = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+        if differ:
+            raise ValueError(
+                f"{path}: adapters saved with "
+                + ", ".join(f"{k} {a} (this run: {b})" for k, (a, b) in differ.items())
+                + ": resume with the same trainer.lora settings"
+            )
+
     def load(self, path: Path) -> None:
         """Load ``save``'s adapters onto this model; every adapter tensor must be there."""
         from peft import set_peft_model_state_dict
 
+        self._check_saved_config(Path(path))
         tensors = load_file(str(Path(path) / ADAPTER_FILE))
         result = set_peft_model_state_dict(self.peft_model, tensors)
         missing = [k for k in result.missing_keys if ".lora_" in k]
