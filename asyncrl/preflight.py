@@ -228,6 +228,10 @@ def _code_checks(cfg: RunConfig) -> list[Callable[[], Any]]:
     rewards = [cfg.rollout.reward, *(s.reward for s in cfg.eval.sets if s.reward)]
     custom = [r for r in rewards if r.type == "custom" or any(t.type == "custom" for t in r.terms)]
     checks += [lambda r=r: build_reward(r) for r in custom]
+    if cfg.algo.custom_advantage_path or cfg.algo.custom_loss_path:
+        from asyncrl.policies.objective import load_hooks
+
+        checks.append(lambda: load_hooks(cfg.algo))
     if cfg.rollout.workflow:
         from asyncrl.rollout.workflows import load_workflow
 

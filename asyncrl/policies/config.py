@@ -73,6 +73,20 @@ class PolicyConfig(BaseModel):
     )
     is_low: float = Field(0.0, ge=0, description="Lower bound of the IS weight (--tis-clip-low).")
     is_high: float = Field(2.0, gt=0, description="Upper bound of the IS weight (--tis-clip).")
+    custom_advantage_path: str | None = Field(
+        None,
+        description="'module:fn' computing advantages in place of the estimator: "
+        "fn(scores_GN, mask_BT, kl_BT) -> [G, N] per sample or [B, T] per token "
+        "(docs/design.md, section 6)",
+        json_schema_extra={"flag": "custom-advantage-function-path"},
+    )
+    custom_loss_path: str | None = Field(
+        None,
+        description="'module:fn' computing the policy-gradient term in place of the "
+        "surrogate: fn(x: LossInputs, weights, scale: LossScale) -> (loss, metrics); KL and "
+        "entropy terms are added as configured",
+        json_schema_extra={"flag": "custom-loss-function-path"},
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -96,6 +110,11 @@ class PolicyConfig(BaseModel):
             )
         if self.is_low >= self.is_high:
             raise ValueError(f"is_low ({self.is_low}) must be < is_high ({self.is_high})")
+        if self.custom_advantage_path and self.advantage_estimator == "ppo":
+            raise ValueError(
+                "custom_advantage_path replaces the estimator, and ppo's critic learns from "
+                "the returns its GAE gives: use a critic-free estimator with it"
+            )
         if self.advantage_estimator == "reinforce_pp" and not self.normalize_advantages:
             raise ValueError("reinforce_pp needs --normalize-advantages (its returns are unscaled)")
         return self

@@ -7,10 +7,14 @@ loss (see ``losses.LossScale``). Both follow a ``PolicyConfig``.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from asyncrl.plugins import PluginError, load_object
 from asyncrl.policies.advantages import (
     discounted_returns,
     gae,
@@ -62,7 +66,14 @@ def compute_advantages(
 
     With ``normalize_advantages`` the result is whitened over the batch's loss tokens.
     Returns are given for ``ppo`` (the critic's target), else None.
+
+    ``custom_advantage_path`` names ``fn(scores_GN, mask_BT, kl_BT)`` that replaces all of
+    the above: it returns ``[G, N]`` (a sample's advantage, spread over its loss tokens)
+    or ``[B, T]`` (per token, masked after); ``kl_BT`` is the per-token KL against the
+    reference model, or None without one. ``normalize_advantages`` still applies.
     """
+    if cfg.custom_advantage_path:
+        return _custom_advantages(cfg, scores_GN, mask_BT, kl_BT), None
     mask = mask_BT.float()
     shaping = cfg.kl_coef > 0
     if shaping and kl_BT is None:
@@ -100,21 +111,30 @@ def rl_loss(cfg: PolicyConfig, x: LossInputs, scale: LossScale) -> tuple[torch.T
     with ``w > is_high`` dropped; TIS: ``clip(w, is_low, is_high)``; MIS: ``w`` outside
     ``[is_low, is_high]`` drops the token or sequence), and ``agg`` is the
     configured aggregation under the step-global ``scale``.
+
+    ``custom_loss_path`` names ``fn(x, weights, scale) -> (loss, metrics)`` that replaces
+    ``PG``: ``x`` this ``LossInputs``, ``weights`` the correction's ``[b, T]`` importance
+    weights (None without one), ``scale`` the step's ``LossScale``. Its loss must be this
+    micro-batch's share of the step's (``losses.aggregate`` makes one), so micro-batches
+    and ranks sum to the whole batch's loss; its metrics are tensors.
     """
     weights, metrics = _correction(cfg, x)
-    loss, pg_metrics = policy_loss(
-        x.logprobs,
-        x.old_logprobs,
-        x.advantages,
-        x.mask,
-        kind=cfg.loss_kind,
-        eps_clip=cfg.eps_clip,
-        eps_clip_high=cfg.eps_clip_high,
-        dual_clip=cfg.eps_clip_c,
-        aggregation=cfg.loss_aggregation,
-        weights=weights,
-        scale=scale,
-    )
+    if cfg.custom_loss_path:
+        loss, pg_metrics = _custom_loss(cfg, x, weights, scale)
+    else:
+        loss, pg_metrics = policy_loss(
+            x.logprobs,
+            x.old_logprobs,
+            x.advantages,
+            x.mask,
+            kind=cfg.loss_kind,
+            eps_clip=cfg.eps_clip,
+            eps_clip_high=cfg.eps_clip_high,
+            dual_clip=cfg.eps_clip_c,
+            aggregation=cfg.loss_aggregation,
+            weights=weights,
+            scale=scale,
+        )
     metrics |= pg_metrics
     metrics["pg_loss"] = loss.detach()
     if cfg.use_kl_loss:
@@ -148,3 +168,52 @@ def _correction(cfg: PolicyConfig, x: LossInputs) -> tuple[torch.Tensor | None, 
         low=0.0 if kind == "decoupled" else cfg.is_low,
         high=cfg.is_high,
     )
+
+
+@functools.cache
+def _hook(path: str, what: str) -> Callable[..., Any]:
+    fn = load_object(path, what=what)
+    if not callable(fn):
+        raise PluginError(f"{what} path {path!r} names a {type(fn).__name__}, not a function")
+    return fn
+
+
+def load_hooks(cfg: PolicyConfig) -> None:
+    """Import the custom advantage and loss functions ``cfg`` names (``PluginError`` if
+    one does not load): the preflight's check, and the trainers' before a first step."""
+    if cfg.custom_advantage_path:
+        _hook(cfg.custom_advantage_path, "custom advantage")
+    if cfg.custom_loss_path:
+        _hook(cfg.custom_loss_path, "custom loss")
+
+
+def _custom_advantages(
+    cfg: PolicyConfig, scores_GN: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None
+) -> torch.Tensor:
+    assert cfg.custom_advantage_path is not None
+    fn = _hook(cfg.custom_advantage_path, "custom advantage")
+    mask = mask_BT.float()
+    out = torch.as_tensor(fn(scores_GN.float(), mask, kl_BT), dtype=torch.float32)
+    out = out.to(mask.device)
+    if out.shape == scores_GN.shape:
+        out = out.reshape(-1, 1) * mask
+    elif out.shape == mask.shape:
+        out = out * mask
+    else:
+        raise ValueError(
+            f"custom advantage {cfg.custom_advantage_path} returned shape {tuple(out.shape)}; "
+            f"expected [G, N] {tuple(scores_GN.shape)} or [B, T] {tuple(mask.shape)}"
+        )
+    if not torch.isfinite(out).all():
+        raise ValueError(f"custom advantage {cfg.custom_advantage_path} returned inf or NaN")
+    return masked_whiten(out, mask) if cfg.normalize_advantages else out
+
+
+def _custom_loss(
+    cfg: PolicyConfig, x: LossInputs, weights: torch.Tensor | None, scale: LossScale
+) -> tuple[torch.Tensor, Metrics]:
+    assert cfg.custom_loss_path is not None
+    loss, metrics = _hook(cfg.custom_loss_path, "custom loss")(x, weights, scale)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(f"custom loss {cfg.custom_loss_path} must return a scalar tensor loss")
+    return loss, dict(metrics)
