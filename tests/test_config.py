@@ -43,7 +43,11 @@ def problems(*args: Any, **kwargs: Any) -> list[str]:
 
 
 # Leaves whose value is a mapping (one flag takes the whole mapping as YAML).
-MAPPING_LEAVES = {("rollout", "sampling"), ("runtime", "ray", "roles")}
+MAPPING_LEAVES = {
+    ("rollout", "sampling"),
+    ("runtime", "ray", "roles"),
+    ("data", "chat_template_kwargs"),
+}
 
 
 def leaf_paths(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:

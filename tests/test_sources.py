@@ -63,6 +63,64 @@ def test_jsonl_string_prompts_carry_labels_metadata_and_ids(tmp_path: Path) -> N
     assert (first.text, first.packed_prompt, first.tools) == (None, b"", None)
 
 
+def test_a_json_array_and_a_saved_hf_dataset_give_the_same_prompts_as_jsonl(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    import datasets
+
+    rows = [{"prompt": [{"role": "user", "content": f"question {i}"}], "label": str(i),
+             "metadata": {"level": i % 3}} for i in range(6)]  # fmt: skip
+    jsonl = write_jsonl(tmp_path / "data.jsonl", rows)
+    (tmp_path / "array.json").write_text(json.dumps(rows, indent=1))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    config = {"apply_chat_template": True, "num_epochs": 2, "seed": 5, "name": "data"}
+    want = open_source(f"{jsonl}@[1:]", tokenizer, **config).take(100)
+    assert open_source(f"{tmp_path / 'array.json'}@[1:]", tokenizer, **config).take(100) == want
+    assert open_source(f"{tmp_path / 'hf'}@[1:]", tokenizer, **config).take(100) == want
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
+    splits.save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(DataError, match=r"splits \['train'\]: name one"):
+        open_source(tmp_path / "dict")
+    (tmp_path / "bad.json").write_text('[{"prompt": "a"},')
+    with pytest.raises(DataError, match=r"bad\.json: not valid JSON"):
+        open_source(tmp_path / "bad.json")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(DataError, match="not a saved datasets dataset"):
+        open_source(tmp_path / "plain")
+
+
+def test_prompts_longer_than_max_prompt_length_are_dropped_at_load_and_counted(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    rows = [{"prompt": "x" * n, "label": str(n)} for n in (3, 40, 5, 80)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    lengths = [n for _, n in open_source(path, tokenizer).prompt_lengths()]
+    limit = sorted(lengths)[1]
+    source = open_source(path, tokenizer, max_prompt_length=limit, shuffle=False)
+    assert source.too_long == 2 and source.num_rows == 2
+    assert [p.label for p in source.take(10)] == ["3", "5"]
+    with pytest.raises(DataError, match="every one of the 4 prompts is longer"):
+        open_source(path, tokenizer, max_prompt_length=1)
+    with pytest.raises(DataError, match="no tokenizer"):
+        open_source(path, max_prompt_length=10)
+    state = source.state_dict()
+    other = open_source(path, tokenizer, max_prompt_length=lengths[3])
+    with pytest.raises(DataError, match="max_prompt_length"):
+        other.load_state_dict(state)
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path: Path, tokenizer: Any) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi", "label": "x"}])
+    template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.chat_template, old = template, tokenizer.chat_template
+    try:
+        source = open_source(path, tokenizer, apply_chat_template=True,
+                             chat_template_kwargs={"greeting": "hello "})  # fmt: skip
+        assert source.take(1)[0].text == "hello hi"
+    finally:
+        tokenizer.chat_template = old
+
+
 def test_a_configured_name_prefixes_prompt_ids(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "train.jsonl", numbered_rows(2))
     assert open_source(path, name="gsm8k", shuffle=False).next().uid == "gsm8k:0@0"

@@ -520,6 +520,7 @@ class BufferActor(Actor):
                     ),
                     "buffer.staleness_samples": full.staleness_samples,
                     "buffer.staleness_tokens": full.staleness_tokens,
+                    "buffer.data_too_long": getattr(self.buffer.source, "too_long", 0),
                 }
             )
 

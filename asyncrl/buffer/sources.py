@@ -4,9 +4,10 @@ The BufferActor owns one ``PromptSource`` and its cursor: it draws with ``next()
 to hand out work and checkpoints ``state_dict()`` with its own state. Consumed prompt uids are
 the buffer's to track; the source keeps only epoch and position, a fixed-size state.
 
-Formats, by extension: ``.jsonl``/``.json`` are JSON lines, one object a line (blank lines are
-skipped but counted, so errors give an editor's line numbers); ``.parquet`` is read with
-pyarrow and errors say ``row N`` (1-based). ``path@[a:b]`` selects rows ``a:b`` as a Python
+Formats (``readers.py``): JSON lines (``.jsonl``, and ``.json`` that is not an array;
+blank lines are skipped but counted, so errors give an editor's line numbers), a ``.json``
+array, ``.parquet`` and a folder saved by Hugging Face ``datasets``; the last three say
+``row N`` (1-based) in errors. ``path@[a:b]`` selects rows ``a:b`` as a Python
 slice (slime's syntax; either bound may be omitted or negative). A row's ``prompt_id`` is
 ``"<name>:<row>"`` with its 0-based row in the whole file; a draw's ``uid`` adds ``"@<epoch>"``.
 A row holds a prompt under ``input_key`` (a string or a list of ``{"role", "content"}`` chat
@@ -18,7 +19,9 @@ wrong, e.g. ``data/train.jsonl:17: missing key 'prompt' (did you mean 'promt'?)`
 validates every selected row, so a bad row fails at start, not hours into a run. Tokenising
 (the costly part) happens per draw and a chat template failing there names file and line too;
 the first row is rendered at ``open``, so a template that fails everywhere fails at once. A
-resume state saved for other data is refused.
+resume state saved for other data is refused. ``max_prompt_length`` drops the rows whose
+rendered prompt is longer at ``open`` and counts them (``too_long``; the buffer reports
+``buffer.data_too_long``); ``chat_template_kwargs`` reach the template.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from asyncrl.errors import InputError
+from asyncrl.buffer.readers import DataError, read_bytes, read_raw_rows
 from asyncrl.types import ChatMessage, Prompt, pack_int32
 
 if TYPE_CHECKING:
@@ -44,7 +47,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DataError", "Exhausted", "PromptSource", "check_chat", "read_objects", "split_path"]
 
-_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 _ROLES = ("assistant", "system", "tool", "user")
 _SLICE = re.compile(r"@\[(?P<body>[^\]]*)\]$")
 _STATE_VERSION = 1
@@ -53,10 +55,6 @@ _STATE_VERSION = 1
 #: The largest row ``PromptSource`` accepts by default (its JSON line's bytes).
 MAX_ROW_BYTES = 8 * 2**20
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-class DataError(InputError):
-    """Bad prompt data or a resume state that does not fit it; names file, line and problem."""
 
 
 class Exhausted(Exception):
@@ -114,7 +112,10 @@ class PromptSource:
 
         model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-        path: str = Field(description="jsonl/json/parquet file; 'file@[a:b]' selects rows a:b")
+        path: str = Field(
+            description="jsonl/json/parquet file or a saved HF datasets folder; 'file@[a:b]' "
+            "selects rows a:b"
+        )
         input_key: str = Field("prompt", description="key of the prompt (string or chat)")
         label_key: str | None = Field("label", description="key of the label; null for none")
         metadata_key: str | None = Field("metadata", description="key of a metadata object")
@@ -125,6 +126,16 @@ class PromptSource:
         apply_chat_template: bool = Field(False, description="render with the chat template")
         system_prompt: str | None = Field(
             None, description="system message put before string prompts when templating"
+        )
+        chat_template_kwargs: dict[str, Any] = Field(
+            default_factory=dict,
+            description="extra arguments of the chat template (e.g. {enable_thinking: false})",
+        )
+        max_prompt_length: int | None = Field(
+            None,
+            ge=1,
+            description="drop rows whose prompt is longer (tokens, as the engine gets it) at "
+            "load, counted (buffer.data_too_long); null keeps all",
         )
         shuffle: bool = Field(True, description="visit rows in a new seeded order each epoch")
         seed: int = Field(0, description="seed of the per-epoch shuffle")
@@ -159,6 +170,7 @@ class PromptSource:
         self._tokenizer = tokenizer
         self._epoch = 0
         self._cursor = 0  # position in this epoch's order
+        self.too_long = 0  # rows dropped at load for max_prompt_length
         self._order_cache: tuple[int, np.ndarray] | None = None
 
     @classmethod
@@ -183,7 +195,27 @@ class PromptSource:
         source = cls(config, rows, identity, tokenizer)
         if tokenizer is not None:
             source._check_tokenizer_fit()
+        if config.max_prompt_length is not None:
+            source._drop_too_long(config.max_prompt_length)
         return source
+
+    def _drop_too_long(self, limit: int) -> None:
+        """Keep the rows whose prompt is at most ``limit`` tokens; ``too_long`` counts the
+        rest (the data's identity records the limit: a resume with another is refused)."""
+        if self._tokenizer is None:
+            raise DataError(
+                f"{self.config.path}: max_prompt_length counts tokens, and this source has "
+                "no tokenizer (a workflow that tokenises itself): drop max_prompt_length"
+            )
+        kept = [row for row in self._rows if len(self._tokenize(row)[1]) // 4 <= limit]
+        self.too_long = len(self._rows) - len(kept)
+        if not kept:
+            raise DataError(
+                f"{self.config.path}: every one of the {len(self._rows)} prompts is longer "
+                f"than max_prompt_length {limit} tokens"
+            )
+        self._rows = kept
+        self._identity |= {"max_prompt_length": limit, "num_rows": len(kept)}
 
     # -- drawing ----------------------------------------------------------------------
     @property
@@ -280,6 +312,7 @@ class PromptSource:
                 tools=row.tools or self.config.default_tools or None,
                 add_generation_prompt=True,
                 tokenize=False,
+                **self.config.chat_template_kwargs,
             )
         except Exception as exc:  # the template is user code (jinja) and may raise anything
             raise DataError(f"{row.where}: chat template failed: {exc}") from exc
@@ -353,17 +386,6 @@ def _is_int(value: Any) -> bool:
 
 
 # -- reading ------------------------------------------------------------------------
-def _read_bytes(file: str) -> bytes:
-    path = Path(file)
-    if path.suffix.lower() not in _FORMATS:
-        raise DataError(
-            f"{file}: unknown format {path.suffix!r}, expected one of {', '.join(_FORMATS)}"
-        )
-    if not path.is_file():
-        raise DataError(f"{file}: no such file")
-    return path.read_bytes()
-
-
 def _select(spec: str, file: str, rows: slice, num_rows: int) -> tuple[int, int]:
     start, stop, _ = rows.indices(num_rows)
     if not num_rows:
@@ -388,8 +410,8 @@ def _read_selected(
     spec: str, max_row_bytes: int
 ) -> tuple[str, bytes, int, int, list[tuple[str, dict[str, Any]]]]:
     file, rows_slice = split_path(spec)
-    data = _read_bytes(file)
-    raw_rows = _read_raw_rows(file, data)
+    data = read_bytes(file)
+    raw_rows = read_raw_rows(file, data)
     start, stop = _select(spec, file, rows_slice, len(raw_rows))
     selected = raw_rows[start:stop]
     for where, raw in selected:
@@ -399,25 +421,6 @@ def _read_selected(
                 "bytes allowed (data.max_row_bytes): no prompt that long fits a context"
             )
     return file, data, start, stop, [(w, _as_object(w, raw)) for w, raw in selected]
-
-
-def _read_raw_rows(file: str, data: bytes) -> list[tuple[str, Any]]:
-    """``(where, row)`` per row; a jsonl row is still undecoded bytes, parsed when selected."""
-    if _FORMATS[Path(file).suffix.lower()] == "parquet":
-        return _parquet_rows(file, data)
-    lines = enumerate(data.split(b"\n"), 1)
-    return [(f"{file}:{n}", line) for n, line in lines if line.strip()]
-
-
-def _parquet_rows(file: str, data: bytes) -> list[tuple[str, Any]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(pa.BufferReader(data))
-    except pa.ArrowException as exc:
-        raise DataError(f"{file}: not a readable parquet file: {exc}") from exc
-    return [(f"{file} row {n}", row) for n, row in enumerate(table.to_pylist(), 1)]
 
 
 # -- validating ---------------------------------------------------------------------
