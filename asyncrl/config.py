@@ -288,6 +288,13 @@ class TrainConfig(Section):
     keep_checkpoints: int | None = Field(
         None, ge=1, description="keep only the newest N trainer checkpoints (null: all)"
     )
+    log_samples: int = Field(
+        2,
+        ge=0,
+        description="trained samples a step written as text to RUN_DIR/samples.jsonl (and "
+        "TensorBoard, W&B): the highest and lowest reward first; 0: none",
+        json_schema_extra={"flag": "log-samples"},
+    )
     audit_log: bool = Field(
         False,
         description="write RUN_DIR/trained.jsonl: every batch trained, with its group uids "

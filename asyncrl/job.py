@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import signal
 import threading
 import time
@@ -49,33 +48,25 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.actors.base import ActorSpec
-from asyncrl.actors.config import (
-    ActorConfig,
-    BatchDumperConfig,
-    BufferActorConfig,
-    EngineActorConfig,
-    EvalActorConfig,
-    PublishConfig,
-    RolloutActorConfig,
-    TrainerActorConfig,
-    WorkflowConfig,
-)
-from asyncrl.buffer.sources import PromptSource
-from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.config import RunConfig
 from asyncrl.errors import InputError
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.progress import JobProgress
 from asyncrl.observe.trackers import TensorBoardTracker, Tracker, WandbTracker, following
-from asyncrl.preflight import PreflightError, preflight, tool_schemas
-from asyncrl.rollout.config import EngineConfig
+from asyncrl.preflight import PreflightError, preflight
+from asyncrl.role_configs import (
+    FINAL_LINGER_S,
+    engine_actor_count,
+    final_policy_dir,
+    last_step,
+    role_params,
+)
 from asyncrl.runtime.base import PlacementFailed, open_runtime, place_job
 from asyncrl.runtime.chaos import Chaos
 from asyncrl.runtime.recovery import RestartHooks, restart_budgets
 from asyncrl.runtime.run_dir import claim_run_dir
 from asyncrl.runtime.supervisor import ActorDied, Supervisor, signal_reason
-from asyncrl.runtime.topology import job_specs, rollout_actor_names
-from asyncrl.trainers.config import GroupConfig
+from asyncrl.runtime.topology import job_specs
 from asyncrl.wire import security
 from asyncrl.wire.control import ControlServer
 
@@ -91,9 +82,6 @@ ROLE_CLASSES = {
 #: The trainer's seat in rollout-only mode (``--debug-rollout-only``).
 DUMPER_CLASS = "asyncrl.actors.dumper:BatchDumper"
 #: A staleness bound no run reaches (rollout-only: nothing ever goes stale).
-_UNBOUNDED = 1 << 30
-#: Seconds a finished trainer keeps serving its final weights for the eval actor to pull.
-_FINAL_LINGER_S = 120.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -198,7 +186,7 @@ async def _run_claimed(
                     await sup.stop(trainers, cfg.runtime.stop_timeout)
                 result.codes = await sup.stop_all(cfg.runtime.stop_timeout)
             result.restarts = [f"{d.name}: {d.reason}" for d in sup.deaths]
-    result.steps = _last_step(run_dir / "metrics.jsonl")
+    result.steps = last_step(run_dir / "metrics.jsonl")
     trains = cfg.train.num_steps > 0 and not cfg.train.debug_rollout_only
     if not result.error and trains and result.steps == 0:
         result.error = _nothing_trained(run_dir / "metrics" / "buffer.jsonl")
@@ -329,7 +317,7 @@ async def _wait_final_eval(sup: Supervisor, cfg: RunConfig, hooks: RestartHooks)
     restarted eval actor, which may have missed its announcement, is pointed at the
     trainer's final checkpoint."""
     steps, run_dir = cfg.train.num_steps, cfg.resolved_output_dir()
-    reached = await asyncio.to_thread(_last_step, run_dir / "metrics.jsonl")
+    reached = await asyncio.to_thread(last_step, run_dir / "metrics.jsonl")
     if steps <= 0 or reached < steps:
         return ""  # no known final version (or stopped before it): what it evaluated stands
     final = final_policy_dir(run_dir, steps)
@@ -407,19 +395,6 @@ def _nothing_trained(buffer_metrics: Path) -> str:
     )
 
 
-def final_policy_dir(run_dir: Path, steps: int) -> Path:
-    """Where the trainer's checkpoint of its last step keeps the HF weights."""
-    return run_dir / "checkpoints" / "trainer" / f"step_{steps:06d}" / "policy"
-
-
-def _last_step(metrics: Path) -> int:
-    """The version of the last whole row in ``metrics`` (0 if none; a kill cuts lines)."""
-    for line in reversed(metrics.read_text().splitlines() if metrics.exists() else []):
-        with contextlib.suppress(json.JSONDecodeError):
-            return int(json.loads(line).get("step", 0))
-    return 0
-
-
 def job_actor_specs(
     cfg: RunConfig, endpoints: dict[str, str], run_dir: Path, *, resume: bool
 ) -> list[ActorSpec]:
@@ -443,7 +418,7 @@ def job_actor_specs(
         common=common,
         params=role_params(cfg, run_dir, resume=resume),
         extra_roles=["eval"] if cfg.eval.enabled else [],
-        num_engine_actors=0 if train_only else _engine_actors(cfg),
+        num_engine_actors=0 if train_only else engine_actor_count(cfg),
     )
     if train_only:  # the batches come from files: no buffer, no engines
         specs = [s for s in specs if s.role != "buffer"]
@@ -453,14 +428,8 @@ def job_actor_specs(
         if spec.role == "trainer" and cfg.runtime.trainer_threads is not None:
             spec.threads = cfg.runtime.trainer_threads
         if spec.role == "trainer" and cfg.eval.enabled:
-            spec.drain_timeout += _FINAL_LINGER_S  # its drain waits for the final pull
+            spec.drain_timeout += FINAL_LINGER_S  # its drain waits for the final pull
     return specs
-
-
-def _engine_actors(cfg: RunConfig) -> int:
-    """One engine actor per rollout actor when the engines are served by actors."""
-    engine = cfg.rollout.engine
-    return cfg.rollout.num_actors if engine is not None and engine.serve == "actor" else 0
 
 
 def _threads_per_torch_process(cfg: RunConfig) -> int:
@@ -471,150 +440,3 @@ def _threads_per_torch_process(cfg: RunConfig) -> int:
     trainer = 0 if cfg.train.debug_rollout_only else 1
     busy = trainer + engines + int(cfg.eval.enabled)
     return max(1, (os.cpu_count() or 1) // max(busy, 1))
-
-
-def _source_params(cfg: RunConfig) -> PromptSource.Config | None:
-    """The data source's config; with tool use, the tools' schemas for rows without any."""
-    if cfg.data is None or cfg.data.default_tools is not None:
-        return cfg.data
-    return cfg.data.model_copy(update={"default_tools": tool_schemas(cfg)})
-
-
-def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, ActorConfig]:
-    """Each role's settings, built once from ``cfg`` (what its actor reads as ``config``)."""
-    if cfg.trainer is None:
-        raise ValueError("training needs a trainer section (--hf-checkpoint)")
-    if cfg.data is None and cfg.train.load_rollout_data is None:
-        raise ValueError("training needs data (--prompt-data) or --load-debug-rollout-data")
-    # Engine actors' HTTP APIs take this job's key (made here, never written to disk).
-    engine_key = secrets.token_urlsafe(24) if _engine_actors(cfg) else None
-    # Marks this job's checkpoints: a restarted trainer or buffer loads only its own job's.
-    job = secrets.token_hex(8)
-    resumed_at = _last_step(run_dir / "metrics.jsonl") if resume else None
-    rollout = _rollout_config(cfg, run_dir, engine_key, resumed_at)
-    eval_engine = cfg.eval.engine.seeded(cfg.seed) if cfg.eval.engine else None
-    return {
-        "buffer": _buffer_config(cfg, run_dir, resume=resume, job=job),
-        "rollout": rollout,
-        "trainer": _trainer_config(cfg, run_dir, resume=resume, job=job),
-        "engine": EngineActorConfig(engine=rollout.engine, api_key=engine_key),
-        "eval": EvalActorConfig(
-            **_workflow_fields(rollout)
-            # The eval actor's own engine: embedded, whatever serves the rollout.
-            | {"engine": eval_engine or _embedded(rollout.engine)},
-            eval=cfg.eval,
-            num_steps=cfg.train.num_steps,
-            final_checkpoint=str(final_policy_dir(run_dir, cfg.train.num_steps)),
-            metrics_path=str(run_dir / "metrics" / "eval.jsonl"),
-        ),
-    }
-
-
-def _rollout_config(
-    cfg: RunConfig, run_dir: Path, engine_key: str | None, resumed_at: int | None
-) -> RolloutActorConfig:
-    assert cfg.trainer is not None
-    r, model = cfg.rollout, cfg.trainer.model_path
-    engine = r.engine or EngineConfig(type="torch", model_path=model)
-    return RolloutActorConfig(
-        engine=engine.seeded(cfg.seed, resumed_at),
-        sampling=dict(r.sampling),
-        reward=r.reward,
-        workflow=r.workflow,
-        tool_use=r.tool_use,
-        agent=r.agent,
-        tokenizer=model,
-        max_groups=r.max_groups,
-        metrics_dir=str(run_dir / "metrics"),
-        metrics_interval=cfg.train.metrics_interval,
-        colocate=r.colocate,
-        engine_api_key=engine_key,
-        weight_group=_weight_group(cfg),
-        spill_dir=str(run_dir / "engine_weights"),
-    )
-
-
-def _weight_group(cfg: RunConfig) -> GroupConfig | None:
-    """The dist transport's group: the trainer (rank 0) and every rollout actor."""
-    if cfg.train.publish != "dist":
-        return None
-    return GroupConfig(
-        world_size=1 + cfg.rollout.num_actors, bucket_bytes=cfg.train.update_weight_buffer_size
-    )
-
-
-def _embedded(engine: EngineConfig) -> EngineConfig:
-    return EngineConfig.model_validate({**engine.model_dump(), "serve": "embedded"})
-
-
-def _workflow_fields(rollout: RolloutActorConfig) -> dict[str, Any]:
-    """What the eval actor shares with the rollout actor (``WorkflowConfig``)."""
-    return {name: getattr(rollout, name) for name in WorkflowConfig.model_fields}
-
-
-def _trainer_config(
-    cfg: RunConfig, run_dir: Path, *, resume: bool, job: str
-) -> TrainerActorConfig | BatchDumperConfig:
-    assert cfg.trainer is not None
-    train = cfg.train
-    dump = train.rollout_data_dir(run_dir)
-    if train.debug_rollout_only:
-        return BatchDumperConfig(
-            dump_dir=str(dump),
-            num_steps=train.num_steps,
-            metrics_path=str(run_dir / "metrics.jsonl"),
-        )
-    # The eval actor pulls the final version after the last step: the trainer lingers.
-    final = {"final_pullers": ("eval",), "linger_s": _FINAL_LINGER_S} if cfg.eval.enabled else {}
-    publish = PublishConfig(
-        transport=train.publish,
-        keep=2,
-        dir=str(run_dir / "weights") if train.publish == "disk" else None,
-        group=_weight_group(cfg),
-        bucket_bytes=train.update_weight_buffer_size,
-        **final,
-    )
-    return TrainerActorConfig(
-        trainer=cfg.trainer,
-        algo=cfg.algo,
-        publish=publish,
-        num_steps=train.num_steps,
-        checkpoint_interval=train.checkpoint_interval,
-        keep_checkpoints=train.keep_checkpoints,
-        checkpoint_dir=str(run_dir / "checkpoints" / "trainer"),
-        resume=resume,
-        job=job,
-        metrics_path=str(run_dir / "metrics.jsonl"),
-        audit_path=str(run_dir / "trained.jsonl") if train.audit_log else None,
-        save_dump=str(dump) if dump else None,
-        load_dump=train.load_rollout_data,
-    )
-
-
-def _buffer_config(cfg: RunConfig, run_dir: Path, *, resume: bool, job: str) -> BufferActorConfig:
-    assert cfg.trainer is not None
-    ckpt = run_dir / "checkpoints"
-    return BufferActorConfig(
-        buffer=_buffer_params(cfg),
-        source=_source_params(cfg),
-        tokenizer=cfg.trainer.model_path,
-        checkpoint=str(ckpt / "buffer.ckpt"),
-        journal=str(ckpt / "buffer.journal") if cfg.runtime.journal else None,
-        journal_fsync=cfg.runtime.journal_fsync,
-        checkpoint_interval=cfg.runtime.buffer_checkpoint_interval,
-        resume=resume,
-        job=job,
-        metrics_path=str(run_dir / "metrics" / "buffer.jsonl"),
-        metrics_interval=cfg.train.metrics_interval,
-        colocate=cfg.rollout.colocate,
-        rollout_actors=tuple(rollout_actor_names(cfg.rollout.num_actors)),
-    )
-
-
-def _buffer_params(cfg: RunConfig) -> VersionedBuffer.Config:
-    """The buffer's config. Rollout-only lifts the staleness bound: the weights never
-    change, so every sample is fresh and admission need not wait for a trainer."""
-    if not cfg.train.debug_rollout_only:
-        return cfg.buffer
-    lifted = {"max_staleness": _UNBOUNDED, "hard_staleness": None, "age_guarantee": None}
-    return cfg.buffer.model_copy(update=lifted)

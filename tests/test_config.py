@@ -424,7 +424,7 @@ def test_the_everyday_keys_exist_and_the_reference_page_is_current():
 
 
 def test_every_engine_samples_from_the_jobs_seed_mixed_with_its_actor_name(tmp_path: Path):
-    from asyncrl.job import role_params
+    from asyncrl.role_configs import role_params
     from asyncrl.rollout.engines import engine_seed
 
     flags = ["--seed", "3", "--trainer.model-path", "m", "--data.path", "d.jsonl"]
@@ -440,7 +440,7 @@ def test_every_engine_samples_from_the_jobs_seed_mixed_with_its_actor_name(tmp_p
 def test_a_resumed_job_samples_from_a_stream_of_its_own(tmp_path: Path):
     """--resume mixes the step it continues from into the engines' seed: the first run's
     draws are not replayed on the prompts after it; the same resume point replays."""
-    from asyncrl.job import role_params
+    from asyncrl.role_configs import role_params
 
     flags = ["--seed", "3", "--trainer.model-path", "m", "--data.path", "d.jsonl"]
 

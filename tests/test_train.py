@@ -158,6 +158,11 @@ def test_a_short_async_run_trains_and_accounts_for_every_prompt(short_run):
     [wandb_run] = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     history = wandb_history(wandb_run, lambda rows: sum("train/loss" in r for r in rows) >= 3)
     assert [r["train/step"] for r in history if "train/loss" in r] == [1, 2, 3]
+    # Two trained samples a step as text, in samples.jsonl and TensorBoard.
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in samples] == [1, 1, 2, 2, 3, 3]
+    assert all(isinstance(r["response"], str) and r["prompt"] for r in samples)
+    assert [e.step for e in tb.Tensors("samples/text_summary")] == [1, 2, 3]
 
 
 def reward_by_length(sample) -> float:

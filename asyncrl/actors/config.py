@@ -64,6 +64,8 @@ class TrainerActorConfig(ActorConfig):
     resume_from: str | None = None  # start from this checkpoint
     job: str | None = None  # marks this job's checkpoints (a restart loads only its own)
     metrics_path: str | None = None
+    samples_path: str | None = None  # a few trained samples a step, as text
+    log_samples: int = Field(0, ge=0, description="samples a step written to samples_path")
     audit_path: str | None = None
     save_dump: str | None = None  # write each batch taken there too
     load_dump: str | None = None  # train on these dumped batches, not the buffer's

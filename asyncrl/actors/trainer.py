@@ -46,6 +46,7 @@ from asyncrl.buffer.journal import fsync_dir
 from asyncrl.errors import RunStateLost
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
+from asyncrl.observe.samples import sample_rows
 from asyncrl.trainers.backends import create_trainer
 from asyncrl.trainers.base import StepResult, Trainer, UntrainableBatch
 from asyncrl.trainers.weight_group import GroupMembership
@@ -102,6 +103,8 @@ class TrainerActor(Actor):
         # at or before the checkpoint the restart resumes from, which is never retrained.
         path = cfg.metrics_path
         self.metrics = self.open_metrics(path, flush_every=0) if path else None
+        logged = cfg.samples_path and cfg.log_samples
+        self.samples = self.open_metrics(cfg.samples_path, flush_every=0) if logged else None
 
     async def _open_channels(self) -> None:
         ep, frame, cfg = self.spec.endpoints, self.max_frame_bytes, self.config
@@ -172,6 +175,7 @@ class TrainerActor(Actor):
                 self.batches.done(batch.batch_id)
                 self._audit(batch, trained=result is not None)
                 if result is not None:
+                    self._log_samples(batch, result.version)
                     await self._after_step(result, waited)
             waited = 0.0
         if self._done():  # a stop drains: the last acks go out and a checkpoint is taken
@@ -224,6 +228,12 @@ class TrainerActor(Actor):
                 await self.weights.publish(self.trainer.version, tensors)
         if not live:
             await self.weights.publish(self.trainer.version, tensors)
+
+    def _log_samples(self, batch: TrainBatch, version: int) -> None:
+        if self.samples is not None:
+            key = self.config.trainer.reward_key
+            for row in sample_rows(batch, version, self.config.log_samples, key):
+                self.samples.write(row)
 
     def _audit(self, batch: TrainBatch, *, trained: bool) -> None:
         if self.audit is not None:

@@ -8,8 +8,11 @@ one W&B run however many processes it has, and a tracker that fails cannot stop 
     RUN_DIR/metrics/eval.jsonl       -> eval/<set>/<key>   step: the row's ``version``
     RUN_DIR/metrics/buffer.jsonl     -> buffer/<key>       step: ``buffer.version``
     RUN_DIR/metrics/rollout-N.jsonl  -> rollout-N/<key>    step: the last train step seen
+    RUN_DIR/samples.jsonl            -> samples (text)      step: the row's ``step``
 
-Only numbers are forwarded (lists such as busy intervals, strings and nulls are not).
+Only numbers are forwarded (lists such as busy intervals, strings and nulls are not),
+except the trained samples (``observe/samples.py``): each step's rows go as one table,
+TensorBoard text (markdown) and a W&B ``Table``.
 Each family has its own step axis: an eval of version 50 that finishes after step 60 is
 still drawn at 50 (in W&B through ``define_metric(step_metric=...)``, because W&B's own
 step may only grow).
@@ -46,6 +49,7 @@ class Point:
     family: str
     step: int
     scalars: dict[str, float]
+    table: list[dict[str, Any]] | None = None  # rows of text (the samples family)
 
 
 class Tracker(Protocol):
@@ -67,6 +71,8 @@ class TensorBoardTracker:
     def log(self, point: Point) -> None:
         for key, value in point.scalars.items():
             self.writer.add_scalar(f"{point.family}/{key}", value, point.step)
+        if point.table:
+            self.writer.add_text(point.family, _markdown(point.table), point.step)
 
     def close(self) -> None:
         self.writer.close()
@@ -104,7 +110,15 @@ class WandbTracker:
             self.run.define_metric(axis)
             self.run.define_metric(f"{point.family}/*", step_metric=axis)
             self._families.add(point.family)
-        row = {f"{point.family}/{k}": v for k, v in point.scalars.items()}
+        row: dict[str, Any] = {f"{point.family}/{k}": v for k, v in point.scalars.items()}
+        if point.table:
+            import wandb
+
+            # Text cells: W&B fixes a column's type from its first row, and a reward
+            # may be a number in one row and a dict of terms in the next.
+            columns = list(point.table[0])
+            data = [[str(_cell(r.get(c))) for c in columns] for r in point.table]
+            row[f"{point.family}/table"] = wandb.Table(columns=columns, data=data)
         self.run.log({**row, axis: point.step})
 
     def close(self) -> None:
@@ -186,10 +200,12 @@ class MetricsFollower:
         rollouts = sorted(metrics.glob("rollout-*.jsonl")) if metrics.is_dir() else []
         # The trainer's file first, so the other rows of this poll see its latest step.
         names = [self.run_dir / "metrics.jsonl", metrics / "eval.jsonl", metrics / "buffer.jsonl"]
-        return [*names, *rollouts]
+        return [*names, *rollouts, self.run_dir / "samples.jsonl"]
 
     def _points(self, path: Path) -> list[Point]:
         tail = self._tails.setdefault(path, _Tail(path))
+        if path.name == "samples.jsonl":
+            return _sample_points(tail.new_rows())
         return [self._point(path, row) for row in tail.new_rows()]
 
     def _point(self, path: Path, row: dict[str, Any]) -> Point:
@@ -228,6 +244,31 @@ async def _poll_forever(follower: MetricsFollower, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
         await asyncio.to_thread(follower.poll)
+
+
+def _sample_points(rows: list[dict[str, Any]]) -> list[Point]:
+    """One ``samples`` point per step, its rows as the table (``time`` dropped)."""
+    steps: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        steps.setdefault(int(row.get("step", 0)), []).append(
+            {k: v for k, v in row.items() if k != "time"}
+        )
+    return [Point("samples", step, {}, table) for step, table in steps.items()]
+
+
+def _cell(value: Any) -> Any:
+    """A table cell: numbers and text as they are, anything else as JSON."""
+    return value if isinstance(value, str | int | float) or value is None else json.dumps(value)
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    """``rows`` as a markdown table (TensorBoard's text plugin renders it)."""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = (str(_cell(row.get(c))).replace("|", "\\|").replace("\n", "<br>") for c in columns)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def scalars(row: Mapping[str, Any], drop: Sequence[str] = ()) -> dict[str, float]:
