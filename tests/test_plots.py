@@ -40,7 +40,7 @@ from asyncrl.observe.plots import (
 T0 = 1_795_425_600.0
 STEPS = 40  # trainer rows, 1.3 s apart: 0.2 s waiting, 1.0 s training, 0.1 s publishing
 ROLLOUT_ROWS = 26  # per actor, 2 s apart, each busy for the first 1 s of its period
-ALL_FIGURES = ["reward", "eval", "throughput", "staleness", "timeline"]
+ALL_FIGURES = ["reward", "training", "eval", "throughput", "staleness", "timeline"]
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +72,10 @@ def trainer_row(step: int) -> dict[str, Any]:
         "time/wait_data": 0.2,
         "time/publish": 0.1,
         "time": T0 + 1.3 * step,
+        "mismatch_kl": 0.001 * step,
+        "entropy": 1.0 - 0.01 * step,
+        "response_len/mean": 40.0 - step,
+        "grad_norm": 0.5,
     }
 
 
@@ -122,6 +126,8 @@ def make_run(root: Path, *, evals: bool = True, buffer: bool = True, rollouts: i
                     "rollout/samples": 8.0 * k,
                     "rollout/tokens": 500.0 * k,
                     "busy": [[T0 + 2 * k - 2, T0 + 2 * k - 1]],
+                    "version": k,
+                    "rollout/reward_mean": 0.05 * k,
                 }
                 for k in range(1, ROLLOUT_ROWS + 1)
             ],
@@ -150,10 +156,26 @@ def test_figures_whose_inputs_are_missing_are_skipped(tmp_path: Path):
     run = make_run(tmp_path, evals=False, buffer=False, rollouts=0)
     written = plot_run(run, tmp_path / "out")
     # no eval.jsonl: no eval.png; no buffer.jsonl: staleness falls back to metrics.jsonl
-    assert [p.stem for p in written] == ["reward", "throughput", "staleness", "timeline"]
+    assert [p.stem for p in written] == ["reward", "training", "throughput", "staleness",
+                                         "timeline"]  # fmt: skip
     assert not (tmp_path / "out" / "eval.png").exists()
     for path in written:
         assert_png(path)
+
+
+def test_the_training_figure_has_a_panel_per_metric_present_and_the_rewards_before_filters(
+    tmp_path: Path,
+):
+    from asyncrl.observe.plots import _training_figure, load_run
+
+    run = load_run(make_run(tmp_path, rollouts=2))
+    fig = _training_figure(run)
+    titles = [ax.get_title() for ax in fig.axes]
+    # KL, entropy, response length and grad norm are in the rows; truncation and clip are not
+    assert titles == ["KL", "entropy", "response length (loss tokens)",
+                      "grad norm (before clipping)", "mean reward"]  # fmt: skip
+    labels = [line.get_label() for line in fig.axes[-1].get_lines()]
+    assert labels == ["trained", "rollout-0, before filters", "rollout-1, before filters"]
 
 
 def test_a_run_of_rows_without_timings_or_rewards_draws_nothing(tmp_path: Path):

@@ -335,6 +335,15 @@ def test_each_term_of_dict_rewards_is_reported_beside_the_trained_reward(tiny):
     assert "reward/score" not in metrics and 0 < metrics["reward/mean"] < 1
 
 
+def test_response_length_and_the_truncated_share_are_reported(tiny):
+    truncated = {(0, 1): SampleStatus.TRUNCATED, (2, 3): SampleStatus.TRUNCATED}
+    batch = make_batch(statuses=truncated)
+    metrics = TorchTrainer(config(tiny)).train_step(batch).metrics
+    assert metrics["response/truncated"] == pytest.approx(2 / 12)
+    rows = rollout_tensors(batch)
+    assert metrics["response_len/mean"] == pytest.approx(float(rows.mask.sum(dim=1).mean()))
+
+
 def test_staleness_counts_versions_behind_over_loss_tokens(tiny):
     trainer = TorchTrainer(config(tiny))
     trainer.train_step(make_batch(0, version=0))

@@ -148,6 +148,7 @@ def test_a_short_async_run_trains_and_accounts_for_every_prompt(short_run):
         json.loads(x) for x in (run_dir / "metrics" / "rollout-0.jsonl").read_text().splitlines()
     ]
     assert rollout[-1]["rollout/groups"] >= 3 * 2
+    assert any("rollout/reward_mean" in r for r in rollout) and "version" in rollout[-1]
     spans = [b for r in rollout for b in r["busy"]]
     assert spans and all(a <= b for a, b in spans)
     # The controller forwarded the metrics files to TensorBoard and W&B, to the last row.

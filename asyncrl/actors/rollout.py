@@ -73,6 +73,7 @@ class RolloutActor(Actor):
             ("groups", "samples", "failed", "aborted", "tokens", "sleeps"), 0
         )
         self.busy_s = 0.0
+        self._rewards: list[float] = []  # scored since the last metrics row
         self._in_flight = 0
         self._held: set[str] = set()  # uids of the groups running here
         self._started = time.monotonic()
@@ -321,6 +322,9 @@ class RolloutActor(Actor):
             self.counts["samples"] += 1
             self.counts["failed"] += s.status is SampleStatus.FAILED
             self.counts["aborted"] += s.status is SampleStatus.ABORTED
+            reward = s.reward.get("score") if isinstance(s.reward, dict) else s.reward
+            if isinstance(reward, int | float):  # every scored sample: before any filter
+                self._rewards.append(float(reward))
 
     # -- weights and events ---------------------------------------------------------------
     async def _weights_loop(self) -> None:
@@ -371,7 +375,10 @@ class RolloutActor(Actor):
         if self._busy_since is not None:
             busy.append([self._busy_since, now])
             self._busy_since = now
-        self.metrics.write({"actor": self.name, **self.stats(), "busy": busy, "time": now})
+        rewards, self._rewards = self._rewards, []
+        mean = {"rollout/reward_mean": sum(rewards) / len(rewards)} if rewards else {}
+        row = {"actor": self.name, **self.stats(), **mean, "version": self.host.version}
+        self.metrics.write({**row, "busy": busy, "time": now})
 
     async def _events_loop(self) -> None:
         while True:

@@ -16,6 +16,12 @@ Figures, one PNG each; a figure whose inputs are missing is skipped, not an erro
 - ``reward.png``: the trainer's ``reward/mean`` per step (light) and its trailing moving
   average over ``w = max(1, round(0.1 * steps))`` steps: ``ma_i = mean(r_{i-w+1..i})``
   (non-finite values left out of each mean).
+- ``training.png``: one panel per trainer metric present, against the step: ``kl`` and
+  ``mismatch_kl``, ``entropy``, ``response_len/mean`` (loss tokens a sample),
+  ``response/truncated`` (share of samples cut at the length limit), ``clip_frac``,
+  ``grad_norm`` (before clipping), and ``reward/mean`` beside the mean reward of every
+  scored sample before the filters (each rollout row's ``rollout/reward_mean``, over the
+  samples since its previous row, at the weight ``version`` its engines served).
 - ``eval.png`` (needs eval.jsonl): ``pass@1`` of each eval set against the weight version
   (solid), and ``pass@K`` for the set's largest ``K > 1`` (dashed, same colour).
 - ``throughput.png``: rates against seconds since the run's first event. A rate over a
@@ -321,6 +327,7 @@ def plot_run(run_dir: Path, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     drawers = {
         "reward": _reward_figure,
+        "training": _training_figure,
         "eval": _eval_figure,
         "throughput": _throughput_figure,
         "staleness": _staleness_figure,
@@ -365,6 +372,50 @@ def _reward_figure(run: RunData) -> Figure | None:
     ax.grid(alpha=0.3)
     ax.legend()
     return fig
+
+
+#: Panels of ``training.png``: title and the trainer keys drawn in it.
+TRAINING_PANELS = (
+    ("KL", ("kl", "mismatch_kl")),
+    ("entropy", ("entropy",)),
+    ("response length (loss tokens)", ("response_len/mean",)),
+    ("truncated share", ("response/truncated",)),
+    ("clip fraction", ("clip_frac",)),
+    ("grad norm (before clipping)", ("grad_norm",)),
+)
+
+
+def _training_figure(run: RunData) -> Figure | None:
+    steps = [_num(r, "step") for r in run.trainer]
+    panels = [(title, [k for k in keys if any(k in r for r in run.trainer)])
+              for title, keys in TRAINING_PANELS]  # fmt: skip
+    panels = [(title, keys) for title, keys in panels if keys]
+    if not panels:
+        return None
+    fig, axes = _figure(rows=len(panels) + 1, height=2.2)
+    for ax, (title, keys) in zip(axes, panels, strict=False):
+        for key in keys:
+            ax.plot(steps, [_num(r, key) for r in run.trainer], lw=1.5, label=key)
+        ax.set(title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    _rewards_before_filters(axes[-1], run, steps)
+    axes[-1].set(xlabel="step")
+    return fig
+
+
+def _rewards_before_filters(ax: Axes, run: RunData, steps: list[float]) -> None:
+    """The trained reward per step, and every scored sample's before the filters (the
+    rollout rows' ``rollout/reward_mean``, drawn at the version their engines served)."""
+    ax.plot(steps, [_num(r, "reward/mean") for r in run.trainer], lw=1.5, label="trained")
+    for name, rows in run.rollouts.items():
+        points = [(_num(r, "version"), _num(r, "rollout/reward_mean")) for r in rows]
+        points = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
+        if points:
+            _line(ax, points, lw=1, ls="--", label=f"{name}, before filters")
+    ax.set(title="mean reward")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
 
 
 def _eval_figure(run: RunData) -> Figure | None:

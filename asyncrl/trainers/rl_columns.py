@@ -122,6 +122,8 @@ def batch_metrics(rows: RolloutTensors, cols: Columns, version: int) -> dict[str
         "staleness/mean": float(stale.mean()) if stale.numel() else 0.0,
         "staleness/max": float(stale.max()) if stale.numel() else 0.0,
         "reward/mean": float(rows.scores_GN.mean()),
+        "response_len/mean": float(rows.mask.sum(dim=1).mean()),
+        "response/truncated": rows.truncated_share,
         "batch/dropped_groups": float(rows.num_dropped_groups),
     }
     if "kl" in cols:

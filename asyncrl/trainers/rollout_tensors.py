@@ -41,6 +41,8 @@ class RolloutTensors:
     scores_GN: torch.Tensor
     temperatures: list[float]
     num_dropped_groups: int = 0
+    #: Share of the rows cut at the length limit (status truncated).
+    truncated_share: float = 0.0
     #: Mean over the rows of each other entry of dict rewards (reward terms), by name.
     reward_terms: dict[str, float] = field(default_factory=dict)
 
@@ -117,6 +119,7 @@ def rollout_tensors(batch: TrainBatch, reward_key: str = "score") -> RolloutTens
         temperatures=[s.temperature for s in samples],
         num_dropped_groups=len(batch.groups) - len(groups),
         reward_terms=_term_means(samples, reward_key),
+        truncated_share=sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
     )
 
 
