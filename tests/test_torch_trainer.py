@@ -7,6 +7,7 @@ export and reload, and that an RL step moves the policy the way its advantages s
 from __future__ import annotations
 
 import math
+import os
 import random
 import socket
 from pathlib import Path
@@ -189,6 +190,9 @@ def _dp_worker(rank: int, port: int, path: str, out: str) -> None:
             torch.save({"results": results, "resumed": resumed_weights}, out)
     finally:
         dist.destroy_process_group()
+    # Done: skip the interpreter's teardown, where gloo's run-loop threads (alive after
+    # destroy_process_group) aborted the process now and then (asyncrl/trainers/ranks.py).
+    os._exit(0)
 
 
 _DP_KW: dict[str, Any] = {"max_tokens_per_microbatch": 24, "lr": 1e-6}

@@ -74,6 +74,7 @@ class TrainerActor(Actor):
         self.skipped = 0
         self._last: dict[str, float] = {}
         self.metrics: JsonlMetricsSink | None = None
+        self.samples: JsonlMetricsSink | None = None
         # One trainer call at a time: a stop drains (a checkpoint) while run() may still be
         # inside a step, and a checkpoint taken mid-step would hold half of it.
         self._busy = asyncio.Lock()
