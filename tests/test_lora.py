@@ -138,6 +138,10 @@ def test_a_checkpoint_of_other_adapters_is_refused_by_name(tiny, tmp_path):
 def test_lora_settings_that_cannot_work_are_refused(tiny):
     with pytest.raises(ValidationError, match="parallel=fsdp"):
         config(tiny, lora=LORA, parallel="fsdp")
+    with pytest.raises(ValidationError, match="at least 1 item"):
+        config(tiny, lora=LORA | {"target_modules": []})
+    with pytest.raises(ValidationError, match="sim trains no model, so lora, ppo_epochs"):
+        TorchTrainer.Config(model_path="m", backend="sim", lora=LORA, ppo_epochs=2)
     with pytest.raises(ValidationError, match="LoRA"):
         TorchTrainer.Config(model_path=str(tiny), backend="megatron", lora=LORA)
     with pytest.raises(ValueError, match="target_modules"):

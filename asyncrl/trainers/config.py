@@ -9,7 +9,7 @@ the backends so the config tree (and ``asyncrl --help``) reads it without import
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -76,7 +76,7 @@ class LoraConfig(BaseModel):
         description="adapter scale: an adapted linear adds (alpha / r) B A to its weight",
         json_schema_extra={"flag": "lora-alpha"},
     )
-    target_modules: list[str] | Literal["all-linear"] = Field(
+    target_modules: Annotated[list[str], Field(min_length=1)] | Literal["all-linear"] = Field(
         "all-linear",
         description="module names adapted (peft's target_modules, e.g. [q_proj, v_proj]); "
         "all-linear: every linear of the decoder layers (not the output head)",
@@ -206,10 +206,22 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _sim_is_one_process(self) -> TrainerConfig:
-        if self.backend == "sim" and self.num_ranks > 1:
+        if self.backend != "sim":
+            return self
+        if self.num_ranks > 1:
             raise ValueError(
                 "trainer.backend=sim models a step's time in one process: num_ranks must be 1 "
                 "(its step_base_s and step_s_per_token stand for the whole trainer)"
+            )
+        unused = {
+            "lora": self.lora.enabled,
+            "global_batch_size": self.global_batch_size is not None,
+            "ppo_epochs": self.ppo_epochs > 1,
+        }
+        if wrong := [k for k, set_ in unused.items() if set_]:
+            raise ValueError(
+                f"trainer.backend=sim trains no model, so {', '.join(wrong)} would be ignored: "
+                "drop them (model a longer step with sim.step_s_per_token instead)"
             )
         return self
 
