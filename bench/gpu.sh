@@ -13,16 +13,18 @@
 # benches run a model of its shape with random weights, which costs the same compute.
 #
 #   run(command="bash bench/gpu.sh", carry=[".whl", ".gpu"], timeout_s=580)
-# At most 8 files come back from $OUT: the logs hold the results.
+# At most 8 files come back from $OUT: summary.txt, and logs.tgz with every step's log and
+# JSON (py-spy's wheel in .whl/ adds a sample of the engine's Python stacks).
 set -u
 OUT=${OUT:-/tmp/asyncrl-gpu}
-mkdir -p "$OUT"
+LOGS=/tmp/asyncrl-gpu-logs
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH=$PWD
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/summary.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__,
@@ -45,30 +47,44 @@ for f in src.iterdir():
 print("random-weight SmolLM2 shape:", sum(p.numel() for p in model.parameters()) / 1e6, "M")
 EOF
 
-step() {  # step NAME SECONDS COMMAND...: its log under $OUT, its tail here
+step() {  # step NAME SECONDS COMMAND...: its log into logs.tgz, its tail here
     local name=$1 limit=$2 start=$SECONDS
     shift 2
     echo "== $name"
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
     local rc=$?
     echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$OUT/summary.txt"
-    tail -n 18 "$OUT/$name.log"
+    tail -n 14 "$LOGS/$name.log"
+    tar czf "$OUT/logs.tgz" -C "$LOGS" .  # after every step: a cut-short run keeps the rest
 }
 
 # In order of need: a step cut short by the device time left loses only what follows it.
-step pytest 50 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
-step weight_sync 100 python3 bench/weight_sync.py --device cuda --versions 3 --rounds 1 \
-    --out "$OUT/weight_sync.json"
-step job 50 python3 -m asyncrl.cli train examples/arith/config.yaml --name gpu \
-    --trainer.device cuda --rollout.engine.device cuda --update-weight-transport ipc \
-    --train.num-steps 12 --eval-interval 0 --overwrite
-tail -n 3 runs/gpu/metrics.jsonl >>"$OUT/job.log" 2>/dev/null
-step engine 120 python3 bench/engine.py --device cuda --model "$SMOL" --skip vllm \
-    --requests 64 --batch 64 --median 16 --tail 12 --uniform 32 --profile \
-    --out /tmp/engine.json
-step real_trainer 150 python3 bench/real_trainer.py --device cuda --model "$SMOL" \
+step pytest 45 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step weight_sync 80 python3 bench/weight_sync.py --device cuda --versions 3 --rounds 1 \
+    --out "$LOGS/weight_sync.json"
+step engine 110 python3 bench/engine.py --device cuda --model "$SMOL" --skip vllm unpacked \
+    --requests 32 --batch 32 --median 16 --tail 12 --uniform 32 --out "$LOGS/engine.json"
+# Where the engine's wall time goes, every thread's Python stack (torch.profiler sees
+# only torch's ops, and the last GPU session's profile saw an eighth of the wall time).
+if command -v py-spy >/dev/null; then
+    step engine_stacks 50 py-spy record --format raw --idle --threads --subprocesses \
+        --rate 200 -o "$LOGS/engine_stacks.txt" -- python3 bench/engine.py --device cuda \
+        --model "$SMOL" --skip vllm unpacked hf-forward hf --requests 32 --batch 32 \
+        --median 16 --tail 12 --uniform 32 --out /tmp/engine_stacks.json
+    python3 bench/stack_summary.py "$LOGS/engine_stacks.txt" --top 30 \
+        >"$LOGS/engine_stacks_summary.txt" 2>&1
+    tar czf "$OUT/logs.tgz" -C "$LOGS" .
+fi
+# The real-model example's job on a model of SmolLM2's shape (random weights: no reward,
+# so no filter, and the figures are speed alone).
+step job 60 python3 -m asyncrl.cli train examples/word_problems/config.yaml --name gpu \
+    --trainer.model-path "$SMOL" --trainer.device cuda --rollout.engine.device cuda \
+    --trainer.dtype bf16-mixed --update-weight-transport ipc --train.num-steps 6 \
+    --eval.interval 0 --buffer.filters '[]' --overwrite
+cp runs/gpu/metrics.jsonl "$LOGS/job_metrics.jsonl" 2>/dev/null; cp -r runs/gpu/logs "$LOGS/job_logs" 2>/dev/null
+step real_trainer 130 python3 bench/real_trainer.py --device cuda --model "$SMOL" \
     --dtype bf16-mixed --groups 16 --budget 8192 --steps 2 \
-    --variants packed,padded,trl-onpolicy --out /tmp/real_trainer.json
+    --variants packed,padded,trl-onpolicy --out "$LOGS/real_trainer.json"
 step real_trainer_profile 60 python3 bench/real_trainer.py --device cuda --model "$SMOL" \
     --dtype bf16-mixed --groups 16 --budget 8192 --steps 1 --variants packed --profile \
     --out /tmp/real_trainer_profile.json

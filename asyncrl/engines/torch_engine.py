@@ -66,6 +66,7 @@ from asyncrl.engines.lora_merge import AdapterVersion, BaseWeights, is_adapter_v
 from asyncrl.engines.sampling import RowState, Sampled, prompt_logprobs, sample_rows
 from asyncrl.engines.weight_loading import WeightGroups, check_names, read_safetensors
 from asyncrl.observe.logs import get_logger
+from asyncrl.sdpa_kernels import varying_shapes
 from asyncrl.wire.codec import torch_dtype
 from asyncrl.wire.messages import BlobManifest
 
@@ -619,12 +620,13 @@ class TorchEngine:
         """Logits ``[b, keep or t, V]`` of ``ids`` (``keep`` 0: every position), their KV
         into ``cache`` (filled in place): the lean forward where it covers the model."""
         ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
-        if self._lean is not None:
-            return self._lean(ids, mask, positions, cache, keep)
-        return self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-            **{self._cache_kwarg: cache}, logits_to_keep=keep,
-        ).logits  # fmt: skip
+        with varying_shapes(ids.device):  # a new KV length every step: no cuDNN plans
+            if self._lean is not None:
+                return self._lean(ids, mask, positions, cache, keep)
+            return self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{self._cache_kwarg: cache}, logits_to_keep=keep,
+            ).logits  # fmt: skip
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
         """Sample each row's next token from its row of ``logits`` and record it (a

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from asyncrl.sdpa_kernels import varying_shapes
+
 ATTENTION = "asyncrl_packed"
 
 
@@ -69,8 +71,10 @@ def packed_attention(
     # and adds per layer (128 sequences of 16 tokens: 20 of a step's 40 s of CPU and
     # 20 GB); the split's backward is one concatenation.
     pieces = zip(*(x.split(list(packed_segments), dim=2) for x in (query, key, value)), strict=True)
-    # Under autocast sdpa would cast fp32 inputs back to bf16.
-    with torch.autocast(query.device.type, enabled=False) if fp32 else nullcontext():
+    # Under autocast sdpa would cast fp32 inputs back to bf16. Every sequence has its own
+    # length: no cuDNN (a plan built per shape, sdpa_kernels.py).
+    autocast = torch.autocast(query.device.type, enabled=False) if fp32 else nullcontext()
+    with autocast, varying_shapes(query.device):
         outs = [
             F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling)
             for q, k, v in pieces
