@@ -10,7 +10,8 @@ and building it was most of the time (``bench/gpu.sh`` on an H200, 2026-11-27):
   3,840 cuDNN forward and 3,840 backward calls at 1.14 ms of CPU each, 8.6 of the
   step's 10.5 s of CPU time, against 0.25 s of GPU time;
 - the engine's decode step: two thirds of its Python stack samples (py-spy) in its sdpa
-  call, where the engine ran at 0.25x HF ``generate``.
+  call, where the engine ran at 0.25x HF ``generate`` (the same cause by inference: no
+  kernel profile of it was taken).
 
 ``varying_shapes(device)`` leaves flash, memory-efficient and math attention to choose
 from on CUDA; elsewhere it changes nothing. The kernels compute the same attention: only
