@@ -153,14 +153,15 @@ class RewardConfig(BaseModel):
     """The reward scorer (``rollout/rewards.py``): which reward, and its limits.
 
     ``type``: ``exact`` / ``numeric`` / ``math`` / ``f1`` compare the answer in the
-    response with the sample's label; ``custom`` calls ``path`` (``module:function``,
+    response with the sample's label; ``dapo`` / ``deepscaler`` are those recipes' own
+    checks of the whole response; ``custom`` calls ``path`` (``module:function``,
     slime's ``--custom-rm-path``); ``remote`` POSTs to ``url``.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    type: Literal["exact", "numeric", "math", "f1", "custom", "remote"] = Field(
-        "exact", description="which reward", json_schema_extra={"flag": "rm-type"}
+    type: Literal["exact", "numeric", "math", "f1", "dapo", "deepscaler", "custom", "remote"] = (
+        Field("exact", description="which reward", json_schema_extra={"flag": "rm-type"})
     )
     path: str | None = Field(
         None,
@@ -224,6 +225,12 @@ class RewardConfig(BaseModel):
             raise ValueError(
                 f"url {self.url} is set but the reward type is {self.type!r}: drop the type "
                 "to use the remote reward, or drop the url"
+            )
+        if self.answer_pattern is not None and self.type in ("dapo", "deepscaler"):
+            raise ValueError(
+                f"answer_pattern is set but the {self.type} reward finds the answer by its "
+                "own rule (DAPO: the last 'Answer:' line; DeepScaleR: the last \\boxed{}): "
+                "drop answer_pattern"
             )
         if self.type == "custom" and not self.path:
             raise ValueError("the custom reward needs path (--custom-rm-path module:function)")

@@ -8,7 +8,9 @@ holds every acceptable answer: the best score over them counts):
   ``|a - b| <= tol * max(1, |b|)`` (absolute below 1, relative above);
 - ``math``: ``math_verify.verify(parse(label), parse(answer))`` (LaTeX, fractions, boxed);
 - ``f1``: SQuAD token F1, ``2 P R / (P + R)`` with ``P = common / |answer tokens|`` and
-  ``R = common / |label tokens|`` over lower-cased, punctuation- and article-free tokens.
+  ``R = common / |label tokens|`` over lower-cased, punctuation- and article-free tokens;
+- ``dapo`` and ``deepscaler``: DAPO's and DeepScaleR's own checks of a whole response
+  (``rollout/math_graders.py``: their answer extraction, normalisation and comparison).
 
 The answer is the last match of ``answer_pattern``'s group when given, else the text
 after the last ``####`` (GSM8K), else the content of the last ``\\boxed{...}`` (nested
@@ -49,6 +51,7 @@ from typing import Any
 from asyncrl.plugins import load_object
 from asyncrl.rollout.base import Reward
 from asyncrl.rollout.config import RewardConfig, RewardTerm
+from asyncrl.rollout.math_graders import dapo_correct, deepscaler_correct
 from asyncrl.types import Sample
 
 __all__ = [
@@ -68,7 +71,10 @@ __all__ = [
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _BOXED = "\\boxed{"
-_BUILTINS = ("exact", "numeric", "math", "f1")
+_BUILTINS = ("exact", "numeric", "math", "f1", "dapo", "deepscaler")
+
+
+_PEER_GRADERS = {"dapo": dapo_correct, "deepscaler": deepscaler_correct}
 
 
 class RewardError(RuntimeError):
@@ -273,8 +279,12 @@ class RewardScorer:
             )
         if sample.label is None:
             raise RewardError(f"the {kind} reward needs a label and the sample has none")
-        answer = extract_answer(sample.response_text, cfg.answer_pattern)
         labels = sample.label if isinstance(sample.label, list) else [sample.label]
+        if kind in _PEER_GRADERS:  # they read the whole response, by their own rules
+            grader, text = _PEER_GRADERS[kind], sample.response_text
+            ok = await asyncio.to_thread(lambda: any(grader(text, str(g)) for g in labels))
+            return cfg.correct if ok else cfg.incorrect
+        answer = extract_answer(sample.response_text, cfg.answer_pattern)
         if kind == "f1":
             return f1_score(answer, labels)
         if kind == "math":  # sympy can take a while: keep it off the event loop
