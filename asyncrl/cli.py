@@ -3,6 +3,7 @@
     asyncrl train CONFIG.yaml [--preset NAME] [--dry-run] [--<config flag> VALUE ...]
     asyncrl chaos CONFIG.yaml --kill TARGET@WHEN ... [--every S] [--<config flag> VALUE ...]
     asyncrl sft [CONFIG.yaml] --model DIR --data FILE.jsonl [--<config flag> VALUE ...]
+    asyncrl eval [CONFIG.yaml] --model DIR [--eval-sets JSON] [--out FILE.jsonl] [...]
     asyncrl serve --model DIR [--host 127.0.0.1] [--port 30000] [--device cpu] ...
     asyncrl plot RUN_DIR [--out DIR]           (or a benchmark's JSON: its figure)
     asyncrl bench NAME [--<script flag> VALUE ...]   (bench/NAME.py: vs-trl, overlap, ...)
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 _TRAIN_OPTIONS = ("--help", "--help-all", "--preset", "--dry-run", "--resume", "--overwrite")
+_EVAL_OPTIONS = ("--help", "--help-all", "--preset", "--model", "--out")
 _CHAOS_OPTIONS = ("--help", "--help-all", "--preset", "--kill", "--every", "--duration",
                   "--stop-when-back", "--chaos-seed", "--report", "--overwrite")  # fmt: skip
 _KEYS_HELP = (
@@ -71,6 +73,7 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     add_arguments(train, show=show or (lambda spec: True))
     _add_chaos(sub, show)
     _add_sft(sub, argv)
+    _add_eval(sub, argv)
     _add_serve(sub)
     _add_plot(sub)
     _add_export(sub)
@@ -172,6 +175,27 @@ def _add_sft(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
         from asyncrl.trainers.sft import job_model
 
         add_arguments(sft, job_model())
+
+
+def _add_eval(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
+    from asyncrl.config import add_arguments, everyday
+
+    ev = sub.add_parser(
+        "eval",
+        allow_abbrev=False,
+        help="score a model folder on eval sets (the eval actor's pass@k)",
+        description="Score a model folder on held-out sets with the eval actor's code: "
+        "the config's rollout sampling, reward and workflow, and its eval.sets (or "
+        f"--eval-sets). {_KEYS_HELP}",
+    )
+    _add_job_source(ev)
+    ev.add_argument(
+        "--model", required=True, metavar="DIR",
+        help="an HF model folder, or a checkpoint folder with one in policy/",
+    )  # fmt: skip
+    ev.add_argument("--out", type=Path, metavar="FILE", help="append the rows here (JSON lines)")
+    _add_help_all(ev)
+    add_arguments(ev, show=(lambda spec: True) if "--help-all" in argv else everyday)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -278,17 +302,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from asyncrl.config import normal_flag
 
     argv = [normal_flag(token) for token in argv]  # --a.b_c is --a.b-c
-    command = argv[0] if argv[:1] in (["train"], ["chaos"]) else None
+    command = argv[0] if argv[:1] in (["train"], ["chaos"], ["eval"]) else None
     if command:
         argv = _sglang_flags(argv)
     parser = _parser(argv)
-    options = _CHAOS_OPTIONS if command == "chaos" else _TRAIN_OPTIONS
+    options = {"chaos": _CHAOS_OPTIONS, "eval": _EVAL_OPTIONS}.get(command or "", _TRAIN_OPTIONS)
     if command and (unknown := _unknown_options(argv[1:], options)):
         print(f"asyncrl {command}: config error:\n{unknown}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
     if args.command == "sft":
         return _sft(args)
+    if args.command == "eval":
+        return _eval(args)
     if args.command == "version":
         from asyncrl import __version__
 
@@ -526,6 +552,34 @@ def _sft(args: argparse.Namespace) -> int:
     except DataError as exc:
         print(f"asyncrl sft: data error: {exc}", file=sys.stderr)
         return 2
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from asyncrl.config import ConfigError, load_config, overrides_from_namespace
+    from asyncrl.errors import InputError
+    from asyncrl.offline_eval import EvalFailed, evaluate_model, resolve_model, table
+    from asyncrl.preflight import preflight_eval
+
+    try:
+        model = resolve_model(args.model)
+        cfg = load_config(args.config, overrides_from_namespace(args), preset=args.preset)
+        preflight_eval(cfg, str(model))
+        rows = asyncio.run(evaluate_model(cfg, model, args.out))
+    except (ConfigError, InputError) as exc:  # PreflightError is an InputError
+        print(f"asyncrl eval: config error:\n{exc}", file=sys.stderr)
+        return 2
+    except EvalFailed as exc:
+        print(f"asyncrl eval: {exc}", file=sys.stderr)
+        return 1
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    console.print(f"{model}:", table(rows))
+    for r in rows:  # a set's group_by breakdown
+        groups = {k: v for k, v in r.items() if k.startswith("pass@1/")}
+        if groups:
+            console.print(f"{r['set']}: " + ", ".join(f"{k} {v:.4f}" for k, v in groups.items()))
+    return 0
 
 
 def _run_sft(cfg: Any) -> int:

@@ -626,6 +626,7 @@ SLIME_FLAGS: dict[tuple[str, ...], str] = {
     ("buffer", "mask_resumed_tokens"): "mask-offpolicy-in-partial-rollout",
     ("data", "path"): "prompt-data",
     ("eval", "interval"): "eval-interval",
+    ("eval", "sets"): "eval-sets",
     ("data", "input_key"): "input-key",
     ("data", "label_key"): "label-key",
     ("data", "metadata_key"): "metadata-key",

@@ -49,17 +49,35 @@ def preflight(cfg: RunConfig) -> None:
     for check in _code_checks(cfg):  # first: tool use fills the data's default tools
         _collect(check, problems)
     tokenizer = _models(cfg, problems)
-    context = _context_length(cfg)
+    context = _context_length(cfg.trainer.model_path if cfg.trainer else None)
     if cfg.data is not None:
         data = _source(cfg.data, "data", cfg, tokenizer, context, problems)
         if data is not None:
             _warn_short_data(cfg, data)
-    for s in cfg.eval.sets if cfg.eval.enabled else []:
+    if cfg.eval.enabled:
+        _eval_sets(cfg, tokenizer, context, problems)
+    if problems:
+        raise PreflightError(problems)
+
+
+def preflight_eval(cfg: RunConfig, model: str) -> None:
+    """``asyncrl eval``'s checks (``offline_eval.py``): user code, ``model``'s tokenizer,
+    and every eval set's rows, chat template and lengths; ``PreflightError`` names each
+    problem."""
+    problems: list[str] = []
+    for check in _code_checks(cfg):
+        _collect(check, problems)
+    tokenizer = _collect(lambda: _tokenizer(model), problems)
+    _eval_sets(cfg, tokenizer, _context_length(model), problems)
+    if problems:
+        raise PreflightError(problems)
+
+
+def _eval_sets(cfg: RunConfig, tokenizer: Any, context: int | None, problems: list[str]) -> None:
+    for s in cfg.eval.sets:
         sampling = s.sampling or cfg.rollout.sampling
         source = _eval_source(cfg, s)
         _source(source, f"eval set {s.name!r}", cfg, tokenizer, context, problems, sampling)
-    if problems:
-        raise PreflightError(problems)
 
 
 def _collect(check: Callable[[], Any], problems: list[str]) -> Any:
@@ -122,12 +140,12 @@ def _tokenizer(path: str) -> Any:
     return tokenizer
 
 
-def _context_length(cfg: RunConfig) -> int | None:
-    """The policy's ``max_position_embeddings`` (None when unknown)."""
-    if cfg.trainer is None:
+def _context_length(model_path: str | None) -> int | None:
+    """The model's ``max_position_embeddings`` (None when unknown)."""
+    if model_path is None:
         return None
     try:
-        hf = json.loads((Path(cfg.trainer.model_path).expanduser() / "config.json").read_text())
+        hf = json.loads((Path(model_path).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
         return None
     value = hf.get("max_position_embeddings")

@@ -29,12 +29,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors.base import Actor, ActorSpec
-from asyncrl.actors.config import EvalActorConfig
+from asyncrl.actors.config import EvalActorConfig, WorkflowConfig
 from asyncrl.actors.rollout import (
     build_reward,
     build_tools,
@@ -105,7 +107,9 @@ class EvalActor(Actor):
         self.host = await self.hold(EngineHost(config.engine, seed=seed))
         # The engine's, or the policy's from disk for remote engines (as rollout actors do).
         tokenizer = await asyncio.to_thread(policy_tokenizer, config.tokenizer, self.host)
-        self.sets = [await self._open_set(s, tokenizer) for s in self.cfg.sets]
+        self.sets = [
+            await open_eval_set(s, config, self.host, tokenizer, self.hold) for s in self.cfg.sets
+        ]
         ep = self.spec.endpoints
         frame = self.max_frame_bytes
         # shared=False: it pulls ipc versions too, so the trainer's drain sees it done.
@@ -113,36 +117,6 @@ class EvalActor(Actor):
                             max_frame_bytes=frame, puller=self.name, shared=False)  # fmt: skip
         self.receiver = await self.hold(rx)
         self.metrics = self.open_metrics(config.metrics_path, flush_every=0)
-
-    async def _open_set(self, cfg: EvalSetConfig, tokenizer: Any) -> _EvalSet:
-        config = self.config
-        # The training rollout's tools: a tool-use policy is evaluated with its tools.
-        tools = await asyncio.to_thread(build_tools, config.tool_use)
-        reward_cfg = cfg.reward or config.reward
-        score = await self.hold(contextlib.aclosing(build_reward(reward_cfg)))
-        source = PromptSource.Config(
-            path=cfg.path,
-            input_key=cfg.input_key,
-            label_key=cfg.label_key,
-            metadata_key=cfg.metadata_key,
-            apply_chat_template=bool(cfg.apply_chat_template),
-            default_tools=tools.schemas() if tools else None,
-            shuffle=False,
-            name=cfg.name,
-        )
-        opened = await asyncio.to_thread(PromptSource.open, source, tokenizer)
-        ctx = RolloutContext(
-            engine=self.host.generator,  # type: ignore[arg-type]
-            score=score,
-            sampling=dict(cfg.sampling or config.sampling),
-            tokenizer=tokenizer,
-            version=lambda: self.host.version,
-            tools=tools,
-        )
-        workflow = load_workflow(config.workflow, config.tool_use, config.agent)
-        if hasattr(workflow, "resources"):  # e.g. the agent workflow's OpenAI proxy
-            await self.hold(workflow.resources(ctx))
-        return _EvalSet(cfg, opened.take(opened.num_rows), ctx, workflow, reward_cfg.correct)
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -232,20 +206,16 @@ class EvalActor(Actor):
 
     async def _evaluate(self, version: int) -> None:
         for s in self.sets:
-            row = await evaluate_set(
-                s.ctx,
-                s.workflow,
-                s.prompts,
-                s.cfg,
-                correct=s.correct,
-                max_concurrency=self.cfg.max_concurrency,
-                tag=f"eval-v{version}",
-            )
+            failures: Counter[str] = Counter()
+            row = await s.evaluate(self.cfg.max_concurrency, f"eval-v{version}", failures)
             assert self.metrics is not None
             self.metrics.write({"version": version, "set": s.cfg.name, **row})
             self._last = {f"eval/{s.cfg.name}/{k}": v for k, v in row.items()}
             log.info("eval", version=version, set=s.cfg.name, pass1=row["pass@1"],
                      seconds=round(row["seconds"], 2))  # fmt: skip
+            if failures:
+                log.warning("eval samples failed", set=s.cfg.name, failed=row["failed"],
+                            most_common=failures.most_common(1)[0][0][:300])  # fmt: skip
         self.evaluated += 1
 
     def stats(self) -> dict[str, float]:
@@ -253,7 +223,7 @@ class EvalActor(Actor):
 
 
 @dataclass(slots=True)
-class _EvalSet:
+class EvalSet:
     """A set ready to run: its prompts, workflow context and the reward that counts."""
 
     cfg: EvalSetConfig
@@ -261,3 +231,51 @@ class _EvalSet:
     ctx: RolloutContext
     workflow: Workflow
     correct: float
+
+    async def evaluate(
+        self, max_concurrency: int, tag: str, failures: Counter[str] | None = None
+    ) -> dict[str, float]:
+        """This set's metrics row (``rollout/evaluation.py``)."""
+        return await evaluate_set(self.ctx, self.workflow, self.prompts, self.cfg,
+                                  correct=self.correct, max_concurrency=max_concurrency,
+                                  tag=tag, failures=failures)  # fmt: skip
+
+
+async def open_eval_set(
+    cfg: EvalSetConfig,
+    config: WorkflowConfig,
+    host: EngineHost,
+    tokenizer: Any,
+    hold: Callable[[Any], Awaitable[Any]],
+) -> EvalSet:
+    """``cfg``'s set, read and ready on ``host``'s engines, with the workflow settings of
+    ``config`` as its defaults; ``hold`` enters the resources it keeps open (its reward
+    scorer, a workflow's proxy) until the caller's exit. The eval actor and ``asyncrl
+    eval`` (``offline_eval.py``) both open their sets here."""
+    # The training rollout's tools: a tool-use policy is evaluated with its tools.
+    tools = await asyncio.to_thread(build_tools, config.tool_use)
+    reward_cfg = cfg.reward or config.reward
+    score = await hold(contextlib.aclosing(build_reward(reward_cfg)))
+    source = PromptSource.Config(
+        path=cfg.path,
+        input_key=cfg.input_key,
+        label_key=cfg.label_key,
+        metadata_key=cfg.metadata_key,
+        apply_chat_template=bool(cfg.apply_chat_template),
+        default_tools=tools.schemas() if tools else None,
+        shuffle=False,
+        name=cfg.name,
+    )
+    opened = await asyncio.to_thread(PromptSource.open, source, tokenizer)
+    ctx = RolloutContext(
+        engine=host.generator,  # type: ignore[arg-type]
+        score=score,
+        sampling=dict(cfg.sampling or config.sampling),
+        tokenizer=tokenizer,
+        version=lambda: host.version,
+        tools=tools,
+    )
+    workflow = load_workflow(config.workflow, config.tool_use, config.agent)
+    if hasattr(workflow, "resources"):  # e.g. the agent workflow's OpenAI proxy
+        await hold(workflow.resources(ctx))
+    return EvalSet(cfg, opened.take(opened.num_rows), ctx, workflow, reward_cfg.correct)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.policies.metrics import pass_at_k
@@ -40,8 +40,10 @@ async def evaluate_set(
     correct: float,
     max_concurrency: int,
     tag: str = "eval",
+    failures: Counter[str] | None = None,
 ) -> dict[str, float]:
-    """Metrics of ``cfg``'s set (see the module docstring); ``tag`` prefixes request ids."""
+    """Metrics of ``cfg``'s set (see the module docstring); ``tag`` prefixes request ids.
+    ``failures`` counts the failed samples' reasons."""
     start = time.perf_counter()
     gate = asyncio.Semaphore(max_concurrency)
     samples = [
@@ -52,6 +54,8 @@ async def evaluate_set(
     async with asyncio.TaskGroup() as tg:
         for s in samples:
             tg.create_task(_run(ctx, workflow, s, gate))
+    if failures is not None:
+        failures.update(s.error or "no reason" for s in samples if s.status is SampleStatus.FAILED)
     metrics = score_samples(samples, cfg, correct=correct)
     metrics["seconds"] = time.perf_counter() - start
     return metrics
