@@ -50,7 +50,7 @@ from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.errors import InputError
 from asyncrl.observe.trackers import check_tracker_setup
 from asyncrl.policies.config import PolicyConfig
-from asyncrl.rollout.config import EngineConfig, EvalConfig, RolloutConfig
+from asyncrl.rollout.config import EngineConfig, EvalConfig, RolloutConfig, reward_models
 from asyncrl.trainers.config import TrainerConfig
 from asyncrl.wire.config import WireConfig
 from asyncrl.wire.sockets import check_endpoint
@@ -421,6 +421,20 @@ class RunConfig(Section):
         for s in self.eval.sets:
             if s.apply_chat_template is None:
                 s.apply_chat_template = bool(self.data and self.data.apply_chat_template)
+        return self
+
+    @model_validator(mode="after")
+    def _one_reward_model(self) -> RunConfig:
+        """One reward actor a job serves one reward model: two would each take its memory
+        and threads beside the engines (give the eval sets the rollout's)."""
+        models = reward_models(self.rollout.reward, *(s.reward for s in self.eval.sets))
+        if len(models) > 1:
+            paths = ", ".join(m.path for m in models)
+            raise KeyConflict(
+                f"a job serves one reward model, and its rewards name {len(models)} ({paths}): "
+                "use the same model settings everywhere",
+                ("rollout", "reward"),
+            )
         return self
 
     @model_validator(mode="after")

@@ -57,7 +57,9 @@ from asyncrl.preflight import PreflightError, preflight
 from asyncrl.role_configs import (
     FINAL_LINGER_S,
     engine_actor_count,
+    extra_roles,
     final_policy_dir,
+    job_reward_model,
     last_step,
     role_params,
 )
@@ -78,6 +80,7 @@ ROLE_CLASSES = {
     "trainer": "asyncrl.actors.trainer:TrainerActor",
     "eval": "asyncrl.actors.eval:EvalActor",
     "engine": "asyncrl.actors.engine:EngineActor",
+    "reward": "asyncrl.actors.reward_model:RewardModelActor",
 }
 #: The trainer's seat in rollout-only mode (``--debug-rollout-only``).
 DUMPER_CLASS = "asyncrl.actors.dumper:BatchDumper"
@@ -417,7 +420,7 @@ def job_actor_specs(
         wire=cfg.wire.model_dump(mode="json"),
         common=common,
         params=role_params(cfg, run_dir, resume=resume),
-        extra_roles=["eval"] if cfg.eval.enabled else [],
+        extra_roles=extra_roles(cfg),
         num_engine_actors=0 if train_only else engine_actor_count(cfg),
     )
     if train_only:  # the batches come from files: no buffer, no engines
@@ -429,6 +432,8 @@ def job_actor_specs(
             spec.threads = cfg.runtime.trainer_threads
         if spec.role == "trainer" and cfg.eval.enabled:
             spec.drain_timeout += FINAL_LINGER_S  # its drain waits for the final pull
+        if spec.role == "reward" and (model := job_reward_model(cfg)) and model.threads:
+            spec.threads = model.threads
     return specs
 
 
@@ -438,5 +443,5 @@ def _threads_per_torch_process(cfg: RunConfig) -> int:
     embedded = cfg.rollout.engine is None or cfg.rollout.engine.type == "torch"
     engines = 0 if cfg.train.load_rollout_data or not embedded else cfg.rollout.num_actors
     trainer = 0 if cfg.train.debug_rollout_only else 1
-    busy = trainer + engines + int(cfg.eval.enabled)
+    busy = trainer + engines + int(cfg.eval.enabled) + int(job_reward_model(cfg) is not None)
     return max(1, (os.cpu_count() or 1) // max(busy, 1))

@@ -14,7 +14,8 @@ The sets are opened and scored by the eval actor's own code (``actors/eval.py``:
 ``open_eval_set``, ``EvalSet.evaluate``), so a row here has the eval actor's metrics
 (pass@k, reward, failed, truncated, response_len, per-group pass@1); the engine samples
 from the stream the eval actor's would at the job's seed (``engine_seed(seed, "eval")``).
-Rows go to ``--out`` (JSON lines, appended, each with ``model``) and to the terminal.
+Rows go to ``--out`` (JSON lines, appended, each with ``model``) and to the terminal. A
+``model`` reward's reward model is loaded in this process (no reward actor here).
 
 Refused before anything starts (exit 2): a missing or model-less DIR, no sets, a set
 file that cannot be read. A set whose samples all failed exits 1 with the most common
@@ -88,7 +89,8 @@ async def evaluate_model(cfg: RunConfig, model: Path, out: Path | None = None) -
         host = await stack.enter_async_context(EngineHost(engine, seed=seed))
         tokenizer = policy_tokenizer(str(model), host)
         hold = stack.enter_async_context
-        sets = [await open_eval_set(s, workflow, host, tokenizer, hold) for s in cfg.eval.sets]
+        rm = await _reward_model(cfg, hold)
+        sets = [await open_eval_set(s, workflow, host, tokenizer, hold, rm) for s in cfg.eval.sets]
         for s in sets:
             failures: Counter[str] = Counter()
             row = await s.evaluate(cfg.eval.max_concurrency, "eval-offline", failures)
@@ -100,6 +102,15 @@ async def evaluate_model(cfg: RunConfig, model: Path, out: Path | None = None) -
     if failed:
         raise EvalFailed("every sample failed in " + "; ".join(failed))
     return rows
+
+
+async def _reward_model(cfg: RunConfig, hold: Any) -> Any:
+    """The sets' reward model, loaded here (no reward actor outside a job), or None."""
+    from asyncrl.rollout.config import reward_models
+    from asyncrl.rollout.reward_model import RewardModel
+
+    found = reward_models(cfg.rollout.reward, *(s.reward for s in cfg.eval.sets))
+    return await hold(RewardModel(found[0])) if found else None
 
 
 def _append(path: Path, row: dict) -> None:

@@ -25,6 +25,7 @@ from asyncrl.actors.config import (
     EngineActorConfig,
     EvalActorConfig,
     PublishConfig,
+    RewardModelActorConfig,
     RolloutActorConfig,
     TrainerActorConfig,
     WorkflowConfig,
@@ -33,7 +34,7 @@ from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.config import RunConfig
 from asyncrl.preflight import tool_schemas
-from asyncrl.rollout.config import EngineConfig
+from asyncrl.rollout.config import EngineConfig, RewardModelConfig, reward_models
 from asyncrl.runtime.topology import rollout_actor_names
 from asyncrl.trainers.config import GroupConfig
 
@@ -47,6 +48,21 @@ def _source_params(cfg: RunConfig) -> PromptSource.Config | None:
     if cfg.data is None or cfg.data.default_tools is not None:
         return cfg.data
     return cfg.data.model_copy(update={"default_tools": tool_schemas(cfg)})
+
+
+def job_reward_model(cfg: RunConfig) -> RewardModelConfig | None:
+    """The reward model the job's reward actor serves: the rollout reward's (or a term's)
+    unless the trainer reads its batches from files, and the eval sets' when eval runs
+    (``RunConfig`` allows one a job)."""
+    rewards = [] if cfg.train.load_rollout_data is not None else [cfg.rollout.reward]
+    rewards += [s.reward for s in cfg.eval.sets] if cfg.eval.enabled else []
+    found = reward_models(*rewards)
+    return found[0] if found else None
+
+
+def extra_roles(cfg: RunConfig) -> list[str]:
+    """The roles a job has besides buffer, engines, rollouts and trainer."""
+    return ["eval"] * cfg.eval.enabled + ["reward"] * (job_reward_model(cfg) is not None)
 
 
 def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, ActorConfig]:
@@ -76,7 +92,12 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, Act
             final_checkpoint=str(final_policy_dir(run_dir, cfg.train.num_steps)),
             metrics_path=str(run_dir / "metrics" / "eval.jsonl"),
         ),
-    }
+    } | _reward_config(cfg)
+
+
+def _reward_config(cfg: RunConfig) -> dict[str, ActorConfig]:
+    model = job_reward_model(cfg)
+    return {} if model is None else {"reward": RewardModelActorConfig(model=model)}
 
 
 def _rollout_config(

@@ -213,7 +213,8 @@ def test_every_leaf_has_exactly_one_flag_and_a_description():
     common = {"data": {"path": "prompts.jsonl", "apply_chat_template": True},
               "trainer": {"model_path": "m"}, "eval": {"engine": {"model_path": "m"}}}  # fmt: skip
     # The optional sections too; tool use and an agent exclude each other.
-    tools = {"engine": {"model_path": "m"}, "tool_use": {"tools": [{"type": "calculator"}]}}
+    tools = {"engine": {"model_path": "m"}, "tool_use": {"tools": [{"type": "calculator"}]},
+             "reward": {"model": {"path": "rm"}}}  # fmt: skip
     agent = {"engine": {"model_path": "m"}, "agent": {"path": "m:f"}}
     both = leaf_paths(RunConfig(**common, rollout=tools).model_dump()) | leaf_paths(
         RunConfig(**common, rollout=agent).model_dump()

@@ -12,6 +12,7 @@
 | trainer    | train batches                    | weight versions                 |
 | engine-i   | HTTP calls of rollout-i, weights | generations (``serve: actor``)  |
 | eval       | weight versions                  | pass@k rows                     |
+| reward     | pairs from rollout-i and eval    | reward-model scores             |
 | controller | heartbeats, Bye                  | commands (stop, pause, resume)  |
 
 Each actor waits only on its channels: a rollout actor blocks when it has no credits for

@@ -21,6 +21,7 @@ from asyncrl.rollout.config import (
     EngineConfig,
     EvalConfig,
     RewardConfig,
+    RewardModelConfig,
     ToolUseConfig,
 )
 from asyncrl.trainers.config import GroupConfig, TrainerConfig
@@ -84,6 +85,12 @@ class EngineActorConfig(ActorConfig):
 
     engine: EngineConfig
     api_key: str | None = None
+
+
+class RewardModelActorConfig(ActorConfig):
+    """The reward actor's model (``actors/reward_model.py``)."""
+
+    model: RewardModelConfig
 
 
 class ProbeActorConfig(ActorConfig):

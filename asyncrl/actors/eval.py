@@ -42,6 +42,7 @@ from asyncrl.actors.rollout import (
     build_tools,
     load_workflow,
     policy_tokenizer,
+    reward_model_client,
 )
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.observe.logs import get_logger
@@ -57,6 +58,7 @@ from asyncrl.wire.messages import Command, Scalar, WeightVersion
 if TYPE_CHECKING:
     import torch
 
+    from asyncrl.rollout.rewards import ScoresPairs
     from asyncrl.types import Prompt
 
 log = get_logger("asyncrl.eval")
@@ -107,8 +109,10 @@ class EvalActor(Actor):
         self.host = await self.hold(EngineHost(config.engine, seed=seed))
         # The engine's, or the policy's from disk for remote engines (as rollout actors do).
         tokenizer = await asyncio.to_thread(policy_tokenizer, config.tokenizer, self.host)
+        rm = await reward_model_client(self.spec.endpoints, self.hold, self.name)
         self.sets = [
-            await open_eval_set(s, config, self.host, tokenizer, self.hold) for s in self.cfg.sets
+            await open_eval_set(s, config, self.host, tokenizer, self.hold, rm)
+            for s in self.cfg.sets
         ]
         ep = self.spec.endpoints
         frame = self.max_frame_bytes
@@ -247,15 +251,17 @@ async def open_eval_set(
     host: EngineHost,
     tokenizer: Any,
     hold: Callable[[Any], Awaitable[Any]],
+    reward_model: ScoresPairs | None = None,
 ) -> EvalSet:
     """``cfg``'s set, read and ready on ``host``'s engines, with the workflow settings of
     ``config`` as its defaults; ``hold`` enters the resources it keeps open (its reward
-    scorer, a workflow's proxy) until the caller's exit. The eval actor and ``asyncrl
+    scorer, a workflow's proxy) until the caller's exit; ``reward_model`` scores a
+    ``model`` reward (the reward actor's client in a job). The eval actor and ``asyncrl
     eval`` (``offline_eval.py``) both open their sets here."""
     # The training rollout's tools: a tool-use policy is evaluated with its tools.
     tools = await asyncio.to_thread(build_tools, config.tool_use)
     reward_cfg = cfg.reward or config.reward
-    score = await hold(contextlib.aclosing(build_reward(reward_cfg)))
+    score = await hold(contextlib.aclosing(build_reward(reward_cfg, reward_model)))
     source = PromptSource.Config(
         path=cfg.path,
         input_key=cfg.input_key,

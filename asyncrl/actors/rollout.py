@@ -32,6 +32,7 @@ import contextlib
 import itertools
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,8 @@ class RolloutActor(Actor):
         self.host = await self.hold(host)
         tools = await asyncio.to_thread(build_tools, cfg.tool_use)
         self.workflow = load_workflow(cfg.workflow, cfg.tool_use, cfg.agent)
-        self.score = await self.hold(contextlib.aclosing(build_reward(cfg.reward)))
+        rm = await reward_model_client(self.spec.endpoints, self.hold, self.name)
+        self.score = await self.hold(contextlib.aclosing(build_reward(cfg.reward, rm)))
         self.ctx = RolloutContext(
             engine=self.host.generator,  # type: ignore[arg-type]
             score=self.score,
@@ -456,11 +458,24 @@ def load_workflow(path: str | None, tool_use: Any = None, agent: Any = None) -> 
     return load(path, tool_use, agent)
 
 
-def build_reward(config: RewardConfig) -> Any:
-    """The reward scorer of ``config``."""
+def build_reward(config: RewardConfig, reward_model: Any = None) -> Any:
+    """The reward scorer of ``config``; ``reward_model`` scores its ``model`` reward."""
     from asyncrl.rollout.rewards import build_reward as build
 
-    return build(config)
+    return build(config, reward_model)
+
+
+async def reward_model_client(
+    endpoints: dict[str, str], hold: Callable[[Any], Awaitable[Any]], name: str
+) -> Any:
+    """A client of the job's reward actor (``reward.score``), open until the caller's exit
+    (``hold``); None in a job without one."""
+    if "reward.score" not in endpoints:
+        return None
+    from asyncrl.rollout.reward_model import REPLY_CODEC, REQUEST_CODEC, RewardModelClient
+
+    rpc = RpcClient(endpoints["reward.score"], REQUEST_CODEC, REPLY_CODEC, identity=name)
+    return RewardModelClient(await hold(rpc))
 
 
 def policy_tokenizer(path: str | None, host: EngineHost) -> Any:

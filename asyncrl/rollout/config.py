@@ -149,26 +149,57 @@ class EngineConfig(BaseModel):
         return self
 
 
+class RewardModelConfig(BaseModel):
+    """A reward model (``rollout/reward_model.py``): an HF sequence-classification folder,
+    served in a job by a reward actor of its own (``actors/reward_model.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        ..., min_length=1, description="HF sequence-classification model folder",
+        json_schema_extra={"flag": "reward-model-path"},
+    )  # fmt: skip
+    device: str = Field("cpu", description="torch device of the reward model")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights")
+    batch_size: int = Field(16, ge=1, description="pairs scored in one forward at most")
+    batch_wait_ms: float = Field(
+        5.0, ge=0, description="how long a batch waits for more pairs after its first"
+    )
+    max_length: int = Field(
+        4096, ge=8, description="tokens of prompt and response; a longer pair fails alone"
+    )
+    label_index: int = Field(
+        0, ge=0, description="the logit that is the score (0 for a one-label reward head)"
+    )
+    threads: int | None = Field(
+        None, ge=1, description="torch threads of the reward actor; None: torch's default"
+    )
+
+
 class RewardConfig(BaseModel):
     """The reward scorer (``rollout/rewards.py``): which reward, and its limits.
 
     ``type``: ``exact`` / ``numeric`` / ``math`` / ``f1`` compare the answer in the
     response with the sample's label; ``dapo`` / ``deepscaler`` are those recipes' own
-    checks of the whole response; ``custom`` calls ``path`` (``module:function``,
-    slime's ``--custom-rm-path``); ``remote`` POSTs to ``url``.
+    checks of the whole response; ``model`` scores with a reward model (``model``);
+    ``custom`` calls ``path`` (``module:function``, slime's ``--custom-rm-path``);
+    ``remote`` POSTs to ``url``.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    type: Literal["exact", "numeric", "math", "f1", "dapo", "deepscaler", "custom", "remote"] = (
-        Field("exact", description="which reward", json_schema_extra={"flag": "rm-type"})
-    )
+    type: Literal[
+        "exact", "numeric", "math", "f1", "dapo", "deepscaler", "model", "custom", "remote"
+    ] = Field("exact", description="which reward", json_schema_extra={"flag": "rm-type"})
     path: str | None = Field(
         None,
         description="custom reward 'module:function' (sync or async, fn(sample))",
         json_schema_extra={"flag": "custom-rm-path"},
     )
     url: str | None = Field(None, description="remote reward model URL (POST JSON)")
+    model: RewardModelConfig | None = Field(
+        None, description="the reward model of type model (a reward actor serves it)"
+    )
     timeout_s: float = Field(10.0, gt=0, description="a reward slower than this fails")
     answer_pattern: str | None = Field(
         None,
@@ -209,6 +240,8 @@ class RewardConfig(BaseModel):
                 return {**data, "type": "custom"}
             if data.get("url"):
                 return {**data, "type": "remote"}
+            if data.get("model"):
+                return {**data, "type": "model"}
         return data
 
     @model_validator(mode="after")
@@ -232,6 +265,12 @@ class RewardConfig(BaseModel):
                 "own rule (DAPO: the last 'Answer:' line; DeepScaleR: the last \\boxed{}): "
                 "drop answer_pattern"
             )
+        if (self.model is not None) != (self.type == "model"):
+            raise ValueError(
+                "the model reward needs model (--reward-model-path DIR)"
+                if self.type == "model"
+                else f"model is set but the reward type is {self.type!r}: drop one"
+            )
         if self.type == "custom" and not self.path:
             raise ValueError("the custom reward needs path (--custom-rm-path module:function)")
         if self.type == "remote" and not self.url:
@@ -241,7 +280,7 @@ class RewardConfig(BaseModel):
     def _terms_alone(self) -> RewardConfig:
         """With ``terms`` the reward is theirs: a type, path or url beside them would be
         silently unused."""
-        stray = [k for k in ("path", "url") if getattr(self, k)]
+        stray = [k for k in ("path", "url", "model") if getattr(self, k)]
         stray += ["type"] if self.type != "exact" else []  # read back from a dump, it is set
         if stray:
             raise ValueError(
@@ -271,6 +310,16 @@ class RewardTerm(RewardConfig):
 
 
 RewardConfig.model_rebuild()  # its terms are RewardTerms, defined after it
+
+
+def reward_models(*rewards: RewardConfig | None) -> list[RewardModelConfig]:
+    """The distinct reward models that ``rewards`` (and their terms) score with."""
+    found: list[RewardModelConfig] = []
+    for r in rewards:
+        for one in [r, *r.terms] if r is not None else []:
+            if one.model is not None and one.model not in found:
+                found.append(one.model)
+    return found
 
 
 class ToolConfig(BaseModel):

@@ -26,6 +26,9 @@ of its own, concurrently, and gives ``{name: value, ..., "score": sum(weight * v
 the trainer trains on ``score`` and logs each term (``reward/<name>``). A term that fails
 fails the sample, with the term's name in the reason.
 
+``model`` asks a reward model for the score of the prompt and response
+(``rollout/reward_model.py``; in a job, the reward actor serves it).
+
 ``custom`` calls a user function ``fn(sample) -> float | dict[str, float]`` (slime's
 ``--custom-rm-path``); an async function is awaited, a sync one runs in a worker thread
 so it cannot block the event loop. ``remote`` POSTs
@@ -46,7 +49,7 @@ import numbers
 import re
 import string
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from asyncrl.plugins import load_object
 from asyncrl.rollout.base import Reward
@@ -75,6 +78,12 @@ _BUILTINS = ("exact", "numeric", "math", "f1", "dapo", "deepscaler")
 
 
 _PEER_GRADERS = {"dapo": dapo_correct, "deepscaler": deepscaler_correct}
+
+
+class ScoresPairs(Protocol):
+    """A reward model as the scorer calls it (``RewardModel``, ``RewardModelClient``)."""
+
+    async def score(self, prompt: str | list[dict[str, Any]], response: str) -> float: ...
 
 
 class RewardError(RuntimeError):
@@ -192,8 +201,15 @@ class RewardScorer:
     ``reward/timeouts`` (slower than ``timeout_s``). Build it with ``build_reward``.
     """
 
-    def __init__(self, config: RewardConfig, *, per_sample_type: bool = True) -> None:
+    def __init__(
+        self,
+        config: RewardConfig,
+        *,
+        per_sample_type: bool = True,
+        reward_model: ScoresPairs | None = None,
+    ) -> None:
         self.config = config
+        self._reward_model = reward_model  # the ``model`` reward's (and its terms')
         # A term keeps its own type: a sample's rm_type picks the single reward's.
         self._per_sample_type = per_sample_type
         self.stats = {"reward/calls": 0, "reward/errors": 0, "reward/timeouts": 0}
@@ -206,8 +222,18 @@ class RewardScorer:
     def _build(self) -> Callable[[Sample], Awaitable[Any]]:
         cfg = self.config
         if cfg.terms:
-            self._terms = [(t, RewardScorer(t, per_sample_type=False)) for t in cfg.terms]
+            self._terms = [
+                (t, RewardScorer(t, per_sample_type=False, reward_model=self._reward_model))
+                for t in cfg.terms
+            ]
             return self._weighted
+        if cfg.type == "model":
+            if self._reward_model is None:
+                raise ValueError(
+                    "the model reward needs its reward model: in a job the reward actor "
+                    "serves it (build_reward(config, reward_model=...))"
+                )
+            return self._model
         if cfg.type == "custom":
             assert cfg.path is not None  # RewardConfig requires it
             return _custom(cfg.path)
@@ -295,6 +321,10 @@ class RewardScorer:
             ok = any(exact_match(answer, gold) for gold in labels)
         return cfg.correct if ok else cfg.incorrect
 
+    async def _model(self, sample: Sample) -> float:
+        assert self._reward_model is not None
+        return await self._reward_model.score(sample.prompt, sample.response_text)
+
     async def _remote(self, sample: Sample) -> Any:
         import aiohttp
 
@@ -322,9 +352,11 @@ class RewardScorer:
             await scorer.aclose()
 
 
-def build_reward(config: RewardConfig) -> RewardScorer:
-    """The hub for ``config``; a bad custom path fails here, before any sample."""
-    return RewardScorer(config)
+def build_reward(config: RewardConfig, reward_model: ScoresPairs | None = None) -> RewardScorer:
+    """The hub for ``config``; a bad custom path fails here, before any sample.
+    ``reward_model`` scores the ``model`` reward (``rollout/reward_model.py``: the reward
+    actor's client in a job, a ``RewardModel`` of its own elsewhere)."""
+    return RewardScorer(config, reward_model=reward_model)
 
 
 # ---------------------------------------------------------------------------- helpers

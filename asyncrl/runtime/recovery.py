@@ -17,6 +17,8 @@ restarted trainer retrains them), the buffer needs its journal (``runtime.journa
   request resyncs, so the buffer serves again every batch after that checkpoint;
 - engine actor: once up, its rollout actor reloads the weights it had into it before
   asking for work again (an idle rollout actor would not notice the engine died);
+- reward actor: starts again as it was (it keeps no state); its callers send the calls
+  it lost again (``rollout/reward_model.py``);
 - eval actor: starts again as it was and evaluates the newest due version; once the
   trainer has finished, a restarted eval actor is told where the final version is (the
   trainer's final checkpoint, ``feed_final``): its announcement left with the trainer.
@@ -58,6 +60,7 @@ def restart_budgets(cfg: RunConfig) -> dict[str, int]:
         "rollout": n,
         "engine": n,
         "eval": n,
+        "reward": n,  # stateless: callers send their lost calls again
         "buffer": n if cfg.runtime.journal else 0,
         "trainer": n if trainer_exact else 0,
     }

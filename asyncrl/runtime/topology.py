@@ -7,6 +7,7 @@
     rollout-i   connects: buffer.work, buffer.results, trainer.weights(+_snapshot), trainer.blob,
                 trainer.group (dist)
                 (and engine-i.http, over HTTP)
+    reward      binds: reward.score (rpc; only with a reward model)
     trainer     binds: trainer.weights(+_snapshot) (pub/sub), trainer.blob (blob pull),
                 trainer.group (the dist transport's rendezvous store, a torch TCPStore);
                 connects: buffer.batches
@@ -47,8 +48,10 @@ def binder(endpoint: str) -> str:
 
 
 def endpoint_names(specs: Sequence[ActorSpec]) -> list[str]:
-    """The job's endpoints: ``ENDPOINTS`` plus ``engine-i.http`` per engine actor."""
-    return [*ENDPOINTS, *(f"{s.name}.http" for s in specs if s.role == "engine")]
+    """The job's endpoints: ``ENDPOINTS``, ``engine-i.http`` per engine actor, and
+    ``reward.score`` with a reward actor."""
+    names = [*ENDPOINTS, *(f"{s.name}.http" for s in specs if s.role == "engine")]
+    return names + [f"{s.name}.score" for s in specs if s.role == "reward"]
 
 
 def allocate_endpoints(host: str = "127.0.0.1", names: Sequence[str] = ENDPOINTS) -> dict[str, str]:
