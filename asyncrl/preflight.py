@@ -49,6 +49,7 @@ def preflight(cfg: RunConfig) -> None:
     for check in _code_checks(cfg):  # first: tool use fills the data's default tools
         _collect(check, problems)
     tokenizer = _models(cfg, problems)
+    _reward_model_folders(cfg, problems)
     context = _context_length(cfg.trainer.model_path if cfg.trainer else None)
     if cfg.data is not None:
         data = _source(cfg.data, "data", cfg, tokenizer, context, problems)
@@ -68,6 +69,7 @@ def preflight_eval(cfg: RunConfig, model: str) -> None:
     for check in _code_checks(cfg):
         _collect(check, problems)
     tokenizer = _collect(lambda: _tokenizer(model), problems)
+    _reward_model_folders(cfg, problems)
     _eval_sets(cfg, tokenizer, _context_length(model), problems)
     if problems:
         raise PreflightError(problems)
@@ -106,6 +108,28 @@ def _models(cfg: RunConfig, problems: list[str]) -> Any:
     if t is None or t.backend == "sim":
         return None
     return _collect(lambda: _tokenizer(t.model_path), problems)
+
+
+def _reward_model_folders(cfg: RunConfig, problems: list[str]) -> None:
+    """Each reward model is an HF folder with tokenizer files and a head with the label
+    it reads (transformers' default head has 2 labels)."""
+    from asyncrl.rollout.config import reward_models
+
+    for rm in reward_models(cfg.rollout.reward, *(s.reward for s in cfg.eval.sets)):
+        folder = Path(rm.path).expanduser()
+        try:
+            hf = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            problems.append(f"reward model {rm.path}: not a Hugging Face model folder ({exc})")
+            continue
+        if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+            problems.append(f"reward model {rm.path}: no tokenizer files")
+        labels = len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2))
+        if rm.label_index >= labels:
+            problems.append(
+                f"reward model {rm.path}: label_index {rm.label_index} but its head has "
+                f"{labels} label(s)"
+            )
 
 
 #: A tokenizer is read from one of these; without any, transformers builds an empty one.

@@ -165,3 +165,34 @@ async def test_a_killed_reward_actor_comes_back_and_no_sample_fails(rm_path, tmp
     assert victim in pids and len(pids) == 2  # the killed incarnation and its successor
     rollout = (tmp_path / "run/metrics/rollout-0.jsonl").read_text().splitlines()
     assert json.loads(rollout[-1])["reward/errors"] == 0
+
+
+def test_a_bad_reward_model_folder_is_refused_before_launch(rm_path, tmp_path):
+    from asyncrl.preflight import PreflightError, preflight
+    from tests.tiny_model import build_tiny_model
+
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    base = job_flags(tmp_path, steps=1)
+    preflight(load_config(overrides=[*base, "--reward-model-path", str(rm_path)]))
+    with pytest.raises(PreflightError, match="reward model /nowhere: not a Hugging Face"):
+        preflight(load_config(overrides=[*base, "--reward-model-path", "/nowhere"]))
+    second = ["--reward-model-path", str(rm_path), "--rollout.reward.model.label-index", "1"]
+    with pytest.raises(PreflightError, match="label_index 1 but its head has 1 label"):
+        preflight(load_config(overrides=[*base, *second]))
+
+
+def test_asyncrl_eval_scores_a_set_with_a_reward_model_in_process(rm_path, tmp_path):
+    from asyncrl.cli import main
+    from tests.tiny_model import build_tiny_model
+
+    build_tiny_model(tmp_path / "model")
+    held = {"name": "held", "path": str(write_prompts(tmp_path / "p.jsonl", n=4)), "n_samples": 2,
+            "sampling": {"temperature": 1.0, "max_new_tokens": 4},
+            "reward": {"model": {"path": str(rm_path)}, "correct": 0.0}}  # fmt: skip
+    out = tmp_path / "rows.jsonl"
+    argv = ["eval", "--model", str(tmp_path / "model"), "--eval-sets", json.dumps([held]),
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    [row] = [json.loads(x) for x in out.read_text().splitlines()]
+    assert row["failed"] == 0 and row["reward"] not in (0.0, 1.0)  # the model's mean score
