@@ -50,7 +50,8 @@ from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.errors import InputError
 from asyncrl.observe.trackers import check_tracker_setup
 from asyncrl.policies.config import PolicyConfig
-from asyncrl.rollout.config import EngineConfig, EvalConfig, RolloutConfig, reward_models
+from asyncrl.rollout.config import EngineConfig, EvalConfig, RolloutConfig
+from asyncrl.rollout.reward_config import reward_models
 from asyncrl.trainers.config import TrainerConfig
 from asyncrl.wire.config import WireConfig
 from asyncrl.wire.sockets import check_endpoint

@@ -106,7 +106,7 @@ async def evaluate_model(cfg: RunConfig, model: Path, out: Path | None = None) -
 
 async def _reward_model(cfg: RunConfig, hold: Any) -> Any:
     """The sets' reward model, loaded here (no reward actor outside a job), or None."""
-    from asyncrl.rollout.config import reward_models
+    from asyncrl.rollout.reward_config import reward_models
     from asyncrl.rollout.reward_model import RewardModel
 
     found = reward_models(cfg.rollout.reward, *(s.reward for s in cfg.eval.sets))

@@ -113,7 +113,7 @@ def _models(cfg: RunConfig, problems: list[str]) -> Any:
 def _reward_model_folders(cfg: RunConfig, problems: list[str]) -> None:
     """Each reward model is an HF folder with tokenizer files and a head with the label
     it reads (transformers' default head has 2 labels)."""
-    from asyncrl.rollout.config import reward_models
+    from asyncrl.rollout.reward_config import reward_models
 
     for rm in reward_models(cfg.rollout.reward, *(s.reward for s in cfg.eval.sets)):
         folder = Path(rm.path).expanduser()
@@ -268,7 +268,8 @@ def _code_checks(cfg: RunConfig) -> list[Callable[[], Any]]:
 
     checks: list[Callable[[], Any]] = [lambda: check_tool_use(cfg), lambda: check_agent(cfg)]
     rewards = [cfg.rollout.reward, *(s.reward for s in cfg.eval.sets if s.reward)]
-    custom = [r for r in rewards if r.type == "custom" or any(t.type == "custom" for t in r.terms)]
+    built = ("custom", "judge")  # user code, or a judge's API key, is checked at build
+    custom = [r for r in rewards if r.type in built or any(t.type in built for t in r.terms)]
     checks += [lambda r=r: build_reward(r) for r in custom]
     if cfg.algo.custom_advantage_path or cfg.algo.custom_loss_path:
         from asyncrl.policies.objective import load_hooks

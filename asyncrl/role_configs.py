@@ -34,7 +34,8 @@ from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.config import RunConfig
 from asyncrl.preflight import tool_schemas
-from asyncrl.rollout.config import EngineConfig, RewardModelConfig, reward_models
+from asyncrl.rollout.config import EngineConfig
+from asyncrl.rollout.reward_config import RewardModelConfig, reward_models
 from asyncrl.runtime.topology import rollout_actor_names
 from asyncrl.trainers.config import GroupConfig
 

@@ -34,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from asyncrl.rollout.config import RewardModelConfig
+from asyncrl.rollout.reward_config import RewardModelConfig
 from asyncrl.rollout.reward_model import RewardModel
 
 DATA = Path(__file__).resolve().parents[1] / "examples/word_problems/data/test.jsonl"

@@ -215,7 +215,8 @@ def test_every_leaf_has_exactly_one_flag_and_a_description():
     # The optional sections too; tool use and an agent exclude each other.
     tools = {"engine": {"model_path": "m"}, "tool_use": {"tools": [{"type": "calculator"}]},
              "reward": {"model": {"path": "rm"}}}  # fmt: skip
-    agent = {"engine": {"model_path": "m"}, "agent": {"path": "m:f"}}
+    agent = {"engine": {"model_path": "m"}, "agent": {"path": "m:f"},
+             "reward": {"judge": {"url": "http://j/v1", "model": "j"}}}  # fmt: skip
     both = leaf_paths(RunConfig(**common, rollout=tools).model_dump()) | leaf_paths(
         RunConfig(**common, rollout=agent).model_dump()
     )

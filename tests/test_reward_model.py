@@ -20,7 +20,7 @@ from transformers import (
 
 from asyncrl.config import load_config
 from asyncrl.job import run_job
-from asyncrl.rollout.config import RewardConfig, RewardModelConfig
+from asyncrl.rollout.reward_config import RewardConfig, RewardModelConfig
 from asyncrl.rollout.reward_model import RewardModel, RewardModelError
 from asyncrl.rollout.rewards import RewardError, build_reward
 from asyncrl.types import Sample

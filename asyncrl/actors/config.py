@@ -21,9 +21,9 @@ from asyncrl.rollout.config import (
     EngineConfig,
     EvalConfig,
     RewardConfig,
-    RewardModelConfig,
     ToolUseConfig,
 )
+from asyncrl.rollout.reward_config import RewardModelConfig
 from asyncrl.trainers.config import GroupConfig, TrainerConfig
 
 

@@ -3,14 +3,14 @@
 ``EngineConfig`` (which engines a rollout actor uses, ``rollout.engine``),
 ``ToolUseConfig`` (multi-turn tools and limits, ``rollout.tool_use``), ``RolloutConfig``
 (the ``rollout`` section: actors, engines, sampling, workflow, reward) and ``EvalConfig``
-(the ``eval`` section: named held-out sets, how often). Read by ``actors/rollout.py``,
-``actors/eval.py`` and ``rollout/engines.py``; composed by ``asyncrl.config``.
+(the ``eval`` section: named held-out sets, how often). The reward's settings are in
+``rollout/reward_config.py``. Read by ``actors/rollout.py``, ``actors/eval.py`` and
+``rollout/engines.py``; composed by ``asyncrl.config``.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import zlib
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from asyncrl.engines.sim_latency import LatencyModel
+from asyncrl.rollout.reward_config import RewardConfig
 
 #: Arguments of sglang.launch_server that the engine actor sets (model_path, its endpoint).
 _ASSIGNED_SERVER_ARGS = ("--model-path", "--model", "--host", "--port")
@@ -147,179 +148,6 @@ class EngineConfig(BaseModel):
         if self.server_args and not (self.type == "sglang" and self.serve == "actor"):
             raise ValueError("server_args (--sglang-* flags) apply to launched sglang servers only")
         return self
-
-
-class RewardModelConfig(BaseModel):
-    """A reward model (``rollout/reward_model.py``): an HF sequence-classification folder,
-    served in a job by a reward actor of its own (``actors/reward_model.py``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    path: str = Field(
-        ..., min_length=1, description="HF sequence-classification model folder",
-        json_schema_extra={"flag": "reward-model-path"},
-    )  # fmt: skip
-    device: str = Field("cpu", description="torch device of the reward model")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights")
-    batch_size: int = Field(16, ge=1, description="pairs scored in one forward at most")
-    batch_wait_ms: float = Field(
-        5.0, ge=0, description="how long a batch waits for more pairs after its first"
-    )
-    max_length: int = Field(
-        4096, ge=8, description="tokens of prompt and response; a longer pair fails alone"
-    )
-    label_index: int = Field(
-        0, ge=0, description="the logit that is the score (0 for a one-label reward head)"
-    )
-    threads: int | None = Field(
-        None, ge=1, description="torch threads of the reward actor; None: torch's default"
-    )
-
-
-class RewardConfig(BaseModel):
-    """The reward scorer (``rollout/rewards.py``): which reward, and its limits.
-
-    ``type``: ``exact`` / ``numeric`` / ``math`` / ``f1`` compare the answer in the
-    response with the sample's label; ``dapo`` / ``deepscaler`` are those recipes' own
-    checks of the whole response; ``model`` scores with a reward model (``model``);
-    ``custom`` calls ``path`` (``module:function``, slime's ``--custom-rm-path``);
-    ``remote`` POSTs to ``url``.
-    """
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    type: Literal[
-        "exact", "numeric", "math", "f1", "dapo", "deepscaler", "model", "custom", "remote"
-    ] = Field("exact", description="which reward", json_schema_extra={"flag": "rm-type"})
-    path: str | None = Field(
-        None,
-        description="custom reward 'module:function' (sync or async, fn(sample))",
-        json_schema_extra={"flag": "custom-rm-path"},
-    )
-    url: str | None = Field(None, description="remote reward model URL (POST JSON)")
-    model: RewardModelConfig | None = Field(
-        None, description="the reward model of type model (a reward actor serves it)"
-    )
-    timeout_s: float = Field(10.0, gt=0, description="a reward slower than this fails")
-    answer_pattern: str | None = Field(
-        None,
-        description="regex whose one group (or whole match) is the answer; its last match counts",
-    )
-    numeric_tolerance: float = Field(1e-6, ge=0, description="numeric: allowed difference")
-    correct: float = Field(1.0, description="reward of a correct answer")
-    incorrect: float = Field(0.0, description="reward of a wrong answer")
-    terms: list[RewardTerm] = Field(
-        default_factory=list,
-        description="several rewards, each {name, weight, type, path, ...} (TRL's "
-        "reward_funcs and reward_weights): the reward is {name: value, ..., score: the "
-        "weighted sum}, and the trainer trains on score",
-    )
-
-    @field_validator("answer_pattern")
-    @classmethod
-    def _valid_pattern(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        try:
-            groups = re.compile(value).groups
-        except re.error as exc:
-            raise ValueError(f"answer_pattern {value!r} is not a regex: {exc}") from None
-        if groups > 1:
-            raise ValueError(
-                f"answer_pattern {value!r} has {groups} groups; use one (?:...) for the others"
-            )
-        return value
-
-    @model_validator(mode="before")
-    @classmethod
-    def _path_selects_custom(cls, data: Any) -> Any:
-        """A custom path (or remote url) without a type selects that type, as slime's
-        ``--custom-rm-path`` does; with another type it is a contradiction (``_complete``)."""
-        if isinstance(data, dict) and "type" not in data:
-            if data.get("path"):
-                return {**data, "type": "custom"}
-            if data.get("url"):
-                return {**data, "type": "remote"}
-            if data.get("model"):
-                return {**data, "type": "model"}
-        return data
-
-    @model_validator(mode="after")
-    def _complete(self) -> RewardConfig:
-        if self.terms:
-            return self._terms_alone()
-        if self.path and self.type != "custom":
-            raise ValueError(
-                f"path (--custom-rm-path {self.path}) is set but the reward type is "
-                f"{self.type!r} (--rm-type): drop --rm-type to use the custom reward, or "
-                "drop --custom-rm-path"
-            )
-        if self.url and self.type != "remote":
-            raise ValueError(
-                f"url {self.url} is set but the reward type is {self.type!r}: drop the type "
-                "to use the remote reward, or drop the url"
-            )
-        if self.answer_pattern is not None and self.type in ("dapo", "deepscaler"):
-            raise ValueError(
-                f"answer_pattern is set but the {self.type} reward finds the answer by its "
-                "own rule (DAPO: the last 'Answer:' line; DeepScaleR: the last \\boxed{}): "
-                "drop answer_pattern"
-            )
-        if (self.model is not None) != (self.type == "model"):
-            raise ValueError(
-                "the model reward needs model (--reward-model-path DIR)"
-                if self.type == "model"
-                else f"model is set but the reward type is {self.type!r}: drop one"
-            )
-        if self.type == "custom" and not self.path:
-            raise ValueError("the custom reward needs path (--custom-rm-path module:function)")
-        if self.type == "remote" and not self.url:
-            raise ValueError("the remote reward needs url")
-        return self
-
-    def _terms_alone(self) -> RewardConfig:
-        """With ``terms`` the reward is theirs: a type, path or url beside them would be
-        silently unused."""
-        stray = [k for k in ("path", "url", "model") if getattr(self, k)]
-        stray += ["type"] if self.type != "exact" else []  # read back from a dump, it is set
-        if stray:
-            raise ValueError(
-                f"reward.terms replaces the single reward: drop {', '.join(stray)} (give "
-                "each term its own)"
-            )
-        names = [t.name for t in self.terms]
-        dup = sorted({n for n in names if names.count(n) > 1} | ({"score"} & set(names)))
-        if dup:
-            raise ValueError(
-                f"reward.terms names must be unique and not 'score' (the weighted sum): {dup}"
-            )
-        return self
-
-
-class RewardTerm(RewardConfig):
-    """One reward of ``RewardConfig.terms``: a reward of its own, its name and weight."""
-
-    name: str = Field(..., min_length=1, description="the term's key in the reward dict")
-    weight: float = Field(1.0, description="its weight in the score (TRL's reward_weights)")
-
-    @model_validator(mode="after")
-    def _flat(self) -> RewardTerm:
-        if self.terms:
-            raise ValueError(f"reward term {self.name!r} has terms of its own: terms are flat")
-        return self
-
-
-RewardConfig.model_rebuild()  # its terms are RewardTerms, defined after it
-
-
-def reward_models(*rewards: RewardConfig | None) -> list[RewardModelConfig]:
-    """The distinct reward models that ``rewards`` (and their terms) score with."""
-    found: list[RewardModelConfig] = []
-    for r in rewards:
-        for one in [r, *r.terms] if r is not None else []:
-            if one.model is not None and one.model not in found:
-                found.append(one.model)
-    return found
 
 
 class ToolConfig(BaseModel):

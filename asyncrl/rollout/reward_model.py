@@ -42,7 +42,7 @@ from asyncrl.wire.codec import Codec, Message
 from asyncrl.wire.errors import PeerLost
 
 if TYPE_CHECKING:
-    from asyncrl.rollout.config import RewardModelConfig
+    from asyncrl.rollout.reward_config import RewardModelConfig
     from asyncrl.wire.rpc import RpcClient
 
 log = get_logger("asyncrl.reward_model")

@@ -29,6 +29,9 @@ fails the sample, with the term's name in the reason.
 ``model`` asks a reward model for the score of the prompt and response
 (``rollout/reward_model.py``; in a job, the reward actor serves it).
 
+``judge`` asks a generative judge over an OpenAI-compatible chat API for a grade
+(``rollout/judge.py``: retries, a concurrency bound, the grade read from the reply).
+
 ``custom`` calls a user function ``fn(sample) -> float | dict[str, float]`` (slime's
 ``--custom-rm-path``); an async function is awaited, a sync one runs in a worker thread
 so it cannot block the event loop. ``remote`` POSTs
@@ -53,8 +56,8 @@ from typing import Any, Protocol
 
 from asyncrl.plugins import load_object
 from asyncrl.rollout.base import Reward
-from asyncrl.rollout.config import RewardConfig, RewardTerm
 from asyncrl.rollout.math_graders import dapo_correct, deepscaler_correct
+from asyncrl.rollout.reward_config import RewardConfig, RewardTerm
 from asyncrl.types import Sample
 
 __all__ = [
@@ -214,6 +217,7 @@ class RewardScorer:
         self._per_sample_type = per_sample_type
         self.stats = {"reward/calls": 0, "reward/errors": 0, "reward/timeouts": 0}
         self._session: Any = None
+        self._judge: Any = None
         self._terms: list[tuple[RewardTerm, RewardScorer]] = []
         self._fn = self._build()
         # Terms run concurrently, each under its own limit: the whole waits for the slowest.
@@ -234,6 +238,12 @@ class RewardScorer:
                     "serves it (build_reward(config, reward_model=...))"
                 )
             return self._model
+        if cfg.type == "judge":
+            from asyncrl.rollout.judge import Judge
+
+            assert cfg.judge is not None  # RewardConfig requires it
+            self._judge = Judge(cfg.judge)
+            return self._judge.score
         if cfg.type == "custom":
             assert cfg.path is not None  # RewardConfig requires it
             return _custom(cfg.path)
@@ -348,6 +358,8 @@ class RewardScorer:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._judge is not None:
+            await self._judge.aclose()
         for _, scorer in self._terms:
             await scorer.aclose()
 
