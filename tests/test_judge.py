@@ -84,6 +84,18 @@ async def test_the_request_and_the_grade(judge, monkeypatch):
     await hub.aclose()
 
 
+async def test_a_verdict_judge(judge):
+    fake, url = judge
+    verdicts = {"Yes": 1.0, "no": -1.0}
+    hub = scorer(url, template="Is {response} right? VERDICT: yes or no",
+                 score_pattern=r"(?i)verdict:\s*(\w+)", verdicts=verdicts)  # fmt: skip
+    fake.script = [(200, "VERDICT: YES", {}), (200, "verdict: no", {}), (200, "VERDICT: maybe", {})]
+    assert [await hub(sample()), await hub(sample())] == [1.0, -1.0]
+    with pytest.raises(RewardError, match="no grade: 'VERDICT: maybe'"):
+        await hub(sample())
+    await hub.aclose()
+
+
 async def test_busy_and_failing_servers_are_retried_then_give_up(judge):
     fake, url = judge
     fake.script = [(429, "slow down", {"Retry-After": "0"}), (503, "busy", {})]

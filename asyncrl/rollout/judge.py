@@ -8,7 +8,8 @@ For one sample the judge is sent::
 where the user message is ``template`` with ``{prompt}``, ``{response}`` and ``{label}``
 filled in (a chat prompt is written out as ``role: content`` lines). The reward is the
 grade that the last match of ``score_pattern`` finds in ``choices[0].message.content``,
-divided by ``scale`` (the default template asks for ``SCORE: <0-10>``, so 0 to 1).
+divided by ``scale`` (the default template asks for ``SCORE: <0-10>``, so 0 to 1); with
+``verdicts`` the grade is a word and the reward its value (``{yes: 1, no: 0}``).
 
 Failures, each the sample's with its reason (``RewardError`` from the scorer):
 
@@ -67,6 +68,8 @@ class Judge:
         self.config = config
         self.url = config.url.rstrip("/") + "/chat/completions"
         self._pattern = re.compile(config.score_pattern)
+        verdicts = config.verdicts
+        self._verdicts = None if verdicts is None else {k.lower(): v for k, v in verdicts.items()}
         self._gate = asyncio.Semaphore(config.max_concurrency)
         self._headers = {}
         if config.api_key_env:
@@ -103,12 +106,16 @@ class Judge:
                 "max_tokens": cfg.max_tokens}  # fmt: skip
 
     def grade(self, reply: str) -> float:
-        """The last grade ``score_pattern`` finds in ``reply``, over ``scale``."""
+        """The last grade ``score_pattern`` finds in ``reply``: over ``scale``, or the
+        reward of that verdict."""
         found = self._pattern.findall(reply)
-        if not found:
-            self.stats["judge/unparsed"] += 1
-            raise JudgeError(f"the judge's reply has no grade: {reply[:200]!r}")
-        return float(found[-1]) / self.config.scale
+        verdicts = self._verdicts
+        if found and verdicts is not None and found[-1].lower() in verdicts:
+            return verdicts[found[-1].lower()]
+        if found and verdicts is None:
+            return float(found[-1]) / self.config.scale
+        self.stats["judge/unparsed"] += 1
+        raise JudgeError(f"the judge's reply has no grade: {reply[:200]!r}")
 
     async def _post_with_retries(self, body: dict[str, Any]) -> str:
         delay = 0.5

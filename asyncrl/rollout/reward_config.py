@@ -71,6 +71,11 @@ class JudgeConfig(BaseModel):
         description="regex whose group is the grade; its last match in the reply counts",
     )
     scale: float = Field(10.0, gt=0, description="reward = grade / scale")
+    verdicts: dict[str, float] | None = Field(
+        None,
+        description="words the grade may be, and their rewards (e.g. {yes: 1, no: 0}, "
+        "case-insensitive); None: the grade is a number",
+    )
     temperature: float = Field(0.0, ge=0, description="the judge's sampling temperature")
     max_tokens: int = Field(256, ge=1, description="the judge's reply budget")
     max_concurrency: int = Field(16, ge=1, description="requests in flight at once")
