@@ -327,3 +327,23 @@ async def sample_groups(engine: TorchEngine, prompts: list[list[int]], seed: int
 async def mean_reward(engine: TorchEngine, prompts: list[list[int]], seed: int) -> float:
     groups = [g for rnd in range(2) for g in await sample_groups(engine, prompts, seed + rnd * 50)]
     return float(np.mean([s.reward for g in groups for s in g.samples]))
+
+
+def test_the_reference_is_the_policy_with_its_adapters_off(tiny, tmp_path):
+    """With LoRA and a KL loss no reference copy is loaded: the adapters are disabled for
+    the reference's forward. The KL equals a run whose reference is a loaded copy of the
+    base, also once the adapters have moved (step 2)."""
+    import shutil
+
+    shutil.copytree(tiny, tmp_path / "copy")
+    algo = PolicyConfig(use_kl_loss=True, kl_loss_coef=0.1)
+    base = TorchTrainer(config(tiny, lora=LORA, lr=1e-2), algo)
+    loaded = TorchTrainer(config(tiny, lora=LORA, lr=1e-2, ref_model_path=str(tmp_path / "copy")),
+                          algo)  # fmt: skip
+    assert base.ref is None and base.ref_is_base and loaded.ref is not None
+    kls = []
+    for step in range(2):
+        a, b = base.train_step(make_batch(seed=step)), loaded.train_step(make_batch(seed=step))
+        assert a.metrics["kl_loss"] == pytest.approx(b.metrics["kl_loss"], abs=1e-7), step
+        kls.append(a.metrics["kl_loss"])
+    assert kls[0] == pytest.approx(0.0, abs=1e-7) and kls[1] > 1e-6  # B = 0, then it moved

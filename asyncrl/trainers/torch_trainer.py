@@ -30,7 +30,8 @@ dropout is set to 0 (transformers defaults it to 0.1) and a fresh head starts at
 first values are 0. The value of response token ``t`` is read where the policy predicts it.
 
 Metrics: ``loss`` (policy, with KL and entropy terms), ``pg_loss``, ``kl`` (mean
-KL(old || ref) by ``kl_loss_type``, with a reference model), ``kl_loss``, ``clip_frac``,
+KL(old || ref) by ``kl_loss_type``, with a reference model: with LoRA, the policy with its
+adapters disabled, no second copy), ``kl_loss``, ``clip_frac``,
 ``entropy``, ``ratio``, ``ppo_kl``, the correction's ``is_weight``/``is_clipped_frac``/
 ``mismatch_kl``, ``value_loss``/``value_clip_frac``/``values``/``critic/grad_norm`` (ppo),
 ``grad_norm`` (pre-clip), ``lr``, ``num_tokens`` (loss tokens), ``tokens`` (forwarded),
@@ -113,7 +114,9 @@ class TorchTrainer:
         self.version = 0
         self.policy = self._trainable(self._load_lm(config.model_path), config.lr, config.lora)
         self.attn = str(self.policy.model.config._attn_implementation)
-        self.ref = self._load_ref() if self.algo.needs_ref else None
+        # With LoRA the reference is the policy with its adapters off: no second copy.
+        self.ref_is_base = self.algo.needs_ref and self._adapters_off_is_the_ref()
+        self.ref = self._load_ref() if self.algo.needs_ref and not self.ref_is_base else None
         self.critic = self._load_critic() if self._wants_critic() else None
 
     # -- models ---------------------------------------------------------------------------
@@ -154,6 +157,12 @@ class TorchTrainer:
         if self.config.gradient_checkpointing:
             _enable_checkpointing(model)
         return Learner.build(model, self.dp, self.device, self._optim(lr), lora)
+
+    def _adapters_off_is_the_ref(self) -> bool:
+        """LoRA on the reference's own weights (``ref_model_path`` unset or the policy's
+        base): the policy with its adapters disabled computes the reference exactly."""
+        c = self.config
+        return self.policy.adapters is not None and c.ref_model_path in (None, c.model_path)
 
     def _load_ref(self) -> nn.Module:
         model = self._load_lm(self.config.ref_model_path or self.config.model_path)
@@ -262,10 +271,14 @@ class TorchTrainer:
             if model == "critic":
                 assert self.critic is not None
                 return self._score(self.critic.model, mbs, shape, lm=False)
+            if model == "ref" and self.ref_is_base:
+                assert self.policy.adapters is not None
+                with self.policy.adapters.peft_model.disable_adapter():
+                    return self._score(self.policy.model, mbs, shape)
             return self._score(self.policy.model if model == "policy" else self.ref, mbs, shape)
 
         return step_columns(
-            self.algo, rows, self.device, score, ref=self.ref is not None,
+            self.algo, rows, self.device, score, ref=self.ref is not None or self.ref_is_base,
             critic=self.critic is not None, score_old=score_old,
         )  # fmt: skip
 
