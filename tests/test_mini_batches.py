@@ -13,6 +13,8 @@ import torch
 from pydantic import ValidationError
 
 from asyncrl.policies import PolicyConfig
+from asyncrl.trainers.rl_columns import update_plan
+from asyncrl.trainers.rollout_tensors import rollout_tensors
 from asyncrl.trainers.torch_trainer import TorchTrainer
 from asyncrl.types import TrainBatch
 from tests.test_torch_trainer import config, make_batch
@@ -48,7 +50,7 @@ def group_batch(batch: TrainBatch, g: int) -> TrainBatch:
 
 def test_one_mini_batch_per_group_updates_as_a_step_per_group_would(tiny):
     batch = make_batch(0, num_groups=3, group_size=4)
-    mini = TorchTrainer(config(tiny, global_batch_size=4), ROLLOUT_OLD)
+    mini = TorchTrainer(config(tiny, global_batch_size=4, shuffle_minibatches=False), ROLLOUT_OLD)
     result = mini.train_step(batch)
     one_by_one = TorchTrainer(config(tiny), ROLLOUT_OLD)
     for g in range(3):
@@ -57,6 +59,31 @@ def test_one_mini_batch_per_group_updates_as_a_step_per_group_would(tiny):
     assert mini.version == 1 and one_by_one.version == 3  # a batch is one version
     assert result.metrics["optim_steps"] == 3
     assert mini.policy.scheduler.last_epoch == 3  # the schedule counts updates
+
+
+def test_each_epoch_takes_the_groups_in_a_new_order_that_every_rank_draws_alike(tiny):
+    """Shuffled (the default): each epoch's mini-batches are a permutation of the groups,
+    drawn from the seed and the version; the updates are those steps in that order."""
+    batch = make_batch(4, num_groups=4, group_size=3)
+    rows = rollout_tensors(batch, "score")
+    plan = update_plan(rows, 3, 3, shuffle_seed=7)
+    assert plan == update_plan(rows, 3, 3, shuffle_seed=7)  # the same on every rank
+    epochs = [[part[0] // 3 for part in plan[e * 4 : (e + 1) * 4]] for e in range(3)]
+    assert all(sorted(order) == [0, 1, 2, 3] for order in epochs)
+    assert len({tuple(order) for order in epochs}) > 1  # orders differ between epochs
+    assert update_plan(rows, 3, 1) == [[3 * g + i for i in range(3)] for g in range(4)]
+    mini = TorchTrainer(config(tiny, global_batch_size=3, ppo_epochs=2, seed=5), ROLLOUT_OLD)
+    mini.train_step(batch)
+    order = [part[0] // 3 for part in update_plan(rows, 3, 2, shuffle_seed=mini_seed(5, 0))]
+    one_by_one = TorchTrainer(config(tiny, seed=5), ROLLOUT_OLD)
+    for g in order:
+        one_by_one.train_step(group_batch(batch, g))
+    assert order[:4] != [0, 1, 2, 3] or order[4:] != [0, 1, 2, 3]
+    assert_equal(weights(mini), weights(one_by_one))
+
+
+def mini_seed(seed: int, version: int) -> int:
+    return seed * 1_000_003 + version  # TorchTrainer._shuffle_seed
 
 
 def test_epochs_pass_over_the_batch_again(tiny):

@@ -203,6 +203,11 @@ class TrainerConfig(BaseModel):
         "a batch is still one weight version",
         json_schema_extra={"flag": "ppo-epochs", "aliases": ["num-iterations"]},
     )
+    shuffle_minibatches: bool = Field(
+        True,
+        description="each epoch cuts the batch's groups into mini-batches in a new order "
+        "(seeded by trainer.seed and the version); false: always in the batch's order",
+    )
 
     @model_validator(mode="after")
     def _sim_is_one_process(self) -> TrainerConfig:

@@ -90,18 +90,30 @@ def step_columns(
 
 
 def update_plan(
-    rows: RolloutTensors, global_batch_size: int | None, epochs: int
+    rows: RolloutTensors,
+    global_batch_size: int | None,
+    epochs: int,
+    shuffle_seed: int | None = None,
 ) -> list[list[int]]:
     """The rows of each optimizer update of a step, in order: ``epochs`` passes over the
     batch's mini-batches of ``global_batch_size // N`` whole groups each (``N`` samples a
     group; the last may hold fewer groups), or over the whole batch as one (``None``).
+    With ``shuffle_seed`` each pass takes the groups in a permutation drawn from it (every
+    rank draws the same); without, in the batch's order.
 
     A step is one weight version however many updates it makes: staleness and admission
     count versions, the LR schedule counts updates."""
     groups, n = rows.scores_GN.shape
+    if groups == 0:
+        return [list(range(rows.num_rows))] * epochs
     per = groups if global_batch_size is None else max(1, global_batch_size // max(n, 1))
-    parts = [list(range(g * n, min(g + per, groups) * n)) for g in range(0, groups, per)]
-    return (parts or [list(range(rows.num_rows))]) * epochs
+    draw = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
+    plan = []
+    for _ in range(epochs):
+        order = list(range(groups)) if draw is None else draw.permutation(groups).tolist()
+        for start in range(0, groups, per):
+            plan.append([g * n + i for g in sorted(order[start : start + per]) for i in range(n)])
+    return plan
 
 
 def old_logprobs(cols: Columns, logprobs: torch.Tensor) -> torch.Tensor:

@@ -203,10 +203,10 @@ class TorchTrainer:
     def train_step(self, batch: TrainBatch) -> StepResult:
         """One RL step on ``batch``: one weight version, made of one optimizer update per
         mini-batch per epoch (``update_plan``); see the module docstring."""
-        start = time.perf_counter()
+        start, c = time.perf_counter(), self.config
         rows = rollout_tensors(batch, self.config.reward_key)
         mbs = self._microbatches(rows)
-        plan = update_plan(rows, self.config.global_batch_size, self.config.ppo_epochs)
+        plan = update_plan(rows, c.global_batch_size, c.ppo_epochs, self._shuffle_seed())
         # Several updates: the old log-probs are the batch's start, scored before any.
         cols = self._columns(rows, mbs, score_old=self.score_old_logprobs or len(plan) > 1)
         extra = batch_metrics(rows, cols, self.version)
@@ -217,6 +217,13 @@ class TorchTrainer:
         metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
         self.version += 1
         return step_result(self.version, rows, metrics | extra | {"optim_steps": len(plan)}, start)
+
+    def _shuffle_seed(self) -> int | None:
+        """This step's mini-batch order: from the seed and the version (a rerun replays it,
+        and every rank draws the same), or None (``shuffle_minibatches`` off)."""
+        if not self.config.shuffle_minibatches:
+            return None
+        return self.config.seed * 1_000_003 + self.version
 
     def _update(self, mbs: list[MicroBatch], cols: Columns, part: list[int]) -> dict[str, float]:
         """One optimizer update on the micro-batches ``mbs`` of the rows ``part``."""
