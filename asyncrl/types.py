@@ -163,6 +163,11 @@ class Sample(Message):
     #: recomputes, log-probs under ``softmax(z / temperature)`` (1.0 when greedy). Last,
     #: so that records written before it (array-like) still decode.
     temperature: float = 1.0
+    #: Further samples of this one's trajectory that a branching workflow made (sub-agent
+    #: calls, context-wipe segments, tree-search siblings): each trained as a row of its
+    #: own with its own tokens, mask and versions, and this sample's advantage (design.md
+    #: section 4). After ``temperature``, for the same reason.
+    branches: list[Sample] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Runs on construction and on every decode, so a torn buffer never gets in.
@@ -211,10 +216,10 @@ class Sample(Message):
 
     @property
     def head_version(self) -> int:
-        """The oldest weight version in the response (``admitted_at_version`` if empty)."""
-        if not self.packed_response:
-            return self.admitted_at_version
-        return int(self.token_versions.min())
+        """The oldest weight version in the response and its branches'
+        (``admitted_at_version`` if none has a token)."""
+        heads = [int(x.token_versions.min()) for x in (self, *self.branches) if x.packed_response]
+        return min(heads) if heads else self.admitted_at_version
 
     def staleness(self, version: int) -> int:
         """Head staleness at trainer version ``version``: ``version - head_version``."""
@@ -360,14 +365,19 @@ class Group(Message):
         return self._versions()[0]
 
     def _versions(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every token's version, sample by sample (each with its branches' after its
+        own), and each sample's count of them."""
         # Slicing the packed buffers and joining once beats a numpy view per sample.
         parts, lengths = [], []
         for sample in self.samples:
-            raw = sample.packed_response
-            n = len(raw) // _BYTES_PER_TOKEN
-            lengths.append(n)
-            if n:
-                parts.append(raw[8 * n : 12 * n])
+            total = 0
+            for one in (sample, *sample.branches):
+                raw = one.packed_response
+                n = len(raw) // _BYTES_PER_TOKEN
+                total += n
+                if n:
+                    parts.append(raw[8 * n : 12 * n])
+            lengths.append(total)
         return np.frombuffer(b"".join(parts), dtype=_I32), np.array(lengths, dtype=np.int64)
 
     def staleness(self, version: int) -> int:

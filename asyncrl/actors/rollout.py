@@ -304,10 +304,11 @@ class RolloutActor(Actor):
             sample.status, sample.error = SampleStatus.FAILED, f"{type(exc).__name__}: {exc}"
             log.warning("sample failed", uid=sample.uid, error=sample.error)
             return
-        if isinstance(result, list):
-            raise TypeError("branching workflows are not supported by RolloutActor yet")
-        if result is not sample:
-            raise TypeError("a workflow must return the sample it was given")
+        try:
+            attach_branches(sample, result)
+        except TypeError as exc:  # the workflow broke the contract: its sample fails
+            sample.status, sample.error = SampleStatus.FAILED, f"workflow: {exc}"
+            log.warning("sample failed", uid=sample.uid, error=sample.error)
 
     async def _wait_loaded(self) -> None:
         """Until the weights loop loads a new version (or a request's wait passes)."""
@@ -319,7 +320,9 @@ class RolloutActor(Actor):
         """Tally a returned group; ``tokens`` counts only what this run generated (a resumed
         partial's earlier tokens were counted by the run that generated them)."""
         self.counts["groups"] += 1
-        self.counts["tokens"] += sum(s.response_length for s in group.samples) - resumed
+        self.counts["tokens"] += (
+            sum(x.response_length for s in group.samples for x in (s, *s.branches)) - resumed
+        )
         for s in group.samples:
             self.counts["samples"] += 1
             self.counts["failed"] += s.status is SampleStatus.FAILED
@@ -432,6 +435,43 @@ class RolloutActor(Actor):
         if receiver is None or not any(receiver.counts.values()):
             return {}
         return {f"rollout/weights_{k}": float(v) for k, v in receiver.counts.items()}
+
+
+def attach_branches(sample: Sample, result: object) -> None:
+    """Check what a workflow returned for ``sample`` and keep its branches there.
+
+    A workflow returns the sample it was given, or a list holding it (the root: its
+    reward is the trajectory's) and the branches of its trajectory. Each branch must be a
+    finished sample (completed or truncated) with prompt and response tokens; it takes
+    the root's group, index and admission, and the uid ``<root uid>/b<k>``. A root that
+    was aborted (to resume later) keeps no branches: its next run makes them again.
+    ``TypeError`` says what is wrong."""
+    if result is sample:
+        return
+    if not isinstance(result, list) or not any(x is sample for x in result):
+        raise TypeError(
+            "a workflow must return the sample it was given, or a list that holds it and "
+            f"its branches; got {type(result).__name__}"
+        )
+    branches = [x for x in result if x is not sample]
+    for k, b in enumerate(branches):
+        if not isinstance(b, Sample):
+            raise TypeError(f"branch {k} is a {type(b).__name__}, not a Sample")
+        if b.status not in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
+            raise TypeError(f"branch {k} is {b.status} ({b.error or 'no reason'}): "
+                            "a branch must be finished")  # fmt: skip
+        if not b.response_length or not len(b.prompt_tokens):
+            raise TypeError(f"branch {k} has no prompt or no response tokens")
+        if b.branches:
+            raise TypeError(f"branch {k} has branches of its own: give them to the root")
+    if not sample.is_done:
+        return
+    sample.branches = [
+        msgspec.structs.replace(b, uid=f"{sample.uid}/b{k}", group_id=sample.group_id,
+                                index=sample.index, prompt_id=sample.prompt_id,
+                                admitted_at_version=sample.admitted_at_version)
+        for k, b in enumerate(branches)
+    ]  # fmt: skip
 
 
 def _samples_of(item: WorkItem) -> list[Sample]:

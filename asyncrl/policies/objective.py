@@ -52,8 +52,13 @@ def compute_advantages(
     *,
     values_BT: torch.Tensor | None = None,
     kl_BT: torch.Tensor | None = None,
+    branch_roots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token advantages ``[B, T]`` (and returns for the critic) for ``B = G * N`` samples.
+    """Token advantages ``[B, T]`` (and returns for the critic) for ``G * N`` samples and,
+    with ``branch_roots``, their branches: rows ``G * N + j`` whose sample is row
+    ``branch_roots[j]``. A branch is part of its sample's trajectory: it takes the
+    sample's advantage, and its tokens' KL counts in the sample's (sequence-level
+    estimators only: a per-token return has no value for a branch).
 
     KL reward shaping with ``k = kl_coef`` and per-token ``kl_t`` (from the reference model):
 
@@ -68,12 +73,14 @@ def compute_advantages(
     Returns are given for ``ppo`` (the critic's target), else None.
 
     ``custom_advantage_path`` names ``fn(scores_GN, mask_BT, kl_BT)`` that replaces all of
-    the above: it returns ``[G, N]`` (a sample's advantage, spread over its loss tokens)
-    or ``[B, T]`` (per token, masked after); ``kl_BT`` is the per-token KL against the
-    reference model, or None without one. ``normalize_advantages`` still applies.
+    the above: it returns ``[G, N]`` (a sample's advantage, spread over its loss tokens
+    and its branches') or ``[B, T]`` (per token, masked after; every row, branches too);
+    ``kl_BT`` is the per-token KL against the reference model, or None without one.
+    ``normalize_advantages`` still applies.
     """
+    roots = branch_roots if branch_roots is not None and len(branch_roots) else None
     if cfg.custom_advantage_path:
-        return _custom_advantages(cfg, scores_GN, mask_BT, kl_BT), None
+        return _custom_advantages(cfg, scores_GN, mask_BT, kl_BT, roots), None
     mask = mask_BT.float()
     shaping = cfg.kl_coef > 0
     if shaping and kl_BT is None:
@@ -82,6 +89,12 @@ def compute_advantages(
     scores = scores_GN.float()
     returns = None
     estimator = cfg.advantage_estimator
+    if estimator in ("reinforce_pp", "ppo") and roots is not None:
+        raise ValueError(
+            f"the {estimator} estimator's per-token returns give a branch of a trajectory no "
+            "value: a branching workflow needs a sequence-level estimator (grpo, dr_grpo, "
+            "rloo, reinforce_pp_baseline, gspo, cispo)"
+        )
     if estimator in ("reinforce_pp", "ppo"):
         rewards = last_token_rewards(scores.flatten(), mask) - cfg.kl_coef * kl
         if estimator == "ppo":
@@ -91,12 +104,12 @@ def compute_advantages(
         else:
             advantages = discounted_returns(rewards, mask, cfg.gamma)
     elif estimator == "reinforce_pp_baseline":
-        per_sample = group_advantages(scores, estimator).reshape(-1, 1)
-        advantages = (per_sample - cfg.kl_coef * kl) * mask
+        per_sample = with_branches(group_advantages(scores, estimator).flatten(), roots)
+        advantages = (per_sample.reshape(-1, 1) - cfg.kl_coef * kl) * mask
     else:
-        seq_kl = kl.sum(dim=1).reshape(scores.shape)
-        per_sample = group_advantages(scores - cfg.kl_coef * seq_kl, estimator).reshape(-1, 1)
-        advantages = per_sample * mask
+        seq_kl = trajectory_sums(kl.sum(dim=1), roots).reshape(scores.shape)
+        per_sample = group_advantages(scores - cfg.kl_coef * seq_kl, estimator).flatten()
+        advantages = with_branches(per_sample, roots).reshape(-1, 1) * mask
     if cfg.normalize_advantages:
         advantages = masked_whiten(advantages, mask)
     return advantages, returns
@@ -187,16 +200,33 @@ def load_hooks(cfg: PolicyConfig) -> None:
         _hook(cfg.custom_loss_path, "custom loss")
 
 
+def with_branches(per_sample: torch.Tensor, roots: torch.Tensor | None) -> torch.Tensor:
+    """``[G * N]`` per-sample values, then each branch's sample's: ``[B]``."""
+    return per_sample if roots is None else torch.cat([per_sample, per_sample[roots]])
+
+
+def trajectory_sums(per_row: torch.Tensor, roots: torch.Tensor | None) -> torch.Tensor:
+    """``[B]`` per-row values summed into their samples' rows: ``[G * N]``."""
+    if roots is None:
+        return per_row
+    n = len(per_row) - len(roots)
+    return per_row[:n].index_add(0, roots.to(per_row.device), per_row[n:])
+
+
 def _custom_advantages(
-    cfg: PolicyConfig, scores_GN: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None
+    cfg: PolicyConfig,
+    scores_GN: torch.Tensor,
+    mask_BT: torch.Tensor,
+    kl_BT: torch.Tensor | None,
+    roots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     assert cfg.custom_advantage_path is not None
     fn = _hook(cfg.custom_advantage_path, "custom advantage")
     mask = mask_BT.float()
     out = torch.as_tensor(fn(scores_GN.float(), mask, kl_BT), dtype=torch.float32)
     out = out.to(mask.device)
-    if out.shape == scores_GN.shape:
-        out = out.reshape(-1, 1) * mask
+    if out.shape == scores_GN.shape:  # per sample: a branch takes its sample's
+        out = with_branches(out.flatten(), roots).reshape(-1, 1) * mask
     elif out.shape == mask.shape:
         out = out * mask
     else:

@@ -82,6 +82,7 @@ def step_columns(
         rows.mask.to(device),
         values_BT=cols["values"][:-1] if "values" in cols else None,
         kl_BT=kl[:-1] if kl is not None else None,
+        branch_roots=torch.tensor(rows.branch_roots, dtype=torch.long, device=device),
     )
     cols["advantages"] = pad_row(advantages)
     if returns is not None:
@@ -108,11 +109,13 @@ def update_plan(
         return [list(range(rows.num_rows))] * epochs
     per = groups if global_batch_size is None else max(1, global_batch_size // max(n, 1))
     draw = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
+    row_groups = rows.row_groups()  # a group's branches go with it
     plan = []
     for _ in range(epochs):
         order = list(range(groups)) if draw is None else draw.permutation(groups).tolist()
         for start in range(0, groups, per):
-            plan.append([g * n + i for g in sorted(order[start : start + per]) for i in range(n)])
+            chosen = set(order[start : start + per])
+            plan.append([r for r, g in enumerate(row_groups) if g in chosen])
     return plan
 
 

@@ -1,8 +1,9 @@
 """A ``TrainBatch`` (or SFT examples) as the trainer's tensors, rows in sample order.
 
 Called by ``torch_trainer.py`` at the start of each step. Rows are the samples of the
-kept groups, group by group (``B = G * n``); response columns are right padded to the
-longest response ``T``. A group is dropped whole (and counted) when any sample is not
+kept groups, group by group (``G * n``), then the branches of those samples in the same
+order (``branch_roots`` gives each one's sample row); response columns are right padded
+to the longest response ``T``. A group is dropped whole (and counted) when any sample is not
 usable (status other than completed or truncated) or has no finite score: group
 baselines need every sample, and a partial group would bias them.
 """
@@ -45,6 +46,15 @@ class RolloutTensors:
     truncated_share: float = 0.0
     #: Mean over the rows of each other entry of dict rewards (reward terms), by name.
     reward_terms: dict[str, float] = field(default_factory=dict)
+    #: The rows after the ``G * n`` samples are their branches (``Sample.branches``):
+    #: ``branch_roots[j]`` is the row of branch row ``G * n + j``'s sample.
+    branch_roots: list[int] = field(default_factory=list)
+
+    def row_groups(self) -> list[int]:
+        """The group of every row (a branch's is its sample's)."""
+        n = max(1, int(self.scores_GN.shape[1])) if self.scores_GN.numel() else 1
+        roots = range(self.num_rows - len(self.branch_roots))
+        return [r // n for r in roots] + [r // n for r in self.branch_roots]
 
     @property
     def num_rows(self) -> int:
@@ -80,7 +90,10 @@ def sample_score(reward: float | dict[str, float] | None, key: str) -> float:
 
 def _trainable(group: Group, key: str) -> bool:
     return all(
-        s.status in USABLE and math.isfinite(sample_score(s.reward, key)) for s in group.samples
+        s.status in USABLE
+        and math.isfinite(sample_score(s.reward, key))
+        and all(b.status in USABLE for b in s.branches)
+        for s in group.samples
     )
 
 
@@ -98,7 +111,9 @@ def rollout_tensors(batch: TrainBatch, reward_key: str = "score") -> RolloutTens
     sizes = sorted({len(g.samples) for g in groups})
     if len(sizes) > 1:
         raise ValueError(f"batch {batch.batch_id}: groups of different sizes {sizes}")
-    samples = [s for g in groups for s in g.samples]
+    roots = [s for g in groups for s in g.samples]
+    branch_roots = [i for i, s in enumerate(roots) for _ in s.branches]
+    samples = roots + [b for s in roots for b in s.branches]
     for s in samples:
         if len(s.prompt_tokens) == 0:
             raise ValueError(f"sample {s.uid}: empty prompt, its first token has no context")
@@ -118,8 +133,9 @@ def rollout_tensors(batch: TrainBatch, reward_key: str = "score") -> RolloutTens
         scores_GN=torch.tensor(scores, dtype=torch.float32),
         temperatures=[s.temperature for s in samples],
         num_dropped_groups=len(batch.groups) - len(groups),
-        reward_terms=_term_means(samples, reward_key),
+        reward_terms=_term_means(roots, reward_key),
         truncated_share=sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
+        branch_roots=branch_roots,
     )
 
 
