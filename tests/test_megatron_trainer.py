@@ -107,6 +107,20 @@ def test_loss_and_first_update_equal_the_torch_trainers(cpu, tiny_dir, ref_dir, 
     same_step(torch_trainer.train_step(make_batch(1)), mega.train_step(make_batch(1)), LOSS_TERMS)
 
 
+def test_mini_batches_and_epochs_equal_the_torch_trainers(cpu, tiny_dir):
+    """Two mini-batches of whole groups a pass, two passes, the groups shuffled: each
+    update of both trainers on the same rows, so the same weights after the step; one
+    version, four updates (the LR schedule and Adam count updates)."""
+    mini = {"global_batch_size": 4, "ppo_epochs": 2, "adam_eps": 1e-5}
+    torch_trainer = TorchTrainer(config(tiny_dir, "torch", **mini), ALGO)
+    mega = megatron(tiny_dir, **mini)
+    want, got = torch_trainer.train_step(make_batch()), mega.train_step(make_batch())
+    assert got.metrics["optim_steps"] == want.metrics["optim_steps"] == 6  # 3 groups x 2
+    assert mega.version == 1 and mega.updates == 6
+    same_step(want, got, ("loss", "pg_loss", "grad_norm", "num_tokens"))
+    assert max_diff(mega.export_weights(), torch_trainer.export_weights()) < 1e-5
+
+
 def test_micro_batch_splitting_does_not_change_the_step(cpu, tiny_dir):
     one = megatron(tiny_dir, max_tokens_per_microbatch=10_000).train_step(make_batch(2))
     many = megatron(tiny_dir, max_tokens_per_microbatch=16).train_step(make_batch(2))
@@ -158,14 +172,19 @@ def test_save_hf_reloads_with_the_exported_weights(cpu, tiny_dir, tmp_path):
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
-def test_a_checkpoint_resumes_bit_exactly(cpu, tiny_dir, ref_dir, tmp_path):
-    trainer = megatron(tiny_dir, ref_model_path=str(ref_dir), lr_schedule="cosine", total_steps=4)
-    trainer.train_step(make_batch(0))
+@pytest.mark.parametrize("updates", [1, 2], ids=["one-update", "two-mini-batches"])
+def test_a_checkpoint_resumes_bit_exactly(cpu, tiny_dir, ref_dir, tmp_path, updates: int):
+    """With two updates a version, the LR schedule and Adam's step count resume at the
+    update count, not the version."""
+    mini = {"global_batch_size": 8} if updates == 2 else {}
+    settings = {"ref_model_path": str(ref_dir), "lr_schedule": "cosine", "total_steps": 8, **mini}
+    trainer = megatron(tiny_dir, **settings)
+    trainer.train_step(make_batch(0, num_groups=4, group_size=4))
     trainer.save_checkpoint(tmp_path / "ckpt")
     want = trainer.train_step(make_batch(1))
-    resumed = megatron(tiny_dir, ref_model_path=str(ref_dir), lr_schedule="cosine", total_steps=4)
+    resumed = megatron(tiny_dir, **settings)
     resumed.load_checkpoint(tmp_path / "ckpt")
-    assert resumed.version == 1
+    assert resumed.version == 1 and resumed.updates == updates
     got = resumed.train_step(make_batch(1))
     assert got.version == want.version == 2
     assert got.metrics["loss"] == want.metrics["loss"] and got.metrics["lr"] == want.metrics["lr"]

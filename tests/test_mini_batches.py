@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from asyncrl.policies import PolicyConfig
 from asyncrl.trainers.rl_columns import update_plan
@@ -114,9 +113,3 @@ def test_later_updates_weigh_against_the_batchs_starting_policy(tiny):
     assert abs(metrics["ratio"] - 1.0) > 1e-3 or metrics["clip_frac"] > 0
     single = TorchTrainer(config(tiny, lr=1e-2)).train_step(make_batch(3)).metrics
     assert single["ratio"] == pytest.approx(1.0, abs=1e-6)
-
-
-def test_mini_batches_the_megatron_backend_does_not_make_are_refused(tiny):
-    with pytest.raises(ValidationError, match="global_batch_size, ppo_epochs"):
-        TorchTrainer.Config(model_path=str(tiny), backend="megatron", global_batch_size=4,
-                            ppo_epochs=2)  # fmt: skip

@@ -253,8 +253,6 @@ class TrainerConfig(BaseModel):
             )
         torch_only = {
             "lora": self.lora.enabled,
-            "global_batch_size": self.global_batch_size is not None,
-            "ppo_epochs": self.ppo_epochs > 1,
             "parallel": self.parallel != "ddp",
             "attn_implementation": self.attn_implementation is not None,
             "critic": bool(self.critic),

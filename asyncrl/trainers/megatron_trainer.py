@@ -21,7 +21,9 @@ One ``train_step(batch)`` (every rank gets the same batch and plans the same way
     grad        get_forward_backward_func (1F1B with PP): forward, the loss on the last
                 stage, backward; finalize_model_grads reduces over DP
     update      optimizer.step (clip by the pre-clip global norm, reported), LR from the
-                schedule of ``learner.lr_factor``, version += 1
+                schedule of ``learner.lr_factor`` over updates; with mini-batches or
+                PPO epochs (``update_plan``) one update each, the old log-probs scored
+                first; version += 1 once a batch
 
 Losses. ``rl_loss`` / ``sft_loss`` use step-global denominators (``LossScale``), so the
 step loss is the sum of micro-batch losses over micro-batches and DP ranks. megatron's
@@ -85,6 +87,7 @@ from asyncrl.trainers.rl_columns import (
     pad_row,
     step_columns,
     step_result,
+    update_plan,
 )
 from asyncrl.trainers.rng import load_rng, rng_state, seed_everything, set_rng_state
 from asyncrl.trainers.rollout_tensors import RolloutTensors, rollout_tensors, sft_tensors
@@ -133,6 +136,7 @@ class MegatronTrainer:
         self.device = _device(config.device)
         seed_everything(config.seed)
         self.version = 0
+        self.updates = 0  # optimizer updates: the LR schedule's and Adam's step count
         self.hf = AutoConfig.from_pretrained(config.model_path)
         self.te = _use_te(config.megatron.transformer_impl)
         self.layout = _join_model_parallel(config, self.hf)
@@ -247,13 +251,15 @@ class MegatronTrainer:
         )
 
     # -- micro-batches and the schedule ---------------------------------------------------
-    def _microbatches(self, rows: RolloutTensors) -> list[MicroBatch]:
-        """This DP rank's micro-batches of the rows with loss tokens (at least one: the
-        empty stand-in, row ``B``, when the rank has no rows)."""
+    def _microbatches(
+        self, rows: RolloutTensors, part: list[int] | None = None
+    ) -> list[MicroBatch]:
+        """This DP rank's micro-batches of the rows (of ``part``) with loss tokens (at
+        least one: the empty stand-in, row ``B``, when the rank has no rows)."""
         from megatron.core import parallel_state as ps
 
         n = rows.num_rows
-        active = [i for i in range(n) if bool(rows.mask[i].any())]
+        active = [i for i in (range(n) if part is None else part) if bool(rows.mask[i].any())]
         lengths = [len(rows.sequences[i]) for i in active]
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         plan = plan_ranks(lengths, self.config.max_tokens_per_microbatch, dp)[dp_rank]
@@ -339,7 +345,7 @@ class MegatronTrainer:
     def _train(
         self, mbs: list[MicroBatch], mask: torch.Tensor, loss_of: LossOf
     ) -> dict[str, float]:
-        """One optimizer step over ``mbs``; returns the step metrics (every rank)."""
+        """One optimizer update over ``mbs``; returns its metrics (every rank)."""
         from megatron.core import parallel_state as ps
 
         scale = len(mbs) * ps.get_data_parallel_world_size()  # see "Losses" above
@@ -353,13 +359,13 @@ class MegatronTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._schedule(self.model, mbs, loss, forward_only=False)
-        lr = self.config.lr * lr_factor(self.version, self._settings())
+        lr = self.config.lr * lr_factor(self.updates, self._settings())
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         _, grad_norm, _ = self.optimizer.step()
         if grad_norm is None:  # no clipping: measured alone
             grad_norm = self.optimizer.get_grad_norm()
-        self.version += 1
+        self.updates += 1
         keys = self._metric_keys(sorted(tally.sums))
         metrics = (tally if self._holds_loss() else Tally()).reduce(keys, self._all_reduce_sum)
         return metrics | {"grad_norm": float(grad_norm), "lr": lr}
@@ -386,19 +392,29 @@ class MegatronTrainer:
     # -- the RL step ----------------------------------------------------------------------
     @_on_device
     def train_step(self, batch: TrainBatch) -> StepResult:
-        """One RL optimizer step on ``batch``; see the module docstring."""
-        start = time.perf_counter()
-        rows = rollout_tensors(batch, self.config.reward_key)
+        """One RL step on ``batch``: one weight version, made of one optimizer update per
+        mini-batch per epoch (``update_plan``, as the torch trainer's); see the module
+        docstring."""
+        start, c = time.perf_counter(), self.config
+        rows = rollout_tensors(batch, c.reward_key)
         mbs = self._microbatches(rows)
         shape = (rows.num_rows + 1, rows.width)
+        seed = c.seed * 1_000_003 + self.version if c.shuffle_minibatches else None
+        plan = update_plan(rows, c.global_batch_size, c.ppo_epochs, seed)
         cols = step_columns(
             self.algo, rows, self.device, lambda which: self._score(which, mbs, shape),
-            ref=self.ref is not None, critic=False, score_old=self.score_old_logprobs,
+            ref=self.ref is not None, critic=False,
+            score_old=self.score_old_logprobs or len(plan) > 1,
         )  # fmt: skip
-        loss_scale = LossScale.of(rows.mask, self.algo.max_response_len)
         extra = batch_metrics(rows, cols, self.version)
-        metrics = self._train(mbs, cols["mask"], partial(self._rl_loss, cols, loss_scale))
-        return step_result(self.version, rows, metrics | extra, start)
+        updates = []
+        for part in plan:
+            scale = LossScale.of(rows.mask[part], self.algo.max_response_len)
+            part_mbs = mbs if len(plan) == 1 else self._microbatches(rows, part)
+            updates.append(self._train(part_mbs, cols["mask"], partial(self._rl_loss, cols, scale)))
+        metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
+        self.version += 1
+        return step_result(self.version, rows, metrics | extra | {"optim_steps": len(plan)}, start)
 
     def _rl_loss(
         self, cols: Columns, scale: LossScale, mb: MicroBatch, logits: torch.Tensor
@@ -440,7 +456,9 @@ class MegatronTrainer:
             loss = sft_loss(to_rows(logprobs, mb), mask[mb.rows], scale=scale)
             return loss, {"loss": loss.detach()}
 
-        return step_result(self.version, rows, self._train(mbs, mask, loss_of), start)
+        metrics = self._train(mbs, mask, loss_of)
+        self.version += 1
+        return step_result(self.version, rows, metrics, start)
 
     # -- weights and checkpoints ----------------------------------------------------------
     @_on_device
@@ -486,6 +504,7 @@ class MegatronTrainer:
         if dist.get_rank() == 0:
             state = {
                 "version": self.version,
+                "updates": self.updates,
                 "layout": self.layout,
                 "config": self.config.model_dump(mode="json"),
                 "algo": self.algo.model_dump(mode="json"),
@@ -504,6 +523,7 @@ class MegatronTrainer:
         try:
             saved = json.loads((path / "trainer.json").read_text())
             version = int(saved["version"])
+            updates = int(saved.get("updates", version))  # one a version before mini-batches
             _same_model_split(saved.get("layout", {}), self.layout, path)
             state = dist_checkpointing.load(
                 self._sharded_state(loading=True, version=version), str(path / "megatron")
@@ -519,7 +539,7 @@ class MegatronTrainer:
         if "optimizer" in state:
             with torch.no_grad():  # it copies into views of the parameters
                 self.optimizer.load_state_dict(state["optimizer"])
-            _set_adam_steps(self.optimizer, version)
+            _set_adam_steps(self.optimizer, updates)
         elif self.version > 0:  # back to before the first step: a fresh Adam
             self.optimizer = self._optimizer()
         rng = path / "rng" / f"rank{dist.get_rank()}.pt"
@@ -527,7 +547,7 @@ class MegatronTrainer:
             saved = load_rng(rng)
             set_rng_state(saved["global"])
             get_cuda_rng_tracker().set_states(saved["tracker"])
-        self.version = version
+        self.version, self.updates = version, updates
 
     def _sharded_state(self, *, loading: bool, version: int | None = None) -> dict[str, Any]:
         """The model's (and, after a step, the optimizer's) sharded state; Adam has no
@@ -549,8 +569,8 @@ def _set_adam_steps(optimizer: Any, steps: int) -> None:
     ``steps``. The distributed optimizer's checkpoint keeps Adam's moments but not this
     count (fused Adams keep it elsewhere); on load megatron gives every parameter one
     shared count tensor, which torch's Adam then increments once per parameter per step.
-    Every step of this trainer updates (fp16, whose loss scaling skips overflowing steps,
-    is refused), so the count is the version."""
+    Every update of this trainer steps (fp16, whose loss scaling skips overflowing steps,
+    is refused), so the count is the trainer's ``updates``."""
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in chained.optimizer.state.values():
             if "step" in state:
