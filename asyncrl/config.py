@@ -454,7 +454,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _adapter_versions_reach_the_engines(self) -> RunConfig:
         """Only the embedded torch engine merges adapter-only versions (lora_merge.py),
-        from versions it pulls or reads from disk."""
+        which reach it by any transport."""
         lora = self.trainer.lora if self.trainer is not None else None
         if lora is None or not lora.enabled or lora.publish != "adapters":
             return self
@@ -474,13 +474,6 @@ class RunConfig(Section):
                 f"they load ({other[0]}), which must be the trainer's base "
                 f"({self.trainer.model_path if self.trainer else None}); drop the engine's "
                 "model_path or set --lora-publish merged",
-                ("trainer", "lora", "publish"),
-            )
-        if self.train.publish not in ("pull", "disk"):
-            raise KeyConflict(
-                f"trainer.lora.publish adapters goes by pull or disk, not "
-                f"{self.train.publish}: set --update-weight-transport pull (adapters are "
-                "small), or --lora-publish merged",
                 ("trainer", "lora", "publish"),
             )
         return self

@@ -149,7 +149,6 @@ def test_lora_settings_that_cannot_work_are_refused(tiny):
     base = ["--hf-checkpoint", str(tiny), "--prompt-data", "p.jsonl", "--lora-rank", "4",
             "--lora-publish", "adapters"]  # fmt: skip
     for extra, reason in (
-        (["--update-weight-transport", "dist"], "goes by pull or disk"),
         (["--rollout.engine.model-path", "/elsewhere"], "must be the trainer's base"),
         (["--rollout.engine.type", "sglang", "--rollout.engine.urls", '["http://h:1"]'],
          "only the embedded torch engine"),
@@ -347,3 +346,28 @@ def test_the_reference_is_the_policy_with_its_adapters_off(tiny, tmp_path):
         assert a.metrics["kl_loss"] == pytest.approx(b.metrics["kl_loss"], abs=1e-7), step
         kls.append(a.metrics["kl_loss"])
     assert kls[0] == pytest.approx(0.0, abs=1e-7) and kls[1] > 1e-6  # B = 0, then it moved
+
+
+@pytest.mark.parametrize("transport", ["dist", "ipc"])
+async def test_adapter_versions_reach_the_engine_by_broadcast_and_shared_memory(
+    tiny, tmp_path, transport
+):
+    """Adapter-only versions by the dist (gloo) and ipc (shared memory) transports: the
+    engine merges each onto its base as it does a pulled one."""
+    import json
+
+    from asyncrl.job import run_job
+    from tests.test_train import job_flags, write_prompts
+
+    (tmp_path / "model").symlink_to(tiny, target_is_directory=True)
+    write_prompts(tmp_path / "prompts.jsonl")
+    flags = [*job_flags(tmp_path, 3), "--lora-rank", "4", "--lora-alpha", "8",
+             "--lora-publish", "adapters", "--update-weight-transport", transport]  # fmt: skip
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok and result.steps == 3, result.error
+    rows = (tmp_path / "run" / "metrics" / "rollout-0.jsonl").read_text().splitlines()
+    last = json.loads(rows[-1])
+    if transport == "ipc":  # every version from the trainer's memory
+        assert last["rollout/weights_shared"] >= 1 and last["rollout/weights_pulled"] == 0, last
+    else:  # by broadcast once the group has formed (a version before it is pulled)
+        assert last["rollout/weights_broadcast"] >= 1, last

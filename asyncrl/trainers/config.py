@@ -94,7 +94,7 @@ class LoraConfig(BaseModel):
         "merged",
         description="what a weight version carries: merged (full weights, any engine and "
         "transport) or adapters (A, B and alpha/r only; the embedded engine merges them "
-        "onto its base weights; pull or disk)",
+        "onto its base weights; any transport)",
         json_schema_extra={"flag": "lora-publish"},
     )
 
