@@ -371,3 +371,26 @@ async def test_adapter_versions_reach_the_engine_by_broadcast_and_shared_memory(
         assert last["rollout/weights_shared"] >= 1 and last["rollout/weights_pulled"] == 0, last
     else:  # by broadcast once the group has formed (a version before it is pulled)
         assert last["rollout/weights_broadcast"] >= 1, last
+
+
+def test_a_disk_adapter_version_is_a_peft_folder_that_peft_loads(tiny, tmp_path):
+    """On disk an adapter version is peft's layout (so peft, vLLM and SGLang load it), and
+    reads back as the same version."""
+    from peft import PeftModel
+
+    from asyncrl.trainers.weight_sync import _load_dir, write_version_dir
+
+    trainer = lora_trainer(tiny, publish="adapters")
+    trainer.train_step(make_batch())  # B moves off 0
+    version = trainer.export_weights()
+    write_version_dir(tmp_path / "v1", version)
+    assert sorted(p.name for p in (tmp_path / "v1").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]  # fmt: skip
+    back = _load_dir(tmp_path / "v1")
+    assert back.keys() == version.keys() and all(torch.equal(back[k], version[k]) for k in back)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), tmp_path / "v1")
+    merged = AutoModelForCausalLM.from_pretrained(tiny)
+    merged.load_state_dict(trainer.policy.hf_weights())
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.allclose(adapted.eval()(ids).logits, merged.eval()(ids).logits, atol=1e-5)

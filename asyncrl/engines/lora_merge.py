@@ -17,7 +17,11 @@ version leaves nothing behind that the next one depends on.
 anything is copied; ``load_into`` then writes each merged weight straight into the
 model's tensor (no second copy of the model at any time).
 
-Users: ``TorchEngine.update_weights_from_tensors``; ``trainers/lora.py`` writes the format.
+On disk (the ``disk`` transport) a version is a peft adapter folder (``peft_layout``,
+``read_peft_dir``), which peft, vLLM and SGLang load as well.
+
+Users: ``TorchEngine.update_weights_from_tensors``; ``trainers/lora.py`` writes the format;
+``trainers/weight_sync.py`` writes and reads it on disk.
 """
 
 from __future__ import annotations
@@ -36,6 +40,46 @@ _A, _B = ".lora_A.weight", ".lora_B.weight"
 
 def is_adapter_version(tensors: dict[str, torch.Tensor]) -> bool:
     return SCALING in tensors
+
+
+#: peft's prefix of an adapter's tensor names, and its files (``PeftModel.save_pretrained``).
+PEFT_PREFIX = "base_model.model."
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def peft_layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """An adapter version as peft saves adapters: ``adapter_config.json``'s content (``r``
+    from ``A``'s rows, ``lora_alpha = scaling * r``, the adapted module names) and the
+    tensors under peft's names. peft, vLLM (``--lora-modules``) and SGLang
+    (``/load_lora_adapter``) load such a folder onto the base model."""
+    scaling = float(tensors[SCALING])
+    weights = {PEFT_PREFIX + k: v for k, v in tensors.items() if k != SCALING}
+    ranks = {int(v.shape[0]) for k, v in tensors.items() if k.endswith(_A)}
+    if len(ranks) != 1:
+        raise EngineError(f"an adapter version needs one rank, got {sorted(ranks)}")
+    r = ranks.pop()
+    modules = sorted({k.removesuffix(_A).rsplit(".", 1)[-1] for k in tensors if k.endswith(_A)})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": scaling * r,
+              "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False}  # fmt: skip
+    return config, weights
+
+
+def read_peft_dir(path: Path) -> dict[str, torch.Tensor]:
+    """A peft adapter folder as an adapter version (``peft_layout``'s inverse); plain LoRA
+    only: rsLoRA, DoRA and per-module ranks or alphas are refused by name."""
+    import json
+
+    from safetensors.torch import load_file
+
+    config = json.loads((path / PEFT_CONFIG).read_text())
+    odd = [k for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k)]
+    if odd:
+        raise EngineError(f"{path}: adapters with {', '.join(odd)} are not merged here")
+    weights = load_file(path / PEFT_WEIGHTS)
+    out = {k.removeprefix(PEFT_PREFIX): v for k, v in weights.items()}
+    out[SCALING] = torch.tensor(float(config["lora_alpha"]) / int(config["r"]), dtype=torch.float32)
+    return out
 
 
 class BaseWeights:

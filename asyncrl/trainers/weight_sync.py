@@ -34,6 +34,7 @@ current weights. Called by ``actors/trainer.py`` (publisher) and by engine hosts
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 from collections.abc import Collection
@@ -45,6 +46,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncrl.engines.base import EngineError
+from asyncrl.engines.lora_merge import (
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    is_adapter_version,
+    peft_layout,
+    read_peft_dir,
+)
 from asyncrl.observe.logs import get_logger
 from asyncrl.trainers.weight_buckets import Sink
 from asyncrl.trainers.weight_group import BroadcastGroup, GroupMembership
@@ -364,17 +372,25 @@ def _collector(out: dict[str, torch.Tensor] | None) -> tuple[dict[str, torch.Ten
 
 
 def write_version_dir(final: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """``tensors`` as ``final/model.safetensors``, whole or not at all: written to a
-    temporary directory, then renamed into place."""
+    """``tensors`` as ``final/model.safetensors`` (an adapter version: a peft adapter
+    folder, ``lora_merge.peft_layout``), whole or not at all: written to a temporary
+    directory, then renamed into place."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
+    if is_adapter_version(tensors):
+        config, weights = peft_layout(tensors)
+        (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=1))
+        save_file({k: v.contiguous() for k, v in weights.items()}, tmp / PEFT_WEIGHTS)
+    else:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / "model.safetensors")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
 
 
 def _load_dir(path: Path) -> dict[str, torch.Tensor]:
+    if (path / PEFT_CONFIG).is_file():
+        return read_peft_dir(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path} (was version pruned? keep more)")
