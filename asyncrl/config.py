@@ -147,8 +147,8 @@ class RayConfig(Section):
         json_schema_extra={"flag": "ray-address"},
     )
     namespace: str = Field("asyncrl", description="Ray namespace of the job's actors")
-    roles: dict[Literal["buffer", "rollout", "engine", "trainer", "eval"], RayRole] = Field(
-        default_factory=dict, description="resources of each role's actors (default: none)"
+    roles: dict[Literal["buffer", "rollout", "engine", "trainer", "eval", "reward"], RayRole] = (
+        Field(default_factory=dict, description="resources of each role's actors (default: none)")
     )
     rollout_placement: Literal["spread", "pack"] = Field(
         "spread", description="rollout and engine actors spread over nodes or packed"

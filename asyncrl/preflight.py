@@ -270,7 +270,8 @@ def _code_checks(cfg: RunConfig) -> list[Callable[[], Any]]:
     rewards = [cfg.rollout.reward, *(s.reward for s in cfg.eval.sets if s.reward)]
     built = ("custom", "judge")  # user code, or a judge's API key, is checked at build
     custom = [r for r in rewards if r.type in built or any(t.type in built for t in r.terms)]
-    checks += [lambda r=r: build_reward(r) for r in custom]
+    # A model term beside them is served by the reward actor: a stand-in is enough here.
+    checks += [lambda r=r: build_reward(r, reward_model=_NOT_SERVED) for r in custom]
     if cfg.algo.custom_advantage_path or cfg.algo.custom_loss_path:
         from asyncrl.policies.objective import load_hooks
 
@@ -285,6 +286,16 @@ def _code_checks(cfg: RunConfig) -> list[Callable[[], Any]]:
     checks += [lambda name=name: load_filter(name) for name in cfg.buffer.filters]
     checks.append(lambda: load_priority(cfg.buffer.priority))
     return checks
+
+
+class _NotServed:
+    """The reward model of a check that scores nothing (the reward actor serves it)."""
+
+    async def score(self, prompt: Any, response: str) -> float:
+        raise RuntimeError("no reward model is served in the preflight")
+
+
+_NOT_SERVED = _NotServed()
 
 
 def tool_schemas(cfg: RunConfig) -> list[dict[str, Any]] | None:

@@ -56,7 +56,7 @@ def job_reward_model(cfg: RunConfig) -> RewardModelConfig | None:
     unless the trainer reads its batches from files, and the eval sets' when eval runs
     (``RunConfig`` allows one a job)."""
     rewards = [] if cfg.train.load_rollout_data is not None else [cfg.rollout.reward]
-    rewards += [s.reward for s in cfg.eval.sets] if cfg.eval.enabled else []
+    rewards += [s.reward or cfg.rollout.reward for s in cfg.eval.sets] if cfg.eval.enabled else []
     found = reward_models(*rewards)
     return found[0] if found else None
 

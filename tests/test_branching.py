@@ -75,7 +75,9 @@ def _no_tokens() -> Sample:
 def test_an_aborted_root_keeps_no_branches_its_rerun_makes_them_again():
     root = finished("g/0", [1])
     root.status = SampleStatus.ABORTED
-    attach_branches(root, [root, finished("b", [2])])
+    cut = finished("c", [3])
+    cut.status = SampleStatus.ABORTED  # the same abort cut a branch: not an error
+    attach_branches(root, [root, finished("b", [2]), cut])
     assert root.branches == []
 
 
@@ -185,3 +187,22 @@ def test_a_branching_workflow_trains_in_a_real_job(tmp_path):
     tokens = sum(x.response_length for s in samples for x in (s, *s.branches))
     loss_tokens = sum(int(x.loss_mask.sum()) for s in samples for x in (s, *s.branches))
     assert rows[0]["num_tokens"] == loss_tokens and tokens > sum(s.response_length for s in samples)
+
+
+def test_a_branch_is_trained_at_its_roots_temperature_unless_it_says_another():
+    root = finished("g/0", [1])
+    root.temperature = 0.7
+    default, own = finished("a", [2]), finished("b", [3])
+    own.temperature = 0.5
+    attach_branches(root, [root, default, own])
+    assert [b.temperature for b in root.branches] == [0.7, 0.5]
+
+
+def test_a_resumed_groups_old_tokens_are_masked_in_its_branches_too():
+    from asyncrl.buffer.april import mask_resumed_tokens
+
+    root = finished("g/0", [1, 2], version=3)
+    attach_branches(root, [root, finished("a", [4, 5, 6], version=1)])
+    group = Group(uid="g", prompt_uid="p", samples=[root])
+    assert mask_resumed_tokens(group, resumed_at_version=2) == 3  # the branch's three
+    assert root.loss_mask.tolist() == [1, 1] and root.branches[0].loss_mask.tolist() == [0, 0, 0]

@@ -196,3 +196,56 @@ def test_asyncrl_eval_scores_a_set_with_a_reward_model_in_process(rm_path, tmp_p
     assert main(argv) == 0
     [row] = [json.loads(x) for x in out.read_text().splitlines()]
     assert row["failed"] == 0 and row["reward"] not in (0.0, 1.0)  # the model's mean score
+
+
+async def test_a_pair_that_cannot_be_encoded_fails_alone(rm_path, monkeypatch):
+    config = RewardModelConfig(path=str(rm_path), batch_wait_ms=50)
+    async with RewardModel(config) as rm:
+        render = rm.tokenizer.apply_chat_template
+
+        def strict(chat, **kwargs):  # a template that refuses a role order, say
+            if chat[0]["role"] == "assistant":
+                raise ValueError("conversations start with the user")
+            return render(chat, **kwargs)
+
+        monkeypatch.setattr(rm.tokenizer, "apply_chat_template", strict)
+        bad = [{"role": "assistant", "content": "hi"}]
+        good, broken = await rm.score_many(["1+1=", bad], ["2", "x"])
+    assert isinstance(good, float)
+    assert isinstance(broken, RewardModelError) and "conversations start with the user" in str(
+        broken
+    )
+
+
+async def test_without_a_chat_template_a_pair_is_the_tokenizers_text_pair(rm_path):
+    async with RewardModel(RewardModelConfig(path=str(rm_path))) as rm:
+        rm.tokenizer.chat_template = None
+        ids = rm.encode("1+1=", "2")
+        assert ids == rm.tokenizer("1+1=", "2")["input_ids"]
+        score = await rm.score("1+1=", "2")
+    model = AutoModelForSequenceClassification.from_pretrained(rm_path).eval()
+    with torch.inference_mode():
+        want = float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+    assert score == pytest.approx(want, abs=1e-5)
+
+
+def test_the_eval_sets_fall_back_to_the_rollouts_reward_model(rm_path, tmp_path):
+    """A train-only job (batches from files) still serves the reward model its eval
+    sets use through the rollout reward; a model term beside a custom term preflights."""
+    from asyncrl.preflight import preflight
+    from asyncrl.role_configs import job_reward_model
+    from tests.tiny_model import build_tiny_model
+
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    held = json.dumps([{"name": "held", "path": str(tmp_path / "prompts.jsonl")}])
+    (tmp_path / "dump").mkdir()
+    (tmp_path / "dump" / "batch_000001.msgpack").write_bytes(b"")  # only its name is read here
+    flags = [*job_flags(tmp_path, steps=1), "--reward-model-path", str(rm_path),
+             "--eval-interval", "1", "--eval-sets", held,
+             "--load-debug-rollout-data", str(tmp_path / "dump")]  # fmt: skip
+    model = job_reward_model(load_config(overrides=flags))
+    assert model is not None and model.path == str(rm_path)
+    terms = json.dumps([{"name": "rm", "model": {"path": str(rm_path)}},
+                        {"name": "custom", "path": "tests.test_rewards:sync_reward"}])  # fmt: skip
+    preflight(load_config(overrides=[*job_flags(tmp_path, 1), "--rollout.reward.terms", terms]))

@@ -41,9 +41,10 @@ def remaining_tokens(generated: int, max_new_tokens: int) -> int:
 
 
 def mask_resumed_tokens(group: Group, resumed_at_version: int) -> int:
-    """Zero the loss mask of tokens older than ``resumed_at_version``; returns how many."""
+    """Zero the loss mask of tokens older than ``resumed_at_version`` (branches' too);
+    returns how many."""
     masked = 0
-    for sample in group.samples:
+    for sample in (x for s in group.samples for x in (s, *s.branches)):
         old = sample.token_versions < resumed_at_version
         if old.any():
             masked += int((old & (sample.loss_mask == 1)).sum())

@@ -47,7 +47,7 @@ from asyncrl.buffer.journal import (
 )
 from asyncrl.buffer.versioned import BufferState, VersionedBuffer
 from asyncrl.observe.logs import get_logger
-from asyncrl.types import Group, TrainBatch, WorkItem
+from asyncrl.types import Group, Sample, TrainBatch, WorkItem
 from asyncrl.wire.codec import Message
 
 log = get_logger("asyncrl.buffer")
@@ -312,9 +312,12 @@ class Hub:
 def _snapshot(group: Group) -> Group:
     """A copy of ``group`` that rewriting its samples' columns leaves alone (the columns
     are immutable bytes: copying the records is enough)."""
-    return msgspec.structs.replace(
-        group, samples=[msgspec.structs.replace(s) for s in group.samples]
-    )
+    return msgspec.structs.replace(group, samples=[_copy(s) for s in group.samples])
+
+
+def _copy(sample: Sample) -> Sample:
+    branches = [msgspec.structs.replace(b) for b in sample.branches]
+    return msgspec.structs.replace(sample, branches=branches)
 
 
 def _check(ok: bool, record: Record, got: object) -> None:

@@ -108,6 +108,10 @@ class JudgeConfig(BaseModel):
         return value
 
 
+#: The default limit of a reward, and of one that queues for a shared model or judge.
+QUICK_TIMEOUT_S, QUEUED_TIMEOUT_S = 10.0, 600.0
+
+
 class RewardConfig(BaseModel):
     """The reward scorer (``rollout/rewards.py``): which reward, and its limits.
 
@@ -143,7 +147,13 @@ class RewardConfig(BaseModel):
         None, description="the reward model of type model (a reward actor serves it)"
     )
     judge: JudgeConfig | None = Field(None, description="the generative judge of type judge")
-    timeout_s: float = Field(10.0, gt=0, description="a reward slower than this fails")
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="a reward slower than this fails, its wait for a turn included; "
+        f"default {QUICK_TIMEOUT_S:g} s, {QUEUED_TIMEOUT_S:g} s for model and judge (they "
+        "queue: a batch of samples waits for one reward model or judge)",
+    )
     answer_pattern: str | None = Field(
         None,
         description="regex whose one group (or whole match) is the answer; its last match counts",
@@ -157,6 +167,13 @@ class RewardConfig(BaseModel):
         "reward_funcs and reward_weights): the reward is {name: value, ..., score: the "
         "weighted sum}, and the trainer trains on score",
     )
+
+    @property
+    def limit_s(self) -> float:
+        """``timeout_s``, or its default for this type."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        return QUEUED_TIMEOUT_S if self.type in ("model", "judge") else QUICK_TIMEOUT_S
 
     @field_validator("answer_pattern")
     @classmethod

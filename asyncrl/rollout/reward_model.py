@@ -8,7 +8,9 @@ by ``config.pad_token_id``; it is set from the tokenizer when the model lacks on
 
 The text scored: with a chat template, the RM tokenizer's rendering of the prompt's
 messages (a string prompt is one user turn) and the response as an assistant turn, as
-TRL's reward models read conversations; without one, the prompt text then the response.
+TRL's reward models read conversations; without one, the prompt and the response as a
+text pair with the tokenizer's special tokens (an encoder's ``[CLS] p [SEP] r [SEP]``).
+Padding uses the model's ``pad_token_id`` (the id its head skips) when it has one.
 A pair longer than ``max_length`` tokens fails alone with its length: a truncated pair's
 score would be the score of another text.
 
@@ -125,7 +127,10 @@ class RewardModel:
                 f"reward model {cfg.path}: label_index {cfg.label_index} but the head has "
                 f"{labels} label(s)"
             )
-        if tokenizer.pad_token_id is None:  # Llama-style tokenizers have none
+        # Pad with the id the head skips: the model's, else the tokenizer's, else EOS.
+        if model.config.pad_token_id is not None:
+            tokenizer.pad_token_id = model.config.pad_token_id
+        elif tokenizer.pad_token_id is None:  # Llama-style tokenizers have none
             tokenizer.pad_token = tokenizer.eos_token
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
@@ -185,14 +190,19 @@ class RewardModel:
         error and stays out of the forward."""
         import torch
 
-        texts = [self.text(p.prompt, p.response) for p in batch]
-        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         out: list[float | RewardModelError] = [0.0] * len(batch)
+        ids: list[list[int]] = [[] for _ in batch]
         fits = []
-        for i, row in enumerate(ids):
-            if len(row) > self.config.max_length:
+        for i, p in enumerate(batch):  # a pair that cannot be encoded fails alone
+            try:
+                ids[i] = self.encode(p.prompt, p.response)
+            except Exception as exc:  # a chat template may raise on the messages
+                reason = f"the pair cannot be encoded: {type(exc).__name__}: {exc}"
+                out[i] = RewardModelError(reason)
+                continue
+            if len(ids[i]) > self.config.max_length:
                 out[i] = RewardModelError(
-                    f"the pair has {len(row)} tokens, over the reward model's max_length "
+                    f"the pair has {len(ids[i])} tokens, over the reward model's max_length "
                     f"{self.config.max_length}"
                 )
             else:
@@ -210,6 +220,17 @@ class RewardModel:
         for i, score in zip(fits, scores, strict=True):
             out[i] = score
         return out
+
+    def encode(self, prompt: str | list[ChatMessage], response: str) -> list[int]:
+        """The token ids the model scores for one pair: the chat template's text, else
+        the prompt and response as a text pair with the tokenizer's special tokens (an
+        encoder's ``[CLS] prompt [SEP] response [SEP]``)."""
+        if self.tokenizer.chat_template:
+            return self.tokenizer(self.text(prompt, response), add_special_tokens=False)[
+                "input_ids"
+            ]
+        head = prompt if isinstance(prompt, str) else "".join(str(m["content"]) for m in prompt)
+        return self.tokenizer(head, response)["input_ids"]
 
     def text(self, prompt: str | list[ChatMessage], response: str) -> str:
         """The text the model scores for one pair (module docstring)."""

@@ -221,7 +221,7 @@ class RewardScorer:
         self._terms: list[tuple[RewardTerm, RewardScorer]] = []
         self._fn = self._build()
         # Terms run concurrently, each under its own limit: the whole waits for the slowest.
-        self._timeout_s = max([config.timeout_s, *(t.timeout_s for t in config.terms)])
+        self._timeout_s = max([config.limit_s, *(t.limit_s for t in config.terms)])
 
     def _build(self) -> Callable[[Sample], Awaitable[Any]]:
         cfg = self.config
