@@ -108,7 +108,7 @@ async def test_abort_and_pause_return_partial_outputs():
         second = asyncio.create_task(final(e, "job-2", max_new_tokens=None))
         other = asyncio.create_task(final(e, "other", max_new_tokens=None))
         await asyncio.sleep(0.05)
-        assert engine.abort("job-") == 2
+        assert engine.abort("job-", prefix=True) == 2  # a group cancel, by id prefix
         for out in await asyncio.gather(first, second):
             assert out.finish_reason.type == "abort" and 1 <= len(out.output_ids) < 10_000
             assert out.output_ids[-1] != e.eos_token_id  # an aborted response has no EOS

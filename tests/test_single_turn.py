@@ -219,6 +219,23 @@ async def test_an_aborted_sample_keeps_its_partial_tokens_unscored_and_resumes(c
     assert sample.reward is not None
 
 
+async def test_a_group_is_cancelled_by_its_requests_exact_ids(client, engine):
+    """SGLang aborts only a live rid: the group prefix itself aborts nothing, and the
+    client's group cancel sends each of its calls' own ids (how APRIL cuts a group)."""
+    torch_engine = engine[1]
+    ctx = context(client, torch_engine.tokenizer, LONG)
+    samples = [fresh(f"grp/{i}") for i in range(2)]
+    for s in samples:
+        s.attempts = 1
+    generated = torch_engine.stats["generated_tokens"]
+    tasks = [asyncio.create_task(single_turn(ctx, s)) for s in samples]
+    await wait_generated(torch_engine, generated + 8)  # both mid-generation
+    await client.abort("grp/")  # no request has this id: nothing happens
+    assert await client.abort_prefix("grp/") == 2
+    await asyncio.gather(*tasks)
+    assert all(s.status is SampleStatus.ABORTED and s.response_length < 96 for s in samples)
+
+
 async def test_pause_in_abort_mode_aborts_every_sample_in_flight(client, engine):
     torch_engine = engine[1]
     ctx = context(client, torch_engine.tokenizer, {**LONG, "max_new_tokens": 400})

@@ -205,7 +205,7 @@ async def test_abort_returns_the_partial_and_resuming_it_continues_the_same_sequ
     partial = None
     async for partial in engine.generate(request):
         if len(partial.output_ids) >= 10 and partial.finish_reason is None:
-            engine.abort("cu")  # a prefix of the rid, as SGLang matches
+            engine.abort("cut")
     assert partial.finish_reason.type == "abort" and partial.finish_reason.message == "Aborted"
     n = len(partial.output_ids)
     assert 10 <= n < 200 and len(partial.logprobs) == n
@@ -526,3 +526,26 @@ async def test_a_request_whose_sampling_breaks_fails_alone_and_tiny_temperatures
         SamplingParams(temperature=float("inf")).verify()
     with pytest.raises(ValueError, match=r"n must be in \[1, 256\]"):
         SamplingParams(n=100_000).verify()
+
+
+def test_abort_by_rid_matches_sglang_a_live_rid_and_the_ids_it_begins():
+    """SGLang 0.5.23: a rid that names no live request aborts nothing (exact lookup), a
+    live one aborts itself and every id that starts with it; asyncrl's own group cancel
+    (``prefix=True``) takes every id with the prefix."""
+    from asyncrl.engines.base import mark_aborted
+
+    class Rec:
+        aborted = False
+
+    def live() -> dict[str, Rec]:
+        return {rid: Rec() for rid in ("g1/0#1#", "g1/1#1#", "g1/0#1#x", "g2/0#1#")}
+
+    reqs = live()
+    assert mark_aborted(reqs, "g1/", False) == 0  # a prefix that is no request's id
+    assert not any(r.aborted for r in reqs.values())
+    assert mark_aborted(reqs, "g1/0#1#", False) == 2  # itself and the id it begins
+    assert [k for k, r in reqs.items() if r.aborted] == ["g1/0#1#", "g1/0#1#x"]
+    reqs = live()
+    assert mark_aborted(reqs, "g1/", False, prefix=True) == 3
+    assert mark_aborted(live(), "", False, prefix=True) == 0  # never everything by accident
+    assert mark_aborted(live(), "", True) == 4

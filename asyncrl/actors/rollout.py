@@ -404,9 +404,8 @@ class RolloutActor(Actor):
 
     async def _cancel(self, groups: list[str]) -> None:
         """Abort the requests of the ``groups`` running here (rids start ``<uid>/``)."""
-        assert self.host.client is not None
         for uid in sorted(self._held.intersection(groups)):
-            await self.host.client.abort(rid=f"{uid}/")
+            await self.host.abort_prefix(f"{uid}/")
 
     async def drain(self) -> None:
         """Abort what is in flight and deliver it: partial groups resume elsewhere."""

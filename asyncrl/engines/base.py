@@ -303,10 +303,17 @@ async def follow(record: Tracked, wake: asyncio.Event) -> AsyncIterator[Generate
             wake.set()
 
 
-def mark_aborted(live: Mapping[str, Tracked], rid: str, abort_all: bool) -> int:
-    """Flag the requests whose id starts with ``rid`` (SGLang matches prefixes), or all;
-    returns how many."""
-    if not abort_all and not rid:
+def mark_aborted(
+    live: Mapping[str, Tracked], rid: str, abort_all: bool, *, prefix: bool = False
+) -> int:
+    """Flag the requests ``rid`` names, or all; returns how many.
+
+    SGLang's ``/abort_request`` (0.5.23): a ``rid`` that names no live request aborts
+    nothing (the tokenizer manager looks it up exactly); one that does aborts it and every
+    request whose id starts with it (the scheduler's ``startswith``). ``prefix``: every
+    request whose id starts with ``rid``, live or not (asyncrl's own cancel of a group,
+    whose request ids start ``<group uid>/``)."""
+    if not abort_all and (not rid or (not prefix and rid not in live)):
         return 0
     hits = [r for k, r in live.items() if abort_all or k.startswith(rid)]
     for record in hits:

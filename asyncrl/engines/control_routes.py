@@ -97,7 +97,8 @@ class ControlRoutes:
 
     # -- abort, pause -------------------------------------------------------------------------
     async def abort_request(self, request: web.Request) -> web.Response:
-        """``/abort_request``: by rid prefix or all; empty 200 before the outputs exist (2.9)."""
+        """``/abort_request``: a live rid (and the ids it begins), or all, as SGLang's;
+        empty 200 before the outputs exist (2.9)."""
         body = await read_json(request)
         rid = field(body, "rid", str, "")
         self.engine.abort(rid, abort_all=field(body, "abort_all", bool, False))

@@ -204,7 +204,8 @@ class SGLangClient:
     async def abort(
         self, rid: str | None = None, *, abort_all: bool = False, url: str | None = None
     ) -> None:
-        """``/abort_request``: one rid (prefix match at the server) or everything.
+        """``/abort_request``: one rid (SGLang aborts it, once it is live, and every request
+        whose id starts with it) or everything.
 
         A rid goes to the engine serving it when this client sent it, else to every
         engine. Returns before the aborted calls have answered (section 2.9): await them,
@@ -216,6 +217,14 @@ class SGLangClient:
         if url is None and rid is not None and not self.router:
             url = self.transport.engine_of(rid)
         await self.transport.post_each(url, "/abort_request", body, idempotent=True)
+
+    async def abort_prefix(self, prefix: str) -> int:
+        """Abort, one exact id at a time, every call of this client in flight whose rid
+        starts with ``prefix`` (SGLang aborts only a rid that is live); returns how many."""
+        rids = [rid for rid in self.transport.in_flight() if rid.startswith(prefix)]
+        for rid in rids:
+            await self.abort(rid=rid)
+        return len(rids)
 
     async def pause(self, mode: PauseMode = "abort", *, url: str | None = None) -> None:
         """``/pause_generation``; in ``abort`` mode it returns once every call has answered.

@@ -627,6 +627,10 @@ class SGLangTransport:
             raise SGLangError(resp.status, error_message(payload), payload, url=engine.url)
         return None
 
+    def in_flight(self) -> list[str]:
+        """The rids of this client's ``/generate`` calls still open."""
+        return list(self._rids)
+
     def engine_of(self, rid: str) -> str | None:
         """The URL of the engine running this client's ``/generate`` ``rid``, if open."""
         engine = self._rids.get(rid)

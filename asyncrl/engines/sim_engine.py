@@ -331,9 +331,9 @@ class SimEngine:
         if request.top_logprobs_num > 0:
             raise EngineError("the simulated engine has no top log-probs")
 
-    def abort(self, rid: str = "", *, abort_all: bool = False) -> int:
-        """Abort by rid prefix or all; each caller gets its partial output."""
-        hits = mark_aborted(self._rids, rid, abort_all)
+    def abort(self, rid: str = "", *, abort_all: bool = False, prefix: bool = False) -> int:
+        """Abort as ``TorchEngine.abort`` does; each caller gets its partial output."""
+        hits = mark_aborted(self._rids, rid, abort_all, prefix=prefix)
         self._wake.set()
         return hits
 

@@ -284,9 +284,10 @@ class TorchEngine:
         ids = [] if p.ignore_eos else list(self.eos_ids)
         return ids + list(p.stop_token_ids or [])
 
-    def abort(self, rid: str = "", *, abort_all: bool = False) -> int:
-        """Abort by rid prefix (SGLang matches prefixes) or all; returns how many."""
-        hits = mark_aborted(self._rids, rid, abort_all)
+    def abort(self, rid: str = "", *, abort_all: bool = False, prefix: bool = False) -> int:
+        """Abort as SGLang's ``/abort_request`` does, by every rid that starts with
+        ``prefix``, or all (``base.mark_aborted``); returns how many."""
+        hits = mark_aborted(self._rids, rid, abort_all, prefix=prefix)
         self._wake.set()
         return hits
 

@@ -171,6 +171,15 @@ class EngineHost:
         self.servers.append(EngineServer(sim))  # type: ignore[arg-type]
         return await self.servers[-1].start("127.0.0.1", 0)
 
+    async def abort_prefix(self, prefix: str) -> None:
+        """Abort every request whose rid starts with ``prefix``: in the embedded engines
+        of this process directly, and each call sent over HTTP by its exact rid (an
+        SGLang server aborts only a rid that is live)."""
+        for server in self.servers:
+            server.engine.abort(prefix, prefix=True)
+        if self.client is not None:
+            await self.client.abort_prefix(prefix)
+
     async def load_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Copy pulled ``tensors`` into the embedded engine as ``version``."""
         if self.engine is None:
