@@ -434,7 +434,11 @@ async def test_an_abort_mid_generation_answers_200_with_the_partial_output(http,
     task = asyncio.create_task(call(http, url, "/generate", body))
     await wait_running(http, url)
     await asyncio.sleep(0.1)
+    # SGLang aborts a live rid only: a bare prefix of it aborts nothing.
     assert await call(http, url, "/abort_request", {"rid": "long-ab"}) == (200, "")
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    assert await call(http, url, "/abort_request", {"rid": "long-abort"}) == (200, "")
     status, out = await task
     assert status == 200 and out["meta_info"]["finish_reason"] == ABORTED
     check_output(out, logprobs=True)
@@ -702,16 +706,26 @@ async def test_update_weights_from_disk_changes_outputs_and_the_weight_version(
     }
     for bad in (
         {"model_path": str(model_dir / "missing")},
-        {"model_path": str(model_dir), "weight_version": "v8"},
+        {"model_path": str(model_dir), "weight_version": True},
         {},
     ):
         status, reply = await call(http, url, "/update_weights_from_disk", bad)
         assert status == 400 and reply["success"] is False and reply["message"]
+    # Any string names a version, as SGLang's weight_version is (the next int here).
+    named = {"model_path": str(model_dir), "weight_version": "rollout-8"}
+    assert (await call(http, url, "/update_weights_from_disk", named))[0] == 200
+    assert (await call(http, url, "/get_weight_version", method="GET"))[1] == {
+        "weight_version": "rollout-8"
+    }
+    out = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
+    assert out["meta_info"]["weight_version"] == "rollout-8"
+    assert out["meta_info"]["weight_versions"] == [{"version": "rollout-8", "start": 0, "end": 8}]
     await call(
         http, url, "/update_weights_from_disk", {"model_path": str(model_dir), "weight_version": 8}
     )
     restored = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
     assert restored["output_ids"] == before["output_ids"]
+    assert restored["meta_info"]["weight_version"] == "8"
 
 
 async def test_an_update_outside_a_pause_waits_for_in_flight_calls(http, url, model_dir):
@@ -763,7 +777,10 @@ async def test_admin_routes_take_empty_bodies_and_answer_success_and_message(htt
     }
     _, info = await call(http, url, "/model_info", method="GET")
     assert info["weight_version"] == "43"
+    # SGLang's own default version is the string "default": any string names a version.
     status, reply = await call(http, url, "/update_weight_version", {"new_version": "default"})
+    assert status == 200 and reply["new_version"] == "default"
+    status, reply = await call(http, url, "/update_weight_version", {"new_version": ""})
     assert status == 400 and reply["success"] is False
     status, reply = await call(
         http, url, "/update_weights_from_tensor", {"serialized_named_tensors": ["gASV"]}

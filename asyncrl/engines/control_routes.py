@@ -5,10 +5,11 @@ abort and pause (2.8, 2.9), weight updates and the weight version (2.1 to 2.6), 
 memory (2.7, 2.10), and discovery: health, model and server info, loads (2.11 to 2.14).
 Admin calls answer ``{"success", "message"}``, with 400 when ``success`` is false.
 
-Versions: the engine's int version is reported as a string (``"42"``); ``weight_version``
-parameters arrive as strings and must be numeric. ``update_weights_from_tensor`` payloads
-are pickles: they are read through an allow-list of the globals such payloads use
-(``tensor_payload.py``), never unpickled freely.
+Versions: the engine's int version is reported as a string (``"42"``); a
+``weight_version`` parameter may be any string, as SGLang's: a number is the version, any
+other string names the next one (``generate_wire.parse_version``), and is reported.
+``update_weights_from_tensor`` payloads are pickles: they are read through an allow-list
+of the globals such payloads use (``tensor_payload.py``), never unpickled freely.
 
 Users: ``EngineServer`` (``server.py``) registers these routes on its application.
 """
@@ -30,6 +31,7 @@ from asyncrl.engines.generate_wire import (
     json_response,
     parse_version,
     read_json,
+    version_text,
 )
 from asyncrl.observe.logs import get_logger
 
@@ -42,6 +44,10 @@ _FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
     "waiting requests, the operation will not be performed.)\n"
 )
+
+
+#: Version names kept for ``weight_versions`` spans of requests still running.
+_NAMES_KEPT = 64
 
 
 class ControlRoutes:
@@ -141,6 +147,20 @@ class ControlRoutes:
             return json_response({"success": False, "message": f"{exc!r}"}, status=400)
         return json_response({"success": True, **reply})
 
+    def _name(self, body: Json, name: str | None) -> None:
+        """After an update that gave ``weight_version``: the engine's version name (None
+        for a number); an update without one leaves the name as it was, as SGLang's."""
+        if body.get("weight_version") is not None:
+            self._set_name(name)
+
+    def _set_name(self, name: str | None) -> None:
+        names = self.engine.version_names
+        names.pop(self.engine.version, None)
+        if name is not None:
+            names[self.engine.version] = name
+            while len(names) > _NAMES_KEPT:  # the oldest go: tokens that old are long done
+                names.pop(min(names))
+
     def _abort_first(self, body: Json, default: bool = False) -> None:
         if field(body, "abort_all_requests", bool, default):
             self.engine.abort(abort_all=True)
@@ -152,10 +172,11 @@ class ControlRoutes:
             path = field(body, "model_path", str)
             if not path:
                 raise ValueError("model_path is required")
-            version = parse_version(body.get("weight_version"))
+            version, name = parse_version(body.get("weight_version"), self.engine.version)
             self._abort_first(body)
             async with self.gate.updating():
                 await self.engine.update_weights_from_disk(path, version)
+            self._name(body, name)
             return {"message": _updated("model weights", self.engine.version),
                     "num_paused_requests": 0}  # fmt: skip
 
@@ -186,7 +207,7 @@ class ControlRoutes:
             load_format = body.get("load_format")
             if load_format not in (None, "direct", "flattened_bucket"):
                 raise ValueError(f"load_format {load_format!r} is not supported")
-            version = parse_version(body.get("weight_version"))
+            version, name = parse_version(body.get("weight_version"), self.engine.version)
             self._abort_first(body)
             async with self.gate.updating():
                 await self.engine.update_weights_from_distributed(
@@ -197,6 +218,7 @@ class ControlRoutes:
                     version=version,
                     flattened=load_format == "flattened_bucket",
                 )
+            self._name(body, name)
             return {"message": _updated("parameter online", self.engine.version)}
 
         return await self._admin(request, action)
@@ -228,12 +250,13 @@ class ControlRoutes:
             load_format = body.get("load_format")
             if load_format not in (None, "direct", "flattened_bucket"):
                 raise ValueError(f"load_format {load_format!r} is not supported")
-            version = parse_version(body.get("weight_version"))
+            version, name = parse_version(body.get("weight_version"), self.engine.version)
             payload = await asyncio.to_thread(decode, entries[0])
             tensors = named_tensors(payload, load_format)
             self._abort_first(body)
             async with self.gate.updating():
                 await self.engine.update_weights_from_tensors(tensors, version)
+            self._name(body, name)
             return {"message": _updated("parameter online", self.engine.version)}
 
         return await self._admin(request, action)
@@ -242,12 +265,14 @@ class ControlRoutes:
         """``/update_weight_version`` (2.6); ``abort_all_requests`` defaults to true."""
 
         async def action(body: Json) -> Json:
-            version = parse_version(body.get("new_version"))
+            version, name = parse_version(body.get("new_version"), self.engine.version)
             if version is None:
                 raise ValueError("new_version is required")
             self._abort_first(body, default=True)
             self.engine.version = version
-            return {"message": f"Weight version updated to {version}", "new_version": str(version)}
+            self._set_name(name)
+            text = version_text(self.engine)
+            return {"message": f"Weight version updated to {text}", "new_version": text}
 
         return await self._admin(request, action)
 
@@ -302,7 +327,7 @@ class ControlRoutes:
 
     async def weight_version(self, request: web.Request) -> web.Response:
         """``/get_weight_version`` and ``/weight_version`` (2.6)."""
-        return json_response({"weight_version": str(self.engine.version)})
+        return json_response({"weight_version": version_text(self.engine)})
 
     async def model_info(self, request: web.Request) -> web.Response:
         """``/get_model_info`` and ``/model_info`` (2.12)."""
@@ -312,7 +337,7 @@ class ControlRoutes:
             "tokenizer_path": self.engine.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": str(self.engine.version),
+            "weight_version": version_text(self.engine),
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": getattr(config, "model_type", None),
@@ -337,7 +362,7 @@ class ControlRoutes:
             "max_running_requests": e.max_running,
             "max_total_num_tokens": e.max_total_tokens,
             "max_req_input_len": e.context_length - 1,
-            "weight_version": str(e.version),
+            "weight_version": version_text(e),
             "device": e.device.type,
             "internal_states": [{"dp_rank": 0, "paused": load.paused,
                                  "num_running_reqs": load.num_running_reqs}],

@@ -118,14 +118,27 @@ def field(body: Json, key: str, kind: type, default: Any = None) -> Any:
     return default if value is None else coerce(key, value, kind)
 
 
-def parse_version(value: Any) -> int | None:
-    """A ``weight_version`` parameter (``"42"`` or 42) as the engine's int version."""
+def parse_version(value: Any, current: int = 0) -> tuple[int | None, str | None]:
+    """A ``weight_version`` parameter as ``(the engine's int version, its name)``.
+
+    SGLang takes any string. A number (``"42"`` or 42) is the version itself, unnamed;
+    another string names a new version, ``current + 1`` (every token keeps an int
+    version), and is what the server reports (``version_text``). None: not given."""
     if value is None:
-        return None
+        return None, None
     text = str(value).strip()
-    if isinstance(value, bool) or not text.lstrip("-").isdigit():
-        raise ValueError(f"weight_version must be an integer (optimizer steps), got {value!r}")
-    return int(text)
+    if isinstance(value, bool) or not isinstance(value, str | int) or not text:
+        raise ValueError(f"weight_version must be a string or an integer, got {value!r}")
+    if text.lstrip("-").isdigit():
+        return int(text), None
+    return current + 1, text
+
+
+def version_text(engine: Any, version: int | None = None) -> str:
+    """How a server reports a weight version (default: the engine's): its name when a
+    client gave it one, else the number."""
+    v = engine.version if version is None else version
+    return getattr(engine, "version_names", {}).get(v, str(v))
 
 
 def parse_sampling(raw: Any) -> SamplingParams:
@@ -278,14 +291,18 @@ def finish_json(reason: FinishReason | None) -> Json | None:
     return out
 
 
-def version_spans(versions: list[int]) -> list[Json]:
-    """``weight_versions``: ``[start, end)`` output-token ranges per weight version (1.3)."""
+def version_spans(versions: list[int], names: dict[int, str] | None = None) -> list[Json]:
+    """``weight_versions``: ``[start, end)`` output-token ranges per weight version (1.3),
+    each version by its name when it has one."""
     spans: list[Json] = []
+    last = None
     for i, v in enumerate(versions):
-        if spans and spans[-1]["version"] == str(v):
+        if spans and v == last:
             spans[-1]["end"] = i + 1
         else:
-            spans.append({"version": str(v), "start": i, "end": i + 1})
+            text = (names or {}).get(v, str(v))
+            spans.append({"version": text, "start": i, "end": i + 1})
+        last = v
     return spans
 
 
@@ -326,14 +343,14 @@ def token_texts(tokenizer: Any, ids: list[int], wanted: bool) -> list[str | None
 
 
 def meta_info(
-    request: GenerateRequest, out: GenerateOutput, version: int, *, text_in_logprobs: bool,
-    tokenizer: Any,
+    request: GenerateRequest, out: GenerateOutput, version: str, *, text_in_logprobs: bool,
+    tokenizer: Any, names: dict[int, str] | None = None,
 ) -> Json:  # fmt: skip
     """The ``meta_info`` object (1.3); a queued abort has no prompt or cached tokens (5.1)."""
     meta: Json = {"id": out.rid, "finish_reason": finish_json(out.finish_reason)}
     if not out.queued:
         meta["prompt_tokens"] = out.prompt_tokens
-    meta["weight_version"] = str(version)
+    meta["weight_version"] = version
     meta["num_retractions"] = 0
     if request.return_logprob:
         meta |= _logprob_fields(request, out, tokenizer if text_in_logprobs else None)
@@ -342,7 +359,7 @@ def meta_info(
     if not out.queued:
         meta["cached_tokens"] = out.cached_tokens
     if out.finish_reason is not None:
-        meta["weight_versions"] = version_spans(out.versions)
+        meta["weight_versions"] = version_spans(out.versions, names)
         meta["e2e_latency"] = out.e2e_latency
         meta["response_sent_to_client_ts"] = time.time()
     return meta

@@ -35,6 +35,7 @@ from asyncrl.engines.generate_wire import (
     read_json,
     request_ids,
     version_spans,
+    version_text,
 )
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ class OpenAIRoutes:
             finals = await self.server.collect(call.requests)
             if (failure := failed_status(finals)) is not None:
                 raise failure
-            return await answer(request, json_response(call.reply(finals, self.engine.version)))
+            reply = call.reply(finals, version_text(self.engine), self.engine.version_names)
+            return await answer(request, json_response(reply))
 
     def _chat_prompt(self, body: Json) -> list[int]:
         """``input_ids`` as given (0.5.15+), else the tokenizer's chat template."""
@@ -272,7 +274,9 @@ class OpenAICall(msgspec.Struct, kw_only=True):
         return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": tokens,
                 "top_logprobs": top}  # fmt: skip
 
-    def choice(self, k: int, out: GenerateOutput, version: int) -> Json:
+    def choice(
+        self, k: int, out: GenerateOutput, version: str, names: dict[int, str] | None = None
+    ) -> Json:
         """One non-stream choice."""
         reason, matched = _openai_finish(out.finish_reason)
         text = self.text(k, out)
@@ -292,20 +296,22 @@ class OpenAICall(msgspec.Struct, kw_only=True):
             body["prompt_token_ids"] = request.input_ids
         if "return_meta_info" in self.extras:
             body["meta_info"] = meta_info(request, out, version, text_in_logprobs=False,
-                                          tokenizer=self.tokenizer)  # fmt: skip
+                                          tokenizer=self.tokenizer, names=names)  # fmt: skip
         return body
 
-    def reply(self, finals: list[GenerateOutput], version: int) -> Json:
+    def reply(
+        self, finals: list[GenerateOutput], version: str, names: dict[int, str] | None = None
+    ) -> Json:
         """The whole non-stream response (3.2, 3.4)."""
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [self.choice(k, out, version) for k, out in enumerate(finals)],
+            "choices": [self.choice(k, out, version, names) for k, out in enumerate(finals)],
             "usage": self.usage(finals),
-            "metadata": {"weight_version": str(version),
-                         "weight_versions": version_spans(finals[0].versions)},
+            "metadata": {"weight_version": version,
+                         "weight_versions": version_spans(finals[0].versions, names)},
         }  # fmt: skip
 
     def chunk(self, choices: list[Json], **extra: Any) -> Json:

@@ -55,6 +55,7 @@ from asyncrl.engines.generate_wire import (
     read_json,
     sse,
     stream_error,
+    version_text,
 )
 from asyncrl.engines.openai_routes import OpenAIRoutes
 from asyncrl.engines.torch_engine import TorchEngine
@@ -502,8 +503,8 @@ class EngineServer:
             "text": decode_output(tokenizer, request, out),
             "output_ids": out.output_ids,
             "meta_info": meta_info(
-                request, out, self.engine.version, text_in_logprobs=job.text_in_logprobs,
-                tokenizer=tokenizer,
+                request, out, version_text(self.engine), text_in_logprobs=job.text_in_logprobs,
+                tokenizer=tokenizer, names=self.engine.version_names,
             ),
         }  # fmt: skip
         if job.return_prompt_token_ids:

@@ -118,6 +118,8 @@ class SimEngine:
         self.max_running = max_running
         self.context_length = context_length
         self.version = 0
+        #: SGLang clients' names of versions (``weight_version`` strings; routes).
+        self.version_names: dict[int, str] = {}
         self.clock = 0.0  # modelled seconds spent decoding and loading weights
         self.steps = 0
         self.stepped = asyncio.Event()  # set after every run of decode steps

@@ -139,6 +139,8 @@ class TorchEngine:
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.eos_ids = _eos_ids(model, tokenizer)
         self.version, self.model_path = version, model_path
+        #: SGLang clients' names of versions (``weight_version`` strings; routes).
+        self.version_names: dict[int, str] = {}
         # Adapter versions merge onto the weights the engine started from (lora_merge.py).
         self.base_path = model_path
         self._base: BaseWeights | None = None
