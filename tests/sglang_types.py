@@ -17,6 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from asyncrl.model_zoo import cache_dir
 
@@ -96,3 +97,33 @@ def fits(value: object, annotation: str) -> bool:
         kind = simple[text]
         return isinstance(value, kind) and not (text == "int" and isinstance(value, bool))
     raise ValueError(f"annotation {annotation!r} is not one this check knows")
+
+
+@cache
+def api_types() -> Any:
+    """SGLang's generated ``/generate`` JSON contract (``sglang/api/v1/api_types.py``,
+    which needs only msgspec), imported from the wheel: ``generate_contract_error`` of
+    its ``api_contract.py`` is ``GenerateRequest.from_json_value`` raising
+    ``JsonContractError``."""
+    import importlib.util
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="sglang-api-"))
+    with zipfile.ZipFile(_wheel()) as wheel:
+        (folder / "api_types.py").write_bytes(wheel.read("sglang/api/v1/api_types.py"))
+    spec = importlib.util.spec_from_file_location("sglang_api_types", folder / "api_types.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # msgspec resolves the module's annotations by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def sglang_contract_error(body: dict[str, Any]) -> str | None:
+    """What SGLang 0.5.23's ``/generate`` answers 400 ``{"error": ...}`` with, or None."""
+    types = api_types()
+    try:
+        types.GenerateRequest.from_json_value(body)
+    except types.JsonContractError as exc:
+        return str(exc)
+    return None

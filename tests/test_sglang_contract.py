@@ -22,7 +22,7 @@ import torch
 from asyncrl.engines.server import EngineServer
 from asyncrl.engines.sglang_client import SGLangClient, WeightBucket
 from asyncrl.engines.torch_engine import TorchEngine
-from tests.sglang_types import fits, request_fields
+from tests.sglang_types import fits, request_fields, sglang_contract_error
 from tests.test_server import call
 from tests.test_sglang_client import FAST, Fake, serving
 from tests.tiny_model import build_tiny_model
@@ -158,3 +158,29 @@ async def test_the_embedded_server_reads_a_body_of_every_sglang_field(
     assert set(body) == set(request_fields(ROUTES[path]))
     status, reply = await call(http, url, path, body)
     assert status == 400 and refusal in reply["message"], reply
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"return_logprob": "true"},
+        {"return_logprob": 1},
+        {"return_logprob": ["true"]},
+        {"return_logprob": True},
+        {"return_logprob": [False]},
+    ],
+)
+async def test_generate_refuses_what_sglangs_json_contract_refuses(
+    http: aiohttp.ClientSession, url: str, flags: dict[str, Any]
+):
+    """SGLang's own contract (its generated ``api_types``) judges each body; the
+    embedded server refuses the same with the same ``{"error": text}``, or serves it."""
+    body = {"input_ids": [5, 6, 7] if not isinstance(flags["return_logprob"], list) else [[5, 6]],
+            "sampling_params": {"max_new_tokens": 2}, **flags}  # fmt: skip
+    want = sglang_contract_error(body)
+    status, reply = await call(http, url, "/generate", body)
+    if want is None:
+        assert status == 200, reply
+    else:
+        assert (status, reply) == (400, {"error": want})

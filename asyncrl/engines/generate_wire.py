@@ -250,15 +250,43 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
 
 
 def _per_prompt(body: Json, key: str, kind: type, default: Any, count: int) -> list[Any]:
-    """A per-request field: a scalar for every prompt or a list with one per prompt."""
+    """A per-request field: a scalar for every prompt or a list with one per prompt. A
+    bool must be a JSON boolean: SGLang's contract refuses ``"true"`` (``_strict_bool``)."""
     value = body.get(key)
     if value is None:
         return [default] * count
+    if kind is bool:
+        _strict_bool(value)
     if not isinstance(value, list):
         return [coerce(key, value, kind)] * count
     if len(value) != count:
         raise bad_request(f"{key} has {len(value)} entries for {count} prompts")
     return [default if v is None else coerce(key, v, kind) for v in value]
+
+
+def _strict_bool(value: Any) -> None:
+    """SGLang 0.5.23's JSON contract for a ``BoolOrList`` (``api_types``), its error text."""
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if not isinstance(v, bool):
+            expected = "a boolean" if isinstance(value, list) else (
+                "a value or an array of values for BoolOrList")  # fmt: skip
+            raise contract_error(f"invalid type: {_unexpected(v)}, expected {expected}")
+
+
+def _unexpected(v: Any) -> str:
+    """How serde (and so SGLang's contract) names a JSON value in an error."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"boolean `{str(v).lower()}`"
+    if isinstance(v, int):
+        return f"integer `{v}`"
+    if isinstance(v, float):
+        return f"floating point `{v}`"
+    if isinstance(v, str):
+        return f'string "{v}"'
+    return "sequence" if isinstance(v, list) else "map" if isinstance(v, dict) else str(v)
 
 
 def request_ids(rid: Any, count: int, n: int) -> list[str]:
