@@ -24,6 +24,7 @@ class Step:
     text: str
     finish: str = "stop"
     version: int = 0
+    matched: str | None = None  # a stop string it ends on (its text holds it; no EOS)
 
 
 class ScriptedEngine:
@@ -44,7 +45,7 @@ class ScriptedEngine:
         step = self.steps.pop(0)
         self.inputs.append(list(input_ids))
         ids = self.tokenizer(step.text, add_special_tokens=False)["input_ids"]
-        if step.finish == "stop":
+        if step.finish == "stop" and step.matched is None:
             ids.append(self.tokenizer.eos_token_id)
         finish = step.finish
         cap = int((sampling_params or {})["max_new_tokens"])
@@ -57,5 +58,5 @@ class ScriptedEngine:
             output_ids=ids,
             logprobs=logprobs,
             versions=[step.version] * len(ids),
-            finish_reason=FinishReason(type=finish),  # type: ignore[arg-type]
+            finish_reason=FinishReason(type=finish, matched=step.matched),  # type: ignore[arg-type]
         )

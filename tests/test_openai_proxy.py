@@ -143,6 +143,27 @@ async def test_the_reply_is_a_standard_chat_completion_with_parsed_tool_calls(ri
     assert reply.usage.completion_tokens > 0 and reply.object == "chat.completion"
 
 
+async def test_a_matched_stop_string_is_not_in_the_content_but_is_trained(rig, tokenizer):
+    """OpenAI's content excludes the stop sequence it ended on; the sample keeps every
+    sampled token, the stop string's too."""
+    seen: list[Any] = []
+
+    async def agent(session: Session, task: AgentTask) -> str:
+        async with session.client(max_retries=0) as client:
+            reply = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "6*7"}], stop=["###"]
+            )
+            seen.append(reply)
+            return reply.choices[0].message.content
+
+    workflow, ctx, engine = await rig([Step("It is 42 ###", matched="###")], agent)
+    sample = await workflow(ctx, fresh())
+    choice = seen[0].choices[0]
+    assert choice.message.content == "It is 42" and choice.finish_reason == "stop"
+    assert sample.response_tokens.tolist()[-len(engine.sampled[0]) :] == engine.sampled[0]
+    assert "###" in tokenizer.decode(engine.sampled[0])
+
+
 async def _expect(session: Session, error: type[Exception], match: str, **call: Any) -> None:
     async with session.client(max_retries=0) as client:
         with pytest.raises(error, match=match):

@@ -34,7 +34,8 @@ Limits: ``rollout.sampling.max_new_tokens`` is the token budget of the whole epi
 gets an empty reply with ``finish_reason = "length"`` and the sample ends ``truncated``.
 The run's sampling parameters are the policy being trained, so they override an agent's
 ``temperature``, ``top_p``, ``top_k`` and ``min_p`` (logged once); ``max_tokens`` (or
-``max_completion_tokens``), ``stop`` and ``stop_token_ids`` are honoured.
+``max_completion_tokens``), ``stop`` and ``stop_token_ids`` are honoured; as OpenAI's, a
+reply's content leaves out the stop string it ended on (the sample keeps its tokens).
 
 Weight updates: a call that an update aborts (``on_update: abort``) continues from its
 partial tokens on the new weights, so the update only delays it. An abort of all work (an
@@ -333,8 +334,8 @@ class OpenAIProxy:
         episode.calls += 1
         if episode.truncated:
             return self._reply(body, episode, [], None, "length", start)
-        turn, cut = await self._generate(episode, body)
-        text, calls = self._parse(turn)
+        turn, cut, matched = await self._generate(episode, body)
+        text, calls = self._parse(turn, matched)
         reason = "tool_calls" if calls else ("length" if cut else "stop")
         return self._reply(body, episode, turn, (text, calls), reason, start)
 
@@ -390,16 +391,19 @@ class OpenAIProxy:
     def _budget(self) -> int:
         return int(self.ctx.sampling.get("max_new_tokens", 128))
 
-    async def _generate(self, episode: _Episode, body: Json) -> tuple[list[int], bool]:
+    async def _generate(
+        self, episode: _Episode, body: Json
+    ) -> tuple[list[int], bool, str | None]:
         """One assistant turn; an abort by a weight update continues on the new weights.
-        Returns the turn's tokens and whether it was cut at its token limit."""
+        Returns the turn's tokens, whether it was cut at its token limit, and the stop
+        string it ended on (None: EOS, a stop token, or no stop)."""
         s = episode.sample
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         left = self._budget() - s.response_length
         limit = left if asked is None else min(left, int(asked))
         params = {**self.ctx.sampling, **self._request_sampling(body)}
         turn: list[int] = []
-        kind, empty_aborts = "length", 0
+        kind, empty_aborts, matched = "length", 0, None
         while limit > 0:
             if self.ctx.aborts() != episode.aborts_at_start:
                 self._abort(episode)
@@ -418,13 +422,14 @@ class OpenAIProxy:
                 limit -= len(result.output_ids)
             kind = result.finish_reason.type if result.finish_reason is not None else "abort"
             if kind != "abort":
+                matched = result.finish_reason.matched if result.finish_reason else None
                 break
             empty_aborts = 0 if result.output_ids else empty_aborts + 1
             if not result.output_ids:
                 await asyncio.sleep(0.01 * empty_aborts)  # a paused engine: back off
         if len(turn) >= left:
             episode.truncated = "length"  # the whole budget is spent
-        return turn, kind != "stop"
+        return turn, kind != "stop", matched if isinstance(matched, str) else None
 
     def _abort(self, episode: _Episode) -> None:
         if not episode.aborted and not episode.closed and episode.owner is not None:
@@ -440,10 +445,14 @@ class OpenAIProxy:
                             asked=body[name], used=self.ctx.sampling.get(name))  # fmt: skip
         return {k: body[k] for k in ("stop", "stop_token_ids") if body.get(k) is not None}
 
-    def _parse(self, turn: list[int]) -> tuple[str, list[ToolCall]]:
+    def _parse(self, turn: list[int], stop: str | None = None) -> tuple[str, list[ToolCall]]:
+        """The reply's text and tool calls; a matched ``stop`` string is cut off the text,
+        as OpenAI's content excludes it (its tokens stay in the trained sample)."""
         tokenizer = self.ctx.tokenizer
         ids = turn[:-1] if turn and turn[-1] == tokenizer.eos_token_id else turn
         text = str(tokenizer.decode(ids, skip_special_tokens=False))
+        if stop and (at := text.rfind(stop)) >= 0:
+            text = text[:at]
         calls = [c for c in self.parser.parse(text) if c.error is None]
         content = getattr(self.parser, "content", None)
         return (content(text) if calls and content is not None else text.strip()), calls
