@@ -1106,3 +1106,28 @@ def test_only_a_closing_server_is_a_503_not_any_refused_connection():
     )  # fmt: skip
     status, body = error_reply(ConnectionRefusedError("a group's peer"), "/generate")
     assert status == 500 and "ConnectionRefusedError: a group's peer" in body["message"]
+
+
+async def test_options_the_server_cannot_keep_are_refused_by_name_to_the_openai_client(url):
+    """Structured output and forced tool calls are 400s naming the field, through the real
+    ``openai`` client, never silently ignored; ``auto`` and ``text`` are served."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    named = {"type": "function", "function": {"name": "f"}}
+    for extra, field_name in (
+        ({"response_format": {"type": "json_object"}}, "response_format 'json_object'"),
+        ({"response_format": schema}, "response_format 'json_schema'"),
+        ({"tools": [tool], "tool_choice": "required"}, "tool_choice 'required'"),
+        ({"tools": [tool], "tool_choice": named}, "tool_choice 'a named function'"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=field_name):
+            await client.chat.completions.create(**chat, **extra)
+    ok = await client.chat.completions.create(
+        **chat, response_format={"type": "text"}, tools=[tool], tool_choice="auto"
+    )
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    await client.close()

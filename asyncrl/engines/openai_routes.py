@@ -109,6 +109,26 @@ _OPENAI_SAMPLING = {
 _NON_STREAM_ONLY = ("return_token_ids", "return_prompt_token_ids", "return_meta_info")
 
 
+def _refuse_unserved(body: Json) -> None:
+    """Options whose promise this server cannot keep are 400s naming them, never ignored:
+    structured output (no constrained decoding here) and forced tool calls (the reply's
+    tool calls are not parsed on this route)."""
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if kind not in (None, "text"):
+        raise bad_request(
+            f"response_format {kind!r} is not supported by this server (no constrained "
+            "decoding): leave it out or use type 'text'"
+        )
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        shown = choice if isinstance(choice, str) else "a named function"
+        raise bad_request(
+            f"tool_choice {shown!r} is not supported by this server (tool calls are not "
+            "parsed on /v1/chat/completions): leave it out, or use 'auto' or 'none'"
+        )
+
+
 def chat_template_ids(tokenizer: Any, messages: list[Any], body: Json) -> list[int]:
     """Render ``messages`` with the tokenizer's chat template and tokenize the text."""
     import jinja2
@@ -204,6 +224,7 @@ class OpenAICall(msgspec.Struct, kw_only=True):
     def parse(cls, body: Json, prompts: list[list[int]], server: EngineServer, *, chat: bool
               ) -> OpenAICall:  # fmt: skip
         """Validate the body (3.1, 3.4); refusals are 400s in the OpenAI error shape."""
+        _refuse_unserved(body)
         stream = field(body, "stream", bool, False)
         extras = frozenset(k for k in _NON_STREAM_ONLY if field(body, k, bool, False))
         if stream and extras:
