@@ -1131,3 +1131,22 @@ async def test_options_the_server_cannot_keep_are_refused_by_name_to_the_openai_
     )
     assert ok.choices[0].finish_reason in ("stop", "length")
     await client.close()
+
+
+async def test_a_stream_refused_by_the_tokenizer_managers_checks_is_a_200_error_event(http, url):
+    """SGLang refuses a streamed request inside the stream (its tokenizer manager raises
+    after the response began): one ``{"error": ...}`` event, then ``[DONE]``; a body its
+    JSON contract refuses is a 400 before any stream, and a non-stream request a 400."""
+    long = {"input_ids": [5] * 600, "sampling_params": {"max_new_tokens": 2}}
+    async with http.post(url + "/generate", json={**long, "stream": True}) as resp:
+        assert resp.status == 200 and resp.content_type == "text/event-stream"
+        events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]" and len(events) == 2
+    error = json.loads(events[0])["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400
+    assert "is longer than the model's context length" in error["message"]
+    status, reply = await call(http, url, "/generate", long)
+    assert status == 400 and "is longer than" in reply["error"]["message"]
+    contract = {"input_ids": [5, 6], "stream": True, "return_logprob": "true"}
+    status, reply = await call(http, url, "/generate", contract)
+    assert status == 400 and reply["error"].startswith("invalid type: string")

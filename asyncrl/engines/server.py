@@ -400,8 +400,19 @@ class EngineServer:
 
     # -- /generate --------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        """``POST|PUT /generate`` (section 1)."""
-        job = self._admit(await read_json(request))
+        """``POST|PUT /generate`` (section 1). A streamed request that SGLang's tokenizer
+        manager would refuse (a prompt past the context, a duplicate rid, bad values) gets
+        a 200 stream of one error event, as SGLang's; a body its JSON contract or FastAPI
+        refuses is a 400 either way."""
+        body = await read_json(request)
+        try:
+            job = self._admit(body)
+        except (ApiError, ValueError) as exc:
+            if body.get("stream") is not True or not _refused_in_stream(exc):
+                raise
+            event = stream_error(exc)
+            return await self.stream(request, [], lambda k, out: [], error=stream_error,
+                                     tail=lambda: [event])  # fmt: skip
         async with self.gate.generating():
             if job.stream:
                 render = self._renderer(job)
@@ -536,3 +547,12 @@ async def _open_sse(request: web.Request) -> web.StreamResponse:
     resp.content_type = "text/event-stream"
     await resp.prepare(request)
     return resp
+
+
+def _refused_in_stream(exc: Exception) -> bool:
+    """Whether SGLang refuses ``exc`` inside the stream: a ``ValueError`` of its tokenizer
+    manager (``bad_request``'s shape, an engine check), not its JSON contract's or
+    FastAPI's (a 400 before any stream)."""
+    if isinstance(exc, ApiError):
+        return isinstance(exc.body, dict) and isinstance(exc.body.get("error"), dict)
+    return True

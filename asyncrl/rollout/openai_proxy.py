@@ -391,9 +391,7 @@ class OpenAIProxy:
     def _budget(self) -> int:
         return int(self.ctx.sampling.get("max_new_tokens", 128))
 
-    async def _generate(
-        self, episode: _Episode, body: Json
-    ) -> tuple[list[int], bool, str | None]:
+    async def _generate(self, episode: _Episode, body: Json) -> tuple[list[int], bool, str | None]:
         """One assistant turn; an abort by a weight update continues on the new weights.
         Returns the turn's tokens, whether it was cut at its token limit, and the stop
         string it ended on (None: EOS, a stop token, or no stop)."""
