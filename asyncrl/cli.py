@@ -237,6 +237,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--weight-version", type=int, default=0, help="initial weight version (optimizer steps)"
     )
     serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="parse /v1/chat/completions replies into tool_calls: hermes or qwen25 (the "
+        "<tool_call> JSON format), or module:Class (as SGLang's --tool-call-parser)",
+    )
+    serve.add_argument(
         "--api-key",
         default=os.environ.get("ASYNCRL_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health (as SGLang's "
@@ -688,8 +694,16 @@ def _serve(args: argparse.Namespace) -> int:
         packed=args.packed_weights,
         lean=args.lean_forward,
     )
-    server_args = {"host": host, "port": args.port, "dtype": args.dtype}
-    server = EngineServer(engine, server_args=server_args, api_key=args.api_key)
+    server_args = {"host": host, "port": args.port, "dtype": args.dtype,
+                   "tool_call_parser": args.tool_call_parser}  # fmt: skip
+    parser = None
+    if args.tool_call_parser:
+        from asyncrl.rollout.workflows import tool_call_parser
+
+        parser = tool_call_parser(args.tool_call_parser)
+    server = EngineServer(
+        engine, server_args=server_args, api_key=args.api_key, tool_call_parser=parser
+    )
     uvloop.run(serve_until_signalled(server, host, args.port))
     return 0
 

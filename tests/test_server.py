@@ -1150,3 +1150,42 @@ async def test_a_stream_refused_by_the_tokenizer_managers_checks_is_a_200_error_
     contract = {"input_ids": [5, 6], "stream": True, "return_logprob": "true"}
     status, reply = await call(http, url, "/generate", contract)
     assert status == 400 and reply["error"].startswith("invalid type: string")
+
+
+async def test_a_tool_call_parser_turns_a_chat_reply_into_openai_tool_calls(tmp_path):
+    """With --tool-call-parser (hermes), a chat call that offers tools gets the reply's
+    well-formed calls as ``tool_calls``, the rest as ``content``, and ``tool_calls`` as
+    the finish reason; without tools the reply is plain text."""
+    from types import SimpleNamespace
+
+    from asyncrl.engines.base import FinishReason, GenerateOutput
+    from asyncrl.engines.openai_routes import OpenAICall
+    from asyncrl.rollout.workflows import tool_call_parser
+    from tests.tiny_tokenizer import build_chatml_tokenizer
+
+    tok = build_chatml_tokenizer(tmp_path)
+    server = SimpleNamespace(tool_call_parser=tool_call_parser("qwen25"), served_model_name="m",
+                             engine=SimpleNamespace(tokenizer=tok))  # fmt: skip
+    tool = {"type": "function", "function": {"name": "calculator", "parameters": {}}}
+    text = 'Let me see. <tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}'
+    ids = tok(text + "</tool_call>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    eos = FinishReason(type="stop", matched=tok.eos_token_id)
+    out = GenerateOutput(rid="r", output_ids=ids, logprobs=[-0.1] * len(ids),
+                         versions=[0] * len(ids), finish_reason=eos)  # fmt: skip
+    messages = [{"role": "user", "content": "6*7?"}]
+    with_tools = OpenAICall.parse({"messages": messages, "tools": [tool]}, [[1]], server, chat=True)
+    choice = with_tools.reply([out], "0")["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me see."
+    (call_,) = choice["message"]["tool_calls"]
+    assert call_["type"] == "function" and call_["function"]["name"] == "calculator"
+    assert json.loads(call_["function"]["arguments"]) == {"expression": "6*7"}
+    plain = OpenAICall.parse({"messages": messages}, [[1]], server, chat=True)
+    choice = plain.reply([out], "0")["choices"][0]
+    assert choice["message"]["tool_calls"] is None and "<tool_call>" in choice["message"]["content"]
+    refused = {"messages": messages, "tools": [tool], "stream": True}
+    with pytest.raises(Exception, match="streamed tool calls are not supported"):
+        OpenAICall.parse(refused, [[1]], server, chat=True)
+    forced = {"messages": messages, "tools": [tool], "tool_choice": "required"}
+    with pytest.raises(Exception, match="no constrained decoding"):
+        OpenAICall.parse(forced, [[1]], server, chat=True)

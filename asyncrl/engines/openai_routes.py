@@ -11,7 +11,9 @@ Users: ``EngineServer`` (``server.py``) registers these routes on its applicatio
 
 from __future__ import annotations
 
+import json
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -109,10 +111,10 @@ _OPENAI_SAMPLING = {
 _NON_STREAM_ONLY = ("return_token_ids", "return_prompt_token_ids", "return_meta_info")
 
 
-def _refuse_unserved(body: Json) -> None:
+def _refuse_unserved(body: Json, parses_tools: bool = False) -> None:
     """Options whose promise this server cannot keep are 400s naming them, never ignored:
-    structured output (no constrained decoding here) and forced tool calls (the reply's
-    tool calls are not parsed on this route)."""
+    structured output (no constrained decoding here) and forced tool calls (nothing makes
+    the model call one; without a tool-call parser, calls are not even parsed)."""
     fmt = body.get("response_format")
     kind = fmt.get("type") if isinstance(fmt, dict) else fmt
     if kind not in (None, "text"):
@@ -123,9 +125,11 @@ def _refuse_unserved(body: Json) -> None:
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         shown = choice if isinstance(choice, str) else "a named function"
+        why = "no constrained decoding" if parses_tools else (
+            "tool calls are not parsed: start it with --tool-call-parser")  # fmt: skip
         raise bad_request(
-            f"tool_choice {shown!r} is not supported by this server (tool calls are not "
-            "parsed on /v1/chat/completions): leave it out, or use 'auto' or 'none'"
+            f"tool_choice {shown!r} is not supported by this server ({why}): leave it out, "
+            "or use 'auto' or 'none'"
         )
 
 
@@ -218,14 +222,19 @@ class OpenAICall(msgspec.Struct, kw_only=True):
     echo: bool
     extras: frozenset[str]
     tokenizer: Any = None
+    #: The server's tool-call parser when the chat call offers tools, else None.
+    tool_parser: Any = None
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
 
     @classmethod
     def parse(cls, body: Json, prompts: list[list[int]], server: EngineServer, *, chat: bool
               ) -> OpenAICall:  # fmt: skip
         """Validate the body (3.1, 3.4); refusals are 400s in the OpenAI error shape."""
-        _refuse_unserved(body)
+        tool_parser = server.tool_call_parser if chat and body.get("tools") else None
+        _refuse_unserved(body, tool_parser is not None)
         stream = field(body, "stream", bool, False)
+        if stream and tool_parser is not None:
+            raise bad_request("streamed tool calls are not supported here: use stream=false")
         extras = frozenset(k for k in _NON_STREAM_ONLY if field(body, k, bool, False))
         if stream and extras:
             raise bad_request(f"{sorted(extras)} are not supported with stream=true")
@@ -251,7 +260,7 @@ class OpenAICall(msgspec.Struct, kw_only=True):
             requests=requests, n=params.n, stream=stream, logprobs=logprobs, top_logprobs=top,
             include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
             echo=not chat and field(body, "echo", bool, False), extras=extras,
-            tokenizer=server.engine.tokenizer,
+            tokenizer=server.engine.tokenizer, tool_parser=tool_parser,
         )  # fmt: skip
 
     def text(self, k: int, out: GenerateOutput) -> str:
@@ -302,9 +311,12 @@ class OpenAICall(msgspec.Struct, kw_only=True):
         reason, matched = _openai_finish(out.finish_reason)
         text = self.text(k, out)
         lps = self.logprobs_json(out.output_ids, out.logprobs, out.top_logprobs)
+        calls = self.tool_calls(text)
+        if calls:
+            text, reason = self.tool_parser.content(text) or None, "tool_calls"
         body: Json = (
             {"index": k, "message": {"role": "assistant", "content": text,
-                                     "reasoning_content": None, "tool_calls": None},
+                                     "reasoning_content": None, "tool_calls": calls or None},
              "logprobs": lps}
             if self.chat else {"index": k, "text": text, "logprobs": lps}
         )  # fmt: skip
@@ -319,6 +331,18 @@ class OpenAICall(msgspec.Struct, kw_only=True):
             body["meta_info"] = meta_info(request, out, version, text_in_logprobs=False,
                                           tokenizer=self.tokenizer, names=names)  # fmt: skip
         return body
+
+    def tool_calls(self, text: str) -> list[Json]:
+        """The well-formed tool calls the parser finds in ``text``, in OpenAI's shape."""
+        if self.tool_parser is None:
+            return []
+        found = [c for c in self.tool_parser.parse(text) if c.error is None]
+        return [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "index": i, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments if isinstance(c.arguments, str)
+                          else json.dumps(c.arguments if c.arguments is not None else {})}}
+            for i, c in enumerate(found)
+        ]  # fmt: skip
 
     def reply(
         self, finals: list[GenerateOutput], version: str, names: dict[int, str] | None = None

@@ -213,9 +213,13 @@ class EngineServer:
         served_model_name: str | None = None,
         server_args: Json | None = None,
         api_key: str | None = None,
+        tool_call_parser: Any = None,
     ) -> None:
         self.engine = engine
         self.api_key = api_key
+        # SGLang's --tool-call-parser: finds a chat reply's tool calls (rollout's parsers
+        # fit: parse(text) and content(text)); None: tools are only rendered.
+        self.tool_call_parser = tool_call_parser
         self.served_model_name = served_model_name or engine.model_path
         self.server_args = server_args or {}
         self.gate = TrafficGate()

@@ -41,7 +41,8 @@ def load_workflow(
 def _multi_turn(cfg: ToolUseConfig) -> Workflow:
     from asyncrl.rollout.multi_turn import MultiTurn, MultiTurnConfig
 
-    return MultiTurn(MultiTurnConfig(cfg.max_turns, cfg.max_tokens_per_turn), _parser(cfg.parser))
+    limits = MultiTurnConfig(cfg.max_turns, cfg.max_tokens_per_turn)
+    return MultiTurn(limits, tool_call_parser(cfg.parser))
 
 
 def _agent(cfg: AgentConfig) -> Workflow:
@@ -51,13 +52,18 @@ def _agent(cfg: AgentConfig) -> Workflow:
     if not inspect.iscoroutinefunction(agent):
         raise ValueError(f"agent {cfg.path!r} must be an async function (session, task)")
     proxy = ProxyConfig(max_calls=cfg.max_calls, timeout_s=cfg.timeout_s)
-    return AgentWorkflow(agent, proxy, _parser(cfg.parser))
+    return AgentWorkflow(agent, proxy, tool_call_parser(cfg.parser))
 
 
-def _parser(name: str) -> ToolCallParser:
+#: Parser names as SGLang's --tool-call-parser spells those of the <tool_call> JSON format.
+HERMES_NAMES = ("hermes", "qwen25")
+
+
+def tool_call_parser(name: str) -> ToolCallParser:
+    """The parser ``name`` gives: Hermes/Qwen's ``<tool_call>`` JSON, or ``module:Class``."""
     from asyncrl.rollout.multi_turn import HermesParser
 
-    parser = HermesParser() if name == "hermes" else load_object(name, what="parser")()
+    parser = HermesParser() if name in HERMES_NAMES else load_object(name, what="parser")()
     if not callable(getattr(parser, "parse", None)):
         raise ValueError(f"tool-call parser {name!r} has no parse(text) method")
     return parser
