@@ -4,7 +4,6 @@ The cluster simulator's APRIL runs found resumed partials counted twice."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 from asyncrl.actors.base import ActorSpec
@@ -60,20 +59,21 @@ async def test_a_resumed_partial_counts_only_the_tokens_this_run_generated():
 
 
 class _Client:
-    """Records aborts; an abort releases the requests waiting on it."""
+    """An engine host that records the prefixes it cancels; a cancel releases the
+    requests waiting on it."""
 
     def __init__(self) -> None:
         self.aborted: list[str | None] = []
         self.released = asyncio.Event()
 
-    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
-        self.aborted.append(rid)
+    async def abort_prefix(self, prefix: str) -> None:
+        self.aborted.append(prefix)
         self.released.set()
 
 
 async def test_a_cancel_aborts_the_requests_of_the_groups_running_here_and_no_others():
     actor, client = _actor(), _Client()
-    actor.host = SimpleNamespace(client=client)  # type: ignore[assignment]
+    actor.host = client  # type: ignore[assignment]
     rids: list[str] = []
     both_running = asyncio.Event()
 

@@ -393,6 +393,7 @@ async def test_update_weights_from_disk_changes_outputs_and_version(engine, tmp_
         ([1, 99999], {}, "must be integers in"),
         ([1, 2.5], {}, "must be integers in"),
         (list(range(1, 500)) * 2, {}, "longer than the model's context length"),
+        ([1] * 500, {"max_new_tokens": 13}, "You requested a total of 513 tokens: 500 tokens"),
         ([1], {"top_p": 0}, "top_p"),
         ([1], {"regex": "a+"}, "not supported"),
         ([1], {"stop_token_ids": [99999]}, "stop_token_ids: 99999 is not in"),
@@ -549,3 +550,27 @@ def test_abort_by_rid_matches_sglang_a_live_rid_and_the_ids_it_begins():
     assert mark_aborted(reqs, "g1/", False, prefix=True) == 3
     assert mark_aborted(live(), "", False, prefix=True) == 0  # never everything by accident
     assert mark_aborted(live(), "", True) == 4
+
+
+async def test_a_context_bound_generator_cuts_the_budget_to_the_room_left(tiny):
+    """SGLang refuses input + max_new_tokens past the context; asyncrl's generator asks
+    for what fits, and a prompt with no room left ends at once with a length finish."""
+    from asyncrl.engines.context_bound import ContextBound
+    from asyncrl.engines.server import EngineServer
+    from asyncrl.engines.sglang_client import SGLangClient
+
+    engine = TorchEngine.from_pretrained(str(tiny[0]))
+    server = EngineServer(engine)  # it runs the engine
+    url = await server.start("127.0.0.1", 0)
+    try:
+        async with SGLangClient(url) as client:
+            bound = ContextBound(client, engine.context_length)
+            near = [1] * (engine.context_length - 5)
+            out = await bound.generate(near, {"max_new_tokens": 64, "ignore_eos": True})
+            assert len(out.output_ids) == 5 and out.finish_reason.type == "length"
+            full = await bound.generate([1] * engine.context_length, {"max_new_tokens": 8})
+            assert full.output_ids == [] and full.finish_reason.type == "length"
+            with pytest.raises(Exception, match="Requested token count exceeds"):
+                await client.generate(near, {"max_new_tokens": 64})
+    finally:
+        await server.stop()

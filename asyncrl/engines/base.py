@@ -266,6 +266,15 @@ def check_prompt(
             f"The input ({len(ids)} tokens) is longer than the model's context length "
             f"({context_length} tokens)."
         )
+    asked = request.sampling.max_new_tokens
+    if asked is not None and len(ids) + asked > context_length:  # SGLang 0.5.23, not cut
+        raise EngineError(
+            f"Requested token count exceeds the model's maximum context length of "
+            f"{context_length} tokens. You requested a total of {len(ids) + asked} tokens: "
+            f"{len(ids)} tokens from the input messages and {asked} tokens for the "
+            "completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit."
+        )
     if request.rid in live:
         raise EngineError(f"Duplicate request ID detected: {request.rid}")
     _check_sampling_ids(request.sampling, vocab_size)

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from asyncrl.engines.base import EngineError
+from asyncrl.engines.context_bound import ContextBound
 from asyncrl.engines.sglang_client import SGLangClient, SGLangError
 from asyncrl.observe.logs import get_logger
 from asyncrl.rollout.config import EngineConfig, sim_shape
@@ -119,7 +120,26 @@ class EngineHost:
             self.generator = InProcessGenerator(self.servers)
         if self.wait_ready_s is not None:
             await self.wait_ready(self.wait_ready_s)
+        if (context := await self._context_length()) is not None:
+            self.generator = ContextBound(self.generator, context)
         return self
+
+    async def _context_length(self) -> int | None:
+        """The smallest context of the engines: an embedded one's own, a server's from
+        ``/get_server_info`` (``context_length``, else ``max_req_input_len + 1``); None
+        when a server does not say (its requests then go as asked)."""
+        if self.engine is not None:
+            return int(self.engine.context_length)
+        assert self.client is not None
+        try:
+            info = await self.client.server_info()
+        except Exception as exc:  # an old or odd server: no bound, as before
+            log.warning("no context length from the engine", error=str(exc))
+            return None
+        context = info.get("context_length")
+        if not isinstance(context, int) and isinstance(info.get("max_req_input_len"), int):
+            context = info["max_req_input_len"] + 1
+        return context if isinstance(context, int) else None
 
     async def wait_ready(self, limit_s: float) -> None:
         """Poll ``/health`` until every engine answers 200 (an engine actor still loading)."""

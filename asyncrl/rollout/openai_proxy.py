@@ -42,6 +42,9 @@ partial tokens on the new weights, so the update only delays it. An abort of all
 APRIL round closing, a drain) cannot pause an agent's Python state, so it ends the episode:
 the sample comes back ``aborted`` with no tokens and the agent runs again from the start
 when the sample is resumed.
+
+Size: one protocol (sessions, the call's checks, turns against the engine, reply and
+error shapes), kept together so that what the agent sees and what is trained stay one.
 """
 
 from __future__ import annotations

@@ -1,0 +1,49 @@
+"""A generator that keeps every request within the model's context, as SGLang needs.
+
+SGLang (0.5.23) answers 400 to a request whose ``input + max_new_tokens`` passes the
+context; it does not shorten it. asyncrl's workflows ask for the rollout's budget
+whatever their prompt's length, and want a response cut at the context, as a model that
+runs out of room ends. ``ContextBound.generate`` asks for
+
+    max_new_tokens = min(asked, context_length - len(input_ids))
+
+and, with no room left, returns a ``length`` finish with no tokens without a call.
+
+Users: ``rollout/engines.py`` (``EngineHost.generator``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from asyncrl.engines.base import FinishReason
+from asyncrl.engines.sglang_wire import GenerateResult
+
+
+class ContextBound:
+    """Wraps a ``Generator`` (module docstring)."""
+
+    def __init__(self, inner: Any, context_length: int) -> None:
+        self.inner, self.context_length = inner, context_length
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        rid: str | None = None,
+    ) -> GenerateResult:
+        params = dict(sampling_params or {})
+        room = self.context_length - len(input_ids)
+        asked = params.get("max_new_tokens")
+        if asked is not None and asked > room:
+            if room <= 0:  # nothing fits: the response ends here, as at the context
+                finish = FinishReason(type="length", length=0)
+                return GenerateResult(rid=rid or "", output_ids=[], logprobs=[], versions=[],
+                                      finish_reason=finish)  # fmt: skip
+            params["max_new_tokens"] = room
+        return await self.inner.generate(input_ids, params, rid=rid)
+
+    def __getattr__(self, name: str) -> Any:  # the inner generator's other calls
+        return getattr(self.inner, name)
