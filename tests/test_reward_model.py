@@ -249,3 +249,20 @@ def test_the_eval_sets_fall_back_to_the_rollouts_reward_model(rm_path, tmp_path)
     terms = json.dumps([{"name": "rm", "model": {"path": str(rm_path)}},
                         {"name": "custom", "path": "tests.test_rewards:sync_reward"}])  # fmt: skip
     preflight(load_config(overrides=[*job_flags(tmp_path, 1), "--rollout.reward.terms", terms]))
+
+
+async def test_closing_the_model_fails_its_waiting_callers_instead_of_hanging(rm_path):
+    """A caller whose pair is on the model's thread, or still queued, when the model
+    closes (the actor stops) gets an error at once, not a wait that never ends."""
+    import time
+
+    config = RewardModelConfig(path=str(rm_path), batch_size=1, batch_wait_ms=0)
+    rm = RewardModel(config)
+    await rm.__aenter__()
+    forward = rm._forward
+    rm._forward = lambda batch: (time.sleep(0.5), forward(batch))[1]  # a slow forward
+    calls = [asyncio.create_task(rm.score("1+1=", str(i))) for i in range(3)]
+    await asyncio.sleep(0.1)  # the first pair is on the thread, two are queued
+    await rm.__aexit__(None, None, None)
+    done = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+    assert all(isinstance(x, RewardModelError) and "closed" in str(x) for x in done), done

@@ -91,6 +91,7 @@ class RewardModel:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="reward-model")
         self._tg: asyncio.TaskGroup | None = None
         self._batcher: asyncio.Task[None] | None = None
+        self._running: list[_Pending] = []  # the batch on the model's thread
 
     async def __aenter__(self) -> Self:
         loop = asyncio.get_running_loop()
@@ -106,9 +107,14 @@ class RewardModel:
         assert self._tg is not None and self._batcher is not None
         self._batcher.cancel()
         await self._tg.__aexit__(None, None, None)
-        while not self._queue.empty():  # nothing waits forever on a closed model
-            self._queue.get_nowait().done.cancel()
-        self._thread.shutdown(wait=True)
+        # Nothing waits forever on a closed model: the batch cut short, then the queue.
+        for p in self._running:
+            if not p.done.done():
+                p.done.set_exception(RewardModelError("the reward model closed"))
+        while not self._queue.empty():
+            self._queue.get_nowait().done.set_exception(RewardModelError("the reward model closed"))
+        # A forward still on the thread finishes there; the loop does not wait on it.
+        await asyncio.to_thread(self._thread.shutdown, wait=True)
 
     def _load(self) -> tuple[Any, Any]:
         import torch
@@ -168,6 +174,7 @@ class RewardModel:
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Pending]) -> None:
         start = time.perf_counter()
+        self._running = batch
         try:
             results = await loop.run_in_executor(self._thread, self._forward, batch)
         except Exception as exc:  # the batch fails with the reason; the model goes on
