@@ -352,18 +352,19 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _sglang_flags(argv: list[str]) -> list[str]:
-    """Turn ``--sglang-X [V]`` into ``--X [V]`` of the launched SGLang servers' command line
-    (``rollout.engine.server_args``), as slime does; a value is the next token unless it is
-    an option or a config file (``--sglang-X=V`` is never ambiguous). Given any, they
-    replace the file's ``server_args``."""
+    """Turn ``--sglang-X [V]`` (or ``--vllm-X [V]``) into ``--X [V]`` of the launched
+    servers' command line (``rollout.engine.server_args``), as slime does; a value is the
+    next token unless it is an option or a config file (``--sglang-X=V`` is never
+    ambiguous). Given any, they replace the file's ``server_args``."""
     rest, server_args, i = [], [], 0
     while i < len(argv):
         token = argv[i]
-        if not token.startswith("--sglang-"):
+        prefix = next((p for p in ("--sglang-", "--vllm-") if token.startswith(p)), None)
+        if prefix is None:
             rest.append(token)
             i += 1
             continue
-        server_args.append("--" + token.removeprefix("--sglang-"))
+        server_args.append("--" + token.removeprefix(prefix))
         nxt = argv[i + 1] if i + 1 < len(argv) else "--"
         # A switch is followed by an option, or by the config file (asyncrl train CONFIG).
         has_value = "=" not in token and not nxt.startswith("--") and not _is_config(nxt)

@@ -62,7 +62,7 @@ _DEST = "config:"
 _MISSING = object()
 
 
-_TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size")
+_TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size", "-tp")  # SGLang's, vLLM's
 
 
 def _server_tp(args: list[str]) -> int:

@@ -100,8 +100,13 @@ def _models(cfg: RunConfig, problems: list[str]) -> Any:
         folders["trainer.critic_model_path"] = t.critic_model_path
     for name in ("rollout", "eval"):
         engine = getattr(cfg, name).engine
-        if engine is not None and engine.type == "torch":
+        launched = engine is not None and engine.type == "vllm" and engine.serve == "actor"
+        if engine is not None and (engine.type == "torch" or launched):
             folders[f"{name}.engine.model_path"] = engine.model_path
+        if launched:
+            from asyncrl.engines.vllm_launch import vllm_python
+
+            _collect(lambda e=engine: vllm_python(e.vllm_python), problems)
     for key, folder in folders.items():
         if folder and not (Path(folder).expanduser() / "config.json").is_file():
             problems.append(f"{key}: {folder} is not a Hugging Face model folder (no config.json)")

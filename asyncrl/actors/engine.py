@@ -3,9 +3,14 @@
     engine-i   serves the SGLang HTTP API on its endpoint ``engine-i.http``
     rollout-i  generates through it with the SGLang client (placed beside it on Ray)
 
-Two kinds (``rollout.engine.type``):
+Three kinds (``rollout.engine.type``):
 
 - ``torch``: the embedded ``TorchEngine`` behind ``EngineServer`` in this process.
+- ``vllm``: vLLM's OpenAI server from vLLM's own virtualenv (``engines/vllm_launch.py``)
+  as a child process on a loopback port, tethered and stopped as SGLang's below, and
+  ``EngineServer(VLLMEngine)`` on the actor's endpoint: SGLang's API over vLLM's
+  (``engines/vllm_engine.py``). Ready once vLLM's ``/health`` answers 200 and our server
+  has made its one-token warm-up through it.
 - ``sglang``: ``python -m sglang.launch_server --model-path M --host H --port P ARGS`` as a
   child process in its own process group, SIGKILLed by the kernel if this actor dies
   (``runtime/tether.py``); ``ARGS``: ``rollout.engine.server_args``, which ``--sglang-*``
@@ -27,6 +32,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sys
 import zlib
 from collections import deque
@@ -90,6 +96,8 @@ class EngineActor(Actor):
         self.session = await self.hold(aiohttp.ClientSession(headers=auth))
         if self.cfg.type == "torch":
             await self._start_embedded(host, port)
+        elif self.cfg.type == "vllm":
+            await self._start_vllm(host, port)
         else:
             await self._start_sglang(host, port)
         log.info("engine serving", url=self.url, kind=self.cfg.type)
@@ -120,11 +128,48 @@ class EngineActor(Actor):
 
         seed = engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted)
         command = sglang_command(self.cfg, host, port, seed)
-        log.info("starting sglang", command=" ".join(command))  # before the key is added
         key = ["--api-key", self.api_key] if self.api_key else []
+        await self._launch(command, key, dict(os.environ), self.url)
+
+    async def _start_vllm(self, host: str, port: int) -> None:
+        """vLLM's server on a loopback port of its own, and ours on the actor's endpoint
+        speaking SGLang's API over it (``engines/vllm_engine.py``)."""
+        from asyncrl.engines.server import EngineServer
+        from asyncrl.engines.vllm_engine import VLLMEngine
+        from asyncrl.engines.vllm_launch import vllm_command, vllm_env, vllm_python
+        from asyncrl.rollout.engines import engine_seed
+
+        seed = engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted)
+        inner = free_port()
+        command = vllm_command(
+            vllm_python(self.cfg.vllm_python), str(self.cfg.model_path), "127.0.0.1", inner,
+            dtype=self.cfg.dtype, seed=seed, extra=self.cfg.server_args,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{inner}"
+        tether = [sys.executable, "-m", "asyncrl.runtime.tether"]
+        await self._launch([*tether, *command], [], vllm_env(), url, health="/health")
+        engine = await VLLMEngine(url, model_path=str(self.cfg.model_path)).start()
+        self._stack.push_async_callback(engine.close)
+        self.server = EngineServer(
+            engine,  # type: ignore[arg-type]
+            server_args={"host": host, "port": port},
+            api_key=self.api_key,
+        )
+        await self.server.start(host, port)
+        self._stack.push_async_callback(self.server.stop)
+
+    async def _launch(
+        self, command: list[str], secret: list[str], env: dict[str, str], url: str,
+        health: str = "/health_generate",
+    ) -> None:  # fmt: skip
+        """Start ``command`` (``secret`` appended, not logged) in its own process group and
+        wait until ``url`` answers ``health`` with 200."""
+        kind = self.cfg.type
+        log.info(f"starting {kind}", command=" ".join(command))
         self.proc = await asyncio.create_subprocess_exec(
             *command,
-            *key,
+            *secret,
+            env=env,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # one group: stopping it stops its scheduler processes
@@ -135,12 +180,12 @@ class EngineActor(Actor):
         self._stack.push_async_callback(_cancel, pump)
         try:
             async with asyncio.timeout(self.cfg.startup_timeout):
-                while not await self._healthy(limit_s=5.0):
+                while not await self._healthy(limit_s=5.0, url=url, path=health):
                     self._check_alive()
                     await asyncio.sleep(1.0)
         except TimeoutError:
             raise RuntimeError(
-                f"the sglang server at {self.url} was not healthy within "
+                f"the {kind} server at {url} was not healthy within "
                 f"{self.cfg.startup_timeout:.0f}s; last output: {list(self._output)[-5:]}"
             ) from None
 
@@ -158,11 +203,13 @@ class EngineActor(Actor):
     def stats(self) -> dict[str, float]:
         return {"engine.pid": float(self.proc.pid if self.proc else os.getpid())}
 
-    async def _healthy(self, *, limit_s: float) -> bool:
+    async def _healthy(
+        self, *, limit_s: float, url: str | None = None, path: str = "/health_generate"
+    ) -> bool:
         """``GET /health_generate`` (a one-token generation) answered 200."""
         try:
             async with self.session.get(
-                f"{self.url}/health_generate", timeout=aiohttp.ClientTimeout(total=limit_s)
+                f"{url or self.url}{path}", timeout=aiohttp.ClientTimeout(total=limit_s)
             ) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):
@@ -171,7 +218,7 @@ class EngineActor(Actor):
     def _check_alive(self) -> None:
         if self.proc is not None and self.proc.returncode is not None:
             raise RuntimeError(
-                f"the sglang server exited with code {self.proc.returncode}; last output: "
+                f"the {self.cfg.type} server exited with code {self.proc.returncode}; last output: "
                 f"{list(self._output)[-5:]}"
             )
 
@@ -202,6 +249,13 @@ class EngineActor(Actor):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         await self.proc.wait()
+
+
+def free_port() -> int:
+    """A loopback port free now (the server binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:

@@ -126,11 +126,11 @@ class WeightGroups:
         }
         check_names(model, tensors)
         if not flattened:
-            await asyncio.to_thread(_broadcast_each, group, list(tensors.values()))
+            await asyncio.to_thread(receive_broadcasts, group, list(tensors.values()))
             return tensors
         layout = bucket_layout(tensors.items())
         flat = torch.empty(layout[-1].end_idx if layout else 0, dtype=torch.uint8, device=device)
-        await asyncio.to_thread(_broadcast_each, group, [flat])
+        await asyncio.to_thread(receive_broadcasts, group, [flat])
         return {meta.name: piece(flat, meta) for meta in layout}
 
     async def leave(self, name: str) -> None:
@@ -141,7 +141,8 @@ class WeightGroups:
         await asyncio.to_thread(dist.destroy_process_group, group)
 
 
-def _broadcast_each(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+def receive_broadcasts(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    """Receive each of ``tensors`` in place by ``broadcast(src=0)``, in list order."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.timeout = datetime.timedelta(seconds=RECEIVE_TIMEOUT_S)

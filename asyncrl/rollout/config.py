@@ -29,8 +29,10 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
-    type: Literal["torch", "sglang", "sim"] = Field(
-        "torch", description="embedded torch, SGLang, or sim (no model: modelled time)"
+    type: Literal["torch", "sglang", "vllm", "sim"] = Field(
+        "torch",
+        description="embedded torch, SGLang, vLLM (its own API: engines/vllm_engine.py), "
+        "or sim (no model: modelled time)",
     )
     model_path: str | None = Field(
         None, description="HF model directory (torch engine; sim: its vocab and EOS)."
@@ -66,7 +68,16 @@ class EngineConfig(BaseModel):
         description="torch engine: the stream its requests' sampling seeds come from, "
         "mixed with the actor's name (a restarted actor draws afresh); None: the job's seed",
     )
-    urls: list[str] = Field(default_factory=list, description="SGLang server URLs (sglang).")
+    urls: list[str] = Field(
+        default_factory=list,
+        description="server URLs (sglang; vllm: servers started with "
+        "asyncrl's arguments, engines/vllm_launch.py)",
+    )
+    vllm_python: str | None = Field(
+        None,
+        description="vllm, serve: actor: the interpreter of vLLM's virtualenv (default: "
+        "$ASYNCRL_VLLM_PYTHON, else .venv-vllm/bin/python from `make vllm-venv`)",
+    )
     router: bool = Field(False, description="The one URL is an sglang-router.")
     on_update: Literal["continue", "abort"] = Field(
         "continue", description="In-flight requests on a weight update: continue or abort."
@@ -84,7 +95,8 @@ class EngineConfig(BaseModel):
     )
     server_args: list[str] = Field(
         default_factory=list,
-        description="extra sglang.launch_server arguments (serve: actor; --sglang-* flags)",
+        description="extra arguments of the launched server (serve: actor): "
+        "sglang.launch_server's (--sglang-* flags), or vLLM's api_server's",
     )
     health_interval: float = Field(
         5.0, gt=0, description="seconds between an engine actor's /health_generate checks"
@@ -95,7 +107,8 @@ class EngineConfig(BaseModel):
     health_check_s: float | None = Field(
         30.0,
         gt=0,
-        description="sglang urls: check each engine with /health_generate this often; one "
+        description="sglang and vllm urls: check each engine with /health_generate this "
+        "often; one "
         "that fails leaves the rotation and rejoins, given the current weights first, once "
         "it passes again (null: only failed calls take an engine out)",
     )
@@ -138,15 +151,23 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 "serve: actor starts its own engines; urls are for engines started elsewhere"
             )
-        if self.type == "sglang" and self.serve == "embedded" and not self.urls:
+        if self.type in ("sglang", "vllm") and self.serve == "embedded" and not self.urls:
             raise ValueError(
-                "the sglang engine type needs urls (server or router addresses), or serve: actor"
+                f"the {self.type} engine type needs urls (server addresses), or serve: actor"
             )
+        if self.type == "vllm" and self.router:
+            raise ValueError("router: the one url is an sglang-router; vLLM servers are listed")
         taken = [a for a in self.server_args if a.split("=")[0] in _ASSIGNED_SERVER_ARGS]
         if taken:
             raise ValueError(f"server_args {taken}: the engine actor assigns these itself")
-        if self.server_args and not (self.type == "sglang" and self.serve == "actor"):
-            raise ValueError("server_args (--sglang-* flags) apply to launched sglang servers only")
+        if self.server_args and not (self.type in ("sglang", "vllm") and self.serve == "actor"):
+            raise ValueError("server_args apply to launched sglang and vllm servers only")
+        if self.type == "vllm":
+            from asyncrl.engines.vllm_launch import check_extra
+
+            check_extra(self.server_args)
+        if self.vllm_python and not (self.type == "vllm" and self.serve == "actor"):
+            raise ValueError("vllm_python is the interpreter of launched vllm servers only")
         return self
 
 

@@ -16,6 +16,10 @@
   trainer's group). A ``dist`` version that cannot go by broadcast (the group forming or
   re-forming, a broadcast failed midway, an engine restarted or back in rotation) is
   pulled from the trainer, written to ``spill_dir`` and loaded from there.
+- ``vllm``: vLLM servers at ``urls`` (started with asyncrl's arguments,
+  ``engines/vllm_launch.py``), or this actor's engine actor. Each is a ``VLLMEngine``
+  (``engines/vllm_engine.py``: vLLM's own API) behind a loopback ``EngineServer``, so it
+  takes weights as an SGLang server does: from disk, or by broadcast into its workers.
 - ``sim``: ``sim_engines`` ``SimEngine``s (no model, time from ``sim``'s latency model),
   each behind its own loopback server, the generator (or the client) spreading calls
   over them; their vocabulary and EOS come from ``model_path``'s ``config.json`` when given
@@ -107,7 +111,9 @@ class EngineHost:
             urls = [await self._start_embedded()]
         elif self.config.type == "sim":
             urls = [await self._start_sim() for _ in range(self.config.sim_engines)]
-        external = self.config.type == "sglang" and self.config.serve == "embedded"
+        elif self.config.type == "vllm":
+            urls = [await self._start_vllm(url) for url in urls]
+        external = self.config.type in ("sglang", "vllm") and self.config.serve == "embedded"
         health = self.config.health_check_s if external and not self.config.router else None
         client_config = SGLangClient.Config(api_key=self.api_key, health_check_s=health)
         self.client = SGLangClient(urls, router=self.config.router, config=client_config)
@@ -128,8 +134,9 @@ class EngineHost:
         """The smallest context of the engines: an embedded one's own, a server's from
         ``/get_server_info`` (``context_length``, else ``max_req_input_len + 1``); None
         when a server does not say (its requests then go as asked)."""
-        if self.engine is not None:
-            return int(self.engine.context_length)
+        if self.engine is not None or self.servers:
+            engines = [self.engine] if self.engine is not None else []
+            return min(int(e.context_length) for e in [*engines, *(s.engine for s in self.servers)])
         assert self.client is not None
         try:
             info = await self.client.server_info()
@@ -160,6 +167,8 @@ class EngineHost:
             await self.client.__aexit__(None, None, None)
         for server in self.servers:
             await server.stop()
+            if hasattr(server.engine, "close"):  # a VLLMEngine's HTTP session
+                await server.engine.close()
 
     async def _start_embedded(self) -> str:
         from asyncrl.engines.server import EngineServer
@@ -179,6 +188,16 @@ class EngineHost:
         )
         self.engine = engine
         self.servers.append(EngineServer(engine))
+        return await self.servers[-1].start("127.0.0.1", 0)
+
+    async def _start_vllm(self, url: str) -> str:
+        """A vLLM server at ``url`` behind a loopback SGLang-API server of ours
+        (``engines/vllm_engine.py``): the rollout side treats it as any server."""
+        from asyncrl.engines.server import EngineServer
+        from asyncrl.engines.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(url, model_path=self.config.model_path, api_key=self.api_key)
+        self.servers.append(EngineServer(await engine.start()))  # type: ignore[arg-type]
         return await self.servers[-1].start("127.0.0.1", 0)
 
     async def _start_sim(self) -> str:
