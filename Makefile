@@ -82,7 +82,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check asyncrl tests bench examples
 
 # --durations: CI's log names the slowest tests (the suite's budget is 20 minutes on 2 cores).
-test: lint
+test: lint vllm-venv
 	$(VENV)/bin/pytest -q --durations=25
 
 bench-wire: $(STAMP)

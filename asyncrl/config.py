@@ -603,7 +603,7 @@ class RunConfig(Section):
             )
         if self.rollout.colocate:
             raise ValueError("rollout.engine.serve: actor cannot be colocated (yet)")
-        if self.eval.enabled and self.eval.engine is None and engine.type != "torch":
+        if self.eval.enabled and self.eval.engine is None and engine.type == "sglang":
             raise ValueError(
                 "eval with launched sglang engines needs its own eval.engine (e.g. the urls "
                 "of a server, or an embedded torch engine)"

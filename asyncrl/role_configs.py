@@ -135,7 +135,12 @@ def _weight_group(cfg: RunConfig) -> GroupConfig | None:
 
 
 def _embedded(engine: EngineConfig) -> EngineConfig:
-    return EngineConfig.model_validate({**engine.model_dump(), "serve": "embedded"})
+    """The rollout's engine, embedded; launched vLLM becomes the torch engine of its model
+    (an eval set's sampling may truncate, which vLLM's log-probs do not allow)."""
+    fields = {**engine.model_dump(), "serve": "embedded"}
+    if engine.type == "vllm":
+        fields |= {"type": "torch", "server_args": [], "vllm_python": None}
+    return EngineConfig.model_validate(fields)
 
 
 def _workflow_fields(rollout: RolloutActorConfig) -> dict[str, Any]:

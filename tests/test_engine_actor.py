@@ -42,6 +42,7 @@ SGLANG = ["--rollout.engine.type", "sglang", "--rollout.engine.serve", "actor"]
 SGLANG += ["--update-weight-transport", "disk"]
 DIST = ["--update-weight-transport", "dist"]
 URLS = ["--rollout.engine.type", "sglang", "--rollout.engine.urls"]
+VLLM = ["--rollout.engine.type", "vllm", "--rollout.engine.serve", "actor", *SGLANG[-2:]]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,12 @@ def test_sglang_flags_become_the_servers_arguments():
     ("flags", "message"),
     [
         (["--rollout.engine.serve", "actor"], "--update-weight-transport disk"),
-        (["--rollout.engine.server-args", "[--tp, 2]"], "launched sglang servers only"),
+        (["--rollout.engine.server-args", "[--tp, 2]"], "launched sglang and vllm servers only"),
+        (["--rollout.engine.type", "vllm"], "vllm engine type needs urls"),
+        ([*VLLM, "--rollout.engine.server-args", "[--logprobs-mode, raw_logprobs]"],
+         "asyncrl sets these itself"),
+        ([*VLLM, "--rollout.engine.vllm-python", "/no/python"], "/no/python is not an exec"),
+        (["--rollout.engine.vllm-python", "/usr/bin/python3"], "launched vllm servers only"),
         (["--rollout.engine.type", "sglang"], "or serve: actor"),
         (["--rollout.engine.urls", "[http://x:1]", "--rollout.engine.serve", "actor"], "urls"),
         (["--eval.engine.model-path", "m", "--eval.engine.serve", "actor"], "eval actor embeds"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import threading
@@ -225,3 +226,33 @@ async def test_a_broadcast_mid_generation_splits_a_response_between_versions(
         finally:
             await client.weights.update_weights_from_disk(str(vllm_model), version=0)
         assert engine.version == 0
+
+
+async def test_a_job_trains_through_a_launched_vllm_with_weights_by_broadcast(
+    vllm_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from asyncrl.config import load_config
+    from asyncrl.job import run_job
+    from tests.test_train import accounted, job_flags, last_buffer_metrics, lines, write_prompts
+
+    for key, value in CPU_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    (tmp_path / "model").symlink_to(vllm_model)
+    write_prompts(tmp_path / "prompts.jsonl", n=32)
+    flags = [
+        *job_flags(tmp_path, steps=2),
+        *["--rollout.engine.type", "vllm", "--rollout.engine.serve", "actor"],
+        *["--rollout.engine.model-path", str(vllm_model), "--update-weight-transport", "dist"],
+        *["--rollout.engine.server-args", json.dumps(CPU_ARGS)],
+    ]  # fmt: skip
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok, result.error
+    assert result.steps == 2
+    run_dir = tmp_path / "run"
+    last = last_buffer_metrics(run_dir)
+    assert last["buffer.consumed"] == 2 * 2 and accounted(last)
+    rollout = [json.loads(x) for x in lines(run_dir / "logs" / "rollout-0.jsonl")]
+    assert any(r["event"] == "engine joined the weight group" for r in rollout)
+    rows = [json.loads(x) for x in lines(run_dir / "metrics" / "rollout-0.jsonl")]
+    assert rows[-1]["rollout/weights_broadcast"] >= 1, rows[-1]  # by broadcast into vLLM

@@ -30,17 +30,21 @@ ASSIGNED = ("--model", "--host", "--port", *(a for a in ASYNCRL_ARGS if a.starts
 
 
 def vllm_python(configured: str | None = None) -> str:
-    """vLLM's interpreter: ``configured``, else ``$ASYNCRL_VLLM_PYTHON``, else
-    ``.venv-vllm/bin/python`` in the working directory or asyncrl's checkout."""
-    candidates = [configured, os.environ.get("ASYNCRL_VLLM_PYTHON")]
+    """vLLM's interpreter: ``configured`` (which must be one), else
+    ``$ASYNCRL_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` in the working directory or
+    asyncrl's checkout. ``FileNotFoundError`` when there is none."""
+    if configured:
+        if os.access(configured, os.X_OK) and os.path.isfile(configured):
+            return configured
+        raise FileNotFoundError(f"vllm_python: {configured} is not an executable file")
+    candidates = [os.environ.get("ASYNCRL_VLLM_PYTHON")]
     candidates += [str(root / ".venv-vllm" / "bin" / "python") for root in _roots()]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     raise FileNotFoundError(
         "no interpreter with vLLM: build it with `make vllm-venv` (.venv-vllm), or name "
-        "one with rollout.engine.vllm_python / ASYNCRL_VLLM_PYTHON"
-        + (f" ({configured} is not an executable file)" if configured else "")
+        "one with rollout.engine.vllm_python or ASYNCRL_VLLM_PYTHON"
     )
 
 

@@ -168,6 +168,14 @@ class EngineConfig(BaseModel):
             check_extra(self.server_args)
         if self.vllm_python and not (self.type == "vllm" and self.serve == "actor"):
             raise ValueError("vllm_python is the interpreter of launched vllm servers only")
+        if self.vllm_python:
+            from asyncrl.engines.vllm_launch import vllm_python
+
+            try:
+                vllm_python(self.vllm_python)
+            except FileNotFoundError as exc:
+                raise ValueError(str(exc)) from None
+
         return self
 
 
