@@ -24,6 +24,7 @@ from asyncrl.model_zoo import cache_dir
 #: Pinned, so every machine checks against the same definitions.
 SGLANG = "0.5.23"
 IO_STRUCT = "sglang/srt/managers/io_struct.py"
+SERVER_ARGS = "sglang/srt/arg_groups/fields/"
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,25 @@ def request_fields(name: str) -> dict[str, Field]:
             if annotation.startswith("ClassVar"):
                 continue
             fields[node.target.id] = Field(node.target.id, annotation, node.value is None)
+    return fields
+
+
+@cache
+def server_arg_fields() -> dict[str, str]:
+    """SGLang's ``ServerArgs`` fields and their types as written. 0.5.23 declares them in
+    ``sglang/srt/arg_groups/fields/*.py`` as ``name: A[Type, help]``."""
+    fields = {}
+    with zipfile.ZipFile(_wheel()) as wheel:
+        names = [n for n in wheel.namelist() if n.startswith(SERVER_ARGS) and n.endswith(".py")]
+        for name in names:
+            for node in ast.walk(ast.parse(wheel.read(name).decode())):
+                if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                    continue
+                annotation = node.annotation
+                if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "A":
+                    typed = annotation.slice
+                    first = typed.elts[0] if isinstance(typed, ast.Tuple) else typed
+                    fields[node.target.id] = ast.unparse(first)
     return fields
 
 

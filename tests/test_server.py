@@ -155,6 +155,23 @@ def free_port() -> int:
 # ----------------------------------------------------------------------------- discovery
 
 
+async def _server_info_fits_sglangs(http, url) -> None:
+    """Every SGLang server arg our ``/server_info`` reports has the type SGLang 0.5.23
+    declares for it, and what the router and slime read is there."""
+    from tests.sglang_types import fits, server_arg_fields
+
+    _, info = await call(http, url, "/server_info", method="GET")
+    declared = server_arg_fields()
+    assert len(declared) > 400  # the parse found ServerArgs, not an empty folder
+    read = {"model_path", "dp_size", "tp_size", "pp_size", "disaggregation_mode",
+            "encoder_only", "context_length", "page_size"}  # fmt: skip
+    assert read <= set(info) & set(declared)
+    checked = {k: declared[k] for k in info if k in declared and declared[k] != "None"}
+    wrong = {k: (info[k], a) for k, a in checked.items() if not fits(info[k], a)}
+    assert not wrong, wrong
+    assert len(checked) >= 20, sorted(checked)
+
+
 async def test_discovery_endpoints_answer_with_sglangs_shapes(http, url):
     for path in ("/health", "/health_generate", "/ready"):
         assert await call(http, url, path, method="GET") == (200, "")
@@ -180,6 +197,7 @@ async def test_discovery_endpoints_answer_with_sglangs_shapes(http, url):
         assert isinstance(info["internal_states"], list) and info["port"] == int(url[-5:])
     _, models = await call(http, url, "/v1/models", method="GET")
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    await _server_info_fits_sglangs(http, url)
     _, loads = await call(http, url, "/v1/loads?include=core", method="GET")
     assert {"num_running_reqs", "num_waiting_reqs"} <= set(loads["loads"][0])
     _, legacy = await call(http, url, "/get_load", method="GET")

@@ -17,6 +17,8 @@ Users: ``EngineServer`` (``server.py``) registers these routes on its applicatio
 from __future__ import annotations
 
 import asyncio
+import shlex
+import sys
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -346,20 +348,25 @@ class ControlRoutes:
         })  # fmt: skip
 
     async def server_info(self, request: web.Request) -> web.Response:
-        """``/get_server_info`` and ``/server_info``: the fields of 2.13 and the server args."""
+        """``/get_server_info`` and ``/server_info`` (2.13): SGLang's resolved server args
+        that have a meaning here, with the scheduler's and the server's own fields. The
+        sglang-router reads ``model_path``, ``dp_size``, ``tp_size`` and ``version``;
+        slime's external engines ``tp_size``, ``pp_size``, ``disaggregation_mode`` and
+        ``encoder_only``; asyncrl's client ``context_length`` and ``tp_size``."""
         from asyncrl import __version__
 
         e = self.engine
         load = e.load()
         return json_response({
+            **_ENGINE_DEFAULTS,
+            "dtype": str(getattr(e, "dtype", "auto")).removeprefix("torch."),
             **self.server.server_args,
             "model_path": e.model_path,
             "tokenizer_path": e.model_path,
             "served_model_name": self.server.served_model_name,
-            "tp_size": 1,
-            "dp_size": 1,
             "context_length": e.context_length,
             "max_running_requests": e.max_running,
+            "max_total_tokens": e.max_total_tokens,
             "max_total_num_tokens": e.max_total_tokens,
             "max_req_input_len": e.context_length - 1,
             "weight_version": version_text(e),
@@ -367,6 +374,7 @@ class ControlRoutes:
             "internal_states": [{"dp_rank": 0, "paused": load.paused,
                                  "num_running_reqs": load.num_running_reqs}],
             "startup_time": self.server.started,
+            "launch_command": shlex.join(sys.argv),
             "version": __version__,
         })  # fmt: skip
 
@@ -419,6 +427,17 @@ class ControlRoutes:
         from asyncrl import __version__
 
         return json_response({"version": __version__})
+
+
+#: SGLang's server args whose value here is fixed: one rank of one replica, no paged or
+#: quantized KV cache, no disaggregation, no LoRA slots (asyncrl merges adapters).
+_ENGINE_DEFAULTS: Json = {
+    "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "page_size": 1,
+    "kv_cache_dtype": "auto", "quantization": None, "load_format": "auto",
+    "tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
+    "is_embedding": False, "enable_lora": False, "disaggregation_mode": "null",
+    "encoder_only": False, "stream_interval": 1, "kv_events": None,
+}  # fmt: skip
 
 
 def _required(body: Json, key: str, kind: type) -> Any:

@@ -134,7 +134,11 @@ class VLLMEngine:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._session = aiohttp.ClientSession(
             headers=headers,
-            connector=aiohttp.TCPConnector(limit=0),  # one connection per running request
+            # A connection per call, none kept: vLLM's server closes an idle kept one after
+            # 5 s, and a call that picks it up in that instant fails ("Server
+            # disconnected"; 123 calls at once after a weight update's pause, on the
+            # arith demo). Calls are long, so a fresh loopback connection costs nothing.
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
         )
         models = (await self._call("GET", "/v1/models"))["data"][0]
