@@ -27,7 +27,11 @@ token's log-prob is returned by every system (HF: ``output_logits``, then log-so
   left-padded, each batch run to its longest request;
 - **vllm**: vLLM's offline ``LLM.generate`` with every request at once, ``max_num_seqs``
   = ``--batch``, eager, both cores (``bench/vllm_worker.py`` in vLLM's venv; skipped
-  with a note when ``--vllm-python`` is missing: ``make vllm-venv`` builds it).
+  with a note when ``--vllm-python`` is missing: ``make vllm-venv`` builds it);
+- **vllm-server**: the same vLLM as asyncrl's ``vllm`` engine type runs it, its OpenAI
+  server started with asyncrl's arguments (``engines/vllm_launch.py``), every request
+  at once through ``VLLMEngine`` (one HTTP call each to ``/inference/v1/generate``):
+  what a rollout actor gets from vLLM, HTTP and vLLM's API server included.
 
 Each system runs in a process of its own (``run_isolated``: in one process, what ran
 before slowed what came after) and first runs the workload's first 8 requests once (a
@@ -185,10 +189,7 @@ def run_vllm(
     longest = max(len(ids) + n for work in works.values() for ids, n in work)
     spec = {"model": str(Path(model).resolve()), "max_running": batch, "dtype": dtype,
             "max_model_len": longest + 8, "workloads": works}  # fmt: skip
-    # vLLM binds one core and reserves the other by default; give it the same threads.
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir(), "asyncrl-vllm-cache"))}  # fmt: skip
+    env = {**os.environ, **_vllm_cpu_env(threads)}
     with tempfile.TemporaryDirectory() as tmp:
         spec_file, out_file = Path(tmp, "work.json"), Path(tmp, "out.json")
         spec_file.write_text(json.dumps(spec))
@@ -198,6 +199,87 @@ def run_vllm(
         if proc.returncode != 0:
             raise SystemExit(f"vllm worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         return json.loads(out_file.read_text())
+
+
+def run_vllm_server(
+    python: str, model: str, works: dict[str, Work], batch: int, threads: int,
+    dtype: str = "float32",
+) -> dict[str, float]:  # fmt: skip
+    """vLLM's server as the ``vllm`` engine type drives it: tokens/s per workload."""
+    from asyncrl.engines.vllm_launch import vllm_command, vllm_env
+
+    longest = max(len(ids) + n for work in works.values() for ids, n in work)
+    extra = ["--max-num-seqs", str(batch), "--max-model-len", str(longest + 8), "--enforce-eager"]
+    port = _free_port()
+    env = vllm_env() | _vllm_cpu_env(threads)
+    command = vllm_command(python, str(Path(model).resolve()), "127.0.0.1", port, dtype=dtype,
+                           seed="0", extra=extra)  # fmt: skip
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        return asyncio.run(_through_vllm_engine(f"http://127.0.0.1:{port}", server, works))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+async def _through_vllm_engine(
+    url: str, server: subprocess.Popen, works: dict[str, Work]
+) -> dict[str, float]:
+    import aiohttp
+
+    from asyncrl.engines.vllm_engine import VLLMEngine
+
+    async with aiohttp.ClientSession() as http, asyncio.timeout(600):
+        while server.poll() is None:
+            try:
+                async with http.get(f"{url}/health") as resp:
+                    if resp.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(1)
+    if server.poll() is not None:
+        raise SystemExit(f"vllm server exited:\n{server.stderr.read().decode()[-3000:]}")
+    engine = await VLLMEngine(url).start()
+
+    async def one(rid: str, seed: int, ids: list[int], n: int) -> int:
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True, sampling_seed=seed)
+        request = GenerateRequest(rid=rid, input_ids=ids, sampling=params)
+        outputs = [out async for out in engine.generate(request)]
+        assert len(outputs[-1].output_ids) == len(outputs[-1].logprobs) == n
+        return n
+
+    async def all_of(part: Work, tag: str) -> int:
+        calls = (one(f"{tag}{i}", i, ids, n) for i, (ids, n) in enumerate(part))
+        return sum(await asyncio.gather(*calls))
+
+    rates = {}
+    try:
+        for name, work in works.items():
+            await all_of(work[:WARM_UP], f"{name}-warm-up")
+            start = time.perf_counter()
+            rates[name] = await all_of(work, name) / (time.perf_counter() - start)
+    finally:
+        await engine.close()
+    return rates
+
+
+def _vllm_cpu_env(threads: int) -> dict[str, str]:
+    """vLLM binds one core and reserves the other by default; give it the same threads."""
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir(), "asyncrl-vllm-cache")),
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def matmul_peak(threads: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
@@ -238,7 +320,9 @@ def main() -> None:
         help="every system's weights and the peak's matmul (auto: fp32 on CPU)",
     )
     ap.add_argument("--vllm-python", default="")
-    ap.add_argument("--skip", nargs="*", default=[], choices=[*VARIANTS, "hf", "vllm"])
+    ap.add_argument(
+        "--skip", nargs="*", default=[], choices=[*VARIANTS, "hf", "vllm", "vllm-server"]
+    )
     ap.add_argument("--profile", action="store_true", help="profile the engine's uniform run")
     ap.add_argument("--out", default="bench/results/engine.json")
     ap.add_argument("--system", help=argparse.SUPPRESS)  # run_isolated's child
@@ -274,6 +358,13 @@ def main() -> None:
     if vllm:
         for name in works:
             rates[name]["vllm"] = vllm["workloads"][name]["tokens_per_s"]
+    if vllm and "vllm-server" not in args.skip:
+        dtype = {"auto": "float32"}.get(args.dtype, args.dtype)
+        served = run_vllm_server(args.vllm_python, args.model, works, args.batch, args.threads,
+                                 dtype)  # fmt: skip
+        for name, rate in served.items():
+            rates[name]["vllm-server"] = rate
+            print(f"{name} vllm-server: {rate:.1f} tokens/s", flush=True)
     report(args, params, peak, rates, works, p50, p99, vllm)
 
 
@@ -319,9 +410,11 @@ def report(args, params, peak, rates, works, p50, p99, vllm) -> None:
             print(f"{name:<11}{system:<12}{tokens:>8}{rate:>10.1f}{share:>8.1%}")
     ratios = {}
     for name, per in rates.items():
-        for base in ("hf", "vllm", "unpacked", "hf-forward"):
+        for base in ("hf", "vllm", "vllm-server", "unpacked", "hf-forward"):
             if "engine" in per and base in per:
                 ratios[f"{name}/engine_over_{base}"] = per["engine"] / per[base]
+        if "vllm" in per and "vllm-server" in per:  # what the server and HTTP cost vLLM
+            ratios[f"{name}/vllm-server_over_vllm"] = per["vllm-server"] / per["vllm"]
     for key, value in ratios.items():
         print(f"{key:<36}{value:>6.2f}")
     out = Path(args.out)

@@ -177,8 +177,15 @@ class VLLMEngine:
     def _load_tokenizer(self) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        config = AutoConfig.from_pretrained(self.model_path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            config = AutoConfig.from_pretrained(self.model_path)
+        except OSError as exc:
+            raise EngineError(
+                f"the vLLM server at {self.url} serves {self.model_path!r}, which is not a "
+                "model folder here: set rollout.engine.model_path to a local copy (its "
+                f"tokenizer and config): {exc}"
+            ) from None
         self.model = SimpleNamespace(config=config)
         text = getattr(config, "get_text_config", lambda: config)()
         self.vocab_size = int(getattr(text, "vocab_size", 0) or len(self.tokenizer))
@@ -209,6 +216,8 @@ class VLLMEngine:
     # -- generation -----------------------------------------------------------------------
     def check(self, request: GenerateRequest) -> None:
         """Raise ``EngineError`` (a 400) for a request this engine cannot serve."""
+        if self.torn and not self._updating:  # vLLM stays paused: the call would hang
+            raise EngineError("a weight update failed midway: load a whole version first")
         check_prompt(request, self.vocab_size, self.context_length, self._live)
         p = request.sampling
         if p.stop_regexes:
