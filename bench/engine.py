@@ -214,12 +214,17 @@ def run_vllm_server(
     env = vllm_env() | _vllm_cpu_env(threads)
     command = vllm_command(python, str(Path(model).resolve()), "127.0.0.1", port, dtype=dtype,
                            seed="0", extra=extra)  # fmt: skip
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        return asyncio.run(_through_vllm_engine(f"http://127.0.0.1:{port}", server, works))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    with open(os.environ.get("VLLM_SERVER_LOG", os.devnull), "w+") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            return asyncio.run(_through_vllm_engine(f"http://127.0.0.1:{port}", server, works))
+        except Exception:
+            log.seek(0)
+            print(log.read()[-4000:], file=sys.stderr)
+            raise
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
 
 
 async def _through_vllm_engine(
@@ -239,18 +244,19 @@ async def _through_vllm_engine(
                 pass
             await asyncio.sleep(1)
     if server.poll() is not None:
-        raise SystemExit(f"vllm server exited:\n{server.stderr.read().decode()[-3000:]}")
+        raise RuntimeError(f"the vllm server exited with {server.returncode}")
     engine = await VLLMEngine(url).start()
 
-    async def one(rid: str, seed: int, ids: list[int], n: int) -> int:
-        params = SamplingParams(max_new_tokens=n, ignore_eos=True, sampling_seed=seed)
+    async def one(rid: str, ids: list[int], n: int) -> int:
+        # No per-request seed: VLLMEngine refuses them on the CPU (a vLLM crash).
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
         request = GenerateRequest(rid=rid, input_ids=ids, sampling=params)
         outputs = [out async for out in engine.generate(request)]
         assert len(outputs[-1].output_ids) == len(outputs[-1].logprobs) == n
         return n
 
     async def all_of(part: Work, tag: str) -> int:
-        calls = (one(f"{tag}{i}", i, ids, n) for i, (ids, n) in enumerate(part))
+        calls = (one(f"{tag}{i}", ids, n) for i, (ids, n) in enumerate(part))
         return sum(await asyncio.gather(*calls))
 
     rates = {}

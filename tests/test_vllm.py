@@ -122,6 +122,16 @@ def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
             for k, v in weights.items()}  # fmt: skip
 
 
+def _processes() -> list[str]:
+    """Every process's command line."""
+    lines = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit():
+                lines.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+    return lines
+
+
 def gap(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b) > 0
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
@@ -256,3 +266,49 @@ async def test_a_job_trains_through_a_launched_vllm_with_weights_by_broadcast(
     assert any(r["event"] == "engine joined the weight group" for r in rollout)
     rows = [json.loads(x) for x in lines(run_dir / "metrics" / "rollout-0.jsonl")]
     assert rows[-1]["rollout/weights_broadcast"] >= 1, rows[-1]  # by broadcast into vLLM
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # two vLLM start-ups
+async def test_a_killed_vllm_engine_actor_is_restarted_and_nothing_is_lost(
+    vllm_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """SIGKILL the engine actor: its vLLM dies with it (tethered), the restarted actor
+    launches another, which rejoins the weight group, and no prompt is lost."""
+    from tests.test_train import (
+        LONG_RUN,
+        accounted,
+        job_flags,
+        kill_mid_run,
+        last_buffer_metrics,
+        lines,
+        write_prompts,
+    )
+
+    for key, value in CPU_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    (tmp_path / "model").symlink_to(vllm_model)
+    write_prompts(tmp_path / "prompts.jsonl", n=64)
+    steps = 6
+    flags = [
+        *job_flags(tmp_path, steps=steps), *LONG_RUN,
+        *["--rollout.engine.type", "vllm", "--rollout.engine.serve", "actor"],
+        *["--rollout.engine.model-path", str(tmp_path / "model")],
+        *["--update-weight-transport", "dist"],
+        *["--rollout.engine.server-args", json.dumps(CPU_ARGS)],
+    ]  # fmt: skip
+    run_dir = tmp_path / "run"
+    victim, result = await kill_mid_run(run_dir, "engine-0", flags)
+    assert result.ok, result.error
+    assert result.steps == steps
+    assert "engine-0: killed by SIGKILL" in result.restarts, result.restarts
+    last = last_buffer_metrics(run_dir)
+    assert last["buffer.consumed"] == steps * 2 and accounted(last)
+    rollout = [json.loads(x) for x in lines(run_dir / "logs" / "rollout-0.jsonl")]
+    engine = [json.loads(x) for x in lines(run_dir / "logs" / "engine-0.jsonl")]
+    assert any(r["pid"] != victim and r["event"] == "engine serving" for r in engine)
+    joins = [r for r in rollout if r["event"] == "engine joined the weight group"]
+    assert len({r["group"] for r in joins}) >= 2, joins  # the group re-formed for the new one
+    left = [p for p in _processes() if str(tmp_path / "model") in p]
+    assert not left, left  # neither vLLM outlived its actor, nor the job

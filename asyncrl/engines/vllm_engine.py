@@ -222,6 +222,14 @@ class VLLMEngine:
         p = request.sampling
         if p.stop_regexes:
             raise EngineError("stop_regex is not supported by a vLLM engine")
+        if p.sampling_seed is not None and self.device.type == "cpu":
+            # vLLM 0.32's CPU runner rewinds a seeded request's generator after a chunked
+            # prefill step, which a CPU generator cannot do: the engine core dies, and
+            # every request on the server with it.
+            raise EngineError(
+                "sampling_seed: vLLM's CPU build fails the whole server on a seeded request "
+                "whose prompt is prefilled in chunks (CPU Generator does not use offset)"
+            )
         if request.return_logprob and request.logprob_start_len >= 0:
             raise EngineError("prompt log-probs are not supported by a vLLM engine")
         truncated = p.top_k not in (-1, 0) or p.top_p < 1 or p.min_p > 0
