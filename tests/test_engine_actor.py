@@ -102,6 +102,7 @@ def test_sglang_flags_become_the_servers_arguments():
          "asyncrl sets these itself"),
         ([*VLLM, "--rollout.engine.vllm-python", "/no/python"], "/no/python is not an exec"),
         (["--rollout.engine.vllm-python", "/usr/bin/python3"], "launched vllm servers only"),
+        ([*VLLM, "--rollout.sampling", "{temperature: 1.0, top_p: 0.9}"], "sets top_p: a vLLM"),
         (["--rollout.engine.type", "sglang"], "or serve: actor"),
         (["--rollout.engine.urls", "[http://x:1]", "--rollout.engine.serve", "actor"], "urls"),
         (["--eval.engine.model-path", "m", "--eval.engine.serve", "actor"], "eval actor embeds"),

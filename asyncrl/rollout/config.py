@@ -284,6 +284,23 @@ class RolloutConfig(BaseModel):
         check_sampling(value)
         return check_trainable_sampling(value)
 
+    @model_validator(mode="after")
+    def _vllm_reports_untruncated(self) -> RolloutConfig:
+        """vLLM reports log-probs of the truncated distribution (engines/vllm_engine.py):
+        refuse truncated training rollouts now, not as every sample's failure."""
+        if self.engine is None or self.engine.type != "vllm":
+            return self
+        neutral = {"top_p": (1.0,), "top_k": (-1, 0), "min_p": (0.0,)}
+        bad = [k for k, off in neutral.items() if self.sampling.get(k, off[0]) not in off]
+        greedy = float(self.sampling.get("temperature", 1.0)) == 0
+        if bad and not greedy:
+            raise ValueError(
+                f"rollout.sampling sets {', '.join(bad)}: a vLLM engine reports log-probs "
+                "of the truncated distribution, not log_softmax(logits / temperature); "
+                "sample without truncation"
+            )
+        return self
+
 
 def check_sampling(value: dict[str, Any]) -> dict[str, Any]:
     """``value`` if it is valid SGLang sampling params; else a ValueError naming the field."""
