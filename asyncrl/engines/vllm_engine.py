@@ -92,7 +92,8 @@ class VLLMEngine:
     """One vLLM server behind asyncrl's engine protocol (module docstring).
 
     ``start`` reads the server's model and context and checks its settings; ``run`` (the
-    server's engine task) sends aborts; ``close`` ends the HTTP session.
+    server's engine task) sends aborts and client-named versions; ``close`` ends the HTTP
+    session.
     """
 
     def __init__(
@@ -107,7 +108,8 @@ class VLLMEngine:
         self.model_path = model_path or ""
         self.api_key = api_key
         self.update_timeout_s = update_timeout_s
-        self.version = 0
+        self._version = 0
+        self._label: int | None = None  # a version named by a client, for ``run`` to send
         self.version_names: dict[int, str] = {}
         self.device = torch.device("cpu")
         self.context_length = 0
@@ -128,16 +130,30 @@ class VLLMEngine:
         self._groups: set[str] = set()
         self._lock = asyncio.Lock()  # one weight call sequence at a time
 
+    @property
+    def version(self) -> int:
+        """The version the engine serves (set by a weight update, or named by a client)."""
+        return self._version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        """A client named the version (``/update_weight_version``): vLLM's label follows
+        from ``run``, so tokens sampled in between still carry the old one."""
+        self._version, self._label = version, version
+        self._wake.set()
+
     # -- lifetime -------------------------------------------------------------------------
     async def start(self) -> VLLMEngine:
         """Open the session; read the model, its context and the served version."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._session = aiohttp.ClientSession(
             headers=headers,
-            # A connection per call, none kept: vLLM's server closes an idle kept one after
-            # 5 s, and a call that picks it up in that instant fails ("Server
-            # disconnected"; 123 calls at once after a weight update's pause, on the
-            # arith demo). Calls are long, so a fresh loopback connection costs nothing.
+            # A connection per call, none kept. With kept ones, the arith demo's first run
+            # through vLLM failed 123 calls at once right after a weight update ("Server
+            # disconnected", "Cannot write request body"), and the run with none kept
+            # failed none. vLLM's server closes a kept connection idle for 5 s, which
+            # fits, but a stress test did not reproduce it. Calls are long: a fresh
+            # loopback connection costs nothing beside them.
             connector=aiohttp.TCPConnector(limit=0, force_close=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
         )
@@ -146,7 +162,7 @@ class VLLMEngine:
         self.context_length = int(models["max_model_len"])
         self.model_path = self.model_path or models.get("root") or self._served
         await self._check_server()
-        self.version = self._version_of(await self._weight_label())
+        self._version = self._version_of(await self._weight_label())
         await asyncio.to_thread(self._load_tokenizer)
         log.info("vllm engine connected", url=self.url, model=self.model_path,
                  context=self.context_length, version=self.version)  # fmt: skip
@@ -201,6 +217,11 @@ class VLLMEngine:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._label is not None:
+                label, self._label = str(self._label), None
+                await self._quietly(
+                    self._call("POST", "/update_weight_version", {"new_version": label})
+                )
             if self._abort_all:
                 self._abort_all = False
                 await self._quietly(self._call("POST", "/abort_requests", {}))
@@ -389,10 +410,17 @@ class VLLMEngine:
         await self._call("POST", "/shutdown_weight_transfer_engine")
 
     async def _begin(self) -> None:
-        if self._paused_by is None:
+        paused_here = self._paused_by is None
+        if paused_here:
             await self._pause("keep")
             self._paused_by = "update"
-        await self._call("POST", "/start_weight_update")
+        try:
+            await self._call("POST", "/start_weight_update")
+        except BaseException:
+            if paused_here:  # nothing was loaded: serve the old weights again
+                self._paused_by = None
+                await self._quietly(self._call("POST", "/resume"))
+            raise
         self._updating, self.torn = True, True
 
     async def _send(self, info: dict[str, Any], timeout_s: float) -> None:
@@ -404,10 +432,13 @@ class VLLMEngine:
 
     async def _end(self, version: int | None) -> None:
         label = {} if version is None else {"weight_version": str(version)}
-        await self._call("POST", "/finish_weight_update", label)
-        self._updating, self.torn = False, False
+        try:
+            await self._call("POST", "/finish_weight_update", label)
+        finally:
+            self._updating = False
+        self.torn = False
         if version is not None:
-            self.version = version
+            self._version = version
         if self._paused_by == "update":
             await self._call("POST", "/resume")
             self._paused_by = None
@@ -456,10 +487,12 @@ class VLLMEngine:
                 return {"text": text}
 
     async def _quietly(self, call: Any) -> None:
+        """A best-effort call: a failure is logged (the caller's outcome does not hang
+        on it)."""
         try:
             await call
         except (aiohttp.ClientError, OSError, EngineError, VLLMFailed) as exc:
-            log.warning("vllm abort failed", url=self.url, error=str(exc))
+            log.warning("vllm call failed", url=self.url, error=str(exc))
 
 
 def _body(request: GenerateRequest) -> dict[str, Any]:
