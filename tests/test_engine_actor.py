@@ -98,8 +98,10 @@ def test_sglang_flags_become_the_servers_arguments():
         (["--rollout.engine.serve", "actor"], "--update-weight-transport disk"),
         (["--rollout.engine.server-args", "[--tp, 2]"], "launched sglang and vllm servers only"),
         (["--rollout.engine.type", "vllm"], "vllm engine type needs urls"),
-        ([*VLLM, "--rollout.engine.server-args", "[--logprobs-mode, raw_logprobs]"],
-         "asyncrl sets these itself"),
+        (
+            [*VLLM, "--rollout.engine.server-args", "[--logprobs-mode, raw_logprobs]"],
+            "asyncrl sets these itself",
+        ),
         ([*VLLM, "--rollout.engine.vllm-python", "/no/python"], "/no/python is not an exec"),
         (["--rollout.engine.vllm-python", "/usr/bin/python3"], "launched vllm servers only"),
         ([*VLLM, "--rollout.sampling", "{temperature: 1.0, top_p: 0.9}"], "sets top_p: a vLLM"),
