@@ -586,7 +586,29 @@ class RunConfig(Section):
                 "(one rank per rollout actor): use --update-weight-transport disk"
             )
 
+    def _vllm_has_one_client(self) -> None:
+        """A vLLM server takes one client: its pause and weight-update session are the
+        server's, so two rollout actors (or an eval engine) at the same url would
+        interleave them."""
+        engine, other = self.rollout.engine, self.eval.engine
+        if engine is None or engine.type != "vllm" or engine.serve != "embedded":
+            return
+        if self.rollout.num_actors > 1:
+            raise ValueError(
+                f"rollout.engine.type vllm at urls: a vLLM server takes one client, and "
+                f"{self.rollout.num_actors} rollout actors would share it; use "
+                "--rollout.engine.serve actor (a vLLM per rollout actor) or one rollout actor"
+            )
+        if other is not None and other.type == "vllm" and set(other.urls) & set(engine.urls):
+            raise ValueError("eval.engine and rollout.engine name the same vLLM server")
+        if self.eval.enabled and other is None and not engine.model_path:
+            raise ValueError(
+                "eval beside vLLM at urls runs its own engine: set rollout.engine.model_path "
+                "(the eval actor embeds the torch engine of that model) or eval.engine"
+            )
+
     def _engine_actors_fit(self) -> None:
+        self._vllm_has_one_client()
         if self.eval.engine is not None and self.eval.engine.serve == "actor":
             raise ValueError(
                 "eval.engine.serve: actor is not supported; the eval actor embeds its engine"

@@ -135,11 +135,13 @@ def _weight_group(cfg: RunConfig) -> GroupConfig | None:
 
 
 def _embedded(engine: EngineConfig) -> EngineConfig:
-    """The rollout's engine, embedded; launched vLLM becomes the torch engine of its model
-    (an eval set's sampling may truncate, which vLLM's log-probs do not allow)."""
+    """The rollout's engine, embedded. vLLM becomes the torch engine of its model when it
+    names one: an eval set's sampling may truncate, which vLLM's log-probs do not allow,
+    and a vLLM server takes one client (``RunConfig`` asks for ``eval.engine`` when no
+    model is named and eval runs)."""
     fields = {**engine.model_dump(), "serve": "embedded"}
-    if engine.type == "vllm":
-        fields |= {"type": "torch", "server_args": [], "vllm_python": None}
+    if engine.type == "vllm" and engine.model_path:
+        fields |= {"type": "torch", "urls": [], "server_args": [], "vllm_python": None}
     return EngineConfig.model_validate(fields)
 
 

@@ -56,6 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 from statistics import NormalDist
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -115,26 +116,30 @@ VARIANTS: dict[str, dict[str, bool]] = {
 }  # fmt: skip
 
 
-async def run_engine(model: torch.nn.Module, work: Work, batch: int, **variant: bool) -> float:
-    """Tokens/s of every request submitted at once to a fresh ``TorchEngine``."""
-    engine = TorchEngine(model, max_running=batch, **variant)
+async def all_at_once(engine: Any, work: Work, tag: str, *, seeded: bool = True) -> int:
+    """Submit every request of ``work`` at once to ``engine``; the tokens it made (each
+    request's length, checked with its log-probs). ``seeded``: request ``i`` samples
+    with seed ``i``."""
 
-    async def one(rid: str, seed: int, ids: list[int], n: int) -> int:
-        params = SamplingParams(max_new_tokens=n, ignore_eos=True, sampling_seed=seed)
-        request = GenerateRequest(rid=rid, input_ids=ids, sampling=params)
+    async def one(i: int, ids: list[int], n: int) -> int:
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True,
+                                sampling_seed=i if seeded else None)  # fmt: skip
+        request = GenerateRequest(rid=f"{tag}{i}", input_ids=ids, sampling=params)
         outputs = [out async for out in engine.generate(request)]
         assert len(outputs[-1].output_ids) == len(outputs[-1].logprobs) == n
         return n
 
-    async def all_of(part: Work, tag: str) -> int:
-        calls = (one(f"{tag}{i}", i, ids, n) for i, (ids, n) in enumerate(part))
-        return sum(await asyncio.gather(*calls))
+    return sum(await asyncio.gather(*(one(i, ids, n) for i, (ids, n) in enumerate(work))))
 
+
+async def run_engine(model: torch.nn.Module, work: Work, batch: int, **variant: bool) -> float:
+    """Tokens/s of every request submitted at once to a fresh ``TorchEngine``."""
+    engine = TorchEngine(model, max_running=batch, **variant)
     async with asyncio.TaskGroup() as tg:
         runner = tg.create_task(engine.run())
-        await all_of(work[:WARM_UP], "warm-up")
+        await all_at_once(engine, work[:WARM_UP], "warm-up")
         start = time.perf_counter()
-        tokens = await all_of(work, "r")
+        tokens = await all_at_once(engine, work, "r")
         elapsed = time.perf_counter() - start
         runner.cancel()
     return tokens / elapsed
@@ -215,16 +220,29 @@ def run_vllm_server(
     command = vllm_command(python, str(Path(model).resolve()), "127.0.0.1", port, dtype=dtype,
                            seed="0", extra=extra)  # fmt: skip
     with open(os.environ.get("VLLM_SERVER_LOG", os.devnull), "w+") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)  # fmt: skip
         try:
             return asyncio.run(_through_vllm_engine(f"http://127.0.0.1:{port}", server, works))
-        except Exception:
-            log.seek(0)
-            print(log.read()[-4000:], file=sys.stderr)
-            raise
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            stop_group(server)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM ``proc``'s process group, then SIGKILL what is left: vLLM's engine core
+    outlived a SIGTERMed API server once (found as an orphan after this bench)."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            continue
+        time.sleep(1.0)  # the group's other members end after their leader
 
 
 async def _through_vllm_engine(
@@ -246,25 +264,13 @@ async def _through_vllm_engine(
     if server.poll() is not None:
         raise RuntimeError(f"the vllm server exited with {server.returncode}")
     engine = await VLLMEngine(url).start()
-
-    async def one(rid: str, ids: list[int], n: int) -> int:
-        # No per-request seed: VLLMEngine refuses them on the CPU (a vLLM crash).
-        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-        request = GenerateRequest(rid=rid, input_ids=ids, sampling=params)
-        outputs = [out async for out in engine.generate(request)]
-        assert len(outputs[-1].output_ids) == len(outputs[-1].logprobs) == n
-        return n
-
-    async def all_of(part: Work, tag: str) -> int:
-        calls = (one(f"{tag}{i}", ids, n) for i, (ids, n) in enumerate(part))
-        return sum(await asyncio.gather(*calls))
-
     rates = {}
-    try:
+    try:  # no per-request seeds: VLLMEngine refuses them on the CPU (a vLLM crash)
         for name, work in works.items():
-            await all_of(work[:WARM_UP], f"{name}-warm-up")
+            await all_at_once(engine, work[:WARM_UP], f"{name}-warm-up", seeded=False)
             start = time.perf_counter()
-            rates[name] = await all_of(work, name) / (time.perf_counter() - start)
+            tokens = await all_at_once(engine, work, name, seeded=False)
+            rates[name] = tokens / (time.perf_counter() - start)
     finally:
         await engine.close()
     return rates

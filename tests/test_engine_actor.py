@@ -42,6 +42,9 @@ SGLANG = ["--rollout.engine.type", "sglang", "--rollout.engine.serve", "actor"]
 SGLANG += ["--update-weight-transport", "disk"]
 DIST = ["--update-weight-transport", "dist"]
 URLS = ["--rollout.engine.type", "sglang", "--rollout.engine.urls"]
+VLLM_URLS = ["--rollout.engine.type", "vllm", "--rollout.engine.urls", "[http://x:1]"]
+VLLM_URLS += ["--rollout.num-actors", "1"]
+EVAL_SET = ["--eval-interval", "5", "--eval.sets", '[{name: a, path: "p.jsonl"}]']
 VLLM = ["--rollout.engine.type", "vllm", "--rollout.engine.serve", "actor", *SGLANG[-2:]]
 
 
@@ -105,6 +108,8 @@ def test_sglang_flags_become_the_servers_arguments():
         ([*VLLM, "--rollout.engine.vllm-python", "/no/python"], "/no/python is not an exec"),
         (["--rollout.engine.vllm-python", "/usr/bin/python3"], "launched vllm servers only"),
         ([*VLLM, "--rollout.sampling", "{temperature: 1.0, top_p: 0.9}"], "sets top_p: a vLLM"),
+        ([*VLLM_URLS, "--rollout.num-actors", "2"], "takes one client"),
+        ([*VLLM_URLS, "--rollout.engine.model-path", "", *EVAL_SET], "eval beside vLLM"),
         (["--rollout.engine.type", "sglang"], "or serve: actor"),
         (["--rollout.engine.urls", "[http://x:1]", "--rollout.engine.serve", "actor"], "urls"),
         (["--eval.engine.model-path", "m", "--eval.engine.serve", "actor"], "eval actor embeds"),

@@ -25,6 +25,14 @@ def test_the_request_names_vllms_sampling_keys_and_asks_for_the_sampled_logprob(
     assert params["stop_token_ids"] == [2]
 
 
+def test_greedy_is_temperature_zero_for_vllm():
+    """SGLang's greedy (top_k 1 at any temperature) is vLLM's temperature 0: vLLM would
+    sample top_k 1 at T > 0 and report log-prob 0 instead of log_softmax(z)."""
+    body = _body(GenerateRequest(rid="g", input_ids=[1], sampling=SamplingParams(top_k=1)))
+    assert body["sampling_params"]["temperature"] == 0.0
+    assert body["sampling_params"]["top_k"] == 0
+
+
 def test_versions_come_from_vllms_spans_and_its_first_version_is_ours_zero():
     engine = VLLMEngine("http://x")
     engine.version = 7
@@ -58,7 +66,7 @@ async def test_a_server_not_started_for_asyncrl_is_refused_with_the_arguments_it
     port = runner.addresses[0][1]
     engine = VLLMEngine(f"http://127.0.0.1:{port}")
     try:
-        with pytest.raises(EngineError, match=r"not started for asyncrl.*--logprobs-mode"):
+        with pytest.raises(EngineError, match=r"not started for asyncrl \(\{'logprobs_mode': None"):
             await engine.start()
     finally:
         await engine.close()

@@ -319,7 +319,8 @@ class ControlRoutes:
             return web.Response(status=503)
         try:
             await self.server.probe()
-        except (TimeoutError, ValueError):
+        except Exception as exc:  # any failed generation is an unhealthy engine
+            log.warning("health generation failed", error=repr(exc))
             return web.Response(status=503)
         return web.Response(status=200)
 
@@ -369,12 +370,13 @@ class ControlRoutes:
             "max_total_tokens": e.max_total_tokens,
             "max_total_num_tokens": e.max_total_tokens,
             "max_req_input_len": e.context_length - 1,
+            "tp_size": getattr(e, "tp_size", 1),  # a vLLM server's ranks (dist refuses >1)
             "weight_version": version_text(e),
             "device": e.device.type,
             "internal_states": [{"dp_rank": 0, "paused": load.paused,
                                  "num_running_reqs": load.num_running_reqs}],
             "startup_time": self.server.started,
-            "launch_command": shlex.join(sys.argv),
+            "launch_command": shlex.join(_redacted(sys.argv)),
             "version": __version__,
         })  # fmt: skip
 
@@ -438,6 +440,17 @@ _ENGINE_DEFAULTS: Json = {
     "is_embedding": False, "enable_lora": False, "disaggregation_mode": "null",
     "encoder_only": False, "stream_interval": 1, "kv_events": None,
 }  # fmt: skip
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """``argv`` with the value of ``--api-key`` hidden (SGLang redacts its secrets too)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--api-key" and i + 1 < len(out):
+            out[i + 1] = "***"
+        elif arg.startswith("--api-key="):
+            out[i] = "--api-key=***"
+    return out
 
 
 def _required(body: Json, key: str, kind: type) -> Any:

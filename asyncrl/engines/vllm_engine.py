@@ -9,7 +9,8 @@ and ``VLLMEngine`` turns each call into vLLM's (0.32, ``VLLM_SERVER_DEV_MODE=1``
                                                        token's log-prob, per-token
                                                        ``weight_versions`` spans
     abort                POST /abort_requests          by request id (vLLM prefixes ours
-                                                       with ``generate-tokens-``), or all
+                                                       with ``generate-tokens-``); "all"
+                                                       is every call of this engine
     pause / resume       POST /pause?mode=abort|keep, /resume
     weights              POST /start_weight_update, /update_weights,
                          /finish_weight_update {weight_version}: the ``asyncrl`` backend
@@ -30,6 +31,10 @@ both. An update pauses vLLM with ``keep`` (requests stay, frozen) unless the cal
 paused already, loads, names the version and resumes: no step runs half-loaded weights
 or under the wrong name. An update that fails leaves vLLM paused (some layers may be
 unloaded): generation fails until a whole version is loaded.
+
+A vLLM server takes one client (``RunConfig`` refuses sharing): its pause and update
+session are the server's. ``start`` takes the server back from a predecessor that died
+mid-update (ends the open session, resumes).
 
 Users: ``EngineHost`` (``rollout/engines.py``, vLLM servers at ``urls``) and
 ``EngineActor`` (``actors/engine.py``, a server it launches).
@@ -70,6 +75,8 @@ INITIAL_LABEL = "default"
 #: Seconds between abort calls for a request that is still running (an abort that
 #: reached vLLM before the request did finds nothing).
 ABORT_RETRY_S = 0.5
+#: The longest a control call (pause, resume, abort, info) may take.
+CONTROL_TIMEOUT_S = 120.0
 
 
 class VLLMRefused(EngineError):
@@ -115,6 +122,7 @@ class VLLMEngine:
         self.context_length = 0
         self.max_running = 0  # vLLM's max_num_seqs
         self.max_total_tokens = 0  # its KV cache, in tokens
+        self.tp_size = 1  # vLLM's world size: ranks it would need in a weight group
         self.tokenizer: Any = None
         self.model: Any = SimpleNamespace(config=SimpleNamespace())
         self.vocab_size = 0
@@ -123,10 +131,10 @@ class VLLMEngine:
         self._session: aiohttp.ClientSession | None = None
         self._live: dict[str, _Call] = {}
         self._aborting: dict[str, _Call] = {}
-        self._abort_all = False
         self._wake = asyncio.Event()
         self._paused_by: str | None = None  # "caller" or "update" while vLLM is paused
         self._updating = False  # between start_weight_update and finish_weight_update
+        self._session_open = False  # vLLM may hold a started, unfinished update session
         self._groups: set[str] = set()
         self._lock = asyncio.Lock()  # one weight call sequence at a time
 
@@ -144,7 +152,16 @@ class VLLMEngine:
 
     # -- lifetime -------------------------------------------------------------------------
     async def start(self) -> VLLMEngine:
-        """Open the session; read the model, its context and the served version."""
+        """Open the session; read the model, its context and the served version; take
+        the server back from a predecessor that died mid-update (an open update session,
+        vLLM left paused). The HTTP session is closed again if any of it fails."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self) -> VLLMEngine:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._session = aiohttp.ClientSession(
             headers=headers,
@@ -162,6 +179,7 @@ class VLLMEngine:
         self.context_length = int(models["max_model_len"])
         self.model_path = self.model_path or models.get("root") or self._served
         await self._check_server()
+        await self._take_over()
         self._version = self._version_of(await self._weight_label())
         await asyncio.to_thread(self._load_tokenizer)
         log.info("vllm engine connected", url=self.url, model=self.model_path,
@@ -189,6 +207,18 @@ class VLLMEngine:
         self.device = torch.device(str(settings.get("device", "cpu")).split(":")[0])
         self.max_running = int(settings.get("max_num_seqs", 0))
         self.max_total_tokens = int(settings.get("kv_tokens", 0))
+        self.tp_size = int(settings.get("world_size", 1))
+
+    async def _take_over(self) -> None:
+        """A predecessor of this engine (a restarted rollout actor) may have left vLLM
+        mid-update or paused: end the session and resume, or every call would hang."""
+        reply = await self._call("POST", "/collective_rpc", {"method": "asyncrl_abandon_update"})
+        abandoned = any(reply.get("results") or [])
+        paused = bool((await self._call("GET", "/is_paused")).get("is_paused"))
+        if abandoned or paused:
+            log.warning("vllm was left mid-update or paused; resumed", url=self.url,
+                        abandoned_update=abandoned, paused=paused)  # fmt: skip
+            await self._call("POST", "/resume")
 
     def _load_tokenizer(self) -> None:
         from transformers import AutoConfig, AutoTokenizer
@@ -222,9 +252,6 @@ class VLLMEngine:
                 await self._quietly(
                     self._call("POST", "/update_weight_version", {"new_version": label})
                 )
-            if self._abort_all:
-                self._abort_all = False
-                await self._quietly(self._call("POST", "/abort_requests", {}))
             calls = [c for c in self._aborting.values() if c.finish is None]
             self._aborting = {c.rid: c for c in calls}
             if calls:
@@ -254,7 +281,7 @@ class VLLMEngine:
         if request.return_logprob and request.logprob_start_len >= 0:
             raise EngineError("prompt log-probs are not supported by a vLLM engine")
         truncated = p.top_k not in (-1, 0) or p.top_p < 1 or p.min_p > 0
-        if truncated and not p.greedy:
+        if truncated and not p.greedy and request.return_logprob:
             raise EngineError(
                 "a vLLM engine reports log-probs of the truncated distribution, not "
                 "asyncrl's log_softmax(z / T): sample with top_k -1, top_p 1 and min_p 0"
@@ -267,7 +294,9 @@ class VLLMEngine:
         self._live[request.rid] = call
         start = time.perf_counter()
         try:
-            reply = await self._call("POST", "/inference/v1/generate", _body(request))
+            reply = await self._call(
+                "POST", "/inference/v1/generate", _body(request), timeout_s=None
+            )
             out = self._output(request, reply, call)
             out.e2e_latency = time.perf_counter() - start
             call.finish = out.finish_reason
@@ -319,7 +348,6 @@ class VLLMEngine:
         count = mark_aborted(self._live, rid, abort_all, prefix=prefix)
         if count:
             self._aborting.update({r: c for r, c in self._live.items() if c.aborted})
-            self._abort_all = self._abort_all or abort_all
             self._wake.set()
         return count
 
@@ -411,17 +439,19 @@ class VLLMEngine:
 
     async def _begin(self) -> None:
         paused_here = self._paused_by is None
-        if paused_here:
-            await self._pause("keep")
-            self._paused_by = "update"
         try:
-            await self._call("POST", "/start_weight_update")
+            if paused_here:
+                self._paused_by = "update"  # before the call: a cancelled pause may land
+                await self._pause("keep")
+            if self._session_open:  # an earlier finish failed, or its call was cut off
+                await self._call("POST", "/collective_rpc", {"method": "asyncrl_abandon_update"})
+            await self._call("POST", "/start_weight_update", timeout_s=self.update_timeout_s)
         except BaseException:
             if paused_here:  # nothing was loaded: serve the old weights again
                 self._paused_by = None
                 await self._quietly(self._call("POST", "/resume"))
             raise
-        self._updating, self.torn = True, True
+        self._updating, self.torn, self._session_open = True, True, True
 
     async def _send(self, info: dict[str, Any], timeout_s: float) -> None:
         try:
@@ -433,10 +463,11 @@ class VLLMEngine:
     async def _end(self, version: int | None) -> None:
         label = {} if version is None else {"weight_version": str(version)}
         try:
-            await self._call("POST", "/finish_weight_update", label)
+            await self._call("POST", "/finish_weight_update", label,
+                             timeout_s=self.update_timeout_s)  # fmt: skip
         finally:
             self._updating = False
-        self.torn = False
+        self.torn, self._session_open = False, False
         if version is not None:
             self._version = version
         if self._paused_by == "update":
@@ -466,11 +497,14 @@ class VLLMEngine:
         return 0 if label == INITIAL_LABEL else self.version
 
     async def _call(
-        self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None
-    ) -> Any:
+        self, method: str, path: str, body: Any = None, *,
+        timeout_s: float | None = CONTROL_TIMEOUT_S,
+    ) -> Any:  # fmt: skip
+        """One call to vLLM (``timeout_s`` None: no limit, for generation); vLLM's 4xx
+        is ``VLLMRefused`` (a 400 from our server too), its 5xx ``VLLMFailed``."""
         if self._session is None:
             raise EngineError(f"the vLLM engine at {self.url} is not started")
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=30)
         async with self._session.request(
             method, self.url + path, json=body, timeout=timeout
         ) as resp:
@@ -499,9 +533,11 @@ def _body(request: GenerateRequest) -> dict[str, Any]:
     """vLLM's ``GenerateRequest`` for ours (SGLang's sampling keys in vLLM's names)."""
     p = request.sampling
     params: dict[str, Any] = {
-        "temperature": p.temperature,
+        # SGLang's greedy (temperature below 1e-6, or top_k 1) is vLLM's temperature 0:
+        # vLLM samples top_k 1 at T > 0 and reports a log-prob of 0, not log_softmax(z).
+        "temperature": 0.0 if p.greedy else p.temperature,
         "top_p": p.top_p,
-        "top_k": p.top_k if p.top_k > 0 else 0,
+        "top_k": p.top_k if p.top_k > 0 and not p.greedy else 0,
         "min_p": p.min_p,
         "frequency_penalty": p.frequency_penalty,
         "presence_penalty": p.presence_penalty,

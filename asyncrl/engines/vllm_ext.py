@@ -178,7 +178,20 @@ class WorkerExtension:
             "device": str(self.device),
             "max_num_seqs": int(config.scheduler_config.max_num_seqs),
             "kv_tokens": int((cache.num_gpu_blocks or 0) * cache.block_size),
+            "world_size": int(config.parallel_config.world_size),
         }
+
+    def asyncrl_abandon_update(self) -> bool:
+        """End an update session that never finished (its finish failed, or its client
+        died between start and finish), so the next ``start_weight_update`` is accepted;
+        True if one was open. Layers it left unloaded are loaded by the next update."""
+        worker: Any = self
+        if not getattr(worker, "_weight_update_active", False):
+            return False
+        worker._weight_update_active = False
+        if worker.weight_transfer_engine is not None:
+            worker.weight_transfer_engine.reset_weight_update_target()
+        return True
 
 
 if BACKEND not in WeightTransferEngineFactory._registry:

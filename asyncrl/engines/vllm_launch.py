@@ -26,7 +26,11 @@ ASYNCRL_ARGS = (
     "--worker-extension-cls", "asyncrl.engines.vllm_ext.WorkerExtension",
 )  # fmt: skip
 #: Arguments the launcher assigns (``--model``, its endpoint) or that asyncrl needs.
-ASSIGNED = ("--model", "--host", "--port", *(a for a in ASYNCRL_ARGS if a.startswith("--")))
+ASSIGNED = (
+    "--model", "--host", "--port",
+    "--api-key",  # the engine actor's server holds the job's key; vLLM sits on loopback
+    *(a for a in ASYNCRL_ARGS if a.startswith("--")),
+)  # fmt: skip
 
 
 def vllm_python(configured: str | None = None) -> str:
@@ -105,6 +109,6 @@ def package_link() -> Path:
 
 def check_extra(args: list[str]) -> None:
     """Refuse ``server_args`` that would undo what asyncrl needs."""
-    taken = [a for a in args if a.split("=")[0] in ASSIGNED]
+    taken = [a for a in args if a.split("=")[0].replace("_", "-") in ASSIGNED]
     if taken:
         raise ValueError(f"vLLM server_args {taken}: asyncrl sets these itself")

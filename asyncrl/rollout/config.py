@@ -35,7 +35,9 @@ class EngineConfig(BaseModel):
         "or sim (no model: modelled time)",
     )
     model_path: str | None = Field(
-        None, description="HF model directory (torch engine; sim: its vocab and EOS)."
+        None,
+        description="HF model directory (torch engine; launched sglang and vllm servers; "
+        "vllm urls: a local copy for the tokenizer; sim: its vocab and EOS).",
     )
     sim: LatencyModel = Field(
         default_factory=LatencyModel, description="the sim engine's latency model"
@@ -91,7 +93,8 @@ class EngineConfig(BaseModel):
     serve: Literal["embedded", "actor"] = Field(
         "embedded",
         description="embedded: the torch engine runs in the rollout actor; actor: each "
-        "rollout actor gets an engine actor (torch, or an SGLang server it launches)",
+        "rollout actor gets an engine actor (torch, or an SGLang or vLLM server it "
+        "launches)",
     )
     server_args: list[str] = Field(
         default_factory=list,
