@@ -199,7 +199,8 @@ async def test_a_version_from_disk_is_served_exactly_tied_head_included(
             result = await client.generate(PROMPT, SAMPLING, rid="disk/0")
             assert result.versions == [3] * 24 and engine.version == 3
             # vLLM's own reload_weights leaves the tied output head old on the CPU
-            # (about 3e-2 off here): engines/vllm_ext.py::repack_tied_heads.
+            # (0.03-0.42 off on the arith model, trying it by hand):
+            # engines/vllm_ext.py::repack_tied_heads.
             assert gap(result.logprobs, reference_logprobs(vllm_model, new, PROMPT,
                                                            result.output_ids)) < 1e-4  # fmt: skip
         finally:
