@@ -159,25 +159,32 @@ async def test_a_launched_server_is_served_health_checked_and_stopped(
 
 
 def test_a_tethered_command_dies_with_its_parent(tmp_path: Path):
-    """``runtime/tether.py``: the server an engine actor started does not outlive it."""
+    """``runtime/tether.py``: the server an engine actor started does not outlive it, nor
+    does any process the server started (vLLM's engine core, SGLang's schedulers)."""
+    server = (
+        "import subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(g.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
     script = (
         "import subprocess, sys, time\n"
         "p = subprocess.Popen([sys.executable, '-m', 'asyncrl.runtime.tether', "
-        "sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"sys.executable, '-c', {server!r}])\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
-    child = int(parent.stdout.readline())
-    time.sleep(0.5)  # let the tether set its parent-death signal and exec
-    assert _alive(child)
+    tether, grandchild = int(parent.stdout.readline()), int(parent.stdout.readline())
+    assert _alive(tether) and _alive(grandchild)
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
+    while (_alive(tether) or _alive(grandchild)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)
+    assert not _alive(tether)
+    assert not _alive(grandchild)  # the exec-ing tether left this one running
 
 
 def _alive(pid: int) -> bool:

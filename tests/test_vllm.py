@@ -132,14 +132,24 @@ def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
             for k, v in weights.items()}  # fmt: skip
 
 
-def _processes() -> list[str]:
-    """Every process's command line."""
-    lines = []
+def _alive(pid: int) -> bool:
+    """Running (a zombie counts as gone)."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    return False
+
+
+def _with_env(entry: str) -> list[int]:
+    """The processes whose environment holds ``entry`` (``KEY=value``): vLLM renames its
+    processes (``VLLM::EngineCore``), so their command lines name no model."""
+    pids = []
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
-            if proc.name.isdigit():
-                lines.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-    return lines
+            if proc.name.isdigit() and entry.encode() in (proc / "environ").read_bytes().split(
+                b"\0"
+            ):
+                pids.append(int(proc.name))
+    return pids
 
 
 def gap(a: list[float], b: list[float]) -> float:
@@ -326,5 +336,6 @@ async def test_a_killed_vllm_engine_actor_is_restarted_and_nothing_is_lost(
     assert any(r["pid"] != victim and r["event"] == "engine serving" for r in engine)
     joins = [r for r in rollout if r["event"] == "engine joined the weight group"]
     assert len({r["group"] for r in joins}) >= 2, joins  # the group re-formed for the new one
-    left = [p for p in _processes() if str(tmp_path / "model") in p]
-    assert not left, left  # neither vLLM outlived its actor, nor the job
+    await asyncio.sleep(2.0)  # SIGKILLed processes are reaped by init
+    left = [pid for pid in _with_env(f"VLLM_CACHE_ROOT={tmp_path / 'cache'}") if _alive(pid)]
+    assert not left, left  # no vLLM process outlived its actor, nor the job
