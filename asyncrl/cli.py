@@ -240,7 +240,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--tool-call-parser",
         default=None,
         help="parse /v1/chat/completions replies into tool_calls: hermes or qwen25 (the "
-        "<tool_call> JSON format), or module:Class (as SGLang's --tool-call-parser)",
+        "<tool_call> JSON format), llama3 (Llama 3.x JSON calls after <|python_tag|>), or "
+        "module:Class (as SGLang's --tool-call-parser)",
     )
     serve.add_argument(
         "--api-key",

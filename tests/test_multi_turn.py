@@ -19,6 +19,7 @@ import pytest
 from asyncrl.rollout.base import RolloutContext
 from asyncrl.rollout.multi_turn import (
     HermesParser,
+    Llama3Parser,
     MultiTurn,
     MultiTurnConfig,
     ObservationRenderer,
@@ -223,6 +224,43 @@ def test_hermes_parser_finds_every_call_and_reports_malformed_ones():
     assert cut[1].error == "a <tool_call> was opened but never closed"
     (deep,) = parser.parse("<tool_call>" + "[" * 5000 + "</tool_call>")
     assert deep.error is not None and deep.error.startswith("the tool call is not valid JSON")
+
+
+def test_llama3_parser_reads_sglangs_json_calls_after_the_python_tag():
+    parser = Llama3Parser()
+    first = '{"name": "search", "parameters": {"q": "a;b"}}'
+    second = '{"name": "calculator", "arguments": {"expression": "6*7"}}'
+    text = f"Let me look. <|python_tag|>{first}; {second}"
+    assert parser.parse(text) == [
+        ToolCall("search", {"q": "a;b"}), ToolCall("calculator", {"expression": "6*7"})
+    ]  # fmt: skip
+    assert parser.content(text) == "Let me look."
+    # The tag is optional when the turn starts with the JSON; text after the calls is content.
+    assert parser.parse(f" {first} and that is all") == [ToolCall("search", {"q": "a;b"})]
+    assert parser.content(f" {first} and that is all") == "and that is all"
+    # After the tag, a bad object is an error the model is told about, and stays content.
+    cut = parser.parse(f"<|python_tag|>{first};" + '{"name": "calc')
+    assert cut[0] == ToolCall("search", {"q": "a;b"}) and cut[1].error is not None
+    assert cut[1].error.startswith("the tool call is not valid JSON")
+    assert parser.content(f"<|python_tag|>{first};" + '{"name": "calc') == '{"name": "calc'
+    (nameless,) = parser.parse('<|python_tag|>{"parameters": {}}')
+    assert nameless.error is not None and "must be" in nameless.error
+    # Without the tag, JSON that is not a call is an answer, not a failed call.
+    assert parser.parse('{"answer": 42}') == [] and parser.content('{"answer": 42}') == (
+        '{"answer": 42}'
+    )
+    assert parser.parse("no calls; {here}") == []
+
+
+def test_the_parser_names_include_sglangs_llama3(capsys):
+    from asyncrl.cli import main
+    from asyncrl.rollout.workflows import tool_call_parser
+
+    assert isinstance(tool_call_parser("llama3"), Llama3Parser)
+    assert isinstance(tool_call_parser("qwen25"), HermesParser)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "llama3" in " ".join(capsys.readouterr().out.split())
 
 
 def test_the_observation_delta_is_what_the_template_adds_after_the_turn(tokenizer):

@@ -227,7 +227,9 @@ class ToolUseConfig(BaseModel):
     tools: list[ToolConfig] = Field(..., min_length=1, description="the tools offered")
     max_turns: int = Field(8, ge=1, description="assistant turns per episode at most")
     max_tokens_per_turn: int | None = Field(None, ge=1, description="default: the budget")
-    parser: str = Field("hermes", description="'hermes' or 'module:Class' (a ToolCallParser)")
+    parser: str = Field(
+        "hermes", description="'hermes', 'llama3' or 'module:Class' (a ToolCallParser)"
+    )
     timeout_s: float = Field(30.0, gt=0, description="a tool call slower than this fails")
     max_output_chars: int = Field(4096, ge=1, description="observation characters per call")
 
@@ -243,7 +245,9 @@ class AgentConfig(BaseModel):
     )
     max_calls: int = Field(16, ge=1, description="chat completions per episode at most")
     timeout_s: float = Field(600.0, gt=0, description="an episode longer than this fails")
-    parser: str = Field("hermes", description="'hermes' or 'module:Class' (a ToolCallParser)")
+    parser: str = Field(
+        "hermes", description="'hermes', 'llama3' or 'module:Class' (a ToolCallParser)"
+    )
 
 
 class RolloutConfig(BaseModel):

@@ -33,7 +33,7 @@ import asyncio
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -59,8 +59,12 @@ class ToolCallParser(Protocol):
     """Finds the tool calls in an assistant turn's text.
 
     A parser may also define ``content(text) -> str``, the text without the calls (what the
-    OpenAI proxy returns as the message's ``content``); without it the proxy returns the
-    whole text.
+    OpenAI server and proxy return as the message's ``content``; without it, the whole
+    text), and ``unsettled_start(text) -> int``, where the text that more text could still
+    change starts (an open call, a partial tag; ``len(text)``: none), which lets a stream
+    send content and calls as they settle (``asyncrl/engines/tool_stream.py``; without it,
+    a stream holds everything back to the end). The calls and content of
+    ``text[:unsettled_start(text)]`` must begin those of every longer text.
     """
 
     def parse(self, text: str) -> list[ToolCall]: ...
@@ -88,6 +92,12 @@ class HermesParser:
         return self._CALL.sub(lambda m: "" if not self._call(m.group(1)).error else m.group(0),
                               text).strip()  # fmt: skip
 
+    def unsettled_start(self, text: str) -> int:
+        """Where a ``<tool_call>`` not yet closed starts, or a partial one at the end."""
+        closed = max((m.end() for m in self._CALL.finditer(text)), default=0)
+        opened = text.find("<tool_call>", closed)
+        return opened if opened >= 0 else len(text) - partial_suffix(text, "<tool_call>")
+
     @staticmethod
     def _call(body: str) -> ToolCall:
         try:
@@ -97,6 +107,88 @@ class HermesParser:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return ToolCall("", None, 'a tool call must be {"name": ..., "arguments": {...}}')
         return ToolCall(obj["name"], obj.get("arguments"))
+
+
+class Llama3Parser:
+    """Llama 3.x JSON calls (SGLang's ``llama3``): ``<|python_tag|>`` (optional when the turn
+    starts with ``{``), then ``{"name": "f", "parameters": {...}}`` objects (``"arguments"``
+    too) separated by ``;``.
+
+    Text before the tag is content, and so is text after the last call. After the tag, an
+    object that is not JSON or has no string ``name`` gives a ``ToolCall`` with ``error``
+    set and ends the calls (its text stays content, and so does what follows); a turn that
+    only starts with ``{`` and holds no such object is plain text.
+    """
+
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> list[ToolCall]:
+        scan = self._scan(text)
+        return scan.calls + ([scan.error] if scan.error and scan.tagged else [])
+
+    def content(self, text: str) -> str:
+        """``text`` without the tag and the well-formed calls, stripped."""
+        scan = self._scan(text)
+        return (text[: scan.start] + text[scan.rest :] if scan.calls else text).strip()
+
+    def unsettled_start(self, text: str) -> int:
+        """The end of the last whole call (more may follow), else the calls' start."""
+        scan = self._scan(text)
+        return scan.settled if scan.start >= 0 else len(text) - partial_suffix(text, self.TAG)
+
+    def _scan(self, text: str) -> _Llama3Scan:
+        lead = len(text) - len(text.lstrip())
+        if text.startswith("{", lead):
+            scan = _Llama3Scan(start=lead, settled=lead, rest=lead, tagged=False)
+        elif (tag := text.find(self.TAG)) >= 0:
+            scan = _Llama3Scan(start=tag, settled=tag, rest=tag + len(self.TAG), tagged=True)
+        else:
+            return _Llama3Scan(start=-1, settled=len(text), rest=len(text), tagged=False)
+        pos = _skip_space(text, scan.rest)
+        while text.startswith("{", pos):
+            try:
+                obj, end = _JSON.raw_decode(text, pos)
+            except (ValueError, RecursionError) as exc:  # cut short, or "[[[[..." too deep
+                scan.error = ToolCall("", None, f"the tool call is not valid JSON: {exc}")
+                break
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                scan.error = ToolCall("", None, _LLAMA3_SHAPE)
+                break
+            scan.calls.append(ToolCall(obj["name"], obj.get("parameters", obj.get("arguments"))))
+            pos = _skip_space(text, end)
+            if text.startswith(";", pos):
+                pos = _skip_space(text, pos + 1)
+            scan.settled, scan.rest = end, pos
+        return scan
+
+
+@dataclass(slots=True)
+class _Llama3Scan:
+    """Where a Llama 3 turn's calls start (-1: none), where the settled text ends, where
+    content resumes after the last whole call, and what was found."""
+
+    start: int
+    settled: int
+    rest: int
+    tagged: bool
+    calls: list[ToolCall] = field(default_factory=list)
+    error: ToolCall | None = None
+
+
+_JSON = json.JSONDecoder()
+_LLAMA3_SHAPE = 'a tool call must be {"name": ..., "parameters": {...}}'
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` begin ``tag`` (0: none; never all of it)."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1)
+                 if text.endswith(tag[:k])), 0)  # fmt: skip
 
 
 _STAND_IN = (

@@ -57,13 +57,21 @@ def _agent(cfg: AgentConfig) -> Workflow:
 
 #: Parser names as SGLang's --tool-call-parser spells those of the <tool_call> JSON format.
 HERMES_NAMES = ("hermes", "qwen25")
+#: SGLang's name of the Llama 3.x JSON format (``<|python_tag|>``, ``;``-separated calls).
+LLAMA3_NAMES = ("llama3",)
 
 
 def tool_call_parser(name: str) -> ToolCallParser:
-    """The parser ``name`` gives: Hermes/Qwen's ``<tool_call>`` JSON, or ``module:Class``."""
-    from asyncrl.rollout.multi_turn import HermesParser
+    """The parser ``name`` gives: Hermes/Qwen's ``<tool_call>`` JSON, Llama 3's JSON, or
+    ``module:Class``."""
+    from asyncrl.rollout.multi_turn import HermesParser, Llama3Parser
 
-    parser = HermesParser() if name in HERMES_NAMES else load_object(name, what="parser")()
+    if name in HERMES_NAMES:
+        parser: ToolCallParser = HermesParser()
+    elif name in LLAMA3_NAMES:
+        parser = Llama3Parser()
+    else:
+        parser = load_object(name, what="parser")()
     if not callable(getattr(parser, "parse", None)):
         raise ValueError(f"tool-call parser {name!r} has no parse(text) method")
     return parser
