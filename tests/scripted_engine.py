@@ -1,19 +1,26 @@
-"""A scripted ``Generator``: the engine seam of workflow tests (multi-turn, OpenAI proxy).
+"""Scripted engines: tests that must know what the model "samples".
 
-Each ``generate`` call samples the next scripted ``Step``'s text (plus EOS when it stops),
-cut at ``max_new_tokens``, with made-up log-probs and the step's weight version; every
-request's input ids and every sampled id list are recorded, so a test can check that a
-workflow trains exactly what was sampled. A step whose ``finish`` is ``"abort"`` returns
-its tokens as a partial output, as an engine aborted by a weight update does.
+``ScriptedEngine`` is a ``Generator``, the engine seam of workflow tests (multi-turn,
+OpenAI proxy). Each ``generate`` call samples the next scripted ``Step``'s text (plus EOS
+when it stops), cut at ``max_new_tokens``, with made-up log-probs and the step's weight
+version; every request's input ids and every sampled id list are recorded, so a test can
+check that a workflow trains exactly what was sampled. A step whose ``finish`` is
+``"abort"`` returns its tokens as a partial output, as an engine aborted by a weight
+update does.
+
+``ScriptedServingEngine`` is what an ``EngineServer`` serves (the server's tests of tool
+calls): each request samples the next scripted text, one token per cumulative output,
+so a stream cuts the text at every token boundary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.engines.base import FinishReason
+from asyncrl.engines.base import FinishReason, GenerateOutput, GenerateRequest
 from asyncrl.engines.sglang_wire import GenerateResult
 
 
@@ -60,3 +67,44 @@ class ScriptedEngine:
             versions=[step.version] * len(ids),
             finish_reason=FinishReason(type=finish, matched=step.matched),  # type: ignore[arg-type]
         )
+
+
+class ScriptedServingEngine:
+    """An engine for ``EngineServer`` that samples ``texts`` in order, then EOS.
+
+    The server's warm-up probe gets one token; every other request takes the next text
+    (``max_new_tokens`` cuts it, finish ``length``). Nothing is validated or aborted.
+    """
+
+    def __init__(self, tokenizer: Any, texts: Sequence[str] = ()) -> None:
+        self.tokenizer, self.texts = tokenizer, list(texts)
+        self.model_path = "scripted"
+        self.version = 0
+        self.version_names: dict[int, str] = {}
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()  # the server cancels it when it stops
+
+    def check(self, request: GenerateRequest) -> None:
+        return None
+
+    def abort(self, rid: str = "", *, abort_all: bool = False, prefix: bool = False) -> int:
+        return 0
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        if request.rid.startswith("HEALTH_CHECK"):
+            ids, finish = [0], FinishReason(type="length", length=1)
+        else:
+            eos = self.tokenizer.eos_token_id
+            ids = [*self.tokenizer(self.texts.pop(0), add_special_tokens=False)["input_ids"], eos]
+            finish = FinishReason(type="stop", matched=eos)
+            cap = request.sampling.max_new_tokens
+            if cap is not None and len(ids) > cap:
+                ids, finish = ids[:cap], FinishReason(type="length", length=cap)
+        for n in range(1, len(ids) + 1):
+            await asyncio.sleep(0)
+            yield GenerateOutput(
+                rid=request.rid, output_ids=ids[:n], logprobs=[-0.5] * n, versions=[0] * n,
+                finish_reason=finish if n == len(ids) else None,
+                prompt_tokens=len(request.input_ids),
+            )  # fmt: skip

@@ -1140,7 +1140,7 @@ async def test_options_the_server_cannot_keep_are_refused_by_name_to_the_openai_
         ({"response_format": {"type": "json_object"}}, "response_format 'json_object'"),
         ({"response_format": schema}, "response_format 'json_schema'"),
         ({"tools": [tool], "tool_choice": "required"}, "tool_choice 'required'"),
-        ({"tools": [tool], "tool_choice": named}, "tool_choice 'a named function'"),
+        ({"tools": [tool], "tool_choice": named}, "tool_choice function 'f' needs constrained"),
     ):
         with pytest.raises(openai.BadRequestError, match=field_name):
             await client.chat.completions.create(**chat, **extra)
@@ -1201,9 +1201,149 @@ async def test_a_tool_call_parser_turns_a_chat_reply_into_openai_tool_calls(tmp_
     plain = OpenAICall.parse({"messages": messages}, [[1]], server, chat=True)
     choice = plain.reply([out], "0")["choices"][0]
     assert choice["message"]["tool_calls"] is None and "<tool_call>" in choice["message"]["content"]
-    refused = {"messages": messages, "tools": [tool], "stream": True}
-    with pytest.raises(Exception, match="streamed tool calls are not supported"):
-        OpenAICall.parse(refused, [[1]], server, chat=True)
     forced = {"messages": messages, "tools": [tool], "tool_choice": "required"}
-    with pytest.raises(Exception, match="no constrained decoding"):
+    with pytest.raises(Exception, match="needs constrained decoding"):
         OpenAICall.parse(forced, [[1]], server, chat=True)
+
+
+# ----------------------------------------------------------------------------- tool calls
+# A server with --tool-call-parser over a scripted engine (tests/scripted_engine.py), so the
+# model's text is known; the real ``openai`` client asks each generation twice, whole and
+# streamed (one token per engine output, so the stream cuts the text at every token).
+
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "parameters": {}}}
+USER = [{"role": "user", "content": "6*7?"}]
+
+
+def hermes(name: str, arguments: Any) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tool_server(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[EngineServer]:
+    from asyncrl.rollout.workflows import tool_call_parser
+    from tests.scripted_engine import ScriptedServingEngine
+    from tests.tiny_tokenizer import build_chatml_tokenizer
+
+    tokenizer = build_chatml_tokenizer(tmp_path_factory.mktemp("tool_tokenizer"))
+    server = EngineServer(ScriptedServingEngine(tokenizer), served_model_name="m",
+                          tool_call_parser=tool_call_parser("hermes"))  # fmt: skip
+    await server.start("127.0.0.1", 0)
+    yield server
+    await server.stop()
+
+
+async def whole_and_streamed(server: EngineServer, text: str, **extra: Any) -> tuple[Any, Any]:
+    """The reply to one scripted generation of ``text``, and its stream accumulated."""
+    import openai
+
+    server.engine.texts = [text, text]
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    request = {"model": "m", "messages": USER, "tools": [CALCULATOR], **extra}
+    whole = (await client.chat.completions.create(**request)).choices[0]
+    stream = await client.chat.completions.create(**request, stream=True)
+    streamed = accumulate([chunk async for chunk in stream])
+    await client.close()
+    return whole, streamed
+
+
+def accumulate(chunks: list[Any]) -> dict[str, Any]:
+    """What a client builds from stream chunks, checking OpenAI's shapes: a call's first
+    chunk has its index, id, type and name; later ones only add to its arguments."""
+    content, calls, reasons = [], {}, []
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        content.append(choice.delta.content or "")
+        reasons.append(choice.finish_reason)
+        for part in choice.delta.tool_calls or ():
+            if part.index not in calls:
+                assert part.id and part.type == "function" and part.function.name, part
+                calls[part.index] = {"id": part.id, "name": part.function.name, "arguments": ""}
+            else:
+                assert part.id is None and part.function.name is None, part
+            calls[part.index]["arguments"] += part.function.arguments or ""
+    assert list(calls) == list(range(len(calls)))  # indices 0, 1, 2 in order
+    assert all(r is None for r in reasons[:-1])
+    return {"content": "".join(content), "calls": list(calls.values()), "reason": reasons[-1]}
+
+
+def message_calls(message: Any) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+
+
+TOOL_TEXTS = {
+    "one call": (hermes("calculator", {"expression": "6*7"}), 1),
+    "parallel calls": (
+        hermes("calculator", {"expression": "6*7"}) + "\n"
+        + hermes("calculator", {"expression": "1+1"}) + hermes("search", {"q": "</tool"}),
+        3,
+    ),
+    "text before a call": ("Let me see. " + hermes("calculator", {"expression": "6*7"}), 1),
+    "a malformed block": ("I try <tool_call>{not json}</tool_call> and stop", 0),
+    "an unclosed block after a call": (
+        "So " + hermes("calculator", {"expression": "2"}) + ' then <tool_call>{"name": "c', 1
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(TOOL_TEXTS))
+async def test_streamed_tool_calls_add_up_to_the_reply_for_the_same_generation(tool_server, case):
+    text, num_calls = TOOL_TEXTS[case]
+    whole, streamed = await whole_and_streamed(tool_server, text)
+    calls = message_calls(whole.message)
+    assert len(calls) == num_calls
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == calls
+    assert streamed["content"].strip() == (whole.message.content or "").strip()
+    expected = "tool_calls" if num_calls else "stop"
+    assert whole.finish_reason == streamed["reason"] == expected
+    if num_calls and "<tool_call>" not in (whole.message.content or ""):
+        assert "<tool" not in streamed["content"]  # nothing of a call leaked into content
+    if not num_calls:
+        assert "<tool_call>{not json}</tool_call>" in streamed["content"]
+
+
+async def test_tool_choice_none_returns_the_call_text_as_content(tool_server):
+    text = "Sure. " + hermes("calculator", {"expression": "6*7"})
+    whole, streamed = await whole_and_streamed(tool_server, text, tool_choice="none")
+    assert whole.message.tool_calls is None and whole.message.content == text
+    assert streamed["calls"] == [] and streamed["content"] == text
+    assert whole.finish_reason == streamed["reason"] == "stop"
+
+
+async def test_a_tool_choice_the_server_cannot_keep_is_a_400_naming_why(tool_server):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=tool_server.url + "/v1", api_key="none", max_retries=0)
+    named = {"type": "function", "function": {"name": "calculator"}}
+    other = {"type": "function", "function": {"name": "other"}}
+    for choice, message in (
+        ("required", "tool_choice 'required' needs constrained decoding"),
+        (named, "tool_choice function 'calculator' needs constrained decoding"),
+        ("sometimes", "tool_choice 'sometimes' is not one of 'none', 'auto', 'required'"),
+        (other, "names function 'other', which is not among tools"),
+    ):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match=re.escape(message)):
+                await client.chat.completions.create(
+                    model="m", messages=USER, tools=[CALCULATOR], tool_choice=choice,
+                    stream=stream,
+                )  # fmt: skip
+    await client.close()
+
+
+async def test_llama3_json_calls_are_parsed_and_streamed_alike(tool_server):
+    from asyncrl.rollout.multi_turn import Llama3Parser
+
+    first = {"name": "calculator", "parameters": {"expression": "6*7"}}
+    second = {"name": "calculator", "arguments": {"expression": "1+1"}}
+    text = f"Sure. <|python_tag|>{json.dumps(first)}; {json.dumps(second)}"
+    hermes_parser, tool_server.tool_call_parser = tool_server.tool_call_parser, Llama3Parser()
+    try:
+        whole, streamed = await whole_and_streamed(tool_server, text)
+    finally:
+        tool_server.tool_call_parser = hermes_parser
+    args = [json.loads(a) for _, a in message_calls(whole.message)]
+    assert args == [{"expression": "6*7"}, {"expression": "1+1"}]
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == message_calls(whole.message)
+    assert whole.message.content == streamed["content"] == "Sure."
+    assert whole.finish_reason == streamed["reason"] == "tool_calls"

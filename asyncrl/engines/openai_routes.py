@@ -11,9 +11,7 @@ Users: ``EngineServer`` (``server.py``) registers these routes on its applicatio
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -38,6 +36,13 @@ from asyncrl.engines.generate_wire import (
     request_ids,
     version_spans,
     version_text,
+)
+from asyncrl.engines.tool_stream import (
+    ToolStream,
+    arguments_text,
+    content_of,
+    new_call_id,
+    parses_tool_calls,
 )
 
 if TYPE_CHECKING:
@@ -111,25 +116,15 @@ _OPENAI_SAMPLING = {
 _NON_STREAM_ONLY = ("return_token_ids", "return_prompt_token_ids", "return_meta_info")
 
 
-def _refuse_unserved(body: Json, parses_tools: bool = False) -> None:
-    """Options whose promise this server cannot keep are 400s naming them, never ignored:
-    structured output (no constrained decoding here) and forced tool calls (nothing makes
-    the model call one; without a tool-call parser, calls are not even parsed)."""
+def _refuse_unserved(body: Json) -> None:
+    """Structured output is a 400 naming it, never ignored: no constrained decoding here
+    (``tool_choice`` has its own rules: ``tool_stream.parses_tool_calls``)."""
     fmt = body.get("response_format")
     kind = fmt.get("type") if isinstance(fmt, dict) else fmt
     if kind not in (None, "text"):
         raise bad_request(
             f"response_format {kind!r} is not supported by this server (no constrained "
             "decoding): leave it out or use type 'text'"
-        )
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        shown = choice if isinstance(choice, str) else "a named function"
-        why = "no constrained decoding" if parses_tools else (
-            "tool calls are not parsed: start it with --tool-call-parser")  # fmt: skip
-        raise bad_request(
-            f"tool_choice {shown!r} is not supported by this server ({why}): leave it out, "
-            "or use 'auto' or 'none'"
         )
 
 
@@ -222,7 +217,8 @@ class OpenAICall(msgspec.Struct, kw_only=True):
     echo: bool
     extras: frozenset[str]
     tokenizer: Any = None
-    #: The server's tool-call parser when the chat call offers tools, else None.
+    #: The server's tool-call parser when the chat call offers tools and its
+    #: ``tool_choice`` lets calls be parsed, else None.
     tool_parser: Any = None
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
 
@@ -230,11 +226,10 @@ class OpenAICall(msgspec.Struct, kw_only=True):
     def parse(cls, body: Json, prompts: list[list[int]], server: EngineServer, *, chat: bool
               ) -> OpenAICall:  # fmt: skip
         """Validate the body (3.1, 3.4); refusals are 400s in the OpenAI error shape."""
-        tool_parser = server.tool_call_parser if chat and body.get("tools") else None
-        _refuse_unserved(body, tool_parser is not None)
+        _refuse_unserved(body)
+        parses = parses_tool_calls(body) and chat and bool(body.get("tools"))
+        tool_parser = server.tool_call_parser if parses else None
         stream = field(body, "stream", bool, False)
-        if stream and tool_parser is not None:
-            raise bad_request("streamed tool calls are not supported here: use stream=false")
         extras = frozenset(k for k in _NON_STREAM_ONLY if field(body, k, bool, False))
         if stream and extras:
             raise bad_request(f"{sorted(extras)} are not supported with stream=true")
@@ -313,7 +308,7 @@ class OpenAICall(msgspec.Struct, kw_only=True):
         lps = self.logprobs_json(out.output_ids, out.logprobs, out.top_logprobs)
         calls = self.tool_calls(text)
         if calls:
-            text, reason = self.tool_parser.content(text) or None, "tool_calls"
+            text, reason = content_of(self.tool_parser, text) or None, "tool_calls"
         body: Json = (
             {"index": k, "message": {"role": "assistant", "content": text,
                                      "reasoning_content": None, "tool_calls": calls or None},
@@ -338,9 +333,8 @@ class OpenAICall(msgspec.Struct, kw_only=True):
             return []
         found = [c for c in self.tool_parser.parse(text) if c.error is None]
         return [
-            {"id": f"call_{uuid.uuid4().hex[:24]}", "index": i, "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments if isinstance(c.arguments, str)
-                          else json.dumps(c.arguments if c.arguments is not None else {})}}
+            {"id": new_call_id(i), "index": i, "type": "function",
+             "function": {"name": c.name, "arguments": arguments_text(c)}}
             for i, c in enumerate(found)
         ]  # fmt: skip
 
@@ -371,36 +365,64 @@ class OpenAIStream:
 
     Text that ends in an incomplete UTF-8 character is held back until it completes; a stop
     string already sent before the final trim cannot be taken back (SGLang has the same
-    limit).
+    limit). With a tool-call parser, each choice's text goes through a ``ToolStream``:
+    content and ``tool_calls`` deltas as they settle, a finish reason of ``tool_calls``
+    when a call went out, and the tokens' log-probs on the next chunk that goes out.
     """
 
     def __init__(self, call: OpenAICall, tokenizer: Any) -> None:
+        n = len(call.requests)
         self.call = call
-        self.sent_text = [""] * len(call.requests)
-        self.sent_ids = [0] * len(call.requests)
+        self.opened = [False] * n
+        self.sent_text = [""] * n
+        self.sent_ids = [0] * n
         self.finals: list[GenerateOutput] = []
+        self.tools = [ToolStream(call.tool_parser) for _ in range(n)] if call.tool_parser else []
 
     def render(self, k: int, out: GenerateOutput) -> list[Json]:
         """The chunks for choice ``k``'s new output (none while nothing new is complete)."""
         call, final = self.call, out.finish_reason is not None
         events = []
-        if call.chat and self.sent_ids[k] == 0 and not self.sent_text[k]:
+        if call.chat and not self.opened[k]:
+            self.opened[k] = True
             events.append(self._choice(k, {"role": "assistant", "content": ""}, None, None))
         text, prev = call.text(k, out), self.sent_text[k]
         delta = text[len(prev) :] if text.startswith(prev) else ""
         if delta.endswith("\ufffd") and not final:
             return events
-        start = self.sent_ids[k]
-        tops = None if out.top_logprobs is None else out.top_logprobs[start:]
-        lps = call.logprobs_json(out.output_ids[start:], out.logprobs[start:], tops, len(prev))
-        self.sent_text[k], self.sent_ids[k] = prev + delta, len(out.output_ids)
+        self.sent_text[k] = prev + delta
         if final:
             self.finals.append(out)
+        if self.tools:
+            return events + self._tool_chunks(k, out, text)
+        lps = self._new_logprobs(k, out, len(prev))
         if delta or final:
             reason, matched = _openai_finish(out.finish_reason)
             content = {"content": delta} if call.chat else delta
             events.append(self._choice(k, content, reason, matched, lps))
         return events
+
+    def _tool_chunks(self, k: int, out: GenerateOutput, text: str) -> list[Json]:
+        """Choice ``k``'s settled content and calls; the last chunk carries the finish."""
+        tools, final = self.tools[k], out.finish_reason is not None
+        deltas = tools.finish(text) if final else tools.feed(text)
+        if not deltas and not final:
+            return []  # the new tokens' log-probs wait for a chunk
+        lps = self._new_logprobs(k, out, 0)
+        chunks = [self._choice(k, d, None, None, lps if i == 0 else None)
+                  for i, d in enumerate(deltas or [{"content": ""}])]  # fmt: skip
+        if final:
+            reason, matched = _openai_finish(out.finish_reason)
+            choice = chunks[-1]["choices"][0]
+            choice["finish_reason"] = "tool_calls" if tools.calls else reason
+            choice["matched_stop"] = matched
+        return chunks
+
+    def _new_logprobs(self, k: int, out: GenerateOutput, offset: int) -> Any:
+        """The log-probs of choice ``k``'s tokens not sent yet (marks them sent)."""
+        start, self.sent_ids[k] = self.sent_ids[k], len(out.output_ids)
+        tops = None if out.top_logprobs is None else out.top_logprobs[start:]
+        return self.call.logprobs_json(out.output_ids[start:], out.logprobs[start:], tops, offset)
 
     def _choice(self, k: int, delta: Any, reason: str | None, matched: Any, lps: Any = None
                 ) -> Json:  # fmt: skip

@@ -1,0 +1,128 @@
+"""Tool calls on the OpenAI wire: ``tool_choice``'s rules and streamed ``delta.tool_calls``.
+
+Shared by the server's ``/v1/chat/completions`` (``openai_routes.py``) and the agent
+proxy (``rollout/openai_proxy.py``). A tool-call parser is duck-typed here (engines do not
+import rollout): ``parse(text)`` gives calls with ``name``, ``arguments`` and ``error``;
+``content(text)``, optional, gives the text without the well-formed calls;
+``unsettled_start(text)``, optional, gives where the text that more text could still
+change starts (an open call block, a partial opening tag).
+
+``ToolStream`` turns one choice's growing text into OpenAI deltas. It parses only the
+settled prefix, ``text[:parser.unsettled_start(text)]``, and sends what that adds to what
+it already sent: the content's new characters, then each new well-formed call as two
+``tool_calls`` deltas (index, id, type and name with empty arguments; then the
+arguments). At the end the whole text is settled, so a block that never closed or held
+bad JSON goes out as content, as the non-streamed reply leaves it. A parser's hook must
+keep ``parse`` and ``content`` of a settled prefix a prefix of those of the whole text;
+without the hook, everything is held back to the end (correct, not incremental).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from asyncrl.engines.generate_wire import Json, bad_request
+
+_CHOICES = "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+
+
+def parses_tool_calls(body: Json) -> bool:
+    """Whether a chat call's tool calls are parsed, by its ``tool_choice``.
+
+    ``auto`` (or none given): yes; ``none``: no, a call's text is content. ``required``
+    and a named function are 400s: only constrained decoding can keep them. Anything
+    else, or a function not among ``tools``, is a 400 naming it.
+    """
+    choice = body.get("tool_choice")
+    if choice in (None, "auto", "none"):
+        return choice != "none"
+    if isinstance(choice, dict):
+        shown = f"function {_named(choice, body.get('tools'))!r}"
+    elif choice == "required":
+        shown = "'required'"
+    else:
+        raise bad_request(f"tool_choice {choice!r} is not one of {_CHOICES}")
+    raise bad_request(
+        f"tool_choice {shown} needs constrained decoding, which this server does not have "
+        "yet: leave it out, or use 'auto' or 'none'"
+    )
+
+
+def _named(choice: Json, tools: Any) -> str:
+    """The function a named ``tool_choice`` asks for; a 400 unless ``tools`` offers it."""
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise bad_request(f"tool_choice {choice!r} is not one of {_CHOICES}")
+    offered = [t["function"].get("name") for t in tools or ()
+               if isinstance(t, dict) and isinstance(t.get("function"), dict)]  # fmt: skip
+    if name not in offered:
+        raise bad_request(f"tool_choice names function {name!r}, which is not among tools "
+                          f"{offered}")  # fmt: skip
+    return name
+
+
+def new_call_id(index: int) -> str:
+    """A fresh OpenAI-style tool call id."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def arguments_text(call: Any) -> str:
+    """A call's ``function.arguments``: a string as given, else its JSON (None: ``{}``)."""
+    args = call.arguments
+    return args if isinstance(args, str) else json.dumps(args if args is not None else {})
+
+
+def content_of(parser: Any, text: str) -> str:
+    """The reply's content with ``parser``: its ``content(text)``, else the stripped text."""
+    content = getattr(parser, "content", None)
+    return str(content(text)) if content is not None else text.strip()
+
+
+class ToolStream:
+    """One choice's text as OpenAI stream deltas, calls parsed (module docstring).
+
+    ``feed(text)`` with all of the text so far, as often as it grows, then
+    ``finish(text)`` once with the final text; each returns the ``delta`` objects to send
+    (none while nothing new is settled). ``calls`` holds the calls sent, ``call_ids``
+    their ids; ``call_id(index)`` names each new call.
+    """
+
+    def __init__(self, parser: Any, call_id: Callable[[int], str] = new_call_id) -> None:
+        self.parser, self.call_id = parser, call_id
+        self.content = ""  # the content sent so far
+        self.calls: list[Any] = []
+        self.call_ids: list[str] = []
+
+    def feed(self, text: str) -> list[Json]:
+        """The deltas that ``text`` (the whole text so far) settles."""
+        hook = getattr(self.parser, "unsettled_start", None)
+        return self._send(text[: hook(text)] if hook is not None else "")
+
+    def finish(self, text: str) -> list[Json]:
+        """The deltas left once ``text`` is final: all of it is settled."""
+        return self._send(text)
+
+    def _send(self, settled: str) -> list[Json]:
+        deltas: list[Json] = []
+        content = content_of(self.parser, settled)
+        # A final text cut shorter (a stop string) cannot take back what went out.
+        if len(content) > len(self.content) and content.startswith(self.content):
+            deltas.append({"content": content[len(self.content) :]})
+            self.content = content
+        found = [c for c in self.parser.parse(settled) if c.error is None]
+        for call in found[len(self.calls) :]:
+            deltas += self._call_deltas(call)
+        return deltas
+
+    def _call_deltas(self, call: Any) -> list[Json]:
+        index, cid = len(self.calls), self.call_id(len(self.calls))
+        self.calls.append(call)
+        self.call_ids.append(cid)
+        head = {"index": index, "id": cid, "type": "function",
+                "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+        args = {"index": index, "function": {"arguments": arguments_text(call)}}
+        return [{"tool_calls": [head]}, {"tool_calls": [args]}]
