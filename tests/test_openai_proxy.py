@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,16 @@ async def test_bad_calls_get_clear_openai_errors_and_the_episode_goes_on(rig):
     async def agent(session: Session, task: AgentTask) -> str:
         wrong_key = Session(session.base_url, "not-the-key")
         await _expect(wrong_key, openai.AuthenticationError, "invalid API key", messages=user)
-        await _expect(session, openai.BadRequestError, "stream=true", messages=user, stream=True)
+        named = {"type": "function", "function": {"name": "calculator"}}
+        other = {"type": "function", "function": {"name": "other"}}
+        for choice, message in (
+            ("required", "tool_choice 'required' needs constrained decoding"),
+            (named, "tool_choice function 'calculator' needs constrained decoding"),
+            ("sometimes", "tool_choice 'sometimes' is not one of 'none', 'auto'"),
+            (other, "names function 'other', which is not among tools"),
+        ):
+            await _expect(session, openai.BadRequestError, re.escape(message),
+                          messages=user, tools=TOOLS, tool_choice=choice)  # fmt: skip
         await _expect(session, openai.BadRequestError, "n > 1", messages=user, n=2)
         await _expect(session, openai.BadRequestError, "non-empty list", messages=[])
         async with session.client(max_retries=0) as client:
@@ -477,3 +487,152 @@ async def test_an_engine_failure_is_a_500_the_agent_can_read_and_fails_the_sampl
     ctx.engine = Broken()
     with pytest.raises(openai.InternalServerError, match=r"engine at 127\.0\.0\.1:1 refused"):
         await workflow(ctx, fresh())
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+async def accumulate(stream: Any) -> tuple[dict[str, Any], str, Any]:
+    """The assistant message a streaming client builds from the chunks (keys left out when
+    empty, as ``model_dump(exclude_none=True)`` does), the finish reason and the usage (the
+    last chunk's, with ``include_usage``)."""
+    content, calls, reason, usage = "", {}, None, None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reason = choice.finish_reason or reason
+            for part in choice.delta.tool_calls or ():
+                new = {"id": part.id, "type": "function", "function": {"name": "", "arguments": ""}}
+                call = calls.setdefault(part.index, new)
+                call["function"]["name"] += part.function.name or ""
+                call["function"]["arguments"] += part.function.arguments or ""
+    message: dict[str, Any] = {"role": "assistant"}
+    if content:
+        message["content"] = content
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message, reason, usage
+
+
+def calculator_loop(stream: bool, replies: list[Any]) -> Any:
+    """An agent that runs the calculator on every call and says "go on" to a reply with
+    neither calls nor an answer; ``stream``: it streams and sends back what it built."""
+
+    async def agent(session: Session, task: AgentTask) -> str:
+        messages: list[Any] = [{"role": "user", "content": task.prompt}]
+        request = {"model": "m", "tools": TOOLS, "tool_choice": "auto", "max_tokens": 300}
+        async with session.client(max_retries=0) as client:
+            for _ in range(4):
+                if stream:
+                    chunks = await client.chat.completions.create(
+                        messages=messages, stream=True,
+                        stream_options={"include_usage": True}, **request,
+                    )  # fmt: skip
+                    message, reason, _ = await accumulate(chunks)
+                else:
+                    reply = await client.chat.completions.create(messages=messages, **request)
+                    message = reply.choices[0].message.model_dump(exclude_none=True)
+                    reason = reply.choices[0].finish_reason
+                replies.append((message, reason))
+                messages.append(message)
+                for tc in message.get("tool_calls") or ():
+                    result = calculator(**json.loads(tc["function"]["arguments"]))
+                    messages.append({"role": "tool", "tool_call_id": tc["id"], "content": result})
+                if message.get("content", "").startswith("####"):
+                    return message["content"]
+                if not message.get("tool_calls"):
+                    messages.append({"role": "user", "content": "go on"})
+        return ""
+
+    return agent
+
+
+def streaming_steps() -> list[Step]:
+    return [
+        Step("hmm <tool_call>{oops}</tool_call>"),  # malformed: stays content
+        Step("Let me see. " + call_text("6*7") + "\n" + call_text("1+1")),  # two calls
+        Step("#### 42"),
+    ]
+
+
+async def test_a_streaming_agent_trains_the_same_tokens_as_a_non_streaming_one(rig):
+    runs = []
+    for stream in (False, True):
+        replies: list[Any] = []
+        agent = calculator_loop(stream, replies)
+        workflow, ctx, _ = await rig(streaming_steps(), agent, budget=1000)
+        runs.append((await workflow(ctx, fresh()), replies))
+    (whole, whole_replies), (streamed, streamed_replies) = runs
+    assert streamed.status is SampleStatus.COMPLETED and streamed.reward == 1.0
+    assert streamed.prompt_tokens.tolist() == whole.prompt_tokens.tolist()
+    assert streamed.response_tokens.tolist() == whole.response_tokens.tolist()
+    assert streamed.loss_mask.tolist() == whole.loss_mask.tolist()
+    np.testing.assert_array_equal(streamed.logprobs, whole.logprobs)
+    assert streamed.metadata["tool_calls"] == whole.metadata["tool_calls"] == [
+        {"name": "calculator", "error": None}] * 2  # fmt: skip
+    # What the streaming agent built is the non-streamed reply, ids included.
+    assert streamed_replies == whole_replies
+    reasons = [reason for _, reason in streamed_replies]
+    assert reasons == ["stop", "tool_calls", "stop"]
+    assert streamed_replies[0][0]["content"] == "hmm <tool_call>{oops}</tool_call>"
+    ids = [tc["id"] for tc in streamed_replies[1][0]["tool_calls"]]
+    assert len(set(ids)) == 2 and streamed_replies[1][0]["content"] == "Let me see."
+
+
+async def test_a_streamed_reply_is_server_sent_events_ending_with_usage_and_done(rig):
+    import aiohttp
+
+    raw: list[str] = []
+
+    async def agent(session: Session, task: AgentTask) -> str:
+        body = {"model": "m", "messages": [{"role": "user", "content": "6*7"}], "tools": TOOLS,
+                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        headers = {"Authorization": f"Bearer {session.api_key}"}
+        async with aiohttp.ClientSession() as http:
+            url = session.base_url + "/chat/completions"
+            async with http.post(url, json=body, headers=headers) as resp:
+                assert resp.status == 200 and resp.content_type == "text/event-stream"
+                raw.append(await resp.text())
+        return "done"
+
+    workflow, ctx, engine = await rig([Step("ok " + call_text("6*7"))], agent)
+    sample = await workflow(ctx, fresh())
+    events = raw[0].removesuffix("\n\n").split("\n\n")
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    *_, finish, usage = chunks
+    assert finish["choices"][0]["finish_reason"] == "tool_calls" and usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == len(engine.sampled[0])
+    assert sample.metadata["tool_calls"] == [{"name": "calculator", "error": None}]
+
+
+async def test_tool_choice_none_on_the_proxy_leaves_the_call_as_content(rig):
+    seen: list[Any] = []
+
+    async def agent(session: Session, task: AgentTask) -> str:
+        messages: list[Any] = [{"role": "user", "content": "6*7"}]
+        async with session.client(max_retries=0) as client:
+            for stream in (True, False):
+                request = {"model": "m", "messages": messages, "tools": TOOLS}
+                if stream:
+                    chunks = await client.chat.completions.create(
+                        **request, tool_choice="none", stream=True
+                    )
+                    message, reason, _ = await accumulate(chunks)
+                else:
+                    reply = await client.chat.completions.create(**request)
+                    message = reply.choices[0].message.model_dump(exclude_none=True)
+                    reason = reply.choices[0].finish_reason
+                seen.append((message, reason))
+                messages += [message, {"role": "user", "content": "again"}]
+        return "done"
+
+    workflow, ctx, _ = await rig([Step(call_text("6*7")), Step("#### 42")], agent)
+    sample = await workflow(ctx, fresh())
+    (unparsed, reason), (final, _) = seen
+    assert unparsed == {"role": "assistant", "content": call_text("6*7")}
+    assert reason == "stop" and final["content"] == "#### 42"  # the episode went on
+    assert not sample.metadata["tool_calls"] and sample.status is SampleStatus.COMPLETED

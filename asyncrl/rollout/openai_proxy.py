@@ -18,7 +18,12 @@ value). ``AgentWorkflow`` runs one agent episode per sample:
    log-probs and weight versions are appended with ``loss_mask = 1``. Nothing is
    re-tokenised, so the trained tokens are exactly what the engine sampled;
 4. the reply is a standard ``ChatCompletion``: the turn's text, with Hermes
-   ``<tool_call>`` blocks parsed into ``tool_calls`` (any ``ToolCallParser``);
+   ``<tool_call>`` blocks parsed into ``tool_calls`` (any ``ToolCallParser``; not with
+   ``tool_choice: "none"``, whose reply is all text). With ``stream=true`` the whole turn
+   is generated first, then sent as ``chat.completion.chunk`` events (content and
+   ``delta.tool_calls`` from ``engines/tool_stream.py``'s ``ToolStream``, the usage last
+   with ``stream_options.include_usage``): the deltas add up to the same message, so the
+   episode goes on the same whichever way the agent asks;
 5. when the agent returns, the sample is scored by the run's reward function:
    ``response_text`` is the final state when it is a string (else the decoded
    trajectory) and ``metadata["final_state"]`` holds it.
@@ -27,7 +32,8 @@ A conversation must grow by appending: each call's ``messages`` start with the p
 call's messages and the reply the proxy gave (compared by role, stripped text and tool
 calls), followed by tool, user or system messages. Anything else (an edited history, an
 assistant message the model did not write, changed ``tools``, two calls at once, ``n > 1``,
-streaming) is a 400 with the reason, which the agent sees as ``openai.BadRequestError``.
+a ``tool_choice`` of ``required`` or a named function, which need constrained decoding)
+is a 400 with the reason, which the agent sees as ``openai.BadRequestError``.
 
 Limits: ``rollout.sampling.max_new_tokens`` is the token budget of the whole episode
 (sampled and appended tokens); ``max_calls`` completions per episode. A call past either
@@ -64,8 +70,14 @@ import numpy as np
 import structlog
 from aiohttp import web
 
-from asyncrl.engines.generate_wire import ApiError, json_response, read_json
+from asyncrl.engines.generate_wire import DONE, ApiError, json_response, read_json, sse
 from asyncrl.engines.openai_routes import chat_template_ids
+from asyncrl.engines.tool_stream import (
+    ToolStream,
+    arguments_text,
+    content_of,
+    parses_tool_calls,
+)
 from asyncrl.rollout.base import RolloutContext
 from asyncrl.rollout.multi_turn import HermesParser, ObservationRenderer, ToolCall, ToolCallParser
 from asyncrl.types import Sample, SampleStatus, pack_int32
@@ -305,7 +317,7 @@ class OpenAIProxy:
         model = {"id": "asyncrl-policy", "object": "model", "created": 0, "owned_by": "asyncrl"}
         return json_response({"object": "list", "data": [model]})
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         episode = self._episode(request)
         body = await read_json(request)
         if episode.busy:
@@ -313,7 +325,10 @@ class OpenAIProxy:
         episode.busy, episode.handler = True, asyncio.current_task()
         state = episode.snapshot()
         try:
-            return json_response(await self._complete(episode, body))
+            reply, stream = await self._complete(episode, body)
+            if not body.get("stream"):
+                return json_response(reply)
+            return await _write_sse(request, stream.chunks(reply, _include_usage(body)))
         except BaseException:  # refused, failed or cancelled: the call leaves no trace
             if not episode.aborted:
                 episode.restore(state)
@@ -322,8 +337,10 @@ class OpenAIProxy:
             episode.busy, episode.handler = False, None
 
     # -- one completion -----------------------------------------------------------------
-    async def _complete(self, episode: _Episode, body: Json) -> Json:
+    async def _complete(self, episode: _Episode, body: Json) -> tuple[Json, _ReplyStream]:
+        """The turn's reply, and the same reply as stream deltas (``stream=true``)."""
         _check_options(body)
+        parser = self.parser if _parses_tool_calls(body) else None
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _error(400, "messages: expected a non-empty list of messages")
@@ -336,11 +353,14 @@ class OpenAIProxy:
             extend(episode, messages, keys, body)
         episode.calls += 1
         if episode.truncated:
-            return self._reply(body, episode, [], None, "length", start)
+            return self._reply(body, episode, [], None, "length", start), _ReplyStream()
         turn, cut, matched = await self._generate(episode, body)
-        text, calls = self._parse(turn, matched)
+        text = self._turn_text(turn, matched)
+        calls = [c for c in parser.parse(text) if c.error is None] if parser else []
         reason = "tool_calls" if calls else ("length" if cut else "stop")
-        return self._reply(body, episode, turn, (text, calls), reason, start)
+        content = content_of(parser, text) if parser else text.strip()
+        reply = self._reply(body, episode, turn, (content, calls), reason, start)
+        return reply, _ReplyStream(text, parser, lambda k: _call_id(episode, k))
 
     def _start(self, episode: _Episode, messages: list[Any], keys: list[Any], body: Json) -> None:
         """The first call: its rendered messages are the sample's prompt."""
@@ -446,26 +466,23 @@ class OpenAIProxy:
                             asked=body[name], used=self.ctx.sampling.get(name))  # fmt: skip
         return {k: body[k] for k in ("stop", "stop_token_ids") if body.get(k) is not None}
 
-    def _parse(self, turn: list[int], stop: str | None = None) -> tuple[str, list[ToolCall]]:
-        """The reply's text and tool calls; a matched ``stop`` string is cut off the text,
-        as OpenAI's content excludes it (its tokens stay in the trained sample)."""
+    def _turn_text(self, turn: list[int], stop: str | None = None) -> str:
+        """The turn's text; a matched ``stop`` string is cut off, as OpenAI's content
+        excludes it (its tokens stay in the trained sample)."""
         tokenizer = self.ctx.tokenizer
         ids = turn[:-1] if turn and turn[-1] == tokenizer.eos_token_id else turn
         text = str(tokenizer.decode(ids, skip_special_tokens=False))
         if stop and (at := text.rfind(stop)) >= 0:
             text = text[:at]
-        calls = [c for c in self.parser.parse(text) if c.error is None]
-        content = getattr(self.parser, "content", None)
-        return (content(text) if calls and content is not None else text.strip()), calls
+        return text
 
     @staticmethod
     def _tool_call(episode: _Episode, call: ToolCall, k: int) -> Json:
         """OpenAI's shape of one parsed call; its id names the tool for the result message."""
-        cid = f"call_{episode.calls}_{k}"
+        cid = _call_id(episode, k)
         episode.call_names[cid] = call.name
-        args = call.arguments if call.arguments is not None else {}
-        text = args if isinstance(args, str) else json.dumps(args)
-        return {"id": cid, "type": "function", "function": {"name": call.name, "arguments": text}}
+        function = {"name": call.name, "arguments": arguments_text(call)}
+        return {"id": cid, "type": "function", "function": function}
 
     def _reply(
         self,
@@ -495,6 +512,58 @@ class OpenAIProxy:
         }  # fmt: skip
 
 
+def _call_id(episode: _Episode, k: int) -> str:
+    """The id of the turn's ``k``-th call, the same in a reply and in its stream."""
+    return f"call_{episode.calls}_{k}"
+
+
+class _ReplyStream:
+    """A finished turn as OpenAI's stream chunks: its text through a ``ToolStream`` when
+    calls are parsed, so an agent that accumulates the deltas holds the reply's message;
+    an empty reply (a spent budget) has no deltas."""
+
+    def __init__(self, text: str = "", parser: ToolCallParser | None = None,
+                 call_id: Callable[[int], str] | None = None) -> None:  # fmt: skip
+        self.text, self.parser, self.call_id = text, parser, call_id
+
+    def deltas(self) -> list[Json]:
+        if self.parser is not None and self.call_id is not None:
+            return ToolStream(self.parser, self.call_id).finish(self.text)
+        return [{"content": self.text.strip()}] if self.text.strip() else []
+
+    def chunks(self, reply: Json, include_usage: bool) -> list[Json]:
+        """The role chunk, the deltas, the finish, then the usage when asked for."""
+        head = {key: reply[key] for key in ("id", "created", "model")}
+        head["object"] = "chat.completion.chunk"
+
+        def chunk(delta: Json, reason: str | None = None) -> Json:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {**head, "choices": [choice]}
+
+        deltas = [{"role": "assistant", "content": ""}, *self.deltas()]
+        events = [*map(chunk, deltas), chunk({}, reply["choices"][0]["finish_reason"])]
+        if include_usage:
+            events.append({**head, "choices": [], "usage": reply["usage"]})
+        return events
+
+
+def _include_usage(body: Json) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+async def _write_sse(request: web.Request, events: list[Json]) -> web.StreamResponse:
+    """``events`` as server-sent events (``data: {json}``), then ``data: [DONE]``."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})  # fmt: skip
+    await resp.prepare(request)
+    for event in events:
+        await resp.write(sse(event))
+    await resp.write(DONE)
+    await resp.write_eof()
+    return resp
+
+
 def _first_difference(keys: list[Any], history: list[Any]) -> int:
     """Index of the first message that differs from ``history`` (or where it stops short)."""
     pairs = zip(keys, history, strict=False)
@@ -511,16 +580,21 @@ def _check_options(body: Json) -> None:
             raise _error(400, f"{key} is not supported by the training proxy")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise _error(400, "logprobs are not returned by the training proxy (it records them)")
-    if body.get("tool_choice") not in (None, "auto"):
-        raise _error(400, "tool_choice other than 'auto' is not supported: the model decides")
-    if body.get("stream"):
-        raise _error(400, "stream=true is not supported by the training proxy")
+    _parses_tool_calls(body)
     if body.get("n") not in (None, 1):
         raise _error(400, "n > 1 is not supported: one episode is one conversation")
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise _error(400, f"{key} must be a positive integer, got {value!r}")
+
+
+def _parses_tool_calls(body: Json) -> bool:
+    """``tool_choice``: ``auto`` parses calls, ``none`` does not, others are 400s."""
+    try:
+        return parses_tool_calls(body)
+    except ApiError as exc:
+        raise _error(400, exc.message) from None
 
 
 @web.middleware
