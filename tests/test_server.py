@@ -1239,7 +1239,7 @@ async def whole_and_streamed(server: EngineServer, text: str, **extra: Any) -> t
 
     server.engine.texts = [text, text]
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    request = {"model": "m", "messages": USER, "tools": [CALCULATOR], **extra}
+    request = {"model": "m", "messages": USER, "tools": [CALCULATOR], "logprobs": True, **extra}
     whole = (await client.chat.completions.create(**request)).choices[0]
     stream = await client.chat.completions.create(**request, stream=True)
     streamed = accumulate([chunk async for chunk in stream])
@@ -1250,11 +1250,12 @@ async def whole_and_streamed(server: EngineServer, text: str, **extra: Any) -> t
 def accumulate(chunks: list[Any]) -> dict[str, Any]:
     """What a client builds from stream chunks, checking OpenAI's shapes: a call's first
     chunk has its index, id, type and name; later ones only add to its arguments."""
-    content, calls, reasons = [], {}, []
+    content, calls, reasons, logprobs = [], {}, [], []
     for chunk in chunks:
         (choice,) = chunk.choices
         content.append(choice.delta.content or "")
         reasons.append(choice.finish_reason)
+        logprobs += choice.logprobs.content if choice.logprobs else []
         for part in choice.delta.tool_calls or ():
             if part.index not in calls:
                 assert part.id and part.type == "function" and part.function.name, part
@@ -1264,7 +1265,8 @@ def accumulate(chunks: list[Any]) -> dict[str, Any]:
             calls[part.index]["arguments"] += part.function.arguments or ""
     assert list(calls) == list(range(len(calls)))  # indices 0, 1, 2 in order
     assert all(r is None for r in reasons[:-1])
-    return {"content": "".join(content), "calls": list(calls.values()), "reason": reasons[-1]}
+    return {"content": "".join(content), "calls": list(calls.values()), "reason": reasons[-1],
+            "logprobs": [lp.token for lp in logprobs]}  # fmt: skip
 
 
 def message_calls(message: Any) -> list[tuple[str, str]]:
@@ -1296,6 +1298,8 @@ async def test_streamed_tool_calls_add_up_to_the_reply_for_the_same_generation(t
     assert streamed["content"].strip() == (whole.message.content or "").strip()
     expected = "tool_calls" if num_calls else "stop"
     assert whole.finish_reason == streamed["reason"] == expected
+    # Every token's log-prob goes out once, held text's on a later chunk.
+    assert streamed["logprobs"] == [lp.token for lp in whole.logprobs.content]
     if num_calls and "<tool_call>" not in (whole.message.content or ""):
         assert "<tool" not in streamed["content"]  # nothing of a call leaked into content
     if not num_calls:

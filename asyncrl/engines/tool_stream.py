@@ -96,17 +96,22 @@ class ToolStream:
         self.content = ""  # the content sent so far
         self.calls: list[Any] = []
         self.call_ids: list[str] = []
+        self._settled = 0  # the length of the text parsed last
 
     def feed(self, text: str) -> list[Json]:
         """The deltas that ``text`` (the whole text so far) settles."""
         hook = getattr(self.parser, "unsettled_start", None)
-        return self._send(text[: hook(text)] if hook is not None else "")
+        settled = text[: hook(text)] if hook is not None else ""
+        if len(settled) == self._settled:  # an open call grew: nothing to parse again
+            return []
+        return self._send(settled)
 
     def finish(self, text: str) -> list[Json]:
         """The deltas left once ``text`` is final: all of it is settled."""
         return self._send(text)
 
     def _send(self, settled: str) -> list[Json]:
+        self._settled = len(settled)
         deltas: list[Json] = []
         content = content_of(self.parser, settled)
         # A final text cut shorter (a stop string) cannot take back what went out.
