@@ -110,6 +110,7 @@ async def test_every_failure_is_an_error_observation_never_an_exception(
     assert result.content == result.error
     assert result.content.startswith("Error: ")
     assert reason in result.content
+    assert result.timed_out == (name == "hang")  # the metrics count timeouts apart
 
 
 async def test_long_output_is_cut_and_says_how_much(registry):

@@ -420,7 +420,8 @@ async def test_multi_turn_tool_use_trains_on_sampled_tokens_with_observations_ma
         assert mask[first.start : first.end].all() and mask[last.start : last.end].all()
         assert not mask[tool.start : tool.end].any()
         assert "42" in tokenizer.decode(s.response_tokens[tool.start : tool.end].tolist())
-        assert s.metadata["tool_calls"] == [{"name": "calculator", "error": None}]
+        (call,) = s.metadata["tool_calls"]
+        assert (call["name"], call["error"], call["timed_out"]) == ("calculator", None, False)
     # the eval actor ran the same episodes with the same tools
     evals = [json.loads(x) for x in (tmp_path / "run/metrics/eval.jsonl").read_text().splitlines()]
     assert evals and all(r["tool_calls"] == 1.0 and r["samples"] == 6 for r in evals)

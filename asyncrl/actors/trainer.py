@@ -44,6 +44,7 @@ from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.buffer.dump import BatchWriter
 from asyncrl.buffer.journal import fsync_dir
 from asyncrl.errors import RunStateLost
+from asyncrl.observe.episodes import episode_metrics
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.observe.samples import sample_rows
@@ -177,7 +178,8 @@ class TrainerActor(Actor):
                 self._audit(batch, trained=result is not None)
                 if result is not None:
                     self._log_samples(batch, result.version)
-                    await self._after_step(result, waited)
+                    agent = episode_metrics(s for g in batch.groups for s in g.samples)
+                    await self._after_step(result, waited, agent)
             waited = 0.0
         if self._done():  # a stop drains: the last acks go out and a checkpoint is taken
             self._finished = True
@@ -203,13 +205,14 @@ class TrainerActor(Actor):
         reply = await self.batches.next(self.trainer.version, self.durable)
         return reply, time.perf_counter() - start
 
-    async def _after_step(self, result: StepResult, waited: float) -> None:
+    async def _after_step(self, result: StepResult, waited: float, agent: dict[str, float]) -> None:
         self.version = result.version
         self.steps_done += 1
         start = time.perf_counter()
         await self._publish()
         publish_s = time.perf_counter() - start
-        self._last = {**result.metrics, "time/wait_data": waited, "time/publish": publish_s}
+        self._last = {**result.metrics, **agent, "time/wait_data": waited,
+                      "time/publish": publish_s}  # fmt: skip
         if self.metrics is not None:
             self.metrics.write({"actor": self.name, "step": result.version, **self._last})
         interval = self.config.checkpoint_interval

@@ -22,6 +22,9 @@ Figures, one PNG each; a figure whose inputs are missing is skipped, not an erro
   ``grad_norm`` (before clipping), and ``reward/mean`` beside the mean reward of every
   scored sample before the filters (each rollout row's ``rollout/reward_mean``, over the
   samples since its previous row, at the weight ``version`` its engines served).
+- ``agent.png`` (agent runs): turns and tool calls per episode, the share of tool calls
+  that failed or timed out, seconds per call, sampled tokens per turn, and the share of
+  episodes ended by the token budget (``observe/episodes.py``), against the step.
 - ``eval.png`` (needs eval.jsonl): ``pass@1`` of each eval set against the weight version
   (solid), and ``pass@K`` for the set's largest ``K > 1`` (dashed, same colour).
 - ``throughput.png``: rates against seconds since the run's first event. A rate over a
@@ -328,6 +331,7 @@ def plot_run(run_dir: Path, out_dir: Path) -> list[Path]:
     drawers = {
         "reward": _reward_figure,
         "training": _training_figure,
+        "agent": _agent_figure,
         "eval": _eval_figure,
         "throughput": _throughput_figure,
         "staleness": _staleness_figure,
@@ -385,21 +389,43 @@ TRAINING_PANELS = (
 )
 
 
+#: Panels of ``agent.png`` (``observe/episodes.py``'s metrics).
+AGENT_PANELS = (
+    ("turns and tool calls per episode", ("agent/turns", "agent/tool_calls")),
+    ("tool errors and timeouts (share of calls)", ("agent/tool_errors", "agent/tool_timeouts")),
+    ("tool latency (s a call)", ("agent/tool_latency_s",)),
+    ("sampled tokens per turn", ("agent/tokens_per_turn",)),
+    ("episodes ended by the token budget", ("agent/context_ended",)),
+)
+
+
 def _training_figure(run: RunData) -> Figure | None:
+    return _panels_figure(run, TRAINING_PANELS, with_rewards=True)
+
+
+def _agent_figure(run: RunData) -> Figure | None:
+    return _panels_figure(run, AGENT_PANELS, with_rewards=False)
+
+
+def _panels_figure(
+    run: RunData, spec: Sequence[tuple[str, tuple[str, ...]]], *, with_rewards: bool
+) -> Figure | None:
+    """One panel per entry of ``spec`` with a key present (none present: no figure)."""
     steps = [_num(r, "step") for r in run.trainer]
     panels = [(title, [k for k in keys if any(k in r for r in run.trainer)])
-              for title, keys in TRAINING_PANELS]  # fmt: skip
+              for title, keys in spec]  # fmt: skip
     panels = [(title, keys) for title, keys in panels if keys]
     if not panels:
         return None
-    fig, axes = _figure(rows=len(panels) + 1, height=2.2)
+    fig, axes = _figure(rows=len(panels) + with_rewards, height=2.2)
     for ax, (title, keys) in zip(axes, panels, strict=False):
         for key in keys:
             ax.plot(steps, [_num(r, key) for r in run.trainer], lw=1.5, label=key)
         ax.set(title=title)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize="small")
-    _rewards_before_filters(axes[-1], run, steps)
+    if with_rewards:
+        _rewards_before_filters(axes[-1], run, steps)
     axes[-1].set(xlabel="step")
     return fig
 

@@ -12,14 +12,15 @@ One sample is one episode. Each round:
    observation tokens are appended with ``loss_mask = 0``, log-prob 0 and the version of the
    turn that asked for them (so they never change a sample's head staleness).
 
-The episode ends at a final answer (``completed``), at ``max_turns`` assistant turns or when
+The episode ends at a final answer (``completed``), at ``max_turns`` assistant turns, when
 the token budget ``max_new_tokens`` (the whole response: turns and observations) is used
-up (``truncated``, ``finish_reason`` ``max_turns`` or ``length``; a turn cut at
+up, or when the engines' context is full (``truncated``, ``finish_reason`` ``max_turns``,
+``length`` or ``context``; a turn cut at
 ``max_tokens_per_turn`` still has its calls run, and ends the episode if it has none), or
 on an abort (``aborted``: resumed later from its tokens, an unfinished turn continuing as
 the same turn; an abort that comes while the tools run stops the episode before its next
 turn). Finished episodes are scored; ``metadata["tool_calls"]`` lists every call's name,
-and the error if it failed, for rewards and metrics.
+its error if it failed, its seconds and whether it timed out, for rewards and metrics.
 
 Observation tokens come from the tokenizer's chat template without touching sampled tokens
 (``ObservationRenderer``): the template renders a stand-in conversation with and without the
@@ -270,6 +271,7 @@ class MultiTurn:
         tokenizer, registry = _needs(ctx)
         if sample.tools:
             registry = registry.for_row(sample.tools)
+        sample.metadata.setdefault("tool_calls", [])  # an agent episode, even without calls
         episode = _Episode(ctx, sample, tokenizer, registry, self)
         await episode.run()
         if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
@@ -292,6 +294,10 @@ class _Episode:
         self.config, self.parser = workflow.config, workflow.parser
         self.renderer = workflow.renderer(tokenizer)
         self.budget = int(ctx.sampling.get("max_new_tokens", 128))
+        # The engines' context (``ContextBound``), None when unknown: a context that fills
+        # up ends the episode ``truncated`` with finish_reason "context", not an error.
+        context = getattr(ctx.engine, "context_length", None)
+        self.context = context if isinstance(context, int) else None
         self.aborts_at_start = ctx.aborts()
 
     @property
@@ -338,6 +344,9 @@ class _Episode:
             self._end(SampleStatus.ABORTED, "abort")
             return False
         ids = np.concatenate([s.prompt_tokens, s.response_tokens]).tolist()
+        if self._full(len(ids)):
+            self._end(SampleStatus.TRUNCATED, "context")
+            return False
         result = await self.ctx.engine.generate(
             ids,
             {**self.ctx.sampling, "max_new_tokens": limit},
@@ -351,9 +360,15 @@ class _Episode:
         s.status = SampleStatus.PENDING
         if kind == "abort":
             self._end(SampleStatus.ABORTED, "abort")
+        elif kind == "length" and self._full(len(ids) + len(result.output_ids)):
+            self._end(SampleStatus.TRUNCATED, "context")
         elif kind == "length" and limit == left:  # the whole budget is spent
             self._end(SampleStatus.TRUNCATED, "length")
         return kind == "length"
+
+    def _full(self, tokens: int) -> bool:
+        """True when ``tokens`` leave the engines no room for another token."""
+        return self.context is not None and tokens >= self.context
 
     async def _observe(self, calls: list[ToolCall]) -> bool:
         """Run ``calls`` and append their observations; False if the budget ended it."""
@@ -365,10 +380,14 @@ class _Episode:
         if s.response_length + len(tokens) >= self.budget:
             self._end(SampleStatus.TRUNCATED, "length")  # no room left for an answer
             return False
+        if self._full(len(s.prompt_tokens) + s.response_length + len(tokens)):
+            self._end(SampleStatus.TRUNCATED, "context")
+            return False
         version = int(s.token_versions[-1])
         s.append_response(tokens, np.zeros(len(tokens)), version, loss_mask=0, role="tool")
         record = s.metadata.setdefault("tool_calls", [])
-        record.extend({"name": r.name, "error": r.error} for r in results)
+        record.extend({"name": r.name, "error": r.error, "seconds": round(r.seconds, 4),
+                       "timed_out": r.timed_out} for r in results)  # fmt: skip
         return True
 
     async def _run_calls(self, calls: list[ToolCall]) -> list[ToolResult]:

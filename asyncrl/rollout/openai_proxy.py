@@ -683,7 +683,7 @@ def _restart(sample: Sample) -> None:
     """An agent episode cannot resume mid-way: it starts again with no tokens."""
     sample.truncate_response(0)
     sample.turns = []
-    sample.metadata.pop("tool_calls", None)
+    sample.metadata["tool_calls"] = []  # an agent episode, even without calls
     sample.status, sample.finish_reason = SampleStatus.PENDING, None
 
 

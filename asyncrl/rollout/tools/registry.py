@@ -32,12 +32,14 @@ NO_ARGUMENTS: Mapping[str, Any] = {"type": "object", "properties": {}}
 
 @dataclass(frozen=True, slots=True)
 class ToolResult:
-    """What one call gave the model: ``content`` (the observation) and ``error`` if any."""
+    """What one call gave the model: ``content`` (the observation) and ``error`` if any;
+    ``timed_out`` when the error is the registry's timeout."""
 
     name: str
     content: str
     error: str | None = None
     seconds: float = 0.0
+    timed_out: bool = False
 
     @property
     def ok(self) -> bool:
@@ -155,14 +157,16 @@ class ToolRegistry:
         except _CallError as exc:
             return self._error(name, str(exc), start)
         except TimeoutError:
-            return self._error(name, f"tool {name!r} timed out after {self.timeout_s:g} s", start)
+            message = f"tool {name!r} timed out after {self.timeout_s:g} s"
+            return self._error(name, message, start, timed_out=True)
         except Exception as exc:  # the tool's own code raised: the model sees why
             return self._error(name, f"{type(exc).__name__}: {exc}", start)
         return ToolResult(name, self._cut(content), None, time.monotonic() - start)
 
-    def _error(self, name: str, message: str, start: float) -> ToolResult:
+    def _error(self, name: str, message: str, start: float, timed_out: bool = False
+               ) -> ToolResult:  # fmt: skip
         text = self._cut(f"Error: {message}")
-        return ToolResult(name, text, text, time.monotonic() - start)
+        return ToolResult(name, text, text, time.monotonic() - start, timed_out)
 
     def _cut(self, text: str) -> str:
         if len(text) <= self.max_output_chars:
