@@ -316,6 +316,16 @@ def tool_schemas(cfg: RunConfig) -> list[dict[str, Any]] | None:
     return build_registry(cfg.rollout.tool_use).schemas()
 
 
+def _local_tokenizer(path: str) -> Any:
+    """The tokenizer of the model folder at ``path``; None when there is no such folder
+    (transformers would take the path for a hub id and retry the network for a minute)."""
+    from transformers import AutoTokenizer
+
+    if not (Path(path).expanduser() / "config.json").is_file():
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
 def check_tool_use(cfg: RunConfig) -> None:
     """Before launch: the tools load and the policy's chat template can render a tool
     observation after an assistant turn (a template that is not prefix-stable, or that
@@ -326,11 +336,10 @@ def check_tool_use(cfg: RunConfig) -> None:
     schemas = tool_schemas(cfg)
     if cfg.data is not None and cfg.data.default_tools is None:
         cfg.data.default_tools = schemas  # so launching does not load every tool again
-    from transformers import AutoTokenizer
-
     from asyncrl.rollout.multi_turn import ObservationRenderer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    if (tokenizer := _local_tokenizer(cfg.trainer.model_path)) is None:
+        return  # reported by _models
     try:
         ObservationRenderer(tokenizer).render([{"role": "tool", "content": "ok"}], turn_closed=True)
     except Exception as exc:  # jinja raises its own errors; all mean the same here
@@ -345,13 +354,12 @@ def check_agent(cfg: RunConfig) -> None:
     template that renders the messages an agent appends after a reply."""
     if cfg.rollout.agent is None or cfg.trainer is None:
         return
-    from transformers import AutoTokenizer
-
     from asyncrl.rollout.multi_turn import ObservationRenderer
     from asyncrl.rollout.workflows import load_workflow
 
     load_workflow(None, agent=cfg.rollout.agent)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    if (tokenizer := _local_tokenizer(cfg.trainer.model_path)) is None:
+        return  # reported by _models
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{cfg.trainer.model_path}: rollout.agent needs a chat template")
     renderer, errors = ObservationRenderer(tokenizer), []

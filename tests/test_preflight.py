@@ -73,6 +73,25 @@ def test_a_model_folder_without_a_config_is_refused(job, tmp_path, capsys):
             "trainer.model_path (--hf-checkpoint):", "is not a Hugging Face model")  # fmt: skip
 
 
+@pytest.mark.parametrize("agent", [
+    ["--rollout.tool-use.tools", '[{"type": "calculator"}]', "--apply-chat-template", "true"],
+    ["--rollout.agent.path", "tests.test_train:two_call_agent"],
+])  # fmt: skip
+def test_a_missing_model_folder_of_an_agent_job_is_named_not_looked_up_online(
+    job, tmp_path, capsys, agent
+):
+    # The tool and agent checks load the tokenizer: a path that is not a folder must not
+    # reach transformers, which takes it for a hub id (a minute of retries offline).
+    flags, run = job
+    missing = str(tmp_path / "models" / "nope")
+    code = main(["train", *flags, *agent, "--hf-checkpoint", missing])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{missing} is not a Hugging Face model folder" in err, err
+    problems = err.strip().splitlines()[1:]  # under "asyncrl train: config error:"
+    assert all("is not a Hugging Face model folder" in line for line in problems), err
+    assert not run.exists()
+
+
 def test_a_model_whose_tokenizer_does_not_load_is_refused(job, tmp_path, tiny_dir, capsys):
     flags, run = job
     model = tmp_path / "no_tokenizer"
