@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo smollm2 word-problems arith-model calculator-model test lint config-doc bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends bench-cluster-sim \
+.PHONY: demo smollm2 word-problems tool-agent tool-agent-openai tool-agent-model arith-model calculator-model test lint config-doc bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends bench-cluster-sim \
 	bench-cluster-load bench-vs-trl bench-extra bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak bench-weight-sync vllm-venv clean
 
 # The rest goes in with uv when it can be had (about 10 s, against about 100 s for pip on
@@ -45,6 +45,26 @@ smollm2: $(STAMP)
 word-problems: smollm2
 	$(VENV)/bin/asyncrl train examples/word_problems/config.yaml --overwrite
 	$(VENV)/bin/asyncrl plot runs/word_problems
+
+# Agentic RL on the real model: SmolLM2 learns to solve sums of products with a calculator
+# and a Python sandbox over several turns (examples/tool_agent/README.md). The first run
+# builds the warm-up, `make tool-agent-model` (about 5 minutes).
+TOOL_AGENT_MODEL := models/tool-agent-sft/model.safetensors
+tool-agent: $(TOOL_AGENT_MODEL)
+	$(VENV)/bin/asyncrl train examples/tool_agent/config.yaml --overwrite
+	$(VENV)/bin/asyncrl plot runs/tool_agent
+
+# The same task as a plain openai-client agent (stream=True, tools=), through the proxy.
+tool-agent-openai: $(TOOL_AGENT_MODEL)
+	$(VENV)/bin/asyncrl train examples/tool_agent/openai_config.yaml --overwrite
+	$(VENV)/bin/asyncrl plot runs/tool_agent_openai
+
+# The tool agent's warm-up: the real model with a tool-calling chat template, then
+# `asyncrl sft` on 160 synthetic tool traces, linked at models/tool-agent-sft.
+tool-agent-model: smollm2
+	$(PY) examples/tool_agent/make_model.py
+$(TOOL_AGENT_MODEL):
+	$(MAKE) tool-agent-model
 
 # Rebuild the demo's starting checkpoint (data, SFT warm-up; about 5 minutes).
 arith-model: $(STAMP)

@@ -395,7 +395,7 @@ AGENT_PANELS = (
     ("tool errors and timeouts (share of calls)", ("agent/tool_errors", "agent/tool_timeouts")),
     ("tool latency (s a call)", ("agent/tool_latency_s",)),
     ("sampled tokens per turn", ("agent/tokens_per_turn",)),
-    ("episodes ended by the token budget", ("agent/context_ended",)),
+    ("episodes ended by the token budget or the context", ("agent/context_ended",)),
 )
 
 
