@@ -42,6 +42,14 @@ def refused(capsys, flags: list[str], run: Path, *expected: str, dry_run: bool =
     assert not run.exists()  # nothing started: not even the run folder
 
 
+def log_here() -> None:
+    """Send this process's log lines to this test's captured stderr: the handler holds the
+    stream it was configured with, which an earlier test in the session may have left."""
+    from asyncrl.observe.logs import configure_logging
+
+    configure_logging()
+
+
 def test_a_job_that_is_fine_passes(job):
     from asyncrl.preflight import preflight
 
@@ -158,6 +166,7 @@ def test_a_prompt_leaving_less_than_max_new_tokens_is_only_warned_about(job, tmp
     from asyncrl.preflight import preflight
 
     flags, _ = job
+    log_here()
     rows = [*ROWS, {"prompt": "1+" * 220, "label": "x"}]
     sampling = json.dumps({"temperature": 1.0, "max_new_tokens": 200})
     data = write_rows(tmp_path / "near.jsonl", rows)
@@ -187,6 +196,7 @@ def test_data_too_short_for_the_steps_is_warned_about(job, capsys):
     from asyncrl.preflight import preflight
 
     flags, _ = job
+    log_here()
     preflight(load_config(None, overrides=[*flags, "--rollout-batch-size", str(10**12)]))
     out = capsys.readouterr()
     assert f"need {10**12} prompts, but the data holds {len(ROWS)}" in out.out + out.err
