@@ -78,9 +78,9 @@ def observations(tokenizer, sample) -> list[str]:
 async def test_an_8_turn_4k_token_episode_trains_across_weight_versions(tmp_path):
     _, tokenizer = build_tiny_model(tmp_path / "model", max_position_embeddings=8192)
     write_prompts(tmp_path / "prompts.jsonl", n=8)
-    cfg = load_config(overrides=long_flags(tmp_path, steps=3, budget=6000, turns=12))
+    cfg = load_config(overrides=long_flags(tmp_path, steps=2, budget=6000, turns=12))
     result = await run_job(cfg)
-    assert result.ok and result.steps == 3, result.error
+    assert result.ok and result.steps == 2, result.error
     assert accounted(last_buffer_metrics(tmp_path / "run"))
     samples = trained(tmp_path)
     turns = [sum(t.role == "assistant" for t in s.spans) for s in samples]
