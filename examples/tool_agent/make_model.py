@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--seed", type=int, default=0, help="SFT traces and their order")
     args = parser.parse_args()
+    if args.dest.exists() and not args.dest.is_symlink():
+        raise SystemExit(f"--dest {args.dest} is a folder, not this script's link: move it away")
     bin_dir = Path(sys.executable).parent
     start = time.perf_counter()
     subprocess.run([sys.executable, str(HERE / "make_data.py"), "--num-sft", str(args.num_sft),
@@ -64,7 +66,7 @@ def main() -> None:
     subprocess.run(sft, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     print(f"sft: {time.perf_counter() - sft_start:.0f} s")
     args.dest.parent.mkdir(parents=True, exist_ok=True)
-    if args.dest.is_symlink() or args.dest.exists():
+    if args.dest.is_symlink():
         args.dest.unlink()
     args.dest.symlink_to((out / "model").resolve())
     print(f"{args.dest} -> {out / 'model'} ({time.perf_counter() - start:.0f} s in all)")
