@@ -574,3 +574,21 @@ async def test_a_context_bound_generator_cuts_the_budget_to_the_room_left(tiny):
                 await client.generate(near, {"max_new_tokens": 64})
     finally:
         await server.stop()
+
+
+async def test_set_threads_reaches_the_step_thread(engine: TorchEngine) -> None:
+    """OpenMP keeps a thread count per calling thread: the step thread, already started,
+    takes the new count (the eval actor's final eval gets every core this way)."""
+    before = torch.get_num_threads()
+    greedy = await run(engine, "a", [1, 2, 3], max_new_tokens=4, temperature=0.0)
+    assert engine._steps is not None
+    loop = asyncio.get_running_loop()
+    try:
+        for threads in (1, 3):
+            await engine.set_threads(threads)
+            seen = await loop.run_in_executor(engine._steps, torch.get_num_threads)
+            assert seen == threads
+        again = await run(engine, "b", [1, 2, 3], max_new_tokens=4, temperature=0.0)
+        assert again.output_ids == greedy.output_ids
+    finally:
+        torch.set_num_threads(before)

@@ -143,6 +143,9 @@ def test_a_short_async_run_trains_and_accounts_for_every_prompt(short_run):
     assert len(windows) == len(set(windows)), versions
     assert all(r["set"] == "held" and r["prompts"] == 6 and r["samples"] == 18 for r in evals)
     assert all(0 <= r["pass@1"] <= r["pass@3"] <= 1 for r in evals)
+    # Training has ended when the final version is evaluated: its eval takes every core.
+    final_threads = [json.loads(x) for x in logs["eval"] if '"final eval threads"' in x]
+    assert [r["threads"] for r in final_threads] == [os.cpu_count()], why
     # Each rollout actor wrote its counters and when its engine was busy.
     rollout = [
         json.loads(x) for x in (run_dir / "metrics" / "rollout-0.jsonl").read_text().splitlines()

@@ -12,6 +12,7 @@ every set (``rollout/evaluation.py``), then ``next_due = (v // interval + 1) * i
 A version announced while an evaluation runs replaces an older pulled one that has not
 started (so a slow eval falls back to the newest due version instead of queueing); rows
 are tagged with the version they used. After the final version the actor finishes.
+The final eval runs when training has ended, so it takes every core (``final_threads``).
 
 Evaluation is off the training's critical path, so the actor gives up CPU priority
 (``eval.nice``, default 10): where it shares cores with the trainer and the rollout
@@ -203,10 +204,21 @@ class EvalActor(Actor):
             # At once, so the versions announced while this one is evaluated are not due.
             self.next_due = (msg.version // self.cfg.interval + 1) * self.cfg.interval
             await self._load(msg, tensors)
+            if self._is_final(msg.version):
+                await self._take_the_cores()
             await self._evaluate(msg.version)
-            if self.num_steps > 0 and msg.version >= self.num_steps:
+            if self._is_final(msg.version):
                 log.info("evaluated the final version", version=msg.version)
                 return
+
+    async def _take_the_cores(self) -> None:
+        """The final version comes after the last step: the trainer and the rollouts are
+        ending, and the job waits on this eval alone, so it takes every core."""
+        threads = self.cfg.final_threads or os.cpu_count() or 1
+        set_threads = getattr(self.host.engine, "set_threads", None)
+        if set_threads is not None:  # an embedded torch engine (not a remote server)
+            await set_threads(threads)
+            log.info("final eval threads", threads=threads)
 
     async def _evaluate(self, version: int) -> None:
         for s in self.sets:

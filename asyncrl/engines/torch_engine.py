@@ -161,6 +161,7 @@ class TorchEngine:
         self._just_finished: list[_Seq] = []
         self._groups = WeightGroups()
         self._stepped = asyncio.Event()  # set after every step (pause waits on it)
+        self._steps: ThreadPoolExecutor | None = None  # the step thread, while run() runs
         self.stats: dict[str, float] = {"steps": 0, "prefills": 0, "generated_tokens": 0,
                                         "update_pause_s": 0.0}  # fmt: skip
 
@@ -188,7 +189,7 @@ class TorchEngine:
         threads: 57 ms from ``asyncio.to_thread``, 41 ms from one thread).
         """
         loop = asyncio.get_running_loop()
-        steps = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._steps = steps = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         try:
             while True:
                 if not self._has_work():
@@ -204,7 +205,17 @@ class TorchEngine:
                     seq.updated.set()
                 self._stepped.set()
         finally:  # a step under way finishes on its thread, which then exits
+            self._steps = None
             steps.shutdown(wait=False)
+
+    async def set_threads(self, threads: int) -> None:
+        """Run the engine's steps on ``threads`` intra-op threads from now on. OpenMP keeps
+        the count per calling thread, so it is set on the step thread itself."""
+        torch.set_num_threads(threads)  # for a step thread that starts later
+        if self._steps is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                self._steps, torch.set_num_threads, threads
+            )
 
     def _has_work(self) -> bool:
         if self._updates:

@@ -401,6 +401,12 @@ class EvalConfig(BaseModel):
     final_timeout: float = Field(
         600.0, gt=0, description="seconds the job waits for the final version's eval"
     )
+    final_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads of the final version's eval, which runs after training "
+        "and the rollouts end; default: every core of the machine",
+    )
 
     @model_validator(mode="after")
     def _sets_when_on(self) -> EvalConfig:
