@@ -118,9 +118,10 @@ def _add_chaos(sub: argparse._SubParsersAction, show: Any) -> None:
         "--kill",
         action="append",
         default=[],
-        metavar="TARGET@WHEN",
+        metavar="TARGET@WHEN[:SIGNAL]",
         help="TARGET: an actor (buffer, rollout-1), a role (rollout) or random; WHEN: 30s "
-        "after start or step20 (trainer version); repeat for more kills",
+        "after start or step20 (trainer version); SIGNAL: SIGKILL (default), SIGTERM, "
+        "SIGINT or SIGSTOP (local runtime); repeat for more kills",
     )
     chaos.add_argument(
         "--every", type=_positive_seconds, help="also kill a random actor every S seconds"
@@ -150,6 +151,13 @@ def _positive_seconds(raw: str) -> float:
     value = float(raw)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {raw}")
+    return value
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {raw}")
     return value
 
 
@@ -248,6 +256,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("ASYNCRL_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health (as SGLang's "
         "--api-key; default: $ASYNCRL_API_KEY); needed to listen beyond loopback",
+    )
+    serve.add_argument(
+        "--max-body-mb",
+        type=_positive_float,
+        default=8.0,
+        help="refuse (413) a /generate or /v1 request body over this many MB before reading "
+        "it all; a prompt past the model's context is refused before it is tokenized",
     )
 
 
@@ -466,7 +481,8 @@ def _chaos(args: argparse.Namespace) -> int:
 
     specs = job_actor_specs(cfg, {}, cfg.resolved_output_dir(), resume=False)
     try:
-        check_targets(kills, {s.name: s.role for s in specs}, restart_budgets(cfg))
+        roles = {s.name: s.role for s in specs}
+        check_targets(kills, roles, restart_budgets(cfg), cfg.runtime.type)
     except ValueError as exc:
         print(f"asyncrl chaos: config error:\n{exc}", file=sys.stderr)
         return 2
@@ -703,9 +719,9 @@ def _serve(args: argparse.Namespace) -> int:
         from asyncrl.rollout.workflows import tool_call_parser
 
         parser = tool_call_parser(args.tool_call_parser)
-    server = EngineServer(
-        engine, server_args=server_args, api_key=args.api_key, tool_call_parser=parser
-    )
+    limit = int(args.max_body_mb * 2**20)
+    server = EngineServer(engine, server_args=server_args, api_key=args.api_key,
+                          tool_call_parser=parser, max_body_bytes=limit)  # fmt: skip
     uvloop.run(serve_until_signalled(server, host, args.port))
     return 0
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import msgspec
+import psutil
 import pytest
 import zmq
 import zmq.asyncio
@@ -20,7 +23,11 @@ import zmq.auth
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
+from asyncrl.engines.server import EngineServer
+from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.job import run_job
+from asyncrl.runtime.chaos import Chaos
+from asyncrl.runtime.supervisor import Supervisor
 from asyncrl.wire import framing, security
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.messages import WeightVersion
@@ -28,7 +35,15 @@ from asyncrl.wire.pubsub import Publisher, Subscriber
 from asyncrl.wire.reliable import ReliableReceiver, ReliableSender
 from asyncrl.wire.sockets import bind
 from tests.test_reliable import CODEC, item
-from tests.test_train import accounted, job_flags, last_buffer_metrics, lines, write_prompts
+from tests.test_train import (
+    LONG_RUN,
+    accounted,
+    eval_flags,
+    job_flags,
+    last_buffer_metrics,
+    lines,
+    write_prompts,
+)
 from tests.tiny_model import build_tiny_model
 
 WV = Codec(WeightVersion)
@@ -184,3 +199,69 @@ def test_no_wire_module_can_unpickle():
     found = {p.name: banned.findall(p.read_text()) for p in wire.glob("*.py")}
     assert {name: hits for name, hits in found.items() if hits} == {}
     assert len(found) >= 10  # the scan saw the package
+
+
+class ProbeListeners(Chaos):
+    """Once the trainer has stepped twice, records every listening socket of the job's
+    processes and what each HTTP listener answers without a key; then ends the job."""
+
+    def __init__(self, run_dir: Path, routes: list[tuple[str, str]]) -> None:
+        super().__init__([])
+        self.run_dir, self.routes = run_dir, routes
+        self.listeners: list[tuple[str, str, int]] = []  # actor, address, port
+        self.answers: dict[tuple[int, str, str], int] = {}  # (port, method, path) -> status
+
+    async def run(self, sup: Supervisor) -> None:
+        await sup.wait_until(lambda _: sup.up)
+        await sup.wait_until(lambda st: st["trainer"].version >= 2)
+        pids = {"controller": os.getpid(), **{n: h.pid for n, h in sup.handles.items()}}
+        for name, pid in pids.items():
+            assert pid is not None
+            for process in [psutil.Process(pid), *psutil.Process(pid).children(True)]:
+                for conn in process.net_connections(kind="inet"):
+                    if conn.status == psutil.CONN_LISTEN:
+                        self.listeners.append((name, conn.laddr.ip, conn.laddr.port))
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            for _, address, port in self.listeners:
+                await self._try_routes(http, f"http://{address}:{port}", port)
+        await self._stop_trainer(sup, "probed")
+
+    async def _try_routes(self, http: aiohttp.ClientSession, url: str, port: int) -> None:
+        try:  # a ZeroMQ peer keeps the connection open and never answers: 1 s is plenty
+            async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError):
+            return  # not HTTP: a ZeroMQ channel, the weight group's store or gloo
+        for method, path in self.routes:
+            async with http.request(method, url + path, json={"abort_all": True}) as resp:
+                self.answers[(port, method, path)] = resp.status
+
+
+@pytest.mark.slow
+async def test_every_listener_of_a_job_is_on_loopback_and_its_http_routes_need_a_key(
+    tmp_path: Path,
+):
+    """With the dist weight group (whose store torch binds to every interface unless it
+    is handed a bound socket), an eval actor and an engine actor: each listening socket
+    is on loopback, and each route of each engine's HTTP API but /health is a 401."""
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    model = str(tmp_path / "model")
+    app = EngineServer(TorchEngine.from_pretrained(model)).app
+    routes = sorted({(r.method, r.resource.canonical) for r in app.router.routes()
+                     if r.method != "HEAD" and r.resource is not None})  # fmt: skip
+    flags = [*job_flags(tmp_path, steps=400), *LONG_RUN, *eval_flags(tmp_path, 1000),
+             "--update-weight-transport", "dist", "--rollout.num-actors", "2",
+             "--rollout.engine.model-path", model, "--rollout.engine.serve", "actor"]  # fmt: skip
+    probe = ProbeListeners(tmp_path / "run", routes)
+    result = await run_job(load_config(overrides=flags), chaos=probe)
+    assert result.ok, result.error
+    actors = {name for name, _, _ in probe.listeners}
+    assert {"controller", "buffer", "trainer", "eval", "engine-0", "engine-1"} <= actors, actors
+    exposed = [x for x in probe.listeners if x[1] not in ("127.0.0.1", "::1")]
+    assert not exposed, exposed
+    servers = {port for port, _, _ in probe.answers}
+    assert len(servers) == 3, probe.listeners  # the engine actors' and the eval actor's
+    opened = {k: v for k, v in probe.answers.items() if (v != 401) != (k[2] == "/health")}
+    assert not opened, opened

@@ -17,6 +17,7 @@ import math
 import re
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -1351,3 +1352,75 @@ async def test_llama3_json_calls_are_parsed_and_streamed_alike(tool_server):
     assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == message_calls(whole.message)
     assert whole.message.content == streamed["content"] == "Sure."
     assert whole.finish_reason == streamed["reason"] == "tool_calls"
+
+
+async def test_a_body_over_the_limit_is_a_413_before_it_is_read_whole(served, http, url):
+    """Declared too long, or streaming past the limit with no declared length: refused
+    either way, and the server goes on serving."""
+    limit, served.max_body_bytes = served.max_body_bytes, 1000
+    try:
+        big = json.dumps({"input_ids": [5] * 2000, "sampling_params": GREEDY}).encode()
+        status, reply = await call(http, url, "/generate", raw=big)
+        assert status == 413, reply
+        assert "over this server's limit of 1000 bytes" in reply["error"]["message"]
+
+        async def chunked() -> AsyncIterator[bytes]:
+            for _ in range(20):
+                yield b" " * 100
+
+        async with http.post(url + "/v1/completions", data=chunked()) as resp:
+            assert resp.status == 413 and resp.headers.get("Content-Length") is not None
+        assert (await call(http, url, "/health", method="GET"))[0] == 200
+        assert (await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY))["text"]
+    finally:
+        served.max_body_bytes = limit
+
+
+async def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(
+    served, http, url, monkeypatch
+):
+    tokenizer, tokenized = served.engine.tokenizer, []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: tokenized.append(1) or encode(*a, **k))
+    text = "many words " * 200_000  # 2.2 MB; the tiny model's context is 512 tokens
+    bodies = {
+        "/generate": {"text": text},
+        "/v1/completions": {"prompt": text},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": text}]},
+    }
+    for path, body in bodies.items():
+        status, reply = await call(http, url, path, body)
+        assert status == 400, (path, reply)
+        assert "is longer than the model's context length (512 tokens)" in json.dumps(reply)
+    assert not tokenized
+    fits = {"text": "many words", "sampling_params": GREEDY}
+    status, _ = await call(http, url, "/generate", fits)
+    assert status == 200 and tokenized  # a prompt that fits is tokenized as before
+
+
+async def test_a_big_body_is_parsed_off_the_event_loop_while_health_answers(
+    served, http, url, monkeypatch
+):
+    entered, release, threads = threading.Event(), threading.Event(), []
+    parse = served._parse
+
+    def slow(body: dict) -> Any:
+        threads.append(threading.current_thread())
+        entered.set()
+        assert release.wait(10)
+        return parse(body)
+
+    monkeypatch.setattr(served, "_parse", slow)
+    body = {"input_ids": [5] * 40_000, "sampling_params": GREEDY}  # > 64 KB of JSON
+    pending = asyncio.create_task(call(http, url, "/generate", body))
+    assert await asyncio.to_thread(entered.wait, 10)
+    assert threads[0] is not threading.main_thread()
+    assert (await call(http, url, "/health", method="GET"))[0] == 200
+    release.set()
+    status, reply = await pending
+    assert status == 400 and "longer than the model's context" in json.dumps(reply)
+
+
+async def test_json_nested_deeper_than_the_decoder_goes_is_a_400(http, url):
+    status, reply = await call(http, url, "/generate", raw=b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and "nested too deeply" in json.dumps(reply), reply

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+import weakref
 from typing import Any
 
 import msgspec
@@ -85,15 +86,46 @@ def sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
-async def read_json(request: web.Request) -> Json:
-    """The JSON object body; an empty body is ``{}`` (SGLang clients send ``{}`` anyway)."""
-    raw = await request.read()
+def too_large(size: int, limit: int) -> ApiError:
+    """A body over the route's limit: refused before it is read whole (413)."""
+    message = (f"the request body is {size} bytes or more, over this server's limit of "
+               f"{limit} bytes (asyncrl serve --max-body-mb)")  # fmt: skip
+    return ApiError(413, message, {"error": {"message": message}})
+
+
+async def read_body(request: web.Request, limit: int | None = None) -> bytes:
+    """The body, refused (``too_large``) as soon as it passes ``limit`` bytes: by its
+    declared length before any of it is read, or while a chunked one streams in."""
+    if limit is None:
+        return await request.read()
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise too_large(declared, limit)
+    chunks, size = [], 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: web.Request, limit: int | None = None) -> Json:
+    """The JSON object body (at most ``limit`` bytes); an empty body is ``{}`` (SGLang
+    clients send ``{}`` anyway)."""
+    return decode_json(await read_body(request, limit))
+
+
+def decode_json(raw: bytes) -> Json:
+    """A body's JSON object; an empty body is ``{}``."""
     if not raw.strip():
         return {}
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise invalid_body(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # nesting deeper than the decoder's stack
+        raise invalid_body("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid_body(f"the request body must be a JSON object, not {type(body).__name__}")
     return body
@@ -176,12 +208,13 @@ class GenerateJob(msgspec.Struct, kw_only=True):
     return_prompt_token_ids: bool = False
 
 
-def parse_generate(body: Json, tokenizer: Any) -> GenerateJob:
-    """Validate a ``/generate`` body (1.1) into engine requests; raises ``ApiError``."""
+def parse_generate(body: Json, tokenizer: Any, context: int | None = None) -> GenerateJob:
+    """Validate a ``/generate`` body (1.1) into engine requests; raises ``ApiError``.
+    ``context``: the engine's, to refuse a text that cannot fit before tokenizing it."""
     for key in _UNSUPPORTED:
         if body.get(key):
             raise bad_request(f"{key} is not supported by this server")
-    prompts, batch = _prompts(body, tokenizer)
+    prompts, batch = _prompts(body, tokenizer, context)
     count = len(prompts)
     raw = body.get("sampling_params") or {}
     raws = raw if isinstance(raw, list) else [raw] * count
@@ -224,7 +257,7 @@ def parse_generate(body: Json, tokenizer: Any) -> GenerateJob:
     )
 
 
-def _prompts(body: Json, tokenizer: Any) -> tuple[list[list[int]], bool]:
+def _prompts(body: Json, tokenizer: Any, context: int | None) -> tuple[list[list[int]], bool]:
     """The prompts as token ids, and whether the body was a batch."""
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
@@ -236,17 +269,47 @@ def _prompts(body: Json, tokenizer: Any) -> tuple[list[list[int]], bool]:
             return ids, True
         return [ids], False
     if isinstance(text, str):
-        return [encode_text(tokenizer, text)], False
+        return [encode_text(tokenizer, text, context)], False
     if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-        return [encode_text(tokenizer, t) for t in text], True
+        return [encode_text(tokenizer, t, context) for t in text], True
     raise invalid_body(f"text: expected a string or a non-empty list of strings, got {text!r}")
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a text prompt; a 400 when the model has no tokenizer."""
+def encode_text(tokenizer: Any, text: str, context: int | None = None) -> list[int]:
+    """Token ids of a text prompt; a 400 when the model has no tokenizer, or, before any
+    tokenizing, when the text cannot fit ``context`` tokens (``check_fits``)."""
     if tokenizer is None:
         raise bad_request("text input needs a tokenizer and this model has none: send input_ids")
+    check_fits(tokenizer, text, context)
     return list(tokenizer.encode(text))
+
+
+_LONGEST: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the text bytes one token stands for: the longest vocabulary
+    entry's UTF-8 length (a byte-level entry writes each byte as one character of one or
+    two bytes, SentencePiece's space as three). Cached per tokenizer."""
+    if tokenizer not in _LONGEST:
+        vocab = tokenizer.get_vocab()
+        _LONGEST[tokenizer] = max((len(t.encode()) for t in vocab), default=1) or 1
+    return _LONGEST[tokenizer]
+
+
+def check_fits(tokenizer: Any, text: str, context: int | None) -> None:
+    """A 400 when ``text`` needs more than ``context`` tokens even if every token stood
+    for the most bytes one can: tokens >= ceil(bytes / longest_token_bytes). Tokenizing a
+    5 MB prompt took 11 s of the event loop just to refuse it."""
+    if context is None or len(text) <= context:  # no text of <= context chars is over
+        return
+    size = len(text.encode())
+    least = -(-size // longest_token_bytes(tokenizer))
+    if least > context:
+        raise bad_request(
+            f"The input ({size} bytes, at least {least} tokens) is longer than the model's "
+            f"context length ({context} tokens)."
+        )
 
 
 def _per_prompt(body: Json, key: str, kind: type, default: Any, count: int) -> list[Any]:

@@ -23,6 +23,7 @@ from asyncrl.engines.generate_wire import (
     TokenTexts,
     answer,
     bad_request,
+    check_fits,
     coerce,
     decode_output,
     encode_text,
@@ -32,7 +33,6 @@ from asyncrl.engines.generate_wire import (
     json_response,
     meta_info,
     openai_error,
-    read_json,
     request_ids,
     version_spans,
     version_text,
@@ -63,16 +63,22 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/chat/completions``: the chat template, then the native path (3.1-3.3)."""
-        body = await read_json(request)
-        call = OpenAICall.parse(body, [self._chat_prompt(body)], self.server, chat=True)
+        body, big = await self.server.read(request)
+        call = await self.server.off_loop(
+            big, lambda: OpenAICall.parse(body, [self._chat_prompt(body)], self.server, chat=True)
+        )
         return await self._openai(request, call)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/completions``: ``prompt`` as text(s) or token ids (3.4)."""
-        body = await read_json(request)
-        call = OpenAICall.parse(body, _completion_prompts(body, self.engine.tokenizer), self.server,
-                                chat=False)  # fmt: skip
-        return await self._openai(request, call)
+        body, big = await self.server.read(request)
+        context = self.server.context_length
+
+        def parse() -> OpenAICall:
+            prompts = _completion_prompts(body, self.engine.tokenizer, context)
+            return OpenAICall.parse(body, prompts, self.server, chat=False)
+
+        return await self._openai(request, await self.server.off_loop(big, parse))
 
     async def _openai(self, request: web.Request, call: OpenAICall) -> web.StreamResponse:
         for item in call.requests:
@@ -99,7 +105,7 @@ class OpenAIRoutes:
             raise invalid_body("messages: expected a non-empty list of messages")
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions")
-        return chat_template_ids(tokenizer, messages, body)
+        return chat_template_ids(tokenizer, messages, body, self.server.context_length)
 
 
 #: OpenAI request key -> SGLang sampling key (SGLang's extras keep their names).
@@ -128,8 +134,11 @@ def _refuse_unserved(body: Json) -> None:
         )
 
 
-def chat_template_ids(tokenizer: Any, messages: list[Any], body: Json) -> list[int]:
-    """Render ``messages`` with the tokenizer's chat template and tokenize the text."""
+def chat_template_ids(
+    tokenizer: Any, messages: list[Any], body: Json, context: int | None = None
+) -> list[int]:
+    """Render ``messages`` with the tokenizer's chat template and tokenize the text (a
+    400 first when it cannot fit ``context`` tokens)."""
     import jinja2
 
     kwargs = body.get("chat_template_kwargs") or {}
@@ -143,6 +152,7 @@ def chat_template_ids(tokenizer: Any, messages: list[Any], body: Json) -> list[i
         )  # fmt: skip
     except (jinja2.TemplateError, TypeError, KeyError) as exc:
         raise bad_request(f"the chat template failed on these messages: {exc}") from None
+    check_fits(tokenizer, text, context)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -156,14 +166,14 @@ def _flat_message(message: Any) -> Json:
     return {**message, "content": content or ""}
 
 
-def _completion_prompts(body: Json, tokenizer: Any) -> list[list[int]]:
+def _completion_prompts(body: Json, tokenizer: Any, context: int | None) -> list[list[int]]:
     """``prompt``: a string, strings, token ids or lists of token ids (3.4)."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return [encode_text(tokenizer, prompt)]
+        return [encode_text(tokenizer, prompt, context)]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return [encode_text(tokenizer, p) for p in prompt]
+            return [encode_text(tokenizer, p, context) for p in prompt]
         if all(isinstance(p, list) for p in prompt):
             return prompt
         return [prompt]

@@ -33,7 +33,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -46,13 +46,14 @@ from asyncrl.engines.generate_wire import (
     Json,
     answer,
     bad_request,
+    decode_json,
     decode_output,
     failed_status,
     json_response,
     meta_info,
     openai_error,
     parse_generate,
-    read_json,
+    read_body,
     sse,
     stream_error,
     version_text,
@@ -62,8 +63,14 @@ from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.observe.logs import get_logger
 
 log = get_logger("asyncrl.server")
+T = TypeVar("T")
 
 HEALTH_TIMEOUT_S = 20.0
+#: Request bodies over this many bytes are decoded and tokenized on a worker thread, so
+#: that ``/health`` and the other calls keep being answered meanwhile.
+INLINE_BODY_BYTES = 1 << 16
+#: ``asyncrl serve --max-body-mb``'s default: the generation routes' body limit.
+MAX_BODY_BYTES = 8 << 20
 
 
 def _is_openai(request: web.Request) -> bool:
@@ -214,9 +221,11 @@ class EngineServer:
         server_args: Json | None = None,
         api_key: str | None = None,
         tool_call_parser: Any = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         self.engine = engine
         self.api_key = api_key
+        self.max_body_bytes = max_body_bytes  # generation bodies; weight updates may be more
         # SGLang's --tool-call-parser: finds a chat reply's tool calls (rollout's parsers
         # fit: parse(text) and content(text)); None: tools are only rendered.
         self.tool_call_parser = tool_call_parser
@@ -408,9 +417,10 @@ class EngineServer:
         manager would refuse (a prompt past the context, a duplicate rid, bad values) gets
         a 200 stream of one error event, as SGLang's; a body its JSON contract or FastAPI
         refuses is a 400 either way."""
-        body = await read_json(request)
+        body, big = await self.read(request)
         try:
-            job = self._admit(body)
+            job = await self.off_loop(big, lambda: self._parse(body))
+            self._check(job)
         except (ApiError, ValueError) as exc:
             if body.get("stream") is not True or not _refused_in_stream(exc):
                 raise
@@ -482,10 +492,33 @@ class EngineServer:
 
     def _admit(self, body: Json) -> GenerateJob:
         """Parse a body and refuse it (``ApiError``, ``ValueError``) before anything starts."""
-        job = parse_generate(body, self.engine.tokenizer)
+        return self._check(self._parse(body))
+
+    def _parse(self, body: Json) -> GenerateJob:
+        """``/generate``'s body as engine requests (thread-safe: ``off_loop`` runs it)."""
+        return parse_generate(body, self.engine.tokenizer, self.context_length)
+
+    def _check(self, job: GenerateJob) -> GenerateJob:
         for item in job.requests:
             self.engine.check(item)
         return job
+
+    @property
+    def context_length(self) -> int | None:
+        """The engine's context in tokens, when it says (a text that cannot fit it is
+        refused before it is tokenized)."""
+        return getattr(self.engine, "context_length", None) or None
+
+    async def read(self, request: web.Request) -> tuple[Json, bool]:
+        """A generation route's JSON body (413 past ``max_body_bytes``, before it is all
+        read), and whether it is big enough to be parsed off the event loop."""
+        raw = await read_body(request, self.max_body_bytes)
+        big = len(raw) > INLINE_BODY_BYTES
+        return (await asyncio.to_thread(decode_json, raw) if big else decode_json(raw)), big
+
+    async def off_loop(self, big: bool, parse: Callable[[], T]) -> T:
+        """``parse()`` (tokenizing, a chat template), on a worker thread when ``big``."""
+        return await asyncio.to_thread(parse) if big else parse()
 
     async def _reply(self, job: GenerateJob) -> Json:
         """A non-stream job's reply: one payload, or a list for a batch."""

@@ -43,6 +43,7 @@ engine actor that restarted with its initial weights is brought back by ``reload
 from __future__ import annotations
 
 import asyncio
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -96,6 +97,9 @@ class EngineHost:
         self._receiver: WeightReceiver | None = None
         self.wait_ready_s = wait_ready_s  # engines started beside us: wait for their health
         self.api_key = api_key  # sent as Authorization: Bearer (engine actors' servers)
+        # The key of the servers started here (their loopback ports are open to every
+        # local user): made per host, known only to this process.
+        self.local_key = secrets.token_urlsafe(24)
         self.engine: TorchEngine | SimEngine | None = None  # the first embedded engine
         self.sims: list[SimEngine] = []  # every sim engine (engine is the first)
         self.servers: list[EngineServer] = []
@@ -115,7 +119,8 @@ class EngineHost:
             urls = [await self._start_vllm(url) for url in urls]
         external = self.config.type in ("sglang", "vllm") and self.config.serve == "embedded"
         health = self.config.health_check_s if external and not self.config.router else None
-        client_config = SGLangClient.Config(api_key=self.api_key, health_check_s=health)
+        key = self.local_key if self.servers else self.api_key
+        client_config = SGLangClient.Config(api_key=key, health_check_s=health)
         self.client = SGLangClient(urls, router=self.config.router, config=client_config)
         self.client.transport.on_return = self.catch_up
         await self.client.__aenter__()
@@ -187,7 +192,7 @@ class EngineHost:
             seed=self.seed,
         )
         self.engine = engine
-        self.servers.append(EngineServer(engine))
+        self.servers.append(EngineServer(engine, api_key=self.local_key))
         return await self.servers[-1].start("127.0.0.1", 0)
 
     async def _start_vllm(self, url: str) -> str:
@@ -197,7 +202,8 @@ class EngineHost:
         from asyncrl.engines.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(url, model_path=self.config.model_path, api_key=self.api_key)
-        self.servers.append(EngineServer(await engine.start()))  # type: ignore[arg-type]
+        server = EngineServer(await engine.start(), api_key=self.local_key)  # type: ignore[arg-type]
+        self.servers.append(server)
         return await self.servers[-1].start("127.0.0.1", 0)
 
     async def _start_sim(self) -> str:
@@ -207,7 +213,7 @@ class EngineHost:
         sim = _sim_engine(self.config, seed=len(self.sims))
         self.sims.append(sim)
         self.engine = self.engine or sim
-        self.servers.append(EngineServer(sim))  # type: ignore[arg-type]
+        self.servers.append(EngineServer(sim, api_key=self.local_key))  # type: ignore[arg-type]
         return await self.servers[-1].start("127.0.0.1", 0)
 
     async def abort_prefix(self, prefix: str) -> None:

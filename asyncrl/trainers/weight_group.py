@@ -39,6 +39,7 @@ import asyncio
 import datetime
 import ipaddress
 import os
+import socket
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -115,7 +116,10 @@ class BroadcastGroup:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+        if rank == 0:
+            store = serve_store(host, port, timeout, world_size)
+        else:
+            store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
         return cls.form(store, rank, world_size, name=name, backend=backend,
                         join_timeout_s=timeout_s, timeout_s=timeout_s)  # fmt: skip
 
@@ -225,6 +229,32 @@ def _empty(
             sink(name, view)
 
 
+def serve_store(
+    host: str,
+    port: int,
+    timeout: datetime.timedelta,
+    world_size: int | None = None,
+    *,
+    wait_for_workers: bool = True,
+) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening on ``host`` alone. torch's own store server
+    listens on every interface, and its keys can be listed and written by anyone who
+    reaches it (no authentication): it is handed a socket bound here instead."""
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bare, port))
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(bare, port, world_size, True, timeout=timeout,
+                         wait_for_workers=wait_for_workers,
+                         master_listen_fd=sock.detach())  # fmt: skip
+
+
 def split_address(address: str) -> tuple[str, int]:
     """``("host", port)`` of ``"host:port"`` (or ``"tcp://host:port"``)."""
     host, _, port = address.removeprefix("tcp://").rpartition(":")
@@ -258,8 +288,7 @@ class GroupMembership:
         """Rank 0: serve the rendezvous store (blocking; the address must be free)."""
         if self.rank == 0 and self._store is None:
             host, port = self.address
-            self._store = dist.TCPStore(host, port, None, True, timeout=self._join_timeout,
-                                        wait_for_workers=False)  # fmt: skip
+            self._store = serve_store(host, port, self._join_timeout, wait_for_workers=False)
 
     def close(self) -> None:
         """Leave the group (its members' next broadcast fails at once, and re-forms)."""
