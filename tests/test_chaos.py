@@ -76,6 +76,40 @@ async def test_sigkill_of_each_actor_kind_loses_nothing_and_trains_each_group_on
         assert any(r["event"] == "weights updated" for r in log), engine
 
 
+#: A signal to an actor that the controller did not send is a fault, whatever the kind:
+#: SIGTERM drains it and it is restarted; SIGSTOP silences it, and it is killed as hung.
+SIGNALLED = ["engine-1@step10:SIGSTOP", "rollout-0@step15:SIGTERM", "buffer@step20:SIGTERM",
+             "trainer@step25:SIGTERM", "eval@step30:SIGTERM", "rollout-1@step35:SIGSTOP",
+             "trainer@step40:SIGSTOP", "buffer@step45:SIGSTOP", "eval@step50:SIGSTOP",
+             "engine-0@step55:SIGTERM"]  # fmt: skip
+
+
+async def test_sigterm_and_sigstop_of_each_actor_kind_are_faults_that_lose_nothing(tmp_path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=64)
+    chaos = Chaos([KillAt.parse(k) for k in SIGNALLED], stop_when_back=True)
+    # Ten kills, each after the last victim is back: a higher step ceiling than STEPS.
+    flags = [*chaos_flags(tmp_path), "--runtime.heartbeat-timeout", "8"]
+    flags += ["--train.num-steps", "1200"]
+    result = await run_job(load_config(overrides=flags), chaos=chaos)
+    assert result.ok, result.error
+    sent = [f"{k.actor}:{k.signal}" for k in chaos.kills]
+    assert sent == [f"{k.split('@')[0]}:{k.split(':')[1]}" for k in SIGNALLED]
+    assert all(k.back_s is not None for k in chaos.kills), chaos.kills
+    # Each victim was restarted, none counted as finished: SIGTERM by its own word,
+    # SIGSTOP by the silence that followed.
+    causes = "\n".join(result.restarts)
+    for kill in chaos.kills:
+        why = "stopped by SIGTERM" if kill.signal == "SIGTERM" else "no heartbeat"
+        assert f"{kill.actor}: " in causes and why in causes, (kill, causes)
+    assert sum("stopped by SIGTERM, which the controller did not send" in r
+               for r in result.restarts) >= 5, causes  # fmt: skip
+    audit = audit_run(tmp_path / "run", result.steps)
+    assert audit.ok, audit.problems
+    assert audit.lost == 0 and audit.duplicated == 0
+    assert audit.consumed - audit.held == result.steps * 2
+
+
 def test_asyncrl_chaos_refuses_a_bad_kill_before_launch(tmp_path, capsys):
     assert main(["chaos", "--kill", "trainer@soon", *chaos_flags(tmp_path)]) == 2
     assert "expected TARGET@SECONDSs or TARGET@stepN" in capsys.readouterr().err
@@ -125,6 +159,12 @@ def test_chaos_kills_name_an_actor_or_role_that_is_restarted():
     with pytest.raises(ValueError, match=r"trainer actors are not restarted.*--save-interval"):
         check_targets([KillAt.parse("trainer@step5")], roles, budgets)
     assert KillAt.parse("rollout-1@2.5s") == KillAt("rollout-1", seconds=2.5)
+    assert KillAt.parse("buffer@step4:term") == KillAt("buffer", step=4, signal="SIGTERM")
+    assert KillAt.parse("buffer@1s:SIGSTOP").signal == "SIGSTOP"
+    with pytest.raises(ValueError, match="'HUP' is not one of SIGKILL"):
+        KillAt.parse("buffer@1s:HUP")
+    with pytest.raises(ValueError, match="SIGTERM needs the local runtime"):
+        check_targets([KillAt.parse("rollout@1s:TERM")], roles, budgets, runtime="ray")
     assert Chaos([KillAt("a", step=9), KillAt("b", seconds=3), KillAt("c", step=2)]).schedule == [
         KillAt("b", seconds=3),
         KillAt("c", step=2),

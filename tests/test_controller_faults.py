@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -19,12 +20,20 @@ from typing import Any
 
 import pytest
 
+from asyncrl.buffer.journal import MAGIC, Taken, read_journal
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.job import run_job
 from asyncrl.runtime.chaos import audit_run
 from asyncrl.runtime.run_dir import RunDirInUse, claim_run_dir
-from tests.test_train import LONG_RUN, eval_flags, job_flags, lines, write_prompts
+from tests.test_train import (
+    LONG_RUN,
+    eval_flags,
+    job_flags,
+    kill_mid_run,
+    lines,
+    write_prompts,
+)
 from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -158,6 +167,133 @@ async def test_deleted_checkpoints_and_a_crash_end_the_job_instead_of_starting_o
     assert "not restarted" in result.error  # a restart would find the same directory
     audit = audit_run(run_dir, 0)
     assert audit.duplicated == 0, audit
+
+
+@pytest.mark.parametrize("victim", ["trainer", "buffer", "rollout-0"])
+async def test_a_sigterm_the_controller_did_not_send_fails_a_job_with_no_restarts(tmp_path, victim):
+    """Without restarts, a SIGTERM to one actor ends the job non-zero, naming the actor
+    and the signal: not a finish ("train ok" short of the steps), not a silent hang."""
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=32)
+    flags = [*job_flags(tmp_path, steps=60), *LONG_RUN, *QUICK_STOP]
+    flags += ["--runtime.max-restarts", "0"]
+    async with asyncio.timeout(120):
+        _, result = await kill_mid_run(tmp_path / "run", victim, flags, signal.SIGTERM)
+    assert not result.ok and result.steps < 60
+    assert f"actor {victim} exited with code 1" in result.error, result.error
+    assert "stopped by SIGTERM, which the controller did not send" in result.error
+
+
+def crash(tmp_path: Path, steps: int, extra: Sequence[str] = ()) -> Path:
+    """A job killed at once, controller and actors together (a power loss), once it has
+    trained ``steps`` steps; its run directory, free to resume."""
+    run_dir = tmp_path / "run"
+    # No timed buffer checkpoint after the first: the journal holds the run.
+    job = train_in_a_process(tmp_path, 40, ["--runtime.buffer-checkpoint-interval", "3600",
+                                            *extra])  # fmt: skip
+    try:
+        wait_for(lambda: len(lines(run_dir / "metrics.jsonl")) >= steps, 180, f"{steps} steps")
+        for pid in actor_pids(run_dir):
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+    wait_for(lambda: claimable(run_dir), 60, lambda: f"the run's lock: {lock_holders(run_dir)}")
+    return run_dir
+
+
+def cut_at_the_second_batch(journal: Path) -> None:
+    """Cut ``journal`` inside the record of its second batch: a torn write reads as the
+    end, which is what a power loss leaves of a journal written without fsync."""
+    data, (_, records) = journal.read_bytes(), read_journal(journal)
+    frame = struct.Struct("<II")  # length, crc32; then the body
+
+    def after(offset: int) -> int:
+        return offset + frame.size + frame.unpack_from(data, offset)[0]
+
+    offset, taken = after(len(MAGIC)), 0  # past the header
+    for _, record in records:
+        taken += isinstance(record, Taken)
+        if taken == 2:
+            break
+        offset = after(offset)
+    journal.write_bytes(data[: offset + 5])
+
+
+@pytest.mark.parametrize("damage", ["journal deleted", "journal cut short"])
+def test_a_resume_over_a_damaged_buffer_journal_is_refused_and_trains_nothing_twice(
+    tmp_path, capsys, damage
+):
+    run_dir = crash(tmp_path, 5)
+    journal = run_dir / "checkpoints" / "buffer.journal"
+    if damage == "journal deleted":
+        journal.unlink()
+    else:
+        cut_at_the_second_batch(journal)
+    trained = len(lines(run_dir / "trained.jsonl"))
+    flags = [*job_flags(tmp_path, steps=12), *LONG_RUN, *AUDITED, *QUICK_STOP, "--resume"]
+    assert main(["train", *flags]) != 0
+    err = capsys.readouterr().err
+    assert "the buffer's journal or checkpoint lost records" in err, err
+    assert "buffer.journal" in err and "--overwrite" in err
+    assert len(lines(run_dir / "trained.jsonl")) == trained  # nothing trained over it
+
+
+def test_a_resume_with_no_trainer_checkpoint_behind_the_buffer_is_refused(tmp_path, capsys):
+    """--save-interval 0 keeps no checkpoint: after a crash the trainer could only start
+    from the initial weights while the buffer has consumed the groups of its steps."""
+    run_dir = crash(tmp_path, 3, ["--save-interval", "0"])
+    flags = [*job_flags(tmp_path, steps=12), *LONG_RUN, *AUDITED, *QUICK_STOP, "--resume"]
+    flags += ["--save-interval", "0"]
+    assert main(["train", *flags]) != 0
+    err = capsys.readouterr().err
+    assert "the trainer resumed at version 0, but it had reached version" in err, err
+    audit = audit_run(run_dir, 0)
+    assert audit.duplicated == 0, audit
+
+
+async def test_trainer_checkpoints_deleted_under_a_running_job_end_it_at_the_restart(tmp_path):
+    """The step folders go, their folder stays: the restarted trainer finds no checkpoint
+    of this job and must not start again from the initial weights."""
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=32)
+    run_dir = tmp_path / "run"
+    flags = [*job_flags(tmp_path, steps=60), *LONG_RUN, *AUDITED, *QUICK_STOP]
+    job = asyncio.create_task(run_job(load_config(overrides=flags)))
+    async with asyncio.timeout(120):
+        while len(lines(run_dir / "metrics.jsonl")) < 3:
+            assert not job.done(), job.result()
+            await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)  # a heartbeat tells the supervisor a checkpoint was written
+    pid = pid_of(run_dir, "trainer")
+    os.kill(pid, signal.SIGSTOP)
+    for step in (run_dir / "checkpoints" / "trainer").glob("step_*"):
+        shutil.rmtree(step)
+    os.kill(pid, signal.SIGKILL)
+    result = await job
+    assert not result.ok
+    assert "trainer" in result.error and "not restarted" in result.error, result.error
+    assert "checkpoints" in result.error
+    assert audit_run(run_dir, 0).duplicated == 0
+
+
+def test_a_controller_paused_past_the_heartbeat_timeout_kills_no_actor(tmp_path):
+    """Ctrl-Z, then fg: the heartbeats that waited unread are not the actors' silence."""
+    run_dir = tmp_path / "run"
+    job = train_in_a_process(tmp_path, 8, ["--runtime.heartbeat-timeout", "3"])
+    try:
+        wait_for(lambda: len(lines(run_dir / "metrics.jsonl")) >= 2, 180, "two steps")
+        job.send_signal(signal.SIGSTOP)
+        time.sleep(8)  # well past the timeout, by the controller's own clock
+        job.send_signal(signal.SIGCONT)
+        assert job.wait(timeout=180) == 0
+    finally:
+        job.kill()
+    log = [json.loads(x) for x in lines(run_dir / "logs" / "controller.jsonl")]
+    events = [r["event"] for r in log]
+    assert "the controller was paused; actor silence is measured afresh" in events
+    assert not any("restart" in e or "lost" in e for e in events), events
+    assert audit_run(run_dir, 8).ok
 
 
 def test_ctrl_c_stops_the_job_in_order_and_says_how_to_go_on(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -24,6 +25,7 @@ from asyncrl.actors.buffer import read_checkpoint, recover_hub, write_checkpoint
 from asyncrl.buffer.hub import Hub, HubState, ReplayDiverged
 from asyncrl.buffer.journal import Followed, Journal, Returned, read_journal
 from asyncrl.buffer.versioned import VersionedBuffer
+from asyncrl.errors import CheckpointUnreadable, RunStateLost
 from asyncrl.types import Group, TrainBatch, WorkItem
 from tests.buffer_sim import (
     ListSource,
@@ -211,15 +213,31 @@ def test_a_failed_journal_write_leaves_no_partial_record(tmp_path: Path, monkeyp
     assert [r.version for _, r in rows] == [1, 4]
 
 
-def test_a_trainer_that_resumes_behind_the_kept_batches_rebases_the_buffer():
+def test_a_trainer_that_resumes_behind_the_kept_batches_is_refused_and_changes_nothing():
+    """Its checkpoints are gone (deleted, or never written: checkpoint_interval 0): going
+    on would lose the steps between, or train their groups twice."""
     cfg = VersionedBuffer.Config(groups_per_step=2, num_samples_per_prompt=1, max_staleness=8)
     hub = new_hub(cfg)
     trained_batches(hub, 4, durable=3)  # the buffer keeps only step 3 on
-    capacity = hub.buffer.capacity()
-    hub.settle(1, [], 3, resync=True)  # but the trainer came back at version 1
-    assert hub.buffer.version == 1 and hub.buffer.lost_steps == 3
-    assert not hub.outstanding
-    assert hub.buffer.capacity() == capacity  # admission still counts the lost steps
+    hub.commit()
+    before = comparable(hub.state_dict())
+    with pytest.raises(RunStateLost, match="resumed at version 1, but it had reached version 4"):
+        hub.settle(1, [], 3, resync=True)  # but the trainer came back at version 1
+    assert comparable(hub.state_dict()) == before  # nothing changed, nothing to journal
+    hub.settle(3, [], 3, resync=True)  # from its checkpoint at 3: served again from there
+    again = hub.take(2)
+    assert again is not None and again.step == 3
+
+
+def test_a_trainer_ahead_of_every_batch_the_buffer_made_is_refused():
+    """The buffer's journal lost records (deleted or cut short, then --resume): it would
+    hand out groups the trainer has trained as if they were new."""
+    cfg = VersionedBuffer.Config(groups_per_step=2, num_samples_per_prompt=1, max_staleness=8)
+    hub = new_hub(cfg)
+    trained_batches(hub, 2, durable=2)
+    with pytest.raises(RunStateLost, match="at version 5, but the buffer's state records only 2"):
+        hub.settle(5, [], 5, resync=True)
+    hub.settle(-1, [], 2, resync=True)  # an unknown version is not checked
 
 
 def test_a_replay_that_diverges_from_its_journal_fails_loudly(tmp_path: Path):
@@ -298,20 +316,29 @@ class Players:
         self.held.pop(actor, None)
 
     def train(self) -> None:
+        """One trainer step; now and then several in a row, past the backstop at once,
+        so that asynchronous APRIL cuts what still runs."""
+        hard = self.hub.buffer.config.resolved_hard_staleness
+        for _ in range(hard + 1 if self.rng.random() < 0.1 else 1):
+            if not self._step():
+                return
+
+    def _step(self) -> bool:
         """One trainer request: acks, maybe a batch, a step after it."""
         version = self.hub.buffer.version
         self.hub.settle(version, self.acks, self.durable, self.resync)
         self.acks, self.resync = [], False
         batch = self.hub.take(self.hub.buffer.config.groups_per_step)
-        if batch is not None:
-            self.acks = [batch.batch_id]
-            # Now and then past the backstop at once: asynchronous APRIL cuts what still runs.
-            jump = self.hub.buffer.config.resolved_hard_staleness if self.rng.random() < 0.1 else 0
-            self.hub.follow(version + 1 + jump)
-            if self.rng.random() < 0.3:
-                self.durable = version + 1
+        if batch is None:
+            return False
+        self.acks = [batch.batch_id]
+        self.hub.follow(version + 1)
+        if self.rng.random() < 0.3:
+            self.durable = version + 1
+        return True
 
     def restart_trainer(self) -> None:
+        """From its newest checkpoint: never refused (``_check_resync``)."""
         self.acks, self.resync = [], True
         self.hub.settle(self.durable, [], self.durable, resync=True)
 
@@ -347,3 +374,19 @@ def test_a_hub_rebuilt_from_checkpoint_and_journal_equals_the_one_that_died(
         recovered = new_hub(cfg)
         recover_hub(recovered, ckpt, journal)
         assert comparable(recovered.state_dict()) == comparable(hub.state_dict())
+
+
+def test_a_flipped_byte_in_a_buffer_checkpoint_is_refused_naming_the_file(tmp_path: Path):
+    cfg = VersionedBuffer.Config(groups_per_step=2, num_samples_per_prompt=1, max_staleness=8)
+    hub = new_hub(cfg)
+    trained_batches(hub, 2, durable=2)
+    hub.commit()
+    path = tmp_path / "buffer.ckpt"
+    write_checkpoint(hub.state_dict(), path)
+    assert comparable(read_checkpoint(path)) == comparable(hub.state_dict())
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointUnreadable, match=f"{re.escape(str(path))} is unreadable.*"
+                                                   "checksum does not match"):  # fmt: skip
+        recover_hub(new_hub(cfg), path, None)

@@ -78,6 +78,19 @@ async def test_sigterm_drains_and_exits_zero(supervisor: Supervisor, tmp_path: P
     assert (tmp_path / "t.journal").read_text().split()[-3:] == ["drain", "drained", "teardown"]
 
 
+async def test_a_sigterm_the_runtime_did_not_send_is_a_fault_not_a_finish(
+    supervisor: Supervisor, tmp_path: Path
+):
+    """A user's kill, an OOM killer's warning: the actor drains, then says it was stopped
+    short, so that it is restarted or the job fails, never counted done."""
+    await supervisor.launch([spec("t", "Recorder", tmp_path)])
+    os.kill(supervisor.handles["t"].pid, signal.SIGTERM)
+    died = await death(supervisor)
+    assert died.exit_code == 1, died
+    assert died.reason == "stopped by SIGTERM, which the controller did not send"
+    assert (tmp_path / "t.journal").read_text().split()[-3:] == ["drain", "drained", "teardown"]
+
+
 async def test_a_crash_is_reported_with_exit_code_reason_and_last_lines(
     supervisor: Supervisor, tmp_path: Path
 ):

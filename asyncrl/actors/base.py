@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import os
 import signal
@@ -122,6 +123,7 @@ class Actor(ABC):
         self.exit_watchdog = False
         self._watchdog: threading.Timer | None = None
         self._exit_code: int | None = None  # what main() returned, once it has
+        self._signalled = ""  # the signal that stopped it, when no stop was asked before
 
     # -- hooks for subclasses -------------------------------------------------------
     async def setup(self) -> None:  # noqa: B027 - optional hook
@@ -182,7 +184,11 @@ class Actor(ABC):
         """A signal's stop, the one no supervisor may follow up on (an orphan's parent
         death signal, a user's kill): with ``exit_watchdog`` it ends the process in bounded
         time. A stop the actor asks for itself (a trainer's last step) is never cut short:
-        its final checkpoint may take longer."""
+        its final checkpoint may take longer. Under a supervisor, a signal that comes before
+        any stop was asked for is a fault (``_signal_fault``): the controller stops its
+        actors by command first."""
+        if not self._stop.is_set() and not _asked_to_stop(self.spec):
+            self._signalled = sig.name
         self.request_stop(sig.name)
         if self.exit_watchdog and self._watchdog is None:
             self._arm_watchdog()
@@ -254,6 +260,8 @@ class Actor(ABC):
                     await self._with_control()
                 except* Exception as group:
                     ok, reason = False, self._failed(group)
+                if ok and self._signalled and self.spec.control:
+                    ok, reason = False, self._signal_fault()
                 said_bye = self._say_bye(ok, reason)
         except* Exception as group:  # a channel failed, or failed to close
             ok, reason = False, self._failed(group)
@@ -267,6 +275,14 @@ class Actor(ABC):
         # The watchdog stays armed: the interpreter's exit waits for busy worker threads.
         self._exit_code = 0 if ok else 1
         return self._exit_code
+
+    def _signal_fault(self) -> str:
+        """A stop by a signal nobody in the job sent (a user's kill, an OOM killer's
+        warning, a process manager): the actor did not finish its work, so the supervisor
+        must restart it or fail the job, never count it done."""
+        reason = f"stopped by {self._signalled}, which the controller did not send"
+        log.error("stopped by a signal", signal=self._signalled)
+        return reason
 
     def _failed(self, group: BaseException) -> str:
         self._permanent = is_permanent(group)
@@ -386,6 +402,25 @@ class Actor(ABC):
         return self.link is not None and self.link.notify(self._bye(ok, reason))
 
 
+def stop_marker(spec: ActorSpec, pid: int) -> Path | None:
+    """The file a runtime writes before it signals the actor of ``spec`` (process
+    ``pid``) to stop: that signal was asked for, not a fault. None without a log file."""
+    return Path(f"{spec.log_file}.stopping-{pid}") if spec.log_file else None
+
+
+def _asked_to_stop(spec: ActorSpec) -> bool:
+    """The runtime's stop (``stop_marker``), or an actor no supervisor watches, which a
+    signal stops as usual; the marker is consumed."""
+    marker = stop_marker(spec, os.getpid())
+    if marker is None or not spec.control:
+        return True
+    try:
+        marker.unlink()
+    except OSError:
+        return False
+    return True
+
+
 def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
     """Fallback when the link is already closed: a one-shot socket with the same identity."""
     import zmq
@@ -407,9 +442,15 @@ def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
     sock.close()
 
 
+#: A write the disk refused: full, over a quota or the file size limit, read-only. A
+#: restart would write the same checkpoint, log or journal and fail the same way.
+_DISK_REFUSED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
 def is_permanent(exc: BaseException) -> bool:
     """True when restarting would fail the same way: an ``InputError`` (bad data, config
-    or user code; ``asyncrl/errors.py``) among the errors or their causes."""
+    or user code; ``asyncrl/errors.py``) or a write the disk refused, among the errors or
+    their causes."""
     return any(_is_input_error(e) for e in _exceptions(exc))
 
 
@@ -418,7 +459,10 @@ def _is_input_error(exc: BaseException | None) -> bool:
     while exc is not None and seen < 8:  # the cause chain (a wrapped InputError counts)
         if isinstance(exc, InputError):
             return True
-        exc, seen = exc.__cause__, seen + 1
+        if isinstance(exc, OSError) and exc.errno in _DISK_REFUSED:
+            return True
+        context = None if exc.__suppress_context__ else exc.__context__
+        exc, seen = exc.__cause__ or context, seen + 1
     return False
 
 

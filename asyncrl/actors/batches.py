@@ -15,13 +15,16 @@ from typing import Protocol
 import msgspec
 
 from asyncrl.buffer.dump import batch_files, read_batch
+from asyncrl.errors import RunStateLost
 from asyncrl.observe.logs import get_logger
 from asyncrl.types import BatchReply, BatchRequest
-from asyncrl.wire.errors import PeerLost
+from asyncrl.wire.errors import PeerLost, RemoteError
 from asyncrl.wire.rpc import RpcClient
 
 log = get_logger("asyncrl.trainer")
 _WAIT_S = 1.0
+_WHAT_TO_DO = ("The run cannot go on exactly: restore the run directory's checkpoints and "
+               "journal from a copy, or start over with --overwrite")  # fmt: skip
 
 
 class BatchSource(Protocol):
@@ -69,6 +72,11 @@ class BufferBatches:
                 log.warning("buffer lost; asking again", error=str(exc))
                 req = msgspec.structs.replace(req, resync=True)
                 await asyncio.sleep(_WAIT_S)
+            except RemoteError as exc:  # the buffer refused our resync: permanent
+                lost = str(exc).removeprefix(f"{RunStateLost.__name__}: ")
+                if lost != str(exc):
+                    raise RunStateLost(f"{lost}. {_WHAT_TO_DO}") from None
+                raise
 
     def done(self, batch_id: int) -> None:
         self._acks.append(batch_id)

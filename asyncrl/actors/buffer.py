@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 import time
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -73,23 +75,40 @@ _LIVE_S = 5.0
 _CHECKPOINT_CODEC_ARGS: dict[str, Any] = {"inline_bytes": 1 << 62}
 
 
+#: A checkpoint file: this, the body's crc32 (u32 little-endian), then the body. Files
+#: written before the checksum are the body alone.
+_CHECKPOINT_MAGIC = b"ASRLBCK1"
+
+
 def read_checkpoint(path: Path) -> HubState:
-    """A buffer checkpoint; ``ValueError`` naming the file when it is truncated or not one."""
+    """A buffer checkpoint; ``CheckpointUnreadable`` naming the file when it is truncated,
+    damaged (its checksum) or not one."""
+    data = path.read_bytes()
+    body = data
+    if data.startswith(_CHECKPOINT_MAGIC):
+        (crc,), body = struct.unpack_from("<I", data, len(_CHECKPOINT_MAGIC)), data[12:]
+        if zlib.crc32(body) != crc:
+            raise _unreadable(path, "its checksum does not match (a damaged file)")
     try:
-        return Codec(HubState, **_CHECKPOINT_CODEC_ARGS).decode([path.read_bytes()])
+        return Codec(HubState, **_CHECKPOINT_CODEC_ARGS).decode([body])
     except WireError as exc:
-        raise CheckpointUnreadable(
-            f"buffer checkpoint {path} is unreadable (truncated, or not a buffer checkpoint): "
-            f"{exc}; restore it from a copy, or start the run over (--overwrite)"
-        ) from None
+        raise _unreadable(path, str(exc)) from None
+
+
+def _unreadable(path: Path, why: str) -> CheckpointUnreadable:
+    return CheckpointUnreadable(
+        f"buffer checkpoint {path} is unreadable (truncated, damaged, or not a buffer "
+        f"checkpoint): {why}; restore it from a copy, or start the run over (--overwrite)"
+    )
 
 
 def write_checkpoint(state: HubState, path: Path) -> None:
-    """Write ``state`` atomically (a temp file, fsync, then a rename)."""
+    """Write ``state`` atomically (a temp file, fsync, then a rename), checksummed."""
     body = Codec(HubState, **_CHECKPOINT_CODEC_ARGS).encode_parts(state)[0]
     tmp = path.with_name(path.name + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tmp.open("wb") as out:
+        out.write(_CHECKPOINT_MAGIC + struct.pack("<I", zlib.crc32(body)))
         out.write(body)
         out.flush()
         os.fsync(out.fileno())  # the journal is reset after this: it must be on disk
@@ -101,7 +120,11 @@ def recover_hub(hub: Hub, checkpoint: Path, journal: Path | None) -> int:
     """Load ``checkpoint`` into ``hub`` (its job included) and replay ``journal`` after it;
     returns the records replayed. A journal of another lineage is older than the
     checkpoint (a fresh start writes its checkpoint first) and is ignored."""
-    hub.load_state_dict(read_checkpoint(checkpoint))
+    state = read_checkpoint(checkpoint)
+    try:
+        hub.load_state_dict(state)
+    except (ValueError, KeyError, TypeError) as exc:  # a body that decodes but is not whole
+        raise _unreadable(checkpoint, f"{type(exc).__name__}: {exc}") from None
     if journal is None or not journal.exists():
         return 0
     header, records = read_journal(journal)
@@ -311,7 +334,12 @@ class BufferActor(Actor):
 
     # -- the trainer ---------------------------------------------------------------------
     async def _serve_batch(self, req: BatchRequest, peer: bytes) -> BatchReply:
-        self.hub.settle(req.version, req.ack, req.durable, req.resync)
+        try:
+            self.hub.settle(req.version, req.ack, req.durable, req.resync)
+        except RunStateLost as exc:  # the trainer fails with it; the buffer state stands
+            files = [str(p) for p in (self.checkpoint_path, self.hub.journal_path) if p]
+            log.error("the trainer cannot continue this buffer state", error=str(exc))
+            raise RunStateLost(f"{exc} (the buffer's state: {' and '.join(files)})") from None
         self.version = self.buffer.version  # a resync may have rebased it
         self._follow_version(req.version)
         self._commit()

@@ -43,13 +43,13 @@ from asyncrl.actors.batches import BatchSource, BufferBatches, DumpedBatches
 from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.buffer.dump import BatchWriter
 from asyncrl.buffer.journal import fsync_dir
-from asyncrl.errors import RunStateLost
+from asyncrl.errors import NonFiniteTraining, RunStateLost
 from asyncrl.observe.episodes import episode_metrics
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.observe.samples import sample_rows
 from asyncrl.trainers.backends import create_trainer
-from asyncrl.trainers.base import StepResult, Trainer, UntrainableBatch
+from asyncrl.trainers.base import NonFiniteStep, StepResult, Trainer, UntrainableBatch
 from asyncrl.trainers.weight_group import GroupMembership
 from asyncrl.trainers.weight_sync import WeightPublisher
 from asyncrl.types import BatchReply, BatchRequest, TrainBatch
@@ -73,6 +73,7 @@ class TrainerActor(Actor):
         # Heartbeats report these from the start, while setup still loads the model.
         self.steps_done = 0
         self.skipped = 0
+        self._nonfinite = 0  # non-finite steps in a row (skipped)
         self._last: dict[str, float] = {}
         self.metrics: JsonlMetricsSink | None = None
         self.samples: JsonlMetricsSink | None = None
@@ -190,11 +191,25 @@ class TrainerActor(Actor):
         if self.dump is not None:
             await asyncio.to_thread(self.dump.write, batch)
         try:
-            return await asyncio.to_thread(self.trainer.train_step, batch)
+            result = await asyncio.to_thread(self.trainer.train_step, batch)
+        except NonFiniteStep as exc:
+            self._nonfinite += 1
+            if self._nonfinite >= self.config.max_nonfinite_steps:
+                raise NonFiniteTraining(
+                    f"{self._nonfinite} steps in a row had a NaN or infinite loss or gradient "
+                    f"(train.max_nonfinite_steps), the last on batch {batch.batch_id}: {exc}. "
+                    "Check the rewards' range, the learning rate and the data"
+                ) from None
+            self.skipped += 1
+            log.error("non-finite step skipped", batch=batch.batch_id, reason=str(exc),
+                      in_a_row=self._nonfinite)  # fmt: skip
+            return None
         except UntrainableBatch as exc:  # its groups are accounted for; go on
             self.skipped += 1
             log.warning("batch skipped", batch=batch.batch_id, reason=str(exc))
             return None
+        self._nonfinite = 0
+        return result
 
     def _done(self) -> bool:
         """``num_steps`` counts from the initial weights, so a resumed run stops at it too."""
@@ -295,7 +310,9 @@ class TrainerActor(Actor):
         async with self._stepping:
             await self._checkpoint()
         await self.batches.close(self.trainer.version, self.durable)
-        if self._finished:  # a stop mid-run (Ctrl-C) has no final version to hand over
+        # A stop mid-run (Ctrl-C) has no final version to hand over; nor has a run whose
+        # data ran out first: the eval actor's final version is num_steps.
+        if self._finished and self._done():
             await self._linger()
 
     async def _linger(self) -> None:

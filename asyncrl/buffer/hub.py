@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from pathlib import Path
 
 import msgspec
 
@@ -46,6 +47,7 @@ from asyncrl.buffer.journal import (
     lineage_token,
 )
 from asyncrl.buffer.versioned import BufferState, VersionedBuffer
+from asyncrl.errors import RunStateLost
 from asyncrl.observe.logs import get_logger
 from asyncrl.types import Group, Sample, TrainBatch, WorkItem
 from asyncrl.wire.codec import Message
@@ -100,6 +102,11 @@ class Hub:
         self.resyncing = False  # after a resync: unacknowledged batches are served first
         self._records: list[Record] = []
         self._applying = False
+
+    @property
+    def journal_path(self) -> Path | None:
+        """Where the journal is written (None: not journaled)."""
+        return self.journal.path if self.journal is not None else None
 
     # -- producers -----------------------------------------------------------------------
     def is_retry(self, actor: str, request: str) -> bool:
@@ -165,6 +172,8 @@ class Hub:
             return
         self.acked.update(acks)
         self.durable = durable
+        if resync and not self._applying:
+            self._check_resync(version)  # before any change: a refusal leaves the state
         if resync:
             self._resync(version)
         self._release()
@@ -173,9 +182,36 @@ class Hub:
         self.resyncing = self.resyncing and self._first_unacked() is not None
         self._log(Settled(version=version, acks=acks, durable=durable, resync=resync))
 
+    def _check_resync(self, version: int) -> None:
+        """``RunStateLost`` when a trainer at ``version`` cannot continue this state
+        exactly: it is ahead of every batch the buffer handed out (the buffer's journal or
+        checkpoint lost records: it would serve trained groups again), or behind the
+        batches kept for it (its checkpoints are gone: the steps between would be lost,
+        or trained twice)."""
+        if version < 0:
+            return
+        taken = self.buffer.batches_taken
+        if version > taken:
+            raise RunStateLost(
+                f"the trainer is at version {version}, but the buffer's state records only "
+                f"{taken} batches handed out: the buffer's journal or checkpoint lost records "
+                "(deleted, cut short, or an older copy), and going on would train consumed "
+                "groups again"
+            )
+        kept = [b.step for b in self.outstanding.values() if b.step >= version]
+        if version < self.buffer.version and version not in kept:
+            raise RunStateLost(
+                f"the trainer resumed at version {version}, but it had reached version "
+                f"{self.buffer.version} (its newest checkpoint the buffer heard of: "
+                f"{self.durable}) and the batches kept for a restart start at "
+                f"{min(kept, default=None)}: the trainer's checkpoints are gone or older "
+                "than the buffer's state, and the steps between would be lost"
+            )
+
     def _resync(self, version: int) -> None:
         """Serve again every outstanding batch from ``version`` on; if they do not reach
-        back to it, the steps between are lost: rebase. Batches before ``version`` are in
+        back to it, the steps between are lost: rebase (only in the replay of a journal
+        written before ``_check_resync`` refused this). Batches before ``version`` are in
         the trainer's weights (trained, then the trainer died before acknowledging them):
         acknowledged now, never served again. An unknown version (< 0): serve again what
         was never acknowledged."""

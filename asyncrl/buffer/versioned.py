@@ -478,6 +478,11 @@ class VersionedBuffer:
         _count_into(self._stale_tokens, self.version - group.token_versions().astype(np.int64))
 
     # -- metrics and checkpoints ---------------------------------------------------------
+    @property
+    def batches_taken(self) -> int:
+        """Batches made for the trainer so far, over the run and the jobs that resumed it."""
+        return self._batches
+
     def statistics(self) -> BufferStats:
         """A frozen snapshot for the metrics sink."""
         c = self.ledger.counts()

@@ -5,15 +5,18 @@ A schedule is a list of kills ``TARGET@WHEN`` (``asyncrl chaos --kill``):
 - ``TARGET``: an actor (``buffer``, ``rollout-1``), a role (``rollout``: one of its actors
   at random), or ``random`` (any actor of a role that may be restarted);
 - ``WHEN``: ``30s`` (seconds after every actor is up) or ``step20`` (once the trainer's
-  heartbeat reports version 20 or more).
+  heartbeat reports version 20 or more);
+- ``:SIGNAL``, optional: ``SIGKILL`` (the default; to the actor's process group, through
+  the runtime), or ``SIGTERM``, ``SIGINT``, ``SIGSTOP`` to its process alone, as a user's
+  ``kill`` sends them (local runtime only). A signal the controller did not send is a
+  fault: the actor is restarted; a stopped one goes silent and is killed as hung.
 
 ``every`` adds a ``random`` kill every that many seconds until the job ends;
 ``duration`` ends the job after that many seconds, and ``stop_when_back`` once the last
 scheduled kill's victim is back (either way the trainer is told to stop: it checkpoints
 and the job winds down as after its last step). Each kill
 waits until its victim is running (it said Hello since its last restart, and no other
-restart is under way), kills it with SIGKILL through the runtime (a local process group,
-or the Ray worker), and records when it went down and when it was back.
+restart is under way), signals it, and records when it went down and when it was back.
 
 ``audit_run(run_dir)`` then checks the run, independently of the buffer's own counters
 where it can: the buffer's ledger adds up (``lost`` = admitted minus everything
@@ -29,8 +32,10 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import random
 import re
+import signal
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -46,6 +51,8 @@ if TYPE_CHECKING:
 
 log = get_logger("asyncrl.chaos")
 _WHEN = re.compile(r"^(?:(\d+(?:\.\d+)?)s|step(\d+))$")
+#: The signals a kill may send; SIGKILL through the runtime, the others to the pid.
+SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGSTOP")
 _POLL_S = 0.1
 #: A new incarnation in one of these states came back: past running, too, since one
 #: with little left (a trainer 5 steps from the end) can finish between two polls.
@@ -59,26 +66,39 @@ class KillAt:
     target: str
     seconds: float | None = None
     step: int | None = None
+    signal: str = "SIGKILL"
 
     @classmethod
     def parse(cls, text: str) -> KillAt:
-        """``TARGET@30s`` or ``TARGET@step20``; ``ValueError`` saying what is wrong."""
-        target, sep, when = text.partition("@")
+        """``TARGET@30s`` or ``TARGET@step20``, then ``:SIGTERM`` (or ``:TERM``) for
+        another signal than SIGKILL; ``ValueError`` saying what is wrong."""
+        target, sep, rest = text.partition("@")
+        when, _, sig = rest.partition(":")
         match = _WHEN.match(when)
         if not sep or not target or match is None:
             raise ValueError(
-                f"chaos kill {text!r}: expected TARGET@SECONDSs or TARGET@stepN, "
-                "e.g. trainer@30s or rollout@step20"
+                f"chaos kill {text!r}: expected TARGET@SECONDSs or TARGET@stepN[:SIGNAL], "
+                "e.g. trainer@30s or rollout@step20:SIGTERM"
             )
-        if match.group(1) is not None:
-            return cls(target, seconds=float(match.group(1)))
-        return cls(target, step=int(match.group(2)))
+        name = sig.upper() if sig.upper().startswith("SIG") else f"SIG{sig.upper()}"
+        if sig and name not in SIGNALS:
+            raise ValueError(f"chaos kill {text!r}: signal {sig!r} is not one of "
+                             f"{', '.join(SIGNALS)}")  # fmt: skip
+        seconds = float(match.group(1)) if match.group(1) is not None else None
+        step = int(match.group(2)) if match.group(2) is not None else None
+        return cls(target, seconds=seconds, step=step, signal=name if sig else "SIGKILL")
 
 
-def check_targets(kills: list[KillAt], roles: dict[str, str], budgets: dict[str, int]) -> None:
+def check_targets(
+    kills: list[KillAt], roles: dict[str, str], budgets: dict[str, int], runtime: str = "local"
+) -> None:
     """Refuse a kill whose target is not in the job (``roles``: actor -> role), or whose
-    role is never restarted (``budgets``): the kill would end the job, not test it."""
+    role is never restarted (``budgets``): the kill would end the job, not test it; and a
+    signal other than SIGKILL outside the local runtime (a Ray worker has no pid of ours)."""
     for kill in kills:
+        if kill.signal != "SIGKILL" and runtime != "local":
+            raise ValueError(f"chaos kill {kill.target!r}: {kill.signal} needs the local "
+                             f"runtime (this job runs on {runtime}); use SIGKILL")  # fmt: skip
         if kill.target == "random":
             continue
         role = roles.get(kill.target) or (kill.target if kill.target in roles.values() else None)
@@ -102,6 +122,7 @@ class Kill:
     at_s: float
     step: int
     back_s: float | None = None
+    signal: str = "SIGKILL"
 
 
 class Chaos:
@@ -151,7 +172,7 @@ class Chaos:
     async def _kill_on_schedule(self, sup: Supervisor) -> None:
         for kill in self.schedule:
             await self._until_due(sup, kill)
-            await self._kill(sup, kill.target)
+            await self._kill(sup, kill.target, kill.signal)
         while self.every is not None and not self._ending(sup):
             await asyncio.sleep(self.every)
             await self._kill(sup, "random")
@@ -191,9 +212,9 @@ class Chaos:
                 return
             await asyncio.sleep(_POLL_S)
 
-    async def _kill(self, sup: Supervisor, target: str) -> None:
+    async def _kill(self, sup: Supervisor, target: str, sig: str = "SIGKILL") -> None:
         """Wait until the job is calm (the last victim is back, no restart under way) and
-        ``target`` resolves to a running actor; kill it."""
+        ``target`` resolves to a running actor; send it ``sig``."""
         while True:
             if self._ending(sup):
                 return  # the job is ending: a kill now tests nothing
@@ -203,10 +224,15 @@ class Chaos:
                 break
             await asyncio.sleep(_POLL_S)
         handle = sup.handles[victim]
-        kill = Kill(victim, handle.pid, round(self._elapsed(), 2), _trainer_version(sup))
+        kill = Kill(victim, handle.pid, round(self._elapsed(), 2), _trainer_version(sup), None,
+                    sig)  # fmt: skip
         self.kills.append(kill)
-        log.warning("chaos: SIGKILL", actor=victim, pid=handle.pid, step=kill.step)
-        sup.runtime.kill(handle)
+        log.warning(f"chaos: {sig}", actor=victim, pid=handle.pid, step=kill.step)
+        if sig == "SIGKILL":
+            sup.runtime.kill(handle)
+        elif handle.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(handle.pid, signal.Signals[sig])
 
     def _victim(self, sup: Supervisor, target: str) -> str | None:
         running = [

@@ -24,7 +24,7 @@ from types import TracebackType
 
 import msgspec
 
-from asyncrl.actors.base import ActorSpec
+from asyncrl.actors.base import ActorSpec, stop_marker
 from asyncrl.runtime.run_dir import LOCK_FD_ENV, lock_fds
 from asyncrl.runtime.topology import allocate_endpoints, endpoint_names
 from asyncrl.wire.sockets import release_endpoints
@@ -193,7 +193,12 @@ class LocalRuntime:
         return actor
 
     async def stop(self, handle: LocalActor, grace: float) -> int:  # type: ignore[override]
-        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL."""
+        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL. The stop marker first: an
+        actor takes a SIGTERM without it for a fault (``actors/base.py``)."""
+        marker = stop_marker(handle.spec, handle.proc.pid)
+        if marker is not None and handle.proc.returncode is None:
+            with contextlib.suppress(OSError):
+                marker.touch()
         handle.signal(signal.SIGTERM)
         try:
             async with asyncio.timeout(grace):
@@ -201,6 +206,9 @@ class LocalRuntime:
         except TimeoutError:
             handle.signal(signal.SIGKILL)
             return await handle.wait()
+        finally:
+            if marker is not None:  # not consumed: the actor was gone, or killed
+                marker.unlink(missing_ok=True)
 
     def kill(self, handle: LocalActor) -> None:  # type: ignore[override]
         """SIGKILL now."""

@@ -373,9 +373,19 @@ class Supervisor:
             await self._changed.wait()
 
     async def _liveness(self) -> None:
+        tick, last = self.heartbeat_timeout / 4, time.monotonic()
         while True:
-            await asyncio.sleep(self.heartbeat_timeout / 4)
-            now = time.monotonic()
+            await asyncio.sleep(tick)
+            now, slept = time.monotonic(), time.monotonic() - last
+            last = now
+            if slept > tick + self.heartbeat_timeout / 2:
+                # We did not run (SIGSTOP and fg, a suspended machine): the heartbeats that
+                # wait unread are no silence of the actors. Give each a fresh window.
+                log.warning("the controller was paused; actor silence is measured afresh",
+                            seconds=round(slept - tick, 1))  # fmt: skip
+                for st in self.status.values():
+                    st.last_seen = now
+                continue
             for name, st in self.status.items():
                 handle = self.handles.get(name)
                 silent = now - st.last_seen
