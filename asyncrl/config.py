@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -288,6 +289,12 @@ class TrainConfig(Section):
     )  # fmt: skip
     keep_checkpoints: int | None = Field(
         None, ge=1, description="keep only the newest N trainer checkpoints (null: all)"
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="steps in a row whose loss or gradient is NaN or infinite that are "
+        "skipped (weights untouched) before the job fails",
     )
     log_samples: int = Field(
         2,
@@ -807,6 +814,39 @@ def normal_flag(token: str) -> str:
     return name.replace("_", "-") + eq + value
 
 
+def _bools_for_numbers(
+    data: Any, model: type[BaseModel], loc: tuple[str, ...] = ()
+) -> Iterator[ErrorDetails]:
+    """A boolean where a number goes: pydantic takes ``true`` as 1, and YAML reads
+    ``yes``/``no``/``on``/``off`` as booleans, so ``num_steps: true`` trained 1 step and
+    ``lr: yes`` at 1.0."""
+    if not isinstance(data, dict):
+        return
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            continue
+        members = set(_non_null(field.annotation))
+        if isinstance(value, bool) and members & {int, float} and bool not in members:
+            message = ("expected a number, not a boolean (YAML reads true, false, yes, no, "
+                       "on and off as booleans)")  # fmt: skip
+            yield ErrorDetails(type="bool_for_number", loc=(*loc, key), msg=message, input=value)
+        elif float in members and not isinstance(value, bool) and not _finite(value):
+            message = "expected a finite number"
+            yield ErrorDetails(type="not_finite", loc=(*loc, key), msg=message, input=value)
+        elif (section := _section_model(field.annotation)) is not None:
+            yield from _bools_for_numbers(value, section, (*loc, key))
+
+
+def _finite(value: Any) -> bool:
+    """False for NaN and the infinities, as numbers or as text (``--lr inf``)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return True  # not a number at all: pydantic says what is wrong with it
+    return math.isfinite(number)
+
+
 def _section_model(ann: Any) -> type[BaseModel] | None:
     """The model of a section field (``Model`` or ``Model | None``), else None."""
     members = _non_null(ann)
@@ -956,10 +996,14 @@ def load_config(
         _set(data, spec.path, spec.parse(raw) if isinstance(raw, str) else raw)
         for depth in range(1, len(spec.path) + 1):
             origins.pop(spec.path[:depth], None)
+    loose = list(_bools_for_numbers(data, model))  # values pydantic would take
+    problems += [_explain(err, table, origins) for err in loose]
     try:
         cfg = model.model_validate(data)
     except pydantic.ValidationError as exc:
-        problems += [_explain(err, table, origins) for err in exc.errors()]
+        said = {tuple(err["loc"]) for err in loose}
+        errors = [err for err in exc.errors() if tuple(map(str, err["loc"])) not in said]
+        problems += [_explain(err, table, origins) for err in errors]
     if problems:
         raise ConfigError("\n".join(problems))
     return cfg

@@ -31,3 +31,8 @@ class SamplesFailing(InputError):
 class CheckpointUnreadable(InputError):
     """A checkpoint the job must load is truncated or not one: a restart would read the
     same bytes again."""
+
+
+class NonFiniteTraining(InputError):
+    """Training produces NaN or infinite values step after step (a reward, a learning rate
+    or data out of range): going on, or a restart, would only write broken weights."""

@@ -54,6 +54,7 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.data is not None:
         data = _source(cfg.data, "data", cfg, tokenizer, context, problems)
         if data is not None:
+            _scorable(data, "data", cfg.rollout.reward, problems)
             _warn_short_data(cfg, data)
     if cfg.eval.enabled:
         _eval_sets(cfg, tokenizer, context, problems)
@@ -78,8 +79,25 @@ def preflight_eval(cfg: RunConfig, model: str) -> None:
 def _eval_sets(cfg: RunConfig, tokenizer: Any, context: int | None, problems: list[str]) -> None:
     for s in cfg.eval.sets:
         sampling = s.sampling or cfg.rollout.sampling
-        source = _eval_source(cfg, s)
-        _source(source, f"eval set {s.name!r}", cfg, tokenizer, context, problems, sampling)
+        source, what = _eval_source(cfg, s), f"eval set {s.name!r}"
+        opened = _source(source, what, cfg, tokenizer, context, problems, sampling)
+        if opened is not None:
+            _scorable(opened, what, s.reward or cfg.rollout.reward, problems)
+
+
+def _scorable(source: PromptSource, what: str, reward: Any, problems: list[str]) -> None:
+    """Every row can be scored by ``reward`` (``rewards.unscorable``): a job whose rows
+    fail one by one at runtime trains on what is left, or on nothing."""
+    from asyncrl.rollout.rewards import unscorable
+
+    found: dict[str, list[str]] = {}
+    for row in source.rows:
+        if (why := unscorable(reward, row.label, row.metadata)) is not None:
+            found.setdefault(why, []).append(row.where)
+    for why, wheres in found.items():
+        more = f", {wheres[1]}" if len(wheres) > 1 else ""
+        problems.append(f"{what}: {len(wheres)} of {len(source.rows)} rows cannot be scored: "
+                        f"{why} (first: {wheres[0]}{more})")  # fmt: skip
 
 
 def _collect(check: Callable[[], Any], problems: list[str]) -> Any:
@@ -110,9 +128,34 @@ def _models(cfg: RunConfig, problems: list[str]) -> Any:
     for key, folder in folders.items():
         if folder and not (Path(folder).expanduser() / "config.json").is_file():
             problems.append(f"{key}: {folder} is not a Hugging Face model folder (no config.json)")
+    policy = folders.get("trainer.model_path (--hf-checkpoint)")
+    for key in ("rollout.engine.model_path", "eval.engine.model_path"):
+        if policy and folders.get(key):
+            _same_shape(key, folders[key], policy, problems)
     if t is None or t.backend == "sim":
         return None
     return _collect(lambda: _tokenizer(t.model_path), problems)
+
+
+#: ``config.json`` keys in which an engine's model must equal the trainer's: a weight
+#: version of the trainer's model would not load into another shape.
+_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "intermediate_size")  # fmt: skip
+
+
+def _same_shape(key: str, folder: str, policy: str, problems: list[str]) -> None:
+    """``folder`` (an engine's model) has the shape of the trainer's ``policy``."""
+    try:
+        mine, theirs = (json.loads((Path(p).expanduser() / "config.json").read_text())
+                        for p in (folder, policy))  # fmt: skip
+    except (OSError, ValueError):
+        return  # a missing or unreadable config.json is reported on its own
+    differ = [f"{k} {mine.get(k)} vs {theirs.get(k)}" for k in _SHAPE_KEYS
+              if mine.get(k) != theirs.get(k)]  # fmt: skip
+    if differ:
+        problems.append(f"{key}: {folder} is not the trainer's model ({policy}): "
+                        f"{', '.join(differ)}; the trainer's weight versions could not load "
+                        "into it")  # fmt: skip
 
 
 def _reward_model_folders(cfg: RunConfig, problems: list[str]) -> None:

@@ -137,6 +137,22 @@ def test_a_bad_value_from_the_file_names_the_file_and_line_unless_a_flag_replace
     assert load_config(path, ["--wire.hwm", "5"]).wire.hwm == 5
 
 
+def test_a_boolean_or_a_non_finite_number_where_a_number_goes_is_refused(tmp_path: Path):
+    """pydantic takes true as 1 and "inf" as infinity: num_steps: true trained one step,
+    lr: yes trained at 1.0, and --lr inf reached the trainer."""
+    path = write(tmp_path, "trainer:\n  model_path: m\n  lr: yes\ntrain:\n  num_steps: true\n")
+    why = "expected a number, not a boolean (YAML reads true, false, yes, no, on and off as "
+    assert problems(path) == [
+        f"{path}:3: trainer.lr (--lr): {why}booleans), got true",
+        f"{path}:5: train.num_steps: {why}booleans), got true",
+    ]
+    for text in ("inf", "-inf", "nan", "1e400"):
+        [line] = problems(overrides=["--lr", text, "--hf-checkpoint", "m"])
+        assert line.startswith("trainer.lr (--lr): expected a finite number, got"), line
+    fine = ["--lr", "2e-5", "--train.num-steps", "3", "--hf-checkpoint", "m"]
+    assert load_config(overrides=fine).train.num_steps == 3
+
+
 def test_the_heartbeat_timeout_must_exceed_the_interval():
     assert problems(
         overrides=["--runtime.heartbeat-interval", "2", "--runtime.heartbeat-timeout", "2"]

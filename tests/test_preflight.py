@@ -13,6 +13,7 @@ import pytest
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.job import run_job
+from asyncrl.preflight import preflight
 
 ROWS = [{"prompt": f"{a}+{a}=", "label": str(2 * a)} for a in range(6)]
 
@@ -51,8 +52,6 @@ def log_here() -> None:
 
 
 def test_a_job_that_is_fine_passes(job):
-    from asyncrl.preflight import preflight
-
     flags, _ = job
     preflight(load_config(None, overrides=flags))
 
@@ -212,3 +211,39 @@ def asyncio_run(coro):
     import asyncio
 
     return asyncio.run(coro)
+
+
+def test_rows_the_reward_can_never_score_are_refused(job, tmp_path, capsys):
+    """Half the rows without a label, an unknown per-row rm_type, an empty prompt: each
+    used to be found sample by sample at runtime, while the job trained on the rest."""
+    flags, run = job
+    rows = [r if i % 2 else {"prompt": r["prompt"]} for i, r in enumerate(ROWS)]
+    rows[1] = {**rows[1], "metadata": {"rm_type": "maths"}}
+    data = write_rows(tmp_path / "half.jsonl", rows)
+    refused(capsys, [*flags, "--prompt-data", str(data)], run,
+            "data: 3 of 6 rows cannot be scored: no label, which the",
+            f"(first: {data}:1, {data}:3)",
+            "data: 1 of 6 rows cannot be scored: rm_type 'maths' is not a built-in")  # fmt: skip
+    custom = ["--custom-rm-path", "tests.test_train:reward_out_of_range"]
+    # A custom reward needs no label, and a row's rm_type picks among built-ins only.
+    preflight(load_config(None, overrides=[*flags, "--prompt-data", str(data), *custom]))
+    empty = write_rows(tmp_path / "empty.jsonl", [*ROWS[:2], {"prompt": "  ", "label": "0"}])
+    refused(capsys, [*flags, "--prompt-data", str(empty)], run,
+            "empty.jsonl:3: 'prompt' is an empty prompt")  # fmt: skip
+
+
+def test_an_engine_model_of_another_shape_than_the_trainers_is_refused(
+    job, tmp_path, tiny_dir, capsys
+):
+    flags, run = job
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["num_hidden_layers"] += 1
+    (other / "config.json").write_text(json.dumps(config))
+    refused(capsys, [*flags, "--rollout.engine.model-path", str(other)], run,
+            f"rollout.engine.model_path: {other} is not the trainer's model",
+            "num_hidden_layers")  # fmt: skip
+    same = tmp_path / "same"
+    shutil.copytree(tiny_dir, same)  # another folder of the same shape: fine
+    preflight(load_config(None, overrides=[*flags, "--rollout.engine.model-path", str(same)]))

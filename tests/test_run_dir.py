@@ -5,7 +5,9 @@ is touched."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -95,6 +97,23 @@ def test_a_run_directory_that_cannot_be_made_is_a_clear_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(InputError, match="cannot create the run directory"):
         with claim_run_dir(tmp_path / "file" / "run"):
+            pass
+
+
+def test_a_run_directory_the_job_cannot_write_in_is_a_clear_error(tmp_path, monkeypatch):
+    """A read-only mount (or permissions; a root user ignores mode bits, so the kernel's
+    answer is simulated): named with the reason, no traceback."""
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).startswith(str(tmp_path / "run")) and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    (tmp_path / "run").mkdir()
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(InputError, match=r"run is not writable \(Read-only file system\)"):
+        with claim_run_dir(tmp_path / "run"):
             pass
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from asyncrl.errors import CheckpointUnreadable, NonFiniteTraining
 from asyncrl.policies import PolicyConfig
-from asyncrl.trainers.base import Trainer
+from asyncrl.trainers.base import NonFiniteStep, Trainer
 from asyncrl.trainers.learner import Learner, OptimSettings, lr_factor
 from asyncrl.trainers.rollout_tensors import rollout_tensors
 from asyncrl.trainers.torch_trainer import TorchTrainer
@@ -502,3 +504,37 @@ def test_packed_attention_of_bf16_on_the_cpu_attends_in_fp32_under_autocast(rota
         for a, b, c in zip(*(x.split([5, 7], dim=2) for x in (q.float(), kk, vv)), strict=True)
     ], dim=2)  # fmt: skip
     assert torch.equal(out, want.bfloat16().transpose(1, 2))
+
+
+def test_a_non_finite_step_is_skipped_and_non_finite_weights_are_never_saved(tiny, tmp_path):
+    """A reward of 1e308 makes the advantages, the loss and the gradient non-finite: the
+    step raises ``NonFiniteStep`` with the weights, optimizer and version untouched."""
+    trainer = TorchTrainer(config(tiny))
+    trainer.train_step(make_batch(0))
+    before, state = params(trainer), trainer.policy.optimizer.state_dict()
+    huge = make_batch(1, version=1)
+    for group in huge.groups:
+        for i, sample in enumerate(group.samples):
+            sample.reward = 1e308 if i % 2 else -1e308
+    with pytest.raises(NonFiniteStep, match="gradient norm is nan"):
+        trainer.train_step(huge)
+    assert trainer.version == 1
+    assert_close(params(trainer), before, atol=0)
+    assert trainer.policy.optimizer.state_dict()["state"].keys() == state["state"].keys()
+    trainer.train_step(make_batch(2, version=1))  # the next good batch trains
+    assert trainer.version == 2
+
+    trainer.save_checkpoint(tmp_path / "good")
+    with torch.no_grad():
+        next(trainer.policy.model.parameters())[0, 0] = float("nan")
+    with pytest.raises(NonFiniteTraining, match="holds NaN or infinite values"):
+        trainer.save_checkpoint(tmp_path / "bad")
+    assert not (tmp_path / "bad" / "policy" / "model.safetensors").exists()
+    # A checkpoint damaged on disk the same way is refused at load, naming the tensor.
+    weights = tmp_path / "good" / "policy" / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = next(iter(tensors))
+    tensors[name][..., 0] = float("inf")
+    save_file(tensors, str(weights))
+    with pytest.raises(CheckpointUnreadable, match=f"weight {re.escape(name)} holds NaN"):
+        TorchTrainer(config(tiny)).load_checkpoint(tmp_path / "good")

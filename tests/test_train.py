@@ -78,12 +78,14 @@ LONG_RUN = ["--rollout.max-groups", "2", "--num-epoch", "10",
             "--rollout.sampling", '{"temperature": 1.0, "max_new_tokens": 32}']  # fmt: skip
 
 
-async def kill_mid_run(run_dir: Path, actor: str, flags: list[str]) -> tuple[int, JobResult]:
-    """Run the job of ``flags``, SIGKILL ``actor`` once the trainer has stepped; the
+async def kill_mid_run(
+    run_dir: Path, actor: str, flags: list[str], sig: int = signal.SIGKILL
+) -> tuple[int, JobResult]:
+    """Run the job of ``flags``, send ``actor`` ``sig`` once the trainer has stepped; the
     victim's pid and how the job ended."""
     job = asyncio.create_task(run_job(load_config(overrides=flags)))
     victim = await pid_once_stepping(run_dir, actor, job)
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, sig)
     return victim, await job
 
 
@@ -238,6 +240,26 @@ async def test_a_raising_reward_fails_its_samples_and_the_run_goes_on(tmp_path):
     failed = {k: v for k, v in last.items() if k.startswith("buffer.failed.")}
     assert failed and all("ZeroDivisionError" in k for k in failed), failed
     assert accounted(last)
+
+
+def reward_out_of_range(sample) -> float:
+    """A reward so large that its group's mean overflows: every step's loss is NaN."""
+    return 1e308
+
+
+async def test_steps_with_a_non_finite_loss_are_skipped_then_end_the_job(tmp_path):
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    flags = [*job_flags(tmp_path, steps=20), "--rm-type", "custom", "--save-interval", "1"]
+    flags += ["--custom-rm-path", "tests.test_train:reward_out_of_range"]
+    flags += ["--train.max-nonfinite-steps", "2"]
+    result = await run_job(load_config(overrides=flags))
+    assert not result.ok and result.steps == 0
+    assert "2 steps in a row had a NaN or infinite loss or gradient" in result.error
+    assert "not restarted" in result.error, result.error  # it would only repeat
+    trainer_log = lines(tmp_path / "run" / "logs" / "trainer.jsonl")
+    assert sum('"non-finite step skipped"' in x for x in trainer_log) == 1
+    assert not list((tmp_path / "run" / "checkpoints" / "trainer").glob("step_*"))
 
 
 SYNC = ["--buffer.max-staleness", "0", "--buffer.hard-staleness", "0"]

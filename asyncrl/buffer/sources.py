@@ -32,7 +32,7 @@ import difflib
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,7 +88,7 @@ def _slice_bound(spec: str, text: str) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Row:
+class SourceRow:
     """One validated row: where it came from and its fields."""
 
     index: int  # 0-based row number in the whole file (prompt_id)
@@ -159,7 +159,7 @@ class PromptSource:
     def __init__(
         self,
         config: Config,
-        rows: list[_Row],
+        rows: list[SourceRow],
         identity: dict[str, Any],
         tokenizer: PreTrainedTokenizerBase | None,
     ) -> None:
@@ -275,7 +275,7 @@ class PromptSource:
             self._order_cache = (self._epoch, order)
         return self._order_cache[1]
 
-    def _make_prompt(self, row: _Row) -> Prompt:
+    def _make_prompt(self, row: SourceRow) -> Prompt:
         text, packed = self._tokenize(row)
         prompt_id = f"{self.name}:{row.index}"
         # Copies, so a consumer that edits a prompt (a multi-turn chat) cannot edit the row.
@@ -291,7 +291,7 @@ class PromptSource:
             tools=copy.deepcopy(row.tools),
         )
 
-    def _tokenize(self, row: _Row) -> tuple[str | None, bytes]:
+    def _tokenize(self, row: SourceRow) -> tuple[str | None, bytes]:
         tokenizer = self._tokenizer
         if tokenizer is None:
             return None, b""
@@ -300,7 +300,7 @@ class PromptSource:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         return text, pack_int32(ids)
 
-    def _render(self, row: _Row, tokenizer: PreTrainedTokenizerBase) -> str:
+    def _render(self, row: SourceRow, tokenizer: PreTrainedTokenizerBase) -> str:
         messages = row.prompt
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
@@ -319,6 +319,11 @@ class PromptSource:
         if not isinstance(text, str):
             raise DataError(f"{row.where}: chat template returned {type(text).__name__}")
         return text
+
+    @property
+    def rows(self) -> Sequence[SourceRow]:
+        """The selected rows, validated, in file order (for checks before a job starts)."""
+        return self._rows
 
     def prompt_lengths(self) -> Iterator[tuple[str, int]]:
         """``(where, tokens)`` of every row's prompt as the engine gets it (rendered with
@@ -431,11 +436,13 @@ def _as_object(where: str, raw: Any) -> dict[str, Any]:
     return obj
 
 
-def _check_row(where: str, obj: dict[str, Any], config: PromptSource.Config, index: int) -> _Row:
+def _check_row(
+    where: str, obj: dict[str, Any], config: PromptSource.Config, index: int
+) -> SourceRow:
     key = config.input_key
     if key not in obj:
         raise DataError(f"{where}: missing key {key!r}{_did_you_mean(key, obj)}")
-    return _Row(
+    return SourceRow(
         index=index,
         where=where,
         prompt=_check_prompt(where, key, obj[key]),
@@ -465,6 +472,8 @@ def _decode(where: str, line: bytes) -> Any:
 
 def _check_prompt(where: str, key: str, value: Any) -> str | list[ChatMessage]:
     if isinstance(value, str):
+        if not value.strip():
+            raise DataError(f"{where}: {key!r} is an empty prompt")
         return value
     if not isinstance(value, list):
         raise DataError(

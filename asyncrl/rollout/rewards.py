@@ -83,6 +83,22 @@ _BUILTINS = ("exact", "numeric", "math", "f1", "dapo", "deepscaler")
 _PEER_GRADERS = {"dapo": dapo_correct, "deepscaler": deepscaler_correct}
 
 
+def unscorable(cfg: RewardConfig, label: Any, metadata: dict[str, Any]) -> str | None:
+    """Why ``cfg`` can never score a row with ``label`` and ``metadata`` (an ``rm_type``
+    that is no built-in, a built-in reward without a label), or None: found before the
+    job starts, not sample by sample."""
+    if cfg.terms:
+        needs = [t.type for t in cfg.terms if t.type in _BUILTINS]
+    elif cfg.type in _BUILTINS:
+        kind = metadata.get("rm_type", cfg.type)
+        if kind not in _BUILTINS:
+            return f"rm_type {kind!r} is not a built-in reward ({', '.join(_BUILTINS)})"
+        needs = [kind]
+    else:
+        return None
+    return f"no label, which the {needs[0]} reward needs" if needs and label is None else None
+
+
 class ScoresPairs(Protocol):
     """A reward model as the scorer calls it (``RewardModel``, ``RewardModelClient``)."""
 

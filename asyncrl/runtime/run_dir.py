@@ -128,7 +128,13 @@ def _make(run_dir: Path) -> Path:
 
 def _lock(run_dir: Path) -> int:
     """An exclusive lock on ``run_dir``'s lock file, with this process's name in it."""
-    fd = os.open(run_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(run_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:  # read-only (a mount, permissions): the job could write nothing
+        raise InputError(
+            f"the run directory {run_dir} is not writable ({exc.strerror}): the job writes "
+            "its logs, metrics and checkpoints there; give another --output-dir"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -27,6 +27,12 @@ class UntrainableBatch(ValueError):
     """A batch with no group the trainer can learn from; the step is skipped, not failed."""
 
 
+class NonFiniteStep(UntrainableBatch):
+    """The step's loss or gradient is NaN or infinite: it is skipped, the weights and the
+    optimizer untouched (the trainer actor fails the job after
+    ``train.max_nonfinite_steps`` of them in a row)."""
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What one optimizer step reports.

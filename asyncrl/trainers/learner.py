@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
@@ -32,6 +32,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from asyncrl.errors import NonFiniteTraining
+from asyncrl.trainers.base import NonFiniteStep
 from asyncrl.trainers.config import LoraConfig
 from asyncrl.trainers.lora import Adapters
 from asyncrl.trainers.parallel import DataParallel
@@ -191,6 +193,9 @@ class Learner:
         norm = nn.utils.clip_grad_norm_(list(self.parameters()), grad_clip or math.inf)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
             norm = norm.full_tensor()
+        if not math.isfinite(float(norm)):  # the same global norm on every rank
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStep(f"the gradient norm is {float(norm)}: step skipped")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -240,6 +245,9 @@ class Learner:
         optimizer = self.dp.optimizer_state(self.model, self.optimizer)
         if self.dp.rank != 0:
             return
+        if (name := first_non_finite(weights)) is not None:
+            raise NonFiniteTraining(f"not writing a checkpoint to {path}: weight {name} holds "
+                                    "NaN or infinite values")  # fmt: skip
         write_model_dir(path, self.model, weights)
         if tokenizer is not None:
             copy_tokenizer(tokenizer, path)
@@ -257,9 +265,20 @@ class Learner:
         if self.adapters is not None:
             self.adapters.load(adapter or state / "adapter")
         else:
-            self.load_hf_weights(load_file(str(path / "model.safetensors")))
+            tensors = load_file(str(path / "model.safetensors"))
+            if (name := first_non_finite(tensors)) is not None:
+                raise ValueError(f"weight {name} holds NaN or infinite values")
+            self.load_hf_weights(tensors)
         state = state if (state / "optimizer.pt").is_file() else path
         # weights_only: tensors and plain containers, never arbitrary pickled objects.
         optimizer = torch.load(state / "optimizer.pt", weights_only=True)
         self.dp.load_optimizer_state(self.model, self.optimizer, optimizer)
         self.scheduler.load_state_dict(torch.load(state / "scheduler.pt", weights_only=True))
+
+
+def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or an infinity."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
