@@ -512,6 +512,8 @@ def _run_training(cfg: Any, *, resume: bool, overwrite: bool = False) -> int:
         return 130
     for restart in result.restarts:
         console.print(f"[yellow]restarted after a crash[/yellow]: {restart}")
+    for warning in result.warnings if result.ok else []:
+        console.print(f"[yellow]warning[/yellow]: {warning}")
     if result.ok:
         console.print(
             f"[green]train ok[/green]: {result.steps} steps in {result.seconds:.0f}s; "

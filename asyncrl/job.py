@@ -98,6 +98,7 @@ class JobResult:
     error: str = ""
     codes: dict[str, int | None] = field(default_factory=dict)
     restarts: list[str] = field(default_factory=list)  # "actor: cause" per restart survived
+    warnings: list[str] = field(default_factory=list)  # what a finished job did not do
     interrupted: str = ""  # the signal (SIGINT: Ctrl-C) that stopped the job early
 
 
@@ -182,7 +183,7 @@ async def _run_claimed(
                         names = [s.name for s in specs if s.role == role]
                         await sup.stop(names, cfg.runtime.stop_timeout)
                     if not result.error and cfg.eval.enabled:
-                        result.error = await _wait_final_eval(sup, cfg, hooks)
+                        result.error = await _wait_final_eval(sup, cfg, hooks, result.warnings)
                     # The trainer before the buffer: a failed job's trainer still runs, and
                     # its last acknowledgement would retry a stopped buffer to the timeout.
                     trainers = [s.name for s in specs if s.role == "trainer"]
@@ -191,6 +192,11 @@ async def _run_claimed(
             result.restarts = [f"{d.name}: {d.reason}" for d in sup.deaths]
     result.steps = last_step(run_dir / "metrics.jsonl")
     trains = cfg.train.num_steps > 0 and not cfg.train.debug_rollout_only
+    if trains and 0 < result.steps < cfg.train.num_steps and not result.interrupted:
+        result.warnings.append(
+            f"trained {result.steps} of the {cfg.train.num_steps} steps asked for: the data "
+            "ran out (data.num_epochs), or the trainer was told to stop (its log says which)"
+        )
     if not result.error and trains and result.steps == 0:
         result.error = _nothing_trained(run_dir / "metrics" / "buffer.jsonl")
     unclean = {name: code for name, code in result.codes.items() if code != 0}
@@ -315,10 +321,12 @@ async def _train(
     return ""
 
 
-async def _wait_final_eval(sup: Supervisor, cfg: RunConfig, hooks: RestartHooks) -> str:
-    """Let the eval actor finish the final version (bounded by ``eval.final_timeout``); a
-    restarted eval actor, which may have missed its announcement, is pointed at the
-    trainer's final checkpoint."""
+async def _wait_final_eval(
+    sup: Supervisor, cfg: RunConfig, hooks: RestartHooks, warnings: list[str]
+) -> str:
+    """Let the eval actor finish the final version (bounded by ``eval.final_timeout``: past
+    it, a warning); a restarted eval actor, which may have missed its announcement, is
+    pointed at the trainer's final checkpoint."""
     steps, run_dir = cfg.train.num_steps, cfg.resolved_output_dir()
     reached = await asyncio.to_thread(last_step, run_dir / "metrics.jsonl")
     if steps <= 0 or reached < steps:
@@ -332,6 +340,9 @@ async def _wait_final_eval(sup: Supervisor, cfg: RunConfig, hooks: RestartHooks)
             await sup.wait_until(lambda st: st["eval"].state == "finished")
     except TimeoutError:
         log.warning("the final evaluation did not finish", timeout=cfg.eval.final_timeout)
+        warnings.append(f"the final version's evaluation did not finish within "
+                        f"eval.final_timeout ({cfg.eval.final_timeout:.0f} s): "
+                        "metrics/eval.jsonl has no row for it")  # fmt: skip
     except ActorDied as exc:
         return str(exc)
     finally:

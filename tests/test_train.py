@@ -262,6 +262,25 @@ async def test_steps_with_a_non_finite_loss_are_skipped_then_end_the_job(tmp_pat
     assert not list((tmp_path / "run" / "checkpoints" / "trainer").glob("step_*"))
 
 
+async def test_a_job_whose_data_runs_out_first_says_so_and_does_not_wait_for_an_eval(
+    tmp_path,
+):
+    """4 prompts, one epoch, 2 a step: 2 of the 50 steps asked for. It ends ok, with a
+    warning, and the trainer does not wait for the eval actor's pull of a final version
+    that never comes (it waited 120 s)."""
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=4)
+    flags = [*job_flags(tmp_path, steps=50), "--num-epoch", "1", *eval_flags(tmp_path, 100)]
+    result = await run_job(load_config(overrides=flags))
+    assert result.ok and result.steps == 2, result.error
+    assert result.warnings == [
+        "trained 2 of the 50 steps asked for: the data ran out (data.num_epochs), or the "
+        "trainer was told to stop (its log says which)"
+    ]
+    trainer_log = lines(tmp_path / "run" / "logs" / "trainer.jsonl")
+    assert not any("exiting before the final weights were pulled" in x for x in trainer_log)
+
+
 SYNC = ["--buffer.max-staleness", "0", "--buffer.hard-staleness", "0"]
 
 
