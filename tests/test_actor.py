@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from asyncrl.actors.base import ActorSpec
+from asyncrl.actors.base import ActorSpec, is_permanent
 from asyncrl.observe.logs import configure_logging
 from asyncrl.wire import framing
 from asyncrl.wire.codec import Codec
@@ -137,3 +138,26 @@ def test_a_child_obeys_sigterm_while_a_worker_thread_is_busy_in_setup(tmp_path: 
     child.send_signal(signal.SIGTERM)
     # drain_timeout (1 s) + EXIT_GRACE_S (10 s), well before the thread's 60 s end
     assert child.wait(timeout=30) == 1
+
+
+def test_a_write_the_disk_refused_is_permanent_and_other_os_errors_are_not():
+    """A full disk, a quota, ``ulimit -f``, a read-only mount: the restart would write the
+    same file again. A connection refused may pass."""
+
+    def raised(exc: BaseException, cause: BaseException | None = None) -> BaseException:
+        try:
+            try:
+                raise cause or exc
+            except BaseException as first:
+                if cause is None:
+                    raise
+                raise exc from first
+        except BaseException as caught:
+            return caught
+
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        assert is_permanent(OSError(code, os.strerror(code)))
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert is_permanent(ExceptionGroup("writes", [raised(RuntimeError("save failed"), full)]))
+    assert not is_permanent(ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
+    assert not is_permanent(raised(RuntimeError("retry"), TimeoutError()))
