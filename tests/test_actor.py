@@ -159,5 +159,7 @@ def test_a_write_the_disk_refused_is_permanent_and_other_os_errors_are_not():
         assert is_permanent(OSError(code, os.strerror(code)))
     full = OSError(errno.ENOSPC, "No space left on device")
     assert is_permanent(ExceptionGroup("writes", [raised(RuntimeError("save failed"), full)]))
+    rust = RuntimeError("Error while serializing: I/O error: File too large (os error 27)")
+    assert is_permanent(rust)  # safetensors' SafetensorError under ulimit -f
     assert not is_permanent(ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
     assert not is_permanent(raised(RuntimeError("retry"), TimeoutError()))

@@ -23,6 +23,7 @@ import contextlib
 import errno
 import gc
 import os
+import re
 import signal
 import socket
 import threading
@@ -445,6 +446,9 @@ def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
 #: A write the disk refused: full, over a quota or the file size limit, read-only. A
 #: restart would write the same checkpoint, log or journal and fail the same way.
 _DISK_REFUSED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+#: How Rust's ``io::Error`` ends its text (a SafetensorError's "File too large (os error
+#: 27)").
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 def is_permanent(exc: BaseException) -> bool:
@@ -460,6 +464,9 @@ def _is_input_error(exc: BaseException | None) -> bool:
         if isinstance(exc, InputError):
             return True
         if isinstance(exc, OSError) and exc.errno in _DISK_REFUSED:
+            return True
+        rust = _RUST_OS_ERROR.search(str(exc))  # safetensors, tokenizers: not an OSError
+        if rust is not None and int(rust.group(1)) in _DISK_REFUSED:
             return True
         context = None if exc.__suppress_context__ else exc.__context__
         exc, seen = exc.__cause__ or context, seen + 1

@@ -304,7 +304,8 @@ class Supervisor:
         death_cls = ActorHung if st.hung else ActorDied
         permanent = st.bye is not None and st.bye.permanent
         if permanent:
-            reason += " (an error of its input or code that a restart would repeat: not restarted)"
+            reason += (" (an error of its input, code or disk that a restart would repeat: "
+                       "not restarted)")  # fmt: skip
         death = death_cls(handle.spec.name, code, reason, handle.tail())
         if self._may_restart(st) and not permanent:
             await self._restart(handle.spec.name, death)
