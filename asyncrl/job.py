@@ -174,6 +174,7 @@ async def _run_claimed(
                     with _interruptible() as interrupt:
                         result.error = await _train(sup, specs, cfg, interrupt)
                     if interrupt.is_set():
+                        sup.wind_down()  # its actors may have had the signal too
                         result.interrupted = interrupt.signal
                         result.error = result.error or f"stopped by {interrupt.signal}"
                     # Producers first: what they hold lands in the buffer before it stops.

@@ -54,7 +54,7 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.data is not None:
         data = _source(cfg.data, "data", cfg, tokenizer, context, problems)
         if data is not None:
-            _scorable(data, "data", cfg.rollout.reward, problems)
+            _scorable(data, "data", cfg, cfg.rollout.reward, problems)
             _warn_short_data(cfg, data)
     if cfg.eval.enabled:
         _eval_sets(cfg, tokenizer, context, problems)
@@ -82,13 +82,18 @@ def _eval_sets(cfg: RunConfig, tokenizer: Any, context: int | None, problems: li
         source, what = _eval_source(cfg, s), f"eval set {s.name!r}"
         opened = _source(source, what, cfg, tokenizer, context, problems, sampling)
         if opened is not None:
-            _scorable(opened, what, s.reward or cfg.rollout.reward, problems)
+            _scorable(opened, what, cfg, s.reward or cfg.rollout.reward, problems)
 
 
-def _scorable(source: PromptSource, what: str, reward: Any, problems: list[str]) -> None:
+def _scorable(source: PromptSource, what: str, cfg: RunConfig, reward: Any,
+              problems: list[str]) -> None:  # fmt: skip
     """Every row can be scored by ``reward`` (``rewards.unscorable``): a job whose rows
-    fail one by one at runtime trains on what is left, or on nothing."""
+    fail one by one at runtime trains on what is left, or on nothing. A custom workflow
+    may score its own way: not checked."""
     from asyncrl.rollout.rewards import unscorable
+
+    if cfg.rollout.workflow is not None:
+        return
 
     found: dict[str, list[str]] = {}
     for row in source.rows:

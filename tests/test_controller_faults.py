@@ -321,6 +321,28 @@ def test_ctrl_c_stops_the_job_in_order_and_says_how_to_go_on(tmp_path):
     assert (run_dir / "checkpoints" / "trainer" / f"step_{steps:06d}").is_dir()
 
 
+def test_sigterm_to_every_process_of_a_job_stops_it_in_order_with_no_restart(tmp_path):
+    """systemd (KillMode=control-group) and SLURM signal the whole job, the actors with
+    the controller: each actor's stop is then the job's, not a fault to restart."""
+    run_dir = tmp_path / "run"
+    job = train_in_a_process(tmp_path, steps=200, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_for(lambda: len(lines(run_dir / "metrics.jsonl")) >= 2, 180, "two steps")
+        for pid in [job.pid, *actor_pids(run_dir)]:
+            os.kill(pid, signal.SIGTERM)
+        out, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 130, out
+    assert "train stopped by SIGTERM" in out and "--resume" in out, out
+    assert "restarted after a crash" not in out and "Traceback" not in out, out
+    log = [json.loads(x) for x in lines(run_dir / "logs" / "controller.jsonl")]
+    assert not any(r["event"] == "actor died; restarting" for r in log), log
+    audit = audit_run(run_dir, len(lines(run_dir / "metrics.jsonl")))
+    assert audit.duplicated == 0 and audit.lost == 0, audit
+
+
 def test_a_second_sigterm_aborts_at_once_and_leaves_no_actor_behind(tmp_path):
     """A process manager that escalates (SIGTERM, then SIGTERM again) must not orphan the
     job's actors: the second signal kills them, and the run directory is free after."""

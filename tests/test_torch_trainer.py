@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.errors import CheckpointUnreadable, NonFiniteTraining
 from asyncrl.policies import PolicyConfig
 from asyncrl.trainers.base import NonFiniteStep, Trainer
-from asyncrl.trainers.learner import Learner, OptimSettings, lr_factor
+from asyncrl.trainers.learner import Learner, OptimSettings, lr_factor, step_together
 from asyncrl.trainers.rollout_tensors import rollout_tensors
 from asyncrl.trainers.torch_trainer import TorchTrainer
 from asyncrl.types import Group, Sample, SampleStatus, TrainBatch
@@ -538,3 +538,20 @@ def test_a_non_finite_step_is_skipped_and_non_finite_weights_are_never_saved(tin
     save_file(tensors, str(weights))
     with pytest.raises(CheckpointUnreadable, match=f"weight {re.escape(name)} holds NaN"):
         TorchTrainer(config(tiny)).load_checkpoint(tmp_path / "good")
+
+
+def test_learners_step_together_or_not_at_all(tiny):
+    """A NaN in the critic's gradient leaves the policy unstepped too, and clears both
+    learners' gradients, so the next batch's do not pile onto these."""
+    trainer = TorchTrainer(config(tiny), PolicyConfig(advantage_estimator="ppo"))
+    assert trainer.critic is not None
+    policy, critic = trainer.policy, trainer.critic
+    before = params(trainer)
+    for learner, value in ((policy, 1.0), (critic, float("nan"))):
+        for p in learner.parameters():
+            p.grad = torch.full_like(p, value)
+    with pytest.raises(NonFiniteStep, match="gradient norm is nan"):
+        step_together([policy, critic], grad_clip=1.0)
+    assert all(p.grad is None for learner in (policy, critic) for p in learner.parameters())
+    assert_close(params(trainer), before, atol=0)
+    assert policy.optimizer.state_dict()["state"] == {}  # AdamW never stepped

@@ -54,7 +54,7 @@ from asyncrl.buffer.hub import Hub, HubState
 from asyncrl.buffer.journal import Journal, fsync_dir, read_journal
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import BufferStats, VersionedBuffer
-from asyncrl.errors import CheckpointUnreadable, RunStateLost, SamplesFailing
+from asyncrl.errors import CheckpointUnreadable, InputError, RunStateLost, SamplesFailing
 from asyncrl.observe.logs import get_logger
 from asyncrl.types import BatchReply, BatchRequest, BufferEvent, Group, WorkReply, WorkRequest
 from asyncrl.wire.codec import Codec
@@ -86,6 +86,8 @@ def read_checkpoint(path: Path) -> HubState:
     data = path.read_bytes()
     body = data
     if data.startswith(_CHECKPOINT_MAGIC):
+        if len(data) < len(_CHECKPOINT_MAGIC) + 4:
+            raise _unreadable(path, "it ends inside its header")
         (crc,), body = struct.unpack_from("<I", data, len(_CHECKPOINT_MAGIC)), data[12:]
         if zlib.crc32(body) != crc:
             raise _unreadable(path, "its checksum does not match (a damaged file)")
@@ -123,6 +125,8 @@ def recover_hub(hub: Hub, checkpoint: Path, journal: Path | None) -> int:
     state = read_checkpoint(checkpoint)
     try:
         hub.load_state_dict(state)
+    except InputError:  # not damage: the data changed since (the source says how)
+        raise
     except (ValueError, KeyError, TypeError) as exc:  # a body that decodes but is not whole
         raise _unreadable(checkpoint, f"{type(exc).__name__}: {exc}") from None
     if journal is None or not journal.exists():
@@ -338,8 +342,14 @@ class BufferActor(Actor):
             self.hub.settle(req.version, req.ack, req.durable, req.resync)
         except RunStateLost as exc:  # the trainer fails with it; the buffer state stands
             files = [str(p) for p in (self.checkpoint_path, self.hub.journal_path) if p]
+            where = f"the buffer's state: {' and '.join(files)}"
+            if self.hub.journal_path is None:
+                where += (
+                    "; runtime.journal is off, so that state is the last checkpoint "
+                    "(runtime.buffer_checkpoint_interval), not the moment of a crash"
+                )
             log.error("the trainer cannot continue this buffer state", error=str(exc))
-            raise RunStateLost(f"{exc} (the buffer's state: {' and '.join(files)})") from None
+            raise RunStateLost(f"{exc} ({where})") from None
         self.version = self.buffer.version  # a resync may have rebased it
         self._follow_version(req.version)
         self._commit()

@@ -74,6 +74,7 @@ class TrainerActor(Actor):
         self.steps_done = 0
         self.skipped = 0
         self._nonfinite = 0  # non-finite steps in a row (skipped)
+        self._resumed_from = ""  # the checkpoint setup loaded, if any
         self._last: dict[str, float] = {}
         self.metrics: JsonlMetricsSink | None = None
         self.samples: JsonlMetricsSink | None = None
@@ -217,8 +218,21 @@ class TrainerActor(Actor):
 
     async def _next_batch(self) -> tuple[BatchReply, float]:
         start = time.perf_counter()
-        reply = await self.batches.next(self.trainer.version, self.durable)
+        try:
+            reply = await self.batches.next(self.trainer.version, self.durable)
+        except RunStateLost as exc:  # the buffer refused our resync: say where we stand
+            raise RunStateLost(f"{exc} {self._where_from()}") from None
         return reply, time.perf_counter() - start
+
+    def _where_from(self) -> str:
+        """Which weights this trainer started from, for a refused resync's message."""
+        cfg = self.config
+        start = self._resumed_from or f"the initial weights (no checkpoint in {cfg.checkpoint_dir})"
+        text = f"This trainer started from {start}."
+        if cfg.checkpoint_interval == 0:
+            text += (" With --save-interval 0 the trainer writes a checkpoint only when it stops "
+                     "in order: after a crash a run cannot be resumed")  # fmt: skip
+        return text
 
     async def _after_step(self, result: StepResult, waited: float, agent: dict[str, float]) -> None:
         self.version = result.version
@@ -277,6 +291,7 @@ class TrainerActor(Actor):
             )
         if path:
             self.trainer.load_checkpoint(Path(path))
+            self._resumed_from = str(path)
             log.info("trainer resumed", path=str(path), version=self.trainer.version)
 
     async def _checkpoint(self) -> Path | None:

@@ -167,13 +167,13 @@ class Hub:
     def settle(self, version: int, acks: Iterable[int], durable: int, resync: bool) -> None:
         """A trainer request's acks, its durable version and (first request of a trainer
         incarnation) a resync at its ``version``; see the module docstring."""
+        if resync and not self._applying:
+            self._check_resync(version)  # before any change: a refusal leaves the state
         acks = [a for a in acks if a in self.outstanding and a not in self.acked]
         if not acks and durable == self.durable and not resync:
             return
         self.acked.update(acks)
         self.durable = durable
-        if resync and not self._applying:
-            self._check_resync(version)  # before any change: a refusal leaves the state
         if resync:
             self._resync(version)
         self._release()

@@ -207,6 +207,13 @@ class Supervisor:
                 tg.create_task(self._stop_one(name, grace), name=f"supervisor.stop.{name}")
         return {n: h.exit_code for n, h in self.handles.items()}
 
+    def wind_down(self) -> None:
+        """The job is ending early (Ctrl-C, or SIGTERM to the whole process group, as
+        systemd and SLURM send it): from now on no death is restarted or a failure, and an
+        actor that took the same signal for a fault is not restarted for it."""
+        self._stopping = True
+        self._changed.set()
+
     async def stop(self, names: Sequence[str], grace: float = 10.0) -> None:
         """Stop these actors (together) and wait for them; the job goes on without them.
 

@@ -187,19 +187,26 @@ class Learner:
     def step(self, grad_clip: float | None) -> tuple[float, float]:
         """Clip, AdamW step, schedule step; returns ``(pre-clip grad norm, LR used)``.
 
-        ``grad_clip`` None or 0 only measures the norm.
+        ``grad_clip`` None or 0 only measures the norm. ``NonFiniteStep``: see
+        ``step_together``.
         """
-        lr = float(self.scheduler.get_last_lr()[0])
+        return step_together([self], grad_clip)[0]
+
+    def clip(self, grad_clip: float | None) -> float:
+        """Clip the gradients to ``grad_clip`` (None or 0: measure only); their pre-clip
+        global norm, the same on every rank."""
         norm = nn.utils.clip_grad_norm_(list(self.parameters()), grad_clip or math.inf)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
             norm = norm.full_tensor()
-        if not math.isfinite(float(norm)):  # the same global norm on every rank
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteStep(f"the gradient norm is {float(norm)}: step skipped")
+        return float(norm)
+
+    def apply(self) -> float:
+        """AdamW step, schedule step, gradients cleared; returns the LR the step used."""
+        lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm), lr
+        return lr
 
     # -- weights and state ----------------------------------------------------------------
     def hf_weights(self, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -274,6 +281,19 @@ class Learner:
         optimizer = torch.load(state / "optimizer.pt", weights_only=True)
         self.dp.load_optimizer_state(self.model, self.optimizer, optimizer)
         self.scheduler.load_state_dict(torch.load(state / "scheduler.pt", weights_only=True))
+
+
+def step_together(learners: list[Learner], grad_clip: float | None) -> list[tuple[float, float]]:
+    """Clip every learner's gradients, then step them all or none: a NaN or infinite norm in
+    any clears every learner's gradients and raises ``NonFiniteStep`` with the weights and
+    optimizers untouched. ``(pre-clip grad norm, LR used)`` per learner."""
+    norms = [learner.clip(grad_clip) for learner in learners]
+    if not all(math.isfinite(n) for n in norms):
+        for learner in learners:
+            learner.optimizer.zero_grad(set_to_none=True)
+        bad = next(n for n in norms if not math.isfinite(n))
+        raise NonFiniteStep(f"the gradient norm is {bad}: step skipped")
+    return [(norm, learner.apply()) for norm, learner in zip(norms, learners, strict=True)]
 
 
 def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:

@@ -62,9 +62,15 @@ from asyncrl.policies import (
     value_loss,
 )
 from asyncrl.trainers import packed_attention
-from asyncrl.trainers.base import StepResult
+from asyncrl.trainers.base import NonFiniteStep, StepResult
 from asyncrl.trainers.config import LoraConfig, TrainerConfig
-from asyncrl.trainers.learner import Learner, OptimSettings, copy_tokenizer, write_model_dir
+from asyncrl.trainers.learner import (
+    Learner,
+    OptimSettings,
+    copy_tokenizer,
+    step_together,
+    write_model_dir,
+)
 from asyncrl.trainers.packing import (
     MicroBatch,
     build_microbatch,
@@ -210,11 +216,19 @@ class TorchTrainer:
         # Several updates: the old log-probs are the batch's start, scored before any.
         cols = self._columns(rows, mbs, score_old=self.score_old_logprobs or len(plan) > 1)
         extra = batch_metrics(rows, cols, self.version)
-        updates = [
-            self._update(mbs if len(plan) == 1 else self._microbatches(rows, part), cols, part)
-            for part in plan
-        ]
+        updates: list[dict[str, float]] = []
+        failures: list[NonFiniteStep] = []
+        for part in plan:
+            part_mbs = mbs if len(plan) == 1 else self._microbatches(rows, part)
+            try:
+                updates.append(self._update(part_mbs, cols, part))
+            except NonFiniteStep as exc:  # that update moved nothing; the others stand
+                failures.append(exc)
+        if not updates:
+            raise failures[0]  # nothing moved: the whole step is skipped
         metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
+        if failures:
+            metrics["nonfinite_updates"] = float(len(failures))
         self.version += 1
         return step_result(self.version, rows, metrics | extra | {"optim_steps": len(plan)}, start)
 
@@ -233,9 +247,10 @@ class TorchTrainer:
             return self._rl_micro_step(mb, cols, scale)
 
         metrics = self._accumulate(mbs, cols["mask"], micro_step, self._learners())
+        stepped = step_together(self._learners(), self.config.grad_clip)  # all or none
         if self.critic is not None:
-            metrics["critic/grad_norm"] = self.critic.step(self.config.grad_clip)[0]
-        grad_norm, lr = self.policy.step(self.config.grad_clip)
+            metrics["critic/grad_norm"] = stepped[1][0]
+        grad_norm, lr = stepped[0]
         return metrics | {"grad_norm": grad_norm, "lr": lr}
 
     def _microbatches(

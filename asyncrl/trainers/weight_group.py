@@ -237,15 +237,15 @@ def serve_store(
     *,
     wait_for_workers: bool = True,
 ) -> dist.TCPStore:
-    """Rank 0's rendezvous store, listening on ``host`` alone. torch's own store server
-    listens on every interface, and its keys can be listed and written by anyone who
-    reaches it (no authentication): it is handed a socket bound here instead."""
+    """Rank 0's rendezvous store, listening on ``host`` alone (``_bind_address``). torch's
+    own store server listens on every interface, and its keys can be listed and written
+    by anyone who reaches it (no authentication): it is handed a socket bound here."""
     bare = host.strip("[]")
     family = socket.AF_INET6 if ":" in bare else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((bare, port))
+        sock.bind((_bind_address(bare), port))
         sock.listen(512)
     except OSError:
         sock.close()
@@ -253,6 +253,17 @@ def serve_store(
     return dist.TCPStore(bare, port, world_size, True, timeout=timeout,
                          wait_for_workers=wait_for_workers,
                          master_listen_fd=sock.detach())  # fmt: skip
+
+
+def _bind_address(host: str) -> str:
+    """Where rank 0's store listens for ``host``: that address when it is one (the job's
+    ``runtime.host``, loopback by default), loopback for ``localhost``; every interface
+    for another host name, which the other ranks may resolve to an address this machine's
+    resolver does not give (Debian maps its own name to 127.0.1.1)."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return "127.0.0.1" if host == "localhost" else ""
 
 
 def split_address(address: str) -> tuple[str, int]:
