@@ -221,15 +221,17 @@ class ProbeListeners(Chaos):
                 for conn in process.net_connections(kind="inet"):
                     if conn.status == psutil.CONN_LISTEN:
                         self.listeners.append((name, conn.laddr.ip, conn.laddr.port))
-        timeout = aiohttp.ClientTimeout(total=5)
+        timeout = aiohttp.ClientTimeout(total=60)  # /health generates a token under load
         async with aiohttp.ClientSession(timeout=timeout) as http:
             for _, address, port in self.listeners:
                 await self._try_routes(http, f"http://{address}:{port}", port)
         await self._stop_trainer(sup, "probed")
 
     async def _try_routes(self, http: aiohttp.ClientSession, url: str, port: int) -> None:
-        try:  # a ZeroMQ peer keeps the connection open and never answers: 1 s is plenty
-            async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as resp:
+        # "/" needs no engine work (a 401 or 404 at once; /health generates a token). A
+        # ZeroMQ peer keeps the connection open and never answers: a few seconds tell.
+        try:
+            async with http.get(url + "/", timeout=aiohttp.ClientTimeout(total=3)) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError):
             return  # not HTTP: a ZeroMQ channel, the weight group's store or gloo

@@ -225,13 +225,9 @@ class VersionedBuffer:
         return doomed
 
     def rebase(self, version: int) -> None:
-        """The trainer went back to ``version`` and the steps since are lost (it resumed
-        from an older checkpoint than the batches the buffer kept for it).
-
-        Staleness is measured from ``version`` again, while admission keeps counting the
-        lost steps (``lost_steps``): their groups were consumed, so without that credit
-        rule (1) would admit nothing until the trainer had re-made them.
-        """
+        """The trainer went back to ``version``, the steps since lost (only in the replay of
+        an old journal: ``Hub._check_resync`` refuses it now). Admission still counts the
+        lost steps (``lost_steps``): their groups were consumed."""
         if version > self.version:
             raise ValueError(f"rebase goes back, not forward: {self.version} -> {version}")
         self.lost_steps += self.version - version
@@ -453,8 +449,7 @@ class VersionedBuffer:
         for entry in taken.groups:
             self._account_consumed(entry, now)
         self._batches += 1
-        groups = [e.group for e in taken.groups]
-        return TrainBatch(batch_id=self._batches, step=self.version, groups=groups)
+        return TrainBatch(self._batches, self.version, [e.group for e in taken.groups])
 
     def _evict_stale(self) -> set[str]:
         """Drop the groups past the backstop; the uids of those that were buffered."""
