@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import socket
 import stat
@@ -201,6 +200,15 @@ def test_no_wire_module_can_unpickle():
     assert len(found) >= 10  # the scan saw the package
 
 
+def _listening(process: psutil.Process, name: str) -> list[tuple[str, str, int]]:
+    """``(name, address, port)`` of each socket ``process`` listens on (none once gone)."""
+    try:
+        conns = process.net_connections(kind="inet")
+    except psutil.NoSuchProcess:
+        return []
+    return [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+
+
 class ProbeListeners(Chaos):
     """Once the trainer has stepped twice, records every listening socket of the job's
     processes and what each HTTP listener answers without a key; then ends the job."""
@@ -210,17 +218,24 @@ class ProbeListeners(Chaos):
         self.run_dir, self.routes = run_dir, routes
         self.listeners: list[tuple[str, str, int]] = []  # actor, address, port
         self.answers: dict[tuple[int, str, str], int] = {}  # (port, method, path) -> status
+        self.error = ""
 
     async def run(self, sup: Supervisor) -> None:
+        try:  # the job swallows a chaos task's error: keep it for the test to show
+            await self._probe(sup)
+        except Exception as exc:
+            self.error = repr(exc)
+            raise
+
+    async def _probe(self, sup: Supervisor) -> None:
         await sup.wait_until(lambda _: sup.up)
         await sup.wait_until(lambda st: st["trainer"].version >= 2)
-        pids = {"controller": os.getpid(), **{n: h.pid for n, h in sup.handles.items()}}
-        for name, pid in pids.items():
-            assert pid is not None
-            for process in [psutil.Process(pid), *psutil.Process(pid).children(True)]:
-                for conn in process.net_connections(kind="inet"):
-                    if conn.status == psutil.CONN_LISTEN:
-                        self.listeners.append((name, conn.laddr.ip, conn.laddr.port))
+        self.listeners += _listening(psutil.Process(), "controller")  # alone: the actors
+        for name, handle in sup.handles.items():  # are its children, and so are others'
+            assert handle.pid is not None
+            actor = psutil.Process(handle.pid)
+            for process in [actor, *actor.children(recursive=True)]:
+                self.listeners += _listening(process, name)
         timeout = aiohttp.ClientTimeout(total=60)  # /health generates a token under load
         async with aiohttp.ClientSession(timeout=timeout) as http:
             for _, address, port in self.listeners:
@@ -259,6 +274,7 @@ async def test_every_listener_of_a_job_is_on_loopback_and_its_http_routes_need_a
     probe = ProbeListeners(tmp_path / "run", routes)
     result = await run_job(load_config(overrides=flags), chaos=probe)
     assert result.ok, result.error
+    assert not probe.error, probe.error
     actors = {name for name, _, _ in probe.listeners}
     assert {"controller", "buffer", "trainer", "eval", "engine-0", "engine-1"} <= actors, actors
     exposed = [x for x in probe.listeners if x[1] not in ("127.0.0.1", "::1")]
