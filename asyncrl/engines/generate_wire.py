@@ -299,8 +299,8 @@ def longest_token_bytes(tokenizer: Any) -> int:
 
 def check_fits(tokenizer: Any, text: str, context: int | None) -> None:
     """A 400 when ``text`` needs more than ``context`` tokens even if every token stood
-    for the most bytes one can: tokens >= ceil(bytes / longest_token_bytes). Tokenizing a
-    5 MB prompt took 11 s of the event loop just to refuse it."""
+    for the most bytes one can: tokens >= ceil(bytes / longest_token_bytes), so a huge
+    prompt is refused without tokenizing it (docs/reliability.md)."""
     if context is None or len(text) <= context:  # no text of <= context chars is over
         return
     size = len(text.encode())
