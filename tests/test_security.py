@@ -219,6 +219,7 @@ class ProbeListeners(Chaos):
         self.listeners: list[tuple[str, str, int]] = []  # actor, address, port
         self.answers: dict[tuple[int, str, str], int] = {}  # (port, method, path) -> status
         self.error = ""
+        self.done = False  # the probe ran to its end (a job that ends first cancels it)
 
     async def run(self, sup: Supervisor) -> None:
         try:  # the job swallows a chaos task's error: keep it for the test to show
@@ -237,16 +238,17 @@ class ProbeListeners(Chaos):
             for process in [actor, *actor.children(recursive=True)]:
                 self.listeners += _listening(process, name)
         timeout = aiohttp.ClientTimeout(total=60)  # /health generates a token under load
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            for _, address, port in self.listeners:
-                await self._try_routes(http, f"http://{address}:{port}", port)
+        async with aiohttp.ClientSession(timeout=timeout) as http, asyncio.TaskGroup() as tg:
+            for _, address, port in self.listeners:  # at once: a silent peer costs 5 s
+                tg.create_task(self._try_routes(http, f"http://{address}:{port}", port))
+        self.done = True
         await self._stop_trainer(sup, "probed")
 
     async def _try_routes(self, http: aiohttp.ClientSession, url: str, port: int) -> None:
         # "/" needs no engine work (a 401 or 404 at once; /health generates a token). A
         # ZeroMQ peer keeps the connection open and never answers: a few seconds tell.
         try:
-            async with http.get(url + "/", timeout=aiohttp.ClientTimeout(total=3)) as resp:
+            async with http.get(url + "/", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError):
             return  # not HTTP: a ZeroMQ channel, the weight group's store or gloo
@@ -270,11 +272,13 @@ async def test_every_listener_of_a_job_is_on_loopback_and_its_http_routes_need_a
                      if r.method != "HEAD" and r.resource is not None})  # fmt: skip
     flags = [*job_flags(tmp_path, steps=400), *LONG_RUN, *eval_flags(tmp_path, 1000),
              "--update-weight-transport", "dist", "--rollout.num-actors", "2",
-             "--rollout.engine.model-path", model, "--rollout.engine.serve", "actor"]  # fmt: skip
-    probe = ProbeListeners(tmp_path / "run", routes)
+             "--rollout.engine.model-path", model, "--rollout.engine.serve", "actor",
+             "--num-epoch", "1000"]  # fmt: skip
+    probe = ProbeListeners(tmp_path / "run", routes)  # it, not the data, ends the job
     result = await run_job(load_config(overrides=flags), chaos=probe)
     assert result.ok, result.error
     assert not probe.error, probe.error
+    assert probe.done, "the job ended before the probe did"
     actors = {name for name, _, _ in probe.listeners}
     assert {"controller", "buffer", "trainer", "eval", "engine-0", "engine-1"} <= actors, actors
     exposed = [x for x in probe.listeners if x[1] not in ("127.0.0.1", "::1")]

@@ -264,43 +264,14 @@ async def test_a_broadcast_mid_generation_splits_a_response_between_versions(
         assert engine.version == 0
 
 
-async def test_a_job_trains_through_a_launched_vllm_with_weights_by_broadcast(
-    vllm_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-):
-    from asyncrl.config import load_config
-    from asyncrl.job import run_job
-    from tests.test_train import accounted, job_flags, last_buffer_metrics, lines, write_prompts
-
-    for key, value in CPU_ENV.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
-    (tmp_path / "model").symlink_to(vllm_model)
-    write_prompts(tmp_path / "prompts.jsonl", n=32)
-    flags = [
-        *job_flags(tmp_path, steps=2),
-        *["--rollout.engine.type", "vllm", "--rollout.engine.serve", "actor"],
-        *["--rollout.engine.model-path", str(vllm_model), "--update-weight-transport", "dist"],
-        *["--rollout.engine.server-args", json.dumps(CPU_ARGS)],
-    ]  # fmt: skip
-    result = await run_job(load_config(overrides=flags))
-    assert result.ok, result.error
-    assert result.steps == 2
-    run_dir = tmp_path / "run"
-    last = last_buffer_metrics(run_dir)
-    assert last["buffer.consumed"] == 2 * 2 and accounted(last)
-    rollout = [json.loads(x) for x in lines(run_dir / "logs" / "rollout-0.jsonl")]
-    assert any(r["event"] == "engine joined the weight group" for r in rollout)
-    rows = [json.loads(x) for x in lines(run_dir / "metrics" / "rollout-0.jsonl")]
-    assert rows[-1]["rollout/weights_broadcast"] >= 1, rows[-1]  # by broadcast into vLLM
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # two vLLM start-ups
 async def test_a_killed_vllm_engine_actor_is_restarted_and_nothing_is_lost(
     vllm_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """SIGKILL the engine actor: its vLLM dies with it (tethered), the restarted actor
-    launches another, which rejoins the weight group, and no prompt is lost."""
+    """A job trains through a launched vLLM, the weights going by broadcast. SIGKILL the
+    engine actor: its vLLM dies with it (tethered), the restarted actor launches another,
+    which rejoins the weight group, and no prompt is lost."""
     from tests.test_train import (
         LONG_RUN,
         accounted,
@@ -336,6 +307,8 @@ async def test_a_killed_vllm_engine_actor_is_restarted_and_nothing_is_lost(
     assert any(r["pid"] != victim and r["event"] == "engine serving" for r in engine)
     joins = [r for r in rollout if r["event"] == "engine joined the weight group"]
     assert len({r["group"] for r in joins}) >= 2, joins  # the group re-formed for the new one
+    rows = [json.loads(x) for x in lines(run_dir / "metrics" / "rollout-0.jsonl")]
+    assert rows[-1]["rollout/weights_broadcast"] >= 1, rows[-1]  # by broadcast into vLLM
     await asyncio.sleep(2.0)  # SIGKILLed processes are reaped by init
     left = [pid for pid in _with_env(f"VLLM_CACHE_ROOT={tmp_path / 'cache'}") if _alive(pid)]
     assert not left, left  # no vLLM process outlived its actor, nor the job
