@@ -24,7 +24,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -489,20 +489,38 @@ def _chaos(args: argparse.Namespace) -> int:
     return _run_chaos(cfg, kills, args)
 
 
+def _job(job: Coroutine[Any, Any, Any]) -> Any:
+    """``job``'s ``JobResult``, or the exit code after saying why there is none: 2 when
+    the run folder is another job's or holds a run; 1 when the disk refused the
+    controller a write (full, a quota, ``ulimit -f``)."""
+    from asyncrl.errors import InputError, disk_refused
+
+    try:
+        return asyncio.run(job)
+    except InputError as exc:  # the run folder: another job's, or a run without --resume
+        print(f"asyncrl: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ExceptionGroup) as exc:
+        group = isinstance(exc, ExceptionGroup)
+        if not (exc.split(disk_refused)[1] is None if group else disk_refused(exc)):
+            raise
+        first: BaseException = exc
+        while isinstance(first, ExceptionGroup):
+            first = first.exceptions[0]
+        print(f"asyncrl: the disk refused a write: {first}", file=sys.stderr)
+        return 1
+
+
 def _run_training(cfg: Any, *, resume: bool, overwrite: bool = False) -> int:
     """``asyncrl train``: ``api.run_training`` (checked already), then what happened."""
     from rich.console import Console
 
     from asyncrl.api import run_training
-    from asyncrl.errors import InputError
 
     run_dir = cfg.resolved_output_dir()
     console = Console(width=None if sys.stdout.isatty() else 140)
     try:
-        result = asyncio.run(run_training(cfg, resume=resume, overwrite=overwrite, checked=True))
-    except InputError as exc:  # the run folder: another job's, or a run without --resume
-        print(f"asyncrl: {exc}", file=sys.stderr)
-        return 2
+        result = _job(run_training(cfg, resume=resume, overwrite=overwrite, checked=True))
     except KeyboardInterrupt:  # before the job could stop in order, or a second Ctrl-C
         console.print(
             "[red]train aborted[/red] (Ctrl-C, or a second stop signal): actors were killed "
@@ -510,6 +528,8 @@ def _run_training(cfg: Any, *, resume: bool, overwrite: bool = False) -> int:
             f"{run_dir / 'checkpoints'}"
         )
         return 130
+    if isinstance(result, int):
+        return result
     for restart in result.restarts:
         console.print(f"[yellow]restarted after a crash[/yellow]: {restart}")
     for warning in result.warnings if result.ok else []:
@@ -534,18 +554,15 @@ def _run_chaos(cfg: Any, kills: list[Any], args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from asyncrl.api import run_training
-    from asyncrl.errors import InputError
     from asyncrl.runtime.chaos import Chaos, audit_run, chaos_report, print_report
     from asyncrl.runtime.recovery import restart_budgets
 
     roles = tuple(role for role, n in restart_budgets(cfg).items() if n > 0)
     chaos = Chaos(kills, every=args.every, duration=args.duration, seed=args.chaos_seed,
                   roles=roles, stop_when_back=args.stop_when_back)  # fmt: skip
-    try:
-        result = asyncio.run(run_training(cfg, overwrite=args.overwrite, checked=True, chaos=chaos))
-    except InputError as exc:
-        print(f"asyncrl: {exc}", file=sys.stderr)
-        return 2
+    result = _job(run_training(cfg, overwrite=args.overwrite, checked=True, chaos=chaos))
+    if isinstance(result, int):
+        return result
     run_dir = cfg.resolved_output_dir()
     # A job stopped early (--duration, --stop-when-back) ends wherever the trainer was.
     stopped = args.duration or args.stop_when_back

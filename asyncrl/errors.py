@@ -12,6 +12,25 @@ is restarted within the budget.
 
 from __future__ import annotations
 
+import errno
+import re
+
+#: A write the disk refused: full, over a quota or the file size limit, read-only. A
+#: restart would write the same checkpoint, log or journal and fail the same way.
+_DISK_REFUSED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+#: How Rust's ``io::Error`` ends its text (a SafetensorError's "File too large (os error
+#: 27)").
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def disk_refused(exc: BaseException) -> bool:
+    """True when ``exc`` itself is a write the disk refused (an ``OSError`` or a Rust
+    library's error with one of those codes)."""
+    if isinstance(exc, OSError) and exc.errno in _DISK_REFUSED:
+        return True
+    rust = _RUST_OS_ERROR.search(str(exc))  # safetensors, tokenizers: not an OSError
+    return rust is not None and int(rust.group(1)) in _DISK_REFUSED
+
 
 class InputError(ValueError):
     """The job's input is wrong in a way a restart would only repeat."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import shutil
 import signal
 import struct
@@ -182,6 +183,31 @@ async def test_a_sigterm_the_controller_did_not_send_fails_a_job_with_no_restart
     assert not result.ok and result.steps < 60
     assert f"actor {victim} exited with code 1" in result.error, result.error
     assert "stopped by SIGTERM, which the controller did not send" in result.error
+
+
+#: A file size limit and what the job says: 16 bytes stop the run's lock file; at 200 kB
+#: the logs fit but not the tiny model's 431 kB weights, which the trainer writes.
+DISK_LIMITS = [(16, "asyncrl: the disk refused a write: [Errno 27] File too large"),
+               (200_000, "train failed: ")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("limit", "said"), DISK_LIMITS)
+def test_a_disk_that_refuses_writes_ends_the_job_once_with_the_reason(tmp_path, limit, said):
+    """``ulimit -f`` makes every write past ``limit`` bytes fail (EFBIG), as a full disk
+    does: the job ends non-zero with the reason, no traceback, no restart."""
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl", n=16)
+    flags = [*job_flags(tmp_path, steps=4), *QUICK_STOP]
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "train", *flags],
+        capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert said in out and "File too large" in out, out
+    assert "restarted after a crash" not in out, out
+    assert "Traceback" not in done.stderr, out  # the controller's; stdout has the actor's
 
 
 def crash(tmp_path: Path, steps: int, extra: Sequence[str] = ()) -> Path:

@@ -102,6 +102,21 @@ async def test_a_crash_is_reported_with_exit_code_reason_and_last_lines(
     assert "last log lines" in str(died)
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+async def test_an_output_log_the_disk_refuses_leaves_the_runtime_and_the_tail_working(
+    supervisor: Supervisor, tmp_path: Path
+):
+    """Every write to ``c.out`` fails as on a full disk (ENOSPC): the actor's output is
+    still read to its end (a full pipe would block the child) and its death reported."""
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    (tmp_path / "logs" / "c.out").symlink_to("/dev/full")
+    await supervisor.launch([spec("c", "Crasher", tmp_path, after=0.3)])
+    died = await death(supervisor)
+    assert died.name == "c" and "RuntimeError: boom at step 3" in died.reason
+    assert any("crasher: about to fail" in line for line in died.tail)
+    assert "No space left on device" in supervisor.handles["c"].log_error
+
+
 async def test_an_exit_without_goodbye_is_reported_with_its_code(
     supervisor: Supervisor, tmp_path: Path
 ):

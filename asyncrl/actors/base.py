@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import gc
 import os
-import re
 import signal
 import socket
 import threading
@@ -36,7 +34,7 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 
 from asyncrl.actors.config import ActorConfig
-from asyncrl.errors import InputError
+from asyncrl.errors import InputError, disk_refused
 from asyncrl.observe.logs import bind_context, get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.wire.channels import _Channel
@@ -443,14 +441,6 @@ def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
     sock.close()
 
 
-#: A write the disk refused: full, over a quota or the file size limit, read-only. A
-#: restart would write the same checkpoint, log or journal and fail the same way.
-_DISK_REFUSED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
-#: How Rust's ``io::Error`` ends its text (a SafetensorError's "File too large (os error
-#: 27)").
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-
-
 def is_permanent(exc: BaseException) -> bool:
     """True when restarting would fail the same way: an ``InputError`` (bad data, config
     or user code; ``asyncrl/errors.py``) or a write the disk refused, among the errors or
@@ -463,10 +453,7 @@ def _is_input_error(exc: BaseException | None) -> bool:
     while exc is not None and seen < 8:  # the cause chain (a wrapped InputError counts)
         if isinstance(exc, InputError):
             return True
-        if isinstance(exc, OSError) and exc.errno in _DISK_REFUSED:
-            return True
-        rust = _RUST_OS_ERROR.search(str(exc))  # safetensors, tokenizers: not an OSError
-        if rust is not None and int(rust.group(1)) in _DISK_REFUSED:
+        if disk_refused(exc):
             return True
         context = None if exc.__suppress_context__ else exc.__context__
         exc, seen = exc.__cause__ or context, seen + 1

@@ -21,13 +21,17 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 import msgspec
 
 from asyncrl.actors.base import ActorSpec, stop_marker
+from asyncrl.observe.logs import get_logger
 from asyncrl.runtime.run_dir import LOCK_FD_ENV, lock_fds
 from asyncrl.runtime.topology import allocate_endpoints, endpoint_names
 from asyncrl.wire.sockets import release_endpoints
+
+log = get_logger(__name__)
 
 _LINE_LIMIT = 1024 * 1024
 _DRAIN_OUTPUT_SECONDS = 2.0
@@ -42,6 +46,7 @@ class LocalActor:
         self._tail: deque[str] = deque(maxlen=tail_lines)
         self._drained = asyncio.Event()
         self.pump_task: asyncio.Task[None] | None = None
+        self.log_error = ""  # why <actor>.out stopped growing (a full disk), if it did
 
     @property
     def pid(self) -> int | None:
@@ -96,16 +101,44 @@ class LocalActor:
                 os.killpg(self.proc.pid, sig)
 
     async def pump(self, log_path: Path) -> None:
-        """Copy output lines to the log file and the tail until EOF."""
+        """Copy output lines to the log file and the tail until EOF. A write the disk
+        refuses ends the copying, never the reading: a child blocked on a full pipe would
+        hang, and the tail still says how it ended."""
         assert self.proc.stdout is not None
+        out = self._open_log(log_path)
         try:
-            with log_path.open("ab") as out:
-                while line := await self._readline():
-                    out.write(line)
-                    out.flush()
-                    self._tail.append(line.decode(errors="replace").rstrip())
+            while line := await self._readline():
+                if out is not None:
+                    out = self._copy(out, line, log_path)
+                self._tail.append(line.decode(errors="replace").rstrip())
         finally:
+            if out is not None:
+                with contextlib.suppress(OSError):
+                    out.close()
             self._drained.set()
+
+    def _open_log(self, log_path: Path) -> BinaryIO | None:
+        try:
+            return log_path.open("ab")
+        except OSError as exc:
+            self._log_refused(log_path, exc)
+            return None
+
+    def _copy(self, out: BinaryIO, line: bytes, log_path: Path) -> BinaryIO | None:
+        """``out`` with ``line`` appended, or None once the disk refused a write."""
+        try:
+            out.write(line)
+            out.flush()
+            return out
+        except OSError as exc:
+            self._log_refused(log_path, exc)
+            with contextlib.suppress(OSError):
+                out.close()
+            return None
+
+    def _log_refused(self, log_path: Path, exc: OSError) -> None:
+        self.log_error = f"{log_path}: {exc.strerror or exc}"
+        log.warning("actor output no longer copied", actor=self.spec.name, error=self.log_error)
 
     async def _readline(self) -> bytes:
         assert self.proc.stdout is not None
