@@ -540,6 +540,23 @@ def test_a_non_finite_step_is_skipped_and_non_finite_weights_are_never_saved(tin
         TorchTrainer(config(tiny)).load_checkpoint(tmp_path / "good")
 
 
+def test_a_non_finite_mini_batch_skips_its_update_and_the_others_stand(tiny):
+    """Three mini-batches of one group each; the middle group's rewards of +-1e308 make
+    its update non-finite: that update moves nothing, the other two train and count."""
+    trainer = TorchTrainer(config(tiny, global_batch_size=4, shuffle_minibatches=False))
+    before = params(trainer)
+    batch = make_batch(0)
+    for i, sample in enumerate(batch.groups[1].samples):
+        sample.reward = 1e308 if i % 2 else -1e308
+    result = trainer.train_step(batch)
+    assert trainer.version == 1
+    assert result.metrics["optim_steps"] == 3 and result.metrics["nonfinite_updates"] == 1
+    assert np.isfinite(result.metrics["grad_norm"]) and np.isfinite(result.metrics["loss"])
+    after = params(trainer)
+    assert all(torch.isfinite(p).all() for p in after.values())
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+
+
 def test_learners_step_together_or_not_at_all(tiny):
     """A NaN in the critic's gradient leaves the policy unstepped too, and clears both
     learners' gradients, so the next batch's do not pile onto these."""
