@@ -221,6 +221,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="weights"
     )
     serve.add_argument("--max-running", type=int, default=64, help="max concurrent requests")
+    serve.add_argument("--max-total-tokens", type=int, default=None,
+                       help="KV positions held at once, padding included (default: from "
+                       "--mem-fraction-static)")  # fmt: skip
+    serve.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.2,
+        help="share of the free memory the KV cache may take (default 0.2)",
+    )
     serve.add_argument(
         "--no-packed-weights",
         dest="packed_weights",
@@ -726,6 +735,8 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         max_running=args.max_running,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction=args.mem_fraction_static,
         version=args.weight_version,
         seed=args.random_seed,
         packed=args.packed_weights,

@@ -592,3 +592,49 @@ async def test_set_threads_reaches_the_step_thread(engine: TorchEngine) -> None:
         assert again.output_ids == greedy.output_ids
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_kv_budget_is_what_the_free_memory_holds_at_its_peak():
+    from transformers import LlamaConfig
+
+    from asyncrl.engines.kv_batch import PEAK_COPIES, kv_bytes_per_position, kv_position_budget
+
+    smollm2 = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3)  # fmt: skip
+    per = kv_bytes_per_position(smollm2, torch.float32)
+    assert per == 2 * 30 * 3 * 64 * 4  # 46 kB: keys and values of 30 layers in fp32
+    assert kv_bytes_per_position(smollm2, torch.bfloat16) == per // 2
+    budget = kv_position_budget(per, memory=20 * 2**30, fraction=0.2)
+    assert budget == int(0.2 * 20 * 2**30 / (per * PEAK_COPIES))  # 31,068 positions
+    assert kv_position_budget(per, memory=0, fraction=0.2) == 1
+
+
+async def test_admission_keeps_the_padded_cache_within_max_total_tokens(tiny):
+    """Rows x the longest final length stays within the budget at every step (every row
+    is padded to the longest), an empty batch admits even a request over it, and every
+    request runs to its end."""
+    directory, _, _ = tiny
+    eng = TorchEngine.from_pretrained(str(directory), max_total_tokens=160)
+    widths: list[int] = []
+    decode = eng._decode
+
+    def watched() -> None:  # the padded cache after each step, as the step thread sees it
+        decode()
+        widths.append(len(eng._batch) * max(map(eng._final_length, eng._batch.seqs), default=0))
+
+    eng._decode = watched  # type: ignore[method-assign]
+    task = asyncio.create_task(eng.run())
+    lengths = [(3, 20), (40, 12), (5, 8), (60, 30), (7, 20), (2, 200)]  # the last: over it
+    try:
+        outs = await asyncio.gather(*(
+            run(eng, f"r{i}", list(range(10, 10 + n)), temperature=0, max_new_tokens=m,
+                ignore_eos=True)
+            for i, (n, m) in enumerate(lengths)
+        ))  # fmt: skip
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert [len(o.output_ids) for o in outs] == [m for _, m in lengths]
+    assert all(w <= 160 or w == 202 for w in widths) and 202 in widths  # alone, over it
+    assert eng.stats["prefills"] >= 3  # the budget split the six into several admissions

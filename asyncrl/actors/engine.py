@@ -113,6 +113,8 @@ class EngineActor(Actor):
             device=self.cfg.device,
             dtype=self.cfg.dtype,
             max_running=self.cfg.max_running,
+            max_total_tokens=self.cfg.max_total_tokens,
+            mem_fraction=self.cfg.mem_fraction,
             packed=self.cfg.packed_weights,
             lean=self.cfg.lean_forward,
             seed=engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted),

@@ -18,6 +18,7 @@ Users: ``TorchEngine`` (``torch_engine.py``), from its step thread only.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -219,6 +220,42 @@ class SlabLayer(DynamicLayer):
         layer.n = width
         layer._expose()
         return layer
+
+
+#: Copies of a padded KV position's keys and values alive at a peak: a slab holds up to
+#: half again as many columns (``_room``), and a merge (``stacked``) or a row selection
+#: fills the new slab while the old one lives.
+PEAK_COPIES = 3.0
+
+
+def kv_bytes_per_position(config: Any, dtype: torch.dtype) -> int:
+    """Bytes one position takes in the cache of every layer:
+    ``2 (keys, values) x layers x kv_heads x head_dim x itemsize``."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def kv_position_budget(bytes_per_position: int, memory: int, fraction: float) -> int:
+    """Padded positions (rows x columns) whose peak (``PEAK_COPIES``) fits in
+    ``fraction`` of ``memory`` bytes."""
+    return max(1, int(memory * fraction / (bytes_per_position * PEAK_COPIES)))
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for a new cache now: the accelerator's free memory, or the host's
+    ``MemAvailable`` (what can be had without swapping)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _room(columns: int) -> int:

@@ -10,7 +10,10 @@ thread (the event loop stays free for HTTP and control calls)::
            drop their KV
 
 The running batch and its left-padded KV cache are a ``KVBatch`` (``kv_batch.py``): rows
-are merged in after their prefill and selected out when they finish.
+are merged in after their prefill and selected out when they finish. A request is
+admitted while rows x the longest final length (prompt plus ``max_new_tokens``) stays
+within ``max_total_tokens``, by default what ``mem_fraction`` of the free memory holds at
+the cache's peak (SGLang's ``--max-total-tokens``, ``--mem-fraction-static``).
 
 Every sampled token is stamped with ``version``, the weight version that produced it.
 Aborted requests return what they generated so far; ``pause("in_place")`` keeps the
@@ -60,7 +63,13 @@ from asyncrl.engines.base import (
     follow,
     mark_aborted,
 )
-from asyncrl.engines.kv_batch import KVBatch, new_cache
+from asyncrl.engines.kv_batch import (
+    KVBatch,
+    available_memory,
+    kv_bytes_per_position,
+    kv_position_budget,
+    new_cache,
+)
 from asyncrl.engines.lean_forward import lean_forward
 from asyncrl.engines.lora_merge import AdapterVersion, BaseWeights, is_adapter_version
 from asyncrl.engines.sampling import RowState, Sampled, prompt_logprobs, sample_rows
@@ -120,7 +129,8 @@ class TorchEngine:
         *,
         tokenizer: Any = None,
         max_running: int = 64,
-        max_total_tokens: int = 1 << 18,
+        max_total_tokens: int | None = None,
+        mem_fraction: float = 0.2,
         version: int = 0,
         model_path: str = "",
         seed: int | str | None = 0,
@@ -135,7 +145,13 @@ class TorchEngine:
         self._cache_kwarg = "cache" if "cache" in forward else "past_key_values"
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
-        self.max_running, self.max_total_tokens = max_running, max_total_tokens
+        self.max_running = max_running
+        # SGLang's --max-total-tokens, or what --mem-fraction-static of the free memory holds
+        self.max_total_tokens = max_total_tokens or kv_position_budget(
+            kv_bytes_per_position(model.config, next(model.parameters()).dtype),
+            available_memory(self.device),
+            mem_fraction,
+        )
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.eos_ids = _eos_ids(model, tokenizer)
         self.version, self.model_path = version, model_path
@@ -565,17 +581,27 @@ class TorchEngine:
         self._rids.pop(seq.req.rid, None)
 
     def _prefill_waiting(self) -> None:
+        """Admit waiting requests while the cache at its fullest fits ``max_total_tokens``
+        positions: rows x the longest final length, as every row is padded to the longest
+        (``kv_batch.py``). An empty batch admits one whatever its length."""
         new: list[_Seq] = []
-        budget = self.max_total_tokens - self._batch.num_tokens
-        while self._waiting and len(self._batch) + len(new) < self.max_running:
-            head = self._waiting[0]
-            need = len(head.prompt) + (head.req.sampling.max_new_tokens or 0)
-            if new and need > budget:
+        rows = len(self._batch)
+        longest = max(map(self._final_length, self._batch.seqs), default=0)
+        while self._waiting and rows + len(new) < self.max_running:
+            width = max(longest, self._final_length(self._waiting[0]))
+            if (rows or new) and (rows + len(new) + 1) * width > self.max_total_tokens:
                 break
-            budget -= need
+            longest = width
             new.append(self._waiting.popleft())
         for chunk in _similar_lengths(new):
             self._prefill(chunk)
+
+    def _final_length(self, seq: _Seq) -> int:
+        """Positions ``seq`` holds when it ends: its prompt and all it may generate."""
+        budget = seq.req.sampling.max_new_tokens
+        if budget is None:
+            return self.context_length
+        return min(len(seq.req.input_ids) + budget, self.context_length)
 
     def _prefill(self, seqs: list[_Seq]) -> None:
         width = max(len(s.prompt) for s in seqs)

@@ -53,6 +53,19 @@ class EngineConfig(BaseModel):
     device: str = Field("cpu", description="torch device of the embedded engine.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights")
     max_running: int = Field(64, ge=1, description="Requests decoded together (torch engine).")
+    max_total_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="torch engine: KV positions held at once, padding included (rows x the "
+        "longest row's final length); None: what mem_fraction of the free memory holds",
+    )
+    mem_fraction: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="torch engine, no max_total_tokens: the share of the memory free at its "
+        "start (the host's, or the GPU's) that its KV cache may take at its peak",
+    )
     packed_weights: bool = Field(
         True,
         description="torch engine on the CPU: keep a oneDNN-packed copy of each linear "

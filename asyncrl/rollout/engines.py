@@ -187,6 +187,8 @@ class EngineHost:
             device=cfg.device,
             dtype=cfg.dtype,
             max_running=cfg.max_running,
+            max_total_tokens=cfg.max_total_tokens,
+            mem_fraction=cfg.mem_fraction,
             packed=cfg.packed_weights,
             lean=cfg.lean_forward,
             seed=self.seed,
