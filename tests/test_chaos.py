@@ -80,17 +80,17 @@ async def test_sigkill_of_each_actor_kind_loses_nothing_and_trains_each_group_on
 #: SIGTERM drains it and it is restarted; SIGSTOP silences it, and it is killed as hung.
 #: With tests/test_controller_faults.py (SIGTERM to the trainer, the buffer and a rollout
 #: actor; SIGSTOP to the buffer at the stop), every kind gets both.
-SIGNALLED = ["engine-1@step10:SIGSTOP", "rollout-0@step15:SIGSTOP", "buffer@step20:SIGTERM",
-             "trainer@step25:SIGSTOP", "eval@step30:SIGTERM", "engine-0@step35:SIGTERM",
-             "eval@step40:SIGSTOP"]  # fmt: skip
+SIGNALLED = ["engine-1@step10:SIGSTOP", "rollout-0@step15:SIGSTOP", "trainer@step20:SIGSTOP",
+             "eval@step25:SIGTERM", "engine-0@step30:SIGTERM", "eval@step35:SIGSTOP"]  # fmt: skip
 
 
 async def test_sigterm_and_sigstop_of_each_actor_kind_are_faults_that_lose_nothing(tmp_path):
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl", n=64)
     chaos = Chaos([KillAt.parse(k) for k in SIGNALLED], stop_when_back=True)
-    # Seven signals, each after the last victim is back: a higher ceiling than STEPS.
-    flags = [*chaos_flags(tmp_path), "--runtime.heartbeat-timeout", "8"]
+    # Six signals, each after the last victim is back: a higher ceiling than STEPS.
+    # Heartbeats every 0.5 s: ten missed ones are a hang.
+    flags = [*chaos_flags(tmp_path), "--runtime.heartbeat-timeout", "5"]
     flags += ["--train.num-steps", "1200"]
     result = await run_job(load_config(overrides=flags), chaos=chaos)
     assert result.ok, result.error
@@ -104,7 +104,7 @@ async def test_sigterm_and_sigstop_of_each_actor_kind_are_faults_that_lose_nothi
         why = "stopped by SIGTERM" if kill.signal == "SIGTERM" else "no heartbeat"
         assert f"{kill.actor}: " in causes and why in causes, (kill, causes)
     assert sum("stopped by SIGTERM, which the controller did not send" in r
-               for r in result.restarts) >= 3, causes  # fmt: skip
+               for r in result.restarts) >= 2, causes  # fmt: skip
     audit = audit_run(tmp_path / "run", result.steps)
     assert audit.ok, audit.problems
     assert audit.lost == 0 and audit.duplicated == 0

@@ -52,6 +52,9 @@ def flaky_tool() -> FunctionTool:
 
 def long_flags(tmp_path, *, steps: int, budget: int, turns: int) -> list[str]:
     flags = [*job_flags(tmp_path, steps=steps), "--apply-chat-template", "true"]
+    # A stop can land inside a 6k-token prefill; under a loaded suite the rollout actor
+    # once took over the default 10 s to stop (the job then fails "did not stop cleanly").
+    flags += ["--runtime.stop-timeout", "30"]
     flags += ["--rollout.max-groups", "2", "--buffer.filters", "[]"]
     flags += ["--rollout.sampling", json.dumps({"temperature": 1.0, "max_new_tokens": budget})]
     tool = {"type": "custom", "path": "tests.test_long_episodes:flaky_tool"}
