@@ -161,6 +161,20 @@ def _positive_float(raw: str) -> float:
     return value
 
 
+def _fraction(raw: str) -> float:
+    value = float(raw)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share of memory in (0, 1], got {raw}")
+    return value
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {raw}")
+    return value
+
+
 def _port(raw: str) -> int:
     value = int(raw)
     if not 0 <= value <= 65535:
@@ -221,12 +235,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="weights"
     )
     serve.add_argument("--max-running", type=int, default=64, help="max concurrent requests")
-    serve.add_argument("--max-total-tokens", type=int, default=None,
+    serve.add_argument("--max-total-tokens", type=_positive_int, default=None,
                        help="KV positions held at once, padding included (default: from "
                        "--mem-fraction-static)")  # fmt: skip
     serve.add_argument(
         "--mem-fraction-static",
-        type=float,
+        type=_fraction,
         default=0.2,
         help="share of the free memory the KV cache may take (default 0.2)",
     )

@@ -94,6 +94,8 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]):
         (["chaos", "--every", "-1"], "argument --every: expected a number of seconds > 0"),
         (["chaos", "--duration", "0"], "argument --duration: expected a number of seconds > 0"),
         (["serve", "--port", "99999"], "argument --port: a TCP port is 0 to 65535, got 99999"),
+        (["serve", "--mem-fraction-static", "0"], "share of memory in (0, 1], got 0"),
+        (["serve", "--max-total-tokens", "0"], "argument --max-total-tokens: expected an"),
     ],
 )
 def test_out_of_range_numbers_are_refused_at_their_flag(argv, words, capsys):

@@ -146,6 +146,9 @@ class TorchEngine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_running = max_running
+        if not 0 < mem_fraction <= 1 or (max_total_tokens is not None and max_total_tokens < 1):
+            raise ValueError(f"mem_fraction must be in (0, 1] and max_total_tokens >= 1, got "
+                             f"{mem_fraction} and {max_total_tokens}")  # fmt: skip
         # SGLang's --max-total-tokens, or what --mem-fraction-static of the free memory holds
         self.max_total_tokens = max_total_tokens or kv_position_budget(
             kv_bytes_per_position(model.config, next(model.parameters()).dtype),
