@@ -24,6 +24,7 @@ class RecorderConfig(ActorConfig):
     grandchild: str | None = None  # Spawner: where it writes its child's pid
     daemon: bool = False  # Spawner: the child gets a session of its own (no stop reaches it)
     prepare_s: float = 0.0  # seconds a supervisor test's before_restart takes
+    block_setup: float = 0.0  # SlowSetup: seconds its set-up holds the event loop
 
 
 class Recorder(Actor):
@@ -137,3 +138,12 @@ class BusySetup(Recorder):
     async def setup(self) -> None:
         self.note("setup")
         await asyncio.to_thread(time.sleep, 60)
+
+
+class SlowSetup(Recorder):
+    """Holds its event loop in set-up for ``block_setup`` seconds, as heavy imports and a
+    model load do on a loaded machine."""
+
+    async def setup(self) -> None:
+        time.sleep(self.config.block_setup)  # noqa: ASYNC251 - the point: a blocked loop
+        await super().setup()

@@ -136,6 +136,26 @@ async def test_an_actor_that_stops_heartbeating_is_declared_hung_and_killed(
         assert await supervisor.handles["h"].wait() == -9
 
 
+async def test_a_set_up_that_holds_the_loop_past_the_heartbeat_timeout_is_not_hung(
+    supervisor: Supervisor, tmp_path: Path
+):
+    # Heavy imports and a model load hold the loop for long on a loaded machine (CI's two
+    # cores started seven actors): the heartbeat timeout (2 s) starts once set-up is done.
+    await supervisor.launch([spec("s", "SlowSetup", tmp_path, block_setup=4.0)])
+    async with asyncio.timeout(30):
+        await supervisor.wait_until(lambda st: st["s"].state == "running")
+    assert supervisor.status["s"].hung == "" and supervisor.deaths == []
+
+
+async def test_a_set_up_that_never_ends_is_hung_after_the_startup_timeout(tmp_path: Path):
+    async with ControlServer("tcp://127.0.0.1:0") as hub, LocalRuntime(tmp_path) as runtime:
+        async with Supervisor(runtime, hub, heartbeat_timeout=1.0, startup_timeout=8) as sup:
+            await sup.launch([spec("s", "SlowSetup", tmp_path, block_setup=3600)])
+            hung = await death(sup)
+    assert isinstance(hung, ActorHung), hung
+    assert "while setting up" in hung.reason and float(hung.reason.split()[3][:-1]) > 8
+
+
 async def test_a_spec_naming_a_non_actor_fails_at_start_with_a_clear_message(
     supervisor: Supervisor, tmp_path: Path
 ):

@@ -6,7 +6,8 @@ and its process exit, and turns trouble into one exception with the evidence:
 - ``ActorDied``: the process exited while the job was running, with its exit code, its
   ``Bye`` reason when it sent one, and its last log lines (an exit 0 after ``Bye(ok)`` is
   not a death: the actor finished its work and its state becomes ``finished``);
-- ``ActorHung``: no heartbeat for ``heartbeat_timeout`` seconds (the actor is killed).
+- ``ActorHung``: no heartbeat for ``heartbeat_timeout`` seconds, or ``startup_timeout``
+  while it sets up (the actor is killed).
 
 ``wait_until(predicate)`` raises the first such failure, so a controller that waits for
 progress never waits on a dead actor. ``stop_all()`` asks every actor to stop (command,
@@ -396,17 +397,21 @@ class Supervisor:
                 continue
             for name, st in self.status.items():
                 handle = self.handles.get(name)
-                silent = now - st.last_seen
-                if (
-                    handle
-                    and handle.exit_code is None
-                    and st.hello
-                    and silent > self.heartbeat_timeout
-                ):
-                    st.hung, st.hello = f"no heartbeat for {silent:.1f}s", False
+                silent, limit = now - st.last_seen, self._silence_limit(st)
+                if handle and handle.exit_code is None and st.hello and silent > limit:
+                    while_ = " while setting up" if limit != self.heartbeat_timeout else ""
+                    st.hung, st.hello = f"no heartbeat for {silent:.1f}s{while_}", False
                     if not self._may_restart(st):
                         self._fail(ActorHung(name, None, st.hung, handle.tail()))
                     self.runtime.kill(handle)  # its exit restarts it when the policy allows
+
+    def _silence_limit(self, st: ActorStatus) -> float:
+        """How long an actor may be silent: ``startup_timeout`` until it reports that
+        its set-up is done (imports and a model load may hold its event loop for long on
+        a loaded machine), ``heartbeat_timeout`` after."""
+        if st.state in ("launched", "starting", "restarting"):
+            return max(self.startup_timeout, self.heartbeat_timeout)
+        return self.heartbeat_timeout
 
 
 def signal_reason(code: int) -> str:
