@@ -300,3 +300,39 @@ async def test_the_arith_example_trains_on_the_megatron_backend(tmp_path, monkey
     versions = [r["version"] for r in evals]
     assert versions[-1] == 4 and versions == sorted(set(versions)), versions
     assert all(r["failed"] == 0 and r["samples"] == 16 for r in evals)
+
+
+_WRITER = """
+import multiprocessing as mp, os, sys, time
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from asyncrl.trainers.megatron_writer import own_results_queue
+own_results_queue()
+queue = filesystem_async._get_write_results_queue()
+queue.put("through")
+assert queue.get() == "through"
+print(*(p.pid for p in mp.active_children()), flush=True)
+if sys.argv[1] == "exit":
+    os._exit(0)  # as a follower rank ends
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("end", ["exit", "sigkill"])
+def test_megatrons_checkpoint_writer_leaves_no_process_behind(end: str):
+    # megatron's writer starts a manager process at the first save and never stops it:
+    # each follower rank and each killed trainer left one behind (280 MB each).
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, end], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    (manager,) = map(int, proc.stdout.readline().split())
+    if end == "sigkill":
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{manager}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{manager}").exists(), f"the manager {manager} outlived its parent"

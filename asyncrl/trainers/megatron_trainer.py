@@ -76,6 +76,7 @@ from asyncrl.trainers import vocab_parallel as vp
 from asyncrl.trainers.base import StepResult
 from asyncrl.trainers.config import TrainerConfig
 from asyncrl.trainers.learner import OptimSettings, copy_tokenizer, lr_factor, write_hf_dir
+from asyncrl.trainers.megatron_writer import own_results_queue
 from asyncrl.trainers.packing import MicroBatch, build_microbatch, plan_ranks, to_rows
 from asyncrl.trainers.rl_columns import (
     EMPTY_SEQUENCE,
@@ -498,6 +499,7 @@ class MegatronTrainer:
             (path / "megatron").mkdir(parents=True, exist_ok=True)
             (path / "rng").mkdir(exist_ok=True)
         dist.barrier()
+        own_results_queue()
         dist_checkpointing.save(self._sharded_state(loading=False), str(path / "megatron"))
         rng = {"global": rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
         torch.save(rng, path / "rng" / f"rank{dist.get_rank()}.pt")
