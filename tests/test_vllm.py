@@ -60,9 +60,18 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm_url(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One VLLM_CACHE_ROOT for the module: vLLM inspects a model's class in a subprocess
+    (a fresh import of vllm, about 10 s) unless its cache holds the answer."""
+    return tmp_path_factory.mktemp("vllm-cache")
+
+
+@pytest.fixture(scope="module")
+def vllm_url(
+    vllm_model: Path, vllm_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     port = _port()
-    env = vllm_env() | CPU_ENV | {"VLLM_CACHE_ROOT": str(tmp_path_factory.mktemp("cache"))}
+    env = vllm_env() | CPU_ENV | {"VLLM_CACHE_ROOT": str(vllm_cache)}
     log = tmp_path_factory.mktemp("vllm-log") / "server.log"
     command = vllm_command(PYTHON, str(vllm_model), "127.0.0.1", port, seed="0", extra=CPU_ARGS)
     with log.open("w") as out:
@@ -267,7 +276,7 @@ async def test_a_broadcast_mid_generation_splits_a_response_between_versions(
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # two vLLM start-ups
 async def test_a_killed_vllm_engine_actor_is_restarted_and_nothing_is_lost(
-    vllm_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    vllm_model: Path, vllm_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """A job trains through a launched vLLM, the weights going by broadcast. SIGKILL the
     engine actor: its vLLM dies with it (tethered), the restarted actor launches another,
@@ -284,7 +293,8 @@ async def test_a_killed_vllm_engine_actor_is_restarted_and_nothing_is_lost(
 
     for key, value in CPU_ENV.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(vllm_cache))
+    monkeypatch.setenv("ASYNCRL_TEST_MARK", str(tmp_path))  # names this job's processes
     (tmp_path / "model").symlink_to(vllm_model)
     write_prompts(tmp_path / "prompts.jsonl", n=64)
     steps = 6
@@ -310,5 +320,5 @@ async def test_a_killed_vllm_engine_actor_is_restarted_and_nothing_is_lost(
     rows = [json.loads(x) for x in lines(run_dir / "metrics" / "rollout-0.jsonl")]
     assert rows[-1]["rollout/weights_broadcast"] >= 1, rows[-1]  # by broadcast into vLLM
     await asyncio.sleep(2.0)  # SIGKILLed processes are reaped by init
-    left = [pid for pid in _with_env(f"VLLM_CACHE_ROOT={tmp_path / 'cache'}") if _alive(pid)]
+    left = [pid for pid in _with_env(f"ASYNCRL_TEST_MARK={tmp_path}") if _alive(pid)]
     assert not left, left  # no vLLM process outlived its actor, nor the job
