@@ -638,3 +638,12 @@ async def test_admission_keeps_the_padded_cache_within_max_total_tokens(tiny):
     assert [len(o.output_ids) for o in outs] == [m for _, m in lengths]
     assert all(w <= 160 or w == 202 for w in widths) and 202 in widths  # alone, over it
     assert eng.stats["prefills"] >= 3  # the budget split the six into several admissions
+
+
+async def test_the_engine_on_cpu_gives_freed_heap_back_as_it_steps(engine: TorchEngine):
+    from asyncrl.engines.heap_trim import HeapTrimmer
+
+    assert isinstance(engine._heap, HeapTrimmer)  # on CPU, where the KV lives in the heap
+    engine._heap, steps = HeapTrimmer(interval_s=0.0), engine.stats["steps"]
+    await run(engine, "r", [1, 2, 3], max_new_tokens=4, temperature=0.0)
+    assert engine._heap.trims == engine.stats["steps"] - steps >= 2  # one after each step

@@ -63,6 +63,7 @@ from asyncrl.engines.base import (
     follow,
     mark_aborted,
 )
+from asyncrl.engines.heap_trim import HeapTrimmer
 from asyncrl.engines.kv_batch import (
     KVBatch,
     available_memory,
@@ -181,6 +182,8 @@ class TorchEngine:
         self._groups = WeightGroups()
         self._stepped = asyncio.Event()  # set after every step (pause waits on it)
         self._steps: ThreadPoolExecutor | None = None  # the step thread, while run() runs
+        # The KV and activations live in host memory on CPU: give what is freed back.
+        self._heap = HeapTrimmer() if self.device.type == "cpu" else None
         self.stats: dict[str, float] = {"steps": 0, "prefills": 0, "generated_tokens": 0,
                                         "update_pause_s": 0.0}  # fmt: skip
 
@@ -561,6 +564,8 @@ class TorchEngine:
             if self._batch.seqs:
                 self._decode()
         self.stats["steps"] += 1
+        if self._heap is not None:
+            self._heap.maybe()
 
     def _apply_updates(self) -> None:
         while self._updates:
