@@ -179,6 +179,12 @@ class RuntimeConfig(Section):
     heartbeat_timeout: float = Field(
         10.0, gt=0, description="seconds without a heartbeat before an actor counts as hung"
     )
+    startup_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="seconds an actor may take to start and set up (imports, model loads) "
+        "before it counts as hung; heartbeat_timeout applies once it runs",
+    )
     stop_timeout: float = Field(
         10.0, gt=0, description="seconds an actor gets to drain and stop before SIGKILL"
     )

@@ -164,7 +164,7 @@ async def _run_claimed(
                 runtime,
                 control,
                 heartbeat_timeout=cfg.runtime.heartbeat_timeout,
-                startup_timeout=600,
+                startup_timeout=cfg.runtime.startup_timeout,
                 restarts=restart_budgets(cfg),
                 before_restart=hooks.before_restart,
                 after_restart=hooks.after_restart,

@@ -165,6 +165,14 @@ def test_the_heartbeat_timeout_must_exceed_the_interval():
         cfg.runtime.heartbeat_timeout = 1.0  # assignments are validated too
 
 
+def test_the_startup_timeout_is_a_positive_number_of_seconds():
+    assert (
+        load_config(overrides=["--runtime.startup-timeout", "1800"]).runtime.startup_timeout == 1800
+    )
+    [line] = problems(overrides=["--runtime.startup-timeout", "0"])
+    assert line == "runtime.startup_timeout: Input should be greater than 0, got 0", line
+
+
 def test_frames_must_fit_the_batch_and_the_chunk():
     [line] = problems(overrides=["--wire.chunk-bytes", str(512 * 1024 * 1024)])
     assert line.startswith("wire: chunk_bytes (536870912) must not exceed max_frame_bytes")
