@@ -54,9 +54,9 @@ def pack(model: Path, out: Path, first_mb: float, chunk_mb: float, min_numel: in
             shutil.copy(f, meta / f.name)
     sd = load_file(model / "model.safetensors")
     blob = lzma.compress(save(_quantize(sd, min_numel)), preset=1)
-    sizes, at, part = [int(first_mb * 1e6)], 0, 0
+    at, part = 0, 0
     while at < len(blob):
-        size = sizes[0] if part == 0 else int(chunk_mb * 1e6)
+        size = int((first_mb if part == 0 else chunk_mb) * 1e6)
         (out / f"part{part}").write_bytes(blob[at : at + size])
         at, part = at + size, part + 1
     print(f"{len(blob) / 1e6:.1f} MB in {part} parts under {out}")

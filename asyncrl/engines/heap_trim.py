@@ -1,10 +1,10 @@
 """Freed host memory back to the system, on a clock.
 
 glibc keeps what a process frees in its heaps for reuse. An engine on CPU frees KV slabs
-and activations of ever-changing sizes, under glibc's 32 MB mmap ceiling, and reuses little
-of it: the eval actor of ``examples/tool_agent`` grew from 2.2 to 5.7 GB over 80 episodes
-and was OOM-killed at 9.6 GB in a job; with ``malloc_trim(0)`` every 5 s it stayed at
-2.0-3.8 GB (docs/benchmarks.md). ``HeapTrimmer()`` is a no-op where there is no glibc.
+and activations of ever-changing sizes, below glibc's 32 MB mmap ceiling, and reuses
+little of it, so its resident memory climbs until the kernel's OOM killer acts
+(docs/benchmarks.md, "The eval actor's memory"). ``malloc_trim(0)`` returns the free
+pages; ``HeapTrimmer()`` is a no-op where there is no glibc.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import ctypes.util
 import time
 from collections.abc import Callable
 
-#: Seconds between trims: a trim of a 5 GB heap takes milliseconds.
+#: Seconds between trims (every 1 s: a lower peak, but 120 s for an eval that took 108).
 TRIM_INTERVAL_S = 5.0
 
 
