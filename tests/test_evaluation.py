@@ -27,6 +27,7 @@ from asyncrl.rollout.evaluation import evaluate_set, score_samples
 from asyncrl.rollout.rewards import build_reward
 from asyncrl.rollout.single_turn import single_turn
 from asyncrl.types import Prompt, Sample, SampleStatus
+from asyncrl.wire.messages import WeightVersion
 
 
 def prompt(i: int, label: str, kind: str) -> Prompt:
@@ -214,7 +215,7 @@ async def test_an_eval_actor_that_missed_the_final_pull_evaluates_the_final_chec
     def fresh() -> EvalActor:
         actor = EvalActor(spec)
         actor.num_steps, actor._pending, actor._final_lost = 4, None, False
-        actor._ready = asyncio.Event()
+        actor._ready, actor._final_due = asyncio.Event(), asyncio.Event()
         return actor
 
     gone = fresh()
@@ -227,3 +228,50 @@ async def test_an_eval_actor_that_missed_the_final_pull_evaluates_the_final_chec
     assert saved._pending is not None
     msg, tensors = saved._pending
     assert (msg.version, msg.transport, msg.location, tensors) == (4, "disk", str(final), None)
+
+
+async def test_the_final_version_cancels_an_intermediate_eval_but_a_lost_one_does_not():
+    """Training ended while an old version was being scored (a restarted eval actor): the
+    job waits on the final version, so that eval is cancelled. When the final version is
+    lost instead, the running eval is the last one there is and finishes."""
+    config = EvalActorConfig(
+        engine=EngineConfig(model_path="unused"), sampling={}, reward=RewardConfig(),
+        eval=EvalConfig(interval=2, sets=[EvalSetConfig(name="held", path="unused.jsonl")]),
+        num_steps=4, metrics_path="unused.jsonl",
+    )  # fmt: skip
+    spec = ActorSpec(name="eval", role="eval", cls="x:y", params=config.model_dump(mode="json"))
+
+    async def scored(final_arrives: bool) -> tuple[list[int], int]:
+        actor = EvalActor(spec)
+        actor.cfg, actor.num_steps, actor.next_due = config.eval, 4, 0
+        actor._pending, actor._final_lost = None, False
+        actor._ready, actor._final_due = asyncio.Event(), asyncio.Event()
+
+        async def load_tensors(tensors: dict, version: int) -> None:
+            pass
+
+        actor.host = type("Host", (), {"engine": None, "load_tensors": staticmethod(load_tensors)})
+        started, finished, release = asyncio.Event(), [], asyncio.Event()
+
+        async def evaluate(version: int) -> None:
+            started.set()
+            if version == 2:
+                await release.wait()  # never released when the final version arrives
+            finished.append(version)
+
+        actor._evaluate = evaluate
+        loop = asyncio.create_task(actor._evaluate_loop())
+        actor._offer(WeightVersion(version=2, transport="pull", location=""), {})
+        await asyncio.wait_for(started.wait(), 5)
+        if final_arrives:
+            actor._offer(WeightVersion(version=4, transport="pull", location=""), {})
+        else:
+            actor._final_from_disk(4)  # no checkpoint: the final version is lost
+            await asyncio.sleep(0.05)
+            assert not loop.done()
+            release.set()
+        await asyncio.wait_for(loop, 5)
+        return finished, actor.preempted
+
+    assert await scored(final_arrives=True) == ([4], 1)
+    assert await scored(final_arrives=False) == ([2], 0)

@@ -12,7 +12,8 @@ every set (``rollout/evaluation.py``), then ``next_due = (v // interval + 1) * i
 A version announced while an evaluation runs replaces an older pulled one that has not
 started (so a slow eval falls back to the newest due version instead of queueing); rows
 are tagged with the version they used. After the final version the actor finishes.
-The final eval runs when training has ended, so it takes every core (``final_threads``).
+The final eval runs when training has ended, so it takes every core (``final_threads``),
+and an intermediate eval still running then is cancelled: the job waits on the final one.
 
 Evaluation is off the training's critical path, so the actor gives up CPU priority
 (``eval.nice``, default 10): where it shares cores with the trainer and the rollout
@@ -94,6 +95,7 @@ class EvalActor(Actor):
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
         self.evaluated = 0
+        self.preempted = 0
         self._last: dict[str, float] = {}
         self.metrics: JsonlMetricsSink | None = None
 
@@ -105,6 +107,7 @@ class EvalActor(Actor):
         self.next_due = 0 if self.cfg.at_start else self.cfg.interval
         self._pending: tuple[WeightVersion, dict[str, torch.Tensor] | None] | None = None
         self._ready = asyncio.Event()
+        self._final_due = asyncio.Event()  # the final version is pending
         self._final_lost = False
         seed = engine_seed(config.engine.seed, self.name, self.spec.incarnation.restarted)
         self.host = await self.hold(EngineHost(config.engine, seed=seed))
@@ -153,8 +156,13 @@ class EvalActor(Actor):
                 continue
             if not self._due(msg.version):  # an evaluation started meanwhile moved next_due
                 continue
-            self._pending = (msg, tensors)
-            self._ready.set()
+            self._offer(msg, tensors)
+
+    def _offer(self, msg: WeightVersion, tensors: dict[str, torch.Tensor] | None) -> None:
+        self._pending = (msg, tensors)
+        self._ready.set()
+        if self._is_final(msg.version):
+            self._final_due.set()
 
     async def _load(self, msg: WeightVersion, tensors: dict[str, torch.Tensor] | None) -> None:
         if tensors is not None:
@@ -176,7 +184,7 @@ class EvalActor(Actor):
         if path and Path(path).is_dir() and self._queue_final(version, str(path)):
             log.warning("evaluating the final version from its checkpoint", path=path)
             return
-        self._final_lost = True
+        self._final_lost = True  # an intermediate eval still running may finish
         self._ready.set()
 
     def _queue_final(self, version: int, path: str) -> bool:
@@ -186,8 +194,7 @@ class EvalActor(Actor):
             self._pending and self._is_final(self._pending[0].version)
         ):
             return False
-        self._pending = (WeightVersion(version=version, transport="disk", location=path), None)
-        self._ready.set()
+        self._offer(WeightVersion(version=version, transport="disk", location=path), None)
         return True
 
     # -- evaluation ------------------------------------------------------------------------
@@ -206,10 +213,23 @@ class EvalActor(Actor):
             await self._load(msg, tensors)
             if self._is_final(msg.version):
                 await self._take_the_cores()
-            await self._evaluate(msg.version)
-            if self._is_final(msg.version):
+                await self._evaluate(msg.version)
                 log.info("evaluated the final version", version=msg.version)
                 return
+            await self._evaluate_unless_final(msg.version)
+
+    async def _evaluate_unless_final(self, version: int) -> None:
+        """Evaluate an intermediate ``version``, cancelled as soon as the final one is due
+        (a restarted actor may still be scoring an old version when training ends)."""
+        async with asyncio.TaskGroup() as tg:
+            evaluation = tg.create_task(self._evaluate(version), name=f"{self.name}.v{version}")
+            final = tg.create_task(self._final_due.wait(), name=f"{self.name}.final_due")
+            await asyncio.wait((evaluation, final), return_when=asyncio.FIRST_COMPLETED)
+            final.cancel()
+            if not evaluation.done():
+                evaluation.cancel()
+                self.preempted += 1
+                log.warning("eval cancelled: the final version is due", version=version)
 
     async def _take_the_cores(self) -> None:
         """The final version comes after the last step: the trainer and the rollouts are
@@ -235,7 +255,8 @@ class EvalActor(Actor):
         self.evaluated += 1
 
     def stats(self) -> dict[str, float]:
-        return {"eval/versions": float(self.evaluated), **self._last}
+        return {"eval/versions": float(self.evaluated), "eval/preempted": float(self.preempted),
+                **self._last}  # fmt: skip
 
 
 @dataclass(slots=True)
