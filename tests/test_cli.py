@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.cli import main
+from asyncrl.cli import _job, main
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -102,3 +103,31 @@ def test_out_of_range_numbers_are_refused_at_their_flag(argv, words, capsys):
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_refused_write_is_rc_1_with_the_reason_and_any_other_error_is_raised(
+    nested: bool, capsys: pytest.CaptureFixture[str]
+):
+    """The controller's TaskGroup wraps what an actor task raised in an ExceptionGroup,
+    nested once per TaskGroup: a full disk is said in one line whatever the nesting; a
+    group that also holds another error is a bug and keeps its traceback."""
+
+    def wrapped(*errors: Exception) -> BaseException:
+        group = ExceptionGroup("actor tasks", list(errors))
+        return ExceptionGroup("job", [group]) if nested else group
+
+    async def raising(exc: BaseException) -> None:
+        raise exc
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert _job(raising(wrapped(full))) == 1
+    assert (
+        capsys.readouterr().err
+        == "asyncrl: the disk refused a write: [Errno 28] No space left on device\n"
+    )
+    with pytest.raises(ExceptionGroup) as raised:
+        _job(raising(wrapped(full, KeyError("x"))))
+    assert raised.value.split(KeyError)[0] is not None
+    with pytest.raises(PermissionError):  # not the disk's refusal: a traceback, as a bug
+        _job(raising(PermissionError(errno.EACCES, "denied")))
