@@ -109,15 +109,30 @@ def open_run(run_dir: str | Path) -> Run:
     return Run(path)
 
 
-def train(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False) -> Run:
+def train(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    resume_from_step: int | None = None,
+) -> Run:
     """Run ``cfg`` to its end, blocking; ``JobFailed`` if it does not finish."""
-    return asyncio.run(train_async(cfg, resume=resume, overwrite=overwrite))
+    job = train_async(cfg, resume=resume, overwrite=overwrite, resume_from_step=resume_from_step)
+    return asyncio.run(job)
 
 
-async def train_async(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False) -> Run:
+async def train_async(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    resume_from_step: int | None = None,
+) -> Run:
     """``train`` in the running event loop."""
     run = Run(cfg.resolved_output_dir())
-    run.result = await run_training(cfg, resume=resume, overwrite=overwrite)
+    run.result = await run_training(
+        cfg, resume=resume, overwrite=overwrite, resume_from_step=resume_from_step
+    )
     if not run.result.ok:
         raise JobFailed(run)
     return run
@@ -130,13 +145,15 @@ async def run_training(
     overwrite: bool = False,
     checked: bool = False,
     chaos: Chaos | None = None,
+    resume_from_step: int | None = None,
 ) -> JobResult:
     """The job as ``asyncrl train`` runs it: checked (``preflight``, unless ``checked``:
     ``PreflightError`` lists every problem), the run folder held (``InputError`` when
     another job holds it, or a run is there without ``resume`` or ``overwrite``), the
     controller's log and the resolved config written, then ``run_job`` (with ``chaos``'s
-    kills: ``asyncrl chaos``). Nothing starts before those errors."""
-    from asyncrl.observe.logs import configure_logging
+    kills: ``asyncrl chaos``). Nothing starts before those errors. ``resume_from_step``:
+    resume from that earlier step instead of the newest (``runtime/rewind.py``)."""
+    from asyncrl.observe.logs import configure_logging, get_logger
     from asyncrl.preflight import preflight
     from asyncrl.runtime.run_dir import claim_run_dir
 
@@ -144,12 +161,19 @@ async def run_training(
         await asyncio.to_thread(preflight, cfg)
     run_dir = cfg.resolved_output_dir()
     buffered = not cfg.train.load_rollout_data
-    with claim_run_dir(run_dir, resume=resume, overwrite=overwrite, buffered=buffered):
+    claim = claim_run_dir(run_dir, resume=resume, overwrite=overwrite, buffered=buffered,
+                          rewind_to=resume_from_step)  # fmt: skip
+    with claim as rewound:
         configure_logging(
             level=cfg.log.level, fmt=cfg.log.format, file=run_dir / "logs" / "controller.jsonl",
             actor="controller",
         )  # fmt: skip
+        if rewound is not None:
+            get_logger("asyncrl.controller").warning(
+                "went back to an earlier step", step=resume_from_step, moved_aside=str(rewound)
+            )
         dump_resolved(cfg, run_dir / "config.json")
+        resume = resume or resume_from_step is not None
         return await run_job(cfg, resume=resume, checked=True, chaos=chaos)
 
 

@@ -28,7 +28,8 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-_TRAIN_OPTIONS = ("--help", "--help-all", "--preset", "--dry-run", "--resume", "--overwrite")
+_TRAIN_OPTIONS = ("--help", "--help-all", "--preset", "--dry-run", "--resume", "--overwrite",
+                  "--resume-from-step")  # fmt: skip
 _EVAL_OPTIONS = ("--help", "--help-all", "--preset", "--model", "--out")
 _CHAOS_OPTIONS = ("--help", "--help-all", "--preset", "--kill", "--every", "--duration",
                   "--stop-when-back", "--chaos-seed", "--report", "--overwrite")  # fmt: skip
@@ -62,6 +63,13 @@ def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="continue the run in output_dir from its checkpoints (trainer, buffer, data)",
+    )
+    train.add_argument(
+        "--resume-from-step",
+        type=int,
+        metavar="N",
+        help="continue the run in output_dir from step N, an earlier trainer checkpoint, "
+        "with the buffer's state at that step; what came after is moved aside, not deleted",
     )
     train.add_argument(
         "--overwrite",
@@ -443,7 +451,8 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         return _dry_run(cfg)
-    return _run_training(cfg, resume=args.resume, overwrite=args.overwrite)
+    return _run_training(cfg, resume=args.resume, overwrite=args.overwrite,
+                         from_step=args.resume_from_step)  # fmt: skip
 
 
 def _training_config(args: argparse.Namespace, command: str) -> Any:
@@ -534,7 +543,9 @@ def _job(job: Coroutine[Any, Any, Any]) -> Any:
         return 1
 
 
-def _run_training(cfg: Any, *, resume: bool, overwrite: bool = False) -> int:
+def _run_training(
+    cfg: Any, *, resume: bool, overwrite: bool = False, from_step: int | None = None
+) -> int:
     """``asyncrl train``: ``api.run_training`` (checked already), then what happened."""
     from rich.console import Console
 
@@ -543,7 +554,9 @@ def _run_training(cfg: Any, *, resume: bool, overwrite: bool = False) -> int:
     run_dir = cfg.resolved_output_dir()
     console = Console(width=None if sys.stdout.isatty() else 140)
     try:
-        result = _job(run_training(cfg, resume=resume, overwrite=overwrite, checked=True))
+        job = run_training(cfg, resume=resume, overwrite=overwrite, checked=True,
+                           resume_from_step=from_step)  # fmt: skip
+        result = _job(job)
     except KeyboardInterrupt:  # before the job could stop in order, or a second Ctrl-C
         console.print(
             "[red]train aborted[/red] (Ctrl-C, or a second stop signal): actors were killed "

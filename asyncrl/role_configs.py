@@ -30,6 +30,7 @@ from asyncrl.actors.config import (
     TrainerActorConfig,
     WorkflowConfig,
 )
+from asyncrl.buffer.snapshots import snapshot_dir, trainer_dir
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.config import RunConfig
@@ -200,6 +201,8 @@ def _buffer_config(cfg: RunConfig, run_dir: Path, *, resume: bool, job: str) -> 
         source=_source_params(cfg),
         tokenizer=cfg.trainer.model_path,
         checkpoint=str(ckpt / "buffer.ckpt"),
+        snapshots=str(snapshot_dir(run_dir)),
+        trainer_checkpoints=str(trainer_dir(run_dir)),
         journal=str(ckpt / "buffer.journal") if cfg.runtime.journal else None,
         journal_fsync=cfg.runtime.journal_fsync,
         checkpoint_interval=cfg.runtime.buffer_checkpoint_interval,

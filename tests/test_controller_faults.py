@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -263,6 +264,23 @@ def test_a_resume_over_a_damaged_buffer_journal_is_refused_and_trains_nothing_tw
     assert "the buffer's journal or checkpoint lost records" in err, err
     assert "buffer.journal" in err and "--overwrite" in err
     assert len(lines(run_dir / "trained.jsonl")) == trained  # nothing trained over it
+    # The refusal names the steps kept whole (a trainer checkpoint every 2 steps, and the
+    # buffer's snapshot of each): going back to the newest trains to the end, exactly.
+    hint = re.search(r"--resume-from-step (\d+) \(steps: ([\d, ]+)\)", err)
+    assert hint is not None, err
+    step = int(hint[1])
+    assert step >= 4 and step % 2 == 0 and hint[2].endswith(str(step)), hint[0]
+    if damage == "journal deleted":
+        return  # the same way back as the other case: once is enough
+    flags[-1] = "--resume-from-step"
+    assert main(["train", *flags, str(step)]) == 0
+    audit = audit_run(run_dir, 12)
+    assert audit.ok, audit.problems
+    assert audit.duplicated == 0 and audit.lost == 0 and audit.final_version == 12
+    steps = [json.loads(x)["step"] for x in lines(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, 13)), steps  # the steps after the checkpoint, once
+    (aside,) = (run_dir / "checkpoints").glob(f"rewound-*-from-{step}")
+    assert (aside / "buffer.journal").is_file() and (aside / "trained.jsonl").is_file()
 
 
 def test_a_resume_with_no_trainer_checkpoint_behind_the_buffer_is_refused(tmp_path, capsys):

@@ -127,3 +127,79 @@ def test_train_refuses_a_directory_with_a_run_before_writing_anything(tmp_path, 
     assert "holds a run" in capsys.readouterr().err
     assert json.loads((run / "config.json").read_text()) == {"old": True}
     assert not (run / "logs" / "controller.jsonl").exists()
+
+
+def fake_run(run_dir: Path, trainer: list[int], snapshots: list[int], steps: int) -> None:
+    """A run's files as asyncrl lays them out: trainer checkpoints, the buffer's
+    snapshots, its checkpoint and journal, and one row per step in each log."""
+    ckpt = run_dir / "checkpoints"
+    for step in trainer:
+        (ckpt / "trainer" / f"step_{step:06d}").mkdir(parents=True)
+    (ckpt / "buffer").mkdir(parents=True)
+    for step in snapshots:
+        (ckpt / "buffer" / f"step_{step:06d}.ckpt").write_bytes(f"state at {step}".encode())
+    (ckpt / "buffer.ckpt").write_bytes(b"newest state")
+    (ckpt / "buffer.journal").write_bytes(b"journal")
+    rows = [json.dumps({"step": s}) for s in range(1, steps + 1)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(rows) + '\n{"step": 9, "lo')  # torn
+    batches = [json.dumps({"batch": s, "step": s}) for s in range(steps)]
+    (run_dir / "trained.jsonl").write_text("\n".join(batches) + "\n")
+    (run_dir / "metrics").mkdir()
+    evals = [json.dumps({"version": v}) for v in range(0, steps + 1, 2)]
+    (run_dir / "metrics" / "eval.jsonl").write_text("\n".join(evals) + "\n")
+
+
+def test_a_run_goes_back_to_a_step_kept_whole_and_moves_the_rest_aside(tmp_path):
+    run_dir = tmp_path / "run"
+    fake_run(run_dir, trainer=[4, 6, 8], snapshots=[2, 4, 6, 8], steps=8)
+    for step, kept in ((2, "4, 6, 8"), (5, "4, 6, 8")):  # no trainer checkpoint; none at all
+        with pytest.raises(InputError, match=f"step {step}; the steps it can go back to: {kept}"):
+            with claim_run_dir(run_dir, rewind_to=step):
+                pass
+    with claim_run_dir(run_dir, rewind_to=4) as aside:
+        assert aside is not None and aside.parent == run_dir / "checkpoints"
+    ckpt = run_dir / "checkpoints"
+    assert sorted(p.name for p in (ckpt / "trainer").iterdir()) == ["step_000004"]
+    assert (ckpt / "buffer.ckpt").read_bytes() == b"state at 4"
+    assert not (ckpt / "buffer.journal").exists()
+    assert sorted(p.name for p in (ckpt / "buffer").iterdir()) == ["step_000002.ckpt",
+                                                                   "step_000004.ckpt"]  # fmt: skip
+
+    def column(path: Path, key: str) -> list[int]:
+        return [json.loads(x)[key] for x in path.read_text().splitlines()]
+
+    # Version v is the trainer after v steps; the batch of step s made version s + 1.
+    assert column(run_dir / "metrics.jsonl", "step") == [1, 2, 3, 4]
+    assert column(run_dir / "trained.jsonl", "step") == [0, 1, 2, 3]
+    assert column(run_dir / "metrics" / "eval.jsonl", "version") == [0, 2, 4]
+    # Nothing is deleted: what came after step 4 is aside, the files as they were.
+    assert (aside / "buffer.ckpt").read_bytes() == b"newest state"
+    assert (aside / "buffer.journal").read_bytes() == b"journal"
+    assert sorted(p.name for p in (aside / "trainer").iterdir()) == ["step_000006", "step_000008"]
+    assert len(column(aside / "trained.jsonl", "step")) == 8
+    assert (aside / "metrics" / "eval.jsonl").is_file()
+    assert (aside / "metrics.jsonl").read_text().endswith('"lo')
+
+
+def test_a_run_that_kept_no_step_whole_says_how_to_go_on(tmp_path):
+    run_dir = tmp_path / "run"
+    fake_run(run_dir, trainer=[4], snapshots=[], steps=4)
+    with pytest.raises(InputError, match=r"kept no step whole .*checkpoint_interval > 0"):
+        with claim_run_dir(run_dir, rewind_to=4):
+            pass
+    assert (run_dir / "checkpoints" / "buffer.journal").is_file()  # nothing moved
+    with pytest.raises(InputError, match="give one"):
+        with claim_run_dir(run_dir, rewind_to=4, overwrite=True):
+            pass
+
+
+def test_snapshots_go_with_their_trainer_checkpoints(tmp_path):
+    from asyncrl.buffer.snapshots import prune_snapshots, rewind_hint
+
+    run_dir = tmp_path / "run"
+    fake_run(run_dir, trainer=[6, 8], snapshots=[2, 4, 6, 8], steps=8)
+    snapshots, trainer = run_dir / "checkpoints" / "buffer", run_dir / "checkpoints" / "trainer"
+    prune_snapshots(snapshots, 8, trainer)  # 2 and 4 were pruned by the trainer
+    assert sorted(p.name for p in snapshots.iterdir()) == ["step_000006.ckpt", "step_000008.ckpt"]
+    assert rewind_hint(snapshots, trainer).endswith("--resume-from-step 8 (steps: 6, 8)")
+    assert rewind_hint(snapshots, tmp_path / "none") == ""

@@ -52,6 +52,7 @@ from asyncrl.buffer.accounting import FailureWatch
 from asyncrl.buffer.admission import fair_share
 from asyncrl.buffer.hub import Hub, HubState
 from asyncrl.buffer.journal import Journal, fsync_dir, read_journal
+from asyncrl.buffer.snapshots import prune_snapshots, rewind_hint, snapshot_path
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import BufferStats, VersionedBuffer
 from asyncrl.errors import CheckpointUnreadable, InputError, RunStateLost, SamplesFailing
@@ -158,6 +159,7 @@ class BufferActor(Actor):
         super().__init__(spec)
         self.hub: Hub | None = None  # heartbeats may ask for stats while setup runs
         self._checkpointed_at = time.monotonic()
+        self._snapshot_at = -1  # the newest durable step kept as a snapshot
 
     async def setup(self) -> None:
         config = self.config
@@ -349,10 +351,12 @@ class BufferActor(Actor):
                     "(runtime.buffer_checkpoint_interval), not the moment of a crash"
                 )
             log.error("the trainer cannot continue this buffer state", error=str(exc))
-            raise RunStateLost(f"{exc} ({where})") from None
+            raise RunStateLost(f"{exc} ({where}){self._rewind_hint()}") from None
         self.version = self.buffer.version  # a resync may have rebased it
         self._follow_version(req.version)
         self._commit()
+        if self.hub.durable > self._snapshot_at:
+            self._snapshot(self.hub.durable)
         if not req.take:
             return BatchReply(batch=None)
         n = req.num_groups or self.buffer.config.groups_per_step
@@ -479,7 +483,7 @@ class BufferActor(Actor):
             raise RunStateLost(
                 f"the buffer's state is gone ({names} deleted or moved while the job ran): "
                 "restarting from nothing would hand out prompts the trainer has consumed "
-                "again. Restore the files, or start a new run"
+                f"again. Restore the files, or start a new run{self._rewind_hint()}"
             )
 
     def _commit(self) -> None:
@@ -498,6 +502,21 @@ class BufferActor(Actor):
             return
         self._commit()
         self._persist(self.hub)
+
+    def _rewind_hint(self) -> str:
+        snapshots, trainer = self.config.snapshots, self.config.trainer_checkpoints
+        return rewind_hint(Path(snapshots), Path(trainer)) if snapshots and trainer else ""
+
+    def _snapshot(self, step: int) -> None:
+        """Keep the state as of the trainer's durable checkpoint of ``step``, for
+        ``--resume-from-step`` (``buffer/snapshots.py``)."""
+        self._snapshot_at = step
+        config = self.config
+        if not config.snapshots or not config.trainer_checkpoints:
+            return
+        snapshots, trainer = Path(config.snapshots), Path(config.trainer_checkpoints)
+        write_checkpoint(self.hub.state_dict(), snapshot_path(snapshots, step))
+        prune_snapshots(snapshots, step, trainer)
 
     def _persist(self, hub: Hub) -> None:
         """Write ``hub``'s committed state as the checkpoint and start the journal after it."""

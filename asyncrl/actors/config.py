@@ -146,6 +146,8 @@ class BufferActorConfig(ActorConfig):
     source: PromptSource.Config | None = Field(None, description="None: no prompts (tests)")
     tokenizer: str | None = Field(None, description="the policy's tokenizer directory")
     checkpoint: str | None = Field(None, description="the checkpoint file")
+    snapshots: str | None = Field(None, description="its state at each trainer checkpoint")
+    trainer_checkpoints: str | None = Field(None, description="the trainer's checkpoints")
     journal: str | None = Field(None, description="the journal file; None: none kept")
     journal_fsync: bool = False
     checkpoint_interval: float = Field(gt=0, description="seconds between checkpoints")

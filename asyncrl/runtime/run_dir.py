@@ -35,7 +35,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from asyncrl.buffer.snapshots import rewind_hint, snapshot_dir
 from asyncrl.errors import InputError
+from asyncrl.runtime.rewind import rewind_run
 
 #: What asyncrl writes in a run directory; ``overwrite`` removes these and nothing else.
 RUN_FILES = (
@@ -67,26 +69,34 @@ def holds_run(run_dir: Path) -> bool:
 
 @contextlib.contextmanager
 def claim_run_dir(
-    run_dir: Path, *, resume: bool = False, overwrite: bool = False, buffered: bool = True
-) -> Iterator[None]:
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    buffered: bool = True,
+    rewind_to: int | None = None,
+) -> Iterator[Path | None]:
     """Hold ``run_dir`` for one job (module docstring); ``buffered``: the job has a
     buffer (a train-only job from rollout files has none), whose checkpoint a resume
-    needs beside the trainer's."""
-    if resume and overwrite:
+    needs beside the trainer's. ``rewind_to``: first go back to that step (a resume;
+    ``runtime/rewind.py``); the claim yields where the later state went."""
+    if (resume or rewind_to is not None) and overwrite:
         raise InputError(
             "--resume continues the run in the directory and --overwrite deletes it: give one"
         )
     key = _make(run_dir).resolve()
     held = _claimed.get() or {}
     if key in held:  # the same job, claiming again further in
-        yield
+        yield None
         return
     fd = _lock(key)
     try:
+        aside = None if rewind_to is None else rewind_run(key, rewind_to)
+        resume = resume or rewind_to is not None
         _check_fresh(key, resume=resume, overwrite=overwrite, buffered=buffered)
         token = _claimed.set({**held, key: fd})
         try:
-            yield
+            yield aside
         finally:
             _claimed.reset(token)
     finally:
@@ -190,5 +200,5 @@ def _check_resumable(run_dir: Path) -> None:
         raise RunDirHoldsRun(
             f"{run_dir} has trainer checkpoints but no buffer checkpoint ({buffer}): "
             "resuming would hand out again the prompts already trained on; restore it, or "
-            "start over with --overwrite"
+            f"start over with --overwrite{rewind_hint(snapshot_dir(run_dir), trainer)}"
         )

@@ -1,0 +1,95 @@
+"""Go back to an earlier step of a run: ``asyncrl train --resume-from-step N``.
+
+Step N can be gone back to when it was kept whole (``buffer/snapshots.py``): the
+trainer's checkpoint and the buffer's snapshot of it are the run as a crash right then
+would have left it. So a run whose journal was lost or cut, or whose newer checkpoints
+are gone, goes on exactly from N.
+
+``rewind_run`` moves what came after N aside (``checkpoints/rewound-<time>-from-N/``;
+nothing is deleted): the newer trainer checkpoints and snapshots, the buffer's
+checkpoint and journal, and the rows of ``metrics.jsonl``, ``trained.jsonl``,
+``samples.jsonl`` and ``metrics/eval.jsonl`` written after N. The snapshot becomes the
+buffer's checkpoint, and the job resumes as with ``--resume``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from asyncrl.buffer.snapshots import (
+    STEP,
+    checkpoint_steps,
+    resumable_steps,
+    snapshot_dir,
+    snapshot_path,
+    snapshot_steps,
+    trainer_dir,
+)
+from asyncrl.errors import InputError
+
+
+def rewind_run(run_dir: Path, step: int) -> Path:
+    """Make ``run_dir`` the run as it was at ``step`` (module docstring); returns where
+    the later state went. ``InputError`` when ``step`` was not kept whole."""
+    steps = resumable_steps(snapshot_dir(run_dir), trainer_dir(run_dir))
+    if step not in steps:
+        raise InputError(_not_kept(run_dir, step, steps))
+    ckpt = run_dir / "checkpoints"
+    aside = ckpt / f"rewound-{time.strftime('%Y%m%dT%H%M%S')}-from-{step}"
+    aside.mkdir(parents=True)
+    for later in checkpoint_steps(trainer_dir(run_dir)):
+        if later > step:
+            _move(trainer_dir(run_dir) / STEP.format(later), aside / "trainer")
+    snapshots = snapshot_dir(run_dir)
+    for later in snapshot_steps(snapshots):
+        if later > step:
+            _move(snapshot_path(snapshots, later), aside / "buffer")
+    for name in ("buffer.ckpt", "buffer.journal"):
+        if (ckpt / name).exists():
+            _move(ckpt / name, aside)
+    shutil.copyfile(snapshot_path(snapshots, step), ckpt / "buffer.ckpt")
+    # Version v is the trainer after v steps; the batch of step s makes version s + 1.
+    _cut(run_dir / "metrics.jsonl", aside, lambda r: r.get("step", 0) <= step)
+    _cut(run_dir / "trained.jsonl", aside, lambda r: r.get("step", 0) < step)
+    _cut(run_dir / "samples.jsonl", aside, lambda r: r.get("step", 0) <= step)
+    _cut(run_dir / "metrics" / "eval.jsonl", aside, lambda r: r.get("version", 0) <= step)
+    return aside
+
+
+def _not_kept(run_dir: Path, step: int, steps: list[int]) -> str:
+    if steps:
+        return (
+            f"--resume-from-step {step}: {run_dir} has no trainer checkpoint and buffer "
+            f"snapshot both of step {step}; the steps it can go back to: "
+            f"{', '.join(map(str, steps))}"
+        )
+    return (
+        f"--resume-from-step {step}: {run_dir} kept no step whole (a trainer checkpoint "
+        "and the buffer's snapshot of it, written with train.checkpoint_interval > 0); "
+        "resume with --resume, or start over with --overwrite"
+    )
+
+
+def _move(path: Path, into: Path) -> None:
+    into.mkdir(parents=True, exist_ok=True)
+    path.rename(into / path.name)
+
+
+def _cut(path: Path, aside: Path, keep: Callable[[dict], bool]) -> None:
+    """Keep the rows of ``path`` that ``keep`` accepts; the file as it was goes aside."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if _kept(line, keep)]
+    _move(path, aside / path.parent.relative_to(aside.parent.parent))
+    path.write_text("".join(f"{line}\n" for line in kept))
+
+
+def _kept(line: str, keep: Callable[[dict], bool]) -> bool:
+    try:
+        return keep(json.loads(line))
+    except ValueError:  # a row cut short by the crash: it stays in the copy aside
+        return False
