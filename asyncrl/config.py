@@ -53,7 +53,7 @@ from asyncrl.observe.trackers import check_tracker_setup
 from asyncrl.policies.config import PolicyConfig
 from asyncrl.rollout.config import EngineConfig, EvalConfig, RolloutConfig
 from asyncrl.rollout.reward_config import reward_models
-from asyncrl.trainers.config import TrainerConfig
+from asyncrl.trainers.config import TrainerConfig, check_group_host
 from asyncrl.wire.config import WireConfig
 from asyncrl.wire.sockets import check_endpoint
 
@@ -321,6 +321,12 @@ class TrainConfig(Section):
         "trainer's host (ipc; pulled elsewhere)",
         json_schema_extra={"flag": "update-weight-transport"},
     )
+    dist_trusted_network: bool = Field(
+        False,
+        description="dist: the weight group's store (torch's TCPStore) and gloo's sockets "
+        "take no key, so with a non-loopback host anyone on that network can read and "
+        "write them; true: that network is trusted",
+    )
     update_weight_buffer_size: int = Field(
         64 * 1024 * 1024,
         gt=0,
@@ -567,6 +573,8 @@ class RunConfig(Section):
                 "this host only encrypted; make keys with `asyncrl keys DIR` and set "
                 "--wire.curve-keys DIR"
             )
+        if self.train.publish == "dist" and not _is_loopback_host(self.runtime.host):
+            check_group_host(f"{self.runtime.host}:0", trusted=self.train.dist_trusted_network)
         return self
 
     def _one_rank_per_rollout_actor(self, engine: EngineConfig) -> None:

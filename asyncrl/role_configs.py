@@ -131,7 +131,9 @@ def _weight_group(cfg: RunConfig) -> GroupConfig | None:
     if cfg.train.publish != "dist":
         return None
     return GroupConfig(
-        world_size=1 + cfg.rollout.num_actors, bucket_bytes=cfg.train.update_weight_buffer_size
+        world_size=1 + cfg.rollout.num_actors,
+        bucket_bytes=cfg.train.update_weight_buffer_size,
+        trusted_network=cfg.train.dist_trusted_network,
     )
 
 

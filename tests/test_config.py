@@ -385,6 +385,12 @@ def test_a_host_beyond_loopback_is_refused_unless_channels_are_encrypted(tmp_pat
     keys = ["--wire.curve-keys", str(tmp_path / "keys")]
     cfg = load_config(overrides=["--runtime.host", "10.0.0.1", *keys])
     assert cfg.runtime.host == "10.0.0.1" and cfg.wire.curve_keys == str(tmp_path / "keys")
+    # The dist group's store and gloo take no key, whatever the channels do: the user says
+    # the network is trusted, or the job does not start.
+    dist = ["--runtime.host", "10.0.0.1", *keys, "--update-weight-transport", "dist"]
+    with pytest.raises(ConfigError, match=r"listen on 10\.0\.0\.1 .* --train\.dist-trusted"):
+        load_config(overrides=dist)
+    assert load_config(overrides=[*dist, "--train.dist-trusted-network", "true"]).train.publish
     with pytest.raises(ConfigError, match="asyncrl keys"):  # no certificate there
         load_config(overrides=["--wire.curve-keys", str(tmp_path)])
     (tmp_path / "keys" / "job.key_secret").chmod(0o644)

@@ -20,13 +20,16 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 
+from asyncrl.actors.base import is_permanent
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.engines.server import EngineServer
 from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.errors import InputError
 from asyncrl.job import run_job
 from asyncrl.runtime.chaos import Chaos
 from asyncrl.runtime.supervisor import Supervisor
+from asyncrl.trainers.config import check_group_host
 from asyncrl.wire import framing, security
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.messages import WeightVersion
@@ -148,6 +151,18 @@ def _a_non_loopback_address() -> str | None:
         except OSError:
             return None
     return None if address.startswith("127.") else address
+
+
+def test_the_weight_group_listens_beyond_loopback_only_on_a_trusted_network():
+    """torch's store and gloo have no keys: a dist group served on another address (an
+    explicit group address, a multi-node Ray job) needs the network marked trusted."""
+    for address in ("127.0.0.1:29500", "tcp://127.0.0.5:1", "localhost:1", "[::1]:1"):
+        check_group_host(address, trusted=False)
+    for address in ("10.0.0.1:29500", "tcp://[2001:db8::1]:1", "trainer-node:29500"):
+        with pytest.raises(InputError, match="take no key"):
+            check_group_host(address, trusted=False)
+        check_group_host(address, trusted=True)
+    assert is_permanent(InputError("x"))  # the trainer's set-up fails once, not restarted
 
 
 async def test_a_non_loopback_bind_needs_the_job_keys(tmp_path: Path):

@@ -50,6 +50,7 @@ from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.observe.samples import sample_rows
 from asyncrl.trainers.backends import create_trainer
 from asyncrl.trainers.base import NonFiniteStep, StepResult, Trainer, UntrainableBatch
+from asyncrl.trainers.config import check_group_host
 from asyncrl.trainers.weight_group import GroupMembership
 from asyncrl.trainers.weight_sync import WeightPublisher
 from asyncrl.types import BatchReply, BatchRequest, TrainBatch
@@ -153,6 +154,7 @@ class TrainerActor(Actor):
         if cfg is None or cfg.rank not in (0, None):
             raise ValueError("publish.transport dist needs publish.group, with rank 0")
         address = cfg.address or self.spec.endpoints["trainer.group"]
+        check_group_host(address, trusted=cfg.trusted_network)
         membership = GroupMembership(cfg, rank=0, address=address)
         await asyncio.to_thread(membership.open)
         self.close_later(membership.close)

@@ -9,9 +9,12 @@ the backends so the config tree (and ``asyncrl --help``) reads it without import
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from asyncrl.errors import InputError
 
 
 class MegatronConfig(BaseModel):
@@ -304,6 +307,11 @@ class GroupConfig(BaseModel):
         None, ge=0, description="0: the trainer; None: the trainer 0, rollout-i i + 1"
     )
     backend: str = "gloo"
+    trusted_network: bool = Field(
+        False,
+        description="rank 0's store and gloo's sockets take no key: let them listen beyond "
+        "loopback, on a network trusted not to reach them",
+    )
     timeout_s: float = Field(
         60.0,
         gt=0,
@@ -323,3 +331,25 @@ class GroupConfig(BaseModel):
         description="bytes per broadcast bucket (two in flight), as slime's "
         "--update-weight-buffer-size",
     )
+
+
+def check_group_host(address: str, *, trusted: bool) -> None:
+    """``InputError`` when rank 0 would serve the group beyond loopback on a network
+    not marked trusted: its store and gloo's sockets take no key (torch has none)."""
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if trusted or host == "localhost" or _is_loopback_ip(host):
+        return
+    raise InputError(
+        f"the dist weight group would listen on {host} (rank 0's store and gloo's "
+        "sockets), which take no key: anyone who reaches them can read and write the "
+        "group's keys and weights, --wire.curve-keys or not. On a trusted network set "
+        "--train.dist-trusted-network true; elsewhere use --update-weight-transport pull "
+        "(its channel is encrypted and authenticated with the keys)"
+    )
+
+
+def _is_loopback_ip(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
