@@ -41,8 +41,12 @@ except FileNotFoundError:
     PYTHON = ""
 pytestmark = pytest.mark.skipif(not PYTHON, reason="no vLLM virtualenv (make vllm-venv)")
 
-#: A vLLM on this machine's two cores: both for its worker, a small KV cache, no compile.
+#: A vLLM on this machine's two cores: both for its worker, a small KV cache, no compile,
+#: and no worker process of its own (each imports vLLM again: the kill test's two starts
+#: took 97 s with one, 57 s without). A tethered server's grandchildren dying with it is
+#: test_engine_actor's tether test.
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
 CPU_ARGS = ["--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "64"]
 T = 0.7
