@@ -160,9 +160,11 @@ class Sample(Message):
     attempts: int = 0
     timings: dict[str, float] = msgspec.field(default_factory=dict)
     #: Temperature the response was sampled at: the engine reports, and the trainer
-    #: recomputes, log-probs under ``softmax(z / temperature)`` (1.0 when greedy). Last,
-    #: so that records written before it (array-like) still decode.
-    temperature: float = 1.0
+    #: recomputes, log-probs under ``softmax(z / temperature)`` (1.0 when greedy). None
+    #: until the rollout actor sets the rollout's (a workflow sampling at another sets
+    #: its own; a branch left unset was sampled as its root). Last, so that records
+    #: written before it (array-like) still decode.
+    temperature: float | None = None
     #: Further samples of this one's trajectory that a branching workflow made (sub-agent
     #: calls, context-wipe segments, tree-search siblings): each trained as a row of its
     #: own with its own tokens, mask and versions, and this sample's advantage (design.md

@@ -91,8 +91,7 @@ def batch(seed: int, args: argparse.Namespace) -> Any:
             s = Sample(uid=f"{g}/{i}", group_id=str(g), index=i, packed_prompt=ids.tobytes())
             s.append_response(rng.integers(3, 49_000, response), rng.normal(-3, 0.5, response), 0)
             s.reward, s.status = float(i % 2), SampleStatus.COMPLETED
-            if hasattr(s, "temperature"):  # older checkouts have no per-sample temperature
-                s.temperature = 0.7
+            s.temperature = 0.7
             samples.append(s)
         out.append(Group(uid=str(g), prompt_uid=str(g), samples=samples))
     return TrainBatch(batch_id=seed, step=0, groups=out)

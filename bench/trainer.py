@@ -61,6 +61,7 @@ def long_tail_batch(groups: int, n: int, median: int, tail: float, seed: int = 0
         for j in range(n):
             length = int(np.clip(rng.lognormal(np.log(median), sigma), 4, 8 * median))
             s = Sample.for_prompt(prompt, group_id=f"g{g}", index=j, version=0)
+            s.temperature = 1.0
             logprobs = (-rng.random(length) * 3).tolist()
             s.append_response(rng.integers(4, 500, length).tolist(), logprobs, 0)
             s.status, s.reward = SampleStatus.COMPLETED, float(rng.random())

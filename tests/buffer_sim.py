@@ -72,6 +72,7 @@ def generate(sample: Sample, versions: Sequence[int]) -> None:
     tokens = [100 + start + i for i in range(len(versions))]
     logprobs = [-0.5] * len(versions)
     sample.append_response(tokens, logprobs, list(versions))
+    sample.temperature = 1.0  # what a rollout actor records: the temperature sampled at
 
 
 def finished_group(

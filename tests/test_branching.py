@@ -28,8 +28,11 @@ from tests.test_train import job_flags, write_prompts
 from tests.tiny_model import build_tiny_model
 
 
-def finished(uid: str, tokens: list[int], version: int = 0, reward: float = 1.0) -> Sample:
-    s = Sample(uid=uid, group_id="g", packed_prompt=np.array([5, 6, 7], np.int32).tobytes())
+def finished(
+    uid: str, tokens: list[int], version: int = 0, reward: float = 1.0, temperature: float = 1.0
+) -> Sample:
+    s = Sample(uid=uid, group_id="g", packed_prompt=np.array([5, 6, 7], np.int32).tobytes(),
+               temperature=temperature)  # fmt: skip
     s.append_response(tokens, [-0.5] * len(tokens), version)
     s.status, s.reward = SampleStatus.COMPLETED, reward
     return s
@@ -190,12 +193,11 @@ def test_a_branching_workflow_trains_in_a_real_job(tmp_path):
 
 
 def test_a_branch_is_trained_at_its_roots_temperature_unless_it_says_another():
-    root = finished("g/0", [1])
-    root.temperature = 0.7
-    default, own = finished("a", [2]), finished("b", [3])
-    own.temperature = 0.5
-    attach_branches(root, [root, default, own])
-    assert [b.temperature for b in root.branches] == [0.7, 0.5]
+    root = finished("g/0", [1], temperature=0.7)
+    default, own, one = finished("a", [2]), finished("b", [3], 0, 1.0, 0.5), finished("c", [4])
+    default.temperature = None  # set by no one: sampled as its root was
+    attach_branches(root, [root, default, own, one])
+    assert [b.temperature for b in root.branches] == [0.7, 0.5, 1.0]
 
 
 def test_a_resumed_groups_old_tokens_are_masked_in_its_branches_too():

@@ -69,7 +69,7 @@ def finish(item: WorkItem, version: int) -> Group:
     for j in range(item.num_samples):
         s = Sample.for_prompt(item.prompt, group_id=item.group_uid, index=j, version=item.version)
         s.append_response([5, 6, 7], [-0.1, -0.2, -0.3], version)
-        s.status, s.reward = SampleStatus.COMPLETED, float(j)
+        s.status, s.reward, s.temperature = SampleStatus.COMPLETED, float(j), 1.0
         samples.append(s)
     return Group(uid=item.group_uid, prompt_uid=item.prompt.uid, samples=samples)
 

@@ -311,7 +311,8 @@ async def sample_groups(engine: TorchEngine, prompts: list[list[int]], seed: int
         request = GenerateRequest(rid=f"{seed}-{g}-{i}", input_ids=prompts[g], sampling=params)
         out = await final(engine, request)
         s = Sample(uid=f"{seed}/{g}/{i}", group_id=f"{seed}/{g}", index=i,
-                   packed_prompt=np.asarray(prompts[g], np.int32).tobytes())  # fmt: skip
+                   packed_prompt=np.asarray(prompts[g], np.int32).tobytes(),
+                   temperature=params.temperature)  # fmt: skip
         s.append_response(np.asarray(out.output_ids), np.asarray(out.logprobs), out.versions[0])
         s.reward, s.status = short_reply(len(out.output_ids)), SampleStatus.COMPLETED
         return s

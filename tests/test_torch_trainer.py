@@ -57,7 +57,8 @@ def make_batch(
         prompt = rng.integers(3, 500, int(rng.integers(2, 7))).astype(np.int32)
         samples = []
         for i in range(group_size):
-            s = Sample(uid=f"{g}/{i}", group_id=str(g), index=i, packed_prompt=prompt.tobytes())
+            s = Sample(uid=f"{g}/{i}", group_id=str(g), index=i, packed_prompt=prompt.tobytes(),
+                       temperature=1.0)  # fmt: skip
             n = int(rng.integers(2, 10))
             mask = (rng.random(n) > 0.2).astype(np.uint8)
             s.append_response(

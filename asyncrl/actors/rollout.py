@@ -477,10 +477,10 @@ def attach_branches(sample: Sample, result: object) -> None:
     ]  # fmt: skip
 
 
-def _branch_temperature(branch: Sample, root: Sample) -> float:
-    """A branch left at the default temperature was sampled as its root was (the rollout's
-    sampling); one that says another keeps it (``Sample.temperature``)."""
-    return root.temperature if branch.temperature == 1.0 else branch.temperature
+def _branch_temperature(branch: Sample, root: Sample) -> float | None:
+    """A branch that sets no temperature was sampled as its root was (the rollout's
+    sampling); one that sets one keeps it, 1.0 included (``Sample.temperature``)."""
+    return root.temperature if branch.temperature is None else branch.temperature
 
 
 def _samples_of(item: WorkItem) -> list[Sample]:

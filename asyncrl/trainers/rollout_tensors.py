@@ -114,14 +114,16 @@ def rollout_tensors(batch: TrainBatch, reward_key: str = "score") -> RolloutTens
     roots = [s for g in groups for s in g.samples]
     branch_roots = [i for i, s in enumerate(roots) for _ in s.branches]
     samples = roots + [b for s in roots for b in s.branches]
+    temperatures: list[float] = []
     for s in samples:
         if len(s.prompt_tokens) == 0:
             raise ValueError(f"sample {s.uid}: empty prompt, its first token has no context")
-        if not (math.isfinite(s.temperature) and s.temperature > 0):
+        if s.temperature is None or not (math.isfinite(s.temperature) and s.temperature > 0):
             raise ValueError(
                 f"sample {s.uid}: temperature {s.temperature} (the log-probs are "
-                "log_softmax(z / T): T must be finite and > 0; greedy samples carry 1)"
+                "log_softmax(z / T): T must be set, finite and > 0; greedy samples carry 1)"
             )
+        temperatures.append(s.temperature)
     scores = [[sample_score(s.reward, reward_key) for s in g.samples] for g in groups]
     columns = _columns(samples)
     return RolloutTensors(
@@ -131,7 +133,7 @@ def rollout_tensors(batch: TrainBatch, reward_key: str = "score") -> RolloutTens
         behaviour=columns[1].float(),
         versions=columns[2].long(),
         scores_GN=torch.tensor(scores, dtype=torch.float32),
-        temperatures=[s.temperature for s in samples],
+        temperatures=temperatures,
         num_dropped_groups=len(batch.groups) - len(groups),
         reward_terms=_term_means(roots, reward_key),
         truncated_share=sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples),
