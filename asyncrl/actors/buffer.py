@@ -509,14 +509,20 @@ class BufferActor(Actor):
 
     def _snapshot(self, step: int) -> None:
         """Keep the state as of the trainer's durable checkpoint of ``step``, for
-        ``--resume-from-step`` (``buffer/snapshots.py``)."""
-        self._snapshot_at = step
+        ``--resume-from-step`` (``buffer/snapshots.py``). A write that fails costs only
+        that way back: the trainer's request is answered, and the next one tries again."""
         config = self.config
         if not config.snapshots or not config.trainer_checkpoints:
+            self._snapshot_at = step
             return
         snapshots, trainer = Path(config.snapshots), Path(config.trainer_checkpoints)
-        write_checkpoint(self.hub.state_dict(), snapshot_path(snapshots, step))
-        prune_snapshots(snapshots, step, trainer)
+        try:
+            write_checkpoint(self.hub.state_dict(), snapshot_path(snapshots, step))
+            prune_snapshots(snapshots, step, trainer)
+        except OSError as exc:
+            log.warning("buffer snapshot not written", step=step, error=str(exc))
+            return
+        self._snapshot_at = step
 
     def _persist(self, hub: Hub) -> None:
         """Write ``hub``'s committed state as the checkpoint and start the journal after it."""

@@ -15,6 +15,7 @@ buffer's checkpoint, and the job resumes as with ``--resume``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -39,8 +40,15 @@ def rewind_run(run_dir: Path, step: int) -> Path:
     if step not in steps:
         raise InputError(_not_kept(run_dir, step, steps))
     ckpt = run_dir / "checkpoints"
-    aside = ckpt / f"rewound-{time.strftime('%Y%m%dT%H%M%S')}-from-{step}"
+    aside = ckpt / f"rewound-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-from-{step}"
     aside.mkdir(parents=True)
+    # The logs first, each replaced whole; the buffer's checkpoint last: a rewind cut
+    # short leaves a run that --resume refuses (naming this step) and a rerun finishes.
+    # Version v is the trainer after v steps; the batch of step s makes version s + 1.
+    _cut(run_dir / "metrics.jsonl", aside, lambda r: r.get("step", 0) <= step)
+    _cut(run_dir / "trained.jsonl", aside, lambda r: r.get("step", 0) < step)
+    _cut(run_dir / "samples.jsonl", aside, lambda r: r.get("step", 0) <= step)
+    _cut(run_dir / "metrics" / "eval.jsonl", aside, lambda r: r.get("version", 0) <= step)
     for later in checkpoint_steps(trainer_dir(run_dir)):
         if later > step:
             _move(trainer_dir(run_dir) / STEP.format(later), aside / "trainer")
@@ -52,11 +60,6 @@ def rewind_run(run_dir: Path, step: int) -> Path:
         if (ckpt / name).exists():
             _move(ckpt / name, aside)
     shutil.copyfile(snapshot_path(snapshots, step), ckpt / "buffer.ckpt")
-    # Version v is the trainer after v steps; the batch of step s makes version s + 1.
-    _cut(run_dir / "metrics.jsonl", aside, lambda r: r.get("step", 0) <= step)
-    _cut(run_dir / "trained.jsonl", aside, lambda r: r.get("step", 0) < step)
-    _cut(run_dir / "samples.jsonl", aside, lambda r: r.get("step", 0) <= step)
-    _cut(run_dir / "metrics" / "eval.jsonl", aside, lambda r: r.get("version", 0) <= step)
     return aside
 
 
@@ -80,12 +83,17 @@ def _move(path: Path, into: Path) -> None:
 
 
 def _cut(path: Path, aside: Path, keep: Callable[[dict], bool]) -> None:
-    """Keep the rows of ``path`` that ``keep`` accepts; the file as it was goes aside."""
+    """Keep the rows of ``path`` that ``keep`` accepts (the file replaced whole); the file
+    as it was is copied aside."""
     if not path.is_file():
         return
+    copy = aside / path.relative_to(aside.parent.parent)
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, copy)
     kept = [line for line in path.read_text().splitlines() if _kept(line, keep)]
-    _move(path, aside / path.parent.relative_to(aside.parent.parent))
-    path.write_text("".join(f"{line}\n" for line in kept))
+    tmp = path.with_name(path.name + ".rewound")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def _kept(line: str, keep: Callable[[dict], bool]) -> bool:

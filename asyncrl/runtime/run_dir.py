@@ -81,8 +81,9 @@ def claim_run_dir(
     needs beside the trainer's. ``rewind_to``: first go back to that step (a resume;
     ``runtime/rewind.py``); the claim yields where the later state went."""
     if (resume or rewind_to is not None) and overwrite:
+        flag = "--resume" if rewind_to is None else "--resume-from-step"
         raise InputError(
-            "--resume continues the run in the directory and --overwrite deletes it: give one"
+            f"{flag} continues the run in the directory and --overwrite deletes it: give one"
         )
     key = _make(run_dir).resolve()
     held = _claimed.get() or {}

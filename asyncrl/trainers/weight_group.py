@@ -407,6 +407,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")  # an IPv6 literal as a group address writes it
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
