@@ -42,8 +42,9 @@ except FileNotFoundError:
 pytestmark = pytest.mark.skipif(not PYTHON, reason="no vLLM virtualenv (make vllm-venv)")
 
 #: A vLLM on this machine's two cores: both for its worker, a small KV cache, no compile,
-#: and no worker process of its own (each imports vLLM again: the kill test's two starts
-#: took 97 s with one, 57 s without). A tethered server's grandchildren dying with it is
+#: no engine-core process of its own (one process fewer to start; the kill test alone
+#: took 57 s with this against 97 s without, but 101 s with it in a full run, so the
+#: saving is not established). A tethered server's grandchildren dying with it is
 #: test_engine_actor's tether test.
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
