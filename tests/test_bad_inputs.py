@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.actors.buffer import read_checkpoint, write_checkpoint
+from asyncrl.buffer.checkpoint import read_checkpoint, write_checkpoint
 from asyncrl.buffer.hub import Hub
 from asyncrl.buffer.sources import DataError, PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer

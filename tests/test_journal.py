@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrl.actors.buffer import read_checkpoint, recover_hub, write_checkpoint
+from asyncrl.buffer.checkpoint import read_checkpoint, recover_hub, write_checkpoint
 from asyncrl.buffer.hub import Hub, HubState, ReplayDiverged
 from asyncrl.buffer.journal import Followed, Journal, Returned, read_journal
 from asyncrl.buffer.versioned import VersionedBuffer
