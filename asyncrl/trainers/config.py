@@ -337,7 +337,7 @@ def check_group_host(address: str, *, trusted: bool) -> None:
     """``InputError`` when rank 0 would serve the group beyond loopback on a network
     not marked trusted: its store and gloo's sockets take no key (torch has none)."""
     host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    if trusted or host == "localhost" or _is_loopback_ip(host):
+    if trusted or is_loopback(host):
         return
     raise InputError(
         f"the dist weight group would listen on {host} (rank 0's store and gloo's "
@@ -348,8 +348,11 @@ def check_group_host(address: str, *, trusted: bool) -> None:
     )
 
 
-def _is_loopback_ip(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """``host`` (an IPv6 literal may keep its brackets) is this machine's loopback; a
+    host name other than ``localhost`` may resolve anywhere, so it is not."""
+    host = host.strip("[]")
     try:
         return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
+    except ValueError:
+        return host == "localhost"

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.observe.logs import get_logger
-from asyncrl.trainers.config import GroupConfig
+from asyncrl.trainers.config import GroupConfig, is_loopback
 from asyncrl.trainers.weight_buckets import (
     Bucket,
     BucketBuffers,
@@ -393,7 +393,7 @@ class GroupMembership:
             join_timeout_s=cfg.join_timeout_s,
             timeout_s=cfg.timeout_s,
             # A job on one host keeps gloo's sockets on loopback too, not on every interface.
-            bind=self.address[0] if _is_loopback(self.address[0]) else None,
+            bind=self.address[0] if is_loopback(self.address[0]) else None,
         )
 
     def _drop(self) -> None:
@@ -404,11 +404,3 @@ class GroupMembership:
 
 def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-
-
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]")  # an IPv6 literal as a group address writes it
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
