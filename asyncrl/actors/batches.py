@@ -50,6 +50,7 @@ class BufferBatches:
         self.consumer = consumer
         self._acks: list[int] = []
         self._resync = True
+        self._durable = -1  # the newest durable version the buffer has heard
 
     async def next(self, version: int, durable: int = -1) -> BatchReply:
         req = BatchRequest(
@@ -61,7 +62,7 @@ class BufferBatches:
             durable=durable,
         )
         reply = await self._call(req)
-        self._acks, self._resync = [], False
+        self._acks, self._resync, self._durable = [], False, durable
         return reply
 
     async def _call(self, req: BatchRequest) -> BatchReply:
@@ -84,13 +85,14 @@ class BufferBatches:
     async def close(self, version: int, durable: int = -1) -> None:
         """Acknowledge what is finished (it must not be served again after we stop),
         with ``durable`` from the final checkpoint, written before this call: the buffer
-        releases what that checkpoint covers, and only that."""
-        if self._acks:
+        releases what that checkpoint covers, and only that (and keeps its snapshot of
+        that step, though no batch was acknowledged since)."""
+        if self._acks or durable > self._durable:
             final = BatchRequest(
                 trainer=self.consumer, ack=self._acks, take=False, version=version, durable=durable
             )
             await self._call(final)
-            self._acks = []
+            self._acks, self._durable = [], durable
 
 
 class DumpedBatches:
