@@ -147,3 +147,23 @@ class SlowSetup(Recorder):
     async def setup(self) -> None:
         time.sleep(self.config.block_setup)  # noqa: ASYNC251 - the point: a blocked loop
         await super().setup()
+
+
+class Reporter(Recorder):
+    """Writes what its process inherited (environment, directory, session, parent, a numpy
+    draw) to ``<journal>.json`` at set-up, then idles."""
+
+    async def setup(self) -> None:
+        import json
+
+        import numpy as np
+
+        facts = {
+            "mark": os.environ.get("ASYNCRL_TEST_MARK"),
+            "cwd": os.getcwd(),
+            "leads_session": os.getsid(0) == os.getpid(),
+            "parent": os.getppid(),
+            "draw": float(np.random.random()),
+        }
+        Path(f"{self.config.journal}.json").write_text(json.dumps(facts))  # noqa: ASYNC240
+        await super().setup()

@@ -69,7 +69,7 @@ def open_runtime(config: RuntimeConfig, run_dir: Path) -> LocalRuntime | RayRunt
         return RayRuntime(run_dir, config.ray, host=config.host)
     from asyncrl.runtime.local import LocalRuntime
 
-    return LocalRuntime(run_dir, host=config.host)
+    return LocalRuntime(run_dir, host=config.host, fork_server=config.fork_server)
 
 
 class PlacementFailed(RuntimeError):

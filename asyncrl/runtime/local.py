@@ -27,6 +27,7 @@ import msgspec
 
 from asyncrl.actors.base import ActorSpec, stop_marker
 from asyncrl.observe.logs import get_logger
+from asyncrl.runtime.forks import ForkedProcess, ZygoteUnavailable, fork_actor, zygote_for
 from asyncrl.runtime.run_dir import LOCK_FD_ENV, lock_fds
 from asyncrl.runtime.topology import allocate_endpoints, endpoint_names
 from asyncrl.wire.sockets import release_endpoints
@@ -40,7 +41,9 @@ _DRAIN_OUTPUT_SECONDS = 2.0
 class LocalActor:
     """A child process running one actor (implements ``runtime.base.ActorHandle``)."""
 
-    def __init__(self, spec: ActorSpec, proc: asyncio.subprocess.Process, tail_lines: int):
+    def __init__(
+        self, spec: ActorSpec, proc: asyncio.subprocess.Process | ForkedProcess, tail_lines: int
+    ):
         self.spec = spec
         self.proc = proc
         self._tail: deque[str] = deque(maxlen=tail_lines)
@@ -158,9 +161,11 @@ class LocalRuntime:
         tail_lines: int = 80,
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
+        fork_server: bool = True,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.host = host
+        self.fork_server = fork_server
         self.tail_lines = tail_lines
         self.env = {**os.environ, **(env or {})}
         self.actors: list[LocalActor] = []
@@ -169,6 +174,8 @@ class LocalRuntime:
 
     async def __aenter__(self) -> LocalRuntime:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if self.fork_server:  # it imports while the job is placed
+            await asyncio.to_thread(zygote_for, self.env)
         await self._tg.__aenter__()
         return self
 
@@ -183,7 +190,7 @@ class LocalRuntime:
                 actor.pump_task.cancel()  # a surviving grandchild may hold the pipe
             # ...and then the pipe stays open past the loop, which asyncio reports when it
             # collects the transport: close our end now (Process has no public close).
-            transport = getattr(actor.proc, "_transport", None)
+            transport = getattr(actor.proc, "_transport", None)  # ForkedProcess's too
             if transport is not None:
                 transport.close()
         release_endpoints(self.endpoints.values())  # no actor of ours binds them now
@@ -200,8 +207,29 @@ class LocalRuntime:
         return self.endpoints
 
     async def start(self, spec: ActorSpec) -> LocalActor:
-        """Launch a child for ``spec``."""
+        """Launch a child for ``spec``: forked from the zygote, or exec'd without one."""
+        proc = await self._fork(spec) if self.fork_server else None
+        proc = proc or await self._exec(spec)
+        actor = LocalActor(spec, proc, self.tail_lines)
+        self.actors.append(actor)
+        log_path = self.run_dir / "logs" / f"{spec.name}.out"
+        actor.pump_task = self._tg.create_task(actor.pump(log_path), name=f"pump.{spec.name}")
+        return actor
+
+    async def _fork(self, spec: ActorSpec) -> ForkedProcess | None:
         fds = lock_fds(self.run_dir)  # the run stays claimed while any actor lives
+        inherit = {LOCK_FD_ENV: fds[0]} if fds else {}
+        try:
+            return await fork_actor(
+                self.env, os.getcwd(), msgspec.json.encode(spec), inherit, _LINE_LIMIT
+            )
+        except ZygoteUnavailable as exc:
+            log.warning("starting actors with exec: no fork server", reason=str(exc))
+            self.fork_server = False
+            return None
+
+    async def _exec(self, spec: ActorSpec) -> asyncio.subprocess.Process:
+        fds = lock_fds(self.run_dir)
         lock = {LOCK_FD_ENV: str(fds[0])} if fds else {}
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -219,11 +247,7 @@ class LocalRuntime:
         assert proc.stdin is not None
         proc.stdin.write(msgspec.json.encode(spec))
         proc.stdin.close()
-        actor = LocalActor(spec, proc, self.tail_lines)
-        self.actors.append(actor)
-        log_path = self.run_dir / "logs" / f"{spec.name}.out"
-        actor.pump_task = self._tg.create_task(actor.pump(log_path), name=f"pump.{spec.name}")
-        return actor
+        return proc
 
     async def stop(self, handle: LocalActor, grace: float) -> int:  # type: ignore[override]
         """SIGTERM, wait up to ``grace`` seconds, then SIGKILL. The stop marker first: an

@@ -1,0 +1,216 @@
+"""The fork server: ``python -m asyncrl.runtime.zygote FD``, a process that has imported
+torch, transformers and the actor classes once and forks each local actor from there.
+
+An actor started with exec spends 2-4 s of CPU importing before it runs a line of its own
+(torch 1.6 s, transformers 1.4 s); a job of four actors pays that four times over, and a
+restart after a crash pays it again. A fork of this process starts with all of it loaded,
+and shares those pages with its siblings until one writes them.
+
+Protocol over the ``SOCK_SEQPACKET`` socket ``FD`` (one msgspec-JSON message per packet):
+    <- {"ready": true} | {"error": traceback}      once, after the imports
+    -> {"env": {...}, "cwd": str, "fd_env": [name, ...]}
+                                     + fds [stdin, output, *inherited]
+    <- {"pid": n} | {"error": str}                   one per request, in order
+    <- {"exit": n, "code": c}                        when child n ends (c < 0: signal -c)
+
+The zygote never starts a thread, an event loop or a CUDA context, so forking it is as safe
+as forking a fresh interpreter. It leads a session of its own and ignores SIGTERM and
+SIGINT (a terminal's Ctrl-C, or a stop sent to every process of the job, is the
+controller's to handle, actor by actor), and exits at once, without an interpreter teardown to wait for,
+when the controller's end of the socket closes (the controller exited or died); its actors
+then get SIGTERM from the kernel, as actors started with exec do when the controller dies.
+(Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that started the zygote ends, and a
+controller starts it from a worker thread.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import selectors
+import signal
+import socket
+import sys
+import traceback
+
+import msgspec
+
+#: Imported once here, so that no actor imports them again.
+PRELOAD = (
+    "torch",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.tokenization_utils_fast",
+    "asyncrl.runtime.child",
+    "asyncrl.actors.buffer",
+    "asyncrl.actors.engine",
+    "asyncrl.actors.eval",
+    "asyncrl.actors.rollout",
+    "asyncrl.actors.trainer",
+)
+_MAX_MESSAGE = 1 << 20
+_MAX_FDS = 16
+
+
+def preload() -> None:
+    """Import :data:`PRELOAD`; ``transformers`` resolves its lazy names on first use."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    transformers = sys.modules["transformers"]
+    for name in ("AutoTokenizer", "AutoModelForCausalLM", "AutoConfig"):
+        getattr(transformers, name)
+
+
+def _send(sock: socket.socket, message: dict) -> None:
+    sock.send(msgspec.json.encode(message))
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class Zygote:
+    """The serving loop: fork on request, report each child's exit."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.start_dir = sys.path[0]
+        self.children: set[int] = set()
+        self.wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the selector
+
+    def serve(self) -> None:
+        """Until the controller hangs up."""
+        selector = selectors.DefaultSelector()
+        selector.register(self.sock, selectors.EVENT_READ)
+        selector.register(self.wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj is self.sock and not self._request():
+                    return
+                if key.fileobj == self.wake_r:
+                    with contextlib.suppress(BlockingIOError, InterruptedError):
+                        os.read(self.wake_r, 4096)
+            self._reap()
+
+    def _request(self) -> bool:
+        """Serve one request; False once the controller is gone."""
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, _MAX_MESSAGE, _MAX_FDS)
+        except ConnectionError:
+            return False
+        if not data:
+            return False
+        try:
+            request = msgspec.json.decode(data)
+            env = dict(request["env"])
+            # each inherited descriptor's number, as this side received it
+            env.update(zip(request.get("fd_env", []), map(str, fds[2:]), strict=False))
+            pid = self._fork(env, request["cwd"], fds)
+        except Exception as exc:  # a malformed request fails alone
+            _send(self.sock, {"error": f"{type(exc).__name__}: {exc}"})
+        else:
+            _send(self.sock, {"pid": pid})
+        finally:
+            _close(fds)
+        return True
+
+    def _fork(self, env: dict[str, str], cwd: str, fds: list[int]) -> int:
+        if len(fds) < 2:
+            raise ValueError("a request carries stdin and output descriptors")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            self._become_actor(env, cwd, fds)  # never returns
+        self.children.add(pid)
+        return pid
+
+    def _become_actor(self, env: dict[str, str], cwd: str, fds: list[int]) -> None:
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, signal.SIG_DFL)
+            _close([self.sock.detach(), self.wake_r])
+            os.setsid()  # a group of its own, as the exec path's start_new_session
+            stdin, output, *inherited = fds
+            os.dup2(stdin, 0)
+            os.dup2(output, 1)
+            os.dup2(output, 2)
+            _close([stdin, output])
+            for fd in inherited:
+                os.set_inheritable(fd, True)
+            os.chdir(cwd)
+            # ``python -m`` put the zygote's directory first on the path; an exec'd actor
+            # has its own there (a plugin or test module next to the job is found so)
+            sys.path[:] = [cwd if p == self.start_dir else p for p in sys.path]
+            os.environ.clear()
+            os.environ.update(env)
+            code = _run_actor()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            _send(self.sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _run_actor() -> int:
+    """What ``python -m asyncrl.runtime.child`` does, in this fork; atexit runs as at a
+    normal interpreter exit."""
+    import atexit
+
+    import numpy as np
+
+    from asyncrl.runtime import child
+
+    np.random.seed()  # a fork shares numpy's global stream with its siblings; torch and
+    # random differ as they would in a fresh process (torch's default seed is fixed)
+    try:
+        child.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    atexit._run_exitfuncs()
+    return code
+
+
+def main() -> None:
+    """Preload, say ready, serve; exit without tearing the interpreter down."""
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    try:
+        preload()
+    except BaseException:
+        _send(sock, {"error": traceback.format_exc()})
+        sys.exit(1)
+    _send(sock, {"ready": True})
+    Zygote(sock).serve()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The fork server: local actors fork from one process that imported torch once; it
+outlives a job, keeps environments apart, and takes its actors with it when it dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from asyncrl.runtime import forks, local
+from asyncrl.runtime.local import LocalActor, LocalRuntime
+from tests.test_runtime import spec
+
+
+async def facts(runtime: LocalRuntime, name: str, tmp_path: Path) -> tuple[LocalActor, dict]:
+    """Start a ``Reporter`` and read what it found in its process."""
+    handle = await runtime.start(spec(name, "Reporter", tmp_path))
+    report = tmp_path / f"{name}.journal.json"
+    async with asyncio.timeout(120):
+        while not report.exists() or not report.read_text():
+            assert handle.exit_code is None, handle.tail()
+            await asyncio.sleep(0.05)
+    return handle, json.loads(report.read_text())
+
+
+async def test_actors_fork_from_one_zygote_that_outlives_the_job(tmp_path):
+    parents = []
+    for job in ("first", "second"):
+        run = tmp_path / job
+        async with LocalRuntime(run, env={"ASYNCRL_TEST_MARK": "m"}) as runtime:
+            _, a = await facts(runtime, "a", run)
+            _, b = await facts(runtime, "b", run)
+            for handle in runtime.actors:
+                assert await runtime.stop(handle, grace=10) == 0
+        assert a["parent"] == b["parent"] != os.getpid()
+        assert a["mark"] == "m" and a["cwd"] == os.getcwd() and a["leads_session"]
+        assert a["draw"] != b["draw"], "forks share numpy's global stream"
+        parents.append(a["parent"])
+    assert parents[0] == parents[1], "the second job started a zygote of its own"
+
+
+async def test_a_job_with_another_environment_gets_a_zygote_of_its_own(tmp_path):
+    async with LocalRuntime(tmp_path / "plain") as runtime:
+        plain, one = await facts(runtime, "a", tmp_path / "plain")
+        # A zygote with a child running is kept while another environment is served.
+        async with LocalRuntime(tmp_path / "other", env={"ASYNCRL_TEST_MARK": "x"}) as other:
+            _, two = await facts(other, "b", tmp_path / "other")
+        assert plain.exit_code is None
+    assert one["parent"] != two["parent"] and two["mark"] == "x" and one["mark"] is None
+
+
+async def test_a_stop_sent_to_every_process_leaves_the_zygote_to_the_controller(tmp_path):
+    async with LocalRuntime(tmp_path) as runtime:
+        handle, found = await facts(runtime, "a", tmp_path)
+        os.kill(found["parent"], signal.SIGTERM)
+        os.kill(found["parent"], signal.SIGINT)
+        await asyncio.sleep(0.5)
+        assert handle.exit_code is None and os.path.exists(f"/proc/{found['parent']}")
+        assert await runtime.stop(handle, grace=10) == 0
+
+
+async def test_a_killed_zygote_takes_its_actors_and_the_next_job_gets_another(tmp_path):
+    async with LocalRuntime(tmp_path / "one") as runtime:
+        handle, found = await facts(runtime, "a", tmp_path / "one")
+        assert found["parent"] != os.getpid()  # never SIGKILL ourselves
+        os.kill(found["parent"], signal.SIGKILL)
+        async with asyncio.timeout(30):
+            assert await handle.wait() == -signal.SIGKILL
+    async with LocalRuntime(tmp_path / "two") as runtime:
+        handle, again = await facts(runtime, "a", tmp_path / "two")
+        assert again["parent"] != found["parent"]
+        assert await runtime.stop(handle, grace=10) == 0
+
+
+@pytest.mark.parametrize("how", ["unavailable", "off"])
+async def test_without_a_zygote_actors_are_started_with_exec(tmp_path, monkeypatch, how):
+    async def refuse(*args, **kwargs):
+        raise forks.ZygoteUnavailable("refused for the test")
+
+    monkeypatch.setattr(local, "fork_actor", refuse)
+    async with LocalRuntime(tmp_path, fork_server=how == "unavailable") as runtime:
+        handle, found = await facts(runtime, "a", tmp_path)
+        assert found["parent"] == os.getpid() and found["leads_session"]
+        assert await runtime.stop(handle, grace=10) == 0
+    assert not runtime.fork_server
