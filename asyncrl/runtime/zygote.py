@@ -15,10 +15,10 @@ Protocol over the ``SOCK_SEQPACKET`` socket ``FD`` (one msgspec-JSON message per
 
 The zygote never starts a thread, an event loop or a CUDA context, so forking it is as safe
 as forking a fresh interpreter. It leads a session of its own and ignores SIGTERM and
-SIGINT (a terminal's Ctrl-C, or a stop sent to every process of the job, is the
-controller's to handle, actor by actor), and exits at once, without an interpreter teardown to wait for,
-when the controller's end of the socket closes (the controller exited or died); its actors
-then get SIGTERM from the kernel, as actors started with exec do when the controller dies.
+SIGINT: a terminal's Ctrl-C, or a stop sent to every process of the job, is the
+controller's to handle, actor by actor. It exits at once, with no interpreter teardown to
+wait for, when the controller's end of the socket closes (the controller exited or died);
+its actors then get SIGTERM from the kernel, as exec'd actors do when the controller dies.
 (Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that started the zygote ends, and a
 controller starts it from a worker thread.)
 """
