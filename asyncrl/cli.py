@@ -24,7 +24,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,20 +169,6 @@ def _positive_float(raw: str) -> float:
     return value
 
 
-def _fraction(raw: str) -> float:
-    value = float(raw)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a share of memory in (0, 1], got {raw}")
-    return value
-
-
-def _positive_int(raw: str) -> int:
-    value = int(raw)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {raw}")
-    return value
-
-
 def _port(raw: str) -> int:
     value = int(raw)
     if not 0 <= value <= 65535:
@@ -238,40 +224,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--model", required=True, help="Hugging Face model directory")
     serve.add_argument("--host", default="127.0.0.1", help="loopback address to listen on")
     serve.add_argument("--port", type=_port, default=30000, help="port (0: pick a free one)")
-    serve.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1)")
-    serve.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="weights"
-    )
-    serve.add_argument("--max-running", type=int, default=64, help="max concurrent requests")
-    serve.add_argument("--max-total-tokens", type=_positive_int, default=None,
-                       help="KV positions held at once, padding included (default: from "
-                       "--mem-fraction-static)")  # fmt: skip
-    serve.add_argument(
-        "--mem-fraction-static",
-        type=_fraction,
-        default=0.2,
-        help="share of the free memory the KV cache may take (default 0.2)",
-    )
-    serve.add_argument(
-        "--no-packed-weights",
-        dest="packed_weights",
-        action="store_false",
-        help="on the CPU: no oneDNN-packed copy of the linear weights (half their memory, "
-        "slower matmuls)",
-    )
-    serve.add_argument(
-        "--no-lean-forward",
-        dest="lean_forward",
-        action="store_false",
-        help="run Llama and Qwen2 models through transformers' forward, not asyncrl's own",
-    )
-    serve.add_argument(
-        "--random-seed",
-        type=int,
-        default=None,
-        help="seed of the stream unseeded requests draw their sampling seeds from "
-        "(SGLang's flag; default: fresh from the OS)",
-    )
+    _add_engine_flags(serve)
     serve.add_argument(
         "--weight-version", type=int, default=0, help="initial weight version (optimizer steps)"
     )
@@ -295,6 +248,58 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="refuse (413) a /generate or /v1 request body over this many MB before reading "
         "it all; a prompt past the model's context is refused before it is tokenized",
     )
+
+
+#: ``asyncrl serve``'s engine flags: ``EngineConfig`` fields (``rollout.engine``'s keys)
+#: under SGLang's ``launch_server`` names first, then their own.
+SERVE_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
+    "device": ("--device",),
+    "dtype": ("--dtype",),
+    "max_running": ("--max-running-requests", "--max-running"),
+    "max_total_tokens": ("--max-total-tokens",),
+    "mem_fraction": ("--mem-fraction-static", "--mem-fraction"),
+    "packed_weights": ("--packed-weights",),
+    "lean_forward": ("--lean-forward",),
+    "seed": ("--random-seed", "--seed"),
+}
+
+
+def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
+    """One flag per ``SERVE_ENGINE_FLAGS`` field, typed, checked and described by it."""
+    from asyncrl.config import metavar
+    from asyncrl.engines.config import EngineConfig
+
+    for name, flags in SERVE_ENGINE_FLAGS.items():
+        field = EngineConfig.model_fields[name]
+        note = " (serve: null draws it from the OS)" if name == "seed" else ""
+        text = f"{field.description}{note} (default: {field.default})"
+        serve.add_argument(*flags, dest=name, type=_field_value(field), default=field.default,
+                           help=text, metavar=metavar(field.annotation))  # fmt: skip
+    for name in ("packed_weights", "lean_forward"):  # the switches of earlier releases
+        flag = "--no-" + name.replace("_", "-")
+        serve.add_argument(flag, dest=name, action="store_false", help=argparse.SUPPRESS)
+
+
+def _field_value(field: Any) -> Callable[[str], Any]:
+    """A flag's text as ``field``'s value, or argparse's error with pydantic's reason."""
+    import types
+    from typing import Annotated, get_args
+
+    from pydantic import TypeAdapter, ValidationError
+
+    adapter = TypeAdapter(Annotated[field.annotation, field])
+    nullable = types.NoneType in get_args(field.annotation)
+
+    def parse(raw: str) -> Any:
+        if nullable and raw.lower() in ("null", "none"):
+            return None
+        try:
+            return adapter.validate_python(raw)
+        except ValidationError as exc:
+            reason = exc.errors()[0]["msg"]
+            raise argparse.ArgumentTypeError(f"{reason}, got {raw}") from None
+
+    return parse
 
 
 def _add_plot(sub: argparse._SubParsersAction) -> None:
@@ -752,23 +757,15 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     import uvloop
 
-    from asyncrl.engines.server import EngineServer, serve_until_signalled
-    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.engines.config import EngineConfig
+    from asyncrl.engines.server.app import EngineServer, serve_until_signalled
+    from asyncrl.engines.torch.engine import TorchEngine
     from asyncrl.observe.logs import configure_logging
 
     configure_logging(actor="serve")
-    engine = TorchEngine.from_pretrained(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_running=args.max_running,
-        max_total_tokens=args.max_total_tokens,
-        mem_fraction=args.mem_fraction_static,
-        version=args.weight_version,
-        seed=args.random_seed,
-        packed=args.packed_weights,
-        lean=args.lean_forward,
-    )
+    fields = {name: getattr(args, name) for name in SERVE_ENGINE_FLAGS}
+    cfg = EngineConfig(type="torch", model_path=args.model, **fields)
+    engine = TorchEngine.from_config(cfg, seed=cfg.seed, version=args.weight_version)
     server_args = {"host": host, "port": args.port, "dtype": args.dtype,
                    "tool_call_parser": args.tool_call_parser}  # fmt: skip
     parser = None

@@ -55,3 +55,7 @@ class CheckpointUnreadable(InputError):
 class NonFiniteTraining(InputError):
     """Training produces NaN or infinite values step after step (a reward, a learning rate
     or data out of range): going on, or a restart, would only write broken weights."""
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (the HTTP layer answers 400 with the message)."""

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import RunConfig
+from asyncrl.engines.config import EngineConfig
 from asyncrl.errors import InputError
-from asyncrl.rollout.config import EngineConfig
 
 #: The engine's name in its seed: the eval actor's, so the same seed draws the same stream.
 EVAL_ACTOR = "eval"

@@ -127,7 +127,7 @@ def _models(cfg: RunConfig, problems: list[str]) -> Any:
         if engine is not None and (engine.type == "torch" or launched):
             folders[f"{name}.engine.model_path"] = engine.model_path
         if launched:
-            from asyncrl.engines.vllm_launch import vllm_python
+            from asyncrl.engines.vllm.launch import vllm_python
 
             _collect(lambda e=engine: vllm_python(e.vllm_python), problems)
     for key, folder in folders.items():

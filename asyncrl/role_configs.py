@@ -34,11 +34,11 @@ from asyncrl.buffer.snapshots import snapshot_dir, trainer_dir
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.config import RunConfig
+from asyncrl.engines.config import EngineConfig
 from asyncrl.preflight import tool_schemas
-from asyncrl.rollout.config import EngineConfig
 from asyncrl.rollout.reward_config import RewardModelConfig, reward_models
 from asyncrl.runtime.topology import rollout_actor_names
-from asyncrl.trainers.config import GroupConfig
+from asyncrl.weights.config import GroupConfig
 
 #: Seconds a finished trainer keeps serving its final weights for the eval actor to pull.
 FINAL_LINGER_S = 120.0

@@ -1,7 +1,7 @@
 """Cluster simulator (issue 11): a GPU cluster's rollout/train overlap, planned on 2 cores.
 
 Every mode runs ``asyncrl train`` with ``--rollout.engine.type sim`` (model-free engines
-whose decode time follows a latency model, ``asyncrl/engines/sim_engine.py``) and
+whose decode time follows a latency model, ``asyncrl/engines/sim/engine.py``) and
 ``--train-backend sim`` (a step takes modelled time, ``asyncrl/trainers/sim_trainer.py``).
 Everything else is the real code: the buffer and its admission rule, APRIL, the rollout
 actors and their HTTP clients, the ZeroMQ channels, the weight-version broadcast.

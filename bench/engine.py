@@ -20,16 +20,16 @@ token's log-prob is returned by every system (HF: ``output_logits``, then log-so
 - **engine**: every request submitted at once to ``TorchEngine`` (``--batch`` running at
   most; continuous batching);
 - **unpacked**: the same without its oneDNN-packed CPU weights (``packed=False``,
-  ``engines/cpu_linear.py``): what the packing buys, in the same run;
+  ``engines/torch/cpu_linear.py``): what the packing buys, in the same run;
 - **hf-forward**: the same through transformers' forward, not the engine's own
-  (``lean=False``, ``engines/lean_forward.py``);
+  (``lean=False``, ``engines/torch/lean_forward.py``);
 - **hf**: ``model.generate`` in static batches of ``--batch`` requests in arrival order,
   left-padded, each batch run to its longest request;
 - **vllm**: vLLM's offline ``LLM.generate`` with every request at once, ``max_num_seqs``
   = ``--batch``, eager, both cores (``bench/vllm_worker.py`` in vLLM's venv; skipped
   with a note when ``--vllm-python`` is missing: ``make vllm-venv`` builds it);
 - **vllm-server**: the same vLLM as asyncrl's ``vllm`` engine type runs it, its OpenAI
-  server started with asyncrl's arguments (``engines/vllm_launch.py``), every request
+  server started with asyncrl's arguments (``engines/vllm/launch.py``), every request
   at once through ``VLLMEngine`` (one HTTP call each to ``/inference/v1/generate``):
   what a rollout actor gets from vLLM, HTTP and vLLM's API server included.
 
@@ -65,7 +65,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.engines.base import GenerateRequest, SamplingParams
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.torch.engine import TorchEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, too
 from bench.torch_profile import profiled
@@ -211,7 +211,7 @@ def run_vllm_server(
     dtype: str = "float32",
 ) -> dict[str, float]:  # fmt: skip
     """vLLM's server as the ``vllm`` engine type drives it: tokens/s per workload."""
-    from asyncrl.engines.vllm_launch import vllm_command, vllm_env
+    from asyncrl.engines.vllm.launch import vllm_command, vllm_env
 
     longest = max(len(ids) + n for work in works.values() for ids, n in work)
     extra = ["--max-num-seqs", str(batch), "--max-model-len", str(longest + 8), "--enforce-eager"]
@@ -250,7 +250,7 @@ async def _through_vllm_engine(
 ) -> dict[str, float]:
     import aiohttp
 
-    from asyncrl.engines.vllm_engine import VLLMEngine
+    from asyncrl.engines.vllm.engine import VLLMEngine
 
     async with aiohttp.ClientSession() as http, asyncio.timeout(600):
         while server.poll() is None:

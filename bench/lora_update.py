@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.engines.torch.engine import TorchEngine
     from asyncrl.trainers.torch_trainer import TorchTrainer
 
     torch.set_num_threads(args.threads)

@@ -43,7 +43,7 @@ def prompts(tokenizer: Any, groups: int) -> list[list[int]]:
 
 async def sample(model_dir: str, ids: list[list[int]], temperature: float) -> list[Any]:
     from asyncrl.engines.base import GenerateRequest, SamplingParams
-    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.engines.torch.engine import TorchEngine
 
     engine = TorchEngine.from_pretrained(model_dir, max_running=64, seed="calibration")
     params = SamplingParams(max_new_tokens=64, temperature=temperature)

@@ -32,7 +32,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.engines.base import GenerateRequest, SamplingParams
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.wire.sockets import free_tcp_endpoint
 
 

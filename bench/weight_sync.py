@@ -63,10 +63,10 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.trainers.config import GroupConfig
-from asyncrl.trainers.weight_buckets import empty_bucket, manifest_buckets
-from asyncrl.trainers.weight_group import BroadcastGroup, GroupMembership
-from asyncrl.trainers.weight_sync import WeightPublisher, WeightReceiver
+from asyncrl.weights.buckets import empty_bucket, manifest_buckets
+from asyncrl.weights.config import GroupConfig
+from asyncrl.weights.group import BroadcastGroup, GroupMembership
+from asyncrl.weights.sync import WeightPublisher, WeightReceiver
 from asyncrl.wire.blob import BlobServer, layout
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import WeightVersion
@@ -254,7 +254,7 @@ def child_raw_shm(opts: dict) -> None:
 
 
 def child_raw_cuda(opts: dict) -> None:
-    from asyncrl.engines.tensor_payload import decode
+    from asyncrl.weights.payload import decode
 
     shared = decode(opts["handle"])  # the parent's device buffer, mapped
     buf = torch.zeros_like(shared)
@@ -399,7 +399,7 @@ def _raw_shm(tensors: dict, n: int, versions: int):
 
 
 def _raw_cuda(tensors: dict, n: int, versions: int):
-    from asyncrl.engines.tensor_payload import encode
+    from asyncrl.weights.payload import encode
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     shared = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)

@@ -32,7 +32,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.trainers.weight_sync import WeightPublisher, WeightReceiver
+from asyncrl.weights.sync import WeightPublisher, WeightReceiver
 from asyncrl.wire.blob import BlobServer
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import WeightVersion

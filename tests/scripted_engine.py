@@ -22,6 +22,7 @@ from typing import Any
 
 from asyncrl.engines.base import FinishReason, GenerateOutput, GenerateRequest
 from asyncrl.engines.sglang_wire import GenerateResult
+from asyncrl.rollout.base import parse_sampling
 
 
 @dataclass
@@ -55,7 +56,7 @@ class ScriptedEngine:
         if step.finish == "stop" and step.matched is None:
             ids.append(self.tokenizer.eos_token_id)
         finish = step.finish
-        cap = int((sampling_params or {})["max_new_tokens"])
+        cap = parse_sampling(sampling_params or {}).max_new_tokens
         if len(ids) > cap:
             ids, finish = ids[:cap], "length"
         self.sampled.append(ids)

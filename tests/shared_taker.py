@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from asyncrl.trainers.weight_share import take_shared
+from asyncrl.weights.share import take_shared
 
 
 def main() -> None:

@@ -95,14 +95,37 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]):
         (["chaos", "--every", "-1"], "argument --every: expected a number of seconds > 0"),
         (["chaos", "--duration", "0"], "argument --duration: expected a number of seconds > 0"),
         (["serve", "--port", "99999"], "argument --port: a TCP port is 0 to 65535, got 99999"),
-        (["serve", "--mem-fraction-static", "0"], "share of memory in (0, 1], got 0"),
-        (["serve", "--max-total-tokens", "0"], "argument --max-total-tokens: expected an"),
+        (["serve", "--mem-fraction-static", "0"], "static/--mem-fraction: Input should be greater"),
+        (["serve", "--max-total-tokens", "0"], "argument --max-total-tokens: Input should be"),
+        (["serve", "--dtype", "float8"], "argument --dtype: Input should be 'float32'"),
     ],
 )
 def test_out_of_range_numbers_are_refused_at_their_flag(argv, words, capsys):
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_serve_flags_are_the_engine_configs_fields_under_sglangs_names():
+    """``asyncrl serve`` builds its engine from an ``EngineConfig``: each engine flag is a
+    field, with its default, and parses to what ``rollout.engine`` would hold."""
+    from asyncrl.cli import SERVE_ENGINE_FLAGS, _parser
+    from asyncrl.engines.config import EngineConfig
+
+    parser = _parser([])
+    argv = ["serve", "--model", "m", "--mem-fraction-static", "0.5", "--packed-weights",
+            "false", "--max-running-requests", "8", "--random-seed", "null",
+            "--no-lean-forward"]  # fmt: skip
+    args = parser.parse_args(argv)
+    fields = {name: getattr(args, name) for name in SERVE_ENGINE_FLAGS}
+    assert fields == {"device": "cpu", "dtype": "float32", "max_running": 8,
+                      "max_total_tokens": None, "mem_fraction": 0.5, "packed_weights": False,
+                      "lean_forward": False, "seed": None}  # fmt: skip
+    cfg = EngineConfig(type="torch", model_path="m", **fields)
+    defaults = parser.parse_args(["serve", "--model", "m"])
+    for name in SERVE_ENGINE_FLAGS:
+        assert getattr(defaults, name) == EngineConfig.model_fields[name].default, name
+    assert cfg.max_running == 8 and not cfg.packed_weights
 
 
 @pytest.mark.parametrize("nested", [False, True])

@@ -24,7 +24,7 @@ from asyncrl.actors.base import ActorSpec
 from asyncrl.actors.engine import EngineActor, sglang_command
 from asyncrl.cli import _sglang_flags
 from asyncrl.config import ConfigError, load_config
-from asyncrl.rollout.config import EngineConfig
+from asyncrl.engines.config import EngineConfig
 from asyncrl.wire.sockets import free_tcp_endpoint
 from tests.test_train import (
     LONG_RUN,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.engines.server import EngineServer
-from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.rollout.config import EngineConfig
+from asyncrl.engines.config import EngineConfig
+from asyncrl.engines.server.app import EngineServer
+from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.rollout.engines import EngineHost
 from asyncrl.wire.messages import WeightVersion
 from tests.test_sglang_client import free_port

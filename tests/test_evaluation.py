@@ -20,9 +20,10 @@ from asyncrl.actors.base import ActorSpec
 from asyncrl.actors.config import EvalActorConfig
 from asyncrl.actors.eval import EvalActor
 from asyncrl.engines.base import FinishReason
+from asyncrl.engines.config import EngineConfig
 from asyncrl.engines.sglang_wire import GenerateResult
 from asyncrl.rollout.base import RolloutContext
-from asyncrl.rollout.config import EngineConfig, EvalConfig, EvalSetConfig, RewardConfig
+from asyncrl.rollout.config import EvalConfig, EvalSetConfig, RewardConfig
 from asyncrl.rollout.evaluation import evaluate_set, score_samples
 from asyncrl.rollout.rewards import build_reward
 from asyncrl.rollout.single_turn import single_turn

@@ -20,7 +20,7 @@ import torch
 
 from asyncrl.policies import PolicyConfig
 from asyncrl.trainers.torch_trainer import TorchTrainer
-from asyncrl.trainers.weight_sync import WeightReceiver
+from asyncrl.weights.sync import WeightReceiver
 from tests.test_logprob_agreement import _check, _generate
 from tests.test_weight_sync import publisher, same, weights
 
@@ -34,7 +34,7 @@ PROMPTS = [[5, 9, 11], list(range(20, 40)), [300, 7]]
 RECEIVER = """
 import asyncio, json, sys
 import torch
-from asyncrl.trainers.weight_sync import WeightReceiver
+from asyncrl.weights.sync import WeightReceiver
 
 async def main(pub, snap, last):
     async with WeightReceiver(pub, snap, puller="gpu") as rx:
@@ -64,7 +64,7 @@ async def test_plain_rows_sampled_on_the_gpu_report_their_log_probs_under_z_over
     from transformers import AutoModelForCausalLM
 
     from asyncrl.engines.base import GenerateRequest, SamplingParams
-    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.engines.torch.engine import TorchEngine
 
     engine = TorchEngine.from_pretrained(str(tiny_dir), device="cuda")
     model = AutoModelForCausalLM.from_pretrained(str(tiny_dir)).to("cuda").eval()

@@ -1,4 +1,4 @@
-"""``engines/heap_trim.py``: freed heap memory goes back to the system, at most once an
+"""``engines/torch/heap_trim.py``: freed heap memory goes back to the system, at most once an
 interval, and the torch engine on CPU trims as it steps."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from asyncrl.engines.heap_trim import HeapTrimmer
+from asyncrl.engines.torch.heap_trim import HeapTrimmer
 
 #: Holes in the heap: 2,000 blocks of 100 kB, every other one freed. No automatic trim
 #: can return them (live blocks lie above each), and glibc's mmap threshold is above them.
 _HOLES = """
 import sys
-from asyncrl.engines.heap_trim import HeapTrimmer
+from asyncrl.engines.torch.heap_trim import HeapTrimmer
 
 def rss_mb():
     with open("/proc/self/status") as f:

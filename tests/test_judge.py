@@ -14,8 +14,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from pydantic import ValidationError
 
-from asyncrl.engines.server import EngineServer
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.server.app import EngineServer
+from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.rollout.reward_config import JudgeConfig, RewardConfig
 from asyncrl.rollout.rewards import RewardError, build_reward
 from asyncrl.types import Sample

@@ -1,6 +1,6 @@
-"""The engine's KV slabs (asyncrl/engines/kv_batch.py) hold exactly what Hugging Face's
+"""The engine's KV slabs (asyncrl/engines/torch/kv_batch.py) hold exactly what Hugging Face's
 concatenating cache would, through appends, growth, left trims, row selection and
-merges, and the CPU decode matmuls (asyncrl/engines/cpu_linear.py) equal ``F.linear``."""
+merges, and the CPU decode matmuls (asyncrl/engines/torch/cpu_linear.py) equal ``F.linear``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pickle
 import pytest
 import torch
 
-from asyncrl.engines import cpu_linear
-from asyncrl.engines.kv_batch import SlabLayer, _concat_caches, new_cache
+from asyncrl.engines.torch import cpu_linear as cpu_linear
+from asyncrl.engines.torch.kv_batch import SlabLayer, _concat_caches, new_cache
 
 
 def kv(b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The engine's lean forward (asyncrl/engines/lean_forward.py) computes transformers'
+"""The engine's lean forward (asyncrl/engines/torch/lean_forward.py) computes transformers'
 logits: a prefill of left-padded rows of different lengths, then decode steps, on a
 tiny Qwen2 (q/k/v biases) and a tiny Llama (rope scaling), packed weights or not; and
 it declines the models it does not cover."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from asyncrl.engines import cpu_linear
-from asyncrl.engines import lean_forward as lean_forward_module
-from asyncrl.engines.kv_batch import new_cache
-from asyncrl.engines.lean_forward import lean_forward
+from asyncrl.engines.torch import cpu_linear as cpu_linear
+from asyncrl.engines.torch import lean_forward as lean_forward_module
+from asyncrl.engines.torch.kv_batch import new_cache
+from asyncrl.engines.torch.lean_forward import lean_forward
 
 #: Wide enough that every fused and plain linear is packed (cpu_linear.MIN_ELEMENTS).
 SHAPE = {

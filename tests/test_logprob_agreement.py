@@ -16,7 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from asyncrl.engines.base import GenerateRequest, SamplingParams
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.policies import PolicyConfig
 from asyncrl.trainers.rollout_tensors import rollout_tensors
 from asyncrl.trainers.torch_trainer import TorchTrainer

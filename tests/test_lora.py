@@ -20,8 +20,9 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, load_config
-from asyncrl.engines.base import EngineError, GenerateRequest, SamplingParams
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.base import GenerateRequest, SamplingParams
+from asyncrl.engines.torch.engine import TorchEngine
+from asyncrl.errors import EngineError
 from asyncrl.policies import PolicyConfig
 from asyncrl.trainers.torch_trainer import TorchTrainer
 from asyncrl.types import Group, Sample, SampleStatus, TrainBatch
@@ -223,7 +224,7 @@ async def test_a_bf16_engine_merges_each_version_onto_the_untouched_base(tiny):
 async def test_a_merge_that_fails_midway_tears_the_engine_until_a_version_completes(
     tiny, engine, monkeypatch
 ):
-    from asyncrl.engines import lora_merge
+    from asyncrl.weights import lora_merge
 
     version = lora_trainer(tiny, publish="adapters").export_weights()
     calls = []
@@ -379,7 +380,7 @@ def test_a_disk_adapter_version_is_a_peft_folder_that_peft_loads(tiny, tmp_path)
     reads back as the same version."""
     from peft import PeftModel
 
-    from asyncrl.trainers.weight_sync import _load_dir, write_version_dir
+    from asyncrl.weights.sync import _load_dir, write_version_dir
 
     trainer = lora_trainer(tiny, publish="adapters")
     trainer.train_step(make_batch())  # B moves off 0

@@ -402,9 +402,9 @@ class Recording:
 
 
 async def test_the_real_engine_behind_the_proxy_with_a_weight_update_mid_episode(tmp_path):
-    from asyncrl.engines.server import EngineServer
-    from asyncrl.engines.sglang_client import SGLangClient
-    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.engines.client.sglang import SGLangClient
+    from asyncrl.engines.server.app import EngineServer
+    from asyncrl.engines.torch.engine import TorchEngine
     from tests.tiny_model import build_tiny_model
 
     model, tokenizer = build_tiny_model(tmp_path)

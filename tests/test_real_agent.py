@@ -107,9 +107,9 @@ async def score(sample: Sample) -> float:
 async def test_a_streaming_openai_agent_trains_exactly_the_engines_tokens_and_the_tools_text(
     tool_model,
 ):
-    from asyncrl.engines.server import EngineServer
-    from asyncrl.engines.sglang_client import SGLangClient
-    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.engines.client.sglang import SGLangClient
+    from asyncrl.engines.server.app import EngineServer
+    from asyncrl.engines.torch.engine import TorchEngine
 
     tokenizer = AutoTokenizer.from_pretrained(tool_model)
     engine = TorchEngine.from_pretrained(str(tool_model))

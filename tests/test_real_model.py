@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.engines.base import GenerateRequest, SamplingParams
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.job import run_job
 from tests.test_train import accounted, last_buffer_metrics
 

@@ -9,7 +9,8 @@ from typing import Any
 from asyncrl.actors.base import ActorSpec
 from asyncrl.actors.config import RolloutActorConfig
 from asyncrl.actors.rollout import RolloutActor
-from asyncrl.rollout.config import EngineConfig, RewardConfig
+from asyncrl.engines.config import EngineConfig
+from asyncrl.rollout.config import RewardConfig
 from asyncrl.types import Group, Prompt, Sample, SampleStatus, WorkItem
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.engines.sglang_client import GenerateResult, SGLangClient
+from asyncrl.engines.client.sglang import GenerateResult, SGLangClient
 from tests.test_sglang_client import IDS, TRIPLES, Fake, chunk, free_port, serving, sse, stream
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""Sampling and the reported log-probs (asyncrl/engines/sampling.py): the token is drawn
+"""Sampling and the reported log-probs (asyncrl/engines/torch/sampling.py): the token is drawn
 from the truncated distribution, its log-prob is SGLang's full-vocabulary
 ``log_softmax(z / T)``, and prompt log-probs are scored in chunks at the same temperature."""
 
@@ -9,7 +9,7 @@ import math
 import torch
 
 from asyncrl.engines.base import SamplingParams
-from asyncrl.engines.sampling import RowState, prompt_logprobs, sample, sample_rows
+from asyncrl.engines.torch.sampling import RowState, prompt_logprobs, sample, sample_rows
 
 
 def row(seed: int = 0, **params) -> RowState:
@@ -124,7 +124,7 @@ def test_the_two_level_draw_picks_the_token_a_whole_vocabulary_cdf_would():
     """``_draw`` inverts a CDF of blocks, then one block's: for the same uniforms it
     draws what one float64 CDF over the vocabulary draws, and never a token of zero
     probability (two at block ends here, beside mass), over a padded last block."""
-    from asyncrl.engines.sampling import _BLOCK, _draw
+    from asyncrl.engines.torch.sampling import _BLOCK, _draw
 
     torch.manual_seed(5)
     vocab = 3 * _BLOCK + 100

@@ -23,13 +23,13 @@ import zmq.auth
 from asyncrl.actors.base import is_permanent
 from asyncrl.cli import main
 from asyncrl.config import load_config
-from asyncrl.engines.server import EngineServer
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.server.app import EngineServer
+from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.errors import InputError
 from asyncrl.job import run_job
 from asyncrl.runtime.chaos import Chaos
 from asyncrl.runtime.supervisor import Supervisor
-from asyncrl.trainers.config import check_group_host
+from asyncrl.weights.config import check_group_host
 from asyncrl.wire import framing, security
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.messages import WeightVersion

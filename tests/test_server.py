@@ -28,10 +28,10 @@ import pytest_asyncio
 
 from asyncrl.cli import main
 from asyncrl.engines.base import GenerateRequest, SamplingParams
-from asyncrl.engines.in_process import InProcessGenerator
-from asyncrl.engines.server import EngineServer
-from asyncrl.engines.sglang_client import EngineUnavailable, SGLangClient, SGLangError
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.client.sglang import EngineUnavailable, SGLangClient, SGLangError
+from asyncrl.engines.server.app import EngineServer
+from asyncrl.engines.server.in_process import InProcessGenerator
+from asyncrl.engines.torch.engine import TorchEngine
 from tests.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -1024,7 +1024,7 @@ async def test_a_distributed_update_over_gloo_reaches_an_asyncrl_serve_process(
     from transformers import AutoModelForCausalLM
 
     from asyncrl.rollout.server_group import server_buckets
-    from asyncrl.trainers.weight_group import BroadcastGroup
+    from asyncrl.weights.group import BroadcastGroup
     from asyncrl.wire.blob import layout
 
     other = AutoModelForCausalLM.from_pretrained(str(other_weights))
@@ -1118,7 +1118,7 @@ async def test_tensor_payloads_are_read_through_an_allow_list(http, url):
 
 
 def test_only_a_closing_server_is_a_503_not_any_refused_connection():
-    from asyncrl.engines.server import ServerClosed, error_reply
+    from asyncrl.engines.server.app import ServerClosed, error_reply
 
     assert error_reply(ServerClosed("shutting down"), "/generate") == (
         503, {"error": {"message": "shutting down"}},
@@ -1178,7 +1178,7 @@ async def test_a_tool_call_parser_turns_a_chat_reply_into_openai_tool_calls(tmp_
     from types import SimpleNamespace
 
     from asyncrl.engines.base import FinishReason, GenerateOutput
-    from asyncrl.engines.openai_routes import OpenAICall
+    from asyncrl.engines.server.openai_routes import OpenAICall
     from asyncrl.rollout.workflows import tool_call_parser
     from tests.tiny_tokenizer import build_chatml_tokenizer
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.engines.sglang_client import SGLangClient
+from asyncrl.engines.client.sglang import SGLangClient
 from asyncrl.errors import InputError
 from asyncrl.rollout.server_group import ServerGroup, server_buckets
-from asyncrl.trainers.config import GroupConfig
+from asyncrl.weights.config import GroupConfig
 from asyncrl.wire.blob import layout
 from tests.test_sglang_client import FAST, Fake, serving
 

@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from asyncrl.engines.base import SamplingParams
-from asyncrl.engines.sglang_client import (
+from asyncrl.engines.client.sglang import (
     EngineUnavailable,
     SGLangClient,
     SGLangError,
@@ -31,7 +31,7 @@ from asyncrl.engines.sglang_client import (
     error_message,
     parse_generate_output,
 )
-from asyncrl.engines.sglang_transport import pool_size
+from asyncrl.engines.client.transport import pool_size
 
 # ----------------------------------------------------------------------------- recorded shapes
 

@@ -19,9 +19,9 @@ import pytest
 import pytest_asyncio
 import torch
 
-from asyncrl.engines.server import EngineServer
-from asyncrl.engines.sglang_client import SGLangClient, WeightBucket
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.client.sglang import SGLangClient, WeightBucket
+from asyncrl.engines.server.app import EngineServer
+from asyncrl.engines.torch.engine import TorchEngine
 from tests.sglang_types import fits, request_fields, sglang_contract_error
 from tests.test_server import call
 from tests.test_sglang_client import FAST, Fake, serving
@@ -89,8 +89,8 @@ def test_tensor_payloads_name_only_globals_an_sglang_server_unpickles():
     import base64
     import io
 
-    from asyncrl.engines import tensor_payload
-    from asyncrl.trainers.weight_share import SharedVersions
+    from asyncrl.weights import payload as tensor_payload
+    from asyncrl.weights.share import SharedVersions
     from tests.sglang_types import safe_unpickler_globals
 
     named = [("a", torch.arange(4.0)), ("b", torch.ones(2, dtype=torch.bfloat16))]

@@ -1,4 +1,4 @@
-"""SimEngine (asyncrl/engines/sim_engine.py): response lengths follow the latency model,
+"""SimEngine (asyncrl/engines/sim/engine.py): response lengths follow the latency model,
 modelled time follows its step formula, versions, aborts and pauses behave as in every
 engine, and it serves SGLang's API through the real server and client."""
 
@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncrl.engines.base import EngineError, GenerateOutput, GenerateRequest, SamplingParams
-from asyncrl.engines.sim_engine import SimEngine
-from asyncrl.engines.sim_latency import LatencyModel
+from asyncrl.engines.base import GenerateOutput, GenerateRequest, SamplingParams
+from asyncrl.engines.sim.engine import SimEngine
+from asyncrl.engines.sim.latency import LatencyModel
+from asyncrl.errors import EngineError
 
 FAST = {"time_scale": 1e4}  # modelled seconds run 10,000 times faster than real ones
 
@@ -134,8 +135,8 @@ def test_what_it_cannot_simulate_is_refused():
 
 
 async def test_it_serves_sglangs_api_through_the_server_and_client():
-    from asyncrl.engines.server import EngineServer
-    from asyncrl.engines.sglang_client import SGLangClient
+    from asyncrl.engines.client.sglang import SGLangClient
+    from asyncrl.engines.server.app import EngineServer
 
     engine = SimEngine(LatencyModel(length_median=8, length_p99_ratio=1.0, **FAST))
     server = EngineServer(engine)
@@ -156,7 +157,7 @@ async def test_it_serves_sglangs_api_through_the_server_and_client():
 async def test_a_rollout_actors_engine_host_embeds_it_with_the_models_vocab(tmp_path):
     import json
 
-    from asyncrl.rollout.config import EngineConfig
+    from asyncrl.engines.config import EngineConfig
     from asyncrl.rollout.engines import EngineHost
 
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300, "eos_token_id": [9]}))
@@ -175,7 +176,7 @@ async def test_a_rollout_actors_engine_host_embeds_it_with_the_models_vocab(tmp_
 
 
 async def test_one_host_runs_several_sim_engines_and_updates_them_together():
-    from asyncrl.rollout.config import EngineConfig
+    from asyncrl.engines.config import EngineConfig
     from asyncrl.rollout.engines import EngineHost
 
     sim = {"length_median": 5, "length_p99_ratio": 1.0, "time_scale": 1e4}
@@ -193,8 +194,8 @@ async def test_one_host_runs_several_sim_engines_and_updates_them_together():
 async def test_an_engine_host_calls_its_engines_in_process_unless_told_not_to(
     monkeypatch, in_process
 ):
-    from asyncrl.engines.server import EngineServer
-    from asyncrl.rollout.config import EngineConfig
+    from asyncrl.engines.config import EngineConfig
+    from asyncrl.engines.server.app import EngineServer
     from asyncrl.rollout.engines import EngineHost
 
     over_http: list[str] = []

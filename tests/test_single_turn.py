@@ -21,9 +21,10 @@ import pytest
 import pytest_asyncio
 
 from asyncrl.engines.base import FinishReason
-from asyncrl.engines.server import EngineServer
-from asyncrl.engines.sglang_client import GenerateResult, SGLangClient
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.client.sglang import GenerateResult, SGLangClient
+from asyncrl.engines.server.app import EngineServer
+from asyncrl.engines.sglang_wire import sampling_dict
+from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.rollout.base import Generator, RolloutContext
 from asyncrl.rollout.rewards import RewardConfig, RewardError, build_reward
 from asyncrl.rollout.single_turn import single_turn
@@ -70,7 +71,7 @@ class Recording:
         *,
         rid: str | None = None,
     ) -> GenerateResult:
-        self.calls.append((list(input_ids), dict(sampling_params or {}), rid))
+        self.calls.append((list(input_ids), sampling_dict(sampling_params), rid))
         return await self.engine.generate(input_ids, sampling_params, rid=rid)
 
 
@@ -158,7 +159,8 @@ async def test_a_fresh_sample_stops_with_aligned_columns_and_a_reward(client, en
     text = tokenizer.decode(ids[: k + 1], skip_special_tokens=True)
     assert sample.response_text == text
     assert sample.reward == {"score": 1.0, "chars": float(len(text))}
-    assert recording.calls == [(PROMPT, {**ctx.sampling, "max_new_tokens": 8}, "g/0#0#")]
+    asked = {**sampling_dict(ctx.sampling), "max_new_tokens": 8}
+    assert recording.calls == [(PROMPT, asked, "g/0#0#")]
 
 
 async def test_a_sample_that_uses_its_budget_is_truncated_and_scored(client, engine, reference):
@@ -312,3 +314,38 @@ async def test_a_workflow_path_to_a_sync_or_missing_function_fails_naming_it():
         load_workflow(sync_path)
     with pytest.raises(ValueError, match=re.escape("workflow path 'tests.nope:fn': cannot")):
         load_workflow("tests.nope:fn")
+
+
+async def test_the_rollout_temperature_crosses_one_parse_from_config_to_the_engine(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The context parses the config's mapping once; the in-process call hands the typed
+    params to the engine, and the server's dict parse is never reached."""
+    from asyncrl.engines.server import generate_wire
+    from asyncrl.engines.server.in_process import InProcessGenerator
+
+    torch_engine = TorchEngine.from_pretrained(str(model_dir), version=VERSION)
+    seen: list[Any] = []
+    submit = torch_engine.generate
+
+    def spy(request: Any) -> Any:
+        seen.append(request.sampling)
+        return submit(request)
+
+    def no_dict(raw: Any) -> Any:
+        raise AssertionError(f"sampling params parsed again from {raw!r}")
+
+    monkeypatch.setattr(torch_engine, "generate", spy)
+    monkeypatch.setattr(generate_wire, "_convert_sampling", no_dict)
+    server = EngineServer(torch_engine)
+    await server.start("127.0.0.1", 0)
+    try:
+        tokenizer = torch_engine.tokenizer
+        ctx = context(InProcessGenerator([server]), tokenizer, {**GREEDY, "temperature": 0.7})
+        done = await single_turn(ctx, fresh())
+    finally:
+        await server.stop()
+    assert done.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED), done.error
+    # the server's start-up probe first (greedy), then the rollout's one call
+    assert [p.temperature for p in seen] == [0, 0.7] and seen[-1].max_new_tokens == 8
+    assert ctx.sampling.temperature == 0.7 and ctx.sampling.max_new_tokens == 8

@@ -98,6 +98,27 @@ def test_no_two_packages_import_each_other_around_a_loop():
     assert not loops, loops
 
 
+#: Sideways edges: the engines, the rollout workflows and the trainers each stand on the
+#: shared layers (``weights``, ``wire``, ``types``, ...) and never on each other, except
+#: that rollout drives engines; ``weights`` stands on none of them.
+FORBIDDEN = {
+    "rollout": {"trainers"},
+    "trainers": {"rollout", "engines"},
+    "engines": {"rollout", "trainers", "actors"},
+    "weights": {"engines", "rollout", "trainers", "actors", "buffer"},
+}
+
+
+def test_engines_rollout_and_trainers_do_not_import_each_other_sideways():
+    edges = package_imports()
+    sideways = [
+        f"{a} -> {b} (in {sorted(edges[a][b])})"
+        for a, banned in FORBIDDEN.items()
+        for b in sorted(banned & set(edges.get(a, {})))
+    ]
+    assert not sideways, sideways
+
+
 def test_actors_read_their_typed_config_not_the_raw_params():
     """Each actor's settings are its ``Config``, validated once in ``Actor.__init__``; the
     raw ``spec.params`` dictionary is read there and nowhere else."""

@@ -1,4 +1,4 @@
-"""``ToolStream`` (asyncrl/engines/tool_stream.py): a turn's text cut anywhere streams the
+"""``ToolStream`` (asyncrl/engines/server/tool_stream.py): a turn's text cut anywhere streams the
 same content and calls as the text in one piece, which are the non-streamed reply's.
 
 The parsers are the real ones (Hermes and Llama 3); the texts hold one call, parallel
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl.engines.tool_stream import ToolStream, content_of
+from asyncrl.engines.server.tool_stream import ToolStream, content_of
 from asyncrl.rollout.multi_turn import HermesParser, Llama3Parser, ToolCall
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.engines import cpu_linear
 from asyncrl.engines.base import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
-from asyncrl.engines.torch_engine import EngineError, TorchEngine
+from asyncrl.engines.torch import cpu_linear as cpu_linear
+from asyncrl.engines.torch.engine import EngineError, TorchEngine
 from tests.tiny_model import build_tiny_model
 
 
@@ -289,7 +289,7 @@ def copies(engine: TorchEngine) -> int:
 async def test_an_update_written_around_torchs_version_counter_reaches_the_packed_weights(lean):
     """The pull transport writes a version into the model's memory through numpy, unseen
     by torch's version counters: the engine's packed and fused copies
-    (engines/cpu_linear.py) must still be made again from the new weights; and
+    (engines/torch/cpu_linear.py) must still be made again from the new weights; and
     release_memory frees them."""
     model = wide_qwen2()
     reference = copy.deepcopy(model)
@@ -555,9 +555,9 @@ def test_abort_by_rid_matches_sglang_a_live_rid_and_the_ids_it_begins():
 async def test_a_context_bound_generator_cuts_the_budget_to_the_room_left(tiny):
     """SGLang refuses input + max_new_tokens past the context; asyncrl's generator asks
     for what fits, and a prompt with no room left ends at once with a length finish."""
+    from asyncrl.engines.client.sglang import SGLangClient
     from asyncrl.engines.context_bound import ContextBound
-    from asyncrl.engines.server import EngineServer
-    from asyncrl.engines.sglang_client import SGLangClient
+    from asyncrl.engines.server.app import EngineServer
 
     engine = TorchEngine.from_pretrained(str(tiny[0]))
     server = EngineServer(engine)  # it runs the engine
@@ -597,7 +597,11 @@ async def test_set_threads_reaches_the_step_thread(engine: TorchEngine) -> None:
 def test_the_kv_budget_is_what_the_free_memory_holds_at_its_peak():
     from transformers import LlamaConfig
 
-    from asyncrl.engines.kv_batch import PEAK_COPIES, kv_bytes_per_position, kv_position_budget
+    from asyncrl.engines.torch.kv_batch import (
+        PEAK_COPIES,
+        kv_bytes_per_position,
+        kv_position_budget,
+    )
 
     smollm2 = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                           num_key_value_heads=3)  # fmt: skip
@@ -641,7 +645,7 @@ async def test_admission_keeps_the_padded_cache_within_max_total_tokens(tiny):
 
 
 async def test_the_engine_on_cpu_gives_freed_heap_back_as_it_steps(engine: TorchEngine):
-    from asyncrl.engines.heap_trim import HeapTrimmer
+    from asyncrl.engines.torch.heap_trim import HeapTrimmer
 
     assert isinstance(engine._heap, HeapTrimmer)  # on CPU, where the KV lives in the heap
     engine._heap, steps = HeapTrimmer(interval_s=0.0), engine.stats["steps"]

@@ -1,7 +1,7 @@
 """The vLLM engine type against a real vLLM server (vLLM's CPU build, ``make vllm-venv``).
 
 One server on the tiny model serves the module (about 25 s to start); it runs with
-asyncrl's arguments (``engines/vllm_launch.py``) and is reached the way a rollout actor
+asyncrl's arguments (``engines/vllm/launch.py``) and is reached the way a rollout actor
 reaches it: our SGLang-API server over ``VLLMEngine``, through ``SGLangClient``. The
 training job launches its own server through an engine actor. Skipped when vLLM's
 virtualenv is missing (``make test`` builds it).
@@ -25,12 +25,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncrl.engines.server import EngineServer
-from asyncrl.engines.sglang_client import SGLangClient, SGLangError
-from asyncrl.engines.vllm_engine import VLLMEngine
-from asyncrl.engines.vllm_launch import vllm_command, vllm_env, vllm_python
+from asyncrl.engines.client.sglang import SGLangClient, SGLangError
+from asyncrl.engines.server.app import EngineServer
+from asyncrl.engines.vllm.engine import VLLMEngine
+from asyncrl.engines.vllm.launch import vllm_command, vllm_env, vllm_python
 from asyncrl.rollout.server_group import server_buckets
-from asyncrl.trainers.weight_group import BroadcastGroup
+from asyncrl.weights.group import BroadcastGroup
 from asyncrl.wire.blob import layout
 from asyncrl.wire.sockets import free_tcp_endpoint
 from tests.tiny_model import build_tiny_model
@@ -224,7 +224,7 @@ async def test_a_version_from_disk_is_served_exactly_tied_head_included(
             assert result.versions == [3] * 24 and engine.version == 3
             # vLLM's own reload_weights leaves the tied output head old on the CPU
             # (0.03-0.42 off on the arith model, trying it by hand):
-            # engines/vllm_ext.py::repack_tied_heads.
+            # engines/vllm/ext.py::repack_tied_heads.
             assert gap(result.logprobs, reference_logprobs(vllm_model, new, PROMPT,
                                                            result.output_ids)) < 1e-4  # fmt: skip
         finally:

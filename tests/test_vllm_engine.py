@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from asyncrl.engines.base import EngineError, GenerateRequest, SamplingParams
-from asyncrl.engines.vllm_engine import VLLMEngine, _body, _Call, _finish
+from asyncrl.engines.base import GenerateRequest, SamplingParams
+from asyncrl.engines.vllm.engine import VLLMEngine, _body, _Call, _finish
+from asyncrl.errors import EngineError
 
 
 def test_the_request_names_vllms_sampling_keys_and_asks_for_the_sampled_logprob():

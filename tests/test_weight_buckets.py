@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from asyncrl.trainers.weight_buckets import (
+from asyncrl.weights.buckets import (
     Bucket,
     empty_bucket,
     flatten,
@@ -64,7 +64,7 @@ def test_views_of_a_flattened_bucket_are_the_tensors_again():
 
 
 async def test_a_bucketed_broadcast_delivers_every_tensor_to_every_rank():
-    from asyncrl.trainers.weight_group import BroadcastGroup
+    from asyncrl.weights.group import BroadcastGroup
 
     address = free_tcp_endpoint().removeprefix("tcp://")
     groups = await asyncio.gather(
@@ -91,7 +91,7 @@ async def test_a_bucketed_broadcast_delivers_every_tensor_to_every_rank():
 
 
 async def test_a_receiver_whose_sender_never_sends_fails_after_the_timeout():
-    from asyncrl.trainers.weight_group import BroadcastGroup
+    from asyncrl.weights.group import BroadcastGroup
 
     address = free_tcp_endpoint().removeprefix("tcp://")
     groups = await asyncio.gather(
@@ -107,7 +107,7 @@ async def test_a_receiver_whose_sender_never_sends_fails_after_the_timeout():
 
 
 def test_bucket_buffers_reuse_one_buffer_per_dtype_and_slot_and_grow_for_a_larger_bucket():
-    from asyncrl.trainers.weight_buckets import BucketBuffers
+    from asyncrl.weights.buckets import BucketBuffers
 
     buffers = BucketBuffers()
     a = buffers.get(Bucket(0, 1, "float32", 100))
@@ -133,8 +133,8 @@ def test_a_large_tensor_is_a_bucket_of_its_own():
 
 
 async def test_large_tensors_are_received_straight_into_their_destination():
-    from asyncrl.trainers.weight_buckets import DIRECT_BYTES
-    from asyncrl.trainers.weight_group import BroadcastGroup
+    from asyncrl.weights.buckets import DIRECT_BYTES
+    from asyncrl.weights.group import BroadcastGroup
 
     address = free_tcp_endpoint().removeprefix("tcp://")
     sender, receiver = await asyncio.gather(

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 import torch
 
-from asyncrl.trainers.config import GroupConfig
-from asyncrl.trainers.weight_group import GroupMembership
-from asyncrl.trainers.weight_sync import WeightPublisher, WeightReceiver, disk_path
+from asyncrl.weights.config import GroupConfig
+from asyncrl.weights.group import GroupMembership
+from asyncrl.weights.sync import WeightPublisher, WeightReceiver, disk_path
 from asyncrl.wire.blob import BlobServer
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import RemoteError
@@ -168,7 +168,7 @@ def test_shared_versions_are_taken_by_several_processes_version_after_version():
     import subprocess
     import sys
 
-    from asyncrl.trainers.weight_share import SharedVersions
+    from asyncrl.weights.share import SharedVersions
 
     def ours() -> list[Path]:
         return list(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))
@@ -207,7 +207,7 @@ def test_a_version_dev_shm_cannot_hold_is_refused_with_what_to_do(monkeypatch):
     from collections import namedtuple
 
     from asyncrl.errors import InputError
-    from asyncrl.trainers.weight_share import SharedVersions
+    from asyncrl.weights.share import SharedVersions
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, 1024))

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from asyncrl.trainers.weight_sync import WeightReceiver
+from asyncrl.weights.sync import WeightReceiver
 
 
 async def main(pub: str, snapshot: str, version: int, model_dir: str, out: str) -> None:

@@ -24,7 +24,8 @@ from asyncrl.rollout.config import (
     ToolUseConfig,
 )
 from asyncrl.rollout.reward_config import RewardModelConfig
-from asyncrl.trainers.config import GroupConfig, TrainerConfig
+from asyncrl.trainers.config import TrainerConfig
+from asyncrl.weights.config import GroupConfig
 
 
 class ActorConfig(BaseModel):
@@ -36,7 +37,7 @@ class ActorConfig(BaseModel):
 
 
 class PublishConfig(BaseModel):
-    """How each new version leaves the trainer (``trainers/weight_sync.py``)."""
+    """How each new version leaves the trainer (``weights/sync.py``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

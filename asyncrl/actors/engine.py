@@ -6,10 +6,10 @@
 Three kinds (``rollout.engine.type``):
 
 - ``torch``: the embedded ``TorchEngine`` behind ``EngineServer`` in this process.
-- ``vllm``: vLLM's OpenAI server from vLLM's own virtualenv (``engines/vllm_launch.py``)
+- ``vllm``: vLLM's OpenAI server from vLLM's own virtualenv (``engines/vllm/launch.py``)
   as a child process on a loopback port, tethered and stopped as SGLang's below, and
   ``EngineServer(VLLMEngine)`` on the actor's endpoint: SGLang's API over vLLM's
-  (``engines/vllm_engine.py``). Ready once vLLM's ``/health`` answers 200 and our server
+  (``engines/vllm/engine.py``). Ready once vLLM's ``/health`` answers 200 and our server
   has made its one-token warm-up through it.
 - ``sglang``: ``python -m sglang.launch_server --model-path M --host H --port P ARGS`` as a
   child process in its own process group, SIGKILLed by the kernel if this actor dies
@@ -43,8 +43,8 @@ import aiohttp
 
 from asyncrl.actors.base import Actor
 from asyncrl.actors.config import EngineActorConfig
+from asyncrl.engines.config import EngineConfig
 from asyncrl.observe.logs import get_logger
-from asyncrl.rollout.config import EngineConfig
 
 log = get_logger("asyncrl.engine")
 
@@ -103,22 +103,12 @@ class EngineActor(Actor):
         log.info("engine serving", url=self.url, kind=self.cfg.type)
 
     async def _start_embedded(self, host: str, port: int) -> None:
-        from asyncrl.engines.server import EngineServer
-        from asyncrl.engines.torch_engine import TorchEngine
+        from asyncrl.engines.server.app import EngineServer
+        from asyncrl.engines.torch.engine import TorchEngine
         from asyncrl.rollout.engines import engine_seed
 
-        engine = await asyncio.to_thread(
-            TorchEngine.from_pretrained,
-            str(self.cfg.model_path),
-            device=self.cfg.device,
-            dtype=self.cfg.dtype,
-            max_running=self.cfg.max_running,
-            max_total_tokens=self.cfg.max_total_tokens,
-            mem_fraction=self.cfg.mem_fraction,
-            packed=self.cfg.packed_weights,
-            lean=self.cfg.lean_forward,
-            seed=engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted),
-        )
+        seed = engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted)
+        engine = await asyncio.to_thread(TorchEngine.from_config, self.cfg, seed=seed)
         self.server = EngineServer(
             engine, server_args={"host": host, "port": port}, api_key=self.api_key
         )
@@ -135,10 +125,10 @@ class EngineActor(Actor):
 
     async def _start_vllm(self, host: str, port: int) -> None:
         """vLLM's server on a loopback port of its own, and ours on the actor's endpoint
-        speaking SGLang's API over it (``engines/vllm_engine.py``)."""
-        from asyncrl.engines.server import EngineServer
-        from asyncrl.engines.vllm_engine import VLLMEngine
-        from asyncrl.engines.vllm_launch import vllm_command, vllm_env, vllm_python
+        speaking SGLang's API over it (``engines/vllm/engine.py``)."""
+        from asyncrl.engines.server.app import EngineServer
+        from asyncrl.engines.vllm.engine import VLLMEngine
+        from asyncrl.engines.vllm.launch import vllm_command, vllm_env, vllm_python
         from asyncrl.rollout.engines import engine_seed
 
         seed = engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted)

@@ -53,7 +53,7 @@ from asyncrl.rollout.base import RolloutContext, Workflow
 from asyncrl.rollout.config import EvalSetConfig
 from asyncrl.rollout.engines import EngineHost, engine_seed
 from asyncrl.rollout.evaluation import evaluate_set
-from asyncrl.trainers.weight_sync import WeightReceiver
+from asyncrl.weights.sync import WeightReceiver
 from asyncrl.wire.errors import PeerLost, RemoteError
 from asyncrl.wire.messages import Command, Scalar, WeightVersion
 
@@ -309,7 +309,7 @@ async def open_eval_set(
     ctx = RolloutContext(
         engine=host.generator,  # type: ignore[arg-type]
         score=score,
-        sampling=dict(cfg.sampling or config.sampling),
+        sampling=cfg.sampling or config.sampling,
         tokenizer=tokenizer,
         version=lambda: host.version,
         tools=tools,

@@ -41,15 +41,15 @@ import msgspec
 from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.actors.config import RolloutActorConfig
 from asyncrl.actors.engine import engine_url
-from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.config import EngineConfig
 from asyncrl.engines.sglang_wire import EngineUnavailable
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.rollout.base import RolloutContext, Workflow
 from asyncrl.rollout.config import RewardConfig, ToolUseConfig
-from asyncrl.rollout.engines import EngineConfig, EngineHost, engine_seed
-from asyncrl.trainers.weight_sync import WeightReceiver
+from asyncrl.rollout.engines import EngineHost, engine_seed
 from asyncrl.types import BufferEvent, Group, Sample, SampleStatus, WorkItem, WorkReply, WorkRequest
+from asyncrl.weights.sync import WeightReceiver
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import PeerLost
 from asyncrl.wire.messages import Command, Scalar, WeightVersion
@@ -113,13 +113,13 @@ class RolloutActor(Actor):
         self.ctx = RolloutContext(
             engine=self.host.generator,  # type: ignore[arg-type]
             score=self.score,
-            sampling=dict(cfg.sampling),
+            sampling=cfg.sampling,
             tokenizer=await asyncio.to_thread(policy_tokenizer, cfg.tokenizer, self.host),
             version=lambda: self.host.version,
             aborts=lambda: self._aborts,
             tools=tools,
         )
-        self._temperature = msgspec.convert(self.ctx.sampling, SamplingParams).logprob_temperature
+        self._temperature = self.ctx.sampling.logprob_temperature
         if hasattr(self.workflow, "resources"):  # e.g. the agent workflow's OpenAI proxy
             await self.hold(self.workflow.resources(self.ctx))
         await self._open_channels()
@@ -168,7 +168,7 @@ class RolloutActor(Actor):
 
     async def _join_weight_group(self) -> Any:
         """The dist transport's group membership (rank: rollout-i is i + 1); the group
-        forms in the background once the trainer names it (``weight_group.py``). An
+        forms in the background once the trainer names it (``weights/group.py``). An
         embedded engine receives in this process; engines behind the SGLang API join
         themselves, at our asking (``rollout/server_group.py``)."""
         cfg = self.config.weight_group
@@ -184,7 +184,7 @@ class RolloutActor(Actor):
             await group.check()
             self.host.server_group = await self.hold(contextlib.aclosing(group))
             return group
-        from asyncrl.trainers.weight_group import GroupMembership
+        from asyncrl.weights.group import GroupMembership
 
         membership = GroupMembership(cfg, rank=rank, address=address)
         self.close_later(membership.close)

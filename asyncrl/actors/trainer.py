@@ -50,10 +50,10 @@ from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.observe.samples import sample_rows
 from asyncrl.trainers.backends import create_trainer
 from asyncrl.trainers.base import NonFiniteStep, StepResult, Trainer, UntrainableBatch
-from asyncrl.trainers.config import check_group_host
-from asyncrl.trainers.weight_group import GroupMembership
-from asyncrl.trainers.weight_sync import WeightPublisher
 from asyncrl.types import BatchReply, BatchRequest, TrainBatch
+from asyncrl.weights.config import check_group_host
+from asyncrl.weights.group import GroupMembership
+from asyncrl.weights.sync import WeightPublisher
 from asyncrl.wire.blob import BlobServer
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.messages import Command, Scalar, WeightVersion
@@ -149,7 +149,7 @@ class TrainerActor(Actor):
 
     async def _join_group(self, publish: PublishConfig) -> GroupMembership:
         """Rank 0 of the weight broadcast group: serves its store; the group forms in the
-        background as the subscribers join (``weight_group.py``)."""
+        background as the subscribers join (``weights/group.py``)."""
         cfg = publish.group
         if cfg is None or cfg.rank not in (0, None):
             raise ValueError("publish.transport dist needs publish.group, with rank 0")

@@ -3,11 +3,11 @@
 An engine takes token ids in and gives token ids out (token-in/token-out: no step
 re-tokenises text), with the behaviour log-prob and the weight version of every sampled
 token. The records follow SGLang's ``/generate`` semantics (``docs/sglang_api.md``
-section 1) so that the HTTP server (``engines/server.py``) is a thin translation and the
+section 1) so that the HTTP server (``engines/server/app.py``) is a thin translation and the
 same rollout code drives the embedded engine, a real SGLang server or a router.
 
-Implementations: ``TorchEngine`` (``engines/torch_engine.py``, CPU and CUDA) and
-``SimEngine`` (``engines/sim_engine.py``, no model, modelled time). Users: the HTTP server;
+Implementations: ``TorchEngine`` (``engines/torch/engine.py``, CPU and CUDA) and
+``SimEngine`` (``engines/sim/engine.py``, no model, modelled time). Users: the HTTP server;
 tests drive engines directly.
 """
 
@@ -21,6 +21,8 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
+from asyncrl.errors import EngineError
+
 PauseMode = Literal["abort", "in_place", "retract"]
 
 #: Constrained-decoding keys SGLang accepts; this server refuses them with a clear 400.
@@ -29,10 +31,6 @@ UNSUPPORTED_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 SAMPLING_EPS = 1e-6
 #: The most completions one request may ask for (``n``): each is a sequence in the batch.
 MAX_N = 256
-
-
-class EngineError(ValueError):
-    """A request the engine cannot serve (the HTTP layer answers 400 with the message)."""
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from asyncrl.engines.base import FinishReason
+import msgspec
+
+from asyncrl.engines.base import FinishReason, SamplingParams
 from asyncrl.engines.sglang_wire import GenerateResult
 
 
@@ -30,19 +32,21 @@ class ContextBound:
     async def generate(
         self,
         input_ids: Sequence[int],
-        sampling_params: Mapping[str, Any] | None = None,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         *,
         rid: str | None = None,
     ) -> GenerateResult:
-        params = dict(sampling_params or {})
+        params = sampling_params or {}
+        typed = isinstance(params, SamplingParams)
         room = self.context_length - len(input_ids)
-        asked = params.get("max_new_tokens")
+        asked = params.max_new_tokens if typed else params.get("max_new_tokens")
         if asked is not None and asked > room:
             if room <= 0:  # nothing fits: the response ends here, as at the context
                 finish = FinishReason(type="length", length=0)
                 return GenerateResult(rid=rid or "", output_ids=[], logprobs=[], versions=[],
                                       finish_reason=finish)  # fmt: skip
-            params["max_new_tokens"] = room
+            params = (msgspec.structs.replace(params, max_new_tokens=room) if typed
+                      else {**params, "max_new_tokens": room})  # fmt: skip
         return await self.inner.generate(input_ids, params, rid=rid)
 
     def __getattr__(self, name: str) -> Any:  # the inner generator's other calls

@@ -16,6 +16,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
+
+from asyncrl.engines.base import SamplingParams
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -32,7 +36,7 @@ class Generator(Protocol):
     async def generate(
         self,
         input_ids: Sequence[int],
-        sampling_params: Mapping[str, Any] | None = None,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         *,
         rid: str | None = None,
     ) -> GenerateResult:
@@ -52,7 +56,8 @@ class RewardFunction(Protocol):
 class RolloutContext:
     """Everything a workflow may use; built once per rollout actor.
 
-    ``sampling`` are SGLang sampling params (``max_new_tokens`` is the response budget);
+    ``sampling`` are SGLang sampling params, typed (a mapping is parsed here, once);
+    ``budget`` is their ``max_new_tokens``, the response's token budget;
     ``version()`` is the weight version the engine serves now; ``aborts()`` counts the
     aborts of all in-flight work so far (a workflow that makes several engine calls stops
     at its next call when it changed); ``tools`` is the tool registry of multi-turn
@@ -61,12 +66,43 @@ class RolloutContext:
 
     engine: Generator
     score: RewardFunction
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     tokenizer: PreTrainedTokenizerBase | None = None
     version: Callable[[], int] = lambda: 0
     aborts: Callable[[], int] = lambda: 0
     tools: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # The one parse of the rollout's sampling params: typed from here to the engine.
+        if not isinstance(self.sampling, SamplingParams):
+            self.sampling = parse_sampling(self.sampling)
+
+    @property
+    def budget(self) -> int:
+        """The response's token budget: ``max_new_tokens`` (SGLang's 128 when null)."""
+        cap = self.sampling.max_new_tokens
+        return 128 if cap is None else cap
+
+    def sampling_with(self, **changes: Any) -> SamplingParams:
+        """The rollout's sampling params with ``changes`` (a turn's token limit, an
+        agent's stop strings), checked as the originals were."""
+        changed = msgspec.structs.replace(self.sampling, **changes)
+        changed.verify()
+        return changed
+
+
+def parse_sampling(value: SamplingParams | Mapping[str, Any]) -> SamplingParams:
+    """SGLang sampling params from a mapping (typed ones as they are); ``ValueError``
+    naming the bad key."""
+    if isinstance(value, SamplingParams):
+        return value
+    try:
+        params = msgspec.convert(dict(value), SamplingParams)
+        params.verify()
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ValueError(f"invalid sampling params: {exc}") from None
+    return params
 
 
 Workflow = Callable[[RolloutContext, "Sample"], Awaitable["Sample | list[Sample]"]]

@@ -17,8 +17,8 @@
   re-forming, a broadcast failed midway, an engine restarted or back in rotation) is
   pulled from the trainer, written to ``spill_dir`` and loaded from there.
 - ``vllm``: vLLM servers at ``urls`` (started with asyncrl's arguments,
-  ``engines/vllm_launch.py``), or this actor's engine actor. Each is a ``VLLMEngine``
-  (``engines/vllm_engine.py``: vLLM's own API) behind a loopback ``EngineServer``, so it
+  ``engines/vllm/launch.py``), or this actor's engine actor. Each is a ``VLLMEngine``
+  (``engines/vllm/engine.py``: vLLM's own API) behind a loopback ``EngineServer``, so it
   takes weights as an SGLang server does: from disk, or by broadcast into its workers.
 - ``sim``: ``sim_engines`` ``SimEngine``s (no model, time from ``sim``'s latency model),
   each behind its own loopback server, the generator (or the client) spreading calls
@@ -51,13 +51,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from asyncrl.engines.base import EngineError
+from asyncrl.engines.client.sglang import SGLangClient, SGLangError
+from asyncrl.engines.config import EngineConfig, sim_shape
 from asyncrl.engines.context_bound import ContextBound
-from asyncrl.engines.sglang_client import SGLangClient, SGLangError
+from asyncrl.errors import EngineError
 from asyncrl.observe.logs import get_logger
-from asyncrl.rollout.config import EngineConfig, sim_shape
 from asyncrl.rollout.server_group import ServerGroup, server_buckets
-from asyncrl.trainers.weight_share import HOST, check_shared
+from asyncrl.weights.share import HOST, check_shared
 from asyncrl.wire.errors import PeerLost, RemoteError
 
 log = get_logger("asyncrl.rollout")
@@ -66,11 +66,11 @@ if TYPE_CHECKING:
     import torch
 
     from asyncrl.engines.base import PauseMode
-    from asyncrl.engines.server import EngineServer
-    from asyncrl.engines.sim_engine import SimEngine
-    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.engines.server.app import EngineServer
+    from asyncrl.engines.sim.engine import SimEngine
+    from asyncrl.engines.torch.engine import TorchEngine
     from asyncrl.rollout.base import Generator
-    from asyncrl.trainers.weight_sync import WeightReceiver
+    from asyncrl.weights.sync import WeightReceiver
     from asyncrl.wire.messages import WeightVersion
 
 
@@ -126,7 +126,7 @@ class EngineHost:
         await self.client.__aenter__()
         self.generator = self.client
         if self.servers and self.config.in_process:
-            from asyncrl.engines.in_process import InProcessGenerator
+            from asyncrl.engines.server.in_process import InProcessGenerator
 
             self.generator = InProcessGenerator(self.servers)
         if self.wait_ready_s is not None:
@@ -176,32 +176,21 @@ class EngineHost:
                 await server.engine.close()
 
     async def _start_embedded(self) -> str:
-        from asyncrl.engines.server import EngineServer
-        from asyncrl.engines.torch_engine import TorchEngine
+        from asyncrl.engines.server.app import EngineServer
+        from asyncrl.engines.torch.engine import TorchEngine
 
         cfg = self.config
         assert cfg.model_path is not None
-        engine = await asyncio.to_thread(
-            TorchEngine.from_pretrained,
-            cfg.model_path,
-            device=cfg.device,
-            dtype=cfg.dtype,
-            max_running=cfg.max_running,
-            max_total_tokens=cfg.max_total_tokens,
-            mem_fraction=cfg.mem_fraction,
-            packed=cfg.packed_weights,
-            lean=cfg.lean_forward,
-            seed=self.seed,
-        )
+        engine = await asyncio.to_thread(TorchEngine.from_config, cfg, seed=self.seed)
         self.engine = engine
         self.servers.append(EngineServer(engine, api_key=self.local_key))
         return await self.servers[-1].start("127.0.0.1", 0)
 
     async def _start_vllm(self, url: str) -> str:
         """A vLLM server at ``url`` behind a loopback SGLang-API server of ours
-        (``engines/vllm_engine.py``): the rollout side treats it as any server."""
-        from asyncrl.engines.server import EngineServer
-        from asyncrl.engines.vllm_engine import VLLMEngine
+        (``engines/vllm/engine.py``): the rollout side treats it as any server."""
+        from asyncrl.engines.server.app import EngineServer
+        from asyncrl.engines.vllm.engine import VLLMEngine
 
         engine = VLLMEngine(url, model_path=self.config.model_path, api_key=self.api_key)
         server = EngineServer(await engine.start(), api_key=self.local_key)  # type: ignore[arg-type]
@@ -210,7 +199,7 @@ class EngineHost:
 
     async def _start_sim(self) -> str:
         """One more sim engine behind its own server (each draws its own lengths)."""
-        from asyncrl.engines.server import EngineServer
+        from asyncrl.engines.server.app import EngineServer
 
         sim = _sim_engine(self.config, seed=len(self.sims))
         self.sims.append(sim)
@@ -448,7 +437,7 @@ def _sent_by_trainer(bucket: object) -> None:
 def spill(root: Path, version: int, tensors: dict[str, torch.Tensor]) -> Path:
     """Write ``tensors`` as the disk transport writes a version (``disk_path``, whole or
     not at all), and remove older versions there."""
-    from asyncrl.trainers.weight_sync import disk_path, write_version_dir
+    from asyncrl.weights.sync import disk_path, write_version_dir
 
     final = disk_path(root, version)
     write_version_dir(final, tensors)
@@ -460,7 +449,7 @@ def spill(root: Path, version: int, tensors: dict[str, torch.Tensor]) -> Path:
 
 def _sim_engine(cfg: EngineConfig, *, seed: int = 0) -> SimEngine:
     """The sim engine of ``cfg``, with the vocabulary and EOS of ``model_path`` if any."""
-    from asyncrl.engines.sim_engine import SimEngine
+    from asyncrl.engines.sim.engine import SimEngine
 
     shape = sim_shape(cfg.model_path) if cfg.model_path else {}
     return SimEngine(cfg.sim, max_running=cfg.max_running, seed=seed, **shape)

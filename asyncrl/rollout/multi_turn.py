@@ -63,7 +63,7 @@ class ToolCallParser(Protocol):
     OpenAI server and proxy return as the message's ``content``; without it, the whole
     text), and ``unsettled_start(text) -> int``, where the text that more text could still
     change starts (an open call, a partial tag; ``len(text)``: none), which lets a stream
-    send content and calls as they settle (``asyncrl/engines/tool_stream.py``; without it,
+    send content and calls as they settle (``asyncrl/engines/server/tool_stream.py``; without it,
     a stream holds everything back to the end). The calls and content of
     ``text[:unsettled_start(text)]`` must begin those of every longer text.
     """
@@ -293,7 +293,7 @@ class _Episode:
         self.ctx, self.sample, self.tokenizer, self.registry = ctx, sample, tokenizer, registry
         self.config, self.parser = workflow.config, workflow.parser
         self.renderer = workflow.renderer(tokenizer)
-        self.budget = int(ctx.sampling.get("max_new_tokens", 128))
+        self.budget = ctx.budget
         # The engines' context (``ContextBound``), None when unknown: a context that fills
         # up ends the episode ``truncated`` with finish_reason "context", not an error.
         context = getattr(ctx.engine, "context_length", None)
@@ -349,7 +349,7 @@ class _Episode:
             return False
         result = await self.ctx.engine.generate(
             ids,
-            {**self.ctx.sampling, "max_new_tokens": limit},
+            self.ctx.sampling_with(max_new_tokens=limit),
             rid=f"{s.uid}#{s.attempts}#{self.turns}#",
         )
         if result.output_ids:

@@ -21,7 +21,7 @@ value). ``AgentWorkflow`` runs one agent episode per sample:
    ``<tool_call>`` blocks parsed into ``tool_calls`` (any ``ToolCallParser``; not with
    ``tool_choice: "none"``, whose reply is all text). With ``stream=true`` the whole turn
    is generated first, then sent as ``chat.completion.chunk`` events (content and
-   ``delta.tool_calls`` from ``engines/tool_stream.py``'s ``ToolStream``, the usage last
+   ``delta.tool_calls`` from ``engines/server/tool_stream.py``'s ``ToolStream``, the usage last
    with ``stream_options.include_usage``): the deltas add up to the same message, so the
    episode goes on the same whichever way the agent asks;
 5. when the agent returns, the sample is scored by the run's reward function:
@@ -70,9 +70,10 @@ import numpy as np
 import structlog
 from aiohttp import web
 
-from asyncrl.engines.generate_wire import DONE, ApiError, json_response, read_json, sse
-from asyncrl.engines.openai_routes import chat_template_ids
-from asyncrl.engines.tool_stream import (
+from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.server.generate_wire import DONE, ApiError, json_response, read_json, sse
+from asyncrl.engines.server.openai_routes import chat_template_ids
+from asyncrl.engines.server.tool_stream import (
     ToolStream,
     arguments_text,
     content_of,
@@ -412,7 +413,7 @@ class OpenAIProxy:
         s.append_response(tokens, np.zeros(len(tokens)), version, loss_mask=0, role=role)
 
     def _budget(self) -> int:
-        return int(self.ctx.sampling.get("max_new_tokens", 128))
+        return self.ctx.budget
 
     async def _generate(self, episode: _Episode, body: Json) -> tuple[list[int], bool, str | None]:
         """One assistant turn; an abort by a weight update continues on the new weights.
@@ -422,7 +423,7 @@ class OpenAIProxy:
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         left = self._budget() - s.response_length
         limit = left if asked is None else min(left, int(asked))
-        params = {**self.ctx.sampling, **self._request_sampling(body)}
+        params = self._request_sampling(body)
         turn: list[int] = []
         kind, empty_aborts, matched = "length", 0, None
         while limit > 0:
@@ -432,7 +433,7 @@ class OpenAIProxy:
                 raise RuntimeError(f"the engine aborted this call {empty_aborts} times in a row")
             ids = np.concatenate([s.prompt_tokens, s.response_tokens]).tolist()
             result = await self.ctx.engine.generate(
-                ids, {**params, "max_new_tokens": limit},
+                ids, self.ctx.sampling_with(**params, max_new_tokens=limit),
                 rid=f"{s.uid}#{s.attempts}#{episode.calls}#{len(turn)}#",
             )  # fmt: skip
             if result.output_ids:
@@ -463,8 +464,13 @@ class OpenAIProxy:
             if body.get(name) is not None and name not in self._warned:
                 self._warned.add(name)
                 log.warning("agent sampling overridden by the run's", field=name,
-                            asked=body[name], used=self.ctx.sampling.get(name))  # fmt: skip
-        return {k: body[k] for k in ("stop", "stop_token_ids") if body.get(k) is not None}
+                            asked=body[name], used=getattr(self.ctx.sampling, name))  # fmt: skip
+        asked = {k: body[k] for k in ("stop", "stop_token_ids") if body.get(k) is not None}
+        try:  # the agent's own stops, parsed at this edge
+            typed = msgspec.convert(asked, SamplingParams)
+        except msgspec.ValidationError as exc:
+            raise _error(400, f"invalid stop: {exc}") from None
+        return {k: getattr(typed, k) for k in asked}
 
     def _turn_text(self, turn: list[int], stop: str | None = None) -> str:
         """The turn's text; a matched ``stop`` string is cut off, as OpenAI's content

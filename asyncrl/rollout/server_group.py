@@ -14,8 +14,8 @@ The rank is the rollout actor's (its one engine: ``tp_size`` 1). Buckets are ann
 one at a time, each after the last one's reply, so the server joins the broadcasts in
 the order the trainer sends them; a bucket of one tensor is announced as that tensor,
 one of several as ``load_format: "flattened_bucket"`` (their bytes, as the trainer
-sends them: ``weight_group.on_the_wire``). The trainer re-forms the group under a new id
-when a member is lost (``weight_group.GroupMembership``); the engines then join the new
+sends them: ``weights.group.on_the_wire``). The trainer re-forms the group under a new id
+when a member is lost (``weights.group.GroupMembership``); the engines then join the new
 id, and leave the old one. A version that cannot go by broadcast (the group forming,
 or a broadcast that failed midway) is handed to the engines from disk instead
 (``EngineHost``).
@@ -29,16 +29,16 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING
 
-from asyncrl.engines.sglang_client import SGLangError
+from asyncrl.engines.client.sglang import SGLangError
 from asyncrl.engines.sglang_wire import WeightBucket
 from asyncrl.errors import InputError
 from asyncrl.observe.logs import get_logger
-from asyncrl.trainers.weight_buckets import manifest_buckets
-from asyncrl.trainers.weight_group import group_name, split_address
+from asyncrl.weights.buckets import manifest_buckets
+from asyncrl.weights.group import group_name, split_address
 
 if TYPE_CHECKING:
-    from asyncrl.engines.sglang_client import SGLangClient
-    from asyncrl.trainers.config import GroupConfig
+    from asyncrl.engines.client.sglang import SGLangClient
+    from asyncrl.weights.config import GroupConfig
     from asyncrl.wire.messages import BlobManifest
 
 log = get_logger("asyncrl.weights")

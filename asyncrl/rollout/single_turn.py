@@ -23,11 +23,11 @@ async def single_turn(ctx: RolloutContext, sample: Sample) -> Sample:
     The sample ends ``completed`` (the model stopped), ``truncated`` (budget used up),
     ``aborted`` (cut off: resumable) or ``failed`` (with the reason in ``error``).
     """
-    budget = int(ctx.sampling.get("max_new_tokens", 128)) - sample.response_length
+    budget = ctx.budget - sample.response_length
     if budget > 0:
         result = await ctx.engine.generate(
             np.concatenate([sample.prompt_tokens, sample.response_tokens]).tolist(),
-            {**ctx.sampling, "max_new_tokens": budget},
+            ctx.sampling_with(max_new_tokens=budget),
             # The closing "#" keeps a prefix-matched abort of attempt 1 off attempt 10.
             rid=f"{sample.uid}#{sample.attempts}#",
         )

@@ -1,4 +1,4 @@
-"""Training backends: the torch trainer and megatron-core, and weight publishing.
+"""Training backends: the torch trainer and megatron-core (weight publishing is ``weights/``).
 
 | module              | what it holds                                                 |
 |---------------------|---------------------------------------------------------------|
@@ -20,7 +20,4 @@
 | ``parallel``        | DDP / FSDP2 wrapping, gradient sync, full state dicts         |
 | ``rollout_tensors`` | a ``TrainBatch`` (or SFT examples) as ``[B, T]`` tensors      |
 | ``sft``             | ``asyncrl sft``: data, batches, the supervised loop           |
-| ``weight_sync``     | weight versions to engines: pull (chunked), disk or dist      |
-| ``weight_buckets``  | a version in flat buckets, one broadcast each (dist)          |
-| ``weight_group``    | the trainer's and engines' own torch.distributed group        |
 """

@@ -15,7 +15,7 @@ Weight versions (``trainer.lora.publish``):
   leaves the model as it is. Engines, every weight transport and the eval actor see an
   ordinary HF model. A version is as large as the full model's.
 - ``adapters``: ``adapter_tensors`` gives each adapted linear's ``A`` and ``B`` and the
-  scalar ``alpha / r`` (``engines/lora_merge.py``'s format); the embedded engine merges
+  scalar ``alpha / r`` (``weights/lora_merge.py``'s format); the embedded engine merges
   them onto its base weights by the same formula. r (in + out) numbers per linear
   instead of in x out.
 
@@ -40,8 +40,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from asyncrl.engines.lora_merge import SCALING
 from asyncrl.trainers.config import LoraConfig
+from asyncrl.weights.lora_merge import SCALING
 
 #: The file peft writes an adapter's weights to (``PeftModel.save_pretrained``).
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -115,7 +115,7 @@ class Adapters:
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """``{module}.lora_A.weight``, ``{module}.lora_B.weight`` under HF module names,
-        and ``SCALING`` (``alpha / r``): an adapter version (``engines/lora_merge.py``)."""
+        and ``SCALING`` (``alpha / r``): an adapter version (``weights/lora_merge.py``)."""
         prefix = "base_model.model."
         out = {k.removeprefix(prefix): v.detach() for k, v in self.state_dict().items()}
         out[SCALING] = torch.tensor(self.config.alpha / self.config.rank, dtype=torch.float32)

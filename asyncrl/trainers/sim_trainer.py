@@ -1,6 +1,6 @@
 """SimTrainer: the ``Trainer`` protocol with no model; each step takes modelled time.
 
-For the cluster simulator (issue 11), beside ``engines/sim_engine.SimEngine``: the
+For the cluster simulator (issue 11), beside ``engines/sim/engine.SimEngine``: the
 buffer, rollout actors, channels and weight versions around it are the real code. A step
 reads the batch as the real trainers do (``rollout_tensors``: unusable groups dropped, an
 untrainable batch refused), then takes (modelled seconds)::

@@ -2,7 +2,7 @@
 
 The policy a sample's tokens were drawn from is ``softmax(z / T)`` over the whole
 vocabulary, ``T`` being the sample's temperature (``Sample.temperature``; 1 for greedy),
-which is exactly what the engine reports (``engines/sampling.py``). For each predicted
+which is exactly what the engine reports (``engines/torch/sampling.py``). For each predicted
 position with logits ``z`` (``[V]``, possibly a TP rank's slice of them) and inverse
 temperature ``s = 1 / T``::
 

@@ -70,7 +70,7 @@ def check_endpoint(endpoint: str, *, allow_remote: bool = False) -> None:
         return
     if parts.scheme != "tcp" or not parts.hostname:
         raise ValueError(f"endpoint {endpoint!r} is not tcp://HOST:PORT, ipc:// or inproc://")
-    if allow_remote or _is_loopback(parts.hostname):
+    if allow_remote or is_loopback(parts.hostname):
         return
     raise ValueError(
         f"endpoint {endpoint!r} is not on loopback; pass allow_remote=True "
@@ -78,13 +78,14 @@ def check_endpoint(endpoint: str, *, allow_remote: bool = False) -> None:
     )
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def is_loopback(host: str) -> bool:
+    """``host`` (an IPv6 literal may keep its brackets) is this machine's loopback; a
+    host name other than ``localhost`` may resolve anywhere, so it is not."""
+    host = host.strip("[]")
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False
+        return host == "localhost"
 
 
 def bind(sock: zmq.asyncio.Socket, endpoint: str, *, allow_remote: bool = False) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.engines.sglang_transport import SentWatch, SGLangTransport, gather_replies
+from asyncrl.engines.client.transport import SentWatch, SGLangTransport, gather_replies
 from asyncrl.engines.sglang_wire import version_tuple
 
 DEFAULT_GROUP = "weight_update_group"
@@ -288,8 +288,8 @@ class WeightUpdateCalls:
     ) -> dict[str, Any]:
         """``/update_weights_from_tensor`` (section 2.4) of ``named``, by reference, on one
         or every engine (they share our host), in one flattened bucket with ``flattened``."""
-        from asyncrl.engines.tensor_payload import encode
-        from asyncrl.engines.tensor_payload import flattened as flatten
+        from asyncrl.weights.payload import encode
+        from asyncrl.weights.payload import flattened as flatten
 
         payload = encode(flatten(list(named)) if flattened else list(named))
         return await self.update_weights_from_payloads(

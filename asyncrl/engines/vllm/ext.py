@@ -5,7 +5,7 @@ vLLM's RL routes (``/init_weight_transfer_engine``, ``/start_weight_update``,
 hand each call to the weight-transfer engine that ``--weight-transfer-config`` names in
 every worker. vLLM's own ``nccl`` engine needs CUDA and vLLM's trainer-side classes in the
 trainer; this one, ``asyncrl``, joins the trainer's weight group the way an SGLang server
-does (``weight_loading.join_as_sglang``: gloo on CPU, NCCL on GPU), so asyncrl's trainer
+does (``weights.loading.join_as_sglang``: gloo on CPU, NCCL on GPU), so asyncrl's trainer
 broadcasts to a vLLM server exactly as to SGLang or the embedded engine
 (``rollout/server_group.py``). What arrives goes through vLLM's layerwise reload: the
 model's own ``load_weights`` (which fuses q/k/v and gate/up), then its post-load
@@ -20,9 +20,9 @@ processing, between ``start_weight_update`` and ``finish_weight_update``.
                  ``repack_tied_heads``)
 
 vLLM imports this module in each worker as the worker extension
-(``--worker-extension-cls asyncrl.engines.vllm_ext.WorkerExtension``, set by
-``engines/vllm_launch.py``); importing it registers the engine. Only torch, vLLM and
-asyncrl's torch-only ``weight_loading`` are imported here.
+(``--worker-extension-cls asyncrl.engines.vllm.ext.WorkerExtension``, set by
+``engines/vllm/launch.py``); importing it registers the engine. Only torch, vLLM and
+asyncrl's torch-only ``weights.loading`` are imported here.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from asyncrl.engines.tensor_payload import bucket_layout, piece
-from asyncrl.engines.weight_loading import join_as_sglang, read_safetensors, receive_broadcasts
+from asyncrl.weights.loading import join_as_sglang, read_safetensors, receive_broadcasts
+from asyncrl.weights.payload import bucket_layout, piece
 
 #: The name ``--weight-transfer-config '{"backend": "asyncrl"}'`` selects.
 BACKEND = "asyncrl"

@@ -2,7 +2,7 @@
 
 vLLM's dependencies conflict with asyncrl's (its own transformers range, its own torch
 pin), so it runs from its own virtualenv (``make vllm-venv`` builds ``.venv-vllm``). The
-server needs asyncrl's worker extension (``engines/vllm_ext.py``), and nothing else of
+server needs asyncrl's worker extension (``engines/vllm/ext.py``), and nothing else of
 asyncrl: its ``PYTHONPATH`` gets a directory holding only a link to the ``asyncrl``
 package, so none of asyncrl's own dependencies shadow vLLM's.
 
@@ -21,9 +21,9 @@ import asyncrl
 #: Arguments asyncrl sets on every server it starts (``VLLMEngine`` checks them).
 ASYNCRL_ARGS = (
     "--enable-scale-out",  # /inference/v1/generate: token ids in and out
-    "--logprobs-mode", "processed_logprobs",  # log_softmax(z / T): engines/vllm_engine.py
+    "--logprobs-mode", "processed_logprobs",  # log_softmax(z / T): engines/vllm/engine.py
     "--weight-transfer-config", '{"backend": "asyncrl"}',
-    "--worker-extension-cls", "asyncrl.engines.vllm_ext.WorkerExtension",
+    "--worker-extension-cls", "asyncrl.engines.vllm.ext.WorkerExtension",
 )  # fmt: skip
 #: Arguments the launcher assigns (``--model``, its endpoint) or that asyncrl needs.
 ASSIGNED = (

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from asyncrl.engines.cpu_linear import DecodeLinear, FusedLinear
+from asyncrl.engines.torch.cpu_linear import DecodeLinear, FusedLinear
 from asyncrl.observe.logs import get_logger
 
 log = get_logger("asyncrl.engine")

@@ -38,8 +38,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from asyncrl.engines.base import GenerateOutput, GenerateRequest, SamplingParams
-from asyncrl.engines.control_routes import ControlRoutes
-from asyncrl.engines.generate_wire import (
+from asyncrl.engines.server.control_routes import ControlRoutes
+from asyncrl.engines.server.generate_wire import (
     DONE,
     ApiError,
     GenerateJob,
@@ -58,8 +58,8 @@ from asyncrl.engines.generate_wire import (
     stream_error,
     version_text,
 )
-from asyncrl.engines.openai_routes import OpenAIRoutes
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.server.openai_routes import OpenAIRoutes
+from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.observe.logs import get_logger
 
 log = get_logger("asyncrl.server")

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.engines.generate_wire import Json, bad_request
+from asyncrl.engines.server.generate_wire import Json, bad_request
 
 _CHOICES = "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from asyncrl.engines.base import EngineError
-from asyncrl.engines.tensor_payload import bucket_layout, piece
+from asyncrl.errors import EngineError
+from asyncrl.weights.payload import bucket_layout, piece
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:

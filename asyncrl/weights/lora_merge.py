@@ -21,7 +21,7 @@ On disk (the ``disk`` transport) a version is a peft adapter folder (``peft_layo
 ``read_peft_dir``), which peft, vLLM and SGLang load as well.
 
 Users: ``TorchEngine.update_weights_from_tensors``; ``trainers/lora.py`` writes the format;
-``trainers/weight_sync.py`` writes and reads it on disk.
+``weights/sync.py`` writes and reads it on disk.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.engines.base import EngineError
+from asyncrl.errors import EngineError
 
 #: The tensor holding ``alpha / r`` in an adapter version (its presence marks one).
 SCALING = "lora.scaling"

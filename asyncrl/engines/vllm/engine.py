@@ -3,7 +3,7 @@
 asyncrl serves SGLang's API over any engine (``EngineServer``), so a vLLM server becomes an
 engine like the embedded one: ``EngineServer(VLLMEngine(url))`` answers SGLang's routes
 and ``VLLMEngine`` turns each call into vLLM's (0.32, ``VLLM_SERVER_DEV_MODE=1``,
-``--enable-scale-out``; ``engines/vllm_launch.py`` starts such a server):
+``--enable-scale-out``; ``engines/vllm/launch.py`` starts such a server):
 
     generate             POST /inference/v1/generate   token ids in and out, the sampled
                                                        token's log-prob, per-token
@@ -14,7 +14,7 @@ and ``VLLMEngine`` turns each call into vLLM's (0.32, ``VLLM_SERVER_DEV_MODE=1``
     pause / resume       POST /pause?mode=abort|keep, /resume
     weights              POST /start_weight_update, /update_weights,
                          /finish_weight_update {weight_version}: the ``asyncrl`` backend
-                         (``engines/vllm_ext.py``) reads a directory or receives a
+                         (``engines/vllm/ext.py``) reads a directory or receives a
                          broadcast from the trainer's group
     weight group         POST /init_weight_transfer_engine, /shutdown_weight_transfer_engine
     cache, memory        POST /reset_prefix_cache, /sleep, /wake_up
@@ -54,7 +54,6 @@ import aiohttp
 import torch
 
 from asyncrl.engines.base import (
-    EngineError,
     EngineLoad,
     FinishReason,
     GenerateOutput,
@@ -63,6 +62,7 @@ from asyncrl.engines.base import (
     check_prompt,
     mark_aborted,
 )
+from asyncrl.errors import EngineError
 from asyncrl.observe.logs import get_logger
 
 log = get_logger("asyncrl.vllm")
@@ -199,10 +199,10 @@ class VLLMEngine:
             raise EngineError(
                 f"the vLLM server at {self.url} was not started for asyncrl ({wrong}, "
                 f"{settings.get('error', '')}): start it with VLLM_SERVER_DEV_MODE=1 and "
-                "asyncrl's arguments (engines/vllm_launch.py: --enable-scale-out, "
+                "asyncrl's arguments (engines/vllm/launch.py: --enable-scale-out, "
                 "--logprobs-mode processed_logprobs, --weight-transfer-config "
                 '\'{"backend": "asyncrl"}\', --worker-extension-cls '
-                "asyncrl.engines.vllm_ext.WorkerExtension)"
+                "asyncrl.engines.vllm.ext.WorkerExtension)"
             )
         self.device = torch.device(str(settings.get("device", "cpu")).split(":")[0])
         self.max_running = int(settings.get("max_num_seqs", 0))

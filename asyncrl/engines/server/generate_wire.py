@@ -174,21 +174,29 @@ def version_text(engine: Any, version: int | None = None) -> str:
 
 
 def parse_sampling(raw: Any) -> SamplingParams:
-    """Validate one ``sampling_params`` object as SGLang 0.5.22+ does (1.2, 1.7)."""
-    if not isinstance(raw, dict):
+    """Validate one ``sampling_params`` object as SGLang 0.5.22+ does (1.2, 1.7); typed
+    params (an in-process caller's, parsed at its own edge) are only checked."""
+    if isinstance(raw, SamplingParams):
+        params = raw
+    elif not isinstance(raw, dict):
         raise contract_error(f"invalid type: expected a map for sampling_params, got {raw!r}")
-    if unknown := [key for key in raw if key not in _SAMPLING_KEYS]:
-        expected = ", ".join(f"`{key}`" for key in _SAMPLING_KEYS)
-        raise contract_error(f"unknown field `{unknown[0]}`, expected one of {expected}")
-    try:
-        params = msgspec.convert(raw, SamplingParams)
-    except msgspec.ValidationError as exc:
-        raise contract_error(f"sampling_params: {exc}") from None
+    else:
+        params = _convert_sampling(raw)
     try:
         params.verify()
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     return params
+
+
+def _convert_sampling(raw: dict[str, Any]) -> SamplingParams:
+    if unknown := [key for key in raw if key not in _SAMPLING_KEYS]:
+        expected = ", ".join(f"`{key}`" for key in _SAMPLING_KEYS)
+        raise contract_error(f"unknown field `{unknown[0]}`, expected one of {expected}")
+    try:
+        return msgspec.convert(raw, SamplingParams)
+    except msgspec.ValidationError as exc:
+        raise contract_error(f"sampling_params: {exc}") from None
 
 
 # ----------------------------------------------------------------------------- /generate input

@@ -23,7 +23,7 @@ page faults on every version (0.21 s per 512 MiB on the project's machine, three
 the copy into it). Each side holds two buckets per dtype beyond its weights, for as long
 as it syncs weights, and no more.
 
-Users: ``weight_group.BroadcastGroup.send_buckets`` / ``receive_buckets``.
+Users: ``group.BroadcastGroup.send_buckets`` / ``receive_buckets``.
 """
 
 from __future__ import annotations

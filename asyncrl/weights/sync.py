@@ -12,16 +12,16 @@ put where subscribers can fetch them, then a small ``WeightVersion`` is announce
   file); a subscriber reads them, or passes the path to an engine's
   ``update_weights_from_disk``. The newest ``keep`` directories are kept.
 - ``dist``: the trainer (rank 0) and the subscribers form a broadcast group
-  (``weight_group.py``; gloo, or nccl for CUDA tensors); after the announcement (which
+  (``group.py``; gloo, or nccl for CUDA tensors); after the announcement (which
   carries the manifest: names, dtypes, shapes, and the bucket size as ``chunk_bytes``)
-  the tensors are broadcast in buckets (``weight_buckets.py``). The trainer waits for
+  the tensors are broadcast in buckets (``buckets.py``). The trainer waits for
   every subscriber: the fastest path between GPUs, and the one where a stalled
   subscriber stalls the trainer (until the group's timeout). Every version is also put
   on the blob server, as for ``pull``: while the group forms or re-forms (a member was
   lost), for a member whose broadcast failed, and for subscribers outside the group
   (the eval actor), a version goes by pull.
 - ``ipc``: each version is copied once into shared memory on the trainer's host
-  (``weight_share.py``); the announcement carries a handle per bucket, and a subscriber
+  (``share.py``); the announcement carries a handle per bucket, and a subscriber
   on the host copies from there into its engine. The blob server serves views of the
   same memory: a subscriber elsewhere, or one that finds its version dropped, pulls.
 
@@ -45,18 +45,18 @@ import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncrl.engines.base import EngineError
-from asyncrl.engines.lora_merge import (
+from asyncrl.errors import EngineError
+from asyncrl.observe.logs import get_logger
+from asyncrl.weights.buckets import Sink
+from asyncrl.weights.group import BroadcastGroup, GroupMembership
+from asyncrl.weights.lora_merge import (
     PEFT_CONFIG,
     PEFT_WEIGHTS,
     is_adapter_version,
     peft_layout,
     read_peft_dir,
 )
-from asyncrl.observe.logs import get_logger
-from asyncrl.trainers.weight_buckets import Sink
-from asyncrl.trainers.weight_group import BroadcastGroup, GroupMembership
-from asyncrl.trainers.weight_share import HOST, SharedVersions, take_shared
+from asyncrl.weights.share import HOST, SharedVersions, take_shared
 from asyncrl.wire.blob import BlobClient, BlobServer, layout
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import WouldBlock

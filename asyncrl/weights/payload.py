@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # registers torch's reductions with ForkingPickler
 
-from asyncrl.engines.base import EngineError
+from asyncrl.errors import EngineError
 
 
 @dataclass

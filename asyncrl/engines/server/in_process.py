@@ -21,7 +21,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.engines.server import ServerClosed, ServerGone
+from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.server.app import ServerClosed, ServerGone
 from asyncrl.engines.sglang_wire import (
     EngineUnavailable,
     GenerateResult,
@@ -32,8 +33,7 @@ from asyncrl.engines.sglang_wire import (
 )
 
 if TYPE_CHECKING:
-    from asyncrl.engines.base import SamplingParams
-    from asyncrl.engines.server import EngineServer
+    from asyncrl.engines.server.app import EngineServer
 
 
 class InProcessGenerator:
@@ -73,6 +73,8 @@ class InProcessGenerator:
         body = generate_body(
             input_ids, sampling_params, rid, return_logprob=return_logprob, extra=extra
         )
+        if isinstance(sampling_params, SamplingParams):  # typed to the engine: no round trip
+            body["sampling_params"] = sampling_params
         index = self._pick()
         server, url = self.servers[index], self.servers[index].url or ""
         self._open[index] += 1

@@ -52,7 +52,6 @@ import numpy as np
 import torch
 
 from asyncrl.engines.base import (
-    EngineError,
     EngineLoad,
     FinishReason,
     GenerateOutput,
@@ -62,7 +61,8 @@ from asyncrl.engines.base import (
     follow,
     mark_aborted,
 )
-from asyncrl.engines.sim_latency import LatencyModel
+from asyncrl.engines.sim.latency import LatencyModel
+from asyncrl.errors import EngineError
 
 
 @dataclass(eq=False)

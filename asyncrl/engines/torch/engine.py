@@ -29,7 +29,7 @@ equal runs differed only by their sampler's code, which read as a regression.)
 No KV outlives its request (there is no prefix cache), so ``cached_tokens`` is 0: a
 resumed partial rollout and a retracted request prefill their whole prompt again.
 
-Users: the HTTP server (``engines/server.py``), tests and ``bench/engine.py``.
+Users: the HTTP server (``engines/server/app.py``), tests and ``bench/engine.py``.
 
 Size: the step loop and the weight updates share the engine's private state (the
 running batch, the pause, the step-boundary queue); one class keeps them consistent.
@@ -51,9 +51,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.engines import cpu_linear
 from asyncrl.engines.base import (
-    EngineError,
     EngineLoad,
     FinishReason,
     GenerateOutput,
@@ -63,20 +61,23 @@ from asyncrl.engines.base import (
     follow,
     mark_aborted,
 )
-from asyncrl.engines.heap_trim import HeapTrimmer
-from asyncrl.engines.kv_batch import (
+from asyncrl.engines.config import EngineConfig
+from asyncrl.engines.torch import cpu_linear as cpu_linear
+from asyncrl.engines.torch.heap_trim import HeapTrimmer
+from asyncrl.engines.torch.kv_batch import (
     KVBatch,
     available_memory,
     kv_bytes_per_position,
     kv_position_budget,
     new_cache,
 )
-from asyncrl.engines.lean_forward import lean_forward
-from asyncrl.engines.lora_merge import AdapterVersion, BaseWeights, is_adapter_version
-from asyncrl.engines.sampling import RowState, Sampled, prompt_logprobs, sample_rows
-from asyncrl.engines.weight_loading import WeightGroups, check_names, read_safetensors
+from asyncrl.engines.torch.lean_forward import lean_forward
+from asyncrl.engines.torch.sampling import RowState, Sampled, prompt_logprobs, sample_rows
+from asyncrl.errors import EngineError
 from asyncrl.observe.logs import get_logger
 from asyncrl.sdpa_kernels import varying_shapes
+from asyncrl.weights.loading import WeightGroups, check_names, read_safetensors
+from asyncrl.weights.lora_merge import AdapterVersion, BaseWeights, is_adapter_version
 from asyncrl.wire.codec import torch_dtype
 from asyncrl.wire.messages import BlobManifest
 
@@ -200,6 +201,20 @@ class TorchEngine:
         except (OSError, ValueError):
             tokenizer = None  # token-in/token-out still works; stop strings need one
         return cls(model.to(device), tokenizer=tokenizer, model_path=path, **kwargs)
+
+    @classmethod
+    def from_config(
+        cls, cfg: EngineConfig, *, seed: int | str | None, version: int = 0
+    ) -> TorchEngine:
+        """The engine ``cfg`` describes (``rollout.engine``, ``asyncrl serve``'s flags);
+        ``seed``: its sampling stream (``cfg.seed`` mixed as the caller decides)."""
+        if not cfg.model_path:
+            raise ValueError("the torch engine needs model_path (an HF model directory)")
+        return cls.from_pretrained(
+            cfg.model_path, device=cfg.device, dtype=cfg.dtype, max_running=cfg.max_running,
+            max_total_tokens=cfg.max_total_tokens, mem_fraction=cfg.mem_fraction,
+            packed=cfg.packed_weights, lean=cfg.lean_forward, seed=seed, version=version,
+        )  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------------
     async def run(self) -> None:

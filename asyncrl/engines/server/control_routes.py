@@ -9,7 +9,7 @@ Versions: the engine's int version is reported as a string (``"42"``); a
 ``weight_version`` parameter may be any string, as SGLang's: a number is the version, any
 other string names the next one (``generate_wire.parse_version``), and is reported.
 ``update_weights_from_tensor`` payloads are pickles: they are read through an allow-list
-of the globals such payloads use (``tensor_payload.py``), never unpickled freely.
+of the globals such payloads use (``weights/payload.py``), never unpickled freely.
 
 Users: ``EngineServer`` (``server.py``) registers these routes on its application.
 """
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from asyncrl.engines.generate_wire import (
+from asyncrl.engines.server.generate_wire import (
     ApiError,
     Json,
     field,
@@ -38,7 +38,7 @@ from asyncrl.engines.generate_wire import (
 from asyncrl.observe.logs import get_logger
 
 if TYPE_CHECKING:
-    from asyncrl.engines.server import EngineServer
+    from asyncrl.engines.server.app import EngineServer
 
 log = get_logger("asyncrl.server")
 
@@ -238,10 +238,10 @@ class ControlRoutes:
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """``/update_weights_from_tensor`` (2.4): tensors handed over by reference from a
         process on this host (shared memory, or CUDA IPC), decoded by an allow-list
-        (``tensor_payload.py``), then loaded."""
+        (``weights/payload.py``), then loaded."""
 
         async def action(body: Json) -> Json:
-            from asyncrl.engines.tensor_payload import decode, named_tensors
+            from asyncrl.weights.payload import decode, named_tensors
 
             entries = _required(body, "serialized_named_tensors", list)
             if len(entries) != 1 or not isinstance(entries[0], str):

@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from asyncrl.engines.base import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
-from asyncrl.engines.generate_wire import (
+from asyncrl.engines.server.generate_wire import (
     Json,
     TokenTexts,
     answer,
@@ -37,7 +37,7 @@ from asyncrl.engines.generate_wire import (
     version_spans,
     version_text,
 )
-from asyncrl.engines.tool_stream import (
+from asyncrl.engines.server.tool_stream import (
     ToolStream,
     arguments_text,
     content_of,
@@ -46,7 +46,7 @@ from asyncrl.engines.tool_stream import (
 )
 
 if TYPE_CHECKING:
-    from asyncrl.engines.server import EngineServer
+    from asyncrl.engines.server.app import EngineServer
 
 
 class OpenAIRoutes:

@@ -2,7 +2,7 @@
 
 The trainer copies each version once, bucket by bucket, into shared memory: named shared
 memory for CPU tensors, device memory whose CUDA IPC handles travel for GPU tensors
-(``engines/tensor_payload.py``). The announcement carries one handle per bucket, each
+(``weights/payload.py``). The announcement carries one handle per bucket, each
 an ``/update_weights_from_tensor`` payload (``load_format: "flattened_bucket"``), so an
 engine on the same host maps the bucket and copies its tensors straight into its own
 model, and an SGLang server takes the very same payload over HTTP. Nothing goes through
@@ -20,7 +20,7 @@ carries its slot's version stamp. By then the blob server has dropped that versi
 too (it keeps ``keep``), so the engine waits for the next one (an embedded engine that
 was writing in place stays torn until then).
 
-Used by ``weight_sync.WeightPublisher`` (trainer side) and ``WeightReceiver.fetch``.
+Used by ``sync.WeightPublisher`` (trainer side) and ``WeightReceiver.fetch``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.engines.base import EngineError
-from asyncrl.engines.tensor_payload import (
+from asyncrl.errors import EngineError, InputError
+from asyncrl.weights.buckets import Sink, plan_buckets
+from asyncrl.weights.payload import (
     bucket_layout,
     decode,
     encode,
@@ -42,8 +43,6 @@ from asyncrl.engines.tensor_payload import (
     named_tensors,
     piece,
 )
-from asyncrl.errors import InputError
-from asyncrl.trainers.weight_buckets import Sink, plan_buckets
 from asyncrl.wire.blob import layout
 
 #: The host a version is shared on: a subscriber elsewhere pulls.

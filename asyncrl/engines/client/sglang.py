@@ -35,8 +35,8 @@ import aiohttp
 import msgspec
 
 from asyncrl.engines.base import PauseMode, SamplingParams
-from asyncrl.engines.sglang_transport import EngineState, SGLangTransport
-from asyncrl.engines.sglang_weights import DEFAULT_GROUP, PendingCall, WeightUpdateCalls
+from asyncrl.engines.client.transport import EngineState, SGLangTransport
+from asyncrl.engines.client.weights import DEFAULT_GROUP, PendingCall, WeightUpdateCalls
 from asyncrl.engines.sglang_wire import (
     EngineUnavailable,
     GenerateResult,

@@ -18,7 +18,7 @@ a one-tensor bucket goes as that tensor, a longer one as its bytes (``uint8``; S
 
 Blocking calls: run them in a worker thread (``asyncio.to_thread``). A broadcast waits for
 every rank: a rank that died fails it at once, one that never comes fails it after
-``timeout_s``. A version goes in buckets (``weight_buckets.py``): ``send_buckets`` on rank
+``timeout_s``. A version goes in buckets (``buckets.py``): ``send_buckets`` on rank
 0, ``receive_buckets`` elsewhere.
 
 Re-forming (``GroupMembership``): a gloo group cannot take a new member, so the job's
@@ -30,7 +30,7 @@ background too. A broadcast that fails makes rank 0 abort the group (so the memb
 half-done receives fail at once instead of at the timeout) and form the next id. Until a
 group is formed, and for a member whose broadcast failed, versions go by pull from the
 trainer's blob server. A restarted trainer is a new incarnation: new ids, one re-form.
-Used by ``weight_sync`` for the ``dist`` transport.
+Used by ``sync`` for the ``dist`` transport.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.observe.logs import get_logger
-from asyncrl.trainers.config import GroupConfig, is_loopback
-from asyncrl.trainers.weight_buckets import (
+from asyncrl.weights.buckets import (
     Bucket,
     BucketBuffers,
     Sink,
@@ -58,7 +57,9 @@ from asyncrl.trainers.weight_buckets import (
     manifest_buckets,
     views,
 )
+from asyncrl.weights.config import GroupConfig
 from asyncrl.wire.messages import BlobManifest, TensorEntry
+from asyncrl.wire.sockets import is_loopback
 
 log = get_logger("asyncrl.weights")
 
@@ -175,7 +176,7 @@ class BroadcastGroup:
 
     def send_buckets(self, manifest: BlobManifest, tensors: Mapping[str, torch.Tensor]) -> None:
         """Rank 0: one broadcast per bucket of ``manifest``; a large tensor goes as itself,
-        the small ones flattened into a reused buffer (``weight_buckets.py``), the next
+        the small ones flattened into a reused buffer (``buckets.py``), the next
         bucket filled while the last one is on the wire."""
         on_wire: dist.Work | None = None
         for i, bucket in enumerate(manifest_buckets(manifest)):
