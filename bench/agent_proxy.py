@@ -33,9 +33,9 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from asyncrl.rollout.agent_workflow import AgentWorkflow
 from asyncrl.rollout.base import RolloutContext
 from asyncrl.rollout.multi_turn import MultiTurn, MultiTurnConfig
-from asyncrl.rollout.openai_proxy import AgentWorkflow
 from asyncrl.rollout.tools import ToolRegistry, calculator_tool
 from asyncrl.types import Sample, pack_int32
 from examples.openai_agent.agent import calculator_agent, solve

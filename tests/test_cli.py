@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.cli import _job, main
+from asyncrl.cli import main
+from asyncrl.cli.jobs import job_result
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -109,7 +110,8 @@ def test_out_of_range_numbers_are_refused_at_their_flag(argv, words, capsys):
 def test_serve_flags_are_the_engine_configs_fields_under_sglangs_names():
     """``asyncrl serve`` builds its engine from an ``EngineConfig``: each engine flag is a
     field, with its default, and parses to what ``rollout.engine`` would hold."""
-    from asyncrl.cli import SERVE_ENGINE_FLAGS, _parser
+    from asyncrl.cli import _parser
+    from asyncrl.cli.serve import SERVE_ENGINE_FLAGS
     from asyncrl.engines.config import EngineConfig
 
     parser = _parser([])
@@ -144,13 +146,13 @@ def test_a_refused_write_is_rc_1_with_the_reason_and_any_other_error_is_raised(
         raise exc
 
     full = OSError(errno.ENOSPC, "No space left on device")
-    assert _job(raising(wrapped(full))) == 1
+    assert job_result(raising(wrapped(full))) == 1
     assert (
         capsys.readouterr().err
         == "asyncrl: the disk refused a write: [Errno 28] No space left on device\n"
     )
     with pytest.raises(ExceptionGroup) as raised:
-        _job(raising(wrapped(full, KeyError("x"))))
+        job_result(raising(wrapped(full, KeyError("x"))))
     assert raised.value.split(KeyError)[0] is not None
     with pytest.raises(PermissionError):  # not the disk's refusal: a traceback, as a bug
-        _job(raising(PermissionError(errno.EACCES, "denied")))
+        job_result(raising(PermissionError(errno.EACCES, "denied")))

@@ -21,8 +21,9 @@ import openai
 import pytest
 import pytest_asyncio
 
+from asyncrl.rollout.agent_workflow import AgentWorkflow
 from asyncrl.rollout.base import RolloutContext
-from asyncrl.rollout.openai_proxy import AgentTask, AgentWorkflow, ProxyConfig, Session
+from asyncrl.rollout.openai_proxy import AgentTask, ProxyConfig, Session
 from asyncrl.rollout.tools.calculator import calculator, calculator_tool
 from asyncrl.rollout.tools.registry import openai_schema
 from asyncrl.types import Sample, SampleStatus

@@ -9,6 +9,7 @@ import math
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 
@@ -150,6 +151,12 @@ async def test_it_serves_sglangs_api_through_the_server_and_client():
             again = await client.generate([5], {"max_new_tokens": 4})
             assert again.weight_version == 3 and again.versions == [3] * 4
             assert again.finish_reason.type == "length"
+            # The engine seam: an engine that joins no weight group is refused by name.
+            async with aiohttp.ClientSession() as http:
+                body = {"master_port": 1, "world_size": 2}
+                async with http.post(f"{url}/init_weights_update_group", json=body) as reply:
+                    assert reply.status == 400
+                    assert "SimEngine does not join weight groups" in await reply.text()
     finally:
         await server.stop()
 

@@ -131,15 +131,14 @@ def test_actors_read_their_typed_config_not_the_raw_params():
     assert readers == [], readers
 
 
-#: About 600 lines; a module past this says why at the top of its docstring ("Size: ...").
-LONG_MODULE = 620
+#: No module past this; split one by job before it gets there (docs/design.md).
+LONG_MODULE = 650
 
 
-def test_a_long_module_says_why_it_is_long():
-    unexplained = []
-    for path in sorted((ROOT / "asyncrl").rglob("*.py")):
-        text = path.read_text()
-        lines = len(text.splitlines())
-        if lines > LONG_MODULE and "\nSize: " not in (ast.get_docstring(ast.parse(text)) or ""):
-            unexplained.append(f"{path.relative_to(ROOT)} ({lines} lines)")
-    assert not unexplained, f"split these, or say why at the top ('Size: ...'): {unexplained}"
+def test_no_module_is_longer_than_650_lines():
+    long = [
+        f"{path.relative_to(ROOT)} ({n} lines)"
+        for path in sorted((ROOT / "asyncrl").rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > LONG_MODULE
+    ]
+    assert not long, f"split these by job: {long}"

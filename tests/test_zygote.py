@@ -88,3 +88,18 @@ async def test_without_a_zygote_actors_are_started_with_exec(tmp_path, monkeypat
         assert found["parent"] == os.getpid() and found["leads_session"]
         assert await runtime.stop(handle, grace=10) == 0
     assert not runtime.fork_server
+
+
+async def test_idle_zygotes_can_be_closed_and_the_next_job_starts_another(tmp_path):
+    async with LocalRuntime(tmp_path / "one", env={"ASYNCRL_TEST_MARK": "idle"}) as runtime:
+        handle, first = await facts(runtime, "a", tmp_path / "one")
+        assert first["parent"] in forks.zygote_pids()
+        forks.close_idle_zygotes()  # busy: kept
+        assert first["parent"] in forks.zygote_pids()
+        assert await runtime.stop(handle, grace=10) == 0
+    forks.close_idle_zygotes()
+    assert first["parent"] not in forks.zygote_pids()
+    async with LocalRuntime(tmp_path / "two", env={"ASYNCRL_TEST_MARK": "idle"}) as runtime:
+        handle, again = await facts(runtime, "a", tmp_path / "two")
+        assert again["parent"] != first["parent"]
+        assert await runtime.stop(handle, grace=10) == 0

@@ -17,7 +17,7 @@ import asyncio
 import math
 import re
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -190,16 +190,32 @@ class EngineLoad(msgspec.Struct, kw_only=True):
 
 
 class InferenceEngine(Protocol):
-    """What the HTTP server needs from an engine. Versions are ints (optimizer steps)."""
+    """What the HTTP server, the rollout actor's engine host and the tests use of an
+    engine (``TorchEngine``, ``VLLMEngine``, ``SimEngine``). Versions are ints (trained
+    batches); ``version_names`` keeps a client's string names of them."""
 
     version: int
+    version_names: dict[int, str]
+    model_path: str
+    model: Any  # its ``config`` is the HF config
+    tokenizer: Any  # None: token ids only
+    context_length: int
+    device: Any  # a torch.device
+
+    async def run(self) -> None:
+        """The engine's loop; the server runs it as a task while it serves."""
+        ...
+
+    def check(self, request: GenerateRequest) -> None:
+        """Raise ``EngineError`` (a 400) for a request this engine cannot serve."""
+        ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Cumulative outputs as tokens arrive; the last carries ``finish_reason``."""
         ...
 
-    def abort(self, rid: str = "", *, abort_all: bool = False) -> int:
-        """Abort by rid prefix or all; the callers get their partial output. Returns count."""
+    def abort(self, rid: str = "", *, abort_all: bool = False, prefix: bool = False) -> int:
+        """Abort by rid (or rid prefix) or all; callers get their partial output. A count."""
         ...
 
     async def pause(self, mode: PauseMode = "abort") -> None:
@@ -234,6 +250,41 @@ class InferenceEngine(Protocol):
 
     def load(self) -> EngineLoad:
         """Running and waiting requests and token usage."""
+        ...
+
+
+@runtime_checkable
+class GroupEngine(InferenceEngine, Protocol):
+    """An engine that joins the trainer's weight group (torch, vLLM): SGLang's distributed
+    update routes. The server refuses those routes for any other engine."""
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """Join the group (a blocking rendezvous, off the event loop)."""
+        ...
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        version: int | None,
+        *,
+        flattened: bool = False,
+    ) -> None:
+        """Receive a version by broadcast from rank 0, then load it."""
+        ...
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave the group."""
         ...
 
 

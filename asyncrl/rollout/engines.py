@@ -65,10 +65,9 @@ log = get_logger("asyncrl.rollout")
 if TYPE_CHECKING:
     import torch
 
-    from asyncrl.engines.base import PauseMode
+    from asyncrl.engines.base import InferenceEngine, PauseMode
     from asyncrl.engines.server.app import EngineServer
     from asyncrl.engines.sim.engine import SimEngine
-    from asyncrl.engines.torch.engine import TorchEngine
     from asyncrl.rollout.base import Generator
     from asyncrl.weights.sync import WeightReceiver
     from asyncrl.wire.messages import WeightVersion
@@ -100,7 +99,7 @@ class EngineHost:
         # The key of the servers started here (their loopback ports are open to every
         # local user): made per host, known only to this process.
         self.local_key = secrets.token_urlsafe(24)
-        self.engine: TorchEngine | SimEngine | None = None  # the first embedded engine
+        self.engine: InferenceEngine | None = None  # the first embedded engine
         self.sims: list[SimEngine] = []  # every sim engine (engine is the first)
         self.servers: list[EngineServer] = []
         self.client: SGLangClient | None = None

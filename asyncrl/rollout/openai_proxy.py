@@ -1,63 +1,14 @@
-"""Train an agent written against the official ``openai`` client, unchanged, through a proxy.
-
-An agent is ``async def agent(session: Session, task: AgentTask) -> final_state``: it makes
-chat-completion calls (with tools) through ``openai.AsyncOpenAI(base_url=session.base_url,
-api_key=session.api_key)`` (or ``session.client()``, the same with one shared connection
-pool), runs its own tools, and returns its final state (the answer text, or any JSON-able
-value). ``AgentWorkflow`` runs one agent episode per sample:
-
-1. the ``OpenAIProxy`` (an aiohttp server on 127.0.0.1, one per rollout actor) opens a
-   session: its own base URL ``http://127.0.0.1:PORT/s/<id>/v1`` and a random key (any
-   other key is a 401);
-2. the first call's ``messages`` and ``tools`` are rendered with the tokenizer's chat
-   template: that is the sample's prompt;
-3. every call continues the token trajectory: the messages the agent added since the last
-   reply (tool results, a user turn) are rendered as a delta after the model's own tokens
-   (``ObservationRenderer``, the multi-turn workflow's) and appended with ``loss_mask = 0``;
-   the engine continues from *all* tokens so far, and its sampled tokens, behaviour
-   log-probs and weight versions are appended with ``loss_mask = 1``. Nothing is
-   re-tokenised, so the trained tokens are exactly what the engine sampled;
-4. the reply is a standard ``ChatCompletion``: the turn's text, with Hermes
-   ``<tool_call>`` blocks parsed into ``tool_calls`` (any ``ToolCallParser``; not with
-   ``tool_choice: "none"``, whose reply is all text). With ``stream=true`` the whole turn
-   is generated first, then sent as ``chat.completion.chunk`` events (content and
-   ``delta.tool_calls`` from ``engines/server/tool_stream.py``'s ``ToolStream``, the usage last
-   with ``stream_options.include_usage``): the deltas add up to the same message, so the
-   episode goes on the same whichever way the agent asks;
-5. when the agent returns, the sample is scored by the run's reward function:
-   ``response_text`` is the final state when it is a string (else the decoded
-   trajectory) and ``metadata["final_state"]`` holds it.
-
-A conversation must grow by appending: each call's ``messages`` start with the previous
-call's messages and the reply the proxy gave (compared by role, stripped text and tool
-calls), followed by tool, user or system messages. Anything else (an edited history, an
-assistant message the model did not write, changed ``tools``, two calls at once, ``n > 1``,
-a ``tool_choice`` of ``required`` or a named function, which need constrained decoding)
-is a 400 with the reason, which the agent sees as ``openai.BadRequestError``.
-
-Limits: ``rollout.sampling.max_new_tokens`` is the token budget of the whole episode
-(sampled and appended tokens); ``max_calls`` completions per episode. A call past either
-gets an empty reply with ``finish_reason = "length"`` and the sample ends ``truncated``.
-The run's sampling parameters are the policy being trained, so they override an agent's
-``temperature``, ``top_p``, ``top_k`` and ``min_p`` (logged once); ``max_tokens`` (or
-``max_completion_tokens``), ``stop`` and ``stop_token_ids`` are honoured; as OpenAI's, a
-reply's content leaves out the stop string it ended on (the sample keeps its tokens).
-
-Weight updates: a call that an update aborts (``on_update: abort``) continues from its
-partial tokens on the new weights, so the update only delays it. An abort of all work (an
-APRIL round closing, a drain) cannot pause an agent's Python state, so it ends the episode:
-the sample comes back ``aborted`` with no tokens and the agent runs again from the start
-when the sample is resumed.
-
-Size: one protocol (sessions, the call's checks, turns against the engine, reply and
-error shapes), kept together so that what the agent sees and what is trained stay one.
+"""The OpenAI-compatible proxy that an agent written against the official ``openai`` client
+talks to, unchanged: sessions, each call checked and continued as one token trajectory
+against the engine, and OpenAI's reply and error shapes. What is trained is exactly what
+the engine sampled; the protocol, its limits and the weight-update rules are in
+``docs/agents.md``. ``agent_workflow.py`` runs one agent episode per sample through it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import secrets
 import time
@@ -81,7 +32,7 @@ from asyncrl.engines.server.tool_stream import (
 )
 from asyncrl.rollout.base import RolloutContext
 from asyncrl.rollout.multi_turn import HermesParser, ObservationRenderer, ToolCall, ToolCallParser
-from asyncrl.types import Sample, SampleStatus, pack_int32
+from asyncrl.types import Sample, pack_int32
 
 if TYPE_CHECKING:
     import openai
@@ -91,7 +42,7 @@ log = structlog.get_logger(__name__)
 Json = dict[str, Any]
 
 #: The largest final state kept in ``metadata["final_state"]`` (bigger ones are dropped).
-_MAX_STATE_BYTES = 64 * 1024
+MAX_STATE_BYTES = 64 * 1024
 
 #: Consecutive aborts with no new token after which a call fails (a wedged engine).
 _MAX_EMPTY_ABORTS = 50
@@ -218,7 +169,7 @@ def message_key(message: Any) -> tuple[Any, ...]:
     return message["role"], _text(message.get("content")).strip(), calls
 
 
-class _Episode:
+class Episode:
     """The proxy's side of one session: the sample it fills and the conversation so far."""
 
     def __init__(self, sample: Sample, key: str, aborts: int) -> None:
@@ -263,7 +214,7 @@ class OpenAIProxy:
         self.parser = parser or HermesParser()
         self.renderer = ObservationRenderer(ctx.tokenizer)
         self.eos_id = ctx.tokenizer.eos_token_id
-        self.episodes: dict[str, _Episode] = {}
+        self.episodes: dict[str, Episode] = {}
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._warned: set[str] = set()
@@ -289,10 +240,10 @@ class OpenAIProxy:
         await _close_shared_http_client()
 
     @contextlib.asynccontextmanager
-    async def session(self, sample: Sample) -> AsyncIterator[tuple[Session, _Episode]]:
+    async def session(self, sample: Sample) -> AsyncIterator[tuple[Session, Episode]]:
         """A fresh session filling ``sample``; closed (its URL a 404) when the block ends."""
         sid = secrets.token_hex(8)
-        episode = _Episode(sample, secrets.token_urlsafe(24), self.ctx.aborts())
+        episode = Episode(sample, secrets.token_urlsafe(24), self.ctx.aborts())
         episode.owner = asyncio.current_task()
         self.episodes[sid] = episode
         try:
@@ -304,7 +255,7 @@ class OpenAIProxy:
                 episode.handler.cancel()  # a call the agent walked away from writes nothing
 
     # -- HTTP ---------------------------------------------------------------------------
-    def _episode(self, request: web.Request) -> _Episode:
+    def _episode(self, request: web.Request) -> Episode:
         episode = self.episodes.get(request.match_info["session"])
         if episode is None:
             raise _error(404, "no such session (the episode is over)", "not_found_error")
@@ -338,7 +289,7 @@ class OpenAIProxy:
             episode.busy, episode.handler = False, None
 
     # -- one completion -----------------------------------------------------------------
-    async def _complete(self, episode: _Episode, body: Json) -> tuple[Json, _ReplyStream]:
+    async def _complete(self, episode: Episode, body: Json) -> tuple[Json, _ReplyStream]:
         """The turn's reply, and the same reply as stream deltas (``stream=true``)."""
         _check_options(body)
         parser = self.parser if _parses_tool_calls(body) else None
@@ -363,14 +314,14 @@ class OpenAIProxy:
         reply = self._reply(body, episode, turn, (content, calls), reason, start)
         return reply, _ReplyStream(text, parser, lambda k: _call_id(episode, k))
 
-    def _start(self, episode: _Episode, messages: list[Any], keys: list[Any], body: Json) -> None:
+    def _start(self, episode: Episode, messages: list[Any], keys: list[Any], body: Json) -> None:
         """The first call: its rendered messages are the sample's prompt."""
         ids = chat_template_ids(self.ctx.tokenizer, messages, body)
         episode.sample.packed_prompt = pack_int32(ids)
         episode.tools = json.dumps(body.get("tools"), sort_keys=True)
         episode.history = keys
 
-    def _extend(self, episode: _Episode, messages: list[Any], keys: list[Any], body: Json) -> None:
+    def _extend(self, episode: Episode, messages: list[Any], keys: list[Any], body: Json) -> None:
         """A later call: check the history, then append the new messages' delta."""
         old = len(episode.history)
         if json.dumps(body.get("tools"), sort_keys=True) != episode.tools:
@@ -391,14 +342,14 @@ class OpenAIProxy:
         episode.history = keys
         self._append_delta(episode, [self._flat(m, episode) for m in new])
 
-    def _flat(self, message: Json, episode: _Episode) -> Json:
+    def _flat(self, message: Json, episode: Episode) -> Json:
         flat = {"role": message["role"], "content": _text(message.get("content"))}
         if message["role"] == "tool":
             name = message.get("name") or episode.call_names.get(str(message.get("tool_call_id")))
             flat["name"] = name or ""
         return flat
 
-    def _append_delta(self, episode: _Episode, messages: list[Json]) -> None:
+    def _append_delta(self, episode: Episode, messages: list[Json]) -> None:
         s = episode.sample
         closed = s.response_length > 0 and int(s.response_tokens[-1]) == self.eos_id
         try:
@@ -415,7 +366,7 @@ class OpenAIProxy:
     def _budget(self) -> int:
         return self.ctx.budget
 
-    async def _generate(self, episode: _Episode, body: Json) -> tuple[list[int], bool, str | None]:
+    async def _generate(self, episode: Episode, body: Json) -> tuple[list[int], bool, str | None]:
         """One assistant turn; an abort by a weight update continues on the new weights.
         Returns the turn's tokens, whether it was cut at its token limit, and the stop
         string it ended on (None: EOS, a stop token, or no stop)."""
@@ -453,7 +404,7 @@ class OpenAIProxy:
             episode.truncated = "length"  # the whole budget is spent
         return turn, kind != "stop", matched if isinstance(matched, str) else None
 
-    def _abort(self, episode: _Episode) -> None:
+    def _abort(self, episode: Episode) -> None:
         if not episode.aborted and not episode.closed and episode.owner is not None:
             episode.aborted = True
             episode.owner.cancel()  # the agent's Python state cannot be resumed: restart
@@ -483,7 +434,7 @@ class OpenAIProxy:
         return text
 
     @staticmethod
-    def _tool_call(episode: _Episode, call: ToolCall, k: int) -> Json:
+    def _tool_call(episode: Episode, call: ToolCall, k: int) -> Json:
         """OpenAI's shape of one parsed call; its id names the tool for the result message."""
         cid = _call_id(episode, k)
         episode.call_names[cid] = call.name
@@ -493,7 +444,7 @@ class OpenAIProxy:
     def _reply(
         self,
         body: Json,
-        episode: _Episode,
+        episode: Episode,
         turn: list[int],
         parsed: tuple[str, list[ToolCall]] | None,
         reason: str,
@@ -518,7 +469,7 @@ class OpenAIProxy:
         }  # fmt: skip
 
 
-def _call_id(episode: _Episode, k: int) -> str:
+def _call_id(episode: Episode, k: int) -> str:
     """The id of the turn's ``k``-th call, the same in a reply and in its stream."""
     return f"call_{episode.calls}_{k}"
 
@@ -617,93 +568,3 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         log.warning("proxy call failed", path=request.path, error=repr(exc))
         message = f"{type(exc).__name__}: {exc}"
         return json_response(_error(500, message, "server_error").body, 500)
-
-
-# ----------------------------------------------------------------------------- workflow
-
-
-class AgentWorkflow:
-    """The workflow that runs an ``Agent`` per sample through an ``OpenAIProxy``.
-
-    ``resources(ctx)`` starts the proxy; the rollout (and eval) actor holds it for its
-    lifetime. Each call resets the sample (an aborted episode restarts), runs the agent in a
-    session, and scores the result (module docstring).
-    """
-
-    def __init__(
-        self, agent: Agent, config: ProxyConfig | None = None, parser: ToolCallParser | None = None
-    ) -> None:
-        self.agent, self.config, self.parser = agent, config or ProxyConfig(), parser
-        self._proxies: dict[int, OpenAIProxy] = {}  # by id(ctx)
-
-    def resources(self, ctx: RolloutContext) -> OpenAIProxy:
-        """The proxy for ``ctx``: enter it (``async with``) before the first sample."""
-        proxy = OpenAIProxy(ctx, self.config, self.parser)
-        self._proxies[id(ctx)] = proxy
-        return proxy
-
-    async def __call__(self, ctx: RolloutContext, sample: Sample) -> Sample:
-        proxy = self._proxies.get(id(ctx))
-        if proxy is None or not proxy.url:
-            raise ValueError("AgentWorkflow needs its proxy started: enter resources(ctx) first")
-        _restart(sample)
-        # Copies: an agent that appends to its prompt must not change the sample.
-        task = AgentTask(sample.uid, copy.deepcopy(sample.prompt), copy.deepcopy(sample.label),
-                         copy.deepcopy(sample.metadata), copy.deepcopy(sample.tools))  # fmt: skip
-        async with proxy.session(sample) as (session, episode):
-            try:
-                async with asyncio.timeout(self.config.timeout_s):
-                    state = await self.agent(session, task)
-            except asyncio.CancelledError:
-                if not episode.aborted or _cancelled_from_outside():
-                    raise
-                return _aborted(sample)
-            except Exception:
-                if episode.aborted:  # the agent turned the abort into its own error
-                    _cancelled_from_outside()
-                    return _aborted(sample)
-                raise
-            if episode.aborted:  # the agent swallowed the abort and went on
-                _cancelled_from_outside()
-                return _aborted(sample)
-        if not episode.calls:
-            raise ValueError("the agent returned without calling the model")
-        _finish(sample, episode, state, ctx.tokenizer)
-        sample.reward = await ctx.score(sample)
-        return sample
-
-
-def _cancelled_from_outside() -> bool:
-    """Withdraw the proxy's own cancel request; True if another one is still pending."""
-    task = asyncio.current_task()
-    return task is not None and task.uncancel() > 0
-
-
-def _aborted(sample: Sample) -> Sample:
-    _restart(sample)
-    sample.status, sample.finish_reason = SampleStatus.ABORTED, "abort"
-    return sample
-
-
-def _restart(sample: Sample) -> None:
-    """An agent episode cannot resume mid-way: it starts again with no tokens."""
-    sample.truncate_response(0)
-    sample.turns = []
-    sample.metadata["tool_calls"] = []  # an agent episode, even without calls
-    sample.status, sample.finish_reason = SampleStatus.PENDING, None
-
-
-def _finish(sample: Sample, episode: _Episode, state: Any, tokenizer: Any) -> None:
-    sample.status = SampleStatus.TRUNCATED if episode.truncated else SampleStatus.COMPLETED
-    sample.finish_reason = episode.truncated or "stop"
-    sample.metadata["agent_calls"] = episode.calls
-    try:  # the state travels with the sample: wire types, and not too big
-        encoded = msgspec.msgpack.encode(state)
-        sample.metadata["final_state"] = state if len(encoded) <= _MAX_STATE_BYTES else None
-    except Exception:  # not a wire type, too deep, an int past 64 bits: keep its repr
-        sample.metadata["final_state"] = repr(state)[:_MAX_STATE_BYTES]
-    if isinstance(state, str):
-        sample.response_text = state
-    else:
-        ids = sample.response_tokens.tolist()
-        sample.response_text = str(tokenizer.decode(ids, skip_special_tokens=True))

@@ -46,7 +46,8 @@ def _multi_turn(cfg: ToolUseConfig) -> Workflow:
 
 
 def _agent(cfg: AgentConfig) -> Workflow:
-    from asyncrl.rollout.openai_proxy import AgentWorkflow, ProxyConfig
+    from asyncrl.rollout.agent_workflow import AgentWorkflow
+    from asyncrl.rollout.openai_proxy import ProxyConfig
 
     agent = load_object(cfg.path, what="agent")
     if not inspect.iscoroutinefunction(agent):

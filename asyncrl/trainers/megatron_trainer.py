@@ -9,48 +9,9 @@ optimizer). Layout: ``trainer.num_ranks`` processes (``ranks.py`` starts them an
 them in one process group) hold ``TP * PP * DP`` ranks; with one rank and no group the
 trainer makes a one-rank group. Each rank builds its pipeline stage and TP shard.
 
-One ``train_step(batch)`` (every rank gets the same batch and plans the same way)::
-
-    rows        rollout_tensors: sequences, [B, T] mask, behaviour log-probs, scores
-    plan        plan_ranks over the DP ranks: this DP rank's token-budget micro-batches
-                (every stage and TP rank of a pipeline plans the same ones)
-    no-grad     forward-only schedule: old (unless use_rollout_logprobs) and reference
-                log-probs; the last stage (TP rank 0) fills its rows and a sum over all
-                ranks gives every rank the [B + 1, T] columns
-    advantages  compute_advantages on the whole batch (identically on every rank)
-    grad        get_forward_backward_func (1F1B with PP): forward, the loss on the last
-                stage, backward; finalize_model_grads reduces over DP
-    update      optimizer.step (clip by the pre-clip global norm, reported), LR from the
-                schedule of ``learner.lr_factor`` over updates; with mini-batches or
-                PPO epochs (``update_plan``) one update each, the old log-probs scored
-                first; version += 1 once a batch
-
-Losses. ``rl_loss`` / ``sft_loss`` use step-global denominators (``LossScale``), so the
-step loss is the sum of micro-batch losses over micro-batches and DP ranks. megatron's
-schedule divides each micro-batch loss by this rank's micro-batch count ``M`` and its DDP
-averages gradients over the ``D`` DP ranks; the loss function returns ``M * D * loss`` so
-that the gradient is that of the step loss taken whole, as in the torch trainer.
-Log-probs and entropy come from the vocab-sharded logits (``vocab_parallel``).
-
-Micro-batches. With the local layer spec a micro-batch is packed into one row with a
-block-diagonal causal mask (megatron's RoPE counts positions along the row; attention
-scores depend on position differences only, so the restart at each sequence is not
-needed). The TransformerEngine spec ignores such a mask, so there the micro-batches are
-padded rows (THD packing through ``PackedSeqParams`` is not wired: it needs TE and a GPU).
-``packing: false`` pads with either spec.
-
-Limits: no critic (``ppo`` is refused); sequence parallel, context and expert parallel
-are not exposed; megatron-core 0.16.1 calls CUDA throughout, so ``device: cpu`` runs only
-under the test suite's CPU shim (``tests/megatron_shim.py``). megatron's optimizer skips
-weight decay on biases and norm weights (the torch trainer decays every parameter).
-
-Checkpoints: ``megatron/`` (``dist_checkpointing``: the model's and the optimizer's
-sharded state; reloadable under another DP size, not another TP/PP, which ``load_checkpoint``
-refuses by name), ``rng/rank{r}.pt`` and ``trainer.json``.
-Metrics: those of ``TorchTrainer`` less the critic's.
-
-Size: one backend's RL and SFT steps under megatron's schedule with TP, PP and DP, and
-its checkpoints; the model conversion is already apart (``megatron_bridge.py``).
+One ``train_step``'s schedule, the loss scaling that makes its gradient the torch
+trainer's, packing, limits and the checkpoint layout: ``docs/megatron.md`` ("Inside the
+backend"). Model conversion is ``megatron_bridge.py``.
 """
 
 from __future__ import annotations

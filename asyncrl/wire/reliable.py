@@ -1,9 +1,6 @@
-"""Reliable delivery: at-least-once DEALER -> ROUTER with acks, redelivery and de-duplication.
-
-Used for results that must not be lost (``GroupResult`` from rollout actors to the buffer).
-
-Pattern and loss rules
-----------------------
+"""Reliable delivery: at-least-once DEALER -> ROUTER with acks, redelivery and de-duplication,
+for results that must not be lost (``GroupResult`` from rollout actors to the buffer).
+Pattern and loss rules:
 - ``ReliableSender`` (DEALER, connects by default, ``IMMEDIATE`` so nothing queues on a
   half-open connection) keeps every message until the receiver acknowledges it.
   Consecutive sends are coalesced into one zmq message (a ``Batch`` of consecutive seqs)
@@ -28,10 +25,6 @@ Pattern and loss rules
 - Exactly-once processing across a receiver restart: save ``dedup_state()`` together
   with the application state the delivered messages changed (between batches), and pass
   it back as ``dedup_state=`` to the new receiver.
-
-Size: the two ends of one protocol (seqs, acks, the window, redelivery and
-de-duplication) are read and changed together; split apart, each half would need the
-other open beside it.
 """
 
 from __future__ import annotations

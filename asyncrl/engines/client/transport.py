@@ -1,64 +1,11 @@
 """The SGLang client's transport: one connection pool, retries and the choice of engine.
 
-``SGLangClient`` (``sglang_client.py``) holds one ``SGLangTransport``: it owns the aiohttp
-session, the retry rules, the engine rotation and the load refresher, and the raw
+``SGLangClient`` (``client/sglang.py``) holds one ``SGLangTransport``: it owns the aiohttp
+sessions, the retry rules, the engine rotation and the load refresher, and the raw
 ``/generate`` POST; the client and its ``WeightUpdateCalls`` make their calls through it.
-
-Transport. Two aiohttp ``ClientSession``s per client (no proxies from the environment).
-Generations share one pool bounded by the process's open-file limit (``pool_size``):
-those past it wait here for a connection rather than fail to connect. Control calls,
-probes and load reports have a pool of their own, so they never queue behind
-generations. Every POST carries a JSON body, ``{}`` when it has nothing to say,
-because SGLang 0.5.23 refuses body-less control POSTs. Timeouts: ``generate_timeout_s``
-(default 4 h, slime's router timeout) for ``/generate``; ``update_timeout_s`` for calls that
-wait on a drain or a collective (pause, weight updates, group init); ``control_timeout_s``
-for everything else. Timeouts are never retried.
-
-What is retried, up to ``Config.retries`` times with doubling backoff, and nothing else:
-
-- a failed TCP connect (``ClientConnectorError``: refused, unreachable), on every call,
-  ``/generate`` included: the request never left this process, so a retry cannot run
-  anything twice. A ``/generate`` retry goes to another engine when there is one;
-- HTTP 503, or a connection dropped before the response, on idempotent calls only: GETs,
-  ``pause_generation``, ``continue_generation``, ``abort_request``,
-  ``update_weights_from_disk`` (loading one checkpoint twice gives the same weights);
-- a ``/generate`` answered 503 with code ``no_available_workers``: a router refusing
-  before it forwarded anything (section 4.2).
-
-Never retried: any 4xx (``flush_cache``'s "busy" 400 is polled by ``flush_cache`` itself,
-which is the protocol, not a transport retry); a ``/generate`` the server accepted (a
-dropped connection mid-generation raises ``EngineUnavailable``, and the engine leaves the
-rotation); group init, distributed updates, begin/end, memory release/resume and router
-worker changes, which are not idempotent.
-
-Choosing an engine (several base URLs). Each request goes to the engine in rotation with
-the lowest score ``own in-flight + others``, where ``others`` is what the engine's last
-``/v1/loads`` (fallback ``/get_load``) reported beyond this client's in-flight count at
-that moment: the load other clients put on it. Ties rotate round-robin. Loads are
-refreshed in one background task, at most every ``load_refresh_s``, only when there are
-engines to choose between, so the request path never waits on it. ``prefer=`` pins a
-request to an engine while it is in rotation (resume a partial rollout where its KV cache
-is). An engine whose connect fails, or whose ``/health`` fails, leaves the rotation and is
-probed with ``GET /health`` every ``recheck_s`` until it answers 200; requests that find
-every engine out share one probe per engine. With
-``health_check_s`` every engine in rotation is also checked that often with
-``GET /health_generate`` (a real one-token generation: a server that answers ``/health``
-but cannot generate fails it), and an engine out of rotation must pass that probe to come
-back. Before it does, ``on_return(url)`` runs (the rollout actor's ``EngineHost`` loads the
-weights every other engine has into it); if that fails, it stays out. Control calls
-(pause, abort, weight updates, flushes) go to the engines in rotation only: the others
-are caught up by ``on_return``.
-
-With ``router=True`` the one URL is a sglang-router: generation goes through it, and
-control calls go to each worker URL from ``GET /workers``, because the router does not fan
-them out (section 4.2).
-
-Engines in this process are not reached through a transport: ``in_process.py``'s
-``InProcessGenerator`` calls their servers directly.
-
-Size: retries, rotation, health and the router's worker list share one connection state
-(the engines' in-flight counts, their rotation and their load reports), so they stay in one
-class; the calls made through it live in ``sglang_client.py`` and ``sglang_weights.py``.
+What is retried and what never is, how an engine is chosen, and how one leaves and rejoins
+the rotation: ``docs/client.md``. Retries, rotation, health and the router's worker list
+share one connection state, so they stay in one class.
 """
 
 from __future__ import annotations

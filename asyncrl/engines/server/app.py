@@ -2,7 +2,8 @@
 
 Rollout code, slime, AReaL and the real sglang-router talk to it exactly as to an SGLang
 server: the shapes are ``docs/sglang_api.md`` sections 1 to 3 and 7.
-One ``EngineServer`` owns one engine (a ``TorchEngine``) and its aiohttp application::
+One ``EngineServer`` owns one engine (any ``InferenceEngine``: torch, vLLM, sim) and its
+aiohttp application::
 
     HTTP /generate, /v1/*  -> parse + validate (400 before anything starts)
                            -> traffic gate (pause, weight-update lock)
@@ -37,7 +38,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from asyncrl.engines.base import GenerateOutput, GenerateRequest, SamplingParams
+from asyncrl.engines.base import GenerateOutput, GenerateRequest, InferenceEngine, SamplingParams
 from asyncrl.engines.server.control_routes import ControlRoutes
 from asyncrl.engines.server.generate_wire import (
     DONE,
@@ -59,7 +60,6 @@ from asyncrl.engines.server.generate_wire import (
     version_text,
 )
 from asyncrl.engines.server.openai_routes import OpenAIRoutes
-from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.observe.logs import get_logger
 
 log = get_logger("asyncrl.server")
@@ -215,7 +215,7 @@ class EngineServer:
 
     def __init__(
         self,
-        engine: TorchEngine,
+        engine: InferenceEngine,
         *,
         served_model_name: str | None = None,
         server_args: Json | None = None,

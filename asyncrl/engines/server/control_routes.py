@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from asyncrl.engines.base import GroupEngine
 from asyncrl.engines.server.generate_wire import (
     ApiError,
     Json,
@@ -134,6 +135,12 @@ class ControlRoutes:
         return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     # -- weights ------------------------------------------------------------------------------
+    def _group_engine(self) -> GroupEngine:
+        """The engine, if it joins weight groups; a 400 (through ``_admin``) otherwise."""
+        if not isinstance(self.engine, GroupEngine):
+            raise ValueError(f"{type(self.engine).__name__} does not join weight groups")
+        return self.engine
+
     async def _admin(self, request: web.Request, action: Callable[[Json], Awaitable[Json]]) -> Any:
         """Run an admin action: ``{"success": true, ...}`` or 400 ``{"success": false}`` (2)."""
         body = await read_json(request)
@@ -189,7 +196,7 @@ class ControlRoutes:
 
         async def action(body: Json) -> Json:
             default_backend = "nccl" if self.engine.device.type == "cuda" else "gloo"
-            await self.engine.init_weights_update_group(
+            await self._group_engine().init_weights_update_group(
                 master_address=field(body, "master_address", str, "127.0.0.1"),
                 master_port=_required(body, "master_port", int),
                 rank=field(body, "rank_offset", int, 1),
@@ -212,7 +219,7 @@ class ControlRoutes:
             version, name = parse_version(body.get("weight_version"), self.engine.version)
             self._abort_first(body)
             async with self.gate.updating():
-                await self.engine.update_weights_from_distributed(
+                await self._group_engine().update_weights_from_distributed(
                     names=_required(body, "names", list),
                     dtypes=[d.removeprefix("torch.") for d in _required(body, "dtypes", list)],
                     shapes=_required(body, "shapes", list),
@@ -230,7 +237,7 @@ class ControlRoutes:
 
         async def action(body: Json) -> Json:
             group = field(body, "group_name", str, "weight_update_group")
-            await self.engine.destroy_weights_update_group(group)
+            await self._group_engine().destroy_weights_update_group(group)
             return {"message": "Succeeded to destroy custom process group."}
 
         return await self._admin(request, action)

@@ -21,18 +21,15 @@ batch and its KV, ``pause("retract")`` drops the KV and re-prefills later, and
 ``pause("abort")`` aborts everything and returns once every caller has its output.
 A request without a ``sampling_seed`` gets one drawn from the engine's own stream
 (``seed``: the same seed replays the same stream, 0 by default as in vLLM, None draws
-from the OS). A job gives each engine its seed mixed with the actor's name, so two
-engines, or two runs with different job seeds, never sample in lockstep. (A fixed count
-from 1 made every run of a job sample the same way, whatever its seed: two otherwise
-equal runs differed only by their sampler's code, which read as a regression.)
+from the OS); a job mixes each engine's seed with the actor's name, so no two engines
+sample in lockstep.
 
 No KV outlives its request (there is no prefix cache), so ``cached_tokens`` is 0: a
 resumed partial rollout and a retracted request prefill their whole prompt again.
 
-Users: the HTTP server (``engines/server/app.py``), tests and ``bench/engine.py``.
-
-Size: the step loop and the weight updates share the engine's private state (the
-running batch, the pause, the step-boundary queue); one class keeps them consistent.
+One request's state and finish rules are ``requests.py``; the sampler ``sampling.py``; the
+batch's KV ``kv_batch.py``. Users: the HTTP server (``engines/server/app.py``), tests and
+``bench/engine.py``.
 """
 
 from __future__ import annotations
@@ -41,12 +38,9 @@ import asyncio
 import contextlib
 import inspect
 import random
-import re
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,54 +66,15 @@ from asyncrl.engines.torch.kv_batch import (
     new_cache,
 )
 from asyncrl.engines.torch.lean_forward import lean_forward
-from asyncrl.engines.torch.sampling import RowState, Sampled, prompt_logprobs, sample_rows
+from asyncrl.engines.torch.requests import Seq, eos_ids, finish_reason, new_seq, similar_lengths
+from asyncrl.engines.torch.sampling import Sampled, prompt_logprobs, sample_rows
+from asyncrl.engines.torch.updates import WeightUpdates
 from asyncrl.errors import EngineError
 from asyncrl.observe.logs import get_logger
 from asyncrl.sdpa_kernels import varying_shapes
-from asyncrl.weights.loading import WeightGroups, check_names, read_safetensors
-from asyncrl.weights.lora_merge import AdapterVersion, BaseWeights, is_adapter_version
-from asyncrl.wire.codec import torch_dtype
 from asyncrl.wire.messages import BlobManifest
 
 log = get_logger("asyncrl.engine")
-
-
-@dataclass(eq=False)
-class _Seq:
-    """One request's state, shared by its caller (event loop) and the step (thread)."""
-
-    req: GenerateRequest
-    row: RowState
-    started: float
-    prompt: list[int]  # what to prefill: the request's ids (plus output after a retract)
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    top: list[list[tuple[float, int]]] | None = None  # per output token, when asked for
-    input_logprobs: list[float | None] | None = None
-    input_top: list[list[tuple[float, int]] | None] | None = None
-    stop_regex: list[re.Pattern[str]] = field(default_factory=list)
-    finish: FinishReason | None = None
-    aborted: bool = False
-    queued: bool = True
-    updated: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def snapshot(self) -> GenerateOutput:
-        """What the caller sees now (copies: the step thread keeps appending)."""
-        return GenerateOutput(
-            rid=self.req.rid,
-            output_ids=list(self.output),
-            logprobs=list(self.logprobs),
-            versions=list(self.versions),
-            top_logprobs=None if self.top is None else list(self.top),
-            finish_reason=self.finish,
-            prompt_tokens=len(self.req.input_ids),
-            cached_tokens=0,  # no prefix cache: the prefill computed every prompt token
-            input_logprobs=self.input_logprobs,
-            input_top_logprobs=self.input_top,
-            queued=self.queued and self.finish is not None,
-            e2e_latency=time.monotonic() - self.started,
-        )
 
 
 class TorchEngine:
@@ -158,17 +113,14 @@ class TorchEngine:
             mem_fraction,
         )
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.version, self.model_path = version, model_path
         #: SGLang clients' names of versions (``weight_version`` strings; routes).
         self.version_names: dict[int, str] = {}
-        # Adapter versions merge onto the weights the engine started from (lora_merge.py).
-        self.base_path = model_path
-        self._base: BaseWeights | None = None
-        self._half_loaded = False  # a load into the model's tensors began and did not end
-        self._waiting: deque[_Seq] = deque()
-        self._batch: KVBatch[_Seq] = KVBatch()
-        self._rids: dict[str, _Seq] = {}
+        self.base_path = model_path  # what adapter versions merge onto
+        self._waiting: deque[Seq] = deque()
+        self._batch: KVBatch[Seq] = KVBatch()
+        self._rids: dict[str, Seq] = {}
         self._paused = False
         self.torn = False  # a failed in-place update left a mix of versions: stay paused
         self._resumed = asyncio.Event()
@@ -179,8 +131,8 @@ class TorchEngine:
         # gives the same stream (0 by default, as vLLM's engines); None draws from the OS
         # (a restarted actor's: ``rollout/engines.py::engine_seed``).
         self._seeds = random.Random(seed)
-        self._just_finished: list[_Seq] = []
-        self._groups = WeightGroups()
+        self._just_finished: list[Seq] = []
+        self.weights = WeightUpdates(self)
         self._stepped = asyncio.Event()  # set after every step (pause waits on it)
         self._steps: ThreadPoolExecutor | None = None  # the step thread, while run() runs
         # The KV and activations live in host memory on CPU: give what is freed back.
@@ -282,26 +234,12 @@ class TorchEngine:
         async for out in follow(seq, self._wake):
             yield out
 
-    def _admit(self, request: GenerateRequest) -> _Seq:
+    def _admit(self, request: GenerateRequest) -> Seq:
         self.check(request)
         seed = request.sampling.sampling_seed
         if seed is None and not request.sampling.greedy:  # probes leave the stream alone
             seed = self._seeds.getrandbits(63)
-        gen = None if seed is None else torch.Generator().manual_seed(seed)
-        row = RowState(
-            params=request.sampling,
-            generator=gen,
-            seen=torch.tensor(request.input_ids, dtype=torch.long)
-            if request.sampling.repetition_penalty != 1.0
-            else None,
-            counts={},
-            num_generated=0,
-            blocked=self._blocked_ids(request),
-        )
-        seq = _Seq(request, row, time.monotonic(), list(request.input_ids))
-        seq.stop_regex = [re.compile(p) for p in request.sampling.stop_regexes]
-        if request.top_logprobs_num > 0:
-            seq.top = []
+        seq = new_seq(request, seed, self.eos_ids)
         self._rids[request.rid] = seq
         self._waiting.append(seq)
         self._wake.set()
@@ -328,11 +266,6 @@ class TorchEngine:
     @property
     def _vocab_size(self) -> int:
         return int(self.model.get_input_embeddings().weight.shape[0])
-
-    def _blocked_ids(self, request: GenerateRequest) -> list[int]:
-        p = request.sampling
-        ids = [] if p.ignore_eos else list(self.eos_ids)
-        return ids + list(p.stop_token_ids or [])
 
     def abort(self, rid: str = "", *, abort_all: bool = False, prefix: bool = False) -> int:
         """Abort as SGLang's ``/abort_request`` does, by every rid that starts with
@@ -376,121 +309,26 @@ class TorchEngine:
         self._resumed.set()
         self._wake.set()
 
+    # SGLang's weight routes (``updates.py``)
     async def update_weights_from_disk(self, path: str, version: int | None) -> None:
         """Load every ``*.safetensors`` file of ``path`` at a step boundary."""
-        tensors = await asyncio.to_thread(read_safetensors, path)
-        await self.update_weights_from_tensors(tensors, version)
-        self.model_path = path
+        await self.weights.from_disk(path, version)
 
     async def update_weights_from_tensors(
         self, tensors: dict[str, torch.Tensor], version: int | None
     ) -> None:
-        """Copy ``tensors`` (names as in ``state_dict``) into the model at a step boundary;
-        an adapter version (``lora_merge.py``) is merged onto the base weights first."""
-        source: dict[str, torch.Tensor] | AdapterVersion = tensors
-        if is_adapter_version(tensors):
-            if self._base is None:
-                self._base = await asyncio.to_thread(BaseWeights, self.base_path)
-            params = self.model.state_dict(keep_vars=True)
-            source = AdapterVersion(tensors, params, self._base)
-        else:
-            check_names(self.model, tensors)
-        self._half_loaded = False
-        try:
-            await self._at_boundary(lambda: self._load(source, version))
-        except BaseException as exc:
-            if self._half_loaded:  # a mix of two versions must not sample
-                self._tear(exc)
-            raise
-        await self._mended()
+        """Copy ``tensors`` (``state_dict`` names) into the model at a step boundary."""
+        await self.weights.from_tensors(tensors, version)
 
     def takes_in_place(self, manifest: BlobManifest | None) -> bool:
-        """Whether ``update_weights_in_place`` can write ``manifest``'s tensors straight
-        into the model: every name known, of the same shape and dtype, on the CPU."""
-        if manifest is None or self.device.type != "cpu":
-            return False
-        params = self.model.state_dict(keep_vars=True)
-        return all(
-            (p := params.get(e.name)) is not None
-            and list(p.shape) == list(e.shape)
-            and p.dtype == torch_dtype(e.dtype)
-            and p.is_contiguous()
-            for e in manifest.entries
-        )
+        """Whether ``update_weights_in_place`` can write ``manifest``'s tensors."""
+        return self.weights.takes_in_place(manifest)
 
     async def update_weights_in_place(
         self, fill: Callable[[dict[str, torch.Tensor]], Awaitable[object]], version: int
     ) -> None:
-        """Write a new version straight into the model's tensors: no staging copy.
-
-        Decoding stops at the next step boundary (requests and their KV stay, as in an
-        ``in_place`` pause), ``await fill(params)`` writes the tensors (``params``: the
-        model's, by ``state_dict`` name, tied ones under each), and decoding goes on with
-        ``version``. The pause lasts the whole transfer, as SGLang's distributed update
-        does. If ``fill`` raises (or is cancelled), the weights are part new and part old:
-        until an update completes (``torn``), the engine aborts every request, in flight
-        or new, so no token is sampled from a mix and each partial output goes back to
-        its caller to resume on a complete version.
-        """
-        held_by_user = self._paused and not self.torn
-        self._paused = True
-        self._resumed.clear()
-        await self._at_boundary(lambda: None)  # the step under way ends; none runs now
-        start = time.perf_counter()
-        params = {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()}
-        try:
-            await fill(params)
-        except BaseException as exc:
-            self._tear(exc)
-            raise
-        finally:  # the fill may write the tensors' memory, unseen by their version counters
-            self._invalidate()
-        self.version = version
-        pause = time.perf_counter() - start
-        self.stats["update_pause_s"] += pause
-        log.info("weights updated", version=version, in_place=True, pause_s=round(pause, 4))
-        self.torn = False
-        if not held_by_user:
-            await self.resume()
-
-    def _tear(self, exc: BaseException) -> None:
-        """A failed in-place update: abort every request (its partial output returns to
-        its caller, to resume on a complete version), and abort new ones at once, until
-        an update completes. Held requests are let in only to be aborted."""
-        self.torn = True
-        log.error("weights torn by a failed update: requests are aborted until one completes",
-                  version=self.version, error=f"{type(exc).__name__}: {exc}")  # fmt: skip
-        for seq in self._rids.values():
-            seq.aborted = True
-        self._resumed.set()
-        self._wake.set()
-
-    async def _mended(self) -> None:
-        """A complete update after a torn one: decoding may go on."""
-        if self.torn:
-            self.torn = False
-            await self.resume()
-
-    def _load(self, tensors: dict[str, torch.Tensor] | AdapterVersion, version: int | None) -> None:
-        start = time.perf_counter()  # decoding waits for this: the update's pause
-        params = self.model.state_dict(keep_vars=True)  # tied weights under each name
-        self._half_loaded = True
-        try:
-            with torch.no_grad():
-                if isinstance(tensors, AdapterVersion):
-                    tensors.load_into(params)
-                else:
-                    for name, t in tensors.items():
-                        params[name].copy_(t.to(params[name].device, params[name].dtype))
-        finally:  # what was written is seen by the next step either way
-            self._invalidate()
-        self._half_loaded = False
-        if version is not None:
-            self.version = version
-        pause = time.perf_counter() - start
-        self.stats["update_pause_s"] += pause
-        log.info("weights updated", version=self.version, tensors=len(tensors),
-                 pause_s=round(pause, 4))  # fmt: skip
+        """Write a new version straight into the model's tensors during a pause."""
+        await self.weights.in_place(fill, version)
 
     def _invalidate(self) -> None:
         """Drop the copies made of the weights (packed, fused): they are made again."""
@@ -515,7 +353,8 @@ class TorchEngine:
         backend: str,
     ) -> None:
         """Join the trainer's group as SGLang does (blocking rendezvous, in a thread)."""
-        await self._groups.join(master_address, master_port, rank, world_size, group_name, backend)
+        await self.weights.join_group(master_address, master_port, rank, world_size,
+                                      group_name, backend)  # fmt: skip
 
     async def update_weights_from_distributed(
         self,
@@ -527,19 +366,13 @@ class TorchEngine:
         *,
         flattened: bool = False,
     ) -> None:
-        """Receive the tensors by ``broadcast(src=0)`` (each in list order, or one
-        ``flattened`` bucket of their bytes), then load them."""
-        if not len(names) == len(dtypes) == len(shapes):
-            raise EngineError("names, dtypes and shapes must have the same length")
-        entries = list(zip(names, dtypes, shapes, strict=True))
-        tensors = await self._groups.receive(
-            group_name, entries, self.model, self.device, flattened=flattened
-        )
-        await self.update_weights_from_tensors(tensors, version)
+        """Receive the tensors by ``broadcast(src=0)``, then load them."""
+        await self.weights.from_distributed(names, dtypes, shapes, group_name, version,
+                                            flattened=flattened)  # fmt: skip
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         """Leave the group; ``EngineError`` when no group of that name was joined."""
-        await self._groups.leave(group_name)
+        await self.weights.leave_group(group_name)
 
     async def flush_cache(self) -> bool:
         """Nothing is cached across requests; refuse while requests run, as SGLang does."""
@@ -599,7 +432,7 @@ class TorchEngine:
             seq.finish = FinishReason(type="abort", message="Abort in waiting queue")
             self._done(seq)
 
-    def _done(self, seq: _Seq) -> None:
+    def _done(self, seq: Seq) -> None:
         self._just_finished.append(seq)
         self._rids.pop(seq.req.rid, None)
 
@@ -607,7 +440,7 @@ class TorchEngine:
         """Admit waiting requests while the cache at its fullest fits ``max_total_tokens``
         positions: rows x the longest final length, as every row is padded to the longest
         (``kv_batch.py``). An empty batch admits one whatever its length."""
-        new: list[_Seq] = []
+        new: list[Seq] = []
         rows = len(self._batch)
         longest = max(map(self._final_length, self._batch.seqs), default=0)
         while self._waiting and rows + len(new) < self.max_running:
@@ -616,17 +449,17 @@ class TorchEngine:
                 break
             longest = width
             new.append(self._waiting.popleft())
-        for chunk in _similar_lengths(new):
+        for chunk in similar_lengths(new):
             self._prefill(chunk)
 
-    def _final_length(self, seq: _Seq) -> int:
+    def _final_length(self, seq: Seq) -> int:
         """Positions ``seq`` holds when it ends: its prompt and all it may generate."""
         budget = seq.req.sampling.max_new_tokens
         if budget is None:
             return self.context_length
         return min(len(seq.req.input_ids) + budget, self.context_length)
 
-    def _prefill(self, seqs: list[_Seq]) -> None:
+    def _prefill(self, seqs: list[Seq]) -> None:
         width = max(len(s.prompt) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -653,7 +486,7 @@ class TorchEngine:
                 )
         self._merge(seqs, cache, mask, logits[:, -1, :].float())
 
-    def _merge(self, seqs: list[_Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
+    def _merge(self, seqs: list[Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
         tokens = [0] * len(seqs)  # placeholders for rows that leave at the finish check
         live = []
         for i, s in enumerate(seqs):
@@ -691,7 +524,7 @@ class TorchEngine:
                 **{self._cache_kwarg: cache}, logits_to_keep=keep,
             ).logits  # fmt: skip
 
-    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int]:
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[int]:
         """Sample each row's next token from its row of ``logits`` and record it (a
         device error surfaces before this, where the whole batch fails); a row that
         cannot be sampled fails alone, with a placeholder token until its finish check."""
@@ -699,7 +532,7 @@ class TorchEngine:
         results = sample_rows(logits, rows, [s.req.top_logprobs_num for s in seqs])
         return [self._record(s, r) for s, r in zip(seqs, results, strict=True)]
 
-    def _record(self, seq: _Seq, result: Sampled | RuntimeError) -> int:
+    def _record(self, seq: Seq, result: Sampled | RuntimeError) -> int:
         if isinstance(result, RuntimeError):  # e.g. no finite probability: this request alone
             seq.finish = FinishReason(
                 type="abort", message=f"sampling failed: {result}", status_code=400,
@@ -722,44 +555,9 @@ class TorchEngine:
     def _finish_checks(self) -> None:
         for seq, pos in zip(self._batch.seqs, self._batch.positions.tolist(), strict=True):
             if seq.finish is None:
-                seq.finish = self._finish_reason(seq, pos)
+                seq.finish = finish_reason(seq, pos, self.eos_ids, self.tokenizer,
+                                           self.context_length)  # fmt: skip
         self._drop(lambda s: s.finish is not None, abort=False)
-
-    def _finish_reason(self, seq: _Seq, position: int) -> FinishReason | None:
-        p, token = seq.req.sampling, seq.output[-1]
-        if seq.row.num_generated >= p.min_new_tokens:
-            if token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in self.eos_ids):
-                return FinishReason(type="stop", matched=token)
-            matched = self._stop_string(seq)
-            if matched is None:
-                matched = self._stop_regex(seq)
-            if matched is not None:
-                return FinishReason(type="stop", matched=matched)
-        limit = p.max_new_tokens
-        if limit is not None and len(seq.output) >= limit:
-            return FinishReason(type="length", length=limit)
-        if position + 1 >= self.context_length:
-            return FinishReason(type="length", length=len(seq.output))
-        return None
-
-    def _stop_string(self, seq: _Seq) -> str | None:
-        stops = seq.req.sampling.stop_strings
-        if not stops or self.tokenizer is None:
-            return None
-        longest = max(len(s) for s in stops)
-        tail = self.tokenizer.decode(seq.output[-(longest + 8) :])
-        newest = self.tokenizer.decode(seq.output[-1:])
-        window = tail[-(longest + len(newest)) :]
-        return next((s for s in stops if s in window), None)
-
-    def _stop_regex(self, seq: _Seq) -> str | None:
-        """The first ``stop_regex`` pattern found in the decoded output (SGLang reports the
-        pattern as ``matched``). The whole output is decoded, as a match may span any
-        length: O(output) per step, only for requests that set ``stop_regex``."""
-        if not seq.stop_regex or self.tokenizer is None:
-            return None
-        text = self.tokenizer.decode(seq.output)
-        return next((p.pattern for p in seq.stop_regex if p.search(text)), None)
 
     def _drop(self, done: Any, *, abort: bool) -> None:
         b = self._batch
@@ -787,22 +585,6 @@ class TorchEngine:
         return self._paused
 
 
-def _similar_lengths(seqs: list[_Seq], waste: float = 0.25) -> list[list[_Seq]]:
-    """``seqs`` by prompt length in chunks whose left padding is at most ``waste`` of
-    their tokens: one prefill of prompts of 16 and 64 tokens would compute 64 for each."""
-    chunks: list[list[_Seq]] = []
-    tokens = 0
-    for seq in sorted(seqs, key=lambda s: len(s.prompt)):
-        width = len(seq.prompt)  # the longest so far: the chunk's width if it joins
-        if chunks and (len(chunks[-1]) + 1) * width <= (1 + waste) * (tokens + width):
-            chunks[-1].append(seq)
-            tokens += width
-        else:
-            chunks.append([seq])
-            tokens = width
-    return chunks
-
-
 def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
     if fut.done():
         return
@@ -810,16 +592,6 @@ def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
-    ids: list[int] = []
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(source, "eos_token_id", None)
-        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
 
 
 with contextlib.suppress(Exception):  # keep torch from oversubscribing the event loop's core
