@@ -14,9 +14,11 @@ step's metrics there. All times are seconds since the command was launched:
 
 Beside it, in fresh interpreters, the import time of each actor class's module and of the
 CLI, the median of ``--repeats``. ``--repo DIR`` measures another checkout the same way,
-in the same run, alternated (a before/after: ``git worktree add /tmp/before COMMIT``).
+in the same run, alternated (a before/after: ``git worktree add /tmp/before COMMIT``);
+``--exec`` measures this checkout again with every actor exec'd (``--runtime.fork-server
+false``) instead of forked from the zygote.
 
-    .venv/bin/python bench/startup.py [--repeats 2] [--repo /tmp/before]
+    .venv/bin/python bench/startup.py [--repeats 2] [--repo /tmp/before] [--exec]
 
 prints a table and writes ``bench/results/startup.json``.
 """
@@ -78,12 +80,12 @@ def milestones(run_dir: Path, launched: float) -> dict[str, float]:
     return out
 
 
-def job(repo: Path, args: argparse.Namespace, run_dir: Path) -> dict[str, float]:
-    """One ``asyncrl train`` of one step from ``repo``; its milestones."""
+def job(repo: Path, args: argparse.Namespace, run_dir: Path, extra: list[str]) -> dict[str, float]:
+    """One ``asyncrl train`` of one step from ``repo`` (with ``extra`` flags); its milestones."""
     cmd = [sys.executable, "-c", "import sys; from asyncrl.cli import main; sys.exit(main())",
            "train", str(ROOT / args.config), "--train.num-steps", "1",
            "--output-dir", str(run_dir), "--overwrite"]  # fmt: skip
-    cmd += [] if args.eval else ["--eval.interval", "0"]
+    cmd += ([] if args.eval else ["--eval.interval", "0"]) + extra
     env = {**os.environ, "PYTHONPATH": str(repo)}
     launched = time.time()
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
@@ -101,14 +103,18 @@ def summarize(jobs: list[dict[str, float]], imports: dict[str, float]) -> dict[s
             "imports": imports}  # fmt: skip
 
 
-def measure(repos: dict[str, Path], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Each checkout's jobs in rounds (a slow spell hits all alike), then its imports."""
+Variant = tuple[Path, list[str]]  # a checkout and the flags it runs with
+
+
+def measure(repos: dict[str, Variant], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each variant's jobs in rounds (a slow spell hits all alike), then its imports."""
     jobs: dict[str, list[dict[str, float]]] = {name: [] for name in repos}
     for k in range(args.repeats):
-        for name, repo in repos.items():
-            jobs[name].append(job(repo, args, ROOT / "runs" / "startup-bench" / f"{name}{k}"))
+        for name, (repo, extra) in repos.items():
+            run_dir = ROOT / "runs" / "startup-bench" / f"{name}{k}"
+            jobs[name].append(job(repo, args, run_dir, extra))
     out = {}
-    for name, repo in repos.items():
+    for name, (repo, _) in repos.items():
         imports = {m: statistics.median(import_seconds(repo, mod) for _ in range(args.repeats))
                    for m, mod in MODULES.items()}  # fmt: skip
         out[name] = summarize(jobs[name], imports)
@@ -134,9 +140,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--eval", action="store_true", help="keep the config's eval actor")
     ap.add_argument("--repo", type=Path, help="also measure this checkout (before)")
+    ap.add_argument("--exec", action="store_true", help="also run with every actor exec'd")
     ap.add_argument("--out", default="bench/results/startup.json")
     args = ap.parse_args()
-    repos = {"now": ROOT} | ({"before": args.repo.resolve()} if args.repo else {})
+    repos: dict[str, Variant] = {"now": (ROOT, [])}
+    if args.exec:
+        repos["exec"] = (ROOT, ["--runtime.fork-server", "false"])
+    if args.repo:
+        repos["before"] = (args.repo.resolve(), [])
     results = measure(repos, args)
     report(results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -165,5 +165,8 @@ class Reporter(Recorder):
             "parent": os.getppid(),
             "draw": float(np.random.random()),
         }
-        Path(f"{self.config.journal}.json").write_text(json.dumps(facts))  # noqa: ASYNC240
+        facts["path0"] = sys.path[0]
+        report = Path(f"{self.config.journal}.json")
+        report.with_suffix(".tmp").write_text(json.dumps(facts))
+        report.with_suffix(".tmp").replace(report)  # whole, or not there
         await super().setup()

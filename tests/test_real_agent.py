@@ -22,8 +22,9 @@ from transformers import AutoTokenizer
 from asyncrl.buffer.dump import batch_files, read_batch
 from asyncrl.config import load_config
 from asyncrl.job import run_job
+from asyncrl.rollout.agent_workflow import AgentWorkflow
 from asyncrl.rollout.base import RolloutContext
-from asyncrl.rollout.openai_proxy import AgentTask, AgentWorkflow, Session
+from asyncrl.rollout.openai_proxy import AgentTask, Session
 from asyncrl.rollout.tools.calculator import calculator
 from asyncrl.types import Sample, SampleStatus
 from tests.test_openai_proxy import Recording

@@ -15,13 +15,15 @@ from asyncrl.runtime import forks, local
 from asyncrl.runtime.local import LocalActor, LocalRuntime
 from tests.test_runtime import spec
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 async def facts(runtime: LocalRuntime, name: str, tmp_path: Path) -> tuple[LocalActor, dict]:
     """Start a ``Reporter`` and read what it found in its process."""
     handle = await runtime.start(spec(name, "Reporter", tmp_path))
     report = tmp_path / f"{name}.journal.json"
     async with asyncio.timeout(120):
-        while not report.exists() or not report.read_text():
+        while not report.exists():
             assert handle.exit_code is None, handle.tail()
             await asyncio.sleep(0.05)
     return handle, json.loads(report.read_text())
@@ -56,8 +58,8 @@ async def test_a_job_with_another_environment_gets_a_zygote_of_its_own(tmp_path)
 async def test_a_stop_sent_to_every_process_leaves_the_zygote_to_the_controller(tmp_path):
     async with LocalRuntime(tmp_path) as runtime:
         handle, found = await facts(runtime, "a", tmp_path)
-        os.kill(found["parent"], signal.SIGTERM)
-        os.kill(found["parent"], signal.SIGINT)
+        os.killpg(found["parent"], signal.SIGTERM)  # its group: it leads one
+        os.killpg(found["parent"], signal.SIGINT)
         await asyncio.sleep(0.5)
         assert handle.exit_code is None
         os.kill(found["parent"], 0)  # the zygote lives
@@ -71,6 +73,7 @@ async def test_a_killed_zygote_takes_its_actors_and_the_next_job_gets_another(tm
         os.kill(found["parent"], signal.SIGKILL)
         async with asyncio.timeout(30):
             assert await handle.wait() == -signal.SIGKILL
+        assert not forks._running(handle.pid), "the dead zygote's actor still runs"
     async with LocalRuntime(tmp_path / "two") as runtime:
         handle, again = await facts(runtime, "a", tmp_path / "two")
         assert again["parent"] != found["parent"]
@@ -80,6 +83,8 @@ async def test_a_killed_zygote_takes_its_actors_and_the_next_job_gets_another(tm
 @pytest.mark.parametrize("how", ["unavailable", "off"])
 async def test_without_a_zygote_actors_are_started_with_exec(tmp_path, monkeypatch, how):
     async def refuse(*args, **kwargs):
+        if how == "off":
+            pytest.fail("a runtime told not to fork asked the zygote")
         raise forks.ZygoteUnavailable("refused for the test")
 
     monkeypatch.setattr(local, "fork_actor", refuse)
@@ -103,3 +108,21 @@ async def test_idle_zygotes_can_be_closed_and_the_next_job_starts_another(tmp_pa
         handle, again = await facts(runtime, "a", tmp_path / "two")
         assert again["parent"] != first["parent"]
         assert await runtime.stop(handle, grace=10) == 0
+
+
+async def test_a_fork_in_another_directory_finds_modules_there_as_an_exec_would(
+    tmp_path, monkeypatch
+):
+    """``python -m`` puts the start directory first on the path: a fork from a zygote
+    started elsewhere gets the job's directory there instead."""
+    root = str(ROOT)
+    env = {"PYTHONPATH": root, "ASYNCRL_TEST_MARK": "path"}
+    async with LocalRuntime(tmp_path / "one", env=env) as runtime:
+        _, first = await facts(runtime, "a", tmp_path / "one")
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        monkeypatch.chdir(elsewhere)
+        _, second = await facts(runtime, "b", tmp_path / "one")
+    assert first["parent"] == second["parent"]
+    assert first["path0"] == root and second["path0"] == str(elsewhere)
+    assert second["cwd"] == str(elsewhere)

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -37,14 +38,27 @@ IGNORED_ENV = frozenset({"PYTEST_CURRENT_TEST", "ASYNCRL_RUN_LOCK_FD"})
 _MAX_MESSAGE = 1 << 20
 _READY_TIMEOUT = 300.0
 _REPLY_TIMEOUT = 60.0
+_GONE_WAIT_S = 30.0
 
 
 class ZygoteUnavailable(RuntimeError):
     """The fork server did not start, or refused a fork (the message says why)."""
 
 
+class Child:
+    """One forked child's record: its exit code once it ended, and who waits for it. A
+    record per fork, so a pid the kernel reuses never reads an earlier child's code."""
+
+    __slots__ = ("code", "pid", "waiters")
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.code = pid, None
+        self.waiters: list[Callable[[int], None]] = []
+
+
 class Zygote:
-    """One fork-server process and the children it forked for us."""
+    """One fork-server process and the children it forked for us. Jobs hold a lease on
+    it (``acquire``/``release``) while they run; one with no lease and no child is idle."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -59,13 +73,12 @@ class Zygote:
         )
         theirs.close()
         self.error = ""
+        self.leases = 0
         self._ready = threading.Event()
         self._replies: queue.SimpleQueue[dict] = queue.SimpleQueue()
         self._request = threading.Lock()  # one request in flight: replies come in order
         self._state = threading.Lock()
-        self._codes: dict[int, int] = {}
-        self._live: set[int] = set()
-        self._waiters: dict[int, list[Callable[[int], None]]] = {}
+        self._live: dict[int, Child] = {}
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self._reader.start()
 
@@ -76,68 +89,74 @@ class Zygote:
 
     @property
     def idle(self) -> bool:
-        """No child of ours is running."""
+        """No job holds it and no child of ours runs."""
         with self._state:
-            return not self._live
+            return not self._live and self.leases == 0
 
     def spawn(
         self, env: Mapping[str, str], cwd: str, fds: Sequence[int], fd_env: Sequence[str]
-    ) -> int:
+    ) -> Child:
         """Fork a child with ``fds`` = [stdin, output, *inherited], ``fd_env[i]`` naming
-        inherited descriptor ``i`` in its environment; its pid. Blocks (run in a thread)."""
+        inherited descriptor ``i`` in its environment. Blocks (run it in a thread)."""
         if not self._ready.wait(_READY_TIMEOUT):
-            raise ZygoteUnavailable(f"the fork server did not start in {_READY_TIMEOUT:.0f}s")
-        request = {"env": dict(env), "cwd": cwd, "fd_env": list(fd_env)}
+            self.fail(f"the fork server did not start in {_READY_TIMEOUT:.0f}s")
+        request = msgspec.json.encode({"env": dict(env), "cwd": cwd, "fd_env": list(fd_env)})
         with self._request:
             if self.error:
                 raise ZygoteUnavailable(self.error)
-            socket.send_fds(self.sock, [msgspec.json.encode(request)], list(fds))
             try:
+                socket.send_fds(self.sock, [request], list(fds))
                 reply = self._replies.get(timeout=_REPLY_TIMEOUT)
-            except queue.Empty:
-                raise ZygoteUnavailable("the fork server did not answer") from None
+            except OSError as exc:
+                self.fail(f"the fork server's socket failed: {exc}")
+            except queue.Empty:  # a late reply would answer the next request: end it
+                self.fail(f"the fork server did not answer in {_REPLY_TIMEOUT:.0f}s")
         if "error" in reply:
             raise ZygoteUnavailable(reply["error"])
-        pid = int(reply["pid"])
-        with self._state:
-            if pid not in self._codes:
-                self._live.add(pid)
-        return pid
+        return reply["child"]
 
-    def exit_code(self, pid: int) -> int | None:
-        """How child ``pid`` ended (negative: killed by that signal); None while it runs."""
-        with self._state:
-            return self._codes.get(pid)
+    def fail(self, reason: str) -> NoReturn:
+        """Give this zygote up (its children are ended) and say why."""
+        self.error = self.error or reason
+        self.close()
+        raise ZygoteUnavailable(reason)
 
-    def on_exit(self, pid: int, callback: Callable[[int], None]) -> None:
-        """Call ``callback(code)`` (from the reader thread) once ``pid`` has ended."""
+    def on_exit(self, child: Child, callback: Callable[[int], None]) -> None:
+        """Call ``callback(code)`` (from the reader thread, or now) once ``child`` ended."""
         with self._state:
-            code = self._codes.get(pid)
-            if code is None:
-                self._waiters.setdefault(pid, []).append(callback)
+            if child.code is None:
+                child.waiters.append(callback)
                 return
-        callback(code)
+        callback(child.code)
 
     def close(self) -> None:
         """Hang up: the zygote exits, and with it any child still running."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
 
     def _read(self) -> None:
         while data := self._recv():
-            message = msgspec.json.decode(data)
-            if "exit" in message:
-                self._exited(int(message["exit"]), int(message["code"]))
-            elif "ready" in message:
-                self._ready.set()
-            elif not self._ready.is_set():  # the imports failed
-                self.error = f"the fork server could not import: {message.get('error')}"
-                self._ready.set()
-            else:
-                self._replies.put(message)
+            try:
+                self._take(msgspec.json.decode(data))
+            except Exception:  # one bad message must not stop the reader
+                log.exception("fork server message not understood")
         self._gone()
+
+    def _take(self, message: dict) -> None:
+        if "exit" in message:
+            self._exited(int(message["exit"]), int(message["code"]))
+        elif "ready" in message:
+            self._ready.set()
+        elif not self._ready.is_set():  # the imports failed
+            self.error = f"the fork server could not import: {message.get('error')}"
+            self._ready.set()
+        elif "pid" in message:  # recorded here, before that child's exit can arrive
+            child = Child(int(message["pid"]))
+            with self._state:
+                self._live[child.pid] = child
+            self._replies.put({"child": child})
+        else:
+            self._replies.put(message)
 
     def _recv(self) -> bytes:
         try:
@@ -147,11 +166,16 @@ class Zygote:
 
     def _exited(self, pid: int, code: int) -> None:
         with self._state:
-            self._codes[pid] = code
-            self._live.discard(pid)
-            waiters = self._waiters.pop(pid, [])
+            child = self._live.pop(pid, None)
+            if child is None:
+                return
+            child.code = code
+            waiters, child.waiters = child.waiters, []
         for callback in waiters:
-            callback(code)
+            try:
+                callback(code)
+            except Exception:  # a waiter's event loop has closed, say: the others still hear
+                log.debug("a fork's exit waiter failed", pid=pid, exc_info=True)
 
     def _gone(self) -> None:
         """The zygote exited: its children get SIGTERM from the kernel; end them now."""
@@ -163,12 +187,14 @@ class Zygote:
         for pid in live:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + _GONE_WAIT_S
         for pid in live:
-            while _running(pid):
+            while _running(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
             self._exited(pid, -signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+        self.sock.close()
 
 
 def _running(pid: int) -> bool:
@@ -184,9 +210,10 @@ _zygotes: dict[tuple[tuple[str, str], ...], Zygote] = {}
 _registry = threading.Lock()
 
 
-def zygote_for(env: Mapping[str, str]) -> Zygote:
-    """The zygote for ``env``, started if there is none (it imports in the background).
-    Zygotes of other environments that have no child running are closed."""
+def acquire_zygote(env: Mapping[str, str]) -> Zygote:
+    """A lease on the zygote for ``env``, started if there is none (it imports in the
+    background); give it back with ``release_zygote``. Idle zygotes of other
+    environments are closed."""
     own = {k: v for k, v in env.items() if k not in IGNORED_ENV}
     # An idle OpenMP thread of an actor sleeps rather than spins (runtime/child.py); libgomp
     # reads this once, when the zygote imports torch.
@@ -194,14 +221,27 @@ def zygote_for(env: Mapping[str, str]) -> Zygote:
     key = tuple(sorted(own.items()))
     with _registry:
         zygote = _zygotes.get(key)
-        if zygote is not None and zygote.alive:
-            return zygote
-        for other_key, other in list(_zygotes.items()):
-            if other.idle or not other.alive:
-                other.close()
-                del _zygotes[other_key]
-        zygote = _zygotes[key] = Zygote(own)
-        return zygote
+        if zygote is None or not zygote.alive:
+            idle = _drop_idle()
+            zygote = _zygotes[key] = Zygote(own)
+        else:
+            idle = []
+        zygote.leases += 1
+    for other in idle:
+        other.close()
+    return zygote
+
+
+def release_zygote(zygote: Zygote) -> None:
+    """Give back a lease from ``acquire_zygote``."""
+    with _registry:
+        zygote.leases -= 1
+
+
+def _drop_idle() -> list[Zygote]:
+    """Take the idle (or dead) zygotes out of the registry, to be closed outside its lock."""
+    gone = [key for key, z in _zygotes.items() if z.idle or not z.alive]
+    return [_zygotes.pop(key) for key in gone]
 
 
 def zygote_pids() -> set[int]:
@@ -212,13 +252,14 @@ def zygote_pids() -> set[int]:
 
 
 def close_idle_zygotes() -> None:
-    """End every zygote with no child running (its memory back, say, between the jobs of
-    a notebook); the next local job starts one again."""
+    """End every zygote no job holds and no child uses (its memory back, say, between the
+    jobs of a notebook); the next local job starts one again."""
     with _registry:
-        for key, zygote in list(_zygotes.items()):
-            if zygote.idle or not zygote.alive:
-                zygote.close()
-                del _zygotes[key]
+        idle = _drop_idle()
+    for zygote in idle:
+        zygote.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            zygote.proc.wait(timeout=5)
 
 
 class ForkedProcess:
@@ -226,19 +267,15 @@ class ForkedProcess:
     uses: ``pid``, ``returncode``, ``stdout``, ``wait()``."""
 
     def __init__(
-        self,
-        zygote: Zygote,
-        pid: int,
-        stdout: asyncio.StreamReader,
-        transport: asyncio.BaseTransport,
+        self, zygote: Zygote, child: Child, stdout: asyncio.StreamReader, transport: Any
     ) -> None:
-        self.zygote, self.pid, self.stdout = zygote, pid, stdout
+        self.zygote, self.child, self.pid, self.stdout = zygote, child, child.pid, stdout
         self._transport = transport
 
     @property
     def returncode(self) -> int | None:
         """None while running; negative when killed by a signal."""
-        return self.zygote.exit_code(self.pid)
+        return self.child.code
 
     async def wait(self) -> int:
         """The exit code, once the child has exited."""
@@ -249,7 +286,7 @@ class ForkedProcess:
             if not done.done():
                 done.set_result(code)
 
-        self.zygote.on_exit(self.pid, lambda code: loop.call_soon_threadsafe(settle, code))
+        self.zygote.on_exit(self.child, lambda code: loop.call_soon_threadsafe(settle, code))
         return await done
 
     def close(self) -> None:
@@ -258,32 +295,62 @@ class ForkedProcess:
 
 
 async def fork_actor(
-    env: Mapping[str, str], cwd: str, stdin: bytes, inherit: Mapping[str, int], line_limit: int
-) -> ForkedProcess:
-    """A forked child reading ``stdin`` and writing its output to a pipe we read;
+    zygote: Zygote, env: Mapping[str, str], cwd: str, stdin: bytes,
+    inherit: Mapping[str, int], line_limit: int,
+) -> ForkedProcess:  # fmt: skip
+    """A child of ``zygote`` reading ``stdin`` and writing its output to a pipe we read;
     ``inherit`` maps an environment variable to a descriptor the child keeps (the variable
-    names it there). ``ZygoteUnavailable`` if the zygote cannot fork it."""
-    zygote = await asyncio.to_thread(zygote_for, env)
+    names it there). ``ZygoteUnavailable`` if the zygote cannot fork it. Cancelled at any
+    point, it leaves no child and no descriptor behind."""
+    loop = asyncio.get_running_loop()
+    forked = loop.run_in_executor(None, _fork_with_pipes, zygote, env, cwd, stdin, inherit)
+    try:
+        child, out_r = await asyncio.shield(forked)
+    except asyncio.CancelledError:
+        forked.add_done_callback(_undo_fork)
+        raise
+    try:
+        reader = asyncio.StreamReader(limit=line_limit, loop=loop)
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader, loop=loop), os.fdopen(out_r, "rb", 0)
+        )
+    except BaseException:
+        _undo_fork(forked)
+        raise
+    return ForkedProcess(zygote, child, reader, transport)
+
+
+def _fork_with_pipes(
+    zygote: Zygote, env: Mapping[str, str], cwd: str, stdin: bytes, inherit: Mapping[str, int]
+) -> tuple[Child, int]:
+    """In a thread: the pipes, the fork, the spec written; the child and our output end."""
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     try:
-        pid = await asyncio.to_thread(
-            zygote.spawn, env, cwd, [in_r, out_w, *inherit.values()], list(inherit)
-        )
+        child = zygote.spawn(env, cwd, [in_r, out_w, *inherit.values()], list(inherit))
     except BaseException:
-        for fd in (in_w, out_r):
-            os.close(fd)
+        _close_fds(in_w, out_r)
         raise
     finally:
-        os.close(in_r)
-        os.close(out_w)
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=line_limit, loop=loop)
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader, loop=loop), os.fdopen(out_r, "rb", 0)
-    )
-    await asyncio.to_thread(_write_and_close, in_w, stdin)
-    return ForkedProcess(zygote, pid, reader, transport)
+        _close_fds(in_r, out_w)
+    _write_and_close(in_w, stdin)
+    return child, out_r
+
+
+def _undo_fork(forked: asyncio.Future[tuple[Child, int]]) -> None:
+    """A fork its caller gave up on: end the child, close our end of its output."""
+    if forked.cancelled() or forked.exception() is not None:
+        return
+    child, out_r = forked.result()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)
+    _close_fds(out_r)
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _write_and_close(fd: int, data: bytes) -> None:

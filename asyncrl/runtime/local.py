@@ -27,7 +27,14 @@ import msgspec
 
 from asyncrl.actors.base import ActorSpec, stop_marker
 from asyncrl.observe.logs import get_logger
-from asyncrl.runtime.forks import ForkedProcess, ZygoteUnavailable, fork_actor, zygote_for
+from asyncrl.runtime.forks import (
+    ForkedProcess,
+    Zygote,
+    ZygoteUnavailable,
+    acquire_zygote,
+    fork_actor,
+    release_zygote,
+)
 from asyncrl.runtime.run_dir import LOCK_FD_ENV, lock_fds
 from asyncrl.runtime.topology import allocate_endpoints, endpoint_names
 from asyncrl.wire.sockets import release_endpoints
@@ -166,6 +173,7 @@ class LocalRuntime:
         self.run_dir = Path(run_dir)
         self.host = host
         self.fork_server = fork_server
+        self._zygote: Zygote | None = None  # leased while the runtime is open
         self.tail_lines = tail_lines
         self.env = {**os.environ, **(env or {})}
         self.actors: list[LocalActor] = []
@@ -175,7 +183,7 @@ class LocalRuntime:
     async def __aenter__(self) -> LocalRuntime:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         if self.fork_server:  # it imports while the job is placed
-            await asyncio.to_thread(zygote_for, self.env)
+            self._zygote = await asyncio.to_thread(acquire_zygote, self.env)
         await self._tg.__aenter__()
         return self
 
@@ -194,6 +202,9 @@ class LocalRuntime:
             if transport is not None:
                 transport.close()
         release_endpoints(self.endpoints.values())  # no actor of ours binds them now
+        if self._zygote is not None:
+            release_zygote(self._zygote)
+            self._zygote = None
         return await self._tg.__aexit__(et, exc, tb)
 
     async def place(self, specs: Sequence[ActorSpec]) -> dict[str, str]:
@@ -220,13 +231,23 @@ class LocalRuntime:
         fds = lock_fds(self.run_dir)  # the run stays claimed while any actor lives
         inherit = {LOCK_FD_ENV: fds[0]} if fds else {}
         try:
+            zygote = await self._live_zygote()
             return await fork_actor(
-                self.env, os.getcwd(), msgspec.json.encode(spec), inherit, _LINE_LIMIT
+                zygote, self.env, os.getcwd(), msgspec.json.encode(spec), inherit, _LINE_LIMIT
             )
         except ZygoteUnavailable as exc:
             log.warning("starting actors with exec: no fork server", reason=str(exc))
             self.fork_server = False
             return None
+
+    async def _live_zygote(self) -> Zygote:
+        """The leased zygote, or a new lease if that one died (its actors died with it)."""
+        if self._zygote is None or not self._zygote.alive:
+            if self._zygote is not None:
+                release_zygote(self._zygote)
+            self._zygote = None
+            self._zygote = await asyncio.to_thread(acquire_zygote, self.env)
+        return self._zygote
 
     async def _exec(self, spec: ActorSpec) -> asyncio.subprocess.Process:
         fds = lock_fds(self.run_dir)

@@ -79,14 +79,15 @@ class Zygote:
         self.sock = sock
         self.start_dir = sys.path[0]
         self.children: set[int] = set()
-        self.wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_w, False)
-        signal.set_wakeup_fd(wake_w)
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the selector
+        self.selector = selectors.DefaultSelector()
 
     def serve(self) -> None:
-        """Until the controller hangs up."""
-        selector = selectors.DefaultSelector()
+        """Until the controller hangs up (or its end of the socket fails)."""
+        selector = self.selector
         selector.register(self.sock, selectors.EVENT_READ)
         selector.register(self.wake_r, selectors.EVENT_READ)
         while True:
@@ -108,9 +109,11 @@ class Zygote:
             return False
         try:
             request = msgspec.json.decode(data)
-            env = dict(request["env"])
+            env, names = dict(request["env"]), list(request.get("fd_env", []))
+            if len(fds) != 2 + len(names):  # cut short (MSG_CTRUNC): never mislabel one
+                raise ValueError(f"{len(fds)} descriptors for {2 + len(names)}")
             # each inherited descriptor's number, as this side received it
-            env.update(zip(request.get("fd_env", []), map(str, fds[2:]), strict=False))
+            env.update(zip(names, map(str, fds[2:]), strict=True))
             pid = self._fork(env, request["cwd"], fds)
         except Exception as exc:  # a malformed request fails alone
             _send(self.sock, {"error": f"{type(exc).__name__}: {exc}"})
@@ -121,8 +124,6 @@ class Zygote:
         return True
 
     def _fork(self, env: dict[str, str], cwd: str, fds: list[int]) -> int:
-        if len(fds) < 2:
-            raise ValueError("a request carries stdin and output descriptors")
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -135,9 +136,11 @@ class Zygote:
         code = 1
         try:
             signal.set_wakeup_fd(-1)
-            for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+            for signum in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(signum, signal.SIG_DFL)
-            _close([self.sock.detach(), self.wake_r])
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh python's
+            self.selector.close()
+            _close([self.sock.detach(), self.wake_r, self.wake_w])
             os.setsid()  # a group of its own, as the exec path's start_new_session
             stdin, output, *inherited = fds
             os.dup2(stdin, 0)
@@ -149,7 +152,9 @@ class Zygote:
             os.chdir(cwd)
             # ``python -m`` put the zygote's directory first on the path; an exec'd actor
             # has its own there (a plugin or test module next to the job is found so)
-            sys.path[:] = [cwd if p == self.start_dir else p for p in sys.path]
+            if sys.path and sys.path[0] == self.start_dir:
+                sys.path[0] = cwd
+            sys.argv = [child_path()]
             os.environ.clear()
             os.environ.update(env)
             code = _run_actor()
@@ -175,10 +180,18 @@ class Zygote:
             _send(self.sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
+def child_path() -> str:
+    """``sys.argv[0]`` of an exec'd actor (``python -m asyncrl.runtime.child``)."""
+    from asyncrl.runtime import child
+
+    return str(child.__file__)
+
+
 def _run_actor() -> int:
-    """What ``python -m asyncrl.runtime.child`` does, in this fork; atexit runs as at a
-    normal interpreter exit."""
+    """What ``python -m asyncrl.runtime.child`` does, in this fork, and what an
+    interpreter does at exit: join non-daemon threads, then run ``atexit``."""
     import atexit
+    import threading
 
     import numpy as np
 
@@ -186,6 +199,7 @@ def _run_actor() -> int:
 
     np.random.seed()  # a fork shares numpy's global stream with its siblings; torch and
     # random differ as they would in a fresh process (torch's default seed is fixed)
+    code = 1
     try:
         child.main()
         code = 0
@@ -193,7 +207,11 @@ def _run_actor() -> int:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
-    atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
     return code
 
 
@@ -207,9 +225,13 @@ def main() -> None:
     except BaseException:
         _send(sock, {"error": traceback.format_exc()})
         sys.exit(1)
-    _send(sock, {"ready": True})
-    Zygote(sock).serve()
-    os._exit(0)
+    try:
+        _send(sock, {"ready": True})
+        Zygote(sock).serve()
+    except OSError:  # the controller's end failed: as a hang-up
+        pass
+    finally:
+        os._exit(0)
 
 
 if __name__ == "__main__":
