@@ -16,6 +16,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from asyncrl.checkpoints import checkpoint_dirs, trainer_dir
+
 #: What a checkpoint's policy folder may hold that a user's model folder should not
 #: (checkpoints written before the optimizer moved beside the HF folder).
 _TRAINER_STATE = frozenset({"optimizer.pt", "scheduler.pt"})
@@ -27,13 +29,10 @@ class ExportError(ValueError):
 
 def checkpoint_steps(run_dir: Path) -> dict[int, Path]:
     """``{step: policy folder}`` of the run's complete checkpoints."""
-    root = run_dir / "checkpoints" / "trainer"
-    found = {}
-    for path in sorted(root.glob("step_*")):
-        name = path.name.removeprefix("step_")
-        if path.is_dir() and name.isdigit() and (path / "policy" / "config.json").is_file():
-            found[int(name)] = path / "policy"
-    return found
+    found = checkpoint_dirs(trainer_dir(run_dir)).items()
+    return {
+        step: path / "policy" for step, path in found if (path / "policy/config.json").is_file()
+    }
 
 
 def export_policy(

@@ -30,9 +30,9 @@ from asyncrl.actors.config import (
     TrainerActorConfig,
     WorkflowConfig,
 )
-from asyncrl.buffer.snapshots import snapshot_dir, trainer_dir
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
+from asyncrl.checkpoints import snapshot_dir, step_dir, trainer_dir
 from asyncrl.config import RunConfig
 from asyncrl.engines.config import EngineConfig
 from asyncrl.preflight import tool_schemas
@@ -228,7 +228,7 @@ def _buffer_params(cfg: RunConfig) -> VersionedBuffer.Config:
 
 def final_policy_dir(run_dir: Path, steps: int) -> Path:
     """Where the trainer's checkpoint of its last step keeps the HF weights."""
-    return run_dir / "checkpoints" / "trainer" / f"step_{steps:06d}" / "policy"
+    return step_dir(trainer_dir(run_dir), steps) / "policy"
 
 
 def last_step(metrics: Path) -> int:

@@ -194,7 +194,7 @@ def test_a_run_that_kept_no_step_whole_says_how_to_go_on(tmp_path):
 
 
 def test_snapshots_go_with_their_trainer_checkpoints(tmp_path):
-    from asyncrl.buffer.snapshots import prune_snapshots, rewind_hint
+    from asyncrl.checkpoints import prune_snapshots, rewind_hint
 
     run_dir = tmp_path / "run"
     fake_run(run_dir, trainer=[6, 8], snapshots=[2, 4, 6, 8], steps=8)

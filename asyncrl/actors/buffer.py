@@ -50,9 +50,9 @@ from asyncrl.buffer.admission import fair_share
 from asyncrl.buffer.checkpoint import recover_hub, write_checkpoint
 from asyncrl.buffer.hub import Hub
 from asyncrl.buffer.journal import Journal
-from asyncrl.buffer.snapshots import prune_snapshots, rewind_hint, snapshot_path
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import BufferStats, VersionedBuffer
+from asyncrl.checkpoints import prune_snapshots, rewind_hint, snapshot_path
 from asyncrl.errors import RunStateLost, SamplesFailing
 from asyncrl.observe.logs import get_logger
 from asyncrl.types import BatchReply, BatchRequest, BufferEvent, Group, WorkReply, WorkRequest
@@ -434,7 +434,7 @@ class BufferActor(Actor):
 
     def _snapshot(self, step: int) -> None:
         """Keep the state as of the trainer's durable checkpoint of ``step``, for
-        ``--resume-from-step`` (``buffer/snapshots.py``). A write that fails costs only
+        ``--resume-from-step`` (``checkpoints.py``). A write that fails costs only
         that way back: the trainer's request is answered, and the next one tries again."""
         config = self.config
         if not config.snapshots or not config.trainer_checkpoints:

@@ -43,6 +43,7 @@ from asyncrl.actors.batches import BatchSource, BufferBatches, DumpedBatches
 from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.buffer.dump import BatchWriter
 from asyncrl.buffer.journal import fsync_dir
+from asyncrl.checkpoints import checkpoint_dirs, step_dir
 from asyncrl.errors import NonFiniteTraining, RunStateLost
 from asyncrl.observe.episodes import episode_metrics
 from asyncrl.observe.logs import get_logger
@@ -303,7 +304,7 @@ class TrainerActor(Actor):
         root = Path(cfg.checkpoint_dir)
         async with self._busy:
             version = self.trainer.version
-            path = root / f"step_{version:06d}"
+            path = step_dir(root, version)
             await asyncio.to_thread(_save_atomically, self.trainer, path, cfg.job)
         if cfg.checkpoint_interval > 0:
             self.durable = version
@@ -400,7 +401,7 @@ def _fsync_tree(root: Path) -> None:
 
 def _checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first."""
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and p.suffix not in (".tmp", ".old"))
+    return list(checkpoint_dirs(root).values())
 
 
 def _newest_checkpoint(root: str | None, *, job: str | None = None) -> Path | None:

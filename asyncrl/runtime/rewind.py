@@ -1,6 +1,6 @@
 """Go back to an earlier step of a run: ``asyncrl train --resume-from-step N``.
 
-Step N can be gone back to when it was kept whole (``buffer/snapshots.py``): the
+Step N can be gone back to when it was kept whole (``checkpoints.py``): the
 trainer's checkpoint and the buffer's snapshot of it are the run as a crash right then
 would have left it. So a run whose journal was lost or cut, or whose newer checkpoints
 are gone, goes on exactly from N.
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl.buffer.snapshots import (
+from asyncrl.checkpoints import (
     STEP,
     checkpoint_steps,
     resumable_steps,

@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from asyncrl.buffer.snapshots import rewind_hint, snapshot_dir
+from asyncrl.checkpoints import checkpoint_steps, rewind_hint, snapshot_dir, trainer_dir
 from asyncrl.errors import InputError
 from asyncrl.runtime.rewind import rewind_run
 
@@ -194,8 +194,8 @@ def _check_fresh(run_dir: Path, *, resume: bool, overwrite: bool, buffered: bool
 def _check_resumable(run_dir: Path) -> None:
     """Trainer checkpoints without the buffer's: resuming would serve the data again from
     the start to a trainer that has trained on it."""
-    trainer = run_dir / "checkpoints" / "trainer"
-    steps = [p for p in trainer.glob("step_*") if p.is_dir()] if trainer.is_dir() else []
+    trainer = trainer_dir(run_dir)
+    steps = checkpoint_steps(trainer)
     buffer = run_dir / "checkpoints" / "buffer.ckpt"
     if steps and not buffer.exists():
         raise RunDirHoldsRun(

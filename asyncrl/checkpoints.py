@@ -1,11 +1,12 @@
-"""The buffer's snapshots: its state at each durable trainer checkpoint, so that a run
-can go back to that step whole (``runtime/rewind.py``, ``--resume-from-step``).
+"""Where a run keeps its checkpoints, and which steps it can go back to.
 
-The buffer writes ``checkpoints/buffer/step_N.ckpt`` (a buffer checkpoint, beside its
-own) as soon as the trainer tells it that its checkpoint of version N is durable: the
-state a crash right then would leave, every batch served after N still kept. A snapshot
-is dropped once its trainer checkpoint is (``train.keep_checkpoints``). Step N is *kept
-whole* while both exist.
+``checkpoints/trainer/step_N/`` is the trainer's checkpoint of version N (``policy/`` holds
+the HF weights), ``checkpoints/buffer.ckpt`` the buffer's newest state. The buffer also
+writes ``checkpoints/buffer/step_N.ckpt`` as soon as the trainer tells it that its
+checkpoint of version N is durable: the state a crash right then would leave, every batch
+served after N still kept. A snapshot is dropped once its trainer checkpoint is
+(``train.keep_checkpoints``). Step N is *kept whole* while both exist, and
+``--resume-from-step N`` (``runtime/rewind.py``) can go back to it.
 """
 
 from __future__ import annotations
@@ -32,16 +33,27 @@ def snapshot_steps(snapshots: Path) -> list[int]:
 
 
 def trainer_dir(run_dir: Path) -> Path:
+    """Where the trainer's checkpoints of ``run_dir`` are."""
     return run_dir / "checkpoints" / "trainer"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """The trainer's checkpoint of ``step`` under ``root`` (``trainer_dir``)."""
+    return root / STEP.format(step)
+
+
+def checkpoint_dirs(root: Path) -> dict[int, Path]:
+    """``{step: folder}`` of the complete trainer checkpoints under ``root``, oldest
+    first (a ``.tmp`` being written, or an ``.old`` being replaced, is not one)."""
+    if not root.is_dir():
+        return {}
+    found = {int(p.name[5:]): p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()}
+    return dict(sorted(found.items()))
 
 
 def checkpoint_steps(root: Path) -> list[int]:
     """The steps of the complete trainer checkpoints under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted(
-        int(p.name[5:]) for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()
-    )
+    return list(checkpoint_dirs(root))
 
 
 def resumable_steps(snapshots: Path, trainer: Path) -> list[int]:
