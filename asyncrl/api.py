@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -157,6 +158,7 @@ async def run_training(
     from asyncrl.preflight import preflight
     from asyncrl.runtime.run_dir import claim_run_dir
 
+    prestart(cfg)
     if not checked:
         await asyncio.to_thread(preflight, cfg)
     run_dir = cfg.resolved_output_dir()
@@ -175,6 +177,14 @@ async def run_training(
         dump_resolved(cfg, run_dir / "config.json")
         resume = resume or resume_from_step is not None
         return await run_job(cfg, resume=resume, checked=True, chaos=chaos)
+
+
+def prestart(cfg: RunConfig) -> None:
+    """A local job's zygote starts importing now, beside the checks before launch."""
+    if cfg.runtime.type == "local" and cfg.runtime.fork_server:
+        from asyncrl.runtime.forks import prestart_zygote
+
+        prestart_zygote(os.environ)
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:

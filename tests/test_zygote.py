@@ -126,3 +126,18 @@ async def test_a_fork_in_another_directory_finds_modules_there_as_an_exec_would(
     assert first["parent"] == second["parent"]
     assert first["path0"] == root and second["path0"] == str(elsewhere)
     assert second["cwd"] == str(elsewhere)
+
+
+async def test_a_prestarted_zygote_is_the_one_the_jobs_runtime_forks_from(tmp_path):
+    """``asyncrl train`` starts the zygote before its checks; the job's runtime (the same
+    environment) must take that one up, not start another."""
+    from asyncrl.api import prestart
+    from asyncrl.config import load_config
+
+    forks.close_idle_zygotes()
+    await asyncio.to_thread(prestart, load_config(overrides=["--seed", "1"]))
+    (started,) = forks.zygote_pids()
+    async with LocalRuntime(tmp_path) as runtime:
+        handle, found = await facts(runtime, "a", tmp_path)
+        assert found["parent"] == started
+        assert await runtime.stop(handle, grace=10) == 0

@@ -98,8 +98,10 @@ def _training_config(args: argparse.Namespace, command: str) -> Any:
                 file=sys.stderr,
             )
             return None
+    from asyncrl.api import prestart
     from asyncrl.preflight import PreflightError, preflight
 
+    prestart(cfg)  # the zygote imports while the checks run
     try:
         preflight(cfg)  # data, models, chat templates, lengths, user code: before launch
     except PreflightError as exc:

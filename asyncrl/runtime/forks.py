@@ -244,6 +244,12 @@ def _drop_idle() -> list[Zygote]:
     return [_zygotes.pop(key) for key in gone]
 
 
+def prestart_zygote(env: Mapping[str, str]) -> None:
+    """Start the zygote for ``env`` now, so that it imports while the controller checks
+    the job (``preflight`` loads tokenizers and data); the job's runtime takes it up."""
+    release_zygote(acquire_zygote(env))
+
+
 def zygote_pids() -> set[int]:
     """The pids of this process's zygotes (each outlives the jobs it served, to serve the
     next job with its environment, until this process exits or ``close_idle_zygotes``)."""
