@@ -21,7 +21,7 @@ Refused before anything starts (exit 2): a missing or model-less DIR, no sets, a
 file that cannot be read. A set whose samples all failed exits 1 with the most common
 reason, after every set has run.
 
-Users: ``cli.py`` (``asyncrl eval``).
+Users: ``cli/`` (``asyncrl eval``).
 """
 
 from __future__ import annotations

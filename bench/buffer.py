@@ -113,7 +113,7 @@ def bench_store(num_groups: int) -> float:
             consumed += len(batch.groups)
             buf.set_version(buf.version + 1)
         busy += time.perf_counter() - t0
-    assert buf.statistics().consumed == num_groups
+    assert buf.statistics().ledger.consumed == num_groups
     return consumed / busy
 
 

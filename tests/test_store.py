@@ -261,7 +261,7 @@ def test_a_custom_filter_drops_with_its_reason_and_a_raising_one_fails_the_group
     assert buf.put(finished_group(a, versions=[0])) == "filtered"  # 2 tokens < 3
     assert buf.put(finished_group(b, versions=[0, 0])) == "stored"  # 4 tokens
     assert buf.put(finished_group(c, rewards=[1.0, 1.0])) == "filtered"
-    assert buf.statistics().filtered == {"too_short": 1, "zero_reward_variance": 1}
+    assert buf.statistics().ledger.filtered == {"too_short": 1, "zero_reward_variance": 1}
 
     cfg = VersionedBuffer.Config(num_samples_per_prompt=2, filters=["tests.test_store:exploding"])
     buf = VersionedBuffer(cfg)
@@ -269,5 +269,5 @@ def test_a_custom_filter_drops_with_its_reason_and_a_raising_one_fails_the_group
     (item,) = buf.next_work(1)
     assert buf.put(finished_group(item)) == "failed"
     reason = "filter tests.test_store:exploding raised RuntimeError: reward model unreachable"
-    assert buf.statistics().failed == {reason: 1}
+    assert buf.statistics().ledger.failed == {reason: 1}
     buf.ledger.check()

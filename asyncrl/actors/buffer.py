@@ -515,18 +515,22 @@ class BufferActor(Actor):
 
 def flatten_stats(s: BufferStats) -> dict[str, float]:
     """Buffer statistics as flat ``buffer.*`` numbers for heartbeats and metrics."""
+    c = s.ledger
     out: dict[str, float] = {
+        f"buffer.{k}": float(getattr(c, k))
+        for k in ("admitted", "in_flight", "partial", "buffered", "consumed")
+    }
+    out |= {
         f"buffer.{k}": float(getattr(s, k))
-        for k in ("version", "admitted", "in_flight", "partial", "buffered", "consumed",
-                  "duplicates", "capacity", "peak_buffered", "batches", "resumed_consumed",
-                  "masked_tokens", "queue_age_max", "lost_steps")
+        for k in ("version", "duplicates", "capacity", "peak_buffered", "batches",
+                  "resumed_consumed", "masked_tokens", "queue_age_max", "lost_steps")
     }  # fmt: skip
-    out.update({f"buffer.filtered.{k}": float(v) for k, v in s.filtered.items()})
-    out.update({f"buffer.failed.{k[:60]}": float(v) for k, v in s.failed.items()})
+    out.update({f"buffer.filtered.{k}": float(v) for k, v in c.filtered.items()})
+    out.update({f"buffer.failed.{k[:60]}": float(v) for k, v in c.failed.items()})
     out["buffer.staleness_mean"] = _mean(s.staleness_samples)
     out["buffer.staleness_max"] = float(max(s.staleness_samples, default=0))
     out["buffer.token_staleness_mean"] = _mean(s.staleness_tokens)
-    out["buffer.recycled_share"] = s.resumed_consumed / s.consumed if s.consumed else 0.0
+    out["buffer.recycled_share"] = s.resumed_consumed / c.consumed if c.consumed else 0.0
     return out
 
 

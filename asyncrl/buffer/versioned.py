@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncrl.buffer import april
-from asyncrl.buffer.accounting import Ledger, Live
+from asyncrl.buffer.accounting import Ledger, LedgerCounts, Live
 from asyncrl.buffer.admission import admission_capacity
 from asyncrl.buffer.filters import FilterFailed, apply_filters, load_filter
 from asyncrl.buffer.store import StoredGroup, VersionedStore, load_priority
@@ -52,20 +52,14 @@ class PromptSupply(Protocol):
 
 
 class BufferStats(Message, frozen=True):
-    """A snapshot for metrics: ledger counts, queues, staleness, reuse and APRIL figures.
+    """A snapshot for metrics: the ledger's counts, queues, staleness, reuse and APRIL figures.
 
     Staleness histograms count consumed samples (``staleness_samples``) and consumed
     response tokens (``staleness_tokens``, by ``v - token_version``), keyed by staleness.
     """
 
     version: int
-    admitted: int
-    in_flight: int
-    partial: int
-    buffered: int
-    consumed: int
-    filtered: dict[str, int]
-    failed: dict[str, int]
+    ledger: LedgerCounts
     duplicates: int
     capacity: int
     peak_buffered: int
@@ -480,16 +474,9 @@ class VersionedBuffer:
 
     def statistics(self) -> BufferStats:
         """A frozen snapshot for the metrics sink."""
-        c = self.ledger.counts()
         return BufferStats(
             version=self.version,
-            admitted=c.admitted,
-            in_flight=c.in_flight,
-            partial=c.partial,
-            buffered=c.buffered,
-            consumed=c.consumed,
-            filtered=c.filtered,
-            failed=c.failed,
+            ledger=self.ledger.counts(),
             duplicates=self._duplicates,
             capacity=self.capacity(),
             peak_buffered=self.store.peak,

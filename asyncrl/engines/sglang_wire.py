@@ -6,9 +6,9 @@ parsing of ``/generate`` replies in every shape ``docs/sglang_api.md`` records
 envelopes of 1.7, 3.5 and 4.2), SSE line framing, and the checks on the
 ``sampling_params`` a client may send.
 
-Users: ``sglang_client.py``, ``sglang_transport.py``, ``sglang_weights.py`` and
-``in_process.py``;
-``sglang_client`` re-exports the public names, so callers import them from there.
+Users: ``client/sglang.py``, ``client/transport.py``, ``client/weights.py`` and
+``server/in_process.py``;
+``client/sglang.py`` re-exports the public names, so callers import them from there.
 """
 
 from __future__ import annotations

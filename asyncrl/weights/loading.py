@@ -7,7 +7,7 @@ update (``docs/sglang_api.md`` 2.2, 2.3): join the trainer's group as SGLang doe
 each tensor (or one flattened bucket) by ``broadcast(src=0)`` in the announced order,
 leave.
 
-Users: ``TorchEngine`` (``torch_engine.py``), which copies the tensors into its model at a
+Users: ``TorchEngine`` (``torch/engine.py``), which copies the tensors into its model at a
 decode-step boundary.
 """
 

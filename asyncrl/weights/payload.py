@@ -16,8 +16,8 @@ use (torch's rebuild functions, storages, dtypes and sizes, ``DupFd``, and SGLan
 metadata class, mapped to ``FlattenedTensorMetadata`` here) and refuses any other, by
 name, as SGLang's ``SafeUnpickler`` does.
 
-Users: the embedded server's ``/update_weights_from_tensor`` (``control_routes.py``) and
-the SGLang client (``sglang_weights.py``).
+Users: the embedded server's ``/update_weights_from_tensor`` (``server/control_routes.py``) and
+the SGLang client (``client/weights.py``).
 """
 
 from __future__ import annotations

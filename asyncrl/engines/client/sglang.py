@@ -14,7 +14,7 @@ and their sequences::
     sglang_client.py     SGLangClient: holds ``transport`` and ``weights``; generate,
                          abort, pause, cache, memory, update_weights, router workers
 
-Engines in this process are called without a transport: ``in_process.py``.
+Engines in this process are called without a transport: ``server/in_process.py``.
 
 The transport's docstring states the timeout, retry and engine-choice policy. With
 ``router=True`` the one URL is a sglang-router: generation goes through it, and control

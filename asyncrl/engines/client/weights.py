@@ -9,7 +9,7 @@ collective return a ``PendingCall`` as soon as their requests are written, so th
 can broadcast while the servers receive.
 The full sequence (pause, flush, update, continue) is ``SGLangClient.update_weights``.
 
-Users: ``SGLangClient`` (``sglang_client.py``) holds one as ``client.weights``.
+Users: ``SGLangClient`` (``client/sglang.py``) holds one as ``client.weights``.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ aiohttp application::
     HTTP control routes    -> engine.abort / pause / resume / update_weights_* / load
 
 The routes live in three modules: this one (the application, its lifetime, the traffic
-gate and ``/generate``), ``control_routes.py`` (section 2) and ``openai_routes.py``
-(section 3); ``generate_wire.py`` parses bodies and formats replies for all of them.
+gate and ``/generate``), ``server/control_routes.py`` (section 2) and ``server/openai_routes.py``
+(section 3); ``server/generate_wire.py`` parses bodies and formats replies for all of them.
 
 The engine's ``run()`` loop is a task for the application's life (``cleanup_ctx``); a
 1-token warm-up runs first and ``/health`` answers 503 until it is done. The traffic gate
@@ -21,8 +21,8 @@ in-flight ``/generate`` call has been answered, and new calls wait until
 ``continue_generation``; a weight update outside a pause waits for in-flight calls and
 holds new ones (SGLang's model-update lock).
 
-Users: ``asyncrl serve`` (``cli.py``) and tests; clients reach it through
-``SGLangClient`` (``sglang_client.py``), slime, AReaL or sglang-router.
+Users: ``asyncrl serve`` (``cli/``) and tests; clients reach it through
+``SGLangClient`` (``client/sglang.py``), slime, AReaL or sglang-router.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _is_openai(request: web.Request) -> bool:
 
 class ServerClosed(Exception):
     """The server is stopped or shutting down: a call is refused (503 over HTTP; raised
-    to an in-process caller, ``in_process.py``)."""
+    to an in-process caller, ``server/in_process.py``)."""
 
 
 class ServerGone(Exception):

@@ -11,7 +11,7 @@ other string names the next one (``generate_wire.parse_version``), and is report
 ``update_weights_from_tensor`` payloads are pickles: they are read through an allow-list
 of the globals such payloads use (``weights/payload.py``), never unpickled freely.
 
-Users: ``EngineServer`` (``server.py``) registers these routes on its application.
+Users: ``EngineServer`` (``server/app.py``) registers these routes on its application.
 """
 
 from __future__ import annotations

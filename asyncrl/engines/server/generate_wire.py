@@ -9,8 +9,8 @@ and the engine records of ``engines/base.py``; no engine calls, no traffic contr
 It also holds the error shapes every route answers with (``ApiError`` and its builders)
 and the small JSON helpers the routes share (``read_json``, ``field``, ``json_response``).
 
-Users: ``server.py`` (``/generate`` and the error middleware), ``control_routes.py`` and
-``openai_routes.py``.
+Users: ``server/app.py`` (``/generate`` and the error middleware), ``server/control_routes.py`` and
+``server/openai_routes.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ requests as ``/generate``, through the server's traffic gate, and answer with Op
 shapes plus SGLang's extras (``matched_stop``, ``metadata.weight_version``, token ids and
 ``meta_info`` on request). Refusals are OpenAI's top-level error object (3.5).
 
-Users: ``EngineServer`` (``server.py``) registers these routes on its application.
+Users: ``EngineServer`` (``server/app.py``) registers these routes on its application.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tool calls on the OpenAI wire: ``tool_choice``'s rules and streamed ``delta.tool_calls``.
 
-Shared by the server's ``/v1/chat/completions`` (``openai_routes.py``) and the agent
+Shared by the server's ``/v1/chat/completions`` (``server/openai_routes.py``) and the agent
 proxy (``rollout/openai_proxy.py``). A tool-call parser is duck-typed here (engines do not
 import rollout): ``parse(text)`` gives calls with ``name``, ``arguments`` and ``error``;
 ``content(text)``, optional, gives the text without the well-formed calls;

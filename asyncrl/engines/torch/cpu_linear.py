@@ -28,7 +28,7 @@ must be followed by ``invalidate``.
 ``use_for`` turns each plain ``nn.Linear`` of a model into a ``DecodeLinear`` (a subclass
 that only overrides ``forward``), in place: the engine changes the model it is given.
 
-Users: ``TorchEngine`` (``torch_engine.py``).
+Users: ``TorchEngine`` (``torch/engine.py``).
 """
 
 from __future__ import annotations

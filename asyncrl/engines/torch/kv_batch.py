@@ -13,7 +13,7 @@ on the right, so a decode step writes one column in place. Hugging Face's
 SmolLM2-135M at 64 sequences of 128 tokens that copy was 27% of a decode step
 (torch.profiler, docs/benchmarks.md).
 
-Users: ``TorchEngine`` (``torch_engine.py``), from its step thread only.
+Users: ``TorchEngine`` (``torch/engine.py``), from its step thread only.
 """
 
 from __future__ import annotations

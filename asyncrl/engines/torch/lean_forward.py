@@ -25,7 +25,7 @@ row zeros, and this keeps it finite on any backend (its output is never read).
 not cover, which then runs through transformers. The test holds its logits to
 transformers' on prefill and decode steps of left-padded rows.
 
-Users: ``TorchEngine`` (``torch_engine.py``).
+Users: ``TorchEngine`` (``torch/engine.py``).
 """
 
 from __future__ import annotations
