@@ -70,10 +70,12 @@ class InProcessGenerator:
         being a normal partial one; ``SGLangError`` with the server's status and message
         for a refused request."""
         rid = rid or uuid.uuid4().hex
-        body = generate_body(
-            input_ids, sampling_params, rid, return_logprob=return_logprob, extra=extra
-        )
-        if isinstance(sampling_params, SamplingParams):  # typed to the engine: no round trip
+        typed = isinstance(sampling_params, SamplingParams)
+        if typed and sampling_params.n != 1:
+            raise ValueError(f"sampling_params.n is {sampling_params.n}; send n requests")
+        body = generate_body(input_ids, None if typed else sampling_params, rid,
+                             return_logprob=return_logprob, extra=extra)  # fmt: skip
+        if typed:  # to the engine as they are: no dict built per call, none parsed again
             body["sampling_params"] = sampling_params
         index = self._pick()
         server, url = self.servers[index], self.servers[index].url or ""
