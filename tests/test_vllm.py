@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -121,6 +122,24 @@ async def served(url: str) -> AsyncIterator[tuple[SGLangClient, VLLMEngine]]:
     finally:
         await server.stop()
         await engine.close()
+
+
+async def generated_tokens(url: str) -> float:
+    """vLLM's ``vllm:generation_tokens_total`` counter, summed over its engines."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    lines = [line for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")]
+    assert lines, "vLLM's /metrics has no vllm:generation_tokens_total"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+async def tokens_beyond(url: str, count: float, timeout_s: float = 30.0) -> None:
+    """Wait until vLLM has generated more than ``count`` tokens in all."""
+    async with asyncio.timeout(timeout_s):
+        for _ in itertools.count():
+            if await generated_tokens(url) > count:
+                return
+            await asyncio.sleep(0.02)
 
 
 def reference_logprobs(
@@ -255,8 +274,9 @@ async def test_a_broadcast_mid_generation_splits_a_response_between_versions(
         former.join()
         group = trainer["group"]
         long = {**SAMPLING, "max_new_tokens": 480}
+        before = await generated_tokens(vllm_url)
         call = asyncio.create_task(client.generate(PROMPT, long, rid="mid/0"))
-        await asyncio.sleep(1.0)  # 480 tokens take several seconds
+        await tokens_beyond(vllm_url, before)  # version 0 has a token
         sender = asyncio.create_task(asyncio.to_thread(group.send_buckets, manifest, new))
         await client.update_weights(
             1, buckets=server_buckets(manifest), broadcast=lambda bucket: None,
