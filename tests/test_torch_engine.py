@@ -260,7 +260,7 @@ async def test_an_in_place_update_writes_the_model_while_no_step_runs(engine, ti
         if not updated and len(out.output_ids) >= 5:
             await engine.update_weights_in_place(fill, version=4)
             updated = True
-    assert steps_during == [0] and not engine._paused and engine.stats["update_pause_s"] > 0
+    assert steps_during == [0] and not engine.paused and engine.stats["update_pause_s"] > 0
     first_new = out.versions.index(4)
     assert first_new >= 5 and set(out.versions[first_new:]) == {4} and len(out.versions) == 60
     assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in new_weights.items())
@@ -281,7 +281,7 @@ def wide_qwen2() -> torch.nn.Module:
 def copies(engine: TorchEngine) -> int:
     """The packed or fused copies of weights the engine holds now."""
     plain = sum(getattr(m, "_packed", None) is not None for m in engine.model.modules())
-    lean = engine._lean.layers if engine._lean is not None else []
+    lean = engine.runner.lean.layers if engine.runner.lean is not None else []
     return plain + sum(f._fused is not None for layer in lean for f in (layer.qkv, layer.gate_up))
 
 
@@ -620,13 +620,14 @@ async def test_admission_keeps_the_padded_cache_within_max_total_tokens(tiny):
     directory, _, _ = tiny
     eng = TorchEngine.from_pretrained(str(directory), max_total_tokens=160)
     widths: list[int] = []
-    decode = eng._decode
+    sched = eng.scheduler
+    decode = sched._decode
 
     def watched() -> None:  # the padded cache after each step, as the step thread sees it
         decode()
-        widths.append(len(eng._batch) * max(map(eng._final_length, eng._batch.seqs), default=0))
+        widths.append(len(sched.batch) * max(map(sched.final_length, sched.batch.seqs), default=0))
 
-    eng._decode = watched  # type: ignore[method-assign]
+    sched._decode = watched  # type: ignore[method-assign]
     task = asyncio.create_task(eng.run())
     lengths = [(3, 20), (40, 12), (5, 8), (60, 30), (7, 20), (2, 200)]  # the last: over it
     try:

@@ -59,7 +59,7 @@ class WeightUpdates:
             check_names(self.engine.model, tensors)
         self._half_loaded = False
         try:
-            await self.engine._at_boundary(lambda: self._load(source, version))
+            await self.engine.at_boundary(lambda: self._load(source, version))
         except BaseException as exc:
             if self._half_loaded:  # a mix of two versions must not sample
                 self._tear(exc)
@@ -94,10 +94,9 @@ class WeightUpdates:
         or new, so no token is sampled from a mix and each partial output goes back to
         its caller to resume on a complete version.
         """
-        held_by_user = self.engine._paused and not self.engine.torn
-        self.engine._paused = True
-        self.engine._resumed.clear()
-        await self.engine._at_boundary(lambda: None)  # the step under way ends; none runs now
+        held_by_user = self.engine.paused and not self.engine.torn
+        self.engine.hold()
+        await self.engine.at_boundary(lambda: None)  # the step under way ends; none runs now
         start = time.perf_counter()
         params = {k: v.detach() for k, v in self.engine.model.state_dict(keep_vars=True).items()}
         try:
@@ -106,7 +105,7 @@ class WeightUpdates:
             self._tear(exc)
             raise
         finally:  # the fill may write the tensors' memory, unseen by their version counters
-            self.engine._invalidate()
+            self.engine.runner.invalidate()
         self.engine.version = version
         pause = time.perf_counter() - start
         self.engine.stats["update_pause_s"] += pause
@@ -122,10 +121,7 @@ class WeightUpdates:
         self.engine.torn = True
         log.error("weights torn by a failed update: requests are aborted until one completes",
                   version=self.engine.version, error=f"{type(exc).__name__}: {exc}")  # fmt: skip
-        for seq in self.engine._rids.values():
-            seq.aborted = True
-        self.engine._resumed.set()
-        self.engine._wake.set()
+        self.engine.abort_torn()
 
     async def _mended(self) -> None:
         """A complete update after a torn one: decoding may go on."""
@@ -145,7 +141,7 @@ class WeightUpdates:
                     for name, t in tensors.items():
                         params[name].copy_(t.to(params[name].device, params[name].dtype))
         finally:  # what was written is seen by the next step either way
-            self.engine._invalidate()
+            self.engine.runner.invalidate()
         self._half_loaded = False
         if version is not None:
             self.engine.version = version

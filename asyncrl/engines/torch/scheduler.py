@@ -1,0 +1,249 @@
+"""Scheduler: the waiting queue and the running batch, advanced one step at a time on the
+engine's step thread::
+
+    step:  run the jobs queued for a step boundary (weight updates, memory moves)
+           admit waiting requests: prefill them together, merge their KV into the batch
+           decode one token for every running sequence
+           finish sequences (EOS, stop token, stop string or regex, length, abort) and
+           drop their KV
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncrl.engines.base import FinishReason
+from asyncrl.engines.torch.kv_batch import KVBatch, new_cache
+from asyncrl.engines.torch.requests import Seq, finish_reason, similar_lengths
+from asyncrl.engines.torch.runner import ModelRunner
+from asyncrl.engines.torch.sampling import Sampled, prompt_logprobs, sample_rows
+
+#: A job for the next step boundary and the future its caller awaits.
+Job = tuple[Callable[[], object], asyncio.Future[None]]
+
+
+class Scheduler:
+    """Continuous batching under a KV budget; every method but ``has_work`` runs on the
+    step thread (or while no step runs)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        tokenizer: Any,
+        eos_ids: set[int],
+        max_running: int,
+        max_total_tokens: int,
+        version: int,
+    ) -> None:
+        self.runner, self.tokenizer, self.eos_ids = runner, tokenizer, eos_ids
+        self.max_running, self.max_total_tokens = max_running, max_total_tokens
+        self.version = version  # stamped on every token sampled
+        self.paused = False
+        self.waiting: deque[Seq] = deque()
+        self.batch: KVBatch[Seq] = KVBatch()
+        self.rids: dict[str, Seq] = {}
+        self.jobs: deque[Job] = deque()
+        self.just_finished: list[Seq] = []
+        self.stats: dict[str, float] = {
+            "steps": 0, "prefills": 0, "generated_tokens": 0, "update_pause_s": 0.0,
+        }  # fmt: skip
+
+    def add(self, seq: Seq) -> None:
+        self.rids[seq.req.rid] = seq
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        if self.jobs:
+            return True
+        if self.paused:
+            return any(s.aborted for s in self.rids.values())
+        return bool(self.waiting or self.batch.seqs)
+
+    def fail_all(self, message: str) -> None:
+        """Finish every request with a 500 (a step raised): no caller hangs."""
+        reason = FinishReason(
+            type="abort", message=message, status_code=500, err_type="InternalServerError"
+        )
+        for seq in list(self.rids.values()):
+            seq.finish = seq.finish or reason
+            self.just_finished.append(seq)
+        self.rids.clear()
+        self.waiting.clear()
+        self.batch = KVBatch()
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        self.just_finished = []
+        self._run_jobs()
+        self._drop(lambda s: s.aborted, abort=True)
+        self._finish_waiting_aborted()
+        if not self.paused:
+            self._prefill_waiting()
+            if self.batch.seqs:
+                self._decode()
+        self.stats["steps"] += 1
+
+    def retract(self) -> None:
+        """Put running sequences back in the queue; their KV is recomputed on resume."""
+        for seq in reversed(self.batch.seqs):
+            seq.prompt = [*seq.req.input_ids, *seq.output]
+            self.waiting.appendleft(seq)
+        self.batch = KVBatch()
+
+    def final_length(self, seq: Seq) -> int:
+        """Positions ``seq`` holds when it ends: its prompt and all it may generate."""
+        budget = seq.req.sampling.max_new_tokens
+        if budget is None:
+            return self.runner.context_length
+        return min(len(seq.req.input_ids) + budget, self.runner.context_length)
+
+    def _run_jobs(self) -> None:
+        while self.jobs:
+            fn, fut = self.jobs.popleft()
+            loop = fut.get_loop()
+            try:
+                fn()
+            except Exception as exc:  # reported to the caller, the engine goes on
+                loop.call_soon_threadsafe(_settle, fut, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, None)
+
+    def _finish_waiting_aborted(self) -> None:
+        for seq in [s for s in self.waiting if s.aborted]:
+            self.waiting.remove(seq)
+            seq.finish = FinishReason(type="abort", message="Abort in waiting queue")
+            self._done(seq)
+
+    def _done(self, seq: Seq) -> None:
+        self.just_finished.append(seq)
+        self.rids.pop(seq.req.rid, None)
+
+    def _prefill_waiting(self) -> None:
+        """Admit waiting requests while rows x the longest final length stays within
+        ``max_total_tokens`` (every row is padded to the longest: ``kv_batch.py``). An
+        empty batch admits one whatever its length."""
+        new: list[Seq] = []
+        rows = len(self.batch)
+        longest = max(map(self.final_length, self.batch.seqs), default=0)
+        while self.waiting and rows + len(new) < self.max_running:
+            width = max(longest, self.final_length(self.waiting[0]))
+            if (rows or new) and (rows + len(new) + 1) * width > self.max_total_tokens:
+                break
+            longest = width
+            new.append(self.waiting.popleft())
+        for chunk in similar_lengths(new):
+            self._prefill(chunk)
+
+    def _prefill(self, seqs: list[Seq]) -> None:
+        width = max(len(s.prompt) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s.prompt) :] = torch.tensor(s.prompt)
+            mask[i, width - len(s.prompt) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # Only prompt log-probs need logits at every prompt position: a [b, width, V]
+        # projection is most of a short prompt's prefill with a large vocabulary.
+        scored = [s.req.logprob_start_len >= 0 and s.input_logprobs is None for s in seqs]
+        cache = new_cache()
+        logits = self.runner.forward(ids, mask, positions, cache, keep=0 if any(scored) else 1)
+        self.stats["prefills"] += 1
+        for i, s in enumerate(seqs):
+            s.queued = False
+            if scored[i]:
+                s.input_logprobs, s.input_top = prompt_logprobs(
+                    logits[i, width - len(s.prompt) :],
+                    s.prompt,
+                    s.req.logprob_start_len,
+                    s.req.top_logprobs_num,
+                    temperature=s.row.params.logprob_temperature,
+                )
+        self._merge(seqs, cache, mask, logits[:, -1, :].float())
+
+    def _merge(self, seqs: list[Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
+        tokens = [0] * len(seqs)  # placeholders for rows that leave at the finish check
+        live = []
+        for i, s in enumerate(seqs):
+            if s.req.sampling.max_new_tokens == 0:  # SGLang: prefill only (prompt log-probs)
+                s.finish = FinishReason(type="length", length=0)
+            else:
+                live.append(i)
+        if live:
+            sampled = self._sample([seqs[i] for i in live], last[live])
+            for i, token in zip(live, sampled, strict=True):
+                tokens[i] = token
+        self.batch.add(seqs, cache, mask, tokens)
+        self._finish_checks()
+
+    def _decode(self) -> None:
+        b = self.batch
+        mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], dim=1)
+        logits = self.runner.forward(b.last[:, None], mask, b.positions[:, None], b.cache, keep=1)
+        b.mask, b.positions = mask, b.positions + 1
+        logits = logits[:, -1, :].float()  # sampled where it is (sampling.py)
+        b.last = torch.tensor(self._sample(b.seqs, logits))
+        self._finish_checks()
+
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> list[int]:
+        """Sample each row's next token from its row of ``logits`` and record it; a row
+        that cannot be sampled fails alone, with a placeholder token until its finish
+        check (a device error raises before this and fails the whole batch)."""
+        rows = [s.row for s in seqs]
+        results = sample_rows(logits, rows, [s.req.top_logprobs_num for s in seqs])
+        return [self._record(s, r) for s, r in zip(seqs, results, strict=True)]
+
+    def _record(self, seq: Seq, result: Sampled | RuntimeError) -> int:
+        if isinstance(result, RuntimeError):  # e.g. no finite probability: this request alone
+            seq.finish = FinishReason(
+                type="abort",
+                message=f"sampling failed: {result}",
+                status_code=400,
+                err_type="BadRequestError",
+            )
+            return 0
+        token, logprob, top = result
+        seq.output.append(token)
+        seq.logprobs.append(logprob)
+        seq.versions.append(self.version)
+        if seq.top is not None and top is not None:
+            seq.top.append(top)
+        seq.row.num_generated += 1
+        seq.row.counts[token] = seq.row.counts.get(token, 0) + 1
+        if seq.row.seen is not None:
+            seq.row.seen = torch.cat([seq.row.seen, torch.tensor([token])])
+        self.stats["generated_tokens"] += 1
+        return token
+
+    def _finish_checks(self) -> None:
+        context = self.runner.context_length
+        for seq, pos in zip(self.batch.seqs, self.batch.positions.tolist(), strict=True):
+            if seq.finish is None:
+                seq.finish = finish_reason(seq, pos, self.eos_ids, self.tokenizer, context)
+        self._drop(lambda s: s.finish is not None, abort=False)
+
+    def _drop(self, done: Callable[[Seq], bool], *, abort: bool) -> None:
+        b = self.batch
+        keep = [i for i, s in enumerate(b.seqs) if not done(s)]
+        if len(keep) == len(b.seqs):
+            return
+        for i, s in enumerate(b.seqs):
+            if i not in keep:
+                if abort and s.finish is None:
+                    s.finish = FinishReason(type="abort", message="Aborted")
+                self._done(s)
+        b.select(keep, self.runner.device)
+
+
+def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
