@@ -82,7 +82,7 @@ def test_each_epoch_takes_the_groups_in_a_new_order_that_every_rank_draws_alike(
 
 
 def mini_seed(seed: int, version: int) -> int:
-    return seed * 1_000_003 + version  # TorchTrainer._shuffle_seed
+    return seed * 1_000_003 + version  # rl_step.shuffle_seed
 
 
 def test_epochs_pass_over_the_batch_again(tiny):

@@ -31,26 +31,25 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncrl.errors import CheckpointUnreadable
-from asyncrl.policies import LossInputs, LossScale, PolicyConfig, rl_loss, sft_loss
+from asyncrl.policies import LossScale, PolicyConfig, sft_loss
 from asyncrl.trainers import megatron_bridge as bridge
 from asyncrl.trainers import vocab_parallel as vp
 from asyncrl.trainers.base import StepResult
 from asyncrl.trainers.config import TrainerConfig
 from asyncrl.trainers.learner import OptimSettings, copy_tokenizer, lr_factor, write_hf_dir
 from asyncrl.trainers.megatron_writer import own_results_queue
-from asyncrl.trainers.packing import MicroBatch, build_microbatch, plan_ranks, to_rows
+from asyncrl.trainers.packing import MicroBatch, to_rows
 from asyncrl.trainers.rl_columns import (
-    EMPTY_SEQUENCE,
     Columns,
     Scored,
     Tally,
     batch_metrics,
-    old_logprobs,
     pad_row,
     step_columns,
     step_result,
     update_plan,
 )
+from asyncrl.trainers.rl_step import mean_of_updates, policy_loss, rank_microbatches, shuffle_seed
 from asyncrl.trainers.rng import load_rng, rng_state, seed_everything, set_rng_state
 from asyncrl.trainers.rollout_tensors import RolloutTensors, rollout_tensors, sft_tensors
 from asyncrl.trainers.token_stats import token_logprobs, token_stats
@@ -216,30 +215,15 @@ class MegatronTrainer:
     def _microbatches(
         self, rows: RolloutTensors, part: list[int] | None = None
     ) -> list[MicroBatch]:
-        """This DP rank's micro-batches of the rows (of ``part``) with loss tokens (at
-        least one: the empty stand-in, row ``B``, when the rank has no rows)."""
+        """This DP rank's micro-batches of the rows (of ``part``); at least one."""
         from megatron.core import parallel_state as ps
 
-        n = rows.num_rows
-        active = [i for i in (range(n) if part is None else part) if bool(rows.mask[i].any())]
-        lengths = [len(rows.sequences[i]) for i in active]
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        plan = plan_ranks(lengths, self.config.max_tokens_per_microbatch, dp)[dp_rank]
-        mine = [[active[j] for j in b] for b in plan] or [[n]]
-        seqs, starts = [*rows.sequences, EMPTY_SEQUENCE], [*rows.prompt_lens, 1]
-        layout = "packed" if self.config.packing and not self.te else "padded"
-        return [
-            build_microbatch(
-                seqs,
-                starts,
-                m,
-                rows.width,
-                layout=layout,
-                device=self.device,
-                temperatures=[*rows.temperatures, 1.0],
-            )
-            for m in mine
-        ]
+        return rank_microbatches(
+            rows, part, max_tokens=self.config.max_tokens_per_microbatch,
+            world=ps.get_data_parallel_world_size(), rank=ps.get_data_parallel_rank(),
+            equal_counts=False, device=self.device,
+            layout="packed" if self.config.packing and not self.te else "padded",
+        )  # fmt: skip
 
     def _schedule(
         self,
@@ -361,8 +345,7 @@ class MegatronTrainer:
         rows = rollout_tensors(batch, c.reward_key)
         mbs = self._microbatches(rows)
         shape = (rows.num_rows + 1, rows.width)
-        seed = c.seed * 1_000_003 + self.version if c.shuffle_minibatches else None
-        plan = update_plan(rows, c.global_batch_size, c.ppo_epochs, seed)
+        plan = update_plan(rows, c.global_batch_size, c.ppo_epochs, shuffle_seed(c, self.version))
         cols = step_columns(
             self.algo, rows, self.device, lambda which: self._score(which, mbs, shape),
             ref=self.ref is not None, critic=False,
@@ -374,29 +357,15 @@ class MegatronTrainer:
             scale = LossScale.of(rows.mask[part], self.algo.max_response_len)
             part_mbs = mbs if len(plan) == 1 else self._microbatches(rows, part)
             updates.append(self._train(part_mbs, cols["mask"], partial(self._rl_loss, cols, scale)))
-        metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
+        metrics = mean_of_updates(updates)
         self.version += 1
         return step_result(self.version, rows, metrics | extra | {"optim_steps": len(plan)}, start)
 
     def _rl_loss(
         self, cols: Columns, scale: LossScale, mb: MicroBatch, logits: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        c = {k: v[mb.rows] for k, v in cols.items()}
         logp_N, entropy_N = token_stats(logits, mb.targets, mb.inv_temperature, self.shard)
-        logprobs = to_rows(logp_N, mb)
-        x = LossInputs(
-            logprobs=logprobs,
-            old_logprobs=old_logprobs(c, logprobs),
-            behaviour_logprobs=c["behaviour"],
-            advantages=c["advantages"],
-            mask=c["mask"],
-            # A metric only (no gradient) unless there is an entropy bonus.
-            entropy=to_rows(entropy_N if self.algo.entropy_coef > 0 else entropy_N.detach(), mb),
-            ref_logprobs=c.get("ref"),
-        )
-        loss, metrics = rl_loss(self.algo, x, scale)
-        metrics["loss"] = loss.detach()
-        return loss, metrics
+        return policy_loss(self.algo, cols, mb, logp_N, entropy_N, scale)
 
     # -- the SFT step ---------------------------------------------------------------------
     @_on_device

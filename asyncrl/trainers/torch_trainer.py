@@ -54,10 +54,8 @@ from torch import nn
 
 from asyncrl.errors import CheckpointUnreadable
 from asyncrl.policies import (
-    LossInputs,
     LossScale,
     PolicyConfig,
-    rl_loss,
     sft_loss,
     value_loss,
 )
@@ -73,25 +71,22 @@ from asyncrl.trainers.learner import (
 )
 from asyncrl.trainers.packing import (
     MicroBatch,
-    build_microbatch,
     forward_selected,
-    plan_ranks,
     smoothed_logprobs,
     to_rows,
 )
 from asyncrl.trainers.parallel import DataParallel
 from asyncrl.trainers.rl_columns import (
-    EMPTY_SEQUENCE,
     Columns,
     Scored,
     Tally,
     batch_metrics,
-    old_logprobs,
     pad_row,
     step_columns,
     step_result,
     update_plan,
 )
+from asyncrl.trainers.rl_step import mean_of_updates, policy_loss, rank_microbatches, shuffle_seed
 from asyncrl.trainers.rng import load_rng, rng_state, seed_everything, set_rng_state
 from asyncrl.trainers.rollout_tensors import RolloutTensors, rollout_tensors, sft_tensors
 from asyncrl.trainers.token_stats import token_logprobs, token_stats
@@ -212,7 +207,8 @@ class TorchTrainer:
         start, c = time.perf_counter(), self.config
         rows = rollout_tensors(batch, self.config.reward_key)
         mbs = self._microbatches(rows)
-        plan = update_plan(rows, c.global_batch_size, c.ppo_epochs, self._shuffle_seed())
+        seed = shuffle_seed(c, self.version)
+        plan = update_plan(rows, c.global_batch_size, c.ppo_epochs, seed)
         # Several updates: the old log-probs are the batch's start, scored before any.
         cols = self._columns(rows, mbs, score_old=self.score_old_logprobs or len(plan) > 1)
         extra = batch_metrics(rows, cols, self.version)
@@ -226,18 +222,11 @@ class TorchTrainer:
                 failures.append(exc)
         if not updates:
             raise failures[0]  # nothing moved: the whole step is skipped
-        metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
+        metrics = mean_of_updates(updates)
         if failures:
             metrics["nonfinite_updates"] = float(len(failures))
         self.version += 1
         return step_result(self.version, rows, metrics | extra | {"optim_steps": len(plan)}, start)
-
-    def _shuffle_seed(self) -> int | None:
-        """This step's mini-batch order: from the seed and the version (a rerun replays it,
-        and every rank draws the same), or None (``shuffle_minibatches`` off)."""
-        if not self.config.shuffle_minibatches:
-            return None
-        return self.config.seed * 1_000_003 + self.version
 
     def _update(self, mbs: list[MicroBatch], cols: Columns, part: list[int]) -> dict[str, float]:
         """One optimizer update on the micro-batches ``mbs`` of the rows ``part``."""
@@ -256,34 +245,13 @@ class TorchTrainer:
     def _microbatches(
         self, rows: RolloutTensors, part: list[int] | None = None
     ) -> list[MicroBatch]:
-        """This rank's micro-batches of the rows (of ``part``, default all) with loss
-        tokens, padded to equal counts.
-
-        Row ``B`` (one past the last) is the empty stand-in (``EMPTY_SEQUENCE``).
-        """
-        n = rows.num_rows
-        active = [i for i in (range(n) if part is None else part) if bool(rows.mask[i].any())]
-        lengths = [len(rows.sequences[i]) for i in active]
-        plans = plan_ranks(lengths, self.config.max_tokens_per_microbatch, self.dp.world_size)
-        count = max(1, *(len(p) for p in plans))
-        mine = [[active[j] for j in b] for b in plans[self.dp.rank]]
-        mine += [[n]] * (count - len(mine))
-        seqs, starts = [*rows.sequences, EMPTY_SEQUENCE], [*rows.prompt_lens, 1]
-        layout = "packed" if self.config.packing else "padded"
-        return [
-            build_microbatch(
-                seqs,
-                starts,
-                m,
-                rows.width,
-                layout=layout,
-                attn_implementation=self.attn,
-                dtype=self.dtype,
-                device=self.device,
-                temperatures=[*rows.temperatures, 1.0],
-            )
-            for m in mine
-        ]
+        """This rank's micro-batches of the rows (of ``part``), padded to equal counts."""
+        return rank_microbatches(
+            rows, part, max_tokens=self.config.max_tokens_per_microbatch,
+            world=self.dp.world_size, rank=self.dp.rank, equal_counts=True,
+            layout="packed" if self.config.packing else "padded",
+            attn_implementation=self.attn, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
 
     def _columns(self, rows: RolloutTensors, mbs: list[MicroBatch], score_old: bool) -> Columns:
         """``[B + 1, T]`` tensors of the step (the extra row is the empty stand-in's)."""
@@ -327,32 +295,19 @@ class TorchTrainer:
     def _rl_micro_step(
         self, mb: MicroBatch, cols: Columns, scale: LossScale
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        c = {k: v[mb.rows] for k, v in cols.items()}
         with self._compute():
             logits = forward_selected(self.policy.wrapped, mb)
         logp_N, entropy_N = token_stats(logits, mb.targets, mb.inv_temperature)
-        logprobs = to_rows(logp_N, mb)
-        x = LossInputs(
-            logprobs=logprobs,
-            old_logprobs=old_logprobs(c, logprobs),
-            behaviour_logprobs=c["behaviour"],
-            advantages=c["advantages"],
-            mask=c["mask"],
-            # A metric only (no gradient) unless there is an entropy bonus.
-            entropy=to_rows(entropy_N if self.algo.entropy_coef > 0 else entropy_N.detach(), mb),
-            ref_logprobs=c.get("ref"),
-        )
-        loss, metrics = rl_loss(self.algo, x, scale)
-        metrics["loss"] = loss.detach()
+        loss, metrics = policy_loss(self.algo, cols, mb, logp_N, entropy_N, scale)
         if self.critic is not None:
             with self._compute():
                 values = forward_selected(self.critic.wrapped, mb, lm=False)[:, 0].float()
             values = to_rows(values, mb)
             v_loss, v_metrics = value_loss(
                 values,
-                c["values"],
-                c["returns"],
-                c["mask"],
+                cols["values"][mb.rows],
+                cols["returns"][mb.rows],
+                cols["mask"][mb.rows],
                 clip=self.algo.value_clip,
                 aggregation=self.algo.loss_aggregation,
                 scale=scale,
