@@ -1,14 +1,7 @@
 """asyncrl: asynchronous actor-model dataflow engine for RL post-training.
 
-The Python API (``asyncrl/api.py``)::
-
-    import asyncrl
-
-    cfg = asyncrl.make_config("job.yaml", {"train.num_steps": 20})
-    run = asyncrl.train(cfg)          # or: await asyncrl.train_async(cfg)
-    run.metrics, run.evals, run.export("out")
-
-Importing the package imports nothing heavy: the API loads on first use.
+The Python API (``make_config``, ``train``, ``open_run``) is ``asyncrl/api.py``; importing the
+package imports nothing heavy: the API loads on first use.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The Python API: build a job's config, run it, read what it produced.
 
-    import asyncrl
-
     cfg = asyncrl.make_config("examples/arith/config.yaml", {"train.num_steps": 20, "lr": 1e-5})
     run = asyncrl.train(cfg)              # blocks; asyncrl.JobFailed says why it failed
-    run.metrics[-1]["reward/mean"], run.evals, run.checkpoints
-    run.export("out")                     # the newest checkpoint's policy as an HF folder
-
-    run = await asyncrl.train_async(cfg)  # the same inside a running event loop
+    run.metrics[-1]["reward/mean"], run.evals, run.checkpoints, run.export("out")
     run = asyncrl.open_run("runs/arith")  # a finished run's results, from its folder
 
-``make_config`` takes what ``asyncrl train`` takes: a YAML file, a preset, and settings keyed
-by config key (``trainer.lr``) or flag name (``lr``, ``lora_rank``: ``_`` and ``-`` are
-one), with Python values; every problem is listed at once (``ConfigError``). ``train``
-checks the job before any process starts (``preflight``), holds the run folder for the
-job's life, writes the controller's log and the resolved config there, as the CLI does
-(``asyncrl train`` is this call and a printout). A job refused before it starts raises
-``PreflightError`` or ``InputError`` (both ``asyncrl.errors.InputError``) with every
-problem; one that starts and fails raises ``JobFailed``.
+``asyncrl train`` is ``run_training`` and a printout.
 """
 
 from __future__ import annotations
@@ -37,8 +25,16 @@ from asyncrl.job import JobResult, run_job
 if TYPE_CHECKING:
     from asyncrl.runtime.chaos import Chaos
 
-__all__ = ["ConfigError", "JobFailed", "Run", "RunConfig", "make_config", "open_run", "train",
-           "train_async"]  # fmt: skip
+__all__ = [
+    "ConfigError",
+    "JobFailed",
+    "Run",
+    "RunConfig",
+    "make_config",
+    "open_run",
+    "train",
+    "train_async",
+]
 
 
 def make_config(
@@ -48,7 +44,8 @@ def make_config(
     preset: str | None = None,
 ) -> RunConfig:
     """A job's validated config from ``preset``, the YAML file ``path`` and ``settings``
-    (later wins); ``ConfigError`` lists every problem, naming key and flag."""
+    (later wins), keyed by config key (``trainer.lr``) or flag name (``lr``; ``_`` and
+    ``-`` are one); ``ConfigError`` lists every problem, naming key and flag."""
     overrides = {_flag(key): value for key, value in (settings or {}).items()}
     return load_config(path, overrides, preset=preset)
 
@@ -117,7 +114,9 @@ def train(
     overwrite: bool = False,
     resume_from_step: int | None = None,
 ) -> Run:
-    """Run ``cfg`` to its end, blocking; ``JobFailed`` if it does not finish."""
+    """Run ``cfg`` to its end, blocking; ``JobFailed`` if it does not finish. A job refused
+    before it starts raises ``PreflightError`` or ``InputError`` (both
+    ``asyncrl.errors.InputError``) with every problem."""
     job = train_async(cfg, resume=resume, overwrite=overwrite, resume_from_step=resume_from_step)
     return asyncio.run(job)
 
@@ -163,13 +162,16 @@ async def run_training(
         await asyncio.to_thread(preflight, cfg)
     run_dir = cfg.resolved_output_dir()
     buffered = not cfg.train.load_rollout_data
-    claim = claim_run_dir(run_dir, resume=resume, overwrite=overwrite, buffered=buffered,
-                          rewind_to=resume_from_step)  # fmt: skip
+    claim = claim_run_dir(
+        run_dir, resume=resume, overwrite=overwrite, buffered=buffered, rewind_to=resume_from_step
+    )
     with claim as rewound:
         configure_logging(
-            level=cfg.log.level, fmt=cfg.log.format, file=run_dir / "logs" / "controller.jsonl",
+            level=cfg.log.level,
+            fmt=cfg.log.format,
+            file=run_dir / "logs" / "controller.jsonl",
             actor="controller",
-        )  # fmt: skip
+        )
         if rewound is not None:
             get_logger("asyncrl.controller").warning(
                 "went back to an earlier step", step=resume_from_step, moved_aside=str(rewound)

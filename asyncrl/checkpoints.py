@@ -1,12 +1,9 @@
 """Where a run keeps its checkpoints, and which steps it can go back to.
 
-``checkpoints/trainer/step_N/`` is the trainer's checkpoint of version N (``policy/`` holds
-the HF weights), ``checkpoints/buffer.ckpt`` the buffer's newest state. The buffer also
-writes ``checkpoints/buffer/step_N.ckpt`` as soon as the trainer tells it that its
-checkpoint of version N is durable: the state a crash right then would leave, every batch
-served after N still kept. A snapshot is dropped once its trainer checkpoint is
-(``train.keep_checkpoints``). Step N is *kept whole* while both exist, and
-``--resume-from-step N`` (``runtime/rewind.py``) can go back to it.
+``checkpoints/trainer/step_N/`` is the trainer's checkpoint of version N (HF weights in
+``policy/``); ``checkpoints/buffer/step_N.ckpt`` the buffer's state once that checkpoint
+was durable. Step N is *kept whole* while both exist: ``--resume-from-step N`` can go back
+to it (``docs/reliability.md``).
 """
 
 from __future__ import annotations

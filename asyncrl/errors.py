@@ -1,13 +1,10 @@
 """Errors that say the job's input is wrong, as opposed to something having gone wrong.
 
-An ``InputError`` (bad data, config or user code; ``DataError``, ``ConfigError``,
-``PreflightError`` and the plugin loader's ``PluginError`` are ones) recurs however often
-the actor that hit it is restarted, so an actor failing with one says so in its ``Bye``
-(``actors/base.py::is_permanent``) and the supervisor ends the job with the reason
-instead of restarting it. So are state the run directory lost (``RunStateLost``), a
-checkpoint that cannot be read (``CheckpointUnreadable``) and samples that keep failing
-(``SamplesFailing``). Anything else (a lost peer, a timeout, out of memory) may pass and
-is restarted within the budget.
+An ``InputError`` (bad data, config or user code; lost run state, an unreadable
+checkpoint, samples that keep failing) recurs however often the actor that hit it is
+restarted, so the supervisor ends the job with the reason instead of restarting it
+(``actors/base.py::is_permanent``). Anything else (a lost peer, a timeout, out of memory)
+may pass and is restarted within the budget.
 """
 
 from __future__ import annotations

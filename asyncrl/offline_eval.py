@@ -3,25 +3,9 @@
     asyncrl eval [CONFIG.yaml] --model DIR [--eval-sets JSON] [--out FILE.jsonl]
                  [--<config flag> VALUE ...]
 
-The config is a training config (its trainer and data may be absent): the rollout's
-sampling, reward, workflow and tools are each set's defaults, ``eval.sets`` are the sets
-(``--eval-sets`` replaces them), ``eval.max_concurrency`` bounds the requests in flight.
-``DIR`` is an HF model folder, or a checkpoint folder that holds one in ``policy/`` (a
-run's ``checkpoints/step_N``). It is served by an embedded torch engine with the
-rollout engine's device, dtype and batch size when that engine is a torch one.
-
-The sets are opened and scored by the eval actor's own code (``actors/eval.py``:
-``open_eval_set``, ``EvalSet.evaluate``), so a row here has the eval actor's metrics
-(pass@k, reward, failed, truncated, response_len, per-group pass@1); the engine samples
-from the stream the eval actor's would at the job's seed (``engine_seed(seed, "eval")``).
-Rows go to ``--out`` (JSON lines, appended, each with ``model``) and to the terminal. A
-``model`` reward's reward model is loaded in this process (no reward actor here).
-
-Refused before anything starts (exit 2): a missing or model-less DIR, no sets, a set
-file that cannot be read. A set whose samples all failed exits 1 with the most common
-reason, after every set has run.
-
-Users: ``cli/`` (``asyncrl eval``).
+The sets are opened and scored by the eval actor's own code (``actors/eval.py``), and the
+engine samples from the eval actor's stream at the job's seed, so a row here has the
+metrics of the job's ``metrics/eval.jsonl``.
 """
 
 from __future__ import annotations
@@ -69,8 +53,13 @@ def engine_config(cfg: RunConfig, model: Path) -> EngineConfig:
 
 
 async def evaluate_model(cfg: RunConfig, model: Path, out: Path | None = None) -> list[dict]:
-    """Every set's row for ``model`` (module docstring); ``EvalFailed`` after the last set
-    when a set's samples all failed."""
+    """Every set's row for ``model`` (pass@k, reward, failed, truncated, response_len,
+    per-group pass@1), each appended to ``out`` (JSON lines, with ``model``) as it ends;
+    ``EvalFailed`` after the last set when a set's samples all failed.
+
+    ``cfg`` is a training config (trainer and data may be absent): the rollout's sampling,
+    reward, workflow and tools are each set's defaults, and ``eval.max_concurrency`` bounds
+    the requests in flight."""
     from asyncrl.actors.config import WorkflowConfig
     from asyncrl.actors.eval import open_eval_set
     from asyncrl.actors.rollout import policy_tokenizer
@@ -80,9 +69,15 @@ async def evaluate_model(cfg: RunConfig, model: Path, out: Path | None = None) -
         raise InputError("no eval sets: give --eval-sets or eval.sets in the config")
     engine = engine_config(cfg, model)
     r = cfg.rollout
-    workflow = WorkflowConfig(engine=engine, sampling=dict(r.sampling), reward=r.reward,
-                              workflow=r.workflow, tool_use=r.tool_use, agent=r.agent,
-                              tokenizer=str(model))  # fmt: skip
+    workflow = WorkflowConfig(
+        engine=engine,
+        sampling=dict(r.sampling),
+        reward=r.reward,
+        workflow=r.workflow,
+        tool_use=r.tool_use,
+        agent=r.agent,
+        tokenizer=str(model),
+    )
     rows, failed = [], []
     async with contextlib.AsyncExitStack() as stack:
         seed = engine_seed(engine.seed, EVAL_ACTOR, restarted=False)
@@ -124,8 +119,10 @@ def table(rows: list[dict]) -> Any:
     from rich.table import Table
 
     keys = ["prompts", "samples"]
-    keys += sorted({k for r in rows for k in r if k.startswith("pass@") and "/" not in k},
-                   key=lambda k: int(k[5:]))  # fmt: skip
+    keys += sorted(
+        {k for r in rows for k in r if k.startswith("pass@") and "/" not in k},
+        key=lambda k: int(k[5:]),
+    )
     keys += ["reward", "failed", "truncated", "response_len", "seconds"]
     out = Table("set", *keys)
     for r in rows:

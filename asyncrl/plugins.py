@@ -1,9 +1,6 @@
-"""Loading user code by dotted path: ``"package.module:name"`` or ``"package.module.name"``,
-or by file: ``"path/to/file.py:name"`` (relative to the working directory; the file is
-imported once per process, as module ``asyncrl_user_<stem>_<hash of the path>``).
-
-Used wherever a config names code to run: actor classes in ``ActorSpec.cls``, and later
-custom rewards (``--custom-rm-path``) and workflows (``--custom-generate-function-path``).
+"""Loading the user code a config names: by dotted path (``"package.module:name"`` or
+``"package.module.name"``) or by file (``"path/to/file.py:name"``, relative to the working
+directory; imported once per process as module ``asyncrl_user_<stem>_<hash of the path>``).
 """
 
 from __future__ import annotations

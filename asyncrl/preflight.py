@@ -1,20 +1,8 @@
 """Everything about a job that can be checked without starting it, checked before launch.
 
-``preflight(cfg)`` runs in the controller (``run_job``), in ``asyncrl train`` before it
-launches, and in ``asyncrl train --dry-run``; a job that fails it starts no process. It
-collects every problem it finds (one line each, with file and line where there is one)
-and raises one ``PreflightError``:
-
-- the models: the trainer's, reference and critic folders, and a torch engine's, hold an
-  HF ``config.json``, and the policy's tokenizer loads;
-- the data and every eval set: each row read and validated (``PromptSource.open``), its
-  chat template rendered when the source asks for one (a tokenizer without a template is
-  named), each prompt shorter than the model's context (a warning names the prompts
-  that leave less than ``max_new_tokens``);
-- user code named by path: the reward (``--custom-rm-path``), the rollout workflow,
-  buffer filters and priority, tools and agents (``check_tool_use``, ``check_agent``).
-
-Checks that need a trained model or a live engine are the dry run's (``runtime/dryrun.py``).
+A job that fails ``preflight`` starts no process, and one ``PreflightError`` lists every
+problem found (one line each, with file and line where there is one). Checks that need a
+trained model or a live engine are the dry run's (``runtime/dryrun.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +32,10 @@ class PreflightError(InputError):
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Raise ``PreflightError`` naming every problem found in ``cfg`` (module docstring)."""
+    """Raise ``PreflightError`` naming every problem found in ``cfg``: model folders hold an
+    HF ``config.json`` and the policy's tokenizer loads; every data and eval row is valid,
+    its chat template renders and it fits the model's context; the user code named by path
+    (reward, workflow, filters, priority, tools, agent) loads."""
     problems: list[str] = []
     for check in _code_checks(cfg):  # first: tool use fills the data's default tools
         _collect(check, problems)
@@ -85,8 +76,9 @@ def _eval_sets(cfg: RunConfig, tokenizer: Any, context: int | None, problems: li
             _scorable(opened, what, cfg, s.reward or cfg.rollout.reward, problems)
 
 
-def _scorable(source: PromptSource, what: str, cfg: RunConfig, reward: Any,
-              problems: list[str]) -> None:  # fmt: skip
+def _scorable(
+    source: PromptSource, what: str, cfg: RunConfig, reward: Any, problems: list[str]
+) -> None:
     """Every row can be scored by ``reward`` (``rewards.unscorable``): a job whose rows
     fail one by one at runtime trains on what is left, or on nothing. A custom workflow
     may score its own way: not checked."""
@@ -101,8 +93,10 @@ def _scorable(source: PromptSource, what: str, cfg: RunConfig, reward: Any,
             found.setdefault(why, []).append(row.where)
     for why, wheres in found.items():
         more = f", {wheres[1]}" if len(wheres) > 1 else ""
-        problems.append(f"{what}: {len(wheres)} of {len(source.rows)} rows cannot be scored: "
-                        f"{why} (first: {wheres[0]}{more})")  # fmt: skip
+        problems.append(
+            f"{what}: {len(wheres)} of {len(source.rows)} rows cannot be scored: "
+            f"{why} (first: {wheres[0]}{more})"
+        )
 
 
 def _collect(check: Callable[[], Any], problems: list[str]) -> Any:
@@ -144,23 +138,34 @@ def _models(cfg: RunConfig, problems: list[str]) -> Any:
 
 #: ``config.json`` keys in which an engine's model must equal the trainer's: a weight
 #: version of the trainer's model would not load into another shape.
-_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads", "intermediate_size")  # fmt: skip
+_SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+)
 
 
 def _same_shape(key: str, folder: str, policy: str, problems: list[str]) -> None:
     """``folder`` (an engine's model) has the shape of the trainer's ``policy``."""
     try:
-        mine, theirs = (json.loads((Path(p).expanduser() / "config.json").read_text())
-                        for p in (folder, policy))  # fmt: skip
+        mine, theirs = (
+            json.loads((Path(p).expanduser() / "config.json").read_text()) for p in (folder, policy)
+        )
     except (OSError, ValueError):
         return  # a missing or unreadable config.json is reported on its own
-    differ = [f"{k} {mine.get(k)} vs {theirs.get(k)}" for k in _SHAPE_KEYS
-              if mine.get(k) != theirs.get(k)]  # fmt: skip
+    differ = [
+        f"{k} {mine.get(k)} vs {theirs.get(k)}" for k in _SHAPE_KEYS if mine.get(k) != theirs.get(k)
+    ]
     if differ:
-        problems.append(f"{key}: {folder} is not the trainer's model ({policy}): "
-                        f"{', '.join(differ)}; the trainer's weight versions could not load "
-                        "into it")  # fmt: skip
+        problems.append(
+            f"{key}: {folder} is not the trainer's model ({policy}): "
+            f"{', '.join(differ)}; the trainer's weight versions could not load "
+            "into it"
+        )
 
 
 def _reward_model_folders(cfg: RunConfig, problems: list[str]) -> None:
@@ -233,9 +238,14 @@ def _eval_source(cfg: RunConfig, s: Any) -> PromptSource.Config:
     from asyncrl.buffer.sources import PromptSource
 
     return PromptSource.Config(
-        path=s.path, input_key=s.input_key, label_key=s.label_key, metadata_key=s.metadata_key,
-        apply_chat_template=bool(s.apply_chat_template), shuffle=False, name=s.name,
-    )  # fmt: skip
+        path=s.path,
+        input_key=s.input_key,
+        label_key=s.label_key,
+        metadata_key=s.metadata_key,
+        apply_chat_template=bool(s.apply_chat_template),
+        shuffle=False,
+        name=s.name,
+    )
 
 
 def _warn_short_data(cfg: RunConfig, data: PromptSource) -> None:

@@ -1,13 +1,7 @@
 """A job's config as each actor's typed config: what ``asyncrl train`` starts each with.
 
-``role_params(cfg, run_dir, resume=...)`` gives ``{role: ActorConfig}``: the buffer's
-(admission, store, data source, checkpoints), each rollout actor's (engines, sampling,
-workflow, reward, the weight group), the trainer's (model, algorithm, publishing,
-checkpoints, metrics and samples files) and the eval actor's. Every path inside the run
-folder is decided here. Split from ``job.py`` (the controller), which starts the actors
-these configs describe.
-
-Users: ``job.py`` (``job_actor_specs``), the cluster simulator and tests.
+``role_params`` gives ``{role: ActorConfig}``, each built once from the ``RunConfig``;
+every path inside the run folder is decided here.
 """
 
 from __future__ import annotations

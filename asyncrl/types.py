@@ -1,26 +1,15 @@
-"""The data model: prompts, token-exact samples, groups and train batches, and the
-records of the buffer's channels that carry them (work and batch requests and replies,
-buffer events). The wire's own protocol records (control, weights, blob) are in
-``wire/messages.py``.
+"""The data model: prompts, token-exact samples, groups, train batches, and the buffer's
+channel records that carry them (the wire's own protocol records are in ``wire/messages.py``).
 
-Everything here is a wire ``Message`` (msgspec struct), so the same object is built by
-a data source, filled by a rollout workflow, stored by the buffer, logged to its
-write-ahead log and consumed by the trainer, with no conversion step.
-
-Token-exact means no step re-tokenises text: the trained tokens are the sampled tokens.
-A sample's per-response-token columns (token ids, behaviour log-probs, weight versions,
-loss mask) always have the same length ``T``; appending a response segment keeps them
-aligned or raises. On the wire and in memory they are one packed little-endian buffer::
+Everything here is a wire ``Message`` (msgspec struct): one object goes from data source to
+workflow, buffer, journal and trainer with no conversion. Token-exact: the trained tokens
+are the sampled tokens. A sample's response columns (``T`` entries each) are one packed
+little-endian buffer, read through read-only numpy views (one ``bytes`` field to decode,
+not four arrays)::
 
     packed_response = tokens int32[T] | logprobs float32[T] | versions int32[T] | mask u8[T]
 
-so a sample decodes with one ``bytes`` field instead of four array objects (the buffer
-hub handles tens of thousands per second), and the public properties
-(``response_tokens``, ``logprobs``, ``token_versions``, ``loss_mask``) are read-only numpy
-views on it. Prompt token ids are packed the same way (``int32[P]``).
-
-Users: data sources (``Prompt``), rollout workflows (``Sample.append_response``), the
-buffer (``Group``, staleness), the trainer (``TrainBatch``).
+Prompt token ids are packed the same way (``int32[P]``).
 """
 
 from __future__ import annotations
@@ -480,14 +469,12 @@ class WorkReply(Message):
 class BatchRequest(Message):
     """The trainer asks for a batch of ``num_groups`` (0: the configured B).
 
-    ``ack`` lists batches the trainer has finished (its optimizer step is done); until
-    acknowledged a batch is held and served again before any new one (a reply lost on
-    the way). ``durable`` is the version of the trainer's newest checkpoint (-1: it
-    keeps none): batches it covers are released, the others kept, and a trainer that
-    restarts from that checkpoint sends ``resync=True`` with its version to be served
-    every batch after it again. ``take=False`` only acknowledges. ``version`` is the
-    trainer's current weight version: the buffer follows it from here too, since a
-    pub/sub announcement made just before the trainer stops may never arrive.
+    ``ack``: batches whose optimizer step is done; an unacknowledged batch is served again
+    before any new one (its reply may have been lost). ``durable``: the version of the
+    trainer's newest checkpoint (-1: none), whose batches are released; a trainer restarted
+    from it sends ``resync=True`` with its version to be served every later batch again.
+    ``take=False`` only acknowledges. ``version``: the trainer's weight version, which the
+    buffer follows from here too (a pub/sub announcement just before a stop may be lost).
     """
 
     trainer: str

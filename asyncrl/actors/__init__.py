@@ -15,9 +15,7 @@
 | reward     | pairs from rollout-i and eval    | reward-model scores             |
 | controller | heartbeats, Bye                  | commands (stop, pause, resume)  |
 
-Each actor waits only on its channels: a rollout actor blocks when it has no credits for
-work, the trainer when the buffer has no batch, the buffer never (it answers requests as
-state allows). ``base.py`` holds the lifecycle every actor follows; ``probe.py`` stands
-in for each role in ``asyncrl train --dry-run``. The controller, which launches and
-supervises a job, is not an actor: ``asyncrl/job.py``.
+Each actor waits only on its channels: a rollout actor for credits for work, the trainer
+for a batch, the buffer never (it answers as its state allows). ``base.py`` holds the
+lifecycle every actor follows; the controller (``asyncrl/job.py``) is not an actor.
 """

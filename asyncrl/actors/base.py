@@ -1,8 +1,5 @@
 """The actor lifecycle every asyncrl process follows: start, run, drain, stop.
 
-An actor is one process (or Ray actor) that owns its state and talks to others only
-through channels. ``Actor.main()`` drives it:
-
     setup()                       open channels (``await self.open(channel, "name")``)
     run()   | heartbeats          the actor's work, beside a heartbeat loop and a
             | commands            command loop on the control channel
@@ -10,10 +7,9 @@ through channels. ``Actor.main()`` drives it:
                                   finish in-flight work, bounded by ``drain_timeout``
     teardown()                    then every opened channel is closed (LIFO)
 
-Every task runs under an ``asyncio.TaskGroup``: if ``run()`` or a background loop
-raises, the others are cancelled, ``Bye(ok=False, reason=...)`` is sent and ``main()``
-returns exit code 1. A ``run()`` that returns ends the actor cleanly (exit code 0).
-Log lines carry ``actor``, ``role``, ``pid`` and, once set, ``version``.
+``Actor.main()`` runs it all under one ``asyncio.TaskGroup``: a task that raises cancels
+the others, sends ``Bye(ok=False, reason=...)`` and exits 1; a ``run()`` that returns
+exits 0.
 """
 
 from __future__ import annotations
@@ -318,8 +314,7 @@ class Actor(ABC):
             await self.setup()
             self._set_up.set()
             # Everything alive now (imports, setup) is permanent: keep it out of every
-            # later collection. Without this, full GC passes over ~10^5 import-time
-            # objects made decoding 3x slower once decoded messages stayed alive.
+            # later collection, which would otherwise rescan it on each full GC pass.
             gc.freeze()
             self.state = "running"
             log.info("actor running")
@@ -379,8 +374,10 @@ class Actor(ABC):
                 if cmd.kind in _ANYTIME:
                     await self._answer(command_id, cmd)
                 else:
-                    tg.create_task(self._answer(command_id, cmd, wait_setup=True),
-                                   name=f"{self.name}.command.{cmd.kind}")  # fmt: skip
+                    tg.create_task(
+                        self._answer(command_id, cmd, wait_setup=True),
+                        name=f"{self.name}.command.{cmd.kind}",
+                    )
 
     async def _answer(self, command_id: int, cmd: Command, *, wait_setup: bool = False) -> None:
         assert self.link is not None

@@ -1,9 +1,8 @@
 """Where a trainer's batches come from: the buffer (rpc, with acknowledgements) or a dump.
 
-Both sources answer ``next(version, durable)`` with a ``BatchReply`` (a batch, or none
-yet, or ``exhausted``); ``done(batch_id)`` marks a batch finished and ``close(version)``
-sends what is still owed before the actor stops. Users: ``TrainerActor`` (either source)
-and ``BatchDumper`` (the buffer).
+Both answer ``next(version, durable)`` with a ``BatchReply`` (a batch, none yet, or
+``exhausted``); ``done(batch_id)`` marks a batch finished and ``close(version)`` sends
+what is still owed before the actor stops.
 """
 
 from __future__ import annotations
@@ -23,8 +22,10 @@ from asyncrl.wire.rpc import RpcClient
 
 log = get_logger("asyncrl.trainer")
 _WAIT_S = 1.0
-_WHAT_TO_DO = ("The run cannot go on exactly: restore the run directory's checkpoints and "
-               "journal from a copy, or start over with --overwrite")  # fmt: skip
+_WHAT_TO_DO = (
+    "The run cannot go on exactly: restore the run directory's checkpoints and "
+    "journal from a copy, or start over with --overwrite"
+)
 
 
 class BatchSource(Protocol):

@@ -1,37 +1,10 @@
 """BufferActor: where rollout producers and the trainer meet (``docs/design.md`` section 2).
 
-Channels (names as in ``runtime/topology.py``)::
-
-    rollout-i --WorkRequest rpc--------> buffer.work       WorkReply(items) under admission
-    rollout-i --Group, reliable--------> buffer.results    acked once ``put`` recorded it
-    trainer   --BatchRequest rpc-------> buffer.batches    BatchReply(TrainBatch); acks ride
-                                                           on the next request
-    trainer   --WeightVersion pub------> (subscribed)      set_version: admission grows
-    buffer    --BufferEvent pub--------> buffer.events     APRIL: "abort" all (eta 0), "cancel"
-                                                           groups too stale to train (eta > 0)
-
-Requests wait (up to their ``wait`` seconds) for something to hand out instead of
-polling: admission room for work, a full batch for the trainer. Every state change
-(a result, a new version, a batch taken) wakes the waiters. All policy lives in
-``VersionedBuffer``; this actor only moves messages and exports its numbers.
-
-Colocated jobs (``config.colocate``, eta = 0): engines and trainer share devices, so a
-batch goes to the trainer only once every rollout actor reports (``WorkRequest.asleep``)
-that its engines released their memory; an actor is told it may sleep (``WorkReply.sleep``)
-as soon as nothing can be handed out before the next version.
-
-Crash safety: the state lives in a ``Hub`` (``asyncrl.buffer.hub``) that journals every
-change; the actor commits the journal before it answers a request or acknowledges a
-result, and writes a checkpoint (``checkpoint``, then a fresh journal) at start, every
-``checkpoint_interval`` seconds, when the journal passes ``journal_max_bytes``, and on
-stop. A restarted buffer (``ActorSpec.incarnation``) loads the checkpoint and replays
-the journal: what it had acknowledged or handed out is all there, and its producers' and
-trainer's retries (same work request id; the lowest unacknowledged batch first) find it
-again. A new job (``resume``) does the same, then requeues the work the old job's producers held.
-
-Commands: ``requeue`` (``actor=NAME``: its in-flight work goes back to be resumed, used
-by the supervisor when a producer dies) and ``checkpoint`` (``path=FILE``: a copy).
-Settings: ``BufferActor.Config``.
+It hands out work, takes results, serves batches and publishes APRIL's aborts and cuts;
+all policy lives in ``VersionedBuffer``, behind a journaled ``Hub``. A request waits up
+to its ``wait`` seconds for something to hand out rather than polling: every state
+change wakes the waiters. The journal is committed before any reply or ack goes out, so
+a restarted buffer has all it told anyone (``docs/reliability.md``, the buffer's journal).
 """
 
 from __future__ import annotations
@@ -122,13 +95,25 @@ class BufferActor(Actor):
         ep, frame, hwm = self.spec.endpoints, self.max_frame_bytes, self.wire.hwm
         work, batch = Codec(WorkRequest, max_frame_bytes=frame), Codec(BatchRequest)
         await self.open(
-            RpcServer(ep["buffer.work"], work, Codec(WorkReply, max_frame_bytes=frame),
-                      self._serve_work, hwm=hwm), "work",
-        )  # fmt: skip
+            RpcServer(
+                ep["buffer.work"],
+                work,
+                Codec(WorkReply, max_frame_bytes=frame),
+                self._serve_work,
+                hwm=hwm,
+            ),
+            "work",
+        )
         await self.open(
-            RpcServer(ep["buffer.batches"], batch, Codec(BatchReply, max_frame_bytes=frame),
-                      self._serve_batch, hwm=hwm), "batches",
-        )  # fmt: skip
+            RpcServer(
+                ep["buffer.batches"],
+                batch,
+                Codec(BatchReply, max_frame_bytes=frame),
+                self._serve_batch,
+                hwm=hwm,
+            ),
+            "batches",
+        )
         self.results = await self.open(
             ReliableReceiver(ep["buffer.results"], Codec(Group, max_frame_bytes=frame), hwm=hwm),
             "results",
@@ -140,10 +125,14 @@ class BufferActor(Actor):
         self.weights = None
         if "trainer.weights" in ep:
             self.weights = await self.open(
-                Subscriber(ep["trainer.weights"], ep["trainer.weights_snapshot"],
-                           Codec(WeightVersion, max_frame_bytes=frame), ["weights"]),
+                Subscriber(
+                    ep["trainer.weights"],
+                    ep["trainer.weights_snapshot"],
+                    Codec(WeightVersion, max_frame_bytes=frame),
+                    ["weights"],
+                ),
                 "weights",
-            )  # fmt: skip
+            )
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -170,8 +159,9 @@ class BufferActor(Actor):
             return WorkReply(items=items, version=self.buffer.version)
         if self.stopping or self._behind(req):
             return WorkReply(items=[], version=self.buffer.version)
-        await self._wait_until(lambda: self._share(req.actor) > 0 or self._wake_to_sleep(req),
-                               req.wait)  # fmt: skip
+        await self._wait_until(
+            lambda: self._share(req.actor) > 0 or self._wake_to_sleep(req), req.wait
+        )
         if self._behind(req):  # a new version came while we waited: load it first
             return WorkReply(items=[], version=self.buffer.version)
         share = min(max(0, req.max_items), self._share(req.actor))
@@ -220,8 +210,7 @@ class BufferActor(Actor):
         held = {a: len(uids) for a, uids in self.hub.holders.items() if uids}
         since = asyncio.get_running_loop().time() - _LIVE_S
         live = {a for a, t in self._asked.items() if t >= since}
-        return fair_share(available=self.buffer.available(), held=held, actor=actor,
-                          producers=live)  # fmt: skip
+        return fair_share(available=self.buffer.available(), held=held, actor=actor, producers=live)
 
     def _no_more_work(self) -> bool:
         return self.buffer.source_done and not len(self.buffer.pool)
@@ -336,6 +325,8 @@ class BufferActor(Actor):
 
     # -- commands, checkpoints, metrics --------------------------------------------------
     async def on_command(self, cmd: Command) -> dict[str, Scalar]:
+        """``requeue`` (``actor=NAME``: its in-flight work goes back to be resumed; the
+        supervisor sends it when a producer dies) and ``checkpoint`` (``path=FILE``: a copy)."""
         if cmd.kind == "requeue":
             return {"requeued": self.requeue_actor(str(cmd.args.get("actor", "")))}
         if cmd.kind == "checkpoint":
@@ -356,7 +347,7 @@ class BufferActor(Actor):
 
     # -- crash safety --------------------------------------------------------------------
     def _recover(self, hub: Hub, journal: Path | None) -> None:
-        """Rebuild ``hub`` from the checkpoint and journal (module docstring).
+        """Rebuild ``hub`` from the checkpoint and the journal after it.
 
         A restart (``recover``) continues this job's state; a resumed job (``resume``)
         takes the state another job left, makes it its own (a checkpoint and a fresh
@@ -422,7 +413,9 @@ class BufferActor(Actor):
             os._exit(70)
 
     def _checkpoint(self) -> None:
-        """Checkpoint, then start a fresh journal after it (see the module docstring)."""
+        """Checkpoint, then start a fresh journal after it: at start, every
+        ``checkpoint_interval`` seconds, when the journal passes ``journal_max_bytes``, and
+        on stop."""
         if self.checkpoint_path is None:
             return
         self._commit()
@@ -522,9 +515,18 @@ def flatten_stats(s: BufferStats) -> dict[str, float]:
     }
     out |= {
         f"buffer.{k}": float(getattr(s, k))
-        for k in ("version", "duplicates", "capacity", "peak_buffered", "batches",
-                  "resumed_consumed", "masked_tokens", "queue_age_max", "lost_steps")
-    }  # fmt: skip
+        for k in (
+            "version",
+            "duplicates",
+            "capacity",
+            "peak_buffered",
+            "batches",
+            "resumed_consumed",
+            "masked_tokens",
+            "queue_age_max",
+            "lost_steps",
+        )
+    }
     out.update({f"buffer.filtered.{k}": float(v) for k, v in c.filtered.items()})
     out.update({f"buffer.failed.{k[:60]}": float(v) for k, v in c.failed.items()})
     out["buffer.staleness_mean"] = _mean(s.staleness_samples)

@@ -1,10 +1,7 @@
-"""Each actor's settings, one typed record per role: what the job builds (``job.py``),
-validates once and sends in ``ActorSpec.params``, and what the actor reads back as
-``self.config`` (``Actor.Config``). Defaults that the job's config tree owns are not
-repeated here: such a field is required.
-
-Kept apart from the actors so that the controller can build them without importing
-torch or the engines.
+"""Each actor's settings, one typed record per role (``Actor.Config``): built and
+validated once by the job (``job.py``), sent in ``ActorSpec.params``, read back as
+``self.config``. A default the job's config tree owns is not repeated: such a field is
+required. Kept apart from the actors, so the controller imports neither torch nor engines.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """EngineActor: one inference server as an actor of its own (``rollout.engine.serve: actor``).
 
-    engine-i   serves the SGLang HTTP API on its endpoint ``engine-i.http``
-    rollout-i  generates through it with the SGLang client (placed beside it on Ray)
-
-Three kinds (``rollout.engine.type``):
-
-- ``torch``: the embedded ``TorchEngine`` behind ``EngineServer`` in this process.
-- ``vllm``: vLLM's OpenAI server from vLLM's own virtualenv (``engines/vllm/launch.py``)
-  as a child process on a loopback port, tethered and stopped as SGLang's below, and
-  ``EngineServer(VLLMEngine)`` on the actor's endpoint: SGLang's API over vLLM's
-  (``engines/vllm/engine.py``). Ready once vLLM's ``/health`` answers 200 and our server
-  has made its one-token warm-up through it.
-- ``sglang``: ``python -m sglang.launch_server --model-path M --host H --port P ARGS`` as a
-  child process in its own process group, SIGKILLed by the kernel if this actor dies
-  (``runtime/tether.py``); ``ARGS``: ``rollout.engine.server_args``, which ``--sglang-*``
-  flags fill. Ready once ``/health_generate`` answers 200.
-
-``run()`` then checks ``/health_generate`` every ``health_interval`` seconds. A server that
-exits, or fails ``HEALTH_FAILURES`` (3) checks in a row, fails the actor with the reason, and
-the supervisor reports it. Weights reach either kind from the rollout actor over HTTP,
-as they reach any SGLang server: ``/update_weights_from_disk``, or with the ``dist``
-transport ``/init_weights_update_group`` and ``/update_weights_from_distributed``
-(``rollout/server_group.py``). Both kinds take the job's
-engine key (``config.api_key``, SGLang's ``--api-key``): every route but ``/health`` needs
-``Authorization: Bearer <key>``.
+It serves the SGLang HTTP API on ``engine-i.http`` for rollout-i: the embedded
+``TorchEngine`` in this process, or an SGLang or vLLM server it launches, tethered so that
+the server dies with it (``runtime/tether.py``). A server that exits, or fails
+``HEALTH_FAILURES`` health checks in a row, fails the actor for the supervisor to restart
+(``docs/ray.md``, SGLang servers as engine actors).
 """
 
 from __future__ import annotations
@@ -116,6 +97,8 @@ class EngineActor(Actor):
         self._stack.push_async_callback(self.server.stop)
 
     async def _start_sglang(self, host: str, port: int) -> None:
+        """``sglang_command`` with the job's key as ``--api-key``; ready once
+        ``/health_generate`` answers 200."""
         from asyncrl.rollout.engines import engine_seed
 
         seed = engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted)
@@ -125,7 +108,8 @@ class EngineActor(Actor):
 
     async def _start_vllm(self, host: str, port: int) -> None:
         """vLLM's server on a loopback port of its own, and ours on the actor's endpoint
-        speaking SGLang's API over it (``engines/vllm/engine.py``)."""
+        speaking SGLang's API over it (``engines/vllm/engine.py``). Ready once vLLM's
+        ``/health`` answers 200 and our server has made its one-token warm-up through it."""
         from asyncrl.engines.server.app import EngineServer
         from asyncrl.engines.vllm.engine import VLLMEngine
         from asyncrl.engines.vllm.launch import vllm_command, vllm_env, vllm_python
@@ -134,9 +118,14 @@ class EngineActor(Actor):
         seed = engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted)
         inner = free_port()
         command = vllm_command(
-            vllm_python(self.cfg.vllm_python), str(self.cfg.model_path), "127.0.0.1", inner,
-            dtype=self.cfg.dtype, seed=seed, extra=self.cfg.server_args,
-        )  # fmt: skip
+            vllm_python(self.cfg.vllm_python),
+            str(self.cfg.model_path),
+            "127.0.0.1",
+            inner,
+            dtype=self.cfg.dtype,
+            seed=seed,
+            extra=self.cfg.server_args,
+        )
         url = f"http://127.0.0.1:{inner}"
         tether = [sys.executable, "-m", "asyncrl.runtime.tether"]
         await self._launch([*tether, *command], [], vllm_env(), url, health="/health")
@@ -151,9 +140,13 @@ class EngineActor(Actor):
         self._stack.push_async_callback(self.server.stop)
 
     async def _launch(
-        self, command: list[str], secret: list[str], env: dict[str, str], url: str,
+        self,
+        command: list[str],
+        secret: list[str],
+        env: dict[str, str],
+        url: str,
         health: str = "/health_generate",
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Start ``command`` (``secret`` appended, not logged) in its own process group and
         wait until ``url`` answers ``health`` with 200."""
         kind = self.cfg.type

@@ -1,29 +1,9 @@
-"""EvalActor: evaluates the trainer's weight versions on named held-out sets, concurrently
-with training, on an engine of its own.
+"""EvalActor: evaluates the trainer's weight versions on held-out sets, beside training.
 
-    trainer --WeightVersion pub--> eval   pulls each due version as soon as it is announced
-    eval    --rows---------------> RUN_DIR/metrics/eval.jsonl   {version, set, pass@k, ...}
-
-Two loops under one TaskGroup. ``follow`` watches the announcements and pulls every *due*
-version at once (into memory; the trainer keeps only its newest few, and exits after the
-last): version ``v`` is due when ``v >= next_due`` or it is the final one
-(``num_steps``). ``evaluate`` loads the newest pulled version into the engine and runs
-every set (``rollout/evaluation.py``), then ``next_due = (v // interval + 1) * interval``.
-A version announced while an evaluation runs replaces an older pulled one that has not
-started (so a slow eval falls back to the newest due version instead of queueing); rows
-are tagged with the version they used. After the final version the actor finishes.
-The final eval runs when training has ended, so it takes every core (``final_threads``),
-and an intermediate eval still running then is cancelled: the job waits on the final one.
-
-Evaluation is off the training's critical path, so the actor gives up CPU priority
-(``eval.nice``, default 10): where it shares cores with the trainer and the rollout
-engines it takes what they leave. On the real-model example on 2 cores, the version-0
-eval beside the first rollouts made the first train step take 94 s against about 40 s
-alone (docs/benchmarks.md, start-up).
-
-Settings: ``EvalActor.Config``: the rollout's ``WorkflowConfig`` (its sampling, reward,
-workflow and tools are each set's defaults) with the eval engine, ``eval``
-(``EvalConfig``), ``num_steps`` and where the rows and the final checkpoint are.
+Each due version (every ``eval.interval`` steps, and the final one) is pulled as soon as
+it is announced and evaluated on the actor's own engine, a row per set in
+``metrics/eval.jsonl``. Being off the training's critical path, it gives up CPU priority
+(``eval.nice``), except for the final eval, which runs after training on every core.
 """
 
 from __future__ import annotations
@@ -121,8 +101,13 @@ class EvalActor(Actor):
         ep = self.spec.endpoints
         frame = self.max_frame_bytes
         # shared=False: it pulls ipc versions too, so the trainer's drain sees it done.
-        rx = WeightReceiver(ep["trainer.weights"], ep["trainer.weights_snapshot"],
-                            max_frame_bytes=frame, puller=self.name, shared=False)  # fmt: skip
+        rx = WeightReceiver(
+            ep["trainer.weights"],
+            ep["trainer.weights_snapshot"],
+            max_frame_bytes=frame,
+            puller=self.name,
+            shared=False,
+        )
         self.receiver = await self.hold(rx)
         self.metrics = self.open_metrics(config.metrics_path, flush_every=0)
 
@@ -137,9 +122,14 @@ class EvalActor(Actor):
         return self.num_steps > 0 and version >= self.num_steps
 
     def _due(self, version: int) -> bool:
+        """``version >= next_due`` (the next multiple of ``eval.interval`` after the version
+        last evaluated), or it is the final version."""
         return version >= self.next_due or self._is_final(version)
 
     async def _follow(self) -> None:
+        """Pull each due version as soon as it is announced, into memory (the trainer keeps
+        only its newest few, and exits after the last). A newer one replaces a pulled one
+        not yet started, so a slow eval falls back to the newest due version, not a queue."""
         seen = -1
         while True:
             msg = await self.receiver.next_version(after=seen)
@@ -199,6 +189,8 @@ class EvalActor(Actor):
 
     # -- evaluation ------------------------------------------------------------------------
     async def _evaluate_loop(self) -> None:
+        """Load the newest pulled version and run every set (``rollout/evaluation.py``);
+        the final version ends the actor."""
         while True:
             await self._ready.wait()
             self._ready.clear()
@@ -247,16 +239,28 @@ class EvalActor(Actor):
             assert self.metrics is not None
             self.metrics.write({"version": version, "set": s.cfg.name, **row})
             self._last = {f"eval/{s.cfg.name}/{k}": v for k, v in row.items()}
-            log.info("eval", version=version, set=s.cfg.name, pass1=row["pass@1"],
-                     seconds=round(row["seconds"], 2))  # fmt: skip
+            log.info(
+                "eval",
+                version=version,
+                set=s.cfg.name,
+                pass1=row["pass@1"],
+                seconds=round(row["seconds"], 2),
+            )
             if failures:
-                log.warning("eval samples failed", set=s.cfg.name, failed=row["failed"],
-                            most_common=failures.most_common(1)[0][0][:300])  # fmt: skip
+                log.warning(
+                    "eval samples failed",
+                    set=s.cfg.name,
+                    failed=row["failed"],
+                    most_common=failures.most_common(1)[0][0][:300],
+                )
         self.evaluated += 1
 
     def stats(self) -> dict[str, float]:
-        return {"eval/versions": float(self.evaluated), "eval/preempted": float(self.preempted),
-                **self._last}  # fmt: skip
+        return {
+            "eval/versions": float(self.evaluated),
+            "eval/preempted": float(self.preempted),
+            **self._last,
+        }
 
 
 @dataclass(slots=True)
@@ -273,9 +277,16 @@ class EvalSet:
         self, max_concurrency: int, tag: str, failures: Counter[str] | None = None
     ) -> dict[str, float]:
         """This set's metrics row (``rollout/evaluation.py``)."""
-        return await evaluate_set(self.ctx, self.workflow, self.prompts, self.cfg,
-                                  correct=self.correct, max_concurrency=max_concurrency,
-                                  tag=tag, failures=failures)  # fmt: skip
+        return await evaluate_set(
+            self.ctx,
+            self.workflow,
+            self.prompts,
+            self.cfg,
+            correct=self.correct,
+            max_concurrency=max_concurrency,
+            tag=tag,
+            failures=failures,
+        )
 
 
 async def open_eval_set(

@@ -1,17 +1,9 @@
-"""``ProbeActor``: stands in for a job role in a dry run and proves its wiring.
+"""ProbeActor: stands in for a job role in ``asyncrl train --dry-run`` and proves its wiring.
 
-``asyncrl train --dry-run`` starts one probe per role of the real topology (see
-``runtime/topology.py``). Each opens exactly the channels its role opens and pushes
-``config.count`` synthetic messages through every one of them:
-
-    rollout-i --RequestWork rpc--> buffer           (work)
-    rollout-i --reliable results--> buffer          (results, acked)
-    trainer   --RequestBatch rpc--> buffer          (batches)
-    trainer   --WeightVersion pub/sub--> rollout-i  (weights, snapshot on join)
-    rollout-i --chunked pull--> trainer             (the weight tensors themselves)
-
-A probe reports ``probe.done = 1`` in its heartbeat stats once its traffic checked out,
-then idles until the controller stops it, which exercises drain and clean shutdown too.
+One probe per role of the real topology (``runtime/topology.py``) opens exactly the
+channels its role opens and pushes ``config.count`` synthetic messages through each,
+checking every payload. It then reports ``probe.done = 1`` and idles until the controller
+stops it, which exercises drain and clean shutdown too.
 """
 
 from __future__ import annotations

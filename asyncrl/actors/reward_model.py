@@ -1,17 +1,10 @@
 """RewardModelActor: a reward model in a process of its own, scoring for the whole job.
 
-    rollout-i, eval --RewardModelRequest (rpc)--> reward   binds reward.score
-
-One reward actor serves every rollout actor and the eval actor of a job whose reward (or
-a reward term, or an eval set's reward) is ``type: model``: the model is loaded once, off
-the engines' and the trainer's processes, and pairs from every caller share its batches
-(``rollout/reward_model.py``: ``batch_size`` pairs a forward, ``batch_wait_ms`` to fill
-one). A request's pairs are answered together, each with its score or its reason.
-
-It keeps no state: the supervisor restarts it after a crash, and callers send their lost
-calls again (a score has no side effect) until their reward's ``timeout_s``.
-
-Settings: ``RewardModelActor.Config`` (the ``RewardModelConfig``).
+One actor serves every rollout and eval actor of a job with a ``type: model`` reward: the
+model loads once, off the engines' and trainer's processes, and all callers' pairs share
+its batches (``rollout/reward_model.py``). It keeps no state: the supervisor restarts it
+after a crash, and callers resend lost calls (a score has no side effect) until their
+reward's ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -40,8 +33,14 @@ class RewardModelActor(Actor):
 
     async def setup(self) -> None:
         self.model = await self.hold(RewardModel(self.config.model))
-        server = RpcServer(self.spec.endpoints[ENDPOINT], REQUEST_CODEC, REPLY_CODEC,
-                           self._serve, max_concurrency=256, hwm=self.wire.hwm)  # fmt: skip
+        server = RpcServer(
+            self.spec.endpoints[ENDPOINT],
+            REQUEST_CODEC,
+            REPLY_CODEC,
+            self._serve,
+            max_concurrency=256,
+            hwm=self.wire.hwm,
+        )
         await self.open(server, "score")
 
     async def _serve(self, request: RewardModelRequest, client: bytes) -> RewardModelReply:

@@ -1,28 +1,10 @@
 """RolloutActor: work from the buffer, workflows against engines, groups back (docs/design.md s.2).
 
-Channels (names as in ``runtime/topology.py``)::
-
-    rollout --WorkRequest rpc--------> buffer.work        up to ``free slots`` groups
-    rollout --Group, reliable--------> buffer.results     complete, or partial (aborted)
-    buffer  --BufferEvent pub--------> rollout            APRIL: "abort" all, enough is done
-                                                          (eta 0); "cancel" stale groups
-    trainer --WeightVersion pub------> rollout            load it into the engines
-
-Loops, under one TaskGroup: ``work`` asks for as many groups as it has free slots
-(``max_groups`` in flight) and starts a task per group; each group task runs the workflow
-on every unfinished sample concurrently and sends the group; ``weights`` loads each new
-version into the engines (``EngineHost.load``); ``events`` aborts in-flight requests when
-the buffer says a step has enough (synchronous APRIL), so their partials go back to the
-pool, and aborts the groups it cancels as too stale to train (asynchronous APRIL).
-Colocated (``colocate``): when the buffer says no work can come before the next version
-and nothing runs here, the engines sleep (release their memory) and the next request says
-so; the buffer hands the trainer its batch only when every actor sleeps, and the weights
-loop wakes the engines before loading the new version.
-
-A workflow or reward that raises marks only that sample ``failed`` with the reason (the
-buffer then accounts the group as failed); the actor goes on. Settings:
-``RolloutActor.Config``; what a workflow runs with (``WorkflowConfig``: engine, sampling,
-reward, workflow, tools, agent, tokenizer) is shared with the eval actor.
+Under one TaskGroup: the work loop asks the buffer for as many groups as it has free
+slots (``max_groups``) and runs each in a task, its unfinished samples concurrently; the
+weights loop loads each new version into the engines (``EngineHost.load``); the events
+loop aborts requests when the buffer says so (APRIL). A sample whose workflow or reward
+raises fails alone, with the reason. Colocated, the engines sleep while the trainer steps.
 """
 
 from __future__ import annotations
@@ -103,8 +85,9 @@ class RolloutActor(Actor):
         key = cfg.engine_api_key if self.own_engine else None
         spill = Path(cfg.spill_dir) / self.name if cfg.spill_dir else None
         seed = engine_seed(engine.seed, self.name, self.spec.incarnation.restarted)
-        host = EngineHost(self._engine_config(engine), wait_ready_s=wait, api_key=key,
-                          spill_dir=spill, seed=seed)  # fmt: skip
+        host = EngineHost(
+            self._engine_config(engine), wait_ready_s=wait, api_key=key, spill_dir=spill, seed=seed
+        )
         self.host = await self.hold(host)
         tools = await asyncio.to_thread(build_tools, cfg.tool_use)
         self.workflow = load_workflow(cfg.workflow, cfg.tool_use, cfg.agent)
@@ -153,10 +136,14 @@ class RolloutActor(Actor):
         )
         self.results = await self.open(sender, "results")
         self.events = await self.open(
-            Subscriber(ep["buffer.events"], ep["buffer.events_snapshot"], Codec(BufferEvent),
-                       ["events", "cancel"]),
+            Subscriber(
+                ep["buffer.events"],
+                ep["buffer.events_snapshot"],
+                Codec(BufferEvent),
+                ["events", "cancel"],
+            ),
             "events",
-        )  # fmt: skip
+        )
         group = await self._join_weight_group()
         receiver = WeightReceiver(
             ep["trainer.weights"],
@@ -244,9 +231,10 @@ class RolloutActor(Actor):
                 await asyncio.sleep(_WAIT_S)
 
     async def _make_room_for_training(self) -> None:
-        """Colocated: once nothing runs here, put the engines to sleep for the train step;
-        while groups still run (aborted APRIL extras), wait for one to end instead of
-        asking the buffer again at once."""
+        """Colocated: once nothing runs here, put the engines to sleep for the train step
+        (the buffer hands the trainer its batch only once every actor sleeps); while
+        groups still run (aborted APRIL extras), wait for one to end instead of asking the
+        buffer again at once."""
         if self._in_flight:
             self._slot_freed.clear()  # no await since the check: no finish is missed
             await self._slot_freed.wait()
@@ -440,13 +428,11 @@ class RolloutActor(Actor):
 def attach_branches(sample: Sample, result: object) -> None:
     """Check what a workflow returned for ``sample`` and keep its branches there.
 
-    A workflow returns the sample it was given, or a list holding it (the root: its
-    reward is the trajectory's) and the branches of its trajectory. Each branch must be a
-    finished sample (completed or truncated) with prompt and response tokens; it takes
-    the root's group, index and admission, the uid ``<root uid>/b<k>``, and the root's
-    temperature unless it set another (sampled at other settings, it must say so). A root that
-    was aborted (to resume later) keeps no branches: its next run makes them again.
-    ``TypeError`` says what is wrong."""
+    A workflow returns the sample, or a list holding it (the root, whose reward is the
+    trajectory's) and its branches, each a finished sample with prompt and response
+    tokens. A branch takes the root's group, index and admission, the uid
+    ``<root uid>/b<k>``, and the root's temperature unless it set its own. An aborted
+    root keeps no branches: its next run makes them again. ``TypeError`` says what is wrong."""
     if result is sample:
         return
     if not isinstance(result, list) or not any(x is sample for x in result):
@@ -462,19 +448,25 @@ def attach_branches(sample: Sample, result: object) -> None:
         return
     for k, b in enumerate(branches):
         if b.status not in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
-            raise TypeError(f"branch {k} is {b.status} ({b.error or 'no reason'}): "
-                            "a branch must be finished")  # fmt: skip
+            raise TypeError(
+                f"branch {k} is {b.status} ({b.error or 'no reason'}): a branch must be finished"
+            )
         if not b.response_length or not len(b.prompt_tokens):
             raise TypeError(f"branch {k} has no prompt or no response tokens")
         if b.branches:
             raise TypeError(f"branch {k} has branches of its own: give them to the root")
     sample.branches = [
-        msgspec.structs.replace(b, uid=f"{sample.uid}/b{k}", group_id=sample.group_id,
-                                index=sample.index, prompt_id=sample.prompt_id,
-                                admitted_at_version=sample.admitted_at_version,
-                                temperature=_branch_temperature(b, sample))
+        msgspec.structs.replace(
+            b,
+            uid=f"{sample.uid}/b{k}",
+            group_id=sample.group_id,
+            index=sample.index,
+            prompt_id=sample.prompt_id,
+            admitted_at_version=sample.admitted_at_version,
+            temperature=_branch_temperature(b, sample),
+        )
         for k, b in enumerate(branches)
-    ]  # fmt: skip
+    ]
 
 
 def _branch_temperature(branch: Sample, root: Sample) -> float | None:

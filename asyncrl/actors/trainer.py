@@ -1,32 +1,10 @@
 """TrainerActor: batches in, optimizer steps, weight versions out (docs/design.md s.2).
 
-Channels (names as in ``runtime/topology.py``)::
-
-    trainer --BatchRequest rpc--> buffer.batches     BatchReply(TrainBatch); the previous
-                                                     batch's ack rides on each request
-    trainer --WeightVersion pub-> trainer.weights    after every step (+ snapshot socket)
-    engines <-chunked pull------- trainer.blob       the tensors of a version (pull mode)
-
-Loop: ask for a batch (waiting is measured: ``time/wait_data``), train one step in a
-worker thread (heartbeats and the sockets keep running), publish the new version, then
-acknowledge the batch on the next request. A checkpoint every ``checkpoint_interval``
-steps (keeping this job's newest ``keep_checkpoints``) and on stop; on start it resumes from
-``resume_from`` (or, with ``resume``, the newest checkpoint in ``checkpoint_dir``),
-re-announces its version and resyncs with the buffer at that version. Each request
-tells the buffer the version of the newest checkpoint (``durable``), and the buffer
-keeps every batch after it: a trainer restarted by the supervisor (``restart``: the
-newest checkpoint this job wrote, each marked with ``job``) is served those batches
-again and retrains exactly what it lost, so no consumed group is lost or trained twice.
-
-Debug modes: with ``load_dump`` (a directory of ``asyncrl.buffer.dump`` files) the
-batches come from those files instead of the buffer (train-only); with ``save_dump`` each
-batch taken is also written there.
-
-Its settings are ``TrainerActor.Config`` (``self.config``): the backend (``trainer``,
-``TrainerConfig``) and the algorithm (``algo``, ``PolicyConfig``), how versions leave
-(``publish``, ``PublishConfig``), when to stop and checkpoint, and where it writes;
-``audit_path`` gets one JSON line per batch trained or skipped (its id, its ``step``, the
-trainer ``version`` after it and its group uids).
+Each step takes a batch (from the buffer, or ``load_dump``'s files), trains it in a
+worker thread (heartbeats and sockets keep running), publishes the new version and
+acknowledges the batch on the next request. Each request also carries the version of the
+newest complete checkpoint (``durable``): the buffer keeps every batch after it, so a
+restarted trainer retrains exactly what it lost (``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -90,8 +68,7 @@ class TrainerActor(Actor):
         self._finished = False  # the run ended (num_steps, or no more data), not a stop
         # The newest version a complete checkpoint holds (-1: none is taken). Heartbeats
         # report it: a restart must find a checkpoint only once one was complete, and
-        # ``version`` runs ahead of it while a checkpoint is written (seconds on a real
-        # model).
+        # ``version`` runs ahead of it while a checkpoint is written.
         self.durable = -1
 
     async def setup(self) -> None:
@@ -205,8 +182,12 @@ class TrainerActor(Actor):
                     "Check the rewards' range, the learning rate and the data"
                 ) from None
             self.skipped += 1
-            log.error("non-finite step skipped", batch=batch.batch_id, reason=str(exc),
-                      in_a_row=self._nonfinite)  # fmt: skip
+            log.error(
+                "non-finite step skipped",
+                batch=batch.batch_id,
+                reason=str(exc),
+                in_a_row=self._nonfinite,
+            )
             return None
         except UntrainableBatch as exc:  # its groups are accounted for; go on
             self.skipped += 1
@@ -233,8 +214,10 @@ class TrainerActor(Actor):
         start = self._resumed_from or f"the initial weights (no checkpoint in {cfg.checkpoint_dir})"
         text = f"This trainer started from {start}."
         if cfg.checkpoint_interval == 0:
-            text += (" With --save-interval 0 the trainer writes a checkpoint only when it stops "
-                     "in order: after a crash a run cannot be resumed")  # fmt: skip
+            text += (
+                " With --save-interval 0 the trainer writes a checkpoint only when it stops "
+                "in order: after a crash a run cannot be resumed"
+            )
         return text
 
     async def _after_step(self, result: StepResult, waited: float, agent: dict[str, float]) -> None:
@@ -243,8 +226,12 @@ class TrainerActor(Actor):
         start = time.perf_counter()
         await self._publish()
         publish_s = time.perf_counter() - start
-        self._last = {**result.metrics, **agent, "time/wait_data": waited,
-                      "time/publish": publish_s}  # fmt: skip
+        self._last = {
+            **result.metrics,
+            **agent,
+            "time/wait_data": waited,
+            "time/publish": publish_s,
+        }
         if self.metrics is not None:
             self.metrics.write({"actor": self.name, "step": result.version, **self._last})
         interval = self.config.checkpoint_interval
@@ -272,10 +259,19 @@ class TrainerActor(Actor):
                 self.samples.write(row)
 
     def _audit(self, batch: TrainBatch, *, trained: bool) -> None:
+        """One ``audit_path`` row per batch trained or skipped: its id, its ``step``, the
+        trainer version after it and its group uids."""
         if self.audit is not None:
             groups = [g.uid for g in batch.groups]
-            self.audit.write({"batch": batch.batch_id, "step": batch.step, "trained": trained,
-                              "version": self.trainer.version, "groups": groups})  # fmt: skip
+            self.audit.write(
+                {
+                    "batch": batch.batch_id,
+                    "step": batch.step,
+                    "trained": trained,
+                    "version": self.trainer.version,
+                    "groups": groups,
+                }
+            )
 
     # -- checkpoints, acks on stop, commands ----------------------------------------------
     def _resume(self) -> None:

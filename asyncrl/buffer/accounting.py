@@ -1,19 +1,13 @@
 """The ledger: where every admitted prompt group is, so that nothing is lost or repeated.
 
 A group is live (``in_flight``, ``partial`` waiting to resume, or ``buffered``) or has
-ended (``consumed``, ``filtered`` with a reason, ``failed`` with a reason). Always::
+ended (``consumed``, ``filtered`` or ``failed``, each with a reason). Always::
 
     admitted == in_flight + partial + buffered + consumed + filtered + failed    (2)
 
-``check()`` asserts (2); every transition names the state it expects to leave, so a
-double delivery or a lost update raises ``LedgerError`` instead of corrupting counts.
-Ended groups are counted, not remembered one by one, so a days-long run stays small. For
-the same reason the reasons are bounded: each is cut to ``MAX_REASON_CHARS``, and once
-``MAX_REASONS`` distinct reasons of a kind are counted, new ones count as ``OTHER`` (an
-error text that carries a request id would otherwise add a key per failure, to every
-checkpoint and metrics row).
-
-Users: ``VersionedBuffer``; its checkpoint carries ``state_dict()``.
+Every transition names the state it expects to leave, so a double delivery or a lost
+update raises ``LedgerError`` instead of corrupting counts. Ended groups are counted, not
+remembered one by one, and their reasons are bounded, so a days-long run stays small.
 """
 
 from __future__ import annotations
@@ -24,8 +18,11 @@ from typing import Any
 
 from asyncrl.wire.codec import Message
 
-#: Distinct filter or failure reasons kept per kind; later new ones count as ``OTHER``.
+#: Distinct filter or failure reasons kept per kind; later new ones count as ``OTHER``
+#: (an error text that carries a request id would otherwise add a key per failure, to
+#: every checkpoint and metrics row).
 MAX_REASONS = 32
+#: Each reason is cut to this many characters.
 MAX_REASON_CHARS = 200
 OTHER = "other reasons"
 

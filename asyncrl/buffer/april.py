@@ -1,30 +1,9 @@
-"""APRIL partial rollouts: the pool of groups waiting to resume.
+"""APRIL partial rollouts: the pool of groups waiting to resume (``docs/design.md`` section 5).
 
-APRIL (active partial rollouts) submits ``(1 + alpha) * B`` groups per step; once ``B``
-are finished the rest are aborted and come back with what they generated so far
-(tokens, behaviour log-probs, versions). They wait here and are handed out before any
-new prompt, so long responses are finished across steps instead of being thrown away
-(throwing them away biases training toward short answers). The same pool holds groups
-aborted on a weight update and the in-flight work of a producer that died.
-
-Synchronous (eta 0, as in slime): once a step's groups are done the extras are aborted
-(``VersionedBuffer.should_abort``), and neither they nor new groups start until the batch
-is taken; then the extras resume, during the train step. Resumed at once, they would run
-to their end before a colocated step could start (its engines must be idle), and the abort
-would save nothing; new groups started in filtered groups' slots would be trained a
-version late, which eta 0 promises not to do.
-
-Asynchronous (eta > 0): nothing waits for the tail, so an abort would only make the
-engines prefill the partials again: the extras run on into the next steps. A new version
-cuts only the work that can no longer land within the backstop (``too_stale``), in flight
-or waiting, which is filtered ``cut`` at once instead of ``stale`` on arrival.
-
-Resuming a sample continues its response: the engine gets ``prompt + response`` tokens
-and ``max_new_tokens - response_length`` new tokens at most (``remaining_tokens``). The
-tokens generated before the resume came from older weights; ``mask_resumed_tokens``
-optionally takes them out of the loss.
-
-Users: ``VersionedBuffer``.
+Groups cut mid-generation (APRIL's over-provisioned extras, a weight update, a dead
+producer's work) come back with what they generated so far and wait here. They are
+handed out before any new prompt, so long responses are finished across steps instead of
+thrown away, which would bias training toward short answers.
 """
 
 from __future__ import annotations
@@ -36,13 +15,14 @@ from asyncrl.types import Group, WorkItem
 
 
 def remaining_tokens(generated: int, max_new_tokens: int) -> int:
-    """New tokens a resumed sample may still generate: ``max(0, max_new - generated)``."""
+    """New tokens a resumed sample may still generate: ``max(0, max_new - generated)``
+    (the engine continues from the prompt and the response so far)."""
     return max(0, max_new_tokens - generated)
 
 
 def mask_resumed_tokens(group: Group, resumed_at_version: int) -> int:
-    """Zero the loss mask of tokens older than ``resumed_at_version`` (branches' too);
-    returns how many."""
+    """Zero the loss mask of tokens older than ``resumed_at_version`` (branches' too),
+    which older weights generated before the resume; returns how many."""
     masked = 0
     for sample in (x for s in group.samples for x in (s, *s.branches)):
         old = sample.token_versions < resumed_at_version

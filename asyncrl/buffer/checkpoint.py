@@ -1,7 +1,5 @@
 """The buffer's checkpoint file: its ``HubState`` in one checksummed frame, written
 atomically, and ``recover_hub``: a checkpoint and the journal after it, replayed.
-
-Users: ``actors/buffer.py`` (its checkpoints and snapshots), ``tests/test_journal.py``.
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ log = get_logger("asyncrl.buffer")
 _CHECKPOINT_CODEC_ARGS: dict[str, Any] = {"inline_bytes": 1 << 62}
 
 
-#: A checkpoint file: this, the body's crc32 (u32 little-endian), then the body. Files
-#: written before the checksum are the body alone.
+#: A checkpoint file: this, the body's crc32 (u32 little-endian), then the body. A file
+#: without it is read as the body alone (a checkpoint with no checksum).
 _CHECKPOINT_MAGIC = b"ASRLBCK1"
 
 

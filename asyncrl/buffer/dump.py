@@ -1,20 +1,9 @@
 """Batch dumps: the ``TrainBatch``es a buffer served, one msgpack file each, for replay.
 
-The debug modes of ``asyncrl train`` use them (slime's ``--save-debug-rollout-data`` and
-``--load-debug-rollout-data``):
-
-- rollout-only (``--debug-rollout-only``): no trainer; every batch the buffer would have
-  trained is written here (``actors/dumper.py``);
-- ``--save-debug-rollout-data DIR`` in a normal run: the trainer also writes each batch it
-  takes, so a step can be replayed offline;
-- train-only (``--load-debug-rollout-data DIR``): no buffer, no engines; the trainer
-  trains on these files in order.
-
-Layout: ``DIR/batch_NNNNNN.msgpack``, numbered from 1 in the order the batches were
-taken. Each file is one ``TrainBatch`` encoded by the wire codec with every array inline
-(one self-contained body, no pickle) and is written atomically (temp file, then rename),
-so a crash never leaves half a batch under a final name. A writer opened on a directory
-that already holds batches continues the numbering, which is what a resumed run needs.
+``DIR/batch_NNNNNN.msgpack``, numbered from 1 in the order taken: one ``TrainBatch`` each,
+every array inline (no pickle), written atomically. A writer on a directory that already
+holds batches continues the numbering (a resumed run). Rollout-only runs and
+``--save-debug-rollout-data`` write them; ``--load-debug-rollout-data`` trains on them.
 """
 
 from __future__ import annotations

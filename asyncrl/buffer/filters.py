@@ -1,12 +1,9 @@
 """Dynamic-sampling filters: drop finished groups that would teach the trainer nothing.
 
-A filter is a callable ``group -> str | None``: a reason to drop the group, or None to
-keep it. Built in: ``zero_reward_variance`` (every sample got the same reward, so every
-GRPO advantage is zero; DAPO's dynamic sampling). A custom filter is named by dotted
-path (``mypkg.filters:too_short``). A filter that raises drops nothing silently: the
-group is recorded as failed with the filter's name and the exception.
-
-Users: ``VersionedBuffer.put``.
+A filter maps a group to a reason to drop it, or None to keep it: the built-in
+``zero_reward_variance`` (equal rewards make every GRPO advantage zero; DAPO's dynamic
+sampling) or a callable by dotted path (``mypkg.filters:too_short``). A filter that
+raises fails the group, with its name and the exception, rather than drop it silently.
 """
 
 from __future__ import annotations

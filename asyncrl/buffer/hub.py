@@ -1,30 +1,10 @@
 """The hub's whole state, every change journaled: what the BufferActor keeps and restores.
 
-``Hub`` wraps the ``VersionedBuffer`` (admission, pool, store, ledger) with what the
-actor must also remember across a crash:
-
-- ``holders``: which producer holds which in-flight groups (a dead producer's work is
-  requeued, ``requeue(actor)``);
-- ``requests``: each producer's last work request and the groups it got, so asking
-  again after a lost reply (``PeerLost``) returns the same groups instead of new ones;
-- ``outstanding``: batches handed to the trainer and not yet *released*. A batch is
-  released once the trainer acknowledged it and, when the trainer checkpoints
-  (``durable >= 0``: the version of its newest checkpoint), once a checkpoint covers it
-  (``batch.step < durable``). A trainer that restarts from its checkpoint at version
-  ``c`` resyncs: every outstanding batch with ``step >= c`` is served again, in order
-  (each request acknowledges the one before), before any new batch, so it retrains
-  exactly the batches it lost and the consumed groups stay consumed once. A trainer
-  whose request got no reply (the connection reset: the buffer restarted) resyncs at
-  its version too, and so gets the batch of the lost reply.
-
-Every mutating method queues a journal record; ``commit()`` writes them (one write) and
-the actor calls it before it answers or acknowledges anything. ``replay(records)``
-re-applies a journal after ``load_state_dict``: the methods are deterministic given the
-state, and each replayed call is checked against what the record says it returned, so a
-diverging replay (a nondeterministic custom filter or priority) fails loudly instead of
-restoring something else.
-
-Users: ``asyncrl.actors.buffer.BufferActor``; tests drive it directly.
+``Hub`` wraps the ``VersionedBuffer`` with what must also survive a crash: which producer
+holds which groups (``holders``), each producer's last request (``requests``: a retry
+after a lost reply gets the same groups), and the batches handed to the trainer and not
+yet released (``outstanding``). Every mutating method queues a journal record;
+``commit()`` writes them, and ``replay()`` re-applies them, checking each call's result.
 """
 
 from __future__ import annotations
@@ -166,7 +146,10 @@ class Hub:
 
     def settle(self, version: int, acks: Iterable[int], durable: int, resync: bool) -> None:
         """A trainer request's acks, its durable version and (first request of a trainer
-        incarnation) a resync at its ``version``; see the module docstring."""
+        incarnation, or one whose reply was lost) a resync at its ``version``: every kept
+        batch from it on is served again, in order, before any new one (``_resync``). A
+        batch is released once acknowledged and, with ``durable >= 0``, once a checkpoint
+        covers it (``step < durable``)."""
         if resync and not self._applying:
             self._check_resync(version)  # before any change: a refusal leaves the state
         acks = [a for a in acks if a in self.outstanding and a not in self.acked]

@@ -1,25 +1,14 @@
 """The buffer's write-ahead journal: every change to the hub, on disk before anyone hears of it.
 
-A buffer that dies loses nothing it acknowledged: it restores its last checkpoint and
-replays the journal records written after it (``asyncrl.buffer.hub.Hub.replay``). The
-actor appends a record *before* it acknowledges a result or answers a request, so
-whatever a peer was told is in the journal.
-
-File format (one file, appended; ``buffering=0`` so a record is in the kernel, which a
-killed process cannot lose, when ``append`` returns; ``fsync=True`` also survives the
-machine)::
+Recovery is the last checkpoint plus the records after it (``Hub.replay``). One file,
+appended unbuffered, so a record is in the kernel (which a killed process cannot lose)
+when ``append`` returns; ``fsync=True`` survives the machine too::
 
     header:  b"ASRLJNL1" | u32 length | u32 crc32 | JournalHeader(lineage, first_seq)
     record:  u32 length | u32 crc32(body) | body (a Codec frame, arrays inline)
 
-Record ``k`` of the file has seq ``first_seq + k``. A checkpoint stores the lineage and
-the last seq it includes; after writing one, the buffer starts a new journal at the next
-seq (``reset``), so recovery = checkpoint + the records with a larger seq, and a journal
-from another lineage (another run, an older checkpoint) is refused. A torn last record
-(the process died inside ``write``) was never acknowledged and reads as the end; any
-other damage is a ``ValueError`` naming the file and the byte offset.
-
-Users: ``BufferActor`` (writes, reads on recovery); tests.
+Record ``k`` has seq ``first_seq + k``. A checkpoint stores its lineage and last seq and
+starts a fresh journal after it (``reset``); a journal of another lineage is refused.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """Reading prompt files into rows: JSON lines, a JSON array, parquet, a saved HF dataset.
 
-``read_bytes(file)`` is the file's bytes (what identifies the data: its hash), and
-``read_raw_rows(file, data)`` its rows as ``(where, row)``:
-
-- ``.jsonl``, and ``.json`` that is not an array: one object a line; ``where`` is
-  ``file:line`` and the row is the line's bytes, decoded when selected;
-- ``.json`` holding one array of objects, ``.parquet`` (pyarrow), and a folder saved by
-  Hugging Face ``datasets`` (``save_to_disk``: ``state.json`` and Arrow stream files,
-  read with pyarrow, no ``datasets`` needed): ``where`` is ``file row N`` (1-based).
-
-Every problem is a ``DataError`` naming the file. Users: ``sources.PromptSource``.
+``read_raw_rows`` gives ``(where, row)``: ``where`` is ``file:line`` for JSON lines and
+``file row N`` (1-based) otherwise. Every problem is a ``DataError`` naming the file.
 """
 
 from __future__ import annotations
@@ -28,6 +20,8 @@ class DataError(InputError):
 
 
 def read_bytes(file: str) -> bytes:
+    """The file's bytes, which identify the data (its hash); for a saved dataset, its
+    Arrow files' bytes joined."""
     path = Path(file)
     if path.is_dir():
         return b"".join(f.read_bytes() for f in _arrow_files(path))
@@ -41,7 +35,10 @@ def read_bytes(file: str) -> bytes:
 
 
 def read_raw_rows(file: str, data: bytes) -> list[tuple[str, Any]]:
-    """``(where, row)`` per row; a jsonl row is still undecoded bytes, parsed when selected."""
+    """``(where, row)`` per row; a jsonl row is still undecoded bytes, parsed when selected.
+
+    ``.jsonl``, and ``.json`` that is not an array, are JSON lines; blank lines are skipped
+    but counted, so ``where`` gives an editor's line number."""
     if Path(file).is_dir():
         return _arrow_rows(file)
     if _FORMATS[Path(file).suffix.lower()] == "parquet":
@@ -90,6 +87,7 @@ def _arrow_files(folder: Path) -> list[Path]:
 
 
 def _arrow_rows(folder: str) -> list[tuple[str, Any]]:
+    """A saved ``datasets`` folder's rows, read with pyarrow (``datasets`` not needed)."""
     import pyarrow as pa
 
     rows: list[Any] = []

@@ -1,27 +1,10 @@
 """Prompt data sources: read and validate prompt files, draw ``Prompt`` records, resumably.
 
-The BufferActor owns one ``PromptSource`` and its cursor: it draws with ``next()``/``take(n)``
-to hand out work and checkpoints ``state_dict()`` with its own state. Consumed prompt uids are
-the buffer's to track; the source keeps only epoch and position, a fixed-size state.
-
-Formats (``readers.py``): JSON lines (``.jsonl``, and ``.json`` that is not an array;
-blank lines are skipped but counted, so errors give an editor's line numbers), a ``.json``
-array, ``.parquet`` and a folder saved by Hugging Face ``datasets``; the last three say
-``row N`` (1-based) in errors. ``path@[a:b]`` selects rows ``a:b`` as a Python
-slice (slime's syntax; either bound may be omitted or negative). A row's ``prompt_id`` is
-``"<name>:<row>"`` with its 0-based row in the whole file; a draw's ``uid`` adds ``"@<epoch>"``.
-A row holds a prompt under ``input_key`` (a string or a list of ``{"role", "content"}`` chat
-messages) and optionally a label, a metadata object and tool schemas (a list of objects, or
-a JSON string of one, as parquet files often store them).
-
-Error contract: every problem with the data is a ``DataError`` naming file, line and what is
-wrong, e.g. ``data/train.jsonl:17: missing key 'prompt' (did you mean 'promt'?)``. ``open``
-validates every selected row, so a bad row fails at start, not hours into a run. Tokenising
-(the costly part) happens per draw and a chat template failing there names file and line too;
-the first row is rendered at ``open``, so a template that fails everywhere fails at once. A
-resume state saved for other data is refused. ``max_prompt_length`` drops the rows whose
-rendered prompt is longer at ``open`` and counts them (``too_long``; the buffer reports
-``buffer.data_too_long``); ``chat_template_kwargs`` reach the template.
+``PromptSource.open`` validates every selected row, so bad data fails at start, not hours
+into a run, with a ``DataError`` naming file, line and problem, e.g.
+``data/train.jsonl:17: missing key 'prompt' (did you mean 'promt'?)``. Draws tokenise
+lazily. The state is only epoch and cursor (consumed uids are the buffer's to track); a
+state saved for other data is refused.
 """
 
 from __future__ import annotations
@@ -62,7 +45,9 @@ class Exhausted(Exception):
 
 
 def split_path(spec: str) -> tuple[str, slice]:
-    """Split ``"file@[a:b]"`` into the file and its row slice (every row when there is none)."""
+    """Split ``"file@[a:b]"`` into the file and its row slice (every row when there is none).
+
+    The slice is Python's (slime's syntax): either bound may be omitted or negative."""
     match = _SLICE.search(spec)
     if match is None:
         if "@[" in spec:
@@ -276,6 +261,8 @@ class PromptSource:
         return self._order_cache[1]
 
     def _make_prompt(self, row: SourceRow) -> Prompt:
+        """``prompt_id`` is ``<name>:<row>`` (0-based in the whole file); ``uid`` adds
+        ``@<epoch>``."""
         text, packed = self._tokenize(row)
         prompt_id = f"{self.name}:{row.index}"
         # Copies, so a consumer that edits a prompt (a multi-turn chat) cannot edit the row.

@@ -1,24 +1,10 @@
 """The versioned priority store: finished groups waiting for the trainer.
 
-Each group is keyed by its head version ``h`` (the oldest weight version of any of its
-tokens). At trainer version ``v`` its staleness is ``s = v - h``. ``take(n, v)`` chooses
-``n`` groups in three passes:
-
-1. backstop: every group with ``s > hard_staleness`` is evicted (returned to the caller,
-   which records the drop with reason ``"stale"``);
-2. age guarantee: groups with ``s >= age_guarantee`` go first, oldest first, whatever the
-   priority, so no priority can starve old work past the backstop;
-3. the rest by priority, highest first; ties in arrival order.
-
-Priorities map a group to a float (higher is served sooner):
-``oldest`` = ``-h`` (the default: old work is served first), ``freshness`` = ``h``,
-``reward_variance`` = ``var(rewards)`` (most informative first), or a custom callable by
-dotted path. Optional bounded reuse: a group may be served up to ``max_reuse`` times
-(each serving is a separate batch), and is dropped when it is served out or too stale.
-
-Both orders are binary heaps with lazy deletion, so put and take are ``O(log N)``.
-
-Users: ``VersionedBuffer``. Plain class; no I/O and no clock.
+A group's head version ``h`` is the oldest weight version of its tokens; at trainer
+version ``v`` its staleness is ``s = v - h``. ``take(n, v)`` evicts every group with
+``s > hard_staleness`` (the backstop), then serves those with ``s >= age_guarantee``
+oldest first, so no priority starves old work past the backstop, then the rest by
+priority (highest first, ties in arrival order). Both orders are lazy-deletion heaps.
 """
 
 from __future__ import annotations
@@ -165,7 +151,8 @@ class VersionedStore:
         return out
 
     def take(self, n: int, version: int) -> Taken:
-        """Evict stale groups, then choose up to ``n`` (see the module docstring)."""
+        """Evict stale groups, then choose up to ``n`` (see the module docstring). A group
+        served fewer than ``max_reuse`` times goes back in, never twice in one batch."""
         taken = Taken(evicted=self.evict_stale(version))
         while len(taken.groups) < n and self._urgent(version):
             taken.groups.append(self._pop(self._by_age))

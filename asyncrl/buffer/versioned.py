@@ -8,12 +8,8 @@ It composes the parts of ``asyncrl.buffer``::
          |                                                           |
     cursor state                     filters --> VersionedStore --> take_batch() --> TrainBatch
 
-and records every transition in the ``Ledger``, so ``admitted`` always equals what is in
-flight, waiting to resume, buffered, consumed, filtered or failed. Results are accepted
-once: the first result for a live group wins, anything later is counted as a duplicate.
-
-The BufferActor (``asyncrl.actors.buffer``) drives it from its channels; tests drive it
-directly. No I/O, no tasks; the clock is injectable.
+Every transition is recorded in the ``Ledger``. The first result for a live group wins;
+later ones count as duplicates. No I/O, no tasks; the clock is injectable.
 """
 
 from __future__ import annotations

@@ -11,10 +11,8 @@
     asyncrl version
 
 Thin on purpose: nothing heavy is imported before the arguments are parsed, so
-``asyncrl --help`` answers at once. A bad config is refused here, before any process
-starts (exit code 2). This module parses and dispatches; each subcommand is a module:
-``jobs`` (train, chaos), ``offline`` (sft, eval), ``serve``, ``tools`` (plot, bench,
-export, keys), with the parsers' shared parts in ``args``.
+``asyncrl --help`` answers at once. A bad config is refused before any process starts
+(exit code 2).
 """
 
 from __future__ import annotations
@@ -28,15 +26,32 @@ from pathlib import Path
 from asyncrl.cli import jobs, offline, serve, tools
 from asyncrl.cli.args import KEYS_HELP, add_help_all, add_job_source
 
-_TRAIN_OPTIONS = ("--help", "--help-all", "--preset", "--dry-run", "--resume", "--overwrite",
-                  "--resume-from-step")  # fmt: skip
+_TRAIN_OPTIONS = (
+    "--help",
+    "--help-all",
+    "--preset",
+    "--dry-run",
+    "--resume",
+    "--overwrite",
+    "--resume-from-step",
+)
 
 
 _EVAL_OPTIONS = ("--help", "--help-all", "--preset", "--model", "--out")
 
 
-_CHAOS_OPTIONS = ("--help", "--help-all", "--preset", "--kill", "--every", "--duration",
-                  "--stop-when-back", "--chaos-seed", "--report", "--overwrite")  # fmt: skip
+_CHAOS_OPTIONS = (
+    "--help",
+    "--help-all",
+    "--preset",
+    "--kill",
+    "--every",
+    "--duration",
+    "--stop-when-back",
+    "--chaos-seed",
+    "--report",
+    "--overwrite",
+)
 
 
 def _parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:

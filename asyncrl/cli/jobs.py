@@ -73,8 +73,9 @@ def train(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         return _dry_run(cfg)
-    return _run_training(cfg, resume=args.resume, overwrite=args.overwrite,
-                         from_step=args.resume_from_step)  # fmt: skip
+    return _run_training(
+        cfg, resume=args.resume, overwrite=args.overwrite, from_step=args.resume_from_step
+    )
 
 
 def _training_config(args: argparse.Namespace, command: str) -> Any:
@@ -119,13 +120,16 @@ def chaos(args: argparse.Namespace) -> int:
         print(f"asyncrl chaos: config error:\n{exc}", file=sys.stderr)
         return 2
     if not kills and not args.every:
-        print("asyncrl chaos: config error:\nnothing to kill: give --kill or --every",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "asyncrl chaos: config error:\nnothing to kill: give --kill or --every", file=sys.stderr
+        )
         return 2
     if args.stop_when_back and args.every:
-        print("asyncrl chaos: config error:\n--every kills until the job ends; "
-              "--stop-when-back ends it after the --kill list: give one",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "asyncrl chaos: config error:\n--every kills until the job ends; "
+            "--stop-when-back ends it after the --kill list: give one",
+            file=sys.stderr,
+        )
         return 2
     cfg = _training_config(args, "chaos")
     if cfg is None:
@@ -178,8 +182,9 @@ def _run_training(
     run_dir = cfg.resolved_output_dir()
     console = Console(width=None if sys.stdout.isatty() else 140)
     try:
-        job = run_training(cfg, resume=resume, overwrite=overwrite, checked=True,
-                           resume_from_step=from_step)  # fmt: skip
+        job = run_training(
+            cfg, resume=resume, overwrite=overwrite, checked=True, resume_from_step=from_step
+        )
         result = job_result(job)
     except KeyboardInterrupt:  # before the job could stop in order, or a second Ctrl-C
         console.print(
@@ -218,8 +223,14 @@ def _run_chaos(cfg: Any, kills: list[Any], args: argparse.Namespace) -> int:
     from asyncrl.runtime.recovery import restart_budgets
 
     roles = tuple(role for role, n in restart_budgets(cfg).items() if n > 0)
-    chaos = Chaos(kills, every=args.every, duration=args.duration, seed=args.chaos_seed,
-                  roles=roles, stop_when_back=args.stop_when_back)  # fmt: skip
+    chaos = Chaos(
+        kills,
+        every=args.every,
+        duration=args.duration,
+        seed=args.chaos_seed,
+        roles=roles,
+        stop_when_back=args.stop_when_back,
+    )
     result = job_result(run_training(cfg, overwrite=args.overwrite, checked=True, chaos=chaos))
     if isinstance(result, int):
         return result

@@ -43,9 +43,11 @@ def add_eval(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     )
     add_job_source(ev)
     ev.add_argument(
-        "--model", required=True, metavar="DIR",
+        "--model",
+        required=True,
+        metavar="DIR",
         help="an HF model folder, or a checkpoint folder with one in policy/",
-    )  # fmt: skip
+    )
     ev.add_argument("--out", type=Path, metavar="FILE", help="append the rows here (JSON lines)")
     add_help_all(ev)
     add_arguments(ev, show=(lambda spec: True) if "--help-all" in argv else everyday)
@@ -72,6 +74,9 @@ def sft(args: argparse.Namespace) -> int:
 
 
 def evaluate(args: argparse.Namespace) -> int:
+    """Exit 2 when refused before anything starts (a missing or model-less ``--model``, no
+    sets, a set file that cannot be read); 1, after every set has run, when a set's samples
+    all failed (with the most common reason)."""
     from rich.console import Console
 
     from asyncrl.config import ConfigError, load_config, overrides_from_namespace

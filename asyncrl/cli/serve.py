@@ -70,8 +70,14 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
         field = EngineConfig.model_fields[name]
         note = " (serve: null draws it from the OS)" if name == "seed" else ""
         text = f"{field.description}{note} (default: {field.default})"
-        serve.add_argument(*flags, dest=name, type=_field_value(field), default=field.default,
-                           help=text, metavar=metavar(field.annotation))  # fmt: skip
+        serve.add_argument(
+            *flags,
+            dest=name,
+            type=_field_value(field),
+            default=field.default,
+            help=text,
+            metavar=metavar(field.annotation),
+        )
     for name in ("packed_weights", "lean_forward"):  # the switches of earlier releases
         flag = "--no-" + name.replace("_", "-")
         serve.add_argument(flag, dest=name, action="store_false", help=argparse.SUPPRESS)
@@ -129,16 +135,25 @@ def serve(args: argparse.Namespace) -> int:
     fields = {name: getattr(args, name) for name in SERVE_ENGINE_FLAGS}
     cfg = EngineConfig(type="torch", model_path=args.model, **fields)
     engine = TorchEngine.from_config(cfg, seed=cfg.seed, version=args.weight_version)
-    server_args = {"host": host, "port": args.port, "dtype": args.dtype,
-                   "tool_call_parser": args.tool_call_parser}  # fmt: skip
+    server_args = {
+        "host": host,
+        "port": args.port,
+        "dtype": args.dtype,
+        "tool_call_parser": args.tool_call_parser,
+    }
     parser = None
     if args.tool_call_parser:
         from asyncrl.rollout.workflows import tool_call_parser
 
         parser = tool_call_parser(args.tool_call_parser)
     limit = int(args.max_body_mb * 2**20)
-    server = EngineServer(engine, server_args=server_args, api_key=args.api_key,
-                          tool_call_parser=parser, max_body_bytes=limit)  # fmt: skip
+    server = EngineServer(
+        engine,
+        server_args=server_args,
+        api_key=args.api_key,
+        tool_call_parser=parser,
+        max_body_bytes=limit,
+    )
     uvloop.run(serve_until_signalled(server, host, args.port))
     return 0
 

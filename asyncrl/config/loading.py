@@ -49,8 +49,10 @@ def _bools_for_numbers(
             continue
         members = set(non_null(field.annotation))
         if isinstance(value, bool) and members & {int, float} and bool not in members:
-            message = ("expected a number, not a boolean (YAML reads true, false, yes, no, "
-                       "on and off as booleans)")  # fmt: skip
+            message = (
+                "expected a number, not a boolean (YAML reads true, false, yes, no, "
+                "on and off as booleans)"
+            )
             yield ErrorDetails(type="bool_for_number", loc=(*loc, key), msg=message, input=value)
         elif float in members and not isinstance(value, bool) and not _finite(value):
             message = "expected a finite number"
@@ -94,7 +96,9 @@ def load_config(
 
     ``preset`` names a base in ``PRESETS``; ``path`` is a YAML file (or None); ``overrides``
     is ``["--flag", "value", "--flag=value", ...]`` or ``{"--flag": value}`` (from
-    ``overrides_from_namespace``). Called by the CLI and by tests.
+    ``overrides_from_namespace``). Precedence, lowest first: section defaults, the preset,
+    the file, the flags (a later flag beats an earlier one). A flag's text is read as
+    JSON, then YAML, except for string leaves, which keep it verbatim (``--name 007``).
     """
     table = flag_table(model)
     data = _preset_data(preset)

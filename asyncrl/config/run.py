@@ -1,9 +1,6 @@
 """``RunConfig``: the job's config tree, composing each component's section (trainer,
 engines, rollout, buffer, algorithm, wire) with those of ``config/sections.py``; the checks
-across sections; presets.
-
-Read by ``config/loading.py``; documented key by key in ``docs/config.md``.
-"""
+across sections; presets."""
 
 from __future__ import annotations
 

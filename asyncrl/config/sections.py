@@ -245,10 +245,12 @@ class TrainConfig(Section):
         0, ge=0, description="stop at this trainer version; 0: when the data is used up"
     )
     checkpoint_interval: int = Field(
-        0, ge=0, description="checkpoint every N steps (0: only at the end; a crashed "
+        0,
+        ge=0,
+        description="checkpoint every N steps (0: only at the end; a crashed "
         "trainer is restarted only with N > 0)",
         json_schema_extra={"flag": "save-interval"},
-    )  # fmt: skip
+    )
     keep_checkpoints: int | None = Field(
         None, ge=1, description="keep only the newest N trainer checkpoints (null: all)"
     )

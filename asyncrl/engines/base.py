@@ -1,14 +1,9 @@
-"""The inference-engine seam: the records, the protocol and the refusal every engine uses.
+"""The inference-engine seam: the records, the protocol and the checks every engine uses.
 
-An engine takes token ids in and gives token ids out (token-in/token-out: no step
-re-tokenises text), with the behaviour log-prob and the weight version of every sampled
-token. The records follow SGLang's ``/generate`` semantics (``docs/sglang_api.md``
-section 1) so that the HTTP server (``engines/server/app.py``) is a thin translation and the
-same rollout code drives the embedded engine, a real SGLang server or a router.
-
-Implementations: ``TorchEngine`` (``engines/torch/engine.py``, CPU and CUDA) and
-``SimEngine`` (``engines/sim/engine.py``, no model, modelled time). Users: the HTTP server;
-tests drive engines directly.
+An engine is token-in/token-out (no step re-tokenises text): token ids in, token ids out,
+with the behaviour log-prob and the weight version of every sampled token. The records
+follow SGLang's ``/generate`` (``docs/sglang_api.md`` section 1), so the HTTP server is a
+thin translation and the same rollout code drives any engine, SGLang server or router.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
-"""A generator that keeps every request within the model's context, as SGLang needs.
+"""``ContextBound``: a generator that keeps every request within the model's context.
 
-SGLang (0.5.23) answers 400 to a request whose ``input + max_new_tokens`` passes the
-context; it does not shorten it. asyncrl's workflows ask for the rollout's budget
-whatever their prompt's length, and want a response cut at the context, as a model that
-runs out of room ends. ``ContextBound.generate`` asks for
+SGLang answers 400 to a request whose ``input + max_new_tokens`` passes the context
+instead of shortening it, while workflows ask for the rollout's budget whatever their
+prompt and want a response cut at the context, as a model that runs out of room ends.
+So ``generate`` asks for
 
     max_new_tokens = min(asked, context_length - len(input_ids))
 
 and, with no room left, returns a ``length`` finish with no tokens without a call.
-
-Users: ``rollout/engines.py`` (``EngineHost.generator``).
 """
 
 from __future__ import annotations
@@ -43,10 +41,14 @@ class ContextBound:
         if asked is not None and asked > room:
             if room <= 0:  # nothing fits: the response ends here, as at the context
                 finish = FinishReason(type="length", length=0)
-                return GenerateResult(rid=rid or "", output_ids=[], logprobs=[], versions=[],
-                                      finish_reason=finish)  # fmt: skip
-            params = (msgspec.structs.replace(params, max_new_tokens=room) if typed
-                      else {**params, "max_new_tokens": room})  # fmt: skip
+                return GenerateResult(
+                    rid=rid or "", output_ids=[], logprobs=[], versions=[], finish_reason=finish
+                )
+            params = (
+                msgspec.structs.replace(params, max_new_tokens=room)
+                if typed
+                else {**params, "max_new_tokens": room}
+            )
         return await self.inner.generate(input_ids, params, rid=rid)
 
     def __getattr__(self, name: str) -> Any:  # the inner generator's other calls

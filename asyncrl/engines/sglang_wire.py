@@ -1,14 +1,9 @@
 """The SGLang wire as the client reads and writes it: records, errors and reply parsing.
 
-Everything here is pure (no sockets): the result and error types callers see, the
-parsing of ``/generate`` replies in every shape ``docs/sglang_api.md`` records
-(section 1.3, the abort shapes of 5.1, cumulative and delta streams of 1.6, the error
-envelopes of 1.7, 3.5 and 4.2), SSE line framing, and the checks on the
-``sampling_params`` a client may send.
-
-Users: ``client/sglang.py``, ``client/transport.py``, ``client/weights.py`` and
-``server/in_process.py``;
-``client/sglang.py`` re-exports the public names, so callers import them from there.
+Pure (no sockets): the result and error types callers see, the parsing of ``/generate``
+replies in every shape ``docs/sglang_api.md`` records (sections 1.3, 1.6, 1.7, 3.5, 4.2
+and 5.1), SSE line framing, and the checks on the ``sampling_params`` a client may send.
+``client/sglang.py`` re-exports the public names; callers import them from there.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Observability: structured logs (``logs``) and metrics sinks (``metrics``).
-
-``configure_logging`` is called once per process at start: by the CLI for the controller
-and by ``runtime/child.py`` for each actor, which then bind their name, pid and weight
-version so every line carries them. The controller and trainer write the run's numbers
-through a ``MetricsSink`` (always ``JsonlMetricsSink``); ``read_jsonl`` reads them back
-strictly, and ``asyncrl plot`` (``plots``) draws them, skipping a bad line with a warning.
-``progress`` is the train progress bar; ``trackers`` forwards the files to TensorBoard
-and W&B.
-"""
+"""Observability: structured logs (``logs``), metrics sinks (``metrics``), the progress
+bar, figures and tracker forwarding. ``configure_logging`` is called once per process at
+start, by the CLI for the controller and by ``runtime/child.py`` for each actor."""
 
 from asyncrl.observe.logs import (
     adopt_library_loggers,

@@ -1,9 +1,8 @@
 """Agent episode metrics of a trained batch: turns, tool calls, errors, latency, context.
 
-Agent episodes (the multi-turn workflow's and the OpenAI proxy's) record each tool call in
-``metadata["tool_calls"]`` (``name``, ``error``, and from the multi-turn workflow
-``seconds`` and ``timed_out``), a list present even when empty; their ``spans`` give the
-assistant turns. Over a batch's episodes::
+Agent episodes record each tool call in ``metadata["tool_calls"]`` (``name``, ``error``,
+and from the multi-turn workflow ``seconds`` and ``timed_out``), a list present even when
+empty; their ``spans`` give the assistant turns. Over a batch's episodes::
 
     agent/turns            mean assistant turns per episode
     agent/tool_calls       mean tool calls per episode
@@ -12,9 +11,6 @@ assistant turns. Over a batch's episodes::
     agent/tool_latency_s   mean seconds per call (calls that report it)
     agent/tokens_per_turn  sampled tokens / assistant turns
     agent/context_ended    share of episodes cut by the token budget or the model's context
-                           (finish "length" or "context")
-
-A batch without episodes gives no metrics.
 """
 
 from __future__ import annotations
@@ -32,8 +28,9 @@ def episode_metrics(samples: Iterable[Sample]) -> dict[str, float]:
     if not episodes:
         return {}
     turns = [sum(span.role == "assistant" for span in s.spans) for s in episodes]
-    sampled = [sum(span.end - span.start for span in s.spans if span.role == "assistant")
-               for s in episodes]  # fmt: skip
+    sampled = [
+        sum(span.end - span.start for span in s.spans if span.role == "assistant") for s in episodes
+    ]
     calls = [c for s in episodes for c in s.metadata.get("tool_calls", ())]
     timed = [float(c["seconds"]) for c in calls if c.get("seconds") is not None]
     metrics = {

@@ -1,41 +1,11 @@
 """structlog set-up shared by the controller and every actor process.
 
-``configure_logging()`` is called once per process at start: by the CLI for the controller
-and by ``runtime/child.py`` for each actor. Two renderers:
-
-- ``console`` for people: ``timestamp [level] event [logger] key=value ...``, colour and a
-  rich traceback only on a TTY, a plain traceback otherwise;
-- ``json`` for machines: one object per line with ``timestamp`` (ISO-8601, UTC),
-  ``level``, ``event``, ``logger``, the context, and ``exception`` (a string) when a
-  traceback was logged.
-
-With ``file=`` JSON lines are also appended to that file whatever ``fmt`` says, so every
-actor leaves a machine-readable log in the run directory.
-
-One pipeline for every record. structlog events are handed to the standard ``logging``
-module and rendered by a ``ProcessorFormatter`` on the root handlers, so records from
-libraries (ray, transformers, aiohttp) get the same renderers, level and context as our
-own. ray and transformers install their own handler and stop propagation when imported;
-``configure_logging`` undoes that for the ones already imported, and
-``adopt_library_loggers()`` does it again after a later heavy import.
-
-Two kinds of context, merged into every line (call-site keys win, then task, then process):
-
-- ``bind_context(actor=..., version=...)``: process-wide, seen by every task and thread.
-  One process is one actor, so its name, pid and weight version belong here. It is a
-  plain dict rather than a ``contextvars`` binding because the task that learns a new
-  weight version is not the parent of the tasks that log with it.
-- ``bind_task_context(uid=...)``: per task through ``structlog.contextvars`` (merged by
-  ``merge_contextvars``); inherited by tasks the current one starts, for what one piece
-  of work is doing.
-
-Caching caveat: loggers are cached on first use (``cache_logger_on_first_use=True``),
-which is safe here because the structlog side of the chain never changes; everything
-``configure_logging`` varies (renderers, stream, file, level, context) lives in the root
-handlers and in module state that the chain reads at call time. So reconfiguring reaches
-every logger, old or new. A logger first used under someone else's ``structlog.configure``
-(or after ``structlog.reset_defaults()``) keeps that configuration if it was cached, and one
-cached with ours keeps routing into the standard ``logging`` root after such a reset.
+One pipeline for every record: structlog events are handed to the standard ``logging``
+module and rendered by a ``ProcessorFormatter`` on the root handlers, so libraries'
+records (ray, transformers, aiohttp) get the same renderer (``console`` for people,
+``json`` for machines), level and context as our own. Context merged into every line:
+call-site keys win, then the task's (``bind_task_context``), then the process's
+(``bind_context``).
 """
 
 from __future__ import annotations
@@ -81,7 +51,10 @@ def _common_processors() -> list[Any]:
     ]
 
 
-# Built once so every cached logger holds the same chain (see the caching caveat above).
+# Built once so every cached logger holds the same chain. Loggers are cached on first use,
+# which is safe because this chain never changes: what ``configure_logging`` varies lives in
+# the root handlers and in module state read at call time, so reconfiguring reaches every
+# logger, old or new. (One cached under someone else's ``structlog.configure`` keeps theirs.)
 _STRUCTLOG_CHAIN: list[Any] = [
     # Drop disabled levels before any work: a debug call in a hot loop costs one check.
     structlog.stdlib.filter_by_level,
@@ -101,12 +74,14 @@ def _formatter(*renderers: Any) -> structlog.stdlib.ProcessorFormatter:
 
 
 def _json_formatter() -> structlog.stdlib.ProcessorFormatter:
-    """One JSON object per line; a traceback becomes the string field ``exception``."""
+    """One JSON object per line (``timestamp`` ISO-8601 UTC, ``level``, ``event``, ``logger``,
+    the context); a traceback becomes the string field ``exception``."""
     return _formatter(structlog.processors.format_exc_info, structlog.processors.JSONRenderer())
 
 
 def _console_formatter(stream: TextIO) -> structlog.stdlib.ProcessorFormatter:
-    """Human-readable lines; escape codes and rich tracebacks only on a terminal."""
+    """Human-readable lines (``timestamp [level] event [logger] key=value ...``); escape
+    codes and rich tracebacks only on a terminal."""
     tty = _is_tty(stream)
     # Locals stay off: a frame holding a batch of tensors would flood the terminal.
     tracebacks = (
@@ -231,6 +206,8 @@ def bind_context(**context: Any) -> None:
     """Add ``context`` to every later line of this process, from any task or thread.
 
     Called by actors (``version=`` when they load new weights) and by ``configure_logging``.
+    A plain dict, not a ``contextvars`` binding: the task that learns a new weight version
+    is not the parent of the tasks that log with it.
     """
     _process_context.update(context)
 

@@ -1,14 +1,9 @@
 """Metrics sinks: where the controller and trainer write the run's numbers, one record a line.
 
-``JsonlMetricsSink`` always runs (``RUN_DIR/metrics.jsonl``, read back by ``read_jsonl``;
-``asyncrl plot`` reads it leniently, see ``plots.py``); ``MultiSink`` fans one record out
-to several sinks. TensorBoard and W&B are fed from these files by the controller
-(``trackers.py``), so no actor process talks to a tracker.
-
-Values are plain JSON: numpy scalars, 0-d arrays and 0-d torch tensors become Python
-numbers. JSON has no NaN or infinity, so non-finite floats are written as ``null``; a
-reader sees a missing number, not a string. Records are buffered and a background thread
-writes them out every ``flush_every`` seconds, so a crash loses at most that much.
+The JSONL files are the record; TensorBoard and W&B are fed from them by the controller
+(``trackers.py``), so no actor process talks to a tracker. Values are plain JSON:
+non-finite floats are written as ``null`` (JSON has no NaN), so a reader sees a missing
+number, not a string.
 """
 
 from __future__ import annotations

@@ -1,51 +1,10 @@
 """PNG figures of a training run; ``asyncrl plot RUN_DIR`` calls ``plot_run``.
 
-Inputs, all under ``RUN_DIR`` (only the first is required):
-
-- ``metrics.jsonl``: one trainer row per step (``step``, ``reward/mean``, ``tokens``,
-  ``num_tokens``, ``time/step``, ``time/publish``, ``time/wait_data``, ``time``, ...);
-- ``metrics/eval.jsonl``: one row per (weight ``version``, eval ``set``) with ``pass@K``;
-- ``metrics/buffer.jsonl``: periodic buffer rows whose ``buffer.staleness_samples`` and
-  ``buffer.staleness_tokens`` are cumulative histograms (staleness in versions -> count);
-- ``metrics/rollout-<i>.jsonl``: periodic rows of one rollout actor, with cumulative
-  ``rollout/samples`` and ``rollout/tokens`` and the ``busy`` [start, end] intervals since
-  the previous row.
-
-Figures, one PNG each; a figure whose inputs are missing is skipped, not an error:
-
-- ``reward.png``: the trainer's ``reward/mean`` per step (light) and its trailing moving
-  average over ``w = max(1, round(0.1 * steps))`` steps: ``ma_i = mean(r_{i-w+1..i})``
-  (non-finite values left out of each mean).
-- ``training.png``: one panel per trainer metric present, against the step: ``kl`` and
-  ``mismatch_kl``, ``entropy``, ``response_len/mean`` (loss tokens a sample),
-  ``response/truncated`` (share of samples cut at the length limit), ``clip_frac``,
-  ``grad_norm`` (before clipping), and ``reward/mean`` beside the mean reward of every
-  scored sample before the filters (each rollout row's ``rollout/reward_mean``, over the
-  samples since its previous row, at the weight ``version`` its engines served).
-- ``agent.png`` (agent runs): turns and tool calls per episode, the share of tool calls
-  that failed or timed out, seconds per call, sampled tokens per turn, and the share of
-  episodes ended by the token budget (``observe/episodes.py``), against the step.
-- ``eval.png`` (needs eval.jsonl): ``pass@1`` of each eval set against the weight version
-  (solid), and ``pass@K`` for the set's largest ``K > 1`` (dashed, same colour).
-- ``throughput.png``: rates against seconds since the run's first event. A rate over a
-  cumulative counter ``c`` sampled at times ``t`` is ``(c_i - c_{i-w}) / (t_i - t_{i-w})``
-  (``i - w`` clipped at the first row). Trainer tokens/s count ``tokens`` (forwarded) and
-  ``num_tokens`` (loss tokens) per step, accumulated over rows of metrics.jsonl, with
-  ``w = 5`` steps; trained samples/s uses the total of the buffer's cumulative
-  ``staleness_samples`` histogram (samples handed to the trainer), ``w = 1`` row; generated
-  samples/s and tokens/s of each rollout actor use ``rollout/samples`` and
-  ``rollout/tokens``, ``w = 1`` row. A counter that drops (an actor restarted from zero)
-  continues from its previous total.
-- ``staleness.png``: the share of trained samples and of trained tokens at each staleness
-  (versions behind the trainer), from the last buffer row's cumulative histograms, with each
-  mean ``sum(k * n_k) / sum(n_k)`` in the legend. Without buffer.jsonl: a histogram of the
-  per-step ``staleness/mean`` from metrics.jsonl.
-- ``timeline.png``: one lane per rollout actor (its ``busy`` intervals) and one for the
-  trainer: busy (training and publishing) in ``[time - publish - step, time]`` and waiting
-  for data in ``[time - publish - step - wait_data, time - publish - step]``; x is seconds
-  since the first event. Each lane is labelled with its busy fraction, ``|union of its busy
-  intervals| / (last event end - first event start)`` over all lanes.
-
+Inputs under ``RUN_DIR``: ``metrics.jsonl`` (trainer rows, required), ``metrics/eval.jsonl``,
+``metrics/buffer.jsonl`` (cumulative staleness histograms) and ``metrics/rollout-<i>.jsonl``
+(cumulative ``rollout/samples`` and ``rollout/tokens``, and the ``busy`` intervals since the
+previous row). One PNG a figure (``reward``, ``training``, ``agent``, ``eval``,
+``throughput``, ``staleness``, ``timeline``); one whose inputs are missing is skipped.
 matplotlib is imported only when drawing (Agg backend, no display needed).
 """
 
@@ -358,6 +317,8 @@ def _figure(rows: int = 1, height: float = 4.0) -> tuple[Figure, list[Axes]]:
 
 
 def _reward_figure(run: RunData) -> Figure | None:
+    """``reward.png``: ``reward/mean`` per step and its trailing moving average over
+    ``reward_window(steps)`` steps (non-finite values left out of each mean)."""
     steps = [_num(r, "step") for r in run.trainer]
     rewards = [_num(r, "reward/mean") for r in run.trainer]
     if not any(math.isfinite(r) for r in rewards):
@@ -400,10 +361,13 @@ AGENT_PANELS = (
 
 
 def _training_figure(run: RunData) -> Figure | None:
+    """``training.png``: ``TRAINING_PANELS`` against the step, then the trained reward
+    beside every scored sample's before the filters."""
     return _panels_figure(run, TRAINING_PANELS, with_rewards=True)
 
 
 def _agent_figure(run: RunData) -> Figure | None:
+    """``agent.png`` (agent runs): ``AGENT_PANELS`` against the step."""
     return _panels_figure(run, AGENT_PANELS, with_rewards=False)
 
 
@@ -412,8 +376,9 @@ def _panels_figure(
 ) -> Figure | None:
     """One panel per entry of ``spec`` with a key present (none present: no figure)."""
     steps = [_num(r, "step") for r in run.trainer]
-    panels = [(title, [k for k in keys if any(k in r for r in run.trainer)])
-              for title, keys in spec]  # fmt: skip
+    panels = [
+        (title, [k for k in keys if any(k in r for r in run.trainer)]) for title, keys in spec
+    ]
     panels = [(title, keys) for title, keys in panels if keys]
     if not panels:
         return None
@@ -445,6 +410,8 @@ def _rewards_before_filters(ax: Axes, run: RunData, steps: list[float]) -> None:
 
 
 def _eval_figure(run: RunData) -> Figure | None:
+    """``eval.png``: each set's ``pass@1`` against the weight version (solid), and
+    ``pass@K`` for its largest ``K > 1`` (dashed, same colour)."""
     curves = eval_curves(run.eval)
     if not curves:
         return None
@@ -469,6 +436,9 @@ def _line(ax: Axes, points: Sequence[tuple[float, float]], **style: Any) -> None
 
 
 def _throughput_figure(run: RunData) -> Figure | None:
+    """``throughput.png``: ``sample_rates`` and ``token_rates`` against seconds since the
+    run's first event; a counter that drops (an actor restarted from zero) continues from
+    its previous total."""
     t0 = run_start(run)
     panels = {"samples/s": sample_rates(run, t0), "tokens/s": token_rates(run, t0)}
     panels = {unit: series for unit, series in panels.items() if series}
@@ -528,6 +498,9 @@ def token_rates(run: RunData, t0: float) -> Series:
 
 
 def _staleness_figure(run: RunData) -> Figure | None:
+    """``staleness.png``: the share of trained samples and tokens at each staleness, from
+    the last buffer row's histograms; without buffer.jsonl, a histogram of the per-step
+    ``staleness/mean``."""
     samples = last_histogram(run.buffer, "buffer.staleness_samples")
     tokens = last_histogram(run.buffer, "buffer.staleness_tokens")
     if samples or tokens:
@@ -567,6 +540,8 @@ def _staleness_bars(hists: dict[str, dict[int, float]]) -> Figure:
 
 
 def _timeline_figure(run: RunData) -> Figure | None:
+    """``timeline.png``: one lane per rollout actor and one for the trainer (busy, and
+    waiting for data: ``trainer_intervals``), each labelled with its ``busy_fraction``."""
     lanes, fractions = _lanes(run), busy_fractions(run)
     span = run_span(lanes.values())
     if span is None:

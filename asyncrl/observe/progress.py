@@ -1,15 +1,8 @@
 """The live progress bar of ``asyncrl train``: step, reward, samples/s and staleness.
 
-The controller already receives every actor's heartbeat (``Supervisor.status``); the bar
-reads the trainer's, so it costs the job nothing. Figures:
-
-- ``step``: the trainer's weight version (out of ``train.num_steps`` when set);
-- ``reward``: mean reward of the last trained batch; ``staleness``: its mean staleness;
-- ``samples/s`` = (steps - steps at start) x samples per step / seconds since the first
-  step of this run (a resumed run starts counting at its first new step).
-
-Drawn with ``rich`` on a terminal; elsewhere (CI logs, pipes) it stays silent, since the
-structured logs already say the same.
+It reads the trainer's heartbeat, which the controller receives anyway
+(``Supervisor.status``), so it costs the job nothing. Drawn with ``rich`` on a terminal;
+elsewhere (CI logs, pipes) it stays silent, since the structured logs say the same.
 """
 
 from __future__ import annotations
@@ -26,7 +19,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class RateMeter:
-    """Samples/s since the first step it saw (``None`` until a second observation)."""
+    """Samples/s since the first step it saw: ``(steps - steps0) * samples_per_step /
+    seconds since``, so a resumed run counts from its first new step (``None`` until a
+    second observation)."""
 
     samples_per_step: int
     _first: tuple[float, int] | None = field(default=None, init=False)
@@ -78,9 +73,13 @@ class JobProgress:
         )
         total = num_steps if num_steps > 0 else None
         self.task = self.progress.add_task(
-            "train", total=total, total_text=str(num_steps or "?"),
-            reward="-", rate="-", staleness="-",
-        )  # fmt: skip
+            "train",
+            total=total,
+            total_text=str(num_steps or "?"),
+            reward="-",
+            rate="-",
+            staleness="-",
+        )
 
     def update(self, status: Mapping[str, ActorStatus]) -> None:
         trainer = status.get("trainer")

@@ -1,18 +1,9 @@
 """A few trained samples per step, as text: what a run's numbers are made of.
 
-``sample_rows(batch, version, n)`` picks ``n`` samples of a trained batch, alternating the
-highest and the lowest trained reward (the extremes say most about what is being
-reinforced), and gives each as one JSON-able row::
-
-    {"step", "group", "prompt", "response", "reward", "status", "response_tokens",
-     "staleness"}
-
-``prompt`` is the prompt's text (a chat prompt's messages, one ``role: content`` a line);
-``reward`` is the sample's reward (a number, or the dict of its terms); ``staleness`` is
-``version - 1 - min(token versions)``, the versions between the sample's oldest token and
-the weights the step trained. The trainer actor writes them to ``RUN_DIR/samples.jsonl``
-(``train.log_samples`` a step); the controller forwards them to TensorBoard (text) and
-W&B (a table) through ``observe/trackers.py``.
+``sample_rows`` picks samples of a trained batch alternating the highest and the lowest
+reward (the extremes say most about what is being reinforced), one JSON-able row each
+(``COLUMNS``). The trainer writes ``train.log_samples`` of them a step to
+``RUN_DIR/samples.jsonl``; the controller forwards them to TensorBoard and W&B.
 """
 
 from __future__ import annotations
@@ -23,12 +14,22 @@ if TYPE_CHECKING:  # annotations only: observe is below types in the package ord
     from asyncrl.types import Sample, TrainBatch
 
 #: The columns of a samples table, in order.
-COLUMNS = ("step", "group", "prompt", "response", "reward", "status", "response_tokens",
-           "staleness")  # fmt: skip
+COLUMNS = (
+    "step",
+    "group",
+    "prompt",
+    "response",
+    "reward",
+    "status",
+    "response_tokens",
+    "staleness",
+)
 
 
 def sample_rows(batch: TrainBatch, version: int, n: int, reward_key: str) -> list[dict[str, Any]]:
-    """``n`` rows of ``batch`` (trained into ``version``): highest, lowest, next highest..."""
+    """``n`` rows of ``batch`` (trained into ``version``): highest, lowest, next highest...
+    A row's ``staleness`` is ``version - 1 - min(token versions)``: the versions between the
+    sample's oldest token and the weights the step trained."""
     if n <= 0:
         return []
     samples = [(g.uid, s) for g in batch.groups for s in g.samples]

@@ -1,25 +1,16 @@
 """Experiment trackers: the run's JSONL metrics, forwarded to TensorBoard and W&B.
 
-The JSONL files stay the record (every actor writes its own, in its own process); the
-controller follows them and forwards each new row, so a job has one TensorBoard log and
-one W&B run however many processes it has, and a tracker that fails cannot stop an actor::
+The JSONL files stay the record; the controller follows them and forwards each new row, so
+a job has one TensorBoard log and one W&B run however many processes it has, and a tracker
+that fails cannot stop an actor. Only numbers go, except the trained samples (a table a
+step). Each family has its own step axis (in W&B a ``define_metric`` step metric, since
+W&B's own step may only grow)::
 
     RUN_DIR/metrics.jsonl            -> train/<key>        step: the row's ``step``
     RUN_DIR/metrics/eval.jsonl       -> eval/<set>/<key>   step: the row's ``version``
     RUN_DIR/metrics/buffer.jsonl     -> buffer/<key>       step: ``buffer.version``
     RUN_DIR/metrics/rollout-N.jsonl  -> rollout-N/<key>    step: the last train step seen
     RUN_DIR/samples.jsonl            -> samples (text)      step: the row's ``step``
-
-Only numbers are forwarded (lists such as busy intervals, strings and nulls are not),
-except the trained samples (``observe/samples.py``): each step's rows go as one table,
-TensorBoard text (markdown) and a W&B ``Table``.
-Each family has its own step axis: an eval of version 50 that finishes after step 60 is
-still drawn at 50 (in W&B through ``define_metric(step_metric=...)``, because W&B's own
-step may only grow).
-
-``MetricsFollower.poll()`` reads whatever complete lines were appended since the last
-poll (a half-written last line waits for the next one), so calling it once more after
-the actors stopped forwards everything.
 """
 
 from __future__ import annotations
@@ -163,7 +154,7 @@ class MetricsFollower:
     _train_step: int = 0
     # Polls run in worker threads, and cancelling the task that awaits one does not stop
     # it: without the lock, close() could shut a writer under a poll still forwarding the
-    # last rows (the tracker was then dropped, and those rows lost).
+    # last rows, and the tracker would be dropped with those rows.
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def poll(self) -> int:

@@ -2,20 +2,9 @@
 
 Every function's docstring states its formula. Trainers call ``compute_advantages`` once
 per step and ``rl_loss`` per micro-batch, both driven by a ``PolicyConfig``; the building
-blocks are exported for users who write their own objective.
-
-| module          | what it holds                                                       |
-|-----------------|---------------------------------------------------------------------|
-| ``advantages``  | group baselines (grpo, dr_grpo, rloo, ...), GAE, discounted returns |
-| ``kl``          | k1 / k2 / k3 / low_var_kl estimators                                |
-| ``losses``      | PPO / GSPO / CISPO surrogates, aggregation, value and SFT losses    |
-| ``corrections`` | behaviour-policy importance weights (decoupled PPO, TIS, MIS)       |
-| ``objective``   | the config-driven advantages and loss the trainers call             |
-| ``config``      | ``PolicyConfig`` (the ``algo`` section) and the async safety check  |
-| ``metrics``     | ``pass_at_k``                                                       |
-
-Names resolve lazily (PEP 562): the config tree imports ``PolicyConfig`` without torch,
-so ``asyncrl --help`` stays fast.
+blocks are exported for users who write their own objective. Names resolve lazily (PEP
+562): the config tree imports ``PolicyConfig`` without torch, so ``asyncrl --help`` stays
+fast.
 """
 
 from __future__ import annotations

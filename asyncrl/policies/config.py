@@ -1,10 +1,8 @@
 """``PolicyConfig``: the algorithm section of a job (``algo`` in the config tree).
 
-Owned here, composed by ``asyncrl.config.RunConfig``; read by the trainers through
-``objective.compute_advantages`` and ``objective.rl_loss``. Flag names follow slime
-(``--advantage-estimator``, ``--eps-clip-high``, ``--kl-loss-coef`` ...). Combinations that
-train silently wrong are refused here, before any process starts. No torch import here:
-the CLI reads this module to build its flags.
+Flag names follow slime (``--advantage-estimator``, ``--eps-clip-high``, ...).
+Combinations that train silently wrong are refused here, before any process starts. No
+torch import: the CLI reads this module to build its flags.
 """
 
 from __future__ import annotations

@@ -118,16 +118,12 @@ def compute_advantages(
 def rl_loss(cfg: PolicyConfig, x: LossInputs, scale: LossScale) -> tuple[torch.Tensor, Metrics]:
     """This micro-batch's share of the step loss and its metrics.
 
-    ``loss = PG(w) + c_kl * agg(KL(pi||ref)) - c_ent * agg(H)``, where ``PG`` is the
-    surrogate of ``cfg.loss_kind`` against ``old_logprobs`` with importance weights ``w``
-    from the configured correction (decoupled PPO, as AReaL: ``w = pi_prox / mu``, tokens
-    with ``w > is_high`` dropped; TIS: ``clip(w, is_low, is_high)``; MIS: ``w`` outside
-    ``[is_low, is_high]`` drops the token or sequence), and ``agg`` is the
-    configured aggregation under the step-global ``scale``.
+    ``loss = PG(w) + c_kl * agg(KL(pi||ref)) - c_ent * agg(H)``: ``PG`` the surrogate of
+    ``cfg.loss_kind`` against ``old_logprobs``, ``w`` the configured correction's importance
+    weights (``_correction``), ``agg`` the configured aggregation under the step's ``scale``.
 
     ``custom_loss_path`` names ``fn(x, weights, scale) -> (loss, metrics)`` that replaces
-    ``PG``: ``x`` this ``LossInputs``, ``weights`` the correction's ``[b, T]`` importance
-    weights (None without one), ``scale`` the step's ``LossScale``. Its loss must be this
+    ``PG`` (``weights``: ``[b, T]``, or None without a correction). Its loss must be this
     micro-batch's share of the step's (``losses.aggregate`` makes one), so micro-batches
     and ranks sum to the whole batch's loss; its metrics are tensors.
     """
@@ -168,7 +164,10 @@ def rl_loss(cfg: PolicyConfig, x: LossInputs, scale: LossScale) -> tuple[torch.T
 
 
 def _correction(cfg: PolicyConfig, x: LossInputs) -> tuple[torch.Tensor | None, Metrics]:
-    """Importance weights of the configured correction (None when there is none)."""
+    """Importance weights of the configured correction (None when there is none):
+    decoupled PPO (AReaL) ``w = pi_prox / mu``, tokens with ``w > is_high`` dropped; TIS
+    ``clip(w, is_low, is_high)``; MIS: ``w`` outside ``[is_low, is_high]`` drops the token
+    or sequence (``is_level``)."""
     if cfg.off_policy_correction == "none":
         return None, {"mismatch_kl": masked_mean(x.behaviour_logprobs - x.old_logprobs, x.mask)}
     kind = cfg.off_policy_correction

@@ -49,8 +49,13 @@ class AgentWorkflow:
             raise ValueError("AgentWorkflow needs its proxy started: enter resources(ctx) first")
         _restart(sample)
         # Copies: an agent that appends to its prompt must not change the sample.
-        task = AgentTask(sample.uid, copy.deepcopy(sample.prompt), copy.deepcopy(sample.label),
-                         copy.deepcopy(sample.metadata), copy.deepcopy(sample.tools))  # fmt: skip
+        task = AgentTask(
+            sample.uid,
+            copy.deepcopy(sample.prompt),
+            copy.deepcopy(sample.label),
+            copy.deepcopy(sample.metadata),
+            copy.deepcopy(sample.tools),
+        )
         async with proxy.session(sample) as (session, episode):
             try:
                 async with asyncio.timeout(self.config.timeout_s):

@@ -3,11 +3,8 @@
 A workflow turns one ``Sample`` (a prompt, possibly with a partial response to resume)
 into a finished one: ``async def workflow(ctx, sample) -> Sample | list[Sample]``. The
 engine is its only handle on the model; ``ctx.score`` computes the reward. A workflow
-that branches returns ``[sample, *branches]``: the other finished samples of the same
-trajectory, each trained as a row of its own with ``sample``'s advantage
-(``actors/rollout.py::attach_branches``; docs/design.md section 4).
-Records and protocols only; ``single_turn.py`` is the reference workflow, the reward scorer
-is ``rewards.py``, and ``actors/rollout.py`` runs workflows against engines.
+that branches returns ``[sample, *branches]``, each trained as a row of its own with
+``sample``'s advantage (docs/design.md section 4).
 """
 
 from __future__ import annotations

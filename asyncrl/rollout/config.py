@@ -1,11 +1,8 @@
 """Rollout settings that the config tree composes (no torch, no HTTP imports here).
 
-``ToolUseConfig`` (multi-turn tools and limits, ``rollout.tool_use``), ``RolloutConfig``
-(the ``rollout`` section: actors, engines, sampling, workflow, reward) and ``EvalConfig``
-(the ``eval`` section: named held-out sets, how often). The reward's settings are in
-``rollout/reward_config.py``. Read by ``actors/rollout.py``, ``actors/eval.py`` and
-``rollout/engines.py``; composed by ``asyncrl.config``. The engines' own settings
-(``rollout.engine``) are ``engines/config.py``'s ``EngineConfig``.
+``RolloutConfig`` is the ``rollout`` section (actors, engines, sampling, workflow, tool use,
+reward) and ``EvalConfig`` the ``eval`` section (named held-out sets, how often). The
+reward's settings are in ``reward_config.py``, the engines' in ``engines/config.py``.
 """
 
 from __future__ import annotations

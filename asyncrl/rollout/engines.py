@@ -1,43 +1,10 @@
 """The engines a rollout actor generates with, and how new weights reach them.
 
-``EngineConfig.type``:
-
-- ``torch``: the embedded ``TorchEngine`` runs in the rollout actor's process behind the
-  SGLang-compatible ``EngineServer`` on a loopback port. Workflows generate through an
-  ``InProcessGenerator`` (``in_process``: direct calls into the server, no loopback
-  HTTP), or through the ``SGLangClient`` as with any engine (``in_process: false``).
-  Pull and dist versions are written straight into the model while decoding pauses at
-  a step boundary (``update_in_place``; no staged copy of the model); disk versions,
-  and any with ``update_in_place: false``, are read whole, then copied in at a
-  boundary.
-- ``sglang``: SGLang servers (or an ``sglang-router``) at ``urls``, started elsewhere, or
-  this actor's engine actor; weights go by ``/update_weights_from_disk`` (the ``disk``
-  transport), or by broadcast (``dist``: ``server_group.py``; the engine joins the
-  trainer's group). A ``dist`` version that cannot go by broadcast (the group forming or
-  re-forming, a broadcast failed midway, an engine restarted or back in rotation) is
-  pulled from the trainer, written to ``spill_dir`` and loaded from there.
-- ``vllm``: vLLM servers at ``urls`` (started with asyncrl's arguments,
-  ``engines/vllm/launch.py``), or this actor's engine actor. Each is a ``VLLMEngine``
-  (``engines/vllm/engine.py``: vLLM's own API) behind a loopback ``EngineServer``, so it
-  takes weights as an SGLang server does: from disk, or by broadcast into its workers.
-- ``sim``: ``sim_engines`` ``SimEngine``s (no model, time from ``sim``'s latency model),
-  each behind its own loopback server, the generator (or the client) spreading calls
-  over them; their vocabulary and EOS come from ``model_path``'s ``config.json`` when given
-  (so a real trainer can train on their tokens). Weight updates take modelled time.
-
-``on_update``: ``continue`` keeps in-flight requests going (their later tokens carry the
-new version; SGLang's ``in_place``), ``abort`` aborts them first so their partial
-samples go back to the buffer and resume on the new weights. Colocated jobs ``sleep``
-the engines (flush, release memory) before each train step and ``wake`` them for the new
-weights. Used by ``actors/rollout.py``.
-
-``EngineHost`` is the one owner of the engines' weights: ``version`` and ``last`` (the
-announcement every engine in rotation has loaded) change only under its loading lock, in
-``load``, ``load_tensors`` and ``reload``. Engines at ``urls`` are health-checked
-(``health_check_s``): one that fails ``/health_generate`` leaves the client's rotation,
-and before it rejoins, ``catch_up`` loads into it the version every other engine has
-(under the same lock, so a returning engine never misses an update made meanwhile). An
-engine actor that restarted with its initial weights is brought back by ``reload``.
+``EngineHost`` runs the embedded engines (``torch``, ``sim``) behind loopback SGLang-API
+servers, puts such a server in front of each vLLM server, or connects to SGLang servers at
+``urls``. It is the one owner of their weights: ``version`` and ``last`` change only under
+its loading lock, so an engine that rejoins the rotation (``catch_up``) or restarted
+(``reload``) never misses an update made meanwhile. Transports: docs/design.md section 6.
 """
 
 from __future__ import annotations
@@ -76,7 +43,8 @@ if TYPE_CHECKING:
 class EngineHost:
     """Starts (or connects to) the engines and owns their weights (module docstring).
 
-    ``generator`` is what workflows generate with; ``client`` makes the control calls
+    ``generator`` is what workflows generate with (``InProcessGenerator`` for embedded
+    engines with ``in_process``, else the client); ``client`` makes the control calls
     (abort, pause, memory, weights) on every engine.
     """
 
@@ -144,7 +112,7 @@ class EngineHost:
         assert self.client is not None
         try:
             info = await self.client.server_info()
-        except Exception as exc:  # an old or odd server: no bound, as before
+        except Exception as exc:  # an old or odd server: no bound
             log.warning("no context length from the engine", error=str(exc))
             return None
         context = info.get("context_length")
@@ -242,7 +210,8 @@ class EngineHost:
 
     async def catch_up(self, url: str) -> None:
         """Before the engine at ``url`` rejoins the rotation: load the version the others
-        have, unless it serves it already (it kept its weights through a network blip)."""
+        have, unless it serves it already (it kept its weights through a network blip).
+        Under the loading lock, so an update made meanwhile is not missed."""
         assert self.client is not None
         async with self._loading:
             msg = self.last
@@ -256,8 +225,9 @@ class EngineHost:
                 await self.client.weights.update_weights_from_disk(
                     msg.location, msg.version, url=url
                 )
-            log.warning("a returning engine was given the current weights", url=url,
-                        version=msg.version)  # fmt: skip
+            log.warning(
+                "a returning engine was given the current weights", url=url, version=msg.version
+            )
 
     async def load(self, msg: WeightVersion, receiver: WeightReceiver | None) -> bool:
         """Bring every engine (in rotation) to weight version ``msg.version``.
@@ -337,12 +307,18 @@ class EngineHost:
             start = time.perf_counter()
             try:
                 await self.client.update_weights(
-                    msg.version, buckets=server_buckets(msg.manifest), broadcast=_sent_by_trainer,
-                    group_name=name, pause_mode=self._pause_mode,
-                )  # fmt: skip
+                    msg.version,
+                    buckets=server_buckets(msg.manifest),
+                    broadcast=_sent_by_trainer,
+                    group_name=name,
+                    pause_mode=self._pause_mode,
+                )
                 receiver.counts["broadcast"] += 1
-                log.info("weights broadcast into the engines", version=msg.version,
-                         pause_s=round(time.perf_counter() - start, 4))  # fmt: skip
+                log.info(
+                    "weights broadcast into the engines",
+                    version=msg.version,
+                    pause_s=round(time.perf_counter() - start, 4),
+                )
                 return
             except SGLangError as exc:  # a member died: the engines stay paused, part new
                 assert group is not None
@@ -366,12 +342,18 @@ class EngineHost:
                 )
                 await asyncio.to_thread(check_shared, msg.handles, msg.version)
                 receiver.counts["shared"] += 1
-                log.info("shared weights into the engines", version=msg.version,
-                         pause_s=round(time.perf_counter() - start, 4))  # fmt: skip
+                log.info(
+                    "shared weights into the engines",
+                    version=msg.version,
+                    pause_s=round(time.perf_counter() - start, 4),
+                )
                 return
             except (SGLangError, EngineError) as exc:  # dropped meanwhile, or refilled
-                log.warning("shared weights not taken; from disk instead",
-                            version=msg.version, error=str(exc))  # fmt: skip
+                log.warning(
+                    "shared weights not taken; from disk instead",
+                    version=msg.version,
+                    error=str(exc),
+                )
         await self._via_disk(msg, receiver)
 
     @property
@@ -394,8 +376,11 @@ class EngineHost:
             msg.version, path=str(path), pause_mode=self._pause_mode, url=url
         )
         receiver.counts["pulled"] += 1
-        log.warning("weights went to the engines from disk, not by broadcast",
-                    version=msg.version, path=str(path))  # fmt: skip
+        log.warning(
+            "weights went to the engines from disk, not by broadcast",
+            version=msg.version,
+            path=str(path),
+        )
 
     @property
     def lineage(self) -> str:

@@ -1,19 +1,10 @@
 """Held-out evaluation: run a set's prompts through a workflow and score pass@k.
 
-``evaluate_set`` samples ``n`` responses for every prompt of a set (the rollout workflow,
-so evaluation sees exactly what training sees), counts a sample correct when its reward
-is at least the set's ``correct`` value, and reports, over the set's prompts:
-
-- ``pass@k``: the mean over prompts of the unbiased estimator
-  ``1 - C(n - c, k) / C(n, k)`` (``c`` correct of ``n``; ``asyncrl.policies.pass_at_k``),
-  so ``pass@1`` is the mean accuracy of a single sample;
-- ``reward``: the mean reward of all samples (failed samples count as ``incorrect``);
-- ``failed``: samples whose workflow or reward raised (they count as wrong);
-- ``response_len``: mean response tokens; ``truncated``: share that hit the budget;
-- ``tool_calls``: mean tool calls per sample (multi-turn tool use only);
-- with ``group_by``, ``pass@1/<value>`` for each value of that metadata key.
-
-Used by ``actors/eval.py``; plain async code, testable with any ``Generator``.
+``evaluate_set`` samples ``n`` responses for every prompt with the rollout workflow, so
+evaluation sees exactly what training sees; a sample is correct when its reward is at
+least ``correct``. ``pass@k`` is the mean over prompts of the unbiased estimator
+``1 - C(n - c, k) / C(n, k)`` (``c`` correct of ``n``), so ``pass@1`` is the mean accuracy
+of a single sample.
 """
 
 from __future__ import annotations
@@ -42,8 +33,8 @@ async def evaluate_set(
     tag: str = "eval",
     failures: Counter[str] | None = None,
 ) -> dict[str, float]:
-    """Metrics of ``cfg``'s set (see the module docstring); ``tag`` prefixes request ids.
-    ``failures`` counts the failed samples' reasons."""
+    """Metrics of ``cfg``'s set (``score_samples``, and its ``seconds``); ``tag`` prefixes
+    request ids. ``failures`` counts the failed samples' reasons."""
     start = time.perf_counter()
     gate = asyncio.Semaphore(max_concurrency)
     samples = [
@@ -73,7 +64,11 @@ async def _run(
 
 
 def score_samples(samples: list[Sample], cfg: EvalSetConfig, *, correct: float) -> dict[str, float]:
-    """pass@k, reward, failures and lengths of finished ``samples`` (n per prompt)."""
+    """Metrics of finished ``samples`` (n per prompt): ``pass@k`` for each k (and 1);
+    ``reward``, the mean reward (none counts 0); ``failed``, samples whose
+    workflow or reward raised (wrong); ``truncated``, the share that hit the budget;
+    ``response_len``, mean response tokens; ``tool_calls``, mean calls per sample
+    (tool use only); with ``group_by``, ``pass@1/<value>`` per value of that key."""
     by_prompt: dict[str, list[Sample]] = defaultdict(list)
     for s in samples:
         by_prompt[s.prompt_id].append(s)

@@ -1,31 +1,10 @@
 """A generative judge: an OpenAI-compatible chat endpoint grades each response.
 
-For one sample the judge is sent::
-
-    POST {url}/chat/completions   {"model", "messages": [system?, user], "temperature",
-                                   "max_tokens"}
-
-where the user message is ``template`` with ``{prompt}``, ``{response}`` and ``{label}``
-filled in (a chat prompt is written out as ``role: content`` lines). The reward is the
-grade that the last match of ``score_pattern`` finds in ``choices[0].message.content``,
-divided by ``scale`` (the default template asks for ``SCORE: <0-10>``, so 0 to 1); with
-``verdicts`` the grade is a word and the reward its value (``{yes: 1, no: 0}``).
-
-Failures, each the sample's with its reason (``RewardError`` from the scorer):
-
-- retried, up to ``retries`` times with backoff (0.5 s doubling, or the server's
-  ``Retry-After``): HTTP 429 and 5xx, a lost connection, a request past
-  ``request_timeout_s``;
-- not retried (another try would get the same answer): any other 4xx, a body that is not
-  a chat completion, a reply without a grade (its start is in the reason).
-
-``max_concurrency`` bounds the requests in flight (a judge is a shared server: the rollout
-actors' samples queue here rather than flood it). The API key is read from the
-environment variable ``api_key_env`` names, never from the config file; it is sent as
-``Authorization: Bearer``. The scorer's ``timeout_s`` still bounds the whole, retries
-included.
-
-Users: ``rollout/rewards.py`` (the ``judge`` reward).
+The user message is ``template`` with ``{prompt}``, ``{response}`` and ``{label}`` filled
+in; the reward is the grade that the last match of ``score_pattern`` finds in the reply,
+divided by ``scale`` (the default template asks for ``SCORE: <0-10>``, so 0 to 1), or with
+``verdicts`` the value of the word it finds (``{yes: 1, no: 0}``). Every failure is the
+sample's, with its reason.
 """
 
 from __future__ import annotations
@@ -62,7 +41,12 @@ class _Transient(Exception):
 
 class Judge:
     """Grades samples through one judge endpoint (module docstring); ``aclose()`` closes
-    its HTTP session."""
+    its HTTP session.
+
+    At most ``max_concurrency`` requests are in flight: a judge is a shared server, so the
+    rollout actors' samples queue here rather than flood it. The API key comes from the
+    environment variable ``api_key_env`` names, never from the config file.
+    """
 
     def __init__(self, config: JudgeConfig) -> None:
         self.config = config
@@ -95,15 +79,20 @@ class Judge:
         return self.grade(reply)
 
     def request(self, sample: Sample) -> dict[str, Any]:
-        """The chat completion request for ``sample``."""
+        """The chat completion request for ``sample`` (a chat prompt is written out as
+        ``role: content`` lines)."""
         cfg = self.config
         prompt = sample.prompt if isinstance(sample.prompt, str) else _transcript(sample.prompt)
         label = "" if sample.label is None else str(sample.label)
         user = cfg.template.format(prompt=prompt, response=sample.response_text, label=label)
         messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
         messages.append({"role": "user", "content": user})
-        return {"model": cfg.model, "messages": messages, "temperature": cfg.temperature,
-                "max_tokens": cfg.max_tokens}  # fmt: skip
+        return {
+            "model": cfg.model,
+            "messages": messages,
+            "temperature": cfg.temperature,
+            "max_tokens": cfg.max_tokens,
+        }
 
     def grade(self, reply: str) -> float:
         """The last grade ``score_pattern`` finds in ``reply``: over ``scale``, or the
@@ -118,6 +107,10 @@ class Judge:
         raise JudgeError(f"the judge's reply has no grade: {reply[:200]!r}")
 
     async def _post_with_retries(self, body: dict[str, Any]) -> str:
+        """The reply's text. HTTP 429 and 5xx, a lost connection and a request past
+        ``request_timeout_s`` are retried up to ``retries`` times (backoff 0.5 s doubling,
+        or the server's ``Retry-After``); any other 4xx or a body that is not a chat
+        completion fails at once. The scorer's ``timeout_s`` bounds it all."""
         delay = 0.5
         for attempt in range(self.config.retries + 1):
             try:

@@ -1,42 +1,9 @@
 r"""DAPO's and DeepScaleR's math answer checks: the built-in rewards ``dapo`` and ``deepscaler``.
 
-A recipe moved from verl (DAPO) or rLLM (DeepScaleR) should get the same verdict on the
-same response, so each check follows its peer's rules (written here from them):
-
-**dapo** (verl's ``math_dapo.compute_score``, Minerva's normalisation), ``dapo_correct``:
-
-- only the response's last 300 characters are read; the answer is the last match of
-  ``(?i)Answer\s*:\s*([^\n]+)`` (DAPO's prompt asks for a last line "Answer: ...");
-- answer and label are normalised (``normalize_dapo``): what follows the last ``=``;
-  fixed substitutions (articles, spaces, ``\$``, ``mbox``) and removals (units such as
-  ``feet`` or ``degrees``, ``\text{}``, ``^\circ``); ``$x$`` keeps ``x``; ``\text{x}``,
-  ``\textbf{x}``, ``\overline{x}`` and ``\boxed{x}`` keep ``x``; ``\fracab`` becomes
-  ``\frac{a}{b}`` and ``\sqrta`` ``\sqrt{a}``; a number with thousands commas loses them;
-- correct iff the two normalised strings are equal. DAPO scores +1 and -1: set
-  ``incorrect: -1`` for its scale.
-
-**deepscaler** (rLLM's ``RewardMathFn``), ``deepscaler_correct``:
-
-- the solution is the text after ``</think>`` when there is one, else the whole response;
-- the answer is the content of its last ``\boxed{...}`` (or ``\fbox{...}``); a response
-  without one is wrong (DeepScaleR's format error, also 0); a label holding ``\boxed``
-  is reduced to its content;
-- correct iff (1) Hendrycks' MATH normalisation (``normalize_mathd``: ``\dfrac`` and
-  ``\tfrac`` to ``\frac``, no ``\left``/``\right``, units after ``\text{ `` dropped, ``\%``
-  dropped, ``\frac12`` to ``\frac{1}{2}``, ``0.5`` to ``\frac{1}{2}``, ``a/b`` to
-  ``\frac{a}{b}``, a short ``x =`` prefix dropped) makes both equal, or (2) after a looser
-  normalisation (``normalize_sympy``: LaTeX to text with pylatexenc, unit words and
-  ``$``/``%`` dropped, "million" as ``*10^6``, lower case) the answer has the label's
-  elements (a tuple or interval: the same brackets, element by element) and each pair
-  is equal under ``sympy.simplify(a - b) == 0``. Two fractions must be equal as written
-  (an unreduced one is wrong), an integer needs an integer, and an expression with more
-  than two unknown letters or a power like ``^{`` or ``^12`` is not given to sympy (it
-  can hang there).
-
-The scorer runs both in a worker thread under the reward's ``timeout_s`` (sympy can be
-slow); rLLM's own SIGALRM timeout works only on a main thread.
-
-Users: ``rollout/rewards.py``.
+A recipe moved from verl (DAPO: ``math_dapo.compute_score``) or rLLM (DeepScaleR:
+``RewardMathFn``) should get the same verdict on the same response, so each check follows
+its peer's rules, written here from them. The scorer runs both in a worker thread under
+the reward's ``timeout_s`` (sympy can be slow; rLLM's SIGALRM timeout needs the main thread).
 """
 
 from __future__ import annotations
@@ -74,7 +41,11 @@ _DAPO_REWRITES = (
 
 
 def normalize_dapo(answer: str) -> str:
-    """Minerva's normalisation of a final answer, as DAPO applies it (module docstring)."""
+    r"""Minerva's normalisation of a final answer, as DAPO applies it: what follows the last
+    ``=``; fixed substitutions (articles, spaces, ``\$``, ``mbox``) and removals (units such
+    as ``feet`` or ``degrees``, ``\text{}``, ``^\circ``); ``$x$``, ``\text{x}``,
+    ``\textbf{x}``, ``\overline{x}`` and ``\boxed{x}`` keep ``x``; ``\fracab`` becomes
+    ``\frac{a}{b}`` and ``\sqrta`` ``\sqrt{a}``; a number loses its thousands commas."""
     answer = answer.split("=")[-1]
     for before, after in _DAPO_SUBSTITUTIONS:
         answer = answer.replace(before, after)
@@ -90,7 +61,8 @@ def normalize_dapo(answer: str) -> str:
 
 def dapo_correct(response: str, label: str) -> bool:
     """DAPO's verdict: the last "Answer:" in the last 300 characters, normalised, equals
-    the normalised label."""
+    the normalised label (DAPO's prompt asks for a last line "Answer: ..."). DAPO scores
+    +1 and -1: set ``incorrect: -1`` for its scale."""
     found = _DAPO_ANSWER.findall(response[-DAPO_WINDOW:])
     answer = found[-1] if found else _INVALID
     return normalize_dapo(answer) == normalize_dapo(label)
@@ -121,7 +93,17 @@ def last_boxed_content(text: str) -> str | None:
 
 
 def deepscaler_correct(response: str, label: str) -> bool:
-    """DeepScaleR's verdict on ``response`` against one label (module docstring)."""
+    r"""DeepScaleR's verdict on ``response`` against one label.
+
+    The answer is the last ``\boxed{...}`` of the text after ``</think>`` (else of the whole
+    response); none is wrong (DeepScaleR's format error, also 0). A label holding
+    ``\boxed`` is reduced to its content. Correct iff ``normalize_mathd`` makes both equal,
+    or, after ``normalize_sympy``, the answer has the label's elements (a tuple or interval:
+    the same brackets) and each pair is equal: two fractions as written (an unreduced one
+    is wrong), an integer only to an integer, else ``sympy.simplify(a - b) == 0`` unless the
+    expression has more than two unknown letters or a power like ``^{`` or ``^12`` (sympy
+    can hang on those).
+    """
     solution = response.split(_THINK_END)[1] if _THINK_END in response else response
     answer = last_boxed_content(solution)
     if answer is None:
@@ -137,7 +119,10 @@ def _mathd_equal(answer: str, gold: str) -> bool:
 
 
 def normalize_mathd(answer: str) -> str:
-    """Hendrycks' MATH normalisation (module docstring); on any error, the answer as is."""
+    r"""Hendrycks' MATH normalisation (``\dfrac`` and ``\tfrac`` to ``\frac``, no
+    ``\left``/``\right``, units after ``\text{ `` and ``\%`` dropped, ``\frac12`` to
+    ``\frac{1}{2}``, ``0.5`` to ``\frac{1}{2}``, ``a/b`` to ``\frac{a}{b}``, a short ``x =``
+    prefix dropped); on any error, the answer as is."""
     answer = answer.strip()
     try:
         if (m := re.search(r"^\\text\{(?P<text>.+?)\}", answer)) is not None:
@@ -242,7 +227,8 @@ def _element_equal(truth: str, given: str) -> bool:
 
 
 def normalize_sympy(expr: str) -> str:
-    """rLLM's looser normalisation before sympy (module docstring)."""
+    """rLLM's looser normalisation before sympy: LaTeX to text with pylatexenc, unit words
+    and ``$``/``%`` dropped, "million" as ``*10^6``, lower case."""
     if (m := re.search(r"^\\text\{(?P<text>.+?)\}", expr)) is not None:
         expr = m.group("text")
     for before, after in (
@@ -277,8 +263,9 @@ def _latex_to_text(expr: str) -> str:
         text = LatexNodes2Text().latex_to_text(expr)
     except Exception:  # pylatexenc raises its own types on bad LaTeX
         return expr
-    for before, after in (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"),
-                          ("×", "*")):  # fmt: skip
+    for before, after in (
+        ("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*"),
+    ):  # fmt: skip
         text = text.replace(before, after)
     return text.strip()
 
@@ -290,8 +277,10 @@ def _simplifies_to_zero(expr: str) -> bool:
     import sympy
     from sympy.parsing import sympy_parser
 
-    transforms = (*sympy_parser.standard_transformations,
-                  sympy_parser.implicit_multiplication_application)  # fmt: skip
+    transforms = (
+        *sympy_parser.standard_transformations,
+        sympy_parser.implicit_multiplication_application,
+    )
     try:
         parsed = sympy_parser.parse_expr(expr.replace("^", "**"), transformations=transforms)
         return bool(sympy.simplify(parsed) == 0)
@@ -313,8 +302,12 @@ def _split_tuple(expr: str) -> list[str]:
     if not expr:
         return []
     inner = expr[1:-1]
-    if (len(expr) > 2 and expr[0] in _BRACKETS and expr[-1] in _BRACKETS
-            and not any(c in inner for c in _BRACKETS)):  # fmt: skip
+    if (
+        len(expr) > 2
+        and expr[0] in _BRACKETS
+        and expr[-1] in _BRACKETS
+        and not any(c in inner for c in _BRACKETS)
+    ):
         return [e.strip() for e in inner.split(",")]
     return [expr]
 

@@ -1,31 +1,11 @@
 """Multi-turn tool use: generate, parse tool calls, run the tools, append what they said, repeat.
 
-One sample is one episode. Each round:
-
-1. the engine continues from ``prompt + response`` (every token so far, never re-encoded
-   text) for at most ``min(max_tokens_per_turn, budget left)`` tokens; the assistant turn is
-   appended with ``loss_mask = 1``, its behaviour log-probs and weight versions;
-2. the turn's text is parsed for tool calls (``HermesParser``: ``<tool_call>{"name": ...,
-   "arguments": {...}}</tool_call>``, the Qwen/Hermes convention; any ``ToolCallParser``);
-3. no call: that was the final answer. Otherwise the calls run concurrently through the
-   ``ToolRegistry`` (a failing tool is an error observation, never a failed episode), and the
-   observation tokens are appended with ``loss_mask = 0``, log-prob 0 and the version of the
-   turn that asked for them (so they never change a sample's head staleness).
-
-The episode ends at a final answer (``completed``), at ``max_turns`` assistant turns, when
-the token budget ``max_new_tokens`` (the whole response: turns and observations) is used
-up, or when the engines' context is full (``truncated``, ``finish_reason`` ``max_turns``,
-``length`` or ``context``; a turn cut at
-``max_tokens_per_turn`` still has its calls run, and ends the episode if it has none), or
-on an abort (``aborted``: resumed later from its tokens, an unfinished turn continuing as
-the same turn; an abort that comes while the tools run stops the episode before its next
-turn). Finished episodes are scored; ``metadata["tool_calls"]`` lists every call's name,
-its error if it failed, its seconds and whether it timed out, for rewards and metrics.
-
-Observation tokens come from the tokenizer's chat template without touching sampled tokens
-(``ObservationRenderer``): the template renders a stand-in conversation with and without the
-tool messages, and the text after the assistant's end-of-turn token is the delta, which
-alone is tokenised.
+One sample is one episode, token-exact: the engine always continues from every token so
+far (never re-encoded text). Assistant turns are appended with ``loss_mask = 1``, their
+behaviour log-probs and weight versions; the tools' observations (the calls run
+concurrently) with ``loss_mask = 0``, log-prob 0 and the version of the turn that asked for
+them, so they never change a sample's head staleness. A failing tool is an error
+observation, never a failed episode.
 """
 
 from __future__ import annotations
@@ -90,8 +70,9 @@ class HermesParser:
 
     def content(self, text: str) -> str:
         """``text`` without its well-formed ``<tool_call>`` blocks, stripped."""
-        return self._CALL.sub(lambda m: "" if not self._call(m.group(1)).error else m.group(0),
-                              text).strip()  # fmt: skip
+        return self._CALL.sub(
+            lambda m: "" if not self._call(m.group(1)).error else m.group(0), text
+        ).strip()
 
     def unsettled_start(self, text: str) -> int:
         """Where a ``<tool_call>`` not yet closed starts, or a partial one at the end."""
@@ -188,8 +169,9 @@ def _skip_space(text: str, pos: int) -> int:
 
 def partial_suffix(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` begin ``tag`` (0: none; never all of it)."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1)
-                 if text.endswith(tag[:k])), 0)  # fmt: skip
+    return next(
+        (k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0
+    )
 
 
 _STAND_IN = (
@@ -251,7 +233,16 @@ class MultiTurnConfig:
 
 
 class MultiTurn:
-    """The multi-turn tool-use workflow (module docstring); ``ctx.tools`` is the registry."""
+    """The multi-turn tool-use workflow (module docstring); ``ctx.tools`` is the registry.
+
+    A turn gets at most ``min(max_tokens_per_turn, budget left)`` tokens. The episode ends
+    at a final answer (``completed``); at ``max_turns`` assistant turns, a spent budget
+    (``max_new_tokens``: turns and observations) or a full context (``truncated``,
+    ``finish_reason`` ``max_turns``, ``length`` or ``context``; a turn cut at its limit
+    still has its calls run, and ends the episode if it has none); or on an abort
+    (``aborted``: resumed from its tokens, an unfinished turn continuing as the same turn).
+    ``metadata["tool_calls"]`` has every call's name, error, seconds and timeout flag.
+    """
 
     def __init__(
         self, config: MultiTurnConfig | None = None, parser: ToolCallParser | None = None
@@ -386,8 +377,15 @@ class _Episode:
         version = int(s.token_versions[-1])
         s.append_response(tokens, np.zeros(len(tokens)), version, loss_mask=0, role="tool")
         record = s.metadata.setdefault("tool_calls", [])
-        record.extend({"name": r.name, "error": r.error, "seconds": round(r.seconds, 4),
-                       "timed_out": r.timed_out} for r in results)  # fmt: skip
+        record.extend(
+            {
+                "name": r.name,
+                "error": r.error,
+                "seconds": round(r.seconds, 4),
+                "timed_out": r.timed_out,
+            }
+            for r in results
+        )
         return True
 
     async def _run_calls(self, calls: list[ToolCall]) -> list[ToolResult]:

@@ -1,8 +1,8 @@
 """The OpenAI-compatible proxy that an agent written against the official ``openai`` client
 talks to, unchanged: sessions, each call checked and continued as one token trajectory
-against the engine, and OpenAI's reply and error shapes. What is trained is exactly what
-the engine sampled; the protocol, its limits and the weight-update rules are in
-``docs/agents.md``. ``agent_workflow.py`` runs one agent episode per sample through it.
+against the engine, and OpenAI's reply and error shapes, so what is trained is exactly
+what the engine sampled. The protocol, its limits and the weight-update rules are in
+``docs/agents.md``.
 """
 
 from __future__ import annotations
@@ -63,9 +63,8 @@ class Session:
         """An ``openai.AsyncOpenAI`` for this session (needs the ``openai`` package).
 
         It shares one connection pool per event loop with every other session's client:
-        building a client's own pool sets up an SSL context, about 27 ms of CPU here, which
-        per episode is most of the proxy's cost (``bench/agent_proxy.py``). Closing the
-        client leaves the shared pool open.
+        a pool of its own would set up an SSL context per episode, most of the proxy's
+        cost. Closing the client leaves the shared pool open.
         """
         import openai
 
@@ -188,8 +187,15 @@ class Episode:
     def snapshot(self) -> tuple[Any, ...]:
         """What a call changes, so a call that fails can be undone (a retry starts clean)."""
         s = self.sample
-        return (s.response_length, s.packed_prompt, list(self.history), self.tools,
-                self.calls, self.truncated, len(s.metadata.get("tool_calls", ())))  # fmt: skip
+        return (
+            s.response_length,
+            s.packed_prompt,
+            list(self.history),
+            self.tools,
+            self.calls,
+            self.truncated,
+            len(s.metadata.get("tool_calls", ())),
+        )
 
     def restore(self, state: tuple[Any, ...]) -> None:
         length, prompt, self.history, self.tools, self.calls, self.truncated, calls = state
@@ -337,8 +343,11 @@ class OpenAIProxy:
         if not new:
             raise _error(400, "no new message since the last reply")
         if any(k[0] == "assistant" for k in keys[old:]):
-            raise _error(400, "an assistant message the model did not write cannot be "
-                         "appended: add tool, user or system messages")  # fmt: skip
+            raise _error(
+                400,
+                "an assistant message the model did not write cannot be "
+                "appended: add tool, user or system messages",
+            )
         episode.history = keys
         self._append_delta(episode, [self._flat(m, episode) for m in new])
 
@@ -384,9 +393,10 @@ class OpenAIProxy:
                 raise RuntimeError(f"the engine aborted this call {empty_aborts} times in a row")
             ids = np.concatenate([s.prompt_tokens, s.response_tokens]).tolist()
             result = await self.ctx.engine.generate(
-                ids, self.ctx.sampling_with(**params, max_new_tokens=limit),
+                ids,
+                self.ctx.sampling_with(**params, max_new_tokens=limit),
                 rid=f"{s.uid}#{s.attempts}#{episode.calls}#{len(turn)}#",
-            )  # fmt: skip
+            )
             if result.output_ids:
                 if result.logprobs is None:
                     raise ValueError("the engine returned no log-probs (return_logprob is needed)")
@@ -414,8 +424,12 @@ class OpenAIProxy:
         for name in _POLICY_FIELDS:
             if body.get(name) is not None and name not in self._warned:
                 self._warned.add(name)
-                log.warning("agent sampling overridden by the run's", field=name,
-                            asked=body[name], used=getattr(self.ctx.sampling, name))  # fmt: skip
+                log.warning(
+                    "agent sampling overridden by the run's",
+                    field=name,
+                    asked=body[name],
+                    used=getattr(self.ctx.sampling, name),
+                )
         asked = {k: body[k] for k in ("stop", "stop_token_ids") if body.get(k) is not None}
         try:  # the agent's own stops, parsed at this edge
             typed = msgspec.convert(asked, SamplingParams)
@@ -458,15 +472,20 @@ class OpenAIProxy:
             record = episode.sample.metadata.setdefault("tool_calls", [])
             record.extend({"name": c.name, "error": None} for c in calls)
         s = episode.sample
-        usage = {"prompt_tokens": len(s.prompt_tokens) + s.response_length - len(turn),
-                 "completion_tokens": len(turn)}  # fmt: skip
+        usage = {
+            "prompt_tokens": len(s.prompt_tokens) + s.response_length - len(turn),
+            "completion_tokens": len(turn),
+        }
         return {
-            "id": f"chatcmpl-{secrets.token_hex(6)}", "object": "chat.completion",
-            "created": int(start), "model": body.get("model") or "asyncrl-policy",
-            "choices": [{"index": 0, "message": message, "finish_reason": reason,
-                         "logprobs": None}],
+            "id": f"chatcmpl-{secrets.token_hex(6)}",
+            "object": "chat.completion",
+            "created": int(start),
+            "model": body.get("model") or "asyncrl-policy",
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
+            ],
             "usage": {**usage, "total_tokens": usage["prompt_tokens"] + len(turn)},
-        }  # fmt: skip
+        }
 
 
 def _call_id(episode: Episode, k: int) -> str:
@@ -479,8 +498,12 @@ class _ReplyStream:
     calls are parsed, so an agent that accumulates the deltas holds the reply's message;
     an empty reply (a spent budget) has no deltas."""
 
-    def __init__(self, text: str = "", parser: ToolCallParser | None = None,
-                 call_id: Callable[[int], str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        text: str = "",
+        parser: ToolCallParser | None = None,
+        call_id: Callable[[int], str] | None = None,
+    ) -> None:
         self.text, self.parser, self.call_id = text, parser, call_id
 
     def deltas(self) -> list[Json]:
@@ -511,8 +534,9 @@ def _include_usage(body: Json) -> bool:
 
 async def _write_sse(request: web.Request, events: list[Json]) -> web.StreamResponse:
     """``events`` as server-sent events (``data: {json}``), then ``data: [DONE]``."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})  # fmt: skip
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
     await resp.prepare(request)
     for event in events:
         await resp.write(sse(event))

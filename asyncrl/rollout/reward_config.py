@@ -1,11 +1,6 @@
-"""The reward's settings: which reward scores a sample, and the reward model's and the
-generative judge's own settings (no torch, no HTTP imports here).
-
-``RewardConfig`` (``rollout.reward``, an eval set's ``reward``) with its ``terms``
-(``RewardTerm``), ``RewardModelConfig`` (an HF sequence-classification model, served by
-the reward actor) and ``JudgeConfig`` (an OpenAI-compatible judge). Split from
-``rollout/config.py``, which composes them; read by ``rollout/rewards.py``,
-``rollout/reward_model.py`` and ``rollout/judge.py``.
+"""The reward's settings: which reward scores a sample (``RewardConfig``, for
+``rollout.reward`` and an eval set's ``reward``), and the reward model's and the generative
+judge's own (no torch, no HTTP imports here; ``rollout/config.py`` composes them).
 """
 
 from __future__ import annotations
@@ -23,9 +18,11 @@ class RewardModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str = Field(
-        ..., min_length=1, description="HF sequence-classification model folder",
+        ...,
+        min_length=1,
+        description="HF sequence-classification model folder",
         json_schema_extra={"flag": "reward-model-path"},
-    )  # fmt: skip
+    )
     device: str = Field("cpu", description="torch device of the reward model")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights")
     batch_size: int = Field(16, ge=1, description="pairs scored in one forward at most")

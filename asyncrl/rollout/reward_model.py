@@ -1,32 +1,11 @@
 """A reward model: an HF sequence-classification model scoring (prompt, response) pairs in
-batches, in process or behind the reward actor.
+batches, in process or behind the reward actor (``actors/reward_model.py``).
 
     score = logits[label_index]   of the classification head at the pair's last token
 
-(transformers' ``*ForSequenceClassification`` reads the last token that is not padding,
-by ``config.pad_token_id``; it is set from the tokenizer when the model lacks one).
-
-The text scored: with a chat template, the RM tokenizer's rendering of the prompt's
-messages (a string prompt is one user turn) and the response as an assistant turn, as
-TRL's reward models read conversations; without one, the prompt and the response as a
-text pair with the tokenizer's special tokens (an encoder's ``[CLS] p [SEP] r [SEP]``).
-Padding uses the model's ``pad_token_id`` (the id its head skips) when it has one.
-A pair longer than ``max_length`` tokens fails alone with its length: a truncated pair's
-score would be the score of another text.
-
-Batching (``RewardModel``): ``score_many`` queues its pairs; one task takes up to
-``batch_size`` pairs, waiting ``batch_wait_ms`` after the first for more, tokenizes and
-right-pads them, runs one forward on a thread of its own (torch's intra-op threads stay
-with one caller, as the engine's do) and answers each. A forward that raises fails that
-batch's pairs with the reason, and the next batch runs.
-
-Where it runs: in a job, the reward actor (``actors/reward_model.py``) holds the model and
-serves ``RewardModelRequest`` on its ``reward.score`` endpoint; rollout and eval actors'
-scorers call it with ``RewardModelClient``, retrying a lost call until their timeout (a
-score has no side effect). Outside a job (``asyncrl eval``, tests) the scorer holds a
-``RewardModel`` of its own.
-
-Users: ``rollout/rewards.py`` (the ``model`` reward), ``actors/reward_model.py``.
+(transformers reads the last token that is not padding, by ``config.pad_token_id``, set
+from the tokenizer when the model lacks one). A pair longer than ``max_length`` tokens
+fails alone, with its length: a truncated pair's score would be the score of another text.
 """
 
 from __future__ import annotations
@@ -80,13 +59,23 @@ class _Pending:
 
 
 class RewardModel:
-    """The batched scorer (module docstring); an async context manager that loads the
-    model on entry and stops its batch task on exit."""
+    """The batched scorer; an async context manager that loads the model on entry and
+    stops its batch task on exit.
+
+    One task takes up to ``batch_size`` queued pairs, waiting ``batch_wait_ms`` after the
+    first for more, and runs one forward on a thread of its own (torch's intra-op threads
+    stay with one caller, as the engine's do). A forward that raises fails that batch's
+    pairs with the reason, and the next batch runs.
+    """
 
     def __init__(self, config: RewardModelConfig) -> None:
         self.config = config
-        self.stats: dict[str, float] = {"rm/pairs": 0, "rm/batches": 0, "rm/failed": 0,
-                                        "rm/forward_s": 0.0}  # fmt: skip
+        self.stats: dict[str, float] = {
+            "rm/pairs": 0,
+            "rm/batches": 0,
+            "rm/failed": 0,
+            "rm/forward_s": 0.0,
+        }
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="reward-model")
         self._tg: asyncio.TaskGroup | None = None
@@ -240,7 +229,9 @@ class RewardModel:
         return self.tokenizer(head, response)["input_ids"]
 
     def text(self, prompt: str | list[ChatMessage], response: str) -> str:
-        """The text the model scores for one pair (module docstring)."""
+        """The text the model scores for one pair: with a chat template, its rendering of
+        the prompt's messages (a string prompt is one user turn) and the response as an
+        assistant turn, as TRL's reward models read conversations; else the two joined."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if self.tokenizer.chat_template:
             chat = [*messages, {"role": "assistant", "content": response}]

@@ -1,45 +1,11 @@
 """The reward scorer: scores a finished sample; a failure is the sample's, never the run's.
 
-Built-ins compare the answer in the response with the sample's ``label`` (a list label
-holds every acceptable answer: the best score over them counts):
-
-- ``exact``: the answers are equal after stripping whitespace;
-- ``numeric``: the last number of each (commas allowed) satisfies
-  ``|a - b| <= tol * max(1, |b|)`` (absolute below 1, relative above);
-- ``math``: ``math_verify.verify(parse(label), parse(answer))`` (LaTeX, fractions, boxed);
-- ``f1``: SQuAD token F1, ``2 P R / (P + R)`` with ``P = common / |answer tokens|`` and
-  ``R = common / |label tokens|`` over lower-cased, punctuation- and article-free tokens;
-- ``dapo`` and ``deepscaler``: DAPO's and DeepScaleR's own checks of a whole response
-  (``rollout/math_graders.py``: their answer extraction, normalisation and comparison).
-
-The answer is the last match of ``answer_pattern``'s group when given, else the text
-after the last ``####`` (GSM8K), else the content of the last ``\\boxed{...}`` (nested
-braces allowed), else the whole response. A correct match scores ``correct``, a wrong
-one ``incorrect``; f1 scores the F1 itself.
-
-A sample's ``metadata["rm_type"]`` (slime's per-sample reward type) picks the built-in
-comparison for that sample in place of ``type`` (when ``type`` is a built-in; terms keep
-their own types).
-
-``terms`` (TRL's ``reward_funcs`` with ``reward_weights``) scores each term with a scorer
-of its own, concurrently, and gives ``{name: value, ..., "score": sum(weight * value)}``;
-the trainer trains on ``score`` and logs each term (``reward/<name>``). A term that fails
-fails the sample, with the term's name in the reason.
-
-``model`` asks a reward model for the score of the prompt and response
-(``rollout/reward_model.py``; in a job, the reward actor serves it).
-
-``judge`` asks a generative judge over an OpenAI-compatible chat API for a grade
-(``rollout/judge.py``: retries, a concurrency bound, the grade read from the reply).
-
-``custom`` calls a user function ``fn(sample) -> float | dict[str, float]`` (slime's
-``--custom-rm-path``); an async function is awaited, a sync one runs in a worker thread
-so it cannot block the event loop. ``remote`` POSTs
-``{"prompt", "response", "label", "metadata"}`` to ``url`` and reads ``{"reward": x}``
-(or a bare number). Every call has ``timeout_s``; a timeout, an exception or a result
-that is not a finite number (or a dict of them) becomes ``RewardError`` with the reason,
-which the rollout actor (``actors/rollout.py``) records as the sample's failure. The hub
-never turns a failure into a reward of 0: ``stats`` counts them instead.
+``build_reward`` gives the ``RewardScorer`` of ``rollout.reward``: a built-in comparison of
+the response's answer with the sample's ``label`` (``exact``, ``numeric``, ``math``, ``f1``,
+``dapo``, ``deepscaler``), a reward model, a judge, a user function, a remote URL, or
+weighted ``terms`` of these. A timeout, an exception or a result that is not a finite
+number (or a dict of them) raises ``RewardError`` with the reason, which fails the sample:
+it never becomes a reward of 0, ``stats`` counts it.
 """
 
 from __future__ import annotations
@@ -216,8 +182,9 @@ def _tokens(text: str) -> list[str]:
 class RewardScorer:
     """``await hub(sample)`` -> reward; ``stats`` counts calls and failures; ``aclose()``.
 
-    ``stats``: ``reward/calls``, ``reward/errors`` (raised or returned garbage) and
-    ``reward/timeouts`` (slower than ``timeout_s``). Build it with ``build_reward``.
+    Every call has ``timeout_s``. ``stats``: ``reward/calls``, ``reward/errors`` (raised or
+    returned garbage) and ``reward/timeouts`` (slower than ``timeout_s``). Build it with
+    ``build_reward``.
     """
 
     def __init__(
@@ -303,6 +270,9 @@ class RewardScorer:
         )
 
     async def _weighted(self, sample: Sample) -> dict[str, float]:
+        """TRL's ``reward_funcs`` with ``reward_weights``: every term concurrently, giving
+        ``{name: value, ..., "score": sum(weight * value)}``; the trainer trains on
+        ``score``. A failing term fails the sample, named in the reason."""
         try:  # the first failing term cancels the others
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._term(t, s, sample)) for t, s in self._terms]
@@ -323,6 +293,10 @@ class RewardScorer:
         return value
 
     async def _builtin(self, sample: Sample) -> float:
+        """``correct`` or ``incorrect`` (f1: the F1 itself) for the answer in the response.
+        A list label holds every acceptable answer (the best counts); a sample's
+        ``metadata["rm_type"]`` (slime's per-sample reward type) picks the comparison in
+        place of ``type``, except in a term."""
         cfg = self.config
         kind = sample.metadata.get("rm_type", cfg.type) if self._per_sample_type else cfg.type
         if kind not in _BUILTINS:
@@ -352,6 +326,8 @@ class RewardScorer:
         return await self._reward_model.score(sample.prompt, sample.response_text)
 
     async def _remote(self, sample: Sample) -> Any:
+        """POST ``{"prompt", "response", "label", "metadata"}`` to ``url``; the reply is
+        ``{"reward": x}`` or a bare number."""
         import aiohttp
 
         if self._session is None:
@@ -391,7 +367,8 @@ def build_reward(config: RewardConfig, reward_model: ScoresPairs | None = None) 
 
 
 def _custom(path: str) -> Callable[[Sample], Awaitable[Any]]:
-    """The user's ``fn(sample)`` as an async function (sync ones go to a worker thread)."""
+    """The user's ``fn(sample) -> float | dict[str, float]`` (slime's ``--custom-rm-path``)
+    as an async function (sync ones go to a worker thread, off the event loop)."""
     fn = load_object(path, what="reward")
     if not callable(fn):
         raise ValueError(f"reward path {path!r} names a {type(fn).__name__}, not a function")

@@ -1,8 +1,9 @@
 """The ``dist`` transport into engines behind the SGLang API: ``ServerGroup``.
 
-An SGLang server, or an engine actor serving the embedded engine, cannot join the
-trainer's group from inside the rollout actor: the rollout actor asks it to, over SGLang's
-own routes (``docs/sglang_api.md`` 2.2, 2.3, 2.5), and the server is the group's member.
+Such an engine cannot join the trainer's group from inside the rollout actor, so the actor
+asks it to over SGLang's own routes (``docs/sglang_api.md`` 2.2, 2.3, 2.5), at the actor's
+rank, and announces each bucket after the last one's reply, so the server receives the
+broadcasts in the order the trainer sends them:
 
     trainer (rank 0)                 rollout-i                     its engine (rank i + 1)
     announce v (group G forming) ->  /init_weights_update_group -> joins G SGLang's way
@@ -10,17 +11,7 @@ own routes (``docs/sglang_api.md`` 2.2, 2.3, 2.5), and the server is the group's
     broadcast bucket 0, 1, ...       /update_weights_from_distributed -> receives it
                                      continue
 
-The rank is the rollout actor's (its one engine: ``tp_size`` 1). Buckets are announced
-one at a time, each after the last one's reply, so the server joins the broadcasts in
-the order the trainer sends them; a bucket of one tensor is announced as that tensor,
-one of several as ``load_format: "flattened_bucket"`` (their bytes, as the trainer
-sends them: ``weights.group.on_the_wire``). The trainer re-forms the group under a new id
-when a member is lost (``weights.group.GroupMembership``); the engines then join the new
-id, and leave the old one. A version that cannot go by broadcast (the group forming,
-or a broadcast that failed midway) is handed to the engines from disk instead
-(``EngineHost``).
-
-Users: ``EngineHost`` (``rollout/engines.py``), built by ``actors/rollout.py``.
+A version that cannot go by broadcast goes to the engines from disk (``EngineHost``).
 """
 
 from __future__ import annotations
@@ -45,7 +36,9 @@ log = get_logger("asyncrl.weights")
 
 
 def server_buckets(manifest: BlobManifest) -> list[WeightBucket]:
-    """The ``/update_weights_from_distributed`` calls of one version, in broadcast order."""
+    """The ``/update_weights_from_distributed`` calls of one version, in broadcast order:
+    a bucket of one tensor as that tensor, one of several as ``flattened_bucket`` (their
+    bytes, as the trainer sends them: ``weights.group.on_the_wire``)."""
     entries = manifest.entries
     calls = []
     for bucket in manifest_buckets(manifest):
@@ -136,9 +129,13 @@ class ServerGroup:
         (url,) = (await self.client.weights.group_layout())[0]
         host, port = self.address
         pending = await self.client.weights.init_weights_update_group(
-            host, port, world_size=self.cfg.world_size, rank_offsets={url: self.rank},
-            group_name=name, backend=self.cfg.backend,
-        )  # fmt: skip
+            host,
+            port,
+            world_size=self.cfg.world_size,
+            rank_offsets={url: self.rank},
+            group_name=name,
+            backend=self.cfg.backend,
+        )
         await pending  # the server answers once every rank has arrived
         self.joined = name
         log.info("engine joined the weight group", group=group_id, rank=self.rank)

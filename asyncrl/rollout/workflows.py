@@ -1,12 +1,10 @@
-"""Which workflow a rollout actor runs: single-turn, multi-turn tool use, or a user's.
+"""Which workflow a rollout actor runs: single-turn, multi-turn tool use, an agent, or a user's.
 
 No path: the agent workflow when ``rollout.agent`` is set (an ``openai``-client agent
 trained through the proxy), the multi-turn workflow when ``rollout.tool_use`` is set, else
-single-turn.
-
-slime's ``--custom-generate-function-path``: ``package.module:function`` (or
-``package.module.function``) naming ``async def fn(ctx, sample) -> Sample``. A bad path is
-refused when the actor starts, naming the path and what is wrong.
+single-turn. A path (slime's ``--custom-generate-function-path``) is
+``package.module:function`` (or ``package.module.function``) naming
+``async def fn(ctx, sample) -> Sample``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
 """Chaos: SIGKILL the actors of a running job on a schedule, then prove nothing was lost.
 
-A schedule is a list of kills ``TARGET@WHEN`` (``asyncrl chaos --kill``):
-
-- ``TARGET``: an actor (``buffer``, ``rollout-1``), a role (``rollout``: one of its actors
-  at random), or ``random`` (any actor of a role that may be restarted);
-- ``WHEN``: ``30s`` (seconds after every actor is up) or ``step20`` (once the trainer's
-  heartbeat reports version 20 or more);
-- ``:SIGNAL``, optional: ``SIGKILL`` (the default; to the actor's process group, through
-  the runtime), or ``SIGTERM``, ``SIGINT``, ``SIGSTOP`` to its process alone, as a user's
-  ``kill`` sends them (local runtime only). A signal the controller did not send is a
-  fault: the actor is restarted; a stopped one goes silent and is killed as hung.
-
-``every`` adds a ``random`` kill every that many seconds until the job ends;
-``duration`` ends the job after that many seconds, and ``stop_when_back`` once the last
-scheduled kill's victim is back (either way the trainer is told to stop: it checkpoints
-and the job winds down as after its last step). Each kill
-waits until its victim is running (it said Hello since its last restart, and no other
-restart is under way), signals it, and records when it went down and when it was back.
-
-``audit_run(run_dir)`` then checks the run, independently of the buffer's own counters
-where it can: the buffer's ledger adds up (``lost`` = admitted minus everything
-accounted for); ``trained.jsonl`` (the trainer's audit log, one row per batch with its
-group uids) shows no group in two different batches (``duplicated``) and as many
-distinct groups as the ledger consumed (``untrained``); the final version is the step
-count asked for. Users: ``asyncrl chaos``, ``bench/soak.py``, ``tests/test_chaos.py``.
+``Chaos`` runs the kills (``asyncrl chaos --kill TARGET@WHEN[:SIGNAL]``) one at a time,
+each once the job is calm; ``audit_run`` then checks the run's accounting, independently
+of the buffer's own counters where it can (``docs/reliability.md``, "Chaos").
 """
 
 from __future__ import annotations
@@ -61,7 +40,12 @@ _BACK = ("running", "draining", "stopped", "finished")
 
 @dataclasses.dataclass(frozen=True)
 class KillAt:
-    """One scheduled kill: ``target`` at ``seconds`` after start, or at trainer ``step``."""
+    """One scheduled kill: ``target`` at ``seconds`` after every actor is up, or once the
+    trainer's heartbeat reports version ``step`` or more.
+
+    ``target``: an actor (``rollout-1``), a role (one of its actors at random), or
+    ``random`` (any actor of a role that may be restarted).
+    """
 
     target: str
     seconds: float | None = None
@@ -82,8 +66,9 @@ class KillAt:
             )
         name = sig.upper() if sig.upper().startswith("SIG") else f"SIG{sig.upper()}"
         if sig and name not in SIGNALS:
-            raise ValueError(f"chaos kill {text!r}: signal {sig!r} is not one of "
-                             f"{', '.join(SIGNALS)}")  # fmt: skip
+            raise ValueError(
+                f"chaos kill {text!r}: signal {sig!r} is not one of {', '.join(SIGNALS)}"
+            )
         seconds = float(match.group(1)) if match.group(1) is not None else None
         step = int(match.group(2)) if match.group(2) is not None else None
         return cls(target, seconds=seconds, step=step, signal=name if sig else "SIGKILL")
@@ -97,19 +82,24 @@ def check_targets(
     signal other than SIGKILL outside the local runtime (a Ray worker has no pid of ours)."""
     for kill in kills:
         if kill.signal != "SIGKILL" and runtime != "local":
-            raise ValueError(f"chaos kill {kill.target!r}: {kill.signal} needs the local "
-                             f"runtime (this job runs on {runtime}); use SIGKILL")  # fmt: skip
+            raise ValueError(
+                f"chaos kill {kill.target!r}: {kill.signal} needs the local "
+                f"runtime (this job runs on {runtime}); use SIGKILL"
+            )
         if kill.target == "random":
             continue
         role = roles.get(kill.target) or (kill.target if kill.target in roles.values() else None)
         if role is None:
             known = ", ".join(sorted({*roles, *roles.values()}))
-            raise ValueError(f"chaos kill {kill.target!r}: not an actor or role of this job "
-                             f"({known}, random)")  # fmt: skip
+            raise ValueError(
+                f"chaos kill {kill.target!r}: not an actor or role of this job ({known}, random)"
+            )
         if budgets.get(role, 0) < 1:
             why = " (the trainer needs --save-interval N)" if role == "trainer" else ""
-            raise ValueError(f"chaos kill {kill.target!r}: {role} actors are not restarted "
-                             f"in this job{why}; set --runtime.max-restarts N")  # fmt: skip
+            raise ValueError(
+                f"chaos kill {kill.target!r}: {role} actors are not restarted "
+                f"in this job{why}; set --runtime.max-restarts N"
+            )
 
 
 @dataclasses.dataclass
@@ -126,7 +116,14 @@ class Kill:
 
 
 class Chaos:
-    """Runs a kill schedule against a supervisor's actors (see the module docstring)."""
+    """Runs a kill schedule against a supervisor's actors.
+
+    ``every``: a ``random`` kill every that many seconds until the job ends. ``duration``
+    stops the trainer after that many seconds, ``stop_when_back`` once the last scheduled
+    victim is back; either way it checkpoints and the job winds down as after its last
+    step. Each kill waits until its victim is running (it said Hello since its last
+    restart, and no other restart is under way) and records when it was back.
+    """
 
     def __init__(
         self,
@@ -139,8 +136,10 @@ class Chaos:
         stop_when_back: bool = False,
     ) -> None:
         if stop_when_back and every is not None:
-            raise ValueError("chaos: every kills until the job ends; stop_when_back ends it "
-                             "after the schedule: give one")  # fmt: skip
+            raise ValueError(
+                "chaos: every kills until the job ends; stop_when_back ends it "
+                "after the schedule: give one"
+            )
         # Due order can mix a time and a step; within each kind, earliest first.
         self.schedule = sorted(schedule, key=_due_order)
         self.every = every
@@ -224,8 +223,7 @@ class Chaos:
                 break
             await asyncio.sleep(_POLL_S)
         handle = sup.handles[victim]
-        kill = Kill(victim, handle.pid, round(self._elapsed(), 2), _trainer_version(sup), None,
-                    sig)  # fmt: skip
+        kill = Kill(victim, handle.pid, round(self._elapsed(), 2), _trainer_version(sup), None, sig)
         self.kills.append(kill)
         log.warning(f"chaos: {sig}", actor=victim, pid=handle.pid, step=kill.step)
         if sig == "SIGKILL":
@@ -298,10 +296,16 @@ class Audit:
 
 
 def audit_run(run_dir: Path, expected_version: int) -> Audit:
-    """Check a finished run's accounting (see the module docstring)."""
+    """Check a finished run's accounting: the buffer's ledger adds up (``lost``: admitted
+    minus everything accounted for); ``trained.jsonl`` (the trainer's audit log, one row
+    per batch with its group uids) has no group in two batches (``duplicated``) and every
+    consumed group trained or held for the trainer (``untrained``); as many batches made
+    a version as the final version says, and it is ``expected_version``."""
     row = _last_row(run_dir / "metrics" / "buffer.jsonl")
-    counts = {k: int(row.get(f"buffer.{k}", 0)) for k in
-              ("admitted", "consumed", "in_flight", "partial", "buffered")}  # fmt: skip
+    counts = {
+        k: int(row.get(f"buffer.{k}", 0))
+        for k in ("admitted", "consumed", "in_flight", "partial", "buffered")
+    }
     filtered = int(sum(v for k, v in row.items() if k.startswith("buffer.filtered.")))
     failed = int(sum(v for k, v in row.items() if k.startswith("buffer.failed.")))
     live = counts["in_flight"] + counts["partial"] + counts["buffered"]
@@ -414,8 +418,18 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
         kills.add_row(k["actor"], str(k["pid"]), f"{k['at_s']:.1f}", str(k["step"]), back)
     console.print(kills)
     a = report["audit"]
-    audit = Table("admitted", "consumed", "filtered", "failed", "waiting", "lost", "duplicated",
-                  "untrained", "final version", title="accounting")  # fmt: skip
+    audit = Table(
+        "admitted",
+        "consumed",
+        "filtered",
+        "failed",
+        "waiting",
+        "lost",
+        "duplicated",
+        "untrained",
+        "final version",
+        title="accounting",
+    )
     waiting = a["in_flight"] + a["partial"] + a["buffered"]
     counts = [a[k] for k in ("admitted", "consumed", "filtered", "failed")]
     counts += [waiting, a["lost"], a["duplicated"], a["untrained"]]
@@ -423,5 +437,7 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
     console.print(audit)
     verdict = "[green]chaos ok[/green]" if report["ok"] else "[red]chaos failed[/red]"
     problems = "; ".join(a["problems"]) or report["job"]["error"]
-    console.print(f"{verdict}: {len(report['kills'])} kills, {len(report['restarts'])} restarts"
-                  + (f"; {problems}" if problems else ""))  # fmt: skip
+    console.print(
+        f"{verdict}: {len(report['kills'])} kills, {len(report['restarts'])} restarts"
+        + (f"; {problems}" if problems else "")
+    )

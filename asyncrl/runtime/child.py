@@ -1,12 +1,8 @@
 """Entry point of an actor process: ``python -m asyncrl.runtime.child < spec.json``.
 
-The local runtime starts one of these per actor and writes the ``ActorSpec`` as JSON to
-its stdin. The child lifts its soft open-file limit to the hard one, configures logging
-(console on stderr for the runtime's log tail, JSON lines to ``spec.log_file``), asks the
-kernel to SIGTERM it when its parent dies (no orphan actors), imports the actor class and
-runs it on uvloop.
-
-Exit codes: 0 stopped cleanly, 1 the actor failed, 2 the spec or class could not load.
+The local runtime writes the ``ActorSpec`` as JSON to its stdin (a zygote's fork calls
+``main`` instead). Exit codes: 0 stopped cleanly, 1 the actor failed, 2 the spec or
+class could not load.
 """
 
 from __future__ import annotations
@@ -55,9 +51,8 @@ def raise_open_file_limit() -> None:
 
 
 def limit_threads(threads: int | None) -> None:
-    """Give this process ``threads`` OpenMP/torch threads. Several torch processes on few
-    cores, each with one thread per core, spin against each other: a trainer step measured
-    7x slower beside a busy engine on 2 cores than with one thread each."""
+    """Give this process ``threads`` OpenMP/torch threads: several torch processes on few
+    cores, each with one thread per core, spin against each other."""
     if threads is None:
         return
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):

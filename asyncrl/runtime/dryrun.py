@@ -1,11 +1,9 @@
 """``asyncrl train --dry-run``: start the job's actors, prove every channel, stop cleanly.
 
-Runs the real topology (``runtime/topology.py``) with a ``ProbeActor`` in each role on
-the configured runtime (local processes, or Ray actors placed as the job's would be),
-under the real supervisor and control server, and returns one row per actor: node, pid,
-messages moved per channel, weight version reached, exit code. A dry run
-costs seconds and catches what would otherwise fail an hour into a job: ports, imports,
-a config that does not load in a child process, a firewall between actors.
+A ``ProbeActor`` in each role of the real topology, on the configured runtime and under
+the real supervisor, moves traffic on every channel; one row per actor comes back. It
+catches in seconds what would otherwise fail an hour into a job: ports, imports, a
+config that does not load in a child process, a firewall between actors.
 """
 
 from __future__ import annotations

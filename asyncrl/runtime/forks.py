@@ -3,13 +3,8 @@ from it, learn how they end.
 
 A zygote serves every local job of this process whose environment is the one it started
 with: a variable read at import time (``OMP_WAIT_POLICY``, ``HF_HUB_OFFLINE``) must not
-differ between an actor and the imports it inherits. A job with another environment gets
-a zygote of its own; idle ones are closed then. A reader thread takes the zygote's
+differ between an actor and the imports it inherits. A reader thread takes the zygote's
 messages, so one zygote outlives the event loops of the jobs it serves.
-
-If the zygote itself dies, its actors are SIGKILLed (the kernel would SIGTERM them) and
-reported as killed. A zygote outlives the jobs it served (about 0.4 GB, shared with its
-actors while they run) until this process exits; ``close_idle_zygotes`` ends it sooner.
 """
 
 from __future__ import annotations
@@ -178,7 +173,8 @@ class Zygote:
                 log.debug("a fork's exit waiter failed", pid=pid, exc_info=True)
 
     def _gone(self) -> None:
-        """The zygote exited: its children get SIGTERM from the kernel; end them now."""
+        """The zygote exited: SIGKILL its children (the kernel only SIGTERMs them) and
+        report them killed."""
         self.error = self.error or f"the fork server exited (pid {self.proc.pid})"
         self._ready.set()
         self._replies.put({"error": self.error})
@@ -301,9 +297,13 @@ class ForkedProcess:
 
 
 async def fork_actor(
-    zygote: Zygote, env: Mapping[str, str], cwd: str, stdin: bytes,
-    inherit: Mapping[str, int], line_limit: int,
-) -> ForkedProcess:  # fmt: skip
+    zygote: Zygote,
+    env: Mapping[str, str],
+    cwd: str,
+    stdin: bytes,
+    inherit: Mapping[str, int],
+    line_limit: int,
+) -> ForkedProcess:
     """A child of ``zygote`` reading ``stdin`` and writing its output to a pipe we read;
     ``inherit`` maps an environment variable to a descriptor the child keeps (the variable
     names it there). ``ZygoteUnavailable`` if the zygote cannot fork it. Cancelled at any

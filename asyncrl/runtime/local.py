@@ -1,13 +1,10 @@
 """Local runtime: every actor is a child process of the controller on this machine.
 
-Each child runs ``python -m asyncrl.runtime.child`` with its ``ActorSpec`` as JSON on
-stdin, in a process group of its own: a stop or kill reaches whatever the actor started
-(an SGLang server, compile workers), and the terminal's Ctrl-C reaches only the
-controller, which then stops the actors in order. Output is read line by line: the last
-``tail_lines`` are kept for death reports and everything is appended to
-``<run_dir>/logs/<actor>.out``. Leaving the runtime's ``async with`` kills every group
-still alive, so a job never leaves orphans (children also get SIGTERM from the kernel if
-the controller itself dies).
+Each child (``python -m asyncrl.runtime.child``, forked from the zygote or exec'd) leads
+a process group of its own: a stop or kill reaches whatever the actor started (an SGLang
+server, compile workers), and a terminal's Ctrl-C reaches only the controller, which
+stops the actors in order. Leaving the runtime's ``async with`` kills every group still
+alive, so a job never leaves orphans.
 """
 
 from __future__ import annotations

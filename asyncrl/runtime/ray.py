@@ -1,34 +1,10 @@
 """Ray runtime: every actor is a Ray actor, placed by its role's resources (``--runtime ray``).
 
-    controller (driver) --ray.init--> cluster
-        place(specs):  placement groups per role   trainer: PACK, rollout and engine: SPREAD
-                                                   (or PACK), eval/buffer: one bundle each
-                       one ActorHost per actor     in its role's bundle (no bundle when
-                                                   the role asks for no resources)
-                       endpoints                   asked of a host on the binder's node
-        start(spec):   ActorHost.run(spec)         the asyncrl actor runs in the Ray
-                                                   worker's event loop (uvloop)
-
-Resources come from ``runtime.ray.roles`` (CPUs, GPUs, custom resources); a job that asks
-for more than the cluster has is refused before any actor starts, naming what is short.
-Rollout actors embed their engines, or (``rollout.engine.serve: actor``) each is placed on
-the node of its engine actor (``engine-i`` beside ``rollout-i``, by node affinity); engine
-actors spread like rollout actors.
-
-Addresses: a channel binds on the node of the actor that owns it (``topology.binder``),
-and the port is found free by a host on that node, so the addresses travel through Ray,
-not through any guess made by the controller. When every node is on the controller's host
-(a local cluster, or ``ray.cluster_utils.Cluster``) they bind ``runtime.host`` (loopback).
-On a cluster that spans hosts each binds its node's address (the control server the
-controller's), which asyncrl allows only with CurveZMQ (``wire.curve_keys``): without keys
-such a cluster is refused with that reason.
-
-Death: a host's ``run`` returns the actor's exit code (0 stopped, 1 failed, 2 could not
-load). A worker that dies (SIGKILL, OOM, a lost node) surfaces as Ray's ``ActorDiedError``;
-the handle then reports exit code 1 and Ray's cause, and the supervisor's restart policy
-applies as with local processes. Console output goes to ``<run_dir>/logs/<actor>.out``
-on the actor's node, as with the local runtime (the run directory must be shared for
-multi-node runs; docs/ray.md).
+``place`` reserves a placement group per role (``runtime.ray.roles``) and starts an
+``ActorHost`` per actor in its bundle; ``start`` runs the actor in that host's event loop.
+A channel binds on the node of the actor that owns it, on a port a host there found free
+(beyond one host only with CurveZMQ). A worker that dies ends its actor with
+``WORKER_LOST`` and Ray's cause. ``docs/ray.md`` has placement, addresses and failures.
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
 """Restart policy of a training job: which actors come back after a crash, and how.
 
-``restart_budgets(cfg)`` gives each role its restarts (``runtime.max_restarts``), except
-where a restart could not be exact: the trainer needs periodic checkpoints
-(``train.checkpoint_interval``; the buffer keeps every batch after the newest one, and a
-restarted trainer retrains them), the buffer needs its journal (``runtime.journal``).
-
-``RestartHooks`` are the supervisor's ``before_restart`` and ``after_restart``:
-
-- rollout actor: the buffer first requeues the work it held (its partials resume
-  elsewhere); asked again while the buffer itself is away (restarting), up to
-  ``wait_s``;
-- buffer: starts as ``restarted``: its checkpoint plus the journal (a resumed job's
-  buffer that died before its first checkpoint resumes again); once an incarnation has
-  run, a checkpoint or journal gone missing ends the job (``RunStateLost``);
-- trainer: starts as ``restarted``: the newest checkpoint this job wrote, and its first
-  request resyncs, so the buffer serves again every batch after that checkpoint;
-- engine actor: once up, its rollout actor reloads the weights it had into it before
-  asking for work again (an idle rollout actor would not notice the engine died);
-- reward actor: starts again as it was (it keeps no state); its callers send the calls
-  it lost again (``rollout/reward_model.py``);
-- eval actor: starts again as it was and evaluates the newest due version; once the
-  trainer has finished, a restarted eval actor is told where the final version is (the
-  trainer's final checkpoint, ``feed_final``): its announcement left with the trainer.
-
-Users: ``asyncrl.job.run_job``.
+A role is restarted only where the restart can be exact (``restart_budgets``), and
+``RestartHooks`` prepare each restart so that no work is lost or done twice.
 """
 
 from __future__ import annotations
@@ -50,7 +28,10 @@ _RETRY_S = 0.5
 
 
 def restart_budgets(cfg: RunConfig) -> dict[str, int]:
-    """Restarts per actor of each role (see the module docstring)."""
+    """Restarts per actor of each role (``runtime.max_restarts``), none where a restart
+    could not be exact: the trainer needs periodic checkpoints (``train.checkpoint_interval``;
+    the buffer keeps every batch after the newest one, and a restarted trainer retrains
+    them), the buffer its journal (``runtime.journal``)."""
     n = cfg.runtime.max_restarts
     train = cfg.train
     trainer_exact = train.checkpoint_interval > 0 and not (
@@ -67,7 +48,14 @@ def restart_budgets(cfg: RunConfig) -> dict[str, int]:
 
 
 class RestartHooks:
-    """``before_restart`` / ``after_restart`` for the supervisor (module docstring)."""
+    """``before_restart`` / ``after_restart`` for the supervisor.
+
+    A rollout actor's work is requeued at the buffer first (asked again for up to
+    ``wait_s`` while the buffer itself is restarting). A buffer or trainer starts as
+    ``restarted``: from its checkpoint (the buffer's, plus its journal; the newest one this
+    job's trainer wrote, then a resync, so the buffer serves again every batch after it).
+    Once an incarnation wrote that state, finding it missing ends the job (``RunStateLost``).
+    """
 
     def __init__(
         self,
@@ -100,7 +88,8 @@ class RestartHooks:
         return None
 
     async def after_restart(self, spec: ActorSpec) -> None:
-        """Once ``spec`` is up again: a restarted engine gets its weights back."""
+        """Once ``spec`` is up again: a restarted engine's rollout actor reloads its
+        weights into it (an idle rollout actor would not notice the engine died)."""
         if spec.role != "engine":
             return
         rollout = spec.name.replace("engine-", "rollout-", 1)
@@ -112,7 +101,8 @@ class RestartHooks:
 
     async def feed_final(self, sup: Supervisor, version: int, path: Path) -> None:
         """Until cancelled: each eval incarnation after the first is told to evaluate the
-        final ``version`` from ``path`` (HF weights) once it is up and the path exists."""
+        final ``version`` from ``path`` (HF weights) once it is up and the path exists (the
+        trainer's announcement of it left with the trainer)."""
         told = 0
         while True:
             st = sup.status.get("eval")
@@ -123,8 +113,11 @@ class RestartHooks:
                     async with asyncio.timeout(30.0):
                         await self.control.command("eval", cmd)
                     told = st.restarts
-                    log.warning("the restarted eval actor evaluates the final checkpoint",
-                                version=version, path=str(path))  # fmt: skip
+                    log.warning(
+                        "the restarted eval actor evaluates the final checkpoint",
+                        version=version,
+                        path=str(path),
+                    )
                 except (PeerLost, RemoteError, TimeoutError) as exc:
                     log.warning("eval not told of the final checkpoint yet", error=str(exc))
             await asyncio.sleep(_RETRY_S)

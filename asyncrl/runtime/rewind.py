@@ -1,15 +1,8 @@
 """Go back to an earlier step of a run: ``asyncrl train --resume-from-step N``.
 
-Step N can be gone back to when it was kept whole (``checkpoints.py``): the
-trainer's checkpoint and the buffer's snapshot of it are the run as a crash right then
-would have left it. So a run whose journal was lost or cut, or whose newer checkpoints
-are gone, goes on exactly from N.
-
-``rewind_run`` moves what came after N aside (``checkpoints/rewound-<time>-from-N/``;
-nothing is deleted): the newer trainer checkpoints and snapshots, the buffer's
-checkpoint and journal, and the rows of ``metrics.jsonl``, ``trained.jsonl``,
-``samples.jsonl`` and ``metrics/eval.jsonl`` written after N. The snapshot becomes the
-buffer's checkpoint, and the job resumes as with ``--resume``.
+A step kept whole (the trainer's checkpoint and the buffer's snapshot of it,
+``checkpoints.py``) is the run as a crash right then would have left it, so a run whose
+journal was lost or cut, or whose newer checkpoints are gone, goes on exactly from there.
 """
 
 from __future__ import annotations
@@ -34,8 +27,11 @@ from asyncrl.errors import InputError
 
 
 def rewind_run(run_dir: Path, step: int) -> Path:
-    """Make ``run_dir`` the run as it was at ``step`` (module docstring); returns where
-    the later state went. ``InputError`` when ``step`` was not kept whole."""
+    """Make ``run_dir`` the run as it was at ``step``: what came after it (newer trainer
+    checkpoints and snapshots, the buffer's checkpoint and journal, the later rows of
+    ``metrics.jsonl``, ``trained.jsonl``, ``samples.jsonl`` and ``metrics/eval.jsonl``)
+    is moved aside, nothing deleted, and the snapshot becomes the buffer's checkpoint.
+    Returns where the later state went; ``InputError`` when ``step`` was not kept whole."""
     steps = resumable_steps(snapshot_dir(run_dir), trainer_dir(run_dir))
     if step not in steps:
         raise InputError(_not_kept(run_dir, step, steps))

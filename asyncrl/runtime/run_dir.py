@@ -1,25 +1,8 @@
 """A run directory belongs to one job at a time, and a fresh job does not reuse a run.
 
-``claim_run_dir(run_dir, resume=..., overwrite=...)`` is held for a job's whole life:
-
-- an exclusive ``flock`` on ``RUN_DIR/.lock`` (the holder's pid, host and start time are
-  written into it, for the refusal's message). The kernel drops the lock when the holder
-  exits however it exits, so a SIGKILLed controller leaves no stale lock; a second job in
-  the same directory is refused (``RunDirInUse``) before it writes anything there;
-- a directory that holds a run (trainer checkpoints, ``metrics.jsonl`` or
-  ``trained.jsonl``) is continued with ``resume``, cleared first with ``overwrite``
-  (asyncrl's own files only, never anything else a user keeps there), and otherwise
-  refused (``RunDirHoldsRun``): a fresh job in it would mix its metrics, checkpoints
-  and journal with the old run's.
-
-A claim is re-entrant within one flow of control (a ``ContextVar``: the CLI claims before
-it opens the run's log, ``run_job`` inside it claims again), and released when the
-outermost claim ends; two jobs in one process are two claims, and the second is refused.
-Local actor processes inherit the lock's descriptor (``lock_fds``), so the directory stays
-claimed until the last of them has exited: a controller SIGKILLed mid-run leaves actors
-that drain and write their last checkpoint for a few seconds, and a ``--resume`` started
-meanwhile is refused until they are gone. What the actors execute does not inherit it
-(``keep_lock_to_self``).
+``claim_run_dir`` holds an exclusive ``flock`` on ``RUN_DIR/.lock`` for the job's life (the
+kernel drops it however the holder exits: no stale lock), and refuses a fresh job in a
+directory that holds a run unless told to resume or overwrite it.
 """
 
 from __future__ import annotations
@@ -41,9 +24,18 @@ from asyncrl.runtime.rewind import rewind_run
 
 #: What asyncrl writes in a run directory; ``overwrite`` removes these and nothing else.
 RUN_FILES = (
-    "checkpoints", "logs", "metrics", "metrics.jsonl", "trained.jsonl", "config.json",
-    "chaos.json", "plots", "rollout_data", "tensorboard", "weights",
-)  # fmt: skip
+    "checkpoints",
+    "logs",
+    "metrics",
+    "metrics.jsonl",
+    "trained.jsonl",
+    "config.json",
+    "chaos.json",
+    "plots",
+    "rollout_data",
+    "tensorboard",
+    "weights",
+)
 _LOCK = ".lock"
 #: The run directories this flow of control holds, resolved, with their lock descriptors.
 _claimed: contextvars.ContextVar[dict[Path, int] | None] = contextvars.ContextVar(
@@ -76,10 +68,14 @@ def claim_run_dir(
     buffered: bool = True,
     rewind_to: int | None = None,
 ) -> Iterator[Path | None]:
-    """Hold ``run_dir`` for one job (module docstring); ``buffered``: the job has a
-    buffer (a train-only job from rollout files has none), whose checkpoint a resume
-    needs beside the trainer's. ``rewind_to``: first go back to that step (a resume;
-    ``runtime/rewind.py``); the claim yields where the later state went."""
+    """Hold ``run_dir`` for one job: ``RunDirInUse`` while another live job holds it;
+    ``RunDirHoldsRun`` when it holds a run and neither ``resume`` nor ``overwrite`` (which
+    removes asyncrl's own files only) is given. Re-entrant within one flow of control (a
+    ``ContextVar``: the CLI claims, then ``run_job`` again); two jobs in one process are two
+    claims. Local actors inherit the lock (``lock_fds``): the run stays claimed until the
+    last has exited. ``buffered``: the job has a buffer (a train-only job from rollout
+    files has none), whose checkpoint a resume needs beside the trainer's. ``rewind_to``:
+    first go back to that step (``runtime/rewind.py``); yields where the later state went."""
     if (resume or rewind_to is not None) and overwrite:
         flag = "--resume" if rewind_to is None else "--resume-from-step"
         raise InputError(

@@ -1,31 +1,9 @@
 """The supervisor: starts actors through a runtime and watches them over the control server.
 
-It knows each actor's status from its notifications (``Hello``, ``Heartbeat``, ``Bye``)
-and its process exit, and turns trouble into one exception with the evidence:
-
-- ``ActorDied``: the process exited while the job was running, with its exit code, its
-  ``Bye`` reason when it sent one, and its last log lines (an exit 0 after ``Bye(ok)`` is
-  not a death: the actor finished its work and its state becomes ``finished``);
-- ``ActorHung``: no heartbeat for ``heartbeat_timeout`` seconds, or ``startup_timeout``
-  while it sets up (the actor is killed).
-
-``wait_until(predicate)`` raises the first such failure, so a controller that waits for
-progress never waits on a dead actor. ``stop_all()`` asks every actor to stop (command,
-then SIGTERM, then SIGKILL).
-
-Restart policy (``restarts``: role -> most restarts per actor): a death or hang of an
-actor of such a role is logged with its evidence and kept in ``deaths``;
-``before_restart(spec, status)`` runs (``status.ran``: the dead incarnation got past its
-set-up) and may return the spec to start instead (the controller
-requeues a dead producer's in-flight work at the buffer, and starts a buffer or trainer
-in recovery mode), then the actor starts again, on the same endpoints, and must say
-Hello within ``startup_timeout``; then ``after_restart(spec)`` runs (the controller has
-a restarted engine's rollout actor reload its weights). Past its budget a death fails
-the job as above, and so does at once a death whose ``Bye`` says ``permanent`` (an error
-of the actor's input or code, which a restart would only repeat). An actor being stopped
-(``stop(names)``, or all by ``stop_all()``) is neither restarted nor a failure when it
-dies; the others keep their policy (an eval actor killed in the final evaluation, after
-the producers were stopped, is still restarted).
+It knows each actor from its notifications (``Hello``, ``Heartbeat``, ``Bye``) and its
+process exit, and turns trouble into one exception with the evidence (``ActorDied``,
+``ActorHung``: exit code, ``Bye`` reason, last log lines). ``wait_until`` raises the first
+such failure, so a controller that waits for progress never waits on a dead actor.
 """
 
 from __future__ import annotations
@@ -49,9 +27,8 @@ from asyncrl.wire.messages import Bye, Command, Heartbeat, Hello
 log = get_logger("asyncrl.supervisor")
 
 
-#: Polls of 0.1 s for the Bye of an actor that exited with code 0 (5 s in all). 2 s was
-#: too short on a loaded 2-core machine: an eval actor's Bye after its final evaluation
-#: came later, its exit counted as a death, and its restart evaluated the version again.
+#: Polls of 0.1 s for the Bye of an actor that exited with code 0 (5 s in all): on a
+#: loaded machine the Bye can be read seconds after the exit, which without it is a death.
 _BYE_GRACE_POLLS = 50
 
 
@@ -91,7 +68,15 @@ class ActorHung(ActorDied):
 
 
 class Supervisor:
-    """Launch, watch and stop a set of actors. Use as ``async with Supervisor(...)``."""
+    """Launch, watch and stop a set of actors. Use as ``async with Supervisor(...)``.
+
+    ``restarts``: role -> most restarts per actor. Within it a death or hang is kept in
+    ``deaths``, ``before_restart(spec, status)`` may return the spec to start instead, the
+    actor starts again on the same endpoints and must say Hello within ``startup_timeout``,
+    then ``after_restart(spec)`` runs. Past the budget, or at once when its ``Bye`` says
+    ``permanent``, a death fails the job. An actor being stopped (``stop``, ``stop_all``,
+    ``wind_down``) is neither restarted nor a failure when it dies.
+    """
 
     def __init__(
         self,
@@ -312,8 +297,9 @@ class Supervisor:
         death_cls = ActorHung if st.hung else ActorDied
         permanent = st.bye is not None and st.bye.permanent
         if permanent:
-            reason += (" (an error of its input, code or disk that a restart would repeat: "
-                       "not restarted)")  # fmt: skip
+            reason += (
+                " (an error of its input, code or disk that a restart would repeat: not restarted)"
+            )
         death = death_cls(handle.spec.name, code, reason, handle.tail())
         if self._may_restart(st) and not permanent:
             await self._restart(handle.spec.name, death)
@@ -324,7 +310,7 @@ class Supervisor:
         return not self._winding_down(st.name) and st.restarts < self.restarts.get(st.role, 0)
 
     async def _restart(self, name: str, death: ActorDied) -> None:
-        """Start ``name`` again after ``death`` (see the restart policy above)."""
+        """Start ``name`` again after ``death`` (the restart policy: class docstring)."""
         st, spec = self.status[name], self.specs[name]
         st.restarts += 1
         self.deaths.append(death)
@@ -390,8 +376,10 @@ class Supervisor:
             if slept > tick + self.heartbeat_timeout / 2:
                 # We did not run (SIGSTOP and fg, a suspended machine): the heartbeats that
                 # wait unread are no silence of the actors. Give each a fresh window.
-                log.warning("the controller was paused; actor silence is measured afresh",
-                            seconds=round(slept - tick, 1))  # fmt: skip
+                log.warning(
+                    "the controller was paused; actor silence is measured afresh",
+                    seconds=round(slept - tick, 1),
+                )
                 for st in self.status.values():
                     st.last_seen = now
                 continue

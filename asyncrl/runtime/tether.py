@@ -1,18 +1,11 @@
 """``python -m asyncrl.runtime.tether CMD ARGS...``: run ``CMD`` tied to its parent.
 
-An engine actor starts its server (SGLang, vLLM) in a process group of its own, so one
-signal stops the server and every process it forks (SGLang's schedulers, vLLM's engine
-core and workers). That also takes them out of the reach of whatever kills the actor: a
-runtime's SIGKILL to the actor's group, or Ray killing its worker. This shim leads that
-group: it asks the kernel to signal it when its parent dies (``PR_SET_PDEATHSIG``), runs
-``CMD`` as its child, and on its parent's death SIGKILLs the whole group, so a dead actor
-leaves no server, nor any process the server forked, holding memory or a GPU. (It used
-to exec ``CMD`` with the signal set on it: the server died, but vLLM's engine core, a
-process of the server's own, outlived a SIGKILLed actor, 1.7 GB each time.)
-
-A group stop (SIGTERM or SIGINT to the group) reaches ``CMD`` and the shim alike: the shim
-ignores it and exits with ``CMD``'s status once ``CMD`` has stopped. Linux only for the
-parent-death signal; elsewhere the shim only waits.
+An engine actor starts its server (SGLang, vLLM) in a process group of its own, out of
+reach of whatever kills the actor. This shim leads that group and runs ``CMD`` as its child
+(not by exec: a parent-death signal on ``CMD`` kills it alone, not what it forked); when
+its parent dies (``PR_SET_PDEATHSIG``, Linux only) it SIGKILLs the whole group, so a dead
+actor leaves nothing holding memory or a GPU. A group stop (SIGTERM, SIGINT) is ``CMD``'s
+to handle: the shim ignores it and exits with ``CMD``'s status.
 """
 
 from __future__ import annotations

@@ -12,10 +12,8 @@
                 trainer.group (the dist transport's rendezvous store, a torch TCPStore);
                 connects: buffer.batches
 
-Endpoints are assigned before any actor starts (``Runtime.place``: on one machine all on
-``runtime.host``; on Ray, each on the node of the role that binds it, ``binder``) and
-travel in each ``ActorSpec``, so a restarted actor binds the same address and its peers
-reconnect by themselves.
+Endpoints are assigned before any actor starts (``Runtime.place``) and travel in each
+``ActorSpec``, so a restarted actor binds the same address and its peers reconnect.
 """
 
 from __future__ import annotations

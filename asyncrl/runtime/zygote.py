@@ -1,10 +1,6 @@
 """The fork server: ``python -m asyncrl.runtime.zygote FD``, a process that has imported
-torch, transformers and the actor classes once and forks each local actor from there.
-
-An actor started with exec spends 2-4 s of CPU importing before it runs a line of its own
-(torch 1.6 s, transformers 1.4 s); a job of four actors pays that four times over, and a
-restart after a crash pays it again. A fork of this process starts with all of it loaded,
-and shares those pages with its siblings until one writes them.
+torch, transformers and the actor classes once and forks each local actor from there, so
+an actor's start or restart costs a fork, not seconds of imports.
 
 Protocol over the ``SOCK_SEQPACKET`` socket ``FD`` (one msgspec-JSON message per packet):
     <- {"ready": true} | {"error": traceback}      once, after the imports
@@ -13,14 +9,8 @@ Protocol over the ``SOCK_SEQPACKET`` socket ``FD`` (one msgspec-JSON message per
     <- {"pid": n} | {"error": str}                   one per request, in order
     <- {"exit": n, "code": c}                        when child n ends (c < 0: signal -c)
 
-The zygote never starts a thread, an event loop or a CUDA context, so forking it is as safe
-as forking a fresh interpreter. It leads a session of its own and ignores SIGTERM and
-SIGINT: a terminal's Ctrl-C, or a stop sent to every process of the job, is the
-controller's to handle, actor by actor. It exits at once, with no interpreter teardown to
-wait for, when the controller's end of the socket closes (the controller exited or died);
-its actors then get SIGTERM from the kernel, as exec'd actors do when the controller dies.
-(Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that started the zygote ends, and a
-controller starts it from a worker thread.)
+It never starts a thread, an event loop or a CUDA context, so forking it is as safe as
+forking a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -216,7 +206,11 @@ def _run_actor() -> int:
 
 
 def main() -> None:
-    """Preload, say ready, serve; exit without tearing the interpreter down."""
+    """Preload, say ready, serve; exit without tearing the interpreter down once the
+    controller's end of the socket closes (not ``PR_SET_PDEATHSIG``: it fires when the
+    *thread* that started the zygote ends, and a controller starts it from a worker
+    thread). SIGTERM and SIGINT are ignored: a stop sent to every process of the job is
+    the controller's to order, actor by actor."""
     for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, signal.SIG_IGN)
     sock = socket.socket(fileno=int(sys.argv[1]))

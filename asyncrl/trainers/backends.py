@@ -1,10 +1,8 @@
 """``create_trainer``: the training backend a ``TrainerConfig`` names, on its ranks.
 
-``torch`` is ``torch_trainer.TorchTrainer``; ``megatron`` is
-``megatron_trainer.MegatronTrainer``; ``sim`` is ``sim_trainer.SimTrainer`` (modelled
-time). Imported lazily: each pulls in its own stack (transformers, megatron-core), and the
-config tree must not. With ``num_ranks > 1`` the trainer runs over that many processes
-(``ranks.LeaderTrainer``, this process is rank 0).
+Backends are imported lazily: each pulls in its own stack (transformers, megatron-core),
+and the config tree must not. With ``num_ranks > 1`` the trainer runs over that many
+processes (``ranks.LeaderTrainer``, this process is rank 0).
 """
 
 from __future__ import annotations

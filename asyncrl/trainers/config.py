@@ -1,10 +1,7 @@
 """``TrainerConfig``: the trainer's settings (the ``trainer`` config section).
 
-``backend`` picks the training backend: ``torch`` (``torch_trainer.TorchTrainer``,
-Hugging Face models with DDP/FSDP) or ``megatron`` (``megatron_trainer.MegatronTrainer``,
-megatron-core with TP/PP/DP, settings in the ``megatron`` subsection). Kept apart from
-the backends so the config tree (and ``asyncrl --help``) reads it without importing torch;
-``TorchTrainer.Config`` and ``MegatronTrainer.Config`` are this class.
+Kept apart from the backends so the config tree (and ``asyncrl --help``) reads it without
+importing torch; ``TorchTrainer.Config`` and ``MegatronTrainer.Config`` are this class.
 """
 
 from __future__ import annotations

@@ -253,8 +253,9 @@ class Learner:
         if self.dp.rank != 0:
             return
         if (name := first_non_finite(weights)) is not None:
-            raise NonFiniteTraining(f"not writing a checkpoint to {path}: weight {name} holds "
-                                    "NaN or infinite values")  # fmt: skip
+            raise NonFiniteTraining(
+                f"not writing a checkpoint to {path}: weight {name} holds NaN or infinite values"
+            )
         write_model_dir(path, self.model, weights)
         if tokenizer is not None:
             copy_tokenizer(tokenizer, path)

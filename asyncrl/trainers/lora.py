@@ -1,32 +1,12 @@
-"""LoRA adapters on the policy (``trainer.lora``), with peft.
+"""LoRA adapters on the policy (``trainer.lora``), with peft: only the adapters train.
 
-``Adapters.attach(model, config)`` replaces the target linears of an HF causal LM by
-peft's LoRA layers, in place, and freezes every other weight, so the optimizer holds
-AdamW state for the adapters alone. An adapted linear computes
+An adapted linear computes
 
     y = x W0^T + (alpha / r) * dropout(x) A^T B^T        A: [r, in], B: [out, r]
 
-with ``B = 0`` at the start (peft's initialisation), so version 0 is the base model.
-
-Weight versions (``trainer.lora.publish``):
-
-- ``merged`` (the default): ``merged_weights`` gives every HF-named tensor, with
-  ``W = W0 + (alpha / r) B A`` for the adapted ones (peft's ``get_delta_weight``), and
-  leaves the model as it is. Engines, every weight transport and the eval actor see an
-  ordinary HF model. A version is as large as the full model's.
-- ``adapters``: ``adapter_tensors`` gives each adapted linear's ``A`` and ``B`` and the
-  scalar ``alpha / r`` (``weights/lora_merge.py``'s format); the embedded engine merges
-  them onto its base weights by the same formula. r (in + out) numbers per linear
-  instead of in x out.
-
-Either way what the engine samples from is what the trainer's forward computes (the
-adapted linear in two products, the merged one in one: equal up to float round-off).
-
-Checkpoints keep the adapters in peft's format (``adapter_config.json`` and
-``adapter_model.safetensors``, which peft, vLLM and SGLang load onto the base model);
-a resume loads them onto the base weights of ``trainer.model_path``.
-
-Users: ``learner.Learner`` (built by ``torch_trainer.TorchTrainer``).
+with ``B = 0`` at the start (peft's initialisation), so version 0 is the base model. A
+weight version carries the merged weights or the adapters alone (``trainer.lora.publish``;
+``docs/design.md``, "LoRA"); either way the engine samples from what the trainer computes.
 """
 
 from __future__ import annotations
@@ -128,7 +108,8 @@ class Adapters:
         return get_peft_model_state_dict(self.peft_model)
 
     def save(self, path: Path) -> None:
-        """``adapter_config.json`` and ``ADAPTER_FILE`` into ``path`` (peft's layout)."""
+        """``adapter_config.json`` and ``ADAPTER_FILE`` into ``path`` (peft's layout, which
+        peft, vLLM and SGLang load onto the base model)."""
         self.peft_model.save_pretrained(str(path))
 
     def _check_saved_config(self, path: Path) -> None:

@@ -1,15 +1,9 @@
 """Hugging Face Qwen2/Llama <-> megatron-core GPTModel: the config and the weights.
 
-``transformer_config(hf)`` maps a ``transformers`` config to megatron's
-``TransformerConfig``; ``gpt_model(hf, cfg)`` builds the matching ``GPTModel`` (local
-layer spec, or TransformerEngine's when installed); ``hf_to_megatron`` and
-``megatron_to_hf`` convert full (unsharded) state dicts, exactly, both ways;
-``load_hf_state`` loads HF weights into this rank's shard of a model, and
-``gather_hf_weights`` collects a TP/PP-sharded model's weights under HF names on every
-rank (what the trainer publishes to the engines).
-
-Layout per decoder layer ``i`` (``h`` heads, ``g`` KV groups, head dim ``d``,
-``r = h / g`` query heads per group)::
+Full (unsharded) state dicts convert exactly, both ways, and split into a rank's TP shards
+and PP stage: the trainer loads HF weights this way and publishes its own under HF names.
+Layout per decoder layer ``i`` (``h`` heads, ``g`` KV groups, head dim ``d``, ``r = h / g``
+query heads per group)::
 
     model.layers.i.self_attn.{q,k,v}_proj  ->  decoder.layers.i.self_attention.linear_qkv
         packed per KV group: for j in 0..g-1: [q heads j*r..(j+1)*r-1 (r*d rows), k_j (d), v_j (d)]
@@ -21,21 +15,8 @@ Layout per decoder layer ``i`` (``h`` heads, ``g`` KV groups, head dim ``d``,
     model.embed_tokens / model.norm / lm_head -> embedding.word_embeddings /
         decoder.final_layernorm / output_layer (absent when embeddings are tied)
 
-With the TransformerEngine spec the two norms live inside the linear layers, as
-``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``; ``te=True`` names
-them so.
-
-Tensor parallelism (``tp_shard`` / ``tp_gather``, rank ``t`` of ``T``): column-parallel
-tensors (``linear_qkv``, ``linear_fc1``, the embedding and ``output_layer``, by vocab)
-split along dim 0, row-parallel ones (``linear_proj``, ``linear_fc2``) along dim 1, norms
-are whole on every rank. ``linear_qkv`` is packed per KV group, so a contiguous split
-gives each rank ``g / T`` whole groups; ``linear_fc1`` holds ``[gate_t; up_t]`` on rank
-``t``, so gate and up split separately.
-
-Pipeline parallelism (``pp_stage`` / ``pp_merge``, stage ``p`` of ``P``, ``L`` layers):
-stage ``p`` holds layers ``p*L/P .. (p+1)*L/P - 1``, numbered from 0 in its state dict;
-the first stage also the embedding, the last the final norm and ``output_layer`` (with
-tied embeddings and ``P > 1`` the last stage keeps its own copy of the embedding there).
+With the TransformerEngine spec (``te=True``) the two norms live inside the linear layers,
+as ``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``.
 """
 
 from __future__ import annotations
@@ -242,8 +223,13 @@ def megatron_to_hf(
     return out
 
 
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight",
-           "word_embeddings.weight", "output_layer.weight")  # fmt: skip
+_COLUMN = (
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "linear_fc1.weight",
+    "word_embeddings.weight",
+    "output_layer.weight",
+)
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
@@ -258,15 +244,25 @@ def tp_split_dim(name: str) -> int | None:
 
 def check_tp(hf: Any, size: int) -> None:
     """Refuse a TP size the model's shapes do not divide, naming the shape."""
-    shapes = {"num_key_value_heads": hf.num_key_value_heads, "vocab_size": hf.vocab_size,
-              "intermediate_size": hf.intermediate_size}  # fmt: skip
+    shapes = {
+        "num_key_value_heads": hf.num_key_value_heads,
+        "vocab_size": hf.vocab_size,
+        "intermediate_size": hf.intermediate_size,
+    }
     for field, n in shapes.items():
         if n % size:
             raise UnsupportedModel(f"megatron backend: {field} {n} is not divisible by TP {size}")
 
 
 def tp_shard(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Rank ``rank``'s part of the full megatron tensor ``name`` under TP ``size``."""
+    """Rank ``rank``'s part of the full megatron tensor ``name`` under TP ``size``.
+
+    Column-parallel tensors (``linear_qkv``, ``linear_fc1``, the embedding and
+    ``output_layer``, by vocab) split along dim 0, row-parallel ones along dim 1, norms stay
+    whole. ``linear_qkv`` is packed per KV group, so a contiguous split gives each rank
+    ``g / size`` whole groups; ``linear_fc1`` holds ``[gate_t; up_t]`` on rank ``t``, so
+    gate and up split separately.
+    """
     dim = tp_split_dim(name)
     if dim is None or size == 1:
         return tensor
@@ -305,7 +301,9 @@ def pp_stage(
     hf: Any, full: dict[str, torch.Tensor], stage: int, stages: int
 ) -> dict[str, torch.Tensor]:
     """Pipeline ``stage``'s part of the full megatron state dict, its layers renumbered
-    from 0."""
+    from 0. The first stage also holds the embedding, the last the final norm and
+    ``output_layer`` (with tied embeddings and several stages, its own copy of the
+    embedding)."""
     layers = pp_layers(hf.num_hidden_layers, stage, stages)
     first, last = stage == 0, stage == stages - 1
     out: dict[str, torch.Tensor] = {}

@@ -219,11 +219,15 @@ class MegatronTrainer:
         from megatron.core import parallel_state as ps
 
         return rank_microbatches(
-            rows, part, max_tokens=self.config.max_tokens_per_microbatch,
-            world=ps.get_data_parallel_world_size(), rank=ps.get_data_parallel_rank(),
-            equal_counts=False, device=self.device,
+            rows,
+            part,
+            max_tokens=self.config.max_tokens_per_microbatch,
+            world=ps.get_data_parallel_world_size(),
+            rank=ps.get_data_parallel_rank(),
+            equal_counts=False,
+            device=self.device,
             layout="packed" if self.config.packing and not self.te else "padded",
-        )  # fmt: skip
+        )
 
     def _schedule(
         self,
@@ -347,10 +351,14 @@ class MegatronTrainer:
         shape = (rows.num_rows + 1, rows.width)
         plan = update_plan(rows, c.global_batch_size, c.ppo_epochs, shuffle_seed(c, self.version))
         cols = step_columns(
-            self.algo, rows, self.device, lambda which: self._score(which, mbs, shape),
-            ref=self.ref is not None, critic=False,
+            self.algo,
+            rows,
+            self.device,
+            lambda which: self._score(which, mbs, shape),
+            ref=self.ref is not None,
+            critic=False,
             score_old=self.score_old_logprobs or len(plan) > 1,
-        )  # fmt: skip
+        )
         extra = batch_metrics(rows, cols, self.version)
         updates = []
         for part in plan:

@@ -1,10 +1,9 @@
-"""megatron-core's checkpoint writer without an orphan: its results queue lives in a
-``multiprocessing`` manager process, started at the first save and never stopped, which
-outlived every follower rank (they end with ``os._exit``) and any killed trainer.
+"""megatron-core's checkpoint writer without an orphan process.
 
-``own_results_queue()`` starts that manager first, with a thread that ends it once its
-parent is gone, and hands its queue to megatron (``filesystem_async._results_queue``,
-megatron-core <= 0.16, the versions asyncrl supports).
+megatron keeps the writer's results queue in a ``multiprocessing`` manager process that
+it starts at the first save and never stops, so it would outlive follower ranks (they end
+with ``os._exit``) and a killed trainer. ``own_results_queue()`` starts that manager first,
+with a thread that ends it once its parent is gone (megatron-core <= 0.16).
 """
 
 from __future__ import annotations

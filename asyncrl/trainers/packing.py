@@ -1,29 +1,11 @@
 """Token-budget micro-batches, sequence packing, and response log-probs back in batch order.
 
-Pure functions used by ``torch_trainer.py`` (and ``bench/``). A *sequence* is the token ids
-of prompt + response; its response starts at ``prompt_len`` (>= 1: token ``t`` is predicted
-from the logits at ``t - 1``). Shape suffixes: ``B`` batch rows, ``T`` response tokens
-(right padded), ``L`` tokens of a model row, ``N`` predicted (response) tokens, ``V`` vocab.
-
-Planning (deterministic, no randomness, identical on every rank)::
-
-    split_across_ranks   rows -> one list per DP rank, balanced by tokens (LPT)
-    plan_microbatches    one rank's rows -> micro-batches of <= max_tokens tokens (FFD)
-    plan_ranks           both: every rank's micro-batches
-
-Layouts of one micro-batch (``build_microbatch``):
-
-- ``packed``: every sequence in ONE row of ``L = sum(len)`` tokens, ``position_ids``
-  restarting at 0 per sequence, and a block-diagonal causal mask (a sequence never sees
-  another): a boolean ``[1, 1, L, L]`` mask for sdpa, an additive float one for eager,
-  and no mask at all for flash-attention, whose varlen kernel cuts the row at every
-  ``position_ids == 0`` (transformers derives ``cu_seqlens`` from them), nor for
-  ``packed_attention.ATTENTION``, which gets the lengths (``segments``) and attends
-  within each sequence (no ``L x L`` scores: the trainer's default);
-- ``padded``: one row per sequence, right padded to the longest, a ``[b, L]`` 0/1 mask.
-
-Both give the same logits on the real tokens (tests check 1e-5 in fp32); packing wastes
-no compute on padding and takes logits only at the ``N`` response positions.
+A *sequence* is the token ids of prompt + response; its response starts at ``prompt_len``
+(>= 1: token ``t`` is predicted from the logits at ``t - 1``). Shape suffixes: ``B`` batch
+rows, ``T`` response tokens (right padded), ``L`` tokens of a model row, ``N`` predicted
+(response) tokens, ``V`` vocab. Plans are deterministic, so every rank computes the same.
+Packed and padded micro-batches give the same logits on the real tokens; packing wastes
+no compute on padding.
 """
 
 from __future__ import annotations
@@ -133,6 +115,13 @@ def build_microbatch(
     temperatures: Sequence[float] | None = None,
 ) -> MicroBatch:
     """The micro-batch of ``rows`` (indices into ``sequences``); ``width`` is ``T``.
+
+    ``packed``: every sequence in one row of ``L = sum(len)`` tokens, ``position_ids``
+    restarting at 0 per sequence, and a block-diagonal causal mask (``block_causal_mask``),
+    except for flash-attention, whose varlen kernel cuts the row at every
+    ``position_ids == 0``, and ``packed_attention.ATTENTION``, which gets the lengths
+    (``segments``). ``padded``: one row per sequence, right padded to the longest, with a
+    ``[b, L]`` 0/1 mask.
 
     ``attn_implementation`` is the model's (``config._attn_implementation``): it picks the
     packed mask's form; ``dtype`` is the additive mask's dtype (the model's);

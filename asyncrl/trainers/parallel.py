@@ -1,17 +1,11 @@
 """Data parallelism for the torch trainer: DDP or FSDP2 over an initialised process group.
 
-``DataParallel.detect`` reads the default ``torch.distributed`` group (the launcher
-initialises it: gloo on CPU, nccl on CUDA); with no group, or a world of one, every
-method is a no-op. Users: ``learner.py`` (wrapping, state dicts) and ``torch_trainer.py``.
-
-Gradients. Each rank computes its micro-batches' share of the step loss with *step-global*
-denominators (``LossScale`` over the whole batch, which every rank holds), so the sum over
-ranks of their losses is the step loss. DDP and FSDP both *average* gradients over ranks,
-so each rank backpropagates ``world_size * loss``: ``mean_r(W * grad L_r) = sum_r grad L_r``.
-
-Collectives. FSDP all-gathers parameters in every forward, so every rank must run the
-same number of forwards; ``torch_trainer`` pads shorter ranks with an empty micro-batch.
-Under FSDP, ``full_state_dict`` and the optimizer state are gathered on rank 0 only.
+With no group, or a world of one, every method is a no-op. Each rank's loss has
+step-global denominators, so the ranks' losses sum to the step loss; DDP and FSDP
+*average* gradients, so each rank backpropagates ``world_size * loss``:
+``mean_r(W * grad L_r) = sum_r grad L_r``. FSDP all-gathers parameters in every forward,
+so every rank must run the same number of forwards (the trainer pads shorter ranks with an
+empty micro-batch).
 """
 
 from __future__ import annotations
@@ -39,7 +33,8 @@ class DataParallel:
 
     @classmethod
     def detect(cls, mode: Mode = "ddp") -> DataParallel:
-        """From the default process group, if one is initialised."""
+        """From the default process group, if one is initialised (the launcher's: gloo on
+        CPU, nccl on CUDA)."""
         if dist.is_available() and dist.is_initialized():
             return cls(dist.get_rank(), dist.get_world_size(), mode)
         return cls(0, 1, mode)

@@ -1,26 +1,11 @@
 """A trainer over several processes on one host: rank 0 leads, ranks 1..N-1 follow.
 
-``create_trainer`` with ``trainer.num_ranks = N > 1`` starts ``N - 1`` follower processes
-(``python -m asyncrl.trainers.ranks``), joins them in one process group (gloo on the CPU,
-nccl on CUDA, where ``LOCAL_RANK`` picks each rank's GPU) and returns a ``LeaderTrainer``.
-Every follower builds the same backend from the same config, then waits for calls.
-
-Every ``Trainer`` method is collective under DP, TP and PP: all ranks must make the same
-calls in the same order. So the leader broadcasts each call (its name and arguments as
-MessagePack over a gloo group: a length, then the bytes) before it makes the call itself,
-and each follower makes it on receipt::
-
-    leader:   train_step(batch) -> broadcast {"call": "train_step", batch} -> trainer.train_step
-    follower: receive -> trainer.train_step(batch)       (the collectives pair up inside)
-
-Calls are made one at a time (a lock): two threads' broadcasts and collectives must never
-interleave. Failure: a follower that dies is seen before the next call (its exit code
-named), and one that dies inside a call breaks that call's collective on gloo (the closed
-connection); on nccl the leader waits for torch's collective timeout. A call that raises
-(other than ``UntrainableBatch``, which every rank raises alike before any collective)
-leaves the ranks out of step: the trainer is then broken, ``close()`` kills the followers,
-and the trainer actor's restart starts new ones. A follower also exits when its leader's
-process is gone.
+Every ``Trainer`` method is collective under DP, TP and PP, so all ranks must make the
+same calls in the same order: the leader broadcasts each call (its name and arguments as
+MessagePack over a gloo group) before it makes the call itself, one call at a time, and
+each follower makes it on receipt. A call that raises (other than ``UntrainableBatch``,
+which every rank raises alike before any collective) leaves the ranks out of step: the
+trainer is then broken, and ``close()`` kills the followers.
 """
 
 from __future__ import annotations
@@ -51,8 +36,15 @@ if TYPE_CHECKING:
     from asyncrl.types import TrainBatch
 
 R = TypeVar("R")
-_CALLS = ("train_step", "sft_step", "export_weights", "save_hf", "save_checkpoint",
-          "load_checkpoint", "close")  # fmt: skip
+_CALLS = (
+    "train_step",
+    "sft_step",
+    "export_weights",
+    "save_hf",
+    "save_checkpoint",
+    "load_checkpoint",
+    "close",
+)
 
 
 def _backend_name(config: TrainerConfig) -> str:
@@ -78,7 +70,9 @@ class LeaderTrainer:
 
     @classmethod
     def start(cls, config: TrainerConfig, algo: PolicyConfig | None) -> LeaderTrainer:
-        """Start the followers, join them in the process group, build rank 0's backend."""
+        """Start the followers (``python -m asyncrl.trainers.ranks``, each building the same
+        backend from the same config), join them in the process group (gloo on the CPU,
+        nccl on CUDA, where ``LOCAL_RANK`` picks each rank's GPU), build rank 0's backend."""
         from asyncrl.trainers.backends import backend
 
         port, n = _free_port(), config.num_ranks
@@ -108,7 +102,8 @@ class LeaderTrainer:
         self.trainer.version = value
 
     def _on_all(self, call: str, payload: dict[str, Any], run: Callable[[], R]) -> R:
-        """Broadcast ``call``, then ``run()`` it here; one call at a time."""
+        """Broadcast ``call``, then ``run()`` it here; one call at a time (two threads'
+        broadcasts and collectives must never interleave)."""
         from asyncrl.trainers.base import UntrainableBatch
 
         with self._lock:
@@ -280,9 +275,8 @@ def _call(trainer: Trainer, msg: dict[str, Any]) -> None:
 
 def _exit_cleanly() -> None:
     """End a follower whose work is done without the interpreter's teardown: gloo's run-loop
-    threads outlive ``destroy_process_group``, and destroying them at exit aborted the
-    process now and then ("terminate called without an active exception", about 1 exit in
-    15 of the 2-rank tests) after everything had finished."""
+    threads outlive ``destroy_process_group``, and destroying them at exit can abort the
+    process ("terminate called without an active exception") after everything finished."""
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()

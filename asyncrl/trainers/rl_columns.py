@@ -1,22 +1,12 @@
 """What both backends' RL steps share: the step's ``[B + 1, T]`` columns and metrics.
 
-A step scores its rows once before any gradient (``step_columns``): the reference
-log-probs and KL, the critic's values, then the advantages of the whole batch.
-
-The old (proximal) log-probs are the policy's at the weights the step starts from. A step
-is one optimizer update by default, so every micro-batch's training forward runs at
-exactly those weights: ``logp_old = stopgrad(logp_theta)`` of that forward
-(``old_logprobs``), and no separate no-grad forward is needed (about a quarter of a
-step's compute: one forward beside a forward and a backward). The exceptions score the
-old log-probs up front: a reference model, whose KL ``old - ref`` enters the advantages
-before any training forward, and a step of several updates (``update_plan``: mini-batches,
-PPO epochs), whose later updates run at weights the earlier ones moved. With
-``use_rollout_logprobs`` they are the engine's.
-
-Row ``B`` (one past the last) belongs to the empty stand-in sequence (``EMPTY_SEQUENCE``)
-that fills a rank's missing micro-batches; its columns are all zero, so it adds nothing.
-``Tally`` turns micro-batch metrics into step metrics (shares summed, means weighted by
-loss tokens, both over ranks).
+A step scores its rows once before any gradient (``step_columns``). When a step is one
+optimizer update, every training forward runs at the weights the step starts from, so the
+old (proximal) log-probs are that forward's own: ``logp_old = stopgrad(logp_theta)``
+(``old_logprobs``), with no separate forward. A reference model (its KL ``old - ref``
+enters the advantages) or several updates (``update_plan``) score them up front; with
+``use_rollout_logprobs`` they are the engine's. Row ``B`` is the all-zero stand-in
+(``EMPTY_SEQUENCE``) that fills a rank's missing micro-batches.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def load_rng(path: Path) -> dict[str, Any]:
-    """``rng_state`` from ``path``; files written before it held a numpy array are read
-    with just the numpy types an array needs allowed, still never arbitrary objects."""
+    """``rng_state`` from ``path``; older files that hold a numpy array are read with just
+    the numpy types an array needs allowed, still never arbitrary objects."""
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError:

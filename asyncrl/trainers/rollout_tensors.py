@@ -1,11 +1,10 @@
 """A ``TrainBatch`` (or SFT examples) as the trainer's tensors, rows in sample order.
 
-Called by ``torch_trainer.py`` at the start of each step. Rows are the samples of the
-kept groups, group by group (``G * n``), then the branches of those samples in the same
-order (``branch_roots`` gives each one's sample row); response columns are right padded
-to the longest response ``T``. A group is dropped whole (and counted) when any sample is not
-usable (status other than completed or truncated) or has no finite score: group
-baselines need every sample, and a partial group would bias them.
+Rows are the samples of the kept groups, group by group (``G * n``), then their branches
+in the same order (``branch_roots`` gives each one's sample row); response columns are
+right padded to the longest response ``T``. A group is dropped whole (and counted) when
+any sample is not ``USABLE`` or has no finite score: a partial group would bias the group
+baselines.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Supervised fine-tuning with the RL trainer's backend: ``asyncrl sft``.
 
-Data (jsonl or parquet, ``path@[a:b]`` slicing, as for RL prompts), one of two shapes:
-
-- chat: ``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered with the
-  tokenizer's chat template; the loss covers the assistant messages only (what the
-  template adds for each assistant turn, end-of-turn token included). An optional
-  ``"tools"`` list of JSON schemas is passed to the template, as the RL data source does
-  for a tool-use prompt, so tool-use traces train on the prompts RL will show;
-- pairs: ``{"prompt": "...", "response": "..."}``; the loss covers the response and EOS.
-
-Token-exact: the conversation is rendered once and tokenised once; each token's loss
-mask comes from the character span it covers, so no boundary is re-tokenised. A row
-that is malformed, or whose template is not prefix-stable (rendering the first k
-messages is not a prefix of rendering them all), is a ``DataError`` naming file and line.
-
-Loss: the token-mean cross-entropy over every trained token of a step, label-smoothed
-when ``label_smoothing = eps > 0``: ``(1 - eps) * NLL + eps * CE(uniform)``. Smoothing
-leaves about ``eps`` of each token's probability on the rest of the vocabulary, so
-sampling at T = 1 slips there while greedy decoding does not.
+Rows are chats (loss on the assistant turns) or prompt/response pairs (``load_examples``).
+Token-exact: a row is rendered and tokenised once, and each token's loss mask comes from
+the character span it covers, so no boundary is re-tokenised. The loss is the token-mean
+cross-entropy, label-smoothed when ``label_smoothing = eps > 0``:
+``(1 - eps) * NLL + eps * CE(uniform)``.
 """
 
 from __future__ import annotations
@@ -70,7 +57,20 @@ class SFTExample:
 
 
 def load_examples(cfg: SFTConfig, tokenizer: PreTrainedTokenizerBase) -> list[SFTExample]:
-    """Read, validate and tokenise every selected row; raises ``DataError``."""
+    """Read, validate and tokenise every selected row; raises ``DataError``.
+
+    Data is jsonl or parquet (``path@[a:b]`` slicing, as for RL prompts), rows of two shapes:
+
+    - chat: ``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered with the
+      tokenizer's chat template; the loss covers what the template adds for each assistant
+      turn, end-of-turn token included. An optional ``"tools"`` list of JSON schemas goes
+      to the template, as the RL data source passes it, so tool-use traces train on the
+      prompts RL will show;
+    - pairs: ``{"prompt": "...", "response": "..."}``; the loss covers the response and EOS.
+
+    A malformed row, or a template that is not prefix-stable (rendering the first k
+    messages is not a prefix of rendering them all), is a ``DataError`` naming file and line.
+    """
     examples = [_example(where, obj, cfg, tokenizer) for where, obj in read_objects(cfg.data)]
     for ex in examples:
         if len(ex.tokens) > cfg.max_len:

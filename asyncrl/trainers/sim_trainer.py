@@ -1,16 +1,13 @@
 """SimTrainer: the ``Trainer`` protocol with no model; each step takes modelled time.
 
-For the cluster simulator (issue 11), beside ``engines/sim/engine.SimEngine``: the
-buffer, rollout actors, channels and weight versions around it are the real code. A step
-reads the batch as the real trainers do (``rollout_tensors``: unusable groups dropped, an
-untrainable batch refused), then takes (modelled seconds)::
+For the cluster simulator, beside ``engines/sim/engine.SimEngine``. A step reads the batch
+as the real trainers do, then lasts ``step_s / time_scale`` of wall time from its start,
+with (modelled seconds)::
 
     step_s = step_base_s + step_s_per_token * tokens
 
-where ``tokens`` counts the forwarded tokens of the rows with loss tokens. The step lasts
-``step_s / time_scale`` of wall time from its start (reading the batch included) and adds
-``step_s`` to ``clock``. Its weights are empty, so a version publishes no tensors
-(engines load it in their own modelled time).
+where ``tokens`` counts the forwarded tokens of the rows with loss tokens. A version
+publishes no tensors (engines load it in their own modelled time).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Per-token log-probs and entropy of the sampling distribution, in bounded memory.
 
-The policy a sample's tokens were drawn from is ``softmax(z / T)`` over the whole
-vocabulary, ``T`` being the sample's temperature (``Sample.temperature``; 1 for greedy),
-which is exactly what the engine reports (``engines/torch/sampling.py``). For each predicted
-position with logits ``z`` (``[V]``, possibly a TP rank's slice of them) and inverse
-temperature ``s = 1 / T``::
+A sample's tokens were drawn from ``softmax(z / T)``, ``T`` its temperature. For each
+predicted position with logits ``z`` (``[V]``, possibly a TP rank's slice of them) and
+inverse temperature ``s = 1 / T``::
 
     u       = s * z
     log Z   = logsumexp_v u_v                          (joined over TP ranks)
@@ -16,17 +14,10 @@ and the gradients the backward pass writes, per logit::
     d log p_y / d z_v = s * ([v = y] - p_v)
     d H / d z_v       = -s * p_v * (u_v - sum_w p_w u_w)
 
-A 49k vocabulary makes ``[N, V]`` the largest tensors of a step (4,096 positions are
-805 MB in fp32), and autograd through ``log_softmax`` would keep several of them. Here
-positions go through in chunks of about ``CHUNK_ELEMENTS`` logits: forward keeps only
-``log Z`` and ``sum p u`` per position (``[N]``), backward recomputes each chunk's
-softmax and writes its slice of the logits' gradient. No fp32 ``[N, V]`` tensor exists
-beyond one chunk; the logits and their gradient stay in the model's dtype.
-
-Under tensor parallelism the joins are the shard's all-reduces (``VocabShard``), taken
-in forward only: every rank then holds the same ``[N]`` results and the same upstream
-gradient, and its own slice of the logit gradient follows from local values (see
-``vocab_parallel.py`` for why a joined value must not be differentiated through).
+Positions go in chunks of about ``CHUNK_ELEMENTS`` logits: forward keeps only ``log Z`` and
+``sum p u`` per position, backward recomputes each chunk's softmax, so no fp32 ``[N, V]``
+tensor exists beyond one chunk. Under TP the joins are all-reduces taken in forward only
+(``vocab_parallel.py`` says why).
 """
 
 from __future__ import annotations

@@ -21,22 +21,7 @@ rank holds, so no count needs an all-reduce), summing micro-batch losses over mi
 and ranks gives the loss of the batch taken whole: accumulation and DDP/FSDP reproduce a
 single big batch's gradient (``parallel.py`` explains the ``world_size`` factor).
 
-Critic (``ppo``): ``AutoModelForTokenClassification`` with ``num_labels=1`` loaded from the
-policy's checkpoint (or ``critic_model_path``). transformers maintains that class for every
-decoder it supports, it takes the same inputs as the causal LM (packed rows, 4D masks),
-loads the backbone straight from a causal-LM checkpoint and round-trips through
-``save_pretrained``; a hand-written value head would need its own loading and saving. Its
-dropout is set to 0 (transformers defaults it to 0.1) and a fresh head starts at 0, so the
-first values are 0. The value of response token ``t`` is read where the policy predicts it.
-
-Metrics: ``loss`` (policy, with KL and entropy terms), ``pg_loss``, ``kl`` (mean
-KL(old || ref) by ``kl_loss_type``, with a reference model: with LoRA, the policy with its
-adapters disabled, no second copy), ``kl_loss``, ``clip_frac``,
-``entropy``, ``ratio``, ``ppo_kl``, the correction's ``is_weight``/``is_clipped_frac``/
-``mismatch_kl``, ``value_loss``/``value_clip_frac``/``values``/``critic/grad_norm`` (ppo),
-``grad_norm`` (pre-clip), ``lr``, ``num_tokens`` (loss tokens), ``tokens`` (forwarded),
-``tokens_per_s``, ``staleness/mean`` and ``staleness/max`` (``version - token_version``
-over loss tokens), ``reward/mean``, ``batch/dropped_groups``, ``time/step``.
+The step's metrics are listed in ``docs/design.md`` ("Trainer metrics").
 """
 
 from __future__ import annotations
@@ -180,6 +165,10 @@ class TorchTrainer:
         return wanted
 
     def _load_critic(self) -> Learner:
+        """The ``ppo`` critic: ``AutoModelForTokenClassification`` with one label from the
+        policy's checkpoint (or ``critic_model_path``). transformers keeps that class for
+        every decoder, with the causal LM's inputs (packed rows, 4D masks) and loading;
+        a fresh head starts at 0. Token ``t``'s value is read where the policy predicts it."""
         from transformers import AutoConfig, AutoModelForTokenClassification
 
         path = self.config.critic_model_path or self.config.model_path
@@ -247,11 +236,17 @@ class TorchTrainer:
     ) -> list[MicroBatch]:
         """This rank's micro-batches of the rows (of ``part``), padded to equal counts."""
         return rank_microbatches(
-            rows, part, max_tokens=self.config.max_tokens_per_microbatch,
-            world=self.dp.world_size, rank=self.dp.rank, equal_counts=True,
+            rows,
+            part,
+            max_tokens=self.config.max_tokens_per_microbatch,
+            world=self.dp.world_size,
+            rank=self.dp.rank,
+            equal_counts=True,
             layout="packed" if self.config.packing else "padded",
-            attn_implementation=self.attn, dtype=self.dtype, device=self.device,
-        )  # fmt: skip
+            attn_implementation=self.attn,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def _columns(self, rows: RolloutTensors, mbs: list[MicroBatch], score_old: bool) -> Columns:
         """``[B + 1, T]`` tensors of the step (the extra row is the empty stand-in's)."""
@@ -268,9 +263,14 @@ class TorchTrainer:
             return self._score(self.policy.model if model == "policy" else self.ref, mbs, shape)
 
         return step_columns(
-            self.algo, rows, self.device, score, ref=self.ref is not None or self.ref_is_base,
-            critic=self.critic is not None, score_old=score_old,
-        )  # fmt: skip
+            self.algo,
+            rows,
+            self.device,
+            score,
+            ref=self.ref is not None or self.ref_is_base,
+            critic=self.critic is not None,
+            score_old=score_old,
+        )
 
     @torch.no_grad()
     def _score(
@@ -386,9 +386,11 @@ class TorchTrainer:
         it; ``path`` is shared."""
         path = Path(path)
         self.policy.save(
-            path / "policy", path / "optimizer" / "policy", self.config.model_path,
+            path / "policy",
+            path / "optimizer" / "policy",
+            self.config.model_path,
             adapter=path / "adapter",
-        )  # fmt: skip
+        )
         if self.critic is not None:
             self.critic.save(path / "critic", path / "optimizer" / "critic")
         (path / "rng").mkdir(parents=True, exist_ok=True)

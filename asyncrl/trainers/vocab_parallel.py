@@ -1,13 +1,11 @@
 """A TP rank's vocab slice (``VocabShard``) and the SFT loss from vocab-sharded logits.
 
-Under tensor parallelism megatron's output layer leaves rank ``t`` the logits of vocab
-slice ``[t*V/T, (t+1)*V/T)``; gathering the whole ``[N, V]`` on every rank would cost
-``T`` times the memory. Each quantity here is built from per-rank partial sums joined by
-``reduce`` (all-reduce forward, identity backward). That backward is exact only when
-each partial sum depends on its own rank's logits alone and everything after the join
-is computed alike on every rank: then each rank holds the whole ``dL/dS`` and passes it
-to its partial sum. So no joined value may feed back into a partial sum (``p_v =
-exp(z_v - log Z)`` summed per rank would get only its own rank's share of
+Rank ``t`` of ``T`` holds the logits of vocab slice ``[t*V/T, (t+1)*V/T)``. Rather than
+gather ``[N, V]`` on every rank, each quantity is built from per-rank partial sums joined
+by ``reduce`` (all-reduce forward, identity backward). That backward is exact only when
+each partial sum depends on its own rank's logits alone and everything after the join is
+computed alike on every rank, so no joined value may feed back into a partial sum
+(``p_v = exp(z_v - log Z)`` summed per rank would get only its rank's share of
 ``dL/d log Z``). With ``m = max_v z_v`` (joined by MAX, no gradient) and
 ``e_v = exp(z_v - m)``::
 
@@ -17,8 +15,7 @@ exp(z_v - log Z)`` summed per rank would get only its own rank's share of
     mean_v log p_v = (sum_v z_v) / V - log Z            (label smoothing's uniform term)
 
 With ``T = 1`` every join is the identity and ``smoothed_logprobs`` equals
-``packing.smoothed_logprobs`` on the full logits. The RL log-probs and entropy, with a
-sample's temperature, are ``token_stats.py``'s (chunked, with the same joins).
+``packing.smoothed_logprobs``.
 """
 
 from __future__ import annotations

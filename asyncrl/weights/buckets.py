@@ -1,29 +1,16 @@
 """A weight version cut into buckets for a broadcast (the ``dist`` transport).
 
-Broadcasting a model tensor by tensor costs one collective per tensor (272 for
-SmolLM2-135M), and each has a fixed cost that dominates the small ones (norms, biases).
-A bucket is a run of consecutive manifest entries of one dtype, at most ``bucket_bytes``
-in all, sent as one flat 1-D tensor::
+One collective per tensor has a fixed cost that dominates the small ones (norms, biases),
+so a bucket is a run of consecutive manifest entries of one dtype, at most
+``bucket_bytes`` in all, sent as one flat 1-D tensor::
 
     bucket[k] = cat(t.reshape(-1) for t in tensors[start_k:end_k])
 
-A tensor of at least ``DIRECT_BYTES`` (or larger than a bucket) is a bucket alone and is
-sent as itself: the sender broadcasts it from where it lies and a receiver that gives
-its destination (``out``) receives straight into it, so the large tensors, nearly all of
-a model's bytes, are copied by neither end. Only the small ones pay the two copies,
-where a collective each would cost more.
-
-The plan is a pure function of the announced manifest (its entries, and its
-``chunk_bytes`` as the bucket size), so both ends compute the same plan and nothing but
-the manifest travels beside the tensors. The copies overlap the wire: the sender fills
-bucket k+1 while bucket k is broadcast, and a receiver copies bucket k out to where it
-goes (its model's own parameters, say) while bucket k+1 arrives. So each end uses two
-bucket buffers per dtype, and it reuses them (``BucketBuffers``): fresh memory costs its
-page faults on every version (0.21 s per 512 MiB on the project's machine, three times
-the copy into it). Each side holds two buckets per dtype beyond its weights, for as long
-as it syncs weights, and no more.
-
-Users: ``group.BroadcastGroup.send_buckets`` / ``receive_buckets``.
+A tensor of at least ``DIRECT_BYTES`` is a bucket alone, sent and received where it lies,
+so the large tensors (nearly all of a model's bytes) are copied by neither end. The plan
+is a pure function of the announced manifest, so both ends compute the same one. Each end
+fills or empties one bucket while the other is on the wire, in two reused buffers per
+dtype (``BucketBuffers``: fresh memory would pay its page faults every version).
 """
 
 from __future__ import annotations
@@ -47,10 +34,8 @@ class Bucket:
     numel: int
 
 
-#: A tensor this large goes as itself, in a bucket of its own (module docstring). On the
-#: project's machine a loopback gloo broadcast costs about 0.5 ms plus 2 GB/s, best from
-#: 16 to 64 MiB (0.95 ms for 1 MiB, 7.8 ms for 16 MiB), and a copy runs at 4.3 GB/s:
-#: below 16 MiB a bucket's copies cost less than the collectives they save.
+#: A tensor this large goes as itself, in a bucket of its own: below it, a bucket's copies
+#: cost less than the collectives they save (measured: ``docs/benchmarks.md``).
 DIRECT_BYTES = 16 << 20
 
 

@@ -1,36 +1,12 @@
 """The weight broadcast group: ``BroadcastGroup`` (one formed group) and ``GroupMembership``
 (a process's rank in the job's group across re-formings).
 
-The trainer (rank 0) and every subscriber (ranks 1..N) rendezvous on a ``TCPStore`` that
-rank 0 serves, and build a ``ProcessGroupGloo`` (CPU tensors) or ``ProcessGroupNCCL``
-(CUDA tensors) directly on it. No default process group is created, so a DDP trainer's
-own group is untouched and several groups can coexist in a process.
-
-SGLang's layout: a group named ``G`` meets under the same store keys as one that an
-SGLang server joins by ``/init_weights_update_group`` (``group_name: G``). SGLang's
-``init_custom_process_group`` prefixes the store with ``G``, then torch's
-``_new_process_group_helper`` with ``G/`` and the device (``cpu/`` for gloo, ``cuda/``
-for NCCL), and sets the group's sequence number through the store; ``form`` does the
-same on its own, so an SGLang server (or the embedded one, which joins exactly as SGLang
-does) can be any member. The wire follows SGLang's ``/update_weights_from_distributed``:
-a one-tensor bucket goes as that tensor, a longer one as its bytes (``uint8``; SGLang's
-``load_format: "flattened_bucket"``).
-
-Blocking calls: run them in a worker thread (``asyncio.to_thread``). A broadcast waits for
-every rank: a rank that died fails it at once, one that never comes fails it after
-``timeout_s``. A version goes in buckets (``buckets.py``): ``send_buckets`` on rank
-0, ``receive_buckets`` elsewhere.
-
-Re-forming (``GroupMembership``): a gloo group cannot take a new member, so the job's
-group is formed again under a new id whenever a member is lost. Each id keys its own
-rendezvous in the store (group ``asyncrl-weights-<id>``): ``<trainer incarnation>-<epoch>``. Rank 0
-starts forming an id in the background and names it in every announcement with
-``formed=False`` until every rank has arrived; members seeing a new id join it in the
-background too. A broadcast that fails makes rank 0 abort the group (so the members'
-half-done receives fail at once instead of at the timeout) and form the next id. Until a
-group is formed, and for a member whose broadcast failed, versions go by pull from the
-trainer's blob server. A restarted trainer is a new incarnation: new ids, one re-form.
-Used by ``sync`` for the ``dist`` transport.
+The trainer (rank 0) and every subscriber rendezvous on a ``TCPStore`` that rank 0 serves,
+and build a gloo (CPU tensors) or NCCL (CUDA tensors) group directly on it: no default
+process group, so a DDP trainer's own group is untouched. The store is laid out as
+SGLang's ``/init_weights_update_group`` lays it out, so an SGLang server can be any member.
+A gloo group cannot take a new member: a lost member means a new group under a new id,
+and versions go by pull until it forms. Blocking calls: run them in a worker thread.
 """
 
 from __future__ import annotations
@@ -73,14 +49,16 @@ def group_name(group_id: str) -> str:
 
 
 def sglang_layout(store: dist.Store, name: str, device: str) -> dist.Store:
-    """``store`` prefixed as a member that joins group ``name`` SGLang's way sees it
-    (module docstring): its backend's keys, on ``device`` ("cpu" or "cuda")."""
+    """``store`` prefixed as a member that joins group ``name`` SGLang's way sees it:
+    ``name`` (SGLang's ``init_custom_process_group``), then ``name/`` and ``device/`` ("cpu"
+    for gloo, "cuda" for NCCL: torch's ``_new_process_group_helper``)."""
     sglangs = dist.PrefixStore(name, store)  # init_custom_process_group's own prefix
     return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{name}/", sglangs))
 
 
 def on_the_wire(bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
-    """What a bucket's broadcast carries: a lone tensor as itself, several as bytes."""
+    """What a bucket's broadcast carries: a lone tensor as itself, several as bytes
+    (``uint8``: SGLang's ``load_format: "flattened_bucket"``)."""
     return flat if bucket.end - bucket.start == 1 else flat.view(torch.uint8)
 
 
@@ -121,8 +99,15 @@ class BroadcastGroup:
             store = serve_store(host, port, timeout, world_size)
         else:
             store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
-        return cls.form(store, rank, world_size, name=name, backend=backend,
-                        join_timeout_s=timeout_s, timeout_s=timeout_s)  # fmt: skip
+        return cls.form(
+            store,
+            rank,
+            world_size,
+            name=name,
+            backend=backend,
+            join_timeout_s=timeout_s,
+            timeout_s=timeout_s,
+        )
 
     @classmethod
     def form(
@@ -137,8 +122,8 @@ class BroadcastGroup:
         timeout_s: float = 300.0,
         bind: str | None = None,
     ) -> BroadcastGroup:
-        """Group ``name`` of the ranks meeting on ``store``, laid out as SGLang's (module
-        docstring), so several can share a store. Blocks until every rank arrives;
+        """Group ``name`` of the ranks meeting on ``store``, laid out as SGLang's
+        (``sglang_layout``), so several can share a store. Blocks until every rank arrives;
         ``join_timeout_s`` bounds that. ``bind``: the address gloo listens on (default:
         the host name's, or ``GLOO_SOCKET_IFNAME``)."""
         group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
@@ -251,9 +236,15 @@ def serve_store(
     except OSError:
         sock.close()
         raise
-    return dist.TCPStore(bare, port, world_size, True, timeout=timeout,
-                         wait_for_workers=wait_for_workers,
-                         master_listen_fd=sock.detach())  # fmt: skip
+    return dist.TCPStore(
+        bare,
+        port,
+        world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=wait_for_workers,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def _bind_address(host: str) -> str:
@@ -319,8 +310,11 @@ class GroupMembership:
             try:
                 self.group = forming.result()
             except Exception as exc:  # a rank did not arrive in time: try a new id
-                log.warning("weight group did not form; versions go by pull meanwhile",
-                            group=self.id, error=_first_line(exc))  # fmt: skip
+                log.warning(
+                    "weight group did not form; versions go by pull meanwhile",
+                    group=self.id,
+                    error=_first_line(exc),
+                )
             else:
                 log.info("weight group formed", group=self.id, world_size=self.cfg.world_size)
                 return self.group
@@ -349,16 +343,21 @@ class GroupMembership:
             # Rank 0 formed it; our side of the same rendezvous is finishing.
             self._forming = None
             try:
-                self.group = await asyncio.wait_for(asyncio.wrap_future(forming),
-                                                    self.cfg.join_timeout_s)  # fmt: skip
+                self.group = await asyncio.wait_for(
+                    asyncio.wrap_future(forming), self.cfg.join_timeout_s
+                )
             except Exception as exc:
                 log.warning("weight group join failed", group=group_id, error=_first_line(exc))
         return self.group
 
     def failed(self, exc: BaseException) -> None:
         """A broadcast on the group failed: abort it (rank 0 forms a new one next)."""
-        log.warning("weight broadcast failed; versions go by pull until the group re-forms",
-                    group=self.id, rank=self.rank, error=_first_line(exc))  # fmt: skip
+        log.warning(
+            "weight broadcast failed; versions go by pull until the group re-forms",
+            group=self.id,
+            rank=self.rank,
+            error=_first_line(exc),
+        )
         self._drop()
 
     # -- both -----------------------------------------------------------------------------

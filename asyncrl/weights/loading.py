@@ -1,14 +1,8 @@
 """How new weights reach a ``TorchEngine``: safetensors directories and the trainer's group.
 
-``read_safetensors`` loads a directory written by a trainer or by ``save_pretrained``;
-``check_names`` refuses tensors the model does not have (before anything is copied, or
-before a collective starts); ``WeightGroups`` is the engine's side of SGLang's distributed
-update (``docs/sglang_api.md`` 2.2, 2.3): join the trainer's group as SGLang does, receive
-each tensor (or one flattened bucket) by ``broadcast(src=0)`` in the announced order,
-leave.
-
-Users: ``TorchEngine`` (``torch/engine.py``), which copies the tensors into its model at a
-decode-step boundary.
+``read_safetensors`` loads a directory; ``check_names`` refuses tensors the model does not
+have before anything is copied (or a collective starts); ``WeightGroups`` is the engine's
+side of SGLang's distributed update (``docs/sglang_api.md`` 2.2, 2.3).
 """
 
 from __future__ import annotations
@@ -75,9 +69,14 @@ def join_as_sglang(
     )
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), PrefixStore(name, store),
-        group_name=name, timeout=timeout,
-    )  # fmt: skip
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(name, store),
+        group_name=name,
+        timeout=timeout,
+    )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 

@@ -1,27 +1,14 @@
 """Adapter-only weight versions, merged by the engine onto its base weights.
 
-A LoRA trainer with ``trainer.lora.publish: adapters`` sends, for each adapted linear
-``M``, ``M.lora_A.weight`` ``[r, in]`` and ``M.lora_B.weight`` ``[out, r]``, plus one
-scalar ``SCALING`` (``alpha / r``). The engine loads, for each ``M``,
+With ``trainer.lora.publish: adapters`` a version carries, for each adapted linear ``M``,
+``M.lora_A.weight`` ``[r, in]``, ``M.lora_B.weight`` ``[out, r]``, and one scalar
+``SCALING`` (``alpha / r``). The engine loads, in float32 as the trainer merges (peft's
+``get_delta_weight``), then cast to its dtype::
 
     W_M = W0_M + (B_M @ A_M) * scaling
 
-with ``W0`` read from the base model's safetensors files (``BaseWeights``: memory-mapped,
-so the page cache holds them, not the engine), in float32 as the trainer merges (peft's
-``get_delta_weight``: ``W0 + (B @ A) * scaling``, which one ``addmm_`` computes up to the
-last bit of rounding), then cast to the engine's dtype. Unadapted weights are never
-touched. A version is absolute, base plus its own adapters: a skipped or failed
-version leaves nothing behind that the next one depends on.
-
-``AdapterVersion`` checks every name and shape against the model and the base before
-anything is copied; ``load_into`` then writes each merged weight straight into the
-model's tensor (no second copy of the model at any time).
-
-On disk (the ``disk`` transport) a version is a peft adapter folder (``peft_layout``,
-``read_peft_dir``), which peft, vLLM and SGLang load as well.
-
-Users: ``TorchEngine.update_weights_from_tensors``; ``trainers/lora.py`` writes the format;
-``weights/sync.py`` writes and reads it on disk.
+A version is absolute, base plus its own adapters: a skipped or failed one leaves nothing
+behind that the next depends on. On disk it is a peft adapter folder (``peft_layout``).
 """
 
 from __future__ import annotations
@@ -59,9 +46,17 @@ def peft_layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[
         raise EngineError(f"an adapter version needs one rank, got {sorted(ranks)}")
     r = ranks.pop()
     modules = sorted({k.removesuffix(_A).rsplit(".", 1)[-1] for k in tensors if k.endswith(_A)})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": scaling * r,
-              "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
-              "fan_in_fan_out": False, "use_rslora": False}  # fmt: skip
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": r,
+        "lora_alpha": scaling * r,
+        "target_modules": modules,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+    }
     return config, weights
 
 
@@ -83,7 +78,8 @@ def read_peft_dir(path: Path) -> dict[str, torch.Tensor]:
 
 
 class BaseWeights:
-    """The base model's tensors by name, read on demand from its ``*.safetensors``."""
+    """The base model's tensors by name, read on demand from its ``*.safetensors``
+    (memory-mapped, so the page cache holds them, not the engine)."""
 
     def __init__(self, path: str) -> None:
         from safetensors import safe_open
@@ -106,7 +102,8 @@ class BaseWeights:
 
 
 class AdapterVersion:
-    """The merged weights of one adapter version (module docstring), checked up front."""
+    """The merged weights of one adapter version (module docstring): every name and shape
+    checked against the model and the base before anything is copied."""
 
     def __init__(
         self, tensors: dict[str, torch.Tensor], params: dict[str, torch.Tensor], base: BaseWeights

@@ -1,23 +1,12 @@
 """SGLang's ``/update_weights_from_tensor`` payload (``docs/sglang_api.md`` 2.4): named
-tensors that stay where they are, handed over by reference.
+tensors handed over by reference, so the engine and the trainer must share the host.
 
-Each entry of ``serialized_named_tensors`` is the base64 of a pickle made by
-``multiprocessing``'s ``ForkingPickler`` with torch's reductions registered, as SGLang's
-``MultiprocessingSerializer`` makes it. A CPU tensor travels as its shared-memory
-storage (by its name: ``encode``), a CUDA tensor as an IPC handle to the sender's
-memory: only metadata crosses HTTP, so the
-engine and the trainer must share the host (colocated). ``load_format`` None pickles
-``[(name, tensor), ...]``; ``"flattened_bucket"`` pickles ``{"flattened_tensor": bytes,
-"metadata": [FlattenedTensorMetadata, ...]}``, each tensor's bytes at
-``[start_idx, end_idx)`` of the flat ``uint8`` tensor.
-
-Decoding never runs a pickle freely: ``decode`` allows only the globals these payloads
-use (torch's rebuild functions, storages, dtypes and sizes, ``DupFd``, and SGLang's
-metadata class, mapped to ``FlattenedTensorMetadata`` here) and refuses any other, by
-name, as SGLang's ``SafeUnpickler`` does.
-
-Users: the embedded server's ``/update_weights_from_tensor`` (``server/control_routes.py``) and
-the SGLang client (``client/weights.py``).
+Each entry of ``serialized_named_tensors`` is the base64 of a ``ForkingPickler`` pickle, as
+SGLang's ``MultiprocessingSerializer`` makes it: a CPU tensor as its named shared-memory
+storage, a CUDA tensor as an IPC handle. ``load_format`` None pickles ``[(name, tensor),
+...]``; ``"flattened_bucket"`` pickles ``flattened``'s dict. ``decode`` never runs a pickle
+freely: it allows only the globals these payloads use (``_ALLOWED``) and refuses any
+other by name, as SGLang's ``SafeUnpickler`` does.
 """
 
 from __future__ import annotations
@@ -137,8 +126,9 @@ def bucket_layout(named: Iterable[tuple[str, torch.Tensor]]) -> list[FlattenedTe
     """Where each of ``named`` lies in their flattened bucket: their bytes, in order."""
     metadata, offset = [], 0
     for name, t in named:
-        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset,
-                                                offset + t.nbytes, t.nbytes))  # fmt: skip
+        metadata.append(
+            FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + t.nbytes, t.nbytes)
+        )
         offset += t.nbytes
     return metadata
 

@@ -1,26 +1,11 @@
 """The ``ipc`` transport: weight versions handed over in memory shared on one host.
 
-The trainer copies each version once, bucket by bucket, into shared memory: named shared
-memory for CPU tensors, device memory whose CUDA IPC handles travel for GPU tensors
-(``weights/payload.py``). The announcement carries one handle per bucket, each
-an ``/update_weights_from_tensor`` payload (``load_format: "flattened_bucket"``), so an
-engine on the same host maps the bucket and copies its tensors straight into its own
-model, and an SGLang server takes the very same payload over HTTP. Nothing goes through
-a socket but the handles. The blob server serves views of the same buckets, so a
-subscriber on another host, or one whose version was dropped here, pulls it instead, at
-no extra memory.
-
-A bucket is a run of manifest entries of at most ``bucket_bytes`` (one larger tensor is
-a bucket alone): few handles to open, which matters for CUDA, where each costs an IPC
-map. The newest ``keep`` versions stay shared, in a ring of ``keep + 1`` slots that later
-versions refill: fresh shared memory costs its page faults (0.4 s for 135M in fp32 on
-the project's machine, against 0.06 s to refill a slot). An engine that opens an older
-version, or is still copying one whose slot is refilled, finds it gone: each bucket
-carries its slot's version stamp. By then the blob server has dropped that version
-too (it keeps ``keep``), so the engine waits for the next one (an embedded engine that
-was writing in place stays torn until then).
-
-Used by ``sync.WeightPublisher`` (trainer side) and ``WeightReceiver.fetch``.
+The trainer copies each version once, bucket by bucket, into shared memory (named shared
+memory for CPU tensors, CUDA IPC for GPU ones). The announcement carries one
+``/update_weights_from_tensor`` payload per bucket (few handles: each costs a CUDA IPC
+map), so an engine on the host maps it and copies straight into its model, and only
+handles cross a socket. A subscriber elsewhere, or one whose version was refilled, pulls
+from the blob server, which serves views of the same buckets.
 """
 
 from __future__ import annotations
@@ -80,8 +65,9 @@ class _Slot:
         """Copy a version in; the stamp says -1 meanwhile, so a reader can tell."""
         self.stamp[0] = -1
         for flat, bucket in zip(self.flats, named, strict=True):
-            torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket],
-                      out=flat)  # fmt: skip
+            torch.cat(
+                [t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket], out=flat
+            )
             _allow_opens(flat)
         _allow_opens(self.stamp, len(self.handles))  # each bucket's handle opens it
         if self.stamp.device.type == "cuda":  # readers map it from other processes
@@ -196,5 +182,7 @@ def check_shared(handles: list[str], version: int) -> None:
 
 def _check_stamp(stamp: object, version: int) -> None:
     if isinstance(stamp, torch.Tensor) and int(stamp[0]) != version:
-        raise EngineError(f"shared version {version} was replaced (the slot holds "
-                          f"{int(stamp[0])}): too slow to take it")  # fmt: skip
+        raise EngineError(
+            f"shared version {version} was replaced (the slot holds "
+            f"{int(stamp[0])}): too slow to take it"
+        )

@@ -1,34 +1,11 @@
 """Weight versions from the trainer to every engine: ``WeightPublisher`` and ``WeightReceiver``.
 
-The trainer publishes each new version in two parts (``docs/design.md`` section 6): the tensors are
-put where subscribers can fetch them, then a small ``WeightVersion`` is announced on the
-``weights`` pub/sub topic. Transports (``transport`` setting):
-
-- ``pull``: the tensors go to the trainer's ``BlobServer`` (``trainer.blob``); a subscriber
-  pulls them in chunks with a sliding window, at its own pace. The server keeps the
-  newest ``keep`` versions, so a slow subscriber skips to the latest.
-- ``disk``: the tensors are written as ``DIR/weight_v{version:06d}/model.safetensors``
-  (written to a temporary directory, then renamed, so a reader never sees a partial
-  file); a subscriber reads them, or passes the path to an engine's
-  ``update_weights_from_disk``. The newest ``keep`` directories are kept.
-- ``dist``: the trainer (rank 0) and the subscribers form a broadcast group
-  (``group.py``; gloo, or nccl for CUDA tensors); after the announcement (which
-  carries the manifest: names, dtypes, shapes, and the bucket size as ``chunk_bytes``)
-  the tensors are broadcast in buckets (``buckets.py``). The trainer waits for
-  every subscriber: the fastest path between GPUs, and the one where a stalled
-  subscriber stalls the trainer (until the group's timeout). Every version is also put
-  on the blob server, as for ``pull``: while the group forms or re-forms (a member was
-  lost), for a member whose broadcast failed, and for subscribers outside the group
-  (the eval actor), a version goes by pull.
-- ``ipc``: each version is copied once into shared memory on the trainer's host
-  (``share.py``); the announcement carries a handle per bucket, and a subscriber
-  on the host copies from there into its engine. The blob server serves views of the
-  same memory: a subscriber elsewhere, or one that finds its version dropped, pulls.
-
-Pub/sub is lossy and conflated (``wire/pubsub.py``): a receiver always moves to the newest
-announced version, and one that joins late asks for it, so none silently misses the
-current weights. Called by ``actors/trainer.py`` (publisher) and by engine hosts
-(receiver), which apply the tensors with ``update_weights_from_tensors``.
+The trainer publishes each version in two parts (``docs/design.md`` section 6): the tensors
+are put where subscribers can fetch them (``pull``: its blob server; ``disk``: a
+safetensors directory; ``dist``: a broadcast group; ``ipc``: shared memory on its host),
+then a small ``WeightVersion`` is announced on the ``weights`` pub/sub topic. A ``dist`` or
+``ipc`` version is on the blob server too, for a subscriber that cannot take it that way.
+Pub/sub is lossy and conflated: a receiver always moves to the newest announced version.
 """
 
 from __future__ import annotations
@@ -164,8 +141,13 @@ class WeightPublisher:
         pulled = self._put_blob(version, tensors)
         group = self.group.usable()
         manifest = layout(tensors, chunk_bytes=self.bucket_bytes, blob=pulled.blob)
-        msg = msgspec.structs.replace(pulled, transport="dist", manifest=manifest,
-                                      group=self.group.id, formed=group is not None)  # fmt: skip
+        msg = msgspec.structs.replace(
+            pulled,
+            transport="dist",
+            manifest=manifest,
+            group=self.group.id,
+            formed=group is not None,
+        )
         self.publisher.publish(TOPIC, msg)  # subscribers join the broadcast on seeing it
         self.latest = msg
         if group is not None:
@@ -182,7 +164,7 @@ class WeightPublisher:
             self.group.failed(exc)
 
     async def _share(self, version: int, tensors: dict[str, torch.Tensor]) -> WeightVersion:
-        """Into shared memory, and on the blob server as views of it (module docstring)."""
+        """Into shared memory, and on the blob server as views of it."""
         handles, views = await asyncio.to_thread(self._shared.share, version, tensors)
         pulled = self._put_blob(version, views)
         return msgspec.structs.replace(pulled, transport="ipc", handles=handles, host=HOST)
@@ -321,7 +303,8 @@ class WeightReceiver:
     async def _receive_broadcast(
         self, msg: WeightVersion, out: dict[str, torch.Tensor] | None
     ) -> dict[str, torch.Tensor]:
-        """Over the group when it is formed with us in it, else by pull (module doc)."""
+        """Over the group when it is formed with us in it, else (while it forms, or after
+        a failed broadcast) by pull."""
         if msg.manifest is None:
             raise ValueError(f"'dist' weight version {msg.version} has no manifest")
         member = self.group if isinstance(self.group, GroupMembership) else None

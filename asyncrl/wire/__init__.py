@@ -1,20 +1,6 @@
-"""The one wire: ZeroMQ channels carrying MessagePack records (``docs/design.md`` section 3).
+"""The one wire: ZeroMQ channels carrying MessagePack records, nothing pickled.
 
-| module        | holds                                                              |
-|---------------|--------------------------------------------------------------------|
-| ``codec``     | ``Message`` base and ``Codec``: records + out-of-band arrays       |
-| ``messages``  | control-plane records (``Heartbeat``, ``Command``, ``WeightVersion``) |
-| ``channels``  | ``SendChannel`` / ``ReceiveChannel`` contracts, ``ChannelStats``    |
-| ``reliable``  | at-least-once results channel (acks, redelivery, de-duplication)   |
-| ``rpc``       | request/reply with credits (work and batch requests)               |
-| ``pubsub``    | latest-wins broadcast with seqs, gap detection and snapshots       |
-| ``blob``      | chunked pull of large tensor sets (weights)                        |
-| ``control``   | controller <-> actor heartbeats and commands                       |
-| ``framing``   | channel envelopes around encoded messages                          |
-| ``sockets``   | socket options, loopback-by-default binding                        |
-| ``security``  | CurveZMQ on every socket: the job certificate, its ZAP handler     |
-| ``ranges``    | ``RangeSet``: seq bookkeeping of the reliable channel              |
-| ``errors``    | ``WireError``, ``ChannelClosed``, ``PeerLost``, ...                 |
+``docs/design.md`` section 3 lists the channels, and its module map what each module holds.
 """
 
 from asyncrl.wire.blob import BlobClient, BlobManifest, BlobServer

@@ -1,22 +1,10 @@
 """Chunked pull of large tensor sets: ``BlobServer`` (ROUTER) and ``BlobClient`` (DEALER).
 
 The trainer puts each new weight version here and announces it on pub/sub; engines pull
-it at their own pace. A blob is a named ``{tensor_name: tensor}`` laid out in one byte
-space (each tensor 64-byte aligned) and cut into ``chunk_bytes`` chunks.
-
-Flow and loss rules
--------------------
-- The client asks for the manifest, then keeps ``window`` chunk requests in flight (the
-  zmq file-transfer pattern with credits), so throughput is not bound by round trips and
-  memory in transit is at most ``window * chunk_bytes``.
-- The server sends views of the stored tensors (no copy); the client copies each chunk once,
-  into a single destination buffer, and returns tensors that are views into it.
-- The client ends a pull with ``FetchDone`` carrying its ``puller`` name, so a server
-  knows who holds a blob (a trainer about to exit waits until its eval actor has the
-  final version).
-- A server keeps the newest ``keep`` blobs. Asking for a dropped one is a ``RemoteError``
-  naming the blobs it has, so a slow engine learns it must move to the latest version.
-- Stored tensors must not be modified while they are served: put a copy of live weights.
+it at their own pace, ``window`` chunk requests in flight (the zmq file-transfer pattern
+with credits: throughput not bound by round trips, at most ``window * chunk_bytes`` in
+transit). A blob lays its tensors out in one byte space, each 64-byte aligned, cut into
+``chunk_bytes`` chunks.
 """
 
 from __future__ import annotations
@@ -77,10 +65,8 @@ class _StoredBlob:
 
         self.manifest = manifest
         # Byte views, no copy: numpy for host tensors, the tensor itself on a GPU (an ipc
-        # version's device buckets), copied to the host a chunk at a time if ever pulled.
-        # A whole version copied to the host here is the likely cause of the 0.75 s each
-        # 0.5B CUDA IPC update took on an H200 (2.6 GB/s: a pageable device-to-host copy's
-        # rate), where the raw IPC copy took 4 ms.
+        # version's device buckets), copied to the host a chunk at a time if ever pulled,
+        # not a whole version through host memory on each publish.
         self.views = []
         for e in manifest.entries:
             flat = tensors[e.name].detach().contiguous().reshape(-1).view(torch.uint8)
@@ -114,7 +100,8 @@ def _overlapping(
 
 
 class BlobServer(RpcServer[BlobRequest, BlobReply]):
-    """Serves chunks of the newest ``keep`` blobs."""
+    """Serves chunks of the newest ``keep`` blobs; asking for a dropped one is a
+    ``RemoteError`` naming those it has, so a slow engine learns to move to the latest."""
 
     def __init__(
         self,
@@ -141,7 +128,8 @@ class BlobServer(RpcServer[BlobRequest, BlobReply]):
         self._served = asyncio.Condition()
 
     def put(self, blob: str, tensors: dict[str, torch.Tensor]) -> BlobManifest:
-        """Store ``tensors`` under ``blob`` (dropping the oldest past ``keep``)."""
+        """Store ``tensors`` under ``blob`` (dropping the oldest past ``keep``). They must
+        not change while served: put a copy of live weights."""
         manifest = layout(tensors, self.chunk_bytes, blob)
         self._blobs[blob] = _StoredBlob(manifest, tensors)
         self._blobs.move_to_end(blob)
@@ -275,7 +263,7 @@ def _copy_into(target: torch.Tensor, start: int, data: np.ndarray) -> None:
     flat = target.view(-1).view(torch.uint8)[start : start + data.nbytes]
     if flat.device.type == "cpu":
         # numpy's single-threaded memcpy: torch's parallel copy fights zmq's I/O threads
-        # for the cores and measured 30-40% slower here (bench/wire.py, 2 cores).
+        # for the cores (bench/wire.py).
         flat.numpy()[:] = data
     else:
         flat.copy_(torch.from_numpy(data))

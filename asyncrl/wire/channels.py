@@ -1,13 +1,8 @@
 """The channel contracts: a ``SendChannel[T]`` / ``ReceiveChannel[T]`` pair.
 
-Every concrete channel (``reliable``, ``rpc``, ``pubsub``, ``blob``) implements one side.
-Channels are async context managers: entering starts their background tasks inside a
+Channels are async context managers: entering starts their background tasks in a
 ``TaskGroup`` owned by the entering task, leaving cancels and joins them, so a channel
-never outlives the actor that opened it.
-
-Errors a channel may raise (see ``asyncrl.wire.errors``): ``ChannelClosed`` (closed by
-this side), ``PeerLost`` (broken by something outside), ``EndOfStream`` (peer finished),
-``WouldBlock`` (from ``*_nowait``), ``WireError`` (a message that cannot be encoded).
+never outlives the actor that opened it. Errors: ``asyncrl.wire.errors``.
 """
 
 from __future__ import annotations

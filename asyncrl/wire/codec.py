@@ -1,25 +1,10 @@
 """MessagePack codec for wire records, with arrays and tensors as out-of-band frames.
 
-Every record that crosses a process boundary is a ``Message`` (a ``msgspec.Struct``
-encoded array-like with its class name as tag: ``["Heartbeat", "rollout-0", 4, ...]``).
-A message encodes to one body frame plus zero or more buffer frames:
-
-    frames = [body, buf_0, buf_1, ...]
-
-numpy arrays and torch tensors inside a message become MessagePack ext values with a
-binary header (``u8 dtype code, u8 ndim, ndim x u64 dims``). Small ones
-(``<= inline_bytes``) carry their bytes inside the ext and decode as views into the
-message's own copy of its body (one allocation per message); large ones carry only a
-frame index and travel as ``frames[1 + index]``, handed to zmq without a copy and
-decoded as a view on the received frame.
-
-Decoding validates every field against the declared types and raises ``WireError``
-naming the field (``GroupResult.samples[2].reward``); frames over ``max_frame_bytes`` are
-refused with ``FrameTooLarge`` on both sides. Nothing is ever pickled: ext payloads hold
-only a dtype code from a fixed table, a shape and raw bytes.
-
-Users: every channel in ``asyncrl.wire`` and anything that persists messages (the
-buffer's write-ahead log).
+A ``Message`` encodes to ``frames = [body, buf_0, buf_1, ...]``. A numpy array or torch
+tensor in it is an ext value with a binary header (``u8 dtype code, u8 ndim, ndim x u64
+dims``): up to ``inline_bytes`` its bytes ride inside; larger, it names a buffer frame,
+handed to zmq without a copy and decoded as a view on the received frame. Decoding
+validates every field and names the bad one in a ``WireError``; nothing is pickled.
 """
 
 from __future__ import annotations
@@ -66,9 +51,9 @@ class Message(
 ):
     """Base of every wire record. Subclass it; the class name is the wire tag.
 
-    ``gc=False``: records are plain data without reference cycles, and keeping them out of
-    the cyclic collector matters: with tens of thousands of samples alive in the buffer,
-    GC passes otherwise triple the per-message cost.
+    ``gc=False``: records are plain data without reference cycles, and with tens of
+    thousands of samples alive in the buffer, cyclic GC passes would dominate the
+    per-message cost.
     """
 
 

@@ -1,16 +1,9 @@
 """The control channel: ``ControlServer`` (controller, ROUTER) and ``ControlLink`` (actor, DEALER).
 
-Every actor connects one ``ControlLink`` to the controller's server, with its actor name as
-its zmq identity. Two kinds of traffic share it:
-
-- notifications, actor -> server (``Hello``, ``Heartbeat``, ``Bye``): fire-and-forget. When
-  the server is slow and the link's queue is at ``hwm`` a notification is dropped and
-  counted; heartbeats are periodic, so the next one carries the news.
-- commands, server -> actor (``Command``), each answered by a ``CommandResult``. A command
-  to an actor that is gone fails with ``PeerLost`` after the caller's timeout; the server
-  never blocks on one slow actor.
-
-Envelopes are ``Request``/``Reply``; a notification is a ``Request`` with id 0.
+Each actor's link, its actor name as zmq identity, sends notifications (``Hello``,
+``Heartbeat``, ``Bye``: fire-and-forget; dropped and counted when the queue is full, since
+the next heartbeat carries the news) and answers the server's ``Command``s with a
+``CommandResult``. The server never blocks on one slow actor.
 """
 
 from __future__ import annotations
@@ -139,7 +132,8 @@ class ControlLink(_Channel):
         self._sock.close(linger=500)
 
     def notify(self, msg: Notification) -> bool:
-        """Send a notification without waiting; False (and counted) if it was dropped."""
+        """Send a notification (a ``Request`` with id 0) without waiting; False (and
+        counted) if it was dropped."""
         body, _ = _notify_codec.encode_parts(msg)
         env = framing.Request(v=WIRE_VERSION, id=0, nbuf=0, body=Raw(body))
         if send_now(self._sock, [framing.pack(env)]):

@@ -1,9 +1,8 @@
 """Envelopes: the channel-level frame kinds that wrap encoded messages.
 
-A zmq multipart message on any asyncrl socket is ``[envelope, *buffers]`` (a ROUTER
-prepends the peer's routing id). The envelope is a small MessagePack record; application
-message bodies sit inside it as ``Raw`` bytes and are decoded separately by the channel's
-``Codec``, so one malformed message in a batch is dropped alone.
+A zmq message on any asyncrl socket is ``[envelope, *buffers]`` (a ROUTER prepends the
+peer's routing id). Message bodies sit in the envelope as ``Raw`` bytes, decoded apart by
+the channel's ``Codec``, so one malformed message in a batch is dropped alone.
 
 | kind       | socket pattern       | carries                                           |
 |------------|----------------------|---------------------------------------------------|

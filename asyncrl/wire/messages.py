@@ -1,19 +1,7 @@
-"""The closed set of control-plane and probe records that travel between actors.
+"""The closed set of control-plane, weight and probe records that travel between actors.
 
-Data-plane records (work items, group results, train batches) live with the data model
-in ``asyncrl.types``. Every record
-is a ``Message``: array-like MessagePack with its class name as tag, validated on decode.
-
-| record          | channel          | direction           |
-|-----------------|------------------|---------------------|
-| ``Hello``       | control          | actor -> controller |
-| ``Heartbeat``   | control          | actor -> controller |
-| ``Bye``         | control          | actor -> controller |
-| ``Command``     | control          | controller -> actor |
-| ``CommandResult``| control         | actor -> controller |
-| ``WeightVersion``| weights (pub/sub)| trainer -> all     |
-| ``Fetch*``, ``Blob*`` | blob pull  | engine <-> trainer  |
-| ``Probe``       | any (dry run)    | any                 |
+Data-plane records (work items, group results, train batches) live in ``asyncrl.types``;
+``docs/design.md`` section 3 says which channel carries which record.
 """
 
 from __future__ import annotations
@@ -146,11 +134,10 @@ class BlobChunk(Message):
 class WeightVersion(Message):
     """Trainer announcement: version ``version`` of the policy weights is available.
 
-    ``transport`` says how to get the tensors: ``pull`` from the blob server at
-    ``location`` (blob name ``blob``), ``disk`` from the directory ``location``, or
-    ``dist`` by broadcast on the weight group ``group`` (``manifest`` gives the buckets)
-    when ``formed``, else (the group still forming) by pull as for ``pull``, or ``ipc``
-    from shared memory on host ``host`` (``handles``: one ``/update_weights_from_tensor``
+    ``transport``: ``pull`` from the blob server at ``location`` (blob ``blob``); ``disk``
+    from the directory ``location``; ``dist`` by broadcast on weight group ``group``
+    (``manifest`` gives the buckets) once ``formed``, by pull while it forms; ``ipc`` from
+    shared memory on host ``host`` (``handles``: one ``/update_weights_from_tensor``
     payload per bucket), else by pull.
     """
 

@@ -1,22 +1,9 @@
 """Publish/subscribe of latest-wins state with sequence numbers: ``Publisher`` and ``Subscriber``.
 
-Used for weight-version announcements (``WeightVersion``) from the trainer to every
-engine and rollout actor.
-
-Pattern and loss rules
-----------------------
-- PUB/SUB is lossy by design: a PUB socket drops messages for a subscriber whose queue
-  is past ``hwm``, and a subscriber that connects late misses what came before.
-- Each topic has a sequence number ``1, 2, ...`` and the publisher an ``epoch`` (random
-  at start), so a subscriber knows exactly what it missed: ``Update.skipped`` counts the
-  updates between the previous one it delivered and this one. Nothing is missed silently.
-- The publisher keeps the latest update of each topic and serves it on a second socket
-  (ROUTER, the *snapshot* endpoint). A subscriber asks for it on joining (no slow-joiner
-  window), and whenever a ``Beat`` (sent every ``beat_interval``) shows a newer seq than
-  the last it saw, i.e. when the newest update itself was lost.
-- Delivery is conflated: a subscriber holds at most one pending update per topic; a newer
-  one replaces it (its ``skipped`` grows). Memory is bounded by the number of topics.
-- A new ``epoch`` (the publisher restarted) resets the subscriber's seq for that topic.
+PUB/SUB is lossy by design (a subscriber's queue past ``hwm``, a late joiner), so each
+topic's updates carry seqs ``1, 2, ...`` and the publisher an ``epoch`` (random at start):
+a subscriber knows what it missed (``Update.skipped``), and the newest update of a topic
+can always be fetched again from the publisher's snapshot socket. Nothing is missed silently.
 """
 
 from __future__ import annotations
@@ -64,7 +51,8 @@ class Update(Generic[T]):
 
 
 class Publisher(_Channel, Generic[T]):
-    """Publishes latest-wins updates per topic and serves the latest on request."""
+    """Publishes latest-wins updates per topic and serves the latest on request (ROUTER,
+    the snapshot endpoint); a ``Beat`` every ``beat_interval`` carries each topic's seq."""
 
     def __init__(
         self,
@@ -159,7 +147,14 @@ class _TopicState:
 
 
 class Subscriber(ReceiveChannel[Update[T]]):
-    """Receives the updates of ``topics``; see the module docstring for what it guarantees."""
+    """Receives the updates of ``topics``.
+
+    It asks for a topic's latest update on joining (no slow-joiner window) and whenever a
+    ``Beat`` shows a newer seq than it saw (the newest update itself was lost). Delivery is
+    conflated: at most one pending update per topic, a newer one replaces it (its
+    ``skipped`` grows), so memory is bounded by the number of topics. A new ``epoch`` (the
+    publisher restarted) resets a topic's seq.
+    """
 
     def __init__(
         self,

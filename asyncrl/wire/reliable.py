@@ -1,30 +1,9 @@
 """Reliable delivery: at-least-once DEALER -> ROUTER with acks, redelivery and de-duplication,
 for results that must not be lost (``GroupResult`` from rollout actors to the buffer).
-Pattern and loss rules:
-- ``ReliableSender`` (DEALER, connects by default, ``IMMEDIATE`` so nothing queues on a
-  half-open connection) keeps every message until the receiver acknowledges it.
-  Consecutive sends are coalesced into one zmq message (a ``Batch`` of consecutive seqs)
-  until ``batch_bytes`` or the next event-loop turn; the batch is also the unit of
-  bookkeeping and retransmission, which keeps the per-message cost to an encode and an
-  append.
-- At most ``window`` messages are unacknowledged: ``await send()`` blocks when the window
-  is full (backpressure), ``send_nowait()`` raises ``WouldBlock``. zmq's own queues are
-  bounded by ``hwm``; nothing else is buffered.
-- A batch is sent again when it stays unacknowledged for ``redeliver_after`` seconds
-  (doubling per attempt up to ``max_redeliver_after``), and at once when the connection
-  is re-established (e.g. the receiver restarted): whatever sat in the old pipe is gone.
-- ``ReliableReceiver`` (ROUTER, binds) de-duplicates by ``(stream, seq)`` (a stream is
-  one sender incarnation; seqs start at 1) and hands each message out once, as part of a
-  ``Received`` batch (``receive_batch()``) or alone (``receive()``). ``ack()`` after
-  processing releases it at the sender; acks may come in any order. A duplicate of an
-  acknowledged message is re-acknowledged (the first ack was lost); a malformed message
-  is dropped, counted, logged and acknowledged, since resending cannot fix it.
-- The receiver queues at most ``max_queued`` messages; past that it stops reading the
-  socket, zmq's HWM fills and the senders' windows stop them: memory stays flat when the
-  consumer stalls.
-- Exactly-once processing across a receiver restart: save ``dedup_state()`` together
-  with the application state the delivered messages changed (between batches), and pass
-  it back as ``dedup_state=`` to the new receiver.
+
+Each message has a seq in its sender's stream (one sender incarnation; seqs from 1). The
+sender keeps it until acknowledged and resends it; the receiver de-duplicates by
+``(stream, seq)``. Both sides are bounded, so a stalled consumer stops its producers.
 """
 
 from __future__ import annotations
@@ -71,7 +50,13 @@ class _OutBatch:
 
 
 class ReliableSender(SendChannel[T]):
-    """The sending side of a reliable channel (see the module docstring for loss rules)."""
+    """The sending side (DEALER; connects by default, ``IMMEDIATE`` so nothing queues on a
+    half-open connection). Consecutive sends coalesce into one ``Batch`` until
+    ``batch_bytes`` or the next event-loop turn: the unit of bookkeeping and resending, so
+    a message costs an encode and an append. At most ``window`` messages are
+    unacknowledged (``send`` waits, ``send_nowait`` raises ``WouldBlock``). A batch is
+    resent after ``redeliver_after`` seconds unacknowledged (doubling per attempt up to
+    ``max_redeliver_after``), and at once on a reconnect."""
 
     def __init__(
         self,
@@ -373,7 +358,13 @@ class _StreamState:
 
 
 class ReliableReceiver(ReceiveChannel[Delivery[T]]):
-    """The receiving side of a reliable channel (see the module docstring for loss rules)."""
+    """The receiving side (ROUTER, binds): hands each message out once, in a ``Received``
+    batch (``receive_batch``) or alone (``receive``); ``ack()`` after processing releases
+    it at the sender, in any order. A duplicate of an acknowledged message is acknowledged
+    again (the first ack was lost); a malformed one is dropped, counted and acknowledged.
+    Past ``max_queued`` waiting messages the socket is not read, and zmq's HWM and the
+    senders' windows stop them. For exactly-once processing across a restart, save
+    ``dedup_state()`` with the state the delivered messages changed and pass it back."""
 
     def __init__(
         self,

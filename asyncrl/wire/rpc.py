@@ -1,24 +1,9 @@
 """Request/reply with credits: ``RpcClient`` (DEALER) -> ``RpcServer`` (ROUTER).
 
-Used where a consumer asks for work: ``RequestWork(credits=n)`` from rollout actors and
-``RequestBatch`` from the trainer to the buffer, chunk requests of the blob pull, and
-control queries.
-
-Pattern and loss rules
-----------------------
-- A client holds at most ``max_inflight`` calls (its credits); ``call()`` waits for a
-  credit, so a caller can never flood a server. Each call carries an id; replies are
-  matched by id, so calls may complete out of order.
-- The server runs at most ``max_concurrency`` handlers at once; past that it stops
-  reading its socket and zmq's HWM pushes back on the clients.
-- A handler that raises becomes an error reply; the caller gets ``RemoteError`` with the
-  text. A request that does not decode is answered with an error and counted as dropped.
-  The server keeps serving either way.
-- Requests are not retried by the channel: a call may have side effects. If the
-  connection to the server resets, every pending call fails with ``PeerLost`` ("may or may
-  not have run") and the caller decides. A reply that arrives after its caller timed out
-  is dropped and counted (``dropped.late_reply``); long-polling handlers should bound
-  their own wait (``max_wait`` in the request) instead of relying on client timeouts.
+For consumers that ask for work (rollout actors and the trainer at the buffer, the blob
+pull's chunks). The channel never retries a call, which may have side effects: on a
+connection reset every pending call fails with ``PeerLost`` ("may or may not have run")
+and the caller decides.
 """
 
 from __future__ import annotations
@@ -48,7 +33,14 @@ log = structlog.get_logger("asyncrl.wire")
 
 
 class RpcClient(_Channel, Generic[Req, Rep]):
-    """Calls an ``RpcServer``. ``identity`` is how the server sees this client."""
+    """Calls an ``RpcServer``. ``identity`` is how the server sees this client.
+
+    At most ``max_inflight`` calls are in flight (its credits: ``call`` waits for one, so a
+    client cannot flood a server); replies are matched by id, so calls may complete out
+    of order. A reply after its caller gave up is dropped and counted
+    (``dropped.late_reply``): a long-polling handler should bound its own wait
+    (``max_wait`` in the request) rather than rely on client timeouts.
+    """
 
     def __init__(
         self,
@@ -186,7 +178,10 @@ class RpcClient(_Channel, Generic[Req, Rep]):
 
 
 class RpcServer(_Channel, Generic[Req, Rep]):
-    """Serves ``handler(request, peer_identity) -> reply`` for many clients."""
+    """Serves ``handler(request, peer_identity) -> reply`` for many clients, at most
+    ``max_concurrency`` at once (past that it stops reading, and zmq's HWM pushes back). A
+    handler that raises, or a request that does not decode, is answered with the error
+    (``RemoteError`` at the caller), and the server keeps serving."""
 
     def __init__(
         self,
@@ -270,8 +265,12 @@ class RpcServer(_Channel, Generic[Req, Rep]):
             # thousand, so a peer sending bad requests cannot flood it.
             self.handler_errors += 1
             if self.handler_errors <= 10 or self.handler_errors % 1000 == 0:
-                log.warning("rpc handler failed", channel=self.name, error=repr(exc),
-                            count=self.handler_errors)  # fmt: skip
+                log.warning(
+                    "rpc handler failed",
+                    channel=self.name,
+                    error=repr(exc),
+                    count=self.handler_errors,
+                )
             self._reply_error(peer, call_id, f"{type(exc).__name__}: {exc}")
             return
         finally:

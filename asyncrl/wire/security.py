@@ -1,25 +1,10 @@
 """CurveZMQ on every channel: encryption and mutual authentication with one job certificate.
 
-    asyncrl keys DIR        DIR/job.key (public), DIR/job.key_secret (secret, mode 0600)
-    --wire.curve-keys DIR   every process of the job (controller and actors) calls
-                            ``enable(DIR)`` before it opens a channel
-
-Once enabled, for the rest of the process (``sockets.bind`` / ``sockets.connect`` ask
-``active()``):
-
-- a socket that binds is a CURVE server holding the job's secret key;
-- a socket that connects is a CURVE client with the job's key pair, and expects the
-  server to hold the job's key (so a client cannot be fooled by an impostor server);
-- a ZAP handler on the process's zmq context admits only clients that prove they hold the
-  job's secret key: a peer without the job's key can neither send nor receive, and its
-  handshake fails before any frame reaches a channel;
-- endpoints may be non-loopback (``runtime.host``, multi-host Ray clusters). Without
-  keys, asyncrl refuses every non-loopback endpoint (``sockets.check_endpoint``).
-
-One certificate per job: whoever can read the secret file is part of the job. Keep it on
-the nodes' shared filesystem with mode 0600, and make a new one per job or per trust
-boundary. The cost is CURVE's (libsodium) encryption of every frame; see
-``bench/curve.py`` (``make bench-curve``).
+``asyncrl keys DIR`` writes it (``generate``); with ``--wire.curve-keys DIR`` every process
+of the job calls ``enable(DIR)`` before it opens a channel. From then on a bound socket is
+a CURVE server, a connecting one a client that expects the server to hold the job's key,
+and a ZAP handler admits only peers holding its secret (whoever can read the secret file
+is part of the job). Only then may endpoints be non-loopback.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """ZeroMQ socket construction: one place that sets the options every channel relies on.
 
-Every socket gets ``linger=0`` (closing never blocks on undelivered messages; the reliable
-channels keep their own outbox), explicit send/receive high-water marks, and
-``MAXMSGSIZE`` as a hard cap above the codec's ``max_frame_bytes`` so libzmq never
-allocates an unbounded frame for a misbehaving peer.
-
+Every socket gets ``linger=0``, explicit high-water marks and a ``MAXMSGSIZE`` hard cap.
 Endpoints are loopback unless a caller opts in with ``allow_remote=True`` or CurveZMQ is
-enabled (``asyncrl.wire.security``), which also makes every bound socket a CURVE server
-and every connecting socket a CURVE client of the job's key.
+enabled (``asyncrl.wire.security``); ports drawn ahead are claimed machine-wide.
 """
 
 from __future__ import annotations
@@ -51,7 +46,7 @@ def make_socket(
 ) -> zmq.asyncio.Socket:
     """Create an asyncio socket with the project's standard options."""
     sock = (ctx or context()).socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.LINGER, 0)  # close never blocks: reliable channels keep an outbox
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     if max_frame_bytes is not None:
@@ -158,13 +153,11 @@ def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
     """A ``tcp://host:port`` whose port was free a moment ago and is now claimed by this
     process (for pre-assigned addresses, bound later by an actor).
 
-    The port is drawn below the kernel's ephemeral range: a port the kernel itself picked
-    (``bind(0)``) can be handed, between our check and the actor's bind, to any outgoing
-    connection on the machine as its local port, and the bind then fails with "Address
-    already in use" (seen in a 30-minute benchmark). Ports below the range are only taken
-    by explicit binds. Between the draw and the bind, the claim (``_claim``) keeps every
-    other asyncrl process of this user from drawing the same port: two jobs started at
-    once on one machine never collide. ``release_endpoints`` gives the claims back.
+    The port is drawn below the kernel's ephemeral range: a port the kernel picked
+    (``bind(0)``) can be handed, before the actor's bind, to any outgoing connection on the
+    machine as its local port, and the bind then fails with "Address already in use".
+    Until the bind, the claim (``_claim``) keeps every other asyncrl process of this user
+    from drawing the same port. ``release_endpoints`` gives the claims back.
     """
     low, high = _fixed_port_range()
     rng = random.SystemRandom()

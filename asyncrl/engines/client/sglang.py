@@ -1,25 +1,9 @@
-"""The async SGLang client: how rollout actors and the trainer talk to every inference engine.
+"""``SGLangClient``: how rollout actors and the trainer talk to every inference engine.
 
-One ``SGLangClient`` speaks SGLang's HTTP API (``docs/sglang_api.md``) to N engines: the
-embedded server (``asyncrl serve``), real SGLang servers, or one real sglang-router.
-Rollout actors call ``generate`` / ``generate_stream``; the trainer calls ``update_weights``
-(section 2.15: pause, flush, update, continue); APRIL calls ``abort_all_and_wait``.
-
-The client is composed of parts, each with one job; this module holds the public calls
-and their sequences::
-
-    sglang_wire.py       records, errors, bodies, reply and SSE parsing (pure)
-    sglang_transport.py  SGLangTransport: session, retries, engine rotation, loads
-    sglang_weights.py    WeightUpdateCalls(transport): one method per weight endpoint
-    sglang_client.py     SGLangClient: holds ``transport`` and ``weights``; generate,
-                         abort, pause, cache, memory, update_weights, router workers
-
-Engines in this process are called without a transport: ``server/in_process.py``.
-
-The transport's docstring states the timeout, retry and engine-choice policy. With
-``router=True`` the one URL is a sglang-router: generation goes through it, and control
-calls go to each worker URL from ``GET /workers``, because the router does not fan them
-out (section 4.2).
+One client speaks SGLang's HTTP API (``docs/sglang_api.md``) to N engines: the embedded
+server (``asyncrl serve``), SGLang servers, or one sglang-router. This module holds the
+public calls and their sequences; ``transport`` carries them (policy: ``docs/client.md``)
+and ``weights`` makes the weight-update calls.
 """
 
 from __future__ import annotations
@@ -116,9 +100,13 @@ class SGLangClient:
         if stream:
             final = None
             chunks = self.generate_stream(
-                input_ids, sampling_params, rid=rid, return_logprob=return_logprob,
-                prefer=prefer, extra=extra,
-            )  # fmt: skip
+                input_ids,
+                sampling_params,
+                rid=rid,
+                return_logprob=return_logprob,
+                prefer=prefer,
+                extra=extra,
+            )
             async for result in chunks:
                 final = result
             assert final is not None
@@ -177,9 +165,13 @@ class SGLangClient:
         """
         rid = rid or uuid.uuid4().hex
         body = generate_body(
-            input_ids, sampling_params, rid, return_logprob=return_logprob, stream=True,
+            input_ids,
+            sampling_params,
+            rid,
+            return_logprob=return_logprob,
+            stream=True,
             extra=extra,
-        )  # fmt: skip
+        )
         engine, resp = await self.transport.open_generate(body, rid, prefer)
         state, final = StreamState(engine.url), None
         try:

@@ -1,11 +1,9 @@
-"""The SGLang client's transport: one connection pool, retries and the choice of engine.
+"""The SGLang client's transport: connection pools, retries and the choice of engine.
 
-``SGLangClient`` (``client/sglang.py``) holds one ``SGLangTransport``: it owns the aiohttp
-sessions, the retry rules, the engine rotation and the load refresher, and the raw
-``/generate`` POST; the client and its ``WeightUpdateCalls`` make their calls through it.
-What is retried and what never is, how an engine is chosen, and how one leaves and rejoins
-the rotation: ``docs/client.md``. Retries, rotation, health and the router's worker list
-share one connection state, so they stay in one class.
+``SGLangTransport`` owns the aiohttp sessions, the retry rules, the engine rotation, the
+load refresher and the raw ``/generate`` POST; ``SGLangClient`` and its weight calls go
+through it. Retries, rotation, health and the router's worker list share one connection
+state, so they stay in one class. The policy: ``docs/client.md``.
 """
 
 from __future__ import annotations
@@ -120,7 +118,7 @@ def _timeout(total: float, connect: float) -> aiohttp.ClientTimeout:
 
 
 class SGLangTransport:
-    """HTTP, retries and engine rotation for ``SGLangClient`` (see the module docstring)."""
+    """HTTP, retries and engine rotation for ``SGLangClient`` (policy: ``docs/client.md``)."""
 
     @dataclass(kw_only=True, slots=True, frozen=True)
     class Config:
@@ -172,7 +170,7 @@ class SGLangTransport:
         self._health_task: asyncio.Task[None] | None = None
         self._http: aiohttp.ClientSession | None = None  # /generate
         self._control: aiohttp.ClientSession | None = None  # every other call
-        #: Runs before an engine out of rotation rejoins it (see the module docstring).
+        #: Runs before an engine out of rotation rejoins it (``docs/client.md``).
         self.on_return: Callable[[str], Awaitable[None]] | None = None
         #: The weight version every engine in rotation should serve (set by whoever loads
         #: weights); a health check that finds an engine below it (restarted between two
@@ -264,7 +262,7 @@ class SGLangTransport:
         timeout_s: float | None = None,
         trace: dict[str, Any] | None = None,
     ) -> Any:
-        """One control call with the retry rules of the module docstring."""
+        """One control call with the retry rules of ``docs/client.md``."""
         bodyless = method in ("GET", "DELETE")
         data = None if bodyless else msgspec.json.encode({} if body is None else body)
         timeout = _timeout(
@@ -385,8 +383,8 @@ class SGLangTransport:
     async def _probe(self, engine: EngineState) -> bool:
         """The health probe once; a pass puts the engine (back) in rotation, after
         ``on_return`` when it was out. Concurrent callers share one probe per engine:
-        when every engine is out, each waiting request probing on its own sent thousands
-        of probes, which kept the engines out (the 20,000-in-flight collapse)."""
+        with every engine out, a probe per waiting request would flood the engines and
+        keep them out."""
         probe = engine.probing
         if probe is None:
             probe = engine.probing = asyncio.create_task(
@@ -495,7 +493,7 @@ class SGLangTransport:
             log.exception("load refresh failed")
 
     async def _pick(self, prefer: str | None) -> EngineState:
-        """The engine for one request (policy in the module docstring)."""
+        """The engine for one request (policy: ``docs/client.md``)."""
         candidates = [e for e in self._engines if e.down_until is None]
         if not candidates:
             await asyncio.gather(*(self._probe(e) for e in self._engines))

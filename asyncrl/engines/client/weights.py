@@ -1,15 +1,11 @@
 """The SGLang client's weight-update calls (``docs/sglang_api.md`` sections 2.1 to 2.5).
 
-``WeightUpdateCalls`` holds the client's ``SGLangTransport`` and makes one call per weight
-endpoint through it: updates from disk, from tensors on this host (by reference), the
-distributed group (init, destroy, update) and the begin/end session servers from 0.5.21
-require. It keeps what it learns per engine:
-the server's version and whether a begin/end session is open. Calls that start a
-collective return a ``PendingCall`` as soon as their requests are written, so the trainer
-can broadcast while the servers receive.
-The full sequence (pause, flush, update, continue) is ``SGLangClient.update_weights``.
-
-Users: ``SGLangClient`` (``client/sglang.py``) holds one as ``client.weights``.
+``WeightUpdateCalls`` makes one call per weight endpoint through the client's transport
+and remembers, per engine, the server's version and whether a begin/end session (which
+servers from 0.5.21 require) is open. Calls that start a collective return a
+``PendingCall`` once their requests are written, so the trainer can broadcast while the
+servers receive. The full sequence (pause, flush, update, continue) is
+``SGLangClient.update_weights``.
 """
 
 from __future__ import annotations
@@ -321,11 +317,16 @@ class WeightUpdateCalls:
                 for i, payload in enumerate(payloads):
                     last = {"weight_version": str(version)} if i == len(payloads) - 1 else {}
                     reply = await self.transport.admin(
-                        u, "/update_weights_from_tensor",
-                        {**body, **({} if version is None else last),
-                         "serialized_named_tensors": [payload]},
-                        idempotent=False, timeout_s=self.config.update_timeout_s,
-                    )  # fmt: skip
+                        u,
+                        "/update_weights_from_tensor",
+                        {
+                            **body,
+                            **({} if version is None else last),
+                            "serialized_named_tensors": [payload],
+                        },
+                        idempotent=False,
+                        timeout_s=self.config.update_timeout_s,
+                    )
                 return reply
             finally:
                 if opened:

@@ -1,28 +1,14 @@
-"""The SGLang-compatible HTTP server over an embedded engine (``asyncrl serve``).
+"""The SGLang-compatible HTTP server over an engine (``asyncrl serve``).
 
-Rollout code, slime, AReaL and the real sglang-router talk to it exactly as to an SGLang
-server: the shapes are ``docs/sglang_api.md`` sections 1 to 3 and 7.
-One ``EngineServer`` owns one engine (any ``InferenceEngine``: torch, vLLM, sim) and its
-aiohttp application::
+SGLang's clients (rollout code, slime, AReaL, sglang-router) talk to it as to an SGLang
+server (``docs/sglang_api.md`` sections 1 to 3 and 7). One ``EngineServer`` owns one
+engine and its aiohttp application; this module holds the application, its lifetime, the
+traffic gate and ``/generate``::
 
     HTTP /generate, /v1/*  -> parse + validate (400 before anything starts)
                            -> traffic gate (pause, weight-update lock)
                            -> engine.generate() per item -> JSON, or SSE chunks
     HTTP control routes    -> engine.abort / pause / resume / update_weights_* / load
-
-The routes live in three modules: this one (the application, its lifetime, the traffic
-gate and ``/generate``), ``server/control_routes.py`` (section 2) and ``server/openai_routes.py``
-(section 3); ``server/generate_wire.py`` parses bodies and formats replies for all of them.
-
-The engine's ``run()`` loop is a task for the application's life (``cleanup_ctx``); a
-1-token warm-up runs first and ``/health`` answers 503 until it is done. The traffic gate
-gives SGLang's two guarantees: ``pause_generation`` (abort mode) returns only after every
-in-flight ``/generate`` call has been answered, and new calls wait until
-``continue_generation``; a weight update outside a pause waits for in-flight calls and
-holds new ones (SGLang's model-update lock).
-
-Users: ``asyncrl serve`` (``cli/``) and tests; clients reach it through
-``SGLangClient`` (``client/sglang.py``), slime, AReaL or sglang-router.
 """
 
 from __future__ import annotations
@@ -144,9 +130,11 @@ def _key_check(api_key: str) -> Callable[..., Awaitable[Any]]:
 class TrafficGate:
     """Who may start generating: the pause gate and SGLang's model-update lock.
 
-    ``calls`` counts ``/generate`` calls past the gate until their answer is written, so
-    ``drained()`` is "every admitted call has been answered". A weight update outside a
-    pause (``updating``) closes the gate to new calls and waits for ``drained()``.
+    SGLang's two guarantees: ``pause_generation`` (abort mode) returns only after every
+    admitted ``/generate`` call has been answered, and new calls wait until
+    ``continue_generation``; a weight update outside a pause (``updating``) closes the gate
+    to new calls and waits for those in flight. ``calls`` counts the calls past the gate
+    until their answer is written, so ``drained()`` is "every admitted call answered".
     """
 
     def __init__(self) -> None:
@@ -425,8 +413,9 @@ class EngineServer:
             if body.get("stream") is not True or not _refused_in_stream(exc):
                 raise
             event = stream_error(exc)
-            return await self.stream(request, [], lambda k, out: [], error=stream_error,
-                                     tail=lambda: [event])  # fmt: skip
+            return await self.stream(
+                request, [], lambda k, out: [], error=stream_error, tail=lambda: [event]
+            )
         async with self.gate.generating():
             if job.stream:
                 render = self._renderer(job)
@@ -438,10 +427,10 @@ class EngineServer:
         """``/generate`` for a client in this process: ``(status, body)`` as over HTTP.
 
         The same parsing, refusals, traffic gate and reply, without the loopback HTTP
-        round trip (about 1 ms of CPU a call on both ends, most of an embedded rollout's
-        per-sample cost). Non-stream bodies only; the client streams over HTTP. A stopped
-        (or shutting down) server raises ``ServerClosed``; an engine that stops with the
-        call open raises ``ServerGone``. Its caller is ``in_process.InProcessGenerator``.
+        round trip, which costs CPU on both ends. Non-stream bodies only; the client
+        streams over HTTP. A stopped (or shutting down) server raises ``ServerClosed``; an
+        engine that stops with the call open raises ``ServerGone``. Its caller is
+        ``in_process.InProcessGenerator``.
         """
         if self.gate.closed or self._engine_task is None or self._engine_task.done():
             raise ServerClosed(f"{self.url or 'engine server'}: not running")
@@ -462,7 +451,7 @@ class EngineServer:
         Over HTTP, aiohttp cancels the handlers still open at shutdown and the caller sees
         its connection close; an in-process caller has no connection, so without this a
         call the engine never answers (one waiting at an engine-level pause, say) would
-        wait for its timeout. ``reply`` runs in the caller's task, as before, so its engine
+        wait for its timeout. ``reply`` runs in the caller's task, so its engine
         admission stays in the step the gate let it in (``pause`` relies on it); the
         engine task's end cancels the open calls (``_engine_ended``)."""
         me = asyncio.current_task()
@@ -551,10 +540,14 @@ class EngineServer:
             "text": decode_output(tokenizer, request, out),
             "output_ids": out.output_ids,
             "meta_info": meta_info(
-                request, out, version_text(self.engine), text_in_logprobs=job.text_in_logprobs,
-                tokenizer=tokenizer, names=self.engine.version_names,
+                request,
+                out,
+                version_text(self.engine),
+                text_in_logprobs=job.text_in_logprobs,
+                tokenizer=tokenizer,
+                names=self.engine.version_names,
             ),
-        }  # fmt: skip
+        }
         if job.return_prompt_token_ids:
             payload["prompt_token_ids"] = request.input_ids
         if job.stream and not job.single:

@@ -1,17 +1,10 @@
 """The control-plane routes of the embedded server (``docs/sglang_api.md`` section 2).
 
-``ControlRoutes`` answers every call RL frameworks and routers make besides generation:
-abort and pause (2.8, 2.9), weight updates and the weight version (2.1 to 2.6), cache and
-memory (2.7, 2.10), and discovery: health, model and server info, loads (2.11 to 2.14).
-Admin calls answer ``{"success", "message"}``, with 400 when ``success`` is false.
-
-Versions: the engine's int version is reported as a string (``"42"``); a
-``weight_version`` parameter may be any string, as SGLang's: a number is the version, any
-other string names the next one (``generate_wire.parse_version``), and is reported.
-``update_weights_from_tensor`` payloads are pickles: they are read through an allow-list
-of the globals such payloads use (``weights/payload.py``), never unpickled freely.
-
-Users: ``EngineServer`` (``server/app.py``) registers these routes on its application.
+``ControlRoutes`` answers every call besides generation: abort and pause, weight updates
+and the weight version, cache and memory, health, model and server info, loads. Admin
+calls answer ``{"success", "message"}``, with 400 when ``success`` is false. A
+``weight_version`` may be any string, as SGLang's: a number is the version, any other
+string names the next one (``generate_wire.parse_version``) and is what is reported.
 """
 
 from __future__ import annotations
@@ -186,8 +179,10 @@ class ControlRoutes:
             async with self.gate.updating():
                 await self.engine.update_weights_from_disk(path, version)
             self._name(body, name)
-            return {"message": _updated("model weights", self.engine.version),
-                    "num_paused_requests": 0}  # fmt: skip
+            return {
+                "message": _updated("model weights", self.engine.version),
+                "num_paused_requests": 0,
+            }
 
         return await self._admin(request, action)
 
@@ -342,18 +337,20 @@ class ControlRoutes:
     async def model_info(self, request: web.Request) -> web.Response:
         """``/get_model_info`` and ``/model_info`` (2.12)."""
         config = self.engine.model.config
-        return json_response({
-            "model_path": self.engine.model_path,
-            "tokenizer_path": self.engine.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": version_text(self.engine),
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": getattr(config, "model_type", None),
-            "architectures": getattr(config, "architectures", None),
-            "served_model_name": self.server.served_model_name,
-        })  # fmt: skip
+        return json_response(
+            {
+                "model_path": self.engine.model_path,
+                "tokenizer_path": self.engine.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": version_text(self.engine),
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(config, "model_type", None),
+                "architectures": getattr(config, "architectures", None),
+                "served_model_name": self.server.served_model_name,
+            }
+        )
 
     async def server_info(self, request: web.Request) -> web.Response:
         """``/get_server_info`` and ``/server_info`` (2.13): SGLang's resolved server args
@@ -365,34 +362,43 @@ class ControlRoutes:
 
         e = self.engine
         load = e.load()
-        return json_response({
-            **_ENGINE_DEFAULTS,
-            "dtype": str(getattr(e, "dtype", "auto")).removeprefix("torch."),
-            **self.server.server_args,
-            "model_path": e.model_path,
-            "tokenizer_path": e.model_path,
-            "served_model_name": self.server.served_model_name,
-            "context_length": e.context_length,
-            "max_running_requests": e.max_running,
-            "max_total_tokens": e.max_total_tokens,
-            "max_total_num_tokens": e.max_total_tokens,
-            "max_req_input_len": e.context_length - 1,
-            "tp_size": getattr(e, "tp_size", 1),  # a vLLM server's ranks (dist refuses >1)
-            "weight_version": version_text(e),
-            "device": e.device.type,
-            "internal_states": [{"dp_rank": 0, "paused": load.paused,
-                                 "num_running_reqs": load.num_running_reqs}],
-            "startup_time": self.server.started,
-            "launch_command": shlex.join(_redacted(sys.argv)),
-            "version": __version__,
-        })  # fmt: skip
+        return json_response(
+            {
+                **_ENGINE_DEFAULTS,
+                "dtype": str(getattr(e, "dtype", "auto")).removeprefix("torch."),
+                **self.server.server_args,
+                "model_path": e.model_path,
+                "tokenizer_path": e.model_path,
+                "served_model_name": self.server.served_model_name,
+                "context_length": e.context_length,
+                "max_running_requests": e.max_running,
+                "max_total_tokens": e.max_total_tokens,
+                "max_total_num_tokens": e.max_total_tokens,
+                "max_req_input_len": e.context_length - 1,
+                "tp_size": getattr(e, "tp_size", 1),  # a vLLM server's ranks (dist refuses >1)
+                "weight_version": version_text(e),
+                "device": e.device.type,
+                "internal_states": [
+                    {"dp_rank": 0, "paused": load.paused, "num_running_reqs": load.num_running_reqs}
+                ],
+                "startup_time": self.server.started,
+                "launch_command": shlex.join(_redacted(sys.argv)),
+                "version": __version__,
+            }
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         """``/v1/models`` (2.14)."""
         name = self.server.served_model_name
-        card = {"id": name, "object": "model", "created": int(self.server.started),
-                "owned_by": "sglang", "root": name, "parent": None,
-                "max_model_len": self.engine.context_length}  # fmt: skip
+        card = {
+            "id": name,
+            "object": "model",
+            "created": int(self.server.started),
+            "owned_by": "sglang",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.engine.context_length,
+        }
         return json_response({"object": "list", "data": [card]})
 
     async def loads(self, request: web.Request) -> web.Response:
@@ -413,23 +419,29 @@ class ControlRoutes:
             "utilization": usage,
         }
         device = self.engine.device.type
-        return json_response({
-            "timestamp": datetime.now(UTC).isoformat(),
-            "version": __version__,
-            "accelerator": None if device == "cpu" else device,
-            "num_accelerators": 0 if device == "cpu" else 1,
-            "loads": [row],
-        })  # fmt: skip
+        return json_response(
+            {
+                "timestamp": datetime.now(UTC).isoformat(),
+                "version": __version__,
+                "accelerator": None if device == "cpu" else device,
+                "num_accelerators": 0 if device == "cpu" else 1,
+                "loads": [row],
+            }
+        )
 
     async def get_load(self, request: web.Request) -> web.Response:
         """``/get_load`` (deprecated, polled by sglang-router 0.3.2)."""
         load = self.engine.load()
-        return json_response([{
-            "dp_rank": 0,
-            "num_reqs": load.num_running_reqs + load.num_waiting_reqs,
-            "num_waiting_reqs": load.num_waiting_reqs,
-            "num_tokens": load.num_used_tokens,
-        }])  # fmt: skip
+        return json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": load.num_running_reqs + load.num_waiting_reqs,
+                    "num_waiting_reqs": load.num_waiting_reqs,
+                    "num_tokens": load.num_used_tokens,
+                }
+            ]
+        )
 
     async def version(self, request: web.Request) -> web.Response:
         """``/version``."""
@@ -441,12 +453,24 @@ class ControlRoutes:
 #: SGLang's server args whose value here is fixed: one rank of one replica, no paged or
 #: quantized KV cache, no disaggregation, no LoRA slots (asyncrl merges adapters).
 _ENGINE_DEFAULTS: Json = {
-    "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "page_size": 1,
-    "kv_cache_dtype": "auto", "quantization": None, "load_format": "auto",
-    "tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
-    "is_embedding": False, "enable_lora": False, "disaggregation_mode": "null",
-    "encoder_only": False, "stream_interval": 1, "kv_events": None,
-}  # fmt: skip
+    "tp_size": 1,
+    "dp_size": 1,
+    "pp_size": 1,
+    "ep_size": 1,
+    "page_size": 1,
+    "kv_cache_dtype": "auto",
+    "quantization": None,
+    "load_format": "auto",
+    "tokenizer_mode": "auto",
+    "skip_tokenizer_init": False,
+    "trust_remote_code": False,
+    "is_embedding": False,
+    "enable_lora": False,
+    "disaggregation_mode": "null",
+    "encoder_only": False,
+    "stream_interval": 1,
+    "kv_events": None,
+}
 
 
 def _redacted(argv: list[str]) -> list[str]:

@@ -1,16 +1,11 @@
 """The ``/generate`` wire of the embedded server: request parsing and reply formatting.
 
-Pure translation between SGLang's JSON (``docs/sglang_api.md`` sections 1.1 to 1.7)
-and the engine records of ``engines/base.py``; no engine calls, no traffic control::
+Pure translation between SGLang's JSON (``docs/sglang_api.md`` sections 1.1 to 1.7) and
+the records of ``engines/base.py``, plus the error shapes (``ApiError``) and JSON helpers
+every route shares; no engine calls, no traffic control::
 
     body (dict) -> parse_generate -> GenerateJob (engine requests, flattened per item)
     GenerateOutput -> meta_info / decode_output / finish_json -> the 1.3 object
-
-It also holds the error shapes every route answers with (``ApiError`` and its builders)
-and the small JSON helpers the routes share (``read_json``, ``field``, ``json_response``).
-
-Users: ``server/app.py`` (``/generate`` and the error middleware), ``server/control_routes.py`` and
-``server/openai_routes.py``.
 """
 
 from __future__ import annotations
@@ -32,10 +27,17 @@ QUEUED_ABORT = "Abort in waiting queue"
 _SAMPLING_KEYS: tuple[str, ...] = SamplingParams.__struct_fields__
 #: Top-level /generate keys whose feature this server lacks: refused when truthy.
 _UNSUPPORTED = (
-    "input_embeds", "image_data", "video_data", "audio_data", "lora_path", "session_params",
-    "token_ids_logprob", "return_hidden_states", "return_routed_experts",
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "lora_path",
+    "session_params",
+    "token_ids_logprob",
+    "return_hidden_states",
+    "return_routed_experts",
     "custom_logit_processor",
-)  # fmt: skip
+)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -88,8 +90,10 @@ def sse(obj: Any) -> bytes:
 
 def too_large(size: int, limit: int) -> ApiError:
     """A body over the route's limit: refused before it is read whole (413)."""
-    message = (f"the request body is {size} bytes or more, over this server's limit of "
-               f"{limit} bytes (asyncrl serve --max-body-mb)")  # fmt: skip
+    message = (
+        f"the request body is {size} bytes or more, over this server's limit of "
+        f"{limit} bytes (asyncrl serve --max-body-mb)"
+    )
     return ApiError(413, message, {"error": {"message": message}})
 
 
@@ -235,10 +239,11 @@ def parse_generate(body: Json, tokenizer: Any, context: int | None = None) -> Ge
     flags = {
         key: [v for v in _per_prompt(body, key, kind, default, count) for _ in range(n)]
         for key, kind, default in (
-            ("return_logprob", bool, False), ("logprob_start_len", int, -1),
+            ("return_logprob", bool, False),
+            ("logprob_start_len", int, -1),
             ("top_logprobs_num", int, 0),
         )
-    }  # fmt: skip
+    }
     if any(k < 0 for k in flags["top_logprobs_num"]):
         raise bad_request(f"top_logprobs_num must be >= 0, got {min(flags['top_logprobs_num'])}")
     rids = request_ids(body.get("rid"), count, n)
@@ -340,8 +345,11 @@ def _strict_bool(value: Any) -> None:
     values = value if isinstance(value, list) else [value]
     for v in values:
         if not isinstance(v, bool):
-            expected = "a boolean" if isinstance(value, list) else (
-                "a value or an array of values for BoolOrList")  # fmt: skip
+            expected = (
+                "a boolean"
+                if isinstance(value, list)
+                else "a value or an array of values for BoolOrList"
+            )
             raise contract_error(f"invalid type: {_unexpected(v)}, expected {expected}")
 
 
@@ -442,9 +450,14 @@ def token_texts(tokenizer: Any, ids: list[int], wanted: bool) -> list[str | None
 
 
 def meta_info(
-    request: GenerateRequest, out: GenerateOutput, version: str, *, text_in_logprobs: bool,
-    tokenizer: Any, names: dict[int, str] | None = None,
-) -> Json:  # fmt: skip
+    request: GenerateRequest,
+    out: GenerateOutput,
+    version: str,
+    *,
+    text_in_logprobs: bool,
+    tokenizer: Any,
+    names: dict[int, str] | None = None,
+) -> Json:
     """The ``meta_info`` object (1.3); a queued abort has no prompt or cached tokens (5.1)."""
     meta: Json = {"id": out.rid, "finish_reason": finish_json(out.finish_reason)}
     if not out.queued:
@@ -516,15 +529,22 @@ def failed_status(outs: list[GenerateOutput]) -> ApiError | None:
             if reason.status_code == 400:
                 return bad_request(message)
             kind = reason.err_type or "InternalServerError"
-            return ApiError(reason.status_code, message, openai_error(message, reason.status_code,
-                                                                      kind))  # fmt: skip
+            return ApiError(
+                reason.status_code, message, openai_error(message, reason.status_code, kind)
+            )
     return None
 
 
 def stream_error(exc: Exception) -> Json:
     """A refusal after the stream started: one error event, then ``[DONE]`` (1.6)."""
-    return {"error": {"message": str(exc), "type": "invalid_request_error", "code": 400,
-                      "retryable": False}}  # fmt: skip
+    return {
+        "error": {
+            "message": str(exc),
+            "type": "invalid_request_error",
+            "code": 400,
+            "retryable": False,
+        }
+    }
 
 
 async def answer(request: web.Request, resp: web.Response) -> web.Response:

@@ -1,17 +1,10 @@
-"""The ``Generator`` of engines in this process: ``generate`` is a call into their servers.
+"""``InProcessGenerator``: the ``Generator`` of engines in this process, no HTTP.
 
-An embedded engine (torch, sim) runs behind an ``EngineServer`` in the rollout actor's own
-process. Its workflows' non-stream ``/generate`` calls need no HTTP: ``InProcessGenerator``
-builds the same body, calls the server's ``generate_local`` (the same parsing, refusals,
-traffic gate and reply as its HTTP route) and parses the reply as ``SGLangClient`` does.
-That saves about 1 ms of CPU per call on both ends, most of an embedded rollout's
-per-sample cost. Streams and every control call (abort, pause, weights) still go over HTTP
-through the ``SGLangClient`` to the same servers.
-
-Choice of engine: the one with the fewest open calls of this generator, ties in rotation.
-There is no retry and no rotation to leave: the servers live and die with this process,
-so a stopped server (or one whose engine stopped mid-call) fails the call with
-``EngineUnavailable``, and a call past ``timeout_s`` raises ``TimeoutError``.
+An embedded engine (torch, sim) runs behind an ``EngineServer`` in the rollout actor's
+process, so its workflows' non-stream ``/generate`` calls go straight to the server's
+``generate_local`` (the same parsing, refusals, traffic gate and reply as its HTTP route)
+and the reply is parsed as ``SGLangClient`` does. Streams and control calls still go over
+HTTP. The servers live and die with this process: no retry, no rotation to leave.
 """
 
 from __future__ import annotations
@@ -68,13 +61,20 @@ class InProcessGenerator:
     ) -> GenerateResult:
         """``SGLangClient.generate``'s contract (non-stream): the final result, an abort
         being a normal partial one; ``SGLangError`` with the server's status and message
-        for a refused request."""
+        for a refused request. The engine is the one with the fewest open calls, ties in
+        rotation. A stopped server, or one whose engine stopped mid-call, raises
+        ``EngineUnavailable``; a call past ``timeout_s``, ``TimeoutError``."""
         rid = rid or uuid.uuid4().hex
         typed = isinstance(sampling_params, SamplingParams)
         if typed and sampling_params.n != 1:
             raise ValueError(f"sampling_params.n is {sampling_params.n}; send n requests")
-        body = generate_body(input_ids, None if typed else sampling_params, rid,
-                             return_logprob=return_logprob, extra=extra)  # fmt: skip
+        body = generate_body(
+            input_ids,
+            None if typed else sampling_params,
+            rid,
+            return_logprob=return_logprob,
+            extra=extra,
+        )
         if typed:  # to the engine as they are: no dict built per call, none parsed again
             body["sampling_params"] = sampling_params
         index = self._pick()

@@ -1,12 +1,10 @@
 """The OpenAI-compatible routes of the embedded server (``docs/sglang_api.md`` section 3).
 
-``/v1/chat/completions`` applies the tokenizer's chat template (or takes ``input_ids``,
-0.5.15+) and ``/v1/completions`` takes text or token ids; both then run the same engine
-requests as ``/generate``, through the server's traffic gate, and answer with OpenAI's
-shapes plus SGLang's extras (``matched_stop``, ``metadata.weight_version``, token ids and
-``meta_info`` on request). Refusals are OpenAI's top-level error object (3.5).
-
-Users: ``EngineServer`` (``server/app.py``) registers these routes on its application.
+``/v1/chat/completions`` applies the tokenizer's chat template (or takes ``input_ids``)
+and ``/v1/completions`` takes text or token ids; both run the same engine requests as
+``/generate``, through the traffic gate, and answer in OpenAI's shapes plus SGLang's
+extras (``matched_stop``, ``metadata.weight_version``, token ids and ``meta_info`` on
+request). Refusals are OpenAI's top-level error object (3.5).
 """
 
 from __future__ import annotations
@@ -87,9 +85,12 @@ class OpenAIRoutes:
             if call.stream:
                 deltas = OpenAIStream(call, self.engine.tokenizer)
                 return await self.server.stream(
-                    request, call.requests, deltas.render, tail=deltas.tail,
+                    request,
+                    call.requests,
+                    deltas.render,
+                    tail=deltas.tail,
                     error=lambda exc: openai_error(str(exc)),
-                )  # fmt: skip
+                )
             finals = await self.server.collect(call.requests)
             if (failure := failed_status(finals)) is not None:
                 raise failure
@@ -110,15 +111,28 @@ class OpenAIRoutes:
 
 #: OpenAI request key -> SGLang sampling key (SGLang's extras keep their names).
 _OPENAI_SAMPLING = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty", "stop": "stop", "stop_regex": "stop_regex",
-    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim", "n": "n",
-    "seed": "sampling_seed", "min_tokens": "min_new_tokens", "logit_bias": "logit_bias",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "stop": "stop",
+    "stop_regex": "stop_regex",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "no_stop_trim": "no_stop_trim",
+    "n": "n",
+    "seed": "sampling_seed",
+    "min_tokens": "min_new_tokens",
+    "logit_bias": "logit_bias",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
-    "regex": "regex", "ebnf": "ebnf", "custom_params": "custom_params",
-}  # fmt: skip
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "custom_params": "custom_params",
+}
 _NON_STREAM_ONLY = ("return_token_ids", "return_prompt_token_ids", "return_meta_info")
 
 
@@ -147,9 +161,13 @@ def chat_template_ids(
     cont = field(body, "continue_final_message", bool, False)
     try:
         text = tokenizer.apply_chat_template(
-            [_flat_message(m) for m in messages], tools=body.get("tools"), tokenize=False,
-            add_generation_prompt=not cont, continue_final_message=cont, **kwargs,
-        )  # fmt: skip
+            [_flat_message(m) for m in messages],
+            tools=body.get("tools"),
+            tokenize=False,
+            add_generation_prompt=not cont,
+            continue_final_message=cont,
+            **kwargs,
+        )
     except (jinja2.TemplateError, TypeError, KeyError) as exc:
         raise bad_request(f"the chat template failed on these messages: {exc}") from None
     check_fits(tokenizer, text, context)
@@ -233,8 +251,9 @@ class OpenAICall(msgspec.Struct, kw_only=True):
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def parse(cls, body: Json, prompts: list[list[int]], server: EngineServer, *, chat: bool
-              ) -> OpenAICall:  # fmt: skip
+    def parse(
+        cls, body: Json, prompts: list[list[int]], server: EngineServer, *, chat: bool
+    ) -> OpenAICall:
         """Validate the body (3.1, 3.4); refusals are 400s in the OpenAI error shape."""
         _refuse_unserved(body)
         parses = parses_tool_calls(body) and chat and bool(body.get("tools"))
@@ -253,20 +272,33 @@ class OpenAICall(msgspec.Struct, kw_only=True):
         rid = body.get("rid")
         rids = request_ids(rid, len(prompts), params.n)
         requests = [
-            GenerateRequest(rid=r, input_ids=prompts[k // params.n], sampling=params,
-                            return_logprob=True, top_logprobs_num=top)
+            GenerateRequest(
+                rid=r,
+                input_ids=prompts[k // params.n],
+                sampling=params,
+                return_logprob=True,
+                top_logprobs_num=top,
+            )
             for k, r in enumerate(rids)
-        ]  # fmt: skip
+        ]
         options = body.get("stream_options") or {}
         model = body.get("model")
         return cls(
-            id=rid if isinstance(rid, str) else rids[0], chat=chat, prompts=prompts,
+            id=rid if isinstance(rid, str) else rids[0],
+            chat=chat,
+            prompts=prompts,
             model=model if isinstance(model, str) else server.served_model_name,
-            requests=requests, n=params.n, stream=stream, logprobs=logprobs, top_logprobs=top,
+            requests=requests,
+            n=params.n,
+            stream=stream,
+            logprobs=logprobs,
+            top_logprobs=top,
             include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
-            echo=not chat and field(body, "echo", bool, False), extras=extras,
-            tokenizer=server.engine.tokenizer, tool_parser=tool_parser,
-        )  # fmt: skip
+            echo=not chat and field(body, "echo", bool, False),
+            extras=extras,
+            tokenizer=server.engine.tokenizer,
+            tool_parser=tool_parser,
+        )
 
     def text(self, k: int, out: GenerateOutput) -> str:
         """Choice ``k``'s text (with the prompt first when ``echo``)."""
@@ -279,13 +311,19 @@ class OpenAICall(msgspec.Struct, kw_only=True):
         """Prompt tokens count once per prompt, completion tokens once per choice."""
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(f.output_ids) for f in finals)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}  # fmt: skip
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     def logprobs_json(
-        self, ids: list[int], logprobs: list[float], tops: list[list[tuple[float, int]]] | None,
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        tops: list[list[tuple[float, int]]] | None,
         offset: int = 0,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """Chat: ``{"content": [...]}``; completions: tokens, offsets, logprobs and the
         alternatives as ``{token: logprob}`` per position (3.2, 3.4). ``tops`` holds each
         token's ``(logprob, id)`` alternatives when ``top_logprobs`` asked for them."""
@@ -300,14 +338,23 @@ class OpenAICall(msgspec.Struct, kw_only=True):
         tokens = [name(t) for t in ids]
         if self.chat:
             rows = tops or [[] for _ in ids]
-            return {"content": [
-                {**_chat_logprob(t, lp), "top_logprobs": [_chat_logprob(name(i), v) for v, i in r]}
-                for t, lp, r in zip(tokens, logprobs, rows, strict=True)
-            ]}  # fmt: skip
+            return {
+                "content": [
+                    {
+                        **_chat_logprob(t, lp),
+                        "top_logprobs": [_chat_logprob(name(i), v) for v, i in r],
+                    }
+                    for t, lp, r in zip(tokens, logprobs, rows, strict=True)
+                ]
+            }
         offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         top = None if tops is None else [{name(i): v for v, i in row} for row in tops]
-        return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": tokens,
-                "top_logprobs": top}  # fmt: skip
+        return {
+            "text_offset": offsets,
+            "token_logprobs": logprobs,
+            "tokens": tokens,
+            "top_logprobs": top,
+        }
 
     def choice(
         self, k: int, out: GenerateOutput, version: str, names: dict[int, str] | None = None
@@ -320,11 +367,19 @@ class OpenAICall(msgspec.Struct, kw_only=True):
         if calls:
             text, reason = content_of(self.tool_parser, text) or None, "tool_calls"
         body: Json = (
-            {"index": k, "message": {"role": "assistant", "content": text,
-                                     "reasoning_content": None, "tool_calls": calls or None},
-             "logprobs": lps}
-            if self.chat else {"index": k, "text": text, "logprobs": lps}
-        )  # fmt: skip
+            {
+                "index": k,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "reasoning_content": None,
+                    "tool_calls": calls or None,
+                },
+                "logprobs": lps,
+            }
+            if self.chat
+            else {"index": k, "text": text, "logprobs": lps}
+        )
         body |= {"finish_reason": reason, "matched_stop": matched}
         request = self.requests[k]
         if "return_token_ids" in self.extras:
@@ -333,8 +388,9 @@ class OpenAICall(msgspec.Struct, kw_only=True):
         if "return_prompt_token_ids" in self.extras:
             body["prompt_token_ids"] = request.input_ids
         if "return_meta_info" in self.extras:
-            body["meta_info"] = meta_info(request, out, version, text_in_logprobs=False,
-                                          tokenizer=self.tokenizer, names=names)  # fmt: skip
+            body["meta_info"] = meta_info(
+                request, out, version, text_in_logprobs=False, tokenizer=self.tokenizer, names=names
+            )
         return body
 
     def tool_calls(self, text: str) -> list[Json]:
@@ -343,10 +399,14 @@ class OpenAICall(msgspec.Struct, kw_only=True):
             return []
         found = [c for c in self.tool_parser.parse(text) if c.error is None]
         return [
-            {"id": new_call_id(i), "index": i, "type": "function",
-             "function": {"name": c.name, "arguments": arguments_text(c)}}
+            {
+                "id": new_call_id(i),
+                "index": i,
+                "type": "function",
+                "function": {"name": c.name, "arguments": arguments_text(c)},
+            }
             for i, c in enumerate(found)
-        ]  # fmt: skip
+        ]
 
     def reply(
         self, finals: list[GenerateOutput], version: str, names: dict[int, str] | None = None
@@ -359,15 +419,23 @@ class OpenAICall(msgspec.Struct, kw_only=True):
             "model": self.model,
             "choices": [self.choice(k, out, version, names) for k, out in enumerate(finals)],
             "usage": self.usage(finals),
-            "metadata": {"weight_version": version,
-                         "weight_versions": version_spans(finals[0].versions, names)},
-        }  # fmt: skip
+            "metadata": {
+                "weight_version": version,
+                "weight_versions": version_spans(finals[0].versions, names),
+            },
+        }
 
     def chunk(self, choices: list[Json], **extra: Any) -> Json:
         """A stream chunk around ``choices``."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, **extra}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
 
 class OpenAIStream:
@@ -419,8 +487,10 @@ class OpenAIStream:
         if not deltas and not final:
             return []  # the new tokens' log-probs wait for a chunk
         lps = self._new_logprobs(k, out, 0)
-        chunks = [self._choice(k, d, None, None, lps if i == 0 else None)
-                  for i, d in enumerate(deltas or [{"content": ""}])]  # fmt: skip
+        chunks = [
+            self._choice(k, d, None, None, lps if i == 0 else None)
+            for i, d in enumerate(deltas or [{"content": ""}])
+        ]
         if final:
             reason, matched = _openai_finish(out.finish_reason)
             choice = chunks[-1]["choices"][0]
@@ -434,11 +504,17 @@ class OpenAIStream:
         tops = None if out.top_logprobs is None else out.top_logprobs[start:]
         return self.call.logprobs_json(out.output_ids[start:], out.logprobs[start:], tops, offset)
 
-    def _choice(self, k: int, delta: Any, reason: str | None, matched: Any, lps: Any = None
-                ) -> Json:  # fmt: skip
+    def _choice(
+        self, k: int, delta: Any, reason: str | None, matched: Any, lps: Any = None
+    ) -> Json:
         key = "delta" if self.call.chat else "text"
-        choice = {"index": k, key: delta, "logprobs": lps, "finish_reason": reason,
-                  "matched_stop": matched}  # fmt: skip
+        choice = {
+            "index": k,
+            key: delta,
+            "logprobs": lps,
+            "finish_reason": reason,
+            "matched_stop": matched,
+        }
         return self.call.chunk([choice])
 
     def tail(self) -> list[Json]:

@@ -1,20 +1,10 @@
 """Tool calls on the OpenAI wire: ``tool_choice``'s rules and streamed ``delta.tool_calls``.
 
-Shared by the server's ``/v1/chat/completions`` (``server/openai_routes.py``) and the agent
-proxy (``rollout/openai_proxy.py``). A tool-call parser is duck-typed here (engines do not
-import rollout): ``parse(text)`` gives calls with ``name``, ``arguments`` and ``error``;
-``content(text)``, optional, gives the text without the well-formed calls;
-``unsettled_start(text)``, optional, gives where the text that more text could still
-change starts (an open call block, a partial opening tag).
-
-``ToolStream`` turns one choice's growing text into OpenAI deltas. It parses only the
-settled prefix, ``text[:parser.unsettled_start(text)]``, and sends what that adds to what
-it already sent: the content's new characters, then each new well-formed call as two
-``tool_calls`` deltas (index, id, type and name with empty arguments; then the
-arguments). At the end the whole text is settled, so a block that never closed or held
-bad JSON goes out as content, as the non-streamed reply leaves it. A parser's hook must
-keep ``parse`` and ``content`` of a settled prefix a prefix of those of the whole text;
-without the hook, everything is held back to the end (correct, not incremental).
+Shared by the server's ``/v1/chat/completions`` and the agent proxy. A tool-call parser is
+duck-typed here (engines do not import rollout): ``parse(text)`` gives calls with
+``name``, ``arguments`` and ``error``; ``content(text)``, optional, gives the text without
+the well-formed calls; ``unsettled_start(text)``, optional, gives where the text that more
+text could still change starts (an open call block, a partial opening tag).
 """
 
 from __future__ import annotations
@@ -57,11 +47,15 @@ def _named(choice: Json, tools: Any) -> str:
     name = function.get("name") if isinstance(function, dict) else None
     if choice.get("type") != "function" or not isinstance(name, str):
         raise bad_request(f"tool_choice {choice!r} is not one of {_CHOICES}")
-    offered = [t["function"].get("name") for t in tools or ()
-               if isinstance(t, dict) and isinstance(t.get("function"), dict)]  # fmt: skip
+    offered = [
+        t["function"].get("name")
+        for t in tools or ()
+        if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    ]
     if name not in offered:
-        raise bad_request(f"tool_choice names function {name!r}, which is not among tools "
-                          f"{offered}")  # fmt: skip
+        raise bad_request(
+            f"tool_choice names function {name!r}, which is not among tools {offered}"
+        )
     return name
 
 
@@ -83,12 +77,16 @@ def content_of(parser: Any, text: str) -> str:
 
 
 class ToolStream:
-    """One choice's text as OpenAI stream deltas, calls parsed (module docstring).
+    """One choice's text as OpenAI stream deltas, calls parsed.
 
-    ``feed(text)`` with all of the text so far, as often as it grows, then
-    ``finish(text)`` once with the final text; each returns the ``delta`` objects to send
-    (none while nothing new is settled). ``calls`` holds the calls sent, ``call_ids``
-    their ids; ``call_id(index)`` names each new call.
+    ``feed(text)`` with all of the text so far, then ``finish(text)`` once; each returns
+    the deltas to send. Only the settled prefix ``text[:parser.unsettled_start(text)]`` is
+    parsed (all of it at ``finish``, none before without the hook, which must keep
+    ``parse`` and ``content`` of a prefix a prefix of those of the whole text). What it
+    adds goes out: new content, then each new well-formed call as two ``tool_calls``
+    deltas (its head with empty arguments, then the arguments); a block left open or
+    holding bad JSON ends as content, as in the non-streamed reply. ``calls`` and
+    ``call_ids`` hold the calls sent and their ids (``call_id(index)``).
     """
 
     def __init__(self, parser: Any, call_id: Callable[[int], str] = new_call_id) -> None:
@@ -127,7 +125,11 @@ class ToolStream:
         index, cid = len(self.calls), self.call_id(len(self.calls))
         self.calls.append(call)
         self.call_ids.append(cid)
-        head = {"index": index, "id": cid, "type": "function",
-                "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+        head = {
+            "index": index,
+            "id": cid,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
         args = {"index": index, "function": {"arguments": arguments_text(call)}}
         return [{"tool_calls": [head]}, {"tool_calls": [args]}]

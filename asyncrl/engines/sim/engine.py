@@ -1,43 +1,11 @@
-"""SimEngine: the engine protocol with no model, its time taken from a latency model.
+"""``SimEngine``: the engine protocol with no model, its time taken from a latency model.
 
-For planning and load-testing (issue 11): the engine answers like any other (token ids,
-behaviour log-probs, the weight version of every token, aborts, pauses, weight updates,
-``/v1/loads``), so everything around it is the real code, but its tokens are random and
-its time is modelled. A request's response length is drawn from a lognormal with the
-chosen median and p99/median ratio, cut at ``length_max`` and ``max_new_tokens``. The
-engine runs continuous batching: each decode step serves every running request one token
-and takes (modelled seconds)::
-
-    step_s = decode_base_s + decode_s_per_seq * running + prefill_s_per_token * admitted
-
-where ``running`` counts the requests decoded in the step (at most ``max_running``) and
-``admitted`` the prompt tokens of the requests that join it (their prefill). A weight
-update takes ``weight_update_s`` between steps; colocated, releasing and resuming memory
-take ``switch_s`` together. With ``token_stride`` k, each token id stands for k modelled
-tokens and each step for k decode steps (``sim_latency``).
-
-Lognormal: with median ``m`` and ``r = p99 / m``, ``log L ~ N(log m, s)`` with
-``s = log r / 2.326`` (2.326 is the standard normal's 99th percentile).
-
-Time. Modelled time runs ``time_scale`` times faster than the event loop's clock, and the
-engine is a discrete-event simulation tied to that clock: the batch only changes when a
-request ends, joins, is aborted, or is due a partial output, so the engine sleeps from one
-such event to the next and advances every running request by the steps between them
-(``_decode_to_event``). Its Python work grows with events, not tokens, and the tokens of
-a response are drawn only when read. Steps are laid end to end from an anchor on the
-loop's clock, so a loop that wakes the engine late does not slow its modelled time; a
-request joins no earlier than it arrived. What the engine cannot hide is a control plane
-that is slow to send requests or read results: that is what the cluster simulator's load
-test measures. ``clock`` sums the modelled seconds spent decoding and loading weights.
-
-Resumed partials. A new response starts with three ids that record its drawn length
-(``_plan``); a request whose prompt holds them continues that response (APRIL's resumed
-partials, a response aborted by a weight update) and decodes only what its length has
-left, on whichever engine it lands, as a model would go on to the same EOS. Without this,
-every resumption would draw a whole new length and APRIL would look worse than it is.
-
-``generate`` yields the cumulative output when the request ends (finished or aborted),
-and also every ``stream_interval`` tokens when the request sets one.
+For planning and load tests: it answers like any engine (token ids, behaviour log-probs,
+the weight version of every token, aborts, pauses, weight updates, ``/v1/loads``), so
+everything around it is the real code, but its tokens are random and its time is
+modelled (``latency.py``: step time, response lengths, ``token_stride``). It is a
+discrete-event simulation: the batch changes only when a request ends, joins, is aborted
+or is due a partial output, so its Python work grows with events, not tokens.
 """
 
 from __future__ import annotations
@@ -98,7 +66,14 @@ class _Request:
 
 
 class SimEngine:
-    """A model-free engine with modelled time (the ``InferenceEngine`` protocol)."""
+    """A model-free engine with modelled time (the ``InferenceEngine`` protocol).
+
+    Modelled time runs ``time_scale`` times faster than the loop's clock. The engine sleeps
+    from one event to the next (``_decode_to_event``), its steps laid end to end from an
+    anchor on that clock, so a loop that wakes it late does not slow modelled time; what
+    it cannot hide is a control plane slow to send requests or read results, which is what
+    the cluster simulator's load test measures. ``clock``: the modelled seconds spent.
+    """
 
     Config = LatencyModel
 
@@ -281,8 +256,8 @@ class SimEngine:
 
     # -- requests -------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """Cumulative outputs, one per decode step the request took part in; the last one
-        carries ``finish_reason``."""
+        """Cumulative outputs: when the request ends (finished or aborted), and every
+        ``stream_interval`` tokens when it sets one; the last carries ``finish_reason``."""
         await self._resumed.wait()  # a paused engine holds new requests, as SGLang does
         self.check(request)
         cap = request.sampling.max_new_tokens
@@ -307,7 +282,8 @@ class SimEngine:
         ids that are neither EOS nor the marker (``b`` of them). A prompt holding a header
         continues one of our responses (APRIL, an abort on update): it decodes what its
         drawn length has left, as a model would go on to the same EOS, with no state kept
-        between requests, engines or processes."""
+        between requests, engines or processes (a fresh length for every resumption would
+        make APRIL look worse than it is)."""
         ids = np.asarray(input_ids)
         marks = np.flatnonzero(ids[:-2] == self._marker) if len(ids) > 2 else ids[:0]
         b = len(self._alphabet)

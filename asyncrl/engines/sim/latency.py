@@ -1,19 +1,17 @@
-"""``LatencyModel``: how long a simulated engine takes (``sim_engine.SimEngine``).
+"""``LatencyModel``: how long a simulated engine takes, in modelled seconds.
 
-Kept apart from the engine so the config tree (``rollout.engine.sim``) reads it without
-importing torch. Times are modelled seconds::
+Apart from the engine so the config tree (``rollout.engine.sim``) reads it without torch.
+A decode step of ``running`` requests, with ``admitted`` prompt tokens joining it, takes::
 
     step_s = decode_base_s + decode_s_per_seq * running + prefill_s_per_token * admitted
 
-Response lengths: with median ``m`` and ``r = p99 / m``, ``log L ~ N(log m, s)`` with
+Response lengths: with median ``m`` and ``r = p99 / m``, ``log L ~ N(log m, s)``,
 ``s = log r / 2.326`` (the standard normal's 99th percentile), cut at ``length_max``.
 
-``token_stride`` k > 1 lets one token id stand for k modelled tokens, so long-reasoning
-workloads (responses of 8k-32k tokens) can run through the real control plane without
-sending every token: a response of ``L`` modelled tokens carries ``ceil(L / k)`` ids, and
-each of the engine's steps is ``k`` modelled decode steps (``k * step_s``). Lengths, caps
-and times are in modelled tokens; the ids, ``max_new_tokens`` and token counts on the wire
-are in strides.
+With ``token_stride`` k > 1 one token id stands for k modelled tokens, so long responses
+run through the real control plane without sending every token: ``ceil(L / k)`` ids for
+``L`` modelled tokens, ``k * step_s`` a step. Lengths, caps and times are in modelled
+tokens; the ids, ``max_new_tokens`` and token counts on the wire are in strides.
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """The engine's linear layers on the CPU: oneDNN-packed weights, or ``W @ x^T`` for few rows.
 
-A decode step multiplies a few rows (one per running sequence) by every weight matrix,
-streaming the weights from memory, and a prefill multiplies many. Two ways beat torch's
-``F.linear`` (MKL's ``x @ W^T``) there, measured on SmolLM2-135M's shapes (30 layers'
-distinct weights, past the L3 cache, 2 threads; docs/benchmarks.md, "The embedded
-engine"):
-
-- **oneDNN with the weight reordered once** into its blocked layout
-  (``torch.ops.mkldnn._reorder_linear_weight``, then ``_linear_pointwise``; what
-  inductor's CPU freezing does). On the AVX512-BF16 machine, all 30 layers' linears took
-  20/26/72/497 ms at 1/16/64/512 rows in fp32, against 35/49/103/827 for ``F.linear``;
-  in bf16, 13/16/40/258 against 20/29/50/627. The reordered copy costs a second copy of
-  every linear weight (``packed``: false turns it off) and 0.1-0.2 s per new version
-  (135M parameters), taken lazily at each layer's first use.
-- **``(W @ x^T)^T``** where packing is off or the dtype has no oneDNN kernel on this CPU
-  (bf16 without AVX512): on the earlier AVX2 machine it streamed the weights 1.1-2.5x
-  faster than ``F.linear`` up to 128 rows, and 0.85x at 512 or more.
-
-Everything else (gradients on, another device, weights under ``MIN_ELEMENTS``, more
-rows than ``MAX_ROWS`` unpacked) goes to ``F.linear``. Parameters and ``state_dict`` stay
-as they were, so weight updates
-are unaffected, except that a packed copy must be dropped when its weight changes: a
-weight's version counter, storage or dtype changing drops it on the next call, and
-writes that bypass the counter (a transport filling the tensor's memory, a collective)
-must be followed by ``invalidate``.
-
-``use_for`` turns each plain ``nn.Linear`` of a model into a ``DecodeLinear`` (a subclass
-that only overrides ``forward``), in place: the engine changes the model it is given.
-
-Users: ``TorchEngine`` (``torch/engine.py``).
+A decode step multiplies a few rows by every weight matrix, streaming the weights from
+memory. Two ways beat ``F.linear`` (MKL's ``x @ W^T``) there (``docs/benchmarks.md``,
+"The embedded engine"): oneDNN with each weight reordered once into its blocked layout
+(``_reorder_linear_weight``, then ``_linear_pointwise``, as inductor's CPU freezing does;
+a second copy of every linear weight, which ``packed: false`` turns off), and
+``(W @ x^T)^T`` where packing is off or the dtype has no oneDNN kernel (bf16 without
+AVX512). Parameters and ``state_dict`` stay as they were; a packed copy is remade when
+its weight changes, and writes torch's version counter misses need ``invalidate``.
 """
 
 from __future__ import annotations
@@ -40,12 +19,10 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-#: Above this many rows ``F.linear`` is as fast or faster than ``W @ x^T`` (0.85x at 512).
+#: Above this many rows ``F.linear`` is as fast as ``W @ x^T`` or faster.
 MAX_ROWS = 128
-#: Weights smaller than this go to ``F.linear``: 200 square weights at 1-64 rows, 2
-#: threads, F.linear took 2.5-11 us at 64x64 and 7-24 at 128x128, packed 14-25 and 16-26,
-#: ``W @ x^T`` 6-23 and 13-37; from 256x256 on, packed was fastest (27-62 us against
-#: 34-91). The 1M-parameter toy models' linears are all below it.
+#: Weights smaller than this go to ``F.linear``, the fastest below it; from 256x256 on,
+#: packed is. The 1M-parameter toy models' linears are all below it.
 MIN_ELEMENTS = 256 * 256
 
 
@@ -61,7 +38,9 @@ def packable(dtype: torch.dtype) -> bool:
 
 
 class DecodeLinear(torch.nn.Linear):
-    """``nn.Linear`` computed without gradients on the CPU as the module docstring says."""
+    """``nn.Linear`` computed without gradients on the CPU as the module docstring says;
+    with gradients, on another device, under ``MIN_ELEMENTS`` or, unpacked, past
+    ``MAX_ROWS`` rows, it is ``F.linear``."""
 
     packed: bool  # whether to keep a oneDNN-packed copy of ``weight``
     _packed: tuple[tuple[int, int, torch.dtype, torch.device], torch.Tensor] | None
@@ -112,7 +91,8 @@ class FusedLinear:
     at least ``MIN_ELEMENTS``): it takes the memory the parts' packed copies would. It is
     made at the first call and again whenever a part's weight changes as ``_identity``
     sees it, or after ``invalidate``. Elsewhere (a GPU, packing off) each part runs on
-    its own weight: a concatenated copy would cost 60% of a model's linear weights again.
+    its own weight: a concatenated copy would hold most of a model's linear weights
+    again.
     """
 
     def __init__(self, parts: list[torch.nn.Linear], *, packed: bool = True) -> None:
@@ -134,9 +114,11 @@ class FusedLinear:
     def _fusable(self) -> bool:
         w = self.parts[0].weight
         return (
-            self.packed and w.device.type == "cpu" and packable(w.dtype)
+            self.packed
+            and w.device.type == "cpu"
+            and packable(w.dtype)
             and sum(p.weight.numel() for p in self.parts) >= MIN_ELEMENTS
-        )  # fmt: skip
+        )
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = tuple(_identity(t) for p in self.parts for t in (p.weight, p.bias) if t is not None)
@@ -153,11 +135,12 @@ class FusedLinear:
         """The parts' biases end to end (zeros for a part without one), or None."""
         if all(p.bias is None for p in self.parts):
             return None
-        return torch.cat([
-            p.bias.detach() if p.bias is not None
-            else weight.new_zeros(p.out_features)
-            for p in self.parts
-        ])  # fmt: skip
+        return torch.cat(
+            [
+                p.bias.detach() if p.bias is not None else weight.new_zeros(p.out_features)
+                for p in self.parts
+            ]
+        )
 
 
 def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype, torch.device]:
@@ -170,8 +153,9 @@ def _identity(weight: torch.Tensor) -> tuple[int, int, torch.dtype, torch.device
 
 
 def use_for(model: torch.nn.Module, *, packed: bool = True) -> int:
-    """Make every plain ``nn.Linear`` of ``model`` a ``DecodeLinear``; returns how many.
-    Subclasses and modules with a forward of their own (hooks) are left alone."""
+    """Make every plain ``nn.Linear`` of ``model`` a ``DecodeLinear`` in place (the engine
+    changes the model it is given); returns how many. Subclasses and modules with a
+    forward of their own (hooks) are left alone."""
     linears = [
         m
         for m in model.modules()
@@ -185,7 +169,8 @@ def use_for(model: torch.nn.Module, *, packed: bool = True) -> int:
 
 def invalidate(model: torch.nn.Module) -> None:
     """Drop every packed copy: call after writing weights by a path that torch's version
-    counter does not see (the copies are made again, lazily, from the new weights)."""
+    counter does not see (a transport filling the tensors' memory, a collective); the
+    copies are made again, lazily, from the new weights."""
     for module in model.modules():
         if isinstance(module, DecodeLinear):
             module._packed = None

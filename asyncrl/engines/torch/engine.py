@@ -81,9 +81,13 @@ class TorchEngine:
         )
         self.eos_ids = eos_ids(model, tokenizer)
         self.scheduler = Scheduler(
-            self.runner, tokenizer=tokenizer, eos_ids=self.eos_ids, max_running=max_running,
-            max_total_tokens=self.max_total_tokens, version=version,
-        )  # fmt: skip
+            self.runner,
+            tokenizer=tokenizer,
+            eos_ids=self.eos_ids,
+            max_running=max_running,
+            max_total_tokens=self.max_total_tokens,
+            version=version,
+        )
         self.stats = self.scheduler.stats
         self.model_path = model_path
         #: SGLang clients' names of versions (``weight_version`` strings; routes).
@@ -125,10 +129,17 @@ class TorchEngine:
         if not cfg.model_path:
             raise ValueError("the torch engine needs model_path (an HF model directory)")
         return cls.from_pretrained(
-            cfg.model_path, device=cfg.device, dtype=cfg.dtype, max_running=cfg.max_running,
-            max_total_tokens=cfg.max_total_tokens, mem_fraction=cfg.mem_fraction,
-            packed=cfg.packed_weights, lean=cfg.lean_forward, seed=seed, version=version,
-        )  # fmt: skip
+            cfg.model_path,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            max_running=cfg.max_running,
+            max_total_tokens=cfg.max_total_tokens,
+            mem_fraction=cfg.mem_fraction,
+            packed=cfg.packed_weights,
+            lean=cfg.lean_forward,
+            seed=seed,
+            version=version,
+        )
 
     @property
     def version(self) -> int:

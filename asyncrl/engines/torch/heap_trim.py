@@ -14,7 +14,7 @@ import ctypes.util
 import time
 from collections.abc import Callable
 
-#: Seconds between trims (every 1 s: a lower peak, but 120 s for an eval that took 108).
+#: Seconds between trims (more often: a lower peak, but a slower engine; docs/benchmarks.md).
 TRIM_INTERVAL_S = 5.0
 
 

@@ -3,17 +3,9 @@
 The cache holds ``[batch, kv_heads, L, head_dim]`` keys and values per layer, left-padded:
 row ``i`` holds its tokens at the right end, ``mask[i]`` marks real positions,
 ``positions[i]`` is its next position id and ``last[i]`` its newest token, which the
-cache never holds (it is the next input). ``add`` merges prefilled rows by padding the
-narrower side on the left; ``select`` keeps some rows and trims the leading columns that
-became padding in every row.
-
-Each layer is a ``SlabLayer``: its keys and values live in a preallocated slab with room
-on the right, so a decode step writes one column in place. Hugging Face's
-``DynamicLayer`` concatenates instead, copying the whole cache every step: on
-SmolLM2-135M at 64 sequences of 128 tokens that copy was 27% of a decode step
-(torch.profiler, docs/benchmarks.md).
-
-Users: ``TorchEngine`` (``torch/engine.py``), from its step thread only.
+cache never holds (it is the next input). Each layer is a ``SlabLayer``, a preallocated
+slab with room on the right, so a decode step writes one column in place where Hugging
+Face's ``DynamicLayer`` copies the whole cache. Used from the engine's step thread only.
 """
 
 from __future__ import annotations
@@ -50,7 +42,8 @@ class KVBatch(Generic[Row]):
         return int(self.mask.sum()) + len(self.seqs)
 
     def add(self, seqs: list[Row], cache: Any, mask: torch.Tensor, tokens: list[int]) -> None:
-        """Append prefilled rows: their cache and mask (left-padded) and first tokens."""
+        """Append prefilled rows: their cache and mask (left-padded) and first tokens; the
+        narrower side is padded on the left to the wider."""
         new_pos = mask.sum(-1)
         if not self.seqs:
             self.cache, self.mask, self.positions = cache, mask, new_pos
@@ -64,7 +57,8 @@ class KVBatch(Generic[Row]):
         self.seqs += seqs
 
     def select(self, keep: list[int], device: torch.device) -> None:
-        """Keep rows ``keep`` (in that order) and drop the rest's KV."""
+        """Keep rows ``keep`` (in that order), drop the rest's KV, and trim the leading
+        columns that became padding in every row."""
         if not keep:
             self.clear()
             return

@@ -1,10 +1,9 @@
 """The engine's forward for Llama-family models, without transformers' per-module Python.
 
-A decode step at one sequence of SmolLM2-135M on 2 CPU threads took 41.6 ms, of which
-the linears were 26: the rest was some 900 small ops and the Python of transformers'
-modules around them (hooks, kwargs, mask building, a call per projection). This forward
-computes the same thing for the models whose layers are plainly Llama's (``llama`` and
-``qwen2`` without a sliding window), straight from their modules' weights:
+Beside the linears, a decode step at few sequences is mostly small ops and the Python of
+transformers' modules around them (hooks, kwargs, mask building, a call per projection).
+This forward computes the same thing for models whose layers are plainly Llama's
+(``llama``, and ``qwen2`` without a sliding window), straight from their modules' weights:
 
     x = embed(ids)
     per layer:  h = rms(x)                    q, k, v = h @ [Wq; Wk; Wv]^T (+ bias)
@@ -17,15 +16,6 @@ computes the same thing for the models whose layers are plainly Llama's (``llama
 ``rms(x) = w * (x / sqrt(mean(x^2) + eps))`` in fp32, cast back before the weight, as
 transformers does; rope is the model's own rotary module (its scaling included). The
 q/k/v and gate/up projections run fused (``cpu_linear.FusedLinear``): one matmul each.
-``mask`` is the left-padded rows' causal mask; a query row with nothing to attend to
-(a padding position) attends to every column instead: torch's CPU kernels give such a
-row zeros, and this keeps it finite on any backend (its output is never read).
-
-``lean_forward(model)`` returns it, or None (with the reason logged) for a model it does
-not cover, which then runs through transformers. The test holds its logits to
-transformers' on prefill and decode steps of left-padded rows.
-
-Users: ``TorchEngine`` (``torch/engine.py``).
 """
 
 from __future__ import annotations
@@ -92,18 +82,27 @@ class _Layer:
         self.kv_heads = attn.k_proj.out_features // self.head_dim
 
     def __call__(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: torch.Tensor,
-        cache: Any, index: int,
-    ) -> torch.Tensor:  # fmt: skip
-        x = x + self._attention(_rms(x, self.ln1.weight, self.ln1.variance_epsilon), rope,
-                                attend, cache, index)  # fmt: skip
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attend: torch.Tensor,
+        cache: Any,
+        index: int,
+    ) -> torch.Tensor:
+        x = x + self._attention(
+            _rms(x, self.ln1.weight, self.ln1.variance_epsilon), rope, attend, cache, index
+        )
         g, u = self.gate_up(_rms(x, self.ln2.weight, self.ln2.variance_epsilon))
         return x + self.down(F.silu(g) * u)
 
     def _attention(
-        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: torch.Tensor,
-        cache: Any, index: int,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attend: torch.Tensor,
+        cache: Any,
+        index: int,
+    ) -> torch.Tensor:
         b, t, _ = h.shape
         q, k, v = (y.view(b, t, -1, self.head_dim).transpose(1, 2) for y in self.qkv(h))
         q, k = _rotate(q, *rope), _rotate(k, *rope)
@@ -111,21 +110,25 @@ class _Layer:
         if t == 1 and self.heads != self.kv_heads and not _gqa_is_faster(q):
             # A decode step: the query heads that share a KV head go in as that head's
             # positions (``[b, kv_heads, groups, d]``), as transformers does. sdpa's
-            # enable_gqa took 5.2 ms a layer at 64 sequences in bf16 on the CPU against
-            # 0.6 folded; on CUDA a masked GQA call falls back to the math kernel.
+            # enable_gqa is far slower in bf16 on the CPU (docs/benchmarks.md); on CUDA a
+            # masked GQA call falls back to the math kernel.
             folded = q.reshape(b, self.kv_heads, -1, self.head_dim)
             o = F.scaled_dot_product_attention(folded, k, v, attn_mask=attend, scale=self.scaling)
             o = o.reshape(b, self.heads, 1, self.head_dim)
         else:
             o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attend, scale=self.scaling,
+                q,
+                k,
+                v,
+                attn_mask=attend,
+                scale=self.scaling,
                 enable_gqa=self.heads != self.kv_heads,
-            )  # fmt: skip
+            )
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
 def _gqa_is_faster(q: torch.Tensor) -> bool:
-    """fp32 on the CPU: enable_gqa took 0.44 ms a layer at 64 sequences, folded 0.63."""
+    """fp32 on the CPU: enable_gqa is faster than folding (docs/benchmarks.md)."""
     return q.device.type == "cpu" and q.dtype == torch.float32
 
 
@@ -143,8 +146,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _attention_mask(real: torch.Tensor, t: int) -> torch.Tensor:
     """``[b, 1, t, L]``: the last ``t`` columns' queries see real keys up to themselves;
-    a query that would see none (a padding position) sees every column (module
-    docstring)."""
+    a query that would see none (a padding position) sees every column instead: torch's
+    CPU kernels give such a row zeros, and this keeps it finite on any backend (its output
+    is never read)."""
     length = real.shape[1]
     rows = torch.arange(length - t, length, device=real.device)[:, None]
     causal = torch.arange(length, device=real.device)[None, :] <= rows
@@ -154,7 +158,8 @@ def _attention_mask(real: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def lean_forward(model: torch.nn.Module, *, packed: bool = True) -> LeanForward | None:
-    """The lean forward for ``model``, or None (the reason logged) if it does not cover it."""
+    """The lean forward for ``model``, or None (the reason logged) if it does not cover it:
+    such a model runs through transformers."""
     reason = _uncovered(model)
     if reason is not None:
         log.info("engine forward through transformers", reason=reason)

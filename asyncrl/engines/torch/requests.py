@@ -61,12 +61,15 @@ def new_seq(request: GenerateRequest, seed: int | None, eos: list[int]) -> Seq:
     row = RowState(
         params=p,
         generator=None if seed is None else torch.Generator().manual_seed(seed),
-        seen=torch.tensor(request.input_ids, dtype=torch.long)
-        if p.repetition_penalty != 1.0 else None,
+        seen=(
+            torch.tensor(request.input_ids, dtype=torch.long)
+            if p.repetition_penalty != 1.0
+            else None
+        ),
         counts={},
         num_generated=0,
         blocked=([] if p.ignore_eos else list(eos)) + list(p.stop_token_ids or []),
-    )  # fmt: skip
+    )
     seq = Seq(request, row, time.monotonic(), list(request.input_ids))
     seq.stop_regex = [re.compile(pattern) for pattern in p.stop_regexes]
     if request.top_logprobs_num > 0:

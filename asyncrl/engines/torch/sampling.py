@@ -1,4 +1,4 @@
-"""Turning next-token logits into a sampled token and its behaviour log-prob, per request.
+"""Next-token logits to a sampled token and its behaviour log-prob, per request.
 
 For one row with raw logits ``z`` (float32)::
 
@@ -11,36 +11,12 @@ For one row with raw logits ``z`` (float32)::
     keep the top_k, then the smallest top-p nucleus, then tokens with p >= min_p * p_max
     x ~ softmax(z' restricted to what is kept)
 
-The log-prob convention is SGLang's (its sampler takes ``log_softmax`` of the
-temperature-scaled logits before top-k/top-p truncation): the reported value is the
-token's log-prob under ``softmax(z / T)`` over the whole vocabulary, which is what the
-trainer recomputes from a sample's ``temperature`` (``trainers/token_stats.py``). The
-truncation only decides which tokens may be drawn: a kept token's probability under the
-truncated distribution is its reported probability divided by the kept mass, a
-per-position constant the trainer cannot see and the policy gradient does not need.
-Penalties and ``logit_bias`` change ``z'`` in ways the trainer does not reproduce, so
-training rollouts refuse them (``rollout/config.py::check_sampling``).
-
-EOS and stop-token ids are masked while fewer than ``min_new_tokens`` were generated.
-The sampled token is drawn by inverting the kept distribution's CDF at one uniform
-number from the request's own generator (seeded by ``sampling_seed``):
-``x = min{i : sum_{j<=i} p_j > u * sum_j p_j}`` (in float64), so a seeded request draws
-the same random numbers whatever else shares its batch (its logits may still differ in
-the last bits with the batch's shape: padding width, matmul sizes).
-
-``sample_rows`` does a decode step's rows together: the rows that need no per-row work
-(no bias, penalty or truncation; the common case of a training rollout) share four
-passes over ``[rows, vocab]`` (``_sample_plain``), on the logits' device (a GPU's:
-only the uniforms go up and the tokens and their log-probs come back); the others go
-through ``sample`` one by one, on the CPU. The path depends on the row's own
-parameters only, and both draw with the same inverse CDF.
-
-Greedy requests take ``argmax z'`` and report the log-prob under the model's
-unscaled distribution (``log_softmax(z)``: temperature 1). The top-k alternatives
-(SGLang's ``top_logprobs_num``) come from the same log-softmax as the sampled token's,
-so its own entry, when it is among them, equals its reported log-prob.
-
-Users: ``TorchEngine``; tested directly.
+The reported log-prob is SGLang's, the one the trainer recomputes (``docs/numerics.md``):
+the truncation only decides which tokens may be drawn; greedy rows take ``argmax z'`` and
+report ``log_softmax(z)``. A token is drawn by inverting the kept distribution's CDF at
+one uniform number from the request's own generator (``_draw``), so a seeded request
+draws the same numbers whatever else shares its batch (its logits may still differ in the
+last bits with the batch's shape: padding width, matmul sizes).
 """
 
 from __future__ import annotations
@@ -137,7 +113,13 @@ def sample_rows(
     logits: torch.Tensor, rows: list[RowState], num_tops: list[int]
 ) -> list[Sampled | RuntimeError]:
     """``sample`` for every row of ``logits`` ``[len(rows), vocab]``; a row that cannot be
-    sampled (no finite probability left) gets its ``RuntimeError`` instead."""
+    sampled (no finite probability left) gets its ``RuntimeError`` instead.
+
+    Rows that need no per-row work (no bias, penalty or truncation: a training rollout's)
+    share ``_sample_plain`` on the logits' device (from a GPU only the uniforms go up and
+    the tokens and their log-probs come back); the others go through ``sample`` one by
+    one, on the CPU. The path depends on the row's own parameters only, and both draw
+    with the same inverse CDF."""
     out: list[Sampled | RuntimeError | None] = [None] * len(rows)
     plain = [i for i, row in enumerate(rows) if _is_plain(row.params)]
     if plain:
@@ -158,10 +140,15 @@ def _is_plain(p: SamplingParams) -> bool:
     """Rows whose ``z'`` is ``z / T`` with EOS and stop tokens masked at most (below
     ``min_new_tokens``), and nothing truncated."""
     return (
-        not p.greedy and not p.logit_bias and p.repetition_penalty == 1.0
-        and not p.frequency_penalty and not p.presence_penalty
-        and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0
-    )  # fmt: skip
+        not p.greedy
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+        and p.top_k <= 0
+        and p.top_p >= 1.0
+        and p.min_p <= 0
+    )
 
 
 def _sample_plain(
@@ -229,19 +216,16 @@ _BLOCK = 1024
 def _draw(
     probs: torch.Tensor, generators: list[torch.Generator | None]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of (unnormalised) ``probs``, by inverting the row's CDF at a
-    uniform number from its generator (-1 for a row with no positive finite mass), and
-    each row's total mass in float64.
+    """One token per row of (unnormalised) ``probs`` by inverting its CDF at a uniform
+    ``u`` from the row's generator, ``x = min{i : sum_{j<=i} p_j > u * sum_j p_j}`` (-1
+    for a row with no positive finite mass), and each row's total mass in float64.
 
     In float64: a float32 CDF past 0.5 cannot resolve a step under about 3e-8, so rare
     tokens would be drawn at the wrong rate (or never) while their log-probs say otherwise.
-    In two levels: the CDF of blocks of ``_BLOCK`` tokens picks a block, and that block's
-    own CDF the token (a float64 cumulative sum over the whole vocabulary was 6.8 of a
-    180 ms decode step at 64 rows and 49k tokens). The block sums are taken in the
-    probabilities' float32 (pairwise: relative error about 1e-7 a block) and accumulated
-    across blocks in float64: summing in float64 first copied the whole ``[rows, vocab]``
-    into float64, 5.7 ms of that step. The draw lands on a token of positive
-    probability, also where the two levels' sums differ in their last bits.
+    In two levels, so that no float64 pass covers the whole ``[rows, vocab]``: the CDF of
+    blocks of ``_BLOCK`` tokens (float32 block sums, relative error about 1e-7, summed
+    across blocks in float64) picks a block, and that block's own CDF the token. The draw
+    lands on a token of positive probability, also where the two levels' sums differ.
     """
     rows, vocab = probs.shape
     pad = -vocab % _BLOCK

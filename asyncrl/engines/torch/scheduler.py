@@ -51,8 +51,11 @@ class Scheduler:
         self.jobs: deque[Job] = deque()
         self.just_finished: list[Seq] = []
         self.stats: dict[str, float] = {
-            "steps": 0, "prefills": 0, "generated_tokens": 0, "update_pause_s": 0.0,
-        }  # fmt: skip
+            "steps": 0,
+            "prefills": 0,
+            "generated_tokens": 0,
+            "update_pause_s": 0.0,
+        }
 
     def add(self, seq: Seq) -> None:
         self.rids[seq.req.rid] = seq

@@ -119,8 +119,11 @@ class WeightUpdates:
         its caller, to resume on a complete version), and abort new ones at once, until
         an update completes. Held requests are let in only to be aborted."""
         self.engine.torn = True
-        log.error("weights torn by a failed update: requests are aborted until one completes",
-                  version=self.engine.version, error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+        log.error(
+            "weights torn by a failed update: requests are aborted until one completes",
+            version=self.engine.version,
+            error=f"{type(exc).__name__}: {exc}",
+        )
         self.engine.abort_torn()
 
     async def _mended(self) -> None:
@@ -147,8 +150,12 @@ class WeightUpdates:
             self.engine.version = version
         pause = time.perf_counter() - start
         self.engine.stats["update_pause_s"] += pause
-        log.info("weights updated", version=self.engine.version, tensors=len(tensors),
-                 pause_s=round(pause, 4))  # fmt: skip
+        log.info(
+            "weights updated",
+            version=self.engine.version,
+            tensors=len(tensors),
+            pause_s=round(pause, 4),
+        )
 
     async def join_group(
         self,

@@ -1,9 +1,8 @@
 """A vLLM server as an asyncrl engine: ``VLLMEngine`` speaks vLLM's own API.
 
-asyncrl serves SGLang's API over any engine (``EngineServer``), so a vLLM server becomes an
-engine like the embedded one: ``EngineServer(VLLMEngine(url))`` answers SGLang's routes
-and ``VLLMEngine`` turns each call into vLLM's (0.32, ``VLLM_SERVER_DEV_MODE=1``,
-``--enable-scale-out``; ``engines/vllm/launch.py`` starts such a server):
+``EngineServer(VLLMEngine(url))`` answers SGLang's routes, and ``VLLMEngine`` turns each
+call into vLLM's (0.32, ``VLLM_SERVER_DEV_MODE=1``, ``--enable-scale-out``; ``launch.py``
+starts such a server)::
 
     generate             POST /inference/v1/generate   token ids in and out, the sampled
                                                        token's log-prob, per-token
@@ -19,25 +18,8 @@ and ``VLLMEngine`` turns each call into vLLM's (0.32, ``VLLM_SERVER_DEV_MODE=1``
     weight group         POST /init_weight_transfer_engine, /shutdown_weight_transfer_engine
     cache, memory        POST /reset_prefix_cache, /sleep, /wake_up
 
-Log-probs: the server runs with ``--logprobs-mode processed_logprobs``, the log-softmax
-of the logits after temperature and truncation. Without truncation that is asyncrl's
-convention (``docs/numerics.md``: ``log_softmax(z / T)``); with top-k, top-p or min-p
-it is larger by the log of the kept mass, so ``check`` refuses truncation for sampled
-requests. Greedy requests report ``log_softmax(z)``, as ours do.
-
-Versions: every update names its version on vLLM (``finish_weight_update``), and vLLM
-reports which tokens each version sampled, so a response that spans an update carries
-both. An update pauses vLLM with ``keep`` (requests stay, frozen) unless the caller
-paused already, loads, names the version and resumes: no step runs half-loaded weights
-or under the wrong name. An update that fails leaves vLLM paused (some layers may be
-unloaded): generation fails until a whole version is loaded.
-
-A vLLM server takes one client (``RunConfig`` refuses sharing): its pause and update
-session are the server's. ``start`` takes the server back from a predecessor that died
-mid-update (ends the open session, resumes).
-
-Users: ``EngineHost`` (``rollout/engines.py``, vLLM servers at ``urls``) and
-``EngineActor`` (``actors/engine.py``, a server it launches).
+The server reports ``--logprobs-mode processed_logprobs``; ``check`` refuses what would
+make those differ from asyncrl's ``log_softmax(z / T)`` (``docs/numerics.md``).
 """
 
 from __future__ import annotations
@@ -100,7 +82,11 @@ class VLLMEngine:
 
     ``start`` reads the server's model and context and checks its settings; ``run`` (the
     server's engine task) sends aborts and client-named versions; ``close`` ends the HTTP
-    session.
+    session. An update pauses vLLM with ``keep`` unless the caller paused already, loads,
+    names the version (vLLM then reports which tokens each version sampled) and resumes:
+    no step runs half-loaded weights or under the wrong name. One that fails leaves vLLM
+    paused (``torn``) until a whole version loads. A server takes one client
+    (``RunConfig`` refuses sharing): its pause and update session are the server's.
     """
 
     def __init__(
@@ -165,12 +151,10 @@ class VLLMEngine:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._session = aiohttp.ClientSession(
             headers=headers,
-            # A connection per call, none kept. With kept ones, the arith demo's first run
-            # through vLLM failed 123 calls at once right after a weight update ("Server
-            # disconnected", "Cannot write request body"), and the run with none kept
-            # failed none. vLLM's server closes a kept connection idle for 5 s, which
-            # fits, but a stress test did not reproduce it. Calls are long: a fresh
-            # loopback connection costs nothing beside them.
+            # A connection per call, none kept: with kept ones, calls right after a weight
+            # update failed ("Server disconnected", "Cannot write request body"), with none
+            # kept none did. Calls are long: a fresh loopback connection costs nothing
+            # beside them.
             connector=aiohttp.TCPConnector(limit=0, force_close=True),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
         )
@@ -182,8 +166,13 @@ class VLLMEngine:
         await self._take_over()
         self._version = self._version_of(await self._weight_label())
         await asyncio.to_thread(self._load_tokenizer)
-        log.info("vllm engine connected", url=self.url, model=self.model_path,
-                 context=self.context_length, version=self.version)  # fmt: skip
+        log.info(
+            "vllm engine connected",
+            url=self.url,
+            model=self.model_path,
+            context=self.context_length,
+            version=self.version,
+        )
         return self
 
     async def _check_server(self) -> None:
@@ -216,8 +205,12 @@ class VLLMEngine:
         abandoned = any(reply.get("results") or [])
         paused = bool((await self._call("GET", "/is_paused")).get("is_paused"))
         if abandoned or paused:
-            log.warning("vllm was left mid-update or paused; resumed", url=self.url,
-                        abandoned_update=abandoned, paused=paused)  # fmt: skip
+            log.warning(
+                "vllm was left mid-update or paused; resumed",
+                url=self.url,
+                abandoned_update=abandoned,
+                paused=paused,
+            )
             await self._call("POST", "/resume")
 
     def _load_tokenizer(self) -> None:
@@ -316,8 +309,12 @@ class VLLMEngine:
             raise EngineError(f"vLLM returned {len(logprobs)} log-probs for {len(ids)} tokens")
         top = None
         if request.top_logprobs_num > 0:
-            top = [[(float(t["logprob"]), int(t["token_id"])) for t in c["top_logprobs"]]
-                   [: request.top_logprobs_num] for c in content]  # fmt: skip
+            top = [
+                [(float(t["logprob"]), int(t["token_id"])) for t in c["top_logprobs"]][
+                    : request.top_logprobs_num
+                ]
+                for c in content
+            ]
         usage = reply.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         return GenerateOutput(
@@ -401,10 +398,20 @@ class VLLMEngine:
         backend: str,
     ) -> None:
         """vLLM's workers join the trainer's group (``vllm_ext.GroupTransfer``)."""
-        info = {"master_address": master_address, "master_port": master_port, "rank": rank,
-                "world_size": world_size, "group_name": group_name, "backend": backend}  # fmt: skip
-        await self._call("POST", "/init_weight_transfer_engine", {"init_info": info},
-                         timeout_s=self.update_timeout_s)  # fmt: skip
+        info = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank": rank,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        await self._call(
+            "POST",
+            "/init_weight_transfer_engine",
+            {"init_info": info},
+            timeout_s=self.update_timeout_s,
+        )
         self._groups.add(group_name)
 
     async def update_weights_from_distributed(
@@ -421,8 +428,13 @@ class VLLMEngine:
         of the update (SGLang's contract), which then ends."""
         if group_name not in self._groups:
             raise EngineError(f"no weights update group named {group_name!r}: init it first")
-        bucket = {"group_name": group_name, "names": names, "dtypes": dtypes,
-                  "shapes": shapes, "flattened": flattened}  # fmt: skip
+        bucket = {
+            "group_name": group_name,
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "flattened": flattened,
+        }
         async with self._lock:
             if not self._updating:
                 await self._begin()
@@ -463,8 +475,9 @@ class VLLMEngine:
     async def _end(self, version: int | None) -> None:
         label = {} if version is None else {"weight_version": str(version)}
         try:
-            await self._call("POST", "/finish_weight_update", label,
-                             timeout_s=self.update_timeout_s)  # fmt: skip
+            await self._call(
+                "POST", "/finish_weight_update", label, timeout_s=self.update_timeout_s
+            )
         finally:
             self._updating = False
         self.torn, self._session_open = False, False
@@ -497,9 +510,13 @@ class VLLMEngine:
         return 0 if label == INITIAL_LABEL else self.version
 
     async def _call(
-        self, method: str, path: str, body: Any = None, *,
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
         timeout_s: float | None = CONTROL_TIMEOUT_S,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """One call to vLLM (``timeout_s`` None: no limit, for generation); vLLM's 4xx
         is ``VLLMRefused`` (a 400 from our server too), its 5xx ``VLLMFailed``."""
         if self._session is None:
@@ -559,8 +576,12 @@ def _body(request: GenerateRequest) -> dict[str, Any]:
         params["seed"] = p.sampling_seed
     if p.logit_bias:
         params["logit_bias"] = {int(k): v for k, v in p.logit_bias.items()}
-    return {"request_id": request.rid, "token_ids": list(request.input_ids),
-            "sampling_params": params, "output_mode": "tokens"}  # fmt: skip
+    return {
+        "request_id": request.rid,
+        "token_ids": list(request.input_ids),
+        "sampling_params": params,
+        "output_mode": "tokens",
+    }
 
 
 def _finish(choice: dict[str, Any], ids: list[int], call: _Call) -> FinishReason:

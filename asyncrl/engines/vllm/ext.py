@@ -1,28 +1,12 @@
 """asyncrl's weight-transfer backend inside a vLLM server (runs in vLLM's own virtualenv).
 
-vLLM's RL routes (``/init_weight_transfer_engine``, ``/start_weight_update``,
-``/update_weights``, ``/finish_weight_update``, ``/shutdown_weight_transfer_engine``)
-hand each call to the weight-transfer engine that ``--weight-transfer-config`` names in
-every worker. vLLM's own ``nccl`` engine needs CUDA and vLLM's trainer-side classes in the
-trainer; this one, ``asyncrl``, joins the trainer's weight group the way an SGLang server
-does (``weights.loading.join_as_sglang``: gloo on CPU, NCCL on GPU), so asyncrl's trainer
-broadcasts to a vLLM server exactly as to SGLang or the embedded engine
-(``rollout/server_group.py``). What arrives goes through vLLM's layerwise reload: the
-model's own ``load_weights`` (which fuses q/k/v and gate/up), then its post-load
-processing, between ``start_weight_update`` and ``finish_weight_update``.
-
-    init_info    {"master_address", "master_port", "rank", "world_size", "group_name",
-                  "backend"}
-    update_info  {"group_name", "names", "dtypes", "shapes", "flattened"}: one broadcast
-                 per tensor in order, or with ``flattened`` one of all their bytes
-                 (SGLang's ``flattened_bucket``); or {"path": DIR}, a version on disk
-                 (vLLM's own ``reload_weights`` leaves a tied head old on the CPU:
-                 ``repack_tied_heads``)
-
-vLLM imports this module in each worker as the worker extension
-(``--worker-extension-cls asyncrl.engines.vllm.ext.WorkerExtension``, set by
-``engines/vllm/launch.py``); importing it registers the engine. Only torch, vLLM and
-asyncrl's torch-only ``weights.loading`` are imported here.
+vLLM's RL routes hand each call to the weight-transfer engine ``--weight-transfer-config``
+names, in every worker. vLLM's own ``nccl`` engine needs CUDA and vLLM's classes in the
+trainer; this one, ``asyncrl``, joins the trainer's weight group as an SGLang server does
+(``weights.loading.join_as_sglang``: gloo on CPU, NCCL on GPU), so the trainer broadcasts
+to vLLM exactly as to SGLang, and loads what arrives through vLLM's layerwise reload.
+Importing this module (vLLM does, in each worker, as the worker extension) registers the
+engine; it imports only torch, vLLM and asyncrl's torch-only ``weights`` modules.
 """
 
 from __future__ import annotations
@@ -60,8 +44,9 @@ class GroupInit(WeightTransferInitInfo):
 
 @dataclass
 class Bucket(WeightTransferUpdateInfo):
-    """One announced bucket: its tensors' names, dtypes and shapes, in broadcast order;
-    or ``path``, a directory of safetensors files to read instead."""
+    """One announced bucket: its tensors' names, dtypes and shapes, in broadcast order
+    (one broadcast per tensor, or with ``flattened`` one of all their bytes, SGLang's
+    ``flattened_bucket``); or ``path``, a directory of safetensors files to read instead."""
 
     group_name: str = ""
     names: list[str] = field(default_factory=list)
@@ -92,9 +77,13 @@ class GroupTransfer(WeightTransferEngine[GroupInit, Bucket]):
         if init_info.group_name in self.groups:
             raise ValueError(f"a weights update group named {init_info.group_name!r} exists")
         self.groups[init_info.group_name] = join_as_sglang(
-            init_info.master_address, init_info.master_port, init_info.rank,
-            init_info.world_size, init_info.group_name, init_info.backend,
-        )  # fmt: skip
+            init_info.master_address,
+            init_info.master_port,
+            init_info.rank,
+            init_info.world_size,
+            init_info.group_name,
+            init_info.backend,
+        )
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -123,8 +112,9 @@ class GroupTransfer(WeightTransferEngine[GroupInit, Bucket]):
             self.model.load_weights(list(tensors.items()))
             return
         layout = bucket_layout(tensors.items())
-        flat = torch.empty(layout[-1].end_idx if layout else 0, dtype=torch.uint8,
-                           device=self.device)  # fmt: skip
+        flat = torch.empty(
+            layout[-1].end_idx if layout else 0, dtype=torch.uint8, device=self.device
+        )
         receive_broadcasts(group, [flat])
         self.model.load_weights([(meta.name, piece(flat, meta)) for meta in layout])
 

@@ -1,12 +1,10 @@
 """How asyncrl starts a vLLM server: its interpreter, command line and environment.
 
-vLLM's dependencies conflict with asyncrl's (its own transformers range, its own torch
-pin), so it runs from its own virtualenv (``make vllm-venv`` builds ``.venv-vllm``). The
-server needs asyncrl's worker extension (``engines/vllm/ext.py``), and nothing else of
-asyncrl: its ``PYTHONPATH`` gets a directory holding only a link to the ``asyncrl``
-package, so none of asyncrl's own dependencies shadow vLLM's.
-
-Users: ``EngineActor`` (``rollout.engine.serve: actor``) and the real-vLLM tests.
+vLLM's dependencies conflict with asyncrl's (its own transformers range and torch pin),
+so it runs from its own virtualenv (``make vllm-venv`` builds ``.venv-vllm``). The server
+needs asyncrl's worker extension (``ext.py``) and nothing else of asyncrl: its
+``PYTHONPATH`` gets a directory holding only a link to the ``asyncrl`` package, so none of
+asyncrl's own dependencies shadow vLLM's.
 """
 
 from __future__ import annotations
@@ -27,10 +25,12 @@ ASYNCRL_ARGS = (
 )  # fmt: skip
 #: Arguments the launcher assigns (``--model``, its endpoint) or that asyncrl needs.
 ASSIGNED = (
-    "--model", "--host", "--port",
+    "--model",
+    "--host",
+    "--port",
     "--api-key",  # the engine actor's server holds the job's key; vLLM sits on loopback
     *(a for a in ASYNCRL_ARGS if a.startswith("--")),
-)  # fmt: skip
+)
 
 
 def vllm_python(configured: str | None = None) -> str:

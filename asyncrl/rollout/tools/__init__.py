@@ -1,11 +1,6 @@
-"""Tools for multi-turn workflows: the registry and the built-in tools.
-
-| module          | job                                                                 |
-|-----------------|---------------------------------------------------------------------|
-| ``registry``    | ``ToolRegistry``: names, JSON schemas, calls that never raise        |
-| ``calculator``  | exact arithmetic on one expression, parsed with ``ast``              |
-| ``sandbox``     | Python snippets in a subprocess with CPU, memory, output, wall limits |
-| ``search``      | BM25 over a local corpus file                                        |
+"""Tools for multi-turn workflows: the registry (``registry``) and the built-in tools
+(``calculator``, the Python ``sandbox``, BM25 ``search``); ``build`` makes them from
+``rollout.tool_use``.
 """
 
 from asyncrl.rollout.tools.calculator import calculator_tool

@@ -1,8 +1,7 @@
 """From ``rollout.tool_use`` (``ToolUseConfig``) to a ``ToolRegistry`` and a tool-call parser.
 
-Used by the rollout and eval actors (the registry their multi-turn workflow calls) and by
-the controller before launch (the schemas prompts are rendered with; building them there
-also refuses a missing corpus or a bad custom path before any process starts).
+The controller builds the registry too, before launch: its schemas render the prompts, and
+building it there refuses a missing corpus or a bad custom path before any process starts.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The built-in calculator tool: exact arithmetic on one expression, nothing else.
 
 The expression is parsed with ``ast`` and only numbers, ``+ - * / // % **``, unary signs
-and parentheses are evaluated; names, calls, attributes and everything else are refused,
-so no code runs. Integers stay exact (Python ints); a decimal means the fraction it reads
-as (``0.1`` is 1/10), and ``/`` gives an exact ``Fraction``. A result is shown as an
-integer when whole, else as a decimal rounded to 12 significant digits.
-Limits keep one call cheap: at most ``MAX_CHARS`` characters, exponents up to
-``MAX_EXPONENT``, and results up to ``MAX_DIGITS`` digits.
+and parentheses are evaluated, so no code runs. Values are exact (``int`` and ``Fraction``:
+``0.1`` is 1/10); a result is shown as an integer when whole, else to 12 significant
+digits. ``MAX_CHARS``, ``MAX_EXPONENT`` and ``MAX_DIGITS`` keep one call cheap.
 """
 
 from __future__ import annotations

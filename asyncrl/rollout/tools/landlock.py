@@ -1,25 +1,11 @@
 """Isolation for the Python sandbox: no access to the job's files, sockets or processes.
 
-Two kernel mechanisms, both unprivileged and inherited by every process the snippet
-starts, applied by the sandbox's child in its preamble, after its rlimits and before it
-reads the snippet (``sandbox.py``):
-
-- Landlock (ABI 6, Linux 6.12+). File system: read and execute beneath the Python
-  standard library and the system library folders (``readable_roots``), full access
-  beneath the call's own temporary folder, write to ``/dev/null``; nothing else, so the
-  run directory, checkpoints, keys and ``/proc`` are out of reach. Network: no TCP
-  ``bind`` or ``connect``. Scope: no signals to processes outside the sandbox (so no
-  ``kill(-1, ...)`` of the job) and no abstract UNIX sockets.
-- seccomp: ``socket()`` and ``io_uring_setup()`` fail with EPERM, which closes what
-  Landlock leaves open (UDP, raw sockets, connecting to a UNIX socket file such as an
-  ``ipc://`` endpoint, a container runtime's or D-Bus's). ``socketpair()`` still works.
-
-``problem()`` says, from the parent, why this machine cannot isolate (None: it can); an
-isolated sandbox is then refused when the tool is built, before any process starts.
-``PREAMBLE`` is the child's code: it runs under ``python -I -S``, so it uses ``ctypes``
-and nothing of asyncrl. Syscall numbers 444-446 (Landlock) and 425 (io_uring_setup) are
-the same on every architecture (they came after the tables were unified); ``socket`` is
-41 on x86_64 and 198 on aarch64, the two architectures the filter knows.
+The sandbox's child applies it (``PREAMBLE``) after its rlimits and before it reads the
+snippet; both mechanisms are unprivileged and inherited by every process the snippet
+starts. Landlock: read and execute beneath ``readable_roots``, full access beneath the
+call's own folder, no TCP, no signals out of the sandbox, no abstract UNIX sockets.
+seccomp: ``socket()`` and ``io_uring_setup()`` fail with EPERM, which closes what Landlock
+leaves open (UDP, raw sockets, UNIX socket files); ``socketpair()`` still works.
 """
 
 from __future__ import annotations
@@ -30,6 +16,8 @@ import sysconfig
 
 #: Network rules (no TCP) came with ABI 4, signal and abstract-socket scoping with ABI 6.
 MIN_ABI = 6
+# Landlock's syscalls (444-446) and io_uring_setup (425) have one number on every
+# architecture (they came after the tables were unified); ``socket``'s differs.
 _SYS_CREATE_RULESET = 444
 _CREATE_RULESET_VERSION = 1
 #: seccomp's audit arch and ``socket`` syscall number per machine.
@@ -40,8 +28,9 @@ def abi() -> int:
     """The kernel's Landlock ABI version (0: not available)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    version = libc.syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0),
-                           ctypes.c_uint32(_CREATE_RULESET_VERSION))  # fmt: skip
+    version = libc.syscall(
+        _SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION)
+    )
     return max(int(version), 0)
 
 
@@ -63,14 +52,21 @@ def readable_roots() -> list[str]:
     system's shared libraries (extension modules load them lazily), those that exist."""
     # The base interpreter's standard library, not a virtual environment's site-packages.
     paths = {sysconfig.get_path("stdlib"), os.path.dirname(os.__file__)}
-    paths |= {"/usr/lib", "/usr/lib64", "/lib", "/lib64", "/etc/ld.so.cache",
-              "/usr/share/zoneinfo", "/dev/urandom"}  # fmt: skip
+    paths |= {
+        "/usr/lib",
+        "/usr/lib64",
+        "/lib",
+        "/lib64",
+        "/etc/ld.so.cache",
+        "/usr/share/zoneinfo",
+        "/dev/urandom",
+    }
     return sorted(p for p in paths if os.path.exists(p))
 
 
 #: Applied in the sandbox child: ``_landlock(work_dir, readable_roots)``, then
 #: ``_no_sockets()``. Each raises OSError when the kernel refuses (the child then exits
-#: before running anything).
+#: before running anything). It runs under ``python -I -S``: ``ctypes``, nothing of asyncrl.
 PREAMBLE = r"""
 def _landlock(_work, _roots):
     import ctypes as _c, os as _o

@@ -1,18 +1,9 @@
 """The tool registry of multi-turn workflows: names, JSON-schema descriptions, safe calls.
 
-A tool is a name, a description, the JSON schema of its arguments (an object) and an
-async body that returns the observation text. The registry
-
-- gives the model the OpenAI-style descriptions (``schemas()``), the shape chat templates
-  take as ``tools=``; a data row's ``tools`` column may restrict and re-describe them
-  (``for_row``);
-- runs a call (``call(name, arguments)``): arguments are parsed (JSON text or a mapping),
-  validated against the schema (``jsonschema``), and the body runs under a wall-clock
-  timeout; its output is cut to ``max_output_chars``.
-
-Nothing a tool does can fail the episode: an unknown name, malformed JSON, arguments the
-schema refuses, a raise or a timeout each become a ``ToolResult`` with ``error`` set, and
-its ``content`` is the observation the model reads on its next turn.
+A tool is a name, a description, the JSON schema of its arguments (an object) and an async
+body that returns the observation text. Nothing a tool does can fail the episode: an
+unknown name, malformed JSON, arguments the schema refuses, a raise or a timeout each
+become a ``ToolResult`` with ``error`` set, whose ``content`` the model reads next turn.
 """
 
 from __future__ import annotations
@@ -142,7 +133,9 @@ class ToolRegistry:
         )
 
     async def call(self, name: str, arguments: str | Mapping[str, Any] | None) -> ToolResult:
-        """Run one call; every failure is an error observation, never an exception."""
+        """Run one call: ``arguments`` (JSON text or a mapping) checked against the schema,
+        the body under ``timeout_s``, its output cut to ``max_output_chars``. Every
+        failure is an error observation, never an exception."""
         start = time.monotonic()
         tool = self._tools.get(name)
         try:
@@ -163,8 +156,7 @@ class ToolRegistry:
             return self._error(name, f"{type(exc).__name__}: {exc}", start)
         return ToolResult(name, self._cut(content), None, time.monotonic() - start)
 
-    def _error(self, name: str, message: str, start: float, timed_out: bool = False
-               ) -> ToolResult:  # fmt: skip
+    def _error(self, name: str, message: str, start: float, timed_out: bool = False) -> ToolResult:
         text = self._cut(f"Error: {message}")
         return ToolResult(name, text, text, time.monotonic() - start, timed_out)
 

@@ -1,30 +1,11 @@
 """The Python execution tool: run a snippet in a subprocess with hard limits.
 
-Each call starts a fresh interpreter (``python -I -S -B``) in its own session, in an empty
-temporary working directory with a minimal environment. A fixed preamble sets the
-``setrlimit`` limits, then reads the snippet from stdin and runs it as ``__main__`` (no
-``preexec_fn``: it is unsafe in a process with threads, as actor processes are):
-
-- CPU time ``cpu_s`` (``RLIMIT_CPU``: the kernel sends ``SIGXCPU``, then kills);
-- address space ``memory_mb`` (``RLIMIT_AS``: allocations fail with ``MemoryError``);
-- written file size ``file_bytes`` and open files ``open_files``; no core dumps;
-- wall clock ``wall_s`` and captured output ``output_bytes`` per stream: the parent kills
-  the whole process group when either is passed.
-
-- isolation (``isolate``, the default; ``landlock.py``): Landlock takes away every file
-  outside the standard library, the system libraries and the call's own folder, TCP,
-  and signals to processes outside the sandbox; a seccomp filter refuses ``socket()``.
-  A snippet cannot read the job's files, reach its channels, engines or proxy, or stop
-  its actors. A machine that cannot (Linux before 6.12) refuses an isolated sandbox.
-
-The observation is what a person at a terminal would see: stdout, then stderr, then a
-line naming the exit status or the limit that stopped it. A program that fails is a
-normal observation; only a sandbox that cannot start raises. ``-I`` ignores ``PYTHON*``
-variables and the user's site directory and ``-S`` skips ``site``, so the job's virtual
-environment is not importable. Every process left in the call's process group is killed
-when the call ends. Not provided (they need cgroups or privileges): a limit on process
-count (``RLIMIT_NPROC`` is per user and not enforced for root), and catching a child that
-leaves the group with ``setsid`` (it stays under the same rules).
+Each call starts a fresh ``python -I -S -B`` (no ``PYTHON*`` variables, no ``site``: the
+job's virtual environment is not importable) in its own session and an empty temporary
+folder, with a minimal environment. A fixed preamble sets the rlimits and the isolation
+(``landlock.py``), then runs the snippet from stdin as ``__main__``. The observation is
+what a terminal would show; a program that fails is a normal one, and only a sandbox that
+cannot start raises.
 """
 
 from __future__ import annotations
@@ -46,7 +27,10 @@ from asyncrl.rollout.tools.registry import FunctionTool
 
 @dataclass(frozen=True, slots=True)
 class SandboxLimits:
-    """Per-call limits (see the module docstring)."""
+    """Per-call limits: ``cpu_s`` (``RLIMIT_CPU``: ``SIGXCPU``, then a kill),
+    ``memory_mb`` (``RLIMIT_AS``: allocations fail with ``MemoryError``), ``file_bytes``
+    written and ``open_files`` (no core dumps); past ``wall_s`` or ``output_bytes`` per
+    stream the parent kills the whole process group."""
 
     cpu_s: int = 5
     memory_mb: int = 512
@@ -120,11 +104,20 @@ class PythonSandbox:
         start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="asyncrl-sandbox-") as cwd:
             proc = await asyncio.create_subprocess_exec(
-                self.python, "-I", "-S", "-B", "-c", _PREAMBLE, *self._limit_args(),
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, cwd=cwd, env=_environment(cwd),
+                self.python,
+                "-I",
+                "-S",
+                "-B",
+                "-c",
+                _PREAMBLE,
+                *self._limit_args(),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=cwd,
+                env=_environment(cwd),
                 start_new_session=True,
-            )  # fmt: skip
+            )
             try:
                 result = await self._communicate(proc, code.encode())
             finally:
@@ -194,7 +187,8 @@ class _Capture:
 
 #: Runs in the child before the snippet: argv = [cpu_s, address-space bytes, file bytes,
 #: open files, JSON [readable roots, seccomp arch, socket syscall] or null (no
-#: isolation)]; the snippet comes on stdin and runs as ``__main__``.
+#: isolation)]; the snippet comes on stdin and runs as ``__main__``. (Not ``preexec_fn``:
+#: it is unsafe in a process with threads, as actor processes are.)
 _PREAMBLE = (
     landlock.PREAMBLE
     + """

@@ -1,16 +1,13 @@
 """The local search tool: BM25 over a corpus file, the offline stand-in for a web search.
 
-The corpus is a jsonl or parquet file (``path@[a:b]`` slicing as for prompts) with one
-document per row: ``text`` (required) and optionally ``title`` and ``id``. Terms are
-lower-cased runs of letters and digits. A query ``Q`` scores document ``D`` by Okapi BM25:
+A query ``Q`` scores document ``D`` by Okapi BM25 (a few lines over an inverted index):
 
     score(D, Q) = sum over distinct q in Q of
                   IDF(q) * f(q, D) * (k1 + 1) / (f(q, D) + k1 * (1 - b + b * |D| / avgdl))
     IDF(q)      = ln(1 + (N - n(q) + 0.5) / (n(q) + 0.5))
 
 with ``f(q, D)`` the count of ``q`` in ``D``, ``|D|`` its length in terms, ``avgdl`` the
-mean length, ``N`` the number of documents and ``n(q)`` how many contain ``q``. Written
-here rather than taken from a package: it is these few lines over an inverted index.
+mean length, ``N`` the number of documents and ``n(q)`` how many contain ``q``.
 """
 
 from __future__ import annotations
@@ -81,7 +78,9 @@ class BM25Index:
 
 
 def load_corpus(spec: str) -> list[Document]:
-    """The documents of ``spec``; a row without a string ``text`` is a ``DataError``."""
+    """The documents of ``spec``, a jsonl or parquet file (``path@[a:b]`` slicing as for
+    prompts): a row each, ``text`` (a string: else a ``DataError``) and optionally
+    ``title`` and ``id``."""
     docs = []
     for n, (where, row) in enumerate(read_objects(spec)):
         text = row.get("text")
