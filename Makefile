@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# Constrained decoding (engines/torch/grammar.py). --no-deps: xgrammar requires triton
+# (about 1 GB) for its GPU kernels only, and never imports it on the CPU path.
+XGRAMMAR := xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 
 .PHONY: demo smollm2 word-problems tool-agent tool-agent-openai tool-agent-model arith-model calculator-model test lint config-doc bench-wire bench-buffer bench-engine bench-server bench-trainer bench-train-backends bench-cluster-sim \
 	bench-cluster-load bench-vs-trl bench-extra bench-overlap bench-agent-proxy bench-runtimes bench-curve bench-soak bench-weight-sync vllm-venv clean
@@ -25,10 +28,11 @@ $(STAMP): pyproject.toml
 	else \
 		$(PIP) install -e ".[dev,bench]"; \
 	fi
+	$(PIP) install --no-deps $(XGRAMMAR)
 	test "$$($(PY) -W ignore -c 'import torch; print(torch.__version__)')" = "$$(cat $(VENV)/.torch)" \
 		|| { echo "the extras replaced torch $$(cat $(VENV)/.torch)"; exit 1; }
 	echo "torch $$(cat $(VENV)/.torch)"
-	$(PY) -c "import asyncrl.wire, msgspec, zmq, pytest, trl"
+	$(PY) -c "import asyncrl.wire, msgspec, zmq, pytest, trl, xgrammar"
 	touch $(STAMP)
 
 # GRPO on the arithmetic demo (about 10 minutes on 2 CPU cores), then its figures.

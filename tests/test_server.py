@@ -539,7 +539,7 @@ async def test_a_duplicate_in_flight_rid_is_refused_and_the_first_call_goes_on(h
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, None, "top_p"),
         ({"input_ids": [1], "text": "x"}, None, "exactly one"),
         ({"input_ids": [1], "stream": "yes"}, None, "stream"),
-        ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, None, "not supported"),
+        ({"input_ids": [1], "sampling_params": {"regex": "a", "ebnf": "r"}}, None, "Only one of"),
         (None, b"{not json", "not valid JSON"),
         (None, b"[1, 2]", "JSON object"),
         ({"input_ids": [1, 2], "logprob_start_len": 5, "return_logprob": True}, None, "prompt"),
@@ -1128,18 +1128,19 @@ def test_only_a_closing_server_is_a_503_not_any_refused_connection():
 
 
 async def test_options_the_server_cannot_keep_are_refused_by_name_to_the_openai_client(url):
-    """Structured output and forced tool calls are 400s naming the field, through the real
-    ``openai`` client, never silently ignored; ``auto`` and ``text`` are served."""
+    """An unknown response format and forced tool calls are 400s naming the field, through
+    the real ``openai`` client, never silently ignored; ``auto`` and ``text`` are served
+    (structured outputs: tests/test_grammar.py)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    schema = {"type": "json_schema", "json_schema": {"name": "x"}}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     named = {"type": "function", "function": {"name": "f"}}
     for extra, field_name in (
-        ({"response_format": {"type": "json_object"}}, "response_format 'json_object'"),
-        ({"response_format": schema}, "response_format 'json_schema'"),
+        ({"response_format": {"type": "xml"}}, "response_format type 'xml' is not supported"),
+        ({"response_format": schema}, "response_format.json_schema.schema: expected a JSON"),
         ({"tools": [tool], "tool_choice": "required"}, "tool_choice 'required'"),
         ({"tools": [tool], "tool_choice": named}, "tool_choice function 'f' needs constrained"),
     ):

@@ -395,7 +395,7 @@ async def test_update_weights_from_disk_changes_outputs_and_version(engine, tmp_
         (list(range(1, 500)) * 2, {}, "longer than the model's context length"),
         ([1] * 500, {"max_new_tokens": 13}, "You requested a total of 513 tokens: 500 tokens"),
         ([1], {"top_p": 0}, "top_p"),
-        ([1], {"regex": "a+"}, "not supported"),
+        ([1], {"regex": "a+", "json_schema": "{}"}, "Only one of regex, json_schema"),
         ([1], {"stop_token_ids": [99999]}, "stop_token_ids: 99999 is not in"),
         ([1], {"logit_bias": {"99999": 1.0}}, "logit_bias: token 99999 is not in"),
         ([1], {"logit_bias": {"eos": 1.0}}, "logit_bias: key 'eos' is not a token id"),

@@ -57,6 +57,7 @@ SERVE_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
     "mem_fraction": ("--mem-fraction-static", "--mem-fraction"),
     "packed_weights": ("--packed-weights",),
     "lean_forward": ("--lean-forward",),
+    "json_any_whitespace": ("--json-any-whitespace",),
     "seed": ("--random-seed", "--seed"),
 }
 
@@ -81,6 +82,12 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
     for name in ("packed_weights", "lean_forward"):  # the switches of earlier releases
         flag = "--no-" + name.replace("_", "-")
         serve.add_argument(flag, dest=name, action="store_false", help=argparse.SUPPRESS)
+    serve.add_argument(  # SGLang's switch
+        "--constrained-json-disable-any-whitespace",
+        dest="json_any_whitespace",
+        action="store_false",
+        help="as --json-any-whitespace false",
+    )
 
 
 def _field_value(field: Any) -> Callable[[str], Any]:

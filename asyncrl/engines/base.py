@@ -20,8 +20,8 @@ from asyncrl.errors import EngineError
 
 PauseMode = Literal["abort", "in_place", "retract"]
 
-#: Constrained-decoding keys SGLang accepts; this server refuses them with a clear 400.
-UNSUPPORTED_SAMPLING_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+#: Constrained-decoding keys: at most one per request (an engine may refuse them all).
+GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 #: Below this temperature sampling is greedy (SGLang's ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-6
 #: The most completions one request may ask for (``n``): each is a sequence in the batch.
@@ -35,7 +35,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop and length keys; the HTTP server applies ``n`` (one request per sample), the
     text keys (``skip_special_tokens``, ``spaces_between_special_tokens``,
     ``no_stop_trim``) and ``stream_interval``; ``custom_params`` only feeds a custom logit
-    processor, which SGLang also ignores without one; constrained decoding is refused.
+    processor, which SGLang also ignores without one; an engine that cannot constrain
+    decoding refuses ``GRAMMAR_KEYS``.
     """
 
     max_new_tokens: int | None = 128
@@ -93,9 +94,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {exc}") from None
-        for key in UNSUPPORTED_SAMPLING_KEYS:
-            if getattr(self, key) is not None:
-                raise ValueError(f"{key} (constrained decoding) is not supported by this server")
+        if sum(getattr(self, key) is not None for key in GRAMMAR_KEYS) > 1:
+            raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -292,6 +292,13 @@ class Tracked(Protocol):
     updated: asyncio.Event
 
     def snapshot(self) -> GenerateOutput: ...
+
+
+def refuse_grammar(p: SamplingParams, engine: str) -> None:
+    """``EngineError`` naming the constraint, for an engine without constrained decoding."""
+    for key in GRAMMAR_KEYS:
+        if getattr(p, key) is not None:
+            raise EngineError(f"{key} (constrained decoding) is not supported by {engine}")
 
 
 def check_prompt(

@@ -73,6 +73,13 @@ class EngineConfig(BaseModel):
         "(fused projections, no per-module Python; engines/torch/lean_forward.py); false, or "
         "another architecture: through transformers",
     )
+    json_any_whitespace: bool = Field(
+        True,
+        description="torch engine, json_schema requests: allow any whitespace between JSON "
+        "tokens, as SGLang by default; false (SGLang's "
+        "--constrained-json-disable-any-whitespace): compact JSON, which a small model "
+        "cannot pad until it runs out of tokens",
+    )
     seed: int | None = Field(
         None,
         description="torch engine: the stream its requests' sampling seeds come from, "

@@ -19,7 +19,6 @@ from asyncrl.engines.base import FinishReason, SamplingParams
 
 #: ``finish_reason.message`` prefixes of a request aborted before it started (5.1).
 _QUEUED_ABORTS = ("Abort in waiting queue", "Abort before prefill")
-_CONSTRAINED = dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag"))
 
 
 class SGLangError(Exception):
@@ -298,8 +297,7 @@ def sampling_dict(params: SamplingParams | Mapping[str, Any] | None) -> dict[str
             raise ValueError(f"sampling_params: {exc}") from exc
     else:
         struct, sent = params, _non_defaults(params)
-    # Constrained decoding is the embedded server's limit, not SGLang's: check ranges only.
-    msgspec.structs.replace(struct, **_CONSTRAINED).verify()
+    struct.verify()
     if struct.n != 1:
         raise ValueError(f"sampling_params.n is {struct.n}; send n requests with distinct rids")
     return sent

@@ -160,6 +160,12 @@ UNTRAINABLE_SAMPLING = {
     # EOS and stop ids are masked out of the reported distribution while it is short of
     # min_new_tokens (engines/torch/sampling.py), which the trainer does not know.
     "min_new_tokens": 0,
+    # A grammar masks tokens out before sampling: the log-probs are renormalised over
+    # what it allows (engines/torch/grammar.py).
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
 }
 
 
@@ -171,8 +177,9 @@ def check_trainable_sampling(value: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"rollout.sampling sets {', '.join(bad)}: the trainer recomputes each token's "
             "log-prob as log_softmax(logits / temperature) and cannot reproduce penalties, "
-            "logit_bias or min_new_tokens' masking, so training would correct for a policy "
-            "it never sampled from; drop them (an eval set's own sampling may use them)"
+            "logit_bias, min_new_tokens' masking or a grammar's, so training would correct "
+            "for a policy it never sampled from; drop them (an eval set's own sampling may "
+            "use them)"
         )
     return value
 

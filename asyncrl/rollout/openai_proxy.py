@@ -553,12 +553,17 @@ def _first_difference(keys: list[Any], history: list[Any]) -> int:
 
 #: Request fields this proxy cannot honour while training; refused rather than ignored.
 _UNSUPPORTED = ("response_format", "functions", "function_call", "logit_bias", "audio")
+_WHY = {
+    "response_format": ": a grammar renormalises the engine's log-probs over the tokens it "
+    "allows, and the trainer recomputes them over the whole vocabulary",
+}
 
 
 def _check_options(body: Json) -> None:
     for key in _UNSUPPORTED:
         if body.get(key) is not None:
-            raise _error(400, f"{key} is not supported by the training proxy")
+            why = _WHY.get(key, "")
+            raise _error(400, f"{key} is not supported by the training proxy{why}")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise _error(400, "logprobs are not returned by the training proxy (it records them)")
     _parses_tool_calls(body)

@@ -9,6 +9,7 @@ request). Refusals are OpenAI's top-level error object (3.5).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -136,16 +137,27 @@ _OPENAI_SAMPLING = {
 _NON_STREAM_ONLY = ("return_token_ids", "return_prompt_token_ids", "return_meta_info")
 
 
-def _refuse_unserved(body: Json) -> None:
-    """Structured output is a 400 naming it, never ignored: no constrained decoding here
-    (``tool_choice`` has its own rules: ``tool_stream.parses_tool_calls``)."""
+def response_format(body: Json) -> dict[str, str]:
+    """The sampling key ``response_format`` asks for, as SGLang maps it: ``json_object``
+    is ``json_schema: {"type": "object"}``, ``json_schema`` its schema; ``text`` none."""
     fmt = body.get("response_format")
-    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-    if kind not in (None, "text"):
-        raise bad_request(
-            f"response_format {kind!r} is not supported by this server (no constrained "
-            "decoding): leave it out or use type 'text'"
-        )
+    if fmt is None:
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema.schema: expected a JSON schema object")
+        return {"json_schema": json.dumps(schema)}
+    raise bad_request(
+        f"response_format type {kind!r} is not supported: use 'text', 'json_object' or "
+        "'json_schema'"
+    )
 
 
 def chat_template_ids(
@@ -201,6 +213,7 @@ def _completion_prompts(body: Json, tokenizer: Any, context: int | None) -> list
 def openai_sampling(body: Json, max_tokens: int | None) -> SamplingParams:
     """The OpenAI sampling fields as ``SamplingParams`` (checked like /generate's)."""
     raw = {dst: body[src] for src, dst in _OPENAI_SAMPLING.items() if body.get(src) is not None}
+    raw |= response_format(body)
     raw["max_new_tokens"] = max_tokens
     try:
         params = msgspec.convert(raw, SamplingParams)
@@ -255,7 +268,6 @@ class OpenAICall(msgspec.Struct, kw_only=True):
         cls, body: Json, prompts: list[list[int]], server: EngineServer, *, chat: bool
     ) -> OpenAICall:
         """Validate the body (3.1, 3.4); refusals are 400s in the OpenAI error shape."""
-        _refuse_unserved(body)
         parses = parses_tool_calls(body) and chat and bool(body.get("tools"))
         tool_parser = server.tool_call_parser if parses else None
         stream = field(body, "stream", bool, False)

@@ -28,6 +28,7 @@ from asyncrl.engines.base import (
     check_prompt,
     follow,
     mark_aborted,
+    refuse_grammar,
 )
 from asyncrl.engines.sim.latency import LatencyModel
 from asyncrl.errors import EngineError
@@ -304,6 +305,7 @@ class SimEngine:
         p = request.sampling
         if p.stop_strings or p.stop_regexes:
             raise EngineError("the simulated engine has no text: use stop_token_ids")
+        refuse_grammar(p, "the simulated engine")
         if request.return_logprob and request.logprob_start_len >= 0:
             raise EngineError("the simulated engine has no prompt log-probs")
         if request.top_logprobs_num > 0:

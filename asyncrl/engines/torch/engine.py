@@ -30,6 +30,7 @@ from asyncrl.engines.base import (
     mark_aborted,
 )
 from asyncrl.engines.config import EngineConfig
+from asyncrl.engines.torch.grammar import Grammars, grammar_of
 from asyncrl.engines.torch.heap_trim import HeapTrimmer
 from asyncrl.engines.torch.kv_batch import (
     available_memory,
@@ -63,6 +64,7 @@ class TorchEngine:
         seed: int | str | None = 0,
         packed: bool = True,
         lean: bool = True,
+        json_any_whitespace: bool = True,
     ) -> None:
         if not 0 < mem_fraction <= 1 or (max_total_tokens is not None and max_total_tokens < 1):
             raise ValueError(
@@ -80,6 +82,10 @@ class TorchEngine:
             mem_fraction,
         )
         self.eos_ids = eos_ids(model, tokenizer)
+        vocab = (model.get_output_embeddings() or model.get_input_embeddings()).weight.shape[0]
+        self.grammars = Grammars(
+            tokenizer, int(vocab), self.eos_ids, any_whitespace=json_any_whitespace
+        )
         self.scheduler = Scheduler(
             self.runner,
             tokenizer=tokenizer,
@@ -137,6 +143,7 @@ class TorchEngine:
             mem_fraction=cfg.mem_fraction,
             packed=cfg.packed_weights,
             lean=cfg.lean_forward,
+            json_any_whitespace=cfg.json_any_whitespace,
             seed=seed,
             version=version,
         )
@@ -202,20 +209,24 @@ class TorchEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Cumulative outputs as tokens arrive; the last one carries ``finish_reason``."""
         await self._resumed.wait()  # SGLang: a paused server holds new requests
-        seq = self._admit(request)
+        self.check(request)
+        grammar = None
+        if (constraint := grammar_of(request.sampling)) is not None:
+            grammar = await asyncio.to_thread(self.grammars.matcher, *constraint)
+        seq = self._admit(request, grammar)
         if self.torn:  # nothing samples from a mix of two versions: the partial goes back
             seq.aborted = True
         async for out in follow(seq, self._wake):
             yield out
 
-    def _admit(self, request: GenerateRequest) -> Seq:
+    def _admit(self, request: GenerateRequest, grammar: Any) -> Seq:
         """Queue ``request``; one without a ``sampling_seed`` draws one from the engine's
         stream (greedy probes leave the stream alone)."""
-        self.check(request)
         seed = request.sampling.sampling_seed
         if seed is None and not request.sampling.greedy:
             seed = self._seeds.getrandbits(63)
         seq = new_seq(request, seed, self.eos_ids)
+        seq.grammar = grammar
         self.scheduler.add(seq)
         self._wake.set()
         return seq

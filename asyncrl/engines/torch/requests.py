@@ -31,6 +31,7 @@ class Seq:
     input_logprobs: list[float | None] | None = None
     input_top: list[list[tuple[float, int]] | None] | None = None
     stop_regex: list[re.Pattern[str]] = field(default_factory=list)
+    grammar: Any = None  # an xgrammar matcher for a constrained request (grammar.py)
     finish: FinishReason | None = None
     aborted: bool = False
     queued: bool = True
@@ -91,6 +92,8 @@ def finish_reason(
             matched = _stop_regex(seq, tokenizer)
         if matched is not None:
             return FinishReason(type="stop", matched=matched)
+    if seq.grammar is not None and seq.grammar.is_terminated():  # it took a stop token
+        return FinishReason(type="stop", matched=token)
     limit = p.max_new_tokens
     if limit is not None and len(seq.output) >= limit:
         return FinishReason(type="length", length=limit)

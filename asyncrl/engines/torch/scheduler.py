@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from asyncrl.engines.base import FinishReason
+from asyncrl.engines.torch.grammar import mask_rows
 from asyncrl.engines.torch.kv_batch import KVBatch, new_cache
 from asyncrl.engines.torch.requests import Seq, finish_reason, similar_lengths
 from asyncrl.engines.torch.runner import ModelRunner
@@ -197,6 +198,7 @@ class Scheduler:
         """Sample each row's next token from its row of ``logits`` and record it; a row
         that cannot be sampled fails alone, with a placeholder token until its finish
         check (a device error raises before this and fails the whole batch)."""
+        mask_rows(logits, [s.grammar for s in seqs])
         rows = [s.row for s in seqs]
         results = sample_rows(logits, rows, [s.req.top_logprobs_num for s in seqs])
         return [self._record(s, r) for s, r in zip(seqs, results, strict=True)]
@@ -211,6 +213,14 @@ class Scheduler:
             )
             return 0
         token, logprob, top = result
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            seq.finish = FinishReason(
+                type="abort",
+                message=f"grammar refused token {token}",
+                status_code=500,
+                err_type="InternalServerError",
+            )
+            return token
         seq.output.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.version)

@@ -43,6 +43,7 @@ from asyncrl.engines.base import (
     PauseMode,
     check_prompt,
     mark_aborted,
+    refuse_grammar,
 )
 from asyncrl.errors import EngineError
 from asyncrl.observe.logs import get_logger
@@ -263,6 +264,7 @@ class VLLMEngine:
         p = request.sampling
         if p.stop_regexes:
             raise EngineError("stop_regex is not supported by a vLLM engine")
+        refuse_grammar(p, "a vLLM engine")
         if p.sampling_seed is not None and self.device.type == "cpu":
             # vLLM 0.32's CPU runner rewinds a seeded request's generator after a chunked
             # prefill step, which a CPU generator cannot do: the engine core dies, and
