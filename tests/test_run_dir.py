@@ -52,6 +52,9 @@ def a_finished_run(run_dir: Path) -> None:
     (run_dir / "checkpoints" / "trainer" / "step_000002").mkdir(parents=True)
     (run_dir / "checkpoints" / "buffer.ckpt").write_bytes(b"state")
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "samples.jsonl").write_text('{"step": 1, "text": "old"}\n')
+    for name in ("wandb", "engine_weights"):
+        (run_dir / name).mkdir(exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "notes.txt").write_text("mine")
 

@@ -33,8 +33,11 @@ RUN_FILES = (
     "chaos.json",
     "plots",
     "rollout_data",
+    "samples.jsonl",
     "tensorboard",
+    "wandb",
     "weights",
+    "engine_weights",
 )
 _LOCK = ".lock"
 #: The run directories this flow of control holds, resolved, with their lock descriptors.
