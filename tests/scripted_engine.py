@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.engines.base import FinishReason, GenerateOutput, GenerateRequest
+from asyncrl.engines.base import FinishReason, GenerateOutput, GenerateRequest, refuse_grammar
 from asyncrl.engines.sglang_wire import GenerateResult
 from asyncrl.rollout.base import parse_sampling
 
@@ -87,12 +87,13 @@ class ScriptedServingEngine:
         await asyncio.Event().wait()  # the server cancels it when it stops
 
     def check(self, request: GenerateRequest) -> None:
-        return None
+        refuse_grammar(request.sampling, "the scripted engine")
 
     def abort(self, rid: str = "", *, abort_all: bool = False, prefix: bool = False) -> int:
         return 0
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        self.check(request)
         if request.rid.startswith("HEALTH_CHECK"):
             ids, finish = [0], FinishReason(type="length", length=1)
         else:

@@ -33,8 +33,12 @@ PERSON = {
 async def server(smollm2_dir: Path) -> AsyncIterator[EngineServer]:
     # Compact JSON (SGLang's --constrained-json-disable-any-whitespace): a 135M model
     # allowed any whitespace can pad with tabs until its token budget runs out.
+    from asyncrl.rollout.workflows import tool_call_parser
+
     engine = TorchEngine.from_pretrained(str(smollm2_dir), json_any_whitespace=False)
-    server = EngineServer(engine, served_model_name="m")
+    server = EngineServer(
+        engine, served_model_name="m", tool_call_parser=tool_call_parser("hermes")
+    )
     await server.start("127.0.0.1", 0)
     yield server
     await server.stop()
@@ -200,7 +204,7 @@ async def test_structured_outputs_through_the_openai_client_and_sglang_generate(
     assert re.fullmatch("[0-9]{4}", server.engine.tokenizer.decode(result.output_ids, True))
 
 
-def test_training_rollouts_refuse_a_grammar_and_say_why():
+async def test_training_rollouts_refuse_a_grammar_and_say_why():
     """The trainer recomputes unmasked log-probs (docs/numerics.md): a constrained
     training rollout would be corrected against a policy it never sampled from."""
     from pydantic import ValidationError
@@ -212,3 +216,42 @@ def test_training_rollouts_refuse_a_grammar_and_say_why():
             RolloutConfig(sampling={"max_new_tokens": 8, key: spec})
     held_out = EvalSetConfig(name="json", path="x.jsonl", sampling={"json_schema": "{}"})
     assert held_out.sampling == {"json_schema": "{}"}  # an eval set may constrain
+
+
+def tool(name: str, **properties: Any) -> dict[str, Any]:
+    schema = {"type": "object", "properties": properties, "required": sorted(properties)}
+    return {"type": "function", "function": {"name": name, "parameters": schema}}
+
+
+async def test_a_forced_tool_choice_always_returns_a_call_of_that_tool(server):
+    """``required`` gives a call of an offered tool, a named choice a call of that one,
+    its arguments valid for the tool's schema, whole and streamed."""
+    import openai
+
+    tools = [
+        tool("calculator", expression={"type": "string", "maxLength": 16}),
+        tool("weather", city={"enum": ["Paris", "Oslo"]}, days={"type": "integer", "maximum": 9}),
+    ]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "What is 6 times 7?"}]}
+    named = {"type": "function", "function": {"name": "weather"}}
+    for choice, names in (("required", set(schemas)), (named, {"weather"})):
+        for seed in range(3):
+            reply = await client.chat.completions.create(
+                **chat, tools=tools, tool_choice=choice, max_tokens=80, seed=seed
+            )
+            (out,) = reply.choices
+            assert out.finish_reason == "tool_calls", out
+            (call,) = out.message.tool_calls
+            assert call.function.name in names
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    stream = await client.chat.completions.create(
+        **chat, tools=tools, tool_choice=named, max_tokens=80, stream=True
+    )
+    deltas = [c.choices[0].delta async for c in stream if c.choices]
+    heads = [t for d in deltas for t in d.tool_calls or () if t.function.name]
+    assert [t.function.name for t in heads] == ["weather"]
+    with pytest.raises(openai.BadRequestError, match="tool_choice 'required' needs tools"):
+        await client.chat.completions.create(**chat, tool_choice="required", max_tokens=4)
+    await client.close()

@@ -181,8 +181,8 @@ async def test_bad_calls_get_clear_openai_errors_and_the_episode_goes_on(rig):
         named = {"type": "function", "function": {"name": "calculator"}}
         other = {"type": "function", "function": {"name": "other"}}
         for choice, message in (
-            ("required", "tool_choice 'required' needs constrained decoding"),
-            (named, "tool_choice function 'calculator' needs constrained decoding"),
+            ("required", "tool_choice 'required' is not supported by the training proxy: a"),
+            (named, "'name': 'calculator'}} is not supported by the training proxy: a gram"),
             ("sometimes", "tool_choice 'sometimes' is not one of 'none', 'auto'"),
             (other, "names function 'other', which is not among tools"),
         ):

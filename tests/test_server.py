@@ -290,6 +290,64 @@ async def test_generate_returns_the_native_shape_with_logprob_triples(http, url)
     assert scored["output_ids"] == [] and scored["meta_info"]["input_token_logprobs"] == inputs
 
 
+async def test_echo_with_logprobs_scores_the_prompt_as_sglangs_completions_do(http, url):
+    """``/v1/completions`` with ``echo`` and ``logprobs``: every prompt token, then every
+    completion token (the first prompt token's log-prob is null); the prompt's are
+    ``/generate``'s ``input_token_logprobs``, whole and streamed, through the real client."""
+    import openai
+
+    scored = await generate(http, url, input_ids=PROMPT, sampling_params={"max_new_tokens": 0},
+                            return_logprob=True, logprob_start_len=0)  # fmt: skip
+    inputs = [t[0] for t in scored["meta_info"]["input_token_logprobs"]]
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    ask = {"model": "m", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True}
+    whole = (await client.completions.create(**ask, logprobs=2)).choices[0].logprobs
+    assert len(whole.tokens) == len(PROMPT) + 3 == len(whole.token_logprobs)
+    assert whole.token_logprobs[: len(PROMPT)] == inputs and inputs[0] is None
+    assert whole.top_logprobs[0] is None and len(whole.top_logprobs[1]) == 2
+    chunks = [c async for c in await client.completions.create(**ask, logprobs=0, stream=True)]
+    streamed = [
+        x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed == whole.token_logprobs
+    plain = (await client.completions.create(**{**ask, "echo": False}, logprobs=0)).choices[0]
+    assert plain.logprobs.token_logprobs == whole.token_logprobs[len(PROMPT) :]
+    await client.close()
+
+
+async def test_tokenize_and_detokenize_round_trip_in_sglangs_shapes(http, url, served):
+    tokenizer = served.engine.tokenizer
+    for path in ("/tokenize", "/v1/tokenize"):
+        status, one = await call(http, url, path, {"prompt": "hello world"})
+        assert status == 200 and one["tokens"] == tokenizer.encode("hello world")
+        assert one["count"] == len(one["tokens"]) and one["max_model_len"] == 512
+    _, two = await call(http, url, "/tokenize", {"prompt": ["a b", "c"], "model": "m"})
+    assert two["count"] == [len(t) for t in two["tokens"]] and len(two["tokens"]) == 2
+    _, back = await call(http, url, "/detokenize", {"tokens": one["tokens"]})
+    assert back == {"text": "hello world"}
+    _, back = await call(http, url, "/v1/detokenize", {"tokens": two["tokens"]})
+    assert back == {"text": ["a b", "c"]}
+    for path, body, needle in (
+        ("/tokenize", {"prompt": 5}, "prompt: expected a string"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "expected a boolean"),
+        ("/detokenize", {"tokens": [1, -2]}, "expected a list of token ids"),
+        ("/detokenize", {"tokens": [10**9]}, "ids must be in [0,"),
+    ):
+        status, reply = await call(http, url, path, body)
+        assert status == 400 and needle in json.dumps(reply), reply
+
+
+async def test_a_model_is_retrieved_by_its_served_name_or_is_a_404(http, url, served):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    card = await client.models.retrieve(served.served_model_name)
+    assert card.id == served.served_model_name and card.owned_by == "sglang"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await client.models.retrieve("other")
+    await client.close()
+
+
 async def test_a_batch_and_n_samples_answer_with_a_list_of_expanded_rids(http, url):
     batch = await generate(
         http, url, text=["a b", "c d"], rid="b", sampling_params={"max_new_tokens": 3, "n": 2}
@@ -1141,8 +1199,8 @@ async def test_options_the_server_cannot_keep_are_refused_by_name_to_the_openai_
     for extra, field_name in (
         ({"response_format": {"type": "xml"}}, "response_format type 'xml' is not supported"),
         ({"response_format": schema}, "response_format.json_schema.schema: expected a JSON"),
-        ({"tools": [tool], "tool_choice": "required"}, "tool_choice 'required'"),
-        ({"tools": [tool], "tool_choice": named}, "tool_choice function 'f' needs constrained"),
+        ({"tools": [tool], "tool_choice": "required"}, "a forced tool_choice needs a tool-call"),
+        ({"tools": [tool], "tool_choice": named}, "a forced tool_choice needs a tool-call"),
     ):
         with pytest.raises(openai.BadRequestError, match=field_name):
             await client.chat.completions.create(**chat, **extra)
@@ -1204,8 +1262,8 @@ async def test_a_tool_call_parser_turns_a_chat_reply_into_openai_tool_calls(tmp_
     choice = plain.reply([out], "0")["choices"][0]
     assert choice["message"]["tool_calls"] is None and "<tool_call>" in choice["message"]["content"]
     forced = {"messages": messages, "tools": [tool], "tool_choice": "required"}
-    with pytest.raises(Exception, match="needs constrained decoding"):
-        OpenAICall.parse(forced, [[1]], server, chat=True)
+    grammar = OpenAICall.parse(forced, [[1]], server, chat=True).requests[0].sampling.ebnf
+    assert grammar is not None and '"<tool_call>"' in grammar and "calculator" in grammar
 
 
 # ----------------------------------------------------------------------------- tool calls
@@ -1323,8 +1381,8 @@ async def test_a_tool_choice_the_server_cannot_keep_is_a_400_naming_why(tool_ser
     named = {"type": "function", "function": {"name": "calculator"}}
     other = {"type": "function", "function": {"name": "other"}}
     for choice, message in (
-        ("required", "tool_choice 'required' needs constrained decoding"),
-        (named, "tool_choice function 'calculator' needs constrained decoding"),
+        ("required", "ebnf (constrained decoding) is not supported by the scripted engine"),
+        (named, "ebnf (constrained decoding) is not supported by the scripted engine"),
         ("sometimes", "tool_choice 'sometimes' is not one of 'none', 'auto', 'required'"),
         (other, "names function 'other', which is not among tools"),
     ):

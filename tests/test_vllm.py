@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -150,13 +151,20 @@ def reference_logprobs(
     temperature: float = T,
 ) -> list[float]:
     """``log_softmax(z / T)`` of each sampled token under ``weights`` (an HF forward)."""
+    logits = reference_logits(model_dir, weights, ids, out) / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(out)[:, None])[:, 0].tolist()
+
+
+def reference_logits(
+    model_dir: Path, weights: dict[str, torch.Tensor], ids: list[int], out: list[int]
+) -> torch.Tensor:
+    """The logits ``z`` ``[len(out), V]`` that predicted each of ``out`` (an HF forward)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.load_state_dict(weights, strict=False)
     with torch.no_grad():
-        logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1] / temperature
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(out)[:, None])[:, 0].tolist()
+        return model(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1].float()
 
 
 def perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
@@ -213,6 +221,43 @@ async def test_vllm_samples_with_asyncrls_logprobs_and_refuses_truncation(
         assert gap(greedy.logprobs, reference_logprobs(vllm_model, original, PROMPT,
                                                        greedy.output_ids, 1.0)) < 1e-4  # fmt: skip
         assert max(greedy.logprobs) < 0
+
+
+async def test_vllm_serves_constrained_decoding_with_the_masked_logprobs(
+    vllm_url: str, vllm_model: Path
+):
+    """A regex and a JSON schema pass through to vLLM's structured outputs; its log-probs
+    are ``log_softmax(z_masked / T)``, as the embedded engine's (docs/numerics.md)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_model)
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}}, "required": ["a"]}
+    async with served(vllm_url) as (client, _):
+        base = {"max_new_tokens": 24, "temperature": T}
+        regex = await client.generate(PROMPT, {**base, "regex": "[0-9]{3}-[ab]{2}"}, rid="g/0")
+        shaped = await client.generate(
+            PROMPT, {**base, "json_schema": json.dumps(schema)}, rid="g/1"
+        )
+    text = tokenizer.decode(regex.output_ids, skip_special_tokens=True)
+    assert re.fullmatch("[0-9]{3}-[ab]{2}", text), text
+    reply = json.loads(tokenizer.decode(shaped.output_ids, skip_special_tokens=True))
+    assert reply["a"] in ("x", "yy")
+    original = load_file(vllm_model / "model.safetensors")
+    vocab = original["model.embed_tokens.weight"].shape[0]
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab, stop_token_ids=[tokenizer.eos_token_id]
+    )
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_regex("[0-9]{3}-[ab]{2}"))
+    out = regex.output_ids
+    z = reference_logits(vllm_model, original, PROMPT, out) / T
+    bitmask = xgr.allocate_token_bitmask(len(out), vocab)
+    for i, token in enumerate(out):
+        matcher.fill_next_token_bitmask(bitmask, i)
+        assert matcher.accept_token(token)
+    xgr.apply_token_bitmask_inplace(z, bitmask)
+    want = torch.log_softmax(z, -1)[torch.arange(len(out)), torch.tensor(out)].tolist()
+    assert gap(regex.logprobs, want) < 1e-4
 
 
 async def test_an_abort_returns_the_partial_output_of_each_request_it_names(vllm_url: str):

@@ -22,6 +22,8 @@ PauseMode = Literal["abort", "in_place", "retract"]
 
 #: Constrained-decoding keys: at most one per request (an engine may refuse them all).
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
+#: SGLang's ``json_schema`` value for "any JSON".
+ANY_JSON = "$$ANY$$"
 #: Below this temperature sampling is greedy (SGLang's ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-6
 #: The most completions one request may ask for (``n``): each is a sequence in the batch.
@@ -96,6 +98,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {exc}") from None
         if sum(getattr(self, key) is not None for key in GRAMMAR_KEYS) > 1:
             raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """``(key, spec)`` of the request's constraint (one of ``GRAMMAR_KEYS``), or None."""
+        return next(((k, getattr(self, k)) for k in GRAMMAR_KEYS if getattr(self, k)), None)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -59,6 +59,8 @@ class HermesParser:
     """
 
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    #: One call's opening and closing text and its arguments key (forced calls' grammar).
+    call_format = ("<tool_call>", "</tool_call>", "arguments")
 
     def parse(self, text: str) -> list[ToolCall]:
         calls = [self._call(m.group(1)) for m in self._CALL.finditer(text)]
@@ -103,6 +105,7 @@ class Llama3Parser:
     """
 
     TAG = "<|python_tag|>"
+    call_format = (TAG, "", "parameters")
 
     def parse(self, text: str) -> list[ToolCall]:
         scan = self._scan(text)

@@ -28,6 +28,7 @@ from asyncrl.engines.server.tool_stream import (
     ToolStream,
     arguments_text,
     content_of,
+    forced_tools,
     parses_tool_calls,
 )
 from asyncrl.rollout.base import RolloutContext
@@ -576,11 +577,18 @@ def _check_options(body: Json) -> None:
 
 
 def _parses_tool_calls(body: Json) -> bool:
-    """``tool_choice``: ``auto`` parses calls, ``none`` does not, others are 400s."""
+    """``tool_choice``: ``auto`` parses calls, ``none`` does not; a forced call is a 400
+    (its grammar would renormalise the log-probs the trainer recomputes unmasked)."""
     try:
-        return parses_tool_calls(body)
+        forced = forced_tools(body)
+        parses = parses_tool_calls(body)
     except ApiError as exc:
         raise _error(400, exc.message) from None
+    if forced is not None:
+        choice = body["tool_choice"]
+        why = _WHY["response_format"]
+        raise _error(400, f"tool_choice {choice!r} is not supported by the training proxy{why}")
+    return parses
 
 
 @web.middleware

@@ -46,6 +46,7 @@ from asyncrl.engines.server.generate_wire import (
     version_text,
 )
 from asyncrl.engines.server.openai_routes import OpenAIRoutes
+from asyncrl.engines.server.token_routes import TokenRoutes
 from asyncrl.observe.logs import get_logger
 
 log = get_logger("asyncrl.server")
@@ -239,6 +240,7 @@ class EngineServer:
             app.router.add_route(method, "/generate", self.generate)
         ControlRoutes(self).register(app.router)
         OpenAIRoutes(self).register(app.router)
+        TokenRoutes(self).register(app.router)
         return app
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from asyncrl.engines.server.generate_wire import (
     field,
     invalid_body,
     json_response,
+    openai_error,
     parse_version,
     read_json,
     version_text,
@@ -96,6 +97,7 @@ class ControlRoutes:
         }
         for path, handler in gets.items():
             router.add_get(path, handler)
+        router.add_get("/v1/models/{model:.+}", self.model)
 
     # -- abort, pause -------------------------------------------------------------------------
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -389,8 +391,19 @@ class ControlRoutes:
 
     async def models(self, request: web.Request) -> web.Response:
         """``/v1/models`` (2.14)."""
+        return json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``/v1/models/{model}``: the served model's card, else OpenAI's 404."""
+        wanted = request.match_info["model"]
+        if wanted != self.server.served_model_name:
+            message = f"The model '{wanted}' does not exist."
+            return json_response(openai_error(message, 404, "NotFoundError"), 404)
+        return json_response(self._card())
+
+    def _card(self) -> Json:
         name = self.server.served_model_name
-        card = {
+        return {
             "id": name,
             "object": "model",
             "created": int(self.server.started),
@@ -399,7 +412,6 @@ class ControlRoutes:
             "parent": None,
             "max_model_len": self.engine.context_length,
         }
-        return json_response({"object": "list", "data": [card]})
 
     async def loads(self, request: web.Request) -> web.Response:
         """``/v1/loads`` (2.14): the core fields for the one data-parallel rank."""

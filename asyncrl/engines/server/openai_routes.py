@@ -40,6 +40,7 @@ from asyncrl.engines.server.tool_stream import (
     ToolStream,
     arguments_text,
     content_of,
+    forced_call_grammar,
     new_call_id,
     parses_tool_calls,
 )
@@ -210,10 +211,17 @@ def _completion_prompts(body: Json, tokenizer: Any, context: int | None) -> list
     raise invalid_body(f"prompt: expected text, texts or token ids, got {prompt!r}")
 
 
-def openai_sampling(body: Json, max_tokens: int | None) -> SamplingParams:
-    """The OpenAI sampling fields as ``SamplingParams`` (checked like /generate's)."""
+def openai_sampling(
+    body: Json, max_tokens: int | None, forced_call: str | None = None
+) -> SamplingParams:
+    """The OpenAI sampling fields as ``SamplingParams`` (checked like /generate's);
+    ``forced_call``: the EBNF of a call ``tool_choice`` forces."""
     raw = {dst: body[src] for src, dst in _OPENAI_SAMPLING.items() if body.get(src) is not None}
     raw |= response_format(body)
+    if forced_call is not None:
+        if raw.keys() & {"json_schema", "regex", "ebnf"}:
+            raise bad_request("a forced tool_choice cannot be combined with another constraint")
+        raw["ebnf"] = forced_call
     raw["max_new_tokens"] = max_tokens
     try:
         params = msgspec.convert(raw, SamplingParams)
@@ -280,7 +288,9 @@ class OpenAICall(msgspec.Struct, kw_only=True):
         max_tokens = field(body, "max_tokens", int, default) if max_tokens is None else max_tokens
         if not chat and max_tokens is not None and max_tokens <= 0:
             raise bad_request(f"max_tokens must be positive, got {max_tokens}")
-        params = openai_sampling(body, max_tokens)
+        forced = forced_call_grammar(body, tool_parser) if chat else None
+        params = openai_sampling(body, max_tokens, forced)
+        echo = not chat and field(body, "echo", bool, False)
         rid = body.get("rid")
         rids = request_ids(rid, len(prompts), params.n)
         requests = [
@@ -290,6 +300,7 @@ class OpenAICall(msgspec.Struct, kw_only=True):
                 sampling=params,
                 return_logprob=True,
                 top_logprobs_num=top,
+                logprob_start_len=0 if echo and logprobs else -1,  # the prompt's, echoed
             )
             for k, r in enumerate(rids)
         ]
@@ -306,7 +317,7 @@ class OpenAICall(msgspec.Struct, kw_only=True):
             logprobs=logprobs,
             top_logprobs=top,
             include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
-            echo=not chat and field(body, "echo", bool, False),
+            echo=echo,
             extras=extras,
             tokenizer=server.engine.tokenizer,
             tool_parser=tool_parser,
@@ -329,11 +340,25 @@ class OpenAICall(msgspec.Struct, kw_only=True):
             "total_tokens": prompt + completion,
         }
 
+    def token_logprobs(
+        self, k: int, out: GenerateOutput, start: int = 0, prompt: bool = True
+    ) -> tuple[Any, ...]:
+        """Choice ``k``'s ids, log-probs and alternatives from output token ``start``; with
+        ``echo`` and ``prompt`` the prompt's come first (the first one's are null)."""
+        ids, lps = out.output_ids[start:], list(out.logprobs[start:])
+        tops = None if out.top_logprobs is None else out.top_logprobs[start:]
+        if self.echo and prompt and out.input_logprobs is not None:
+            prompt = self.requests[k].input_ids
+            ids, lps = [*prompt, *ids], [*out.input_logprobs, *lps]
+            if tops is not None:
+                tops = [*(out.input_top_logprobs or [None] * len(prompt)), *tops]
+        return ids, lps, tops
+
     def logprobs_json(
         self,
         ids: list[int],
-        logprobs: list[float],
-        tops: list[list[tuple[float, int]]] | None,
+        logprobs: list[float | None],
+        tops: list[list[tuple[float, int]] | None] | None,
         offset: int = 0,
     ) -> Any:
         """Chat: ``{"content": [...]}``; completions: tokens, offsets, logprobs and the
@@ -354,13 +379,17 @@ class OpenAICall(msgspec.Struct, kw_only=True):
                 "content": [
                     {
                         **_chat_logprob(t, lp),
-                        "top_logprobs": [_chat_logprob(name(i), v) for v, i in r],
+                        "top_logprobs": [_chat_logprob(name(i), v) for v, i in r or ()],
                     }
                     for t, lp, r in zip(tokens, logprobs, rows, strict=True)
                 ]
             }
         offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        top = None if tops is None else [{name(i): v for v, i in row} for row in tops]
+        top = (
+            None
+            if tops is None
+            else [None if row is None else {name(i): v for v, i in row} for row in tops]
+        )
         return {
             "text_offset": offsets,
             "token_logprobs": logprobs,
@@ -374,7 +403,7 @@ class OpenAICall(msgspec.Struct, kw_only=True):
         """One non-stream choice."""
         reason, matched = _openai_finish(out.finish_reason)
         text = self.text(k, out)
-        lps = self.logprobs_json(out.output_ids, out.logprobs, out.top_logprobs)
+        lps = self.logprobs_json(*self.token_logprobs(k, out))
         calls = self.tool_calls(text)
         if calls:
             text, reason = content_of(self.tool_parser, text) or None, "tool_calls"
@@ -466,6 +495,7 @@ class OpenAIStream:
         self.opened = [False] * n
         self.sent_text = [""] * n
         self.sent_ids = [0] * n
+        self.echoed: set[int] = set()  # choices whose prompt log-probs went out
         self.finals: list[GenerateOutput] = []
         self.tools = [ToolStream(call.tool_parser) for _ in range(n)] if call.tool_parser else []
 
@@ -513,8 +543,10 @@ class OpenAIStream:
     def _new_logprobs(self, k: int, out: GenerateOutput, offset: int) -> Any:
         """The log-probs of choice ``k``'s tokens not sent yet (marks them sent)."""
         start, self.sent_ids[k] = self.sent_ids[k], len(out.output_ids)
-        tops = None if out.top_logprobs is None else out.top_logprobs[start:]
-        return self.call.logprobs_json(out.output_ids[start:], out.logprobs[start:], tops, offset)
+        prompt = k not in self.echoed and out.input_logprobs is not None
+        if prompt:
+            self.echoed.add(k)
+        return self.call.logprobs_json(*self.call.token_logprobs(k, out, start, prompt), offset)
 
     def _choice(
         self, k: int, delta: Any, reason: str | None, matched: Any, lps: Any = None

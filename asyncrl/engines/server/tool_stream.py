@@ -20,25 +20,81 @@ _CHOICES = "'none', 'auto', 'required' or {'type': 'function', 'function': {'nam
 
 
 def parses_tool_calls(body: Json) -> bool:
-    """Whether a chat call's tool calls are parsed, by its ``tool_choice``.
+    """Whether a chat call's tool calls are parsed, by its ``tool_choice``: ``none`` no (a
+    call's text is content); ``auto`` (or none given), ``required`` and a named function
+    yes. Anything else, or a function not among ``tools``, is a 400 naming it."""
+    forced_tools(body)  # a bad choice is a 400 here
+    return body.get("tool_choice") != "none"
 
-    ``auto`` (or none given): yes; ``none``: no, a call's text is content. ``required``
-    and a named function are 400s: only constrained decoding can keep them. Anything
-    else, or a function not among ``tools``, is a 400 naming it.
-    """
+
+def forced_tools(body: Json) -> list[str] | None:
+    """The functions one of which ``tool_choice`` forces (``required``: any offered; a
+    named one: it), or None when the model may answer in text."""
     choice = body.get("tool_choice")
     if choice in (None, "auto", "none"):
-        return choice != "none"
+        return None
     if isinstance(choice, dict):
-        shown = f"function {_named(choice, body.get('tools'))!r}"
-    elif choice == "required":
-        shown = "'required'"
-    else:
+        return [_named(choice, body.get("tools"))]
+    if choice != "required":
         raise bad_request(f"tool_choice {choice!r} is not one of {_CHOICES}")
-    raise bad_request(
-        f"tool_choice {shown} needs constrained decoding, which this server does not have "
-        "yet: leave it out, or use 'auto' or 'none'"
-    )
+    names = _offered(body.get("tools"))
+    if not names:
+        raise bad_request("tool_choice 'required' needs tools")
+    return names
+
+
+def forced_call_grammar(body: Json, parser: Any) -> str | None:
+    """EBNF for exactly one call of a forced function in ``parser``'s format (its
+    ``call_format``: opening text, closing text, the arguments key), the arguments held
+    to the function's ``parameters`` schema; None when nothing is forced."""
+    names = forced_tools(body)
+    if names is None:
+        return None
+    fmt = getattr(parser, "call_format", None)
+    if fmt is None:
+        raise bad_request(
+            "a forced tool_choice needs a tool-call parser with a call format "
+            "(asyncrl serve --tool-call-parser hermes, qwen25 or llama3)"
+        )
+    opening, closing, key = fmt
+    params = {
+        t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+        for t in body.get("tools") or ()
+        if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    }
+    schema = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, key: params[name]},
+                "required": ["name", key],
+            }
+            for name in names
+        ]
+    }
+    return _concat_grammar(opening, json.dumps(schema), closing)
+
+
+def _concat_grammar(opening: str, schema: str, closing: str) -> str:
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        raise bad_request("a forced tool_choice needs xgrammar (constrained decoding)") from None
+    try:
+        call = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    except RuntimeError as exc:
+        raise bad_request(f"a tool's parameters are not a usable JSON schema: {exc}") from None
+    text = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}") for t in (opening, closing)]
+    pieces = [*text[:1] * bool(opening), call, *text[1:] * bool(closing)]
+    return str(xgr.Grammar.concat(*pieces)) if len(pieces) > 1 else str(call)
+
+
+def _offered(tools: Any) -> list[str]:
+    return [
+        t["function"].get("name")
+        for t in tools or ()
+        if isinstance(t, dict) and isinstance(t.get("function"), dict)
+    ]
 
 
 def _named(choice: Json, tools: Any) -> str:
@@ -47,11 +103,7 @@ def _named(choice: Json, tools: Any) -> str:
     name = function.get("name") if isinstance(function, dict) else None
     if choice.get("type") != "function" or not isinstance(name, str):
         raise bad_request(f"tool_choice {choice!r} is not one of {_CHOICES}")
-    offered = [
-        t["function"].get("name")
-        for t in tools or ()
-        if isinstance(t, dict) and isinstance(t.get("function"), dict)
-    ]
+    offered = _offered(tools)
     if name not in offered:
         raise bad_request(
             f"tool_choice names function {name!r}, which is not among tools {offered}"

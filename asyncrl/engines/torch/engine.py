@@ -30,7 +30,7 @@ from asyncrl.engines.base import (
     mark_aborted,
 )
 from asyncrl.engines.config import EngineConfig
-from asyncrl.engines.torch.grammar import Grammars, grammar_of
+from asyncrl.engines.torch.grammar import Grammars
 from asyncrl.engines.torch.heap_trim import HeapTrimmer
 from asyncrl.engines.torch.kv_batch import (
     available_memory,
@@ -211,7 +211,7 @@ class TorchEngine:
         await self._resumed.wait()  # SGLang: a paused server holds new requests
         self.check(request)
         grammar = None
-        if (constraint := grammar_of(request.sampling)) is not None:
+        if (constraint := request.sampling.grammar) is not None:
             grammar = await asyncio.to_thread(self.grammars.matcher, *constraint)
         seq = self._admit(request, grammar)
         if self.torn:  # nothing samples from a mix of two versions: the partial goes back

@@ -15,20 +15,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.base import ANY_JSON
 from asyncrl.errors import EngineError
-
-#: SGLang's ``json_schema`` value for "any JSON" (``response_format: json_object``).
-ANY_JSON = "$$ANY$$"
-
-
-def grammar_of(p: SamplingParams) -> tuple[str, str] | None:
-    """``(kind, spec)`` of the request's constraint, or None."""
-    for kind in ("json_schema", "regex", "ebnf", "structural_tag"):
-        spec = getattr(p, kind)
-        if spec is not None:
-            return kind, spec
-    return None
 
 
 class Grammars:

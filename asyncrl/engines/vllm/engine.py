@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ import aiohttp
 import torch
 
 from asyncrl.engines.base import (
+    ANY_JSON,
     EngineLoad,
     FinishReason,
     GenerateOutput,
@@ -43,7 +45,6 @@ from asyncrl.engines.base import (
     PauseMode,
     check_prompt,
     mark_aborted,
-    refuse_grammar,
 )
 from asyncrl.errors import EngineError
 from asyncrl.observe.logs import get_logger
@@ -264,7 +265,8 @@ class VLLMEngine:
         p = request.sampling
         if p.stop_regexes:
             raise EngineError("stop_regex is not supported by a vLLM engine")
-        refuse_grammar(p, "a vLLM engine")
+        if p.structural_tag is not None:  # SGLang's format is not vLLM's
+            raise EngineError("structural_tag is not supported by a vLLM engine")
         if p.sampling_seed is not None and self.device.type == "cpu":
             # vLLM 0.32's CPU runner rewinds a seeded request's generator after a chunked
             # prefill step, which a CPU generator cannot do: the engine core dies, and
@@ -578,12 +580,22 @@ def _body(request: GenerateRequest) -> dict[str, Any]:
         params["seed"] = p.sampling_seed
     if p.logit_bias:
         params["logit_bias"] = {int(k): v for k, v in p.logit_bias.items()}
+    if (constraint := p.grammar) is not None:
+        params["structured_outputs"] = _structured(*constraint)
     return {
         "request_id": request.rid,
         "token_ids": list(request.input_ids),
         "sampling_params": params,
         "output_mode": "tokens",
     }
+
+
+def _structured(key: str, spec: str) -> dict[str, Any]:
+    """vLLM's ``structured_outputs`` for SGLang's constraint (vLLM reports log-probs of
+    the masked logits too: its grammar bitmask is applied before its sampler)."""
+    if key == "json_schema":
+        return {"json_object": True} if spec == ANY_JSON else {"json": json.loads(spec)}
+    return {"regex": spec} if key == "regex" else {"grammar": spec}
 
 
 def _finish(choice: dict[str, Any], ids: list[int], call: _Call) -> FinishReason:
