@@ -317,7 +317,7 @@ class OpenAIProxy:
         text = self._turn_text(turn, matched)
         calls = [c for c in parser.parse(text) if c.error is None] if parser else []
         reason = "tool_calls" if calls else ("length" if cut else "stop")
-        content = content_of(parser, text) if parser else text.strip()
+        content = content_of(parser, text) if calls else text  # as /v1: unstripped
         reply = self._reply(body, episode, turn, (content, calls), reason, start)
         return reply, _ReplyStream(text, parser, lambda k: _call_id(episode, k))
 
@@ -510,7 +510,7 @@ class _ReplyStream:
     def deltas(self) -> list[Json]:
         if self.parser is not None and self.call_id is not None:
             return ToolStream(self.parser, self.call_id).finish(self.text)
-        return [{"content": self.text.strip()}] if self.text.strip() else []
+        return [{"content": self.text}] if self.text else []
 
     def chunks(self, reply: Json, include_usage: bool) -> list[Json]:
         """The role chunk, the deltas, the finish, then the usage when asked for."""

@@ -10,7 +10,6 @@ every route shares; no engine calls, no traffic control::
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 import weakref
@@ -415,8 +414,8 @@ def version_spans(versions: list[int], names: dict[int, str] | None = None) -> l
 
 def decode_output(tokenizer: Any, request: GenerateRequest, out: GenerateOutput) -> str:
     """``text``: a matched stop token's text is dropped and the text is cut before a
-    matched stop string or ``stop_regex`` match, unless ``no_stop_trim``; ``output_ids``
-    always keep the stop token (1.2)."""
+    matched stop string (not a ``stop_regex`` match: ``_stop_at``), unless
+    ``no_stop_trim``; ``output_ids`` always keep the stop token (1.2)."""
     if tokenizer is None:
         return ""
     p, reason, ids = request.sampling, out.finish_reason, out.output_ids
@@ -428,17 +427,15 @@ def decode_output(tokenizer: Any, request: GenerateRequest, out: GenerateOutput)
         skip_special_tokens=p.skip_special_tokens,
         spaces_between_special_tokens=p.spaces_between_special_tokens,
     )
-    if trim and isinstance(reason.matched, str) and (cut := _stop_at(text, reason.matched, p)) >= 0:
+    if trim and isinstance(reason.matched, str) and (cut := _stop_at(text, reason.matched)) >= 0:
         text = text[:cut]
     return text
 
 
-def _stop_at(text: str, matched: str, params: SamplingParams) -> int:
-    """Where the stop ``matched`` starts in ``text`` (-1: not found). ``matched`` is the
-    pattern for a ``stop_regex`` hit, as SGLang reports it."""
-    if matched not in params.stop_strings and matched in params.stop_regexes:
-        hit = re.search(matched, text)
-        return -1 if hit is None else hit.start()
+def _stop_at(text: str, matched: str) -> int:
+    """Where SGLang's ``trim_matched_stop`` cuts: the first occurrence of ``matched`` (-1:
+    none). A ``stop_regex`` hit reports its pattern, found only where it appears
+    literally, so SGLang keeps a regex match in the text, and so does this server."""
     return text.find(matched)
 
 

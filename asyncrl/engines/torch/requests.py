@@ -103,9 +103,15 @@ def finish_reason(
 
 
 def _stop_string(seq: Seq, tokenizer: Any) -> str | None:
-    stops = seq.req.sampling.stop_strings
+    """A stop string in the newest text; at the first step ``min_new_tokens`` allows, in
+    all the text, as SGLang also searches its ``decoded_text`` (one earlier stops now)."""
+    p = seq.req.sampling
+    stops = p.stop_strings
     if not stops or tokenizer is None:
         return None
+    if p.min_new_tokens > 0 and seq.row.num_generated == p.min_new_tokens:
+        whole = tokenizer.decode(seq.output)
+        return next((s for s in stops if s in whole), None)
     longest = max(len(s) for s in stops)
     tail = tokenizer.decode(seq.output[-(longest + 8) :])
     newest = tokenizer.decode(seq.output[-1:])
