@@ -792,7 +792,8 @@ async def test_update_weights_from_disk_changes_outputs_and_the_weight_version(
         assert status == 400 and reply["success"] is False and reply["message"]
     # Any string names a version, as SGLang's weight_version is (the next int here).
     named = {"model_path": str(model_dir), "weight_version": "rollout-8"}
-    assert (await call(http, url, "/update_weights_from_disk", named))[0] == 200
+    status, reply = await call(http, url, "/update_weights_from_disk", named)
+    assert status == 200 and reply["message"].endswith("Weight version updated to rollout-8.")
     assert (await call(http, url, "/get_weight_version", method="GET"))[1] == {
         "weight_version": "rollout-8"
     }

@@ -182,7 +182,7 @@ class ControlRoutes:
                 await self.engine.update_weights_from_disk(path, version)
             self._name(body, name)
             return {
-                "message": _updated("model weights", self.engine.version),
+                "message": _updated("model weights", version_text(self.engine)),
                 "num_paused_requests": 0,
             }
 
@@ -225,7 +225,7 @@ class ControlRoutes:
                     flattened=load_format == "flattened_bucket",
                 )
             self._name(body, name)
-            return {"message": _updated("parameter online", self.engine.version)}
+            return {"message": _updated("parameter online", version_text(self.engine))}
 
         return await self._admin(request, action)
 
@@ -263,7 +263,7 @@ class ControlRoutes:
             async with self.gate.updating():
                 await self.engine.update_weights_from_tensors(tensors, version)
             self._name(body, name)
-            return {"message": _updated("parameter online", self.engine.version)}
+            return {"message": _updated("parameter online", version_text(self.engine))}
 
         return await self._admin(request, action)
 
@@ -510,7 +510,7 @@ def _tags(body: Json) -> list[str] | None:
     return tags
 
 
-def _updated(what: str, version: int) -> str:
+def _updated(what: str, version: str) -> str:
     return f"Succeeded to update {what}. Weight version updated to {version}."
 
 
