@@ -174,6 +174,8 @@ async def _server_info_fits_sglangs(http, url) -> None:
 
 
 async def test_discovery_endpoints_answer_with_sglangs_shapes(http, url):
+    from tests.sglang_types import api_types
+
     for path in ("/health", "/health_generate", "/ready"):
         assert await call(http, url, path, method="GET") == (200, "")
     for path in ("/get_weight_version", "/weight_version"):
@@ -183,6 +185,7 @@ async def test_discovery_endpoints_answer_with_sglangs_shapes(http, url):
         _, info = await call(http, url, path, method="GET")
         assert {"model_path", "tokenizer_path", "is_generation", "weight_version"} <= set(info)
         assert info["architectures"] == ["Qwen2ForCausalLM"]
+        api_types().GetModelInfoResponse.from_json_value(info)
     for path in ("/get_server_info", "/server_info"):
         _, info = await call(http, url, path, method="GET")
         assert {
@@ -196,6 +199,8 @@ async def test_discovery_endpoints_answer_with_sglangs_shapes(http, url):
             "context_length",
         } <= set(info)
         assert isinstance(info["internal_states"], list) and info["port"] == int(url[-5:])
+        api_types().GetServerInfoResponse.from_json_value(info)  # SGLang 0.5.23's contract
+        assert info["max_context_length"] == info["context_length"]
     _, models = await call(http, url, "/v1/models", method="GET")
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
     await _server_info_fits_sglangs(http, url)

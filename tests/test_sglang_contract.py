@@ -184,3 +184,66 @@ async def test_generate_refuses_what_sglangs_json_contract_refuses(
         assert status == 200, reply
     else:
         assert (status, reply) == (400, {"error": want})
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"top_logprobs_num": "2"},
+        {"logprob_start_len": "0"},
+        {"top_logprobs_num": [1.5]},
+        {"logprob_start_len": True},
+        {"top_logprobs_num": 2},
+        {"token_ids_logprob": "5"},
+        {"token_ids_logprob": 5},
+        {"token_ids_logprob": ["5"]},
+        {"token_ids_logprob": [["5"]]},
+        {"token_ids_logprob": [5, 6]},
+        {"token_ids_logprob": [[5, 6]]},
+    ],
+)
+async def test_integer_fields_are_as_strict_as_sglangs_contract(
+    http: aiohttp.ClientSession, url: str, fields: dict[str, Any]
+):
+    """``Int64OrList`` and ``TokenIdsOrList`` take JSON integers only: the same refusals,
+    in SGLang's words, as its own contract; what it accepts is served."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2},
+            "return_logprob": True, **fields}  # fmt: skip
+    want = sglang_contract_error(body)
+    status, reply = await call(http, url, "/generate", body)
+    if want is None:
+        assert status == 200, reply
+    else:
+        assert (status, reply) == (400, {"error": want})
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_token_ids_logprob_reports_those_tokens_at_every_position(
+    http: aiohttp.ClientSession, url: str
+):
+    """``*_token_ids_logprobs``: per position, the asked ids in their order, from the
+    distribution the sampled tokens' log-probs come from (equal where an id was the one
+    sampled, or the prompt's next token)."""
+    prompt, greedy = [5, 6, 7, 8], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    _, free = await call(http, url, "/generate", {"input_ids": prompt, "sampling_params": greedy})
+    ids = sorted({*free["output_ids"], *prompt})
+    body = {"input_ids": prompt, "sampling_params": greedy, "return_logprob": True,
+            "logprob_start_len": 0, "token_ids_logprob": ids}  # fmt: skip
+    status, out = await call(http, url, "/generate", body)
+    assert status == 200, out
+    meta = out["meta_info"]
+    chosen, sampled = meta["output_token_ids_logprobs"], meta["output_token_logprobs"]
+    assert len(chosen) == len(out["output_ids"]) == 4
+    for row, (logprob, token, _) in zip(chosen, sampled, strict=True):
+        assert [t for _, t, _ in row] == ids
+        assert dict((t, lp) for lp, t, _ in row)[token] == pytest.approx(logprob, abs=1e-6)
+    inputs = meta["input_token_ids_logprobs"]
+    assert inputs[0] is None and len(inputs) == len(prompt)
+    for row, (logprob, token, _) in zip(inputs[1:], meta["input_token_logprobs"][1:], strict=True):
+        assert dict((t, lp) for lp, t, _ in row)[token] == pytest.approx(logprob, abs=1e-6)
+    plain = {**body, "return_logprob": False}
+    _, off = await call(http, url, "/generate", plain)
+    assert "output_token_ids_logprobs" not in off["meta_info"]  # only with return_logprob
+    status, reply = await call(http, url, "/generate", {**body, "token_ids_logprob": [10**6]})
+    assert status == 400 and "token_ids_logprob: ids must be in" in str(reply)

@@ -128,7 +128,11 @@ def test_what_it_cannot_simulate_is_refused():
     bad = {
         "integers in": GenerateRequest(rid="a", input_ids=[100]),
         "no text": GenerateRequest(rid="b", input_ids=[1], sampling=SamplingParams(stop="x")),
-        "no top log-probs": GenerateRequest(rid="c", input_ids=[1], top_logprobs_num=2),
+        "no top or chosen": GenerateRequest(rid="c", input_ids=[1], top_logprobs_num=2),
+        "chosen tokens": GenerateRequest(rid="d", input_ids=[1], token_ids_logprob=[3]),
+        "json_schema .constrained": GenerateRequest(
+            rid="e", input_ids=[1], sampling=SamplingParams(json_schema="{}")
+        ),
     }
     for message, request in bad.items():
         with pytest.raises(EngineError, match=message):

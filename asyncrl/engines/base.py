@@ -141,6 +141,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     logprob_start_len: int = -1
     #: k > 0: the k most likely tokens and their log-probs at every position as well.
     top_logprobs_num: int = 0
+    #: These tokens' log-probs at every position as well (SGLang's ``token_ids_logprob``).
+    token_ids_logprob: list[int] | None = None
 
 
 class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -160,11 +162,11 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     ``logprobs[i]``, ``versions[i]`` and ``top_logprobs[i]`` belong to ``output_ids[i]``.
     ``top_logprobs`` rows are ``(logprob, token_id)`` pairs, most likely first, from the
     same distribution as ``logprobs`` (None unless ``top_logprobs_num > 0``);
-    ``input_logprobs`` and ``input_top_logprobs`` cover the prompt from
-    ``logprob_start_len``, with None at the first prompt position. ``cached_tokens``
-    counts prompt tokens whose KV came from a cache instead of this request's prefill.
-    ``queued`` is True when the request was aborted before it started (SGLang's "Abort in
-    waiting queue").
+    ``token_ids_logprobs`` rows hold the requested ``token_ids_logprob`` in request order.
+    The ``input_`` lists cover the prompt from ``logprob_start_len``, with None at the
+    first prompt position. ``cached_tokens`` counts prompt tokens whose KV came from a
+    cache instead of this request's prefill. ``queued`` is True when the request was
+    aborted before it started (SGLang's "Abort in waiting queue").
     """
 
     rid: str
@@ -177,6 +179,8 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     input_logprobs: list[float | None] | None = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    token_ids_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
     queued: bool = False
     e2e_latency: float = 0.0
 

@@ -373,6 +373,8 @@ class ControlRoutes:
                 "tokenizer_path": e.model_path,
                 "served_model_name": self.server.served_model_name,
                 "context_length": e.context_length,
+                "max_context_length": e.context_length,
+                "incremental_streaming_output": False,  # each chunk holds all text so far
                 "max_running_requests": e.max_running,
                 "max_total_tokens": e.max_total_tokens,
                 "max_total_num_tokens": e.max_total_tokens,

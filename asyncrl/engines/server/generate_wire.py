@@ -32,7 +32,6 @@ _UNSUPPORTED = (
     "audio_data",
     "lora_path",
     "session_params",
-    "token_ids_logprob",
     "return_hidden_states",
     "return_routed_experts",
     "custom_logit_processor",
@@ -243,6 +242,8 @@ def parse_generate(body: Json, tokenizer: Any, context: int | None = None) -> Ge
             ("top_logprobs_num", int, 0),
         )
     }
+    per_prompt = _token_ids_logprob(body.get("token_ids_logprob"), count)
+    chosen = [ids for ids in per_prompt for _ in range(n)]
     if any(k < 0 for k in flags["top_logprobs_num"]):
         raise bad_request(f"top_logprobs_num must be >= 0, got {min(flags['top_logprobs_num'])}")
     rids = request_ids(body.get("rid"), count, n)
@@ -255,6 +256,7 @@ def parse_generate(body: Json, tokenizer: Any, context: int | None = None) -> Ge
             logprob_start_len=flags["logprob_start_len"][k],
             # SGLang reports alternatives only inside the logprob fields: none to compute
             top_logprobs_num=flags["top_logprobs_num"][k] if flags["return_logprob"][k] else 0,
+            token_ids_logprob=chosen[k] if flags["return_logprob"][k] else None,
         )
         for k in range(count * n)
     ]
@@ -332,11 +334,53 @@ def _per_prompt(body: Json, key: str, kind: type, default: Any, count: int) -> l
         return [default] * count
     if kind is bool:
         _strict_bool(value)
+    if kind is int:
+        _strict_int(value)
     if not isinstance(value, list):
         return [coerce(key, value, kind)] * count
     if len(value) != count:
         raise bad_request(f"{key} has {len(value)} entries for {count} prompts")
     return [default if v is None else coerce(key, v, kind) for v in value]
+
+
+def _token_ids_logprob(value: Any, count: int) -> list[list[int] | None]:
+    """``token_ids_logprob``: one list for every prompt, or a list per prompt; refused
+    with the text SGLang 0.5.23's contract (``TokenIdsOrList``) gives."""
+    if value is None:
+        return [None] * count
+    if not isinstance(value, list):
+        raise contract_error(
+            f"invalid type: {_unexpected(value)}, expected a value or an array of values "
+            "for TokenIdsOrList"
+        )
+    if all(_is_int(v) for v in value):
+        return [list(value)] * count
+    for row in value:
+        if not isinstance(row, list):
+            raise contract_error(f"invalid type: {_unexpected(row)}, expected a sequence")
+        for v in row:
+            if not _is_int(v):
+                raise contract_error(f"invalid type: {_unexpected(v)}, expected i64")
+    if len(value) != count:
+        raise bad_request(f"token_ids_logprob has {len(value)} entries for {count} prompts")
+    return [list(row) for row in value]
+
+
+def _strict_int(value: Any) -> None:
+    """SGLang 0.5.23's contract for an ``Int64OrList``: JSON integers only."""
+    if isinstance(value, list):
+        bad = next((v for v in value if v is not None and not _is_int(v)), None)
+        if bad is not None:
+            raise contract_error(f"invalid type: {_unexpected(bad)}, expected i64")
+    elif not _is_int(value):
+        raise contract_error(
+            f"invalid type: {_unexpected(value)}, expected a value or an array of values "
+            "for Int64OrList"
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _strict_bool(value: Any) -> None:
@@ -478,7 +522,8 @@ def _logprob_fields(request: GenerateRequest, out: GenerateOutput, tokenizer: An
     """``[logprob, token_id, text | null]`` triples; the text only with a tokenizer given.
 
     With ``top_logprobs_num`` also ``output_top_logprobs`` / ``input_top_logprobs``: per
-    position a list of such triples, most likely first (null at the first prompt token).
+    position a list of such triples, most likely first (null at the first prompt token);
+    with ``token_ids_logprob`` likewise ``*_token_ids_logprobs``, in the ids' order.
     """
     prompt = request.input_ids[max(request.logprob_start_len, 0) :]
     prompt = prompt if out.input_logprobs is not None else []
@@ -490,10 +535,17 @@ def _logprob_fields(request: GenerateRequest, out: GenerateOutput, tokenizer: An
         "output_token_logprobs": [list(triple) for triple in outputs],
         "output_token_logprobs_length": len(out.output_ids),
     }
+    text_of = TokenTexts(tokenizer)
     if request.top_logprobs_num > 0:
-        text_of = TokenTexts(tokenizer)
         fields["input_top_logprobs"] = [text_of.triples(r) for r in out.input_top_logprobs or []]
         fields["output_top_logprobs"] = [text_of.triples(r) for r in out.top_logprobs or []]
+    if request.token_ids_logprob is not None:
+        fields["input_token_ids_logprobs"] = [
+            text_of.triples(r) for r in out.input_token_ids_logprobs or []
+        ]
+        fields["output_token_ids_logprobs"] = [
+            text_of.triples(r) for r in out.token_ids_logprobs or []
+        ]
     return fields
 
 

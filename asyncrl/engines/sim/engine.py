@@ -308,8 +308,8 @@ class SimEngine:
         refuse_grammar(p, "the simulated engine")
         if request.return_logprob and request.logprob_start_len >= 0:
             raise EngineError("the simulated engine has no prompt log-probs")
-        if request.top_logprobs_num > 0:
-            raise EngineError("the simulated engine has no top log-probs")
+        if request.top_logprobs_num > 0 or request.token_ids_logprob is not None:
+            raise EngineError("the simulated engine has no top or chosen tokens' log-probs")
 
     def abort(self, rid: str = "", *, abort_all: bool = False, prefix: bool = False) -> int:
         """Abort as ``TorchEngine.abort`` does; each caller gets its partial output."""

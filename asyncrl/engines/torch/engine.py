@@ -242,6 +242,9 @@ class TorchEngine:
             )
         if request.top_logprobs_num < 0:
             raise EngineError(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in request.token_ids_logprob or ()):
+            raise EngineError(f"token_ids_logprob: ids must be in [0, {vocab})")
         p = request.sampling
         if (p.stop_strings or p.stop_regexes) and self.tokenizer is None:
             raise EngineError(

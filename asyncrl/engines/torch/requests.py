@@ -30,6 +30,8 @@ class Seq:
     top: list[list[tuple[float, int]]] | None = None  # per output token, when asked for
     input_logprobs: list[float | None] | None = None
     input_top: list[list[tuple[float, int]] | None] | None = None
+    chosen: list[list[tuple[float, int]]] | None = None  # token_ids_logprob, per token
+    input_chosen: list[list[tuple[float, int]] | None] | None = None
     stop_regex: list[re.Pattern[str]] = field(default_factory=list)
     grammar: Any = None  # an xgrammar matcher for a constrained request (grammar.py)
     finish: FinishReason | None = None
@@ -50,6 +52,8 @@ class Seq:
             cached_tokens=0,  # no prefix cache: the prefill computed every prompt token
             input_logprobs=self.input_logprobs,
             input_top_logprobs=self.input_top,
+            token_ids_logprobs=None if self.chosen is None else list(self.chosen),
+            input_token_ids_logprobs=self.input_chosen,
             queued=self.queued and self.finish is not None,
             e2e_latency=time.monotonic() - self.started,
         )
@@ -75,6 +79,8 @@ def new_seq(request: GenerateRequest, seed: int | None, eos: list[int]) -> Seq:
     seq.stop_regex = [re.compile(pattern) for pattern in p.stop_regexes]
     if request.top_logprobs_num > 0:
         seq.top = []
+    if request.token_ids_logprob is not None:
+        seq.chosen = []
     return seq
 
 

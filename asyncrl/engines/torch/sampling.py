@@ -97,16 +97,31 @@ class Sampled(NamedTuple):
 def sample(logits: torch.Tensor, row: RowState, num_top: int = 0) -> Sampled:
     """Sample one token from a row of raw logits, with the ``num_top`` most likely tokens."""
     z = process_logits(logits, row)
+    logp = reported_logprobs(logits, row, z)
     if row.params.greedy:
         token = int(torch.argmax(z))
-        logp = torch.log_softmax(logits.float(), -1)
     else:
-        logp = torch.log_softmax(z, -1)
         kept = torch.softmax(_filter(z, row.params), -1)
         token = int(_draw(kept[None], [row.generator])[0][0])
         if token < 0:
             raise RuntimeError("no token has a finite probability")
     return Sampled(token, float(logp[token]), top_logprobs(logp, num_top) if num_top else None)
+
+
+def reported_logprobs(
+    logits: torch.Tensor, row: RowState, z: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The log-probs a row reports, ``log_softmax(z')`` of its processed logits (``z``
+    when already computed); greedy: ``log_softmax(z)`` of the raw ones."""
+    if row.params.greedy:
+        return torch.log_softmax(logits.float(), -1)
+    return torch.log_softmax(process_logits(logits, row) if z is None else z, -1)
+
+
+def chosen_logprobs(logp: torch.Tensor, ids: list[int]) -> list[tuple[float, int]]:
+    """``(logprob, id)`` of each of ``ids`` in a log-prob row, in their order."""
+    values = logp[torch.tensor(ids, dtype=torch.long, device=logp.device)].tolist()
+    return list(zip(values, ids, strict=True))
 
 
 def sample_rows(
@@ -252,6 +267,26 @@ def top_logprobs(logp: torch.Tensor, k: int) -> list[tuple[float, int]]:
     """
     values, ids = torch.topk(logp, min(k, logp.shape[-1]))
     return list(zip(values.tolist(), ids.tolist(), strict=True))
+
+
+def prompt_chosen_logprobs(
+    logits: torch.Tensor,
+    prompt: list[int],
+    start_len: int,
+    ids: list[int],
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int = 256,
+) -> list[list[tuple[float, int]] | None]:
+    """``chosen_logprobs`` of ``ids`` at every prompt position from ``start_len`` (None at
+    the first prompt token), from the distributions ``prompt_logprobs`` scores."""
+    first = max(start_len, 1)
+    rows: list[list[tuple[float, int]] | None] = [None] if start_len == 0 else []
+    for lo in range(first - 1, len(prompt) - 1, chunk_rows):
+        hi = min(lo + chunk_rows, len(prompt) - 1)
+        logp = torch.log_softmax(logits[lo:hi].float() / temperature, -1)
+        rows += [chosen_logprobs(r, ids) for r in logp]
+    return rows
 
 
 def prompt_logprobs(

@@ -22,7 +22,14 @@ from asyncrl.engines.torch.grammar import mask_rows
 from asyncrl.engines.torch.kv_batch import KVBatch, new_cache
 from asyncrl.engines.torch.requests import Seq, finish_reason, similar_lengths
 from asyncrl.engines.torch.runner import ModelRunner
-from asyncrl.engines.torch.sampling import Sampled, prompt_logprobs, sample_rows
+from asyncrl.engines.torch.sampling import (
+    Sampled,
+    chosen_logprobs,
+    prompt_chosen_logprobs,
+    prompt_logprobs,
+    reported_logprobs,
+    sample_rows,
+)
 
 #: A job for the next step boundary and the future its caller awaits.
 Job = tuple[Callable[[], object], asyncio.Future[None]]
@@ -168,6 +175,14 @@ class Scheduler:
                     s.req.top_logprobs_num,
                     temperature=s.row.params.logprob_temperature,
                 )
+                if s.req.token_ids_logprob is not None:
+                    s.input_chosen = prompt_chosen_logprobs(
+                        logits[i, width - len(s.prompt) :],
+                        s.prompt,
+                        s.req.logprob_start_len,
+                        s.req.token_ids_logprob,
+                        temperature=s.row.params.logprob_temperature,
+                    )
         self._merge(seqs, cache, mask, logits[:, -1, :].float())
 
     def _merge(self, seqs: list[Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
@@ -201,6 +216,10 @@ class Scheduler:
         mask_rows(logits, [s.grammar for s in seqs])
         rows = [s.row for s in seqs]
         results = sample_rows(logits, rows, [s.req.top_logprobs_num for s in seqs])
+        for i, s in enumerate(seqs):  # before _record: the row's state is this step's
+            if s.chosen is not None and not isinstance(results[i], RuntimeError):
+                logp = reported_logprobs(logits[i], s.row)
+                s.chosen.append(chosen_logprobs(logp, s.req.token_ids_logprob or []))
         return [self._record(s, r) for s, r in zip(seqs, results, strict=True)]
 
     def _record(self, seq: Seq, result: Sampled | RuntimeError) -> int:

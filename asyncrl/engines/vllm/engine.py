@@ -265,6 +265,8 @@ class VLLMEngine:
         p = request.sampling
         if p.stop_regexes:
             raise EngineError("stop_regex is not supported by a vLLM engine")
+        if request.token_ids_logprob is not None:
+            raise EngineError("token_ids_logprob is not supported by a vLLM engine")
         if p.structural_tag is not None:  # SGLang's format is not vLLM's
             raise EngineError("structural_tag is not supported by a vLLM engine")
         if p.sampling_seed is not None and self.device.type == "cpu":
