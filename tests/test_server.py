@@ -176,8 +176,9 @@ async def _server_info_fits_sglangs(http, url) -> None:
 async def test_discovery_endpoints_answer_with_sglangs_shapes(http, url):
     from tests.sglang_types import api_types
 
-    for path in ("/health", "/health_generate", "/ready"):
+    for path in ("/health", "/health_generate", "/ready", "/ping"):
         assert await call(http, url, path, method="GET") == (200, "")
+    assert await call(http, url, "/ping") == (200, "")  # POST too, as SageMaker's
     for path in ("/get_weight_version", "/weight_version"):
         status, reply = await call(http, url, path, method="GET")
         assert status == 200 and isinstance(reply["weight_version"], str)
