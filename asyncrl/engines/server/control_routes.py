@@ -98,7 +98,8 @@ class ControlRoutes:
         for path, handler in gets.items():
             router.add_get(path, handler)
         router.add_get("/v1/models/{model:.+}", self.model)
-        router.add_route("*", "/ping", self.health)  # SGLang's SageMaker health route
+        router.add_get("/ping", self.health)  # SGLang's SageMaker health route
+        router.add_post("/ping", self.health)
 
     # -- abort, pause -------------------------------------------------------------------------
     async def abort_request(self, request: web.Request) -> web.Response:
