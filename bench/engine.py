@@ -23,6 +23,8 @@ token's log-prob is returned by every system (HF: ``output_logits``, then log-so
   ``engines/torch/cpu_linear.py``): what the packing buys, in the same run;
 - **hf-forward**: the same through transformers' forward, not the engine's own
   (``lean=False``, ``engines/torch/lean_forward.py``);
+- **eager** (CUDA only): the same without the static KV pool and CUDA graphs
+  (``cuda_graph=False``, ``engines/torch/graph_decode.py``): what the graphs buy;
 - **hf**: ``model.generate`` in static batches of ``--batch`` requests in arrival order,
   left-padded, each batch run to its longest request;
 - **vllm**: vLLM's offline ``LLM.generate`` with every request at once, ``max_num_seqs``
@@ -110,9 +112,11 @@ def long_tail(n: int, median: int, tail: float, seed: int = 0) -> np.ndarray:
 WARM_UP = 8
 
 
-#: The engine's variants beside it: what its CPU weight packing and its own forward buy.
+#: The engine's variants beside it: what its CPU weight packing, its own forward and (on
+#: CUDA) its graph-captured static decode buy.
 VARIANTS: dict[str, dict[str, bool]] = {
     "engine": {}, "unpacked": {"packed": False}, "hf-forward": {"lean": False},
+    "eager": {"cuda_graph": False},
 }  # fmt: skip
 
 
@@ -358,7 +362,12 @@ def main() -> None:
     del model  # each system runs in a process of its own (``run_isolated``)
     rates: dict[str, dict[str, float]] = {name: {} for name in works}
     for system in [*VARIANTS, "hf"]:
-        if system in args.skip or (system == "unpacked" and args.device != "cpu"):
+        cpu_only, cuda_only = system == "unpacked", system == "eager"
+        if (
+            system in args.skip
+            or (cpu_only and args.device != "cpu")
+            or (cuda_only and args.device != "cuda")
+        ):
             continue
         for name, rate in run_isolated(system).items():
             rates[name][system] = rate
@@ -422,7 +431,7 @@ def report(args, params, peak, rates, works, p50, p99, vllm) -> None:
             print(f"{name:<11}{system:<12}{tokens:>8}{rate:>10.1f}{share:>8.1%}")
     ratios = {}
     for name, per in rates.items():
-        for base in ("hf", "vllm", "vllm-server", "unpacked", "hf-forward"):
+        for base in ("hf", "vllm", "vllm-server", "unpacked", "hf-forward", "eager"):
             if "engine" in per and base in per:
                 ratios[f"{name}/engine_over_{base}"] = per["engine"] / per[base]
         if "vllm" in per and "vllm-server" in per:  # what the server and HTTP cost vLLM

@@ -117,13 +117,14 @@ def test_serve_flags_are_the_engine_configs_fields_under_sglangs_names():
     parser = _parser([])
     argv = ["serve", "--model", "m", "--mem-fraction-static", "0.5", "--packed-weights",
             "false", "--max-running-requests", "8", "--random-seed", "null",
-            "--no-lean-forward", "--constrained-json-disable-any-whitespace"]  # fmt: skip
+            "--no-lean-forward", "--constrained-json-disable-any-whitespace",
+            "--disable-cuda-graph"]  # fmt: skip
     args = parser.parse_args(argv)
     fields = {name: getattr(args, name) for name in SERVE_ENGINE_FLAGS}
     assert fields == {"device": "cpu", "dtype": "float32", "max_running": 8,
                       "max_total_tokens": None, "mem_fraction": 0.5, "packed_weights": False,
                       "lean_forward": False, "json_any_whitespace": False,
-                      "seed": None}  # fmt: skip
+                      "cuda_graph": False, "seed": None}  # fmt: skip
     cfg = EngineConfig(type="torch", model_path="m", **fields)
     defaults = parser.parse_args(["serve", "--model", "m"])
     for name in SERVE_ENGINE_FLAGS:

@@ -134,3 +134,23 @@ async def test_cuda_ipc_versions_reach_a_receiver_process_on_the_gpu(tmp_path):
         sync.close()
         await blob.aclose()
         await pub.aclose()
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+@pytest.mark.parametrize("retract", [False, True])
+async def test_cuda_graph_decode_gives_the_eager_paths_tokens(tiny_dir, seeded, retract):
+    """Graphs captured per (batch, span) bucket replay the eager path's steps: the same
+    tokens, log-probs within 1e-4 (CPU twin: test_graph_decode.py, eagerly)."""
+    from asyncrl.engines.torch.engine import TorchEngine
+    from tests.test_graph_decode import outputs, requests
+
+    engines = [
+        TorchEngine.from_pretrained(str(tiny_dir), device="cuda", max_running=8, cuda_graph=g)
+        for g in (False, True)
+    ]
+    assert engines[1].scheduler.batch.decoder.graphs_on
+    eager, graphed = [await outputs(e, requests(seeded), retract) for e in engines]
+    for e, g in zip(eager, graphed, strict=True):
+        assert g.output_ids == e.output_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, e.logprobs, strict=True)) < 1e-4
+    assert engines[1].scheduler.batch.decoder.graphs  # captured, and replayed since

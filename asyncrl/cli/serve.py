@@ -58,7 +58,15 @@ SERVE_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
     "packed_weights": ("--packed-weights",),
     "lean_forward": ("--lean-forward",),
     "json_any_whitespace": ("--json-any-whitespace",),
+    "cuda_graph": ("--cuda-graph",),
     "seed": ("--random-seed", "--seed"),
+}
+
+
+#: SGLang's store-false switches for boolean engine fields.
+_SGLANG_SWITCHES = {
+    "--disable-cuda-graph": "cuda_graph",
+    "--constrained-json-disable-any-whitespace": "json_any_whitespace",
 }
 
 
@@ -82,12 +90,10 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
     for name in ("packed_weights", "lean_forward"):  # the switches of earlier releases
         flag = "--no-" + name.replace("_", "-")
         serve.add_argument(flag, dest=name, action="store_false", help=argparse.SUPPRESS)
-    serve.add_argument(  # SGLang's switch
-        "--constrained-json-disable-any-whitespace",
-        dest="json_any_whitespace",
-        action="store_false",
-        help="as --json-any-whitespace false",
-    )
+    for flag, dest in _SGLANG_SWITCHES.items():
+        serve.add_argument(
+            flag, dest=dest, action="store_false", help=f"as --{dest.replace('_', '-')} false"
+        )
 
 
 def _field_value(field: Any) -> Callable[[str], Any]:

@@ -73,6 +73,12 @@ class EngineConfig(BaseModel):
         "(fused projections, no per-module Python; engines/torch/lean_forward.py); false, or "
         "another architecture: through transformers",
     )
+    cuda_graph: bool = Field(
+        True,
+        description="torch engine on CUDA: decode on a static KV pool, each batch bucket "
+        "a captured CUDA graph (engines/torch/graph_decode.py); false (SGLang's "
+        "--disable-cuda-graph): eager decode on a growing cache",
+    )
     json_any_whitespace: bool = Field(
         True,
         description="torch engine, json_schema requests: allow any whitespace between JSON "

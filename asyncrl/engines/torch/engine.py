@@ -31,6 +31,7 @@ from asyncrl.engines.base import (
 )
 from asyncrl.engines.config import EngineConfig
 from asyncrl.engines.torch.grammar import Grammars
+from asyncrl.engines.torch.graph_decode import static_batch
 from asyncrl.engines.torch.heap_trim import HeapTrimmer
 from asyncrl.engines.torch.kv_batch import (
     available_memory,
@@ -65,6 +66,8 @@ class TorchEngine:
         packed: bool = True,
         lean: bool = True,
         json_any_whitespace: bool = True,
+        cuda_graph: bool = True,
+        static_decode: bool | None = None,
     ) -> None:
         if not 0 < mem_fraction <= 1 or (max_total_tokens is not None and max_total_tokens < 1):
             raise ValueError(
@@ -81,6 +84,22 @@ class TorchEngine:
             available_memory(self.device),
             mem_fraction,
         )
+        # On CUDA decode runs on a static KV pool under CUDA graphs (``graph_decode.py``);
+        # ``static_decode`` True runs that path eagerly elsewhere (tests), False never.
+        static = self.device.type == "cuda" and cuda_graph
+        batch = None
+        if static_decode or (static_decode is None and static):
+            batch = static_batch(
+                self.runner,
+                model.config,
+                rows=max_running,
+                max_total_tokens=max_total_tokens,
+                mem_fraction=mem_fraction,
+                graphs=static,
+            )
+        if batch is not None:
+            self.runner.context_length = self.context_length = batch.pool.max_len
+            self.max_total_tokens = batch.pool.rows * batch.pool.max_len
         self.eos_ids = eos_ids(model, tokenizer)
         vocab = (model.get_output_embeddings() or model.get_input_embeddings()).weight.shape[0]
         self.grammars = Grammars(
@@ -93,6 +112,7 @@ class TorchEngine:
             max_running=max_running,
             max_total_tokens=self.max_total_tokens,
             version=version,
+            batch=batch,
         )
         self.stats = self.scheduler.stats
         self.model_path = model_path
@@ -144,6 +164,7 @@ class TorchEngine:
             packed=cfg.packed_weights,
             lean=cfg.lean_forward,
             json_any_whitespace=cfg.json_any_whitespace,
+            cuda_graph=cfg.cuda_graph,
             seed=seed,
             version=version,
         )

@@ -56,6 +56,14 @@ class KVBatch(Generic[Row]):
         self.last = torch.cat([self.last, torch.tensor(tokens)])
         self.seqs += seqs
 
+    def decode(self, forward: Any) -> torch.Tensor:
+        """One step of every row: the float logits ``[rows, V]`` of their next tokens
+        (``forward``: the runner's), their newest tokens' KV appended."""
+        mask = torch.cat([self.mask, torch.ones(len(self), 1, dtype=torch.long)], dim=1)
+        logits = forward(self.last[:, None], mask, self.positions[:, None], self.cache, keep=1)
+        self.mask, self.positions = mask, self.positions + 1
+        return logits[:, -1, :].float()
+
     def select(self, keep: list[int], device: torch.device) -> None:
         """Keep rows ``keep`` (in that order), drop the rest's KV, and trim the leading
         columns that became padding in every row."""

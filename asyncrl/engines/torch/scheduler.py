@@ -19,6 +19,7 @@ import torch
 
 from asyncrl.engines.base import FinishReason
 from asyncrl.engines.torch.grammar import mask_rows
+from asyncrl.engines.torch.graph_decode import PoolBatch
 from asyncrl.engines.torch.kv_batch import KVBatch, new_cache
 from asyncrl.engines.torch.requests import Seq, finish_reason, similar_lengths
 from asyncrl.engines.torch.runner import ModelRunner
@@ -48,13 +49,14 @@ class Scheduler:
         max_running: int,
         max_total_tokens: int,
         version: int,
+        batch: KVBatch[Seq] | PoolBatch | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.eos_ids = runner, tokenizer, eos_ids
         self.max_running, self.max_total_tokens = max_running, max_total_tokens
         self.version = version  # stamped on every token sampled
         self.paused = False
         self.waiting: deque[Seq] = deque()
-        self.batch: KVBatch[Seq] = KVBatch()
+        self.batch: KVBatch[Seq] | PoolBatch = KVBatch() if batch is None else batch
         self.rids: dict[str, Seq] = {}
         self.jobs: deque[Job] = deque()
         self.just_finished: list[Seq] = []
@@ -86,7 +88,7 @@ class Scheduler:
             self.just_finished.append(seq)
         self.rids.clear()
         self.waiting.clear()
-        self.batch = KVBatch()
+        self.batch.clear()
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -105,7 +107,7 @@ class Scheduler:
         for seq in reversed(self.batch.seqs):
             seq.prompt = [*seq.req.input_ids, *seq.output]
             self.waiting.appendleft(seq)
-        self.batch = KVBatch()
+        self.batch.clear()
 
     def final_length(self, seq: Seq) -> int:
         """Positions ``seq`` holds when it ends: its prompt and all it may generate."""
@@ -202,10 +204,7 @@ class Scheduler:
 
     def _decode(self) -> None:
         b = self.batch
-        mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], dim=1)
-        logits = self.runner.forward(b.last[:, None], mask, b.positions[:, None], b.cache, keep=1)
-        b.mask, b.positions = mask, b.positions + 1
-        logits = logits[:, -1, :].float()  # sampled where it is (sampling.py)
+        logits = b.decode(self.runner.forward)  # sampled where it is (sampling.py)
         b.last = torch.tensor(self._sample(b.seqs, logits))
         self._finish_checks()
 
