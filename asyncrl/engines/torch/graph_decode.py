@@ -120,7 +120,8 @@ class StaticDecoder:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         self._mempool = self._mempool or torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        # thread_local: the weight receiver's threads may use the device meanwhile.
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             self.outputs[(b, span)] = self._forward(b, span)
         return graph
 
