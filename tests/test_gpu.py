@@ -153,4 +153,16 @@ async def test_cuda_graph_decode_gives_the_eager_paths_tokens(tiny_dir, seeded, 
     for e, g in zip(eager, graphed, strict=True):
         assert g.output_ids == e.output_ids
         assert max(abs(a - b) for a, b in zip(g.logprobs, e.logprobs, strict=True)) < 1e-4
-    assert engines[1].scheduler.batch.decoder.graphs  # captured, and replayed since
+    decoder = engines[1].scheduler.batch.decoder
+    assert decoder.graphs  # captured, and replayed since
+    # A weight update writes the parameters in place: the graphs stay and read it.
+    captured = dict(decoder.graphs)
+    task = asyncio.create_task(engines[1].run())
+    try:
+        state = {k: v.clone() for k, v in engines[1].model.state_dict().items()}
+        await engines[1].update_weights_from_tensors(state, 1)
+    finally:
+        task.cancel()
+    again = await outputs(engines[1], requests(seeded), retract)
+    assert [o.output_ids for o in again] == [o.output_ids for o in graphed]
+    assert all(decoder.graphs.get(k) is g for k, g in captured.items())

@@ -127,3 +127,30 @@ async def test_a_request_past_the_pools_length_is_refused_and_one_at_it_stops(mo
     long = SamplingParams(temperature=0, max_new_tokens=None, ignore_eos=True)
     (out,) = await outputs(engine, [GenerateRequest(rid="fill", input_ids=[5] * 60, sampling=long)])
     assert out.finish_reason.type == "length" and len(out.output_ids) == 4
+
+
+async def test_every_row_count_up_to_the_pool_has_a_bucket(model_dir: Path):
+    engine = TorchEngine.from_pretrained(str(model_dir), packed=False, static_decode=True,
+                                         max_running=10)  # fmt: skip
+    decoder = engine.scheduler.batch.decoder
+    assert decoder.buckets == (1, 2, 4, 8, 10)
+    ten = [GenerateRequest(rid=str(i), input_ids=[5 + i, 6], sampling=SamplingParams(
+        temperature=0, max_new_tokens=3, ignore_eos=True)) for i in range(10)]  # fmt: skip
+    assert all(len(o.output_ids) == 3 for o in await outputs(engine, ten))
+
+
+async def test_released_memory_comes_back_and_decodes_the_same(model_dir: Path):
+    """``release_memory`` frees the idle pool (and moves the weights); after
+    ``resume_memory`` the same requests give the same tokens."""
+    engine = TorchEngine.from_pretrained(str(model_dir), packed=False, static_decode=True,
+                                         max_running=8)  # fmt: skip
+    before = await outputs(engine, requests(seeded=False))
+    await_all = asyncio.create_task(engine.run())
+    try:
+        await engine.release_memory(None)
+        assert engine.scheduler.batch.pool.keys == []
+        await engine.resume_memory(None)
+    finally:
+        await_all.cancel()
+    after = await outputs(engine, requests(seeded=False))
+    assert [o.output_ids for o in after] == [o.output_ids for o in before]

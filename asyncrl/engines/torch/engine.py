@@ -407,13 +407,20 @@ class TorchEngine:
                 self.runner.invalidate()
 
             await self.at_boundary(release)
+        pool = getattr(self.scheduler.batch, "pool", None)  # the static KV pool, if any
+        if pool is not None and (tags is None or "kv_cache" in tags):
+            await self.at_boundary(pool.release)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     async def resume_memory(self, tags: list[str] | None) -> None:
-        """Move weights back to the engine's device."""
+        """Move weights back to the engine's device and make the KV pool again (the
+        decode graphs are captured again: their tensors moved)."""
         if tags is None or "weights" in tags:
             await self.at_boundary(lambda: self.model.to(self.device))
+        pool = getattr(self.scheduler.batch, "pool", None)
+        if pool is not None and (tags is None or "kv_cache" in tags):
+            await self.at_boundary(pool.restore)
 
 
 with contextlib.suppress(Exception):  # keep torch from oversubscribing the event loop's core

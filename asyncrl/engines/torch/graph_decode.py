@@ -23,6 +23,10 @@ import torch
 
 from asyncrl.engines.torch.kv_pool import KVPool
 from asyncrl.engines.torch.lean_forward import LeanForward, _rms
+from asyncrl.observe.logs import get_logger
+from asyncrl.sdpa_kernels import varying_shapes
+
+log = get_logger("asyncrl.engine")
 
 #: Batch sizes steps are padded to (and captured for), as SGLang's and vLLM's.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 512)
@@ -54,14 +58,18 @@ class StaticDecoder:
         self,
         lean: LeanForward,
         pool: KVPool,
+        model: torch.nn.Module,
         *,
         graphs: bool | None = None,
         buckets: tuple[int, ...] = BATCH_BUCKETS,
     ) -> None:
         device = pool.keys[0].device
-        self.lean, self.pool = lean, pool
-        self.buckets = tuple(b for b in buckets if b <= pool.rows) or (pool.rows,)
+        self.lean, self.pool, self.model = lean, pool, model
+        # Every count up to the pool's rows has a bucket: the pool's row count is the last.
+        self.buckets = (*(b for b in buckets if b < pool.rows), pool.rows)
+        self.device = device
         self.graphs_on = device.type == "cuda" if graphs is None else graphs
+        self._captured_at: tuple[int, ...] = ()  # the addresses the graphs read
         self.ids = torch.zeros(pool.rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(pool.rows, dtype=torch.long, device=device)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -69,10 +77,17 @@ class StaticDecoder:
         self._mempool: Any = None
 
     def invalidate(self) -> None:
-        """Drop the captured graphs: they read the weights' copies (fused projections) as
-        they were at capture, and a weight update or a move remakes those."""
+        """Drop the captured graphs (and their memory pool, which a fresh capture must not
+        reuse once no graph holds it)."""
         self.graphs.clear()
         self.outputs.clear()
+        self._mempool = None
+
+    def _addresses(self) -> tuple[int, ...]:
+        """Where the tensors a graph reads live: the weights (a weight update writes them
+        in place; a move to the CPU and back does not) and the pool."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return tuple(t.data_ptr() for t in tensors + self.pool.keys + self.pool.values)
 
     def step(self, last: torch.Tensor) -> torch.Tensor:
         """Logits ``[live, V]`` of the live rows' next tokens, given their newest tokens
@@ -88,11 +103,19 @@ class StaticDecoder:
         self.ids[:n] = last.to(self.ids.device)
         self.ids[n:b] = 0
         self.positions[:b] = torch.tensor(lengths, dtype=torch.long)
-        out = self._replay(b, span) if self.graphs_on else self._forward(b, span)
+        if self.graphs_on:
+            with torch.cuda.device(self.device):
+                out = self._replay(b, span)
+        else:
+            out = self._forward(b, span)
         self.pool.advance()
         return out[:n]
 
     def _forward(self, b: int, span: int) -> torch.Tensor:
+        with varying_shapes(self.device):  # the eager path's kernels: the same numbers
+            return self._layers(b, span)
+
+    def _layers(self, b: int, span: int) -> torch.Tensor:
         lean, pos = self.lean, self.positions[:b, None]
         x = lean.embed(self.ids[:b, None])
         rope = lean.rotary(x, pos)
@@ -104,16 +127,26 @@ class StaticDecoder:
         return lean.lm_head(_rms(x, lean.norm.weight, lean.norm.variance_epsilon))[:, 0]
 
     def _replay(self, b: int, span: int) -> torch.Tensor:
+        if (addresses := self._addresses()) != self._captured_at:
+            self.invalidate()
+            self._captured_at = addresses
         key = (b, span)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(b, span)
+            try:
+                self.graphs[key] = self._capture(b, span)
+            except Exception:  # decode goes on eagerly, not failing every step
+                log.exception("CUDA graph capture failed: decoding eagerly from now on")
+                torch.cuda.set_stream(torch.cuda.default_stream(self.device))
+                self.graphs_on = False
+                self.invalidate()
+                return self._forward(b, span)
         self.graphs[key].replay()
         return self.outputs[key]
 
     def _capture(self, b: int, span: int) -> Any:
         """Capture the ``(b, span)`` step after a warm-up on a side stream (the warm-up
         writes the same keys the replay writes: the inputs are the same)."""
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._forward(b, span)
@@ -121,7 +154,10 @@ class StaticDecoder:
         graph = torch.cuda.CUDAGraph()
         self._mempool = self._mempool or torch.cuda.graph_pool_handle()
         # thread_local: the weight receiver's threads may use the device meanwhile.
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+        capture = torch.cuda.Stream(device=self.device)
+        with torch.cuda.graph(
+            graph, pool=self._mempool, stream=capture, capture_error_mode="thread_local"
+        ):
             self.outputs[(b, span)] = self._forward(b, span)
         return graph
 
@@ -211,39 +247,41 @@ def static_batch(
     mem_fraction: float,
     graphs: bool,
 ) -> PoolBatch | None:
-    """A ``PoolBatch`` for ``runner``'s model: ``rows`` rows as long as ``max_total_tokens``
-    (or ``mem_fraction`` of the free memory) allows, at most the context; None (logged)
-    when the model runs outside the lean forward or not 16 positions per row fit."""
+    """A ``PoolBatch`` for ``runner``'s model: ``rows`` rows as long as ``mem_fraction`` of
+    the free memory (and ``max_total_tokens``, if given) allows, at most the context; None
+    (logged) when the model runs outside the lean forward, its rotary embedding changes
+    with the length (dynamic scaling reads it on the host), or the rows would be short."""
     from asyncrl.engines.torch.kv_batch import available_memory, kv_bytes_per_position
     from asyncrl.engines.torch.kv_pool import pool_max_len
-    from asyncrl.observe.logs import get_logger
 
-    log = get_logger("asyncrl.engine")
     if runner.lean is None:
         log.info("static decode off: the model runs through transformers")
         return None
+    if "dynamic" in str(getattr(runner.lean.rotary, "rope_type", "")):
+        log.info("static decode off: dynamic rotary scaling")
+        return None
     dtype = next(runner.model.parameters()).dtype
     per_position = kv_bytes_per_position(config, dtype)
+    memory = available_memory(runner.device)
+    max_len = pool_max_len(per_position, memory, mem_fraction, rows, runner.context_length)
     if max_total_tokens is not None:
-        max_len = min(runner.context_length, max_total_tokens // rows)
-    else:
-        memory = available_memory(runner.device)
-        max_len = pool_max_len(per_position, memory, mem_fraction, rows, runner.context_length)
-    if max_len < 16:
+        max_len = min(max_len, max_total_tokens // rows)
+    if max_len < min(64, runner.context_length):
         log.warning(
             "static decode off: the KV pool would hold too few positions per row",
             rows=rows,
             max_len=max_len,
         )
         return None
+    if max_len < runner.context_length:
+        log.warning(
+            "the KV pool caps a request at fewer positions than the model's context: "
+            "raise mem_fraction or lower max_running for longer ones",
+            max_len=max_len,
+            context=runner.context_length,
+            rows=rows,
+        )
     pool = KVPool.for_model(config, rows=rows, max_len=max_len, dtype=dtype, device=runner.device)
-    decoder = StaticDecoder(runner.lean, pool, graphs=graphs)
-    runner.after_invalidate.append(decoder.invalidate)
-    log.info(
-        "static decode",
-        rows=rows,
-        max_len=max_len,
-        graphs=graphs,
-        pool_gb=round(pool.bytes / 2**30, 2),
-    )
-    return PoolBatch(decoder)
+    gb = round(pool.bytes / 2**30, 2)
+    log.info("static decode", rows=rows, max_len=max_len, graphs=graphs, pool_gb=gb)
+    return PoolBatch(StaticDecoder(runner.lean, pool, runner.model, graphs=graphs))

@@ -39,10 +39,11 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (rows, kv_heads, max_len, head_dim)
-        # Zeros, not garbage: a masked score is q.k - inf, and garbage can make it NaN.
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.shape, self.layers = (rows, kv_heads, max_len, head_dim), layers
+        self.dtype, self.device = dtype, torch.device(device)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.restore()
         self.rows, self.max_len = rows, max_len
         self.lengths = [0] * rows  # positions held per row (0 past the live rows)
         self.live = 0
@@ -64,6 +65,23 @@ class KVPool:
             dtype=dtype,
             device=device,
         )
+
+    def restore(self) -> None:
+        """Allocate the tensors (again, after ``release``: at new addresses)."""
+        if self.keys:
+            return
+        # Zeros, not garbage: a masked score is q.k - inf, and garbage can make it NaN.
+        self.keys = [self._zeros() for _ in range(self.layers)]
+        self.values = [self._zeros() for _ in range(self.layers)]
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    def release(self) -> None:
+        """Free the tensors (an idle engine's ``release_memory``); ``restore`` makes them."""
+        if self.live:
+            raise RuntimeError("the KV pool holds live rows")
+        self.keys, self.values = [], []
 
     def add(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> int:
         """Append a prefilled sequence (per layer ``[kv_heads, length, head_dim]``, its

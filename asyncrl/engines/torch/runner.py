@@ -4,7 +4,6 @@ the model (``lean_forward.py``), else Hugging Face's own forward with a KV cache
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,8 +25,6 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in forward else "past_key_values"
         self.device = next(model.parameters()).device
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        #: Called after the weights' copies are dropped (captured graphs read them).
-        self.after_invalidate: list[Callable[[], None]] = []
 
     @property
     def vocab_size(self) -> int:
@@ -57,5 +54,3 @@ class ModelRunner:
         cpu_linear.invalidate(self.model)
         if self.lean is not None:
             self.lean.invalidate()
-        for hook in self.after_invalidate:
-            hook()
