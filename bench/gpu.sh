@@ -88,9 +88,9 @@ left() { [ $((480 - SECONDS)) -gt "$1" ]; }  # whether $1 s of the 8 minutes rem
 step pytest 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
 # The engine with CUDA graphs (the default on CUDA) against eager decode and HF generate.
 ENGINE="--device cuda --skip vllm vllm-server unpacked hf-forward --requests 64 --batch 64"
-step engine 80 python3 bench/engine.py $ENGINE --model "$SMOL" --median 32 --tail 4 \
+step engine 80 python3 bench/engine.py $ENGINE --model "$SMOL" --median 16 --tail 12 \
     --uniform 64 --out "$LOGS/engine.json"
-step engine_17b 100 python3 bench/engine.py $ENGINE --model "$BIG" --median 32 --tail 4 \
+step engine_17b 100 python3 bench/engine.py $ENGINE --model "$BIG" --median 16 --tail 12 \
     --uniform 64 --out "$LOGS/engine_17b.json"
 # The real-model example's job on a model of SmolLM2's shape (random weights: no reward,
 # so no filter, and the figures are speed alone).
