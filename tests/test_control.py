@@ -67,3 +67,31 @@ async def test_a_reply_from_another_actor_cannot_answer_a_command(endpoint: str)
         a.reply(cid, CommandResult(ok=True, data={"from": "a"}))
         async with asyncio.timeout(5):
             assert (await task).data == {"from": "a"}
+
+
+async def test_a_command_to_an_incarnation_that_is_gone_fails_instead_of_waiting(endpoint: str):
+    """A command the old incarnation took and never answered fails with ``PeerLost`` once
+    a new one says Hello (or the supervisor sees the old one exit), so a caller retries
+    at once instead of waiting out its whole timeout (a restarted engine's rollout actor
+    restarting too kept the engine 'restarting' for the whole wait)."""
+    async with ControlServer(endpoint) as hub:
+        async with ControlLink(hub.endpoint, "rollout-1") as old:
+            old.notify(Hello(actor="rollout-1", role="rollout", pid=1, host="h"))
+            await hub.receive()
+            lost = asyncio.create_task(hub.command("rollout-1", Command(kind="engine_restarted")))
+            await old.next_command()  # taken, never answered: the process dies
+        async with ControlLink(hub.endpoint, "rollout-1") as new:
+            new.notify(Hello(actor="rollout-1", role="rollout", pid=2, host="h"))
+            async with asyncio.timeout(5):
+                with pytest.raises(PeerLost, match="started again before it answered"):
+                    await lost
+                await hub.receive()
+                again = asyncio.create_task(hub.command("rollout-1", Command(kind="ping")))
+                cid, _ = await new.next_command()
+                new.reply(cid, CommandResult(ok=True, data={"pid": 2}))
+                assert (await again).data == {"pid": 2}
+                waiting = asyncio.create_task(hub.command("rollout-1", Command(kind="ping")))
+                await new.next_command()  # taken; then the supervisor sees the exit
+                hub.abandon("rollout-1", "exited (-9) before it answered")
+                with pytest.raises(PeerLost, match="exited"):
+                    await waiting

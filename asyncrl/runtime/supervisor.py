@@ -272,6 +272,7 @@ class Supervisor:
     async def _watch_exit(self, handle: ActorHandle) -> None:
         code = await handle.wait()
         self._changed.set()  # a restart may be waiting on this incarnation
+        self.control.abandon(handle.spec.name, f"exited ({code}) before it answered")
         st = self.status[handle.spec.name]
         if code == 0 and st.bye is None:
             # A clean exit can be seen before the goodbye sent just ahead of it has been

@@ -86,6 +86,13 @@ class ControlServer(_Channel):
             raise RemoteError(f"{actor}: {result.error}")
         return result
 
+    def abandon(self, actor: str, why: str) -> None:
+        """Fail the commands waiting on ``actor`` with ``PeerLost``: its incarnation that
+        would have answered is gone (exited, or replaced by one that said Hello)."""
+        for name, fut in list(self._waiting.values()):
+            if name == actor and not fut.done():
+                fut.set_exception(PeerLost(f"actor {actor!r} {why}"))
+
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         if len(frames) != 2:
             raise WireError(f"control message of {len(frames)} frames")
@@ -102,6 +109,8 @@ class ControlServer(_Channel):
                 raise
             return
         msg = _notify_codec.decode_parts(env.body)
+        if isinstance(msg, Hello):  # a new incarnation: the old one answers nothing now
+            self.abandon(actor, "started again before it answered")
         self.stats.received += 1
         try:
             self._inbox.put_nowait((actor, msg))
