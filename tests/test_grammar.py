@@ -162,6 +162,7 @@ async def test_a_free_request_is_untouched_by_constrained_neighbours(server):
         ({"json_schema": '{"type": "nonsense"}'}, 'invalid json_schema: Unsupported type "nonse'),
         ({"ebnf": "root ::= undefined"}, "invalid ebnf"),
         ({"structural_tag": "{}"}, "structural_tag is not supported by this engine"),
+        ({"regex": "a+", "min_new_tokens": 2}, "min_new_tokens cannot be combined with a gram"),
     ],
 )
 async def test_a_bad_grammar_fails_alone_with_its_reason(server, sampling, match):
@@ -255,3 +256,54 @@ async def test_a_forced_tool_choice_always_returns_a_call_of_that_tool(server):
     with pytest.raises(openai.BadRequestError, match="tool_choice 'required' needs tools"):
         await client.chat.completions.create(**chat, tool_choice="required", max_tokens=4)
     await client.close()
+
+
+async def test_a_request_whose_grammar_compiles_can_be_aborted_and_paused(server, monkeypatch):
+    """The request is registered while its grammar compiles in a thread: abort by rid
+    finds it, and a pause that aborts returns once it ended, not never."""
+    import asyncio
+    import time
+
+    engine: TorchEngine = server.engine  # type: ignore[assignment]
+    compile_ = engine.grammars.matcher
+
+    def slow(kind: str, spec: str) -> Any:
+        time.sleep(0.5)
+        return compile_(kind, spec)
+
+    monkeypatch.setattr(engine.grammars, "matcher", slow)
+    call = asyncio.create_task(generate(engine, "slow-1", [1, 2, 3], regex="[0-9]{9}"))
+    await asyncio.sleep(0.1)
+    assert engine.abort("slow-1") == 1
+    assert (await call).finish_reason.type == "abort"
+    call = asyncio.create_task(generate(engine, "slow-2", [1, 2, 3], regex="[0-9]{9}"))
+    await asyncio.sleep(0.1)
+    await asyncio.wait_for(engine.pause("abort"), timeout=10)
+    await engine.resume()
+    assert (await call).finish_reason.type == "abort"
+
+
+async def test_a_forced_call_of_a_tool_with_defs_compiles():
+    """pydantic's tool schemas keep their types under ``$defs``: they resolve at the
+    call's root, and several tools are one grammar."""
+    import xgrammar as xgr
+
+    from asyncrl.engines.server.tool_stream import forced_call_grammar
+    from asyncrl.rollout.multi_turn import HermesParser
+
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    params = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}},
+              "required": ["at"], "$defs": {"Loc": loc}}  # fmt: skip
+    tools = [tool("plain", x={"type": "integer"}),
+             {"type": "function", "function": {"name": "where", "parameters": params}}]  # fmt: skip
+    grammar = forced_call_grammar({"tools": tools, "tool_choice": "required"}, HermesParser())
+    accepts = xgr.testing._is_grammar_accept_string  # xgrammar's own test helper
+    assert grammar is not None
+
+    def call(body: str) -> str:
+        return f"<tool_call>{body}</tool_call>"
+
+    # compact JSON, as any_whitespace=False writes it: ", " and ": " between items
+    assert accepts(grammar, call('{"name": "where", "arguments": {"at": {"city": "Oslo"}}}'))
+    assert accepts(grammar, call('{"name": "plain", "arguments": {"x": 3}}'))
+    assert not accepts(grammar, call('{"name": "where", "arguments": {"at": 3}}'))

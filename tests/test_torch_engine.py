@@ -479,16 +479,17 @@ async def test_stop_regex_stops_at_the_first_match_in_the_decoded_output(engine,
     assert not re.search(pattern, tokenizer.decode(out.output_ids[:-1]))
 
 
-async def test_a_stop_string_sampled_before_min_new_tokens_stops_once_they_are_out(engine, tiny):
-    """SGLang checks ``decoded_text`` too: a stop string that came too early ends the
-    request at the first step ``min_new_tokens`` allows, not never."""
+async def test_a_stop_string_is_not_held_back_by_min_new_tokens(engine, tiny):
+    """SGLang's string check has no min_new_tokens gate (only EOS and stop tokens are
+    held back): a stop string sampled early ends the request there."""
     tokenizer = tiny[2]
     same = {"max_new_tokens": 16, "sampling_seed": 3, "ignore_eos": True}
     free = await run(engine, "free-min", PROMPTS[0], **same)
     early = tokenizer.decode(free.output_ids[:2])[-2:]  # in the text by token 2
     out = await run(engine, "min", PROMPTS[0], stop=early, min_new_tokens=8, **same)
     assert out.finish_reason == FinishReason(type="stop", matched=early)
-    assert out.output_ids == free.output_ids[:8]
+    n = len(out.output_ids)
+    assert 1 <= n <= 2 and out.output_ids == free.output_ids[:n]
 
 
 async def test_stop_strings_and_regexes_are_refused_without_a_tokenizer(tiny):

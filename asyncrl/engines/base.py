@@ -102,7 +102,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def grammar(self) -> tuple[str, str] | None:
         """``(key, spec)`` of the request's constraint (one of ``GRAMMAR_KEYS``), or None."""
-        return next(((k, getattr(self, k)) for k in GRAMMAR_KEYS if getattr(self, k)), None)
+        return next(
+            ((k, getattr(self, k)) for k in GRAMMAR_KEYS if getattr(self, k) is not None), None
+        )
 
     @property
     def stop_strings(self) -> list[str]:

@@ -133,6 +133,7 @@ _OPENAI_SAMPLING = {
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "regex": "regex",
     "ebnf": "ebnf",
+    "json_schema": "json_schema",
     "custom_params": "custom_params",
 }
 _NON_STREAM_ONLY = ("return_token_ids", "return_prompt_token_ids", "return_meta_info")

@@ -62,28 +62,35 @@ def forced_call_grammar(body: Json, parser: Any) -> str | None:
         for t in body.get("tools") or ()
         if isinstance(t, dict) and isinstance(t.get("function"), dict)
     }
+    return _call_grammar(opening, [_call_schema(n, params[n], key) for n in names], closing)
+
+
+def _call_schema(name: str, params: Json, key: str) -> str:
+    """One call of ``name`` as a root schema: its parameters' ``$defs`` (pydantic's)
+    lifted to the root, where their ``#/$defs/...`` references point."""
+    if not isinstance(params, dict):
+        raise bad_request(f"tool {name!r}: parameters must be a JSON schema object")
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+    args = {k: v for k, v in params.items() if k not in defs}
     schema = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"const": name}, key: params[name]},
-                "required": ["name", key],
-            }
-            for name in names
-        ]
+        "type": "object",
+        "properties": {"name": {"const": name}, key: args},
+        "required": ["name", key],
+        **defs,
     }
-    return _concat_grammar(opening, json.dumps(schema), closing)
+    return json.dumps(schema)
 
 
-def _concat_grammar(opening: str, schema: str, closing: str) -> str:
+def _call_grammar(opening: str, schemas: list[str], closing: str) -> str:
     try:
         import xgrammar as xgr
     except ImportError:
         raise bad_request("a forced tool_choice needs xgrammar (constrained decoding)") from None
     try:
-        call = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        calls = [xgr.Grammar.from_json_schema(s, any_whitespace=False) for s in schemas]
     except RuntimeError as exc:
         raise bad_request(f"a tool's parameters are not a usable JSON schema: {exc}") from None
+    call = xgr.Grammar.union(*calls) if len(calls) > 1 else calls[0]
     text = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(t)}") for t in (opening, closing)]
     pieces = [*text[:1] * bool(opening), call, *text[1:] * bool(closing)]
     return str(xgr.Grammar.concat(*pieces)) if len(pieces) > 1 else str(call)

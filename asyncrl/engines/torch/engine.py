@@ -231,24 +231,28 @@ class TorchEngine:
         """Cumulative outputs as tokens arrive; the last one carries ``finish_reason``."""
         await self._resumed.wait()  # SGLang: a paused server holds new requests
         self.check(request)
-        grammar = None
-        if (constraint := request.sampling.grammar) is not None:
-            grammar = await asyncio.to_thread(self.grammars.matcher, *constraint)
-        seq = self._admit(request, grammar)
+        seq = await self._admit(request)
         if self.torn:  # nothing samples from a mix of two versions: the partial goes back
             seq.aborted = True
         async for out in follow(seq, self._wake):
             yield out
 
-    def _admit(self, request: GenerateRequest, grammar: Any) -> Seq:
+    async def _admit(self, request: GenerateRequest) -> Seq:
         """Queue ``request``; one without a ``sampling_seed`` draws one from the engine's
-        stream (greedy probes leave the stream alone)."""
+        stream (greedy probes leave the stream alone). A constrained one is registered
+        (abort, pause and the duplicate check see it) while its grammar compiles."""
         seed = request.sampling.sampling_seed
         if seed is None and not request.sampling.greedy:
             seed = self._seeds.getrandbits(63)
         seq = new_seq(request, seed, self.eos_ids)
-        seq.grammar = grammar
-        self.scheduler.add(seq)
+        self.scheduler.register(seq)
+        if (constraint := request.sampling.grammar) is not None:
+            try:
+                seq.grammar = await asyncio.to_thread(self.grammars.matcher, *constraint)
+            except BaseException:
+                self.scheduler.unregister(seq)
+                raise
+        self.scheduler.queue(seq)  # aborted meanwhile: the next step ends it
         self._wake.set()
         return seq
 
@@ -267,6 +271,11 @@ class TorchEngine:
         if any(not 0 <= t < vocab for t in request.token_ids_logprob or ()):
             raise EngineError(f"token_ids_logprob: ids must be in [0, {vocab})")
         p = request.sampling
+        if p.grammar is not None and p.min_new_tokens > 0:
+            raise EngineError(
+                "min_new_tokens cannot be combined with a grammar: once its value is whole "
+                "the grammar allows only EOS, which min_new_tokens forbids"
+            )
         if (p.stop_strings or p.stop_regexes) and self.tokenizer is None:
             raise EngineError(
                 "stop and stop_regex match decoded text and this model has no tokenizer: "

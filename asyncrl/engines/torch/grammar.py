@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Any
 
 import torch
 
 from asyncrl.engines.base import ANY_JSON
 from asyncrl.errors import EngineError
+
+#: The compiled grammars kept (xgrammar's cache, least recently used out).
+CACHE_BYTES = 256 << 20
 
 
 class Grammars:
@@ -28,6 +32,7 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, stop_ids
         self.any_whitespace = any_whitespace
         self._compiler: Any = None
+        self._lock = threading.Lock()
 
     def matcher(self, kind: str, spec: str) -> Any:
         """A fresh ``GrammarMatcher`` for the constraint; ``EngineError`` (a 400) for a
@@ -66,10 +71,14 @@ class Grammars:
                 "constrained decoding needs xgrammar (make installs it: pip install "
                 "--no-deps xgrammar apache-tvm-ffi)"
             ) from None
-        info = xgr.TokenizerInfo.from_huggingface(
-            self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
-        )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        with self._lock:  # two first requests at once build one compiler
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids or None
+                )
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=1, cache_limit_bytes=CACHE_BYTES
+                )
         return self._compiler
 
 
@@ -100,4 +109,8 @@ def mask_rows(logits: torch.Tensor, matchers: list[Any]) -> None:
     bitmask = xgr.allocate_token_bitmask(len(logits), logits.shape[-1])
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    # torch_native on CUDA: xgrammar's CUDA default needs triton, which is not a dependency.
+    backend = "cpu" if logits.device.type == "cpu" else "torch_native"
+    xgr.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device), indices=rows, backend=backend
+    )

@@ -88,16 +88,18 @@ def finish_reason(
     seq: Seq, position: int, eos: list[int], tokenizer: Any, context_length: int
 ) -> FinishReason | None:
     """Why ``seq`` ends after its newest token (at ``position``), or None: a stop token or
-    EOS, a stop string or regex (once ``min_new_tokens`` are out), its length, the context."""
+    EOS (once ``min_new_tokens`` are out), a stop string or regex, its length, the context."""
     p, token = seq.req.sampling, seq.output[-1]
-    if seq.row.num_generated >= p.min_new_tokens:
-        if token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in eos):
-            return FinishReason(type="stop", matched=token)
-        matched = _stop_string(seq, tokenizer)
-        if matched is None:
-            matched = _stop_regex(seq, tokenizer)
-        if matched is not None:
-            return FinishReason(type="stop", matched=matched)
+    if seq.row.num_generated >= p.min_new_tokens and (
+        token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in eos)
+    ):
+        return FinishReason(type="stop", matched=token)
+    # Stop strings and regexes are not held back by min_new_tokens (SGLang's check)
+    matched = _stop_string(seq, tokenizer)
+    if matched is None:
+        matched = _stop_regex(seq, tokenizer)
+    if matched is not None:
+        return FinishReason(type="stop", matched=matched)
     if seq.grammar is not None and seq.grammar.is_terminated():  # it took a stop token
         return FinishReason(type="stop", matched=token)
     limit = p.max_new_tokens
@@ -109,15 +111,10 @@ def finish_reason(
 
 
 def _stop_string(seq: Seq, tokenizer: Any) -> str | None:
-    """A stop string in the newest text; at the first step ``min_new_tokens`` allows, in
-    all the text, as SGLang also searches its ``decoded_text`` (one earlier stops now)."""
-    p = seq.req.sampling
-    stops = p.stop_strings
+    """A stop string in the newest text (the window a new token can complete)."""
+    stops = seq.req.sampling.stop_strings
     if not stops or tokenizer is None:
         return None
-    if p.min_new_tokens > 0 and seq.row.num_generated == p.min_new_tokens:
-        whole = tokenizer.decode(seq.output)
-        return next((s for s in stops if s in whole), None)
     longest = max(len(s) for s in stops)
     tail = tokenizer.decode(seq.output[-(longest + 8) :])
     newest = tokenizer.decode(seq.output[-1:])

@@ -100,6 +100,8 @@ def sample(logits: torch.Tensor, row: RowState, num_top: int = 0) -> Sampled:
     logp = reported_logprobs(logits, row, z)
     if row.params.greedy:
         token = int(torch.argmax(z))
+        if not torch.isfinite(z[token]):
+            raise RuntimeError("no token has a finite probability")
     else:
         kept = torch.softmax(_filter(z, row.params), -1)
         token = int(_draw(kept[None], [row.generator])[0][0])

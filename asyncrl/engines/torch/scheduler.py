@@ -67,8 +67,15 @@ class Scheduler:
             "update_pause_s": 0.0,
         }
 
-    def add(self, seq: Seq) -> None:
+    def register(self, seq: Seq) -> None:
+        """Known by its rid (abort, pause, duplicates) before it is queued."""
         self.rids[seq.req.rid] = seq
+
+    def unregister(self, seq: Seq) -> None:
+        self.rids.pop(seq.req.rid, None)
+
+    def queue(self, seq: Seq) -> None:
+        """Wait for admission (an aborted one is ended by the next step)."""
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -215,13 +222,10 @@ class Scheduler:
         mask_rows(logits, [s.grammar for s in seqs])
         rows = [s.row for s in seqs]
         results = sample_rows(logits, rows, [s.req.top_logprobs_num for s in seqs])
-        for i, s in enumerate(seqs):  # before _record: the row's state is this step's
-            if s.chosen is not None and not isinstance(results[i], RuntimeError):
-                logp = reported_logprobs(logits[i], s.row)
-                s.chosen.append(chosen_logprobs(logp, s.req.token_ids_logprob or []))
-        return [self._record(s, r) for s, r in zip(seqs, results, strict=True)]
+        pairs = enumerate(zip(seqs, results, strict=True))
+        return [self._record(s, r, logits[i]) for i, (s, r) in pairs]
 
-    def _record(self, seq: Seq, result: Sampled | RuntimeError) -> int:
+    def _record(self, seq: Seq, result: Sampled | RuntimeError, logits: torch.Tensor) -> int:
         if isinstance(result, RuntimeError):  # e.g. no finite probability: this request alone
             seq.finish = FinishReason(
                 type="abort",
@@ -239,6 +243,9 @@ class Scheduler:
                 err_type="InternalServerError",
             )
             return token
+        if seq.chosen is not None:  # from the row's state before this token, on the host
+            logp = reported_logprobs(logits.cpu(), seq.row)
+            seq.chosen.append(chosen_logprobs(logp, seq.req.token_ids_logprob or []))
         seq.output.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(self.version)
