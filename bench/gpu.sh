@@ -32,44 +32,37 @@ python3 -c "import torch, transformers; print('torch', torch.__version__,
     'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/summary.txt"
 
 SMOL=/tmp/smollm2-shape
-python3 - "$SMOL" <<'EOF'
-import shutil, sys
-from pathlib import Path
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
-out, src = Path(sys.argv[1]), Path(".gpu/smol")
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
-model.save_pretrained(out)
-for f in src.iterdir():
-    if not (out / f.name).exists():
-        shutil.copy(f, out / f.name)
-print("random-weight SmolLM2 shape:", sum(p.numel() for p in model.parameters()) / 1e6, "M")
-EOF
-
 # SmolLM2-1.7B's shape (its config's sizes; random weights, bf16): the engine and trainer
 # targets of issue 50 are set on it.
 BIG=/tmp/smollm2-1.7b-shape
-python3 - "$BIG" <<'EOF'
+python3 - "$SMOL" "$BIG" <<'EOF'
 import shutil, sys
 from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-out, src = Path(sys.argv[1]), Path(".gpu/smol")
-cfg = AutoConfig.from_pretrained(src)
-cfg.update({"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
-            "num_attention_heads": 32, "num_key_value_heads": 32,
-            "max_position_embeddings": 8192, "rope_theta": 130000.0})
-torch.manual_seed(0)
-with torch.device("cuda"):
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-model.save_pretrained(out)
-for f in src.iterdir():
-    if not (out / f.name).exists():
-        shutil.copy(f, out / f.name)
-print("random-weight SmolLM2-1.7B shape:", sum(p.numel() for p in model.parameters()) / 1e9, "B")
+SRC = Path(".gpu/smol")
+BIG = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
+       "num_attention_heads": 32, "num_key_value_heads": 32,
+       "max_position_embeddings": 8192, "rope_theta": 130000.0}
+
+
+def build(out: Path, sizes: dict, **kwargs) -> None:
+    """A random-weight model of SmolLM2's config with ``sizes``, its tokenizer beside it."""
+    cfg = AutoConfig.from_pretrained(SRC)
+    cfg.update(sizes)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, **kwargs)
+    model.save_pretrained(out)
+    for f in SRC.iterdir():
+        if not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    print(out, sum(p.numel() for p in model.parameters()) / 1e6, "M parameters")
+
+
+build(Path(sys.argv[1]), {})
+with torch.device("cuda"):  # 1.7B initialised on the CPU would take a minute
+    build(Path(sys.argv[2]), BIG, dtype=torch.bfloat16)
 EOF
 
 step() {  # step NAME SECONDS COMMAND...: its log into logs.tgz, its tail here
