@@ -145,11 +145,14 @@ async def test_released_memory_comes_back_and_decodes_the_same(model_dir: Path):
     engine = TorchEngine.from_pretrained(str(model_dir), packed=False, static_decode=True,
                                          max_running=8)  # fmt: skip
     before = await outputs(engine, requests(seeded=False))
+    decoder, dropped = engine.scheduler.batch.decoder, []
+    decoder.invalidate = lambda: dropped.append(1)  # CUDA graphs read what moved
     await_all = asyncio.create_task(engine.run())
     try:
         await engine.release_memory(None)
         assert engine.scheduler.batch.pool.keys == []
         await engine.resume_memory(None)
+        assert len(dropped) == 2
     finally:
         await_all.cancel()
     after = await outputs(engine, requests(seeded=False))

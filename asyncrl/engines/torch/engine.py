@@ -31,7 +31,7 @@ from asyncrl.engines.base import (
 )
 from asyncrl.engines.config import EngineConfig
 from asyncrl.engines.torch.grammar import Grammars
-from asyncrl.engines.torch.graph_decode import static_batch
+from asyncrl.engines.torch.graph_decode import PoolBatch, static_batch
 from asyncrl.engines.torch.heap_trim import HeapTrimmer
 from asyncrl.engines.torch.kv_batch import (
     available_memory,
@@ -416,9 +416,7 @@ class TorchEngine:
                 self.runner.invalidate()
 
             await self.at_boundary(release)
-        pool = getattr(self.scheduler.batch, "pool", None)  # the static KV pool, if any
-        if pool is not None and (tags is None or "kv_cache" in tags):
-            await self.at_boundary(pool.release)
+        await self._static_memory(tags, release=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -427,9 +425,17 @@ class TorchEngine:
         decode graphs are captured again: their tensors moved)."""
         if tags is None or "weights" in tags:
             await self.at_boundary(lambda: self.model.to(self.device))
-        pool = getattr(self.scheduler.batch, "pool", None)
-        if pool is not None and (tags is None or "kv_cache" in tags):
-            await self.at_boundary(pool.restore)
+        await self._static_memory(tags, release=False)
+
+    async def _static_memory(self, tags: list[str] | None, *, release: bool) -> None:
+        """Free or make again the static KV pool (``kv_cache``); the decode graphs read
+        the pool and the weights, so either moving drops them."""
+        batch = self.scheduler.batch
+        if not isinstance(batch, PoolBatch):
+            return
+        if tags is None or "kv_cache" in tags:
+            await self.at_boundary(batch.pool.release if release else batch.pool.restore)
+        await self.at_boundary(batch.decoder.invalidate)  # on the step thread, between steps
 
 
 with contextlib.suppress(Exception):  # keep torch from oversubscribing the event loop's core

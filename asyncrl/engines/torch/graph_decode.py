@@ -69,7 +69,6 @@ class StaticDecoder:
         self.buckets = (*(b for b in buckets if b < pool.rows), pool.rows)
         self.device = device
         self.graphs_on = device.type == "cuda" if graphs is None else graphs
-        self._captured_at: tuple[int, ...] = ()  # the addresses the graphs read
         self.ids = torch.zeros(pool.rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(pool.rows, dtype=torch.long, device=device)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -78,16 +77,11 @@ class StaticDecoder:
 
     def invalidate(self) -> None:
         """Drop the captured graphs (and their memory pool, which a fresh capture must not
-        reuse once no graph holds it)."""
+        reuse once no graph holds it): the tensors they read moved. A weight update writes
+        the parameters in place and needs none of this."""
         self.graphs.clear()
         self.outputs.clear()
         self._mempool = None
-
-    def _addresses(self) -> tuple[int, ...]:
-        """Where the tensors a graph reads live: the weights (a weight update writes them
-        in place; a move to the CPU and back does not) and the pool."""
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        return tuple(t.data_ptr() for t in tensors + self.pool.keys + self.pool.values)
 
     def step(self, last: torch.Tensor) -> torch.Tensor:
         """Logits ``[live, V]`` of the live rows' next tokens, given their newest tokens
@@ -127,9 +121,6 @@ class StaticDecoder:
         return lean.lm_head(_rms(x, lean.norm.weight, lean.norm.variance_epsilon))[:, 0]
 
     def _replay(self, b: int, span: int) -> torch.Tensor:
-        if (addresses := self._addresses()) != self._captured_at:
-            self.invalidate()
-            self._captured_at = addresses
         key = (b, span)
         if key not in self.graphs:
             try:
