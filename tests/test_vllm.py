@@ -263,10 +263,11 @@ async def test_vllm_serves_constrained_decoding_with_the_masked_logprobs(
 async def test_an_abort_returns_the_partial_output_of_each_request_it_names(vllm_url: str):
     long = {**SAMPLING, "max_new_tokens": 400}
     async with served(vllm_url) as (client, _):
+        before = await generated_tokens(vllm_url)
         calls = [asyncio.create_task(client.generate(PROMPT, long, rid=f"g1/{i}"))
                  for i in range(2)]  # fmt: skip
         other = asyncio.create_task(client.generate(PROMPT, {**SAMPLING}, rid="g2/0"))
-        await asyncio.sleep(1.0)  # 400 tokens take several seconds
+        await tokens_beyond(vllm_url, before)  # decoding, far from 400 tokens
         await client.abort_prefix("g1/")
         results = [await call for call in calls]
         for result in results:
