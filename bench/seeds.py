@@ -1,0 +1,197 @@
+"""One config trained on several seeds, one after another: each seed's held-out curve,
+and the mean +- standard error across seeds.
+
+    asyncrl bench seeds CONFIG --seeds 0 1 2 3 4 --target-gain 0.2 [--root DIR] [-- FLAGS]
+
+Seed ``S`` runs ``asyncrl train CONFIG --seed S --output-dir ROOT/seed_S --overwrite
+FLAGS`` as a child process, timed from launch. A seed whose ``sweep.json`` records a
+finished run of the same command is read, not trained again, so an interrupted sweep goes
+on where it stopped. Per seed: the eval set's ``--metric`` at each version, the gain
+(last version minus version 0), wall seconds, trained samples/s after the first step.
+Across seeds, per version: mean, standard error ``stdev / sqrt(n)``, min and max; and how
+many seeds gained ``--target-gain`` or more. Writes ``ROOT/seeds.json`` and
+``ROOT/seeds.png`` (each seed's curve and the mean). Exits 1 when a seed failed, with its
+reason; the others are still reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def command(args: argparse.Namespace, seed: int) -> list[str]:
+    """``asyncrl train`` for one seed."""
+    out = args.root / f"seed_{seed}"
+    return [sys.executable, "-m", "asyncrl.cli", "train", str(args.config), "--seed", str(seed),
+            "--output-dir", str(out), "--overwrite", *args.flags]  # fmt: skip
+
+
+def train(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """Run (or reuse) one seed's job; its ``sweep.json`` record."""
+    out = args.root / f"seed_{seed}"
+    cmd = command(args, seed)
+    record_path = out / "sweep.json"
+    if record_path.is_file():
+        record = json.loads(record_path.read_text())
+        if record.get("rc") == 0 and record.get("command") == cmd[1:]:
+            print(f"seed {seed}: reusing {out} ({record['wall_s']:.0f} s)", flush=True)
+            return record
+    print(f"seed {seed}: $ asyncrl {' '.join(cmd[3:])}", flush=True)
+    start = time.time()
+    log = args.root / f"seed_{seed}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as sink:
+        rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    record = {"seed": seed, "command": cmd[1:], "rc": rc, "start": start,
+              "wall_s": time.time() - start}  # fmt: skip
+    if rc:
+        record["reason"] = log.read_text().strip().splitlines()[-5:]
+    if out.is_dir():
+        record_path.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def read_seed(record: dict[str, Any], out: Path, eval_set: str | None, metric: str) -> dict:
+    """One seed's figures from its run folder: the curve and the trainer's throughput."""
+    from asyncrl.api import open_run
+
+    run = open_run(out)
+    rows = [r for r in run.evals if eval_set in (None, r["set"])]
+    curve = {int(r["version"]): float(r[metric]) for r in rows}
+    config = json.loads((out / "config.json").read_text())
+    groups, n = config["buffer"]["groups_per_step"], config["buffer"]["num_samples_per_prompt"]
+    steps = [r for r in run.metrics if "num_tokens" in r]
+    trained = sum((groups - int(r.get("batch/dropped_groups", 0))) * n for r in steps[1:])
+    span = steps[-1]["time"] - steps[0]["time"] if len(steps) > 1 else 0.0
+    versions = sorted(curve)
+    return {"seed": record["seed"], "wall_s": record["wall_s"], "steps": len(steps),
+            "samples/s": trained / span if span > 0 else None,
+            "curve": {v: curve[v] for v in versions},
+            "gain": curve[versions[-1]] - curve[versions[0]] if versions else None}  # fmt: skip
+
+
+def mean_se(values: list[float]) -> dict[str, float]:
+    """Mean, standard error of the mean (stdev / sqrt(n); 0 for one value), min, max."""
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "se": se, "min": min(values),
+            "max": max(values), "n": len(values)}  # fmt: skip
+
+
+def summarize(seeds: list[dict[str, Any]], target_gain: float | None) -> dict[str, Any]:
+    """Across seeds: per version (those every seed has) and for gain, wall and speed."""
+    common = set.intersection(*(set(s["curve"]) for s in seeds)) if seeds else set()
+    out: dict[str, Any] = {
+        "versions": {v: mean_se([s["curve"][v] for s in seeds]) for v in sorted(common)},
+    }
+    for key in ("gain", "wall_s", "samples/s"):
+        values = [s[key] for s in seeds if s[key] is not None]
+        out[key] = mean_se(values) if values else None
+    if target_gain is not None:
+        met = [s["seed"] for s in seeds if s["gain"] is not None and s["gain"] >= target_gain]
+        out["target"] = {"gain": target_gain, "met": len(met), "of": len(seeds), "seeds": met}
+    return out
+
+
+def print_report(seeds: list[dict[str, Any]], summary: dict[str, Any], metric: str) -> None:
+    versions = list(summary["versions"])
+    print(f"\n{metric} per weight version" + "".join(f"{'v' + str(v):>9}" for v in versions)
+          + f"{'gain':>9}{'wall s':>9}{'samples/s':>11}")  # fmt: skip
+    for s in seeds:
+        rate = "-" if s["samples/s"] is None else f"{s['samples/s']:.2f}"
+        print(f"{'seed ' + str(s['seed']):<22}"
+              + "".join(f"{s['curve'].get(v, math.nan):>9.1%}" for v in versions)
+              + f"{s['gain']:>+9.1%}{s['wall_s']:>9.0f}{rate:>11}")  # fmt: skip
+    cells = [f"{m['mean']:>6.1%}+-{m['se'] * 100:.1f}" for m in summary["versions"].values()]
+    print(f"{'mean +- s.e.':<22}" + "".join(f"{c:>9}" for c in cells))
+    gain = summary["gain"]
+    if gain:
+        print(f"gain: {gain['mean']:+.1%} +- {gain['se']:.1%} (min {gain['min']:+.1%}, "
+              f"max {gain['max']:+.1%}) over {gain['n']} seeds")  # fmt: skip
+    if "target" in summary:
+        t = summary["target"]
+        print(f"{t['met']} of {t['of']} seeds gained {t['gain']:.0%} or more")
+
+
+def plot(seeds: list[dict[str, Any]], summary: dict[str, Any], path: Path, title: str) -> None:
+    """Each seed's curve (thin) and the mean with its +- s.e. band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in seeds:
+        ax.plot(list(s["curve"]), list(s["curve"].values()), lw=1, alpha=0.6, marker=".",
+                label=f"seed {s['seed']}")  # fmt: skip
+    versions = list(summary["versions"])
+    mean = [m["mean"] for m in summary["versions"].values()]
+    se = [m["se"] for m in summary["versions"].values()]
+    ax.plot(versions, mean, color="k", lw=2, label="mean")
+    ax.fill_between(
+        versions,
+        [m - e for m, e in zip(mean, se, strict=True)],
+        [m + e for m, e in zip(mean, se, strict=True)],
+        color="k",
+        alpha=0.15,
+    )
+    ax.set(title=title, xlabel="weight version", ylabel="held-out pass@1")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", type=Path)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--root", type=Path, default=None, help="default: runs/seeds/<config's dir>")
+    ap.add_argument("--set", dest="eval_set", default=None, help="eval set (default: every row)")
+    ap.add_argument("--metric", default="pass@1")
+    ap.add_argument("--target-gain", type=float, default=None, help="e.g. 0.2: 20 points")
+    args = ap.parse_args(argv)
+    if not args.config.is_file():
+        ap.error(f"{args.config}: no such config")
+    if len(set(args.seeds)) != len(args.seeds):
+        ap.error(f"--seeds {args.seeds}: a seed is named twice")
+    args.flags = flags
+    args.root = (args.root or Path("runs/seeds") / args.config.resolve().parent.name).resolve()
+    args.config = args.config.resolve()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    records = [train(args, seed) for seed in args.seeds]
+    failed = [r for r in records if r["rc"]]
+    seeds = [read_seed(r, args.root / f"seed_{r['seed']}", args.eval_set, args.metric)
+             for r in records if not r["rc"]]  # fmt: skip
+    summary = summarize(seeds, args.target_gain)
+    print_report(seeds, summary, args.metric)
+    payload = {"config": str(args.config), "flags": args.flags, "metric": args.metric,
+               "seeds": seeds, "summary": summary, "failed": failed}  # fmt: skip
+    (args.root / "seeds.json").write_text(json.dumps(payload, indent=2) + "\n")
+    if seeds and summary["versions"]:
+        plot(seeds, summary, args.root / "seeds.png", args.config.parent.name)
+    print(f"wrote {args.root / 'seeds.json'}")
+    for r in failed:
+        print(f"seed {r['seed']} FAILED (rc {r['rc']}): {' | '.join(r.get('reason', []))}")
+    return 1 if failed or not seeds else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

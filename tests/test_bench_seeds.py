@@ -1,0 +1,75 @@
+"""bench/seeds.py: a config trained on several seeds, each really, and the figures across
+them; an interrupted sweep goes on without training a finished seed again."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import seeds  # noqa: E402
+
+EVAL = [{"name": "test", "path": "examples/arith/data/test.jsonl@[0:8]", "n_samples": 2,
+         "pass_k": [1], "sampling": {"temperature": 1.0, "max_new_tokens": 24}}]  # fmt: skip
+SHORT = ["--train.num-steps", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+         "--buffer.filters", "[]", "--save-interval", "0", "--eval-interval", "2",
+         "--eval.sets", json.dumps(EVAL)]  # fmt: skip
+
+
+def sweep(root: Path, *flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "bench" / "seeds.py"), "examples/arith/config.yaml",
+               "--root", str(root), *flags]  # fmt: skip
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_mean_and_standard_error_and_the_seeds_that_met_the_target() -> None:
+    finals = ((0, 0.4), (1, 0.2), (2, 0.35))
+    runs = [{"seed": s, "curve": {0: 0.1, 4: a}, "gain": a - 0.1, "wall_s": 10.0 + s,
+             "samples/s": None if s == 2 else 3.0} for s, a in finals]  # fmt: skip
+    out = seeds.summarize(runs, target_gain=0.2)
+    last = out["versions"][4]
+    assert last["mean"] == pytest.approx(statistics.fmean([0.4, 0.2, 0.35]))
+    assert last["se"] == pytest.approx(statistics.stdev([0.4, 0.2, 0.35]) / 3**0.5)
+    assert (last["min"], last["max"], last["n"]) == (0.2, 0.4, 3)
+    assert out["target"] == {"gain": 0.2, "met": 2, "of": 3, "seeds": [0, 2]}
+    assert out["samples/s"]["n"] == 2  # a seed without a steady state is left out
+    assert seeds.mean_se([0.5])["se"] == 0.0
+
+
+@pytest.mark.slow
+def test_each_seed_trains_its_own_run_and_a_rerun_reuses_them(tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    done = sweep(root, "--seeds", "1", "2", "--target-gain", "-1", "--", *SHORT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    payload = json.loads((root / "seeds.json").read_text())
+    assert [s["seed"] for s in payload["seeds"]] == [1, 2] and not payload["failed"]
+    for s in payload["seeds"]:
+        run = root / f"seed_{s['seed']}"
+        assert json.loads((run / "config.json").read_text())["seed"] == s["seed"]
+        assert list(s["curve"]) == ["0", "2"] and s["steps"] == 2
+    curves = [s["curve"]["2"] for s in payload["seeds"]]
+    assert payload["summary"]["versions"]["2"]["mean"] == pytest.approx(statistics.fmean(curves))
+    assert payload["summary"]["target"]["met"] == 2
+    assert (root / "seeds.png").stat().st_size > 0
+    assert "mean +- s.e." in done.stdout
+    # A rerun of the same sweep reads the finished seeds instead of training them again.
+    trained = (root / "seed_1" / "metrics.jsonl").stat().st_mtime_ns
+    again = sweep(root, "--seeds", "1", "2", "--target-gain", "-1", "--", *SHORT)
+    assert again.returncode == 0 and again.stdout.count("reusing") == 2, again.stdout
+    assert (root / "seed_1" / "metrics.jsonl").stat().st_mtime_ns == trained
+
+
+def test_a_seed_that_fails_is_reported_with_its_reason_and_the_sweep_exits_1(
+    tmp_path: Path,
+) -> None:
+    done = sweep(tmp_path / "sweep", "--seeds", "0", "--", "--train.num-steps", "zero")
+    assert done.returncode == 1
+    failed = done.stdout[done.stdout.index("seed 0 FAILED") :]
+    assert "(rc 2)" in failed and "train.num_steps: Input should be a valid integer" in failed
