@@ -45,15 +45,24 @@ Reported per size and framework:
 - held-out accuracy: pass@1 at the task's temperature (``--eval-samples`` samples a
   prompt) on the first ``--eval-rows`` rows of the task's ``data/test.jsonl``, scored
   after training (outside the timed part) for the starting checkpoint and every saved
-  one, by one evaluator for both: Hugging Face ``generate`` with
-  ``examples/arith/evaluate.py``'s ``generate`` and the task's reward, seeded the same
-  for every checkpoint;
+  one, by one evaluator for both, seeded the same for every checkpoint: asyncrl's
+  embedded engine through ``asyncrl eval``'s code (``--evaluator engine``, the default:
+  every sample at once, continuously batched) or Hugging Face ``generate`` with
+  ``examples/arith/evaluate.py``'s ``generate`` (``--evaluator hf``), scored by the
+  task's reward;
 - time to accuracy: wall seconds from launch to the end of the first step whose
   checkpoint reaches the target, the highest accuracy both frameworks reach (the smaller
-  of their two best); none when that is no better than the starting checkpoint.
+  of their two best); none when that is within two standard errors of the start.
 
-The ratios (asyncrl / TRL) are printed next to the issue's targets: at 30M and on the
-real model, samples/s >= 2x and time to accuracy <= 0.5x; at 0.5M, samples/s >= 1x.
+``--seeds N`` runs both frameworks on seeds ``--seed`` .. ``--seed + N - 1`` (their
+order alternating from seed to seed; a seed whose ``result.json`` has the same settings is
+read, not run again, so a long comparison can stop and go on) and reports each seed's
+figures, then the mean +-
+standard error over seeds of every figure, of the accuracy at each checkpoint step and of
+the ratios asyncrl / TRL; time to accuracy is then timed to one ``--threshold`` for all
+seeds (default: the lower of the two frameworks' mean best accuracy). The ratios are
+printed next to the issue's targets: at 30M and on the real model, samples/s >= 2x and
+time to accuracy <= 0.5x; at 0.5M, samples/s >= 1x.
 
 Models: ``--cache/<size>`` holds each size's starting checkpoint, built when missing with
 ``examples/arith/make_model.py``'s recipe (``build_init``: random-init Qwen2 and the
@@ -92,6 +101,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.seeds import mean_se  # noqa: E402
+
 ARITH = ROOT / "examples" / "arith"
 WORDS = ROOT / "examples" / "word_problems"
 FRAMEWORKS = ("asyncrl", "trl")
@@ -121,7 +133,7 @@ ARITH_TASK = Task(ARITH / "config.yaml", ARITH / "data" / "train.jsonl",
                   groups=16, samples=8, eval_samples=4, trl_micro=None)  # fmt: skip
 WORDS_TASK = Task(WORDS / "config.yaml", WORDS / "data" / "train.jsonl",
                   WORDS / "data" / "test.jsonl", reward="numeric", temperature=0.7, chat=True,
-                  groups=8, samples=4, eval_samples=2, trl_micro=8)  # fmt: skip
+                  groups=8, samples=4, eval_samples=4, trl_micro=8)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,6 +562,42 @@ class Evaluator:
         return correct / (self.n * len(self.rows))
 
 
+class EngineEvaluator:
+    """pass@1 of a checkpoint at the task's temperature by ``asyncrl eval``'s code: the
+    embedded engine (fp32, every core) samples all ``n`` x ``rows`` at once with
+    continuous batching, from the same seeded stream for every checkpoint, scored by the
+    task's reward. Checkpoints of both frameworks are plain HF folders."""
+
+    def __init__(self, spec: dict[str, Any], rows: int) -> None:
+        from asyncrl.config import load_config
+
+        sampling = {"temperature": spec["temperature"], "top_p": 1.0,
+                    "max_new_tokens": spec["max_new_tokens"]}  # fmt: skip
+        test = [{"name": "test", "path": f"{spec['test']}@[0:{rows}]",
+                 "n_samples": spec["eval_samples"], "pass_k": [1],
+                 "apply_chat_template": spec["chat"], "sampling": sampling}]  # fmt: skip
+        flags = ["--seed", str(spec["seed"]), "--eval.sets", json.dumps(test),
+                 "--rm-type", spec["reward"]]  # fmt: skip
+        self.cfg = load_config(spec["config"], overrides=flags)
+
+    def __call__(self, model_dir: str) -> float:
+        import asyncio
+
+        from asyncrl.offline_eval import evaluate_model
+
+        rows = asyncio.run(evaluate_model(self.cfg, Path(model_dir)))
+        return float(rows[0]["pass@1"])
+
+
+def make_evaluator(
+    kind: str, model: dict[str, Any], spec: dict[str, Any], rows: int
+) -> Evaluator | EngineEvaluator:
+    """``--evaluator``: ``engine`` (asyncrl's, the default) or ``hf`` (``generate``)."""
+    if kind == "engine":
+        return EngineEvaluator(spec, rows)
+    return Evaluator(Path(model["path"]), read_jsonl(Path(spec["test"]))[:rows], spec)
+
+
 def accuracy_curve(
     timeline: dict[str, Any], t0: float, start: float, evaluator: Evaluator
 ) -> list[dict[str, Any]]:
@@ -609,7 +657,9 @@ def _met(key: str, ratio: float | None, want: float) -> bool | None:
 # -- one size, the report -------------------------------------------------------------
 
 
-def run_spec(args: argparse.Namespace, size: str, model: str, framework: str) -> dict[str, Any]:
+def run_spec(
+    args: argparse.Namespace, size: str, model: str, framework: str, seed: int
+) -> dict[str, Any]:
     """The settings both frameworks share, and where this run writes: the size's task
     and defaults, where a flag does not set them."""
     sz, task = SIZES[size], SIZES[size].task
@@ -621,24 +671,52 @@ def run_spec(args: argparse.Namespace, size: str, model: str, framework: str) ->
             "train": str(pick(args.train, task.train)),
             "test": str(pick(args.test, task.test)), "reward": task.reward,
             "temperature": task.temperature, "chat": task.chat, "trl_micro": task.trl_micro,
-            "out": str(args.work / size / framework), "steps": args.steps or sz.steps,
+            "out": str(args.work / size / f"seed_{seed}" / framework),
+            "steps": args.steps or sz.steps,
             "groups": pick(args.groups, task.groups), "samples": pick(args.samples, task.samples),
             "eval_samples": pick(args.eval_samples, task.eval_samples),
-            "lr": args.lr or sz.lr, "seed": args.seed, "save_every": args.save_every,
+            "lr": args.lr or sz.lr, "seed": seed, "save_every": args.save_every,
             "max_new_tokens": args.max_new_tokens, "eta": pick(args.eta, sz.eta),
             "dtype": args.dtype}  # fmt: skip
 
 
-def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
-    """Both frameworks on ``size``, back to back, then every checkpoint's accuracy."""
-    model = ensure_model(size, args.cache, args.seed)
-    print(f"{size}: {model['params']:,} parameters ({model['path']})", flush=True)
+def seed_order(index: int, frameworks: list[str]) -> list[str]:
+    """The frameworks' order for the ``index``-th seed: reversed every other seed, so
+    neither always runs on a machine the other has just warmed (page cache, clocks)."""
+    return list(frameworks) if index % 2 == 0 else list(reversed(frameworks))
+
+
+def run_seed(
+    args: argparse.Namespace, size: str, model: dict[str, Any], seed: int, index: int
+) -> dict[str, Any]:
+    """Both frameworks on ``size`` with ``seed``, back to back, then every checkpoint's
+    held-out accuracy; read from ``seed_S/result.json`` when it holds these settings."""
+    key = seed_key(args, size, model, seed)
+    saved = args.work / size / f"seed_{seed}" / "result.json"
+    if saved.is_file() and (done := json.loads(saved.read_text())).get("key") == key:
+        print(f"{size} seed {seed}: reusing {saved}", flush=True)
+        return done["result"]
+    result = train_and_score(args, size, model, seed, index)
+    saved.write_text(json.dumps({"key": key, "result": result}, indent=2, default=str) + "\n")
+    return result
+
+
+def seed_key(args: argparse.Namespace, size: str, model: dict[str, Any], seed: int) -> dict:
+    """What a seed's result depends on: both specs, the evaluator and its rows."""
+    specs = {fw: run_spec(args, size, model["path"], fw, seed) for fw in args.frameworks}
+    return {"specs": specs, "evaluator": args.evaluator, "eval_rows": args.eval_rows}
+
+
+def train_and_score(
+    args: argparse.Namespace, size: str, model: dict[str, Any], seed: int, index: int
+) -> dict[str, Any]:
+    """Both frameworks trained in this seed's order, then every checkpoint scored."""
     runs: dict[str, dict[str, Any]] = {}
     timelines: dict[str, tuple[dict[str, Any], dict[str, float]]] = {}
-    spec = run_spec(args, size, model["path"], "none")
-    for fw in args.frameworks:
-        spec = run_spec(args, size, model["path"], fw)
-        print(f"{size}: training {fw} ({spec['steps']} steps) ...", flush=True)
+    spec = run_spec(args, size, model["path"], "none", seed)
+    for fw in seed_order(index, args.frameworks):
+        spec = run_spec(args, size, model["path"], fw, seed)
+        print(f"{size} seed {seed}: training {fw} ({spec['steps']} steps) ...", flush=True)
         clock = launch(fw, spec)
         out = Path(spec["out"])
         if fw == "asyncrl":
@@ -650,17 +728,80 @@ def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
         runs[fw]["save_s"] = sum(c["save_s"] or 0.0 for c in timeline["checkpoints"])
         runs[fw]["timeline"] = [s | {"time": s["time"] - clock["t0"]} for s in timeline["steps"]]
     rows = read_jsonl(Path(spec["test"]))[: args.eval_rows]
-    evaluator = Evaluator(Path(model["path"]), rows, spec)
-    print(f"{size}: evaluating the checkpoints on {len(rows)} test rows ...", flush=True)
+    evaluator = make_evaluator(args.evaluator, model, spec, len(rows))
+    print(f"{size} seed {seed}: evaluating the checkpoints on {len(rows)} test rows "
+          f"({args.evaluator}) ...", flush=True)  # fmt: skip
     start = evaluator(model["path"])
     print(f"  start: accuracy {start:.1%}", flush=True)
-    for fw, (timeline, clock) in timelines.items():
+    for fw in args.frameworks:
+        timeline, clock = timelines[fw]
         print(f"  {fw}:", flush=True)
         runs[fw]["curve"] = accuracy_curve(timeline, clock["t0"], start, evaluator)
         runs[fw]["best_accuracy"] = max(p["accuracy"] for p in runs[fw]["curve"][1:])
-    return {"model": model, "start_accuracy": start, "temperature": spec["temperature"],
-            "frameworks": runs,
-            "comparison": compare(size, runs, start, len(rows) * spec["eval_samples"])}  # fmt: skip
+    scored = len(rows) * spec["eval_samples"]
+    return {"seed": seed, "start_accuracy": start, "scored": scored, "frameworks": runs,
+            "comparison": compare(size, runs, start, scored)}  # fmt: skip
+
+
+def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
+    """Every seed on ``size``, then the figures across seeds."""
+    model = ensure_model(size, args.cache, args.seeds[0])
+    print(f"{size}: {model['params']:,} parameters ({model['path']})", flush=True)
+    seeds = [run_seed(args, size, model, seed, i) for i, seed in enumerate(args.seeds)]
+    return {"model": model, "temperature": SIZES[size].task.temperature, "seeds": seeds,
+            "summary": across_seeds(size, seeds, args.threshold)}  # fmt: skip
+
+
+FIGURES = ("samples/s", "tokens/s", "step_s", "wall_s", "best_accuracy")
+
+
+def across_seeds(
+    size: str, seeds: list[dict[str, Any]], threshold: float | None = None
+) -> dict[str, Any]:
+    """Mean +- standard error over seeds: each framework's figures and accuracy at each
+    checkpoint step, the ratios asyncrl / TRL, and the time to ``threshold`` accuracy
+    (default: the lower of the two frameworks' mean best accuracy; a seed that never
+    reaches it has no time, and the ratio's mean is over seeds where both reach it)."""
+    frameworks = sorted({fw for s in seeds for fw in s["frameworks"]})
+    out: dict[str, Any] = {"frameworks": {}, "seeds": len(seeds)}
+    for fw in frameworks:
+        runs = [s["frameworks"][fw] for s in seeds if fw in s["frameworks"]]
+        stats = {key: mean_se([r[key] for r in runs]) for key in FIGURES}
+        steps = set.intersection(*({p["step"] for p in r["curve"]} for r in runs))
+        stats["accuracy"] = {
+            step: mean_se([p["accuracy"] for r in runs for p in r["curve"] if p["step"] == step])
+            for step in sorted(steps)
+        }
+        out["frameworks"][fw] = stats
+    out["start_accuracy"] = mean_se([s["start_accuracy"] for s in seeds])
+    if set(FRAMEWORKS) - set(frameworks):
+        return out
+    if threshold is None:
+        threshold = min(out["frameworks"][fw]["best_accuracy"]["mean"] for fw in FRAMEWORKS)
+    out["threshold"] = threshold
+    start, scored = out["start_accuracy"]["mean"], seeds[0].get("scored", 0)
+    noise = 2 * max(math.sqrt(start * (1 - start) / scored), 1 / scored) if scored else 0.0
+    if threshold <= start + noise:
+        out["note"] = (
+            f"the threshold ({threshold:.1%}) is within two standard errors "
+            f"({noise:.1%}) of the start ({start:.1%}): no time to accuracy"
+        )
+    for fw in FRAMEWORKS:
+        times = [time_to(s["frameworks"][fw]["curve"], threshold) for s in seeds]
+        reached = [t for t in times if t is not None]
+        out["frameworks"][fw]["time_to_threshold_s"] = times
+        out["frameworks"][fw]["reached"] = len(reached)
+    ratios: dict[str, Any] = {}
+    for key in ("samples/s", "tokens/s"):
+        ratios[key] = mean_se([s["frameworks"]["asyncrl"][key] / s["frameworks"]["trl"][key]
+                               for s in seeds])  # fmt: skip
+    pairs = zip(*(out["frameworks"][fw]["time_to_threshold_s"] for fw in FRAMEWORKS), strict=True)
+    both = [a / t for a, t in pairs if a is not None and t is not None and t > 0]
+    ratios["time_to_accuracy"] = mean_se(both) if both and "note" not in out else None
+    out["ratios"] = ratios
+    out["targets"] = {key: {"want": want, "met": _met(key, (ratios[key] or {}).get("mean"), want)}
+                      for key, want in TARGETS[size].items()}  # fmt: skip
+    return out
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -676,42 +817,74 @@ def _verdict(key: str, goal: dict[str, Any] | None) -> str:
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
-    """Per size: each framework's figures, then the ratios next to the targets."""
+    """Per size and seed: each framework's figures; then the means across seeds and the
+    ratios next to the targets."""
     cols = [("samples/s", ".1f"), ("tokens/s", ".0f"), ("step_s", ".2f"),
             ("first_step_s", ".1f"), ("wall_s", ".0f"), ("save_s", ".1f"),
             ("best_accuracy", ".1%"), ("time_to_accuracy_s", ".0f")]  # fmt: skip
     for size, res in results.items():
-        print(f"\n{size}: {res['model']['params']:,} parameters, start accuracy "
-              f"{res['start_accuracy']:.1%}")  # fmt: skip
-        print(f"{'':<9}" + "".join(f"{c:>20}" for c, _ in cols))
-        for fw, r in res["frameworks"].items():
-            print(f"{fw:<9}" + "".join(f"{_fmt(r.get(c), f):>20}" for c, f in cols))
-        cmp = res["comparison"]
-        if not cmp:
-            continue
-        print(f"target accuracy (the lower of the two bests): {cmp['target_accuracy']:.1%}"
-              + (f" ({cmp['note']})" if "note" in cmp else ""))  # fmt: skip
-        for key in ("samples/s", "tokens/s", "time_to_accuracy"):
-            verdict = _verdict(key, cmp["targets"].get(key))
-            print(f"  asyncrl / TRL {key:<17} {_fmt(cmp[key], '.2f')}x{verdict}")
+        print(f"\n{size}: {res['model']['params']:,} parameters")
+        print(f"{'':<16}" + "".join(f"{c:>19}" for c, _ in cols))
+        for seed in res["seeds"]:
+            print(f"seed {seed['seed']} (start {seed['start_accuracy']:.1%})")
+            for fw, r in seed["frameworks"].items():
+                print(f"  {fw:<14}" + "".join(f"{_fmt(r.get(c), f):>19}" for c, f in cols))
+        print_summary(res["summary"])
+
+
+def _pm(stats: dict[str, float] | None, spec: str) -> str:
+    if stats is None:
+        return "-"
+    if spec.endswith("%"):
+        return f"{stats['mean']:{spec}} +- {stats['se'] * 100:.1f}"
+    return f"{stats['mean']:{spec}} +- {stats['se']:{spec}}"
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """Mean +- s.e. over seeds, then the ratios asyncrl / TRL against the targets."""
+    n = summary["seeds"]
+    print(f"mean +- standard error over {n} seed{'s' if n > 1 else ''}:")
+    for fw, stats in summary["frameworks"].items():
+        cells = [f"{key} {_pm(stats[key], '.1%' if key == 'best_accuracy' else '.2f')}"
+                 for key in FIGURES]  # fmt: skip
+        reached = stats.get("reached")
+        tail = f", reached the threshold on {reached} of {n}" if reached is not None else ""
+        print(f"  {fw:<8} " + "; ".join(cells) + tail)
+        steps = stats["accuracy"]
+        print("           accuracy by step: "
+              + ", ".join(f"{step}: {_pm(m, '.1%')}" for step, m in steps.items()))  # fmt: skip
+    if "ratios" not in summary:
+        return
+    note = f" ({summary['note']})" if "note" in summary else ""
+    print(f"threshold accuracy: {summary['threshold']:.1%}{note}")
+    for key, stats in summary["ratios"].items():
+        verdict = _verdict(key, summary["targets"].get(key))
+        print(f"  asyncrl / TRL {key:<17} {_pm(stats, '.2f')}x{verdict}")
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    """Held-out accuracy against wall seconds since launch, both frameworks, per size."""
+    """Held-out accuracy against wall seconds since launch, per size: one line per seed
+    and framework, a colour per framework, the threshold dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colours = {"asyncrl": "tab:blue", "trl": "tab:orange"}
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
     for ax, (size, res) in zip(axes[0], results.items(), strict=True):
-        for fw, r in res["frameworks"].items():
-            curve = r["curve"]
-            ax.plot([p["time_s"] for p in curve], [p["accuracy"] for p in curve], marker="o",
-                    label=f"{fw} ({r['samples/s']:.1f} samples/s)")  # fmt: skip
-        if res["comparison"]:
-            ax.axhline(res["comparison"]["target_accuracy"], color="k", ls=":", label="target")
-        ax.set_title(f"{size} ({res['model']['params'] / 1e6:.1f}M parameters)")
+        for seed in res["seeds"]:
+            for fw, r in seed["frameworks"].items():
+                curve = r["curve"]
+                label = (
+                    f"{fw} ({r['samples/s']:.1f} samples/s)" if seed is res["seeds"][0] else None
+                )
+                ax.plot([p["time_s"] for p in curve], [p["accuracy"] for p in curve],
+                        marker="o", color=colours.get(fw), alpha=0.7, label=label)  # fmt: skip
+        if "threshold" in res["summary"]:
+            ax.axhline(res["summary"]["threshold"], color="k", ls=":", label="threshold")
+        ax.set_title(f"{size} ({res['model']['params'] / 1e6:.1f}M parameters, "
+                     f"{len(res['seeds'])} seeds)")  # fmt: skip
         ax.set_xlabel("wall seconds since launch")
         ax.set_ylabel(f"held-out pass@1 (T = {res.get('temperature', 1.0):g})")
         ax.legend()
@@ -748,7 +921,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=None,
                         help="RL learning rate of both (default per size: " +
                         ", ".join(f"{k} {v.lr:g}" for k, v in SIZES.items()) + ")")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="N seeds, --seed to --seed + N - 1; both frameworks on each, "
+                        "their order alternating")  # fmt: skip
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="the accuracy timed to (default: the lower of the two "
+                        "frameworks' mean best accuracy)")  # fmt: skip
     parser.add_argument("--eta", type=int, default=None,
                         help="asyncrl's staleness bound (default per size: " +
                         ", ".join(f"{k} {v.eta}" for k, v in SIZES.items()) + ")")  # fmt: skip
@@ -756,14 +935,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=list(DTYPE_FLAGS), default="float32",
                         help="bf16: fp32 master weights and bf16 compute on both sides "
                         "(TRL bf16=True; asyncrl bf16-mixed and a bf16 engine)")  # fmt: skip
-    parser.add_argument("--save-every", type=int, default=4, help="checkpoint every K steps")
-    parser.add_argument("--eval-rows", type=int, default=200, help="first N test rows")
+    parser.add_argument("--save-every", type=int, default=2, help="checkpoint every K steps")
+    parser.add_argument("--eval-rows", type=int, default=500, help="first N test rows")
     parser.add_argument(
         "--eval-samples",
         type=int,
         default=None,
-        help="samples per test prompt (default per task: arith 4, real 2)",
+        help="samples per test prompt (default 4)",
     )
+    parser.add_argument("--evaluator", choices=["engine", "hf"], default="engine",
+                        help="who samples the held-out set: asyncrl's embedded engine "
+                        "(asyncrl eval's code) or Hugging Face generate")  # fmt: skip
     parser.add_argument("--train", type=Path, default=None, help="default: the task's")
     parser.add_argument("--test", type=Path, default=None, help="default: the task's")
     parser.add_argument("--cache", type=Path, default=Path("runs/vs-trl/models"))
@@ -774,6 +956,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.model:
         args.sizes = [args.model]
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: at least 1")
+    args.seeds = list(range(args.seed, args.seed + args.seeds))
     return args
 
 

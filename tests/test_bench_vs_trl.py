@@ -55,7 +55,7 @@ def test_no_gain_over_the_start_means_no_time_to_accuracy() -> None:
     assert out["targets"]["time_to_accuracy"]["met"] is None
 
 
-def test_both_frameworks_train_the_requested_steps_and_are_compared(tmp_path: Path) -> None:
+def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> None:
     make_model = _load("arith_make_model", ROOT / "examples" / "arith" / "make_model.py")
     cache = tmp_path / "models"
     make_model.build_init(cache / "0.5m", argparse.Namespace(hidden=32, layers=2, heads=2, seed=0))
@@ -63,26 +63,92 @@ def test_both_frameworks_train_the_requested_steps_and_are_compared(tmp_path: Pa
     command = [sys.executable, str(ROOT / "bench" / "vs_trl.py"), "--sizes", "0.5m",
                "--steps", "3", "--groups", "2", "--samples", "4", "--save-every", "2",
                "--max-new-tokens", "8", "--eval-rows", "4", "--eval-samples", "2",
-               "--cache", str(cache), "--work", str(tmp_path / "runs"),
-               "--out", str(out)]  # fmt: skip
-    subprocess.run(command, cwd=ROOT, check=True, timeout=240)
+               "--seed", "3", "--seeds", "2", "--cache", str(cache),
+               "--work", str(tmp_path / "runs"), "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, check=True, timeout=400, capture_output=True,
+                          text=True)  # fmt: skip
     result = json.loads(out.read_text())["sizes"]["0.5m"]
     assert result["model"]["params"] > 0
-    for fw in vs_trl.FRAMEWORKS:
-        run = result["frameworks"][fw]
-        assert run["steps"] == run["requested_steps"] == 3, fw  # each side really trained
-        assert run["samples/s"] > 0 and run["tokens/s"] > 0 and run["step_s"] > 0
-        curve = run["curve"]
-        assert curve[0] == point(0, 0.0, result["start_accuracy"])
-        assert [p["step"] for p in curve[1:]] == [2, 3]  # every K steps and the last
-        times = [p["time_s"] for p in curve]
-        assert times == sorted(times) and times[1] >= run["first_step_s"] > 0
-    comparison = result["comparison"]
-    ratio = result["frameworks"]["asyncrl"]["samples/s"] / result["frameworks"]["trl"]["samples/s"]
-    assert comparison["samples/s"] == pytest.approx(ratio)
-    assert {"tokens/s", "time_to_accuracy", "target_accuracy"} <= set(comparison)
-    assert set(comparison["targets"]) == {"samples/s"}
+    assert [s["seed"] for s in result["seeds"]] == [3, 4]
+    for seed in result["seeds"]:
+        for fw in vs_trl.FRAMEWORKS:
+            run = seed["frameworks"][fw]
+            assert run["steps"] == run["requested_steps"] == 3, fw  # each side really trained
+            assert run["samples/s"] > 0 and run["tokens/s"] > 0 and run["step_s"] > 0
+            curve = run["curve"]
+            assert curve[0] == point(0, 0.0, seed["start_accuracy"])
+            assert [p["step"] for p in curve[1:]] == [2, 3]  # every K steps and the last
+            times = [p["time_s"] for p in curve]
+            assert times == sorted(times) and times[1] >= run["first_step_s"] > 0
+        ratio = seed["frameworks"]["asyncrl"]["samples/s"] / seed["frameworks"]["trl"]["samples/s"]
+        assert seed["comparison"]["samples/s"] == pytest.approx(ratio)
+    # Each seed trained in its own folder, with its own seed, in alternating order.
+    for seed in (3, 4):
+        for fw in vs_trl.FRAMEWORKS:
+            spec = json.loads(
+                (tmp_path / "runs" / "0.5m" / f"seed_{seed}" / f"{fw}.spec.json").read_text()
+            )
+            assert spec["seed"] == seed
+    assert done.stdout.index("seed 3: training asyncrl") < done.stdout.index("seed 3: training trl")
+    assert done.stdout.index("seed 4: training trl") < done.stdout.index("seed 4: training asyncrl")
+    summary = result["summary"]
+    assert summary["seeds"] == 2 and set(summary["ratios"]) == {"samples/s", "tokens/s",
+                                                               "time_to_accuracy"}  # fmt: skip
+    ratios = [s["comparison"]["samples/s"] for s in result["seeds"]]
+    assert summary["ratios"]["samples/s"]["mean"] == pytest.approx(sum(ratios) / 2)
+    assert set(summary["targets"]) == {"samples/s"}
+    assert "mean +- standard error over 2 seeds" in done.stdout
     assert out.with_suffix(".png").stat().st_size > 0
+    # The same comparison again reads each finished seed instead of training it again.
+    again = subprocess.run(command, cwd=ROOT, check=True, timeout=120, capture_output=True,
+                           text=True)  # fmt: skip
+    assert again.stdout.count("reusing") == 2 and "training" not in again.stdout, again.stdout
+    assert json.loads(out.read_text())["sizes"]["0.5m"]["summary"] == summary
+
+
+def summary_seed(seed: int, start: float, asyncrl: list, trl: list) -> dict:
+    """A seed's result as run_seed reports it: curves of (step, time_s, accuracy)."""
+
+    def run(curve: list, rate: float) -> dict:
+        points = [point(*p) for p in curve]
+        return {
+            "samples/s": rate,
+            "tokens/s": 10 * rate,
+            "step_s": 1.0,
+            "wall_s": 9.0,
+            "best_accuracy": max(p["accuracy"] for p in points[1:]),
+            "curve": points,
+        }
+
+    return {
+        "seed": seed,
+        "start_accuracy": start,
+        "scored": 2000,
+        "frameworks": {"asyncrl": run(asyncrl, 4.0), "trl": run(trl, 2.0)},
+    }
+
+
+def test_across_seeds_times_every_seed_to_one_threshold_and_averages_the_ratios() -> None:
+    seeds = [
+        summary_seed(0, 0.10, [(0, 0, 0.10), (2, 10, 0.30), (4, 20, 0.40)],
+                     [(0, 0, 0.10), (2, 40, 0.20), (4, 80, 0.30)]),
+        summary_seed(1, 0.12, [(0, 0, 0.12), (2, 12, 0.25), (4, 24, 0.34)],
+                     [(0, 0, 0.12), (2, 40, 0.28), (4, 80, 0.36)]),
+    ]  # fmt: skip
+    out = vs_trl.across_seeds("30m", seeds)
+    # The threshold is the lower mean best: TRL's (0.30 + 0.36) / 2.
+    assert out["threshold"] == pytest.approx(0.33)
+    assert out["frameworks"]["asyncrl"]["time_to_threshold_s"] == [20, 24]
+    assert out["frameworks"]["trl"]["time_to_threshold_s"] == [None, 80]  # seed 0 never
+    assert out["ratios"]["time_to_accuracy"]["mean"] == pytest.approx(24 / 80)  # both reached
+    assert out["ratios"]["samples/s"] == {"mean": 2.0, "se": 0.0, "min": 2.0, "max": 2.0, "n": 2}
+    acc = out["frameworks"]["asyncrl"]["accuracy"]
+    assert list(acc) == [0, 2, 4] and acc[4]["mean"] == pytest.approx(0.37)
+    assert acc[4]["se"] == pytest.approx(0.03)  # stdev(0.40, 0.34) / sqrt(2)
+    assert out["targets"]["time_to_accuracy"] == {"want": 0.5, "met": True}
+    # A threshold within two standard errors of the start times nothing.
+    low = vs_trl.across_seeds("30m", seeds, threshold=0.12)
+    assert low["ratios"]["time_to_accuracy"] is None and "within two standard errors" in low["note"]
 
 
 def test_a_gain_within_two_standard_errors_of_the_start_is_noise() -> None:
@@ -99,7 +165,7 @@ def test_a_gain_within_two_standard_errors_of_the_start_is_noise() -> None:
 
 def test_eta_is_asyncrls_staleness_bound_per_size_unless_given() -> None:
     def eta(size: str, *flags: str) -> str:
-        spec = vs_trl.run_spec(vs_trl.parse_args(list(flags)), size, "m", "asyncrl")
+        spec = vs_trl.run_spec(vs_trl.parse_args(list(flags)), size, "m", "asyncrl", 0)
         out = vs_trl.asyncrl_flags(spec)
         return out[out.index("--buffer.max-staleness") + 1]
 
@@ -108,25 +174,25 @@ def test_eta_is_asyncrls_staleness_bound_per_size_unless_given() -> None:
 
 
 def test_the_real_model_runs_the_word_problems_task_with_its_own_defaults() -> None:
-    spec = vs_trl.run_spec(vs_trl.parse_args(["--model", "real"]), "real", "m", "trl")
+    spec = vs_trl.run_spec(vs_trl.parse_args(["--model", "real"]), "real", "m", "trl", 0)
     assert vs_trl.parse_args(["--model", "real"]).sizes == ["real"]
     assert spec["config"].endswith("examples/word_problems/config.yaml")
     assert spec["train"].endswith("examples/word_problems/data/train.jsonl")
     assert (spec["reward"], spec["temperature"], spec["chat"]) == ("numeric", 0.7, True)
-    assert (spec["groups"], spec["samples"], spec["eval_samples"], spec["eta"]) == (8, 4, 2, 1)
+    assert (spec["groups"], spec["samples"], spec["eval_samples"], spec["eta"]) == (8, 4, 4, 1)
     flags = vs_trl.asyncrl_flags(spec)
     assert flags[flags.index("--rm-type") + 1] == "numeric"
     assert json.loads(flags[flags.index("--rollout.sampling") + 1])["temperature"] == 0.7
     # A flag still wins over the task's default; the arith sizes keep theirs.
-    spec = vs_trl.run_spec(vs_trl.parse_args(["--groups", "2"]), "real", "m", "trl")
+    spec = vs_trl.run_spec(vs_trl.parse_args(["--groups", "2"]), "real", "m", "trl", 0)
     assert (spec["groups"], spec["samples"]) == (2, 4)
-    arith = vs_trl.run_spec(vs_trl.parse_args([]), "30m", "m", "trl")
+    arith = vs_trl.run_spec(vs_trl.parse_args([]), "30m", "m", "trl", 0)
     assert (arith["reward"], arith["temperature"], arith["groups"]) == ("exact", 1.0, 16)
 
 
 def test_trl_trains_the_real_models_step_in_accumulated_micro_batches() -> None:
     pytest.importorskip("trl")
-    spec = vs_trl.run_spec(vs_trl.parse_args(["--model", "real"]), "real", "m", "trl")
+    spec = vs_trl.run_spec(vs_trl.parse_args(["--model", "real"]), "real", "m", "trl", 0)
     cfg = vs_trl.trl_config(spec)
     # One generation of the step's 32 samples, trained 8 at a time: one optimizer step.
     assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps) == (8, 4)

@@ -6,7 +6,7 @@ integer label and its kind (add, sub, mul, div) in the metadata. Numbers are sma
 answers about half of them, sampled at T = 0.7 about a fifth. A problem goes to the test
 set by a hash of its text, so no test problem is ever trained on.
 
-    python examples/word_problems/make_data.py [--train 4000] [--test 200]
+    python examples/word_problems/make_data.py [--train 4000] [--test 500]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def is_test(question: str) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", type=int, default=4000)
-    parser.add_argument("--test", type=int, default=200)
+    parser.add_argument("--test", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng, seen = random.Random(args.seed), set()
