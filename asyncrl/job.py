@@ -42,6 +42,7 @@ from asyncrl.role_configs import (
 )
 from asyncrl.runtime.base import PlacementFailed, open_runtime, place_job
 from asyncrl.runtime.chaos import Chaos
+from asyncrl.runtime.machine import describe
 from asyncrl.runtime.recovery import RestartHooks, restart_budgets
 from asyncrl.runtime.run_dir import claim_run_dir
 from asyncrl.runtime.supervisor import ActorDied, Supervisor, signal_reason
@@ -117,6 +118,7 @@ async def _run_claimed(
 ) -> JobResult:
     run_dir = cfg.resolved_output_dir()
     specs = job_actor_specs(cfg, {}, run_dir, resume=resume)
+    log.info("machine", plan=describe(cfg, specs))
     result = JobResult(ok=False, seconds=0.0)
     trackers = await asyncio.to_thread(open_trackers, cfg, run_dir)
     async with (
