@@ -234,7 +234,8 @@ async def test_an_eval_actor_that_missed_the_final_pull_evaluates_the_final_chec
 async def test_the_final_version_cancels_an_intermediate_eval_but_a_lost_one_does_not():
     """Training ended while an old version was being scored (a restarted eval actor): the
     job waits on the final version, so that eval is cancelled. When the final version is
-    lost instead, the running eval is the last one there is and finishes."""
+    lost instead, the running eval is the last one there is and finishes. Version 0's,
+    the baseline, always finishes, and the final version is scored after it."""
     config = EvalActorConfig(
         engine=EngineConfig(model_path="unused"), sampling={}, reward=RewardConfig(),
         eval=EvalConfig(interval=2, sets=[EvalSetConfig(name="held", path="unused.jsonl")]),
@@ -242,7 +243,7 @@ async def test_the_final_version_cancels_an_intermediate_eval_but_a_lost_one_doe
     )  # fmt: skip
     spec = ActorSpec(name="eval", role="eval", cls="x:y", params=config.model_dump(mode="json"))
 
-    async def scored(final_arrives: bool) -> tuple[list[int], int]:
+    async def scored(final_arrives: bool, slow: int = 2) -> tuple[list[int], int]:
         actor = EvalActor(spec)
         actor.cfg, actor.num_steps, actor.next_due = config.eval, 4, 0
         actor._pending, actor._final_lost = None, False
@@ -256,16 +257,20 @@ async def test_the_final_version_cancels_an_intermediate_eval_but_a_lost_one_doe
 
         async def evaluate(version: int) -> None:
             started.set()
-            if version == 2:
+            if version == slow:
                 await release.wait()  # never released when the final version arrives
             finished.append(version)
 
         actor._evaluate = evaluate
         loop = asyncio.create_task(actor._evaluate_loop())
-        actor._offer(WeightVersion(version=2, transport="pull", location=""), {})
+        actor._offer(WeightVersion(version=slow, transport="pull", location=""), {})
         await asyncio.wait_for(started.wait(), 5)
         if final_arrives:
             actor._offer(WeightVersion(version=4, transport="pull", location=""), {})
+            if slow == 0:
+                await asyncio.sleep(0.05)
+                assert not loop.done()  # the final version waits for the baseline
+                release.set()
         else:
             actor._final_from_disk(4)  # no checkpoint: the final version is lost
             await asyncio.sleep(0.05)
@@ -276,3 +281,4 @@ async def test_the_final_version_cancels_an_intermediate_eval_but_a_lost_one_doe
 
     assert await scored(final_arrives=True) == ([4], 1)
     assert await scored(final_arrives=False) == ([2], 0)
+    assert await scored(final_arrives=True, slow=0) == ([0, 4], 0)

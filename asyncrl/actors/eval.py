@@ -208,6 +208,9 @@ class EvalActor(Actor):
                 await self._evaluate(msg.version)
                 log.info("evaluated the final version", version=msg.version)
                 return
+            if msg.version == 0:  # the baseline every gain is read against: the final waits
+                await self._evaluate(0)
+                continue
             await self._evaluate_unless_final(msg.version)
 
     async def _evaluate_unless_final(self, version: int) -> None:
