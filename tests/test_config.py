@@ -492,3 +492,18 @@ def test_a_resumed_job_samples_from_a_stream_of_its_own(tmp_path: Path):
         f.write('{"step": 6, "lo')  # a kill mid-write: the last whole row counts
     params = role_params(load_config(overrides=flags), tmp_path, resume=True)
     assert params["rollout"].engine.seed == after_5[0]  # type: ignore[attr-defined]
+
+
+def test_the_job_seed_seeds_the_prompt_order_and_the_trainer_unless_they_name_their_own(
+    tmp_path: Path,
+):
+    base = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--seed", "3"]
+    cfg = load_config(overrides=base)
+    assert (cfg.seed, cfg.data.seed, cfg.trainer.seed) == (3, 3, 3)
+    own = load_config(overrides=[*base, "--rollout-seed", "7", "--trainer.seed", "5"])
+    assert (own.seed, own.data.seed, own.trainer.seed) == (3, 7, 5)
+    # A file's own data.seed holds against the job's seed.
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 4\ndata: {path: p.jsonl, seed: 1}\ntrainer: {model_path: m}\n")
+    cfg = load_config(path)
+    assert (cfg.data.seed, cfg.trainer.seed) == (1, 4)

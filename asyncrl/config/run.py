@@ -54,7 +54,11 @@ class RunConfig(Section):
 
     name: str = Field("asyncrl", min_length=1, description="run name")
     output_dir: str = Field("runs/{name}", description="run directory; {name} is replaced")
-    seed: int = Field(0, description="random seed of the job")
+    seed: int = Field(
+        0,
+        description="random seed of the job: the engines' sampling, and the prompts' shuffle "
+        "and the trainer where data.seed and trainer.seed are not set",
+    )
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="actor runtime")
     wire: WireConfig = Field(default_factory=WireConfig, description="channel limits")
     log: LogConfig = Field(default_factory=LogConfig, description="logging")
@@ -105,6 +109,15 @@ class RunConfig(Section):
                     name: {**section, "engine": {**engine, "model_path": model}},
                 }
         return data
+
+    @model_validator(mode="after")
+    def _the_job_seed_seeds_everything(self) -> RunConfig:
+        """``seed`` seeds what does not name its own: the prompts' shuffle (``data.seed``)
+        and the trainer (``trainer.seed``); the engines mix it with their actor names."""
+        for section in (self.data, self.trainer):
+            if section is not None and "seed" not in section.model_fields_set:
+                section.seed = self.seed
+        return self
 
     @model_validator(mode="after")
     def _eval_sets_render_like_the_data(self) -> RunConfig:
