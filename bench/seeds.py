@@ -4,9 +4,11 @@ and the mean +- standard error across seeds.
     asyncrl bench seeds CONFIG --seeds 0 1 2 3 4 --target-gain 0.2 [--root DIR] [-- FLAGS]
 
 Seed ``S`` runs ``asyncrl train CONFIG --seed S --output-dir ROOT/seed_S --overwrite
-FLAGS`` as a child process, timed from launch. A seed whose ``sweep.json`` records a
-finished run of the same command is read, not trained again, so an interrupted sweep goes
-on where it stopped. Per seed: the eval set's ``--metric`` at each version, the gain
+FLAGS`` as a child process, timed from launch (the job's seed seeds the engines, the
+prompt order and the trainer). A seed whose ``sweep.json`` records a finished run of the
+same command and config file is read, not trained again, so an interrupted sweep goes on
+where it stopped; the commit each seed trained at is kept and printed. Per seed: the eval
+set's ``--metric`` at each version, the gain
 (last version minus version 0), wall seconds, trained samples/s after the first step.
 Across seeds, per version: mean, standard error ``stdev / sqrt(n)``, min and max; and how
 many seeds gained ``--target-gain`` or more. Writes ``ROOT/seeds.json`` and
@@ -17,6 +19,7 @@ reason; the others are still reported.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
@@ -42,18 +45,21 @@ def train(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     out = args.root / f"seed_{seed}"
     cmd = command(args, seed)
     record_path = out / "sweep.json"
+    ident = {"command": cmd[1:], "config_sha256": sha256(args.config)}
     if record_path.is_file():
         record = json.loads(record_path.read_text())
-        if record.get("rc") == 0 and record.get("command") == cmd[1:]:
-            print(f"seed {seed}: reusing {out} ({record['wall_s']:.0f} s)", flush=True)
+        if record.get("rc") == 0 and all(record.get(k) == v for k, v in ident.items()):
+            print(f"seed {seed}: reusing {out} ({record['wall_s']:.0f} s, trained at "
+                  f"{record.get('commit')})", flush=True)  # fmt: skip
             return record
+    record_path.unlink(missing_ok=True)  # the folder is about to hold another run
     print(f"seed {seed}: $ asyncrl {' '.join(cmd[3:])}", flush=True)
     start = time.time()
     log = args.root / f"seed_{seed}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as sink:
         rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    record = {"seed": seed, "command": cmd[1:], "rc": rc, "start": start,
+    record = {"seed": seed, **ident, "commit": commit(), "rc": rc, "start": start,
               "wall_s": time.time() - start}  # fmt: skip
     if rc:
         record["reason"] = log.read_text().strip().splitlines()[-5:]
@@ -62,12 +68,31 @@ def train(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return record
 
 
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def commit() -> str:
+    """This tree's commit, ``+`` when it has uncommitted changes to tracked files."""
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
+
+    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    return head + ("+" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
+
+
 def read_seed(record: dict[str, Any], out: Path, eval_set: str | None, metric: str) -> dict:
     """One seed's figures from its run folder: the curve and the trainer's throughput."""
     from asyncrl.api import open_run
 
     run = open_run(out)
+    sets = sorted({r["set"] for r in run.evals})
+    if eval_set is None and len(sets) > 1:
+        raise SystemExit(f"{out}: eval sets {sets}: name one with --set")
     rows = [r for r in run.evals if eval_set in (None, r["set"])]
+    if missing := [r["version"] for r in rows if metric not in r]:
+        raise SystemExit(f"{out}: no {metric!r} in the eval rows of versions {missing}")
     curve = {int(r["version"]): float(r[metric]) for r in rows}
     config = json.loads((out / "config.json").read_text())
     groups, n = config["buffer"]["groups_per_step"], config["buffer"]["num_samples_per_prompt"]
@@ -75,15 +100,17 @@ def read_seed(record: dict[str, Any], out: Path, eval_set: str | None, metric: s
     trained = sum((groups - int(r.get("batch/dropped_groups", 0))) * n for r in steps[1:])
     span = steps[-1]["time"] - steps[0]["time"] if len(steps) > 1 else 0.0
     versions = sorted(curve)
-    return {"seed": record["seed"], "wall_s": record["wall_s"], "steps": len(steps),
+    return {"seed": record["seed"], "commit": record.get("commit"),
+            "wall_s": record["wall_s"], "steps": len(steps),
             "samples/s": trained / span if span > 0 else None,
             "curve": {v: curve[v] for v in versions},
-            "gain": curve[versions[-1]] - curve[versions[0]] if versions else None}  # fmt: skip
+            "gain": curve[versions[-1]] - curve[0] if 0 in curve else None}  # fmt: skip
 
 
-def mean_se(values: list[float]) -> dict[str, float]:
-    """Mean, standard error of the mean (stdev / sqrt(n); 0 for one value), min, max."""
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+def mean_se(values: list[float]) -> dict[str, Any]:
+    """Mean, standard error of the mean (stdev / sqrt(n); None for one value: unknown),
+    min, max, n."""
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
     return {"mean": statistics.fmean(values), "se": se, "min": min(values),
             "max": max(values), "n": len(values)}  # fmt: skip
 
@@ -109,18 +136,26 @@ def print_report(seeds: list[dict[str, Any]], summary: dict[str, Any], metric: s
           + f"{'gain':>9}{'wall s':>9}{'samples/s':>11}")  # fmt: skip
     for s in seeds:
         rate = "-" if s["samples/s"] is None else f"{s['samples/s']:.2f}"
+        gain = "-" if s["gain"] is None else f"{s['gain']:+.1%}"
         print(f"{'seed ' + str(s['seed']):<22}"
               + "".join(f"{s['curve'].get(v, math.nan):>9.1%}" for v in versions)
-              + f"{s['gain']:>+9.1%}{s['wall_s']:>9.0f}{rate:>11}")  # fmt: skip
-    cells = [f"{m['mean']:>6.1%}+-{m['se'] * 100:.1f}" for m in summary["versions"].values()]
+              + f"{gain:>9}{s['wall_s']:>9.0f}{rate:>11}")  # fmt: skip
+    cells = [f"{m['mean']:>6.1%}{pm(m['se'], 100)}" for m in summary["versions"].values()]
     print(f"{'mean +- s.e.':<22}" + "".join(f"{c:>9}" for c in cells))
     gain = summary["gain"]
     if gain:
-        print(f"gain: {gain['mean']:+.1%} +- {gain['se']:.1%} (min {gain['min']:+.1%}, "
-              f"max {gain['max']:+.1%}) over {gain['n']} seeds")  # fmt: skip
+        print(f"gain: {gain['mean']:+.1%}{pm(gain['se'], 100, ' points')} (min "
+              f"{gain['min']:+.1%}, max {gain['max']:+.1%}) over {gain['n']} seeds")  # fmt: skip
+    if len(commits := sorted({str(s["commit"]) for s in seeds})) > 1:
+        print(f"note: the seeds trained at {len(commits)} commits: {', '.join(commits)}")
     if "target" in summary:
         t = summary["target"]
         print(f"{t['met']} of {t['of']} seeds gained {t['gain']:.0%} or more")
+
+
+def pm(se: float | None, scale: float = 1.0, unit: str = "") -> str:
+    """``+-se`` (times ``scale``), or ``(n=1)`` where one value leaves it unknown."""
+    return " (n=1)" if se is None else f"+-{se * scale:.1f}{unit}"
 
 
 def plot(seeds: list[dict[str, Any]], summary: dict[str, Any], path: Path, title: str) -> None:
@@ -136,7 +171,7 @@ def plot(seeds: list[dict[str, Any]], summary: dict[str, Any], path: Path, title
                 label=f"seed {s['seed']}")  # fmt: skip
     versions = list(summary["versions"])
     mean = [m["mean"] for m in summary["versions"].values()]
-    se = [m["se"] for m in summary["versions"].values()]
+    se = [m["se"] or 0.0 for m in summary["versions"].values()]
     ax.plot(versions, mean, color="k", lw=2, label="mean")
     ax.fill_between(
         versions,
@@ -150,6 +185,15 @@ def plot(seeds: list[dict[str, Any]], summary: dict[str, Any], path: Path, title
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_json(payload: dict[str, Any], path: Path) -> None:
+    """``asyncrl plot ROOT/seeds.json``: the figure again from the JSON."""
+    seeds = [s | {"curve": {int(v): a for v, a in s["curve"].items()}} for s in payload["seeds"]]
+    summary = payload["summary"] | {
+        "versions": {int(v): m for v, m in payload["summary"]["versions"].items()}
+    }
+    plot(seeds, summary, path, Path(payload["config"]).parent.name)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -166,6 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not args.config.is_file():
         ap.error(f"{args.config}: no such config")
+    if taken := [f for f in flags if f.split("=")[0] in ("--seed", "--output-dir")]:
+        ap.error(f"{taken}: the sweep sets each seed's seed and folder; drop them after --")
     if len(set(args.seeds)) != len(args.seeds):
         ap.error(f"--seeds {args.seeds}: a seed is named twice")
     args.flags = flags

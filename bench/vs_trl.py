@@ -102,7 +102,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.seeds import mean_se  # noqa: E402
+from bench.seeds import commit, mean_se, sha256  # noqa: E402
 
 ARITH = ROOT / "examples" / "arith"
 WORDS = ROOT / "examples" / "word_problems"
@@ -693,18 +693,27 @@ def run_seed(
     held-out accuracy; read from ``seed_S/result.json`` when it holds these settings."""
     key = seed_key(args, size, model, seed)
     saved = args.work / size / f"seed_{seed}" / "result.json"
-    if saved.is_file() and (done := json.loads(saved.read_text())).get("key") == key:
-        print(f"{size} seed {seed}: reusing {saved}", flush=True)
-        return done["result"]
-    result = train_and_score(args, size, model, seed, index)
+    if not args.fresh and saved.is_file():
+        done = json.loads(saved.read_text())
+        if done.get("key") == key:
+            print(f"{size} seed {seed}: reusing {saved} (at {done['result']['commit']})",
+                  flush=True)  # fmt: skip
+            return done["result"]
+    saved.unlink(missing_ok=True)
+    result = train_and_score(args, size, model, seed, index) | {"commit": commit()}
     saved.write_text(json.dumps({"key": key, "result": result}, indent=2, default=str) + "\n")
     return result
 
 
 def seed_key(args: argparse.Namespace, size: str, model: dict[str, Any], seed: int) -> dict:
-    """What a seed's result depends on: both specs, the evaluator and its rows."""
+    """What a seed's result depends on: both specs, the starting model (its build), the
+    contents of the config and data files, the evaluator and its rows. (The code's
+    commit is recorded beside it, not part of it: ``--fresh`` retrains.)"""
     specs = {fw: run_spec(args, size, model["path"], fw, seed) for fw in args.frameworks}
-    return {"specs": specs, "evaluator": args.evaluator, "eval_rows": args.eval_rows}
+    spec = next(iter(specs.values()))
+    files = {k: sha256(Path(spec[k])) for k in ("config", "train", "test")}
+    return {"specs": specs, "model": model["build"], "files": files,
+            "evaluator": args.evaluator, "eval_rows": args.eval_rows}  # fmt: skip
 
 
 def train_and_score(
@@ -795,10 +804,15 @@ def across_seeds(
     for key in ("samples/s", "tokens/s"):
         ratios[key] = mean_se([s["frameworks"]["asyncrl"][key] / s["frameworks"]["trl"][key]
                                for s in seeds])  # fmt: skip
-    pairs = zip(*(out["frameworks"][fw]["time_to_threshold_s"] for fw in FRAMEWORKS), strict=True)
+    pairs = list(zip(*(out["frameworks"][fw]["time_to_threshold_s"] for fw in FRAMEWORKS),
+                     strict=True))  # fmt: skip
     both = [a / t for a, t in pairs if a is not None and t is not None and t > 0]
     ratios["time_to_accuracy"] = mean_se(both) if both and "note" not in out else None
     out["ratios"] = ratios
+    # Seeds where one side reached the threshold and the other never did: no ratio, and
+    # the strongest evidence either way, so they are counted beside it.
+    out["reached_alone"] = {"asyncrl": sum(a is not None and t is None for a, t in pairs),
+                            "trl": sum(a is None and t is not None for a, t in pairs)}  # fmt: skip
     out["targets"] = {key: {"want": want, "met": _met(key, (ratios[key] or {}).get("mean"), want)}
                       for key, want in TARGETS[size].items()}  # fmt: skip
     return out
@@ -832,9 +846,11 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
         print_summary(res["summary"])
 
 
-def _pm(stats: dict[str, float] | None, spec: str) -> str:
+def _pm(stats: dict[str, Any] | None, spec: str) -> str:
     if stats is None:
         return "-"
+    if stats["se"] is None:
+        return f"{stats['mean']:{spec}} (n=1)"
     if spec.endswith("%"):
         return f"{stats['mean']:{spec}} +- {stats['se'] * 100:.1f}"
     return f"{stats['mean']:{spec}} +- {stats['se']:{spec}}"
@@ -856,7 +872,9 @@ def print_summary(summary: dict[str, Any]) -> None:
     if "ratios" not in summary:
         return
     note = f" ({summary['note']})" if "note" in summary else ""
-    print(f"threshold accuracy: {summary['threshold']:.1%}{note}")
+    alone = summary["reached_alone"]
+    print(f"threshold accuracy: {summary['threshold']:.1%}{note}; seeds where only asyncrl "
+          f"reached it: {alone['asyncrl']}, only TRL: {alone['trl']}")  # fmt: skip
     for key, stats in summary["ratios"].items():
         verdict = _verdict(key, summary["targets"].get(key))
         print(f"  asyncrl / TRL {key:<17} {_pm(stats, '.2f')}x{verdict}")
@@ -946,6 +964,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--evaluator", choices=["engine", "hf"], default="engine",
                         help="who samples the held-out set: asyncrl's embedded engine "
                         "(asyncrl eval's code) or Hugging Face generate")  # fmt: skip
+    parser.add_argument("--fresh", action="store_true",
+                        help="train every seed again, whatever its result.json")  # fmt: skip
     parser.add_argument("--train", type=Path, default=None, help="default: the task's")
     parser.add_argument("--test", type=Path, default=None, help="default: the task's")
     parser.add_argument("--cache", type=Path, default=Path("runs/vs-trl/models"))

@@ -40,7 +40,7 @@ def test_mean_and_standard_error_and_the_seeds_that_met_the_target() -> None:
     assert (last["min"], last["max"], last["n"]) == (0.2, 0.4, 3)
     assert out["target"] == {"gain": 0.2, "met": 2, "of": 3, "seeds": [0, 2]}
     assert out["samples/s"]["n"] == 2  # a seed without a steady state is left out
-    assert seeds.mean_se([0.5])["se"] == 0.0
+    assert seeds.mean_se([0.5])["se"] is None  # one seed says nothing of the spread
 
 
 @pytest.mark.slow
@@ -73,3 +73,26 @@ def test_a_seed_that_fails_is_reported_with_its_reason_and_the_sweep_exits_1(
     assert done.returncode == 1
     failed = done.stdout[done.stdout.index("seed 0 FAILED") :]
     assert "(rc 2)" in failed and "train.num_steps: Input should be a valid integer" in failed
+
+
+def test_a_finished_seed_is_reused_only_for_the_same_command_and_config_file(tmp_path: Path):
+    config = tmp_path / "c.yaml"
+    config.write_text((ROOT / "examples/arith/config.yaml").read_text())
+    # A flag the config refuses: a launch fails at once, so "reused" is told from "ran".
+    args = seeds.parse_args([str(config), "--root", str(tmp_path / "sweep"), "--seeds", "0",
+                             "--", "--train.num-steps", "zero"])  # fmt: skip
+    out = args.root / "seed_0"
+    out.mkdir(parents=True)
+    record = {"seed": 0, "command": seeds.command(args, 0)[1:], "rc": 0, "wall_s": 5.0,
+              "config_sha256": seeds.sha256(config), "commit": "abc"}  # fmt: skip
+    (out / "sweep.json").write_text(json.dumps(record))
+    assert seeds.train(args, 0) == record  # reused, not run
+    config.write_text(config.read_text() + "\n# edited\n")
+    again = seeds.train(args, 0)  # the file changed: run again (and fail on the flag)
+    assert again["rc"] == 2 and json.loads((out / "sweep.json").read_text())["rc"] == 2
+    assert seeds.train(args, 0)["rc"] == 2  # a failed record is never reused
+
+
+def test_the_sweep_refuses_flags_that_would_override_each_seeds_own(tmp_path: Path):
+    done = sweep(tmp_path / "sweep", "--seeds", "0", "--", "--seed", "3")
+    assert done.returncode == 2 and "the sweep sets each seed's seed and folder" in done.stderr
