@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import threading
 import time
@@ -40,9 +39,9 @@ from asyncrl.role_configs import (
     last_step,
     role_params,
 )
+from asyncrl.runtime import machine
 from asyncrl.runtime.base import PlacementFailed, open_runtime, place_job
 from asyncrl.runtime.chaos import Chaos
-from asyncrl.runtime.machine import describe
 from asyncrl.runtime.recovery import RestartHooks, restart_budgets
 from asyncrl.runtime.run_dir import claim_run_dir
 from asyncrl.runtime.supervisor import ActorDied, Supervisor, signal_reason
@@ -118,7 +117,7 @@ async def _run_claimed(
 ) -> JobResult:
     run_dir = cfg.resolved_output_dir()
     specs = job_actor_specs(cfg, {}, run_dir, resume=resume)
-    log.info("machine", plan=describe(cfg, specs))
+    log.info("machine", plan=machine.describe(cfg, specs))
     result = JobResult(ok=False, seconds=0.0)
     trackers = await asyncio.to_thread(open_trackers, cfg, run_dir)
     async with (
@@ -426,14 +425,24 @@ def job_actor_specs(
         specs = [s for s in specs if s.role != "buffer"]
     threads = cfg.runtime.threads or _threads_per_torch_process(cfg)
     for spec in specs:
-        spec.threads = threads
-        if spec.role == "trainer" and cfg.runtime.trainer_threads is not None:
-            spec.threads = cfg.runtime.trainer_threads
+        spec.threads = _trainer_threads(cfg, threads) if spec.role == "trainer" else threads
         if spec.role == "trainer" and cfg.eval.enabled:
             spec.drain_timeout += FINAL_LINGER_S  # its drain waits for the final pull
         if spec.role == "reward" and (model := job_reward_model(cfg)) and model.threads:
             spec.threads = model.threads
     return specs
+
+
+def _trainer_threads(cfg: RunConfig, shared: int) -> int:
+    """``runtime.trainer_threads``; unset, a local job's cores shared by its trainer
+    ranks (each rank takes this), unless ``runtime.threads`` is set (then that). Idle
+    OpenMP threads sleep, so the trainer takes the cores the engines leave idle."""
+    if cfg.runtime.trainer_threads is not None:
+        return cfg.runtime.trainer_threads
+    if cfg.runtime.threads is not None or cfg.runtime.type != "local":
+        return shared
+    ranks = cfg.trainer.num_ranks if cfg.trainer else 1
+    return max(1, machine.usable_cores() // ranks)
 
 
 def _threads_per_torch_process(cfg: RunConfig) -> int:
@@ -443,4 +452,4 @@ def _threads_per_torch_process(cfg: RunConfig) -> int:
     engines = 0 if cfg.train.load_rollout_data or not embedded else cfg.rollout.num_actors
     trainer = 0 if cfg.train.debug_rollout_only else 1
     busy = trainer + engines + int(cfg.eval.enabled) + int(job_reward_model(cfg) is not None)
-    return max(1, (os.cpu_count() or 1) // max(busy, 1))
+    return max(1, machine.usable_cores() // max(busy, 1))

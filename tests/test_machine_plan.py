@@ -22,14 +22,17 @@ def plan(tmp_path: Path, config: str, *flags: str) -> str:
 def test_the_line_names_each_torch_process_its_threads_and_dtype(tmp_path, monkeypatch, bf16):
     flags = frozenset({"avx2", "avx512_bf16"} if bf16 else {"avx2"})
     monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(machine.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
     line = plan(tmp_path, "examples/word_problems/config.yaml", "--runtime.threads", "3")
     assert line.startswith("8 cores, bf16 instructions: " if bf16 else "8 cores: ")
     assert "trainer float32 x 2 threads (micro-batches of 1024 tokens)" in line  # its own
     assert "; 1 engine float32 x 3 threads; eval x 3 threads" in line
     assert ("--trainer.dtype bf16-mixed" in line) == bf16  # the hint only where it pays
     mixed = plan(tmp_path, "examples/word_problems/config.yaml", "--trainer.dtype", "bf16-mixed")
-    assert "trainer bf16-mixed" in mixed and "--trainer.dtype" not in mixed
+    assert "trainer bf16-mixed" in mixed
+    # bf16 where the CPU has no bf16 instructions is the slow choice, and is said to be.
+    assert ("no native bf16" in mixed and "--trainer.dtype float32" in mixed) == (not bf16)
+    assert ("bf16-mixed on such a CPU" in mixed) is False
 
 
 def test_engine_actors_are_the_engines_and_rollout_actors_are_not(tmp_path):
@@ -37,3 +40,43 @@ def test_engine_actors_are_the_engines_and_rollout_actors_are_not(tmp_path):
                 "--rollout.engine.serve", "actor", "--update-weight-transport", "disk",
                 "--eval-interval", "0")  # fmt: skip
     assert "2 engines float32" in line and "eval" not in line
+    vllm = plan(tmp_path, "examples/arith/config.yaml", "--rollout.engine.type", "vllm",
+                "--rollout.engine.serve", "actor", "--update-weight-transport", "disk",
+                "--eval-interval", "0")  # fmt: skip
+    assert "; 1 vllm engine " in vllm and "engine float32" not in vllm  # its threads are its own
+
+
+def test_flags_alone_give_the_trainer_every_core_and_the_devices_micro_batch(tmp_path, monkeypatch):
+    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset())
+    cfg = load_config(overrides=["--hf-checkpoint", "m", "--prompt-data", "p.jsonl"])
+    specs = {s.role: s.threads for s in job_actor_specs(cfg, {}, tmp_path, resume=False)}
+    # Two rollout actors' engines and the trainer share the 8 cores; the trainer takes all.
+    assert specs["trainer"] == 8 and specs["rollout"] == 8 // 3
+    assert cfg.trainer.microbatch_tokens == 1024
+    line = machine.describe(cfg, job_actor_specs(cfg, {}, tmp_path, resume=False))
+    assert "trainer float32 x 8 threads (micro-batches of 1024 tokens)" in line
+    cuda = load_config(overrides=["--hf-checkpoint", "m", "--prompt-data", "p.jsonl",
+                                  "--trainer.device", "cuda"])  # fmt: skip
+    assert cuda.trainer.microbatch_tokens == 8192
+    # Set, they are what was set; runtime.threads holds for the trainer too.
+    flags = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl", "--max-tokens-per-gpu", "300",
+             "--runtime.threads", "3"]  # fmt: skip
+    cfg = load_config(overrides=flags)
+    specs = {s.role: s.threads for s in job_actor_specs(cfg, {}, tmp_path, resume=False)}
+    assert cfg.trainer.microbatch_tokens == 300 and specs["trainer"] == 3
+
+
+def test_trainer_ranks_share_the_cores_and_ray_keeps_the_shared_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
+    base = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl"]
+
+    def trainer_threads(*flags: str) -> int | None:
+        cfg = load_config(overrides=[*base, *flags])
+        specs = job_actor_specs(cfg, {}, tmp_path, resume=False)
+        return next(s.threads for s in specs if s.role == "trainer")
+
+    assert trainer_threads() == 8
+    assert trainer_threads("--trainer.num-ranks", "2") == 4  # each rank's, 8 in all
+    assert trainer_threads("--runtime.type", "ray") == 8 // 3  # the shared count there
+    assert trainer_threads("--runtime.trainer-threads", "3") == 3

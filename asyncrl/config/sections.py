@@ -137,9 +137,9 @@ class RuntimeConfig(Section):
     trainer_threads: int | None = Field(
         None,
         ge=1,
-        description="torch threads of the trainer process; null: as threads. Idle "
-        "OpenMP threads sleep (OMP_WAIT_POLICY=passive), so a trainer given every core "
-        "takes the ones idle engines leave",
+        description="torch threads of the trainer process; null: every core of a local "
+        "job's machine (as threads when threads is set, or on Ray). Idle OpenMP threads "
+        "sleep (OMP_WAIT_POLICY=passive), so the trainer takes the cores idle engines leave",
     )
     fork_server: bool = Field(
         True,

@@ -27,6 +27,15 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's share, not the
+    host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 def cpu_bf16() -> bool:
     """Whether this CPU computes bf16 natively."""
     return bool(BF16_FLAGS & cpu_flags())
@@ -35,28 +44,55 @@ def cpu_bf16() -> bool:
 def describe(cfg: RunConfig, specs: list[ActorSpec]) -> str:
     """One line: cores, bf16, and per torch process its threads and dtype, e.g.
     ``2 cores, bf16 instructions: trainer float32 x 2 threads (micro-batches of 1024
-    tokens); 1 engine float32 x 1 thread; eval x 1 thread``."""
+    tokens); 1 engine float32 x 1 thread; eval x 1 thread``. On Ray the cores are the
+    controller's, and each actor's threads are as set."""
     bf16 = cpu_bf16()
     parts = []
     trainer = next((s for s in specs if s.role == "trainer"), None)
-    if trainer is not None:
+    if trainer is not None and cfg.trainer is not None:
         parts.append(f"trainer {cfg.trainer.dtype} x {_threads(trainer)} (micro-batches of "
-                     f"{cfg.trainer.max_tokens_per_microbatch} tokens)")  # fmt: skip
-    engines = [s for s in specs if s.role == "rollout" and _embedded(cfg)]
-    engines += [s for s in specs if s.role == "engine"]
-    if engines:
-        dtype = cfg.rollout.engine.dtype if cfg.rollout.engine else "float32"
-        counts = Counter(_threads(s) for s in engines)
-        threads = " / ".join(counts)
-        parts.append(f"{len(engines)} engine{'s' if len(engines) > 1 else ''} {dtype} x {threads}")
+                     f"{cfg.trainer.microbatch_tokens} tokens)")  # fmt: skip
+    if engines := _engines(cfg, specs):
+        parts.append(engines)
     for role in ("eval", "reward"):
         parts += [f"{role} x {_threads(s)}" for s in specs if s.role == role]
-    head = f"{os.cpu_count() or 1} cores" + (", bf16 instructions" if bf16 else "")
-    line = f"{head}: " + "; ".join(parts)
-    if bf16 and cfg.trainer.dtype == "float32" and not _cuda(cfg):
-        line += (" (this CPU computes bf16 natively: the trainer's bf16-mixed steps ran "
-                 "1.6-1.7x float32's on such a CPU, --trainer.dtype bf16-mixed)")  # fmt: skip
-    return line
+    where = " (the controller's; on Ray)" if cfg.runtime.type == "ray" else ""
+    head = f"{usable_cores()} cores{where}" + (", bf16 instructions" if bf16 else "")
+    return f"{head}: " + "; ".join(parts) + _dtype_hint(cfg, bf16)
+
+
+def _engines(cfg: RunConfig, specs: list[ActorSpec]) -> str:
+    """The engines: embedded torch ones in the rollout actors, or engine actors (a torch
+    engine behind HTTP, or a vLLM / SGLang server, whose threads are its own)."""
+    engine = cfg.rollout.engine
+    kind = "torch" if engine is None else engine.type
+    hosts = [s for s in specs if s.role == ("rollout" if _embedded(cfg) else "engine")]
+    if not hosts:
+        return f"{kind} engines at {len(engine.urls)} urls" if engine and engine.urls else ""
+    plural = "s" if len(hosts) > 1 else ""
+    if kind != "torch":
+        return f"{len(hosts)} {kind} engine{plural}"
+    dtype = engine.dtype if engine else "float32"
+    threads = " / ".join(Counter(_threads(s) for s in hosts))
+    return f"{len(hosts)} engine{plural} {dtype} x {threads}"
+
+
+def _dtype_hint(cfg: RunConfig, bf16: bool) -> str:
+    """Where the trainer's precision and the CPU disagree, what to set instead."""
+    if cfg.trainer is None or _cuda(cfg):
+        return ""
+    low = cfg.trainer.dtype != "float32"
+    if bf16 and not low:
+        return (
+            " (this CPU computes bf16 natively: SmolLM2-135M's trainer steps ran "
+            "1.6-1.7x faster in bf16-mixed on such a CPU: --trainer.dtype bf16-mixed)"
+        )
+    if low and not bf16:
+        return (
+            f" (this CPU has no native bf16: a bf16 matmul ran at a tenth of float32's "
+            f"on such a CPU; {cfg.trainer.dtype} will be slow: --trainer.dtype float32)"
+        )
+    return ""
 
 
 def _threads(spec: ActorSpec) -> str:

@@ -160,8 +160,12 @@ class TrainerConfig(BaseModel):
         "is ppo_epochs x mini-batches of them).",
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor, times lr.")
-    max_tokens_per_microbatch: int = Field(
-        8192, ge=1, description="Token budget of a micro-batch (slime --max-tokens-per-gpu)."
+    max_tokens_per_microbatch: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget of a micro-batch (slime --max-tokens-per-gpu); null: 1024 "
+        "on CPU (SmolLM2-135M trained as fast as with 4096 there, in half the memory), 8192 "
+        "on CUDA.",
     )
     packing: bool = Field(True, description="Pack micro-batches into one row (else pad).")
     seed: int = Field(0, description="Seeds torch, numpy and random at construction.")
@@ -205,6 +209,13 @@ class TrainerConfig(BaseModel):
         description="each epoch cuts the batch's groups into mini-batches in a new order "
         "(seeded by trainer.seed and the version); false: always in the batch's order",
     )
+
+    @property
+    def microbatch_tokens(self) -> int:
+        """``max_tokens_per_microbatch``, or the device's default when unset."""
+        if self.max_tokens_per_microbatch is not None:
+            return self.max_tokens_per_microbatch
+        return 8192 if self.device.startswith("cuda") else 1024
 
     @model_validator(mode="after")
     def _sim_is_one_process(self) -> TrainerConfig:

@@ -221,7 +221,7 @@ class MegatronTrainer:
         return rank_microbatches(
             rows,
             part,
-            max_tokens=self.config.max_tokens_per_microbatch,
+            max_tokens=self.config.microbatch_tokens,
             world=ps.get_data_parallel_world_size(),
             rank=ps.get_data_parallel_rank(),
             equal_counts=False,

@@ -238,7 +238,7 @@ class TorchTrainer:
         return rank_microbatches(
             rows,
             part,
-            max_tokens=self.config.max_tokens_per_microbatch,
+            max_tokens=self.config.microbatch_tokens,
             world=self.dp.world_size,
             rank=self.dp.rank,
             equal_counts=True,
