@@ -82,8 +82,16 @@ def commit() -> str:
     return head + ("+" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
 
 
-def read_seed(record: dict[str, Any], out: Path, eval_set: str | None, metric: str) -> dict:
-    """One seed's figures from its run folder: the curve and the trainer's throughput."""
+def read_seed(
+    record: dict[str, Any],
+    out: Path,
+    eval_set: str | None,
+    metric: str,
+    threshold: float | None = None,
+) -> dict:
+    """One seed's figures from its run folder: the curve, the trainer's throughput
+    (trained samples and loss tokens a second after the first step), and the wall
+    seconds from launch to the end of the step of the first version at ``threshold``."""
     from asyncrl.api import open_run
 
     run = open_run(out)
@@ -98,11 +106,16 @@ def read_seed(record: dict[str, Any], out: Path, eval_set: str | None, metric: s
     groups, n = config["buffer"]["groups_per_step"], config["buffer"]["num_samples_per_prompt"]
     steps = [r for r in run.metrics if "num_tokens" in r]
     trained = sum((groups - int(r.get("batch/dropped_groups", 0))) * n for r in steps[1:])
+    tokens = sum(float(r["num_tokens"]) for r in steps[1:])
     span = steps[-1]["time"] - steps[0]["time"] if len(steps) > 1 else 0.0
     versions = sorted(curve)
+    ends = {int(r["step"]): float(r["time"]) - record["start"] for r in steps}
+    reached = next((v for v in versions if threshold is not None and curve[v] >= threshold), None)
     return {"seed": record["seed"], "commit": record.get("commit"),
             "wall_s": record["wall_s"], "steps": len(steps),
             "samples/s": trained / span if span > 0 else None,
+            "tokens/s": tokens / span if span > 0 else None,
+            "time_to_threshold_s": None if reached is None else ends.get(reached, 0.0),
             "curve": {v: curve[v] for v in versions},
             "gain": curve[versions[-1]] - curve[0] if 0 in curve else None}  # fmt: skip
 
@@ -121,8 +134,8 @@ def summarize(seeds: list[dict[str, Any]], target_gain: float | None) -> dict[st
     out: dict[str, Any] = {
         "versions": {v: mean_se([s["curve"][v] for s in seeds]) for v in sorted(common)},
     }
-    for key in ("gain", "wall_s", "samples/s"):
-        values = [s[key] for s in seeds if s[key] is not None]
+    for key in ("gain", "wall_s", "samples/s", "tokens/s", "time_to_threshold_s"):
+        values = [s[key] for s in seeds if s.get(key) is not None]
         out[key] = mean_se(values) if values else None
     if target_gain is not None:
         met = [s["seed"] for s in seeds if s["gain"] is not None and s["gain"] >= target_gain]
@@ -132,20 +145,25 @@ def summarize(seeds: list[dict[str, Any]], target_gain: float | None) -> dict[st
 
 def print_report(seeds: list[dict[str, Any]], summary: dict[str, Any], metric: str) -> None:
     versions = list(summary["versions"])
+    cols = (("gain", "+.1%"), ("wall_s", ".0f"), ("samples/s", ".2f"), ("tokens/s", ".1f"),
+            ("time_to_threshold_s", ".0f"))  # fmt: skip
+    heads = ("gain", "wall s", "samples/s", "tokens/s", "to thr. s")
     print(f"\n{metric} per weight version" + "".join(f"{'v' + str(v):>9}" for v in versions)
-          + f"{'gain':>9}{'wall s':>9}{'samples/s':>11}")  # fmt: skip
+          + "".join(f"{h:>11}" for h in heads))  # fmt: skip
     for s in seeds:
-        rate = "-" if s["samples/s"] is None else f"{s['samples/s']:.2f}"
-        gain = "-" if s["gain"] is None else f"{s['gain']:+.1%}"
+        cells = ["-" if s[k] is None else format(s[k], f) for k, f in cols]
         print(f"{'seed ' + str(s['seed']):<22}"
               + "".join(f"{s['curve'].get(v, math.nan):>9.1%}" for v in versions)
-              + f"{gain:>9}{s['wall_s']:>9.0f}{rate:>11}")  # fmt: skip
+              + "".join(f"{c:>11}" for c in cells))  # fmt: skip
     cells = [f"{m['mean']:>6.1%}{pm(m['se'], 100)}" for m in summary["versions"].values()]
     print(f"{'mean +- s.e.':<22}" + "".join(f"{c:>9}" for c in cells))
     gain = summary["gain"]
     if gain:
         print(f"gain: {gain['mean']:+.1%}{pm(gain['se'], 100, ' points')} (min "
               f"{gain['min']:+.1%}, max {gain['max']:+.1%}) over {gain['n']} seeds")  # fmt: skip
+    for key, f in cols[1:]:
+        if stats := summary[key]:
+            print(f"{key}: {stats['mean']:{f}}{pm(stats['se'])} over {stats['n']} seeds")
     if len(commits := sorted({str(s["commit"]) for s in seeds})) > 1:
         print(f"note: the seeds trained at {len(commits)} commits: {', '.join(commits)}")
     if "target" in summary:
@@ -207,6 +225,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", dest="eval_set", default=None, help="eval set (default: every row)")
     ap.add_argument("--metric", default="pass@1")
     ap.add_argument("--target-gain", type=float, default=None, help="e.g. 0.2: 20 points")
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="time each seed to this accuracy (seconds from launch to the end "
+                    "of the first version's step that reaches it)")  # fmt: skip
     args = ap.parse_args(argv)
     if not args.config.is_file():
         ap.error(f"{args.config}: no such config")
@@ -224,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     records = [train(args, seed) for seed in args.seeds]
     failed = [r for r in records if r["rc"]]
-    seeds = [read_seed(r, args.root / f"seed_{r['seed']}", args.eval_set, args.metric)
-             for r in records if not r["rc"]]  # fmt: skip
+    seeds = [read_seed(r, args.root / f"seed_{r['seed']}", args.eval_set, args.metric,
+                       args.threshold) for r in records if not r["rc"]]  # fmt: skip
     summary = summarize(seeds, args.target_gain)
     print_report(seeds, summary, args.metric)
     payload = {"config": str(args.config), "flags": args.flags, "metric": args.metric,

@@ -96,3 +96,26 @@ def test_a_finished_seed_is_reused_only_for_the_same_command_and_config_file(tmp
 def test_the_sweep_refuses_flags_that_would_override_each_seeds_own(tmp_path: Path):
     done = sweep(tmp_path / "sweep", "--seeds", "0", "--", "--seed", "3")
     assert done.returncode == 2 and "the sweep sets each seed's seed and folder" in done.stderr
+
+
+def test_a_seeds_throughput_and_time_to_threshold_come_from_its_run_folder(tmp_path: Path):
+    out = tmp_path / "seed_0"
+    (out / "metrics").mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(
+        {"buffer": {"groups_per_step": 4, "num_samples_per_prompt": 2}}))  # fmt: skip
+    steps = [{"step": k, "time": 100.0 + 10 * k, "num_tokens": 50.0,
+              "batch/dropped_groups": 1.0 if k == 3 else 0.0} for k in (1, 2, 3, 4)]  # fmt: skip
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    evals = [{"version": v, "set": "test", "pass@1": a} for v, a in ((0, 0.1), (2, 0.3), (4, 0.5))]
+    (out / "metrics" / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    record = {"seed": 0, "start": 95.0, "wall_s": 60.0}
+    got = seeds.read_seed(record, out, None, "pass@1", threshold=0.3)
+    # Steps 2-4 over 30 s: 8 + 6 + 8 samples (step 3 lost a group), 150 tokens.
+    assert got["samples/s"] == pytest.approx(22 / 30) and got["tokens/s"] == pytest.approx(5.0)
+    assert got["time_to_threshold_s"] == 25.0  # version 2's step ended 25 s after launch
+    assert got["gain"] == pytest.approx(0.4) and got["steps"] == 4
+    assert (
+        seeds.read_seed(record, out, None, "pass@1", threshold=0.9)["time_to_threshold_s"] is None
+    )
+    with pytest.raises(SystemExit, match="no 'pass@4'"):
+        seeds.read_seed(record, out, None, "pass@4")
