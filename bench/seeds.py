@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,6 +66,10 @@ def train(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         record["reason"] = log.read_text().strip().splitlines()[-5:]
     if out.is_dir():
         record_path.write_text(json.dumps(record, indent=2) + "\n")
+    if rc == 0 and not args.keep_checkpoints:
+        # A real model's checkpoint with its optimizer is 1.6 GB: five seeds of two
+        # checkpoints filled this workspace once. The curves need only the metrics.
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
     return record
 
 
@@ -225,6 +230,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", dest="eval_set", default=None, help="eval set (default: every row)")
     ap.add_argument("--metric", default="pass@1")
     ap.add_argument("--target-gain", type=float, default=None, help="e.g. 0.2: 20 points")
+    ap.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each seed's checkpoints (default: removed once it finished)",
+    )
     ap.add_argument("--threshold", type=float, default=None,
                     help="time each seed to this accuracy (seconds from launch to the end "
                     "of the first version's step that reaches it)")  # fmt: skip

@@ -54,6 +54,7 @@ def test_each_seed_trains_its_own_run_and_a_rerun_reuses_them(tmp_path: Path) ->
         run = root / f"seed_{s['seed']}"
         assert json.loads((run / "config.json").read_text())["seed"] == s["seed"]
         assert list(s["curve"]) == ["0", "2"] and s["steps"] == 2
+        assert not (run / "checkpoints").exists()  # removed once the seed finished
     curves = [s["curve"]["2"] for s in payload["seeds"]]
     assert payload["summary"]["versions"]["2"]["mean"] == pytest.approx(statistics.fmean(curves))
     assert payload["summary"]["target"]["met"] == 2
