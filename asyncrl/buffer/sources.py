@@ -370,7 +370,15 @@ class PromptSource:
             raise DataError(
                 f"{self.config.path}: the state was saved for other data ({saved.get('path')}); "
                 f"changed: {', '.join(changed)}. Refusing to resume a cursor into different rows."
+                + self._seed_hint(saved)
             )
+
+    def _seed_hint(self, saved: dict[str, Any]) -> str:
+        """Runs before the job's --seed seeded the shuffle kept data.seed 0 whatever it was."""
+        old = saved.get("seed")
+        if old is None or old == self.config.seed:
+            return ""
+        return f" To resume with the saved order, pass --rollout-seed {old}."
 
 
 def _is_int(value: Any) -> bool:
