@@ -498,15 +498,19 @@ async def test_stream_interval_sends_an_event_per_interval_of_new_tokens(http, u
     assert all(b - a >= 8 for a, b in itertools.pairwise(spaced[:-1]))
 
 
-async def test_cached_tokens_is_present_and_zero_as_no_prompt_token_comes_from_a_cache(http, url):
+async def test_cached_tokens_counts_the_prompt_tokens_the_prompt_cache_served(http, url):
+    assert (await call(http, url, "/flush_cache", method="POST"))[0] == 200
     body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 6}}
     async with http.post(url + "/generate", json={**body, "stream": True}) as resp:
         chunks = [json.loads(e) for e in sse_events(await resp.text())[:-1]]
     assert [c["meta_info"]["cached_tokens"] for c in chunks] == [0] * len(chunks)
     partial = chunks[-1]["output_ids"]
+    again = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
+    assert again["meta_info"]["cached_tokens"] == len(PROMPT)  # a group's next sample
+    assert again["output_ids"][: len(partial)] == partial
     resumed = await generate(http, url, input_ids=PROMPT + partial, sampling_params=GREEDY)
     assert resumed["meta_info"]["prompt_tokens"] == len(PROMPT) + len(partial)
-    assert resumed["meta_info"]["cached_tokens"] == 0  # recomputed: this engine has no cache
+    assert resumed["meta_info"]["cached_tokens"] == 0  # another prompt: computed
 
 
 async def test_an_abort_mid_generation_answers_200_with_the_partial_output(http, url):

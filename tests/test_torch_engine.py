@@ -105,6 +105,43 @@ async def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(engi
     assert crowd[0].output_ids == alone.output_ids
 
 
+async def test_a_groups_equal_prompts_share_one_prefill_and_sample_as_if_alone(engine, tiny):
+    """n samples of one prompt admitted together: one prefill row, KV copied to the rest
+    (reported as cached), and every sample's tokens and log-probs as if it ran alone; later
+    ones take the prompt's KV from the prompt cache, with the same result."""
+    _, model, _ = tiny
+    prompt = PROMPTS[1]
+
+    def request(rid: str, seed: int, start: int = 0) -> GenerateRequest:
+        sampling = SamplingParams(max_new_tokens=12, sampling_seed=seed, ignore_eos=True)
+        return GenerateRequest(
+            rid=rid, input_ids=prompt, logprob_start_len=start, sampling=sampling
+        )
+
+    alone = [await final(engine, request(f"solo{i}", 40 + i)) for i in range(4)]
+    shared_before = engine.stats["prefill_shared_rows"]
+    await engine.pause("abort")  # hold the group so that one step admits all of it
+    group = [asyncio.create_task(final(engine, request(f"group{i}", 40 + i))) for i in range(4)]
+    await asyncio.sleep(0.05)
+    await engine.resume()
+    outs = await asyncio.gather(*group)
+    assert engine.stats["prefill_shared_rows"] - shared_before == 3
+    assert sorted(o.cached_tokens for o in outs) == [0, len(prompt), len(prompt), len(prompt)]
+    assert [o.cached_tokens for o in alone] == [0] * 4
+    for solo, out in zip(alone, outs, strict=True):
+        assert out.output_ids == solo.output_ids
+        assert out.logprobs == pytest.approx(solo.logprobs, abs=1e-5)
+        assert out.input_logprobs[1:] == pytest.approx(solo.input_logprobs[1:], abs=1e-5)
+        expected = teacher_forced(model, prompt, out.output_ids)
+        assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+    assert len({tuple(o.output_ids) for o in outs}) > 1  # the copies drew their own streams
+    for i, solo in enumerate(alone):  # one by one, as rows free: from the prompt cache
+        out = await final(engine, request(f"late{i}", 40 + i, start=-1))
+        assert out.cached_tokens == len(prompt)
+        assert out.output_ids == solo.output_ids
+        assert out.logprobs == pytest.approx(solo.logprobs, abs=1e-5)
+
+
 async def draws(tiny, seed: int | str | None) -> list[list[int]]:
     """Unseeded requests one after another on a fresh engine seeded with ``seed``."""
     eng = TorchEngine.from_pretrained(str(tiny[0]), seed=seed)
@@ -381,6 +418,11 @@ async def test_update_weights_from_disk_changes_outputs_and_version(engine, tmp_
     await engine.update_weights_from_disk(str(tmp_path), version=7)
     after = await run(engine, "a", PROMPTS[1], temperature=0, max_new_tokens=10, ignore_eos=True)
     assert after.logprobs != before.logprobs and after.versions == [7] * 10
+    # the prompt's KV from version 0 is not reused: every log-prob is the new model's
+    assert after.cached_tokens == 0
+    new_model, _ = build_tiny_model(tmp_path / "again", seed=1)
+    expected = teacher_forced(new_model, PROMPTS[1], after.output_ids)
+    assert torch.allclose(torch.tensor(after.logprobs), expected, atol=1e-4)
     with pytest.raises(EngineError, match=r"no \*\.safetensors"):
         await engine.update_weights_from_disk(str(tmp_path / "missing"), version=8)
     assert engine.version == 7
@@ -500,16 +542,16 @@ async def test_stop_strings_and_regexes_are_refused_without_a_tokenizer(tiny):
             engine.check(request)
 
 
-async def test_cached_tokens_is_zero_for_new_resumed_and_retracted_requests(engine):
+async def test_cached_tokens_counts_a_prompt_served_from_the_prompt_cache(engine):
     partial = await run(engine, "c0", PROMPTS[3], temperature=0, max_new_tokens=5)
     resumed = await run(engine, "c1", PROMPTS[3] + partial.output_ids, max_new_tokens=5)
-    assert (partial.cached_tokens, resumed.cached_tokens) == (0, 0)
+    assert (partial.cached_tokens, resumed.cached_tokens) == (0, 0)  # new prompts
     assert resumed.prompt_tokens == len(PROMPTS[3]) + 5
-    task = asyncio.create_task(run(engine, "c2", PROMPTS[3], max_new_tokens=60, ignore_eos=True))
-    await asyncio.sleep(0.05)
-    await engine.pause("retract")  # its KV is dropped and recomputed, not served from a cache
-    await engine.resume()
-    assert (await task).cached_tokens == 0
+    again = await run(engine, "c2", PROMPTS[3], temperature=0, max_new_tokens=5)
+    assert again.cached_tokens == len(PROMPTS[3]) and again.output_ids == partial.output_ids
+    assert await engine.flush_cache()
+    flushed = await run(engine, "c3", PROMPTS[3], temperature=0, max_new_tokens=5)
+    assert flushed.cached_tokens == 0 and flushed.output_ids == partial.output_ids
 
 
 async def test_destroying_a_weights_update_group_that_was_never_joined_fails(engine):

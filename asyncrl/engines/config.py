@@ -61,6 +61,13 @@ class EngineConfig(BaseModel):
         description="torch engine, no max_total_tokens: the share of the memory free at its "
         "start (the host's, or the GPU's) that its KV cache may take at its peak",
     )
+    prompt_cache_tokens: int = Field(
+        4096,
+        ge=0,
+        description="torch engine: prompt positions whose KV is kept for requests that "
+        "repeat the prompt exactly (a group's samples: one prefill for n), least recently "
+        "used first out, cleared when the weights change; 0: off. Held beside the KV budget",
+    )
     packed_weights: bool = Field(
         True,
         description="torch engine on the CPU: keep a oneDNN-packed copy of each linear "

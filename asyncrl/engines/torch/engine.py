@@ -6,7 +6,8 @@ of its own, so the event loop stays free for HTTP), the ``ModelRunner`` (the for
 ``WeightUpdates`` (every way a version arrives). Admission is bounded by
 ``max_total_tokens`` KV positions, by default what ``mem_fraction`` of the free memory
 holds (SGLang's ``--max-total-tokens``, ``--mem-fraction-static``). Every token is stamped
-with the weight version that sampled it. No KV outlives its request (no prefix cache).
+with the weight version that sampled it. Equal prompts (a group's samples) are prefilled
+once: the prompt cache keeps their KV until the weights change (``prompt_cache.py``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class TorchEngine:
         json_any_whitespace: bool = True,
         cuda_graph: bool = True,
         static_decode: bool | None = None,
+        prompt_cache_tokens: int = 4096,
     ) -> None:
         if not 0 < mem_fraction <= 1 or (max_total_tokens is not None and max_total_tokens < 1):
             raise ValueError(
@@ -113,6 +115,7 @@ class TorchEngine:
             max_total_tokens=self.max_total_tokens,
             version=version,
             batch=batch,
+            prompt_cache_tokens=prompt_cache_tokens,
         )
         self.stats = self.scheduler.stats
         self.model_path = model_path
@@ -165,6 +168,7 @@ class TorchEngine:
             lean=cfg.lean_forward,
             json_any_whitespace=cfg.json_any_whitespace,
             cuda_graph=cfg.cuda_graph,
+            prompt_cache_tokens=cfg.prompt_cache_tokens,
             seed=seed,
             version=version,
         )
@@ -400,8 +404,11 @@ class TorchEngine:
         await self.weights.leave_group(group_name)
 
     async def flush_cache(self) -> bool:
-        """Nothing is cached across requests; refuse while requests run, as SGLang does."""
-        return not self.scheduler.rids
+        """Drop the prompt cache; refused (False) while requests run, as SGLang does."""
+        if self.scheduler.rids:
+            return False
+        await self.at_boundary(self.scheduler.prompts.clear)
+        return True
 
     async def release_memory(self, tags: list[str] | None) -> None:
         """Free the KV cache (must be idle) and move weights to CPU if on an accelerator.
@@ -416,6 +423,8 @@ class TorchEngine:
                 self.runner.invalidate()
 
             await self.at_boundary(release)
+        if tags is None or "kv_cache" in tags:
+            await self.at_boundary(self.scheduler.prompts.clear)
         await self._static_memory(tags, release=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -11,6 +11,7 @@ Face's ``DynamicLayer`` copies the whole cache. Used from the engine's step thre
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -97,6 +98,21 @@ def _lpad(t: torch.Tensor, width: int) -> torch.Tensor:
 def new_cache() -> Any:
     """An empty cache whose layers are ``SlabLayer``s, for a prefill to fill."""
     return Cache(layer_class_to_replicate=SlabLayer)
+
+
+def cache_of_rows(parts: Sequence[Any]) -> tuple[Any, torch.Tensor]:
+    """A left-padded cache holding ``parts`` as its rows (each a ``Prefilled``: per layer
+    ``[kv_heads, length, head_dim]`` keys and values) and its mask."""
+    width = max(p.length for p in parts)
+    mask = torch.zeros(len(parts), width, dtype=torch.long)
+    for i, p in enumerate(parts):
+        mask[i, width - p.length :] = 1
+    cache = new_cache()
+    cache.layers = [
+        SlabLayer.of_rows([p.keys[n] for p in parts], [p.values[n] for p in parts], width)
+        for n in range(len(parts[0].keys))
+    ]
+    return cache, mask
 
 
 def _concat_caches(a: Any, b: Any, width: int) -> Any:
@@ -219,6 +235,22 @@ class SlabLayer(DynamicLayer):
                 block = slab[lo_row : lo_row + n_rows]
                 block[:, :, : width - cols] = 0  # columns past width are written before read
                 block[:, :, width - cols : width] = part
+        layer.n = width
+        layer._expose()
+        return layer
+
+    @classmethod
+    def of_rows(cls, keys: list[torch.Tensor], values: list[torch.Tensor], width: int) -> SlabLayer:
+        """Row ``i`` holds ``keys[i]``/``values[i]`` (``[heads, length_i, d]``) at the right
+        end of ``width`` columns, zeros on its left (as ``stacked``)."""
+        layer = cls()
+        layer.lazy_initialization(keys[0][None], values[0][None])
+        heads, d = keys[0].shape[0], keys[0].shape[2]
+        layer._k = keys[0].new_zeros(len(keys), heads, _room(width), d)
+        layer._v = values[0].new_zeros(len(keys), heads, _room(width), d)
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            layer._k[i, :, width - k.shape[1] : width] = k
+            layer._v[i, :, width - v.shape[1] : width] = v
         layer.n = width
         layer._expose()
         return layer

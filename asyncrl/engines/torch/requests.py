@@ -35,6 +35,7 @@ class Seq:
     stop_regex: list[re.Pattern[str]] = field(default_factory=list)
     grammar: Any = None  # an xgrammar matcher for a constrained request (grammar.py)
     finish: FinishReason | None = None
+    cached: int = 0  # prompt tokens whose KV was copied from an equal prompt's prefill
     aborted: bool = False
     queued: bool = True
     updated: asyncio.Event = field(default_factory=asyncio.Event)
@@ -49,7 +50,7 @@ class Seq:
             top_logprobs=None if self.top is None else list(self.top),
             finish_reason=self.finish,
             prompt_tokens=len(self.req.input_ids),
-            cached_tokens=0,  # no prefix cache: the prefill computed every prompt token
+            cached_tokens=self.cached,
             input_logprobs=self.input_logprobs,
             input_top_logprobs=self.input_top,
             token_ids_logprobs=None if self.chosen is None else list(self.chosen),
@@ -146,6 +147,25 @@ def similar_lengths(seqs: list[Seq], waste: float = 0.25) -> list[list[Seq]]:
             chunks.append([seq])
             tokens = width
     return chunks
+
+
+def shared_prompts(seqs: list[Seq]) -> tuple[list[Seq], list[int]]:
+    """The distinct prompts of ``seqs`` (the first holder of each) and, for every seq, the
+    index of its prompt among them: ``seqs[i].prompt == unique[rows[i]].prompt``.
+
+    A group's n samples arrive together with one prompt, so a prefill computes it once
+    and copies its KV n times, as a prefix cache would, with no KV kept past the batch.
+    """
+    index: dict[tuple[int, ...], int] = {}
+    unique: list[Seq] = []
+    rows = []
+    for seq in seqs:
+        key = tuple(seq.prompt)
+        if key not in index:
+            index[key] = len(unique)
+            unique.append(seq)
+        rows.append(index[key])
+    return unique, rows
 
 
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

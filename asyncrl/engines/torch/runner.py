@@ -25,6 +25,7 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in forward else "past_key_values"
         self.device = next(model.parameters()).device
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.weights_epoch = 0  # moves at every invalidate: KV computed before is stale
 
     @property
     def vocab_size(self) -> int:
@@ -50,7 +51,8 @@ class ModelRunner:
 
     def invalidate(self) -> None:
         """Drop the copies made of the weights (packed, fused): the next forward makes
-        them again from the weights as they are then."""
+        them again from the weights as they are then; KV computed before is stale."""
+        self.weights_epoch += 1
         cpu_linear.invalidate(self.model)
         if self.lean is not None:
             self.lean.invalidate()

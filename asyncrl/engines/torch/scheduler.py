@@ -20,8 +20,9 @@ import torch
 from asyncrl.engines.base import FinishReason
 from asyncrl.engines.torch.grammar import mask_rows
 from asyncrl.engines.torch.graph_decode import PoolBatch
-from asyncrl.engines.torch.kv_batch import KVBatch, new_cache
-from asyncrl.engines.torch.requests import Seq, finish_reason, similar_lengths
+from asyncrl.engines.torch.kv_batch import KVBatch, cache_of_rows, new_cache
+from asyncrl.engines.torch.prompt_cache import Prefilled, PromptCache, prefilled
+from asyncrl.engines.torch.requests import Seq, finish_reason, shared_prompts, similar_lengths
 from asyncrl.engines.torch.runner import ModelRunner
 from asyncrl.engines.torch.sampling import (
     Sampled,
@@ -50,6 +51,7 @@ class Scheduler:
         max_total_tokens: int,
         version: int,
         batch: KVBatch[Seq] | PoolBatch | None = None,
+        prompt_cache_tokens: int = 0,
     ) -> None:
         self.runner, self.tokenizer, self.eos_ids = runner, tokenizer, eos_ids
         self.max_running, self.max_total_tokens = max_running, max_total_tokens
@@ -58,11 +60,13 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()
         self.batch: KVBatch[Seq] | PoolBatch = KVBatch() if batch is None else batch
         self.rids: dict[str, Seq] = {}
+        self.prompts = PromptCache(prompt_cache_tokens)
         self.jobs: deque[Job] = deque()
         self.just_finished: list[Seq] = []
         self.stats: dict[str, float] = {
             "steps": 0,
             "prefills": 0,
+            "prefill_shared_rows": 0,
             "generated_tokens": 0,
             "update_pause_s": 0.0,
         }
@@ -161,6 +165,43 @@ class Scheduler:
             self._prefill(chunk)
 
     def _prefill(self, seqs: list[Seq]) -> None:
+        """Prefill ``seqs``: each distinct prompt once (``shared_prompts``: a group's
+        samples), none the prompt cache holds; rows of one prompt get copies of its KV."""
+        unique, rows = shared_prompts(seqs)
+        scored = [s.req.logprob_start_len >= 0 and s.input_logprobs is None for s in seqs]
+        whole = {rows[i] for i, yes in enumerate(scored) if yes}  # logits at every position
+        epoch = self.runner.weights_epoch
+        parts: list[Prefilled | None] = [
+            None if u in whole else self.prompts.get(tuple(s.prompt), epoch)
+            for u, s in enumerate(unique)
+        ]
+        misses = [u for u, part in enumerate(parts) if part is None]
+        logits = torch.zeros(0)
+        if misses:
+            todo = [unique[u] for u in misses]
+            cache, mask, logits = self._forward(todo, keep=0 if whole else 1)
+            if len(misses) < len(seqs) or self.prompts.max_positions:
+                for j, s in enumerate(todo):
+                    parts[misses[j]] = part = prefilled(cache, j, len(s.prompt), logits[j, -1])
+                    self.prompts.put(tuple(s.prompt), part, epoch)
+            if len(misses) == len(seqs):  # nothing shared: the forward's cache is the batch's
+                self._prompt_logprobs(seqs, scored, logits, list(range(len(seqs))))
+                self._merge(seqs, cache, mask, logits[:, -1, :].float())
+                return
+        at = {u: j for j, u in enumerate(misses)}
+        self._prompt_logprobs(seqs, scored, logits, [at.get(r, -1) for r in rows])
+        for i, s in enumerate(seqs):
+            if rows[i] not in at or unique[rows[i]] is not s:
+                s.cached = len(s.req.input_ids)
+                self.stats["prefill_shared_rows"] += 1
+        held = [parts[r] for r in rows]
+        cache, mask = cache_of_rows(held)  # type: ignore[arg-type]  (all filled above)
+        self._merge(seqs, cache, mask, torch.stack([p.last for p in held]))  # type: ignore[union-attr]
+
+    def _forward(self, seqs: list[Seq], keep: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One left-padded forward of ``seqs``' prompts: its cache, mask and logits (the
+        last position's, or every position's for ``keep`` 0: prompt log-probs need them,
+        and a ``[b, width, V]`` projection is most of a short prompt's prefill)."""
         width = max(len(s.prompt) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -168,31 +209,31 @@ class Scheduler:
             ids[i, width - len(s.prompt) :] = torch.tensor(s.prompt)
             mask[i, width - len(s.prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        # Only prompt log-probs need logits at every prompt position: a [b, width, V]
-        # projection is most of a short prompt's prefill with a large vocabulary.
-        scored = [s.req.logprob_start_len >= 0 and s.input_logprobs is None for s in seqs]
         cache = new_cache()
-        logits = self.runner.forward(ids, mask, positions, cache, keep=0 if any(scored) else 1)
+        logits = self.runner.forward(ids, mask, positions, cache, keep=keep)
         self.stats["prefills"] += 1
+        return cache, mask, logits
+
+    def _prompt_logprobs(
+        self, seqs: list[Seq], scored: list[bool], logits: torch.Tensor, rows: list[int]
+    ) -> None:
+        """Prompt log-probs of the ``scored`` seqs from row ``rows[i]`` of ``logits``
+        (every position's, left-padded); marks every seq admitted."""
         for i, s in enumerate(seqs):
             s.queued = False
-            if scored[i]:
-                s.input_logprobs, s.input_top = prompt_logprobs(
-                    logits[i, width - len(s.prompt) :],
-                    s.prompt,
-                    s.req.logprob_start_len,
-                    s.req.top_logprobs_num,
-                    temperature=s.row.params.logprob_temperature,
-                )
-                if s.req.token_ids_logprob is not None:
-                    s.input_chosen = prompt_chosen_logprobs(
-                        logits[i, width - len(s.prompt) :],
-                        s.prompt,
-                        s.req.logprob_start_len,
-                        s.req.token_ids_logprob,
-                        temperature=s.row.params.logprob_temperature,
-                    )
-        self._merge(seqs, cache, mask, logits[:, -1, :].float())
+            if not scored[i]:
+                continue
+            own = logits[rows[i], logits.shape[1] - len(s.prompt) :]
+            temperature = s.row.params.logprob_temperature
+            s.input_logprobs, s.input_top = prompt_logprobs(
+                own, s.prompt, s.req.logprob_start_len, s.req.top_logprobs_num,
+                temperature=temperature,
+            )  # fmt: skip
+            if s.req.token_ids_logprob is not None:
+                s.input_chosen = prompt_chosen_logprobs(
+                    own, s.prompt, s.req.logprob_start_len, s.req.token_ids_logprob,
+                    temperature=temperature,
+                )  # fmt: skip
 
     def _merge(self, seqs: list[Seq], cache: Any, mask: torch.Tensor, last: torch.Tensor) -> None:
         tokens = [0] * len(seqs)  # placeholders for rows that leave at the finish check
