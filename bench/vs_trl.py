@@ -18,7 +18,9 @@ hyper-parameters:
 ``--dtype bf16`` computes in bf16 on both sides with fp32 master weights and optimizer
 state: TRL's ``bf16=True`` (Accelerate's autocast wraps its forwards, ``generate``
 included); asyncrl's ``trainer.dtype bf16-mixed`` and an engine that samples from bf16
-weights (``DTYPE_FLAGS``). Checkpoints are scored in fp32 either way.
+weights (``DTYPE_FLAGS``). Checkpoints are scored in fp32 unless ``--eval-dtype bfloat16``
+(the engine evaluator only: 1.5x faster on a bf16 CPU, the same start accuracy within
+0.1 point on the real model).
 
 asyncrl runs ``asyncrl train`` (``run_job``) on the task's example config with those
 settings: async with a staleness bound eta per size (``--eta``; 2 at 0.5M, the demo's
@@ -564,11 +566,11 @@ class Evaluator:
 
 class EngineEvaluator:
     """pass@1 of a checkpoint at the task's temperature by ``asyncrl eval``'s code: the
-    embedded engine (fp32, every core) samples all ``n`` x ``rows`` at once with
+    embedded engine (``dtype`` weights, every core) samples all ``n`` x ``rows`` at once with
     continuous batching, from the same seeded stream for every checkpoint, scored by the
     task's reward. Checkpoints of both frameworks are plain HF folders."""
 
-    def __init__(self, spec: dict[str, Any], rows: int) -> None:
+    def __init__(self, spec: dict[str, Any], rows: int, dtype: str = "float32") -> None:
         from asyncrl.config import load_config
 
         sampling = {"temperature": spec["temperature"], "top_p": 1.0,
@@ -577,7 +579,7 @@ class EngineEvaluator:
                  "n_samples": spec["eval_samples"], "pass_k": [1],
                  "apply_chat_template": spec["chat"], "sampling": sampling}]  # fmt: skip
         flags = ["--seed", str(spec["seed"]), "--eval.sets", json.dumps(test),
-                 "--rm-type", spec["reward"]]  # fmt: skip
+                 "--rm-type", spec["reward"], "--rollout.engine.dtype", dtype]  # fmt: skip
         self.cfg = load_config(spec["config"], overrides=flags)
 
     def __call__(self, model_dir: str) -> float:
@@ -590,11 +592,11 @@ class EngineEvaluator:
 
 
 def make_evaluator(
-    kind: str, model: dict[str, Any], spec: dict[str, Any], rows: int
+    kind: str, model: dict[str, Any], spec: dict[str, Any], rows: int, dtype: str = "float32"
 ) -> Evaluator | EngineEvaluator:
     """``--evaluator``: ``engine`` (asyncrl's, the default) or ``hf`` (``generate``)."""
     if kind == "engine":
-        return EngineEvaluator(spec, rows)
+        return EngineEvaluator(spec, rows, dtype)
     return Evaluator(Path(model["path"]), read_jsonl(Path(spec["test"]))[:rows], spec)
 
 
@@ -712,8 +714,11 @@ def seed_key(args: argparse.Namespace, size: str, model: dict[str, Any], seed: i
     specs = {fw: run_spec(args, size, model["path"], fw, seed) for fw in args.frameworks}
     spec = next(iter(specs.values()))
     files = {k: sha256(Path(spec[k])) for k in ("config", "train", "test")}
-    return {"specs": specs, "model": model["build"], "files": files,
-            "evaluator": args.evaluator, "eval_rows": args.eval_rows}  # fmt: skip
+    key = {"specs": specs, "model": model["build"], "files": files,
+           "evaluator": args.evaluator, "eval_rows": args.eval_rows}  # fmt: skip
+    if args.eval_dtype != "float32":  # keyed only when set: earlier results stay valid
+        key["eval_dtype"] = args.eval_dtype
+    return key
 
 
 def train_and_score(
@@ -737,7 +742,7 @@ def train_and_score(
         runs[fw]["save_s"] = sum(c["save_s"] or 0.0 for c in timeline["checkpoints"])
         runs[fw]["timeline"] = [s | {"time": s["time"] - clock["t0"]} for s in timeline["steps"]]
     rows = read_jsonl(Path(spec["test"]))[: args.eval_rows]
-    evaluator = make_evaluator(args.evaluator, model, spec, len(rows))
+    evaluator = make_evaluator(args.evaluator, model, spec, len(rows), args.eval_dtype)
     print(f"{size} seed {seed}: evaluating the checkpoints on {len(rows)} test rows "
           f"({args.evaluator}) ...", flush=True)  # fmt: skip
     start = evaluator(model["path"])
@@ -961,6 +966,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="samples per test prompt (default 4)",
     )
+    parser.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the engine evaluator's weights")  # fmt: skip
     parser.add_argument("--evaluator", choices=["engine", "hf"], default="engine",
                         help="who samples the held-out set: asyncrl's embedded engine "
                         "(asyncrl eval's code) or Hugging Face generate")  # fmt: skip
