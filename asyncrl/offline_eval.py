@@ -47,7 +47,8 @@ def engine_config(cfg: RunConfig, model: Path) -> EngineConfig:
     base = cfg.eval.engine or cfg.rollout.engine
     fields: dict[str, Any] = {"type": "torch", "model_path": str(model)}
     if base is not None and base.type == "torch":
-        keep = ("device", "dtype", "max_running", "packed_weights", "lean_forward", "seed")
+        keep = ("device", "dtype", "max_running", "packed_weights", "lean_forward", "seed",
+                "prompt_cache_tokens")  # fmt: skip
         fields |= {k: getattr(base, k) for k in keep}
     return EngineConfig.model_validate(fields).seeded(cfg.seed)
 

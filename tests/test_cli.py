@@ -118,13 +118,14 @@ def test_serve_flags_are_the_engine_configs_fields_under_sglangs_names():
     argv = ["serve", "--model", "m", "--mem-fraction-static", "0.5", "--packed-weights",
             "false", "--max-running-requests", "8", "--random-seed", "null",
             "--no-lean-forward", "--constrained-json-disable-any-whitespace",
-            "--disable-cuda-graph"]  # fmt: skip
+            "--disable-cuda-graph", "--disable-radix-cache"]  # fmt: skip
     args = parser.parse_args(argv)
     fields = {name: getattr(args, name) for name in SERVE_ENGINE_FLAGS}
     assert fields == {"device": "cpu", "dtype": "float32", "max_running": 8,
                       "max_total_tokens": None, "mem_fraction": 0.5, "packed_weights": False,
                       "lean_forward": False, "json_any_whitespace": False,
-                      "cuda_graph": False, "seed": None}  # fmt: skip
+                      "cuda_graph": False, "prompt_cache_tokens": 0,
+                      "seed": None}  # fmt: skip
     cfg = EngineConfig(type="torch", model_path="m", **fields)
     defaults = parser.parse_args(["serve", "--model", "m"])
     for name in SERVE_ENGINE_FLAGS:

@@ -83,8 +83,9 @@ async def outputs(engine: TorchEngine, requests: list[GenerateRequest], retract:
 
 def requests(seeded: bool) -> list[GenerateRequest]:
     prompts = [[5, 9, 11], list(range(20, 60)), [7] * 17, [100, 101, 102, 103, 104]]
+    prompts += [prompts[0], prompts[3]]  # a group's samples: one prefill, KV copied
     out = []
-    for i, (prompt, budget) in enumerate(zip(prompts, [12, 5, 9, 40], strict=True)):
+    for i, (prompt, budget) in enumerate(zip(prompts, [12, 5, 9, 40, 7, 20], strict=True)):
         sampling = (
             SamplingParams(temperature=0.8, max_new_tokens=budget, sampling_seed=i, ignore_eos=True)
             if seeded
@@ -100,10 +101,10 @@ def requests(seeded: bool) -> list[GenerateRequest]:
 async def test_the_static_path_gives_the_dynamic_paths_tokens_and_logprobs(
     model_dir: Path, seeded: bool, retract: bool
 ):
-    """Four requests of different lengths and budgets (rows leave, and the pool moves its
-    last row into each gap), greedy or seeded at T 0.8, with or without a retract (every
-    row prefilled again into the pool): the static path's tokens are the dynamic path's
-    and its log-probs within 1e-5."""
+    """Six requests of different lengths and budgets, two repeating a prompt (rows leave,
+    and the pool moves its last row into each gap), greedy or seeded at T 0.8, with or
+    without a retract (every row prefilled again into the pool): the static path's tokens
+    are the dynamic path's and its log-probs within 1e-5."""
     engines = [
         TorchEngine.from_pretrained(
             str(model_dir), packed=False, static_decode=static, max_running=8

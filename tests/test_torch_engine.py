@@ -106,9 +106,9 @@ async def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(engi
 
 
 async def test_a_groups_equal_prompts_share_one_prefill_and_sample_as_if_alone(engine, tiny):
-    """n samples of one prompt admitted together: one prefill row, KV copied to the rest
-    (reported as cached), and every sample's tokens and log-probs as if it ran alone; later
-    ones take the prompt's KV from the prompt cache, with the same result."""
+    """n samples of one prompt admitted together: one prefill row, KV copied to the rest,
+    and every sample's tokens and log-probs as if it ran alone; later ones take the
+    prompt's KV from the prompt cache, with the same result."""
     _, model, _ = tiny
     prompt = PROMPTS[1]
 
@@ -119,15 +119,15 @@ async def test_a_groups_equal_prompts_share_one_prefill_and_sample_as_if_alone(e
         )
 
     alone = [await final(engine, request(f"solo{i}", 40 + i)) for i in range(4)]
-    shared_before = engine.stats["prefill_shared_rows"]
+    reused = engine.stats["prefill_reused_rows"]
     await engine.pause("abort")  # hold the group so that one step admits all of it
     group = [asyncio.create_task(final(engine, request(f"group{i}", 40 + i))) for i in range(4)]
     await asyncio.sleep(0.05)
     await engine.resume()
     outs = await asyncio.gather(*group)
-    assert engine.stats["prefill_shared_rows"] - shared_before == 3
-    assert sorted(o.cached_tokens for o in outs) == [0, len(prompt), len(prompt), len(prompt)]
-    assert [o.cached_tokens for o in alone] == [0] * 4
+    assert engine.stats["prefill_reused_rows"] - reused == 3
+    # prompt log-probs from position 0: SGLang counts no cached token before it
+    assert [o.cached_tokens for o in (*alone, *outs)] == [0] * 8
     for solo, out in zip(alone, outs, strict=True):
         assert out.output_ids == solo.output_ids
         assert out.logprobs == pytest.approx(solo.logprobs, abs=1e-5)
@@ -137,9 +137,45 @@ async def test_a_groups_equal_prompts_share_one_prefill_and_sample_as_if_alone(e
     assert len({tuple(o.output_ids) for o in outs}) > 1  # the copies drew their own streams
     for i, solo in enumerate(alone):  # one by one, as rows free: from the prompt cache
         out = await final(engine, request(f"late{i}", 40 + i, start=-1))
-        assert out.cached_tokens == len(prompt)
+        assert out.cached_tokens == len(prompt) - 1  # SGLang: the last token is computed
         assert out.output_ids == solo.output_ids
         assert out.logprobs == pytest.approx(solo.logprobs, abs=1e-5)
+
+
+async def test_one_admission_mixes_cached_shared_and_new_prompts_of_any_length(engine, tiny):
+    """Prompts of several lengths in one prefill, some from the cache, some twice, some
+    new: each row decodes its own prompt (greedy equals HF generate)."""
+    _, model, _ = tiny
+    for i in (0, 3):
+        await run(engine, f"prime{i}", PROMPTS[i], temperature=0, max_new_tokens=1)
+    prompts = [PROMPTS[3], PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+    await engine.pause("abort")
+    tasks = [
+        asyncio.create_task(
+            run(engine, f"mix{i}", p, temperature=0, max_new_tokens=10, ignore_eos=True)
+        )
+        for i, p in enumerate(prompts)
+    ]
+    await asyncio.sleep(0.05)
+    await engine.resume()
+    outs = await asyncio.gather(*tasks)
+    for ids, out in zip(prompts, outs, strict=True):
+        assert out.output_ids == hf_greedy(model, ids, 10)
+    assert [o.cached_tokens for o in outs] == [7, 0, 2, 26, 0, 7]
+
+
+async def test_the_prompt_cache_off_computes_every_prompt(tiny):
+    eng = TorchEngine.from_pretrained(str(tiny[0]), prompt_cache_tokens=0)
+    task = asyncio.create_task(eng.run())
+    try:
+        first = await run(eng, "a", PROMPTS[3], temperature=0, max_new_tokens=6)
+        again = await run(eng, "b", PROMPTS[3], temperature=0, max_new_tokens=6)
+        assert (first.cached_tokens, again.cached_tokens) == (0, 0)
+        assert again.output_ids == first.output_ids and len(eng.scheduler.prompts) == 0
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def draws(tiny, seed: int | str | None) -> list[list[int]]:
@@ -548,10 +584,20 @@ async def test_cached_tokens_counts_a_prompt_served_from_the_prompt_cache(engine
     assert (partial.cached_tokens, resumed.cached_tokens) == (0, 0)  # new prompts
     assert resumed.prompt_tokens == len(PROMPTS[3]) + 5
     again = await run(engine, "c2", PROMPTS[3], temperature=0, max_new_tokens=5)
-    assert again.cached_tokens == len(PROMPTS[3]) and again.output_ids == partial.output_ids
+    assert again.cached_tokens == len(PROMPTS[3]) - 1 and again.output_ids == partial.output_ids
     assert await engine.flush_cache()
     flushed = await run(engine, "c3", PROMPTS[3], temperature=0, max_new_tokens=5)
     assert flushed.cached_tokens == 0 and flushed.output_ids == partial.output_ids
+    task = asyncio.create_task(run(engine, "c4", PROMPTS[2], max_new_tokens=60, ignore_eos=True))
+    await asyncio.sleep(0.05)
+    await engine.pause("retract")  # its prompt and output are recomputed, from no cache
+    await engine.resume()
+    assert (await task).cached_tokens == 0
+    await engine.pause("abort")
+    await engine.release_memory(["weights"])  # a weight move drops the cache at once
+    assert len(engine.scheduler.prompts) == 0
+    await engine.resume_memory(["weights"])
+    await engine.resume()
 
 
 async def test_destroying_a_weights_update_group_that_was_never_joined_fails(engine):

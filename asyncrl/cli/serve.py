@@ -59,6 +59,7 @@ SERVE_ENGINE_FLAGS: dict[str, tuple[str, ...]] = {
     "lean_forward": ("--lean-forward",),
     "json_any_whitespace": ("--json-any-whitespace",),
     "cuda_graph": ("--cuda-graph",),
+    "prompt_cache_tokens": ("--prompt-cache-tokens",),
     "seed": ("--random-seed", "--seed"),
 }
 
@@ -94,6 +95,13 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
         serve.add_argument(
             flag, dest=dest, action="store_false", help=f"as --{dest.replace('_', '-')} false"
         )
+    serve.add_argument(
+        "--disable-radix-cache",
+        dest="prompt_cache_tokens",
+        action="store_const",
+        const=0,
+        help="as --prompt-cache-tokens 0 (SGLang's name)",
+    )
 
 
 def _field_value(field: Any) -> Callable[[str], Any]:

@@ -407,7 +407,10 @@ class TorchEngine:
         """Drop the prompt cache; refused (False) while requests run, as SGLang does."""
         if self.scheduler.rids:
             return False
-        await self.at_boundary(self.scheduler.prompts.clear)
+        if self._steps is None:  # not running: no step can race the clear
+            self.scheduler.prompts.clear()
+        else:
+            await self.at_boundary(self.scheduler.prompts.clear)
         return True
 
     async def release_memory(self, tags: list[str] | None) -> None:
@@ -421,6 +424,7 @@ class TorchEngine:
             def release() -> None:
                 self.model.to("cpu")
                 self.runner.invalidate()
+                self.scheduler.prompts.clear()
 
             await self.at_boundary(release)
         if tags is None or "kv_cache" in tags:

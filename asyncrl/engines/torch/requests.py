@@ -35,7 +35,7 @@ class Seq:
     stop_regex: list[re.Pattern[str]] = field(default_factory=list)
     grammar: Any = None  # an xgrammar matcher for a constrained request (grammar.py)
     finish: FinishReason | None = None
-    cached: int = 0  # prompt tokens whose KV was copied from an equal prompt's prefill
+    cached: int = 0  # prompt tokens served by a copy of their KV (``served_tokens``)
     aborted: bool = False
     queued: bool = True
     updated: asyncio.Event = field(default_factory=asyncio.Event)
@@ -151,11 +151,8 @@ def similar_lengths(seqs: list[Seq], waste: float = 0.25) -> list[list[Seq]]:
 
 def shared_prompts(seqs: list[Seq]) -> tuple[list[Seq], list[int]]:
     """The distinct prompts of ``seqs`` (the first holder of each) and, for every seq, the
-    index of its prompt among them: ``seqs[i].prompt == unique[rows[i]].prompt``.
-
-    A group's n samples arrive together with one prompt, so a prefill computes it once
-    and copies its KV n times, as a prefix cache would, with no KV kept past the batch.
-    """
+    index of its prompt among them: ``seqs[i].prompt == unique[rows[i]].prompt``; a
+    prefill computes each once and copies its KV to every row that holds it."""
     index: dict[tuple[int, ...], int] = {}
     unique: list[Seq] = []
     rows = []
@@ -166,6 +163,14 @@ def shared_prompts(seqs: list[Seq]) -> tuple[list[Seq], list[int]]:
             unique.append(seq)
         rows.append(index[key])
     return unique, rows
+
+
+def served_tokens(seq: Seq, scored: bool) -> int:
+    """``cached_tokens`` of a row whose prompt KV was copied, as SGLang counts a radix
+    hit: at most the prompt's length less one (its last token is always computed), and
+    none past ``logprob_start_len`` for a request that asks for prompt log-probs."""
+    served = min(len(seq.prompt), len(seq.req.input_ids)) - 1
+    return max(0, min(served, seq.req.logprob_start_len) if scored else served)
 
 
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

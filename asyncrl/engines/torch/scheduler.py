@@ -22,7 +22,13 @@ from asyncrl.engines.torch.grammar import mask_rows
 from asyncrl.engines.torch.graph_decode import PoolBatch
 from asyncrl.engines.torch.kv_batch import KVBatch, cache_of_rows, new_cache
 from asyncrl.engines.torch.prompt_cache import Prefilled, PromptCache, prefilled
-from asyncrl.engines.torch.requests import Seq, finish_reason, shared_prompts, similar_lengths
+from asyncrl.engines.torch.requests import (
+    Seq,
+    finish_reason,
+    served_tokens,
+    shared_prompts,
+    similar_lengths,
+)
 from asyncrl.engines.torch.runner import ModelRunner
 from asyncrl.engines.torch.sampling import (
     Sampled,
@@ -66,7 +72,7 @@ class Scheduler:
         self.stats: dict[str, float] = {
             "steps": 0,
             "prefills": 0,
-            "prefill_shared_rows": 0,
+            "prefill_reused_rows": 0,  # prompt KV copied, not computed
             "generated_tokens": 0,
             "update_pause_s": 0.0,
         }
@@ -105,6 +111,7 @@ class Scheduler:
     def step(self) -> None:
         self.just_finished = []
         self._run_jobs()
+        self.prompts.at(self.runner.weights_epoch)  # stale entries go now, not at a prefill
         self._drop(lambda s: s.aborted, abort=True)
         self._finish_waiting_aborted()
         if not self.paused:
@@ -176,27 +183,35 @@ class Scheduler:
             for u, s in enumerate(unique)
         ]
         misses = [u for u, part in enumerate(parts) if part is None]
+        for s in seqs:
+            s.cached = 0
+        if len(misses) == len(seqs):  # nothing shared: the forward's cache is the batch's
+            cache, mask, logits = self._forward(seqs, keep=0 if whole else 1)
+            for j, s in enumerate(seqs):
+                if self.prompts.fits(len(s.prompt)):
+                    entry = prefilled(cache, j, len(s.prompt), logits[j, -1])
+                    self.prompts.put(tuple(s.prompt), entry, epoch)
+            self._prompt_logprobs(seqs, scored, logits, list(range(len(seqs))))
+            self._merge(seqs, cache, mask, logits[:, -1, :].float())
+            return
         logits = torch.zeros(0)
         if misses:
             todo = [unique[u] for u in misses]
-            cache, mask, logits = self._forward(todo, keep=0 if whole else 1)
-            if len(misses) < len(seqs) or self.prompts.max_positions:
-                for j, s in enumerate(todo):
-                    parts[misses[j]] = part = prefilled(cache, j, len(s.prompt), logits[j, -1])
-                    self.prompts.put(tuple(s.prompt), part, epoch)
-            if len(misses) == len(seqs):  # nothing shared: the forward's cache is the batch's
-                self._prompt_logprobs(seqs, scored, logits, list(range(len(seqs))))
-                self._merge(seqs, cache, mask, logits[:, -1, :].float())
-                return
+            cache, _, logits = self._forward(todo, keep=0 if whole else 1)
+            for j, s in enumerate(todo):
+                parts[misses[j]] = part = prefilled(cache, j, len(s.prompt), logits[j, -1])
+                self.prompts.put(tuple(s.prompt), part, epoch)
+            del cache
         at = {u: j for j, u in enumerate(misses)}
         self._prompt_logprobs(seqs, scored, logits, [at.get(r, -1) for r in rows])
         for i, s in enumerate(seqs):
             if rows[i] not in at or unique[rows[i]] is not s:
-                s.cached = len(s.req.input_ids)
-                self.stats["prefill_shared_rows"] += 1
+                s.cached = served_tokens(s, scored[i])
+                self.stats["prefill_reused_rows"] += 1
         held = [parts[r] for r in rows]
         cache, mask = cache_of_rows(held)  # type: ignore[arg-type]  (all filled above)
-        self._merge(seqs, cache, mask, torch.stack([p.last for p in held]))  # type: ignore[union-attr]
+        last = torch.stack([p.last for p in held]).float()  # type: ignore[union-attr]
+        self._merge(seqs, cache, mask, last)
 
     def _forward(self, seqs: list[Seq], keep: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """One left-padded forward of ``seqs``' prompts: its cache, mask and logits (the
