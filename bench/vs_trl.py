@@ -64,7 +64,9 @@ standard error over seeds of every figure, of the accuracy at each checkpoint st
 the ratios asyncrl / TRL; time to accuracy is then timed to one ``--threshold`` for all
 seeds (default: the lower of the two frameworks' mean best accuracy). The ratios are
 printed next to the issue's targets: at 30M and on the real model, samples/s >= 2x and
-time to accuracy <= 0.5x; at 0.5M, samples/s >= 1x.
+time to accuracy <= 0.5x; at 0.5M, samples/s >= 1x. The figure (``--out`` with ``.png``)
+draws every seed's held-out accuracy against wall seconds and, below, against the
+training step: learning per step, side by side, whatever each side's speed.
 
 Models: ``--cache/<size>`` holds each size's starting checkpoint, built when missing with
 ``examples/arith/make_model.py``'s recipe (``build_init``: random-init Qwen2 and the
@@ -886,7 +888,8 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    """Held-out accuracy against wall seconds since launch, per size: one line per seed
+    """Held-out accuracy per size against wall seconds since launch (top) and against
+    the training step (below: learning per step, whatever the speed), one line per seed
     and framework, a colour per framework, the threshold dotted."""
     import matplotlib
 
@@ -894,23 +897,24 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     colours = {"asyncrl": "tab:blue", "trl": "tab:orange"}
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
-    for ax, (size, res) in zip(axes[0], results.items(), strict=True):
-        for seed in res["seeds"]:
-            for fw, r in seed["frameworks"].items():
-                curve = r["curve"]
-                label = (
-                    f"{fw} ({r['samples/s']:.1f} samples/s)" if seed is res["seeds"][0] else None
-                )
-                ax.plot([p["time_s"] for p in curve], [p["accuracy"] for p in curve],
-                        marker="o", color=colours.get(fw), alpha=0.7, label=label)  # fmt: skip
-        if "threshold" in res["summary"]:
-            ax.axhline(res["summary"]["threshold"], color="k", ls=":", label="threshold")
-        ax.set_title(f"{size} ({res['model']['params'] / 1e6:.1f}M parameters, "
-                     f"{len(res['seeds'])} seeds)")  # fmt: skip
-        ax.set_xlabel("wall seconds since launch")
-        ax.set_ylabel(f"held-out pass@1 (T = {res.get('temperature', 1.0):g})")
-        ax.legend()
+    fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 8), squeeze=False)
+    for col, (size, res) in enumerate(results.items()):
+        for row, x in enumerate(("time_s", "step")):
+            ax = axes[row][col]
+            for seed in res["seeds"]:
+                for fw, r in seed["frameworks"].items():
+                    first = seed is res["seeds"][0]
+                    label = f"{fw} ({r['samples/s']:.1f} samples/s)" if first else None
+                    curve = r["curve"]
+                    ax.plot([p[x] for p in curve], [p["accuracy"] for p in curve],
+                            marker="o", color=colours.get(fw), alpha=0.7, label=label)  # fmt: skip
+            if "threshold" in res["summary"]:
+                ax.axhline(res["summary"]["threshold"], color="k", ls=":", label="threshold")
+            ax.set_title(f"{size} ({res['model']['params'] / 1e6:.1f}M parameters, "
+                         f"{len(res['seeds'])} seeds)")  # fmt: skip
+            ax.set_xlabel("wall seconds since launch" if x == "time_s" else "training step")
+            ax.set_ylabel(f"held-out pass@1 (T = {res.get('temperature', 1.0):g})")
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
