@@ -697,10 +697,12 @@ def run_seed(
     held-out accuracy; read from ``seed_S/result.json`` when it holds these settings."""
     key = seed_key(args, size, model, seed)
     saved = args.work / size / f"seed_{seed}" / "result.json"
-    if not args.fresh and saved.is_file():
-        done = json.loads(saved.read_text())
+    kept = [saved] + ([args.results_from / size / f"seed_{seed}" / "result.json"]
+                      if args.results_from else [])  # fmt: skip
+    for path in kept if not args.fresh else []:
+        done = json.loads(path.read_text()) if path.is_file() else {}
         if done.get("key") == key:
-            print(f"{size} seed {seed}: reusing {saved} (at {done['result']['commit']})",
+            print(f"{size} seed {seed}: reusing {path} (at {done['result']['commit']})",
                   flush=True)  # fmt: skip
             return done["result"]
     saved.unlink(missing_ok=True)
@@ -720,7 +722,20 @@ def seed_key(args: argparse.Namespace, size: str, model: dict[str, Any], seed: i
            "evaluator": args.evaluator, "eval_rows": args.eval_rows}  # fmt: skip
     if args.eval_dtype != "float32":  # keyed only when set: earlier results stay valid
         key["eval_dtype"] = args.eval_dtype
-    return key
+    return portable(key, [args.work, ROOT])
+
+
+def portable(value: Any, roots: list[Path]) -> Any:
+    """``value`` with every path string under one of ``roots`` made relative to it, so a
+    seed's key does not hold where it ran: a finished seed is read in another checkout."""
+    if isinstance(value, dict):
+        return {k: portable(v, roots) for k, v in value.items()}
+    if isinstance(value, str):
+        for root in roots:
+            prefix = f"{root}/"
+            if value.startswith(prefix):
+                return value[len(prefix) :]
+    return value
 
 
 def train_and_score(
@@ -910,8 +925,9 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
                             marker="o", color=colours.get(fw), alpha=0.7, label=label)  # fmt: skip
             if "threshold" in res["summary"]:
                 ax.axhline(res["summary"]["threshold"], color="k", ls=":", label="threshold")
+            n = len(res["seeds"])
             ax.set_title(f"{size} ({res['model']['params'] / 1e6:.1f}M parameters, "
-                         f"{len(res['seeds'])} seeds)")  # fmt: skip
+                         f"{n} seed{'s' if n > 1 else ''})")  # fmt: skip
             ax.set_xlabel("wall seconds since launch" if x == "time_s" else "training step")
             ax.set_ylabel(f"held-out pass@1 (T = {res.get('temperature', 1.0):g})")
             ax.legend()
@@ -975,6 +991,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--evaluator", choices=["engine", "hf"], default="engine",
                         help="who samples the held-out set: asyncrl's embedded engine "
                         "(asyncrl eval's code) or Hugging Face generate")  # fmt: skip
+    parser.add_argument("--results-from", type=Path, default=None,
+                        help="also reuse finished seeds' SIZE/seed_S/result.json from this "
+                        "folder (e.g. docs/data/vs_trl_real_bf16_seeds)")  # fmt: skip
     parser.add_argument("--fresh", action="store_true",
                         help="train every seed again, whatever its result.json")  # fmt: skip
     parser.add_argument("--train", type=Path, default=None, help="default: the task's")

@@ -209,3 +209,17 @@ def test_trls_reward_is_asyncrls_numeric_reward_on_chat_completions() -> None:
     scores = reward([None] * 3, replies, [[1, 2], [3], []], label=["28", "28", "28"])
     assert scores == [1.0, 0.0, 0.0]
     assert reward.calls == [{"samples": 3, "tokens": 3, "reward": pytest.approx(1 / 3)}]
+
+
+def test_a_seeds_key_holds_no_checkout_path_so_another_checkout_reads_it() -> None:
+    work = Path("/somewhere/runs/vs-trl")
+    key = {"specs": {"asyncrl": {"out": f"{work}/real/seed_0/asyncrl", "seed": 0,
+                                 "config": f"{vs_trl.ROOT}/examples/word_problems/config.yaml",
+                                 "model": "/root/.cache/asyncrl/models/smollm2"}},
+           "eval_rows": 500}  # fmt: skip
+    assert vs_trl.portable(key, [work, vs_trl.ROOT]) == {
+        "specs": {"asyncrl": {"out": "real/seed_0/asyncrl", "seed": 0,
+                              "config": "examples/word_problems/config.yaml",
+                              "model": "/root/.cache/asyncrl/models/smollm2"}},
+        "eval_rows": 500,
+    }  # fmt: skip
