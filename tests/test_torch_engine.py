@@ -176,6 +176,9 @@ async def test_the_prompt_cache_off_computes_every_prompt(tiny):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    # with no step loop running, a flush or a KV release clears at once (nothing waits)
+    assert await asyncio.wait_for(eng.flush_cache(), 5)
+    await asyncio.wait_for(eng.release_memory(["kv_cache"]), 5)
 
 
 async def draws(tiny, seed: int | str | None) -> list[list[int]]:

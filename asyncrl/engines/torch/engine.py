@@ -342,6 +342,14 @@ class TorchEngine:
         self._resumed.set()
         self._wake.set()
 
+    async def _between_steps(self, fn: Callable[[], object]) -> None:
+        """``fn`` at a step boundary, or now when the engine is not running (no step can
+        race it, and none would come to run it)."""
+        if self._steps is None:
+            fn()
+        else:
+            await self.at_boundary(fn)
+
     async def at_boundary(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the step thread between two steps; its exception is raised here."""
         fut = asyncio.get_running_loop().create_future()
@@ -407,10 +415,7 @@ class TorchEngine:
         """Drop the prompt cache; refused (False) while requests run, as SGLang does."""
         if self.scheduler.rids:
             return False
-        if self._steps is None:  # not running: no step can race the clear
-            self.scheduler.prompts.clear()
-        else:
-            await self.at_boundary(self.scheduler.prompts.clear)
+        await self._between_steps(self.scheduler.prompts.clear)
         return True
 
     async def release_memory(self, tags: list[str] | None) -> None:
@@ -428,7 +433,7 @@ class TorchEngine:
 
             await self.at_boundary(release)
         if tags is None or "kv_cache" in tags:
-            await self.at_boundary(self.scheduler.prompts.clear)
+            await self._between_steps(self.scheduler.prompts.clear)
         await self._static_memory(tags, release=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
