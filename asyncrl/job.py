@@ -430,7 +430,30 @@ def job_actor_specs(
             spec.drain_timeout += FINAL_LINGER_S  # its drain waits for the final pull
         if spec.role == "reward" and (model := job_reward_model(cfg)) and model.threads:
             spec.threads = model.threads
+    _lend_trainer_cores(cfg, specs, run_dir)
     return specs
+
+
+def _lend_trainer_cores(cfg: RunConfig, specs: list[ActorSpec], run_dir: Path) -> None:
+    """``runtime.lend_trainer_cores``: the trainer marks its steps in ``run_dir`` and each
+    process hosting an embedded engine runs on ``cores // hosts`` threads while the mark
+    is clear (``runtime/cores.py``). Only where the job shares the cores itself: local,
+    ``runtime.threads`` unset, a trainer that trains."""
+    rt, engine = cfg.runtime, cfg.rollout.engine
+    embedded = engine is None or engine.type == "torch"
+    if not (rt.lend_trainer_cores and rt.type == "local" and rt.threads is None and embedded):
+        return
+    host_role = "engine" if engine_actor_count(cfg) else "rollout"
+    trainer = next((s for s in specs if s.role == "trainer"), None)
+    hosts = [s for s in specs if s.role == host_role]
+    if trainer is None or cfg.train.debug_rollout_only or not hosts:
+        return
+    idle = machine.usable_cores() // len(hosts)
+    lent = [s for s in hosts if s.threads is not None and idle > s.threads]
+    mark = str(run_dir / "trainer.busy")
+    for spec in lent:
+        spec.busy_mark, spec.idle_trainer_threads = mark, idle
+    trainer.busy_mark = mark if lent else None
 
 
 def _trainer_threads(cfg: RunConfig, shared: int) -> int:

@@ -26,7 +26,8 @@ def test_the_line_names_each_torch_process_its_threads_and_dtype(tmp_path, monke
     line = plan(tmp_path, "examples/word_problems/config.yaml")
     assert line.startswith("8 cores, bf16 instructions: " if bf16 else "8 cores: ")
     assert "trainer float32 x 8 threads (micro-batches of 1024 tokens)" in line  # every core
-    assert "; 1 engine float32 x 2 threads; eval x 2 threads" in line  # 8 shared by 3
+    # 8 shared by 3; the trainer's 8 lent to the engine while it waits for a batch
+    assert "; 1 engine float32 x 2 threads (8 while the trainer waits); eval x 2 threads" in line
     assert ("--trainer.dtype bf16-mixed" in line) == bf16  # the hint only where it pays
     mixed = plan(tmp_path, "examples/word_problems/config.yaml", "--trainer.dtype", "bf16-mixed")
     assert "trainer bf16-mixed" in mixed

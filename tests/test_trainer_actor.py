@@ -21,6 +21,7 @@ from asyncrl.actors.base import ActorSpec
 from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.actors.trainer import TrainerActor
 from asyncrl.policies.config import PolicyConfig
+from asyncrl.runtime.cores import BusyMark
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import Supervisor
 from asyncrl.runtime.topology import allocate_endpoints
@@ -327,3 +328,30 @@ async def test_the_wait_for_data_counts_every_request_until_the_batch(tmp_path):
     # Two 0.2 s empty replies: counting only the last request would give ~0, only one
     # empty reply ~0.2. The loop's timers may fire a clock tick early, so not ">= 0.4".
     assert trainer.version == 1 and actor._last["time/wait_data"] >= 0.3
+
+
+class MarkReadingTrainer(SlowTrainer):
+    """Reads the trainer's busy mark from inside its step, as an engine would."""
+
+    def __init__(self, mark: Path) -> None:
+        super().__init__()
+        self.mark, self.seen = mark, []
+
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        self.seen.append(self.mark.read_bytes())
+        return super().train_step(batch)
+
+
+async def test_the_trainer_marks_its_steps_busy_and_lends_its_cores_while_it_waits(tmp_path):
+    path = tmp_path / "trainer.busy"
+    params = trainer_config().model_dump(mode="json")
+    spec = ActorSpec(name="trainer", role="trainer", cls="", params=params, busy_mark=str(path))
+    actor = TrainerActor(spec)
+    actor.mark = BusyMark(path)
+    trainer = MarkReadingTrainer(path)
+    batches = LateBatch()
+    actor.trainer, actor.batches, actor.weights = trainer, batches, NoSubscribers()  # type: ignore[assignment]
+    actor.durable, actor.num_steps, actor.audit, actor.metrics, actor.dump = -1, 1, None, None, None
+    assert path.read_bytes() == b"\x00"  # waiting for the first batch: the cores are lent
+    await actor._run_until_stopped()
+    assert trainer.seen == [b"\x01"] and path.read_bytes() == b"\x00"

@@ -90,6 +90,8 @@ class EngineActor(Actor):
 
         seed = engine_seed(self.cfg.seed, self.name, self.spec.incarnation.restarted)
         engine = await asyncio.to_thread(TorchEngine.from_config, self.cfg, seed=seed)
+        if (threads := self.lent_threads()) is not None:
+            engine.follow_threads(threads)
         self.server = EngineServer(
             engine, server_args={"host": host, "port": port}, api_key=self.api_key
         )

@@ -86,7 +86,12 @@ class RolloutActor(Actor):
         spill = Path(cfg.spill_dir) / self.name if cfg.spill_dir else None
         seed = engine_seed(engine.seed, self.name, self.spec.incarnation.restarted)
         host = EngineHost(
-            self._engine_config(engine), wait_ready_s=wait, api_key=key, spill_dir=spill, seed=seed
+            self._engine_config(engine),
+            wait_ready_s=wait,
+            api_key=key,
+            spill_dir=spill,
+            seed=seed,
+            threads=self.lent_threads(),
         )
         self.host = await self.hold(host)
         tools = await asyncio.to_thread(build_tools, cfg.tool_use)
@@ -414,7 +419,15 @@ class RolloutActor(Actor):
             "rollout/in_flight": float(self._in_flight),
             **rates,
             **self._weight_counts(),
+            **self._engine_counts(),
         }
+
+    def _engine_counts(self) -> dict[str, float]:
+        """An embedded torch engine's steps, and those run on threads the trainer lent."""
+        stats = getattr(getattr(getattr(self, "host", None), "engine", None), "stats", None)
+        if not isinstance(stats, dict) or "lent_thread_steps" not in stats:
+            return {}
+        return {f"engine/{k}": float(stats[k]) for k in ("steps", "lent_thread_steps")}
 
     def _weight_counts(self) -> dict[str, float]:
         """dist, ipc: versions taken by broadcast, from shared memory, and by pull (the

@@ -10,6 +10,7 @@ restarted trainer retrains exactly what it lost (``docs/reliability.md``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import time
@@ -27,6 +28,7 @@ from asyncrl.observe.episodes import episode_metrics
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.observe.samples import sample_rows
+from asyncrl.runtime.cores import BusyMark
 from asyncrl.trainers.backends import create_trainer
 from asyncrl.trainers.base import NonFiniteStep, StepResult, Trainer, UntrainableBatch
 from asyncrl.types import BatchReply, BatchRequest, TrainBatch
@@ -66,6 +68,7 @@ class TrainerActor(Actor):
         # stop never leaves a trained version without its row or its announcement.
         self._stepping = asyncio.Lock()
         self._finished = False  # the run ended (num_steps, or no more data), not a stop
+        self.mark: BusyMark | None = None  # set while a step computes (``runtime/cores.py``)
         # The newest version a complete checkpoint holds (-1: none is taken). Heartbeats
         # report it: a restart must find a checkpoint only once one was complete, and
         # ``version`` runs ahead of it while a checkpoint is written.
@@ -73,6 +76,9 @@ class TrainerActor(Actor):
 
     async def setup(self) -> None:
         cfg = self.config
+        if self.spec.busy_mark:  # clear but while a step computes: engines take our cores
+            self.mark = BusyMark(Path(self.spec.busy_mark))
+            self.close_later(self.mark.close)
         self.trainer = await asyncio.to_thread(create_trainer, cfg.trainer, cfg.algo)
         await asyncio.to_thread(self._resume)
         self.version = self.trainer.version
@@ -172,7 +178,8 @@ class TrainerActor(Actor):
         if self.dump is not None:
             await asyncio.to_thread(self.dump.write, batch)
         try:
-            result = await asyncio.to_thread(self.trainer.train_step, batch)
+            with self.mark.busy() if self.mark is not None else contextlib.nullcontext():
+                result = await asyncio.to_thread(self.trainer.train_step, batch)
         except NonFiniteStep as exc:
             self._nonfinite += 1
             if self._nonfinite >= self.config.max_nonfinite_steps:

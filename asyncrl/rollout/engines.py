@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from asyncrl.engines.server.app import EngineServer
     from asyncrl.engines.sim.engine import SimEngine
     from asyncrl.rollout.base import Generator
+    from asyncrl.runtime.cores import LentThreads
     from asyncrl.weights.sync import WeightReceiver
     from asyncrl.wire.messages import WeightVersion
 
@@ -56,8 +57,10 @@ class EngineHost:
         api_key: str | None = None,
         spill_dir: Path | None = None,
         seed: str | None = None,
+        threads: LentThreads | None = None,
     ) -> None:
         self.config = config
+        self.threads = threads  # an embedded CPU engine's thread count (``runtime/cores.py``)
         self.seed = seed  # the embedded torch engine's sampling stream (``engine_seed``)
         self.spill_dir = spill_dir  # dist into servers: versions that go by disk instead
         self.server_group: ServerGroup | None = None  # dist into servers: set by the actor
@@ -149,6 +152,8 @@ class EngineHost:
         cfg = self.config
         assert cfg.model_path is not None
         engine = await asyncio.to_thread(TorchEngine.from_config, cfg, seed=self.seed)
+        if self.threads is not None:
+            engine.follow_threads(self.threads)
         self.engine = engine
         self.servers.append(EngineServer(engine, api_key=self.local_key))
         return await self.servers[-1].start("127.0.0.1", 0)

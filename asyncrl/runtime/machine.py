@@ -44,8 +44,8 @@ def cpu_bf16() -> bool:
 def describe(cfg: RunConfig, specs: list[ActorSpec]) -> str:
     """One line: cores, bf16, and per torch process its threads and dtype, e.g.
     ``2 cores, bf16 instructions: trainer float32 x 2 threads (micro-batches of 1024
-    tokens); 1 engine float32 x 1 thread; eval x 1 thread``. On Ray the cores are the
-    controller's, and each actor's threads are as set."""
+    tokens); 1 engine float32 x 1 thread (2 while the trainer waits); eval x 1 thread``.
+    On Ray the cores are the controller's, and each actor's threads are as set."""
     bf16 = cpu_bf16()
     parts = []
     trainer = next((s for s in specs if s.role == "trainer"), None)
@@ -97,7 +97,10 @@ def _dtype_hint(cfg: RunConfig, bf16: bool) -> str:
 
 def _threads(spec: ActorSpec) -> str:
     n = spec.threads
-    return "torch's threads" if n is None else f"{n} thread{'s' if n > 1 else ''}"
+    text = "torch's threads" if n is None else f"{n} thread{'s' if n > 1 else ''}"
+    if spec.idle_trainer_threads is not None:  # cores the trainer lends (runtime/cores.py)
+        text += f" ({spec.idle_trainer_threads} while the trainer waits)"
+    return text
 
 
 def _embedded(cfg: RunConfig) -> bool:

@@ -45,6 +45,7 @@ from asyncrl.engines.torch.scheduler import Scheduler
 from asyncrl.engines.torch.updates import WeightUpdates
 from asyncrl.errors import EngineError
 from asyncrl.observe.logs import get_logger
+from asyncrl.runtime.cores import LentThreads
 from asyncrl.wire.messages import BlobManifest
 
 log = get_logger("asyncrl.engine")
@@ -132,6 +133,9 @@ class TorchEngine:
         self.weights = WeightUpdates(self)
         self._stepped = asyncio.Event()  # set after every step (pause waits on it)
         self._steps: ThreadPoolExecutor | None = None  # the step thread, while run() runs
+        # Before each step, the thread count to run it on (``runtime/cores.py``); None: fixed.
+        self._threads: LentThreads | None = None
+        self._threads_now = 0  # the step thread's count as last set by _step
         # The KV and activations live in host memory on CPU: give what is freed back.
         self._heap = HeapTrimmer() if self.device.type == "cpu" else None
 
@@ -197,6 +201,7 @@ class TorchEngine:
         """
         loop = asyncio.get_running_loop()
         self._steps = steps = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._threads_now = 0  # a new step thread: its count is set at its first step
         sched = self.scheduler
         try:
             while True:
@@ -217,13 +222,31 @@ class TorchEngine:
             steps.shutdown(wait=False)
 
     def _step(self) -> None:
+        if self._threads is not None:
+            self._follow_threads(self._threads())
         self.scheduler.step()
         if self._heap is not None:
             self._heap.maybe()
 
+    def _follow_threads(self, threads: int) -> None:
+        """On the step thread: run this step on ``threads`` (lent ones counted)."""
+        if threads != self._threads_now:
+            torch.set_num_threads(threads)
+            self._threads_now = threads
+        if self._threads is not None and threads > self._threads.own:
+            self.stats["lent_thread_steps"] += 1
+
+    def follow_threads(self, threads: LentThreads) -> None:
+        """On a CPU, run each step on ``threads()`` threads: the cores an idle trainer
+        lends (``runtime/cores.py``); on another device it changes nothing."""
+        if self.device.type == "cpu":
+            self._threads = threads
+
     async def set_threads(self, threads: int) -> None:
         """Run the engine's steps on ``threads`` intra-op threads from now on. OpenMP keeps
         the count per calling thread, so it is set on the step thread itself."""
+        self._threads = None  # a fixed count from now on, whatever a trainer lends
+        self._threads_now = threads
         torch.set_num_threads(threads)  # for a step thread that starts later
         if self._steps is not None:
             await asyncio.get_running_loop().run_in_executor(

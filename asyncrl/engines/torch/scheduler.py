@@ -73,6 +73,7 @@ class Scheduler:
             "steps": 0,
             "prefills": 0,
             "prefill_reused_rows": 0,  # prompt KV copied, not computed
+            "lent_thread_steps": 0,  # steps run on threads an idle trainer lent
             "generated_tokens": 0,
             "update_pause_s": 0.0,
         }
