@@ -436,19 +436,22 @@ def job_actor_specs(
 
 def _lend_trainer_cores(cfg: RunConfig, specs: list[ActorSpec], run_dir: Path) -> None:
     """``runtime.lend_trainer_cores``: the trainer marks its steps in ``run_dir`` and each
-    process hosting an embedded engine runs on ``cores // hosts`` threads while the mark
-    is clear (``runtime/cores.py``). Only where the job shares the cores itself: local,
-    ``runtime.threads`` unset, a trainer that trains."""
+    process hosting an embedded CPU engine runs on ``(cores - reward model's) // hosts``
+    threads while the mark is clear (``runtime/cores.py``). Only where the job shares the
+    cores itself: local, ``runtime.threads`` unset, a trainer that trains."""
     rt, engine = cfg.runtime, cfg.rollout.engine
-    embedded = engine is None or engine.type == "torch"
-    if not (rt.lend_trainer_cores and rt.type == "local" and rt.threads is None and embedded):
+    on_cpu = engine is None or (engine.type == "torch" and engine.device == "cpu")
+    if not (rt.lend_trainer_cores and rt.type == "local" and rt.threads is None and on_cpu):
         return
     host_role = "engine" if engine_actor_count(cfg) else "rollout"
     trainer = next((s for s in specs if s.role == "trainer"), None)
     hosts = [s for s in specs if s.role == host_role]
     if trainer is None or cfg.train.debug_rollout_only or not hosts:
         return
-    idle = machine.usable_cores() // len(hosts)
+    # A reward model scores while the trainer waits: its cores are not lent. The eval
+    # actor's are, as it runs now and then.
+    scoring = sum(s.threads or 0 for s in specs if s.role == "reward")
+    idle = (machine.usable_cores() - scoring) // len(hosts)
     lent = [s for s in hosts if s.threads is not None and idle > s.threads]
     mark = str(run_dir / "trainer.busy")
     for spec in lent:

@@ -138,6 +138,7 @@ def test_a_local_job_lends_the_trainers_cores_to_its_embedded_engines(tmp_path, 
             "disk",
         ],
         ["--debug-rollout-only", "--eval.interval", "0"],  # nothing trains
+        ["--rollout.engine.device", "cuda"],  # an engine's CPU threads barely matter
     ],
 )
 def test_no_loan_where_the_job_does_not_share_the_cores_itself(tmp_path, monkeypatch, flags):

@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import time
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 
@@ -76,8 +77,9 @@ class TrainerActor(Actor):
 
     async def setup(self) -> None:
         cfg = self.config
-        if self.spec.busy_mark:  # clear but while a step computes: engines take our cores
+        if self.spec.busy_mark:  # set while we compute; clear, the engines take our cores
             self.mark = BusyMark(Path(self.spec.busy_mark))
+            self.mark.set(True)  # loading the model; cleared once set up
             self.close_later(self.mark.close)
         self.trainer = await asyncio.to_thread(create_trainer, cfg.trainer, cfg.algo)
         await asyncio.to_thread(self._resume)
@@ -94,6 +96,8 @@ class TrainerActor(Actor):
         self.metrics = self.open_metrics(path, flush_every=0) if path else None
         logged = cfg.samples_path and cfg.log_samples
         self.samples = self.open_metrics(cfg.samples_path, flush_every=0) if logged else None
+        if self.mark is not None:
+            self.mark.set(False)
 
     async def _open_channels(self) -> None:
         ep, frame, cfg = self.spec.endpoints, self.max_frame_bytes, self.config
@@ -160,7 +164,7 @@ class TrainerActor(Actor):
                 if self.stopping:  # its checkpoint may be taken already: train nothing past it
                     log.info("batch left to the buffer: stopping", batch=batch.batch_id)
                     break  # unacknowledged, so the buffer keeps it and serves it again
-                async with self._busy:
+                async with self._computing():
                     result = await self._train(batch)
                 self.batches.done(batch.batch_id)
                 self._audit(batch, trained=result is not None)
@@ -173,13 +177,20 @@ class TrainerActor(Actor):
             self._finished = True
             self.request_stop(f"trained {self.num_steps} steps")
 
+    @contextlib.asynccontextmanager
+    async def _computing(self) -> AsyncIterator[None]:
+        """The trainer held (one call at a time: ``_busy``) with its busy mark set, so the
+        engines on this machine give back the cores they were lent (``runtime/cores.py``)."""
+        async with self._busy:
+            with self.mark.busy() if self.mark is not None else contextlib.nullcontext():
+                yield
+
     async def _train(self, batch: TrainBatch) -> StepResult | None:
         """One optimizer step on ``batch`` (written to the dump first); None: skipped."""
         if self.dump is not None:
             await asyncio.to_thread(self.dump.write, batch)
         try:
-            with self.mark.busy() if self.mark is not None else contextlib.nullcontext():
-                result = await asyncio.to_thread(self.trainer.train_step, batch)
+            result = await asyncio.to_thread(self.trainer.train_step, batch)
         except NonFiniteStep as exc:
             self._nonfinite += 1
             if self._nonfinite >= self.config.max_nonfinite_steps:
@@ -251,7 +262,7 @@ class TrainerActor(Actor):
         # weights (a GPU's, for CUDA IPC: no copy through the host), so nothing may step
         # the trainer until that copy is made.
         live = self.weights.transport == "ipc"
-        async with self._busy:
+        async with self._computing():
             export = partial(self.trainer.export_weights, copy=False) if live else None
             tensors = await asyncio.to_thread(export or self.trainer.export_weights)
             if live:
@@ -305,7 +316,7 @@ class TrainerActor(Actor):
         if not cfg.checkpoint_dir:
             return None
         root = Path(cfg.checkpoint_dir)
-        async with self._busy:
+        async with self._computing():
             version = self.trainer.version
             path = step_dir(root, version)
             await asyncio.to_thread(_save_atomically, self.trainer, path, cfg.job)

@@ -61,31 +61,34 @@ class LentThreads:
         self.path, self.own, self.idle = path, own, idle
         self._fd: int | None = None
         self._next_open = 0.0
+        self._closed = False
 
     def __call__(self) -> int:
         return self.own if self._trainer_busy() else self.idle
 
     def _trainer_busy(self) -> bool:
-        if self._fd is None and not self._open():
+        fd = self._fd if self._fd is not None else self._open()
+        if fd is None:
             return True
-        assert self._fd is not None
         try:
-            return os.pread(self._fd, 1, 0) != b"\x00"
-        except OSError:
+            return os.pread(fd, 1, 0) != b"\x00"
+        except OSError:  # closed under us at teardown
             return True
 
-    def _open(self) -> bool:
+    def _open(self) -> int | None:
         now = time.monotonic()
-        if now < self._next_open:
-            return False
+        if self._closed or now < self._next_open:
+            return None
         self._next_open = now + REOPEN_S
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError:
-            return False
-        return True
+            return None
+        return self._fd
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Close the file; a step still running reads "busy" from then on."""
+        self._closed = True
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)

@@ -38,6 +38,7 @@ RUN_FILES = (
     "wandb",
     "weights",
     "engine_weights",
+    "trainer.busy",
 )
 _LOCK = ".lock"
 #: The run directories this flow of control holds, resolved, with their lock descriptors.

@@ -222,19 +222,16 @@ class TorchEngine:
             steps.shutdown(wait=False)
 
     def _step(self) -> None:
-        if self._threads is not None:
-            self._follow_threads(self._threads())
-        self.scheduler.step()
-        if self._heap is not None:
-            self._heap.maybe()
-
-    def _follow_threads(self, threads: int) -> None:
-        """On the step thread: run this step on ``threads`` (lent ones counted)."""
+        lent = self._threads  # read once: set_threads may drop it from the loop thread
+        threads = lent() if lent is not None else self._threads_now
         if threads != self._threads_now:
             torch.set_num_threads(threads)
             self._threads_now = threads
-        if self._threads is not None and threads > self._threads.own:
+        self.scheduler.step()
+        if lent is not None and threads > lent.own:  # after the step, as "steps" counts
             self.stats["lent_thread_steps"] += 1
+        if self._heap is not None:
+            self._heap.maybe()
 
     def follow_threads(self, threads: LentThreads) -> None:
         """On a CPU, run each step on ``threads()`` threads: the cores an idle trainer
