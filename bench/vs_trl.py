@@ -374,7 +374,8 @@ class TaskReward:
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
         scores = [float(matches(self.kind, t, want)) for t, want in zip(texts, label, strict=True)]
         self.calls.append({"samples": len(scores), "tokens": sum(map(len, completion_ids)),
-                           "reward": statistics.fmean(scores)})  # fmt: skip
+                           "reward": statistics.fmean(scores),
+                           "scored_at": time.time()})  # fmt: skip  # generation's end
         return scores
 
 
@@ -476,7 +477,8 @@ def asyncrl_timeline(out: Path, groups: int, samples: int) -> dict[str, Any]:
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "step" in r and "num_tokens" in r]
     steps = [{"step": int(r["step"]), "time": float(r["time"]),
               "samples": (groups - int(r.get("batch/dropped_groups", 0))) * samples,
-              "tokens": float(r["num_tokens"]), "reward": r.get("reward/mean")}
+              "tokens": float(r["num_tokens"]), "reward": r.get("reward/mean"),
+              "train_s": r.get("time/step"), "wait_s": r.get("time/wait_data")}
              for r in rows]  # fmt: skip
     at = {s["step"]: s["time"] for s in steps}
     checkpoints = []
@@ -504,8 +506,29 @@ def trl_timeline(out: Path) -> dict[str, Any]:
     for c in checkpoints:
         c |= {"time": at.get(c["step"]), "save_s": saves.get(c["step"])}
     checkpoints.sort(key=lambda c: c["step"])
-    return {"steps": recorded["steps"], "checkpoints": checkpoints,
+    return {"steps": trl_phases(recorded["steps"], saves), "checkpoints": checkpoints,
             "threads": recorded["threads"]}  # fmt: skip
+
+
+def trl_phases(steps: list[dict[str, Any]], saves: dict[int, float]) -> list[dict[str, Any]]:
+    """Each step's ``train_s`` (its end less when its generation was scored) and, after
+    the first, ``generate_s`` (from the previous step's end and save to that scoring)."""
+    out = []
+    for prev, step in zip([None, *steps], steps, strict=False):
+        if "scored_at" not in step:  # recorded before the split was
+            out.append(step)
+            continue
+        phase = {"train_s": step["time"] - step["scored_at"]}
+        if prev is not None:
+            begun = prev["time"] + saves.get(prev["step"], 0.0)
+            phase["generate_s"] = step["scored_at"] - begun
+        out.append(step | phase)
+    return out
+
+
+def relative(step: dict[str, Any], t0: float) -> dict[str, Any]:
+    """A step's record with its times in seconds since launch."""
+    return step | {k: step[k] - t0 for k in ("time", "scored_at") if k in step}
 
 
 def figures(steps: list[dict[str, Any]], clock: dict[str, float]) -> dict[str, Any]:
@@ -515,7 +538,9 @@ def figures(steps: list[dict[str, Any]], clock: dict[str, float]) -> dict[str, A
     span = steps[-1]["time"] - steps[0]["time"]
     steady = steps[1:]
     rewards = [s["reward"] for s in steps if s.get("reward") is not None]
-    return {
+    phases = {f"{k}_mean": statistics.fmean(v) for k in ("train_s", "wait_s", "generate_s")
+              if (v := [s[k] for s in steady if s.get(k) is not None])}  # fmt: skip
+    return phases | {
         "steps": len(steps),
         "samples/s": sum(s["samples"] for s in steady) / span,
         "tokens/s": sum(s["tokens"] for s in steady) / span,
@@ -757,7 +782,7 @@ def train_and_score(
         timelines[fw] = timeline, clock
         runs[fw] = figures(timeline["steps"], clock) | {"requested_steps": spec["steps"]}
         runs[fw]["save_s"] = sum(c["save_s"] or 0.0 for c in timeline["checkpoints"])
-        runs[fw]["timeline"] = [s | {"time": s["time"] - clock["t0"]} for s in timeline["steps"]]
+        runs[fw]["timeline"] = [relative(s, clock["t0"]) for s in timeline["steps"]]
     rows = read_jsonl(Path(spec["test"]))[: args.eval_rows]
     evaluator = make_evaluator(args.evaluator, model, spec, len(rows), args.eval_dtype)
     print(f"{size} seed {seed}: evaluating the checkpoints on {len(rows)} test rows "
@@ -856,6 +881,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     """Per size and seed: each framework's figures; then the means across seeds and the
     ratios next to the targets."""
     cols = [("samples/s", ".1f"), ("tokens/s", ".0f"), ("step_s", ".2f"),
+            ("train_s_mean", ".2f"), ("generate_s_mean", ".2f"),
             ("first_step_s", ".1f"), ("wall_s", ".0f"), ("save_s", ".1f"),
             ("best_accuracy", ".1%"), ("time_to_accuracy_s", ".0f")]  # fmt: skip
     for size, res in results.items():

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -75,6 +76,8 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
             run = seed["frameworks"][fw]
             assert run["steps"] == run["requested_steps"] == 3, fw  # each side really trained
             assert run["samples/s"] > 0 and run["tokens/s"] > 0 and run["step_s"] > 0
+            assert run["train_s_mean"] > 0  # each step's training phase, timed on each side
+            assert ("generate_s_mean" in run) == (fw == "trl") == ("wait_s_mean" not in run)
             curve = run["curve"]
             assert curve[0] == point(0, 0.0, seed["start_accuracy"])
             assert [p["step"] for p in curve[1:]] == [2, 3]  # every K steps and the last
@@ -208,7 +211,9 @@ def test_trls_reward_is_asyncrls_numeric_reward_on_chat_completions() -> None:
                [{"role": "assistant", "content": "no number"}]]  # fmt: skip
     scores = reward([None] * 3, replies, [[1, 2], [3], []], label=["28", "28", "28"])
     assert scores == [1.0, 0.0, 0.0]
-    assert reward.calls == [{"samples": 3, "tokens": 3, "reward": pytest.approx(1 / 3)}]
+    [call] = reward.calls
+    assert call == {"samples": 3, "tokens": 3, "reward": pytest.approx(1 / 3),
+                    "scored_at": pytest.approx(time.time(), abs=60)}  # fmt: skip
 
 
 def test_a_seeds_key_holds_no_checkout_path_so_another_checkout_reads_it() -> None:
@@ -223,3 +228,15 @@ def test_a_seeds_key_holds_no_checkout_path_so_another_checkout_reads_it() -> No
                               "model": "/root/.cache/asyncrl/models/smollm2"}},
         "eval_rows": 500,
     }  # fmt: skip
+
+
+def test_trls_steps_split_into_generation_and_training_at_the_reward_call() -> None:
+    steps = [{"step": 1, "time": 10.0, "scored_at": 7.0},
+             {"step": 2, "time": 20.0, "scored_at": 16.0},
+             {"step": 3, "time": 30.0, "scored_at": 24.5}]  # fmt: skip
+    phases = vs_trl.trl_phases(steps, saves={2: 1.5})  # step 2's checkpoint took 1.5 s
+    assert [p["train_s"] for p in phases] == [3.0, 4.0, 5.5]
+    assert "generate_s" not in phases[0]  # from launch: model loads are in it
+    assert [p["generate_s"] for p in phases[1:]] == [6.0, 3.0]  # 24.5 - (20 + 1.5)
+    old = [{"step": 1, "time": 10.0}]  # recorded before the split: kept as it was
+    assert vs_trl.trl_phases(old, saves={}) == old
