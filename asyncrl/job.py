@@ -437,7 +437,7 @@ def job_actor_specs(
 def _lend_trainer_cores(cfg: RunConfig, specs: list[ActorSpec], run_dir: Path) -> None:
     """``runtime.lend_trainer_cores``: the trainer marks its steps in ``run_dir`` and each
     process hosting an embedded CPU engine runs on ``(cores - reward model's) // hosts``
-    threads while the mark is clear (``runtime/cores.py``). Only where the job shares the
+    threads while the mark is clear (``cores.py``). Only where the job shares the
     cores itself: local, ``runtime.threads`` unset, a trainer that trains."""
     rt, engine = cfg.runtime, cfg.rollout.engine
     on_cpu = engine is None or (engine.type == "torch" and engine.device == "cpu")

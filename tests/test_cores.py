@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl import cores
 from asyncrl.config import load_config
+from asyncrl.cores import BusyMark, LentThreads
 from asyncrl.engines.base import GenerateRequest, SamplingParams
 from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.job import job_actor_specs
-from asyncrl.runtime import cores, machine
-from asyncrl.runtime.cores import BusyMark, LentThreads
+from asyncrl.runtime import machine
 from tests.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

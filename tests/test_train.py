@@ -157,7 +157,7 @@ def test_a_short_async_run_trains_and_accounts_for_every_prompt(short_run):
     assert any("rollout/reward_mean" in r for r in rollout) and "version" in rollout[-1]
     spans = [b for r in rollout for b in r["busy"]]
     assert spans and all(a <= b for a, b in spans)
-    # While the trainer waited, the engine stepped on the cores it lent (runtime/cores.py).
+    # While the trainer waited, the engine stepped on the cores it lent (cores.py).
     if machine.usable_cores() > 1:
         assert 0 < rollout[-1]["engine/lent_thread_steps"] <= rollout[-1]["engine/steps"]
         assert (run_dir / "trainer.busy").read_bytes() == b"\x00"  # cleared as it stopped

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from asyncrl.actors.base import ActorSpec
 from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.actors.trainer import TrainerActor
+from asyncrl.cores import BusyMark
 from asyncrl.policies.config import PolicyConfig
-from asyncrl.runtime.cores import BusyMark
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import Supervisor
 from asyncrl.runtime.topology import allocate_endpoints

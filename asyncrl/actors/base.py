@@ -30,10 +30,10 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 
 from asyncrl.actors.config import ActorConfig
+from asyncrl.cores import LentThreads
 from asyncrl.errors import InputError, disk_refused
 from asyncrl.observe.logs import bind_context, get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
-from asyncrl.runtime.cores import LentThreads
 from asyncrl.wire.channels import _Channel
 from asyncrl.wire.config import WireConfig
 from asyncrl.wire.control import ControlLink
@@ -89,7 +89,7 @@ class ActorSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     params: dict[str, Any] = msgspec.field(default_factory=dict)  # the role's ``Config``
     incarnation: Incarnation = msgspec.field(default_factory=Incarnation)
     threads: int | None = None  # torch/OpenMP threads of this process; None: the library's
-    # The local trainer's busy mark (``runtime/cores.py``): the trainer writes it, and an
+    # The local trainer's busy mark (``cores.py``): the trainer writes it, and an
     # embedded CPU engine runs on ``idle_trainer_threads`` while it is clear.
     busy_mark: str | None = None
     idle_trainer_threads: int | None = None
@@ -227,7 +227,7 @@ class Actor(ABC):
 
     def lent_threads(self) -> LentThreads | None:
         """The threads this actor's embedded CPU engine runs on while the local trainer
-        waits (``runtime/cores.py``); None where the job lends it none."""
+        waits (``cores.py``); None where the job lends it none."""
         s = self.spec
         if s.busy_mark is None or s.idle_trainer_threads is None or s.threads is None:
             return None

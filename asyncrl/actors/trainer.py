@@ -24,12 +24,12 @@ from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.buffer.dump import BatchWriter
 from asyncrl.buffer.journal import fsync_dir
 from asyncrl.checkpoints import checkpoint_dirs, step_dir
+from asyncrl.cores import BusyMark
 from asyncrl.errors import NonFiniteTraining, RunStateLost
 from asyncrl.observe.episodes import episode_metrics
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.observe.samples import sample_rows
-from asyncrl.runtime.cores import BusyMark
 from asyncrl.trainers.backends import create_trainer
 from asyncrl.trainers.base import NonFiniteStep, StepResult, Trainer, UntrainableBatch
 from asyncrl.types import BatchReply, BatchRequest, TrainBatch
@@ -69,7 +69,7 @@ class TrainerActor(Actor):
         # stop never leaves a trained version without its row or its announcement.
         self._stepping = asyncio.Lock()
         self._finished = False  # the run ended (num_steps, or no more data), not a stop
-        self.mark: BusyMark | None = None  # set while a step computes (``runtime/cores.py``)
+        self.mark: BusyMark | None = None  # set while a step computes (``cores.py``)
         # The newest version a complete checkpoint holds (-1: none is taken). Heartbeats
         # report it: a restart must find a checkpoint only once one was complete, and
         # ``version`` runs ahead of it while a checkpoint is written.
@@ -180,7 +180,7 @@ class TrainerActor(Actor):
     @contextlib.asynccontextmanager
     async def _computing(self) -> AsyncIterator[None]:
         """The trainer held (one call at a time: ``_busy``) with its busy mark set, so the
-        engines on this machine give back the cores they were lent (``runtime/cores.py``)."""
+        engines on this machine give back the cores they were lent (``cores.py``)."""
         async with self._busy:
             with self.mark.busy() if self.mark is not None else contextlib.nullcontext():
                 yield

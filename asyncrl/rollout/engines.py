@@ -32,11 +32,11 @@ log = get_logger("asyncrl.rollout")
 if TYPE_CHECKING:
     import torch
 
+    from asyncrl.cores import LentThreads
     from asyncrl.engines.base import InferenceEngine, PauseMode
     from asyncrl.engines.server.app import EngineServer
     from asyncrl.engines.sim.engine import SimEngine
     from asyncrl.rollout.base import Generator
-    from asyncrl.runtime.cores import LentThreads
     from asyncrl.weights.sync import WeightReceiver
     from asyncrl.wire.messages import WeightVersion
 
@@ -60,7 +60,7 @@ class EngineHost:
         threads: LentThreads | None = None,
     ) -> None:
         self.config = config
-        self.threads = threads  # an embedded CPU engine's thread count (``runtime/cores.py``)
+        self.threads = threads  # an embedded CPU engine's thread count (``cores.py``)
         self.seed = seed  # the embedded torch engine's sampling stream (``engine_seed``)
         self.spill_dir = spill_dir  # dist into servers: versions that go by disk instead
         self.server_group: ServerGroup | None = None  # dist into servers: set by the actor

@@ -98,7 +98,7 @@ def _dtype_hint(cfg: RunConfig, bf16: bool) -> str:
 def _threads(spec: ActorSpec) -> str:
     n = spec.threads
     text = "torch's threads" if n is None else f"{n} thread{'s' if n > 1 else ''}"
-    if spec.idle_trainer_threads is not None:  # cores the trainer lends (runtime/cores.py)
+    if spec.idle_trainer_threads is not None:  # cores the trainer lends (cores.py)
         text += f" ({spec.idle_trainer_threads} while the trainer waits)"
     return text
 

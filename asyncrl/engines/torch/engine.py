@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.cores import LentThreads
 from asyncrl.engines.base import (
     EngineLoad,
     GenerateOutput,
@@ -45,7 +46,6 @@ from asyncrl.engines.torch.scheduler import Scheduler
 from asyncrl.engines.torch.updates import WeightUpdates
 from asyncrl.errors import EngineError
 from asyncrl.observe.logs import get_logger
-from asyncrl.runtime.cores import LentThreads
 from asyncrl.wire.messages import BlobManifest
 
 log = get_logger("asyncrl.engine")
@@ -133,7 +133,7 @@ class TorchEngine:
         self.weights = WeightUpdates(self)
         self._stepped = asyncio.Event()  # set after every step (pause waits on it)
         self._steps: ThreadPoolExecutor | None = None  # the step thread, while run() runs
-        # Before each step, the thread count to run it on (``runtime/cores.py``); None: fixed.
+        # Before each step, the thread count to run it on (``cores.py``); None: fixed.
         self._threads: LentThreads | None = None
         self._threads_now = 0  # the step thread's count as last set by _step
         # The KV and activations live in host memory on CPU: give what is freed back.
@@ -235,7 +235,7 @@ class TorchEngine:
 
     def follow_threads(self, threads: LentThreads) -> None:
         """On a CPU, run each step on ``threads()`` threads: the cores an idle trainer
-        lends (``runtime/cores.py``); on another device it changes nothing."""
+        lends (``cores.py``); on another device it changes nothing."""
         if self.device.type == "cpu":
             self._threads = threads
 
