@@ -2,14 +2,15 @@
 
 Runs ``asyncrl train CONFIG`` (default: the real-model example without its eval actor)
 for ``--steps`` steps with ``--runtime.lend-trainer-cores`` false and true, alternated
-``--repeats`` times so that a slow spell of the machine hits both alike. Per run:
+``--repeats`` times (off, on, then on, off, ...) after an uncounted warm-up run, so that
+neither the cold start nor a slow spell of the machine falls on one side. Per run:
 
 - ``first_step_s``: launch to the first trained step (model loads and the first batch,
   which the engine generates while the trainer has nothing to do);
 - ``wall_s``: launch to the last step; ``samples/s`` and ``tokens/s`` over the steps
   after the first, the trainer's idle share and mean wait, as ``bench/overlap.py``
   counts them;
-- ``lent_share``: the engine's steps run on lent threads, over all its steps.
+- ``lent_share``: the engines' steps run on lent threads, over all their steps.
 
 ``.venv/bin/python bench/lend_cores.py [--repeats 2] [-- FLAGS]`` prints each run, the
 medians and on / off ratios, and writes ``bench/results/lend_cores.json``.
@@ -41,7 +42,7 @@ async def run_once(args: argparse.Namespace, lend: bool, run_dir: Path) -> dict[
     """One job into ``run_dir``; its figures (module docstring)."""
     flags = ["--name", f"lend-{lend}", "--output-dir", str(run_dir),
              "--train.num-steps", str(args.steps), "--eval.interval", "0",
-             "--train.metrics-interval", "1.0", *args.flags,
+             "--save-interval", "0", "--train.metrics-interval", "1.0", *args.flags,
              "--runtime.lend-trainer-cores", str(lend).lower()]  # fmt: skip
     cfg = load_config(args.config, overrides=flags)
     start = time.time()
@@ -50,12 +51,13 @@ async def run_once(args: argparse.Namespace, lend: bool, run_dir: Path) -> dict[
         raise RuntimeError(f"lend {lend}: {result.error or result.codes}")
     steps = read_jsonl(run_dir / "metrics.jsonl")
     out = summarize(run_dir, cfg.buffer.groups_per_step * cfg.buffer.num_samples_per_prompt)
+    out.pop("accuracy", None)  # no eval here (NaN)
     out["first_step_s"] = steps[0]["time"] - start
     out["wall_s"] = steps[-1]["time"] - start
-    engine = read_jsonl(run_dir / "metrics" / "rollout-0.jsonl")[-1]
-    out["lent_share"] = engine.get("engine/lent_thread_steps", 0.0) / max(
-        engine.get("engine/steps", 0.0), 1.0
-    )
+    files = (run_dir / "metrics").glob("rollout-*.jsonl")
+    last = [rows[-1] for path in files if (rows := read_jsonl(path))]  # counters: cumulative
+    lent = sum(r.get("engine/lent_thread_steps", 0.0) for r in last)
+    out["lent_share"] = lent / max(sum(r.get("engine/steps", 0.0) for r in last), 1.0)
     return out
 
 
@@ -64,11 +66,16 @@ def main() -> None:
     parser.add_argument("--config", default="examples/word_problems/config.yaml")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2, help="runs each way, alternated")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="skip the uncounted first run")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results/lend_cores.json"))
     parser.add_argument("flags", nargs="*", help="asyncrl train flags for every run (after --)")
     args = parser.parse_args()
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory(prefix="lend-") as tmp:
+        if args.warmup:  # the first run pays the cold page cache: timed by neither side
+            print("warm-up run (not counted) ...", flush=True)
+            asyncio.run(run_once(args, True, Path(tmp) / "warmup"))
         for rep in range(args.repeats):
             for key in ("off", "on") if rep % 2 == 0 else ("on", "off"):
                 run = asyncio.run(run_once(args, key == "on", Path(tmp) / f"{key}-{rep}"))

@@ -478,7 +478,8 @@ def asyncrl_timeline(out: Path, groups: int, samples: int) -> dict[str, Any]:
     steps = [{"step": int(r["step"]), "time": float(r["time"]),
               "samples": (groups - int(r.get("batch/dropped_groups", 0))) * samples,
               "tokens": float(r["num_tokens"]), "reward": r.get("reward/mean"),
-              "train_s": r.get("time/step"), "wait_s": r.get("time/wait_data")}
+              "train_s": r.get("time/step"), "wait_s": r.get("time/wait_data"),
+              "publish_s": r.get("time/publish")}
              for r in rows]  # fmt: skip
     at = {s["step"]: s["time"] for s in steps}
     checkpoints = []
@@ -538,7 +539,8 @@ def figures(steps: list[dict[str, Any]], clock: dict[str, float]) -> dict[str, A
     span = steps[-1]["time"] - steps[0]["time"]
     steady = steps[1:]
     rewards = [s["reward"] for s in steps if s.get("reward") is not None]
-    phases = {f"{k}_mean": statistics.fmean(v) for k in ("train_s", "wait_s", "generate_s")
+    keys = ("train_s", "wait_s", "publish_s", "generate_s")
+    phases = {f"{k}_mean": statistics.fmean(v) for k in keys
               if (v := [s[k] for s in steady if s.get(k) is not None])}  # fmt: skip
     return phases | {
         "steps": len(steps),
