@@ -25,6 +25,7 @@ from typing import Any
 
 from asyncrl.actors.base import ActorSpec
 from asyncrl.config import RunConfig
+from asyncrl.cores import threads_pay
 from asyncrl.errors import InputError
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.progress import JobProgress
@@ -438,10 +439,14 @@ def _lend_trainer_cores(cfg: RunConfig, specs: list[ActorSpec], run_dir: Path) -
     """``runtime.lend_trainer_cores``: the trainer marks its steps in ``run_dir`` and each
     process hosting an embedded CPU engine runs on ``(cores - reward model's) // hosts``
     threads while the mark is clear (``cores.py``). Only where the job shares the
-    cores itself: local, ``runtime.threads`` unset, a trainer that trains."""
+    cores itself: local, ``runtime.threads`` unset, a trainer that trains; with ``auto``,
+    an engine model wide enough for more threads to pay (``cores.threads_pay``)."""
     rt, engine = cfg.runtime, cfg.rollout.engine
     on_cpu = engine is None or (engine.type == "torch" and engine.device == "cpu")
-    if not (rt.lend_trainer_cores and rt.type == "local" and rt.threads is None and on_cpu):
+    lend = rt.lend_trainer_cores
+    if lend == "never" or not (rt.type == "local" and rt.threads is None and on_cpu):
+        return
+    if lend == "auto" and not threads_pay(engine.model_path if engine else None):
         return
     host_role = "engine" if engine_actor_count(cfg) else "rollout"
     trainer = next((s for s in specs if s.role == "trainer"), None)

@@ -1,7 +1,7 @@
 """The cores an idle trainer lends its engines, on and off, side by side in one run.
 
 Runs ``asyncrl train CONFIG`` (default: the real-model example without its eval actor)
-for ``--steps`` steps with ``--runtime.lend-trainer-cores`` false and true, alternated
+for ``--steps`` steps with ``--runtime.lend-trainer-cores`` never and always, alternated
 ``--repeats`` times (off, on, then on, off, ...) after an uncounted warm-up run, so that
 neither the cold start nor a slow spell of the machine falls on one side. Per run:
 
@@ -43,7 +43,7 @@ async def run_once(args: argparse.Namespace, lend: bool, run_dir: Path) -> dict[
     flags = ["--name", f"lend-{lend}", "--output-dir", str(run_dir),
              "--train.num-steps", str(args.steps), "--eval.interval", "0",
              "--save-interval", "0", "--train.metrics-interval", "1.0", *args.flags,
-             "--runtime.lend-trainer-cores", str(lend).lower()]  # fmt: skip
+             "--runtime.lend-trainer-cores", "always" if lend else "never"]  # fmt: skip
     cfg = load_config(args.config, overrides=flags)
     start = time.time()
     result = await run_job(cfg)

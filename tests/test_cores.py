@@ -4,6 +4,7 @@ which processes of a job take part."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -128,7 +129,7 @@ def test_a_local_job_lends_the_trainers_cores_to_its_embedded_engines(tmp_path, 
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--runtime.lend-trainer-cores", "false"],
+        ["--runtime.lend-trainer-cores", "never"],
         ["--runtime.threads", "2"],  # the user shares the cores
         [
             "--rollout.engine.type",
@@ -153,3 +154,27 @@ def test_one_core_lends_nothing(tmp_path, monkeypatch):
     specs = specs_of(tmp_path)
     assert specs["rollout-0"].threads == 1
     assert all(s.busy_mark is None and s.idle_trainer_threads is None for s in specs.values())
+
+
+@pytest.mark.parametrize(("hidden", "lend", "lent"), [
+    (128, "auto", False),  # the 1M arith toy's width: a second thread did not pay
+    (576, "auto", True),  # SmolLM2-135M's
+    (128, "always", True),
+])  # fmt: skip
+def test_auto_lends_where_the_model_is_wide_enough(tmp_path, monkeypatch, hidden, lend, lent):
+    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": hidden}))
+    flags = ["--rollout.engine.model-path", str(model), "--runtime.lend-trainer-cores", lend]
+    specs = specs_of(tmp_path, *flags)
+    assert (specs["rollout-0"].idle_trainer_threads == 8) is lent
+    assert (specs["trainer"].busy_mark is not None) is lent
+
+
+def test_a_model_whose_width_cannot_be_read_is_assumed_wide(tmp_path):
+    assert cores.threads_pay(None) and cores.threads_pay(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text("{not json")
+    assert cores.threads_pay(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"n_embd": 64}))  # GPT-2's name
+    assert not cores.threads_pay(str(tmp_path))

@@ -116,7 +116,8 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, JobResult
     write_prompts(root / "prompts.jsonl")
     trackers = ["--use-tensorboard", "--use-wandb", "--wandb-mode", "offline"]
     flags = [*job_flags(root, steps=3), *eval_flags(root, 2), *trackers,
-             "--save-debug-rollout-data", str(root / "dump")]  # fmt: skip
+             "--save-debug-rollout-data", str(root / "dump"),
+             "--runtime.lend-trainer-cores", "always"]  # fmt: skip  # the tiny model is narrow
     return root, uvloop.run(run_job(load_config(overrides=flags)))
 
 
