@@ -11,16 +11,10 @@ is clear, on its own share while it is set, missing or unreadable.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-#: ``lend_trainer_cores: auto`` lends to engines whose model is at least this wide: below
-#: it a step's matmuls are too small for a second thread to pay (the 1M arith toy, hidden
-#: 128, ran 0.91x with the loan; SmolLM2-135M, hidden 576, started sooner).
-MIN_HIDDEN = 256
 
 #: How often a reader looks again for a mark file that is not there yet (the trainer
 #: creates it as it sets up, beside the engines starting).
@@ -98,16 +92,3 @@ class LentThreads:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
-
-
-def threads_pay(model_path: str | None) -> bool:
-    """Whether more threads speed up an engine step on the model at ``model_path``: its HF
-    ``config.json`` says a hidden size of at least ``MIN_HIDDEN`` (unknown: assume so)."""
-    if not model_path:
-        return True
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return True
-    hidden = config.get("hidden_size", config.get("n_embd")) if isinstance(config, dict) else None
-    return not isinstance(hidden, int) or hidden >= MIN_HIDDEN

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl import hardware
 from asyncrl.actors.base import ActorSpec
 from asyncrl.config import RunConfig
-from asyncrl.cores import threads_pay
 from asyncrl.errors import InputError
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.progress import JobProgress
@@ -440,13 +440,13 @@ def _lend_trainer_cores(cfg: RunConfig, specs: list[ActorSpec], run_dir: Path) -
     process hosting an embedded CPU engine runs on ``(cores - reward model's) // hosts``
     threads while the mark is clear (``cores.py``). Only where the job shares the
     cores itself: local, ``runtime.threads`` unset, a trainer that trains; with ``auto``,
-    an engine model wide enough for more threads to pay (``cores.threads_pay``)."""
+    an engine model wide enough for more threads to pay (``hardware.wide_model``)."""
     rt, engine = cfg.runtime, cfg.rollout.engine
     on_cpu = engine is None or (engine.type == "torch" and engine.device == "cpu")
     lend = rt.lend_trainer_cores
     if lend == "never" or not (rt.type == "local" and rt.threads is None and on_cpu):
         return
-    if lend == "auto" and not threads_pay(engine.model_path if engine else None):
+    if lend == "auto" and not hardware.wide_model(engine.model_path if engine else None):
         return
     host_role = "engine" if engine_actor_count(cfg) else "rollout"
     trainer = next((s for s in specs if s.role == "trainer"), None)
@@ -456,7 +456,7 @@ def _lend_trainer_cores(cfg: RunConfig, specs: list[ActorSpec], run_dir: Path) -
     # A reward model scores while the trainer waits: its cores are not lent. The eval
     # actor's are, as it runs now and then.
     scoring = sum(s.threads or 0 for s in specs if s.role == "reward")
-    idle = (machine.usable_cores() - scoring) // len(hosts)
+    idle = (hardware.usable_cores() - scoring) // len(hosts)
     lent = [s for s in hosts if s.threads is not None and idle > s.threads]
     mark = str(run_dir / "trainer.busy")
     for spec in lent:
@@ -473,7 +473,7 @@ def _trainer_threads(cfg: RunConfig, shared: int) -> int:
     if cfg.runtime.threads is not None or cfg.runtime.type != "local":
         return shared
     ranks = cfg.trainer.num_ranks if cfg.trainer else 1
-    return max(1, machine.usable_cores() // ranks)
+    return max(1, hardware.usable_cores() // ranks)
 
 
 def _threads_per_torch_process(cfg: RunConfig) -> int:
@@ -483,4 +483,4 @@ def _threads_per_torch_process(cfg: RunConfig) -> int:
     engines = 0 if cfg.train.load_rollout_data or not embedded else cfg.rollout.num_actors
     trainer = 0 if cfg.train.debug_rollout_only else 1
     busy = trainer + engines + int(cfg.eval.enabled) + int(job_reward_model(cfg) is not None)
-    return max(1, machine.usable_cores() // max(busy, 1))
+    return max(1, hardware.usable_cores() // max(busy, 1))

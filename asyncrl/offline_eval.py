@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import RunConfig
-from asyncrl.engines.config import EngineConfig
+from asyncrl.engines.config import EngineConfig, sampled_dtype
 from asyncrl.errors import InputError
 
 #: The engine's name in its seed: the eval actor's, so the same seed draws the same stream.
@@ -50,6 +50,8 @@ def engine_config(cfg: RunConfig, model: Path) -> EngineConfig:
         keep = ("device", "dtype", "max_running", "packed_weights", "lean_forward", "seed",
                 "prompt_cache_tokens")  # fmt: skip
         fields |= {k: getattr(base, k) for k in keep}
+    elif cfg.trainer is not None:  # the job's engine: at the trainer's precision
+        fields["dtype"] = sampled_dtype(cfg.trainer.dtype)
     return EngineConfig.model_validate(fields).seeded(cfg.seed)
 
 

@@ -28,7 +28,7 @@ from asyncrl.buffer.sources import PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.checkpoints import snapshot_dir, step_dir, trainer_dir
 from asyncrl.config import RunConfig
-from asyncrl.engines.config import EngineConfig
+from asyncrl.engines.config import EngineConfig, sampled_dtype
 from asyncrl.preflight import tool_schemas
 from asyncrl.rollout.reward_config import RewardModelConfig, reward_models
 from asyncrl.runtime.topology import rollout_actor_names
@@ -101,7 +101,8 @@ def _rollout_config(
 ) -> RolloutActorConfig:
     assert cfg.trainer is not None
     r, model = cfg.rollout, cfg.trainer.model_path
-    engine = r.engine or EngineConfig(type="torch", model_path=model)
+    dtype = sampled_dtype(cfg.trainer.dtype)
+    engine = r.engine or EngineConfig(type="torch", model_path=model, dtype=dtype)
     return RolloutActorConfig(
         engine=engine.seeded(cfg.seed, resumed_at),
         sampling=dict(r.sampling),

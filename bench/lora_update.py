@@ -60,7 +60,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     targets = args.targets if args.targets == "all-linear" else json.loads(args.targets)
     lora = {"rank": args.rank, "alpha": args.alpha, "target_modules": targets}
-    trainer = TorchTrainer(TorchTrainer.Config(model_path=args.model, lora=lora))
+    trainer = TorchTrainer(TorchTrainer.Config(model_path=args.model, lora=lora, dtype="float32"))
     adapters = trainer.policy.adapters
     assert adapters is not None
     with torch.no_grad():  # B = 0 at the start; random B makes the merge do its work

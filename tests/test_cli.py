@@ -98,7 +98,7 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]):
         (["serve", "--port", "99999"], "argument --port: a TCP port is 0 to 65535, got 99999"),
         (["serve", "--mem-fraction-static", "0"], "static/--mem-fraction: Input should be greater"),
         (["serve", "--max-total-tokens", "0"], "argument --max-total-tokens: Input should be"),
-        (["serve", "--dtype", "float8"], "argument --dtype: Input should be 'float32'"),
+        (["serve", "--dtype", "float8"], "argument --dtype: Input should be 'auto', 'float32'"),
     ],
 )
 def test_out_of_range_numbers_are_refused_at_their_flag(argv, words, capsys):
@@ -121,7 +121,7 @@ def test_serve_flags_are_the_engine_configs_fields_under_sglangs_names():
             "--disable-cuda-graph", "--disable-radix-cache"]  # fmt: skip
     args = parser.parse_args(argv)
     fields = {name: getattr(args, name) for name in SERVE_ENGINE_FLAGS}
-    assert fields == {"device": "cpu", "dtype": "float32", "max_running": 8,
+    assert fields == {"device": "cpu", "dtype": "auto", "max_running": 8,
                       "max_total_tokens": None, "mem_fraction": 0.5, "packed_weights": False,
                       "lean_forward": False, "json_any_whitespace": False,
                       "cuda_graph": False, "prompt_cache_tokens": 0,

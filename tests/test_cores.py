@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl import cores
+from asyncrl import cores, hardware
 from asyncrl.config import load_config
 from asyncrl.cores import BusyMark, LentThreads
 from asyncrl.engines.base import GenerateRequest, SamplingParams
 from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.job import job_actor_specs
-from asyncrl.runtime import machine
 from tests.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +111,7 @@ def specs_of(tmp_path: Path, *flags: str) -> dict[str, object]:
 
 
 def test_a_local_job_lends_the_trainers_cores_to_its_embedded_engines(tmp_path, monkeypatch):
-    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 8)
     specs = specs_of(tmp_path, "--rollout.num-actors", "2")
     mark = str(tmp_path / "trainer.busy")
     assert specs["trainer"].busy_mark == mark and specs["trainer"].idle_trainer_threads is None
@@ -144,13 +143,13 @@ def test_a_local_job_lends_the_trainers_cores_to_its_embedded_engines(tmp_path, 
     ],
 )
 def test_no_loan_where_the_job_does_not_share_the_cores_itself(tmp_path, monkeypatch, flags):
-    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 8)
     specs = specs_of(tmp_path, *flags)
     assert all(s.busy_mark is None and s.idle_trainer_threads is None for s in specs.values())
 
 
 def test_one_core_lends_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(machine, "usable_cores", lambda: 1)
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 1)
     specs = specs_of(tmp_path)
     assert specs["rollout-0"].threads == 1
     assert all(s.busy_mark is None and s.idle_trainer_threads is None for s in specs.values())
@@ -162,7 +161,7 @@ def test_one_core_lends_nothing(tmp_path, monkeypatch):
     (128, "always", True),
 ])  # fmt: skip
 def test_auto_lends_where_the_model_is_wide_enough(tmp_path, monkeypatch, hidden, lend, lent):
-    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 8)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"hidden_size": hidden}))
@@ -170,11 +169,3 @@ def test_auto_lends_where_the_model_is_wide_enough(tmp_path, monkeypatch, hidden
     specs = specs_of(tmp_path, *flags)
     assert (specs["rollout-0"].idle_trainer_threads == 8) is lent
     assert (specs["trainer"].busy_mark is not None) is lent
-
-
-def test_a_model_whose_width_cannot_be_read_is_assumed_wide(tmp_path):
-    assert cores.threads_pay(None) and cores.threads_pay(str(tmp_path / "missing"))
-    (tmp_path / "config.json").write_text("{not json")
-    assert cores.threads_pay(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({"n_embd": 64}))  # GPT-2's name
-    assert not cores.threads_pay(str(tmp_path))

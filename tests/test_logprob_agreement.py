@@ -63,7 +63,7 @@ def _recomputed(trainer: TorchTrainer, batch: TrainBatch) -> tuple[torch.Tensor,
 def _check(model_dir: Path, prompts: list[list[int]], n: int, device: str = "cpu") -> None:
     """Engine and trainer on ``device`` (tests/test_gpu.py runs it on a GPU)."""
     batch = asyncio.run(_generate(model_dir, prompts, n, device))
-    cfg = TorchTrainer.Config(model_path=str(model_dir), lr=1e-6, device=device)
+    cfg = TorchTrainer.Config(model_path=str(model_dir), lr=1e-6, device=device, dtype="float32")
     trainer = TorchTrainer(cfg, PolicyConfig(off_policy_correction="tis"))
     ours, engine = _recomputed(trainer, batch)
     assert ours.numel() == sum(s.response_length for g in batch.groups for s in g.samples)

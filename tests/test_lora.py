@@ -274,7 +274,8 @@ async def test_lora_grpo_on_the_real_model_learns_through_adapter_only_versions(
     groups) raise a reward for short replies, on fresh samples; each version is more
     than 10x smaller than the merged weights."""
     lora = {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"], "publish": "adapters"}
-    trainer = TorchTrainer(TorchTrainer.Config(model_path=str(smollm2_dir), lr=3e-3, lora=lora))
+    config = TorchTrainer.Config(model_path=str(smollm2_dir), lr=3e-3, lora=lora, dtype="float32")
+    trainer = TorchTrainer(config)
     engine = TorchEngine.from_pretrained(str(smollm2_dir))
     task = asyncio.create_task(engine.run())
     chat = [[{"role": "user", "content": q}] for q in ("Name a color.", "Name a fruit.")]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl import hardware
 from asyncrl.config import load_config
 from asyncrl.job import job_actor_specs
 from asyncrl.runtime import machine
@@ -21,8 +22,8 @@ def plan(tmp_path: Path, config: str, *flags: str) -> str:
 @pytest.mark.parametrize("bf16", [True, False])
 def test_the_line_names_each_torch_process_its_threads_and_dtype(tmp_path, monkeypatch, bf16):
     flags = frozenset({"avx2", "avx512_bf16"} if bf16 else {"avx2"})
-    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 8)
     line = plan(tmp_path, "examples/word_problems/config.yaml")
     assert line.startswith("8 cores, bf16 instructions: " if bf16 else "8 cores: ")
     assert "trainer float32 x 8 threads (micro-batches of 1024 tokens)" in line  # every core
@@ -44,12 +45,12 @@ def test_engine_actors_are_the_engines_and_rollout_actors_are_not(tmp_path):
     vllm = plan(tmp_path, "examples/arith/config.yaml", "--rollout.engine.type", "vllm",
                 "--rollout.engine.serve", "actor", "--update-weight-transport", "disk",
                 "--eval-interval", "0")  # fmt: skip
-    assert "; 1 vllm engine " in vllm and "engine float32" not in vllm  # its threads are its own
+    assert "; 1 vllm engine" in vllm and "engine float32" not in vllm  # its threads are its own
 
 
 def test_flags_alone_give_the_trainer_every_core_and_the_devices_micro_batch(tmp_path, monkeypatch):
-    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
-    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset())
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 8)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset())
     cfg = load_config(overrides=["--hf-checkpoint", "m", "--prompt-data", "p.jsonl"])
     specs = {s.role: s.threads for s in job_actor_specs(cfg, {}, tmp_path, resume=False)}
     # Two rollout actors' engines and the trainer share the 8 cores; the trainer takes all.
@@ -69,7 +70,7 @@ def test_flags_alone_give_the_trainer_every_core_and_the_devices_micro_batch(tmp
 
 
 def test_trainer_ranks_share_the_cores_and_ray_keeps_the_shared_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(machine, "usable_cores", lambda: 8)
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 8)
     base = ["--hf-checkpoint", "m", "--prompt-data", "p.jsonl"]
 
     def trainer_threads(*flags: str) -> int | None:

@@ -17,12 +17,12 @@ import uvloop
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from asyncrl import hardware
 from asyncrl.buffer.dump import batch_files, read_batch
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.job import JobResult, run_job
 from asyncrl.preflight import check_agent, check_tool_use
-from asyncrl.runtime import machine
 from tests.test_trackers import wandb_history
 from tests.tiny_model import build_tiny_model
 
@@ -159,7 +159,7 @@ def test_a_short_async_run_trains_and_accounts_for_every_prompt(short_run):
     spans = [b for r in rollout for b in r["busy"]]
     assert spans and all(a <= b for a, b in spans)
     # While the trainer waited, the engine stepped on the cores it lent (cores.py).
-    if machine.usable_cores() > 1:
+    if hardware.usable_cores() > 1:
         assert 0 < rollout[-1]["engine/lent_thread_steps"] <= rollout[-1]["engine/steps"]
         assert (run_dir / "trainer.busy").read_bytes() == b"\x00"  # cleared as it stopped
     # The controller forwarded the metrics files to TensorBoard and W&B, to the last row.

@@ -159,7 +159,7 @@ def serve(args: argparse.Namespace) -> int:
     server_args = {
         "host": host,
         "port": args.port,
-        "dtype": args.dtype,
+        "dtype": cfg.dtype,  # auto resolved
         "tool_call_parser": args.tool_call_parser,
     }
     parser = None

@@ -21,7 +21,7 @@ from asyncrl.config.sections import (
     Section,
     TrainConfig,
 )
-from asyncrl.engines.config import EngineConfig
+from asyncrl.engines.config import EngineConfig, sampled_dtype
 from asyncrl.policies.config import PolicyConfig
 from asyncrl.rollout.config import EvalConfig, RolloutConfig
 from asyncrl.rollout.reward_config import reward_models
@@ -109,6 +109,19 @@ class RunConfig(Section):
                     name: {**section, "engine": {**engine, "model_path": model}},
                 }
         return data
+
+    @model_validator(mode="after")
+    def _engines_sample_at_the_trainers_precision(self) -> RunConfig:
+        """An engine whose ``dtype`` was ``auto`` holds its weights in the trainer's
+        compute precision (bfloat16 for bf16-mixed), so that what is sampled is what is
+        trained; the trainer's own ``auto`` is this machine's choice."""
+        if self.trainer is None:
+            return self
+        dtype = sampled_dtype(self.trainer.dtype)
+        for engine in (self.rollout.engine, self.eval.engine):
+            if engine is not None and engine._dtype_was_auto and engine.dtype != dtype:
+                engine.dtype = dtype
+        return self
 
     @model_validator(mode="after")
     def _the_job_seed_seeds_everything(self) -> RunConfig:

@@ -11,12 +11,19 @@ import zlib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from asyncrl.engines.sim.latency import LatencyModel
+from asyncrl.hardware import low_precision_pays
 
 #: Arguments of sglang.launch_server that the engine actor sets (model_path, its endpoint).
 _ASSIGNED_SERVER_ARGS = ("--model-path", "--model", "--host", "--port")
+
+
+def sampled_dtype(trainer_dtype: str) -> str:
+    """The engine weights that match a trainer's compute precision (bf16-mixed computes
+    in bfloat16), so that what is sampled is what is trained."""
+    return {"bf16-mixed": "bfloat16"}.get(trainer_dtype, trainer_dtype)
 
 
 class EngineConfig(BaseModel):
@@ -46,7 +53,12 @@ class EngineConfig(BaseModel):
         "loopback HTTP (false: every call goes over HTTP, as to SGLang)",
     )
     device: str = Field("cpu", description="torch device of the embedded engine.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="weights; auto: in a job, the trainer's precision (bfloat16 where it "
+        "computes in bf16); alone, the trainer's rule (hardware.low_precision_pays)",
+    )
+    _dtype_was_auto: bool = PrivateAttr(False)
     max_running: int = Field(64, ge=1, description="Requests decoded together (torch engine).")
     max_total_tokens: int | None = Field(
         None,
@@ -163,6 +175,16 @@ class EngineConfig(BaseModel):
             return own
         mixed = zlib.crc32(f"{own.seed}/resumed-after-{resumed_at}".encode())
         return own.model_copy(update={"seed": mixed})
+
+    @model_validator(mode="after")
+    def _dtype_for_the_machine(self) -> EngineConfig:
+        """``auto`` left by the job (an engine alone: ``asyncrl serve``, ``asyncrl eval``)
+        becomes this machine's choice, as a trainer's would."""
+        if self.dtype == "auto":
+            pays = self.type != "sim" and low_precision_pays(self.model_path, self.device)
+            self.dtype = "bfloat16" if pays else "float32"
+            self._dtype_was_auto = True  # a job's config makes it follow its trainer
+        return self
 
     @model_validator(mode="after")
     def _sim_is_embedded(self) -> EngineConfig:

@@ -3,42 +3,12 @@ sees the threads and precision each torch process got without reading the config
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from functools import cache
-from pathlib import Path
 
+from asyncrl import hardware
 from asyncrl.actors.base import ActorSpec
 from asyncrl.config import RunConfig
-
-#: CPU flags of native bf16 arithmetic (torch's bf16 matmuls run at 2-3x fp32 with them,
-#: at a tenth of it without: docs/numerics.md).
-BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
-@cache
-def cpu_flags() -> frozenset[str]:
-    """The first CPU's flags from ``/proc/cpuinfo`` (none where there is no such file)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: a container's share, not the
-    host's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        return os.cpu_count() or 1
-
-
-def cpu_bf16() -> bool:
-    """Whether this CPU computes bf16 natively."""
-    return bool(BF16_FLAGS & cpu_flags())
+from asyncrl.engines.config import sampled_dtype
 
 
 def describe(cfg: RunConfig, specs: list[ActorSpec]) -> str:
@@ -46,7 +16,7 @@ def describe(cfg: RunConfig, specs: list[ActorSpec]) -> str:
     ``2 cores, bf16 instructions: trainer float32 x 2 threads (micro-batches of 1024
     tokens); 1 engine float32 x 1 thread (2 while the trainer waits); eval x 1 thread``.
     On Ray the cores are the controller's, and each actor's threads are as set."""
-    bf16 = cpu_bf16()
+    bf16 = hardware.cpu_bf16()
     parts = []
     trainer = next((s for s in specs if s.role == "trainer"), None)
     if trainer is not None and cfg.trainer is not None:
@@ -57,7 +27,7 @@ def describe(cfg: RunConfig, specs: list[ActorSpec]) -> str:
     for role in ("eval", "reward"):
         parts += [f"{role} x {_threads(s)}" for s in specs if s.role == role]
     where = " (the controller's; on Ray)" if cfg.runtime.type == "ray" else ""
-    head = f"{usable_cores()} cores{where}" + (", bf16 instructions" if bf16 else "")
+    head = f"{hardware.usable_cores()} cores{where}" + (", bf16 instructions" if bf16 else "")
     return f"{head}: " + "; ".join(parts) + _dtype_hint(cfg, bf16)
 
 
@@ -72,17 +42,19 @@ def _engines(cfg: RunConfig, specs: list[ActorSpec]) -> str:
     plural = "s" if len(hosts) > 1 else ""
     if kind != "torch":
         return f"{len(hosts)} {kind} engine{plural}"
-    dtype = engine.dtype if engine else "float32"
+    trained = cfg.trainer.dtype if cfg.trainer else "float32"
+    dtype = engine.dtype if engine else sampled_dtype(trained)
     threads = " / ".join(Counter(_threads(s) for s in hosts))
     return f"{len(hosts)} engine{plural} {dtype} x {threads}"
 
 
 def _dtype_hint(cfg: RunConfig, bf16: bool) -> str:
-    """Where the trainer's precision and the CPU disagree, what to set instead."""
+    """Where the trainer's precision disagrees with what ``dtype: auto`` picks here
+    (``hardware.low_precision_pays``), what to set instead."""
     if cfg.trainer is None or _cuda(cfg):
         return ""
     low = cfg.trainer.dtype != "float32"
-    if bf16 and not low:
+    if not low and hardware.low_precision_pays(cfg.trainer.model_path):
         return (
             " (this CPU computes bf16 natively: SmolLM2-135M's trainer steps ran "
             "1.6-1.7x faster in bf16-mixed on such a CPU: --trainer.dtype bf16-mixed)"

@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from asyncrl.hardware import low_precision_pays
+
 
 class MegatronConfig(BaseModel):
     """megatron-core's parallel layout (``backend: megatron``); data parallel is the rest.
@@ -126,9 +128,11 @@ class TrainerConfig(BaseModel):
     )
 
     model_path: str = Field(..., min_length=1, description="HF model directory of the policy.")
-    dtype: Literal["float32", "bf16-mixed", "bfloat16", "float16"] = Field(
-        "float32",
-        description="float32; bf16-mixed: fp32 master weights and optimizer state, bf16 "
+    dtype: Literal["auto", "float32", "bf16-mixed", "bfloat16", "float16"] = Field(
+        "auto",
+        description="auto: bf16-mixed on a GPU, and on a CPU with native bf16 for a model at "
+        "least 256 wide; else float32 (the start line says which); float32; bf16-mixed: fp32 "
+        "master weights and optimizer state, bf16 "
         "compute (torch: autocast; megatron: its bf16 model with fp32 main params); "
         "bfloat16 / float16: weights and optimizer state themselves in that dtype (pure "
         "low precision, torch only)",
@@ -216,6 +220,14 @@ class TrainerConfig(BaseModel):
         if self.max_tokens_per_microbatch is not None:
             return self.max_tokens_per_microbatch
         return 8192 if self.device.startswith("cuda") else 1024
+
+    @model_validator(mode="after")
+    def _dtype_for_the_machine(self) -> TrainerConfig:
+        """``auto`` becomes this machine's choice (``hardware.low_precision_pays``)."""
+        if self.dtype == "auto":
+            pays = self.backend != "sim" and low_precision_pays(self.model_path, self.device)
+            self.dtype = "bf16-mixed" if pays else "float32"
+        return self
 
     @model_validator(mode="after")
     def _sim_is_one_process(self) -> TrainerConfig:
