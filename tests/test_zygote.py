@@ -141,3 +141,73 @@ async def test_a_prestarted_zygote_is_the_one_the_jobs_runtime_forks_from(tmp_pa
         handle, found = await facts(runtime, "a", tmp_path)
         assert found["parent"] == started
         assert await runtime.stop(handle, grace=10) == 0
+
+
+async def test_a_fork_whose_pipe_fails_to_connect_closes_its_descriptor_once(tmp_path, monkeypatch):
+    """A connect that fails (a cancel) closes its transport, which closes the pipe on a
+    later loop turn; the fork must not also close the bare number, which by then may
+    name another descriptor (here the next pipe made)."""
+    loop = asyncio.get_running_loop()
+    connect = loop.connect_read_pipe
+
+    async def cancelled(factory, pipe):
+        transport, _ = await connect(factory, pipe)
+        transport.close()  # as asyncio does when the wait for the connection is cancelled
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(loop, "connect_read_pipe", cancelled)
+    zygote = await asyncio.to_thread(forks.acquire_zygote, dict(os.environ))
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await forks.fork_actor(zygote, dict(os.environ), str(tmp_path), b"{}", {}, 1024)
+        r, w = os.pipe()  # the lowest free numbers: the fork's closed output end's
+        try:
+            for _ in range(3):
+                await asyncio.sleep(0)  # the transport's close runs
+            os.fstat(r)  # EBADF if the fork's pipe was closed twice
+            os.fstat(w)
+        finally:
+            os.close(r)
+            os.close(w)
+    finally:
+        forks.release_zygote(zygote)
+
+
+async def test_a_fork_cancelled_while_its_pipe_connects_leaves_no_descriptor(tmp_path, monkeypatch):
+    """Cancelled mid-connect, the fork lets the connect finish and closes its transport:
+    every descriptor it made is closed, each once (a pipe made after it survives)."""
+    loop = asyncio.get_running_loop()
+    connect, connecting = loop.connect_read_pipe, asyncio.Event()
+
+    async def slow(factory, pipe):
+        connecting.set()
+        await asyncio.sleep(0.2)
+        return await connect(factory, pipe)
+
+    async def cancelled_fork() -> set[str]:
+        """The descriptors open after a fork cancelled mid-connect has settled."""
+        connecting.clear()
+        fork = asyncio.create_task(
+            forks.fork_actor(zygote, dict(os.environ), str(tmp_path), b"{}", {}, 1024)
+        )
+        await connecting.wait()
+        fork.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await fork
+        r, w = os.pipe()
+        try:
+            await asyncio.sleep(0.5)  # the connect ends; its transport is closed
+            os.fstat(r)  # EBADF had the pipe's number been closed twice
+            os.fstat(w)
+        finally:
+            os.close(r)
+            os.close(w)
+        return set(os.listdir("/proc/self/fd"))
+
+    monkeypatch.setattr(loop, "connect_read_pipe", slow)
+    zygote = await asyncio.to_thread(forks.acquire_zygote, dict(os.environ))
+    try:
+        first = await cancelled_fork()  # and whatever is opened once, for good
+        assert await cancelled_fork() == first
+    finally:
+        forks.release_zygote(zygote)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import queue
 import signal
@@ -315,13 +316,20 @@ async def fork_actor(
     except asyncio.CancelledError:
         forked.add_done_callback(_undo_fork)
         raise
-    try:
-        reader = asyncio.StreamReader(limit=line_limit, loop=loop)
-        transport, _ = await loop.connect_read_pipe(
+    # The pipe's descriptor belongs to the transport from the moment the loop takes it
+    # (asyncio closes the file object, uvloop's libuv the number itself, each on a later
+    # loop turn): closing it here too could close whatever reused the number by then. So
+    # the connect is never cut short, and a transport made is closed only as a transport.
+    reader = asyncio.StreamReader(limit=line_limit, loop=loop)
+    connect = asyncio.ensure_future(
+        loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader, loop=loop), os.fdopen(out_r, "rb", 0)
         )
+    )
+    try:
+        transport, _ = await asyncio.shield(connect)
     except BaseException:
-        _undo_fork(forked)
+        connect.add_done_callback(functools.partial(_undo_connect, child))
         raise
     return ForkedProcess(zygote, child, reader, transport)
 
@@ -348,9 +356,21 @@ def _undo_fork(forked: asyncio.Future[tuple[Child, int]]) -> None:
     if forked.cancelled() or forked.exception() is not None:
         return
     child, out_r = forked.result()
+    _kill(child)
+    _close_fds(out_r)
+
+
+def _undo_connect(child: Child, connect: asyncio.Future[tuple[Any, Any]]) -> None:
+    """A connect its caller gave up on: end the child, close the transport if one was
+    made (a failed connect closed its own)."""
+    _kill(child)
+    if not connect.cancelled() and connect.exception() is None:
+        connect.result()[0].close()
+
+
+def _kill(child: Child) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGKILL)
-    _close_fds(out_r)
 
 
 def _close_fds(*fds: int) -> None:
