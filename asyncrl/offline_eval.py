@@ -50,8 +50,10 @@ def engine_config(cfg: RunConfig, model: Path) -> EngineConfig:
         keep = ("device", "dtype", "max_running", "packed_weights", "lean_forward", "seed",
                 "prompt_cache_tokens")  # fmt: skip
         fields |= {k: getattr(base, k) for k in keep}
+        if base._dtype_was_auto and cfg.trainer is None:
+            fields["dtype"] = "auto"  # chosen for the model evaluated, not the base's
     elif cfg.trainer is not None:  # the job's engine: at the trainer's precision
-        fields["dtype"] = sampled_dtype(cfg.trainer.dtype)
+        fields["dtype"] = sampled_dtype(cfg.trainer.dtype, str(model))
     return EngineConfig.model_validate(fields).seeded(cfg.seed)
 
 

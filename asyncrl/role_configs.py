@@ -101,7 +101,7 @@ def _rollout_config(
 ) -> RolloutActorConfig:
     assert cfg.trainer is not None
     r, model = cfg.rollout, cfg.trainer.model_path
-    dtype = sampled_dtype(cfg.trainer.dtype)
+    dtype = sampled_dtype(cfg.trainer.dtype, model)
     engine = r.engine or EngineConfig(type="torch", model_path=model, dtype=dtype)
     return RolloutActorConfig(
         engine=engine.seeded(cfg.seed, resumed_at),

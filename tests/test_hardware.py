@@ -95,6 +95,38 @@ def test_an_engine_left_to_auto_samples_at_the_trainers_chosen_precision(tmp_pat
     assert engine_config(explicit, wide).dtype == "float32"
 
 
+def test_a_cpu_engine_beside_a_gpu_trainer_stays_float32_where_its_cpu_lacks_bf16(
+    tmp_path, old_cpu
+):
+    wide = model_dir(tmp_path, 576)
+    cfg = RunConfig.model_validate({
+        "trainer": {"model_path": str(wide), "device": "cuda"}, "data": DATA,
+        "rollout": {"engine": {"type": "torch"}},
+    })  # fmt: skip
+    assert cfg.trainer.dtype == "bf16-mixed" and cfg.rollout.engine.dtype == "float32"
+    on_gpu = RunConfig.model_validate({
+        "trainer": {"model_path": str(wide), "device": "cuda"}, "data": DATA,
+        "rollout": {"engine": {"type": "torch", "device": "cuda"}},
+    })  # fmt: skip
+    assert on_gpu.rollout.engine.dtype == "bfloat16"
+    default = RunConfig.model_validate(
+        {"trainer": {"model_path": str(wide), "device": "cuda"}, "data": DATA}
+    )
+    assert role_params(default, tmp_path, resume=False)["rollout"].engine.dtype == "float32"
+
+
+def test_asyncrl_eval_without_a_trainer_chooses_for_the_model_it_evaluates(tmp_path, bf16_cpu):
+    wide, narrow = model_dir(tmp_path, 576), model_dir(tmp_path, 64)
+    cfg = RunConfig.model_validate({"rollout": {"engine": {"model_path": str(wide)}}})
+    assert cfg.rollout.engine.dtype == "bfloat16"
+    assert engine_config(cfg, narrow).dtype == "float32"
+    assert engine_config(cfg, wide).dtype == "bfloat16"
+    pinned = RunConfig.model_validate(
+        {"rollout": {"engine": {"model_path": str(wide), "dtype": "bfloat16"}}}
+    )
+    assert engine_config(pinned, narrow).dtype == "bfloat16"  # set: kept
+
+
 def test_auto_is_bf16_on_a_gpu_and_float32_for_the_sim_trainer(tmp_path, old_cpu):
     narrow = model_dir(tmp_path, 64)
     assert TrainerConfig(model_path=str(narrow), device="cuda").dtype == "bf16-mixed"

@@ -43,8 +43,8 @@ def engine_url(endpoint: str) -> str:
 def sglang_command(cfg: EngineConfig, host: str, port: int, seed: str | None = None) -> list[str]:
     """The SGLang server's command line, tethered to this process (``runtime/tether.py``).
 
-    No ``--dtype``: SGLang's own default (the checkpoint's dtype) beats our float32 default
-    for the embedded engine; ``--sglang-dtype`` sets it. ``--random-seed`` comes from
+    No ``--dtype``: SGLang's own default (the checkpoint's dtype) is what a GPU server
+    wants; ``--dtype`` in ``server_args`` sets it. ``--random-seed`` comes from
     ``seed`` (``rollout/engines.py::engine_seed``: the job's seed and this actor's name,
     None for a restarted incarnation) unless the server arguments set one: a rerun's
     servers sample as the first run's did, and two servers not in lockstep.

@@ -117,9 +117,11 @@ class RunConfig(Section):
         trained; the trainer's own ``auto`` is this machine's choice."""
         if self.trainer is None:
             return self
-        dtype = sampled_dtype(self.trainer.dtype)
         for engine in (self.rollout.engine, self.eval.engine):
-            if engine is not None and engine._dtype_was_auto and engine.dtype != dtype:
+            if engine is None or not engine._dtype_was_auto:
+                continue
+            dtype = sampled_dtype(self.trainer.dtype, engine.model_path, engine.device)
+            if engine.dtype != dtype:
                 engine.dtype = dtype
         return self
 

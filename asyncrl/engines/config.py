@@ -20,10 +20,14 @@ from asyncrl.hardware import low_precision_pays
 _ASSIGNED_SERVER_ARGS = ("--model-path", "--model", "--host", "--port")
 
 
-def sampled_dtype(trainer_dtype: str) -> str:
-    """The engine weights that match a trainer's compute precision (bf16-mixed computes
-    in bfloat16), so that what is sampled is what is trained."""
-    return {"bf16-mixed": "bfloat16"}.get(trainer_dtype, trainer_dtype)
+def sampled_dtype(trainer_dtype: str, model_path: str | None, device: str = "cpu") -> str:
+    """An engine's weights for a trainer's compute precision (bf16-mixed computes in
+    bfloat16), so that what is sampled is what is trained; float32 where the engine's
+    own device would emulate the low precision (a CPU engine beside a GPU trainer)."""
+    dtype = {"bf16-mixed": "bfloat16"}.get(trainer_dtype, trainer_dtype)
+    if dtype == "float32" or low_precision_pays(model_path, device):
+        return dtype
+    return "float32"
 
 
 class EngineConfig(BaseModel):

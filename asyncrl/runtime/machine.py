@@ -42,8 +42,9 @@ def _engines(cfg: RunConfig, specs: list[ActorSpec]) -> str:
     plural = "s" if len(hosts) > 1 else ""
     if kind != "torch":
         return f"{len(hosts)} {kind} engine{plural}"
-    trained = cfg.trainer.dtype if cfg.trainer else "float32"
-    dtype = engine.dtype if engine else sampled_dtype(trained)
+    trainer = cfg.trainer
+    default = sampled_dtype(trainer.dtype, trainer.model_path) if trainer else "float32"
+    dtype = engine.dtype if engine else default
     threads = " / ".join(Counter(_threads(s) for s in hosts))
     return f"{len(hosts)} engine{plural} {dtype} x {threads}"
 
