@@ -438,20 +438,13 @@ def job_actor_specs(
 def _lend_trainer_cores(cfg: RunConfig, specs: list[ActorSpec], run_dir: Path) -> None:
     """``runtime.lend_trainer_cores``: the trainer marks its steps in ``run_dir`` and each
     process hosting an embedded CPU engine runs on ``(cores - reward model's) // hosts``
-    threads while the mark is clear (``cores.py``). Only where the job shares the
-    cores itself: local, ``runtime.threads`` unset, a trainer that trains; with ``auto``,
-    an engine model wide enough for more threads to pay (``hardware.wide_model``)."""
-    rt, engine = cfg.runtime, cfg.rollout.engine
-    on_cpu = engine is None or (engine.type == "torch" and engine.device == "cpu")
-    lend = rt.lend_trainer_cores
-    if lend == "never" or not (rt.type == "local" and rt.threads is None and on_cpu):
-        return
-    if lend == "auto" and not hardware.wide_model(engine.model_path if engine else None):
+    threads while the mark is clear (``cores.py``), where ``cfg.lends_trainer_cores()``."""
+    if not cfg.lends_trainer_cores():
         return
     host_role = "engine" if engine_actor_count(cfg) else "rollout"
     trainer = next((s for s in specs if s.role == "trainer"), None)
     hosts = [s for s in specs if s.role == host_role]
-    if trainer is None or cfg.train.debug_rollout_only or not hosts:
+    if trainer is None or not hosts:
         return
     # A reward model scores while the trainer waits: its cores are not lent. The eval
     # actor's are, as it runs now and then.

@@ -169,3 +169,26 @@ def test_auto_lends_where_the_model_is_wide_enough(tmp_path, monkeypatch, hidden
     specs = specs_of(tmp_path, *flags)
     assert (specs["rollout-0"].idle_trainer_threads == 8) is lent
     assert (specs["trainer"].busy_mark is not None) is lent
+
+
+@pytest.mark.parametrize(("hidden", "flags", "actors"), [
+    (576, [], 1),  # SmolLM2's width: the one engine takes the idle trainer's cores
+    (128, [], 2),  # a toy's: no loan, the default two
+    (576, ["--rollout.num-actors", "2"], 2),  # set: kept
+    (576, ["--runtime.lend-trainer-cores", "never"], 2),
+    (576, ["--runtime.threads", "1"], 2),  # the user shares the cores
+    (576, ["--runtime.type", "ray"], 2),
+])  # fmt: skip
+def test_a_job_that_lends_the_trainers_cores_starts_one_engine_unless_told(
+    tmp_path, hidden, flags, actors
+):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": hidden}))
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    flags = ["--hf-checkpoint", str(model), "--prompt-data", str(data), *flags]
+    cfg = load_config(None, overrides=flags)
+    assert cfg.rollout.num_actors == actors
+    again = load_config(None, overrides=[*flags, "--rollout.num-actors", "3"])
+    assert again.rollout.num_actors == 3

@@ -88,7 +88,13 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    num_actors: int = Field(2, ge=1, description="number of rollout actors")
+    num_actors: int = Field(
+        2,
+        ge=1,
+        description="number of rollout actors; unset: 2, or 1 where a local job lends the "
+        "idle trainer's cores to its embedded engine (runtime.lend_trainer_cores): a second "
+        "engine would take a core from the trainer as it computes",
+    )
     engine: EngineConfig | None = Field(
         None, description="engines of each actor; default: embedded torch on the trainer's model"
     )
