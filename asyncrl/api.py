@@ -19,7 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.config import ConfigError, RunConfig, dump_resolved, load_config
+from asyncrl.config import ConfigError, RunConfig, config_changes, dump_resolved, load_config
 from asyncrl.job import JobResult, run_job
 
 if TYPE_CHECKING:
@@ -176,9 +176,29 @@ async def run_training(
             get_logger("asyncrl.controller").warning(
                 "went back to an earlier step", step=resume_from_step, moved_aside=str(rewound)
             )
-        dump_resolved(cfg, run_dir / "config.json")
         resume = resume or resume_from_step is not None
+        if resume:
+            _say_what_changed(cfg, run_dir / "config.json")
+        dump_resolved(cfg, run_dir / "config.json")
         return await run_job(cfg, resume=resume, checked=True, chaos=chaos)
+
+
+def _say_what_changed(cfg: RunConfig, path: Path) -> None:
+    """Log each resolved setting a resumed run changes against its last start (its
+    ``config.json``): a flag, or a default chosen for the machine (``dtype: auto``)."""
+    from asyncrl.observe.logs import get_logger
+
+    log = get_logger("asyncrl.controller")
+    try:
+        before = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        log.warning("the run's earlier config is unreadable: not compared", path=str(path),
+                    error=str(exc))  # fmt: skip
+        return
+    if changes := config_changes(before, cfg):
+        log.warning("resumed with a changed config", changes=changes)
 
 
 def prestart(cfg: RunConfig) -> None:

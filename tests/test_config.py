@@ -331,7 +331,8 @@ def test_help_lists_every_flag_with_its_type_and_default():
     add_arguments(parser)
     text = " ".join(parser.format_help().split())
     assert set(flag_table()) <= set(re.findall(r"--[a-z][a-z0-9.-]*", text))
-    assert "--rollout.num-actors INT number of rollout actors (default: 2)" in text
+    actors = r"--rollout.num-actors INT number of rollout actors; .*? \(default: 2\) --rollout\."
+    assert re.search(actors, text)
     assert "--runtime {local,ray}" in text and "--runtime.host STR" in text
     assert "(default: 127.0.0.1)" in text and "(default: null)" in text
     assert "(default: 268435456)" in text
@@ -507,3 +508,30 @@ def test_the_job_seed_seeds_the_prompt_order_and_the_trainer_unless_they_name_th
     path.write_text("seed: 4\ndata: {path: p.jsonl, seed: 1}\ntrainer: {model_path: m}\n")
     cfg = load_config(path)
     assert (cfg.data.seed, cfg.trainer.seed) == (1, 4)
+
+
+def test_a_resumed_run_says_which_resolved_settings_changed(tmp_path):
+    import structlog
+
+    from asyncrl.api import _say_what_changed
+    from asyncrl.config import config_changes, dump_resolved
+
+    path = tmp_path / "config.json"
+    before = load_config(overrides=["--name", "a"])
+    dump_resolved(before, path)
+    same = json.loads(path.read_text())
+    assert config_changes(same, before) == []
+    after = load_config(overrides=["--name", "a", "--rollout.num-actors", "3", "--seed", "7"])
+    changes = config_changes(same, after)
+    assert changes == ["seed: 0 -> 7", "rollout.num_actors: 2 -> 3"]
+    with structlog.testing.capture_logs() as logs:
+        _say_what_changed(after, path)
+        _say_what_changed(before, path)  # unchanged: nothing said
+        _say_what_changed(after, tmp_path / "missing.json")  # a new run: nothing to compare
+        (tmp_path / "torn.json").write_text('{"name": ')
+        _say_what_changed(after, tmp_path / "torn.json")
+    assert [e["event"] for e in logs] == [
+        "resumed with a changed config",
+        "the run's earlier config is unreadable: not compared",
+    ]
+    assert logs[0]["changes"] == changes

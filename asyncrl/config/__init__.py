@@ -19,7 +19,7 @@ from asyncrl.config.flags import (
     normal_flag,
     overrides_from_namespace,
 )
-from asyncrl.config.loading import Overrides, dump_resolved, load_config
+from asyncrl.config.loading import Overrides, config_changes, dump_resolved, load_config
 from asyncrl.config.run import PRESETS, RunConfig, debug_cpu
 from asyncrl.config.sections import (
     ConfigError,
@@ -48,6 +48,7 @@ __all__ = [
     "Section",
     "TrainConfig",
     "add_arguments",
+    "config_changes",
     "config_reference",
     "debug_cpu",
     "dump_resolved",

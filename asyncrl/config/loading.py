@@ -286,6 +286,27 @@ def _key_hint(loc: tuple[str, ...], table: dict[str, FlagSpec]) -> str:
     return _hint(".".join(loc), sorted(paths))
 
 
+def config_changes(before: Any, cfg: BaseModel) -> list[str]:
+    """``key: old -> new`` for each resolved leaf of ``cfg`` that differs from ``before``
+    (a run's earlier ``config.json``, parsed), keys dotted, in order."""
+    after = json.loads(cfg.model_dump_json())
+
+    def leaves(value: Any, key: str) -> Iterator[tuple[str, Any]]:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                yield from leaves(v, f"{key}.{k}" if key else k)
+        else:
+            yield key, value
+
+    old, new = dict(leaves(before, "")), dict(leaves(after, ""))
+    missing = object()
+    return [
+        f"{k}: {json.dumps(old.get(k))} -> {json.dumps(new.get(k))}"
+        for k in dict.fromkeys([*old, *new])
+        if old.get(k, missing) != new.get(k, missing)
+    ]
+
+
 def dump_resolved(cfg: BaseModel, path: str | Path) -> None:
     """Write the full resolved config as JSON (nulls kept); the CLI calls it per run."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
