@@ -732,6 +732,10 @@ def run_seed(
             print(f"{size} seed {seed}: reusing {path} (at {done['result']['commit']})",
                   flush=True)  # fmt: skip
             return done["result"]
+        if done:  # say why: a changed file or flag costs a whole seed's training again
+            differ = ", ".join(key_differences(done.get("key", {}), key))
+            print(f"{size} seed {seed}: not reusing {path}: it was run with other {differ}",
+                  flush=True)  # fmt: skip
     saved.unlink(missing_ok=True)
     result = train_and_score(args, size, model, seed, index) | {"commit": commit()}
     saved.write_text(json.dumps({"key": key, "result": result}, indent=2, default=str) + "\n")
@@ -750,6 +754,14 @@ def seed_key(args: argparse.Namespace, size: str, model: dict[str, Any], seed: i
     if args.eval_dtype != "float32":  # keyed only when set: earlier results stay valid
         key["eval_dtype"] = args.eval_dtype
     return portable(key, [args.work, ROOT])
+
+
+def key_differences(old: Any, new: Any, at: str = "") -> list[str]:
+    """The dotted keys whose values differ between two seed keys (``seed_key``)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = dict.fromkeys([*old, *new])
+        return [d for k in keys for d in key_differences(old.get(k), new.get(k), f"{at}{k}.")]
+    return [] if old == new else [at.rstrip(".") or "settings"]
 
 
 def portable(value: Any, roots: list[Path]) -> Any:

@@ -240,3 +240,14 @@ def test_trls_steps_split_into_generation_and_training_at_the_reward_call() -> N
     assert [p["generate_s"] for p in phases[1:]] == [6.0, 3.0]  # 24.5 - (20 + 1.5)
     old = [{"step": 1, "time": 10.0}]  # recorded before the split: kept as it was
     assert vs_trl.trl_phases(old, saves={}) == old
+
+
+def test_a_seed_not_reused_says_which_settings_differ() -> None:
+    old = {"specs": {"asyncrl": {"lr": 1e-5, "seed": 0}}, "files": {"config": "a", "test": "t"}}
+    new = {"specs": {"asyncrl": {"lr": 2e-5, "seed": 0}}, "files": {"config": "b", "test": "t"},
+           "eval_dtype": "bfloat16"}  # fmt: skip
+    assert vs_trl.key_differences(old, new) == [
+        "specs.asyncrl.lr", "files.config", "eval_dtype"
+    ]  # fmt: skip
+    assert vs_trl.key_differences(new, new) == []
+    assert vs_trl.key_differences({}, new) == ["specs", "files", "eval_dtype"]
