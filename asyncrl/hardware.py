@@ -53,7 +53,7 @@ def model_hidden(model_path: str | None) -> int | None:
     if not model_path:
         return None
     try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
+        config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(config, dict):

@@ -33,7 +33,7 @@ def help_text(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 def test_help_shows_the_everyday_options_and_help_all_every_one(capsys):
     everyday = help_text(capsys, "train", "--help")
-    assert "--rollout.num-actors INT number of rollout actors; unset: 2, or 1 where" in everyday
+    assert "--rollout.num-actors INT number of rollout actors; unset: 2, or 1" in everyday
     assert "--dry-run" in everyday and "--runtime {local,ray}" in everyday
     assert "--rollout.engine.sim.decode-base-s" not in everyday  # the simulator's
     every = help_text(capsys, "train", "--help-all")

@@ -535,3 +535,20 @@ def test_a_resumed_run_says_which_resolved_settings_changed(tmp_path):
         "the run's earlier config is unreadable: not compared",
     ]
     assert logs[0]["changes"] == changes
+
+
+def test_changes_hide_credentials_and_say_which_side_lacks_a_key():
+    from asyncrl.config import config_changes
+
+    cfg = load_config(overrides=["--name", "a"])
+    before = json.loads(cfg.model_dump_json())
+    before["name"] = "b"
+    before["rollout"]["max_tokens_per_microbatch_old"] = 3  # a key from an older version
+    before["runtime"]["api_token"] = "s3cret"
+    before["wire"]["endpoint"] = "http://user:pw@host:1"
+    changes = config_changes(before, cfg)
+    assert 'name: "b" -> "a"' in changes
+    assert "rollout.max_tokens_per_microbatch_old: 3 -> (absent)" in changes
+    assert "runtime.api_token: (hidden) -> (absent)" in changes
+    assert 'wire.endpoint: "http://***@host:1" -> (absent)' in changes
+    assert not any("s3cret" in c or "pw" in c for c in changes)

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from asyncrl import cores, hardware
-from asyncrl.config import load_config
+from asyncrl.config import RunConfig, load_config
 from asyncrl.cores import BusyMark, LentThreads
 from asyncrl.engines.base import GenerateRequest, SamplingParams
 from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.job import job_actor_specs
+from asyncrl.rollout.config import RolloutConfig
 from tests.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,17 +172,21 @@ def test_auto_lends_where_the_model_is_wide_enough(tmp_path, monkeypatch, hidden
     assert (specs["trainer"].busy_mark is not None) is lent
 
 
-@pytest.mark.parametrize(("hidden", "flags", "actors"), [
-    (576, [], 1),  # SmolLM2's width: the one engine takes the idle trainer's cores
-    (128, [], 2),  # a toy's: no loan, the default two
-    (576, ["--rollout.num-actors", "2"], 2),  # set: kept
-    (576, ["--runtime.lend-trainer-cores", "never"], 2),
-    (576, ["--runtime.threads", "1"], 2),  # the user shares the cores
-    (576, ["--runtime.type", "ray"], 2),
+@pytest.mark.parametrize(("hidden", "cores", "flags", "actors"), [
+    (576, 2, [], 1),  # SmolLM2's width on 2 cores: one engine, lent the trainer's cores
+    (576, 1, [], 1),
+    (128, 2, [], 2),  # a toy's: no loan, so generation keeps its two engines
+    (576, 3, [], 2),  # a thread of its own for the trainer and each of two engines
+    (576, 2, ["--rollout.num-actors", "2"], 2),  # set: kept
+    (576, 2, ["--runtime.lend-trainer-cores", "never"], 2),
+    (576, 2, ["--runtime.threads", "1"], 2),  # the user shares the cores
+    (576, 2, ["--runtime.type", "ray"], 2),
+    (576, 2, ["--trainer.device", "cuda"], 2),  # the trainer computes elsewhere
 ])  # fmt: skip
 def test_a_job_that_lends_the_trainers_cores_starts_one_engine_unless_told(
-    tmp_path, hidden, flags, actors
+    tmp_path, monkeypatch, hidden, cores, flags, actors
 ):
+    monkeypatch.setattr(hardware, "usable_cores", lambda: cores)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"hidden_size": hidden}))
@@ -192,3 +197,7 @@ def test_a_job_that_lends_the_trainers_cores_starts_one_engine_unless_told(
     assert cfg.rollout.num_actors == actors
     again = load_config(None, overrides=[*flags, "--rollout.num-actors", "3"])
     assert again.rollout.num_actors == 3
+    # A config built around a caller's section leaves that section as it was.
+    rollout = RolloutConfig()
+    RunConfig(rollout=rollout, trainer=cfg.trainer, data=cfg.data)
+    assert "num_actors" not in rollout.model_fields_set and rollout.num_actors == 2

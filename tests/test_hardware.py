@@ -4,6 +4,7 @@ trainer and the engines that sample for it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -146,8 +147,8 @@ def test_the_start_line_says_the_choice_and_hints_only_against_it(tmp_path, bf16
         return machine.describe(cfg, job_actor_specs(cfg, {}, tmp_path, resume=False))
 
     auto = line()
-    assert "trainer bf16-mixed" in auto and "1 engine bfloat16" in auto
+    assert "trainer bf16-mixed" in auto and re.search(r"engines? bfloat16", auto)
     assert "--trainer.dtype" not in auto
     fp32 = line(("dtype", "float32"))
-    assert "trainer float32" in fp32 and "1 engine float32" in fp32
+    assert "trainer float32" in fp32 and re.search(r"engines? float32", fp32)
     assert "--trainer.dtype bf16-mixed" in fp32

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, overload
@@ -286,9 +287,15 @@ def _key_hint(loc: tuple[str, ...], table: dict[str, FlagSpec]) -> str:
     return _hint(".".join(loc), sorted(paths))
 
 
+#: Leaf names whose values are never written out in full: they may hold credentials.
+_SECRET = re.compile(r"(^|_)(key|token|secret|password|server_args|headers)$", re.IGNORECASE)
+_USERINFO = re.compile(r"(://)[^/@\s]+@")
+
+
 def config_changes(before: Any, cfg: BaseModel) -> list[str]:
     """``key: old -> new`` for each resolved leaf of ``cfg`` that differs from ``before``
-    (a run's earlier ``config.json``, parsed), keys dotted, in order."""
+    (a run's earlier ``config.json``, parsed), keys dotted, in order. A key one side lacks
+    reads ``(absent)``; a value that may hold a credential, ``(hidden)``."""
     after = json.loads(cfg.model_dump_json())
 
     def leaves(value: Any, key: str) -> Iterator[tuple[str, Any]]:
@@ -298,10 +305,17 @@ def config_changes(before: Any, cfg: BaseModel) -> list[str]:
         else:
             yield key, value
 
+    def shown(key: str, side: dict[str, Any]) -> str:
+        if key not in side:
+            return "(absent)"
+        if side[key] is not None and _SECRET.search(key.rsplit(".", 1)[-1]):
+            return "(hidden)"
+        return _USERINFO.sub(r"\1***@", json.dumps(side[key]))
+
     old, new = dict(leaves(before, "")), dict(leaves(after, ""))
     missing = object()
     return [
-        f"{k}: {json.dumps(old.get(k))} -> {json.dumps(new.get(k))}"
+        f"{k}: {shown(k, old)} -> {shown(k, new)}"
         for k in dict.fromkeys([*old, *new])
         if old.get(k, missing) != new.get(k, missing)
     ]

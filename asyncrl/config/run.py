@@ -127,13 +127,26 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _one_engine_where_it_takes_the_idle_trainers_cores(self) -> RunConfig:
-        """``rollout.num_actors`` unset is 2, but 1 where the job lends the idle trainer's
-        cores to its engine (``lends_trainer_cores``): a second engine there only takes a
-        core from the trainer while it computes, and a trainer-bound job runs slower
-        (SmolLM2-135M, bf16, 2 cores: 21.7 s a step with two, 17.2 s with one)."""
-        if "num_actors" not in self.rollout.model_fields_set and self.lends_trainer_cores():
-            self.rollout.num_actors = 1
+    def _one_engine_where_two_would_overcommit_the_cores(self) -> RunConfig:
+        """``rollout.num_actors`` unset is 2, but 1 where a CPU trainer lends its idle cores
+        to its engine (``lends_trainer_cores``) and the machine has fewer cores than the
+        trainer, two engines and the eval actor would take a thread each: two engines
+        there each run a thread beyond their share, taken from the computing trainer, and
+        the loan is off (SmolLM2-135M, bf16, 2 cores: 21.6 s a step with two engines,
+        17.1 s with one). The one keeps the two's groups in flight (``max_groups`` unset:
+        doubled). A reward model's job keeps 2 (not measured)."""
+        served = self.rollout.engine is not None and self.rollout.engine.serve == "actor"
+        if "num_actors" in self.rollout.model_fields_set or served:
+            return self
+        if self.trainer is None or self.trainer.device != "cpu" or not self.lends_trainer_cores():
+            return self
+        if reward_models(self.rollout.reward, *(s.reward for s in self.eval.sets)):
+            return self
+        if 1 + 2 + int(self.eval.enabled) > hardware.usable_cores():
+            r = self.rollout
+            update = {"num_actors": 1} | ({} if "max_groups" in r.model_fields_set else
+                                         {"max_groups": 2 * r.max_groups})  # fmt: skip
+            self.rollout = r.model_copy(update=update)
         return self
 
     def lends_trainer_cores(self) -> bool:

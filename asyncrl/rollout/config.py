@@ -91,9 +91,10 @@ class RolloutConfig(BaseModel):
     num_actors: int = Field(
         2,
         ge=1,
-        description="number of rollout actors; unset: 2, or 1 where a local job lends the "
-        "idle trainer's cores to its embedded engine (runtime.lend_trainer_cores): a second "
-        "engine would take a core from the trainer as it computes",
+        description="number of rollout actors; unset: 2, or 1 (with max_groups doubled) where "
+        "a local CPU trainer lends its idle cores to its engine (runtime.lend_trainer_cores) "
+        "and the machine has fewer cores than the trainer, two engines and the eval actor: "
+        "each of two engines would run a thread beyond its share, taken from the trainer",
     )
     engine: EngineConfig | None = Field(
         None, description="engines of each actor; default: embedded torch on the trainer's model"
