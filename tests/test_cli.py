@@ -81,6 +81,11 @@ def test_the_dry_run_starts_every_actor_moves_traffic_and_stops_cleanly(tmp_path
         lines = [json.loads(x) for x in (run / "logs" / f"{actor}.jsonl").read_text().splitlines()]
         assert lines[-1]["event"] == "actor exiting" and lines[-1]["ok"] is True
         assert all(line["actor"] == actor for line in lines)
+    # A second dry run, with other settings, leaves the folder's config as the first wrote
+    # it: a run's resume compares against its own start.
+    again = run_cli("train", str(config), "--dry-run", "--rollout.num-actors", "1", cwd=Path.cwd())
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert json.loads((run / "config.json").read_text())["rollout"]["num_actors"] == 2
 
 
 def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]):

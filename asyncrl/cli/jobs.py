@@ -264,7 +264,8 @@ def _dry_run(cfg: object) -> int:
         file=run_dir / "logs" / "controller.jsonl",
         actor="controller",
     )
-    dump_resolved(cfg, run_dir / "config.json")
+    if not (run_dir / "config.json").exists():  # a run's record of its start stays its own
+        dump_resolved(cfg, run_dir / "config.json")  # (--resume compares against it)
     result = asyncio.run(dry_run(cfg))
     table = Table(title=f"dry run: {len(result.rows)} actors in {result.seconds:.1f}s")
     for col in result.rows[0] if result.rows else []:
