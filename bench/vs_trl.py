@@ -99,6 +99,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -464,7 +465,22 @@ def launch(framework: str, spec: dict[str, Any]) -> dict[str, float]:
     end = time.time()
     if done.returncode != 0:
         raise RuntimeError(f"{framework} run failed (exit {done.returncode}): {out}")
-    return {"t0": t0, "end": end}
+    clock = {"t0": t0, "end": end, "commit": commit()}
+    clock_path(out).write_text(json.dumps({"spec": spec, "clock": clock}, indent=2) + "\n")
+    return clock
+
+
+def clock_path(out: Path) -> Path:
+    """Where a finished run's launch and end times are kept, beside its spec."""
+    return out.parent / f"{out.name}.clock.json"
+
+
+def trained(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The clock of a run of ``spec`` that finished earlier (its outputs kept), or None:
+    scoring that stopped part way does not train the seed again."""
+    path = clock_path(Path(spec["out"]))
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    return saved["clock"] if saved.get("spec") == spec else None
 
 
 # -- what the runs left: steps, checkpoints -------------------------------------------
@@ -629,8 +645,26 @@ def make_evaluator(
     return Evaluator(Path(model["path"]), read_jsonl(Path(spec["test"]))[:rows], spec)
 
 
+class ScoreCache:
+    """An evaluator whose scores are kept in ``path`` under the seed's ``key`` as each is
+    made, so a comparison stopped while scoring goes on from the next checkpoint."""
+
+    def __init__(self, path: Path, key: dict[str, Any], evaluate: Callable[[str], float]):
+        self.path, self.key, self.evaluate = path, key, evaluate
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+        self.scores: dict[str, float] = saved.get("scores", {}) if saved.get("key") == key else {}
+
+    def __call__(self, checkpoint: str | Path) -> float:
+        name = str(checkpoint)
+        if name not in self.scores:
+            self.scores[name] = self.evaluate(name)
+            body = {"key": self.key, "scores": self.scores}
+            self.path.write_text(json.dumps(body, indent=2) + "\n")
+        return self.scores[name]
+
+
 def accuracy_curve(
-    timeline: dict[str, Any], t0: float, start: float, evaluator: Evaluator
+    timeline: dict[str, Any], t0: float, start: float, evaluator: Callable[[str], float]
 ) -> list[dict[str, Any]]:
     """Accuracy at launch (the starting checkpoint) and at every saved checkpoint."""
     curve = [{"step": 0, "time_s": 0.0, "accuracy": start}]
@@ -737,7 +771,7 @@ def run_seed(
             print(f"{size} seed {seed}: not reusing {path}: it was run with other {differ}",
                   flush=True)  # fmt: skip
     saved.unlink(missing_ok=True)
-    result = train_and_score(args, size, model, seed, index) | {"commit": commit()}
+    result = train_and_score(args, size, model, seed, index, key) | {"commit": commit()}
     saved.write_text(json.dumps({"key": key, "result": result}, indent=2, default=str) + "\n")
     return result
 
@@ -778,27 +812,40 @@ def portable(value: Any, roots: list[Path]) -> Any:
 
 
 def train_and_score(
-    args: argparse.Namespace, size: str, model: dict[str, Any], seed: int, index: int
+    args: argparse.Namespace,
+    size: str,
+    model: dict[str, Any],
+    seed: int,
+    index: int,
+    key: dict[str, Any],
 ) -> dict[str, Any]:
-    """Both frameworks trained in this seed's order, then every checkpoint scored."""
+    """Both frameworks trained in this seed's order (or found trained), then every
+    checkpoint scored (or found scored, under ``key``)."""
     runs: dict[str, dict[str, Any]] = {}
     timelines: dict[str, tuple[dict[str, Any], dict[str, float]]] = {}
     spec = run_spec(args, size, model["path"], "none", seed)
     for fw in seed_order(index, args.frameworks):
         spec = run_spec(args, size, model["path"], fw, seed)
-        print(f"{size} seed {seed}: training {fw} ({spec['steps']} steps) ...", flush=True)
-        clock = launch(fw, spec)
+        if (clock := trained(spec)) is not None:
+            print(f"{size} seed {seed}: {fw} trained earlier (at {clock['commit']})", flush=True)
+        else:
+            print(f"{size} seed {seed}: training {fw} ({spec['steps']} steps) ...", flush=True)
+            clock = launch(fw, spec)
         out = Path(spec["out"])
         if fw == "asyncrl":
             timeline = asyncrl_timeline(out, spec["groups"], spec["samples"])
         else:
             timeline = trl_timeline(out)
         timelines[fw] = timeline, clock
-        runs[fw] = figures(timeline["steps"], clock) | {"requested_steps": spec["steps"]}
+        runs[fw] = figures(timeline["steps"], clock) | {
+            "requested_steps": spec["steps"],
+            "trained_at": clock.get("commit"),
+        }
         runs[fw]["save_s"] = sum(c["save_s"] or 0.0 for c in timeline["checkpoints"])
         runs[fw]["timeline"] = [relative(s, clock["t0"]) for s in timeline["steps"]]
     rows = read_jsonl(Path(spec["test"]))[: args.eval_rows]
-    evaluator = make_evaluator(args.evaluator, model, spec, len(rows), args.eval_dtype)
+    scorer = make_evaluator(args.evaluator, model, spec, len(rows), args.eval_dtype)
+    evaluator = ScoreCache(Path(spec["out"]).parent / "scores.json", key, scorer)
     print(f"{size} seed {seed}: evaluating the checkpoints on {len(rows)} test rows "
           f"({args.evaluator}) ...", flush=True)  # fmt: skip
     start = evaluator(model["path"])

@@ -107,6 +107,12 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
                            text=True)  # fmt: skip
     assert again.stdout.count("reusing") == 2 and "training" not in again.stdout, again.stdout
     assert json.loads(out.read_text())["sizes"]["0.5m"]["summary"] == summary
+    # A seed whose scoring stopped part way is neither trained nor scored again.
+    (tmp_path / "runs" / "0.5m" / "seed_4" / "result.json").unlink()
+    third = subprocess.run(command, cwd=ROOT, check=True, timeout=120, capture_output=True,
+                           text=True)  # fmt: skip
+    assert third.stdout.count("trained earlier") == 2 and "training" not in third.stdout
+    assert json.loads(out.read_text())["sizes"]["0.5m"]["summary"] == summary
 
 
 def summary_seed(seed: int, start: float, asyncrl: list, trl: list) -> dict:
@@ -251,3 +257,29 @@ def test_a_seed_not_reused_says_which_settings_differ() -> None:
     ]  # fmt: skip
     assert vs_trl.key_differences(new, new) == []
     assert vs_trl.key_differences({}, new) == ["specs", "files", "eval_dtype"]
+
+
+def test_scores_are_kept_per_checkpoint_under_the_seeds_key(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def evaluate(checkpoint: str) -> float:
+        calls.append(checkpoint)
+        return len(checkpoint) / 100
+
+    path = tmp_path / "scores.json"
+    cache = vs_trl.ScoreCache(path, {"seed": 0}, evaluate)
+    assert cache("a/step_2") == cache("a/step_2") == 0.08 and calls == ["a/step_2"]
+    again = vs_trl.ScoreCache(path, {"seed": 0}, evaluate)  # a later run of the same seed
+    assert again("a/step_2") == 0.08 and calls == ["a/step_2"]
+    other = vs_trl.ScoreCache(path, {"seed": 1}, evaluate)  # other settings: scored anew
+    assert other("a/step_2") == 0.08 and calls == ["a/step_2", "a/step_2"]
+
+
+def test_a_finished_run_is_found_only_for_the_same_spec(tmp_path: Path) -> None:
+    spec = {"out": str(tmp_path / "asyncrl"), "seed": 0, "lr": 1e-5}
+    clock = {"t0": 1.0, "end": 2.0, "commit": "abc"}
+    assert vs_trl.trained(spec) is None
+    body = {"spec": spec, "clock": clock}
+    vs_trl.clock_path(Path(spec["out"])).write_text(json.dumps(body))
+    assert vs_trl.trained(spec) == clock
+    assert vs_trl.trained(spec | {"lr": 2e-5}) is None
