@@ -454,6 +454,7 @@ def worker(framework: str, spec_path: Path) -> None:
 def launch(framework: str, spec: dict[str, Any]) -> dict[str, float]:
     """Run ``framework`` on ``spec`` in a fresh child process; its launch and end times."""
     out = Path(spec["out"])
+    clock_path(out).unlink(missing_ok=True)  # a run that fails now leaves no finished mark
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     spec_path = out.parent / f"{out.name}.spec.json"
@@ -480,7 +481,8 @@ def trained(spec: dict[str, Any]) -> dict[str, Any] | None:
     scoring that stopped part way does not train the seed again."""
     path = clock_path(Path(spec["out"]))
     saved = json.loads(path.read_text()) if path.is_file() else {}
-    return saved["clock"] if saved.get("spec") == spec else None
+    found = saved.get("spec") == spec and Path(spec["out"]).is_dir()
+    return saved["clock"] if found else None
 
 
 # -- what the runs left: steps, checkpoints -------------------------------------------

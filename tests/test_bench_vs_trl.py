@@ -275,11 +275,20 @@ def test_scores_are_kept_per_checkpoint_under_the_seeds_key(tmp_path: Path) -> N
     assert other("a/step_2") == 0.08 and calls == ["a/step_2", "a/step_2"]
 
 
-def test_a_finished_run_is_found_only_for_the_same_spec(tmp_path: Path) -> None:
+def test_a_finished_run_is_found_only_for_the_same_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = {"out": str(tmp_path / "asyncrl"), "seed": 0, "lr": 1e-5}
     clock = {"t0": 1.0, "end": 2.0, "commit": "abc"}
     assert vs_trl.trained(spec) is None
     body = {"spec": spec, "clock": clock}
     vs_trl.clock_path(Path(spec["out"])).write_text(json.dumps(body))
+    assert vs_trl.trained(spec) is None  # its outputs are gone
+    Path(spec["out"]).mkdir()
     assert vs_trl.trained(spec) == clock
     assert vs_trl.trained(spec | {"lr": 2e-5}) is None
+    # Training it again forgets the earlier run first: a failed run is not "trained".
+    monkeypatch.setattr(vs_trl.subprocess, "run", lambda *a, **k: argparse.Namespace(returncode=1))
+    with pytest.raises(RuntimeError, match="run failed"):
+        vs_trl.launch("asyncrl", spec)
+    assert vs_trl.trained(spec) is None
