@@ -128,13 +128,11 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _one_engine_where_two_would_overcommit_the_cores(self) -> RunConfig:
-        """``rollout.num_actors`` unset is 2, but 1 where a CPU trainer lends its idle cores
-        to its engine (``lends_trainer_cores``) and the machine has fewer cores than the
-        trainer, two engines and the eval actor would take a thread each: two engines
-        there each run a thread beyond their share, taken from the computing trainer, and
-        the loan is off (SmolLM2-135M, bf16, 2 cores: 21.6 s a step with two engines,
-        17.1 s with one). The one keeps the two's groups in flight (``max_groups`` unset:
-        doubled). A reward model's job keeps 2 (not measured)."""
+        """``rollout.num_actors`` unset is 2, but 1 (``max_groups`` unset: doubled, the
+        same groups in flight) where a CPU trainer lends its idle cores
+        (``lends_trainer_cores``) and there are fewer cores than the trainer, two engines
+        and the eval actor: two engines would each run a thread beyond their share, taken
+        from the computing trainer (25% slower steps on 2 cores: docs/benchmarks.md)."""
         served = self.rollout.engine is not None and self.rollout.engine.serve == "actor"
         if "num_actors" in self.rollout.model_fields_set or served:
             return self
