@@ -661,7 +661,9 @@ class ScoreCache:
         if name not in self.scores:
             self.scores[name] = self.evaluate(name)
             body = {"key": self.key, "scores": self.scores}
-            self.path.write_text(json.dumps(body, indent=2) + "\n")
+            part = self.path.with_suffix(".part")  # a kill mid-write leaves the last file
+            part.write_text(json.dumps(body, indent=2) + "\n")
+            part.replace(self.path)
         return self.scores[name]
 
 
