@@ -2,7 +2,8 @@
 
 Hand-worked plans, then the model-level claims: a packed row gives each sequence the
 log-probs it gets alone, and packed and padded micro-batches give the same loss and the
-same gradients (tiny Qwen2 and Llama models, fp32, sdpa and eager attention).
+same gradients (tiny Qwen2 and Llama models, fp32, sdpa and eager attention); a row that
+holds a shared prompt once gives the same log-probs and gradients as packing it per sample.
 """
 
 from __future__ import annotations
@@ -15,16 +16,21 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from asyncrl.policies import LossScale, sft_loss
+from asyncrl.trainers import packed_attention
 from asyncrl.trainers.packing import (
     block_causal_mask,
     build_microbatch,
     forward_selected,
     plan_microbatches,
     plan_ranks,
+    prompt_units,
     smoothed_logprobs,
     split_across_ranks,
     to_rows,
+    unit_tokens,
 )
+from asyncrl.trainers.rl_step import rank_microbatches
+from asyncrl.trainers.rollout_tensors import RolloutTensors
 from asyncrl.trainers.token_stats import token_logprobs
 from tests.tiny_model import build_tiny_model
 
@@ -129,6 +135,121 @@ def test_packed_positions_restart_at_zero_and_flash_attention_gets_no_mask():
     assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1]]
     # predictions of tokens 1, 2 (at positions 0, 1) and 11 (at position 3)
     assert mb.keep.tolist() == [0, 1, 3] and mb.targets.tolist() == [1, 2, 11]
+
+
+# --------------------------------------------------------------------------- shared prompts
+
+
+def shared_prompt_sequences() -> tuple[list[np.ndarray], list[int]]:
+    """Five samples: three share prompt ``a`` (4 tokens), one has prompt ``b``, one ``a``
+    again after it; responses of 3, 5, 2, 4, 1 tokens."""
+    a, b = np.array([11, 12, 13, 14]), np.array([21, 22])
+    rng = np.random.default_rng(3)
+    prompts = [a, a, b, a, a]
+    responses = [rng.integers(0, 500, n) for n in (3, 5, 2, 4, 1)]
+    return [np.concatenate([p, r]) for p, r in zip(prompts, responses, strict=True)], [
+        len(p) for p in prompts
+    ]
+
+
+def test_prompt_units_group_rows_by_prompt_tokens_and_cut_at_the_budget():
+    seqs, starts = shared_prompt_sequences()
+    assert prompt_units(seqs, starts, [0, 1, 2, 3, 4]) == [[0, 1, 3, 4], [2]]
+    # a's unit is 4 + 3 + 5 + 4 + 1 = 17 tokens, its samples alone 7 + 9 + 8 + 5 = 29
+    assert unit_tokens(seqs, starts, [0, 1, 3, 4]) == 17
+    # budget 12: 4 + 3 + 5 = 12 fits, + 4 would not; the cut part has its own prompt
+    assert prompt_units(seqs, starts, [0, 1, 2, 3, 4], 12) == [[0, 1], [3, 4], [2]]
+    # the same prompt tokens with another prompt length are another prompt
+    assert prompt_units([np.arange(5), np.arange(5)], [2, 3], [0, 1]) == [[0], [1]]
+
+
+def test_a_shared_prompt_is_packed_once_and_each_response_follows_it():
+    seqs, starts = shared_prompt_sequences()
+    mb = build_microbatch(
+        seqs, starts, [0, 2, 1], 5, attn_implementation=packed_attention.ATTENTION,
+        share_prompts=True,
+    )  # fmt: skip
+    assert mb.rows == [0, 1, 2]  # grouped by prompt, in order of first appearance
+    assert mb.segments == ((4, 3, 5), 4)
+    r0, r1 = seqs[0][4:], seqs[1][4:]
+    assert mb.input_ids[0].tolist() == [11, 12, 13, 14, *r0, *r1, *seqs[2]]
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8, 0, 1, 2, 3]
+    # row 0's tokens at 4..6 are predicted from 3 (the prompt's end), 4, 5; row 1's at
+    # 7..11 from 3, 7, 8, 9, 10; row 2's response from 13 (its prompt end), 14
+    assert mb.keep.tolist() == [3, 4, 5, 3, 7, 8, 9, 10, 13, 14]
+    assert mb.targets.tolist() == [*r0, *r1, *seqs[2][2:]]
+    # the flag changes nothing where the attention cannot take the units
+    plain = build_microbatch(seqs, starts, [0, 2, 1], 5, share_prompts=True)
+    assert plain.rows == [0, 2, 1] and plain.input_ids.shape[1] == 7 + 4 + 9
+
+
+def test_each_response_attends_to_the_prompt_and_itself_only():
+    """A unit ``(P, r_1, r_2)`` attends as the sequences ``prompt + r_j`` packed alone."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3 + 4 + 2, 8, generator=g) for _ in range(3))
+    out, _ = packed_attention.packed_attention(
+        torch.nn.Module(), q, k, v, None, packed_segments=((3, 4, 2),)
+    )
+    for cols in (list(range(7)), [0, 1, 2, 7, 8]):  # prompt + response 1, prompt + response 2
+        idx = torch.tensor(cols)
+        alone = F.scaled_dot_product_attention(
+            q[:, :, idx], k[:, :, idx], v[:, :, idx], is_causal=True
+        )
+        torch.testing.assert_close(out[0, idx], alone[0].transpose(0, 1))
+
+
+def test_rank_micro_batches_keep_a_prompts_rows_together_and_count_the_prompt_once():
+    seqs, starts = shared_prompt_sequences()
+    rows = RolloutTensors(
+        sequences=seqs,
+        prompt_lens=starts,
+        mask=torch.ones(5, 5),
+        behaviour=torch.zeros(5, 5),
+        versions=torch.zeros(5, 5, dtype=torch.int64),
+        scores_GN=torch.zeros(5, 1),
+        temperatures=[1.0] * 5,
+    )
+    kwargs = {"max_tokens": 17, "world": 1, "rank": 0, "equal_counts": True}
+    attn = packed_attention.register()
+    shared = rank_microbatches(rows, None, share_prompts=True, attn_implementation=attn, **kwargs)
+    assert [mb.rows for mb in shared] == [[0, 1, 3, 4], [2]]
+    assert [mb.input_ids.shape[1] for mb in shared] == [17, 4]
+    whole = rank_microbatches(rows, None, share_prompts=False, attn_implementation=attn, **kwargs)
+    assert sum(mb.input_ids.shape[1] for mb in whole) == 7 + 9 + 4 + 8 + 5
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_shared_prompt_gives_every_response_its_log_probs_and_gradients_alone(model_dirs, arch):
+    model = load(model_dirs[arch], packed_attention.register())
+    seqs, starts = shared_prompt_sequences()
+    mask = torch.zeros(5, 5)
+    for i, (seq, p) in enumerate(zip(seqs, starts, strict=True)):
+        mask[i, : len(seq) - p] = 1.0
+    scale = LossScale.of(mask)
+
+    def run(share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        mb = build_microbatch(
+            seqs, starts, range(5), 5, attn_implementation=packed_attention.ATTENTION,
+            share_prompts=share,
+        )  # fmt: skip
+        assert mb.input_ids.shape[1] == (17 + 4 if share else 7 + 9 + 4 + 8 + 5)
+        logprobs = to_rows(token_logprobs(forward_selected(model, mb), mb.targets), mb)
+        logprobs = logprobs[np.argsort(mb.rows)]  # back to the batch's order
+        sft_loss(logprobs, mask, scale=scale).backward()
+        return logprobs.detach(), [p.grad.clone() for p in model.parameters()]
+
+    shared, shared_grads = run(True)
+    whole, whole_grads = run(False)
+    with torch.no_grad():
+        for i, (seq, p) in enumerate(zip(seqs, starts, strict=True)):
+            alone = alone_logprobs(model, seq, p)
+            assert torch.allclose(shared[i, : len(alone)], alone, atol=1e-5)
+    assert torch.allclose(shared, whole, atol=1e-5)
+    for a, b in zip(shared_grads, whole_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
 
 
 def test_to_rows_puts_each_response_in_its_rows_order_right_padded():

@@ -483,6 +483,24 @@ def test_packed_rows_attend_per_sequence_by_default_with_sdpas_results(tiny):
     assert_close(grads[0], grads[1], atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bf16-mixed"])
+def test_a_groups_prompt_packed_once_trains_as_packed_per_sample(tiny, dtype):
+    """``share_prompts`` (the default) packs each group's prompt once: fewer tokens, the
+    same step (fp32 to 1e-5; bf16 matmuls of other shapes round differently)."""
+    shared = TorchTrainer(config(tiny, dtype=dtype))
+    whole = TorchTrainer(config(tiny, dtype=dtype, share_prompts=False))
+    rows = rollout_tensors(make_batch(6), "score")
+    a_mbs, b_mbs = shared._microbatches(rows), whole._microbatches(rows)
+    assert all(isinstance(s, tuple) for mb in a_mbs for s in mb.segments or ())
+    assert sum(mb.input_ids.shape[1] for mb in a_mbs) < sum(mb.input_ids.shape[1] for mb in b_mbs)
+    grads = [capture_grads(t.policy) for t in (shared, whole)]
+    tol = {"rel": 1e-5, "abs": 1e-6} if dtype == "float32" else {"rel": 2e-2, "abs": 1e-3}
+    a, b = shared.train_step(make_batch(6)), whole.train_step(make_batch(6))
+    for key in ("loss", "grad_norm", "entropy"):
+        assert a.metrics[key] == pytest.approx(b.metrics[key], **tol), key
+    assert_close(grads[0], grads[1], atol=1e-6 if dtype == "float32" else 5e-3)
+
+
 @pytest.mark.parametrize("rotated", [False, True])
 def test_packed_attention_of_bf16_on_the_cpu_attends_in_fp32_under_autocast(rotated):
     """bf16 inputs are attended in fp32 (faster there, and exact to fp32), cast back to

@@ -172,6 +172,12 @@ class TrainerConfig(BaseModel):
         "on CUDA.",
     )
     packing: bool = Field(True, description="Pack micro-batches into one row (else pad).")
+    share_prompts: bool = Field(
+        True,
+        description="Packed with asyncrl_packed attention: a group's prompt once per "
+        "micro-batch, each response attending to it (the same logits and gradients, fewer "
+        "tokens); false: every sample packed whole",
+    )
     seed: int = Field(0, description="Seeds torch, numpy and random at construction.")
     reward_key: str = Field("score", description="Entry of a dict reward that is trained on.")
     ref_model_path: str | None = Field(

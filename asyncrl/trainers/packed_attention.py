@@ -3,8 +3,10 @@
 A packed row of ``L = sum(len_i)`` tokens with a block-diagonal mask computes and keeps all
 ``L x L`` scores per layer. This function takes the lengths instead (``packed_segments``,
 a forward keyword transformers hands to every attention call) and runs causal sdpa per
-sequence, with O(len) memory. Registered as ``ATTENTION`` with sdpa's mask function, so
-without ``packed_segments`` (a padded batch, generation) it is plain sdpa.
+sequence, with O(len) memory. A segment may also be a prompt shared by several responses
+(``packing.Segment``): each response attends to the prompt and itself. Registered as
+``ATTENTION`` with sdpa's mask function, so without ``packed_segments`` (a padded batch,
+generation) it is plain sdpa.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from asyncrl.sdpa_kernels import varying_shapes
 
@@ -28,10 +31,11 @@ def packed_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    packed_segments: tuple[int, ...] | None = None,
+    packed_segments: tuple[int | tuple[int, ...], ...] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention within each of ``packed_segments`` (lengths along the one row).
+    """Causal attention within each of ``packed_segments`` (units along the one row: a
+    sequence's length, or a shared prompt's ``(P, r_1, ..., r_k)``, see ``_attend``).
 
     ``query`` is ``[1, H, L, D]``, ``key``/``value`` ``[1, H_kv, L, D]``; returns
     ``[1, L, H, D]`` as transformers' attention functions do. Raises ``ValueError`` when
@@ -43,9 +47,10 @@ def packed_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    if query.shape[0] != 1 or query.shape[2] != sum(packed_segments):
+    sizes = [s if isinstance(s, int) else sum(s) for s in packed_segments]
+    if query.shape[0] != 1 or query.shape[2] != sum(sizes):
         raise ValueError(
-            f"packed_segments {list(packed_segments)} (sum {sum(packed_segments)}) do not "
+            f"packed_segments {list(packed_segments)} (sum {sum(sizes)}) do not "
             f"cover the packed row of shape {tuple(query.shape)}"
         )
     dtype, fp32 = value.dtype, _in_fp32(query, key, value)
@@ -59,16 +64,52 @@ def packed_attention(
     # One split per tensor, not a slice per sequence: a slice's backward writes its
     # gradient into a zeroed tensor of the whole row, so k sequences cost k full-row fills
     # and adds per layer; the split's backward is one concatenation.
-    pieces = zip(*(x.split(list(packed_segments), dim=2) for x in (query, key, value)), strict=True)
+    pieces = zip(*(x.split(sizes, dim=2) for x in (query, key, value)), strict=True)
     # Under autocast sdpa would cast fp32 inputs back to bf16. Every sequence has its own
     # length: no cuDNN (a plan built per shape, sdpa_kernels.py).
     autocast = torch.autocast(query.device.type, enabled=False) if fp32 else nullcontext()
     with autocast, varying_shapes(query.device):
         outs = [
-            F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling)
-            for q, k, v in pieces
+            _attend(q, k, v, seg, p, scaling)
+            for (q, k, v), seg in zip(pieces, packed_segments, strict=True)
         ]
     return torch.cat(outs, dim=2).to(dtype).transpose(1, 2).contiguous(), None
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment: int | tuple[int, ...],
+    dropout: float,
+    scale: float | None,
+) -> torch.Tensor:
+    """One unit's attention: causal for a sequence; for ``(P, r_1, ..., r_k)`` the prompt
+    causally, then each response over ``prompt + itself`` (causal, aligned to the end),
+    so the responses never see each other and no ``unit x unit`` mask is built."""
+    if isinstance(segment, int):
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scale
+        )
+    qs, ks, vs = (x.split(list(segment), dim=2) for x in (q, k, v))
+    outs = [
+        F.scaled_dot_product_attention(
+            qs[0], ks[0], vs[0], dropout_p=dropout, is_causal=True, scale=scale
+        )
+    ]
+    prompt = segment[0]
+    for j, r in enumerate(segment[1:], start=1):
+        outs.append(
+            F.scaled_dot_product_attention(
+                qs[j],
+                torch.cat([ks[0], ks[j]], dim=2),
+                torch.cat([vs[0], vs[j]], dim=2),
+                attn_mask=causal_lower_right(r, prompt + r),
+                dropout_p=dropout,
+                scale=scale,
+            )
+        )
+    return torch.cat(outs, dim=2)
 
 
 def _in_fp32(*qkv: torch.Tensor) -> bool:

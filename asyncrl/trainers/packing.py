@@ -5,7 +5,10 @@ A *sequence* is the token ids of prompt + response; its response starts at ``pro
 rows, ``T`` response tokens (right padded), ``L`` tokens of a model row, ``N`` predicted
 (response) tokens, ``V`` vocab. Plans are deterministic, so every rank computes the same.
 Packed and padded micro-batches give the same logits on the real tokens; packing wastes
-no compute on padding.
+no compute on padding. With ``share_prompts`` a packed row holds a group's prompt once and
+its responses after it, each response attending to the prompt and to itself
+(``Segment``): a causal model's prompt states do not depend on what follows, so logits and
+gradients are the unshared ones, for ``(k - 1) * P`` fewer tokens per group of ``k``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from asyncrl.trainers.packed_attention import ATTENTION
 from asyncrl.trainers.token_stats import token_logprobs
 
 Layout = Literal["packed", "padded"]
+#: One unit of a packed row: ``n`` (a sequence of n tokens, causal on its own) or
+#: ``(P, r_1, ..., r_k)`` (a P-token prompt, then k responses that each see the prompt and,
+#: causally, themselves).
+Segment = int | tuple[int, ...]
 FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
@@ -74,6 +81,43 @@ def plan_ranks(lengths: Sequence[int], max_tokens: int, world_size: int) -> list
     return plans
 
 
+def prompt_units(
+    sequences: Sequence[np.ndarray],
+    prompt_lens: Sequence[int],
+    rows: Sequence[int],
+    max_tokens: int | None = None,
+) -> list[list[int]]:
+    """``rows`` grouped by identical prompt tokens, in order of first appearance.
+
+    With ``max_tokens`` a group is cut, in order, where its prompt once plus its responses
+    would pass the budget (a part keeps its own copy of the prompt). Example: prompts
+    ``a a b a`` -> ``[[0, 1, 3], [2]]``.
+    """
+    groups: dict[bytes, list[int]] = {}
+    for r in rows:
+        seq = np.asarray(sequences[r], dtype=np.int64)
+        groups.setdefault(seq[: int(prompt_lens[r])].tobytes(), []).append(r)
+    if max_tokens is None:
+        return list(groups.values())
+    units: list[list[int]] = []
+    for group in groups.values():
+        units.append([])
+        for r in group:
+            cost = unit_tokens(sequences, prompt_lens, [*units[-1], r])
+            if units[-1] and cost > max_tokens:
+                units.append([])
+            units[-1].append(r)
+    return units
+
+
+def unit_tokens(
+    sequences: Sequence[np.ndarray], prompt_lens: Sequence[int], unit: list[int]
+) -> int:
+    """Tokens of a unit packed with its prompt once: ``P + sum_i (len_i - P)``."""
+    p = int(prompt_lens[unit[0]])
+    return p + sum(len(sequences[r]) - p for r in unit)
+
+
 @dataclass(frozen=True, slots=True)
 class MicroBatch:
     """Model inputs of one micro-batch and where its ``N`` response predictions go.
@@ -86,7 +130,7 @@ class MicroBatch:
 
     rows: list[int]
     layout: Layout
-    segments: tuple[int, ...] | None  # packed for ATTENTION: the sequences' lengths
+    segments: tuple[Segment, ...] | None  # packed for ATTENTION: its units (``Segment``)
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None
@@ -113,6 +157,7 @@ def build_microbatch(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     temperatures: Sequence[float] | None = None,
+    share_prompts: bool = False,
 ) -> MicroBatch:
     """The micro-batch of ``rows`` (indices into ``sequences``); ``width`` is ``T``.
 
@@ -126,15 +171,25 @@ def build_microbatch(
     ``attn_implementation`` is the model's (``config._attn_implementation``): it picks the
     packed mask's form; ``dtype`` is the additive mask's dtype (the model's);
     ``temperatures[r]`` is sequence ``r``'s sampling temperature (None: all 1).
+    ``share_prompts`` (packed, ``ATTENTION`` only) packs each prompt once for the rows
+    that share it (``prompt_units``); ``rows`` then come out grouped by prompt.
     """
+    share = share_prompts and layout == "packed" and attn_implementation == ATTENTION
+    units = prompt_units(sequences, prompt_lens, rows) if share else [[r] for r in rows]
+    rows = [r for u in units for r in u]
     seqs = [np.asarray(sequences[r], dtype=np.int64) for r in rows]
     starts = [int(prompt_lens[r]) for r in rows]
     for r, seq, p in zip(rows, seqs, starts, strict=True):
         if not 1 <= p <= len(seq) or len(seq) - p > width:
             raise ValueError(f"row {r}: prompt_len {p}, length {len(seq)}, width {width}")
     lens = [len(s) for s in seqs]
-    if layout == "packed":
+    segments: tuple[Segment, ...] | None = None
+    if share:
+        ids, pos, keep, segments = _shared(seqs, starts, [len(u) for u in units])
+        mask = None
+    elif layout == "packed":
         ids, pos, mask, keep = _packed(seqs, lens, starts, attn_implementation, dtype, device)
+        segments = tuple(lens) if attn_implementation == ATTENTION else None
     elif layout == "padded":
         ids, pos, mask, keep = _padded(seqs, lens, starts)
     else:
@@ -152,7 +207,7 @@ def build_microbatch(
     return MicroBatch(
         rows=list(rows),
         layout=layout,
-        segments=tuple(lens) if layout == "packed" and attn_implementation == ATTENTION else None,
+        segments=segments,
         input_ids=tensor(ids),
         position_ids=tensor(pos),
         attention_mask=None if mask is None else tensor(mask),
@@ -179,6 +234,49 @@ def _packed(
     offsets = np.cumsum([0, *lens[:-1]])
     keep = [np.arange(o + p - 1, o + n - 1) for o, p, n in zip(offsets, starts, lens, strict=True)]
     return ids, pos, mask, np.concatenate(keep)
+
+
+def _shared(
+    seqs: list[np.ndarray], starts: list[int], unit_sizes: list[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[Segment, ...]]:
+    """One packed row of units of ``unit_sizes`` consecutive sequences sharing a prompt.
+
+    A unit of one is packed as ``_packed`` does. A unit of k holds the prompt (P tokens,
+    positions ``0..P-1``) and then each response (positions ``P..``); every response's
+    first token is predicted from the prompt's last position, so ``keep`` repeats it.
+    """
+    ids: list[np.ndarray] = []
+    pos: list[np.ndarray] = []
+    keep: list[np.ndarray] = []
+    segments: list[Segment] = []
+    offset, i = 0, 0
+    for k in unit_sizes:
+        unit, p = seqs[i : i + k], starts[i]
+        i += k
+        if k == 1:
+            n = len(unit[0])
+            ids.append(unit[0])
+            pos.append(np.arange(n))
+            keep.append(np.arange(offset + p - 1, offset + n - 1))
+            segments.append(n)
+            offset += n
+            continue
+        responses = [s[p:] for s in unit]
+        ids += [unit[0][:p], *responses]
+        pos += [np.arange(p), *(p + np.arange(len(r)) for r in responses)]
+        at = offset + p
+        for r in responses:
+            if len(r):
+                keep += [np.array([offset + p - 1]), np.arange(at, at + len(r) - 1)]
+            at += len(r)
+        segments.append((p, *(len(r) for r in responses)))
+        offset = at
+    return (
+        np.concatenate(ids)[None],
+        np.concatenate(pos)[None],
+        np.concatenate(keep),
+        tuple(segments),
+    )
 
 
 def _padded(

@@ -12,7 +12,14 @@ import torch
 
 from asyncrl.policies import LossInputs, LossScale, PolicyConfig, rl_loss
 from asyncrl.trainers.config import TrainerConfig
-from asyncrl.trainers.packing import MicroBatch, build_microbatch, plan_ranks, to_rows
+from asyncrl.trainers.packing import (
+    MicroBatch,
+    build_microbatch,
+    plan_ranks,
+    prompt_units,
+    to_rows,
+    unit_tokens,
+)
 from asyncrl.trainers.rl_columns import EMPTY_SEQUENCE, Columns, old_logprobs
 from asyncrl.trainers.rollout_tensors import RolloutTensors
 
@@ -25,24 +32,38 @@ def rank_microbatches(
     world: int,
     rank: int,
     equal_counts: bool,
+    share_prompts: bool = False,
     **build: Any,
 ) -> list[MicroBatch]:
     """Rank ``rank``'s token-budget micro-batches of the rows of ``part`` (default all)
     that have loss tokens. Row ``B`` (one past the last) is the empty stand-in: it fills
     a rank with no rows, and with ``equal_counts`` pads every rank to the busiest rank's
     count (gradients sync on the last micro-batch, so all ranks must run as many).
-    ``build`` goes to ``build_microbatch`` (layout, dtype, device, ...)."""
+    ``share_prompts``: rows with one prompt are planned and packed together, the prompt
+    once (``packing.prompt_units``). ``build`` goes to ``build_microbatch``."""
     n = rows.num_rows
     active = [i for i in (range(n) if part is None else part) if bool(rows.mask[i].any())]
-    lengths = [len(rows.sequences[i]) for i in active]
-    plans = plan_ranks(lengths, max_tokens, world)
-    mine = [[active[j] for j in b] for b in plans[rank]]
+    seqs, starts = [*rows.sequences, EMPTY_SEQUENCE], [*rows.prompt_lens, 1]
+    if share_prompts:
+        units = prompt_units(seqs, starts, active, max_tokens)
+    else:
+        units = [[i] for i in active]
+    costs = [unit_tokens(seqs, starts, u) for u in units]
+    plans = plan_ranks(costs, max_tokens, world)
+    mine = [[r for j in b for r in units[j]] for b in plans[rank]]
     count = max(1, *(len(p) for p in plans)) if equal_counts else 1
     mine += [[n]] * (count - len(mine))
-    seqs, starts = [*rows.sequences, EMPTY_SEQUENCE], [*rows.prompt_lens, 1]
     temperatures = [*rows.temperatures, 1.0]
     return [
-        build_microbatch(seqs, starts, m, rows.width, temperatures=temperatures, **build)
+        build_microbatch(
+            seqs,
+            starts,
+            m,
+            rows.width,
+            temperatures=temperatures,
+            share_prompts=share_prompts,
+            **build,
+        )
         for m in mine
     ]
 

@@ -5,8 +5,9 @@ Built by ``actors/trainer.py::build_trainer`` (RL, with the job's ``PolicyConfig
 
     rows        rollout_tensors: usable groups -> sequences and [B, T] mask, behaviour
                 log-probs, token versions; scores [G, n]
-    plan        plan_ranks: this rank's token-budget micro-batches (packed), padded with
-                an empty micro-batch up to the busiest rank's count
+    plan        plan_ranks: this rank's token-budget micro-batches (packed, a group's
+                prompt once: share_prompts), padded with an empty micro-batch up to the
+                busiest rank's count
     no-grad     reference log-probs (KL) and the old log-probs with them, critic values:
                 each rank scores its rows, a sum over ranks fills [B, T] (without a
                 reference the old log-probs are the training forward's, detached:
@@ -243,6 +244,7 @@ class TorchTrainer:
             rank=self.dp.rank,
             equal_counts=True,
             layout="packed" if self.config.packing else "padded",
+            share_prompts=self.config.share_prompts,
             attn_implementation=self.attn,
             dtype=self.dtype,
             device=self.device,
