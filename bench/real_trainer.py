@@ -10,8 +10,10 @@ default) draws prompts of 0.6-1.4 x ``--prompt`` tokens and lognormal responses 
 
 - ``packed``: asyncrl's defaults: decoupled PPO, one forward and backward per
   micro-batch (a step is one optimizer update, so the proximal log-probs are that
-  forward's own, detached: no separate pass), each packed sequence attending alone,
-  chunked log-probs;
+  forward's own, detached: no separate pass), a group's prompt packed once with each
+  response attending to it, chunked log-probs;
+- ``whole``: ``packed`` with every sample packed whole (``share_prompts=False``), each
+  sequence attending alone (the trainer before prompts were shared);
 - ``bypass``: the same with ``--use-rollout-logprobs`` (the engine's log-probs are the
   old policy's; the same compute);
 - ``masked``: ``packed`` with sdpa and a block-diagonal ``L x L`` mask (the attention
@@ -31,7 +33,10 @@ default) draws prompts of 0.6-1.4 x ``--prompt`` tokens and lognormal responses 
 - ``--repo DIR`` runs ``masked`` against another checkout (a before/after:
   ``git worktree add /tmp/before COMMIT``).
 
-Model FLOPs utilisation is ``6 x parameters x tokens/s`` over the matmul peak, measured
+tokens/s counts every sample's prompt and response tokens, the work both frameworks
+train on. Model FLOPs utilisation counts the tokens run through the model: a shared
+prompt once (``packed``), padding not at all. It is ``6 x parameters x`` those a second
+over the matmul peak, measured
 in the same run in its own process: the best of five ``torch.mm`` of 2048 x 2048 on
 ``--threads`` threads, fp32 and bf16, before and after the variants (the higher of the
 two: a slow spell of this shared machine would otherwise read as high utilisation).
@@ -97,15 +102,19 @@ def batch(seed: int, args: argparse.Namespace) -> Any:
     return TrainBatch(batch_id=seed, step=0, groups=out)
 
 
-def asyncrl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
-    """Step seconds and trained tokens (prompt + response) of asyncrl's TorchTrainer."""
+def asyncrl_steps(args: argparse.Namespace) -> tuple[list[float], float, float]:
+    """Step seconds, trained tokens (prompt + response) and the tokens run through the
+    model (a shared prompt once) of asyncrl's TorchTrainer."""
     from asyncrl.policies import PolicyConfig
+    from asyncrl.trainers.rollout_tensors import rollout_tensors
     from asyncrl.trainers.torch_trainer import TorchTrainer
     from bench.torch_profile import profiled
 
     extra: dict[str, Any] = {"attn_implementation": "sdpa"} if args.variant == "masked" else {}
     if args.variant == "padded":  # each micro-batch right-padded to its longest sequence
         extra["packing"] = False
+    if args.variant == "whole":
+        extra["share_prompts"] = False
     cfg = TorchTrainer.Config(
         model_path=args.model, lr=1e-6, max_tokens_per_microbatch=args.budget,
         dtype=args.dtype, device=args.device, **extra,
@@ -120,7 +129,11 @@ def asyncrl_steps(args: argparse.Namespace) -> tuple[list[float], float]:
             sync(args.device)
         times.append(time.perf_counter() - start)
         tokens = result.metrics["tokens"]
-    return times, tokens
+    rows = rollout_tensors(batch(args.steps - 1, args), cfg.reward_key)
+    model_tokens = tokens
+    if cfg.packing:  # a padded micro-batch's padding is not counted
+        model_tokens = sum(mb.input_ids.shape[1] for mb in trainer._microbatches(rows))
+    return times, tokens, model_tokens
 
 
 def trl_inputs(train_batch: Any) -> dict[str, Any]:
@@ -245,10 +258,15 @@ def child(args: argparse.Namespace) -> None:
     if args.variant == "peak":
         print(json.dumps({"variant": "peak", "gflops": matmul_peak(args.threads, args.device)}))
         return
-    times, tokens = (trl_steps if args.variant in TRL else asyncrl_steps)(args)
+    if args.variant in TRL:
+        times, tokens = trl_steps(args)
+        model_tokens = tokens
+    else:
+        times, tokens, model_tokens = asyncrl_steps(args)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     row = {"variant": args.variant, "step_s": times, "tokens": tokens,
-           "tokens_per_s": tokens / min(times), "peak_rss_gib": rss}  # fmt: skip
+           "tokens_per_s": tokens / min(times), "model_tokens": model_tokens,
+           "model_tokens_per_s": model_tokens / min(times), "peak_rss_gib": rss}  # fmt: skip
     if args.device.startswith("cuda"):
         row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print(json.dumps(row))
@@ -291,13 +309,13 @@ def report(rows: list[dict], peak: dict[str, float], n_params: int, dtype: str) 
     print(f"matmul peak on this run: fp32 {peak['fp32']:.0f} GFLOP/s, bf16 {peak['bf16']:.0f}")
     print(f"{'variant':13} {'step s':>14} {'tokens/s':>9} {'MFU ' + dtype:>9} {'peak RSS GiB':>13}")
     for r in rows:
-        r["mfu"] = 6 * n_params * r["tokens_per_s"] / (peak[dtype] * 1e9)
+        r["mfu"] = 6 * n_params * r["model_tokens_per_s"] / (peak[dtype] * 1e9)
         steps = ", ".join(f"{t:.1f}" for t in r["step_s"])
         gpu = f"  GPU peak {r['peak_gpu_gib']:.2f} GiB" if "peak_gpu_gib" in r else ""
         print(f"{r['variant']:13} {steps:>14} {r['tokens_per_s']:9.1f} {r['mfu']:9.1%} "
               f"{r['peak_rss_gib']:13.2f}{gpu}")  # fmt: skip
     by = {r["variant"]: r for r in rows}
-    for ours, theirs in (("packed", "trl-onpolicy"), ("packed", "trl")):
+    for ours, theirs in (("packed", "trl-onpolicy"), ("packed", "trl"), ("packed", "whole")):
         if ours in by and theirs in by:
             ratio = by[ours]["tokens_per_s"] / by[theirs]["tokens_per_s"]
             print(f"{ours} / {theirs}: {ratio:.2f}x tokens/s")
@@ -325,7 +343,7 @@ def main() -> None:
         default=8,
         help="TRL's per-device batch (rows); the step accumulates over the rest",
     )
-    ap.add_argument("--variants", default="packed,trl-onpolicy,trl")
+    ap.add_argument("--variants", default="packed,whole,trl-onpolicy,trl")
     ap.add_argument("--profile", action="store_true", help="profile each variant's last step")
     ap.add_argument("--repo", type=Path, help="also run 'masked' in this checkout (before)")
     ap.add_argument("--out", default="bench/results/real_trainer.json")
