@@ -233,7 +233,7 @@ class TorchTrainer:
         return metrics | {"grad_norm": grad_norm, "lr": lr}
 
     def _microbatches(
-        self, rows: RolloutTensors, part: list[int] | None = None
+        self, rows: RolloutTensors, part: list[int] | None = None, *, share_prompts: bool = True
     ) -> list[MicroBatch]:
         """This rank's micro-batches of the rows (of ``part``), padded to equal counts."""
         return rank_microbatches(
@@ -244,7 +244,7 @@ class TorchTrainer:
             rank=self.dp.rank,
             equal_counts=True,
             layout="packed" if self.config.packing else "padded",
-            share_prompts=self.config.share_prompts,
+            share_prompts=share_prompts and self.config.share_prompts,
             attn_implementation=self.attn,
             dtype=self.dtype,
             device=self.device,
@@ -328,7 +328,7 @@ class TorchTrainer:
         """One supervised step: token-mean smoothed cross-entropy (``Trainer.sft_step``)."""
         start = time.perf_counter()
         rows = sft_tensors(tokens, loss_masks)
-        mbs = self._microbatches(rows)
+        mbs = self._microbatches(rows, share_prompts=False)  # SFT rows have no prompt
         mask = pad_row(rows.mask.to(self.device))
         scale = LossScale.of(rows.mask)
 
