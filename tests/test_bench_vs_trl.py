@@ -85,6 +85,14 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
             assert times == sorted(times) and times[1] >= run["first_step_s"] > 0
         ratio = seed["frameworks"]["asyncrl"]["samples/s"] / seed["frameworks"]["trl"]["samples/s"]
         assert seed["comparison"]["samples/s"] == pytest.approx(ratio)
+    # Each finished run kept its weights, not its optimizer, scheduler or RNG states.
+    runs = tmp_path / "runs" / "0.5m"
+    assert sorted(p.name for p in runs.glob("seed_3/asyncrl/checkpoints/trainer/step_*/*")) == [
+        "job", "job", "policy", "policy", "trainer.json", "trainer.json"
+    ]  # fmt: skip
+    for checkpoint in runs.glob("seed_*/trl/checkpoint-*"):
+        assert (checkpoint / "model.safetensors").exists()
+        assert not any((checkpoint / name).exists() for name in vs_trl.TRAINING_STATE)
     # Each seed trained in its own folder, with its own seed, in alternating order.
     for seed in (3, 4):
         for fw in vs_trl.FRAMEWORKS:
