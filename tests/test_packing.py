@@ -200,17 +200,22 @@ def test_each_response_attends_to_the_prompt_and_itself_only():
         torch.testing.assert_close(out[0, idx], alone[0].transpose(0, 1))
 
 
-def test_rank_micro_batches_keep_a_prompts_rows_together_and_count_the_prompt_once():
-    seqs, starts = shared_prompt_sequences()
-    rows = RolloutTensors(
+def shared_rows(seqs: list[np.ndarray], starts: list[int]) -> RolloutTensors:
+    n = len(seqs)
+    return RolloutTensors(
         sequences=seqs,
         prompt_lens=starts,
-        mask=torch.ones(5, 5),
-        behaviour=torch.zeros(5, 5),
-        versions=torch.zeros(5, 5, dtype=torch.int64),
-        scores_GN=torch.zeros(5, 1),
-        temperatures=[1.0] * 5,
+        mask=torch.ones(n, 5),
+        behaviour=torch.zeros(n, 5),
+        versions=torch.zeros(n, 5, dtype=torch.int64),
+        scores_GN=torch.zeros(n, 1),
+        temperatures=[1.0] * n,
     )
+
+
+def test_rank_micro_batches_keep_a_prompts_rows_together_and_count_the_prompt_once():
+    seqs, starts = shared_prompt_sequences()
+    rows = shared_rows(seqs, starts)
     kwargs = {"max_tokens": 17, "world": 1, "rank": 0, "equal_counts": True}
     attn = packed_attention.register()
     shared = rank_microbatches(rows, None, share_prompts=True, attn_implementation=attn, **kwargs)
@@ -218,6 +223,48 @@ def test_rank_micro_batches_keep_a_prompts_rows_together_and_count_the_prompt_on
     assert [mb.input_ids.shape[1] for mb in shared] == [17, 4]
     whole = rank_microbatches(rows, None, share_prompts=False, attn_implementation=attn, **kwargs)
     assert sum(mb.input_ids.shape[1] for mb in whole) == 7 + 9 + 4 + 8 + 5
+
+
+def test_prompts_are_shared_only_where_the_attention_takes_units():
+    """With another attention the rows are planned as they are built, whole: a plan that
+    counted the prompt once would pass the budget."""
+    seqs, starts = shared_prompt_sequences()
+    rows = shared_rows(seqs, starts)
+    for layout, attn in (
+        ("packed", "sdpa"),
+        ("packed", "eager"),
+        ("padded", packed_attention.ATTENTION),
+    ):
+        kwargs = {"max_tokens": 17, "world": 1, "rank": 0, "equal_counts": True,
+                  "layout": layout, "attn_implementation": attn}  # fmt: skip
+        shared = rank_microbatches(rows, None, share_prompts=True, **kwargs)
+        whole = rank_microbatches(rows, None, share_prompts=False, **kwargs)
+        assert [mb.rows for mb in shared] == [mb.rows for mb in whole], (layout, attn)
+        if layout == "packed":
+            assert max(mb.input_ids.shape[1] for mb in shared) <= 17
+
+
+def test_one_big_group_is_spread_over_every_rank():
+    seqs, starts = shared_prompt_sequences()
+    rows, group = shared_rows(seqs, starts), [0, 1, 3, 4]  # the rows of prompt a
+    kwargs = {"max_tokens": 1024, "world": 2, "equal_counts": True,
+              "attn_implementation": packed_attention.register()}  # fmt: skip
+    ranks = [rank_microbatches(rows, group, share_prompts=True, rank=r, **kwargs) for r in (0, 1)]
+    held = [sorted(r for mb in mbs for r in mb.rows if r < 5) for mbs in ranks]
+    assert held[0] and held[1] and sorted(held[0] + held[1]) == group
+
+
+def test_a_unit_attends_in_autocasts_dtype_when_the_rotary_left_q_and_k_in_fp32():
+    """Under autocast q and k come out of the rotary embedding in fp32 beside low-precision
+    values; sdpa with a causal bias is not cast by autocast, so the unit casts them."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(2))
+    v = torch.randn(1, 2, 9, 8, generator=g).half()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out, _ = packed_attention.packed_attention(
+            torch.nn.Module(), q, k, v, None, packed_segments=((3, 4, 2),)
+        )
+    assert out.dtype == torch.float16 and out.shape == (1, 9, 2, 8)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -56,6 +56,8 @@ def packed_attention(
     dtype, fp32 = value.dtype, _in_fp32(query, key, value)
     if fp32:
         query, key, value = query.float(), key.float(), value.float()
+    elif any(isinstance(s, tuple) for s in packed_segments):
+        query, key, value = _one_dtype(query, key, value)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: each KV head serves ``groups`` query heads
         key = key.repeat_interleave(groups, dim=1)
@@ -70,8 +72,9 @@ def packed_attention(
     autocast = torch.autocast(query.device.type, enabled=False) if fp32 else nullcontext()
     with autocast, varying_shapes(query.device):
         outs = [
-            _attend(q, k, v, seg, p, scaling)
+            out
             for (q, k, v), seg in zip(pieces, packed_segments, strict=True)
+            for out in _attend(q, k, v, seg, p, scaling)
         ]
     return torch.cat(outs, dim=2).to(dtype).transpose(1, 2).contiguous(), None
 
@@ -83,14 +86,15 @@ def _attend(
     segment: int | tuple[int, ...],
     dropout: float,
     scale: float | None,
-) -> torch.Tensor:
-    """One unit's attention: causal for a sequence; for ``(P, r_1, ..., r_k)`` the prompt
-    causally, then each response over ``prompt + itself`` (causal, aligned to the end),
-    so the responses never see each other and no ``unit x unit`` mask is built."""
+) -> list[torch.Tensor]:
+    """One unit's attention, in parts along the row: causal for a sequence; for
+    ``(P, r_1, ..., r_k)`` the prompt causally, then each response over ``prompt + itself``
+    (causal, aligned to the end), so the responses never see each other and no
+    ``unit x unit`` mask is built."""
     if isinstance(segment, int):
-        return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout, is_causal=True, scale=scale
-        )
+        return [
+            F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
+        ]
     qs, ks, vs = (x.split(list(segment), dim=2) for x in (q, k, v))
     outs = [
         F.scaled_dot_product_attention(
@@ -109,7 +113,17 @@ def _attend(
                 scale=scale,
             )
         )
-    return torch.cat(outs, dim=2)
+    return outs
+
+
+def _one_dtype(*qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in one dtype: autocast's where it is on (the rotary embedding leaves q and k
+    in fp32 beside bf16 values, and sdpa with a ``CausalBias`` is not cast by autocast),
+    else the values'."""
+    device = qkv[0].device.type
+    on = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if on else qkv[-1].dtype
+    return tuple(x.to(dtype) for x in qkv)
 
 
 def _in_fp32(*qkv: torch.Tensor) -> bool:

@@ -110,6 +110,12 @@ def prompt_units(
     return units
 
 
+def shares_prompts(layout: Layout, attn_implementation: str) -> bool:
+    """Whether a micro-batch of ``layout`` and attention can hold a prompt once: packed
+    rows attended by ``ATTENTION``, the one attention that takes units."""
+    return layout == "packed" and attn_implementation == ATTENTION
+
+
 def unit_tokens(
     sequences: Sequence[np.ndarray], prompt_lens: Sequence[int], unit: list[int]
 ) -> int:
@@ -174,7 +180,7 @@ def build_microbatch(
     ``share_prompts`` (packed, ``ATTENTION`` only) packs each prompt once for the rows
     that share it (``prompt_units``); ``rows`` then come out grouped by prompt.
     """
-    share = share_prompts and layout == "packed" and attn_implementation == ATTENTION
+    share = share_prompts and shares_prompts(layout, attn_implementation)
     units = prompt_units(sequences, prompt_lens, rows) if share else [[r] for r in rows]
     rows = [r for u in units for r in u]
     seqs = [np.asarray(sequences[r], dtype=np.int64) for r in rows]
@@ -269,7 +275,7 @@ def _shared(
             if len(r):
                 keep += [np.array([offset + p - 1]), np.arange(at, at + len(r) - 1)]
             at += len(r)
-        segments.append((p, *(len(r) for r in responses)))
+        segments.append((p, *(len(r) for r in responses if len(r))))
         offset = at
     return (
         np.concatenate(ids)[None],

@@ -17,6 +17,7 @@ from asyncrl.trainers.packing import (
     build_microbatch,
     plan_ranks,
     prompt_units,
+    shares_prompts,
     to_rows,
     unit_tokens,
 )
@@ -40,12 +41,16 @@ def rank_microbatches(
     a rank with no rows, and with ``equal_counts`` pads every rank to the busiest rank's
     count (gradients sync on the last micro-batch, so all ranks must run as many).
     ``share_prompts``: rows with one prompt are planned and packed together, the prompt
-    once (``packing.prompt_units``). ``build`` goes to ``build_microbatch``."""
+    once (``packing.prompt_units``), where the layout and attention can take it (else
+    it is ignored). ``build`` goes to ``build_microbatch``."""
     n = rows.num_rows
     active = [i for i in (range(n) if part is None else part) if bool(rows.mask[i].any())]
     seqs, starts = [*rows.sequences, EMPTY_SEQUENCE], [*rows.prompt_lens, 1]
-    if share_prompts:
-        units = prompt_units(seqs, starts, active, max_tokens)
+    layout, attn = build.get("layout", "packed"), build.get("attn_implementation", "sdpa")
+    if share_prompts and shares_prompts(layout, attn):
+        units = prompt_units(
+            seqs, starts, active, _unit_cap(seqs, starts, active, max_tokens, world)
+        )
     else:
         units = [[i] for i in active]
     costs = [unit_tokens(seqs, starts, u) for u in units]
@@ -66,6 +71,19 @@ def rank_microbatches(
         )
         for m in mine
     ]
+
+
+def _unit_cap(
+    seqs: list[np.ndarray], starts: list[int], active: list[int], max_tokens: int, world: int
+) -> int:
+    """Where a prompt's rows are cut into units: the token budget, and on ``world`` ranks at
+    most a rank's share of the step's tokens, so that one big group still spreads over all
+    ranks instead of leaving some with only the empty stand-in."""
+    if world == 1:
+        return max_tokens
+    whole = prompt_units(seqs, starts, active)
+    total = sum(unit_tokens(seqs, starts, u) for u in whole)
+    return max(1, min(max_tokens, -(-total // world)))
 
 
 def shuffle_seed(config: TrainerConfig, version: int) -> int | None:
