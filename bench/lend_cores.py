@@ -1,7 +1,9 @@
-"""The cores an idle trainer lends its engines, on and off, side by side in one run.
+"""One job setting off and on, side by side in one run: by default the cores an idle
+trainer lends its engines.
 
 Runs ``asyncrl train CONFIG`` (default: the real-model example without its eval actor)
-for ``--steps`` steps with ``--runtime.lend-trainer-cores`` never and always, alternated
+for ``--steps`` steps with ``--setting KEY OFF ON`` (default ``runtime.lend-trainer-cores
+never always``; e.g. ``trainer.share-prompts false true``) at each value, alternated
 ``--repeats`` times (off, on, then on, off, ...) after an uncounted warm-up run, so that
 neither the cold start nor a slow spell of the machine falls on one side. Per run:
 
@@ -12,8 +14,9 @@ neither the cold start nor a slow spell of the machine falls on one side. Per ru
   counts them;
 - ``lent_share``: the engines' steps run on lent threads, over all their steps.
 
-``.venv/bin/python bench/lend_cores.py [--repeats 2] [-- FLAGS]`` prints each run, the
-medians and on / off ratios, and writes ``bench/results/lend_cores.json``.
+``.venv/bin/python bench/lend_cores.py [--repeats 2] [--setting KEY OFF ON] [-- FLAGS]``
+prints each run, the medians and on / off ratios, and writes ``--out``
+(``bench/results/lend_cores.json``).
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ FIGURES = ("first_step_s", "wall_s", "samples/s", "tokens/s", "trainer_idle", "w
 
 
 async def run_once(args: argparse.Namespace, lend: bool, run_dir: Path) -> dict[str, Any]:
-    """One job into ``run_dir``; its figures (module docstring)."""
+    """One job into ``run_dir`` with the setting on (``lend``) or off; its figures."""
+    key, off, on = args.setting
     flags = ["--name", f"lend-{lend}", "--output-dir", str(run_dir),
              "--train.num-steps", str(args.steps), "--eval.interval", "0",
              "--save-interval", "0", "--train.metrics-interval", "1.0", *args.flags,
-             "--runtime.lend-trainer-cores", "always" if lend else "never"]  # fmt: skip
+             f"--{key}", on if lend else off]  # fmt: skip
     cfg = load_config(args.config, overrides=flags)
     start = time.time()
     result = await run_job(cfg)
@@ -68,6 +72,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs each way, alternated")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the uncounted first run")  # fmt: skip
+    parser.add_argument("--setting", nargs=3, metavar=("KEY", "OFF", "ON"),
+                        default=["runtime.lend-trainer-cores", "never", "always"],
+                        help="the flag (without --) and its off and on values")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench/results/lend_cores.json"))
     parser.add_argument("flags", nargs="*", help="asyncrl train flags for every run (after --)")
     args = parser.parse_args()
@@ -88,7 +95,8 @@ def main() -> None:
         on, off = medians["on"][f], medians["off"][f]
         print(f"{f:>14}: off {off:8.3f}  on {on:8.3f}  on/off {ratios.get(f, float('nan')):.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"config": args.config, "flags": args.flags, "steps": args.steps,
+    payload = {"config": args.config, "setting": args.setting, "flags": args.flags,
+               "steps": args.steps,
                "repeats": args.repeats, "medians": medians, "ratios": ratios,
                "runs": runs}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2) + "\n")

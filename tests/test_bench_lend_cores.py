@@ -39,3 +39,27 @@ def test_both_ways_run_alternated_and_only_the_loan_lends(tmp_path: Path) -> Non
     # The trainer waits for its first batch, so with the loan some engine steps are lent.
     assert all(0 < run["lent_share"] <= 1 for run in result["runs"]["on"])
     assert result["ratios"]["wall_s"] > 0 and "accuracy" not in result["medians"]["on"]
+
+
+def test_any_one_setting_runs_off_and_on(tmp_path: Path) -> None:
+    """``--setting`` A/Bs another flag, and the flag reaches each run's config."""
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    config = tmp_path / "job.yaml"
+    config.write_text("name: ab\n")
+    out = tmp_path / "ab.json"
+    flags = ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data",
+             str(tmp_path / "prompts.jsonl"), "--rollout.num-actors", "1",
+             "--rollout.sampling", '{"temperature": 1.0, "max_new_tokens": 6}',
+             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]  # fmt: skip
+    command = [sys.executable, str(ROOT / "bench" / "lend_cores.py"), "--config", str(config),
+               "--steps", "3", "--repeats", "1", "--no-warmup", "--out", str(out),
+               "--setting", "trainer.share-prompts", "false", "true", "--", *flags]  # fmt: skip
+    subprocess.run(command, cwd=ROOT, check=True, timeout=600, capture_output=True, text=True)
+    result = json.loads(out.read_text())
+    assert result["setting"] == ["trainer.share-prompts", "false", "true"]
+    assert result["runs"]["off"][0]["samples/s"] > 0 and result["runs"]["on"][0]["samples/s"] > 0
+    # The value reaches the job's config: an invalid "on" value stops the bench, named.
+    command[command.index("true")] = "sometimes"
+    bad = subprocess.run(command, cwd=ROOT, timeout=600, capture_output=True, text=True)
+    assert bad.returncode != 0 and "share_prompts" in bad.stderr, bad.stderr[-2000:]
