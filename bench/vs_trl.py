@@ -675,9 +675,12 @@ class ScoreCache:
         self.scores: dict[str, float] = saved.get("scores", {}) if saved.get("key") == key else {}
 
     def __call__(self, checkpoint: str | Path) -> float:
-        name = str(checkpoint)
+        path = str(checkpoint)
+        name = portable(path, [self.path.parent])  # the seed's folder may move (a checkout)
+        if path in self.scores:  # named whole by a bench before 2026-11-30
+            self.scores[name] = self.scores.pop(path)
         if name not in self.scores:
-            self.scores[name] = self.evaluate(name)
+            self.scores[name] = self.evaluate(path)
             body = {"key": self.key, "scores": self.scores}
             part = self.path.with_suffix(".part")  # a kill mid-write leaves the last file
             part.write_text(json.dumps(body, indent=2) + "\n")

@@ -281,6 +281,14 @@ def test_scores_are_kept_per_checkpoint_under_the_seeds_key(tmp_path: Path) -> N
     assert again("a/step_2") == 0.08 and calls == ["a/step_2"]
     other = vs_trl.ScoreCache(path, {"seed": 1}, evaluate)  # other settings: scored anew
     assert other("a/step_2") == 0.08 and calls == ["a/step_2", "a/step_2"]
+    # A checkpoint under the seed's folder is named relative to it: a moved folder reads it.
+    inside = tmp_path / "asyncrl" / "step_4"
+    first = vs_trl.ScoreCache(path, {"seed": 1}, evaluate)
+    score = first(inside)
+    moved = tmp_path.parent / "moved"
+    tmp_path.rename(moved)
+    later = vs_trl.ScoreCache(moved / "scores.json", {"seed": 1}, evaluate)
+    assert later(moved / "asyncrl" / "step_4") == score and calls.count(str(inside)) == 1
 
 
 def test_a_finished_run_is_found_only_for_the_same_spec(
