@@ -299,6 +299,34 @@ def test_a_shared_prompt_gives_every_response_its_log_probs_and_gradients_alone(
         assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_packed_forward_builds_no_mask_and_a_padded_one_still_does(model_dirs, arch, monkeypatch):
+    import transformers.masking_utils as masking
+
+    model = load(model_dirs[arch], packed_attention.register())
+    built: list[tuple[int, ...]] = []
+    sdpa_mask = masking.sdpa_mask
+
+    def spy(*args, **kwargs):
+        mask = sdpa_mask(*args, **kwargs)
+        built.append(None if mask is None else tuple(mask.shape))
+        return mask
+
+    monkeypatch.setattr(masking, "sdpa_mask", spy)
+    seqs, starts = shared_prompt_sequences()
+    with torch.no_grad():
+        for share in (True, False):
+            mb = build_microbatch(
+                seqs, starts, range(5), 5, attn_implementation=packed_attention.ATTENTION,
+                share_prompts=share,
+            )  # fmt: skip
+            forward_selected(model, mb)
+        assert built == []
+        padded = torch.ones(2, 6, dtype=torch.long)
+        model(padded, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]))
+    assert built == [(2, 1, 6, 6)]  # generation and padded batches keep sdpa's mask
+
+
 def test_to_rows_puts_each_response_in_its_rows_order_right_padded():
     seqs = [np.array([5, 6, 7]), np.array([1, 2]), np.array([8, 9, 10, 11])]
     mb = build_microbatch(seqs, [2, 1, 1], [2, 0], 3)

@@ -6,12 +6,15 @@ a forward keyword transformers hands to every attention call) and runs causal sd
 sequence, with O(len) memory. A segment may also be a prompt shared by several responses
 (``packing.Segment``): each response attends to the prompt and itself. Registered as
 ``ATTENTION`` with sdpa's mask function, so without ``packed_segments`` (a padded batch,
-generation) it is plain sdpa.
+generation) it is plain sdpa; inside ``packed_rows()`` no mask is built, as none is read
+(transformers would build an ``L x L`` one from the packed positions: 256 MB at 16k tokens).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -21,6 +24,18 @@ from torch.nn.attention.bias import causal_lower_right
 from asyncrl.sdpa_kernels import varying_shapes
 
 ATTENTION = "asyncrl_packed"
+
+_PACKED_ROWS: ContextVar[bool] = ContextVar("asyncrl_packed_rows", default=False)
+
+
+@contextmanager
+def packed_rows() -> Iterator[None]:
+    """A forward of packed rows given their ``packed_segments``: the mask is skipped."""
+    token = _PACKED_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _PACKED_ROWS.reset(token)
 
 
 def packed_attention(
@@ -137,8 +152,15 @@ def _in_fp32(*qkv: torch.Tensor) -> bool:
 def register() -> str:
     """Register ``ATTENTION`` with transformers (idempotent); returns its name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION, packed_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION, _mask)
     return ATTENTION
+
+
+def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """sdpa's mask, or None inside ``packed_rows()``, where the segments replace it."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _PACKED_ROWS.get() else sdpa_mask(*args, **kwargs)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
-from asyncrl.trainers.packed_attention import ATTENTION
+from asyncrl.trainers.packed_attention import ATTENTION, packed_rows
 from asyncrl.trainers.token_stats import token_logprobs
 
 Layout = Literal["packed", "padded"]
@@ -344,11 +345,12 @@ def forward_selected(model: torch.nn.Module, mb: MicroBatch, *, lm: bool = True)
     }
     if mb.segments is not None:
         kwargs["packed_segments"] = mb.segments
-    if lm and mb.layout == "packed":
-        return model(**kwargs, logits_to_keep=mb.keep).logits[0]
-    if not lm:
-        kwargs.pop("use_cache")
-    logits = model(**kwargs).logits
+    with packed_rows() if mb.segments is not None else nullcontext():
+        if lm and mb.layout == "packed":
+            return model(**kwargs, logits_to_keep=mb.keep).logits[0]
+        if not lm:
+            kwargs.pop("use_cache")
+        logits = model(**kwargs).logits
     return logits.flatten(0, 1)[mb.keep]
 
 
