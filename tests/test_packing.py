@@ -324,7 +324,20 @@ def test_a_packed_forward_builds_no_mask_and_a_padded_one_still_does(model_dirs,
         assert built == []
         padded = torch.ones(2, 6, dtype=torch.long)
         model(padded, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]))
-    assert built == [(2, 1, 6, 6)]  # generation and padded batches keep sdpa's mask
+    assert built == [(2, 1, 6, 6)]  # a padded batch keeps sdpa's mask
+
+
+def test_a_sequence_past_a_sliding_window_is_refused_not_attended_whole():
+    q = torch.zeros(1, 2, 14, 4)
+    module = torch.nn.Linear(1, 1).eval()
+    out, _ = packed_attention.packed_attention(
+        module, q, q, q, None, packed_segments=(5, (3, 4, 2)), sliding_window=7
+    )  # the longest sequence, prompt 3 + response 4, fits
+    assert out.shape == (1, 14, 2, 4)
+    with pytest.raises(ValueError, match=r"8 tokens .* sliding window \(7\).*packing false"):
+        packed_attention.packed_attention(
+            module, q, q, q, None, packed_segments=(6, (2, 6)), sliding_window=7
+        )
 
 
 def test_to_rows_puts_each_response_in_its_rows_order_right_padded():

@@ -68,6 +68,7 @@ def packed_attention(
             f"packed_segments {list(packed_segments)} (sum {sum(sizes)}) do not "
             f"cover the packed row of shape {tuple(query.shape)}"
         )
+    _within_window(packed_segments, kwargs.get("sliding_window"))
     dtype, fp32 = value.dtype, _in_fp32(query, key, value)
     if fp32:
         query, key, value = query.float(), key.float(), value.float()
@@ -129,6 +130,20 @@ def _attend(
             )
         )
     return outs
+
+
+def _within_window(segments: tuple[int | tuple[int, ...], ...], window: int | None) -> None:
+    """Refuse a sequence longer than a sliding-window layer's window: each sequence here
+    attends causally over all of itself, which equals the window only within it."""
+    if window is None:
+        return
+    longest = max(s if isinstance(s, int) else s[0] + max(s[1:], default=0) for s in segments)
+    if longest > window:
+        raise ValueError(
+            f"a packed sequence of {longest} tokens is longer than the model's sliding "
+            f"window ({window}), which packed attention does not apply: set "
+            "trainer.packing false (padded micro-batches)"
+        )
 
 
 def _one_dtype(*qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
