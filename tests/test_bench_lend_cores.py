@@ -13,18 +13,23 @@ from tests.tiny_model import build_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_both_ways_run_alternated_and_only_the_loan_lends(tmp_path: Path) -> None:
+def tiny_job(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A config file and the flags of a tiny job: one rollout actor, 2 x 2 samples a step."""
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")
     config = tmp_path / "job.yaml"
-    config.write_text("name: lend\n")
-    out = tmp_path / "lend.json"
+    config.write_text("name: tiny\n")
     flags = ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data",
              str(tmp_path / "prompts.jsonl"), "--rollout.num-actors", "1",
-             "--rollout.max-groups", "4",
              "--rollout.sampling", '{"temperature": 1.0, "max_new_tokens": 6}',
-             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
-             "--runtime.heartbeat-interval", "0.5"]  # fmt: skip
+             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]  # fmt: skip
+    return config, flags
+
+
+def test_both_ways_run_alternated_and_only_the_loan_lends(tmp_path: Path) -> None:
+    config, flags = tiny_job(tmp_path)
+    flags += ["--rollout.max-groups", "4", "--runtime.heartbeat-interval", "0.5"]
+    out = tmp_path / "lend.json"
     command = [sys.executable, str(ROOT / "bench" / "lend_cores.py"), "--config", str(config),
                "--steps", "3", "--repeats", "2", "--no-warmup", "--out", str(out), "--",
                *flags]  # fmt: skip
@@ -43,15 +48,8 @@ def test_both_ways_run_alternated_and_only_the_loan_lends(tmp_path: Path) -> Non
 
 def test_any_one_setting_runs_off_and_on(tmp_path: Path) -> None:
     """``--setting`` A/Bs another flag, and the flag reaches each run's config."""
-    build_tiny_model(tmp_path / "model")
-    write_prompts(tmp_path / "prompts.jsonl")
-    config = tmp_path / "job.yaml"
-    config.write_text("name: ab\n")
+    config, flags = tiny_job(tmp_path)
     out = tmp_path / "ab.json"
-    flags = ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data",
-             str(tmp_path / "prompts.jsonl"), "--rollout.num-actors", "1",
-             "--rollout.sampling", '{"temperature": 1.0, "max_new_tokens": 6}',
-             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]  # fmt: skip
     command = [sys.executable, str(ROOT / "bench" / "lend_cores.py"), "--config", str(config),
                "--steps", "3", "--repeats", "1", "--no-warmup", "--out", str(out),
                "--setting", "trainer.share-prompts", "false", "true", "--", *flags]  # fmt: skip
