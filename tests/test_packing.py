@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from asyncrl.errors import InputError
 from asyncrl.policies import LossScale, sft_loss
 from asyncrl.trainers import packed_attention
 from asyncrl.trainers.packing import (
@@ -334,7 +335,7 @@ def test_a_sequence_past_a_sliding_window_is_refused_not_attended_whole():
         module, q, q, q, None, packed_segments=(5, (3, 4, 2)), sliding_window=7
     )  # the longest sequence, prompt 3 + response 4, fits
     assert out.shape == (1, 14, 2, 4)
-    with pytest.raises(ValueError, match=r"8 tokens .* sliding window \(7\).*packing false"):
+    with pytest.raises(InputError, match=r"8 tokens .* sliding window \(7\).*packing false"):
         packed_attention.packed_attention(
             module, q, q, q, None, packed_segments=(6, (2, 6)), sliding_window=7
         )

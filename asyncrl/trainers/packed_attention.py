@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from asyncrl.errors import InputError
 from asyncrl.sdpa_kernels import varying_shapes
 
 ATTENTION = "asyncrl_packed"
@@ -138,8 +139,8 @@ def _within_window(segments: tuple[int | tuple[int, ...], ...], window: int | No
     if window is None:
         return
     longest = max(s if isinstance(s, int) else s[0] + max(s[1:], default=0) for s in segments)
-    if longest > window:
-        raise ValueError(
+    if longest > window:  # the same model and data: a restart would fail again
+        raise InputError(
             f"a packed sequence of {longest} tokens is longer than the model's sliding "
             f"window ({window}), which packed attention does not apply: set "
             "trainer.packing false (padded micro-batches)"
