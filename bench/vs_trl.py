@@ -635,7 +635,9 @@ class EngineEvaluator:
     continuous batching, from the same seeded stream for every checkpoint, scored by the
     task's reward. Checkpoints of both frameworks are plain HF folders."""
 
-    def __init__(self, spec: dict[str, Any], rows: int, dtype: str = "float32") -> None:
+    def __init__(
+        self, spec: dict[str, Any], rows: int, dtype: str = "float32", running: int | None = None
+    ) -> None:
         from asyncrl.config import load_config
 
         sampling = {"temperature": spec["temperature"], "top_p": 1.0,
@@ -645,6 +647,8 @@ class EngineEvaluator:
                  "apply_chat_template": spec["chat"], "sampling": sampling}]  # fmt: skip
         flags = ["--seed", str(spec["seed"]), "--eval.sets", json.dumps(test),
                  "--rm-type", spec["reward"], "--rollout.engine.dtype", dtype]  # fmt: skip
+        if running is not None:  # else the config's (64): a batch-size changes the draws
+            flags += ["--rollout.engine.max-running", str(running)]
         self.cfg = load_config(spec["config"], overrides=flags)
 
     def __call__(self, model_dir: str) -> float:
@@ -657,11 +661,16 @@ class EngineEvaluator:
 
 
 def make_evaluator(
-    kind: str, model: dict[str, Any], spec: dict[str, Any], rows: int, dtype: str = "float32"
+    kind: str,
+    model: dict[str, Any],
+    spec: dict[str, Any],
+    rows: int,
+    dtype: str = "float32",
+    running: int | None = None,
 ) -> Evaluator | EngineEvaluator:
     """``--evaluator``: ``engine`` (asyncrl's, the default) or ``hf`` (``generate``)."""
     if kind == "engine":
-        return EngineEvaluator(spec, rows, dtype)
+        return EngineEvaluator(spec, rows, dtype, running)
     return Evaluator(Path(model["path"]), read_jsonl(Path(spec["test"]))[:rows], spec)
 
 
@@ -812,6 +821,8 @@ def seed_key(args: argparse.Namespace, size: str, model: dict[str, Any], seed: i
            "evaluator": args.evaluator, "eval_rows": args.eval_rows}  # fmt: skip
     if args.eval_dtype != "float32":  # keyed only when set: earlier results stay valid
         key["eval_dtype"] = args.eval_dtype
+    if args.eval_max_running is not None:
+        key["eval_max_running"] = args.eval_max_running
     return portable(key, [args.work, ROOT])
 
 
@@ -869,7 +880,9 @@ def train_and_score(
         runs[fw]["save_s"] = sum(c["save_s"] or 0.0 for c in timeline["checkpoints"])
         runs[fw]["timeline"] = [relative(s, clock["t0"]) for s in timeline["steps"]]
     rows = read_jsonl(Path(spec["test"]))[: args.eval_rows]
-    scorer = make_evaluator(args.evaluator, model, spec, len(rows), args.eval_dtype)
+    scorer = make_evaluator(
+        args.evaluator, model, spec, len(rows), args.eval_dtype, args.eval_max_running
+    )
     evaluator = ScoreCache(Path(spec["out"]).parent / "scores.json", key, scorer)
     print(f"{size} seed {seed}: evaluating the checkpoints on {len(rows)} test rows "
           f"({args.evaluator}) ...", flush=True)  # fmt: skip
@@ -1100,6 +1113,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the engine evaluator's weights")  # fmt: skip
+    parser.add_argument("--eval-max-running", type=int, default=None,
+                        help="requests the engine evaluator decodes together (default: the "
+                        "config's, 64); 256 scores about 1.2x faster on 2 cores, on other "
+                        "draws: a series keeps one value")  # fmt: skip
     parser.add_argument("--evaluator", choices=["engine", "hf"], default="engine",
                         help="who samples the held-out set: asyncrl's embedded engine "
                         "(asyncrl eval's code) or Hugging Face generate")  # fmt: skip

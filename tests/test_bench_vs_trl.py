@@ -207,6 +207,29 @@ def test_the_real_model_runs_the_word_problems_task_with_its_own_defaults() -> N
     assert (arith["reward"], arith["temperature"], arith["groups"]) == ("exact", 1.0, 16)
 
 
+def test_the_evaluators_batch_is_the_configs_unless_given_and_then_keyed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = vs_trl.parse_args(["--model", "real", "--eval-max-running", "256"])
+    spec = vs_trl.run_spec(args, "real", "m", "trl", 0)
+
+    def engine(running: int | None) -> object:
+        return vs_trl.EngineEvaluator(spec, 8, running=running).cfg.rollout.engine
+
+    assert engine(None).max_running == 64 and engine(256).max_running == 256
+    files = {}
+    for name in ("config", "train", "test"):  # their contents are keyed: stand-ins here
+        files[name] = str(tmp_path / name)
+        (tmp_path / name).write_text(name)
+    real_spec = vs_trl.run_spec
+    monkeypatch.setattr(vs_trl, "run_spec", lambda *a: real_spec(*a) | files)
+    model = {"path": "m", "build": None}
+    plain = vs_trl.seed_key(vs_trl.parse_args(["--model", "real"]), "real", model, 0)
+    wide = vs_trl.seed_key(args, "real", model, 0)
+    assert "eval_max_running" not in plain  # a series begun before the flag keeps its key
+    assert vs_trl.key_differences(plain, wide) == ["eval_max_running"]
+
+
 def test_trl_trains_the_real_models_step_in_accumulated_micro_batches() -> None:
     pytest.importorskip("trl")
     spec = vs_trl.run_spec(vs_trl.parse_args(["--model", "real"]), "real", "m", "trl", 0)
