@@ -13,7 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from asyncrl.errors import InputError
 from asyncrl.policies import LossScale, sft_loss
@@ -314,6 +319,9 @@ def test_a_packed_forward_builds_no_mask_and_a_padded_one_still_does(model_dirs,
         return mask
 
     monkeypatch.setattr(masking, "sdpa_mask", spy)
+    critic = AutoModelForTokenClassification.from_pretrained(
+        model_dirs[arch], num_labels=1, attn_implementation=packed_attention.register()
+    )  # the ppo critic's class: its packed forward goes through the same masks
     seqs, starts = shared_prompt_sequences()
     with torch.no_grad():
         for share in (True, False):
@@ -322,6 +330,7 @@ def test_a_packed_forward_builds_no_mask_and_a_padded_one_still_does(model_dirs,
                 share_prompts=share,
             )  # fmt: skip
             forward_selected(model, mb)
+            forward_selected(critic, mb, lm=False)
         assert built == []
         padded = torch.ones(2, 6, dtype=torch.long)
         model(padded, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]))
