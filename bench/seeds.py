@@ -116,11 +116,14 @@ def read_seed(
     versions = sorted(curve)
     ends = {int(r["step"]): float(r["time"]) - record["start"] for r in steps}
     reached = next((v for v in versions if threshold is not None and curve[v] >= threshold), None)
+    if reached and reached not in ends:  # its step's row is gone: unknown, not "at launch"
+        raise SystemExit(f"{out}: version {reached} reached the threshold but its step has no "
+                         "row in metrics.jsonl")  # fmt: skip
     return {"seed": record["seed"], "commit": record.get("commit"),
             "wall_s": record["wall_s"], "steps": len(steps),
             "samples/s": trained / span if span > 0 else None,
             "tokens/s": tokens / span if span > 0 else None,
-            "time_to_threshold_s": None if reached is None else ends.get(reached, 0.0),
+            "time_to_threshold_s": None if reached is None else ends.get(reached, 0.0),  # v0: 0
             "curve": {v: curve[v] for v in versions},
             "gain": curve[versions[-1]] - curve[0] if 0 in curve else None}  # fmt: skip
 
@@ -142,6 +145,8 @@ def summarize(seeds: list[dict[str, Any]], target_gain: float | None) -> dict[st
     for key in ("gain", "wall_s", "samples/s", "tokens/s", "time_to_threshold_s"):
         values = [s[key] for s in seeds if s.get(key) is not None]
         out[key] = mean_se(values) if values else None
+    if out["time_to_threshold_s"] is not None:  # a mean over the seeds that got there
+        out["time_to_threshold_s"]["of"] = len(seeds)
     if target_gain is not None:
         met = [s["seed"] for s in seeds if s["gain"] is not None and s["gain"] >= target_gain]
         out["target"] = {"gain": target_gain, "met": len(met), "of": len(seeds), "seeds": met}
@@ -168,7 +173,8 @@ def print_report(seeds: list[dict[str, Any]], summary: dict[str, Any], metric: s
               f"{gain['min']:+.1%}, max {gain['max']:+.1%}) over {gain['n']} seeds")  # fmt: skip
     for key, f in cols[1:]:
         if stats := summary[key]:
-            print(f"{key}: {stats['mean']:{f}}{pm(stats['se'])} over {stats['n']} seeds")
+            over = f"{stats['n']} of {stats['of']}" if "of" in stats else str(stats["n"])
+            print(f"{key}: {stats['mean']:{f}}{pm(stats['se'])} over {over} seeds")
     if len(commits := sorted({str(s["commit"]) for s in seeds})) > 1:
         print(f"note: the seeds trained at {len(commits)} commits: {', '.join(commits)}")
     if "target" in summary:

@@ -32,7 +32,8 @@ def sweep(root: Path, *flags: str) -> subprocess.CompletedProcess:
 def test_mean_and_standard_error_and_the_seeds_that_met_the_target() -> None:
     finals = ((0, 0.4), (1, 0.2), (2, 0.35))
     runs = [{"seed": s, "curve": {0: 0.1, 4: a}, "gain": a - 0.1, "wall_s": 10.0 + s,
-             "samples/s": None if s == 2 else 3.0} for s, a in finals]  # fmt: skip
+             "samples/s": None if s == 2 else 3.0,
+             "time_to_threshold_s": None if s == 1 else 40.0 + s} for s, a in finals]  # fmt: skip
     out = seeds.summarize(runs, target_gain=0.2)
     last = out["versions"][4]
     assert last["mean"] == pytest.approx(statistics.fmean([0.4, 0.2, 0.35]))
@@ -40,6 +41,8 @@ def test_mean_and_standard_error_and_the_seeds_that_met_the_target() -> None:
     assert (last["min"], last["max"], last["n"]) == (0.2, 0.4, 3)
     assert out["target"] == {"gain": 0.2, "met": 2, "of": 3, "seeds": [0, 2]}
     assert out["samples/s"]["n"] == 2  # a seed without a steady state is left out
+    reached = out["time_to_threshold_s"]  # seed 1 never got there: said beside the mean
+    assert (reached["mean"], reached["n"], reached["of"]) == (41.0, 2, 3)
     assert seeds.mean_se([0.5])["se"] is None  # one seed says nothing of the spread
 
 
@@ -120,3 +123,7 @@ def test_a_seeds_throughput_and_time_to_threshold_come_from_its_run_folder(tmp_p
     )
     with pytest.raises(SystemExit, match="no 'pass@4'"):
         seeds.read_seed(record, out, None, "pass@4")
+    # A version that reached it without its step's row has no known time (not launch's 0).
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps[2:]))
+    with pytest.raises(SystemExit, match="version 2 reached the threshold but its step"):
+        seeds.read_seed(record, out, None, "pass@1", threshold=0.3)
