@@ -43,6 +43,18 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the kernel can give without swapping (``MemAvailable``; None where
+    ``/proc/meminfo`` does not say)."""
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    line = next((x for x in text.splitlines() if x.startswith("MemAvailable:")), "")
+    fields = line.split()
+    return int(fields[1]) * 1024 if len(fields) >= 2 and fields[1].isdigit() else None
+
+
 def cpu_bf16() -> bool:
     """Whether this CPU computes bf16 natively."""
     return bool(BF16_FLAGS & cpu_flags())

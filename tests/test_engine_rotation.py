@@ -6,7 +6,6 @@ engine that starts from the initial weights."""
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from asyncrl.engines.server.app import EngineServer
 from asyncrl.engines.torch.engine import TorchEngine
 from asyncrl.rollout.engines import EngineHost
 from asyncrl.wire.messages import WeightVersion
+from tests.polling import until
 from tests.test_sglang_client import free_port
 from tests.tiny_model import build_tiny_model
 
@@ -41,12 +41,6 @@ async def serve(model: Path, port: int) -> EngineServer:
     server = EngineServer(TorchEngine.from_pretrained(str(model)))
     await server.start("127.0.0.1", port)
     return server
-
-
-async def until(condition, seconds: float = 30.0) -> None:
-    async with asyncio.timeout(seconds):
-        while not condition():  # noqa: ASYNC110 - polls servers and a client's view of them
-            await asyncio.sleep(0.05)
 
 
 async def test_a_failing_engine_leaves_the_rotation_and_returns_with_the_current_weights(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -17,6 +16,7 @@ from asyncrl.wire.codec import WIRE_VERSION, Codec, Message
 from asyncrl.wire.errors import ChannelClosed, WouldBlock
 from asyncrl.wire.reliable import ReliableReceiver, ReliableSender
 from asyncrl.wire.sockets import free_tcp_endpoint
+from tests.polling import until
 
 
 class Item(Message):
@@ -135,12 +135,6 @@ async def test_acks_in_any_order_release_the_window_exactly(endpoint: str):
                 d.ack()  # idempotent
             await tx.join()
         assert tx.in_flight == 0
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Poll a condition that no event signals (counters inside the channel)."""
-    while not condition():  # noqa: ASYNC110
-        await asyncio.sleep(0.01)
 
 
 def _rss_bytes() -> int:

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.errors import CheckpointUnreadable, NonFiniteTraining
 from asyncrl.policies import PolicyConfig
+from asyncrl.trainers import torch_trainer
 from asyncrl.trainers.base import NonFiniteStep, Trainer
 from asyncrl.trainers.learner import Learner, OptimSettings, lr_factor, step_together
 from asyncrl.trainers.rollout_tensors import rollout_tensors
@@ -276,6 +277,46 @@ def test_save_hf_reloads_with_equal_logits(tmp_path, tied):
         assert torch.allclose(reloaded(ids).logits, expected, atol=1e-6)
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     assert not torch.equal(exported["model.norm.weight"], model.model.norm.weight)
+
+
+def test_a_snapshot_written_after_more_steps_holds_its_moment_and_resumes_as_a_save(
+    tiny, tmp_path, monkeypatch
+):
+    algo = PolicyConfig(advantage_estimator="ppo", use_kl_loss=True, kl_loss_coef=0.1)
+    cfg = config(tiny, lr_schedule="cosine", warmup_steps=1, total_steps=6)
+    trainer = TorchTrainer(cfg, algo)
+    for step in range(2):
+        trainer.train_step(make_batch(step, version=step))
+    write = trainer.snapshot_checkpoint()
+    assert write is not None
+    trainer.save_checkpoint(tmp_path / "now")
+    for step in range(2, 4):  # the live state moves on before the copy is written
+        trainer.train_step(make_batch(step, version=step))
+    write(tmp_path / "later")
+
+    def files(path: Path) -> list[Path]:
+        return sorted(p.relative_to(path) for p in path.rglob("*"))
+
+    assert files(tmp_path / "now") == files(tmp_path / "later")
+    for name in ("policy", "critic"):
+        now = load_file(tmp_path / "now" / name / "model.safetensors")
+        later = load_file(tmp_path / "later" / name / "model.safetensors")
+        assert now.keys() == later.keys() and all(torch.equal(now[k], later[k]) for k in now)
+    resumed = [TorchTrainer(cfg, algo) for _ in range(2)]
+    for t, path in zip(resumed, ("now", "later"), strict=True):
+        t.load_checkpoint(tmp_path / path)
+        assert t.version == 2
+        t.train_step(make_batch(2, version=2))  # optimizer moments and schedule: as saved
+    a, b = (t.policy.model.state_dict() for t in resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # No copy where the machine lacks twice its size free, or of LoRA's live adapters.
+    lora = TorchTrainer(config(tiny, lora={"rank": 4, "alpha": 8.0}))
+    assert lora.snapshot_checkpoint() is None
+    need = trainer.policy.state_bytes() + trainer.critic.state_bytes()
+    monkeypatch.setattr(torch_trainer, "available_memory", lambda: 2 * need - 1)
+    assert trainer.snapshot_checkpoint() is None
+    monkeypatch.setattr(torch_trainer, "available_memory", lambda: 2 * need)
+    assert trainer.snapshot_checkpoint() is not None
 
 
 def test_exported_weights_are_copies_that_later_steps_do_not_touch(tiny):

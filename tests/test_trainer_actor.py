@@ -34,6 +34,7 @@ from asyncrl.wire.control import ControlServer
 from asyncrl.wire.messages import Command
 from asyncrl.wire.reliable import ReliableSender
 from asyncrl.wire.rpc import RpcClient
+from tests.polling import until
 from tests.test_buffer_actor import B, buffer_spec, finish, write_prompts
 from tests.tiny_model import build_tiny_model
 
@@ -176,11 +177,11 @@ def test_a_restart_loads_its_own_jobs_newest_checkpoint_and_pruning_keeps_its_ne
 
     saver = Saver()
     for step, job in [(5, "old-job"), (10, "this"), (20, "this"), (30, "old-job")]:
-        _save_atomically(saver, tmp_path / f"step_{step:06d}", job)  # type: ignore[arg-type]
+        _save_atomically(saver.save_checkpoint, tmp_path / f"step_{step:06d}", job)
     (tmp_path / "step_000040.tmp").mkdir()  # a save that was cut off
     assert _newest_checkpoint(str(tmp_path)).name == "step_000030"
     assert _newest_checkpoint(str(tmp_path), job="this").name == "step_000020"
-    _save_atomically(saver, tmp_path / "step_000020", "this")  # the same job's: kept as is
+    _save_atomically(saver.save_checkpoint, tmp_path / "step_000020", "this")  # kept as is
     assert saver.saves == 4
     # The old job's step 30 is newer, yet neither counts nor goes: pruning it in, this
     # job's newest checkpoint would be removed as soon as it was written.
@@ -355,3 +356,80 @@ async def test_the_trainer_marks_its_steps_busy_and_lends_its_cores_while_it_wai
     assert path.read_bytes() == b"\x00"  # waiting for the first batch: the cores are lent
     await actor._run_until_stopped()
     assert trainer.seen == [b"\x01"] and path.read_bytes() == b"\x00"
+
+
+class Batches(OneBatch):
+    """``n`` batches, then none."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.left = n
+
+    async def next(self, version: int, durable: int = -1) -> BatchReply:
+        self.left -= 1
+        self.given = self.left < 0
+        return await super().next(version, durable)
+
+
+class CopyingTrainer(SlowTrainer):
+    """A ``SlowTrainer`` whose checkpoints are copied aside: each copy holds the version
+    it was taken at and is written when ``release`` is set (or fails with ``error``)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        super().__init__()
+        self.release, self.error = threading.Event(), error
+
+    def snapshot_checkpoint(self):
+        version = self.version
+        self.calls.append(f"copy of version {version}")
+
+        def write(path: Path) -> None:
+            assert self.release.wait(30)
+            if self.error is not None:
+                raise self.error
+            path.mkdir(parents=True)
+            (path / "version").write_text(str(version))
+            self.calls.append(f"copy of version {version} written")
+
+        return write
+
+
+def background_actor(tmp_path: Path, trainer: SlowTrainer, batches: OneBatch) -> TrainerActor:
+    params = trainer_config(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=1)
+    spec = ActorSpec(name="trainer", role="trainer", cls="", params=params.model_dump(mode="json"))
+    actor = TrainerActor(spec)
+    actor.trainer, actor.batches, actor.weights = trainer, batches, NoSubscribers()  # type: ignore[assignment]
+    actor.durable, actor.num_steps, actor.audit, actor.metrics, actor.dump = 0, 0, None, None, None
+    return actor
+
+
+async def test_a_checkpoint_is_written_while_the_next_step_trains_and_durable_waits_for_it(
+    tmp_path,
+):
+    trainer = CopyingTrainer()
+    actor = background_actor(tmp_path, trainer, Batches(2))
+    running = asyncio.create_task(actor._run_until_stopped())
+    await until(lambda: trainer.calls.count("step ends") == 2)  # step 1's copy unwritten
+    assert trainer.calls[:4] == ["step begins", "step ends", "copy of version 1", "step begins"]
+    assert actor.durable == 0 and not (tmp_path / "ckpt" / "step_000001").exists()
+    trainer.release.set()
+    await until(lambda: actor.durable == 2)
+    assert (tmp_path / "ckpt" / "step_000002" / "version").read_text() == "2"
+    assert (tmp_path / "ckpt" / "step_000001" / "version").read_text() == "1"
+    actor.request_stop("test")
+    await running
+    # The stop's checkpoint came after both copies were written, in order.
+    written = [c for c in trainer.calls if "written" in c or c.startswith("checkpoint")]
+    assert written == ["copy of version 1 written", "copy of version 2 written",
+                       "checkpoint of version 2"]  # fmt: skip
+
+
+async def test_a_failed_background_write_fails_the_trainer_and_is_never_durable(tmp_path):
+    trainer = CopyingTrainer(error=OSError(28, "No space left on device"))
+    trainer.release.set()
+    actor = background_actor(tmp_path, trainer, Batches(3))
+    with pytest.raises(ExceptionGroup) as caught:
+        await actor._run_until_stopped()
+    assert caught.group_contains(OSError, match="No space left")
+    assert actor.durable == 0 and not list((tmp_path / "ckpt").glob("step_*[0-9]"))
+    assert trainer.calls.count("step ends") <= 2  # found at the step after it failed

@@ -14,7 +14,8 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.observe.samples import sample_rows
 from asyncrl.trainers.backends import create_trainer
-from asyncrl.trainers.base import NonFiniteStep, StepResult, Trainer, UntrainableBatch
+from asyncrl.trainers.base import NonFiniteStep, StepResult, UntrainableBatch
 from asyncrl.types import BatchReply, BatchRequest, TrainBatch
 from asyncrl.weights.config import check_group_host
 from asyncrl.weights.group import GroupMembership
@@ -74,6 +75,11 @@ class TrainerActor(Actor):
         # report it: a restart must find a checkpoint only once one was complete, and
         # ``version`` runs ahead of it while a checkpoint is written.
         self.durable = -1
+        # The interval checkpoint being written in the background (``async_save``): one
+        # at a time, by one thread, awaited before the next checkpoint and on stop.
+        self._writer: ThreadPoolExecutor | None = None
+        self._writing: asyncio.Future[None] | None = None
+        self._said_inline = False  # that checkpoints cannot be written in the background
 
     async def setup(self) -> None:
         cfg = self.config
@@ -252,9 +258,11 @@ class TrainerActor(Actor):
         }
         if self.metrics is not None:
             self.metrics.write({"actor": self.name, "step": result.version, **self._last})
+        if self._writing is not None and self._writing.done():
+            await self._settle_write()  # its failure is ours, as a save in the step is
         interval = self.config.checkpoint_interval
         if interval > 0 and result.version % interval == 0:
-            await self._checkpoint()
+            await self._checkpoint(background=self.config.async_save)
         log.info("step", version=result.version, loss=result.metrics.get("loss"))
 
     async def _publish(self) -> None:
@@ -311,22 +319,75 @@ class TrainerActor(Actor):
             self._resumed_from = str(path)
             log.info("trainer resumed", path=str(path), version=self.trainer.version)
 
-    async def _checkpoint(self) -> Path | None:
+    async def _checkpoint(self, *, background: bool = False) -> Path | None:
+        """A checkpoint of this version; ``background``: from a copy of the state taken
+        now, written while training goes on (``_write_later``), else in the step's time.
+        Either way ``durable`` moves only once it is on disk."""
         cfg = self.config
         if not cfg.checkpoint_dir:
             return None
         root = Path(cfg.checkpoint_dir)
+        await self._settle_write()  # in order, one at a time
         async with self._computing():
             version = self.trainer.version
             path = step_dir(root, version)
-            await asyncio.to_thread(_save_atomically, self.trainer, path, cfg.job)
-        if cfg.checkpoint_interval > 0:
-            self.durable = version
+            write = await asyncio.to_thread(self._snapshot) if background else None
+            if write is None:
+                save = self.trainer.save_checkpoint
+                await asyncio.to_thread(_save_atomically, save, path, cfg.job)
+        if write is not None:
+            self._write_later(write, path, version)
+            return path
+        self._made_durable(version)
         if cfg.keep_checkpoints:
             await asyncio.to_thread(_prune_checkpoints, root, cfg.keep_checkpoints, cfg.job)
         return path
 
+    def _snapshot(self) -> Callable[[Path], None] | None:
+        write = self.trainer.snapshot_checkpoint()
+        if write is None and not self._said_inline:
+            self._said_inline = True
+            log.info(
+                "checkpoints are written in the step's time: this trainer cannot copy its "
+                "state aside (several processes, LoRA, or under twice the copy free)"
+            )
+        return write
+
+    def _write_later(self, write: Callable[[Path], None], path: Path, version: int) -> None:
+        """Write ``write``'s copy to ``path`` on the writer thread; ``durable`` moves to
+        ``version`` when it is on disk, pruned after it as in the step's time."""
+        cfg = self.config
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        job = partial(_write_and_prune, write, path, cfg.job, cfg.keep_checkpoints)
+        start = time.perf_counter()
+        self._writing = asyncio.get_running_loop().run_in_executor(self._writer, job)
+
+        def written(done: asyncio.Future[None]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._made_durable(version)
+                seconds = round(time.perf_counter() - start, 2)
+                log.info("checkpoint written", version=version, seconds=seconds)
+
+        self._writing.add_done_callback(written)
+
+    async def _settle_write(self) -> None:
+        """Wait for the background write under way, if any; its error is raised here."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            await writing
+
+    def _made_durable(self, version: int) -> None:
+        if self.config.checkpoint_interval > 0:
+            self.durable = max(self.durable, version)
+
     async def teardown(self) -> None:
+        try:  # a write under way is finished, not cut: it may be a restart's checkpoint
+            await self._settle_write()
+        except Exception as exc:  # the actor is ending: say why and go on
+            log.error("background checkpoint failed", error=f"{type(exc).__name__}: {exc}")
+        if self._writer is not None:
+            self._writer.shutdown(wait=False)  # a write left runs to its end before exit
         weights = getattr(self, "weights", None)
         if weights is not None:  # dist: the last broadcast ends (or fails) first
             await weights.settle()
@@ -378,7 +439,15 @@ class TrainerActor(Actor):
 _JOB_FILE = "job"
 
 
-def _save_atomically(trainer: Trainer, path: Path, job: str | None = None) -> None:
+def _write_and_prune(
+    write: Callable[[Path], None], path: Path, job: str | None, keep: int | None
+) -> None:
+    _save_atomically(write, path, job)
+    if keep:
+        _prune_checkpoints(path.parent, keep, job)
+
+
+def _save_atomically(write: Callable[[Path], None], path: Path, job: str | None = None) -> None:
     """Save into ``path.tmp`` then rename: a crash mid-save never leaves a partial ``path``,
     and an older ``path`` is moved aside, not deleted, until the new one is in place (a
     checkpoint reported durable must never be missing). ``job`` marks which job wrote it
@@ -388,7 +457,7 @@ def _save_atomically(trainer: Trainer, path: Path, job: str | None = None) -> No
         return
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
-    trainer.save_checkpoint(tmp)
+    write(tmp)
     if job:
         (tmp / _JOB_FILE).write_text(job)
     _fsync_tree(tmp)  # on disk before the buffer hears it is durable

@@ -11,7 +11,7 @@ writes, tied duplicates dropped), so every engine can load them unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -89,6 +89,13 @@ class Trainer(Protocol):
 
     def save_checkpoint(self, path: Path) -> None:
         """Save everything a bit-exact resume needs into directory ``path``."""
+        ...
+
+    def snapshot_checkpoint(self) -> Callable[[Path], None] | None:
+        """``save_checkpoint``'s contents copied aside now; the returned function writes
+        them into a directory, from another thread, while training goes on. None where
+        this trainer cannot (several processes, state the copy cannot hold, or too
+        little free memory for the copy): its caller saves in the step's time."""
         ...
 
     def load_checkpoint(self, path: Path) -> None:

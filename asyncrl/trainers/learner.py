@@ -248,22 +248,36 @@ class Learner:
         """The HF folder of the weights (with ``tokenizer``'s tokenizer) into ``path``, the
         optimizer and schedule into ``state``, and with LoRA the adapters into ``adapter``
         (default ``state/adapter``; rank 0 writes; all ranks call)."""
-        weights = self.hf_weights()
+        saved = self.saved_state()
+        if saved is not None:
+            saved.write(path, state, tokenizer, adapter)
+
+    def saved_state(self, copy: bool = False) -> SavedState | None:
+        """What ``save`` writes, taken now (collective under FSDP; None on other ranks than
+        0). ``copy``: CPU copies of the optimizer state too, so the state can be written
+        while training goes on; not with LoRA, whose adapters peft writes from the live
+        model (``ValueError``)."""
+        if copy and self.adapters is not None:
+            raise ValueError("LoRA adapters are written from the live model: no copy")
+        weights = self.hf_weights()  # CPU copies
         optimizer = self.dp.optimizer_state(self.model, self.optimizer)
         if self.dp.rank != 0:
-            return
+            return None
         if (name := first_non_finite(weights)) is not None:
             raise NonFiniteTraining(
-                f"not writing a checkpoint to {path}: weight {name} holds NaN or infinite values"
+                f"not writing a checkpoint: weight {name} holds NaN or infinite values"
             )
-        write_model_dir(path, self.model, weights)
-        if tokenizer is not None:
-            copy_tokenizer(tokenizer, path)
-        state.mkdir(parents=True, exist_ok=True)
-        if self.adapters is not None:
-            self.adapters.save(adapter or state / "adapter")
-        torch.save(optimizer, state / "optimizer.pt")
-        torch.save(self.scheduler.state_dict(), state / "scheduler.pt")
+        if copy:
+            optimizer = cpu_copies(optimizer)
+        schedule = cpu_copies(self.scheduler.state_dict())
+        return SavedState(self.model, weights, optimizer, schedule, self.adapters)
+
+    def state_bytes(self) -> int:
+        """Bytes of the trained parameters and their optimizer state: what a copy of
+        ``saved_state`` holds (AdamW: two moments a parameter)."""
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        trained = sum(p.numel() * 4 for p in self.parameters())
+        return params + 2 * trained
 
     def load(self, path: Path, state: Path, adapter: Path | None = None) -> None:
         """Restore ``save``'s folders (every rank reads them). Checkpoints written before
@@ -282,6 +296,42 @@ class Learner:
         optimizer = torch.load(state / "optimizer.pt", weights_only=True)
         self.dp.load_optimizer_state(self.model, self.optimizer, optimizer)
         self.scheduler.load_state_dict(torch.load(state / "scheduler.pt", weights_only=True))
+
+
+@dataclass(frozen=True, slots=True)
+class SavedState:
+    """A learner's checkpoint held apart from it (``Learner.saved_state``): HF-named
+    weights, optimizer and schedule state; ``model`` gives only its configs."""
+
+    model: nn.Module
+    weights: dict[str, torch.Tensor]
+    optimizer: Any
+    schedule: dict[str, Any]
+    adapters: Adapters | None = None
+
+    def write(
+        self, path: Path, state: Path, tokenizer: str | None = None, adapter: Path | None = None
+    ) -> None:
+        """``Learner.save``'s layout (see there)."""
+        write_model_dir(path, self.model, self.weights)
+        if tokenizer is not None:
+            copy_tokenizer(tokenizer, path)
+        state.mkdir(parents=True, exist_ok=True)
+        if self.adapters is not None:
+            self.adapters.save(adapter or state / "adapter")
+        torch.save(self.optimizer, state / "optimizer.pt")
+        torch.save(self.schedule, state / "scheduler.pt")
+
+
+def cpu_copies(tree: Any) -> Any:
+    """``tree`` (dicts, lists, tuples) with every tensor replaced by a CPU copy."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: cpu_copies(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(cpu_copies(v) for v in tree)
+    return tree
 
 
 def step_together(learners: list[Learner], grad_clip: float | None) -> list[tuple[float, float]]:

@@ -423,6 +423,10 @@ class MegatronTrainer:
             copy_tokenizer(self.config.model_path, path)
         dist.barrier()
 
+    def snapshot_checkpoint(self) -> Callable[[Path], None] | None:
+        """None: saved in the step's time (the ranks save together, ``dist_checkpointing``)."""
+        return None
+
     @_on_device
     def save_checkpoint(self, path: Path) -> None:
         """``policy/`` (the complete HF folder a user loads, ``save_hf``), ``megatron/``

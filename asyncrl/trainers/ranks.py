@@ -149,6 +149,10 @@ class LeaderTrainer:
     def save_hf(self, path: Path) -> None:
         self._on_all("save_hf", {"path": str(path)}, partial(self.trainer.save_hf, path))
 
+    def snapshot_checkpoint(self) -> Callable[[Path], None] | None:
+        """None: saved in the step's time (every rank saves in step with the others)."""
+        return None
+
     def save_checkpoint(self, path: Path) -> None:
         self._on_all(
             "save_checkpoint", {"path": str(path)}, partial(self.trainer.save_checkpoint, path)

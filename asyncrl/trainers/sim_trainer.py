@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,10 @@ class SimTrainer:
 
     def save_hf(self, path: Path) -> None:
         raise ValueError("the sim trainer has no weights to save as a model")
+
+    def snapshot_checkpoint(self) -> Callable[[Path], None] | None:
+        """None: saved in the step's time (its checkpoint is a few bytes)."""
+        return None
 
     def save_checkpoint(self, path: Path) -> None:
         """``trainer.json``: the version and the modelled clock."""

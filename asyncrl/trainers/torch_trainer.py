@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from asyncrl.errors import CheckpointUnreadable
+from asyncrl.hardware import available_memory
 from asyncrl.policies import (
     LossScale,
     PolicyConfig,
@@ -386,26 +387,47 @@ class TorchTrainer:
         ``optimizer/{policy,critic}/``: optimizer and schedule; ``adapter/`` with LoRA (peft's
         layout); ``rng/rank{r}.pt``; ``trainer.json`` (version, configs). Every rank calls
         it; ``path`` is shared."""
-        path = Path(path)
-        self.policy.save(
-            path / "policy",
-            path / "optimizer" / "policy",
-            self.config.model_path,
-            adapter=path / "adapter",
-        )
-        if self.critic is not None:
-            self.critic.save(path / "critic", path / "optimizer" / "critic")
-        (path / "rng").mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), path / "rng" / f"rank{self.dp.rank}.pt")
-        if self.dp.rank == 0:
-            state = {
-                "version": self.version,
-                "world_size": self.dp.world_size,
-                "config": self.config.model_dump(mode="json"),
-                "algo": self.algo.model_dump(mode="json"),
-            }
-            (path / "trainer.json").write_text(json.dumps(state, indent=2))
-        self.dp.barrier()
+        self._checkpoint_writer(copy=False)(Path(path))
+
+    def snapshot_checkpoint(self) -> Callable[[Path], None] | None:
+        """``Trainer.snapshot_checkpoint``: CPU copies of the weights, optimizer state and
+        RNG (about the checkpoint's size), on one process without LoRA, when the machine
+        has twice the copy's size free."""
+        if self.dp.enabled or self.policy.adapters is not None:
+            return None
+        need = sum(learner.state_bytes() for learner in self._learners())
+        free = available_memory()
+        if free is None or 2 * need > free:
+            return None
+        return self._checkpoint_writer(copy=True)
+
+    def _checkpoint_writer(self, copy: bool) -> Callable[[Path], None]:
+        """The state taken now (``copy``: apart from the live one), and the function that
+        writes it in ``save_checkpoint``'s layout."""
+        policy = self.policy.saved_state(copy)
+        critic = self.critic.saved_state(copy) if self.critic is not None else None
+        rng, rank, dp = rng_state(), self.dp.rank, self.dp
+        state = {
+            "version": self.version,
+            "world_size": self.dp.world_size,
+            "config": self.config.model_dump(mode="json"),
+            "algo": self.algo.model_dump(mode="json"),
+        }
+        source = self.config.model_path
+
+        def write(path: Path) -> None:
+            if policy is not None:
+                policy.write(path / "policy", path / "optimizer" / "policy", source,
+                             adapter=path / "adapter")  # fmt: skip
+            if critic is not None:
+                critic.write(path / "critic", path / "optimizer" / "critic")
+            (path / "rng").mkdir(parents=True, exist_ok=True)
+            torch.save(rng, path / "rng" / f"rank{rank}.pt")
+            if rank == 0:
+                (path / "trainer.json").write_text(json.dumps(state, indent=2))
+            dp.barrier()
+
+        return write
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore a ``save_checkpoint`` directory; the next steps repeat bit-exactly.
