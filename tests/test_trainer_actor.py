@@ -59,6 +59,7 @@ def trainer_spec(tmp_path: Path, ep: dict[str, str], name: str, num_steps: int) 
             num_steps=num_steps,
             checkpoint_dir=str(tmp_path / "ckpt"),
             checkpoint_interval=1,
+            async_save=True,  # written while the next step trains, as beside a GPU
             metrics_path=str(tmp_path / f"{name}.metrics.jsonl"),
         ).model_dump(mode="json"),
     )
@@ -395,7 +396,9 @@ class CopyingTrainer(SlowTrainer):
 
 
 def background_actor(tmp_path: Path, trainer: SlowTrainer, batches: OneBatch) -> TrainerActor:
-    params = trainer_config(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=1)
+    params = trainer_config(
+        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=1, async_save=True
+    )
     spec = ActorSpec(name="trainer", role="trainer", cls="", params=params.model_dump(mode="json"))
     actor = TrainerActor(spec)
     actor.trainer, actor.batches, actor.weights = trainer, batches, NoSubscribers()  # type: ignore[assignment]
@@ -429,7 +432,8 @@ async def test_a_failed_background_write_fails_the_trainer_and_is_never_durable(
     trainer.release.set()
     actor = background_actor(tmp_path, trainer, Batches(3))
     with pytest.raises(ExceptionGroup) as caught:
-        await actor._run_until_stopped()
+        async with asyncio.timeout(60):
+            await actor._run_until_stopped()
     assert caught.group_contains(OSError, match="No space left")
     assert actor.durable == 0 and not list((tmp_path / "ckpt").glob("step_*[0-9]"))
     assert trainer.calls.count("step ends") <= 2  # found at the step after it failed

@@ -58,7 +58,7 @@ class TrainerActorConfig(ActorConfig):
     num_steps: int = Field(ge=0, description="stop at this version; 0: when data runs out")
     checkpoint_interval: int = Field(ge=0, description="steps between checkpoints; 0: on stop")
     keep_checkpoints: int | None = Field(ge=1, description="newest kept; None: all")
-    async_save: bool = Field(True, description="interval checkpoints written in the background")
+    async_save: bool = Field(False, description="interval checkpoints written in the background")
     max_nonfinite_steps: int = Field(3, ge=1, description="NaN/Inf steps in a row skipped")
     checkpoint_dir: str | None = None
     resume: bool = False  # start from the newest checkpoint in checkpoint_dir

@@ -262,11 +262,13 @@ class TrainConfig(Section):
     keep_checkpoints: int | None = Field(
         None, ge=1, description="keep only the newest N trainer checkpoints (null: all)"
     )
-    async_save: bool = Field(
-        True,
+    async_save: bool | None = Field(
+        None,
         description="write interval checkpoints in the background from a copy of the "
         "state taken between steps, while training goes on (one process, no LoRA, twice "
-        "the copy's size free; else in the step's time); a checkpoint counts once on disk",
+        "the copy's size free; else in the step's time); a checkpoint counts once on disk. "
+        "null: on when the trainer computes on a GPU; on a CPU the write takes the cores "
+        "the trainer computes on",
         json_schema_extra={"flag": "async-save"},
     )
     max_nonfinite_steps: int = Field(
