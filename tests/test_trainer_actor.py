@@ -437,3 +437,19 @@ async def test_a_failed_background_write_fails_the_trainer_and_is_never_durable(
     assert caught.group_contains(OSError, match="No space left")
     assert actor.durable == 0 and not list((tmp_path / "ckpt").glob("step_*[0-9]"))
     assert trainer.calls.count("step ends") <= 2  # found at the step after it failed
+
+
+async def test_a_cancelled_wait_leaves_the_write_under_way_and_no_save_starts_beside_it(tmp_path):
+    trainer = CopyingTrainer()
+    trainer.version = 1
+    actor = background_actor(tmp_path, trainer, OneBatch())
+    await actor._checkpoint(background=True)  # the copy's write waits for release
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(actor._settle_write(), 0.1)  # a drain's timeout, say
+    again = asyncio.create_task(actor._checkpoint())  # the same version, in the step
+    await asyncio.sleep(0.2)
+    assert not again.done() and "checkpoint of version 1" not in trainer.calls
+    trainer.release.set()
+    await again
+    assert trainer.calls[-2:] == ["copy of version 1 written", "checkpoint of version 1"]
+    assert actor.durable == 1

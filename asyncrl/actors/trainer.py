@@ -372,10 +372,17 @@ class TrainerActor(Actor):
         self._writing.add_done_callback(written)
 
     async def _settle_write(self) -> None:
-        """Wait for the background write under way, if any; its error is raised here."""
-        writing, self._writing = self._writing, None
-        if writing is not None:
-            await writing
+        """Wait for the background write under way, if any; its error is raised here. A
+        cancelled wait leaves it under way and waited for by the next caller: a save of
+        the same folder must never start beside it."""
+        writing = self._writing
+        if writing is None:
+            return
+        try:
+            await asyncio.shield(writing)
+        finally:
+            if writing.done():
+                self._writing = None
 
     def _made_durable(self, version: int) -> None:
         if self.config.checkpoint_interval > 0:
