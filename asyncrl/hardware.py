@@ -43,16 +43,43 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def available_memory() -> int | None:
-    """Bytes of memory the kernel can give without swapping (``MemAvailable``; None where
-    ``/proc/meminfo`` does not say)."""
+def available_memory(root: Path = Path("/")) -> int | None:
+    """Bytes this process may still take without swapping or its container's OOM kill:
+    the host's ``MemAvailable``, or less when a cgroup (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) leaves less. None where ``/proc/meminfo`` does not say."""
     try:
-        text = Path("/proc/meminfo").read_text()
+        text = (root / "proc/meminfo").read_text()
     except OSError:
         return None
     line = next((x for x in text.splitlines() if x.startswith("MemAvailable:")), "")
     fields = line.split()
-    return int(fields[1]) * 1024 if len(fields) >= 2 and fields[1].isdigit() else None
+    if len(fields) < 2 or not fields[1].isdigit():
+        return None
+    free = int(fields[1]) * 1024
+    cgroup = root / "sys/fs/cgroup"
+    for limit, usage in _CGROUP_MEMORY:
+        left = _cgroup_left(cgroup / limit, cgroup / usage)
+        if left is not None:
+            return min(free, left)
+    return free
+
+
+#: A cgroup's memory limit and usage files, v2 then v1.
+_CGROUP_MEMORY = (
+    ("memory.max", "memory.current"),
+    ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+)
+
+
+def _cgroup_left(limit: Path, usage: Path) -> int | None:
+    """``limit - usage`` in bytes; None without a limit ("max", or v1's huge number)."""
+    try:
+        cap, used = limit.read_text().strip(), int(usage.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if not cap.isdigit() or int(cap) >= 1 << 60:
+        return None
+    return max(int(cap) - used, 0)
 
 
 def cpu_bf16() -> bool:

@@ -177,7 +177,9 @@ def _trainer_config(
         num_steps=train.num_steps,
         checkpoint_interval=train.checkpoint_interval,
         keep_checkpoints=train.keep_checkpoints,
-        async_save=cfg.trainer.device == "cuda" if train.async_save is None else train.async_save,
+        async_save=train.async_save
+        if train.async_save is not None
+        else cfg.trainer.device.startswith("cuda"),
         max_nonfinite_steps=train.max_nonfinite_steps,
         checkpoint_dir=str(run_dir / "checkpoints" / "trainer"),
         resume=resume,

@@ -152,3 +152,28 @@ def test_the_start_line_says_the_choice_and_hints_only_against_it(tmp_path, bf16
     fp32 = line(("dtype", "float32"))
     assert "trainer float32" in fp32 and re.search(r"engines? float32", fp32)
     assert "--trainer.dtype bf16-mixed" in fp32
+
+
+def test_available_memory_is_the_hosts_or_less_where_a_container_leaves_less(tmp_path):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
+    host = 4_000_000 * 1024
+    assert hardware.available_memory(tmp_path) == host  # no cgroup files
+    v2 = tmp_path / "sys/fs/cgroup"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")  # no limit
+    (v2 / "memory.current").write_text("100\n")
+    assert hardware.available_memory(tmp_path) == host
+    (v2 / "memory.max").write_text(f"{2 * 1024**3}\n")  # a 2 GiB container, 0.5 GiB used
+    (v2 / "memory.current").write_text(f"{1024**3 // 2}\n")
+    assert hardware.available_memory(tmp_path) == 3 * 1024**3 // 2
+    (v2 / "memory.max").unlink()
+    v1 = v2 / "memory"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text(f"{(1 << 63) - 4096}\n")  # v1's "unlimited"
+    (v1 / "memory.usage_in_bytes").write_text("0\n")
+    assert hardware.available_memory(tmp_path) == host
+    (v1 / "memory.limit_in_bytes").write_text(f"{1024**3}\n")
+    assert hardware.available_memory(tmp_path) == 1024**3
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 8000000 kB\n")  # an old kernel
+    assert hardware.available_memory(tmp_path) is None

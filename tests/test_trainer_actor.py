@@ -379,10 +379,13 @@ class CopyingTrainer(SlowTrainer):
     def __init__(self, error: Exception | None = None) -> None:
         super().__init__()
         self.release, self.error = threading.Event(), error
+        self.copy_done = threading.Event()  # the copy itself takes until this is set
+        self.copy_done.set()
 
     def snapshot_checkpoint(self):
         version = self.version
         self.calls.append(f"copy of version {version}")
+        assert self.copy_done.wait(30)
 
         def write(path: Path) -> None:
             assert self.release.wait(30)
@@ -395,9 +398,11 @@ class CopyingTrainer(SlowTrainer):
         return write
 
 
-def background_actor(tmp_path: Path, trainer: SlowTrainer, batches: OneBatch) -> TrainerActor:
+def background_actor(
+    tmp_path: Path, trainer: SlowTrainer, batches: OneBatch, interval: int = 1
+) -> TrainerActor:
     params = trainer_config(
-        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=1, async_save=True
+        checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=interval, async_save=True
     )
     spec = ActorSpec(name="trainer", role="trainer", cls="", params=params.model_dump(mode="json"))
     actor = TrainerActor(spec)
@@ -430,13 +435,15 @@ async def test_a_checkpoint_is_written_while_the_next_step_trains_and_durable_wa
 async def test_a_failed_background_write_fails_the_trainer_and_is_never_durable(tmp_path):
     trainer = CopyingTrainer(error=OSError(28, "No space left on device"))
     trainer.release.set()
-    actor = background_actor(tmp_path, trainer, Batches(3))
+    # Step 2's write fails while step 3 trains; step 3 takes no checkpoint, so only the
+    # check after each step finds it (else the trainer would wait for a 4th batch).
+    actor = background_actor(tmp_path, trainer, Batches(3), interval=2)
     with pytest.raises(ExceptionGroup) as caught:
         async with asyncio.timeout(60):
             await actor._run_until_stopped()
     assert caught.group_contains(OSError, match="No space left")
     assert actor.durable == 0 and not list((tmp_path / "ckpt").glob("step_*[0-9]"))
-    assert trainer.calls.count("step ends") <= 2  # found at the step after it failed
+    assert trainer.calls.count("step ends") == 3
 
 
 async def test_a_cancelled_wait_leaves_the_write_under_way_and_no_save_starts_beside_it(tmp_path):
@@ -453,3 +460,23 @@ async def test_a_cancelled_wait_leaves_the_write_under_way_and_no_save_starts_be
     await again
     assert trainer.calls[-2:] == ["copy of version 1 written", "checkpoint of version 1"]
     assert actor.durable == 1
+
+
+async def test_a_checkpoint_asked_for_while_a_copy_is_taken_waits_for_its_write(tmp_path):
+    # The checkpoint command finds no write under way, then waits for the trainer: by the
+    # time it has it, the copy's write has begun, and both would write step_000001.
+    trainer = CopyingTrainer()
+    trainer.version = 1
+    trainer.copy_done.clear()  # the interval checkpoint's copy takes until set
+    actor = background_actor(tmp_path, trainer, OneBatch())
+    interval = asyncio.create_task(actor._checkpoint(background=True))
+    await until(lambda: "copy of version 1" in trainer.calls)
+    command = asyncio.create_task(actor._checkpoint())
+    await asyncio.sleep(0.1)
+    trainer.copy_done.set()
+    await interval
+    await asyncio.sleep(0.2)
+    assert not command.done() and "checkpoint of version 1" not in trainer.calls
+    trainer.release.set()
+    await command
+    assert trainer.calls[-2:] == ["copy of version 1 written", "checkpoint of version 1"]

@@ -327,17 +327,17 @@ class TrainerActor(Actor):
         if not cfg.checkpoint_dir:
             return None
         root = Path(cfg.checkpoint_dir)
-        await self._settle_write()  # in order, one at a time
-        async with self._computing():
+        async with self._computing():  # the write under way settled and the next begun
+            await self._settle_write()  # under one hold: one write of a folder at a time
             version = self.trainer.version
             path = step_dir(root, version)
             write = await asyncio.to_thread(self._snapshot) if background else None
             if write is None:
                 save = self.trainer.save_checkpoint
                 await asyncio.to_thread(_save_atomically, save, path, cfg.job)
-        if write is not None:
-            self._write_later(write, path, version)
-            return path
+            else:
+                self._write_later(write, path, version)
+                return path
         self._made_durable(version)
         if cfg.keep_checkpoints:
             await asyncio.to_thread(_prune_checkpoints, root, cfg.keep_checkpoints, cfg.job)
@@ -381,7 +381,7 @@ class TrainerActor(Actor):
         try:
             await asyncio.shield(writing)
         finally:
-            if writing.done():
+            if writing.done() and self._writing is writing:
                 self._writing = None
 
     def _made_durable(self, version: int) -> None:

@@ -273,11 +273,10 @@ class Learner:
         return SavedState(self.model, weights, optimizer, schedule, self.adapters)
 
     def state_bytes(self) -> int:
-        """Bytes of the trained parameters and their optimizer state: what a copy of
-        ``saved_state`` holds (AdamW: two moments a parameter)."""
+        """Bytes a copy of ``saved_state`` holds: every parameter, and two AdamW moments of
+        each trained one, in its dtype."""
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        trained = sum(p.numel() * 4 for p in self.parameters())
-        return params + 2 * trained
+        return params + 2 * sum(p.numel() * p.element_size() for p in self.parameters())
 
     def load(self, path: Path, state: Path, adapter: Path | None = None) -> None:
         """Restore ``save``'s folders (every rank reads them). Checkpoints written before
