@@ -90,8 +90,10 @@ step engine_17b 100 python3 bench/engine.py $ENGINE --model "$BIG" --median 16 -
 step job 60 python3 -m asyncrl.cli train examples/word_problems/config.yaml --name gpu \
     --trainer.model-path "$SMOL" --trainer.device cuda --rollout.engine.device cuda \
     --trainer.dtype bf16-mixed --update-weight-transport ipc --train.num-steps 6 \
-    --eval.interval 0 --buffer.filters '[]' --overwrite
+    --eval.interval 0 --buffer.filters '[]' --save-interval 2 --overwrite
 cp runs/gpu/metrics.jsonl "$LOGS/job_metrics.jsonl" 2>/dev/null; cp -r runs/gpu/logs "$LOGS/job_logs" 2>/dev/null
+# Beside a GPU the interval checkpoints are written in the background: each says so.
+echo "job: background checkpoints written $(grep -c '"checkpoint written"' runs/gpu/logs/trainer.jsonl 2>/dev/null)" | tee -a "$OUT/summary.txt"
 step real_trainer_17b 100 python3 bench/real_trainer.py --device cuda --model "$BIG" \
     --dtype bf16-mixed --groups 16 --budget 8192 --steps 2 \
     --variants packed,trl-onpolicy --out "$LOGS/real_trainer_17b.json"
