@@ -1,7 +1,11 @@
-"""Shared pytest set-up: offline transformers, and every async test runs on uvloop."""
+"""Shared pytest set-up: offline transformers, and every async test runs on uvloop, bounded
+in time."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import os
 
 # No model hub is reachable: transformers must never try (set before anything imports it).
@@ -9,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,34 @@ import uvloop
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> Mapping[str, Callable[[], Any]]:
     """Run async tests on uvloop (the event loop every asyncrl actor uses)."""
     return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """An async test runs under ``asyncio.timeout`` of its pytest-timeout limit (the
+    marker's, else the ini's): that plugin's SIGALRM never interrupts uvloop, so a hung
+    test held the whole suite. Timed out here, it fails alone, its traceback at the await
+    that hung."""
+    fn = getattr(item, "obj", None)
+    limit = _timeout(item)
+    if not inspect.iscoroutinefunction(fn) or not limit:
+        return (yield)
+
+    @functools.wraps(fn)
+    async def bounded(*args: Any, **kwargs: Any) -> Any:
+        async with asyncio.timeout(limit):
+            return await fn(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(item, "obj", bounded)
+        return (yield)
+
+
+def _timeout(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(item.config.getini("timeout") or 0)
 
 
 @pytest.fixture
