@@ -31,6 +31,7 @@ from asyncrl.rollout.rewards import (
     numeric_match,
 )
 from asyncrl.types import Sample
+from tests.polling import until
 
 # ------------------------------------------------------------------ custom rewards by path
 
@@ -67,6 +68,18 @@ async def hanging_reward(sample: Sample) -> float:
 
 def slow_sync_reward(sample: Sample) -> float:
     time.sleep(0.5)
+    return 1.0
+
+
+#: ``waiting_reward``'s signals: it has started; it may return (set by the test's loop).
+STARTED, GO = threading.Event(), threading.Event()
+
+
+def waiting_reward(sample: Sample) -> float:
+    """Returns only once the event loop, free while it waits, says so."""
+    STARTED.set()
+    if not GO.wait(30):
+        raise RuntimeError("the event loop never ran while the reward waited")
     return 1.0
 
 
@@ -290,20 +303,16 @@ async def test_a_hanging_custom_reward_times_out():
 
 
 async def test_a_slow_sync_reward_times_out_without_blocking_the_event_loop():
-    hub = custom("slow_sync_reward", timeout_s=0.1)
-    ticks = 0
-
-    async def tick() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.01)
-            ticks += 1
-
-    ticker = asyncio.create_task(tick())
     with pytest.raises(RewardError, match=r"timed out after 0\.1s"):
-        await hub(sample())
-    ticker.cancel()
-    assert ticks >= 5  # the loop ran while the thread slept
+        await custom("slow_sync_reward", timeout_s=0.1)(sample())
+    # The loop runs while a sync reward works: only the loop can let this one return
+    # (no clock in it: the machine's load cannot make it pass or fail).
+    STARTED.clear()
+    GO.clear()
+    scoring = asyncio.create_task(custom("waiting_reward", timeout_s=60)(sample()))
+    await until(STARTED.is_set)
+    GO.set()
+    assert await scoring == 1.0
 
 
 async def test_a_timeout_raised_by_the_reward_itself_is_an_error_not_a_timeout():
