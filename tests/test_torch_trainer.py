@@ -26,7 +26,13 @@ from asyncrl.errors import CheckpointUnreadable, NonFiniteTraining
 from asyncrl.policies import PolicyConfig
 from asyncrl.trainers import torch_trainer
 from asyncrl.trainers.base import NonFiniteStep, Trainer
-from asyncrl.trainers.learner import Learner, OptimSettings, lr_factor, step_together
+from asyncrl.trainers.learner import (
+    Learner,
+    OptimSettings,
+    SavedState,
+    lr_factor,
+    step_together,
+)
 from asyncrl.trainers.rollout_tensors import rollout_tensors
 from asyncrl.trainers.torch_trainer import TorchTrainer
 from asyncrl.types import Group, Sample, SampleStatus, TrainBatch
@@ -317,6 +323,41 @@ def test_a_snapshot_written_after_more_steps_holds_its_moment_and_resumes_as_a_s
     assert trainer.snapshot_checkpoint() is None
     monkeypatch.setattr(torch_trainer, "available_memory", lambda: 2 * need)
     assert trainer.snapshot_checkpoint() is not None
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_save_holds_one_learners_state_at_a_time_unless_it_copies(
+    tiny, tmp_path, monkeypatch, copy
+):
+    """In the step's time each learner's state is taken as it is written (under FSDP rank
+    0 gathers one at a time); a snapshot copies both at once, before any write."""
+    algo = PolicyConfig(advantage_estimator="ppo", use_kl_loss=True, kl_loss_coef=0.1)
+    trainer = TorchTrainer(config(tiny), algo)
+    trainer.train_step(make_batch())
+    events: list[str] = []
+    take, write = Learner.saved_state, SavedState.write
+
+    def taken(self: Learner, copy: bool = False) -> SavedState | None:
+        events.append(f"{'policy' if self is trainer.policy else 'critic'} taken")
+        return take(self, copy)
+
+    monkeypatch.setattr(Learner, "saved_state", taken)
+
+    def written(self: SavedState, path: Path, *args: Any, **kwargs: Any) -> None:
+        write(self, path, *args, **kwargs)
+        events.append(f"{path.name} written")
+
+    monkeypatch.setattr(SavedState, "write", written)
+    if copy:
+        snapshot = trainer.snapshot_checkpoint()
+        assert snapshot is not None
+        snapshot(tmp_path / "ckpt")
+    else:
+        trainer.save_checkpoint(tmp_path / "ckpt")
+    both = ["policy taken", "critic taken", "policy written", "critic written"]
+    each = ["policy taken", "policy written", "critic taken", "critic written"]
+    assert events == (both if copy else each)
+    assert (tmp_path / "ckpt" / "critic" / "model.safetensors").is_file()
 
 
 def test_exported_weights_are_copies_that_later_steps_do_not_touch(tiny):

@@ -52,6 +52,7 @@ from asyncrl.trainers.config import LoraConfig, TrainerConfig
 from asyncrl.trainers.learner import (
     Learner,
     OptimSettings,
+    SavedState,
     copy_tokenizer,
     step_together,
     write_model_dir,
@@ -402,10 +403,18 @@ class TorchTrainer:
         return self._checkpoint_writer(copy=True)
 
     def _checkpoint_writer(self, copy: bool) -> Callable[[Path], None]:
-        """The state taken now (``copy``: apart from the live one), and the function that
-        writes it in ``save_checkpoint``'s layout."""
-        policy = self.policy.saved_state(copy)
-        critic = self.critic.saved_state(copy) if self.critic is not None else None
+        """The function that writes this moment's state in ``save_checkpoint``'s layout.
+        ``copy``: every learner's state copied now, apart from the live one; else each
+        taken as it is written, so rank 0 holds one gathered state at a time (FSDP)."""
+        learners = {"policy": self.policy, "critic": self.critic}
+        live = {name: learner for name, learner in learners.items() if learner is not None}
+        copies = {name: learner.saved_state(True) for name, learner in live.items() if copy}
+
+        def taken(name: str) -> SavedState | None:
+            if name not in live:
+                return None
+            return copies[name] if copy else live[name].saved_state()
+
         rng, rank, dp = rng_state(), self.dp.rank, self.dp
         state = {
             "version": self.version,
@@ -416,10 +425,11 @@ class TorchTrainer:
         source = self.config.model_path
 
         def write(path: Path) -> None:
-            if policy is not None:
+            if (policy := taken("policy")) is not None:
                 policy.write(path / "policy", path / "optimizer" / "policy", source,
                              adapter=path / "adapter")  # fmt: skip
-            if critic is not None:
+            del policy  # written: its memory goes before the critic's is gathered
+            if (critic := taken("critic")) is not None:
                 critic.write(path / "critic", path / "optimizer" / "critic")
             (path / "rng").mkdir(parents=True, exist_ok=True)
             torch.save(rng, path / "rng" / f"rank{rank}.pt")
