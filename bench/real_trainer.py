@@ -14,6 +14,8 @@ default) draws prompts of 0.6-1.4 x ``--prompt`` tokens and lognormal responses 
   response attending to it, chunked log-probs;
 - ``whole``: ``packed`` with every sample packed whole (``share_prompts=False``), each
   sequence attending alone (the trainer before prompts were shared);
+- ``compiled``: ``packed`` with ``trainer.compile`` (the MLPs and norms under
+  ``torch.compile``; its first step pays the compile, tokens/s is read at the fastest);
 - ``bypass``: the same with ``--use-rollout-logprobs`` (the engine's log-probs are the
   old policy's; the same compute);
 - ``masked``: ``packed`` with sdpa and a block-diagonal ``L x L`` mask (the attention
@@ -63,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ASYNCRL = ("packed", "bypass", "masked", "padded")
+ASYNCRL = ("packed", "whole", "compiled", "bypass", "masked", "padded")
 TRL = ("trl", "trl-onpolicy")
 
 
@@ -115,6 +117,8 @@ def asyncrl_steps(args: argparse.Namespace) -> tuple[list[float], float, float]:
         extra["packing"] = False
     if args.variant == "whole":
         extra["share_prompts"] = False
+    if args.variant == "compiled":
+        extra["compile"] = True
     cfg = TorchTrainer.Config(
         model_path=args.model, lr=1e-6, max_tokens_per_microbatch=args.budget,
         dtype=args.dtype, device=args.device, **extra,
@@ -315,7 +319,8 @@ def report(rows: list[dict], peak: dict[str, float], n_params: int, dtype: str) 
         print(f"{r['variant']:13} {steps:>14} {r['tokens_per_s']:9.1f} {r['mfu']:9.1%} "
               f"{r['peak_rss_gib']:13.2f}{gpu}")  # fmt: skip
     by = {r["variant"]: r for r in rows}
-    for ours, theirs in (("packed", "trl-onpolicy"), ("packed", "trl"), ("packed", "whole")):
+    for ours, theirs in (("packed", "trl-onpolicy"), ("packed", "trl"), ("packed", "whole"),
+                           ("compiled", "packed")):  # fmt: skip
         if ours in by and theirs in by:
             ratio = by[ours]["tokens_per_s"] / by[theirs]["tokens_per_s"]
             print(f"{ours} / {theirs}: {ratio:.2f}x tokens/s")

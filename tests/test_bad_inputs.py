@@ -50,6 +50,9 @@ CONFIG = {
         r"megatron_with_a_critic\.yaml:6: algo\.advantage_estimator \(--advantage-estimator\): "
         r"ppo needs a critic, which the megatron backend does not train"
     ),
+    "megatron_compiled.yaml": (
+        r"megatron_compiled\.yaml:2: trainer: trainer\.backend=megatron does not use compile"
+    ),
     "megatron_tp_without_ranks.yaml": (
         r"megatron_tp_without_ranks\.yaml:2: trainer: trainer\.num_ranks=1 is not a multiple "
         r"of TP 2 x PP 1"

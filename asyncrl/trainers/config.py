@@ -194,6 +194,12 @@ class TrainerConfig(BaseModel):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward (memory for compute)."
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile every decoder layer's MLP and RMSNorms (dynamic shapes): "
+        "their elementwise work fused, attention eager; the first micro-batches pay the "
+        "compile (tens of seconds)",
+    )
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="Data parallelism when a process group of >1 ranks exists."
     )
@@ -283,14 +289,15 @@ class TrainerConfig(BaseModel):
             "attn_implementation": self.attn_implementation is not None,
             "critic": bool(self.critic),
             "critic_model_path": self.critic_model_path is not None,
+            "compile": self.compile,
         }
         wrong = [k for k, bad in torch_only.items() if bad]
         if wrong:
             raise ValueError(
                 f"trainer.backend=megatron does not use {', '.join(wrong)} (torch-backend "
                 "settings: megatron shards with megatron.tensor_parallel/pipeline_parallel, "
-                "runs its own attention, and trains no critic or LoRA adapters, one update a "
-                "batch): drop them"
+                "runs its own attention and fused kernels, and trains no critic or LoRA "
+                "adapters, one update a batch): drop them"
             )
         return self
 
