@@ -101,6 +101,10 @@ left 90 && step train_backends 90 python3 bench/train_backends.py --device cuda 
     --steps 2 --out "$LOGS/train_backends.json"
 left 60 && step weight_sync 60 python3 bench/weight_sync.py --device cuda --versions 3 \
     --rounds 1 --out "$LOGS/weight_sync.json"
+# trainer.compile (the MLPs and norms compiled): its first step compiles, the best is read.
+left 90 && step real_trainer_17b_compiled 90 python3 bench/real_trainer.py --device cuda \
+    --model "$BIG" --dtype bf16-mixed --groups 16 --budget 8192 --steps 3 \
+    --variants compiled --out "$LOGS/real_trainer_17b_compiled.json"
 left 60 && step real_trainer_profile 60 python3 bench/real_trainer.py --device cuda \
     --model "$BIG" --dtype bf16-mixed --groups 16 --budget 8192 --steps 1 --variants packed \
     --profile --out /tmp/real_trainer_profile.json
