@@ -7,7 +7,10 @@ trained model or a live engine are the dry run's (``runtime/dryrun.py``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,11 +38,13 @@ def preflight(cfg: RunConfig) -> None:
     """Raise ``PreflightError`` naming every problem found in ``cfg``: model folders hold an
     HF ``config.json`` and the policy's tokenizer loads; every data and eval row is valid,
     its chat template renders and it fits the model's context; the user code named by path
-    (reward, workflow, filters, priority, tools, agent) loads."""
+    (reward, workflow, filters, priority, tools, agent) loads; ``trainer.compile`` has a
+    toolchain."""
     problems: list[str] = []
     for check in _code_checks(cfg):  # first: tool use fills the data's default tools
         _collect(check, problems)
     tokenizer = _models(cfg, problems)
+    _compile_toolchain(cfg, problems)
     _reward_model_folders(cfg, problems)
     context = _context_length(cfg.trainer.model_path if cfg.trainer else None)
     if cfg.data is not None:
@@ -134,6 +139,25 @@ def _models(cfg: RunConfig, problems: list[str]) -> Any:
     if t is None or t.backend == "sim":
         return None
     return _collect(lambda: _tokenizer(t.model_path), problems)
+
+
+def _compile_toolchain(cfg: RunConfig, problems: list[str]) -> None:
+    """``trainer.compile`` builds kernels at the first step: on a CPU with a C++ compiler,
+    on CUDA with triton. Without them that step would fail, after the engines started."""
+    t = cfg.trainer
+    if t is None or not t.compile or cfg.runtime.type != "local":
+        return  # a cluster's trainer node has its own toolchain: checked there
+    flag = "trainer.compile (--trainer.compile)"
+    if t.device.startswith("cuda"):
+        if importlib.util.find_spec("triton") is None:
+            problems.append(f"{flag} on {t.device} needs triton, which is not installed: "
+                            "pip install triton, or drop --trainer.compile")  # fmt: skip
+        return
+    compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+    if not any(shutil.which(c) for c in compilers if c):
+        problems.append(f"{flag} on the CPU needs a C++ compiler (g++, clang++ or $CXX) and "
+                        "none is on PATH: install one (apt install g++), or drop "
+                        "--trainer.compile")  # fmt: skip
 
 
 #: ``config.json`` keys in which an engine's model must equal the trainer's: a weight

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl import preflight as preflight_module
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.job import run_job
@@ -78,6 +79,17 @@ def test_a_model_folder_without_a_config_is_refused(job, tmp_path, capsys):
     empty.mkdir()
     refused(capsys, [*flags, "--hf-checkpoint", str(empty)], run,
             "trainer.model_path (--hf-checkpoint):", "is not a Hugging Face model")  # fmt: skip
+
+
+def test_compiling_without_a_toolchain_is_refused(job, capsys, monkeypatch):
+    flags, run = job
+    compiled = [*flags, "--trainer.compile", "true"]
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(preflight_module.shutil, "which", lambda name: f"/usr/bin/{name}")
+    preflight(load_config(None, overrides=compiled))
+    monkeypatch.setattr(preflight_module.shutil, "which", lambda name: None)
+    refused(capsys, compiled, run, "trainer.compile (--trainer.compile) on the CPU needs a C++")
+    preflight(load_config(None, overrides=flags))  # not compiling: nothing to build
 
 
 @pytest.mark.parametrize("agent", [

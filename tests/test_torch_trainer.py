@@ -10,6 +10,7 @@ import math
 import os
 import random
 import re
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,7 @@ def test_two_rank_ddp_and_fsdp_equal_single_process_training(tiny, tmp_path):
     assert all(torch.equal(saved["resumed"][k], fsdp[k]) for k in fsdp)
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor builds C++ on the CPU")
 def test_compiled_blocks_train_as_the_eager_ones(tiny):
     """``trainer.compile``: the MLPs and norms compiled (packed rows of varying length,
     bf16 autocast) give the eager step's loss and weights, under the same names (without
