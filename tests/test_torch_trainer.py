@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -237,6 +238,7 @@ def test_compiled_blocks_train_as_the_eager_ones(tiny):
     ``emulate_precision_casts`` the loss differed by 1.5%)."""
     eager = TorchTrainer(config(tiny, dtype="bf16-mixed"))
     compiled = TorchTrainer(config(tiny, dtype="bf16-mixed", compile=True))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for step in range(2):  # two batches: other lengths run the same dynamic graphs
         a = eager.train_step(make_batch(step, version=step)).metrics
         b = compiled.train_step(make_batch(step, version=step)).metrics
@@ -246,7 +248,9 @@ def test_compiled_blocks_train_as_the_eager_ones(tiny):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
-    assert compiled.policy.model.model.layers[0].mlp._compiled_call_impl is not None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= graphs + 2  # MLP, norm
+    with pytest.raises(ValidationError, match="sim trains no model, so compile"):
+        TorchTrainer.Config(model_path="m", backend="sim", compile=True)
     with pytest.raises(ValueError, match="no \\*MLP or \\*RMSNorm"):
         torch_trainer.compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 

@@ -254,6 +254,7 @@ class TrainerConfig(BaseModel):
             "lora": self.lora.enabled,
             "global_batch_size": self.global_batch_size is not None,
             "ppo_epochs": self.ppo_epochs > 1,
+            "compile": self.compile,
         }
         if wrong := [k for k, set_ in unused.items() if set_]:
             raise ValueError(

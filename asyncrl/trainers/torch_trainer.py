@@ -502,6 +502,8 @@ def compile_blocks(model: nn.Module) -> int:
     # Inductor keeps fused intermediates in fp32 unless told to round where eager rounds:
     # with it, compiled bf16 steps give eager's numbers (the CPU test: the same loss).
     inductor_config.emulate_precision_casts = True
-    for block in blocks:
-        block.compile(dynamic=True)
+    for block in blocks:  # every block shares one cache (modules are guarded by type):
+        # each class, grad mode, frozen or trained weights and input rank is an entry, and
+        # past dynamo's default 8 the rest would run eager without a word
+        block.compile(dynamic=True, recompile_limit=64)
     return len(blocks)
