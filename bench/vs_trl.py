@@ -939,6 +939,7 @@ def across_seeds(
     out["start_accuracy"] = mean_se([s["start_accuracy"] for s in seeds])
     if set(FRAMEWORKS) - set(frameworks):
         return out
+    out["accuracy_difference"] = _paired_difference(seeds)
     if threshold is None:
         threshold = min(out["frameworks"][fw]["best_accuracy"]["mean"] for fw in FRAMEWORKS)
     out["threshold"] = threshold
@@ -972,6 +973,18 @@ def _framework_stats(seeds: list[dict[str, Any]], fw: str) -> dict[str, Any]:
         for step in sorted(steps)
     }
     return stats
+
+
+def _paired_difference(seeds: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """asyncrl's accuracy minus TRL's at each step both checkpointed on every seed, paired
+    by seed (a seed's two runs share the start, the prompts and the scoring stream, so
+    what varies between seeds drops out): mean +- s.e. over seeds."""
+    curves = [
+        [{p["step"]: p["accuracy"] for p in s["frameworks"][fw]["curve"]} for fw in FRAMEWORKS]
+        for s in seeds
+    ]
+    steps = set.intersection(*(set(a) & set(t) for a, t in curves)) - {0}
+    return {step: mean_se([a[step] - t[step] for a, t in curves]) for step in sorted(steps)}
 
 
 def _ratios(
@@ -1042,6 +1055,11 @@ def _pm(stats: dict[str, Any] | None, spec: str) -> str:
     return f"{stats['mean']:{spec}} +- {stats['se']:{spec}}"
 
 
+def _pm_points(stats: dict[str, Any]) -> str:
+    se = "" if stats["se"] is None else f" +- {stats['se'] * 100:.1f}"
+    return f"{stats['mean'] * 100:+.1f}{se}"
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     """Mean +- s.e. over seeds, then the ratios asyncrl / TRL against the targets."""
     n = summary["seeds"]
@@ -1057,6 +1075,9 @@ def print_summary(summary: dict[str, Any]) -> None:
               + ", ".join(f"{step}: {_pm(m, '.1%')}" for step, m in steps.items()))  # fmt: skip
     if "ratios" not in summary:
         return
+    diff = summary.get("accuracy_difference", {})
+    print("  asyncrl - TRL by step, paired by seed (points): "
+          + ", ".join(f"{step}: {_pm_points(d)}" for step, d in diff.items()))  # fmt: skip
     note = f" ({summary['note']})" if "note" in summary else ""
     alone = summary["reached_alone"]
     print(f"threshold accuracy: {summary['threshold']:.1%}{note}; seeds where only asyncrl "

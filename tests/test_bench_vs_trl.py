@@ -179,6 +179,25 @@ def test_across_seeds_averages_each_seeds_time_and_times_one_threshold_where_bot
     )
 
 
+def test_per_step_differences_are_paired_by_seed(capsys):
+    # Seeds 20 points apart, asyncrl 2 points ahead on both at step 2 and level at 4:
+    # paired, the difference is exact; unpaired it would drown in the seeds' spread.
+    seeds = [
+        summary_seed(0, 0.10, [(0, 0, 0.10), (2, 10, 0.22), (4, 20, 0.30)],
+                     [(0, 0, 0.10), (2, 40, 0.20), (4, 80, 0.30)]),
+        summary_seed(1, 0.30, [(0, 0, 0.30), (2, 12, 0.42), (4, 24, 0.45)],
+                     [(0, 0, 0.30), (2, 40, 0.40), (4, 80, 0.47), (6, 99, 0.5)]),
+    ]  # fmt: skip
+    diff = vs_trl.across_seeds("30m", seeds)["accuracy_difference"]
+    assert list(diff) == [2, 4]  # steps on every seed's both curves; not the start
+    assert diff[2]["mean"] == pytest.approx(0.02) and diff[2]["se"] == pytest.approx(0.0)
+    assert diff[4]["mean"] == pytest.approx(-0.01) and diff[4]["se"] == pytest.approx(0.01)
+    unpaired = vs_trl.across_seeds("30m", seeds)["frameworks"]["asyncrl"]["accuracy"][2]
+    assert unpaired["se"] == pytest.approx(0.10)
+    vs_trl.print_summary(vs_trl.across_seeds("30m", seeds))
+    assert "paired by seed (points): 2: +2.0 +- 0.0, 4: -1.0 +- 1.0" in capsys.readouterr().out
+
+
 def test_a_seed_where_asyncrl_alone_misses_the_threshold_fails_the_time_target():
     seeds = two_seeds()
     seeds.append(summary_seed(2, 0.11, [(0, 0, 0.11), (2, 10, 0.25), (4, 20, 0.32)],
