@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from asyncrl.buffer.checkpoint import read_checkpoint, recover_hub, write_checkpoint
 from asyncrl.buffer.hub import Hub, HubState, ReplayDiverged
-from asyncrl.buffer.journal import Followed, Journal, Returned, read_journal
+from asyncrl.buffer.journal import Followed, Handed, Journal, Returned, read_journal
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.errors import CheckpointUnreadable, RunStateLost
 from asyncrl.types import Group, TrainBatch, WorkItem
@@ -93,6 +93,26 @@ def test_a_damaged_journal_record_is_refused_naming_the_file_and_byte(tmp_path: 
     (tmp_path / "k").write_bytes(b"not a journal")
     with pytest.raises(ValueError, match="not an asyncrl buffer journal"):
         read_journal(tmp_path / "k")
+
+
+def test_checkpoints_and_journals_have_no_wire_frame_limit(tmp_path: Path, monkeypatch):
+    """The wire's frame limit (256 MiB) guards sockets; a buffer's state past it must still
+    be written and read (here the limit is cut to 64 bytes to show it without 256 MiB)."""
+    from asyncrl.wire.codec import Codec
+
+    monkeypatch.setitem(Codec.__init__.__kwdefaults__, "max_frame_bytes", 64)
+    hub = new_hub(VersionedBuffer.Config(groups_per_step=2, num_samples_per_prompt=1))
+    hub.hand_out("rollout-0", "r1", 2)
+    hub.commit()
+    write_checkpoint(hub.state_dict(), tmp_path / "buffer.ckpt")
+    assert (tmp_path / "buffer.ckpt").stat().st_size > 64
+    assert read_checkpoint(tmp_path / "buffer.ckpt") == hub.state_dict()
+    journal = Journal(tmp_path / "j")
+    journal.reset("line-a", 1)
+    record = Handed(actor="rollout-0", request="r2", max_items=64, uids=["g" * 40] * 4)
+    journal.append([record])
+    journal.close()
+    assert list(read_journal(tmp_path / "j")[1]) == [(1, record)]
 
 
 # -- the hub -------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ from asyncrl.wire.errors import WireError
 
 log = get_logger("asyncrl.buffer")
 
-#: Arrays inline: a checkpoint is one frame.
-_CHECKPOINT_CODEC_ARGS: dict[str, Any] = {"inline_bytes": 1 << 62}
+#: Arrays inline and no frame limit: a checkpoint is one frame of whatever size the
+#: buffer holds (the wire's 256 MiB limit guards sockets, not files).
+_CHECKPOINT_CODEC_ARGS: dict[str, Any] = {"inline_bytes": 1 << 62, "max_frame_bytes": 1 << 62}
 
 
 #: A checkpoint file: this, the body's crc32 (u32 little-endian), then the body. A file

@@ -30,6 +30,12 @@ _PREFIX = struct.Struct("<II")  # length, crc32
 _INLINE_ALL = 1 << 62
 
 
+def _record_codec() -> Codec[Record]:
+    """A record a frame, arrays inline, no size limit but the frame's u32 length (the
+    wire's 256 MiB limit guards sockets, not files)."""
+    return Codec(Record, inline_bytes=_INLINE_ALL, max_frame_bytes=_INLINE_ALL)
+
+
 class JournalHeader(Message):
     """The first record of a journal file: which checkpoint lineage it continues."""
 
@@ -93,7 +99,7 @@ class Journal:
     def __init__(self, path: Path, *, fsync: bool = False) -> None:
         """A journal at ``path`` (opened by ``reset``); ``fsync`` each append."""
         self.path, self.fsync = Path(path), fsync
-        self.codec: Codec[Record] = Codec(Record, inline_bytes=_INLINE_ALL)
+        self.codec: Codec[Record] = _record_codec()
         self.next_seq = 1
         self.bytes_written = 0
         self._file: io.FileIO | None = None
@@ -163,7 +169,7 @@ def read_journal(path: Path) -> tuple[JournalHeader, Iterator[tuple[int, Record]
 
 
 def _records(path: Path, data: bytes, offset: int, seq: int) -> Iterator[tuple[int, Record]]:
-    codec: Codec[Record] = Codec(Record, inline_bytes=_INLINE_ALL)
+    codec: Codec[Record] = _record_codec()
     while offset < len(data):
         start = offset
         body, offset = _read_frame(path, data, offset)
