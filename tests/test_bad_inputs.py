@@ -5,6 +5,7 @@ with the checkpoint named."""
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from asyncrl.buffer.sources import DataError, PromptSource
 from asyncrl.buffer.versioned import VersionedBuffer
 from asyncrl.config import ConfigError, load_config
 from asyncrl.errors import CheckpointUnreadable
+from asyncrl.policies import PolicyConfig
 from asyncrl.trainers.torch_trainer import TorchTrainer
 from tests.buffer_sim import ListSource, make_prompts
 from tests.tiny_model import build_tiny_model
@@ -123,6 +125,28 @@ def test_a_truncated_trainer_checkpoint_is_refused_with_its_name(tmp_path: Path)
     (tmp_path / "step_1" / "trainer.json").write_text("{")
     with pytest.raises(ValueError, match="JSONDecodeError"):
         TorchTrainer(config).load_checkpoint(tmp_path / "step_1")
+
+
+def test_a_trainer_checkpoint_missing_a_part_is_refused_never_half_loaded(tmp_path: Path):
+    """A truncated or missing RNG file of this rank, or a missing critic: unreadable (a
+    permanent error, not a restart, not a stream silently reseeded)."""
+    build_tiny_model(tmp_path / "model")
+    config = TorchTrainer.Config(model_path=str(tmp_path / "model"), lr=1e-3)
+    ppo = PolicyConfig(advantage_estimator="ppo")
+    TorchTrainer(config, ppo).save_checkpoint(tmp_path / "step_1")
+    rng = tmp_path / "step_1" / "rng" / "rank0.pt"
+    whole = rng.read_bytes()
+    rng.write_bytes(whole[:100])
+    with pytest.raises(CheckpointUnreadable, match=r"step_1 is unreadable"):
+        TorchTrainer(config, ppo).load_checkpoint(tmp_path / "step_1")
+    rng.unlink()
+    with pytest.raises(CheckpointUnreadable, match=r"rank0\.pt is missing \(written by 1 rank"):
+        TorchTrainer(config, ppo).load_checkpoint(tmp_path / "step_1")
+    rng.write_bytes(whole)
+    shutil.rmtree(tmp_path / "step_1" / "critic")
+    with pytest.raises(CheckpointUnreadable, match=r"has no critic/, and this trainer trains"):
+        TorchTrainer(config, ppo).load_checkpoint(tmp_path / "step_1")
+    TorchTrainer(config).load_checkpoint(tmp_path / "step_1")  # grpo: no critic to read
 
 
 def test_a_row_over_the_size_limit_is_refused_before_it_is_parsed(tmp_path: Path):

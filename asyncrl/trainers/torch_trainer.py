@@ -41,6 +41,7 @@ from torch import nn
 
 from asyncrl.errors import CheckpointUnreadable
 from asyncrl.hardware import available_memory
+from asyncrl.observe.logs import get_logger
 from asyncrl.policies import (
     LossScale,
     PolicyConfig,
@@ -80,6 +81,8 @@ from asyncrl.trainers.rng import load_rng, rng_state, seed_everything, set_rng_s
 from asyncrl.trainers.rollout_tensors import RolloutTensors, rollout_tensors, sft_tensors
 from asyncrl.trainers.token_stats import token_logprobs, token_stats
 from asyncrl.types import TrainBatch
+
+log = get_logger("asyncrl.trainer")
 
 MicroStep = Callable[[MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -444,10 +447,36 @@ class TorchTrainer:
 
         return write
 
+    def _load_critic_state(self, path: Path) -> None:
+        assert self.critic is not None
+        if not (path / "critic").is_dir():
+            raise CheckpointUnreadable(
+                f"trainer checkpoint {path} has no critic/, and this trainer trains one: "
+                "resume with the advantage estimator it was written with"
+            )
+        self.critic.load(path / "critic", path / "optimizer" / "critic")
+
+    def _rng_file(self, path: Path, world_size: int) -> Path | None:
+        """This rank's RNG state; None where the checkpoint was written by another number
+        of ranks (the streams then start from the seed, said once)."""
+        rng = path / "rng" / f"rank{self.dp.rank}.pt"
+        if rng.is_file():
+            return rng
+        if world_size == self.dp.world_size:
+            raise CheckpointUnreadable(
+                f"trainer checkpoint {path} is unreadable: {rng} is missing (written by "
+                f"{world_size} rank(s), as this trainer has)"
+            )
+        log.warning("RNG streams restart from the seed", checkpoint=str(path),
+                    written_by=world_size, ranks=self.dp.world_size)  # fmt: skip
+        return None
+
     def load_checkpoint(self, path: Path) -> None:
         """Restore a ``save_checkpoint`` directory; the next steps repeat bit-exactly.
 
-        RNG state is restored per rank when the checkpoint has this rank's file.
+        Every part is checked: a missing or truncated file (weights, optimizer, critic,
+        this rank's RNG state when written by as many ranks) is ``CheckpointUnreadable``,
+        never a restart or a silently reseeded stream.
         """
         path = Path(path)
         try:
@@ -456,18 +485,19 @@ class TorchTrainer:
             self.policy.load(
                 path / "policy", path / "optimizer" / "policy", adapter=path / "adapter"
             )
+            if self.critic is not None:
+                self._load_critic_state(path)
+            rng = self._rng_file(path, int(state.get("world_size", 1)))
+            rng_state = load_rng(rng) if rng is not None else None
+        except CheckpointUnreadable:
+            raise
         except Exception as exc:  # json, safetensors, torch.load: all mean the same here
             raise CheckpointUnreadable(
                 f"trainer checkpoint {path} is unreadable (truncated or incomplete?): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        if self.critic is not None:
-            if not (path / "critic").is_dir():
-                raise ValueError(f"{path}: this trainer has a critic but the checkpoint does not")
-            self.critic.load(path / "critic", path / "optimizer" / "critic")
-        rng = path / "rng" / f"rank{self.dp.rank}.pt"
-        if rng.is_file():
-            set_rng_state(load_rng(rng))
+        if rng_state is not None:
+            set_rng_state(rng_state)
         self.version = version
 
 
