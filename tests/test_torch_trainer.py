@@ -284,6 +284,28 @@ def test_a_checkpoint_resumes_bit_exactly(tiny, tmp_path):
     assert first.policy.scheduler.get_last_lr() == second.policy.scheduler.get_last_lr()
 
 
+def test_a_resume_trains_at_this_runs_lr_and_betas_with_the_saved_moments(tiny, tmp_path):
+    """The optimizer state carries the checkpoint's lr and betas; a resume with other ones
+    (``--lr``) trains at them, the schedule's position and AdamW's moments kept."""
+    sched = {"lr_schedule": "cosine", "warmup_steps": 1, "total_steps": 6}
+    first = TorchTrainer(config(tiny, **sched))
+    for step in range(2):
+        first.train_step(make_batch(step, version=step))
+    first.save_checkpoint(tmp_path / "ckpt")
+    second = TorchTrainer(config(tiny, lr=5e-4, betas=(0.8, 0.95), **sched))
+    second.load_checkpoint(tmp_path / "ckpt")
+    group = second.policy.optimizer.param_groups[0]
+    settings = OptimSettings(lr=5e-4, schedule="cosine", warmup_steps=1, total_steps=6)
+    assert group["lr"] == pytest.approx(5e-4 * lr_factor(2, settings))
+    assert group["betas"] == (0.8, 0.95) and group["initial_lr"] == 5e-4
+    assert second.policy.scheduler.get_last_lr() == [group["lr"]]
+    saved = first.policy.optimizer.state_dict()["state"]
+    loaded = second.policy.optimizer.state_dict()["state"]
+    assert all(torch.equal(saved[k]["exp_avg"], loaded[k]["exp_avg"]) for k in saved)
+    lr = group["lr"]  # the live group: the step below moves it on
+    assert second.train_step(make_batch(2, version=2)).metrics["lr"] == pytest.approx(lr)
+
+
 # --------------------------------------------------------------------- weights out, in HF
 
 

@@ -293,8 +293,28 @@ class Learner:
         state = state if (state / "optimizer.pt").is_file() else path
         # weights_only: tensors and plain containers, never arbitrary pickled objects.
         optimizer = torch.load(state / "optimizer.pt", weights_only=True)
+        settings = self._settings()
         self.dp.load_optimizer_state(self.model, self.optimizer, optimizer)
         self.scheduler.load_state_dict(torch.load(state / "scheduler.pt", weights_only=True))
+        self._apply(settings)
+
+    _HYPER = ("initial_lr", "betas", "eps", "weight_decay")
+
+    def _settings(self) -> list[dict[str, Any]]:
+        return [{k: g[k] for k in self._HYPER} for g in self.optimizer.param_groups]
+
+    def _apply(self, settings: list[dict[str, Any]]) -> None:
+        """This run's AdamW settings and base LR over a loaded state (which carries the
+        checkpoint's): a resume with ``--lr`` trains at it, the moments and the schedule's
+        position kept. The LR is then ``base x lr_factor(step)``."""
+        step = self.scheduler.last_epoch
+        for group, lam, kept in zip(
+            self.optimizer.param_groups, self.scheduler.lr_lambdas, settings, strict=True
+        ):
+            group.update(kept)
+            group["lr"] = kept["initial_lr"] * lam(step)
+        self.scheduler.base_lrs = [s["initial_lr"] for s in settings]
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
 
 @dataclass(frozen=True, slots=True)
