@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -177,28 +178,39 @@ async def run_training(
                 "went back to an earlier step", step=resume_from_step, moved_aside=str(rewound)
             )
         resume = resume or resume_from_step is not None
-        if resume:
-            _say_what_changed(cfg, run_dir / "config.json")
-        dump_resolved(cfg, run_dir / "config.json")
+        record_config(cfg, run_dir, resume=resume)
         return await run_job(cfg, resume=resume, checked=True, chaos=chaos)
 
 
-def _say_what_changed(cfg: RunConfig, path: Path) -> None:
+def record_config(cfg: RunConfig, run_dir: Path, *, resume: bool) -> None:
+    """``config.json``: this start's resolved config. A resume that changes settings says
+    which and keeps the last start's as ``config.previous.json`` (a resume refused later,
+    on other data say, must not leave the run's record of them overwritten)."""
+    path = run_dir / "config.json"
+    if resume and _say_what_changed(cfg, path):
+        shutil.copy2(path, run_dir / "config.previous.json")
+    dump_resolved(cfg, path)
+
+
+def _say_what_changed(cfg: RunConfig, path: Path) -> bool:
     """Log each resolved setting a resumed run changes against its last start (its
-    ``config.json``): a flag, or a default chosen for the machine (``dtype: auto``)."""
+    ``config.json``): a flag, or a default chosen for the machine (``dtype: auto``).
+    Whether any changed."""
     from asyncrl.observe.logs import get_logger
 
     log = get_logger("asyncrl.controller")
     try:
         before = json.loads(path.read_text())
     except FileNotFoundError:
-        return
+        return False
     except (OSError, ValueError) as exc:
         log.warning("the run's earlier config is unreadable: not compared", path=str(path),
                     error=str(exc))  # fmt: skip
-        return
+        return False
     if changes := config_changes(before, cfg):
-        log.warning("resumed with a changed config", changes=changes)
+        log.warning("resumed with a changed config", changes=changes,
+                    previous=str(path.with_name("config.previous.json")))  # fmt: skip
+    return bool(changes)
 
 
 def prestart(cfg: RunConfig) -> None:

@@ -537,6 +537,20 @@ def test_a_resumed_run_says_which_resolved_settings_changed(tmp_path):
     assert logs[0]["changes"] == changes
 
 
+def test_a_resume_that_changes_settings_keeps_the_last_starts_config(tmp_path):
+    from asyncrl.api import record_config
+
+    first = load_config(overrides=["--name", "a"])
+    record_config(first, tmp_path, resume=False)
+    record_config(first, tmp_path, resume=True)  # unchanged: nothing kept aside
+    assert not (tmp_path / "config.previous.json").exists()
+    second = load_config(overrides=["--name", "a", "--seed", "7"])
+    record_config(second, tmp_path, resume=True)
+    assert json.loads((tmp_path / "config.previous.json").read_text())["seed"] == 0
+    assert json.loads((tmp_path / "config.json").read_text())["seed"] == 7
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
 def test_changes_hide_credentials_and_say_which_side_lacks_a_key():
     from asyncrl.config import config_changes
 

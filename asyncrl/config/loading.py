@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -322,6 +323,10 @@ def config_changes(before: Any, cfg: BaseModel) -> list[str]:
 
 
 def dump_resolved(cfg: BaseModel, path: str | Path) -> None:
-    """Write the full resolved config as JSON (nulls kept); the CLI calls it per run."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(cfg.model_dump_json(indent=2) + "\n")
+    """Write the full resolved config as JSON (nulls kept), atomically (a temp file, then
+    a rename: a kill leaves the old or the new, never half); the CLI calls it per run."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(cfg.model_dump_json(indent=2) + "\n")
+    os.replace(tmp, path)

@@ -30,6 +30,8 @@ RUN_FILES = (
     "metrics.jsonl",
     "trained.jsonl",
     "config.json",
+    "config.previous.json",
+    "config.json.tmp",
     "chaos.json",
     "plots",
     "rollout_data",
