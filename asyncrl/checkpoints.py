@@ -26,7 +26,7 @@ def snapshot_steps(snapshots: Path) -> list[int]:
     """The steps ``snapshots`` holds a buffer snapshot of, oldest first."""
     if not snapshots.is_dir():
         return []
-    return sorted(int(p.stem[5:]) for p in snapshots.glob("step_*.ckpt") if p.stem[5:].isdigit())
+    return sorted(n for p in snapshots.glob("step_*.ckpt") if (n := step_of(p.stem)) is not None)
 
 
 def trainer_dir(run_dir: Path) -> Path:
@@ -44,8 +44,17 @@ def checkpoint_dirs(root: Path) -> dict[int, Path]:
     first (a ``.tmp`` being written, or an ``.old`` being replaced, is not one)."""
     if not root.is_dir():
         return {}
-    found = {int(p.name[5:]): p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()}
+    found = {n: p for p in root.glob("step_*") if p.is_dir() and (n := step_of(p.name)) is not None}
     return dict(sorted(found.items()))
+
+
+def step_of(name: str) -> int | None:
+    """The step a ``STEP`` name holds; None for any other (``step_10`` beside
+    ``step_000010`` would be a second folder of one step: neither found nor pruned)."""
+    digits = name[len("step_") :]
+    if not name.startswith("step_") or not digits.isdigit():
+        return None
+    return int(digits) if STEP.format(int(digits)) == name else None
 
 
 def checkpoint_steps(root: Path) -> list[int]:

@@ -180,17 +180,21 @@ def test_a_restart_loads_its_own_jobs_newest_checkpoint_and_pruning_keeps_its_ne
     for step, job in [(5, "old-job"), (10, "this"), (20, "this"), (30, "old-job")]:
         _save_atomically(saver.save_checkpoint, tmp_path / f"step_{step:06d}", job)
     (tmp_path / "step_000040.tmp").mkdir()  # a save that was cut off
+    (tmp_path / "step_50").mkdir()  # not a name asyncrl writes: never read, never pruned
     assert _newest_checkpoint(str(tmp_path)).name == "step_000030"
     assert _newest_checkpoint(str(tmp_path), job="this").name == "step_000020"
     _save_atomically(saver.save_checkpoint, tmp_path / "step_000020", "this")  # kept as is
     assert saver.saves == 4
     # The old job's step 30 is newer, yet neither counts nor goes: pruning it in, this
-    # job's newest checkpoint would be removed as soon as it was written.
-    _prune_checkpoints(tmp_path, keep=1, job="this")
-    names = ["step_000005", "step_000020", "step_000030", "step_000040.tmp"]
+    # job's newest checkpoint would be removed as soon as it was written. Its step 5,
+    # below this job's first, is this run's past: counted, so resumes do not pile up.
+    _prune_checkpoints(tmp_path, keep=2, job="this")
+    names = ["step_000010", "step_000020", "step_000030", "step_000040.tmp", "step_50"]
     assert sorted(p.name for p in tmp_path.glob("step_*")) == names
-    _prune_checkpoints(tmp_path, keep=2)  # no job: the newest of all
+    _prune_checkpoints(tmp_path, keep=1, job="this")
     assert sorted(p.name for p in tmp_path.glob("step_*")) == names[1:]
+    _prune_checkpoints(tmp_path, keep=1)  # no job: the newest of all
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == names[2:]
 
 
 class SlowTrainer:

@@ -24,7 +24,7 @@ from asyncrl.actors.batches import BatchSource, BufferBatches, DumpedBatches
 from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.buffer.dump import BatchWriter
 from asyncrl.buffer.journal import fsync_dir
-from asyncrl.checkpoints import checkpoint_dirs, step_dir
+from asyncrl.checkpoints import checkpoint_dirs, step_dir, step_of
 from asyncrl.cores import BusyMark
 from asyncrl.errors import NonFiniteTraining, RunStateLost
 from asyncrl.observe.episodes import episode_metrics
@@ -510,10 +510,21 @@ def _written_by(path: Path) -> str | None:
 
 
 def _prune_checkpoints(root: Path, keep: int, job: str | None = None) -> None:
-    """Remove all but the newest ``keep`` checkpoints; with ``job``, of that job's only.
-    Another job's checkpoints are neither counted nor removed: counted, a directory
-    holding an earlier run's higher steps would prune each new checkpoint of this job as
-    it is written, and a restart would find none to resume from."""
-    mine = [p for p in _checkpoints(root) if job is None or _written_by(p) == job]
+    """Remove all but the newest ``keep`` checkpoints; with ``job``, of that job's and of
+    the earlier jobs it resumed (steps below its first). Another job's higher steps are
+    neither counted nor removed: counted, they would prune each new checkpoint of this
+    job as it is written, and a restart would find none to resume from. Uncounted, the
+    lower ones would stay forever, a run's disk growing by ``keep`` at every resume."""
+    found = _checkpoints(root)
+    mine = [p for p in found if job is None or _written_by(p) == job]
+    if job is not None and mine:
+        first = _step_of(mine[0])
+        mine = [p for p in found if p in mine or _step_of(p) < first]
     for path in mine[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int:
+    step = step_of(path.name)
+    assert step is not None  # checkpoint_dirs found it
+    return step
