@@ -292,7 +292,11 @@ def test_a_journal_of_another_lineage_is_ignored_and_a_gap_is_refused(tmp_path: 
     assert recovered.buffer.ledger.admitted == 0
     # A journal that starts after the checkpoint's end: records are missing.
     old.journal.reset(newer.lineage, 7)
-    with pytest.raises(ValueError, match=r"starts at record 7 but .*ckpt ends at 0"):
+    # Permanent (RunStateLost): a restart would read the same bytes, so none is made.
+    with pytest.raises(RunStateLost, match=r"starts at record 7 but .*ckpt ends at 0"):
+        recover_hub(new_hub(cfg), tmp_path / "ckpt", tmp_path / "journal")
+    (tmp_path / "journal").write_bytes(b"")  # a zero-byte journal: damaged, not empty
+    with pytest.raises(RunStateLost, match=r"journal cannot be replayed: .*bad magic"):
         recover_hub(new_hub(cfg), tmp_path / "ckpt", tmp_path / "journal")
 
 

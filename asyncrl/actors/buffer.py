@@ -363,7 +363,10 @@ class BufferActor(Actor):
             log.warning("no buffer checkpoint yet: the buffer starts fresh", checkpoint=str(path))
             return
         job = hub.job
-        replayed = recover_hub(hub, path, journal)
+        try:
+            replayed = recover_hub(hub, path, journal)
+        except RunStateLost as exc:  # a damaged journal: say where to go back to
+            raise RunStateLost(f"{exc}{self._rewind_hint()}") from exc
         written_by, hub.job = hub.job, job
         if written_by != job and not resume:
             raise RunStateLost(

@@ -10,9 +10,9 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from asyncrl.buffer.hub import Hub, HubState
+from asyncrl.buffer.hub import Hub, HubState, ReplayDiverged
 from asyncrl.buffer.journal import fsync_dir, read_journal
-from asyncrl.errors import CheckpointUnreadable, InputError
+from asyncrl.errors import CheckpointUnreadable, InputError, RunStateLost
 from asyncrl.observe.logs import get_logger
 from asyncrl.wire.codec import Codec
 from asyncrl.wire.errors import WireError
@@ -80,6 +80,19 @@ def recover_hub(hub: Hub, checkpoint: Path, journal: Path | None) -> int:
         raise _unreadable(checkpoint, f"{type(exc).__name__}: {exc}") from None
     if journal is None or not journal.exists():
         return 0
+    try:
+        return _replay(hub, checkpoint, journal)
+    except InputError:  # not damage: the data changed since (the source says how)
+        raise
+    except (ValueError, ReplayDiverged) as exc:  # the same bytes fail the same way again
+        raise RunStateLost(
+            f"the buffer's journal cannot be replayed: {exc}. Going on would forget what it "
+            "recorded (groups handed out, trained): restore it from a copy, or start over "
+            "(--overwrite)"
+        ) from exc
+
+
+def _replay(hub: Hub, checkpoint: Path, journal: Path) -> int:
     header, records = read_journal(journal)
     if header.lineage != hub.lineage:
         log.warning("journal of another lineage ignored", journal=str(journal))
