@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from asyncrl.wire.blob import BlobClient, BlobServer, _targets, layout
-from asyncrl.wire.errors import RemoteError, WireError
-from asyncrl.wire.messages import BlobChunk
+from asyncrl.wire.errors import PeerLost, RemoteError, WireError
+from asyncrl.wire.messages import BlobChunk, FetchDone
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -91,6 +91,28 @@ async def test_a_server_records_who_completed_a_pull_so_an_exiting_trainer_can_w
         async with asyncio.timeout(5):
             await waiter
     assert server.completed("v") == ["rollout-0", "eval"] and server.completed("other") == []
+
+
+async def test_a_pull_whose_done_notice_meets_an_exited_server_still_returns_the_data(
+    endpoint: str, monkeypatch
+):
+    """The server counts the pull on FetchDone and may exit (a trainer's last version)
+    before its reply goes out: the reset then fails only that courtesy, not the pull."""
+    call = BlobClient.call
+
+    async def reset_on_done(self, msg, *args, **kwargs):
+        if isinstance(msg, FetchDone):
+            await call(self, msg, *args, **kwargs)  # counted, then the server is gone
+            raise PeerLost("connection reset; call may or may not have run")
+        return await call(self, msg, *args, **kwargs)
+
+    monkeypatch.setattr(BlobClient, "call", reset_on_done)
+    async with BlobServer(endpoint, chunk_bytes=97) as server:
+        server.put("v", tensors())
+        async with BlobClient(server.endpoint, window=2, puller="eval") as client:
+            got = await client.fetch("v")
+        assert server.completed("v") == ["eval"]
+    assert all(torch.equal(got[k], v) for k, v in tensors().items())
 
 
 def test_layout_aligns_every_tensor_to_64_bytes():

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from asyncrl.wire.codec import Codec, torch_dtype, torch_dtype_name
-from asyncrl.wire.errors import WireError
+from asyncrl.wire.errors import PeerLost, WireError
 from asyncrl.wire.messages import (
     BlobChunk,
     BlobManifest,
@@ -232,9 +232,10 @@ class BlobClient(RpcClient[BlobRequest, BlobReply]):
         finally:
             for _, fut in inflight:
                 fut.cancel()
-        await self.call(
-            FetchDone(blob=m.blob, by=self.puller)
-        )  # lets an exiting server know we are done
+        try:  # lets an exiting server know we are done
+            await self.call(FetchDone(blob=m.blob, by=self.puller))
+        except PeerLost:  # it counted us and exited before its reply: every byte is here
+            pass
         return {e.name: t for e, t in zip(m.entries, targets, strict=True)} if out is None else out
 
     def _request(self, blob: str, index: int) -> asyncio.Future[BlobReply]:
