@@ -4,6 +4,7 @@ with the checkpoint named."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -142,6 +143,9 @@ def test_a_trainer_checkpoint_missing_a_part_is_refused_never_half_loaded(tmp_pa
     rng.unlink()
     with pytest.raises(CheckpointUnreadable, match=r"rank0\.pt is missing \(written by 1 rank"):
         TorchTrainer(config, ppo).load_checkpoint(tmp_path / "step_1")
+    state = json.loads((tmp_path / "step_1" / "trainer.json").read_text())
+    (tmp_path / "step_1" / "trainer.json").write_text(json.dumps(state | {"world_size": 2}))
+    TorchTrainer(config, ppo).load_checkpoint(tmp_path / "step_1")  # other ranks: reseeded
     rng.write_bytes(whole)
     shutil.rmtree(tmp_path / "step_1" / "critic")
     with pytest.raises(CheckpointUnreadable, match=r"has no critic/, and this trainer trains"):
