@@ -260,6 +260,23 @@ def test_a_trainer_ahead_of_every_batch_the_buffer_made_is_refused():
     hub.settle(-1, [], 2, resync=True)  # an unknown version is not checked
 
 
+def test_a_trainer_holding_more_batches_than_the_buffer_made_is_refused_though_its_version_fits():
+    """Skipped batches make no version: a trainer at version 2 that consumed 4 batches (2
+    skipped) passes the version check against a buffer state that recorded 2 batches, yet
+    that state lost the 2 after them and would serve their groups again."""
+    cfg = VersionedBuffer.Config(groups_per_step=2, num_samples_per_prompt=1, max_staleness=8)
+    hub = new_hub(cfg)
+    trained_batches(hub, 2, durable=2)
+    hub.commit()
+    before = comparable(hub.state_dict())
+    with pytest.raises(RunStateLost, match=r"has consumed 4 batches .* records only 2"):
+        hub.settle(2, [], 2, resync=True, consumed=4)
+    assert comparable(hub.state_dict()) == before
+    hub.settle(2, [], 2, resync=True, consumed=2)  # the count that matches goes on
+    following = hub.take(2)
+    assert following is not None and following.batch_id == 3
+
+
 def test_a_replay_that_diverges_from_its_journal_fails_loudly(tmp_path: Path):
     cfg = VersionedBuffer.Config(groups_per_step=1, num_samples_per_prompt=2)
     hub = new_hub(cfg, tmp_path / "journal")

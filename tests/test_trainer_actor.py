@@ -21,11 +21,12 @@ from asyncrl.actors.base import ActorSpec
 from asyncrl.actors.config import PublishConfig, TrainerActorConfig
 from asyncrl.actors.trainer import TrainerActor
 from asyncrl.cores import BusyMark
+from asyncrl.errors import CheckpointUnreadable
 from asyncrl.policies.config import PolicyConfig
 from asyncrl.runtime.local import LocalRuntime
 from asyncrl.runtime.supervisor import Supervisor
 from asyncrl.runtime.topology import allocate_endpoints
-from asyncrl.trainers.base import StepResult
+from asyncrl.trainers.base import StepResult, UntrainableBatch
 from asyncrl.trainers.config import TrainerConfig
 from asyncrl.trainers.torch_trainer import TorchTrainer
 from asyncrl.types import BatchReply, Group, TrainBatch, WorkReply, WorkRequest
@@ -227,7 +228,7 @@ class OneBatch:
     def __init__(self) -> None:
         self.given = False
 
-    async def next(self, version: int, durable: int = -1) -> BatchReply:
+    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
         if self.given:
             await asyncio.sleep(3600)
         self.given = True
@@ -286,7 +287,7 @@ class BatchAfterStop(OneBatch):
         super().__init__()
         self.actor, self.acked = actor, list[int]()
 
-    async def next(self, version: int, durable: int = -1) -> BatchReply:
+    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
         self.actor.request_stop("test")
         await asyncio.sleep(0.1)  # the drain's checkpoint goes first; it lingers after
         return await super().next(version, durable)
@@ -314,7 +315,7 @@ class LateBatch(OneBatch):
         super().__init__()
         self.empty = 2
 
-    async def next(self, version: int, durable: int = -1) -> BatchReply:
+    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
         if self.empty:
             self.empty -= 1
             await asyncio.sleep(0.2)
@@ -370,10 +371,73 @@ class Batches(OneBatch):
         super().__init__()
         self.left = n
 
-    async def next(self, version: int, durable: int = -1) -> BatchReply:
+    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
         self.left -= 1
         self.given = self.left < 0
         return await super().next(version, durable)
+
+
+class SkipsTheFirst(SlowTrainer):
+    """Skips batch 1 (no group to learn from: the version stays), trains the others;
+    its checkpoints hold its version."""
+
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        if batch.batch_id == 1:
+            raise UntrainableBatch("every group's advantage is zero")
+        return super().train_step(batch)
+
+    def save_checkpoint(self, path: Path) -> None:
+        super().save_checkpoint(path)
+        (path / "version").write_text(str(self.version))
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.version = int((path / "version").read_text())
+
+
+class Numbered(Batches):
+    """Batches 1..n, then none; records the ``consumed`` each request reports."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.ids, self.reported = iter(range(1, n + 1)), list[int]()
+
+    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
+        self.reported.append(consumed)
+        await super().next(version, durable)  # waits for good after the n-th
+        return BatchReply(TrainBatch(batch_id=next(self.ids), step=version, groups=[]))
+
+
+async def test_a_checkpoint_counts_the_skipped_batches_its_weights_hold(tmp_path):
+    """A skipped batch makes no version, so a checkpoint's version undercounts the batches
+    behind it; the count it records is what the buffer checks a resync against (a buffer
+    state that lost records would otherwise pass, and serve consumed groups again)."""
+    ckpt = tmp_path / "ckpt"
+    params = trainer_config(checkpoint_dir=str(ckpt), checkpoint_interval=1, job="job-1")
+    spec = ActorSpec(name="trainer", role="trainer", cls="", params=params.model_dump(mode="json"))
+    actor, batches = TrainerActor(spec), Numbered(2)
+    actor.trainer, actor.batches, actor.weights = SkipsTheFirst(), batches, NoSubscribers()  # type: ignore[assignment]
+    actor.durable, actor.num_steps, actor.audit, actor.metrics, actor.dump = 0, 1, None, None, None
+    await actor._run_until_stopped()
+    assert batches.reported == [0, 1] and actor.skipped == 1
+    step = ckpt / "step_000001"
+    assert (step / "version").read_text() == "1" and (step / "consumed").read_text() == "2\n"
+    resumed = TrainerActor(
+        ActorSpec(
+            name="trainer",
+            role="trainer",
+            cls="",
+            params=trainer_config(resume_from=str(step)).model_dump(mode="json"),
+        )
+    )
+    resumed.trainer = SkipsTheFirst()  # type: ignore[assignment]
+    resumed._resume()
+    assert (resumed.trainer.version, resumed.consumed) == (1, 2)
+    (step / "consumed").write_text("2\x00\x00")  # damaged: refused, not read as unknown
+    with pytest.raises(CheckpointUnreadable, match=r"consumed.*not a count of batches"):
+        resumed._resume()
+    (step / "consumed").unlink()  # written before counts were recorded: unknown
+    resumed._resume()
+    assert resumed.consumed == -1
 
 
 class CopyingTrainer(SlowTrainer):

@@ -26,7 +26,7 @@ from asyncrl.buffer.dump import BatchWriter
 from asyncrl.buffer.journal import fsync_dir
 from asyncrl.checkpoints import checkpoint_dirs, step_dir, step_of
 from asyncrl.cores import BusyMark
-from asyncrl.errors import NonFiniteTraining, RunStateLost
+from asyncrl.errors import CheckpointUnreadable, NonFiniteTraining, RunStateLost
 from asyncrl.observe.episodes import episode_metrics
 from asyncrl.observe.logs import get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
@@ -59,6 +59,10 @@ class TrainerActor(Actor):
         self.skipped = 0
         self._nonfinite = 0  # non-finite steps in a row (skipped)
         self._resumed_from = ""  # the checkpoint setup loaded, if any
+        # Batches the weights hold, trained or skipped (-1: unknown, a checkpoint written
+        # before this was recorded). Checkpoints record it; the buffer checks a resync by
+        # it, since a skipped batch makes no version.
+        self.consumed = 0
         self._last: dict[str, float] = {}
         self.metrics: JsonlMetricsSink | None = None
         self.samples: JsonlMetricsSink | None = None
@@ -109,7 +113,8 @@ class TrainerActor(Actor):
         ep, frame, cfg = self.spec.endpoints, self.max_frame_bytes, self.config
         self.batches: BatchSource
         if cfg.load_dump:  # train-only: no buffer in this job
-            self.batches = DumpedBatches(Path(cfg.load_dump), skip=self.trainer.version)
+            skip = self.consumed if self.consumed >= 0 else self.trainer.version
+            self.batches = DumpedBatches(Path(cfg.load_dump), skip=skip)
         else:
             codec_rep = Codec(BatchReply, max_frame_bytes=frame)
             client = RpcClient(ep["buffer.batches"], Codec(BatchRequest), codec_rep)
@@ -173,6 +178,8 @@ class TrainerActor(Actor):
                 async with self._computing():
                     result = await self._train(batch)
                 self.batches.done(batch.batch_id)
+                if self.consumed >= 0:
+                    self.consumed += 1
                 self._audit(batch, trained=result is not None)
                 if result is not None:
                     self._log_samples(batch, result.version)
@@ -227,7 +234,7 @@ class TrainerActor(Actor):
     async def _next_batch(self) -> tuple[BatchReply, float]:
         start = time.perf_counter()
         try:
-            reply = await self.batches.next(self.trainer.version, self.durable)
+            reply = await self.batches.next(self.trainer.version, self.durable, self.consumed)
         except RunStateLost as exc:  # the buffer refused our resync: say where we stand
             raise RunStateLost(f"{exc} {self._where_from()}") from None
         return reply, time.perf_counter() - start
@@ -316,8 +323,14 @@ class TrainerActor(Actor):
             )
         if path:
             self.trainer.load_checkpoint(Path(path))
+            self.consumed = _consumed_in(Path(path))
             self._resumed_from = str(path)
-            log.info("trainer resumed", path=str(path), version=self.trainer.version)
+            log.info(
+                "trainer resumed",
+                path=str(path),
+                version=self.trainer.version,
+                consumed=self.consumed,
+            )
 
     async def _checkpoint(self, *, background: bool = False) -> Path | None:
         """A checkpoint of this version; ``background``: from a copy of the state taken
@@ -334,7 +347,7 @@ class TrainerActor(Actor):
             write = await asyncio.to_thread(self._snapshot) if background else None
             if write is None:
                 save = self.trainer.save_checkpoint
-                await asyncio.to_thread(_save_atomically, save, path, cfg.job)
+                await asyncio.to_thread(_save_atomically, save, path, cfg.job, self.consumed)
             else:
                 self._write_later(write, path, version)
                 return path
@@ -359,7 +372,7 @@ class TrainerActor(Actor):
         cfg = self.config
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
-        job = partial(_write_and_prune, write, path, cfg.job, cfg.keep_checkpoints)
+        job = partial(_write_and_prune, write, path, cfg.job, cfg.keep_checkpoints, self.consumed)
         start = time.perf_counter()
         self._writing = asyncio.get_running_loop().run_in_executor(self._writer, job)
 
@@ -444,22 +457,26 @@ class TrainerActor(Actor):
 
 
 _JOB_FILE = "job"
+_CONSUMED_FILE = "consumed"
 
 
 def _write_and_prune(
-    write: Callable[[Path], None], path: Path, job: str | None, keep: int | None
+    write: Callable[[Path], None], path: Path, job: str | None, keep: int | None, consumed: int
 ) -> None:
-    _save_atomically(write, path, job)
+    _save_atomically(write, path, job, consumed)
     if keep:
         _prune_checkpoints(path.parent, keep, job)
 
 
-def _save_atomically(write: Callable[[Path], None], path: Path, job: str | None = None) -> None:
+def _save_atomically(
+    write: Callable[[Path], None], path: Path, job: str | None = None, consumed: int = -1
+) -> None:
     """Save into ``path.tmp`` then rename: a crash mid-save never leaves a partial ``path``,
     and an older ``path`` is moved aside, not deleted, until the new one is in place (a
     checkpoint reported durable must never be missing). ``job`` marks which job wrote it
-    (a restart loads only its own job's); this job's checkpoint of the same version is
-    already this state and is kept as it is."""
+    (a restart loads only its own job's), ``consumed`` the batches its weights hold; this
+    job's checkpoint of the same version is already this state and is kept as it is (a
+    batch skipped since is served again to a restart from it, and skipped again)."""
     if job and path.is_dir() and _written_by(path) == job:
         return
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
@@ -467,6 +484,8 @@ def _save_atomically(write: Callable[[Path], None], path: Path, job: str | None 
     write(tmp)
     if job:
         (tmp / _JOB_FILE).write_text(job)
+    if consumed >= 0:
+        (tmp / _CONSUMED_FILE).write_text(f"{consumed}\n")
     _fsync_tree(tmp)  # on disk before the buffer hears it is durable
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
@@ -507,6 +526,21 @@ def _newest_checkpoint(root: str | None, *, job: str | None = None) -> Path | No
 def _written_by(path: Path) -> str | None:
     marker = path / _JOB_FILE
     return marker.read_text() if marker.is_file() else None
+
+
+def _consumed_in(path: Path) -> int:
+    """The batches the checkpoint at ``path`` holds, trained or skipped; -1 when it does
+    not say (written before this was recorded, or by another tool)."""
+    marker = path / _CONSUMED_FILE
+    if not marker.is_file():
+        return -1
+    text = marker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointUnreadable(
+            f"{marker}: {text[:40]!r} is not a count of batches: the checkpoint is damaged; "
+            "restore it from a copy, or resume from an earlier step (--resume-from-step)"
+        )
+    return int(text)
 
 
 def _prune_checkpoints(root: Path, keep: int, job: str | None = None) -> None:

@@ -144,14 +144,17 @@ class Hub:
         self._log(Followed(version=version))
         return cancelled
 
-    def settle(self, version: int, acks: Iterable[int], durable: int, resync: bool) -> None:
+    def settle(
+        self, version: int, acks: Iterable[int], durable: int, resync: bool, consumed: int = -1
+    ) -> None:
         """A trainer request's acks, its durable version and (first request of a trainer
         incarnation, or one whose reply was lost) a resync at its ``version``: every kept
         batch from it on is served again, in order, before any new one (``_resync``). A
         batch is released once acknowledged and, with ``durable >= 0``, once a checkpoint
-        covers it (``step < durable``)."""
+        covers it (``step < durable``). ``consumed``: the batches the trainer's weights
+        hold, trained or skipped (-1: unknown), checked against those handed out."""
         if resync and not self._applying:
-            self._check_resync(version)  # before any change: a refusal leaves the state
+            self._check_resync(version, consumed)  # before any change: a refusal leaves the state
         acks = [a for a in acks if a in self.outstanding and a not in self.acked]
         if not acks and durable == self.durable and not resync:
             return
@@ -165,18 +168,24 @@ class Hub:
         self.resyncing = self.resyncing and self._first_unacked() is not None
         self._log(Settled(version=version, acks=acks, durable=durable, resync=resync))
 
-    def _check_resync(self, version: int) -> None:
-        """``RunStateLost`` when a trainer at ``version`` cannot continue this state
-        exactly: it is ahead of every batch the buffer handed out (the buffer's journal or
-        checkpoint lost records: it would serve trained groups again), or behind the
-        batches kept for it (its checkpoints are gone: the steps between would be lost,
-        or trained twice)."""
+    def _check_resync(self, version: int, consumed: int = -1) -> None:
+        """``RunStateLost`` when a trainer at ``version`` that ``consumed`` batches cannot
+        continue this state exactly: it holds more batches than the buffer handed out (the
+        buffer's journal or checkpoint lost records: it would serve trained groups again;
+        skipped batches make no version, so ``consumed`` is the exact count), or it is
+        behind the batches kept for it (its checkpoints are gone: the steps between would
+        be lost, or trained twice)."""
         if version < 0:
             return
         taken = self.buffer.batches_taken
-        if version > taken:
+        if version > taken or consumed > taken:
+            holds = (
+                f"has consumed {consumed} batches (trained or skipped)"
+                if consumed > taken
+                else f"is at version {version}"
+            )
             raise RunStateLost(
-                f"the trainer is at version {version}, but the buffer's state records only "
+                f"the trainer {holds}, but the buffer's state records only "
                 f"{taken} batches handed out: the buffer's journal or checkpoint lost records "
                 "(deleted, cut short, or an older copy), and going on would train consumed "
                 "groups again"
