@@ -191,6 +191,30 @@ def test_a_checkpoint_resumes_bit_exactly(cpu, tiny_dir, ref_dir, tmp_path, upda
     assert max_diff(resumed.export_weights(), trainer.export_weights()) == 0.0
 
 
+def test_a_resume_trains_with_this_runs_lr_and_betas(cpu, tiny_dir, tmp_path):
+    """The optimizer's checkpoint carries its betas, eps and weight decay; a resume with
+    other ones (and another ``--lr``) trains with them, Adam's moments kept."""
+    trainer = megatron(tiny_dir)
+    trainer.train_step(make_batch(0))
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    new = {"lr": 3e-3, "betas": (0.8, 0.95), "adam_eps": 1e-6, "weight_decay": 0.05}
+    resumed = megatron(tiny_dir, **new)
+    before = [dict(g) for g in resumed.optimizer.param_groups]
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    for group, fresh in zip(resumed.optimizer.param_groups, before, strict=True):
+        assert group["betas"] == (0.8, 0.95) and group["eps"] == 1e-6
+        assert group["weight_decay"] == fresh["weight_decay"]  # per group: 0 for norms
+    assert {g["weight_decay"] for g in before} >= {0.05}
+    moments = [s["exp_avg"] for s in _adam_states(resumed.optimizer)]
+    assert moments and all(m.abs().sum() > 0 for m in moments)  # the saved moments
+    assert resumed.train_step(make_batch(1)).metrics["lr"] == pytest.approx(3e-3)
+
+
+def _adam_states(optimizer) -> list[dict]:
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [s for c in chained for s in c.optimizer.state.values() if "exp_avg" in s]
+
+
 def test_a_checkpoint_before_the_first_step_resumes_fresh(cpu, tiny_dir, tmp_path):
     trainer = megatron(tiny_dir)
     trainer.save_checkpoint(tmp_path / "ckpt")  # Adam has no state yet

@@ -481,9 +481,11 @@ class MegatronTrainer:
             ) from exc
         self.gpt.load_state_dict(state["model"])
         if "optimizer" in state:
+            settings = _adam_settings(self.optimizer)
             with torch.no_grad():  # it copies into views of the parameters
                 self.optimizer.load_state_dict(state["optimizer"])
             _set_adam_steps(self.optimizer, updates)
+            _apply_adam_settings(self.optimizer, settings)
         elif self.version > 0:  # back to before the first step: a fresh Adam
             self.optimizer = self._optimizer()
         rng = path / "rng" / f"rank{dist.get_rank()}.pt"
@@ -506,6 +508,21 @@ class MegatronTrainer:
             model, is_loading=loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
         )
         return {"model": model, "optimizer": optimizer}
+
+
+_ADAM_SETTINGS = ("betas", "eps", "weight_decay")
+
+
+def _adam_settings(optimizer: Any) -> list[dict[str, Any]]:
+    return [{k: g[k] for k in _ADAM_SETTINGS if k in g} for g in optimizer.param_groups]
+
+
+def _apply_adam_settings(optimizer: Any, settings: list[dict[str, Any]]) -> None:
+    """This run's betas, eps and weight decay over a loaded state, which carries the
+    checkpoint's: a resume trains with the command's settings and the saved moments (the
+    LR is set from the config at every step already)."""
+    for group, kept in zip(optimizer.param_groups, settings, strict=True):
+        group.update(kept)
 
 
 def _set_adam_steps(optimizer: Any, steps: int) -> None:
