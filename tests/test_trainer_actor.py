@@ -500,6 +500,24 @@ async def test_a_checkpoint_is_written_while_the_next_step_trains_and_durable_wa
                        "checkpoint of version 2"]  # fmt: skip
 
 
+async def test_waiting_for_a_background_write_lends_the_cores(tmp_path):
+    """The next checkpoint waits for the write under way unmarked: the writer's I/O
+    computes nothing of the trainer's, so the engines keep the cores meanwhile."""
+    trainer = CopyingTrainer()
+    trainer.version = 1
+    actor = background_actor(tmp_path, trainer, OneBatch())
+    actor.mark = BusyMark(tmp_path / "trainer.busy")
+    await actor._checkpoint(background=True)  # its write waits for release
+    trainer.version = 2
+    second = asyncio.create_task(actor._checkpoint(background=True))
+    await asyncio.sleep(0.3)
+    assert not second.done() and actor.mark.path.read_bytes() == b"\x00"
+    trainer.release.set()
+    await second
+    await actor._settle_write()
+    assert actor.durable == 2 and trainer.calls[-1] == "copy of version 2 written"
+
+
 async def test_a_failed_background_write_fails_the_trainer_and_is_never_durable(tmp_path):
     trainer = CopyingTrainer(error=OSError(28, "No space left on device"))
     trainer.release.set()

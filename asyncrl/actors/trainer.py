@@ -195,8 +195,11 @@ class TrainerActor(Actor):
         """The trainer held (one call at a time: ``_busy``) with its busy mark set, so the
         engines on this machine give back the cores they were lent (``cores.py``)."""
         async with self._busy:
-            with self.mark.busy() if self.mark is not None else contextlib.nullcontext():
+            with self._marked():
                 yield
+
+    def _marked(self) -> contextlib.AbstractContextManager[object]:
+        return self.mark.busy() if self.mark is not None else contextlib.nullcontext()
 
     async def _train(self, batch: TrainBatch) -> StepResult | None:
         """One optimizer step on ``batch`` (written to the dump first); None: skipped."""
@@ -340,17 +343,18 @@ class TrainerActor(Actor):
         if not cfg.checkpoint_dir:
             return None
         root = Path(cfg.checkpoint_dir)
-        async with self._computing():  # the write under way settled and the next begun
+        async with self._busy:  # the write under way settled and the next begun
             await self._settle_write()  # under one hold: one write of a folder at a time
-            version = self.trainer.version
-            path = step_dir(root, version)
-            write = await asyncio.to_thread(self._snapshot) if background else None
-            if write is None:
+            # Marked busy only from here: waiting for the writer's I/O lends the cores.
+            with self._marked():
+                version = self.trainer.version
+                path = step_dir(root, version)
+                write = await asyncio.to_thread(self._snapshot) if background else None
+                if write is not None:
+                    self._write_later(write, path, version)
+                    return path
                 save = self.trainer.save_checkpoint
                 await asyncio.to_thread(_save_atomically, save, path, cfg.job, self.consumed)
-            else:
-                self._write_later(write, path, version)
-                return path
         self._made_durable(version)
         if cfg.keep_checkpoints:
             await asyncio.to_thread(_prune_checkpoints, root, cfg.keep_checkpoints, cfg.job)
