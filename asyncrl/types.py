@@ -475,8 +475,9 @@ class BatchRequest(Message):
     from it sends ``resync=True`` with its version to be served every later batch again.
     ``take=False`` only acknowledges. ``version``: the trainer's weight version, which the
     buffer follows from here too (a pub/sub announcement just before a stop may be lost).
-    ``consumed``: the batches its weights hold, trained or skipped (-1: unknown); a resync
-    beyond what the buffer handed out is refused.
+    ``last_batch``: the id of the batch that made its version (-1: unknown); every batch up
+    to it is in its weights, trained or skipped, and a resync beyond what the buffer handed
+    out is refused.
     """
 
     trainer: str
@@ -487,7 +488,7 @@ class BatchRequest(Message):
     take: bool = True
     version: int = -1
     durable: int = -1
-    consumed: int = -1
+    last_batch: int = -1
 
 
 class BatchReply(Message):

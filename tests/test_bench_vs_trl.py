@@ -88,7 +88,7 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
     # Each finished run kept its weights, not its optimizer, scheduler or RNG states.
     runs = tmp_path / "runs" / "0.5m"
     assert sorted(p.name for p in runs.glob("seed_3/asyncrl/checkpoints/trainer/step_*/*")) == [
-        "consumed", "consumed", "job", "job", "policy", "policy", "trainer.json", "trainer.json"
+        "job", "job", "last_batch", "last_batch", "policy", "policy", "trainer.json", "trainer.json"
     ]  # fmt: skip
     for checkpoint in runs.glob("seed_*/trl/checkpoint-*"):
         assert (checkpoint / "model.safetensors").exists()

@@ -54,8 +54,10 @@ def test_a_file_that_is_not_a_batch_is_refused_by_name(tmp_path):
 
 
 async def test_dumped_batches_skip_what_a_resumed_trainer_trained_then_run_out(tmp_path):
+    """A batch's id is its file's number (a dump written again after a restart may hold
+    other ids), so a trainer's ``last_batch`` is where it resumes in this dump."""
     writer = BatchWriter(tmp_path)
-    for i in (1, 2, 3):
+    for i in (1, 5, 2):
         writer.write(batch(i))
     source = DumpedBatches(tmp_path, skip=1)
     got = [(await source.next(version=0)).batch for _ in range(2)]

@@ -183,10 +183,15 @@ def test_a_skipped_batch_is_served_again_in_its_place_and_skipped_again():
     assert trained is not None and trained.step == 2  # the same step: nothing was trained
     hub.follow(3)
     consumed = hub.buffer.ledger.consumed
-    hub.settle(2, [], 2, resync=True)  # the trainer died before its checkpoint at 3
+    # The trainer died before its checkpoint at 3; version 2 was made by batch 2.
+    hub.settle(2, [], 2, resync=True, last_batch=2)
     again = hub.take(2)
     assert again is not None and again.batch_id == skipped.batch_id
-    hub.settle(2, [again.batch_id], 2, resync=False)  # skipped again
+    # Skipped again, and the buffer restarts before the next batch: the trainer resyncs
+    # with the same last batch, however often its skipped batch was served.
+    hub.settle(2, [again.batch_id], 2, resync=True, last_batch=2)
+    assert hub.take(2).batch_id == skipped.batch_id
+    hub.settle(2, [again.batch_id], 2, resync=False)
     then = hub.take(2)
     assert then is not None and then.batch_id == trained.batch_id
     hub.settle(3, [then.batch_id], 2, resync=False)
@@ -260,19 +265,19 @@ def test_a_trainer_ahead_of_every_batch_the_buffer_made_is_refused():
     hub.settle(-1, [], 2, resync=True)  # an unknown version is not checked
 
 
-def test_a_trainer_holding_more_batches_than_the_buffer_made_is_refused_though_its_version_fits():
-    """Skipped batches make no version: a trainer at version 2 that consumed 4 batches (2
-    skipped) passes the version check against a buffer state that recorded 2 batches, yet
-    that state lost the 2 after them and would serve their groups again."""
+def test_a_trainer_holding_a_batch_the_buffer_never_made_is_refused_though_its_version_fits():
+    """Skipped batches make no version: a trainer at version 2 made by batch 4 (2 skipped)
+    passes the version check against a buffer state that recorded 2 batches, yet that
+    state lost the 2 after them and would serve their groups again."""
     cfg = VersionedBuffer.Config(groups_per_step=2, num_samples_per_prompt=1, max_staleness=8)
     hub = new_hub(cfg)
     trained_batches(hub, 2, durable=2)
     hub.commit()
     before = comparable(hub.state_dict())
-    with pytest.raises(RunStateLost, match=r"has consumed 4 batches .* records only 2"):
-        hub.settle(2, [], 2, resync=True, consumed=4)
+    with pytest.raises(RunStateLost, match=r"holds batch 4 .* records only 2"):
+        hub.settle(2, [], 2, resync=True, last_batch=4)
     assert comparable(hub.state_dict()) == before
-    hub.settle(2, [], 2, resync=True, consumed=2)  # the count that matches goes on
+    hub.settle(2, [], 2, resync=True, last_batch=2)  # the batch that made version 2
     following = hub.take(2)
     assert following is not None and following.batch_id == 3
 

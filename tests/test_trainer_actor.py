@@ -228,7 +228,7 @@ class OneBatch:
     def __init__(self) -> None:
         self.given = False
 
-    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
+    async def next(self, version: int, durable: int = -1, last_batch: int = -1) -> BatchReply:
         if self.given:
             await asyncio.sleep(3600)
         self.given = True
@@ -287,7 +287,7 @@ class BatchAfterStop(OneBatch):
         super().__init__()
         self.actor, self.acked = actor, list[int]()
 
-    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
+    async def next(self, version: int, durable: int = -1, last_batch: int = -1) -> BatchReply:
         self.actor.request_stop("test")
         await asyncio.sleep(0.1)  # the drain's checkpoint goes first; it lingers after
         return await super().next(version, durable)
@@ -315,7 +315,7 @@ class LateBatch(OneBatch):
         super().__init__()
         self.empty = 2
 
-    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
+    async def next(self, version: int, durable: int = -1, last_batch: int = -1) -> BatchReply:
         if self.empty:
             self.empty -= 1
             await asyncio.sleep(0.2)
@@ -371,18 +371,18 @@ class Batches(OneBatch):
         super().__init__()
         self.left = n
 
-    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
+    async def next(self, version: int, durable: int = -1, last_batch: int = -1) -> BatchReply:
         self.left -= 1
         self.given = self.left < 0
         return await super().next(version, durable)
 
 
-class SkipsTheFirst(SlowTrainer):
-    """Skips batch 1 (no group to learn from: the version stays), trains the others;
-    its checkpoints hold its version."""
+class SkipsOdd(SlowTrainer):
+    """Skips the odd batches (no group to learn from: the version stays), trains the even
+    ones; its checkpoints hold its version."""
 
     def train_step(self, batch: TrainBatch) -> StepResult:
-        if batch.batch_id == 1:
+        if batch.batch_id % 2:
             raise UntrainableBatch("every group's advantage is zero")
         return super().train_step(batch)
 
@@ -395,32 +395,37 @@ class SkipsTheFirst(SlowTrainer):
 
 
 class Numbered(Batches):
-    """Batches 1..n, then none; records the ``consumed`` each request reports."""
+    """Batches 1..n, then none; records the ``last_batch`` each request reports."""
 
     def __init__(self, n: int) -> None:
         super().__init__(n)
         self.ids, self.reported = iter(range(1, n + 1)), list[int]()
 
-    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
-        self.reported.append(consumed)
+    async def next(self, version: int, durable: int = -1, last_batch: int = -1) -> BatchReply:
+        self.reported.append(last_batch)
         await super().next(version, durable)  # waits for good after the n-th
         return BatchReply(TrainBatch(batch_id=next(self.ids), step=version, groups=[]))
 
 
-async def test_a_checkpoint_counts_the_skipped_batches_its_weights_hold(tmp_path):
-    """A skipped batch makes no version, so a checkpoint's version undercounts the batches
-    behind it; the count it records is what the buffer checks a resync against (a buffer
-    state that lost records would otherwise pass, and serve consumed groups again)."""
+async def test_a_checkpoint_records_the_batch_that_made_its_version(tmp_path):
+    """A skipped batch makes no version, so a version undercounts the batches behind it;
+    the batch that made it is what the buffer checks a resync against (a buffer state
+    that lost records would otherwise pass, and serve consumed groups again). A skip
+    after it is not counted: the buffer serves it again to a restart from this version,
+    however often, and it is skipped again."""
     ckpt = tmp_path / "ckpt"
-    params = trainer_config(checkpoint_dir=str(ckpt), checkpoint_interval=1, job="job-1")
+    params = trainer_config(checkpoint_dir=str(ckpt), job="job-1")
     spec = ActorSpec(name="trainer", role="trainer", cls="", params=params.model_dump(mode="json"))
-    actor, batches = TrainerActor(spec), Numbered(2)
-    actor.trainer, actor.batches, actor.weights = SkipsTheFirst(), batches, NoSubscribers()  # type: ignore[assignment]
-    actor.durable, actor.num_steps, actor.audit, actor.metrics, actor.dump = 0, 1, None, None, None
-    await actor._run_until_stopped()
-    assert batches.reported == [0, 1] and actor.skipped == 1
-    step = ckpt / "step_000001"
-    assert (step / "version").read_text() == "1" and (step / "consumed").read_text() == "2\n"
+    actor, batches = TrainerActor(spec), Numbered(3)
+    actor.trainer, actor.batches, actor.weights = SkipsOdd(), batches, NoSubscribers()  # type: ignore[assignment]
+    actor.durable, actor.num_steps, actor.audit, actor.metrics, actor.dump = -1, 0, None, None, None
+    running = asyncio.create_task(actor._run_until_stopped())
+    await until(lambda: len(batches.reported) == 4)  # 1 skipped, 2 trained, 3 skipped
+    actor.request_stop("test")
+    await running
+    assert batches.reported == [0, 0, 2, 2] and actor.skipped == 2
+    step = ckpt / "step_000001"  # the stop's checkpoint, after the skip of batch 3
+    assert (step / "version").read_text() == "1" and (step / "last_batch").read_text() == "2\n"
     resumed = TrainerActor(
         ActorSpec(
             name="trainer",
@@ -429,15 +434,15 @@ async def test_a_checkpoint_counts_the_skipped_batches_its_weights_hold(tmp_path
             params=trainer_config(resume_from=str(step)).model_dump(mode="json"),
         )
     )
-    resumed.trainer = SkipsTheFirst()  # type: ignore[assignment]
+    resumed.trainer = SkipsOdd()  # type: ignore[assignment]
     resumed._resume()
-    assert (resumed.trainer.version, resumed.consumed) == (1, 2)
-    (step / "consumed").write_text("2\x00\x00")  # damaged: refused, not read as unknown
-    with pytest.raises(CheckpointUnreadable, match=r"consumed.*not a count of batches"):
+    assert (resumed.trainer.version, resumed.last_batch) == (1, 2)
+    (step / "last_batch").write_text("2\x00\x00")  # damaged: refused, not read as unknown
+    with pytest.raises(CheckpointUnreadable, match=r"last_batch.*not a batch id"):
         resumed._resume()
-    (step / "consumed").unlink()  # written before counts were recorded: unknown
+    (step / "last_batch").unlink()  # written before it was recorded: unknown
     resumed._resume()
-    assert resumed.consumed == -1
+    assert resumed.last_batch == -1
 
 
 class CopyingTrainer(SlowTrainer):

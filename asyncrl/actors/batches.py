@@ -1,6 +1,6 @@
 """Where a trainer's batches come from: the buffer (rpc, with acknowledgements) or a dump.
 
-Both answer ``next(version, durable, consumed)`` with a ``BatchReply`` (a batch, none yet, or
+Both answer ``next(version, durable, last_batch)`` with a ``BatchReply`` (a batch, none yet, or
 ``exhausted``); ``done(batch_id)`` marks a batch finished and ``close(version)`` sends
 what is still owed before the actor stops.
 """
@@ -31,7 +31,7 @@ _WHAT_TO_DO = (
 class BatchSource(Protocol):
     """What a consumer of train batches needs; see the module doc."""
 
-    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply: ...
+    async def next(self, version: int, durable: int = -1, last_batch: int = -1) -> BatchReply: ...
 
     def done(self, batch_id: int) -> None: ...
 
@@ -53,7 +53,7 @@ class BufferBatches:
         self._resync = True
         self._durable = -1  # the newest durable version the buffer has heard
 
-    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
+    async def next(self, version: int, durable: int = -1, last_batch: int = -1) -> BatchReply:
         req = BatchRequest(
             trainer=self.consumer,
             wait=_WAIT_S,
@@ -61,7 +61,7 @@ class BufferBatches:
             resync=self._resync,
             version=version,
             durable=durable,
-            consumed=consumed,
+            last_batch=last_batch,
         )
         reply = await self._call(req)
         self._acks, self._resync, self._durable = [], False, durable
@@ -99,8 +99,9 @@ class BufferBatches:
 
 class DumpedBatches:
     """Batches from the files of a dump (``asyncrl.buffer.dump``), in order, after the
-    first ``skip`` (a resumed trainer skips the batches its weights hold, trained or
-    skipped)."""
+    first ``skip`` (a resumed trainer skips the batches its weights hold, up to the one
+    that made its version). Each batch's id is its file's number (from 1), the trainer's
+    ``last_batch`` in this job."""
 
     def __init__(self, directory: Path, *, skip: int = 0) -> None:
         self.files = batch_files(directory)
@@ -108,12 +109,12 @@ class DumpedBatches:
             raise ValueError(f"{directory}: no batch_NNNNNN.msgpack files to train on")
         self.position = min(skip, len(self.files))
 
-    async def next(self, version: int, durable: int = -1, consumed: int = -1) -> BatchReply:
+    async def next(self, version: int, durable: int = -1, last_batch: int = -1) -> BatchReply:
         if self.position >= len(self.files):
             return BatchReply(batch=None, exhausted=True)
         batch = await asyncio.to_thread(read_batch, self.files[self.position])
         self.position += 1
-        return BatchReply(batch=batch)
+        return BatchReply(batch=msgspec.structs.replace(batch, batch_id=self.position))
 
     def done(self, batch_id: int) -> None:
         pass  # files are never consumed: a dump can be replayed again

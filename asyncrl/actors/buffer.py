@@ -255,7 +255,7 @@ class BufferActor(Actor):
     # -- the trainer ---------------------------------------------------------------------
     async def _serve_batch(self, req: BatchRequest, peer: bytes) -> BatchReply:
         try:
-            self.hub.settle(req.version, req.ack, req.durable, req.resync, req.consumed)
+            self.hub.settle(req.version, req.ack, req.durable, req.resync, req.last_batch)
         except RunStateLost as exc:  # the trainer fails with it; the buffer state stands
             files = [str(p) for p in (self.checkpoint_path, self.hub.journal_path) if p]
             where = f"the buffer's state: {' and '.join(files)}"
@@ -363,10 +363,12 @@ class BufferActor(Actor):
             log.warning("no buffer checkpoint yet: the buffer starts fresh", checkpoint=str(path))
             return
         if resume and journal is not None and not journal.exists():
-            # Journaling may have been off in that job; if not, what it recorded after the
-            # checkpoint is gone, and the trainer's resync refuses a state it has outrun.
+            # Expected after --resume-from-step (the journal is moved aside) or a job run
+            # without one; otherwise what it recorded is gone, and the trainer's resync
+            # refuses a state it has outrun.
             log.warning(
-                "no buffer journal after the checkpoint: resuming from the checkpoint alone",
+                "no buffer journal after the checkpoint: resuming from the checkpoint alone "
+                "(expected after --resume-from-step or a job without runtime.journal)",
                 checkpoint=str(path),
                 journal=str(journal),
             )

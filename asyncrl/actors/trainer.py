@@ -59,10 +59,12 @@ class TrainerActor(Actor):
         self.skipped = 0
         self._nonfinite = 0  # non-finite steps in a row (skipped)
         self._resumed_from = ""  # the checkpoint setup loaded, if any
-        # Batches the weights hold, trained or skipped (-1: unknown, a checkpoint written
-        # before this was recorded). Checkpoints record it; the buffer checks a resync by
-        # it, since a skipped batch makes no version.
-        self.consumed = 0
+        # The id of the batch that made this version (-1: unknown: a checkpoint written
+        # before this was recorded); every batch up to it is in the weights, trained or
+        # skipped. Checkpoints record it, and the buffer checks a resync by it: a skipped
+        # batch makes no version. Skips at this version are not in it: the buffer serves
+        # them again to a restart from this version, which skips them again.
+        self.last_batch = 0
         self._last: dict[str, float] = {}
         self.metrics: JsonlMetricsSink | None = None
         self.samples: JsonlMetricsSink | None = None
@@ -113,7 +115,7 @@ class TrainerActor(Actor):
         ep, frame, cfg = self.spec.endpoints, self.max_frame_bytes, self.config
         self.batches: BatchSource
         if cfg.load_dump:  # train-only: no buffer in this job
-            skip = self.consumed if self.consumed >= 0 else self.trainer.version
+            skip = self.last_batch if self.last_batch >= 0 else self.trainer.version
             self.batches = DumpedBatches(Path(cfg.load_dump), skip=skip)
         else:
             codec_rep = Codec(BatchReply, max_frame_bytes=frame)
@@ -178,10 +180,9 @@ class TrainerActor(Actor):
                 async with self._computing():
                     result = await self._train(batch)
                 self.batches.done(batch.batch_id)
-                if self.consumed >= 0:
-                    self.consumed += 1
                 self._audit(batch, trained=result is not None)
                 if result is not None:
+                    self.last_batch = batch.batch_id
                     self._log_samples(batch, result.version)
                     agent = episode_metrics(s for g in batch.groups for s in g.samples)
                     await self._after_step(result, waited, agent)
@@ -237,7 +238,7 @@ class TrainerActor(Actor):
     async def _next_batch(self) -> tuple[BatchReply, float]:
         start = time.perf_counter()
         try:
-            reply = await self.batches.next(self.trainer.version, self.durable, self.consumed)
+            reply = await self.batches.next(self.trainer.version, self.durable, self.last_batch)
         except RunStateLost as exc:  # the buffer refused our resync: say where we stand
             raise RunStateLost(f"{exc} {self._where_from()}") from None
         return reply, time.perf_counter() - start
@@ -326,13 +327,13 @@ class TrainerActor(Actor):
             )
         if path:
             self.trainer.load_checkpoint(Path(path))
-            self.consumed = _consumed_in(Path(path))
+            self.last_batch = _last_batch_in(Path(path))
             self._resumed_from = str(path)
             log.info(
                 "trainer resumed",
                 path=str(path),
                 version=self.trainer.version,
-                consumed=self.consumed,
+                last_batch=self.last_batch,
             )
 
     async def _checkpoint(self, *, background: bool = False) -> Path | None:
@@ -354,7 +355,7 @@ class TrainerActor(Actor):
                     self._write_later(write, path, version)
                     return path
                 save = self.trainer.save_checkpoint
-                await asyncio.to_thread(_save_atomically, save, path, cfg.job, self.consumed)
+                await asyncio.to_thread(_save_atomically, save, path, cfg.job, self.last_batch)
         self._made_durable(version)
         if cfg.keep_checkpoints:
             await asyncio.to_thread(_prune_checkpoints, root, cfg.keep_checkpoints, cfg.job)
@@ -376,7 +377,7 @@ class TrainerActor(Actor):
         cfg = self.config
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
-        job = partial(_write_and_prune, write, path, cfg.job, cfg.keep_checkpoints, self.consumed)
+        job = partial(_write_and_prune, write, path, cfg.job, cfg.keep_checkpoints, self.last_batch)
         start = time.perf_counter()
         self._writing = asyncio.get_running_loop().run_in_executor(self._writer, job)
 
@@ -461,26 +462,25 @@ class TrainerActor(Actor):
 
 
 _JOB_FILE = "job"
-_CONSUMED_FILE = "consumed"
+_LAST_BATCH_FILE = "last_batch"
 
 
 def _write_and_prune(
-    write: Callable[[Path], None], path: Path, job: str | None, keep: int | None, consumed: int
+    write: Callable[[Path], None], path: Path, job: str | None, keep: int | None, last_batch: int
 ) -> None:
-    _save_atomically(write, path, job, consumed)
+    _save_atomically(write, path, job, last_batch)
     if keep:
         _prune_checkpoints(path.parent, keep, job)
 
 
 def _save_atomically(
-    write: Callable[[Path], None], path: Path, job: str | None = None, consumed: int = -1
+    write: Callable[[Path], None], path: Path, job: str | None = None, last_batch: int = -1
 ) -> None:
     """Save into ``path.tmp`` then rename: a crash mid-save never leaves a partial ``path``,
     and an older ``path`` is moved aside, not deleted, until the new one is in place (a
     checkpoint reported durable must never be missing). ``job`` marks which job wrote it
-    (a restart loads only its own job's), ``consumed`` the batches its weights hold; this
-    job's checkpoint of the same version is already this state and is kept as it is (a
-    batch skipped since is served again to a restart from it, and skipped again)."""
+    (a restart loads only its own job's), ``last_batch`` the batch that made its version;
+    this job's checkpoint of the same version is already this state and is kept as it is."""
     if job and path.is_dir() and _written_by(path) == job:
         return
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
@@ -488,8 +488,8 @@ def _save_atomically(
     write(tmp)
     if job:
         (tmp / _JOB_FILE).write_text(job)
-    if consumed >= 0:
-        (tmp / _CONSUMED_FILE).write_text(f"{consumed}\n")
+    if last_batch >= 0:
+        (tmp / _LAST_BATCH_FILE).write_text(f"{last_batch}\n")
     _fsync_tree(tmp)  # on disk before the buffer hears it is durable
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
@@ -532,16 +532,16 @@ def _written_by(path: Path) -> str | None:
     return marker.read_text() if marker.is_file() else None
 
 
-def _consumed_in(path: Path) -> int:
-    """The batches the checkpoint at ``path`` holds, trained or skipped; -1 when it does
-    not say (written before this was recorded, or by another tool)."""
-    marker = path / _CONSUMED_FILE
+def _last_batch_in(path: Path) -> int:
+    """The batch that made the version of the checkpoint at ``path``; -1 when it does not
+    say (written before this was recorded, or by another tool)."""
+    marker = path / _LAST_BATCH_FILE
     if not marker.is_file():
         return -1
     text = marker.read_text().strip()
     if not text.isdigit():
         raise CheckpointUnreadable(
-            f"{marker}: {text[:40]!r} is not a count of batches: the checkpoint is damaged; "
+            f"{marker}: {text[:40]!r} is not a batch id: the checkpoint is damaged; "
             "restore it from a copy, or resume from an earlier step (--resume-from-step)"
         )
     return int(text)

@@ -145,16 +145,16 @@ class Hub:
         return cancelled
 
     def settle(
-        self, version: int, acks: Iterable[int], durable: int, resync: bool, consumed: int = -1
+        self, version: int, acks: Iterable[int], durable: int, resync: bool, last_batch: int = -1
     ) -> None:
         """A trainer request's acks, its durable version and (first request of a trainer
         incarnation, or one whose reply was lost) a resync at its ``version``: every kept
         batch from it on is served again, in order, before any new one (``_resync``). A
         batch is released once acknowledged and, with ``durable >= 0``, once a checkpoint
-        covers it (``step < durable``). ``consumed``: the batches the trainer's weights
-        hold, trained or skipped (-1: unknown), checked against those handed out."""
+        covers it (``step < durable``). ``last_batch``: the batch that made the trainer's
+        version (-1: unknown), checked against those handed out."""
         if resync and not self._applying:
-            self._check_resync(version, consumed)  # before any change: a refusal leaves the state
+            self._check_resync(version, last_batch)  # before any change: a refusal leaves the state
         acks = [a for a in acks if a in self.outstanding and a not in self.acked]
         if not acks and durable == self.durable and not resync:
             return
@@ -168,20 +168,20 @@ class Hub:
         self.resyncing = self.resyncing and self._first_unacked() is not None
         self._log(Settled(version=version, acks=acks, durable=durable, resync=resync))
 
-    def _check_resync(self, version: int, consumed: int = -1) -> None:
-        """``RunStateLost`` when a trainer at ``version`` that ``consumed`` batches cannot
-        continue this state exactly: it holds more batches than the buffer handed out (the
-        buffer's journal or checkpoint lost records: it would serve trained groups again;
-        skipped batches make no version, so ``consumed`` is the exact count), or it is
-        behind the batches kept for it (its checkpoints are gone: the steps between would
-        be lost, or trained twice)."""
+    def _check_resync(self, version: int, last_batch: int = -1) -> None:
+        """``RunStateLost`` when a trainer at ``version``, made by batch ``last_batch``,
+        cannot continue this state exactly: it holds a batch the buffer never handed out
+        (the buffer's journal or checkpoint lost records: it would serve trained groups
+        again; skipped batches make no version, so ``last_batch`` is the exact test), or
+        it is behind the batches kept for it (its checkpoints are gone: the steps between
+        would be lost, or trained twice)."""
         if version < 0:
             return
         taken = self.buffer.batches_taken
-        if version > taken or consumed > taken:
+        if version > taken or last_batch > taken:
             holds = (
-                f"has consumed {consumed} batches (trained or skipped)"
-                if consumed > taken
+                f"holds batch {last_batch} (its version's, after skipped ones)"
+                if last_batch > taken
                 else f"is at version {version}"
             )
             raise RunStateLost(
