@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from asyncrl.buffer.journal import MAGIC, Taken, read_journal
+from asyncrl.checkpoints import checkpoint_dirs
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.job import run_job
@@ -247,7 +248,7 @@ def cut_at_the_second_batch(journal: Path) -> None:
     journal.write_bytes(data[: offset + 5])
 
 
-@pytest.mark.parametrize("damage", ["journal deleted", "journal cut short"])
+@pytest.mark.parametrize("damage", ["journal deleted", "journal cut short", "batch unknown"])
 def test_a_resume_over_a_damaged_buffer_journal_is_refused_and_trains_nothing_twice(
     tmp_path, capsys, damage
 ):
@@ -255,14 +256,19 @@ def test_a_resume_over_a_damaged_buffer_journal_is_refused_and_trains_nothing_tw
     journal = run_dir / "checkpoints" / "buffer.journal"
     if damage == "journal deleted":
         journal.unlink()
-    else:
+    elif damage == "journal cut short":
         cut_at_the_second_batch(journal)
+    else:  # its version fits, but it holds a batch the buffer never made (skips after it)
+        newest = list(checkpoint_dirs(run_dir / "checkpoints" / "trainer").values())[-1]
+        assert (newest / "last_batch").read_text().strip().isdigit()
+        (newest / "last_batch").write_text("1000\n")
     trained = len(lines(run_dir / "trained.jsonl"))
     flags = [*job_flags(tmp_path, steps=12), *LONG_RUN, *AUDITED, *QUICK_STOP, "--resume"]
     assert main(["train", *flags]) != 0
     err = capsys.readouterr().err
     assert "the buffer's journal or checkpoint lost records" in err, err
     assert "buffer.journal" in err and "--overwrite" in err
+    assert ("holds batch 1000" in err) == (damage == "batch unknown"), err
     assert len(lines(run_dir / "trained.jsonl")) == trained  # nothing trained over it
     # The refusal names the steps kept whole (a trainer checkpoint every 2 steps, and the
     # buffer's snapshot of each): going back to the newest trains to the end, exactly.
@@ -270,7 +276,7 @@ def test_a_resume_over_a_damaged_buffer_journal_is_refused_and_trains_nothing_tw
     assert hint is not None, err
     step = int(hint[1])
     assert step >= 4 and step % 2 == 0 and hint[2].endswith(str(step)), hint[0]
-    if damage == "journal deleted":
+    if damage != "journal cut short":
         return  # the same way back as the other case: once is enough
     flags[-1] = "--resume-from-step"
     assert main(["train", *flags, str(step)]) == 0
