@@ -5,6 +5,7 @@ checks, the eval actor's lower priority; and the per-process limits of every act
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import resource
@@ -282,3 +283,63 @@ async def test_the_final_version_cancels_an_intermediate_eval_but_a_lost_one_doe
     assert await scored(final_arrives=True) == ([4], 1)
     assert await scored(final_arrives=False) == ([2], 0)
     assert await scored(final_arrives=True, slow=0) == ([0, 4], 0)
+
+
+async def test_the_baseline_is_scored_from_the_initial_weights_when_its_announcement_is_missed(
+    tmp_path,
+):
+    """A fast trainer publishes version 1 before the eval actor subscribes: the receiver
+    hands over the newest announcement, so version 0's is never seen. The baseline is the
+    engine's initial weights, scored at once; a job whose file already has it (a resume)
+    does not score it again."""
+    metrics = tmp_path / "eval.jsonl"
+    config = EvalActorConfig(
+        engine=EngineConfig(model_path="unused"), sampling={}, reward=RewardConfig(),
+        eval=EvalConfig(interval=2, sets=[EvalSetConfig(name="held", path="unused.jsonl")]),
+        num_steps=2, metrics_path=str(metrics),
+    )  # fmt: skip
+    spec = ActorSpec(name="eval", role="eval", cls="x:y", params=config.model_dump(mode="json"))
+    announced = [WeightVersion(version=v, transport="pull", location="") for v in (1, 2)]
+
+    class Receiver:
+        async def next_version(self, after: int = -1) -> WeightVersion:
+            if not announced:
+                await asyncio.Event().wait()
+            return announced.pop(0)
+
+        async def fetch(self, msg: WeightVersion) -> dict:
+            return {}
+
+    async def scored(at_start: bool = True) -> list[int]:
+        actor = EvalActor(spec)
+        actor.cfg = config.eval.model_copy(update={"at_start": at_start})
+        actor.num_steps, actor.next_due = 2, 0 if at_start else 2
+        actor._pending, actor._final_lost = None, False
+        actor._ready, actor._final_due = asyncio.Event(), asyncio.Event()
+        actor.sets = [type("Set", (), {"cfg": config.eval.sets[0]})]
+        actor.receiver = Receiver()
+
+        async def load_tensors(tensors: dict, version: int) -> None:
+            pass
+
+        actor.host = type("Host", (), {"engine": object(), "version": 0,
+                                       "load_tensors": staticmethod(load_tensors)})  # fmt: skip
+        actor.baseline = actor._baseline_due()
+        if actor.baseline:
+            actor.next_due = 2
+        finished: list[int] = []
+
+        async def evaluate(version: int) -> None:
+            finished.append(version)
+            with metrics.open("a") as f:
+                f.write(json.dumps({"version": version, "set": "held", "pass@1": 0.1}) + "\n")
+
+        actor._evaluate = evaluate
+        await asyncio.wait_for(actor.run(), 5)
+        announced[:] = [WeightVersion(version=v, transport="pull", location="") for v in (1, 2)]
+        return finished
+
+    assert await scored() == [0, 2]  # version 1 is not due: the interval is 2
+    assert await scored() == [2]  # resumed: version 0 is in the file already
+    metrics.unlink()
+    assert await scored(at_start=False) == [2]

@@ -28,7 +28,7 @@ from asyncrl.actors.rollout import (
 )
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.observe.logs import get_logger
-from asyncrl.observe.metrics import JsonlMetricsSink
+from asyncrl.observe.metrics import JsonlMetricsSink, read_jsonl
 from asyncrl.rollout.base import RolloutContext, Workflow
 from asyncrl.rollout.config import EvalSetConfig
 from asyncrl.rollout.engines import EngineHost, engine_seed
@@ -76,6 +76,7 @@ class EvalActor(Actor):
         super().__init__(spec)
         self.evaluated = 0
         self.preempted = 0
+        self.baseline = False  # version 0 is scored from the initial weights (setup)
         self._last: dict[str, float] = {}
         self.metrics: JsonlMetricsSink | None = None
 
@@ -110,10 +111,27 @@ class EvalActor(Actor):
         )
         self.receiver = await self.hold(rx)
         self.metrics = self.open_metrics(config.metrics_path, flush_every=0)
+        self.baseline = self._baseline_due()
+        if self.baseline:  # before _follow starts: version 0's announcement is not due
+            self.next_due = self.cfg.interval
+
+    def _baseline_due(self) -> bool:
+        """Version 0 is scored from the embedded engine's own initial weights (which are
+        the trainer's version 0), not from its announcement: a trainer that publishes
+        version 1 before this actor subscribes would replace it. Unless the job's file
+        already has version 0 for every set (a resumed job, a restarted actor)."""
+        if not self.cfg.at_start or self.host.engine is None or self.host.version != 0:
+            return False
+        path = Path(self.config.metrics_path)
+        rows = read_jsonl(path) if path.is_file() else []
+        scored = {r.get("set") for r in rows if r.get("version") == 0}
+        return not {s.cfg.name for s in self.sets} <= scored
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
             follow = tg.create_task(self._follow(), name=f"{self.name}.follow")
+            if self.baseline:
+                await self._evaluate(0)
             await self._evaluate_loop()
             follow.cancel()
 
