@@ -341,5 +341,7 @@ async def test_the_baseline_is_scored_from_the_initial_weights_when_its_announce
 
     assert await scored() == [0, 2]  # version 1 is not due: the interval is 2
     assert await scored() == [2]  # resumed: version 0 is in the file already
+    metrics.write_text("{not json\n" + metrics.read_text())  # damaged: scored again
+    assert await scored() == [0, 2]
     metrics.unlink()
     assert await scored(at_start=False) == [2]

@@ -123,7 +123,11 @@ class EvalActor(Actor):
         if not self.cfg.at_start or self.host.engine is None or self.host.version != 0:
             return False
         path = Path(self.config.metrics_path)
-        rows = read_jsonl(path) if path.is_file() else []
+        try:
+            rows = read_jsonl(path) if path.is_file() else []
+        except ValueError as exc:  # a damaged file: score the baseline again, not fail
+            log.warning("eval rows unreadable; scoring version 0", error=str(exc))
+            rows = []
         scored = {r.get("set") for r in rows if r.get("version") == 0}
         return not {s.cfg.name for s in self.sets} <= scored
 
