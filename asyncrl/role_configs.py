@@ -73,7 +73,7 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, Act
     job = secrets.token_hex(8)
     resumed_at = last_step(run_dir / "metrics.jsonl") if resume else None
     rollout = _rollout_config(cfg, run_dir, engine_key, resumed_at)
-    eval_engine = cfg.eval.engine.seeded(cfg.seed) if cfg.eval.engine else None
+    eval_engine = cfg.eval.engine.seeded(cfg.seed) if cfg.eval.engine else _embedded(rollout.engine)
     return {
         "buffer": _buffer_config(cfg, run_dir, resume=resume, job=job),
         "rollout": rollout,
@@ -82,13 +82,19 @@ def role_params(cfg: RunConfig, run_dir: Path, *, resume: bool) -> dict[str, Act
         "eval": EvalActorConfig(
             **_workflow_fields(rollout)
             # The eval actor's own engine: embedded, whatever serves the rollout.
-            | {"engine": eval_engine or _embedded(rollout.engine)},
+            | {"engine": eval_engine},
             eval=cfg.eval,
+            baseline_from_engine=same_model(eval_engine.model_path, cfg.trainer.model_path),
             num_steps=cfg.train.num_steps,
             final_checkpoint=str(final_policy_dir(run_dir, cfg.train.num_steps)),
             metrics_path=str(run_dir / "metrics" / "eval.jsonl"),
         ),
     } | _reward_config(cfg)
+
+
+def same_model(engine_path: str | None, trainer_path: str) -> bool:
+    """Whether an engine loads the trainer's starting checkpoint (its version 0)."""
+    return engine_path is not None and Path(engine_path).resolve() == Path(trainer_path).resolve()
 
 
 def _reward_config(cfg: RunConfig) -> dict[str, ActorConfig]:

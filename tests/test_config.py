@@ -464,6 +464,10 @@ def test_every_engine_samples_from_the_jobs_seed_mixed_with_its_actor_name(tmp_p
     eval_on = ["--eval.interval", "1", "--eval.sets", '[{"name": "t", "path": "t.jsonl"}]']
     params = role_params(load_config(overrides=flags + eval_on), tmp_path, resume=False)
     assert params["rollout"].engine.seed == params["eval"].engine.seed == 3  # type: ignore[attr-defined]
+    assert params["eval"].baseline_from_engine  # type: ignore[attr-defined]
+    other = [*eval_on, "--eval.engine.model-path", "other"]
+    params = role_params(load_config(overrides=flags + other), tmp_path, resume=False)
+    assert not params["eval"].baseline_from_engine  # type: ignore[attr-defined]
     own = load_config(overrides=[*flags, "--rollout.engine.seed", "9"])
     assert role_params(own, tmp_path, resume=False)["rollout"].engine.seed == 9  # type: ignore[attr-defined]
     assert engine_seed(3, "rollout-0", False) != engine_seed(3, "rollout-1", False)

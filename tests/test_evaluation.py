@@ -19,7 +19,7 @@ import pytest
 
 from asyncrl.actors.base import ActorSpec
 from asyncrl.actors.config import EvalActorConfig
-from asyncrl.actors.eval import EvalActor
+from asyncrl.actors.eval import EvalActor, scored_versions
 from asyncrl.engines.base import FinishReason
 from asyncrl.engines.config import EngineConfig
 from asyncrl.engines.sglang_wire import GenerateResult
@@ -296,7 +296,7 @@ async def test_the_baseline_is_scored_from_the_initial_weights_when_its_announce
     config = EvalActorConfig(
         engine=EngineConfig(model_path="unused"), sampling={}, reward=RewardConfig(),
         eval=EvalConfig(interval=2, sets=[EvalSetConfig(name="held", path="unused.jsonl")]),
-        num_steps=2, metrics_path=str(metrics),
+        num_steps=2, metrics_path=str(metrics), baseline_from_engine=True,
     )  # fmt: skip
     spec = ActorSpec(name="eval", role="eval", cls="x:y", params=config.model_dump(mode="json"))
     announced = [WeightVersion(version=v, transport="pull", location="") for v in (1, 2)]
@@ -324,12 +324,10 @@ async def test_the_baseline_is_scored_from_the_initial_weights_when_its_announce
 
         actor.host = type("Host", (), {"engine": object(), "version": 0,
                                        "load_tensors": staticmethod(load_tensors)})  # fmt: skip
-        actor.baseline = actor._baseline_due()
-        if actor.baseline:
-            actor.next_due = 2
+        actor._schedule_from(scored_versions(metrics))
         finished: list[int] = []
 
-        async def evaluate(version: int) -> None:
+        async def evaluate(version: int, sets: list | None = None) -> None:
             finished.append(version)
             with metrics.open("a") as f:
                 f.write(json.dumps({"version": version, "set": "held", "pass@1": 0.1}) + "\n")
@@ -341,7 +339,39 @@ async def test_the_baseline_is_scored_from_the_initial_weights_when_its_announce
 
     assert await scored() == [0, 2]  # version 1 is not due: the interval is 2
     assert await scored() == [2]  # resumed: version 0 is in the file already
-    metrics.write_text("{not json\n" + metrics.read_text())  # damaged: scored again
-    assert await scored() == [0, 2]
     metrics.unlink()
     assert await scored(at_start=False) == [2]
+
+
+def test_a_restarted_eval_actor_starts_past_the_scored_versions_and_scores_missing_sets(
+    tmp_path,
+):
+    """Its schedule resumes from the job's rows: the next due version after the newest
+    scored one, and version 0 only for the sets without it. A damaged file costs
+    rescoring, never the setup: the rows that do not parse are skipped."""
+    metrics = tmp_path / "eval.jsonl"
+    rows = [{"version": 0, "set": "a"}, {"version": 3, "set": "a"}, {"version": 3, "set": "b"},
+            {"version": False, "set": "b"}, {"version": 0, "set": ["b"]}, [0, "b"]]  # fmt: skip
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"version": 0, "se\n\n')
+    assert scored_versions(metrics) == {0: {"a"}, 3: {"a", "b"}}
+    assert scored_versions(tmp_path / "none.jsonl") == {}
+    sets = [EvalSetConfig(name=n, path="unused.jsonl") for n in ("a", "b")]
+    config = EvalActorConfig(
+        engine=EngineConfig(model_path="unused"), sampling={}, reward=RewardConfig(),
+        eval=EvalConfig(interval=2, sets=sets), num_steps=10, metrics_path=str(metrics),
+        baseline_from_engine=True,
+    )  # fmt: skip
+    spec = ActorSpec(name="eval", role="eval", cls="x:y", params=config.model_dump(mode="json"))
+
+    def schedule(engine: object | None, from_engine: bool = True) -> tuple[list[str], int]:
+        actor = EvalActor(spec)
+        actor.cfg, actor.next_due = config.eval, 0
+        actor.config = config.model_copy(update={"baseline_from_engine": from_engine})
+        actor.sets = [type("Set", (), {"cfg": s}) for s in sets]
+        actor.host = type("Host", (), {"engine": engine, "version": 0})
+        actor._schedule_from(scored_versions(metrics))
+        return [s.cfg.name for s in actor.baseline], actor.next_due
+
+    assert schedule(object()) == (["b"], 4)
+    assert schedule(None) == ([], 4)  # a remote engine: version 0 from its announcement
+    assert schedule(object(), from_engine=False) == ([], 4)  # another model than the trainer's

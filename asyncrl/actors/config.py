@@ -136,6 +136,9 @@ class EvalActorConfig(WorkflowConfig):
     num_steps: int = Field(ge=0, description="the final version; 0: when the trainer stops")
     metrics_path: str
     final_checkpoint: str | None = Field(None, description="the trainer's final HF weights")
+    baseline_from_engine: bool = Field(
+        False, description="the engine's initial weights are the trainer's version 0"
+    )
 
 
 class BufferActorConfig(ActorConfig):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -28,7 +29,7 @@ from asyncrl.actors.rollout import (
 )
 from asyncrl.buffer.sources import PromptSource
 from asyncrl.observe.logs import get_logger
-from asyncrl.observe.metrics import JsonlMetricsSink, read_jsonl
+from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.rollout.base import RolloutContext, Workflow
 from asyncrl.rollout.config import EvalSetConfig
 from asyncrl.rollout.engines import EngineHost, engine_seed
@@ -66,6 +67,29 @@ def lower_priority(increment: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, current + increment))
 
 
+def scored_versions(path: Path) -> dict[int, set[str]]:
+    """The sets each version has rows for in an ``eval.jsonl``. Lines that do not parse,
+    or lack an int ``version`` and a str ``set``, are skipped with a warning: a damaged
+    file costs a rescore, never the actor's setup."""
+    scored: dict[int, set[str]] = {}
+    if not path.is_file():
+        return scored
+    skipped = 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            row = {}
+        version, name = (row.get("version"), row.get("set")) if isinstance(row, dict) else (0, 0)
+        if type(version) is int and isinstance(name, str):
+            scored.setdefault(version, set()).add(name)
+        elif row is not None:
+            skipped += 1
+    if skipped:
+        log.warning("eval rows skipped: damaged", path=str(path), lines=skipped)
+    return scored
+
+
 class EvalActor(Actor):
     """Evaluates due weight versions; see the module docstring."""
 
@@ -76,7 +100,7 @@ class EvalActor(Actor):
         super().__init__(spec)
         self.evaluated = 0
         self.preempted = 0
-        self.baseline = False  # version 0 is scored from the initial weights (setup)
+        self.baseline: list[EvalSet] = []  # the sets whose version 0 setup left to score
         self._last: dict[str, float] = {}
         self.metrics: JsonlMetricsSink | None = None
 
@@ -111,31 +135,28 @@ class EvalActor(Actor):
         )
         self.receiver = await self.hold(rx)
         self.metrics = self.open_metrics(config.metrics_path, flush_every=0)
-        self.baseline = self._baseline_due()
-        if self.baseline:  # before _follow starts: version 0's announcement is not due
-            self.next_due = self.cfg.interval
+        self._schedule_from(scored_versions(Path(config.metrics_path)))
 
-    def _baseline_due(self) -> bool:
-        """Version 0 is scored from the embedded engine's own initial weights (which are
-        the trainer's version 0), not from its announcement: a trainer that publishes
-        version 1 before this actor subscribes would replace it. Unless the job's file
-        already has version 0 for every set (a resumed job, a restarted actor)."""
-        if not self.cfg.at_start or self.host.engine is None or self.host.version != 0:
-            return False
-        path = Path(self.config.metrics_path)
-        try:
-            rows = read_jsonl(path) if path.is_file() else []
-        except ValueError as exc:  # a damaged file: score the baseline again, not fail
-            log.warning("eval rows unreadable; scoring version 0", error=str(exc))
-            rows = []
-        scored = {r.get("set") for r in rows if r.get("version") == 0}
-        return not {s.cfg.name for s in self.sets} <= scored
+    def _schedule_from(self, scored: dict[int, set[str]]) -> None:
+        """Start past the versions the job's rows have (a resumed job, a restarted actor),
+        and with the baseline's sets still missing. Version 0 is scored from the embedded
+        engine's own initial weights where they are the trainer's version 0
+        (``baseline_from_engine``), not from its announcement: a trainer that publishes
+        version 1 before this actor subscribes would replace it."""
+        interval = self.cfg.interval
+        if scored:
+            self.next_due = max(self.next_due, (max(scored) // interval + 1) * interval)
+        missing = {s.cfg.name for s in self.sets} - scored.get(0, set())
+        engine = self.host.engine is not None and self.host.version == 0
+        if self.cfg.at_start and self.config.baseline_from_engine and engine and missing:
+            self.baseline = [s for s in self.sets if s.cfg.name in missing]
+            self.next_due = max(self.next_due, interval)  # before _follow starts
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
             follow = tg.create_task(self._follow(), name=f"{self.name}.follow")
             if self.baseline:
-                await self._evaluate(0)
+                await self._evaluate(0, self.baseline)
             await self._evaluate_loop()
             follow.cancel()
 
@@ -257,8 +278,8 @@ class EvalActor(Actor):
             await set_threads(threads)
             log.info("final eval threads", threads=threads)
 
-    async def _evaluate(self, version: int) -> None:
-        for s in self.sets:
+    async def _evaluate(self, version: int, sets: list[EvalSet] | None = None) -> None:
+        for s in self.sets if sets is None else sets:
             failures: Counter[str] = Counter()
             row = await s.evaluate(self.cfg.max_concurrency, f"eval-v{version}", failures)
             assert self.metrics is not None
