@@ -75,15 +75,16 @@ def scored_versions(path: Path) -> dict[int, set[str]]:
     if not path.is_file():
         return scored
     skipped = 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in filter(str.strip, path.read_text(encoding="utf-8", errors="replace").splitlines()):
         try:
-            row = json.loads(line) if line.strip() else None
+            row = json.loads(line)
         except ValueError:
-            row = {}
-        version, name = (row.get("version"), row.get("set")) if isinstance(row, dict) else (0, 0)
-        if type(version) is int and isinstance(name, str):
-            scored.setdefault(version, set()).add(name)
-        elif row is not None:
+            row = None
+        if not isinstance(row, dict) or type(row.get("version")) is not int:
+            skipped += 1
+        elif isinstance(row.get("set"), str):
+            scored.setdefault(row["version"], set()).add(row["set"])
+        else:
             skipped += 1
     if skipped:
         log.warning("eval rows skipped: damaged", path=str(path), lines=skipped)
