@@ -18,6 +18,7 @@ given a seed's TRL result, each step against TRL's.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import shutil
 import statistics
@@ -103,6 +104,12 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--trl-result {args.trl_result}: no such file")
         trl = json.loads(args.trl_result.read_text())["result"]["frameworks"]["trl"]
     work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    lock = (work / ".lock").open("w")  # held to exit: a second copy would delete our runs
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        parser.error(f"--work {work}: another trainer_bound run is using it")
     bench = vs_trl.parse_args(["--model", "real", "--dtype", args.dtype, "--work", str(work)]
                               + (["--steps", str(args.steps)] if args.steps else []))  # fmt: skip
     model = vs_trl.ensure_model("real", work, args.seed)["path"]
@@ -126,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(f"wrote {args.out}")
+    if not summary["replay_matches"]:  # then "alone" timed other work than the job's
+        raise SystemExit("the trainer alone did not repeat the job's losses: no figures")
 
 
 def report(s: dict[str, Any]) -> None:

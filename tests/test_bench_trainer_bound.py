@@ -3,6 +3,7 @@ engine alone, and a bad --trl-result refused before anything runs."""
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 from pathlib import Path
@@ -45,11 +46,23 @@ def test_own_cores_take_the_slower_of_the_trainer_alone_and_the_engine_alone() -
         trainer_bound.summarize(job, alone[:2], rollout)
 
 
+def bench(*flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "bench" / "trainer_bound.py"), *flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
 def test_a_missing_trl_result_is_refused_before_any_run(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "trainer_bound.py"), "--work", str(tmp_path),
-         "--trl-result", str(tmp_path / "none.json")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = bench("--work", str(tmp_path), "--trl-result", str(tmp_path / "none.json"))
     assert done.returncode == 2 and "none.json: no such file" in done.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_a_second_copy_on_the_same_work_folder_is_refused_and_deletes_nothing(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "job").mkdir()  # the first copy's run, in progress
+    with (tmp_path / ".lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        done = bench("--work", str(tmp_path))
+    assert done.returncode == 2 and "another trainer_bound run" in done.stderr
+    assert (tmp_path / "job").is_dir()
