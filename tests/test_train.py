@@ -210,6 +210,27 @@ async def test_a_resumed_run_continues_from_its_checkpoints(tmp_path, lora):
     assert last["buffer.duplicates"] == 0
 
 
+async def test_a_resumed_run_scores_no_version_twice(tmp_path):
+    """The resumed job's eval actor starts past the versions ``eval.jsonl`` has: neither
+    version 0 nor the first run's final version is scored again, and the new final is."""
+    build_tiny_model(tmp_path / "model")
+    write_prompts(tmp_path / "prompts.jsonl")
+    flags = [*job_flags(tmp_path, 2), *eval_flags(tmp_path, 1)]
+    first = await run_job(load_config(overrides=flags))
+    assert first.ok, first.error
+    path = tmp_path / "run" / "metrics" / "eval.jsonl"
+    before = [json.loads(x)["version"] for x in lines(path)]
+    assert before[0] == 0 and before[-1] == 2, before
+    flags = [*job_flags(tmp_path, 4), *eval_flags(tmp_path, 1)]
+    second = await run_job(load_config(overrides=flags), resume=True)
+    assert second.ok, second.error
+    after = [json.loads(x)["version"] for x in lines(path)][len(before) :]
+    assert after and after[-1] == 4, after
+    # One set, so each version is one row: strictly increasing means none scored twice.
+    versions = before + after
+    assert versions == sorted(set(versions)), versions
+
+
 def check_lora_checkpoint(run_dir: Path, base: Path) -> None:
     """The last checkpoint holds peft's adapter files and merged weights in which only the
     adapted projections moved from the base model."""
