@@ -33,6 +33,13 @@ batch in one forward takes 20 GB and more here). What differs is each framework'
 design: asyncrl trains on samples up to eta versions stale (decoupled PPO correction),
 TRL on fresh ones; each shuffles the prompts with its own sampler.
 
+``--asyncrl-filters zero_reward_variance`` runs asyncrl as a user would at its best: groups
+whose samples all scored alike (no GRPO gradient) are dropped and replaced from the
+engine's spare time, so each step's G groups all carry a gradient; TRL trains every
+group, and its groups without a spread add nothing. With ``--results-from`` a kept seed
+whose settings differ only in asyncrl's lends its TRL run and start score: asyncrl alone
+trains and is scored.
+
 Each run is a child process of this script (the same interpreter, started fresh), timed
 from just before it is launched, so start-up (imports, model load, actors) counts for both.
 Both write a checkpoint every ``--save-every`` steps with weights, optimizer and scheduler
@@ -303,7 +310,8 @@ def asyncrl_flags(spec: dict[str, Any]) -> list[str]:
             "--prompt-data", spec["train"], "--hf-checkpoint", spec["model"],
             "--rollout.engine.model-path", spec["model"], "--lr", str(spec["lr"]),
             "--rollout-batch-size", str(spec["groups"]),
-            "--n-samples-per-prompt", str(spec["samples"]), "--buffer.filters", "[]",
+            "--n-samples-per-prompt", str(spec["samples"]),
+            "--buffer.filters", json.dumps(spec.get("filters", [])),
             "--rollout.sampling", json.dumps(sampling), "--rm-type", spec["reward"],
             "--train.num-steps", str(spec["steps"]), "--save-interval", str(spec["save_every"]),
             "--eval-interval", "0", "--kl-coef", "0", "--use-kl-loss", "false",
@@ -784,7 +792,15 @@ def run_spec(
             "eval_samples": pick(args.eval_samples, task.eval_samples),
             "lr": args.lr or sz.lr, "seed": seed, "save_every": args.save_every,
             "max_new_tokens": args.max_new_tokens, "eta": pick(args.eta, sz.eta),
-            "dtype": args.dtype}  # fmt: skip
+            "dtype": args.dtype} | asyncrl_only(args, framework)  # fmt: skip
+
+
+def asyncrl_only(args: argparse.Namespace, framework: str) -> dict[str, Any]:
+    """asyncrl's own settings beyond the shared ones: keyed only when set, so the seeds
+    run without them stay valid (and their TRL runs reusable: ``reusable_side``)."""
+    if framework != "asyncrl" or not args.asyncrl_filters:
+        return {}
+    return {"filters": list(args.asyncrl_filters)}
 
 
 def seed_order(index: int, frameworks: list[str]) -> list[str]:
@@ -802,18 +818,25 @@ def run_seed(
     saved = args.work / size / f"seed_{seed}" / "result.json"
     kept = [saved] + ([args.results_from / size / f"seed_{seed}" / "result.json"]
                       if args.results_from else [])  # fmt: skip
+    reuse: dict[str, Any] | None = None
     for path in kept if not args.fresh else []:
         done = json.loads(path.read_text()) if path.is_file() else {}
         if done.get("key") == key:
             print(f"{size} seed {seed}: reusing {path} (at {done['result']['commit']})",
                   flush=True)  # fmt: skip
             return done["result"]
-        if done:  # say why: a changed file or flag costs a whole seed's training again
+        side = reusable_side(done, key)
+        if side and reuse is None:
+            print(f"{size} seed {seed}: reusing {side}'s run and the start's score from "
+                  f"{path}: only the other side's settings differ", flush=True)  # fmt: skip
+            run = done["result"]["frameworks"][side] | {"reused_from": portable(str(path), [ROOT])}
+            reuse = {"framework": side, "run": run, "start": done["result"]["start_accuracy"]}
+        elif done:  # say why: a changed file or flag costs a whole seed's training again
             differ = ", ".join(key_differences(done.get("key", {}), key))
             print(f"{size} seed {seed}: not reusing {path}: it was run with other {differ}",
                   flush=True)  # fmt: skip
     saved.unlink(missing_ok=True)
-    result = train_and_score(args, size, model, seed, index, key) | {"commit": commit()}
+    result = train_and_score(args, size, model, seed, index, key, reuse) | {"commit": commit()}
     saved.write_text(json.dumps({"key": key, "result": result}, indent=2, default=str) + "\n")
     return result
 
@@ -832,6 +855,21 @@ def seed_key(args: argparse.Namespace, size: str, model: dict[str, Any], seed: i
     if args.eval_max_running is not None:
         key["eval_max_running"] = args.eval_max_running
     return portable(key, [args.work, ROOT])
+
+
+def reusable_side(done: dict[str, Any], key: dict[str, Any]) -> str | None:
+    """The framework of a kept seed ``done`` that can stand in this seed: where only the
+    other framework's spec differs from ``key`` (an asyncrl variant against a series' TRL
+    runs: the same start, prompts, evaluator and scoring stream)."""
+    frameworks = done.get("result", {}).get("frameworks", {})
+    differ = key_differences(done.get("key", {}), key) if done else []
+    if not differ or set(key.get("specs", {})) != set(FRAMEWORKS):
+        return None
+    for fw in FRAMEWORKS:
+        other = next(f for f in FRAMEWORKS if f != fw)
+        if fw in frameworks and all(d.startswith(f"specs.{other}.") for d in differ):
+            return fw
+    return None
 
 
 def key_differences(old: Any, new: Any, at: str = "") -> list[str]:
@@ -862,14 +900,20 @@ def train_and_score(
     seed: int,
     index: int,
     key: dict[str, Any],
+    reuse: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Both frameworks trained in this seed's order (or found trained), then every
-    checkpoint scored (or found scored, under ``key``)."""
+    checkpoint scored (or found scored, under ``key``). ``reuse`` (``run_seed``) holds one
+    framework's finished run and the start's score, kept from another series."""
     runs: dict[str, dict[str, Any]] = {}
     timelines: dict[str, tuple[dict[str, Any], dict[str, float]]] = {}
+    reused = reuse["framework"] if reuse else None
     spec = run_spec(args, size, model["path"], "none", seed)
     for fw in seed_order(index, args.frameworks):
         spec = run_spec(args, size, model["path"], fw, seed)
+        if reuse and fw == reused:
+            runs[fw] = dict(reuse["run"])
+            continue
         if (clock := trained(spec)) is not None:
             print(f"{size} seed {seed}: {fw} trained earlier (at {clock['commit']})", flush=True)
         else:
@@ -894,9 +938,9 @@ def train_and_score(
     evaluator = ScoreCache(Path(spec["out"]).parent / "scores.json", key, scorer)
     print(f"{size} seed {seed}: evaluating the checkpoints on {len(rows)} test rows "
           f"({args.evaluator}) ...", flush=True)  # fmt: skip
-    start = evaluator(model["path"])
+    start = reuse["start"] if reuse else evaluator(model["path"])
     print(f"  start: accuracy {start:.1%}", flush=True)
-    for fw in args.frameworks:
+    for fw in [f for f in args.frameworks if f != reused]:
         timeline, clock = timelines[fw]
         print(f"  {fw}:", flush=True)
         runs[fw]["curve"] = accuracy_curve(timeline, clock["t0"], start, evaluator)
@@ -1185,6 +1229,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results-from", type=Path, default=None,
                         help="also reuse finished seeds' SIZE/seed_S/result.json from this "
                         "folder (e.g. docs/data/vs_trl_real_bf16_seeds)")  # fmt: skip
+    parser.add_argument("--asyncrl-filters", nargs="+", default=None, metavar="FILTER",
+                        help="asyncrl's dynamic-sampling filters (e.g. zero_reward_variance: "
+                        "groups whose samples all scored alike are dropped and replaced); "
+                        "default none, every sample trained as TRL does. With "
+                        "--results-from, a seed kept without them lends its TRL run")  # fmt: skip
     parser.add_argument("--fresh", action="store_true",
                         help="train every seed again, whatever its result.json")  # fmt: skip
     parser.add_argument("--train", type=Path, default=None, help="default: the task's")

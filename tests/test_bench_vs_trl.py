@@ -124,6 +124,59 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
                            text=True)  # fmt: skip
     assert third.stdout.count("trained earlier") == 2 and "training" not in third.stdout
     assert json.loads(out.read_text())["sizes"]["0.5m"]["summary"] == summary
+    # An asyncrl variant (its own filter) trains asyncrl alone and borrows the kept TRL run.
+    variant = tmp_path / "variant.json"
+    flags = ["--seeds", "1", "--work", str(tmp_path / "variant"), "--out", str(variant),
+             "--results-from", str(tmp_path / "runs"), "--asyncrl-filters", DROP_FIRST]  # fmt: skip
+    fourth = subprocess.run([*command, *flags], cwd=ROOT, check=True, timeout=300,
+                            capture_output=True, text=True)  # fmt: skip
+    assert "training asyncrl" in fourth.stdout and "training trl" not in fourth.stdout
+    [kept] = [s for s in result["seeds"] if s["seed"] == 3]
+    [seed] = json.loads(variant.read_text())["sizes"]["0.5m"]["seeds"]
+    trl = seed["frameworks"]["trl"]
+    assert trl.pop("reused_from").endswith("0.5m/seed_3/result.json")
+    assert trl == kept["frameworks"]["trl"] and seed["start_accuracy"] == kept["start_accuracy"]
+    assert seed["frameworks"]["asyncrl"]["steps"] == 3
+    buffer = (tmp_path / "variant/0.5m/seed_3/asyncrl/metrics/buffer.jsonl").read_text()
+    assert json.loads(buffer.splitlines()[-1])["buffer.filtered.first_group"] == 1
+
+
+DROP_FIRST = "tests.test_bench_vs_trl:drop_the_first_group"
+_SEEN: list[object] = []
+
+
+def drop_the_first_group(group: object) -> str | None:
+    """A dynamic-sampling filter that drops the first group its process sees: the
+    variant's filter reached asyncrl's buffer, and the run still trains."""
+    _SEEN.append(group)
+    return "first_group" if len(_SEEN) == 1 else None
+
+
+def test_an_asyncrl_variant_reuses_only_the_kept_trl_run() -> None:
+    base = {"specs": {"asyncrl": {"lr": 1e-5, "eta": 1}, "trl": {"lr": 1e-5, "eta": 1}},
+            "files": {"config": "a"}}  # fmt: skip
+    done = {"key": base, "result": {"frameworks": {"asyncrl": {}, "trl": {}}}}
+    variant = json.loads(json.dumps(base))
+    variant["specs"]["asyncrl"]["filters"] = ["zero_reward_variance"]
+    assert vs_trl.reusable_side(done, variant) == "trl"
+    variant["specs"]["trl"]["lr"] = 2e-5  # both sides differ: nothing stands in
+    assert vs_trl.reusable_side(done, variant) is None
+    other_file = json.loads(json.dumps(base)) | {"files": {"config": "b"}}
+    assert vs_trl.reusable_side(done, other_file) is None
+    assert vs_trl.reusable_side(done, base) is None  # the same key: the whole seed is reused
+    assert vs_trl.reusable_side({}, base) is None
+
+
+def test_asyncrl_filters_reach_asyncrls_spec_alone() -> None:
+    args = vs_trl.parse_args(["--model", "real", "--asyncrl-filters", "zero_reward_variance"])
+    specs = {fw: vs_trl.run_spec(args, "real", "m", fw, 0) for fw in vs_trl.FRAMEWORKS}
+    assert specs["asyncrl"]["filters"] == ["zero_reward_variance"] and "filters" not in specs["trl"]
+    flags = vs_trl.asyncrl_flags(specs["asyncrl"])
+    assert flags[flags.index("--buffer.filters") + 1] == '["zero_reward_variance"]'
+    plain = vs_trl.run_spec(vs_trl.parse_args(["--model", "real"]), "real", "m", "asyncrl", 0)
+    assert "filters" not in plain  # kept seeds' keys stay valid
+    flags = vs_trl.asyncrl_flags(plain)
+    assert flags[flags.index("--buffer.filters") + 1] == "[]"
 
 
 def summary_seed(seed: int, start: float, asyncrl: list, trl: list) -> dict:
