@@ -746,6 +746,8 @@ def compare(
             runs[fw]["time_to_accuracy_s"] = time_to(runs[fw]["curve"], target)
         out["time_to_accuracy"] = a["time_to_accuracy_s"] / t["time_to_accuracy_s"]
     else:
+        for fw in FRAMEWORKS:
+            runs[fw]["time_to_accuracy_s"] = None
         out["note"] = (f"the accuracy both reach ({target:.1%}) is within two standard "
                        f"errors ({noise:.1%}) of the start ({start:.1%}): no time to "
                        "accuracy")  # fmt: skip
@@ -825,12 +827,13 @@ def run_seed(
             print(f"{size} seed {seed}: reusing {path} (at {done['result']['commit']})",
                   flush=True)  # fmt: skip
             return done["result"]
-        side = reusable_side(done, key)
+        # Only another folder lends a side: this seed's own result is replaced below.
+        side = reusable_side(done, key) if path.resolve() != saved.resolve() else None
         if side and reuse is None:
             print(f"{size} seed {seed}: reusing {side}'s run and the start's score from "
                   f"{path}: only the other side's settings differ", flush=True)  # fmt: skip
-            run = done["result"]["frameworks"][side] | {"reused_from": portable(str(path), [ROOT])}
-            reuse = {"framework": side, "run": run, "start": done["result"]["start_accuracy"]}
+            reuse = {"framework": side, "start": done["result"]["start_accuracy"],
+                     "run": lent_run(done["result"]["frameworks"][side], path)}  # fmt: skip
         elif done:  # say why: a changed file or flag costs a whole seed's training again
             differ = ", ".join(key_differences(done.get("key", {}), key))
             print(f"{size} seed {seed}: not reusing {path}: it was run with other {differ}",
@@ -855,6 +858,14 @@ def seed_key(args: argparse.Namespace, size: str, model: dict[str, Any], seed: i
     if args.eval_max_running is not None:
         key["eval_max_running"] = args.eval_max_running
     return portable(key, [args.work, ROOT])
+
+
+def lent_run(run: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A kept run as another seed's result holds it: its own figures and curve, marked with
+    where it was first kept; its time to accuracy is timed again to the new seed's target."""
+    lent = {k: v for k, v in run.items() if k != "time_to_accuracy_s"}
+    lent.setdefault("reused_from", portable(str(path.resolve()), [ROOT]))
+    return lent
 
 
 def reusable_side(done: dict[str, Any], key: dict[str, Any]) -> str | None:
@@ -1086,6 +1097,8 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
             print(f"seed {seed['seed']} (start {seed['start_accuracy']:.1%})")
             for fw, r in seed["frameworks"].items():
                 print(f"  {fw:<14}" + "".join(f"{_fmt(r.get(c), f):>19}" for c, f in cols))
+                if r.get("reused_from"):  # timed in another run of this bench: say so
+                    print(f"  {'':<14}(kept: {r['reused_from']}, trained at {r.get('trained_at')})")
         print_summary(res["summary"])
 
 
@@ -1233,7 +1246,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="asyncrl's dynamic-sampling filters (e.g. zero_reward_variance: "
                         "groups whose samples all scored alike are dropped and replaced); "
                         "default none, every sample trained as TRL does. With "
-                        "--results-from, a seed kept without them lends its TRL run")  # fmt: skip
+                        "--results-from DIR (and both --frameworks), a seed kept in DIR "
+                        "without them lends its TRL run, timed when it was kept")  # fmt: skip
     parser.add_argument("--fresh", action="store_true",
                         help="train every seed again, whatever its result.json")  # fmt: skip
     parser.add_argument("--train", type=Path, default=None, help="default: the task's")

@@ -133,12 +133,14 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
     assert "training asyncrl" in fourth.stdout and "training trl" not in fourth.stdout
     [kept] = [s for s in result["seeds"] if s["seed"] == 3]
     [seed] = json.loads(variant.read_text())["sizes"]["0.5m"]["seeds"]
-    trl = seed["frameworks"]["trl"]
-    assert trl.pop("reused_from").endswith("0.5m/seed_3/result.json")
-    assert trl == kept["frameworks"]["trl"] and seed["start_accuracy"] == kept["start_accuracy"]
+    trl, derived = seed["frameworks"]["trl"], ("reused_from", "time_to_accuracy_s")
+    assert trl["reused_from"].endswith("0.5m/seed_3/result.json") and "(kept: " in fourth.stdout
+    lent = {k: v for k, v in kept["frameworks"]["trl"].items() if k not in derived}
+    assert {k: v for k, v in trl.items() if k not in derived} == lent  # figures, curve as kept
+    assert seed["start_accuracy"] == kept["start_accuracy"]
     assert seed["frameworks"]["asyncrl"]["steps"] == 3
     buffer = (tmp_path / "variant/0.5m/seed_3/asyncrl/metrics/buffer.jsonl").read_text()
-    assert json.loads(buffer.splitlines()[-1])["buffer.filtered.first_group"] == 1
+    assert json.loads(buffer.splitlines()[-1])["buffer.filtered.first_group"] >= 1
 
 
 DROP_FIRST = "tests.test_bench_vs_trl:drop_the_first_group"
@@ -165,6 +167,26 @@ def test_an_asyncrl_variant_reuses_only_the_kept_trl_run() -> None:
     assert vs_trl.reusable_side(done, other_file) is None
     assert vs_trl.reusable_side(done, base) is None  # the same key: the whole seed is reused
     assert vs_trl.reusable_side({}, base) is None
+
+
+def test_a_lent_run_is_marked_and_timed_again_to_the_new_target(tmp_path: Path) -> None:
+    kept = {"samples/s": 1.0, "time_to_accuracy_s": 80.0, "curve": [point(0, 0, 0.1)]}
+    lent = vs_trl.lent_run(kept, tmp_path / "result.json")
+    assert lent["reused_from"] == str(tmp_path / "result.json")
+    assert "time_to_accuracy_s" not in lent and lent["curve"] == kept["curve"]
+    again = vs_trl.lent_run(lent, tmp_path / "elsewhere.json")  # lent on: the first keeper
+    assert again["reused_from"] == lent["reused_from"]
+    runs = {
+        fw: {
+            "samples/s": 1.0,
+            "tokens/s": 1.0,
+            "time_to_accuracy_s": 5.0,
+            "curve": [point(0, 0, 0.1), point(2, 10, 0.11)],
+        }
+        for fw in vs_trl.FRAMEWORKS
+    }
+    vs_trl.compare("real", runs, 0.1, 2000)  # no gain over the start: no time, none stale
+    assert all(r["time_to_accuracy_s"] is None for r in runs.values())
 
 
 def test_asyncrl_filters_reach_asyncrls_spec_alone() -> None:

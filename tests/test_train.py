@@ -211,8 +211,10 @@ async def test_a_resumed_run_continues_from_its_checkpoints(tmp_path, lora):
 
 
 async def test_a_resumed_run_scores_no_version_twice(tmp_path):
-    """The resumed job's eval actor starts past the versions ``eval.jsonl`` has: neither
-    version 0 nor the first run's final version is scored again, and the new final is."""
+    """The resumed job's eval actor starts past the versions ``eval.jsonl`` has: version 0
+    is not scored again, and the new final version is. (Whether it sees the resumed
+    trainer's first announcement, version 2, is timing: the schedule's unit tests in
+    test_evaluation.py cover that one.)"""
     build_tiny_model(tmp_path / "model")
     write_prompts(tmp_path / "prompts.jsonl")
     flags = [*job_flags(tmp_path, 2), *eval_flags(tmp_path, 1)]
