@@ -368,11 +368,16 @@ def matches(kind: str, text: str, label: str) -> bool:
 
 class TaskReward:
     """asyncrl's reward of the task for TRL; records each call's samples, completion
-    tokens and mean reward."""
+    tokens, mean reward and the share of replies cut off at the budget (``budget`` tokens
+    without an end token among ``stops``)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, budget: int = 0, stops: frozenset[int] = frozenset()) -> None:
         self.kind, self.__name__ = kind, kind
+        self.budget, self.stops = budget, stops
         self.calls: list[dict[str, float]] = []
+
+    def _cut_off(self, ids: list[int]) -> bool:
+        return len(ids) >= self.budget and not (ids and ids[-1] in self.stops)
 
     def __call__(
         self,
@@ -384,8 +389,9 @@ class TaskReward:
     ) -> list[float]:
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
         scores = [float(matches(self.kind, t, want)) for t, want in zip(texts, label, strict=True)]
+        cut = statistics.fmean(map(self._cut_off, completion_ids)) if self.budget else None
         self.calls.append({"samples": len(scores), "tokens": sum(map(len, completion_ids)),
-                           "reward": statistics.fmean(scores),
+                           "reward": statistics.fmean(scores), "truncated": cut,
                            "scored_at": time.time()})  # fmt: skip  # generation's end
         return scores
 
@@ -441,7 +447,9 @@ def run_trl(spec: dict[str, Any]) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    reward, clock = TaskReward(spec["reward"]), Clock()
+    eos = model.generation_config.eos_token_id
+    stops = frozenset(eos if isinstance(eos, list) else [eos if eos is not None else -1])
+    reward, clock = TaskReward(spec["reward"], spec["max_new_tokens"], stops), Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_config(spec),
                           train_dataset=trl_dataset(spec, tokenizer),
                           processing_class=tokenizer, callbacks=[clock])  # fmt: skip
@@ -522,8 +530,8 @@ def asyncrl_timeline(out: Path, groups: int, samples: int) -> dict[str, Any]:
     steps = [{"step": int(r["step"]), "time": float(r["time"]),
               "samples": (groups - int(r.get("batch/dropped_groups", 0))) * samples,
               "tokens": float(r["num_tokens"]), "reward": r.get("reward/mean"),
-              "train_s": r.get("time/step"), "wait_s": r.get("time/wait_data"),
-              "publish_s": r.get("time/publish")}
+              "truncated": r.get("response/truncated"), "train_s": r.get("time/step"),
+              "wait_s": r.get("time/wait_data"), "publish_s": r.get("time/publish")}
              for r in rows]  # fmt: skip
     at = {s["step"]: s["time"] for s in steps}
     checkpoints = []

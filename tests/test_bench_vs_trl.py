@@ -77,6 +77,7 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
             assert run["steps"] == run["requested_steps"] == 3, fw  # each side really trained
             assert run["samples/s"] > 0 and run["tokens/s"] > 0 and run["step_s"] > 0
             assert run["train_s_mean"] > 0  # each step's training phase, timed on each side
+            assert all(0 <= s["truncated"] <= 1 for s in run["timeline"])  # replies cut off
             assert ("generate_s_mean" in run) == (fw == "trl") == ("wait_s_mean" not in run)
             curve = run["curve"]
             assert curve[0] == point(0, 0.0, seed["start_accuracy"])
@@ -365,14 +366,16 @@ def test_trl_trains_the_real_models_step_in_accumulated_micro_batches() -> None:
 
 
 def test_trls_reward_is_asyncrls_numeric_reward_on_chat_completions() -> None:
-    reward = vs_trl.TaskReward("numeric")
+    reward = vs_trl.TaskReward("numeric", budget=2, stops=frozenset({2}))
     replies = [[{"role": "assistant", "content": "7 x 4 = 28. The answer is 28."}],
                [{"role": "assistant", "content": "The answer is 27"}],
                [{"role": "assistant", "content": "no number"}]]  # fmt: skip
-    scores = reward([None] * 3, replies, [[1, 2], [3], []], label=["28", "28", "28"])
+    # [1, 2] ends on the stop token at the budget; [3, 4] is cut off there; [] stopped.
+    scores = reward([None] * 3, replies, [[1, 2], [3, 4], []], label=["28", "28", "28"])
     assert scores == [1.0, 0.0, 0.0]
     [call] = reward.calls
-    assert call == {"samples": 3, "tokens": 3, "reward": pytest.approx(1 / 3),
+    assert call == {"samples": 3, "tokens": 4, "reward": pytest.approx(1 / 3),
+                    "truncated": pytest.approx(1 / 3),
                     "scored_at": pytest.approx(time.time(), abs=60)}  # fmt: skip
 
 
