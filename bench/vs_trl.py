@@ -99,6 +99,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import argparse
 import dataclasses
+import fcntl
 import importlib.util
 import json
 import math
@@ -116,6 +117,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from asyncrl.buffer.filters import load_filter  # noqa: E402
 from bench.seeds import commit, mean_se, sha256  # noqa: E402
 
 ARITH = ROOT / "examples" / "arith"
@@ -1271,6 +1273,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: at least 1")
     args.seeds = list(range(args.seed, args.seed + args.seeds))
+    for name in args.asyncrl_filters or []:  # a typo fails now, not after a run trained
+        try:
+            load_filter(name)
+        except Exception as exc:
+            parser.error(f"--asyncrl-filters {name}: {exc}")
     return args
 
 
@@ -1283,6 +1290,12 @@ def main() -> None:
     if any(importlib.util.find_spec(name) is None for name in needed):
         raise SystemExit(MISSING_BENCH)
     args.cache, args.work = args.cache.resolve(), args.work.resolve()
+    args.work.mkdir(parents=True, exist_ok=True)
+    lock = (args.work / ".lock").open("w")  # held to exit: a second copy would delete our runs
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"--work {args.work}: another vs_trl run is using it") from None
     results = {size: run_size(args, size) for size in args.sizes}
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)

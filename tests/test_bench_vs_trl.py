@@ -457,3 +457,24 @@ def test_a_finished_run_is_found_only_for_the_same_spec(
     with pytest.raises(RuntimeError, match="run failed"):
         vs_trl.launch("asyncrl", spec)
     assert vs_trl.trained(spec) is None
+
+
+def test_a_filter_that_does_not_load_is_refused_before_anything_runs(capsys) -> None:
+    with pytest.raises(SystemExit):
+        vs_trl.parse_args(["--model", "real", "--asyncrl-filters", "zero_reward_varience"])
+    assert "--asyncrl-filters zero_reward_varience" in capsys.readouterr().err
+
+
+def test_a_second_copy_on_the_same_work_folder_is_refused_and_deletes_nothing(
+    tmp_path: Path,
+) -> None:
+    import fcntl
+
+    (tmp_path / "real").mkdir()  # the first copy's runs, in progress
+    with (tmp_path / ".lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        command = [sys.executable, str(ROOT / "bench" / "vs_trl.py"), "--model", "real",
+                   "--frameworks", "asyncrl", "--work", str(tmp_path)]  # fmt: skip
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "another vs_trl run is using it" in done.stderr
+    assert (tmp_path / "real").is_dir()
