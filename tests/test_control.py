@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -95,3 +96,40 @@ async def test_a_command_to_an_incarnation_that_is_gone_fails_instead_of_waiting
                 hub.abandon("rollout-1", "exited (-9) before it answered")
                 with pytest.raises(PeerLost, match="exited"):
                     await waiting
+
+
+_BYE_AND_EXIT = """
+import asyncio, os, sys
+from asyncrl.actors.base import _send_bye
+from asyncrl.wire.control import ControlLink
+from asyncrl.wire.messages import Bye
+
+async def main(endpoint: str, actor: str) -> None:
+    async with ControlLink(endpoint, actor) as link:
+        link.notify(Bye(actor=actor, pid=os.getpid(), reason="stopped", ok=True))
+
+endpoint, actor = sys.argv[1], sys.argv[2]
+if actor.startswith("fallback"):
+    _send_bye(endpoint, actor, Bye(actor=actor, pid=os.getpid(), reason="stopped", ok=True))
+else:
+    asyncio.run(main(endpoint, actor))
+os._exit(0)  # at once, as an actor forked from a zygote ends
+"""
+
+
+async def test_the_bye_of_a_process_that_exits_at_once_reaches_the_controller(endpoint: str):
+    """Closing the link waits for the Bye to leave: without it, a process that exits
+    right after (a zygote's fork ends with ``os._exit``) lost it every time, and the
+    supervisor took the finished actor's clean exit for a death and restarted it."""
+    async with ControlServer(endpoint) as hub:
+        actors = [f"{kind}-{i}" for kind in ("link", "fallback") for i in range(3)]
+        for actor in actors:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _BYE_AND_EXIT, hub.endpoint, actor
+            )
+            assert await proc.wait() == 0
+        got = []
+        async with asyncio.timeout(10):
+            while len(got) < len(actors):
+                got.append(await hub.receive())
+        assert [(name, type(msg).__name__) for name, msg in got] == [(a, "Bye") for a in actors]

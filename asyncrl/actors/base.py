@@ -36,7 +36,7 @@ from asyncrl.observe.logs import bind_context, get_logger
 from asyncrl.observe.metrics import JsonlMetricsSink
 from asyncrl.wire.channels import _Channel
 from asyncrl.wire.config import WireConfig
-from asyncrl.wire.control import ControlLink
+from asyncrl.wire.control import BYE_LINGER_MS, ControlLink
 from asyncrl.wire.messages import (
     ActorStateName,
     Bye,
@@ -443,14 +443,15 @@ def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
     env = framing.Request(v=WIRE_VERSION, id=0, nbuf=0, body=msgspec.Raw(body))
     from asyncrl.wire import security
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    ctx = zmq.Context()  # its own: terminating it waits for the goodbye to leave
+    sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, actor.encode())
     if (keys := security.active()) is not None:
         keys.client(sock)
-    sock.setsockopt(zmq.LINGER, 500)  # give the goodbye half a second to leave
     sock.connect(endpoint)
     sock.send(framing.pack(env))
-    sock.close()
+    sock.close(linger=BYE_LINGER_MS)
+    ctx.term()
 
 
 def is_permanent(exc: BaseException) -> bool:

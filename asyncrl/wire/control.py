@@ -14,6 +14,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import zmq
+import zmq.asyncio
 from msgspec import Raw
 
 from asyncrl.wire import framing
@@ -25,6 +26,8 @@ from asyncrl.wire.sockets import abind, connect, make_socket, send_now
 
 Notification = Hello | Heartbeat | Bye
 _MAX_FRAME = 4 * 1024 * 1024  # control messages are small; a larger frame is refused
+#: How long closing a link waits for its last notification (the actor's Bye) to leave.
+BYE_LINGER_MS = 5000
 _notify_codec: Codec[Notification] = Codec(Notification, max_frame_bytes=_MAX_FRAME)
 _command_codec: Codec[Command] = Codec(Command, max_frame_bytes=_MAX_FRAME)
 _result_codec: Codec[CommandResult] = Codec(CommandResult, max_frame_bytes=_MAX_FRAME)
@@ -130,15 +133,27 @@ class ControlLink(_Channel):
         self._commands: asyncio.Queue[tuple[int, Command]] = asyncio.Queue(maxsize=64)
 
     async def _open(self) -> None:
-        self._sock = make_socket(zmq.DEALER, hwm=self._hwm, routing_id=self.actor.encode())
-        connect(self._sock, self.endpoint, allow_remote=self._allow_remote)
+        # A context of its own: terminating it is what waits for the Bye to leave.
+        self._ctx = zmq.asyncio.Context()
+        self._sock = make_socket(
+            zmq.DEALER, hwm=self._hwm, routing_id=self.actor.encode(), ctx=self._ctx
+        )
+        try:
+            connect(self._sock, self.endpoint, allow_remote=self._allow_remote)
+        except BaseException:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise
 
     def _background(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
         return [("control.link", self._receive_each(self._sock, self._on_command))]
 
     def _close_sockets(self) -> None:
-        # A short linger lets the last notification (the actor's Bye) leave.
-        self._sock.close(linger=500)
+        """Close, and wait (up to ``BYE_LINGER_MS``) until what was sent has left: a
+        process that exits at once otherwise loses its Bye, and the supervisor takes a
+        finished actor's clean exit for a death and restarts it."""
+        self._sock.close(linger=BYE_LINGER_MS)
+        self._ctx.term()
 
     def notify(self, msg: Notification) -> bool:
         """Send a notification (a ``Request`` with id 0) without waiting; False (and
