@@ -256,7 +256,7 @@ async def test_the_final_version_cancels_an_intermediate_eval_but_a_lost_one_doe
         actor.host = type("Host", (), {"engine": None, "load_tensors": staticmethod(load_tensors)})
         started, finished, release = asyncio.Event(), [], asyncio.Event()
 
-        async def evaluate(version: int) -> None:
+        async def evaluate(version: int, sets: list | None = None) -> None:
             started.set()
             if version == slow:
                 await release.wait()  # never released when the final version arrives
@@ -338,6 +338,8 @@ async def test_the_baseline_is_scored_from_the_initial_weights_when_its_announce
         return finished
 
     assert await scored() == [0, 2]  # version 1 is not due: the interval is 2
+    rows = metrics.read_text().splitlines()
+    metrics.write_text(rows[0] + "\n")  # the job stopped before its final version
     assert await scored() == [2]  # resumed: version 0 is in the file already
     metrics.unlink()
     assert await scored(at_start=False) == [2]
@@ -375,3 +377,44 @@ def test_a_restarted_eval_actor_starts_past_the_scored_versions_and_scores_missi
     assert schedule(object()) == (["b"], 4)
     assert schedule(None) == ([], 4)  # a remote engine: version 0 from its announcement
     assert schedule(object(), from_engine=False) == ([], 4)  # another model than the trainer's
+
+
+async def test_an_eval_actor_restarted_after_its_final_rows_scores_only_what_they_lack(tmp_path):
+    """An incarnation that died after writing the final version's rows (its Bye lost, a
+    kill as it exited) is restarted and told to score the final checkpoint: it ends at
+    once, and one that died between two sets scores only the set left."""
+    metrics = tmp_path / "eval.jsonl"
+    sets = [EvalSetConfig(name=n, path="unused.jsonl") for n in ("a", "b")]
+    config = EvalActorConfig(
+        engine=EngineConfig(model_path="unused"), sampling={}, reward=RewardConfig(),
+        eval=EvalConfig(interval=4, sets=sets), num_steps=4, metrics_path=str(metrics),
+    )  # fmt: skip
+    spec = ActorSpec(name="eval", role="eval", cls="x:y", params=config.model_dump(mode="json"))
+
+    async def restarted(rows: list[tuple[int, str]]) -> list[tuple[int, list[str]]]:
+        metrics.write_text("".join(json.dumps({"version": v, "set": n}) + "\n" for v, n in rows))
+        actor = EvalActor(spec)
+        actor.cfg, actor.num_steps, actor.next_due = config.eval, 4, 4
+        actor._pending, actor._final_lost = None, False
+        actor._ready, actor._final_due = asyncio.Event(), asyncio.Event()
+        actor.sets = [type("Set", (), {"cfg": s}) for s in sets]
+
+        async def load(msg: WeightVersion, receiver: object) -> bool:
+            return True
+
+        actor.host = type("Host", (), {"engine": None, "version": 0, "load": staticmethod(load)})
+        actor.receiver = type("Receiver", (), {"next_version": asyncio.Event().wait})
+        actor._schedule_from(scored_versions(metrics))
+        scored: list[tuple[int, list[str]]] = []
+
+        async def evaluate(version: int, only: list | None = None) -> None:
+            scored.append((version, [s.cfg.name for s in only or actor.sets]))
+
+        actor._evaluate = evaluate
+        actor._queue_final(4, str(tmp_path))  # as the controller's feed_final does
+        await asyncio.wait_for(actor.run(), 5)
+        return scored
+
+    assert await restarted([(0, "a"), (0, "b"), (4, "a"), (4, "b")]) == []
+    assert await restarted([(0, "a"), (0, "b"), (4, "a")]) == [(4, ["b"])]
+    assert await restarted([(0, "a"), (0, "b")]) == [(4, ["a", "b"])]

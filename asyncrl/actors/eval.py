@@ -4,6 +4,8 @@ Each due version (every ``eval.interval`` steps, and the final one) is pulled as
 it is announced and evaluated on the actor's own engine, a row per set in
 ``metrics/eval.jsonl``. Being off the training's critical path, it gives up CPU priority
 (``eval.nice``), except for the final eval, which runs after training on every core.
+A restarted or resumed incarnation goes on from the rows already written: no version's
+set is scored twice.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class EvalActor(Actor):
         self.evaluated = 0
         self.preempted = 0
         self.baseline: list[EvalSet] = []  # the sets whose version 0 setup left to score
+        self.final_sets: list[EvalSet] | None = None  # the final version's unscored (all)
         self._last: dict[str, float] = {}
         self.metrics: JsonlMetricsSink | None = None
 
@@ -147,6 +150,9 @@ class EvalActor(Actor):
         interval = self.cfg.interval
         if scored:
             self.next_due = max(self.next_due, (max(scored) // interval + 1) * interval)
+        if self.config.num_steps > 0:  # an incarnation that died after its final rows
+            final = {n for v, names in scored.items() if v >= self.config.num_steps for n in names}
+            self.final_sets = [s for s in self.sets if s.cfg.name not in final]
         missing = {s.cfg.name for s in self.sets} - scored.get(0, set())
         engine = self.host.engine is not None and self.host.version == 0
         if self.cfg.at_start and self.config.baseline_from_engine and engine and missing:
@@ -154,6 +160,9 @@ class EvalActor(Actor):
             self.next_due = max(self.next_due, interval)  # before _follow starts
 
     async def run(self) -> None:
+        if self.final_sets == []:
+            log.info("the final version is scored already: nothing to evaluate")
+            return
         async with asyncio.TaskGroup() as tg:
             follow = tg.create_task(self._follow(), name=f"{self.name}.follow")
             if self.baseline:
@@ -249,7 +258,7 @@ class EvalActor(Actor):
             await self._load(msg, tensors)
             if self._is_final(msg.version):
                 await self._take_the_cores()
-                await self._evaluate(msg.version)
+                await self._evaluate(msg.version, self.final_sets)
                 log.info("evaluated the final version", version=msg.version)
                 return
             if msg.version == 0:  # the baseline every gain is read against: the final waits
