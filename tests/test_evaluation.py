@@ -308,7 +308,10 @@ async def test_the_baseline_is_scored_from_the_initial_weights_when_its_announce
             return announced.pop(0)
 
         async def fetch(self, msg: WeightVersion) -> dict:
+            fetched.append(msg.version)
             return {}
+
+    fetched: list[int] = []
 
     async def scored(at_start: bool = True) -> list[int]:
         actor = EvalActor(spec)
@@ -338,6 +341,9 @@ async def test_the_baseline_is_scored_from_the_initial_weights_when_its_announce
         return finished
 
     assert await scored() == [0, 2]  # version 1 is not due: the interval is 2
+    # A finished job resumed: version 2 is pulled (its trainer waits for that before it
+    # exits) and not scored again.
+    assert await scored() == [] and fetched == [2, 2]
     rows = metrics.read_text().splitlines()
     metrics.write_text(rows[0] + "\n")  # the job stopped before its final version
     assert await scored() == [2]  # resumed: version 0 is in the file already
@@ -403,7 +409,11 @@ async def test_an_eval_actor_restarted_after_its_final_rows_scores_only_what_the
             return True
 
         actor.host = type("Host", (), {"engine": None, "version": 0, "load": staticmethod(load)})
-        actor.receiver = type("Receiver", (), {"next_version": asyncio.Event().wait})
+
+        async def next_version(after: int = -1) -> WeightVersion:
+            await asyncio.Event().wait()  # the trainer has exited: nothing is announced
+
+        actor.receiver = type("Receiver", (), {"next_version": staticmethod(next_version)})
         actor._schedule_from(scored_versions(metrics))
         scored: list[tuple[int, list[str]]] = []
 

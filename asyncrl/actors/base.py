@@ -442,6 +442,7 @@ def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
     body, _ = Codec(Bye).encode_parts(bye)
     env = framing.Request(v=WIRE_VERSION, id=0, nbuf=0, body=msgspec.Raw(body))
     from asyncrl.wire import security
+    from asyncrl.wire.sockets import term_sent
 
     ctx = zmq.Context()  # its own: terminating it waits for the goodbye to leave
     sock = ctx.socket(zmq.DEALER)
@@ -451,7 +452,7 @@ def _send_bye(endpoint: str, actor: str, bye: Bye) -> None:
     sock.connect(endpoint)
     sock.send(framing.pack(env))
     sock.close(linger=BYE_LINGER_MS)
-    ctx.term()
+    term_sent(ctx)
 
 
 def is_permanent(exc: BaseException) -> bool:

@@ -160,9 +160,6 @@ class EvalActor(Actor):
             self.next_due = max(self.next_due, interval)  # before _follow starts
 
     async def run(self) -> None:
-        if self.final_sets == []:
-            log.info("the final version is scored already: nothing to evaluate")
-            return
         async with asyncio.TaskGroup() as tg:
             follow = tg.create_task(self._follow(), name=f"{self.name}.follow")
             if self.baseline:
@@ -255,6 +252,9 @@ class EvalActor(Actor):
             self._pending = None
             # At once, so the versions announced while this one is evaluated are not due.
             self.next_due = (msg.version // self.cfg.interval + 1) * self.cfg.interval
+            if self._is_final(msg.version) and self.final_sets == []:
+                await self._pull_only(msg, tensors)
+                return
             await self._load(msg, tensors)
             if self._is_final(msg.version):
                 await self._take_the_cores()
@@ -265,6 +265,14 @@ class EvalActor(Actor):
                 await self._evaluate(0)
                 continue
             await self._evaluate_unless_final(msg.version)
+
+    async def _pull_only(self, msg: WeightVersion, tensors: dict[str, torch.Tensor] | None) -> None:
+        """The final version's rows are written already (an incarnation that died after
+        them, a finished job resumed): it is pulled, which the trainer waits for before
+        it exits, and not scored again."""
+        if tensors is None and msg.transport != "disk":  # a remote engine pulls as it loads
+            await self._load(msg, tensors)
+        log.info("the final version is scored already", version=msg.version)
 
     async def _evaluate_unless_final(self, version: int) -> None:
         """Evaluate an intermediate ``version``, cancelled as soon as the final one is due

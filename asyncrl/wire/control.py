@@ -22,7 +22,7 @@ from asyncrl.wire.channels import _Channel
 from asyncrl.wire.codec import WIRE_VERSION, Codec
 from asyncrl.wire.errors import ChannelClosed, PeerLost, RemoteError, WireError
 from asyncrl.wire.messages import Bye, Command, CommandResult, Heartbeat, Hello
-from asyncrl.wire.sockets import abind, connect, make_socket, send_now
+from asyncrl.wire.sockets import abind, connect, make_socket, send_now, term_sent
 
 Notification = Hello | Heartbeat | Bye
 _MAX_FRAME = 4 * 1024 * 1024  # control messages are small; a larger frame is refused
@@ -153,7 +153,7 @@ class ControlLink(_Channel):
         process that exits at once otherwise loses its Bye, and the supervisor takes a
         finished actor's clean exit for a death and restarts it."""
         self._sock.close(linger=BYE_LINGER_MS)
-        self._ctx.term()
+        term_sent(self._ctx)
 
     def notify(self, msg: Notification) -> bool:
         """Send a notification (a ``Request`` with id 0) without waiting; False (and

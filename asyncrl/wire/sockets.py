@@ -13,8 +13,10 @@ import fcntl
 import ipaddress
 import os
 import random
+import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -56,6 +58,23 @@ def make_socket(
     if routing_id is not None:
         sock.setsockopt(zmq.ROUTING_ID, routing_id)
     return sock
+
+
+def term_sent(ctx: zmq.Context) -> None:
+    """Terminate ``ctx``, which waits, up to its sockets' linger, until what they sent has
+    left. The stop signals are held off meanwhile: one arriving would end the wait (EINTR,
+    which pyzmq's ``term`` swallows) with the message still queued."""
+    if threading.current_thread() is not threading.main_thread():
+        ctx.term()  # signals are delivered to the main thread, not this one
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        ctx.term()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
 
 
 def check_endpoint(endpoint: str, *, allow_remote: bool = False) -> None:
