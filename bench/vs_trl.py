@@ -33,6 +33,10 @@ batch in one forward takes 20 GB and more here). What differs is each framework'
 design: asyncrl trains on samples up to eta versions stale (decoupled PPO correction),
 TRL on fresh ones; each shuffles the prompts with its own sampler.
 
+``--truncated-reward R`` gives a reply cut off at ``--max-new-tokens`` the reward ``R``
+on both sides, and in scoring, unscored (DAPO's overlong punishment): without it, a
+cut-off reply whose last number happens to be the answer scores as correct.
+
 ``--asyncrl-filters zero_reward_variance`` runs asyncrl as a user would at its best: groups
 whose samples all scored alike (no GRPO gradient) are dropped and replaced from the
 engine's spare time, so each step's G groups all carry a gradient; TRL trains every
@@ -321,7 +325,13 @@ def asyncrl_flags(spec: dict[str, Any]) -> list[str]:
             "--clip-grad", "1.0", "--weight-decay", "0", "--trainer.lr-schedule", "constant",
             "--lr-warmup-iters", "0", *DTYPE_FLAGS[spec.get("dtype", "float32")],
             "--trainer.seed", seed, "--rollout-seed", seed,
-            "--buffer.max-staleness", str(spec["eta"])]  # fmt: skip
+            "--buffer.max-staleness", str(spec["eta"]), *truncated_flags(spec)]  # fmt: skip
+
+
+def truncated_flags(spec: dict[str, Any]) -> list[str]:
+    """asyncrl's reward flag for ``--truncated-reward``, where the spec sets it."""
+    value = spec.get("truncated_reward")
+    return [] if value is None else ["--rollout.reward.truncated", str(value)]
 
 
 def run_asyncrl(spec: dict[str, Any]) -> None:
@@ -368,14 +378,28 @@ def matches(kind: str, text: str, label: str) -> bool:
     return numeric_match(answer, label) if kind == "numeric" else exact_match(answer, label)
 
 
+def task_score(kind: str, text: str, label: str, cut_off: bool, truncated: float | None) -> float:
+    """The task's reward of one reply: ``truncated`` for one cut off at the budget where
+    set (``--truncated-reward``), else 1.0 if it ``matches``, 0.0 if not."""
+    if cut_off and truncated is not None:
+        return truncated
+    return float(matches(kind, text, label))
+
+
 class TaskReward:
     """asyncrl's reward of the task for TRL; records each call's samples, completion
     tokens, mean reward and the share of replies cut off at the budget (``budget`` tokens
     without an end token among ``stops``)."""
 
-    def __init__(self, kind: str, budget: int = 0, stops: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        kind: str,
+        budget: int = 0,
+        stops: frozenset[int] = frozenset(),
+        truncated: float | None = None,
+    ) -> None:
         self.kind, self.__name__ = kind, kind
-        self.budget, self.stops = budget, stops
+        self.budget, self.stops, self.truncated = budget, stops, truncated
         self.calls: list[dict[str, float]] = []
 
     def _cut_off(self, ids: list[int]) -> bool:
@@ -390,8 +414,10 @@ class TaskReward:
         **_: Any,
     ) -> list[float]:
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-        scores = [float(matches(self.kind, t, want)) for t, want in zip(texts, label, strict=True)]
-        cut = statistics.fmean(map(self._cut_off, completion_ids)) if self.budget else None
+        cuts = [bool(self.budget) and self._cut_off(ids) for ids in completion_ids]
+        scores = [task_score(self.kind, t, want, cut, self.truncated)
+                  for t, want, cut in zip(texts, label, cuts, strict=True)]  # fmt: skip
+        cut = statistics.fmean(cuts) if self.budget else None
         self.calls.append({"samples": len(scores), "tokens": sum(map(len, completion_ids)),
                            "reward": statistics.fmean(scores), "truncated": cut,
                            "scored_at": time.time()})  # fmt: skip  # generation's end
@@ -451,7 +477,8 @@ def run_trl(spec: dict[str, Any]) -> None:
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     eos = model.generation_config.eos_token_id
     stops = frozenset(eos if isinstance(eos, list) else [eos if eos is not None else -1])
-    reward, clock = TaskReward(spec["reward"], spec["max_new_tokens"], stops), Clock()
+    reward = TaskReward(spec["reward"], spec["max_new_tokens"], stops, spec.get("truncated_reward"))
+    clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_config(spec),
                           train_dataset=trl_dataset(spec, tokenizer),
                           processing_class=tokenizer, callbacks=[clock])  # fmt: skip
@@ -627,7 +654,7 @@ class Evaluator:
                            key=lambda r: len(r[0]))  # fmt: skip  # batches of like lengths
         self.n, self.seed = spec["eval_samples"], spec["seed"]
         self.temperature, self.reward = spec["temperature"], spec["reward"]
-        self.max_new_tokens = spec["max_new_tokens"]
+        self.max_new_tokens, self.truncated = spec["max_new_tokens"], spec.get("truncated_reward")
         self.batch = max(1, 256 // self.n)
 
     def __call__(self, model_dir: str) -> float:
@@ -643,7 +670,10 @@ class Evaluator:
                                           n=self.n, temperature=self.temperature,
                                           max_new_tokens=self.max_new_tokens)  # fmt: skip
             for (_, label), drawn in zip(chunk, samples, strict=True):
-                correct += sum(matches(self.reward, t, label) for t, _, _ in drawn)
+                correct += sum(
+                    task_score(self.reward, t, label, not ended, self.truncated) >= 1.0
+                    for t, _, ended in drawn
+                )
         return correct / (self.n * len(self.rows))
 
 
@@ -664,7 +694,8 @@ class EngineEvaluator:
                  "n_samples": spec["eval_samples"], "pass_k": [1],
                  "apply_chat_template": spec["chat"], "sampling": sampling}]  # fmt: skip
         flags = ["--seed", str(spec["seed"]), "--eval.sets", json.dumps(test),
-                 "--rm-type", spec["reward"], "--rollout.engine.dtype", dtype]  # fmt: skip
+                 "--rm-type", spec["reward"], "--rollout.engine.dtype", dtype,
+                 *truncated_flags(spec)]  # fmt: skip
         if running is not None:  # else the config's (64): a batch-size changes the draws
             flags += ["--rollout.engine.max-running", str(running)]
         self.cfg = load_config(spec["config"], overrides=flags)
@@ -804,7 +835,15 @@ def run_spec(
             "eval_samples": pick(args.eval_samples, task.eval_samples),
             "lr": args.lr or sz.lr, "seed": seed, "save_every": args.save_every,
             "max_new_tokens": args.max_new_tokens, "eta": pick(args.eta, sz.eta),
-            "dtype": args.dtype} | asyncrl_only(args, framework)  # fmt: skip
+            "dtype": args.dtype} | shared_extras(args) | asyncrl_only(args, framework)  # fmt: skip
+
+
+def shared_extras(args: argparse.Namespace) -> dict[str, Any]:
+    """Settings of both sides added since the first series: keyed only when set, so the
+    seeds run without them stay valid."""
+    if args.truncated_reward is None:
+        return {}
+    return {"truncated_reward": args.truncated_reward}
 
 
 def asyncrl_only(args: argparse.Namespace, framework: str) -> dict[str, Any]:
@@ -1252,6 +1291,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results-from", type=Path, default=None,
                         help="also reuse finished seeds' SIZE/seed_S/result.json from this "
                         "folder (e.g. docs/data/vs_trl_real_bf16_seeds)")  # fmt: skip
+    parser.add_argument("--truncated-reward", type=float, default=None, metavar="R",
+                        help="the reward of a reply cut off at --max-new-tokens, on both "
+                        "sides and in scoring (DAPO's overlong punishment; e.g. 0: a "
+                        "cut-off reply is wrong whatever its last number); default: "
+                        "scored as any other")  # fmt: skip
     parser.add_argument("--asyncrl-filters", nargs="+", default=None, metavar="FILTER",
                         help="asyncrl's dynamic-sampling filters (e.g. zero_reward_variance: "
                         "groups whose samples all scored alike are dropped and replaced); "

@@ -202,6 +202,26 @@ def test_asyncrl_filters_reach_asyncrls_spec_alone() -> None:
     assert flags[flags.index("--buffer.filters") + 1] == "[]"
 
 
+def test_a_truncated_reward_reaches_both_sides_and_the_scoring_and_is_keyed() -> None:
+    """``--truncated-reward 0``: a reply cut off at the budget is wrong on both sides and
+    in scoring, however its last number reads; a key without it is the series' as kept."""
+    args = vs_trl.parse_args(["--model", "real", "--truncated-reward", "0"])
+    specs = {fw: vs_trl.run_spec(args, "real", "m", fw, 0) for fw in vs_trl.FRAMEWORKS}
+    assert all(spec["truncated_reward"] == 0.0 for spec in specs.values())
+    flags = vs_trl.asyncrl_flags(specs["asyncrl"])
+    assert flags[flags.index("--rollout.reward.truncated") + 1] == "0.0"
+    assert vs_trl.EngineEvaluator(specs["trl"], 8).cfg.rollout.reward.truncated == 0.0
+    reward = vs_trl.TaskReward("numeric", budget=2, stops=frozenset({2}), truncated=0.0)
+    replies = [[{"role": "assistant", "content": c}] for c in ("so 28 *", "The answer is 28")]
+    assert reward([None] * 2, replies, [[3, 4], [1, 2]], label=["28", "28"]) == [0.0, 1.0]
+    plain = vs_trl.parse_args(["--model", "real"])
+    spec = vs_trl.run_spec(plain, "real", "m", "trl", 0)
+    assert "truncated_reward" not in spec and "--rollout.reward.truncated" not in (
+        vs_trl.asyncrl_flags(vs_trl.run_spec(plain, "real", "m", "asyncrl", 0))
+    )
+    assert vs_trl.EngineEvaluator(spec, 8).cfg.rollout.reward.truncated is None
+
+
 def summary_seed(seed: int, start: float, asyncrl: list, trl: list) -> dict:
     """A seed's result as run_seed reports it: curves of (step, time_s, accuracy)."""
 

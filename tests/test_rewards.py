@@ -30,7 +30,7 @@ from asyncrl.rollout.rewards import (
     math_match,
     numeric_match,
 )
-from asyncrl.types import Sample
+from asyncrl.types import Sample, SampleStatus
 from tests.polling import until
 
 # ------------------------------------------------------------------ custom rewards by path
@@ -186,6 +186,26 @@ async def test_builtin_hubs_score_correct_and_incorrect_with_the_configured_valu
     assert await numeric(sample("Answer: 1,000.0", label=1000)) == 1.0
     f1 = build_reward(RewardConfig(type="f1"))
     assert await f1(sample("The cat sat.", label="a cat sat down")) == pytest.approx(0.8)
+
+
+async def test_a_cut_off_reply_gets_the_truncated_reward_unscored():
+    """DAPO's overlong punishment: a reply cut off at its budget states no answer, though
+    its last number may be right ("... so 8 * 3 = 24 stickers. Then 24 *"). Per term too;
+    beside terms it is refused (the sum would be a number, not the terms' dict)."""
+    cut = sample("8 * 3 = 24 stickers. Then 24 *", label="24")
+    cut.status = SampleStatus.TRUNCATED
+    done = sample("8 * 3 = 24. The answer is 24.", label="24")
+    done.status = SampleStatus.COMPLETED
+    assert await build_reward(RewardConfig(type="numeric"))(cut) == 1.0
+    hub = build_reward(RewardConfig(type="numeric", truncated=-0.5))
+    assert (await hub(cut), await hub(done)) == (-0.5, 1.0)
+    terms = build_reward(RewardConfig(terms=[
+        {"name": "correct", "type": "numeric", "truncated": 0.0},
+        {"name": "length", "path": "tests.test_rewards:length_term", "weight": -0.01},
+    ]))  # fmt: skip
+    assert (await terms(cut))["correct"] == 0.0 and (await terms(done))["correct"] == 1.0
+    with pytest.raises(ValidationError, match="drop truncated"):
+        RewardConfig(truncated=0.0, terms=[{"name": "a"}])
 
 
 async def test_a_list_label_accepts_any_of_its_answers():

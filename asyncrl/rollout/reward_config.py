@@ -158,6 +158,12 @@ class RewardConfig(BaseModel):
     numeric_tolerance: float = Field(1e-6, ge=0, description="numeric: allowed difference")
     correct: float = Field(1.0, description="reward of a correct answer")
     incorrect: float = Field(0.0, description="reward of a wrong answer")
+    truncated: float | None = Field(
+        None,
+        description="the reward of a reply cut off at its token budget, unscored (DAPO's "
+        "overlong punishment: an unfinished reply states no answer, though its last number "
+        "may match); None: scored as any other",
+    )
     terms: list[RewardTerm] = Field(
         default_factory=list,
         description="several rewards, each {name, weight, type, path, ...} (TRL's "
@@ -246,6 +252,7 @@ class RewardConfig(BaseModel):
         """With ``terms`` the reward is theirs: a type, path or url beside them would be
         silently unused."""
         stray = [k for k in ("path", "url", "model", "judge") if getattr(self, k)]
+        stray += ["truncated"] if self.truncated is not None else []
         stray += ["type"] if self.type != "exact" else []  # read back from a dump, it is set
         if stray:
             raise ValueError(

@@ -24,7 +24,7 @@ from asyncrl.plugins import load_object
 from asyncrl.rollout.base import Reward
 from asyncrl.rollout.math_graders import dapo_correct, deepscaler_correct
 from asyncrl.rollout.reward_config import RewardConfig, RewardTerm
-from asyncrl.types import Sample
+from asyncrl.types import Sample, SampleStatus
 
 __all__ = [
     "RewardConfig",
@@ -237,6 +237,8 @@ class RewardScorer:
     async def __call__(self, sample: Sample) -> Reward:
         """The reward of ``sample``; ``RewardError`` says why there is none."""
         self.stats["reward/calls"] += 1
+        if self.config.truncated is not None and sample.status is SampleStatus.TRUNCATED:
+            return self.config.truncated
         try:
             async with asyncio.timeout(self._timeout_s) as deadline:
                 value = await self._fn(sample)
