@@ -476,7 +476,9 @@ def run_trl(spec: dict[str, Any]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     eos = model.generation_config.eos_token_id
-    stops = frozenset(eos if isinstance(eos, list) else [eos if eos is not None else -1])
+    # TRL stops on the tokenizer's end token and the generation config's: either ends a reply.
+    stops = frozenset(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    stops -= {None}
     reward = TaskReward(spec["reward"], spec["max_new_tokens"], stops, spec.get("truncated_reward"))
     clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_config(spec),

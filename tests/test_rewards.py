@@ -206,6 +206,8 @@ async def test_a_cut_off_reply_gets_the_truncated_reward_unscored():
     assert (await terms(cut))["correct"] == 0.0 and (await terms(done))["correct"] == 1.0
     with pytest.raises(ValidationError, match="drop truncated"):
         RewardConfig(truncated=0.0, terms=[{"name": "a"}])
+    with pytest.raises(ValidationError, match="finite number"):
+        RewardConfig(truncated=float("nan"))
 
 
 async def test_a_list_label_accepts_any_of_its_answers():

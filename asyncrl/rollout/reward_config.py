@@ -160,9 +160,11 @@ class RewardConfig(BaseModel):
     incorrect: float = Field(0.0, description="reward of a wrong answer")
     truncated: float | None = Field(
         None,
-        description="the reward of a reply cut off at its token budget, unscored (DAPO's "
-        "overlong punishment: an unfinished reply states no answer, though its last number "
-        "may match); None: scored as any other",
+        allow_inf_nan=False,
+        description="the reward of a reply cut off (status truncated: its token budget, or "
+        "a multi-turn episode's context or turn limit), unscored (DAPO's overlong "
+        "punishment: an unfinished reply states no answer, though its last number may "
+        "match); None: scored as any other",
     )
     terms: list[RewardTerm] = Field(
         default_factory=list,
