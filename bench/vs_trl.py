@@ -1319,6 +1319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: at least 1")
     args.seeds = list(range(args.seed, args.seed + args.seeds))
+    if args.truncated_reward is not None and not math.isfinite(args.truncated_reward):
+        parser.error(f"--truncated-reward {args.truncated_reward}: a finite number")
     for name in args.asyncrl_filters or []:  # a typo fails now, not after a run trained
         try:
             load_filter(name)

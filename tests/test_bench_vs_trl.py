@@ -479,6 +479,12 @@ def test_a_finished_run_is_found_only_for_the_same_spec(
     assert vs_trl.trained(spec) is None
 
 
+def test_a_non_finite_truncated_reward_is_refused_before_anything_runs(capsys) -> None:
+    with pytest.raises(SystemExit):
+        vs_trl.parse_args(["--model", "real", "--truncated-reward", "nan"])
+    assert "--truncated-reward nan: a finite number" in capsys.readouterr().err
+
+
 def test_a_filter_that_does_not_load_is_refused_before_anything_runs(capsys) -> None:
     with pytest.raises(SystemExit):
         vs_trl.parse_args(["--model", "real", "--asyncrl-filters", "zero_reward_varience"])
