@@ -329,9 +329,10 @@ def asyncrl_flags(spec: dict[str, Any]) -> list[str]:
 
 
 def truncated_flags(spec: dict[str, Any]) -> list[str]:
-    """asyncrl's reward flag for ``--truncated-reward``, where the spec sets it."""
+    """asyncrl's reward flag for ``--truncated-reward``; ``null`` (scored as any other)
+    where the spec has none, as TRL's side, whatever the example's config says."""
     value = spec.get("truncated_reward")
-    return [] if value is None else ["--rollout.reward.truncated", str(value)]
+    return ["--rollout.reward.truncated", "null" if value is None else str(value)]
 
 
 def run_asyncrl(spec: dict[str, Any]) -> None:
