@@ -6,7 +6,8 @@ when it stops), cut at ``max_new_tokens``, with made-up log-probs and the step's
 version; every request's input ids and every sampled id list are recorded, so a test can
 check that a workflow trains exactly what was sampled. A step whose ``finish`` is
 ``"abort"`` returns its tokens as a partial output, as an engine aborted by a weight
-update does.
+update does. ``length_first`` checks the length before the stop token, as SGLang does:
+EOS on the last allowed token comes back ``length``.
 
 ``ScriptedServingEngine`` is what an ``EngineServer`` serves (the server's tests of tool
 calls): each request samples the next scripted text, one token per cumulative output,
@@ -38,8 +39,8 @@ class Step:
 class ScriptedEngine:
     """Samples the scripted steps in order; records every request's input ids."""
 
-    def __init__(self, tokenizer: Any, steps: list[Step]) -> None:
-        self.tokenizer, self.steps = tokenizer, list(steps)
+    def __init__(self, tokenizer: Any, steps: list[Step], *, length_first: bool = False) -> None:
+        self.tokenizer, self.steps, self.length_first = tokenizer, list(steps), length_first
         self.inputs: list[list[int]] = []
         self.sampled: list[list[int]] = []
 
@@ -57,7 +58,7 @@ class ScriptedEngine:
             ids.append(self.tokenizer.eos_token_id)
         finish = step.finish
         cap = parse_sampling(sampling_params or {}).max_new_tokens
-        if len(ids) > cap:
+        if len(ids) > cap or (self.length_first and len(ids) == cap):
             ids, finish = ids[:cap], "length"
         self.sampled.append(ids)
         logprobs = [-0.25 - 0.01 * i for i in range(len(ids))]

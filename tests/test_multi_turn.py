@@ -146,6 +146,18 @@ async def test_the_token_budget_covers_turns_and_observations(tokenizer):
     assert (out.status, out.finish_reason) == (SampleStatus.TRUNCATED, "length")
 
 
+async def test_a_final_answer_whose_eos_is_the_budgets_last_token_completes(tokenizer):
+    # SGLang says "length" for it (it checks the length before the stop token).
+    t1 = tokenizer(call("6*7"), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    answer = tokenizer("#### 42", add_special_tokens=False)["input_ids"]
+    budget = len(t1) + len(observation(tokenizer, "42")) + len(answer) + 1
+    steps = [Step(call("6*7")), Step("#### 42")]
+    engine = ScriptedEngine(tokenizer, steps, length_first=True)
+    out = await MultiTurn()(context(tokenizer, engine, budget), make_sample(tokenizer))
+    assert out.response_length == budget and engine.sampled[1][-1] == tokenizer.eos_token_id
+    assert (out.status, out.finish_reason, out.reward) == (SampleStatus.COMPLETED, "stop", 1.0)
+
+
 async def test_an_aborted_turn_resumes_as_the_same_turn_under_new_weights(tokenizer):
     text = call("6*7")
     head, rest = text[:20], text[20:]

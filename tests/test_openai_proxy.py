@@ -68,13 +68,17 @@ async def calculator_agent(session: Session, task: AgentTask) -> str:
 
 @pytest_asyncio.fixture
 async def rig(tokenizer: Any) -> AsyncIterator[Any]:
-    """``make(steps, agent, budget, max_calls)`` -> (workflow, ctx, engine), proxies started."""
+    """``make(steps, agent, budget, ...)`` -> (workflow, ctx, engine), proxies started."""
     async with contextlib.AsyncExitStack() as stack:
 
         async def make(
-            steps: list[Step], agent: Any = calculator_agent, budget: int = 400, max_calls: int = 16
+            steps: list[Step],
+            agent: Any = calculator_agent,
+            budget: int = 400,
+            max_calls: int = 16,
+            length_first: bool = False,
         ) -> tuple[AgentWorkflow, RolloutContext, Any]:
-            engine = ScriptedEngine(tokenizer, steps)
+            engine = ScriptedEngine(tokenizer, steps, length_first=length_first)
             sampling = {"max_new_tokens": budget, "temperature": 1.0}
             ctx = RolloutContext(engine, score, sampling, tokenizer=tokenizer)
             workflow = AgentWorkflow(agent, ProxyConfig(max_calls=max_calls))
@@ -299,6 +303,17 @@ async def test_the_token_budget_and_the_call_limit_end_the_episode_truncated(rig
     sample = await workflow(ctx, fresh())
     assert sample.status is SampleStatus.TRUNCATED and sample.finish_reason == "max_turns"
     assert len(engine.inputs) == 2 and sample.metadata["agent_calls"] == 3
+
+
+async def test_an_answer_whose_eos_is_the_last_token_of_the_budget_completes(rig, tokenizer):
+    # SGLang says "length" for it (it checks the length before the stop token).
+    n = len(tokenizer("#### 42", add_special_tokens=False)["input_ids"]) + 1
+    workflow, ctx, engine = await rig([Step("#### 42")], budget=n, length_first=True)
+    sample = await workflow(ctx, fresh())
+    assert engine.sampled[0][-1] == tokenizer.eos_token_id and sample.response_length == n
+    assert (sample.status, sample.finish_reason, sample.reward) == (
+        SampleStatus.COMPLETED, "stop", 1.0
+    )  # fmt: skip
 
 
 async def test_a_weight_update_in_a_call_only_delays_it(rig, tokenizer):

@@ -11,6 +11,7 @@ loading by dotted path is at the end.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,13 +20,14 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from transformers import AutoTokenizer
 
 from asyncrl.engines.base import FinishReason
 from asyncrl.engines.client.sglang import GenerateResult, SGLangClient
 from asyncrl.engines.server.app import EngineServer
 from asyncrl.engines.sglang_wire import sampling_dict
 from asyncrl.engines.torch.engine import TorchEngine
-from asyncrl.rollout.base import Generator, RolloutContext
+from asyncrl.rollout.base import Generator, RolloutContext, end_ids
 from asyncrl.rollout.rewards import RewardConfig, RewardError, build_reward
 from asyncrl.rollout.single_turn import single_turn
 from asyncrl.rollout.workflows import load_workflow
@@ -291,6 +293,38 @@ async def test_a_character_split_by_an_abort_is_decoded_whole(engine):
 async def test_an_engine_answer_without_a_finish_reason_is_an_abort():
     sample = await single_turn(context(Scripted([result([7], None)]), None, GREEDY), fresh())
     assert sample.status is SampleStatus.ABORTED and sample.response_length == 1
+
+
+@pytest.mark.parametrize(
+    ("last", "extra", "status"),
+    [
+        ("eos", {}, SampleStatus.COMPLETED),
+        ("eos", {"ignore_eos": True}, SampleStatus.TRUNCATED),
+        (9, {"stop_token_ids": [9], "ignore_eos": True}, SampleStatus.COMPLETED),
+        (9, {}, SampleStatus.TRUNCATED),
+    ],
+)
+async def test_a_reply_that_ends_on_its_last_allowed_token_ended(engine, last, extra, status):
+    # SGLang checks the length first: EOS as the last allowed token says "length".
+    tokenizer = engine[1].tokenizer
+    end = tokenizer.eos_token_id if last == "eos" else last
+    script = Scripted([result([7, end], "length")])
+    ctx = context(script, tokenizer, {"temperature": 0, "max_new_tokens": 2, **extra})
+    sample = await single_turn(ctx, fresh())
+    assert sample.status is status and sample.reward is not None
+    assert sample.finish_reason == ("stop" if status is SampleStatus.COMPLETED else "length")
+
+
+async def test_the_end_tokens_are_the_tokenizers_and_its_folders_configs(engine, tmp_path):
+    tokenizer = engine[1].tokenizer
+    assert end_ids(tokenizer) == {tokenizer.eos_token_id}  # the tiny model's config agrees
+    assert end_ids(None) == frozenset()
+    folder = tmp_path / "model"
+    tokenizer.save_pretrained(folder)
+    loaded = AutoTokenizer.from_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+    (folder / "config.json").write_text("not json")  # unreadable: skipped
+    assert end_ids(loaded) == {tokenizer.eos_token_id, 5, 6}
 
 
 async def test_an_engine_answer_without_log_probs_is_refused():

@@ -9,13 +9,15 @@ that branches returns ``[sample, *branches]``, each trained as a row of its own 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.base import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -69,11 +71,28 @@ class RolloutContext:
     aborts: Callable[[], int] = lambda: 0
     tools: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    eos: frozenset[int] = field(init=False)  # the model's end tokens (``end_ids``)
 
     def __post_init__(self) -> None:
         # The one parse of the rollout's sampling params: typed from here to the engine.
         if not isinstance(self.sampling, SamplingParams):
             self.sampling = parse_sampling(self.sampling)
+        self.eos = end_ids(self.tokenizer)
+
+    def finish(self, result: GenerateResult, params: SamplingParams) -> FinishReason | None:
+        """``result``'s finish reason, with a reply that ends on an end token stopped.
+
+        SGLang checks the length before the stop tokens (older vLLM releases too), so a
+        reply whose end token is the last one allowed comes back ``length``; it ended, as
+        asyncrl's engine and vLLM 0.32 (stop first) say. End tokens:
+        ``params.stop_token_ids``, and ``eos`` unless ``ignore_eos``.
+        """
+        reason = result.finish_reason
+        if reason is None or reason.type != "length" or not result.output_ids:
+            return reason
+        last = result.output_ids[-1]
+        ends = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos)
+        return FinishReason(type="stop", matched=last) if last in ends else reason
 
     @property
     def budget(self) -> int:
@@ -87,6 +106,24 @@ class RolloutContext:
         changed = msgspec.structs.replace(self.sampling, **changes)
         changed.verify()
         return changed
+
+
+def end_ids(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """The end-of-sequence ids the tokenizer, and the generation config and config beside
+    it (a local model folder), name: the ids an engine stops on."""
+    if tokenizer is None:
+        return frozenset()
+    ids = {tokenizer.eos_token_id} - {None}
+    path = getattr(tokenizer, "name_or_path", None)
+    if not isinstance(path, str) or not path:  # built in memory: the tokenizer's alone
+        return frozenset(ids)
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((Path(path) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        ids |= {i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)}
+    return frozenset(ids)
 
 
 def parse_sampling(value: SamplingParams | Mapping[str, Any]) -> SamplingParams:

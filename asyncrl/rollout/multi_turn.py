@@ -341,16 +341,16 @@ class _Episode:
         if self._full(len(ids)):
             self._end(SampleStatus.TRUNCATED, "context")
             return False
+        params = self.ctx.sampling_with(max_new_tokens=limit)
         result = await self.ctx.engine.generate(
-            ids,
-            self.ctx.sampling_with(max_new_tokens=limit),
-            rid=f"{s.uid}#{s.attempts}#{self.turns}#",
+            ids, params, rid=f"{s.uid}#{s.attempts}#{self.turns}#"
         )
         if result.output_ids:
             if result.logprobs is None:
                 raise ValueError("the engine returned no log-probs (return_logprob is required)")
             s.append_response(result.output_ids, result.logprobs, result.versions)
-        kind = result.finish_reason.type if result.finish_reason is not None else "abort"
+        reason = self.ctx.finish(result, params)
+        kind = reason.type if reason is not None else "abort"
         s.status = SampleStatus.PENDING
         if kind == "abort":
             self._end(SampleStatus.ABORTED, "abort")

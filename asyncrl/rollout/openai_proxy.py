@@ -393,10 +393,9 @@ class OpenAIProxy:
             if empty_aborts >= _MAX_EMPTY_ABORTS:
                 raise RuntimeError(f"the engine aborted this call {empty_aborts} times in a row")
             ids = np.concatenate([s.prompt_tokens, s.response_tokens]).tolist()
+            sampling = self.ctx.sampling_with(**params, max_new_tokens=limit)
             result = await self.ctx.engine.generate(
-                ids,
-                self.ctx.sampling_with(**params, max_new_tokens=limit),
-                rid=f"{s.uid}#{s.attempts}#{episode.calls}#{len(turn)}#",
+                ids, sampling, rid=f"{s.uid}#{s.attempts}#{episode.calls}#{len(turn)}#"
             )
             if result.output_ids:
                 if result.logprobs is None:
@@ -404,15 +403,16 @@ class OpenAIProxy:
                 s.append_response(result.output_ids, result.logprobs, result.versions)
                 turn += result.output_ids
                 limit -= len(result.output_ids)
-            kind = result.finish_reason.type if result.finish_reason is not None else "abort"
-            if kind != "abort":
-                matched = result.finish_reason.matched if result.finish_reason else None
+            reason = self.ctx.finish(result, sampling)
+            kind = reason.type if reason is not None else "abort"
+            if reason is not None and kind != "abort":
+                matched = reason.matched
                 break
             empty_aborts = 0 if result.output_ids else empty_aborts + 1
             if not result.output_ids:
                 await asyncio.sleep(0.01 * empty_aborts)  # a paused engine: back off
-        if len(turn) >= left:
-            episode.truncated = "length"  # the whole budget is spent
+        if len(turn) >= left and kind != "stop":
+            episode.truncated = "length"  # the whole budget is spent, the reply unfinished
         return turn, kind != "stop", matched if isinstance(matched, str) else None
 
     def _abort(self, episode: Episode) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.sglang_wire import GenerateResult
 from asyncrl.rollout.base import RolloutContext
 from asyncrl.types import Sample, SampleStatus
@@ -25,13 +26,14 @@ async def single_turn(ctx: RolloutContext, sample: Sample) -> Sample:
     """
     budget = ctx.budget - sample.response_length
     if budget > 0:
+        params = ctx.sampling_with(max_new_tokens=budget)
         result = await ctx.engine.generate(
             np.concatenate([sample.prompt_tokens, sample.response_tokens]).tolist(),
-            ctx.sampling_with(max_new_tokens=budget),
+            params,
             # The closing "#" keeps a prefix-matched abort of attempt 1 off attempt 10.
             rid=f"{sample.uid}#{sample.attempts}#",
         )
-        _append(ctx, sample, result)
+        _append(ctx, sample, result, params)
     else:
         sample.status, sample.finish_reason = SampleStatus.TRUNCATED, "length"
     if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
@@ -39,13 +41,15 @@ async def single_turn(ctx: RolloutContext, sample: Sample) -> Sample:
     return sample
 
 
-def _append(ctx: RolloutContext, sample: Sample, result: GenerateResult) -> None:
+def _append(
+    ctx: RolloutContext, sample: Sample, result: GenerateResult, params: SamplingParams
+) -> None:
     if result.output_ids:
         if result.logprobs is None:
             raise ValueError("the engine returned no log-probs (return_logprob is required)")
         sample.append_response(result.output_ids, result.logprobs, result.versions)
         _set_text(ctx, sample, result)
-    reason = result.finish_reason
+    reason = ctx.finish(result, params)
     kind = reason.type if reason is not None else "abort"
     sample.finish_reason = kind
     sample.status = _STATUS.get(kind, SampleStatus.ABORTED)
