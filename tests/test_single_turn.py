@@ -300,7 +300,8 @@ async def test_an_engine_answer_without_a_finish_reason_is_an_abort():
     [
         ("eos", {}, SampleStatus.COMPLETED),
         ("eos", {"ignore_eos": True}, SampleStatus.TRUNCATED),
-        (9, {"stop_token_ids": [9], "ignore_eos": True}, SampleStatus.COMPLETED),
+        (9, {"stop_token_ids": [9]}, SampleStatus.COMPLETED),
+        (9, {"stop_token_ids": [9], "ignore_eos": True}, SampleStatus.TRUNCATED),  # SGLang's
         (9, {}, SampleStatus.TRUNCATED),
     ],
 )
@@ -315,14 +316,32 @@ async def test_a_reply_that_ends_on_its_last_allowed_token_ended(engine, last, e
     assert sample.finish_reason == ("stop" if status is SampleStatus.COMPLETED else "length")
 
 
-async def test_the_end_tokens_are_the_tokenizers_and_its_folders_configs(engine, tmp_path):
+async def test_a_stop_string_completed_by_the_last_allowed_token_ended_the_reply(engine):
     tokenizer = engine[1].tokenizer
-    assert end_ids(tokenizer) == {tokenizer.eos_token_id}  # the tiny model's config agrees
+    ids = tokenizer.encode("ab END", add_special_tokens=False)
+    head = len(tokenizer.encode("ab", add_special_tokens=False))
+    ctx = context(Scripted([]), tokenizer, {"temperature": 0, "stop": [" END"]})
+    for n in range(head + 1, len(ids) + 1):  # " END" is whole only with the last token
+        reason = ctx.finish(result(ids[:n], "length"), ctx.sampling)
+        assert (reason.type, reason.matched) == (
+            ("stop", " END") if n == len(ids) else ("length", None)
+        )
+    already = ids + tokenizer.encode("x", add_special_tokens=False)  # matched before: cut
+    assert ctx.finish(result(already, "length"), ctx.sampling).type == "length"
+    regex = context(Scripted([]), tokenizer, {"temperature": 0, "stop_regex": "E+ND$"})
+    assert ctx.finish(result(ids, "length"), regex.sampling).matched == "E+ND$"
+
+
+async def test_the_end_tokens_are_the_tokenizers_and_its_models_configs(engine, tmp_path):
+    tokenizer = engine[1].tokenizer
+    assert end_ids(tokenizer) == {tokenizer.eos_token_id}  # the tiny model's configs agree
     assert end_ids(None) == frozenset()
     folder = tmp_path / "model"
     tokenizer.save_pretrained(folder)
     loaded = AutoTokenizer.from_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert end_ids(loaded) == {tokenizer.eos_token_id, 5, 6, 7}
     (folder / "config.json").write_text("not json")  # unreadable: skipped
     assert end_ids(loaded) == {tokenizer.eos_token_id, 5, 6}
 

@@ -10,6 +10,7 @@ that branches returns ``[sample, *branches]``, each trained as a row of its own 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,19 +81,35 @@ class RolloutContext:
         self.eos = end_ids(self.tokenizer)
 
     def finish(self, result: GenerateResult, params: SamplingParams) -> FinishReason | None:
-        """``result``'s finish reason, with a reply that ends on an end token stopped.
+        """``result``'s finish reason, with a reply that its last token ended read as stopped.
 
-        SGLang checks the length before the stop tokens (older vLLM releases too), so a
-        reply whose end token is the last one allowed comes back ``length``; it ended, as
-        asyncrl's engine and vLLM 0.32 (stop first) say. End tokens:
-        ``params.stop_token_ids``, and ``eos`` unless ``ignore_eos``.
+        SGLang checks the length before its stop conditions (older vLLM releases too), so
+        a reply whose end token, or the token that completes a stop string, is the last
+        one allowed comes back ``length``; it ended, as asyncrl's engine and vLLM 0.32
+        (stop first) say. What ends it is ``_ended_by_last``.
         """
         reason = result.finish_reason
         if reason is None or reason.type != "length" or not result.output_ids:
             return reason
-        last = result.output_ids[-1]
-        ends = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos)
-        return FinishReason(type="stop", matched=last) if last in ends else reason
+        matched = self._ended_by_last(result.output_ids, params)
+        return reason if matched is None else FinishReason(type="stop", matched=matched)
+
+    def _ended_by_last(self, ids: list[int], params: SamplingParams) -> int | str | None:
+        """The stop the last of ``ids`` met: a ``stop_token_ids`` or ``eos`` id (neither
+        under ``ignore_eos``, as SGLang), else a stop string or regex that it completed
+        (its text matches with the last token and not without); None if none."""
+        if not params.ignore_eos and ids[-1] in {*(params.stop_token_ids or ()), *self.eos}:
+            return ids[-1]
+        if self.tokenizer is None or not (params.stop_strings or params.stop_regexes):
+            return None
+        text, before = (str(self.tokenizer.decode(part)) for part in (ids, ids[:-1]))
+        for stop in params.stop_strings:
+            if stop in text and stop not in before:
+                return stop
+        for pattern in params.stop_regexes:
+            if re.search(pattern, text) and not re.search(pattern, before):
+                return pattern
+        return None
 
     @property
     def budget(self) -> int:
@@ -109,17 +126,22 @@ class RolloutContext:
 
 
 def end_ids(tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
-    """The end-of-sequence ids the tokenizer, and the generation config and config beside
-    it (a local model folder), name: the ids an engine stops on."""
+    """The end-of-sequence ids the tokenizer names, and the generation config and config
+    of its model (a local folder or the local Hugging Face cache): the ids engines stop on."""
     if tokenizer is None:
         return frozenset()
     ids = {tokenizer.eos_token_id} - {None}
     path = getattr(tokenizer, "name_or_path", None)
     if not isinstance(path, str) or not path:  # built in memory: the tokenizer's alone
         return frozenset(ids)
+    from transformers.utils import cached_file
+
     for name in ("generation_config.json", "config.json"):
         try:
-            eos = json.loads((Path(path) / name).read_text()).get("eos_token_id")
+            found = cached_file(
+                path, name, local_files_only=True, _raise_exceptions_for_missing_entries=False
+            )
+            eos = json.loads(Path(found).read_text()).get("eos_token_id") if found else None
         except (OSError, ValueError, AttributeError):
             continue
         ids |= {i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)}
