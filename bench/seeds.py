@@ -229,7 +229,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Flags after -- go to every seed's asyncrl train (e.g. -- "
+        "--rollout.reward.truncated 0); --seed and --output-dir are the sweep's.",
+    )
     ap.add_argument("config", type=Path)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--root", type=Path, default=None, help="default: runs/seeds/<config's dir>")
