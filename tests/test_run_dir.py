@@ -206,3 +206,21 @@ def test_snapshots_go_with_their_trainer_checkpoints(tmp_path):
     assert sorted(p.name for p in snapshots.iterdir()) == ["step_000006.ckpt", "step_000008.ckpt"]
     assert rewind_hint(snapshots, trainer).endswith("--resume-from-step 8 (steps: 6, 8)")
     assert rewind_hint(snapshots, tmp_path / "none") == ""
+
+
+def test_a_rewind_keeps_the_batches_skipped_before_its_step_and_drops_those_at_it(tmp_path):
+    """A skipped batch makes no version, so the batch after it has the same ``step``. Going
+    back to step 4 keeps every batch in version 4's weights (trained or skipped, steps
+    0-3) and drops a batch skipped at step 4: the buffer's snapshot of step 4 serves it
+    again and the trainer logs it again."""
+    run_dir = tmp_path / "run"
+    fake_run(run_dir, trainer=[4, 6], snapshots=[4, 6], steps=6)
+    rows = [(0, 0, True), (1, 1, True), (2, 2, False), (3, 2, True), (4, 3, True)]
+    rows += [(5, 4, False), (6, 4, True), (7, 5, True)]
+    (run_dir / "trained.jsonl").write_text(
+        "".join(json.dumps({"batch": b, "step": s, "trained": t}) + "\n" for b, s, t in rows)
+    )
+    with claim_run_dir(run_dir, rewind_to=4):
+        pass
+    kept = [json.loads(x) for x in (run_dir / "trained.jsonl").read_text().splitlines()]
+    assert [(r["batch"], r["step"], r["trained"]) for r in kept] == rows[:5]
