@@ -211,8 +211,8 @@ def test_snapshots_go_with_their_trainer_checkpoints(tmp_path):
 def test_a_rewind_keeps_the_batches_skipped_before_its_step_and_drops_those_at_it(tmp_path):
     """A skipped batch makes no version, so the batch after it has the same ``step``. Going
     back to step 4 keeps every batch in version 4's weights (trained or skipped, steps
-    0-3) and drops a batch skipped at step 4: the buffer's snapshot of step 4 serves it
-    again and the trainer logs it again."""
+    0-3) and drops a batch skipped at step 4: it is not in those weights, and the buffer
+    at step 4 serves its groups again (``test_journal``), so the trainer logs them again."""
     run_dir = tmp_path / "run"
     fake_run(run_dir, trainer=[4, 6], snapshots=[4, 6], steps=6)
     rows = [(0, 0, True), (1, 1, True), (2, 2, False), (3, 2, True), (4, 3, True)]
