@@ -6,10 +6,12 @@ and the mean +- standard error across seeds.
 Seed ``S`` runs ``asyncrl train CONFIG --seed S --output-dir ROOT/seed_S --overwrite
 FLAGS`` as a child process, timed from launch (the job's seed seeds the engines, the
 prompt order and the trainer). A seed whose ``sweep.json`` records a finished run of the
-same command and config file is read, not trained again, so an interrupted sweep goes on
-where it stopped; the commit each seed trained at is kept and printed. Per seed: the eval
-set's ``--metric`` at each version, the gain
-(last version minus version 0), wall seconds, trained samples/s after the first step.
+same command, config file and data files (every file the resolved config names) is read,
+not trained again, so an interrupted sweep goes on where it stopped; the commit each seed
+trained at is kept and printed. A seed kept under other settings stops the sweep before
+anything runs, unless ``--fresh`` (replace it); one sweep at a time holds ``--root``.
+Per seed: the eval set's ``--metric`` at each version, the gain (last version minus
+version 0), wall seconds, trained samples/s after the first step.
 Across seeds, per version: mean, standard error ``stdev / sqrt(n)``, min and max; and how
 many seeds gained ``--target-gain`` or more. Writes ``ROOT/seeds.json`` and
 ``ROOT/seeds.png`` (each seed's curve and the mean). Exits 1 when a seed failed, with its
@@ -19,10 +21,14 @@ reason; the others are still reported.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import functools
 import hashlib
 import json
 import math
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +39,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from asyncrl.runtime.tether import tie_to_parent  # noqa: E402
+
 
 def command(args: argparse.Namespace, seed: int) -> list[str]:
     """``asyncrl train`` for one seed."""
@@ -41,36 +49,113 @@ def command(args: argparse.Namespace, seed: int) -> list[str]:
             "--output-dir", str(out), "--overwrite", *args.flags]  # fmt: skip
 
 
+def ident(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """What a seed's run depends on besides the code: its command line, the config file,
+    and the data files (``data_files``)."""
+    return {"command": command(args, seed)[1:], "config_sha256": sha256(args.config),
+            "data_sha256": args.data}  # fmt: skip
+
+
+def data_files(config: Path, flags: list[str]) -> dict[str, str]:
+    """sha256 of every file the resolved config names (datasets, eval sets: a slice's
+    ``@[a:b]`` dropped), by path as written; a config that does not load names none here
+    (each seed's ``asyncrl train`` then says why)."""
+    from asyncrl.config.loading import ConfigError, load_config
+
+    try:
+        resolved = load_config(config, flags).model_dump(mode="json")
+    except (ConfigError, OSError, ValueError):
+        return {}
+    found: dict[str, str] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict | list):
+            for item in value.values() if isinstance(value, dict) else value:
+                walk(item)
+        elif isinstance(value, str) and value and len(value) < 4096:
+            path = ROOT / value.split("@[", 1)[0]  # jobs run from the checkout
+            if path.is_file() and path != config:
+                found[value] = sha256(path)
+
+    walk(resolved)
+    return found
+
+
+def kept_record(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """A seed's ``sweep.json`` ({} where missing or damaged)."""
+    return read_json(args.root / f"seed_{seed}" / "sweep.json")
+
+
+def differences(record: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """The parts of ``ident`` in which a kept run differs (none recorded: differs)."""
+    return [k for k, v in want.items() if record.get(k) != v]
+
+
+def refuse_other_runs(args: argparse.Namespace) -> None:
+    """Stop before anything runs where a seed's folder holds a finished run of another
+    command, config or data: replacing it takes ``--fresh``."""
+    held = []
+    for seed in args.seeds:
+        record = kept_record(args, seed)
+        if record.get("rc") == 0 and (differ := differences(record, ident(args, seed))):
+            held.append(f"seed_{seed}: other {', '.join(differ)}")
+    if held and not args.fresh:
+        raise SystemExit(f"{args.root} holds runs of other settings:\n  " + "\n  ".join(held)
+                         + "\nPass --fresh to train them again (replacing them), or --root "
+                         "DIR for a new sweep.")  # fmt: skip
+
+
 def train(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """Run (or reuse) one seed's job; its ``sweep.json`` record."""
     out = args.root / f"seed_{seed}"
     cmd = command(args, seed)
     record_path = out / "sweep.json"
-    ident = {"command": cmd[1:], "config_sha256": sha256(args.config)}
-    if record_path.is_file():
-        record = json.loads(record_path.read_text())
-        if record.get("rc") == 0 and all(record.get(k) == v for k, v in ident.items()):
-            print(f"seed {seed}: reusing {out} ({record['wall_s']:.0f} s, trained at "
-                  f"{record.get('commit')})", flush=True)  # fmt: skip
-            return record
+    want = ident(args, seed)
+    record = {} if args.fresh else kept_record(args, seed)
+    if record.get("rc") == 0 and not differences(record, want):
+        print(f"seed {seed}: reusing {out} ({record['wall_s']:.0f} s, trained at "
+              f"{record.get('commit')})", flush=True)  # fmt: skip
+        return record
     record_path.unlink(missing_ok=True)  # the folder is about to hold another run
     print(f"seed {seed}: $ asyncrl {' '.join(cmd[3:])}", flush=True)
     start = time.time()
     log = args.root / f"seed_{seed}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    tie = functools.partial(tie_to_parent, signal.SIGTERM, os.getpid())  # dies with the sweep
     with log.open("w") as sink:
-        rc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    record = {"seed": seed, **ident, "commit": commit(), "rc": rc, "start": start,
+        done = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=tie)
+    rc = done.returncode
+    record = {"seed": seed, **want, "commit": commit(), "rc": rc, "start": start,
               "wall_s": time.time() - start}  # fmt: skip
     if rc:
         record["reason"] = log.read_text().strip().splitlines()[-5:]
     if out.is_dir():
-        record_path.write_text(json.dumps(record, indent=2) + "\n")
+        write_json(record_path, record)
     if rc == 0 and not args.keep_checkpoints:
         # A real model's checkpoint with its optimizer is 1.6 GB: five seeds of two
         # checkpoints filled this workspace once. The curves need only the metrics.
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     return record
+
+
+def write_json(path: Path, body: Any) -> None:
+    """``body`` into ``path`` through a ``.part`` file and a rename: a kill leaves the old
+    file or the new one, never half of one."""
+    part = path.with_name(f"{path.name}.part")
+    part.write_text(json.dumps(body, indent=2, default=str) + "\n")
+    part.replace(path)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """``path``'s JSON object, or {} where it is missing or damaged (said)."""
+    if not path.is_file():
+        return {}
+    try:
+        body = json.loads(path.read_text())
+    except ValueError:
+        print(f"{path}: damaged, read as absent", flush=True)
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def sha256(path: Path) -> str:
@@ -103,6 +188,8 @@ def read_seed(
     sets = sorted({r["set"] for r in run.evals})
     if eval_set is None and len(sets) > 1:
         raise SystemExit(f"{out}: eval sets {sets}: name one with --set")
+    if eval_set is not None and eval_set not in sets:
+        raise SystemExit(f"{out}: no eval set {eval_set!r} (its sets: {sets})")
     rows = [r for r in run.evals if eval_set in (None, r["set"])]
     if missing := [r["version"] for r in rows if metric not in r]:
         raise SystemExit(f"{out}: no {metric!r} in the eval rows of versions {missing}")
@@ -240,6 +327,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", dest="eval_set", default=None, help="eval set (default: every row)")
     ap.add_argument("--metric", default="pass@1")
     ap.add_argument("--target-gain", type=float, default=None, help="e.g. 0.2: 20 points")
+    ap.add_argument("--fresh", action="store_true",
+                    help="train every seed again, replacing a finished run kept in --root "
+                    "(without it, one kept under other settings is refused)")  # fmt: skip
     ap.add_argument(
         "--keep-checkpoints",
         action="store_true",
@@ -258,11 +348,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.flags = flags
     args.root = (args.root or Path("runs/seeds") / args.config.resolve().parent.name).resolve()
     args.config = args.config.resolve()
+    args.data = data_files(args.config, flags)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.root.mkdir(parents=True, exist_ok=True)
+    lock = (args.root / ".lock").open("w")  # held to exit: a second sweep would clobber ours
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"--root {args.root}: another sweep is using it") from None
+    refuse_other_runs(args)
     records = [train(args, seed) for seed in args.seeds]
     failed = [r for r in records if r["rc"]]
     seeds = [read_seed(r, args.root / f"seed_{r['seed']}", args.eval_set, args.metric,
@@ -271,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report(seeds, summary, args.metric)
     payload = {"config": str(args.config), "flags": args.flags, "metric": args.metric,
                "seeds": seeds, "summary": summary, "failed": failed}  # fmt: skip
-    (args.root / "seeds.json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(args.root / "seeds.json", payload)
     if seeds and summary["versions"]:
         plot(seeds, summary, args.root / "seeds.png", args.config.parent.name)
     print(f"wrote {args.root / 'seeds.json'}")

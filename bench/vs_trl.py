@@ -108,6 +108,7 @@ import importlib.util
 import json
 import math
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -122,7 +123,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.buffer.filters import load_filter  # noqa: E402
-from bench.seeds import commit, mean_se, sha256  # noqa: E402
+from asyncrl.runtime.tether import tie_to_parent  # noqa: E402
+from bench.seeds import commit, mean_se, read_json, sha256, write_json  # noqa: E402
 
 ARITH = ROOT / "examples" / "arith"
 WORDS = ROOT / "examples" / "word_problems"
@@ -260,10 +262,14 @@ def build_model(size: str, dest: Path, seed: int) -> dict[str, Any]:
     )
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True)
-    install(make_model, work, dest)
+    part = dest.with_name(f"{dest.name}.part")  # renamed whole: a kill leaves no half model
+    shutil.rmtree(part, ignore_errors=True)
+    install(make_model, work, part)
     info = {"size": size, "build": dataclasses.asdict(shape), "seed": seed,
             "seconds": time.perf_counter() - start}  # fmt: skip
-    (dest / "build.json").write_text(json.dumps(info, indent=2) + "\n")
+    write_json(part / "build.json", info)
+    shutil.rmtree(dest, ignore_errors=True)
+    part.rename(dest)
     shutil.rmtree(work, ignore_errors=True)
     return info
 
@@ -286,11 +292,18 @@ def ensure_model(size: str, cache: Path, seed: int) -> dict[str, Any]:
         path = smollm2_dir()
         return {"path": str(path), "params": count_params(path), "build_s": None, "build": {}}
     dest = cache / size
-    if not (dest / "model.safetensors").exists():
-        print(f"building the {size} model into {dest} ...", flush=True)
-        build_model(size, dest, seed)
-    build = dest / "build.json"
-    info = json.loads(build.read_text()) if build.exists() else {}
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / f".{size}.lock").open("w") as lock:  # two benches sharing --cache: one builds
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another bench building the {size} model in {cache} ...",
+                  flush=True)  # fmt: skip
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dest / "model.safetensors").exists():
+            print(f"building the {size} model into {dest} ...", flush=True)
+            build_model(size, dest, seed)
+    info = read_json(dest / "build.json")
     return {"path": str(dest), "params": count_params(dest), "build_s": info.get("seconds"),
             "build": info}  # fmt: skip
 
@@ -496,30 +509,39 @@ def run_trl(spec: dict[str, Any]) -> None:
 
 def worker(framework: str, spec_path: Path) -> None:
     """Run one framework's timed run as described by the spec file."""
+    tie_to_parent(signal.SIGTERM)  # a killed bench leaves no run training on
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames
     spec = json.loads(spec_path.read_text())
     (run_asyncrl if framework == "asyncrl" else run_trl)(spec)
 
 
-def launch(framework: str, spec: dict[str, Any]) -> dict[str, float]:
-    """Run ``framework`` on ``spec`` in a fresh child process; its launch and end times."""
+def launch(framework: str, spec: dict[str, Any], hold: int | None = None) -> dict[str, float]:
+    """Run ``framework`` on ``spec`` in a fresh child process; its launch and end times.
+    ``hold``: the ``--work`` lock's descriptor, which the child holds too, so a rerun is
+    refused until a run outliving a killed bench has stopped."""
     out = Path(spec["out"])
     clock_path(out).unlink(missing_ok=True)  # a run that fails now leaves no finished mark
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     spec_path = out.parent / f"{out.name}.spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2) + "\n")
+    write_json(spec_path, spec)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", framework,
                "--spec", str(spec_path)]  # fmt: skip
     t0 = time.time()
-    done = subprocess.run(command, check=False)
+    done = subprocess.run(command, check=False, pass_fds=() if hold is None else (hold,))
     end = time.time()
     if done.returncode != 0:
         raise RuntimeError(f"{framework} run failed (exit {done.returncode}): {out}")
     drop_training_state(out)
     clock = {"t0": t0, "end": end, "commit": commit()}
-    clock_path(out).write_text(json.dumps({"spec": spec, "clock": clock}, indent=2) + "\n")
+    mark_trained(spec, clock)
     return clock
+
+
+def mark_trained(spec: dict[str, Any], clock: dict[str, Any]) -> None:
+    """Keep a finished run's clock beside its spec (paths relative to ``spec_roots``)."""
+    write_json(clock_path(Path(spec["out"])), {"spec": portable(spec, spec_roots(spec)),
+                                               "clock": clock})  # fmt: skip
 
 
 #: A finished run's checkpoint entries that scoring never reads: TRL's files, asyncrl's
@@ -545,10 +567,28 @@ def clock_path(out: Path) -> Path:
 def trained(spec: dict[str, Any]) -> dict[str, Any] | None:
     """The clock of a run of ``spec`` that finished earlier (its outputs kept), or None:
     scoring that stopped part way does not train the seed again."""
-    path = clock_path(Path(spec["out"]))
-    saved = json.loads(path.read_text()) if path.is_file() else {}
-    found = saved.get("spec") == spec and Path(spec["out"]).is_dir()
-    return saved["clock"] if found else None
+    saved = read_json(clock_path(Path(spec["out"])))
+    found = saved and not training_differences(saved.get("spec", {}), spec)
+    return saved["clock"] if found and Path(spec["out"]).is_dir() else None
+
+
+#: Spec entries only the scoring reads: changing one rescores a seed, never retrains it.
+SCORING_ONLY = ("test", "eval_samples")
+
+
+def spec_roots(spec: dict[str, Any]) -> list[Path]:
+    """What a spec's paths are made relative to: its ``--work`` (``out`` is
+    ``WORK/SIZE/seed_S/FRAMEWORK``) and the checkout."""
+    return [Path(spec["out"]).parents[2], ROOT]
+
+
+def training_differences(saved: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    """The training settings in which a kept run's spec differs from ``spec`` (paths
+    compared relative to ``spec_roots``: a moved folder or checkout is the same run)."""
+    roots = spec_roots(spec)
+    old, new = ({k: v for k, v in portable(s, roots).items() if k not in SCORING_ONLY}
+                for s in (saved, spec))  # fmt: skip
+    return key_differences(old, new)
 
 
 # -- what the runs left: steps, checkpoints -------------------------------------------
@@ -728,12 +768,21 @@ def make_evaluator(
 
 class ScoreCache:
     """An evaluator whose scores are kept in ``path`` under the seed's ``key`` as each is
-    made, so a comparison stopped while scoring goes on from the next checkpoint."""
+    made, so a comparison stopped while scoring goes on from the next checkpoint.
+    ``trained``: each side's launch time; scores of another training (a side trained
+    again) are not read. Files written before it was kept hold none and are read."""
 
-    def __init__(self, path: Path, key: dict[str, Any], evaluate: Callable[[str], float]):
-        self.path, self.key, self.evaluate = path, key, evaluate
-        saved = json.loads(path.read_text()) if path.is_file() else {}
-        self.scores: dict[str, float] = saved.get("scores", {}) if saved.get("key") == key else {}
+    def __init__(
+        self,
+        path: Path,
+        key: dict[str, Any],
+        evaluate: Callable[[str], float],
+        trained: dict[str, float] | None = None,
+    ):
+        self.path, self.key, self.evaluate, self.trained = path, key, evaluate, trained or {}
+        saved = read_json(path)
+        same = saved.get("key") == key and saved.get("trained", self.trained) == self.trained
+        self.scores: dict[str, float] = saved.get("scores", {}) if same else {}
 
     def __call__(self, checkpoint: str | Path) -> float:
         path = str(checkpoint)
@@ -742,10 +791,7 @@ class ScoreCache:
             self.scores[name] = self.scores.pop(path)
         if name not in self.scores:
             self.scores[name] = self.evaluate(path)
-            body = {"key": self.key, "scores": self.scores}
-            part = self.path.with_suffix(".part")  # a kill mid-write leaves the last file
-            part.write_text(json.dumps(body, indent=2) + "\n")
-            part.replace(self.path)
+            write_json(self.path, {"key": self.key, "trained": self.trained, "scores": self.scores})
         return self.scores[name]
 
 
@@ -833,10 +879,10 @@ def run_spec(
             "test": str(pick(args.test, task.test)), "reward": task.reward,
             "temperature": task.temperature, "chat": task.chat, "trl_micro": task.trl_micro,
             "out": str(args.work / size / f"seed_{seed}" / framework),
-            "steps": args.steps or sz.steps,
+            "steps": pick(args.steps, sz.steps),
             "groups": pick(args.groups, task.groups), "samples": pick(args.samples, task.samples),
             "eval_samples": pick(args.eval_samples, task.eval_samples),
-            "lr": args.lr or sz.lr, "seed": seed, "save_every": args.save_every,
+            "lr": pick(args.lr, sz.lr), "seed": seed, "save_every": args.save_every,
             "max_new_tokens": args.max_new_tokens, "eta": pick(args.eta, sz.eta),
             "dtype": args.dtype} | shared_extras(args) | asyncrl_only(args, framework)  # fmt: skip
 
@@ -874,7 +920,7 @@ def run_seed(
                       if args.results_from else [])  # fmt: skip
     reuse: dict[str, Any] | None = None
     for path in kept if not args.fresh else []:
-        done = json.loads(path.read_text()) if path.is_file() else {}
+        done = read_json(path)
         if done.get("key") == key:
             print(f"{size} seed {seed}: reusing {path} (at {done['result']['commit']})",
                   flush=True)  # fmt: skip
@@ -892,8 +938,37 @@ def run_seed(
                   flush=True)  # fmt: skip
     saved.unlink(missing_ok=True)
     result = train_and_score(args, size, model, seed, index, key, reuse) | {"commit": commit()}
-    saved.write_text(json.dumps({"key": key, "result": result}, indent=2, default=str) + "\n")
+    write_json(saved, {"key": key, "result": result})
     return result
+
+
+def other_runs(args: argparse.Namespace, size: str, model: dict[str, Any]) -> list[str]:
+    """What this ``--work`` holds for ``args.seeds`` under other settings (a seed's result,
+    a side's finished training, its scores), and how each differs: a changed flag is
+    stopped before it deletes hours of runs."""
+    held = []
+    for seed in args.seeds:
+        key = seed_key(args, size, model, seed)
+        folder = args.work / size / f"seed_{seed}"
+        for name in ("result.json", "scores.json"):
+            kept = read_json(folder / name)
+            differ = key_differences(kept["key"], key) if "key" in kept else []
+            if differ := [d for d in differ if not (args.rescore and scoring_only(d))]:
+                held.append(f"seed_{seed}/{name}: {', '.join(differ)}")
+        for fw in args.frameworks:
+            spec = run_spec(args, size, model["path"], fw, seed)
+            kept = read_json(clock_path(Path(spec["out"])))
+            if kept and (differ := training_differences(kept.get("spec", {}), spec)):
+                held.append(f"seed_{seed}/{fw} (trained): {', '.join(differ)}")
+    return held
+
+
+def scoring_only(difference: str) -> bool:
+    """Whether a ``seed_key`` difference changes only the scoring (``--rescore``)."""
+    field = difference.rsplit(".", 1)[-1]
+    return difference in ("evaluator", "eval_rows", "eval_dtype", "eval_max_running",
+                          "files.test") or (difference.startswith("specs.")
+                                            and field in SCORING_ONLY)  # fmt: skip
 
 
 def seed_key(args: argparse.Namespace, size: str, model: dict[str, Any], seed: int) -> dict:
@@ -977,11 +1052,11 @@ def train_and_score(
         if reuse and fw == reused:
             runs[fw] = dict(reuse["run"])
             continue
-        if (clock := trained(spec)) is not None:
+        if (clock := None if args.fresh else trained(spec)) is not None:
             print(f"{size} seed {seed}: {fw} trained earlier (at {clock['commit']})", flush=True)
         else:
             print(f"{size} seed {seed}: training {fw} ({spec['steps']} steps) ...", flush=True)
-            clock = launch(fw, spec)
+            clock = launch(fw, spec, getattr(args, "lock_fd", None))
         out = Path(spec["out"])
         if fw == "asyncrl":
             timeline = asyncrl_timeline(out, spec["groups"], spec["samples"])
@@ -998,7 +1073,8 @@ def train_and_score(
     scorer = make_evaluator(
         args.evaluator, model, spec, len(rows), args.eval_dtype, args.eval_max_running
     )
-    evaluator = ScoreCache(Path(spec["out"]).parent / "scores.json", key, scorer)
+    stamps = {fw: clock["t0"] for fw, (_, clock) in timelines.items()}
+    evaluator = ScoreCache(Path(spec["out"]).parent / "scores.json", key, scorer, stamps)
     print(f"{size} seed {seed}: evaluating the checkpoints on {len(rows)} test rows "
           f"({args.evaluator}) ...", flush=True)  # fmt: skip
     start = reuse["start"] if reuse else evaluator(model["path"])
@@ -1020,6 +1096,11 @@ def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
     """Every seed on ``size``, then the figures across seeds."""
     model = ensure_model(size, args.cache, args.seeds[0])
     print(f"{size}: {model['params']:,} parameters ({model['path']})", flush=True)
+    if not args.fresh and (held := other_runs(args, size, model)):
+        raise SystemExit(f"--work {args.work} holds runs of other settings:\n  "
+                         + "\n  ".join(held) + "\nPass --fresh to train and score them "
+                         "again, --rescore to score them again (other --eval-* settings), "
+                         "or another --work for a new series.")  # fmt: skip
     seeds = [run_seed(args, size, model, seed, i) for i, seed in enumerate(args.seeds)]
     return {"model": model, "temperature": SIZES[size].task.temperature, "seeds": seeds,
             "summary": across_seeds(size, seeds, args.threshold)}  # fmt: skip
@@ -1195,7 +1276,8 @@ def print_summary(summary: dict[str, Any]) -> None:
           "over the seeds where both reach it")  # fmt: skip
     for key, stats in summary["ratios"].items():
         verdict = _verdict(key, summary["targets"].get(key))
-        print(f"  asyncrl / TRL {key:<17} {_pm(stats, '.2f')}x{verdict}")
+        over = f" over {stats['n']} of {summary['seeds']} seeds" if stats else ""
+        print(f"  asyncrl / TRL {key:<17} {_pm(stats, '.2f')}x{over}{verdict}")
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -1235,6 +1317,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
 def plot_json(payload: dict[str, Any], path: Path) -> None:
     """``asyncrl plot bench/results/vs_trl.json``: the figure again from the JSON."""
     plot(payload["sizes"], path)
+
+
+#: Each numeric flag's lowest value (a group needs two samples for an advantage).
+LOWEST = {"--steps": 1, "--groups": 1, "--samples": 2, "--eta": 0, "--max-new-tokens": 1,
+          "--save-every": 1, "--eval-rows": 1, "--eval-samples": 1, "--eval-max-running": 1,
+          "--threshold": 0.0}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1306,7 +1394,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--results-from DIR (and both --frameworks), a seed kept in DIR "
                         "without them lends its TRL run, timed when it was kept")  # fmt: skip
     parser.add_argument("--fresh", action="store_true",
-                        help="train every seed again, whatever its result.json")  # fmt: skip
+                        help="train and score every seed again, replacing what --work holds "
+                        "(without it or --rescore, a --work holding runs of other settings is "
+                        "refused; an interrupted --fresh run goes on without it)")  # fmt: skip
+    parser.add_argument("--rescore", action="store_true",
+                        help="let a --work whose seeds were scored under other settings (the "
+                        "evaluator, --eval-*, --test) be scored again, their training kept; "
+                        "their earlier scores are replaced")  # fmt: skip
     parser.add_argument("--train", type=Path, default=None, help="default: the task's")
     parser.add_argument("--test", type=Path, default=None, help="default: the task's")
     parser.add_argument("--cache", type=Path, default=Path("runs/vs-trl/models"))
@@ -1322,6 +1416,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.seeds = list(range(args.seed, args.seed + args.seeds))
     if args.truncated_reward is not None and not math.isfinite(args.truncated_reward):
         parser.error(f"--truncated-reward {args.truncated_reward}: a finite number")
+    for flag, low in LOWEST.items():  # refused now, not after hours of training
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None and not value >= low:  # NaN included
+            parser.error(f"{flag} {value}: at least {low}")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr {args.lr}: a positive number")
     for name in args.asyncrl_filters or []:  # a typo fails now, not after a run trained
         try:
             load_filter(name)
@@ -1345,15 +1445,16 @@ def main() -> None:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise SystemExit(f"--work {args.work}: another vs_trl run is using it") from None
+    args.lock_fd = lock.fileno()
     results = {size: run_size(args, size) for size in args.sizes}
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                if k not in ("worker", "spec")}  # fmt: skip
+                if k not in ("worker", "spec", "lock_fd")}  # fmt: skip
     payload = {"settings": settings,
                "shapes": {k: dataclasses.asdict(SIZES[k]) for k in args.sizes},
                "targets": TARGETS, "sizes": results}  # fmt: skip
-    args.out.write_text(json.dumps(payload, indent=2, default=str) + "\n")  # paths as text
+    write_json(args.out, payload)  # paths as text
     plot(results, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

@@ -88,7 +88,8 @@ def test_a_finished_seed_is_reused_only_for_the_same_command_and_config_file(tmp
     out = args.root / "seed_0"
     out.mkdir(parents=True)
     record = {"seed": 0, "command": seeds.command(args, 0)[1:], "rc": 0, "wall_s": 5.0,
-              "config_sha256": seeds.sha256(config), "commit": "abc"}  # fmt: skip
+              "config_sha256": seeds.sha256(config), "data_sha256": args.data,
+              "commit": "abc"}  # fmt: skip
     (out / "sweep.json").write_text(json.dumps(record))
     assert seeds.train(args, 0) == record  # reused, not run
     config.write_text(config.read_text() + "\n# edited\n")
@@ -127,3 +128,52 @@ def test_a_seeds_throughput_and_time_to_threshold_come_from_its_run_folder(tmp_p
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps[2:]))
     with pytest.raises(SystemExit, match="version 2 reached the threshold but its step"):
         seeds.read_seed(record, out, None, "pass@1", threshold=0.3)
+
+
+def test_a_seeds_identity_holds_the_data_files_its_config_names(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text((ROOT / "examples/arith/config.yaml").read_text())
+    data = seeds.data_files(config, ["--eval.sets", json.dumps(EVAL)])
+    test = "examples/arith/data/test.jsonl@[0:8]"  # an eval set's slice: its whole file
+    assert data[test] == seeds.sha256(ROOT / "examples/arith/data/test.jsonl")
+    assert any(name.endswith("train.jsonl") for name in data), data
+    assert seeds.data_files(tmp_path / "missing.yaml", []) == {}  # the job says why
+
+
+def test_a_root_holding_other_settings_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    args = seeds.parse_args(["examples/arith/config.yaml", "--root", str(root), "--seeds", "0"])
+    kept = {"seed": 0, "rc": 0, "wall_s": 5.0, **seeds.ident(args, 0)}
+    kept["command"] = [*kept["command"], "--trainer.lr", "1e-3"]  # the sweep run before
+    (root / "seed_0").mkdir(parents=True)
+    (root / "seed_0" / "sweep.json").write_text(json.dumps(kept))
+    done = sweep(root, "--seeds", "0", "--", "--train.num-steps", "zero")
+    assert done.returncode == 1 and "seed_0: other command" in done.stderr, done.stderr
+    assert "--fresh" in done.stderr and json.loads((root / "seed_0/sweep.json").read_text()) == kept
+    # --fresh replaces it (here with a run that fails on its flag at once).
+    fresh = sweep(root, "--seeds", "0", "--fresh", "--", "--train.num-steps", "zero")
+    assert fresh.returncode == 1 and "seed 0 FAILED" in fresh.stdout
+    assert json.loads((root / "seed_0/sweep.json").read_text())["rc"] == 2
+
+
+def test_a_second_sweep_on_the_same_root_is_refused(tmp_path: Path) -> None:
+    import fcntl
+
+    root = tmp_path / "sweep"
+    root.mkdir()
+    with (root / ".lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        done = sweep(root, "--seeds", "0")
+    assert done.returncode == 1 and "another sweep is using it" in done.stderr
+
+
+def test_an_eval_set_not_in_the_run_is_refused_by_name(tmp_path: Path) -> None:
+    out = tmp_path / "seed_0"
+    (out / "metrics").mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(
+        {"buffer": {"groups_per_step": 4, "num_samples_per_prompt": 2}}))  # fmt: skip
+    (out / "metrics" / "eval.jsonl").write_text(
+        json.dumps({"version": 0, "set": "test", "pass@1": 0.1}) + "\n"
+    )
+    with pytest.raises(SystemExit, match="no eval set 'tset'"):
+        seeds.read_seed({"seed": 0, "start": 0.0, "wall_s": 1.0}, out, "tset", "pass@1")

@@ -504,3 +504,108 @@ def test_a_second_copy_on_the_same_work_folder_is_refused_and_deletes_nothing(
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "another vs_trl run is using it" in done.stderr
     assert (tmp_path / "real").is_dir()
+
+
+def _real_args(work: Path, *flags: str) -> argparse.Namespace:
+    args = vs_trl.parse_args(["--model", "real", "--work", str(work), *flags])
+    args.work = work
+    return args
+
+
+MODEL = {"path": "/models/smollm2", "params": 1, "build": {}}
+
+
+def _keep_seed(args: argparse.Namespace, seed: int = 0) -> Path:
+    """A finished seed of ``args`` in its --work: each side trained, scores and result."""
+    folder = args.work / "real" / f"seed_{seed}"
+    key = vs_trl.seed_key(args, "real", MODEL, seed)
+    for fw in args.frameworks:
+        spec = vs_trl.run_spec(args, "real", MODEL["path"], fw, seed)
+        Path(spec["out"]).mkdir(parents=True)
+        vs_trl.mark_trained(spec, {"t0": 1.0, "end": 2.0, "commit": "abc"})
+    vs_trl.write_json(folder / "scores.json", {"key": key, "scores": {"a": 0.1}})
+    vs_trl.write_json(folder / "result.json", {"key": key, "result": {"commit": "abc"}})
+    return folder
+
+
+def test_a_work_folder_of_other_settings_is_refused_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = _keep_seed(_real_args(tmp_path))
+    kept = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    monkeypatch.setattr(vs_trl, "ensure_model", lambda *a: MODEL)
+    monkeypatch.setattr(vs_trl, "launch", lambda *a: pytest.fail("nothing may train"))
+    with pytest.raises(SystemExit) as stop:
+        vs_trl.run_size(_real_args(tmp_path, "--lr", "2e-5"), "real")
+    said = str(stop.value)
+    assert "seed_0/result.json: specs.asyncrl.lr, specs.trl.lr" in said
+    assert "seed_0/asyncrl (trained): lr" in said and "--fresh" in said
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == kept
+    # Other scoring settings: refused too, unless --rescore (the training is kept).
+    assert vs_trl.other_runs(_real_args(tmp_path, "--eval-rows", "200"), "real", MODEL)
+    rescore = _real_args(tmp_path, "--eval-rows", "200", "--eval-samples", "2", "--rescore")
+    assert vs_trl.other_runs(rescore, "real", MODEL) == []
+    spec = vs_trl.run_spec(rescore, "real", MODEL["path"], "asyncrl", 0)
+    assert vs_trl.trained(spec) is not None  # not trained again for other scoring
+    # --rescore never lets a training setting through.
+    assert vs_trl.other_runs(_real_args(tmp_path, "--lr", "2e-5", "--rescore"), "real", MODEL)
+
+
+def test_fresh_trains_a_seed_again_that_was_trained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _keep_seed(_real_args(tmp_path))
+    launched: list[str] = []
+
+    def launch(framework: str, spec: dict, hold: int | None = None) -> dict:
+        launched.append(framework)
+        raise KeyboardInterrupt  # stop at the first training
+
+    monkeypatch.setattr(vs_trl, "launch", launch)
+    with pytest.raises(KeyboardInterrupt):
+        vs_trl.train_and_score(_real_args(tmp_path, "--fresh"), "real", MODEL, 0, 0, {})
+    assert launched == ["asyncrl"]
+
+
+def test_scores_of_another_training_are_not_read(tmp_path: Path) -> None:
+    path, calls = tmp_path / "scores.json", []
+
+    def evaluate(checkpoint: str) -> float:
+        calls.append(checkpoint)
+        return 0.5
+
+    vs_trl.ScoreCache(path, {"seed": 0}, evaluate, {"asyncrl": 1.0})("a/step_2")
+    vs_trl.ScoreCache(path, {"seed": 0}, evaluate, {"asyncrl": 1.0})("a/step_2")
+    assert len(calls) == 1  # the same training: read
+    vs_trl.ScoreCache(path, {"seed": 0}, evaluate, {"asyncrl": 9.0})("a/step_2")
+    assert len(calls) == 2  # trained again: scored again
+    legacy = {"key": {"seed": 0}, "scores": {"a/step_4": 0.25}}  # kept before the stamps
+    vs_trl.write_json(path, legacy)
+    assert vs_trl.ScoreCache(path, {"seed": 0}, evaluate, {"asyncrl": 9.0})("a/step_4") == 0.25
+
+
+def test_a_kept_run_is_found_from_a_moved_work_folder(tmp_path: Path) -> None:
+    args = _real_args(tmp_path / "old")
+    _keep_seed(args)
+    (tmp_path / "old").rename(tmp_path / "new")
+    spec = vs_trl.run_spec(_real_args(tmp_path / "new"), "real", MODEL["path"], "trl", 0)
+    assert vs_trl.trained(spec) == {"t0": 1.0, "end": 2.0, "commit": "abc"}
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--eval-samples", "0"], ["--eval-rows", "0"], ["--steps", "0"], ["--samples", "1"],
+     ["--lr", "0"], ["--lr", "nan"], ["--save-every", "0"]],
+)  # fmt: skip
+def test_a_numeric_flag_out_of_range_is_refused_before_anything_runs(flags, capsys) -> None:
+    with pytest.raises(SystemExit):
+        vs_trl.parse_args(["--model", "real", *flags])
+    assert flags[0] in capsys.readouterr().err
+
+
+def test_a_damaged_json_file_reads_as_absent(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "result.json"
+    path.write_text('{"key": {"specs"')  # cut short by a kill before writes were atomic
+    assert vs_trl.read_json(path) == {} and "damaged" in capsys.readouterr().out
+    vs_trl.write_json(path, {"a": 1})
+    assert vs_trl.read_json(path) == {"a": 1} and not list(tmp_path.glob("*.part"))

@@ -8,7 +8,6 @@ class could not load.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import resource
 import signal
@@ -21,21 +20,8 @@ from asyncrl.actors.base import Actor, ActorSpec
 from asyncrl.observe.logs import configure_logging
 from asyncrl.plugins import load_object
 from asyncrl.runtime.run_dir import keep_lock_to_self
+from asyncrl.runtime.tether import tie_to_parent
 from asyncrl.wire import security
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this process when the parent exits, so no actor outlives its job."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: the heartbeat timeout still catches it
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def raise_open_file_limit() -> None:
@@ -91,7 +77,7 @@ def load_actor(raw: bytes) -> Actor:
 
 def main() -> None:
     """Read the spec from stdin, run the actor, exit with its code."""
-    _die_with_parent()
+    tie_to_parent(signal.SIGTERM)  # no actor outlives its job (else: the heartbeat)
     raise_open_file_limit()
     keep_lock_to_self()
     try:

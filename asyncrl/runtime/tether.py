@@ -6,6 +6,8 @@ reach of whatever kills the actor. This shim leads that group and runs ``CMD`` a
 its parent dies (``PR_SET_PDEATHSIG``, Linux only) it SIGKILLs the whole group, so a dead
 actor leaves nothing holding memory or a GPU. A group stop (SIGTERM, SIGINT) is ``CMD``'s
 to handle: the shim ignores it and exits with ``CMD``'s status.
+
+``tie_to_parent`` is the same tie for a process of its own (an actor, a bench's worker).
 """
 
 from __future__ import annotations
@@ -21,6 +23,20 @@ _PR_SET_PDEATHSIG = 1
 _PARENT_DIED = signal.SIGUSR1
 
 
+def tie_to_parent(signum: int, parent: int | None = None) -> bool:
+    """Have the kernel send this process ``signum`` when its parent exits (Linux; False
+    elsewhere). ``parent``: the pid it must have (default: the parent now); if that one
+    died before the tie took, the signal is sent at once."""
+    parent = os.getppid() if parent is None else parent
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
+    except (OSError, AttributeError):  # not Linux
+        return False
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signum)
+    return True
+
+
 def _kill_group(signum: int, frame: object) -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)  # the shim included
 
@@ -34,12 +50,7 @@ def main() -> None:
     if os.getpgrp() != os.getpid():  # not started as a group leader: become one
         os.setpgid(0, 0)
     signal.signal(_PARENT_DIED, _kill_group)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _PARENT_DIED)
-    except (OSError, AttributeError):  # not Linux
-        pass
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        sys.exit(1)
+    tie_to_parent(_PARENT_DIED, parent)  # a parent already gone: the group is killed
     child = subprocess.Popen(sys.argv[1:])  # before ignoring: an ignored signal stays so
     for stop in (signal.SIGTERM, signal.SIGINT):  # a group stop: CMD's to handle
         signal.signal(stop, signal.SIG_IGN)
