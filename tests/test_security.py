@@ -108,10 +108,15 @@ async def test_a_peer_without_the_job_key_can_neither_send_nor_receive(
         body, _ = CODEC.encode_parts(item(1))
         env = framing.Request(v=WIRE_VERSION, id=1, nbuf=0, body=msgspec.Raw(body))
         queued = 0
-        for _ in range(20):  # never waits: its pipe may be gone while a refusal is handled
-            with contextlib.suppress(zmq.Again):
-                await intruder.send(framing.pack(env), flags=zmq.NOBLOCK)
-                queued += 1
+        # Never blocks: its pipe is gone while each refused handshake is handled, and back
+        # at the next reconnect, so it tries until one is queued.
+        async with asyncio.timeout(10):
+            while not queued:
+                for _ in range(20):
+                    with contextlib.suppress(zmq.Again):
+                        await intruder.send(framing.pack(env), flags=zmq.NOBLOCK)
+                        queued += 1
+                await asyncio.sleep(0.01)
         assert queued > 0  # sent on its way: the receiver's silence is the refusal
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(1.0):
