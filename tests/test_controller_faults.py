@@ -29,6 +29,7 @@ from asyncrl.config import load_config
 from asyncrl.job import run_job
 from asyncrl.runtime.chaos import audit_run
 from asyncrl.runtime.run_dir import RunDirInUse, claim_run_dir
+from tests.polling import alive
 from tests.test_train import (
     LONG_RUN,
     eval_flags,
@@ -57,14 +58,6 @@ def actor_pids(run_dir: Path) -> list[int]:
 
 def pid_of(run_dir: Path, actor: str) -> int:
     return int(json.loads(lines(run_dir / "logs" / f"{actor}.jsonl")[0])["pid"])
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, dead and not yet reaped, is not alive)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def claimable(run_dir: Path) -> bool:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.polling import alive
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = (
@@ -27,15 +29,6 @@ PARENT = (
 )
 
 
-def _running(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie (an orphan waits for init to reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_tied_process_ends_when_its_parent_is_killed() -> None:
     parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE,
@@ -44,12 +37,12 @@ def test_a_tied_process_ends_when_its_parent_is_killed() -> None:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
         assert parent.stdout.readline().strip() == "tied"  # the child's line, on our pipe
-        assert _running(child)
+        assert alive(child)
         parent.kill()  # SIGKILL: the parent runs no cleanup of its own
         parent.wait()
         deadline = time.monotonic() + 10
-        while _running(child) and time.monotonic() < deadline:
+        while alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _running(child), "the child outlived its killed parent"
+        assert not alive(child), "the child outlived its killed parent"
     finally:
         parent.kill()

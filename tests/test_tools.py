@@ -9,7 +9,6 @@ import math
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ from asyncrl.rollout.tools import (
 )
 from asyncrl.rollout.tools.calculator import CalculatorError, evaluate, format_number
 from asyncrl.rollout.tools.search import BM25Index, Document, load_corpus
+from tests.polling import alive
 
 ECHO_SCHEMA = {
     "type": "object",
@@ -338,16 +338,7 @@ async def test_a_child_that_outlives_the_program_is_killed_with_its_group(tmp_pa
     assert result.returncode == 0 and result.stdout == "parent done\n"
     assert result.seconds < LIMITS.wall_s  # the child held the pipes: it did not hang us
     await asyncio.sleep(0.2)
-    assert not await asyncio.to_thread(_running, int(pid_file.read_text()))
-
-
-def _running(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie (an orphan waits for init to reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    assert not await asyncio.to_thread(alive, int(pid_file.read_text()))
 
 
 async def test_the_python_tool_returns_output_and_status():
