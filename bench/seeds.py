@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import functools
 import hashlib
 import json
 import math
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,8 +36,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from asyncrl.runtime.tether import tie_to_parent  # noqa: E402
 
 
 def command(args: argparse.Namespace, seed: int) -> list[str]:
@@ -64,7 +60,10 @@ def data_files(config: Path, flags: list[str]) -> dict[str, str]:
 
     try:
         resolved = load_config(config, flags).model_dump(mode="json")
-    except (ConfigError, OSError, ValueError):
+    except (ConfigError, OSError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"data files not keyed: the config with these flags does not load here ({first})",
+              flush=True)  # fmt: skip
         return {}
     found: dict[str, str] = {}
 
@@ -86,9 +85,16 @@ def kept_record(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return read_json(args.root / f"seed_{seed}" / "sweep.json")
 
 
+#: Parts of ``ident`` added since records were first kept: a record without one is taken
+#: as it was kept.
+ADDED_LATER = ("data_sha256",)
+
+
 def differences(record: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    """The parts of ``ident`` in which a kept run differs (none recorded: differs)."""
-    return [k for k, v in want.items() if record.get(k) != v]
+    """The parts of ``ident`` in which a kept run differs (one not recorded differs, but
+    for ``ADDED_LATER``)."""
+    return [k for k, v in want.items()
+            if record.get(k, v if k in ADDED_LATER else None) != v]  # fmt: skip
 
 
 def refuse_other_runs(args: argparse.Namespace) -> None:
@@ -111,7 +117,7 @@ def train(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     cmd = command(args, seed)
     record_path = out / "sweep.json"
     want = ident(args, seed)
-    record = {} if args.fresh else kept_record(args, seed)
+    record = kept_record(args, seed)
     if record.get("rc") == 0 and not differences(record, want):
         print(f"seed {seed}: reusing {out} ({record['wall_s']:.0f} s, trained at "
               f"{record.get('commit')})", flush=True)  # fmt: skip
@@ -121,9 +127,10 @@ def train(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     start = time.time()
     log = args.root / f"seed_{seed}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    tie = functools.partial(tie_to_parent, signal.SIGTERM, os.getpid())  # dies with the sweep
+    # The job stops when the sweep dies (a kill -9 of it included).
+    tied = [sys.executable, "-m", "asyncrl.runtime.tether", "--tie", str(os.getpid()), *cmd]
     with log.open("w") as sink:
-        done = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=tie)
+        done = subprocess.run(tied, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)
     rc = done.returncode
     record = {"seed": seed, **want, "commit": commit(), "rc": rc, "start": start,
               "wall_s": time.time() - start}  # fmt: skip
@@ -328,8 +335,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--metric", default="pass@1")
     ap.add_argument("--target-gain", type=float, default=None, help="e.g. 0.2: 20 points")
     ap.add_argument("--fresh", action="store_true",
-                    help="train every seed again, replacing a finished run kept in --root "
-                    "(without it, one kept under other settings is refused)")  # fmt: skip
+                    help="forget the seeds' finished runs kept in --root and train them again "
+                    "(without it, one kept under other settings is refused; an interrupted "
+                    "--fresh sweep goes on without it)")  # fmt: skip
     ap.add_argument(
         "--keep-checkpoints",
         action="store_true",
@@ -360,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise SystemExit(f"--root {args.root}: another sweep is using it") from None
+    if args.fresh:  # replaced now, so an interrupted --fresh sweep goes on without it
+        for seed in args.seeds:
+            (args.root / f"seed_{seed}" / "sweep.json").unlink(missing_ok=True)
     refuse_other_runs(args)
     records = [train(args, seed) for seed in args.seeds]
     failed = [r for r in records if r["rc"]]

@@ -284,13 +284,25 @@ def install(make_model: ModuleType, work: Path, dest: Path) -> None:
             shutil.copy2(path, dest / path.name)
 
 
-def ensure_model(size: str, cache: Path, seed: int) -> dict[str, Any]:
-    """``size``'s checkpoint (built when missing), its parameter count and build time."""
+def built_model(size: str, cache: Path) -> dict[str, Any] | None:
+    """``size``'s checkpoint, its parameter count and build time; None if not built yet."""
     if SIZES[size].build is None:
         from asyncrl.model_zoo import smollm2_dir
 
         path = smollm2_dir()
         return {"path": str(path), "params": count_params(path), "build_s": None, "build": {}}
+    dest = cache / size
+    if not (dest / "model.safetensors").exists():
+        return None
+    info = read_json(dest / "build.json")
+    return {"path": str(dest), "params": count_params(dest), "build_s": info.get("seconds"),
+            "build": info}  # fmt: skip
+
+
+def ensure_model(size: str, cache: Path, seed: int) -> dict[str, Any]:
+    """``size``'s checkpoint (built when missing), its parameter count and build time."""
+    if (model := built_model(size, cache)) is not None:
+        return model
     dest = cache / size
     cache.mkdir(parents=True, exist_ok=True)
     with (cache / f".{size}.lock").open("w") as lock:  # two benches sharing --cache: one builds
@@ -300,12 +312,12 @@ def ensure_model(size: str, cache: Path, seed: int) -> dict[str, Any]:
             print(f"waiting for another bench building the {size} model in {cache} ...",
                   flush=True)  # fmt: skip
             fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (dest / "model.safetensors").exists():
+        if not (dest / "model.safetensors").exists():  # another bench may have built it
             print(f"building the {size} model into {dest} ...", flush=True)
             build_model(size, dest, seed)
-    info = read_json(dest / "build.json")
-    return {"path": str(dest), "params": count_params(dest), "build_s": info.get("seconds"),
-            "build": info}  # fmt: skip
+    model = built_model(size, cache)
+    assert model is not None
+    return model
 
 
 # -- the timed runs (each in a child process: ``--worker FRAMEWORK --spec FILE``) ------
@@ -507,9 +519,13 @@ def run_trl(spec: dict[str, Any]) -> None:
     (Path(spec["out"]) / "timeline.json").write_text(json.dumps(timeline, indent=2) + "\n")
 
 
-def worker(framework: str, spec_path: Path) -> None:
-    """Run one framework's timed run as described by the spec file."""
-    tie_to_parent(signal.SIGTERM)  # a killed bench leaves no run training on
+def worker(framework: str, spec_path: Path, parent: int | None, hold: int | None) -> None:
+    """Run one framework's timed run as described by the spec file. ``parent``: the bench,
+    whose death stops this run; ``hold``: the ``--work`` lock, held to this process's exit
+    and not passed on to what it starts."""
+    tie_to_parent(signal.SIGTERM, parent)  # a killed bench leaves no run training on
+    if hold is not None:
+        os.set_inheritable(hold, False)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' renames
     spec = json.loads(spec_path.read_text())
     (run_asyncrl if framework == "asyncrl" else run_trl)(spec)
@@ -526,7 +542,9 @@ def launch(framework: str, spec: dict[str, Any], hold: int | None = None) -> dic
     spec_path = out.parent / f"{out.name}.spec.json"
     write_json(spec_path, spec)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", framework,
-               "--spec", str(spec_path)]  # fmt: skip
+               "--spec", str(spec_path), "--parent", str(os.getpid())]  # fmt: skip
+    if hold is not None:
+        command += ["--hold", str(hold)]
     t0 = time.time()
     done = subprocess.run(command, check=False, pass_fds=() if hold is None else (hold,))
     end = time.time()
@@ -942,6 +960,27 @@ def run_seed(
     return result
 
 
+def forget_seeds(args: argparse.Namespace) -> None:
+    """``--fresh``: delete what ``--work`` holds for ``args.seeds`` before anything runs,
+    so an interrupted ``--fresh`` run goes on without it."""
+    for size in args.sizes:
+        for seed in args.seeds:
+            folder = args.work / size / f"seed_{seed}"
+            if folder.exists():
+                print(f"--fresh: deleting {folder}", flush=True)
+                shutil.rmtree(folder)
+
+
+def refuse_other_runs(args: argparse.Namespace, size: str, model: dict[str, Any]) -> None:
+    """Stop, naming each difference, where ``--work`` holds ``size``'s seeds under other
+    settings (``other_runs``)."""
+    if held := other_runs(args, size, model):
+        raise SystemExit(f"--work {args.work} holds runs of other settings:\n  "
+                         + "\n  ".join(held) + "\nPass --fresh to train and score them "
+                         "again, --rescore to score them again (other scoring settings, or "
+                         "a side added), or another --work for a new series.")  # fmt: skip
+
+
 def other_runs(args: argparse.Namespace, size: str, model: dict[str, Any]) -> list[str]:
     """What this ``--work`` holds for ``args.seeds`` under other settings (a seed's result,
     a side's finished training, its scores), and how each differs: a changed flag is
@@ -953,7 +992,10 @@ def other_runs(args: argparse.Namespace, size: str, model: dict[str, Any]) -> li
         for name in ("result.json", "scores.json"):
             kept = read_json(folder / name)
             differ = key_differences(kept["key"], key) if "key" in kept else []
-            if differ := [d for d in differ if not (args.rescore and scoring_only(d))]:
+            sides = kept.get("key", {}).get("specs", {})
+            added = {f"specs.{fw}" for fw in key["specs"] if fw not in sides}  # a side fewer
+            if differ := [d for d in differ
+                          if not (args.rescore and (scoring_only(d) or d in added))]:  # fmt: skip
                 held.append(f"seed_{seed}/{name}: {', '.join(differ)}")
         for fw in args.frameworks:
             spec = run_spec(args, size, model["path"], fw, seed)
@@ -1052,7 +1094,7 @@ def train_and_score(
         if reuse and fw == reused:
             runs[fw] = dict(reuse["run"])
             continue
-        if (clock := None if args.fresh else trained(spec)) is not None:
+        if (clock := trained(spec)) is not None:
             print(f"{size} seed {seed}: {fw} trained earlier (at {clock['commit']})", flush=True)
         else:
             print(f"{size} seed {seed}: training {fw} ({spec['steps']} steps) ...", flush=True)
@@ -1096,11 +1138,7 @@ def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
     """Every seed on ``size``, then the figures across seeds."""
     model = ensure_model(size, args.cache, args.seeds[0])
     print(f"{size}: {model['params']:,} parameters ({model['path']})", flush=True)
-    if not args.fresh and (held := other_runs(args, size, model)):
-        raise SystemExit(f"--work {args.work} holds runs of other settings:\n  "
-                         + "\n  ".join(held) + "\nPass --fresh to train and score them "
-                         "again, --rescore to score them again (other --eval-* settings), "
-                         "or another --work for a new series.")  # fmt: skip
+    refuse_other_runs(args, size, model)
     seeds = [run_seed(args, size, model, seed, i) for i, seed in enumerate(args.seeds)]
     return {"model": model, "temperature": SIZES[size].task.temperature, "seeds": seeds,
             "summary": across_seeds(size, seeds, args.threshold)}  # fmt: skip
@@ -1394,13 +1432,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--results-from DIR (and both --frameworks), a seed kept in DIR "
                         "without them lends its TRL run, timed when it was kept")  # fmt: skip
     parser.add_argument("--fresh", action="store_true",
-                        help="train and score every seed again, replacing what --work holds "
-                        "(without it or --rescore, a --work holding runs of other settings is "
-                        "refused; an interrupted --fresh run goes on without it)")  # fmt: skip
+                        help="delete what --work holds for these seeds, then train and score "
+                        "them (without it or --rescore, a --work holding runs of other "
+                        "settings is refused; an interrupted --fresh run goes on "
+                        "without it)")  # fmt: skip
     parser.add_argument("--rescore", action="store_true",
                         help="let a --work whose seeds were scored under other settings (the "
-                        "evaluator, --eval-*, --test) be scored again, their training kept; "
-                        "their earlier scores are replaced")  # fmt: skip
+                        "evaluator, --eval-*, --test), or with a side fewer, be scored again, "
+                        "their training kept; their earlier scores are replaced")  # fmt: skip
     parser.add_argument("--train", type=Path, default=None, help="default: the task's")
     parser.add_argument("--test", type=Path, default=None, help="default: the task's")
     parser.add_argument("--cache", type=Path, default=Path("runs/vs-trl/models"))
@@ -1408,6 +1447,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench/results/vs_trl.json"))
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--parent", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--hold", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.model:
         args.sizes = [args.model]
@@ -1433,7 +1474,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.worker:
-        worker(args.worker, args.spec)
+        worker(args.worker, args.spec, args.parent, args.hold)
         return
     needed = ["matplotlib", *(["trl"] if "trl" in args.frameworks else [])]
     if any(importlib.util.find_spec(name) is None for name in needed):
@@ -1446,6 +1487,11 @@ def main() -> None:
     except BlockingIOError:
         raise SystemExit(f"--work {args.work}: another vs_trl run is using it") from None
     args.lock_fd = lock.fileno()
+    if args.fresh:
+        forget_seeds(args)
+    for size in args.sizes:  # before any size trains (or builds its model), where it can
+        if (model := built_model(size, args.cache)) is not None:
+            refuse_other_runs(args, size, model)
     results = {size: run_size(args, size) for size in args.sizes}
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)

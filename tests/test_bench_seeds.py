@@ -92,6 +92,9 @@ def test_a_finished_seed_is_reused_only_for_the_same_command_and_config_file(tmp
               "commit": "abc"}  # fmt: skip
     (out / "sweep.json").write_text(json.dumps(record))
     assert seeds.train(args, 0) == record  # reused, not run
+    legacy = {k: v for k, v in record.items() if k != "data_sha256"}  # kept before data keys
+    (out / "sweep.json").write_text(json.dumps(legacy))
+    assert seeds.train(args, 0) == legacy
     config.write_text(config.read_text() + "\n# edited\n")
     again = seeds.train(args, 0)  # the file changed: run again (and fail on the flag)
     assert again["rc"] == 2 and json.loads((out / "sweep.json").read_text())["rc"] == 2

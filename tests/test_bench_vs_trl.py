@@ -551,20 +551,35 @@ def test_a_work_folder_of_other_settings_is_refused_before_anything_runs(
     assert vs_trl.other_runs(_real_args(tmp_path, "--lr", "2e-5", "--rescore"), "real", MODEL)
 
 
-def test_fresh_trains_a_seed_again_that_was_trained(
+def test_fresh_forgets_the_seeds_first_so_an_interrupted_fresh_run_goes_on_without_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _keep_seed(_real_args(tmp_path))
+    folder = _keep_seed(_real_args(tmp_path))
+    _keep_seed(_real_args(tmp_path), seed=1)  # not among the seeds asked for: kept
+    fresh = _real_args(tmp_path, "--lr", "2e-5", "--fresh")
+    vs_trl.forget_seeds(fresh)
+    assert not folder.exists() and (tmp_path / "real" / "seed_1").is_dir()
     launched: list[str] = []
 
     def launch(framework: str, spec: dict, hold: int | None = None) -> dict:
         launched.append(framework)
-        raise KeyboardInterrupt  # stop at the first training
+        raise KeyboardInterrupt  # killed in its first training
 
     monkeypatch.setattr(vs_trl, "launch", launch)
     with pytest.raises(KeyboardInterrupt):
-        vs_trl.train_and_score(_real_args(tmp_path, "--fresh"), "real", MODEL, 0, 0, {})
+        vs_trl.train_and_score(fresh, "real", MODEL, 0, 0, {})
     assert launched == ["asyncrl"]
+    # Rerun without --fresh: nothing of the old settings is left to refuse it.
+    assert vs_trl.other_runs(_real_args(tmp_path, "--lr", "2e-5"), "real", MODEL) == []
+
+
+def test_a_side_added_to_a_kept_seed_is_scored_again_with_rescore(tmp_path: Path) -> None:
+    _keep_seed(_real_args(tmp_path, "--frameworks", "asyncrl"))
+    both = _real_args(tmp_path)
+    assert vs_trl.other_runs(both, "real", MODEL) == [
+        "seed_0/result.json: specs.trl", "seed_0/scores.json: specs.trl"
+    ]  # fmt: skip
+    assert vs_trl.other_runs(_real_args(tmp_path, "--rescore"), "real", MODEL) == []
 
 
 def test_scores_of_another_training_are_not_read(tmp_path: Path) -> None:

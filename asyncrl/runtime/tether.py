@@ -8,6 +8,9 @@ actor leaves nothing holding memory or a GPU. A group stop (SIGTERM, SIGINT) is 
 to handle: the shim ignores it and exits with ``CMD``'s status.
 
 ``tie_to_parent`` is the same tie for a process of its own (an actor, a bench's worker).
+``python -m asyncrl.runtime.tether --tie PID CMD ARGS...`` ties itself to ``PID`` (its
+parent) with SIGTERM, then execs ``CMD``: a job a sweep starts stops, in order, when the
+sweep dies, without a ``preexec_fn`` in a process that has threads.
 """
 
 from __future__ import annotations
@@ -41,9 +44,19 @@ def _kill_group(signum: int, frame: object) -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)  # the shim included
 
 
+def _exec_tied(argv: list[str]) -> None:
+    """``--tie PID CMD ARGS...``: SIGTERM when ``PID`` (our parent) exits, then exec."""
+    if len(argv) < 3 or not argv[1].isdigit():
+        sys.exit("usage: python -m asyncrl.runtime.tether --tie PID CMD [ARGS...]")
+    tie_to_parent(signal.SIGTERM, int(argv[1]))  # the tie outlives the exec
+    os.execvp(argv[2], argv[2:])
+
+
 def main() -> None:
     """Lead a process group, run ``sys.argv[1:]`` in it, SIGKILL the group if our parent
-    dies; exit with the command's status."""
+    dies; exit with the command's status. (``--tie``: ``_exec_tied``.)"""
+    if sys.argv[1:2] == ["--tie"]:
+        _exec_tied(sys.argv[1:])
     if len(sys.argv) < 2:
         sys.exit("usage: python -m asyncrl.runtime.tether CMD [ARGS...]")
     parent = os.getppid()
