@@ -577,6 +577,18 @@ def drop_training_state(out: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
+def drop_checkpoints(out: Path) -> None:
+    """Once a seed is scored (its ``result.json`` holds every curve): delete ``out``'s
+    checkpoints (about 4 GB a side on the real model) and mark its clock, so the run is
+    not taken as one that could be scored again."""
+    saved = read_json(clock_path(out))
+    if not saved or saved.get("checkpoints_dropped"):
+        return
+    for checkpoint in [*out.glob("checkpoint-*"), out / "checkpoints"]:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    write_json(clock_path(out), saved | {"checkpoints_dropped": True})
+
+
 def clock_path(out: Path) -> Path:
     """Where a finished run's launch and end times are kept, beside its spec."""
     return out.parent / f"{out.name}.clock.json"
@@ -587,6 +599,7 @@ def trained(spec: dict[str, Any]) -> dict[str, Any] | None:
     scoring that stopped part way does not train the seed again."""
     saved = read_json(clock_path(Path(spec["out"])))
     found = saved and not training_differences(saved.get("spec", {}), spec)
+    found = found and not saved.get("checkpoints_dropped")  # nothing left to score
     return saved["clock"] if found and Path(spec["out"]).is_dir() else None
 
 
@@ -957,6 +970,9 @@ def run_seed(
     saved.unlink(missing_ok=True)
     result = train_and_score(args, size, model, seed, index, key, reuse) | {"commit": commit()}
     write_json(saved, {"key": key, "result": result})
+    if not args.keep_checkpoints:
+        for fw in args.frameworks:
+            drop_checkpoints(Path(run_spec(args, size, model["path"], fw, seed)["out"]))
     return result
 
 
@@ -994,9 +1010,15 @@ def other_runs(args: argparse.Namespace, size: str, model: dict[str, Any]) -> li
             differ = key_differences(kept["key"], key) if "key" in kept else []
             sides = kept.get("key", {}).get("specs", {})
             added = {f"specs.{fw}" for fw in key["specs"] if fw not in sides}  # a side fewer
-            if differ := [d for d in differ
-                          if not (args.rescore and (scoring_only(d) or d in added))]:  # fmt: skip
-                held.append(f"seed_{seed}/{name}: {', '.join(differ)}")
+            refused = [d for d in differ
+                       if not (args.rescore and (scoring_only(d) or d in added))]  # fmt: skip
+            if refused:
+                held.append(f"seed_{seed}/{name}: {', '.join(refused)}")
+            elif differ and any(read_json(folder / f"{fw}.clock.json").get("checkpoints_dropped")
+                                for fw in FRAMEWORKS):  # fmt: skip
+                gone = (f"seed_{seed}: its checkpoints were deleted once scored "
+                        "(--keep-checkpoints keeps them); --fresh trains it again")  # fmt: skip
+                held += [gone] if gone not in held else []
         for fw in args.frameworks:
             spec = run_spec(args, size, model["path"], fw, seed)
             kept = read_json(clock_path(Path(spec["out"])))
@@ -1440,6 +1462,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="let a --work whose seeds were scored under other settings (the "
                         "evaluator, --eval-*, --test), or with a side fewer, be scored again, "
                         "their training kept; their earlier scores are replaced")  # fmt: skip
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep each seed's checkpoints once it is scored (default: deleted, "
+                        "about 8 GB a seed on the real model; --rescore needs them)")  # fmt: skip
     parser.add_argument("--train", type=Path, default=None, help="default: the task's")
     parser.add_argument("--test", type=Path, default=None, help="default: the task's")
     parser.add_argument("--cache", type=Path, default=Path("runs/vs-trl/models"))

@@ -64,7 +64,7 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
     command = [sys.executable, str(ROOT / "bench" / "vs_trl.py"), "--sizes", "0.5m",
                "--steps", "3", "--groups", "2", "--samples", "4", "--save-every", "2",
                "--max-new-tokens", "8", "--eval-rows", "4", "--eval-samples", "2",
-               "--seed", "3", "--seeds", "2", "--cache", str(cache),
+               "--seed", "3", "--seeds", "2", "--cache", str(cache), "--keep-checkpoints",
                "--work", str(tmp_path / "runs"), "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, check=True, timeout=400, capture_output=True,
                           text=True)  # fmt: skip
@@ -624,3 +624,23 @@ def test_a_damaged_json_file_reads_as_absent(tmp_path: Path, capsys) -> None:
     assert vs_trl.read_json(path) == {} and "damaged" in capsys.readouterr().out
     vs_trl.write_json(path, {"a": 1})
     assert vs_trl.read_json(path) == {"a": 1} and not list(tmp_path.glob("*.part"))
+
+
+def test_a_scored_seeds_checkpoints_are_deleted_and_it_is_not_scored_again(
+    tmp_path: Path,
+) -> None:
+    folder = _keep_seed(_real_args(tmp_path))
+    checkpoint = folder / "trl" / "checkpoint-2"
+    checkpoint.mkdir()
+    (folder / "asyncrl" / "checkpoints").mkdir()
+    for fw in vs_trl.FRAMEWORKS:
+        vs_trl.drop_checkpoints(folder / fw)
+    assert not checkpoint.exists() and not (folder / "asyncrl" / "checkpoints").exists()
+    spec = vs_trl.run_spec(_real_args(tmp_path), "real", MODEL["path"], "asyncrl", 0)
+    assert vs_trl.trained(spec) is None  # nothing left to score: trained again if asked
+    rescore = _real_args(tmp_path, "--eval-rows", "200", "--rescore")
+    assert vs_trl.other_runs(rescore, "real", MODEL) == [
+        "seed_0: its checkpoints were deleted once scored (--keep-checkpoints keeps them); "
+        "--fresh trains it again"
+    ]
+    assert vs_trl.other_runs(_real_args(tmp_path), "real", MODEL) == []  # reused as kept
