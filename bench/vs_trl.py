@@ -124,7 +124,7 @@ sys.path.insert(0, str(ROOT))
 
 from asyncrl.buffer.filters import load_filter  # noqa: E402
 from asyncrl.runtime.tether import tie_to_parent  # noqa: E402
-from bench.seeds import commit, mean_se, read_json, sha256, write_json  # noqa: E402
+from bench.seeds import commit, mean_se, read_json, run_to_end, sha256, write_json  # noqa: E402
 
 ARITH = ROOT / "examples" / "arith"
 WORDS = ROOT / "examples" / "word_problems"
@@ -546,10 +546,10 @@ def launch(framework: str, spec: dict[str, Any], hold: int | None = None) -> dic
     if hold is not None:
         command += ["--hold", str(hold)]
     t0 = time.time()
-    done = subprocess.run(command, check=False, pass_fds=() if hold is None else (hold,))
+    rc = run_to_end(command, pass_fds=() if hold is None else (hold,))
     end = time.time()
-    if done.returncode != 0:
-        raise RuntimeError(f"{framework} run failed (exit {done.returncode}): {out}")
+    if rc != 0:
+        raise RuntimeError(f"{framework} run failed (exit {rc}): {out}")
     drop_training_state(out)
     clock = {"t0": t0, "end": end, "commit": commit()}
     mark_trained(spec, clock)

@@ -180,3 +180,31 @@ def test_an_eval_set_not_in_the_run_is_refused_by_name(tmp_path: Path) -> None:
     )
     with pytest.raises(SystemExit, match="no eval set 'tset'"):
         seeds.read_seed({"seed": 0, "start": 0.0, "wall_s": 1.0}, out, "tset", "pass@1")
+
+
+STOPS_IN_ORDER = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGINT, lambda *a: (time.sleep(1), open(sys.argv[1], 'w').close(),"
+    " sys.exit(0)))\n"
+    "print('up', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_ctrl_c_lets_a_seeds_job_stop_in_order(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    stopped = tmp_path / "stopped"
+    sweep = ("import sys; sys.path.insert(0, sys.argv[1]); from bench.seeds import run_to_end\n"
+             f"run_to_end([sys.executable, '-c', {STOPS_IN_ORDER!r}, sys.argv[2]])\n")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", sweep, str(ROOT), str(stopped)],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    # subprocess.run would have SIGKILLed the job 0.25 s in, before its 1 s stop ended.
+    assert stopped.exists() and proc.returncode != 0

@@ -473,7 +473,7 @@ def test_a_finished_run_is_found_only_for_the_same_spec(
     assert vs_trl.trained(spec) == clock
     assert vs_trl.trained(spec | {"lr": 2e-5}) is None
     # Training it again forgets the earlier run first: a failed run is not "trained".
-    monkeypatch.setattr(vs_trl.subprocess, "run", lambda *a, **k: argparse.Namespace(returncode=1))
+    monkeypatch.setattr(vs_trl, "run_to_end", lambda *a, **k: 1)
     with pytest.raises(RuntimeError, match="run failed"):
         vs_trl.launch("asyncrl", spec)
     assert vs_trl.trained(spec) is None
