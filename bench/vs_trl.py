@@ -557,9 +557,16 @@ def launch(framework: str, spec: dict[str, Any], hold: int | None = None) -> dic
 
 
 def mark_trained(spec: dict[str, Any], clock: dict[str, Any]) -> None:
-    """Keep a finished run's clock beside its spec (paths relative to ``spec_roots``)."""
-    write_json(clock_path(Path(spec["out"])), {"spec": portable(spec, spec_roots(spec)),
-                                               "clock": clock})  # fmt: skip
+    """Keep a finished run's clock beside its spec (paths relative to ``spec_roots``) and
+    the hashes of the files it trained from."""
+    record = {"spec": portable(spec, spec_roots(spec)), "clock": clock,
+              "files": training_files(spec)}  # fmt: skip
+    write_json(clock_path(Path(spec["out"])), record)
+
+
+def training_files(spec: dict[str, Any]) -> dict[str, str]:
+    """sha256 of the config and prompts a run trains from."""
+    return {k: sha256(Path(spec[k])) for k in ("config", "train")}
 
 
 #: A finished run's checkpoint entries that scoring never reads: TRL's files, asyncrl's
@@ -598,7 +605,7 @@ def trained(spec: dict[str, Any]) -> dict[str, Any] | None:
     """The clock of a run of ``spec`` that finished earlier (its outputs kept), or None:
     scoring that stopped part way does not train the seed again."""
     saved = read_json(clock_path(Path(spec["out"])))
-    found = saved and not training_differences(saved.get("spec", {}), spec)
+    found = saved and not run_differences(saved, spec)
     found = found and not saved.get("checkpoints_dropped")  # nothing left to score
     return saved["clock"] if found and Path(spec["out"]).is_dir() else None
 
@@ -620,6 +627,14 @@ def training_differences(saved: dict[str, Any], spec: dict[str, Any]) -> list[st
     old, new = ({k: v for k, v in portable(s, roots).items() if k not in SCORING_ONLY}
                 for s in (saved, spec))  # fmt: skip
     return key_differences(old, new)
+
+
+def run_differences(kept: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    """How a kept clock's run differs from what ``spec`` would train: its settings, and
+    the files' contents (a clock from before the hashes were kept has none to compare)."""
+    files = kept.get("files", {})
+    changed = [f"files.{k}" for k, v in training_files(spec).items() if files.get(k, v) != v]
+    return training_differences(kept.get("spec", {}), spec) + changed
 
 
 # -- what the runs left: steps, checkpoints -------------------------------------------
@@ -1022,7 +1037,7 @@ def other_runs(args: argparse.Namespace, size: str, model: dict[str, Any]) -> li
         for fw in args.frameworks:
             spec = run_spec(args, size, model["path"], fw, seed)
             kept = read_json(clock_path(Path(spec["out"])))
-            if kept and (differ := training_differences(kept.get("spec", {}), spec)):
+            if kept and (differ := run_differences(kept, spec)):
                 held.append(f"seed_{seed}/{fw} (trained): {', '.join(differ)}")
     return held
 

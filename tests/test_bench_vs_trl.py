@@ -463,7 +463,10 @@ def test_scores_are_kept_per_checkpoint_under_the_seeds_key(tmp_path: Path) -> N
 def test_a_finished_run_is_found_only_for_the_same_spec(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spec = {"out": str(tmp_path / "asyncrl"), "seed": 0, "lr": 1e-5}
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    files = {"config": str(tmp_path / "config.yaml"), "train": str(tmp_path / "train.jsonl")}
+    spec = {"out": str(tmp_path / "asyncrl"), "seed": 0, "lr": 1e-5} | files
     clock = {"t0": 1.0, "end": 2.0, "commit": "abc"}
     assert vs_trl.trained(spec) is None
     body = {"spec": spec, "clock": clock}
@@ -644,3 +647,20 @@ def test_a_scored_seeds_checkpoints_are_deleted_and_it_is_not_scored_again(
         "--fresh trains it again"
     ]
     assert vs_trl.other_runs(_real_args(tmp_path), "real", MODEL) == []  # reused as kept
+
+
+def test_a_training_file_changed_in_place_is_refused_until_retrained(tmp_path: Path) -> None:
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text((vs_trl.ROOT / "examples/word_problems/data/train.jsonl").read_text())
+    args = _real_args(tmp_path / "work", "--train", str(prompts))
+    spec = vs_trl.run_spec(args, "real", MODEL["path"], "asyncrl", 0)
+    Path(spec["out"]).mkdir(parents=True)
+    vs_trl.mark_trained(spec, {"t0": 1.0, "end": 2.0, "commit": "abc"})
+    assert vs_trl.trained(spec) is not None and vs_trl.other_runs(args, "real", MODEL) == []
+    prompts.write_text(prompts.read_text().splitlines(keepends=True)[0])  # one prompt left
+    assert vs_trl.trained(spec) is None
+    assert vs_trl.other_runs(args, "real", MODEL) == ["seed_0/asyncrl (trained): files.train"]
+    # A clock kept before the hashes were: its files are taken as the same.
+    path = vs_trl.clock_path(Path(spec["out"]))
+    vs_trl.write_json(path, {k: v for k, v in vs_trl.read_json(path).items() if k != "files"})
+    assert vs_trl.trained(spec) is not None
