@@ -10,6 +10,7 @@ same command, config file and data files (every file the resolved config names) 
 not trained again, so an interrupted sweep goes on where it stopped; the commit each seed
 trained at is kept and printed. A seed kept under other settings stops the sweep before
 anything runs, unless ``--fresh`` (replace it); one sweep at a time holds ``--root``.
+Flags the config refuses (read as ``asyncrl train`` reads them) stop it before then too.
 Per seed: the eval set's ``--metric`` at each version, the gain (last version minus
 version 0), wall seconds, trained samples/s after the first step.
 Across seeds, per version: mean, standard error ``stdev / sqrt(n)``, min and max; and how
@@ -53,18 +54,12 @@ def ident(args: argparse.Namespace, seed: int) -> dict[str, Any]:
 
 
 def data_files(config: Path, flags: list[str]) -> dict[str, str]:
-    """sha256 of every file the resolved config names (datasets, eval sets: a slice's
-    ``@[a:b]`` dropped), by path as written; a config that does not load names none here
-    (each seed's ``asyncrl train`` then says why)."""
-    from asyncrl.config.loading import ConfigError, load_config
+    """sha256 of every file the config, read as ``asyncrl train`` reads it with ``flags``,
+    names (datasets, eval sets: a slice's ``@[a:b]`` dropped), by path as written;
+    ``ConfigError`` where it does not load (every seed's job would fail alike)."""
+    from asyncrl.cli import train_config
 
-    try:
-        resolved = load_config(config, flags).model_dump(mode="json")
-    except (ConfigError, OSError, ValueError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"data files not keyed: the config with these flags does not load here ({first})",
-              flush=True)  # fmt: skip
-        return {}
+    resolved = train_config([str(config), *flags]).model_dump(mode="json")
     found: dict[str, str] = {}
 
     def walk(value: Any) -> None:
@@ -366,7 +361,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.flags = flags
     args.root = (args.root or Path("runs/seeds") / args.config.resolve().parent.name).resolve()
     args.config = args.config.resolve()
-    args.data = data_files(args.config, flags)
+    from asyncrl.config import ConfigError
+
+    try:
+        args.data = data_files(args.config, flags)
+    except ConfigError as exc:  # before anything runs: each seed's job would refuse it
+        ap.error(f"{args.config} with {' '.join(flags) or 'no flags'}:\n{exc}")
     return args
 
 

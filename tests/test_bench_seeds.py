@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from asyncrl.config import ConfigError  # noqa: E402
 from bench import seeds  # noqa: E402
 
 EVAL = [{"name": "test", "path": "examples/arith/data/test.jsonl@[0:8]", "n_samples": 2,
@@ -73,18 +74,34 @@ def test_each_seed_trains_its_own_run_and_a_rerun_reuses_them(tmp_path: Path) ->
 def test_a_seed_that_fails_is_reported_with_its_reason_and_the_sweep_exits_1(
     tmp_path: Path,
 ) -> None:
-    done = sweep(tmp_path / "sweep", "--seeds", "0", "--", "--train.num-steps", "zero")
+    missing = tmp_path / "missing.jsonl"  # loads, then the job's preflight refuses it
+    done = sweep(tmp_path / "sweep", "--seeds", "0", "--", "--prompt-data", str(missing))
     assert done.returncode == 1
     failed = done.stdout[done.stdout.index("seed 0 FAILED") :]
-    assert "(rc 2)" in failed and "train.num_steps: Input should be a valid integer" in failed
+    assert "(rc 2)" in failed and str(missing) in failed, failed
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [(["--train.num-steps", "zero"], "train.num_steps: Input should be a valid integer"),
+     (["--rollout.temprature", "1"], "unknown option --rollout.temprature (did you mean")],
+)  # fmt: skip
+def test_flags_the_config_refuses_stop_the_sweep_before_anything_runs(
+    flags: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "sweep"
+    with pytest.raises(SystemExit) as stop:
+        seeds.parse_args(["examples/arith/config.yaml", "--root", str(root), "--", *flags])
+    assert stop.value.code == 2 and said in capsys.readouterr().err
+    assert not root.exists()
 
 
 def test_a_finished_seed_is_reused_only_for_the_same_command_and_config_file(tmp_path: Path):
     config = tmp_path / "c.yaml"
     config.write_text((ROOT / "examples/arith/config.yaml").read_text())
-    # A flag the config refuses: a launch fails at once, so "reused" is told from "ran".
+    # Prompts that are not there: a launch fails at once, so "reused" is told from "ran".
     args = seeds.parse_args([str(config), "--root", str(tmp_path / "sweep"), "--seeds", "0",
-                             "--", "--train.num-steps", "zero"])  # fmt: skip
+                             "--", "--prompt-data", str(tmp_path / "none.jsonl")])  # fmt: skip
     out = args.root / "seed_0"
     out.mkdir(parents=True)
     record = {"seed": 0, "command": seeds.command(args, 0)[1:], "rc": 0, "wall_s": 5.0,
@@ -96,7 +113,7 @@ def test_a_finished_seed_is_reused_only_for_the_same_command_and_config_file(tmp
     (out / "sweep.json").write_text(json.dumps(legacy))
     assert seeds.train(args, 0) == legacy
     config.write_text(config.read_text() + "\n# edited\n")
-    again = seeds.train(args, 0)  # the file changed: run again (and fail on the flag)
+    again = seeds.train(args, 0)  # the file changed: run again (and fail on the prompts)
     assert again["rc"] == 2 and json.loads((out / "sweep.json").read_text())["rc"] == 2
     assert seeds.train(args, 0)["rc"] == 2  # a failed record is never reused
 
@@ -140,7 +157,8 @@ def test_a_seeds_identity_holds_the_data_files_its_config_names(tmp_path: Path) 
     test = "examples/arith/data/test.jsonl@[0:8]"  # an eval set's slice: its whole file
     assert data[test] == seeds.sha256(ROOT / "examples/arith/data/test.jsonl")
     assert any(name.endswith("train.jsonl") for name in data), data
-    assert seeds.data_files(tmp_path / "missing.yaml", []) == {}  # the job says why
+    with pytest.raises(ConfigError, match=r"missing\.yaml"):
+        seeds.data_files(tmp_path / "missing.yaml", [])
 
 
 def test_a_root_holding_other_settings_is_refused_before_anything_runs(tmp_path: Path) -> None:
@@ -150,11 +168,12 @@ def test_a_root_holding_other_settings_is_refused_before_anything_runs(tmp_path:
     kept["command"] = [*kept["command"], "--trainer.lr", "1e-3"]  # the sweep run before
     (root / "seed_0").mkdir(parents=True)
     (root / "seed_0" / "sweep.json").write_text(json.dumps(kept))
-    done = sweep(root, "--seeds", "0", "--", "--train.num-steps", "zero")
+    none = str(tmp_path / "none.jsonl")  # prompts that are not there: the job fails at once
+    done = sweep(root, "--seeds", "0", "--", "--prompt-data", none)
     assert done.returncode == 1 and "seed_0: other command" in done.stderr, done.stderr
     assert "--fresh" in done.stderr and json.loads((root / "seed_0/sweep.json").read_text()) == kept
     # --fresh replaces it (here with a run that fails on its flag at once).
-    fresh = sweep(root, "--seeds", "0", "--fresh", "--", "--train.num-steps", "zero")
+    fresh = sweep(root, "--seeds", "0", "--fresh", "--", "--prompt-data", none)
     assert fresh.returncode == 1 and "seed 0 FAILED" in fresh.stdout
     assert json.loads((root / "seed_0/sweep.json").read_text())["rc"] == 2
 

@@ -22,6 +22,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from asyncrl.cli import jobs, offline, serve, tools
 from asyncrl.cli.args import KEYS_HELP, add_help_all, add_job_source
@@ -147,6 +148,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "chaos":
         return jobs.chaos(args)
     return jobs.train(args)
+
+
+def train_config(argv: Sequence[str]) -> Any:
+    """The ``RunConfig`` that ``asyncrl train *argv`` would run, its flags read as that
+    command reads them (normalised, SGLang's names mapped, unknown options refused), not
+    preflighted; ``ConfigError`` says why there is none (argparse's own errors exit 2)."""
+    from asyncrl.config import ConfigError, load_config, normal_flag, overrides_from_namespace
+
+    tokens = _sglang_flags(["train", *(normal_flag(token) for token in argv)])
+    if unknown := _unknown_options(tokens[1:]):
+        raise ConfigError(unknown)
+    args = _parser(tokens).parse_args(tokens)
+    return load_config(args.config, overrides_from_namespace(args), preset=args.preset)
 
 
 def _sglang_flags(argv: list[str]) -> list[str]:
