@@ -22,6 +22,7 @@ reason; the others are still reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -59,7 +60,8 @@ def data_files(config: Path, flags: list[str]) -> dict[str, str]:
     ``ConfigError`` where it does not load (every seed's job would fail alike)."""
     from asyncrl.cli import train_config
 
-    resolved = train_config([str(config), *flags]).model_dump(mode="json")
+    with contextlib.chdir(ROOT):  # where each seed's job reads it from
+        resolved = train_config([str(config), *flags]).model_dump(mode="json")
     found: dict[str, str] = {}
 
     def walk(value: Any) -> None:

@@ -545,6 +545,7 @@ def launch(framework: str, spec: dict[str, Any], hold: int | None = None) -> dic
                "--spec", str(spec_path), "--parent", str(os.getpid())]  # fmt: skip
     if hold is not None:
         command += ["--hold", str(hold)]
+    files = training_files(spec)  # what it trains from: a file edited meanwhile is caught
     t0 = time.time()
     rc = run_to_end(command, pass_fds=() if hold is None else (hold,))
     end = time.time()
@@ -552,15 +553,14 @@ def launch(framework: str, spec: dict[str, Any], hold: int | None = None) -> dic
         raise RuntimeError(f"{framework} run failed (exit {rc}): {out}")
     drop_training_state(out)
     clock = {"t0": t0, "end": end, "commit": commit()}
-    mark_trained(spec, clock)
+    mark_trained(spec, clock, files)
     return clock
 
 
-def mark_trained(spec: dict[str, Any], clock: dict[str, Any]) -> None:
+def mark_trained(spec: dict[str, Any], clock: dict[str, Any], files: dict[str, str]) -> None:
     """Keep a finished run's clock beside its spec (paths relative to ``spec_roots``) and
-    the hashes of the files it trained from."""
-    record = {"spec": portable(spec, spec_roots(spec)), "clock": clock,
-              "files": training_files(spec)}  # fmt: skip
+    the hashes of the files it trained from (``training_files`` at its launch)."""
+    record = {"spec": portable(spec, spec_roots(spec)), "clock": clock, "files": files}
     write_json(clock_path(Path(spec["out"])), record)
 
 
@@ -1503,6 +1503,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"{flag} {value}: at least {low}")
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         parser.error(f"--lr {args.lr}: a positive number")
+    for flag, path in (("--train", args.train), ("--test", args.test)):
+        if path is not None and not path.is_file():
+            parser.error(f"{flag} {path}: no such file")
     for name in args.asyncrl_filters or []:  # a typo fails now, not after a run trained
         try:
             load_filter(name)

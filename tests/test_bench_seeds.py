@@ -84,7 +84,9 @@ def test_a_seed_that_fails_is_reported_with_its_reason_and_the_sweep_exits_1(
 @pytest.mark.parametrize(
     ("flags", "said"),
     [(["--train.num-steps", "zero"], "train.num_steps: Input should be a valid integer"),
-     (["--rollout.temprature", "1"], "unknown option --rollout.temprature (did you mean")],
+     (["--rollout.temprature", "1"], "unknown option --rollout.temprature (did you mean"),
+     (["--train.num-steps"], "argument --train.num-steps: expected one argument"),
+     (["--help"], "--help asks for help, not a run")],
 )  # fmt: skip
 def test_flags_the_config_refuses_stop_the_sweep_before_anything_runs(
     flags: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

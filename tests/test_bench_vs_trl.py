@@ -516,6 +516,7 @@ def _real_args(work: Path, *flags: str) -> argparse.Namespace:
 
 
 MODEL = {"path": "/models/smollm2", "params": 1, "build": {}}
+CLOCK = {"t0": 1.0, "end": 2.0, "commit": "abc"}
 
 
 def _keep_seed(args: argparse.Namespace, seed: int = 0) -> Path:
@@ -525,7 +526,7 @@ def _keep_seed(args: argparse.Namespace, seed: int = 0) -> Path:
     for fw in args.frameworks:
         spec = vs_trl.run_spec(args, "real", MODEL["path"], fw, seed)
         Path(spec["out"]).mkdir(parents=True)
-        vs_trl.mark_trained(spec, {"t0": 1.0, "end": 2.0, "commit": "abc"})
+        vs_trl.mark_trained(spec, CLOCK, vs_trl.training_files(spec))
     vs_trl.write_json(folder / "scores.json", {"key": key, "scores": {"a": 0.1}})
     vs_trl.write_json(folder / "result.json", {"key": key, "result": {"commit": "abc"}})
     return folder
@@ -613,9 +614,10 @@ def test_a_kept_run_is_found_from_a_moved_work_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "flags",
     [["--eval-samples", "0"], ["--eval-rows", "0"], ["--steps", "0"], ["--samples", "1"],
-     ["--lr", "0"], ["--lr", "nan"], ["--save-every", "0"]],
+     ["--lr", "0"], ["--lr", "nan"], ["--save-every", "0"], ["--train", "/no/such.jsonl"],
+     ["--test", "/no/such.jsonl"]],
 )  # fmt: skip
-def test_a_numeric_flag_out_of_range_is_refused_before_anything_runs(flags, capsys) -> None:
+def test_a_flag_out_of_range_or_a_missing_file_is_refused_at_once(flags, capsys) -> None:
     with pytest.raises(SystemExit):
         vs_trl.parse_args(["--model", "real", *flags])
     assert flags[0] in capsys.readouterr().err
@@ -655,7 +657,7 @@ def test_a_training_file_changed_in_place_is_refused_until_retrained(tmp_path: P
     args = _real_args(tmp_path / "work", "--train", str(prompts))
     spec = vs_trl.run_spec(args, "real", MODEL["path"], "asyncrl", 0)
     Path(spec["out"]).mkdir(parents=True)
-    vs_trl.mark_trained(spec, {"t0": 1.0, "end": 2.0, "commit": "abc"})
+    vs_trl.mark_trained(spec, CLOCK, vs_trl.training_files(spec))
     assert vs_trl.trained(spec) is not None and vs_trl.other_runs(args, "real", MODEL) == []
     prompts.write_text(prompts.read_text().splitlines(keepends=True)[0])  # one prompt left
     assert vs_trl.trained(spec) is None
@@ -664,3 +666,20 @@ def test_a_training_file_changed_in_place_is_refused_until_retrained(tmp_path: P
     path = vs_trl.clock_path(Path(spec["out"]))
     vs_trl.write_json(path, {k: v for k, v in vs_trl.read_json(path).items() if k != "files"})
     assert vs_trl.trained(spec) is not None
+
+
+def test_a_training_file_edited_during_the_run_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = tmp_path / "train.jsonl"
+    prompts.write_text((vs_trl.ROOT / "examples/word_problems/data/train.jsonl").read_text())
+    spec = vs_trl.run_spec(_real_args(tmp_path / "work", "--train", str(prompts)), "real",
+                           MODEL["path"], "asyncrl", 0)  # fmt: skip
+
+    def edited_meanwhile(*args: object, **kwargs: object) -> int:
+        prompts.write_text(prompts.read_text().splitlines(keepends=True)[0])
+        return 0
+
+    monkeypatch.setattr(vs_trl, "run_to_end", edited_meanwhile)
+    vs_trl.launch("asyncrl", spec)
+    assert vs_trl.trained(spec) is None  # hashed at launch: not the file it now names

@@ -321,6 +321,7 @@ async def broadcast_mid_reply(
     return result.versions
 
 
+@pytest.mark.timeout(300)  # up to three long replies on a loaded machine
 async def test_a_broadcast_mid_generation_splits_a_response_between_versions(
     vllm_url: str, vllm_model: Path
 ):
@@ -347,7 +348,7 @@ async def test_a_broadcast_mid_generation_splits_a_response_between_versions(
             for version in (1, 2, 3):  # a loaded machine can finish the reply first
                 versions = await broadcast_mid_reply(vllm_url, client, group, manifest, new,
                                                      name, version)  # fmt: skip
-                if version in versions:
+                if versions != [version - 1] * MID_TOKENS:  # any other labelling: judged now
                     break
             split = versions.index(version) if version in versions else -1
             assert 0 < split < MID_TOKENS, (split, versions[:3])

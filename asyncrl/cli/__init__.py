@@ -153,13 +153,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 def train_config(argv: Sequence[str]) -> Any:
     """The ``RunConfig`` that ``asyncrl train *argv`` would run, its flags read as that
     command reads them (normalised, SGLang's names mapped, unknown options refused), not
-    preflighted; ``ConfigError`` says why there is none (argparse's own errors exit 2)."""
+    preflighted; ``ConfigError`` says why there is none (argparse's errors and a help
+    flag included, which the command would answer by exiting)."""
+    import contextlib
+    import io
+
     from asyncrl.config import ConfigError, load_config, normal_flag, overrides_from_namespace
 
     tokens = _sglang_flags(["train", *(normal_flag(token) for token in argv)])
+    if asked := [t for t in tokens if t in ("-h", "--help", "--help-all")]:
+        raise ConfigError(f"{asked[0]} asks for help, not a run")
     if unknown := _unknown_options(tokens[1:]):
         raise ConfigError(unknown)
-    args = _parser(tokens).parse_args(tokens)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            args = _parser(tokens).parse_args(tokens)
+    except SystemExit:  # argparse's usage line, then its error: the error alone
+        lines = said.getvalue().strip().splitlines() or ["the command line does not parse"]
+        raise ConfigError(lines[-1]) from None
     return load_config(args.config, overrides_from_namespace(args), preset=args.preset)
 
 
