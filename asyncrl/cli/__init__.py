@@ -116,18 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return tools.bench(argv[1:])
-    from asyncrl.config import normal_flag
-
-    argv = [normal_flag(token) for token in argv]  # --a.b_c is --a.b-c
-    command = argv[0] if argv[:1] in (["train"], ["chaos"], ["eval"]) else None
-    if command:
-        argv = _sglang_flags(argv)
-    parser = _parser(argv)
-    options = {"chaos": _CHAOS_OPTIONS, "eval": _EVAL_OPTIONS}.get(command or "", _TRAIN_OPTIONS)
-    if command and (unknown := _unknown_options(argv[1:], options)):
-        print(f"asyncrl {command}: config error:\n{unknown}", file=sys.stderr)
+    argv, unknown = _read_flags(argv)
+    if unknown:
+        print(f"asyncrl {argv[0]}: config error:\n{unknown}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = _parser(argv).parse_args(argv)
     if args.command == "sft":
         return offline.sft(args)
     if args.command == "eval":
@@ -158,12 +151,12 @@ def train_config(argv: Sequence[str]) -> Any:
     import contextlib
     import io
 
-    from asyncrl.config import ConfigError, load_config, normal_flag, overrides_from_namespace
+    from asyncrl.config import ConfigError, load_config, overrides_from_namespace
 
-    tokens = _sglang_flags(["train", *(normal_flag(token) for token in argv)])
+    tokens, unknown = _read_flags(["train", *argv])
     if asked := [t for t in tokens if t in ("-h", "--help", "--help-all")]:
         raise ConfigError(f"{asked[0]} asks for help, not a run")
-    if unknown := _unknown_options(tokens[1:]):
+    if unknown:
         raise ConfigError(unknown)
     said = io.StringIO()
     try:
@@ -173,6 +166,20 @@ def train_config(argv: Sequence[str]) -> Any:
         lines = said.getvalue().strip().splitlines() or ["the command line does not parse"]
         raise ConfigError(lines[-1]) from None
     return load_config(args.config, overrides_from_namespace(args), preset=args.preset)
+
+
+def _read_flags(argv: list[str]) -> tuple[list[str], str]:
+    """``argv`` as the parser takes it (``--a.b_c`` is ``--a.b-c``; for ``train``,
+    ``chaos`` and ``eval`` SGLang's names mapped), and its unknown options ("" if none)."""
+    from asyncrl.config import normal_flag
+
+    argv = [normal_flag(token) for token in argv]
+    command = argv[0] if argv[:1] in (["train"], ["chaos"], ["eval"]) else None
+    if command is None:
+        return argv, ""
+    argv = _sglang_flags(argv)
+    options = {"chaos": _CHAOS_OPTIONS, "eval": _EVAL_OPTIONS}.get(command, _TRAIN_OPTIONS)
+    return argv, _unknown_options(argv[1:], options)
 
 
 def _sglang_flags(argv: list[str]) -> list[str]:
