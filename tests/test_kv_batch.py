@@ -5,12 +5,13 @@ merges, and the CPU decode matmuls (asyncrl/engines/torch/cpu_linear.py) equal `
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from asyncrl.engines.torch import cpu_linear as cpu_linear
-from asyncrl.engines.torch.kv_batch import SlabLayer, _concat_caches, new_cache
+from asyncrl.engines.torch.kv_batch import KVBatch, SlabLayer, cache_of_rows, swap_removed
 
 
 def kv(b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,20 +39,83 @@ def test_a_slab_holds_what_concatenation_would_through_growth_trims_and_selectio
     assert torch.equal(got_k, torch.cat([keys, k], dim=2))
 
 
-def test_merged_caches_are_left_padded_with_zeros_to_the_wider_width():
+def test_joining_rows_are_left_padded_with_zeros_in_free_rows_or_a_new_slab():
     torch.manual_seed(1)
-    a, b = new_cache(), new_cache()
+    a, b = SlabLayer(), SlabLayer()
     ka, va = kv(2, 6)
     kb, vb = kv(1, 9)
-    a.update(ka, va, 0)
-    b.update(kb, vb, 0)
-    merged = _concat_caches(a, b, 9)
-    layer = merged.layers[0]
-    assert isinstance(layer, SlabLayer) and layer.keys.shape == (3, 2, 9, 4)
-    assert torch.equal(layer.keys[:2, :, 3:], ka) and torch.equal(layer.values[2:], vb)
-    assert not layer.keys[:2, :, :3].any()  # zeros: masked scores must stay finite
+    a.update(ka, va)
+    b.update(kb, vb)
+    slab = a._k
+    a.append_rows(b, 9)  # no free rows: a new slab
+    assert a._k is not slab and a.keys.shape == (3, 2, 9, 4)
+    assert torch.equal(a.keys[:2, :, 3:], ka) and torch.equal(a.values[2:], vb)
+    assert not a.keys[:2, :, :3].any()  # zeros: masked scores must stay finite
     k, v = kv(3, 1)
-    assert torch.equal(merged.update(k, v, 0)[0][:, :, -1:], k)
+    assert torch.equal(a.update(k, v)[0][:, :, -1:], k)
+    slab = a._k
+    a.keep_rows(1)  # two rows leave: the slab keeps them free
+    a._k[1:].fill_(float("nan"))  # whatever a freed row held
+    kc, vc = kv(2, 4)
+    c = SlabLayer()
+    c.update(kc, vc)
+    a.append_rows(c, 10)
+    assert a._k is slab and a.keys.shape == (3, 2, 10, 4)  # in place
+    assert torch.equal(a.keys[1:, :, 6:], kc) and not a.keys[1:, :, :6].any()
+    assert torch.equal(a.keys[0, :, 3:], torch.cat([ka[0], k[0]], dim=1))  # moved nowhere
+    assert not a.keys[0, :, :3].any()
+    assert not a.keys.isnan().any()
+
+
+def test_swap_removal_moves_the_last_kept_rows_into_the_holes():
+    assert swap_removed(5, [0, 2, 4]) == [0, 4, 2]
+    assert swap_removed(4, [0, 1]) == [0, 1]  # the leavers were last: nothing moves
+    assert swap_removed(4, [3]) == [3]
+    assert swap_removed(3, [0, 1, 2]) == [0, 1, 2]
+
+
+def test_a_batch_holds_each_rows_kv_through_joins_steps_and_departures():
+    """Random joins, decode steps and departures: each row's cache is its own positions at
+    the right end, zeros on their left, and its mask and position say so."""
+    torch.manual_seed(5)
+    gen = torch.Generator().manual_seed(5)
+    batch: KVBatch[int] = KVBatch()
+    truth: dict[int, torch.Tensor] = {}  # row id -> its keys [heads, length, d] (1 layer)
+    ids, nonempty = iter(range(10_000)), 0
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    for step in range(300):
+        if len(batch) < 12 and (step % 3 == 0 or not len(batch)):
+            lengths = torch.randint(1, 30, (int(torch.randint(1, 5, (1,))),), generator=gen)
+            made = [rand(2, int(n), 4) for n in lengths]  # values: a copy of the keys
+            parts = [SimpleNamespace(keys=[x], values=[x.clone()], length=x.shape[1]) for x in made]
+            cache, mask = cache_of_rows(parts)
+            new = [next(ids) for _ in parts]
+            truth |= {r: p.keys[0] for r, p in zip(new, parts, strict=True)}
+            batch.add(new, cache, mask, [0] * len(new))
+        k = rand(len(batch), 2, 1, 4)
+        batch.cache.layers[0].update(k, k.clone())
+        batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=torch.long)], 1)
+        batch.positions = batch.positions + 1
+        for i, r in enumerate(batch.seqs):
+            truth[r] = torch.cat([truth[r], k[i]], dim=1)
+        leave = torch.rand(len(batch), generator=gen) < 0.15
+        batch.select([i for i in range(len(batch)) if not leave[i]], torch.device("cpu"))
+        if not len(batch):
+            continue
+        layer = batch.cache.layers[0]
+        assert layer.keys.shape[:2] == (len(batch), 2) == (len(batch.seqs), 2)
+        assert layer.keys.shape[2] == batch.mask.shape[1] and batch.mask[:, 0].any()
+        for i, r in enumerate(batch.seqs):
+            n = truth[r].shape[1]
+            assert int(batch.mask[i].sum()) == n == int(batch.positions[i])
+            assert torch.equal(layer.keys[i, :, -n:], truth[r])
+            assert torch.equal(layer.values[i, :, -n:], truth[r])
+            assert not layer.keys[i, :, :-n].any()
+        nonempty += 1
+    assert nonempty > 200  # the batch was non-empty on most steps
 
 
 @pytest.mark.parametrize("packed", [True, False])

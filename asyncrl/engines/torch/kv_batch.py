@@ -5,7 +5,10 @@ row ``i`` holds its tokens at the right end, ``mask[i]`` marks real positions,
 ``positions[i]`` is its next position id and ``last[i]`` its newest token, which the
 cache never holds (it is the next input). Each layer is a ``SlabLayer``, a preallocated
 slab with room on the right, so a decode step writes one column in place where Hugging
-Face's ``DynamicLayer`` copies the whole cache. Used from the engine's step thread only.
+Face's ``DynamicLayer`` copies the whole cache. Rows that finish are replaced by the last
+rows, and rows that join are written into the slab's free rows, so a batch that turns
+over every step (an eval of thousands of requests) copies only the rows that move, not
+the whole cache. Used from the engine's step thread only.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ class KVBatch(Generic[Row]):
             self.last, self.seqs = torch.tensor(tokens), list(seqs)
             return
         width = max(self.mask.shape[1], mask.shape[1])
-        self.cache = _concat_caches(self.cache, cache, width)
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            old.append_rows(new, width)
         self.mask = torch.cat([_lpad(self.mask, width), _lpad(mask, width)])
         self.positions = torch.cat([self.positions, new_pos])
         self.last = torch.cat([self.last, torch.tensor(tokens)])
@@ -66,14 +70,20 @@ class KVBatch(Generic[Row]):
         return logits[:, -1, :].float()
 
     def select(self, keep: list[int], device: torch.device) -> None:
-        """Keep rows ``keep`` (in that order), drop the rest's KV, and trim the leading
-        columns that became padding in every row."""
+        """Keep rows ``keep``, drop the rest's KV, and trim the leading columns that became
+        padding in every row. Each dropped row takes the last kept row in its place
+        (``seqs`` gives the new order): only the moved rows' KV is copied."""
         if not keep:
             self.clear()
             return
-        index = torch.tensor(keep)
-        self.cache.batch_select_indices(index.to(device))
-        self.seqs = [self.seqs[i] for i in keep]
+        order = swap_removed(len(self.seqs), keep)
+        moved = [(i, j) for i, j in enumerate(order) if i != j]
+        if moved:
+            dst, src = (torch.tensor(x, device=device) for x in zip(*moved, strict=True))
+        for layer in self.cache.layers:
+            layer.keep_rows(len(order), *((src, dst) if moved else ()))
+        index = torch.tensor(order)
+        self.seqs = [self.seqs[i] for i in order]
         self.mask, self.positions = self.mask[index], self.positions[index]
         self.last = self.last[index]
         self._trim_left()
@@ -87,6 +97,17 @@ class KVBatch(Generic[Row]):
         self.mask = self.mask[:, start:]
         for layer in self.cache.layers:
             layer.trim_left(start)
+
+
+def swap_removed(rows: int, keep: list[int]) -> list[int]:
+    """The old row of each new row when the rows not in ``keep`` leave and each leaving
+    row below the new count takes the last kept row: ``swap_removed(5, [0, 2, 4]) ==
+    [0, 4, 2]``."""
+    order = list(range(rows))
+    for row in sorted(set(order) - set(keep), reverse=True):
+        order[row] = order[-1]  # every row past it has left already: the last is kept
+        order.pop()
+    return order
 
 
 def _lpad(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -115,21 +136,15 @@ def cache_of_rows(parts: Sequence[Any]) -> tuple[Any, torch.Tensor]:
     return cache, mask
 
 
-def _concat_caches(a: Any, b: Any, width: int) -> Any:
-    """Batch-concatenate two left-padded caches into a new one, both padded to ``width``."""
-    cache = new_cache()
-    pairs = zip(a.layers, b.layers, strict=True)
-    cache.layers = [SlabLayer.stacked(la, lb, width) for la, lb in pairs]
-    return cache
-
-
 class SlabLayer(DynamicLayer):
-    """One layer's keys and values in slabs ``[b, heads, capacity, d]``; columns
-    ``lo:n`` are the cache (``keys``/``values`` are views of them).
+    """One layer's keys and values in slabs ``[rows, heads, capacity, d]``; rows ``:b``
+    and columns ``lo:n`` are the cache (``keys``/``values`` are views of them).
 
     ``update`` writes new columns at ``n``; when the slab is full it moves the live
-    columns into a slab with room (``_room``; amortised O(1) per column). ``trim_left``
-    moves ``lo``; ``batch_select_indices`` copies the kept rows' live columns.
+    columns into a slab with room (``_room``; amortised O(1) per column) and no free
+    rows. ``trim_left`` moves ``lo``; ``keep_rows`` moves rows within the slab;
+    ``append_rows`` writes joining rows into free rows, or into a new slab when there
+    are too few or they reach further left than the slab's columns.
     """
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -137,6 +152,7 @@ class SlabLayer(DynamicLayer):
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self.lo = self.n = 0
+        self.b = key_states.shape[0]
         self.is_initialized = True
 
     def update(
@@ -147,8 +163,8 @@ class SlabLayer(DynamicLayer):
         t = key_states.shape[-2]
         self._reserve(key_states, value_states, t)
         assert self._k is not None and self._v is not None
-        self._k[:, :, self.n : self.n + t] = key_states
-        self._v[:, :, self.n : self.n + t] = value_states
+        self._k[: self.b, :, self.n : self.n + t] = key_states
+        self._v[: self.b, :, self.n : self.n + t] = value_states
         self.n += t
         self._expose()
         return self.keys, self.values
@@ -170,13 +186,13 @@ class SlabLayer(DynamicLayer):
         fresh = like.new_empty(b, heads, capacity, d)
         if live:
             assert slab is not None
-            fresh[:, :, :live] = slab[:, :, self.lo : self.n]
+            fresh[:, :, :live] = slab[:b, :, self.lo : self.n]
         return fresh
 
     def _expose(self) -> None:
         assert self._k is not None and self._v is not None
-        self.keys = self._k[:, :, self.lo : self.n]
-        self.values = self._v[:, :, self.lo : self.n]
+        self.keys = self._k[: self.b, :, self.lo : self.n]
+        self.values = self._v[: self.b, :, self.lo : self.n]
 
     def get_seq_length(self) -> int:
         return self.n - self.lo if self.is_initialized else 0
@@ -206,7 +222,8 @@ class SlabLayer(DynamicLayer):
         raise NotImplementedError("the engine's cache stays on its device")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep rows ``indices``: their live columns go into fresh slabs with room."""
+        """Keep rows ``indices`` (in that order): their live columns go into fresh slabs
+        with room (Hugging Face's interface; the engine uses ``keep_rows``)."""
         if not self.is_initialized or self._k is None:
             return
         live = self.n - self.lo
@@ -216,7 +233,43 @@ class SlabLayer(DynamicLayer):
             slab = kept.new_empty(kept.shape[0], kept.shape[1], capacity, kept.shape[3])
             slab[:, :, :live] = kept
             setattr(self, name, slab)
-        self.lo, self.n = 0, live
+        self.lo, self.n, self.b = 0, live, len(indices)
+        self._expose()
+
+    def keep_rows(
+        self, rows: int, src: torch.Tensor | None = None, dst: torch.Tensor | None = None
+    ) -> None:
+        """The first ``rows`` rows stay, after rows ``src`` are copied into rows ``dst``
+        (live columns only; ``dst`` below ``rows``, ``src`` not); the rest become free."""
+        if not self.is_initialized or self._k is None:
+            return
+        assert self._v is not None
+        if src is not None and dst is not None:
+            span = slice(self.lo, self.n)
+            self._k[dst, :, span] = self._k[src, :, span]
+            self._v[dst, :, span] = self._v[src, :, span]
+        self.b = rows
+        self._expose()
+
+    def append_rows(self, other: Any, width: int) -> None:
+        """Rows of ``other`` (a prefill's left-padded layer) after this layer's, both
+        left-padded with zeros to ``width`` columns: in place where the slab has the free
+        rows and ``width`` columns left of ``n``, else in a new slab (``stacked``)."""
+        assert self._k is not None and self._v is not None
+        k_new, rows = other.keys, self.b + other.keys.shape[0]
+        lo = self.n - width
+        if rows > self._k.shape[0] or lo < 0:
+            merged = SlabLayer.stacked(self, other, width)
+            self._k, self._v, self.lo, self.n, self.b = merged._k, merged._v, 0, width, rows
+            self._expose()
+            return
+        cols = k_new.shape[2]
+        for slab, part in ((self._k, k_new), (self._v, other.values)):
+            slab[: self.b, :, lo : self.lo] = 0  # zeros, not stale or unset (``stacked``)
+            block = slab[self.b : rows]
+            block[:, :, lo : self.n - cols] = 0
+            block[:, :, self.n - cols : self.n] = part
+        self.lo, self.b = lo, rows
         self._expose()
 
     @classmethod
@@ -235,7 +288,7 @@ class SlabLayer(DynamicLayer):
                 block = slab[lo_row : lo_row + n_rows]
                 block[:, :, : width - cols] = 0  # columns past width are written before read
                 block[:, :, width - cols : width] = part
-        layer.n = width
+        layer.n, layer.b = width, rows
         layer._expose()
         return layer
 
@@ -251,7 +304,7 @@ class SlabLayer(DynamicLayer):
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             layer._k[i, :, width - k.shape[1] : width] = k
             layer._v[i, :, width - v.shape[1] : width] = v
-        layer.n = width
+        layer.n, layer.b = width, len(keys)
         layer._expose()
         return layer
 
