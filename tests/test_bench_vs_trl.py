@@ -494,6 +494,20 @@ def test_a_filter_that_does_not_load_is_refused_before_anything_runs(capsys) -> 
     assert "--asyncrl-filters zero_reward_varience" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bf16", [True, False])
+def test_bf16_on_a_cpu_that_emulates_it_is_warned_of(monkeypatch, bf16) -> None:
+    flags = frozenset({"avx2", *(["avx512_bf16"] if bf16 else [])})
+    monkeypatch.setattr(vs_trl.hardware, "cpu_flags", lambda: flags)
+    args = vs_trl.parse_args(["--model", "real", "--dtype", "bf16", "--eval-dtype", "bfloat16"])
+    notes = vs_trl.slow_dtypes(args)
+    assert len(notes) == (0 if bf16 else 2)
+    assert all("emulated bf16" in n for n in notes)
+    assert notes[1:] == [] or notes[1].startswith("--eval-dtype bfloat16")
+    assert vs_trl.slow_dtypes(vs_trl.parse_args(["--model", "real"])) == []
+    hf = vs_trl.parse_args(["--model", "real", "--eval-dtype", "bfloat16", "--evaluator", "hf"])
+    assert vs_trl.slow_dtypes(hf) == []  # the dtype is the engine evaluator's alone
+
+
 def test_a_second_copy_on_the_same_work_folder_is_refused_and_deletes_nothing(
     tmp_path: Path,
 ) -> None:

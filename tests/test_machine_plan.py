@@ -35,6 +35,16 @@ def test_the_line_names_each_torch_process_its_threads_and_dtype(tmp_path, monke
     # bf16 where the CPU has no bf16 instructions is the slow choice, and is said to be.
     assert ("no native bf16" in mixed and "--trainer.dtype float32" in mixed) == (not bf16)
     assert ("bf16-mixed on such a CPU" in mixed) is False
+    # An engine set to bf16 (auto would pick float32 without bf16 instructions) likewise.
+    engine = plan(tmp_path, "examples/word_problems/config.yaml",
+                  "--rollout.engine.dtype", "bfloat16")  # fmt: skip
+    assert "1 engine bfloat16" in engine
+    assert ("--rollout.engine.dtype bfloat16 will be slow" in engine) == (not bf16)
+    assert ("--trainer.dtype" in engine) == bf16  # the trainer's float32 is not named slow
+    both = plan(tmp_path, "examples/word_problems/config.yaml", "--trainer.dtype",
+                "bf16-mixed", "--rollout.engine.dtype", "bfloat16")  # fmt: skip
+    fix = "--trainer.dtype float32 --rollout.engine.dtype float32)"
+    assert both.endswith(fix) == (not bf16)
 
 
 def test_engine_actors_are_the_engines_and_rollout_actors_are_not(tmp_path):

@@ -50,8 +50,8 @@ def _engines(cfg: RunConfig, specs: list[ActorSpec]) -> str:
 
 
 def _dtype_hint(cfg: RunConfig, bf16: bool) -> str:
-    """Where the trainer's precision disagrees with what ``dtype: auto`` picks here
-    (``hardware.low_precision_pays``), what to set instead."""
+    """Where the trainer's or a CPU torch engine's precision disagrees with what
+    ``dtype: auto`` picks here (``hardware.low_precision_pays``), what to set instead."""
     if cfg.trainer is None or _cuda(cfg):
         return ""
     low = cfg.trainer.dtype != "float32"
@@ -60,12 +60,21 @@ def _dtype_hint(cfg: RunConfig, bf16: bool) -> str:
             " (this CPU computes bf16 natively: SmolLM2-135M's trainer steps ran "
             "1.6-1.7x faster in bf16-mixed on such a CPU: --trainer.dtype bf16-mixed)"
         )
-    if low and not bf16:
-        return (
-            f" (this CPU has no native bf16: a bf16 matmul ran at a tenth of float32's "
-            f"on such a CPU; {cfg.trainer.dtype} will be slow: --trainer.dtype float32)"
-        )
-    return ""
+    if bf16:
+        return ""
+    slow = {"--trainer.dtype": cfg.trainer.dtype} if low else {}
+    engine = cfg.rollout.engine
+    if engine is not None and engine.type == "torch" and engine.device == "cpu":
+        if engine.dtype in ("bfloat16", "float16"):  # set: auto picked float32 here
+            slow["--rollout.engine.dtype"] = engine.dtype
+    if not slow:
+        return ""
+    said = " and ".join(f"{flag} {dtype}" for flag, dtype in slow.items())
+    fix = " ".join(f"{flag} float32" for flag in slow)
+    return (
+        f" (this CPU has no native bf16: a bf16 matmul ran at a tenth of float32's or "
+        f"less on such a CPU; {said} will be slow: {fix})"
+    )
 
 
 def _threads(spec: ActorSpec) -> str:
