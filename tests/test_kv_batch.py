@@ -54,17 +54,51 @@ def test_joining_rows_are_left_padded_with_zeros_in_free_rows_or_a_new_slab():
     k, v = kv(3, 1)
     assert torch.equal(a.update(k, v)[0][:, :, -1:], k)
     slab = a._k
-    a.keep_rows(1)  # two rows leave: the slab keeps them free
-    a._k[1:].fill_(float("nan"))  # whatever a freed row held
-    kc, vc = kv(2, 4)
+    a.keep_rows(2)  # a row leaves: the slab keeps it free
+    a._k[2:].fill_(float("nan"))  # whatever a freed row held
+    kc, vc = kv(1, 4)
     c = SlabLayer()
     c.update(kc, vc)
     a.append_rows(c, 10)
     assert a._k is slab and a.keys.shape == (3, 2, 10, 4)  # in place
-    assert torch.equal(a.keys[1:, :, 6:], kc) and not a.keys[1:, :, :6].any()
+    assert torch.equal(a.keys[2:, :, 6:], kc) and not a.keys[2:, :, :6].any()
     assert torch.equal(a.keys[0, :, 3:], torch.cat([ka[0], k[0]], dim=1))  # moved nowhere
     assert not a.keys[0, :, :3].any()
     assert not a.keys.isnan().any()
+
+
+def test_a_wider_join_zeroes_the_columns_it_opens_in_rows_that_joined_in_place():
+    """Rows of 2, 20, 2 and 2 positions; two leave (their slab rows then hold NaN); a
+    row of 5 joins in place, then one of 10, which opens columns left of all three."""
+    torch.manual_seed(6)
+    batch: KVBatch[int] = KVBatch()
+    parts = [SimpleNamespace(keys=[k], values=[k.clone()], length=k.shape[1])
+             for k in (torch.randn(2, n, 4) for n in (2, 20, 2, 2))]  # fmt: skip
+    batch.add([0, 1, 2, 3], *cache_of_rows(parts), [0] * 4)
+    batch.select([0, 3], torch.device("cpu"))  # two live rows of 2: two rows free
+    layer = batch.cache.layers[0]
+    assert layer._k.shape[0] == 4 and layer.keys.shape == (2, 2, 2, 4)
+    layer._k[2:].fill_(float("nan"))
+    layer._v[2:].fill_(float("nan"))
+    for n, row in ((5, 4), (10, 5)):
+        k = torch.randn(2, n, 4)
+        part = SimpleNamespace(keys=[k], values=[k.clone()], length=n)
+        batch.add([row], *cache_of_rows([part]), [0])
+    assert batch.cache.layers[0] is layer and layer.keys.shape == (4, 2, 10, 4)
+    assert batch.seqs == [0, 3, 4, 5]
+    assert not layer.keys.isnan().any() and not layer.values.isnan().any()
+    assert not layer.keys[:2, :, :8].any() and not layer.keys[2, :, :5].any()
+
+
+def test_a_slab_left_mostly_free_moves_into_one_of_its_live_rows():
+    layer = SlabLayer()
+    k, v = kv(8, 5)
+    layer.update(k, v)
+    layer.keep_rows(4)  # half free: kept
+    assert layer._k.shape[0] == 8
+    layer.keep_rows(3)  # more than half: moved
+    assert layer._k.shape[0] == 3 and torch.equal(layer.keys, k[:3])
+    assert torch.equal(layer.values, v[:3])
 
 
 def test_swap_removal_moves_the_last_kept_rows_into_the_holes():

@@ -70,9 +70,10 @@ class KVBatch(Generic[Row]):
         return logits[:, -1, :].float()
 
     def select(self, keep: list[int], device: torch.device) -> None:
-        """Keep rows ``keep``, drop the rest's KV, and trim the leading columns that became
-        padding in every row. Each dropped row takes the last kept row in its place
-        (``seqs`` gives the new order): only the moved rows' KV is copied."""
+        """Keep rows ``keep`` (a set: its order is not kept), drop the rest's KV, and trim
+        the leading columns that became padding in every row. Each dropped row takes the
+        last kept row in its place (``seqs`` gives the new order): only the moved rows'
+        KV is copied."""
         if not keep:
             self.clear()
             return
@@ -240,7 +241,9 @@ class SlabLayer(DynamicLayer):
         self, rows: int, src: torch.Tensor | None = None, dst: torch.Tensor | None = None
     ) -> None:
         """The first ``rows`` rows stay, after rows ``src`` are copied into rows ``dst``
-        (live columns only; ``dst`` below ``rows``, ``src`` not); the rest become free."""
+        (live columns only; ``dst`` below ``rows``, ``src`` not); the rest become free.
+        A slab left more than half free moves into one of ``rows`` rows, so free rows
+        never hold more than the live ones (``PEAK_COPIES``)."""
         if not self.is_initialized or self._k is None:
             return
         assert self._v is not None
@@ -249,6 +252,11 @@ class SlabLayer(DynamicLayer):
             self._k[dst, :, span] = self._k[src, :, span]
             self._v[dst, :, span] = self._v[src, :, span]
         self.b = rows
+        if 2 * rows < self._k.shape[0]:
+            live = self.n - self.lo
+            self._k = self._moved(self._k, self._k[:rows], _room(live), live)
+            self._v = self._moved(self._v, self._v[:rows], _room(live), live)
+            self.lo, self.n = 0, live
         self._expose()
 
     def append_rows(self, other: Any, width: int) -> None:
@@ -310,8 +318,9 @@ class SlabLayer(DynamicLayer):
 
 
 #: Copies of a padded KV position's keys and values alive at a peak: a slab holds up to
-#: half again as many columns (``_room``), and a merge (``stacked``) or a row selection
-#: fills the new slab while the old one lives.
+#: half again as many columns (``_room``), and a merge (``stacked``) fills the new slab
+#: while the old one lives. (Free rows, at most as many as the live ones, can make the
+#: old slab up to twice its live rows at a merge: a rare peak this does not count.)
 PEAK_COPIES = 3.0
 
 
