@@ -158,3 +158,27 @@ async def test_released_memory_comes_back_and_decodes_the_same(model_dir: Path):
         await_all.cancel()
     after = await outputs(engine, requests(seeded=False))
     assert [o.output_ids for o in after] == [o.output_ids for o in before]
+
+
+@pytest.mark.parametrize("static", [False, True])
+async def test_a_retract_requeues_the_running_rows_oldest_first(model_dir: Path, static: bool):
+    """The first row finishes and the last takes its place; a retract then queues the
+    survivors in arrival order, not the batch's."""
+    engine = TorchEngine.from_pretrained(str(model_dir), packed=False, static_decode=static,
+                                         max_running=8)  # fmt: skip
+    task = asyncio.create_task(engine.run())
+
+    async def one(i: int, budget: int):
+        sampling = SamplingParams(temperature=0, max_new_tokens=budget, ignore_eos=True)
+        request = GenerateRequest(rid=str(i), input_ids=[5 + i, 6], sampling=sampling)
+        return [o async for o in engine.generate(request)][-1]
+
+    try:
+        calls = [asyncio.create_task(one(i, b)) for i, b in enumerate([2, *[60] * 5])]
+        await calls[0]
+        await engine.pause("retract")
+        assert [s.req.rid for s in engine.scheduler.waiting] == ["1", "2", "3", "4", "5"]
+        await engine.resume()
+        assert [len(o.output_ids) for o in await asyncio.gather(*calls)] == [2, *[60] * 5]
+    finally:
+        task.cancel()

@@ -122,8 +122,10 @@ class Scheduler:
         self.stats["steps"] += 1
 
     def retract(self) -> None:
-        """Put running sequences back in the queue; their KV is recomputed on resume."""
-        for seq in reversed(self.batch.seqs):
+        """Put running sequences back at the queue's head, oldest first (a batch's rows
+        are not in arrival order: a finished row's place goes to the last); their KV is
+        recomputed on resume."""
+        for seq in sorted(self.batch.seqs, key=lambda s: s.started, reverse=True):
             seq.prompt = [*seq.req.input_ids, *seq.output]
             self.waiting.appendleft(seq)
         self.batch.clear()
