@@ -64,7 +64,10 @@ Reported per size and framework:
   embedded engine through ``asyncrl eval``'s code (``--evaluator engine``, the default:
   every sample at once, continuously batched) or Hugging Face ``generate`` with
   ``examples/arith/evaluate.py``'s ``generate`` (``--evaluator hf``), scored by the
-  task's reward;
+  task's reward. Checkpoints are scored coarse-first (each side's last, then the grid
+  halved again and again, the sides alternating) and ``seed_S/partial_result.json``
+  holds the figures of those scored so far, so a scoring stopped part way leaves an
+  even, coarser grid; a rerun scores the rest;
 - time to accuracy: wall seconds from launch to the end of the first step whose
   checkpoint reaches the target, the highest accuracy both frameworks reach (the smaller
   of their two best); none when that is within two standard errors of the start.
@@ -841,19 +844,72 @@ class ScoreCache:
             write_json(self.path, {"key": self.key, "trained": self.trained, "scores": self.scores})
         return self.scores[name]
 
+    def has(self, checkpoint: str | Path) -> bool:
+        path = str(checkpoint)
+        return path in self.scores or portable(path, [self.path.parent]) in self.scores
+
 
 def accuracy_curve(
-    timeline: dict[str, Any], t0: float, start: float, evaluator: Callable[[str], float]
+    timeline: dict[str, Any],
+    t0: float,
+    start: float,
+    evaluator: ScoreCache,
+    scored_only: bool = False,
 ) -> list[dict[str, Any]]:
-    """Accuracy at launch (the starting checkpoint) and at every saved checkpoint."""
+    """Accuracy at launch (the starting checkpoint) and at every saved checkpoint (with
+    ``scored_only``, at those ``evaluator`` has scored so far)."""
     curve = [{"step": 0, "time_s": 0.0, "accuracy": start}]
     for c in timeline["checkpoints"]:
         if c["time"] is None:
             continue  # a checkpoint without a recorded step (the final one on stop)
+        if scored_only and not evaluator.has(c["path"]):
+            continue
         point = {"step": c["step"], "time_s": c["time"] - t0, "save_s": c["save_s"]}
         curve.append(point | {"accuracy": evaluator(c["path"])})
-        print(f"  step {c['step']:>4}: accuracy {curve[-1]['accuracy']:.1%}", flush=True)
+        if not scored_only:
+            print(f"  step {c['step']:>4}: accuracy {curve[-1]['accuracy']:.1%}", flush=True)
     return curve
+
+
+def coarse_first(sides: dict[str, list[Any]]) -> list[tuple[str, Any]]:
+    """Each side's checkpoints (given in step order) in the order that leaves a stopped
+    scoring most use: every side's last, then the grid halved again and again (steps
+    2..16: 16, then 8, then 4 and 12, then 2, 6, 10, 14), the sides alternating within a
+    level. What is scored so far is then an even, coarser grid."""
+    ranked = []
+    for order, (side, items) in enumerate(sides.items()):
+        levels = [level for level, _ in halvings(len(items))]
+        for k, (level, index) in enumerate(halvings(len(items))):
+            ranked.append(((level, k - levels.index(level), order), side, items[index]))
+    return [(side, item) for _, side, item in sorted(ranked, key=lambda r: r[0])]
+
+
+def halvings(n: int) -> list[tuple[int, int]]:
+    """``(level, index)`` for indices ``0..n-1``: the last at level 0, then the midpoint
+    of each gap left (the start counts as index -1), one level deeper per halving."""
+    out, gaps, level = ([(0, n - 1)] if n else []), [(-1, n - 1)], 0
+    while gaps:
+        level += 1
+        wide = [(lo, hi) for lo, hi in gaps if hi - lo > 1]
+        mids = [(lo + hi + 1) // 2 for lo, hi in wide]
+        out += [(level, mid) for mid in mids]
+        pairs = zip(wide, mids, strict=True)
+        gaps = [gap for (lo, hi), mid in pairs for gap in ((lo, mid), (mid, hi))]
+    return out
+
+
+def partial_runs(
+    runs: dict[str, dict[str, Any]],
+    timelines: dict[str, tuple[dict[str, Any], dict[str, float]]],
+    start: float,
+    evaluator: ScoreCache,
+) -> dict[str, dict[str, Any]]:
+    """Each side's figures with the curve of the checkpoints scored so far."""
+    out = {fw: dict(run) for fw, run in runs.items()}
+    for fw, (timeline, clock) in timelines.items():
+        curve = accuracy_curve(timeline, clock["t0"], start, evaluator, scored_only=True)
+        out[fw] |= {"curve": curve, "scored_steps": [p["step"] for p in curve[1:]]}
+    return {fw: run for fw, run in out.items() if len(run.get("curve", [])) > 1}
 
 
 def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
@@ -986,6 +1042,7 @@ def run_seed(
     saved.unlink(missing_ok=True)
     result = train_and_score(args, size, model, seed, index, key, reuse) | {"commit": commit()}
     write_json(saved, {"key": key, "result": result})
+    (saved.parent / "partial_result.json").unlink(missing_ok=True)
     if not args.keep_checkpoints:
         for fw in args.frameworks:
             drop_checkpoints(Path(run_spec(args, size, model["path"], fw, seed)["out"]))
@@ -1159,6 +1216,17 @@ def train_and_score(
           f"({args.evaluator}) ...", flush=True)  # fmt: skip
     start = reuse["start"] if reuse else evaluator(model["path"])
     print(f"  start: accuracy {start:.1%}", flush=True)
+    scored = len(rows) * spec["eval_samples"]
+    partial = Path(spec["out"]).parent / "partial_result.json"
+    sides = {fw: [c for c in timelines[fw][0]["checkpoints"] if c["time"] is not None]
+             for fw in args.frameworks if fw != reused}  # fmt: skip
+    for fw, c in coarse_first(sides):  # a stopped scoring leaves an even, coarser grid
+        if not evaluator.has(c["path"]):
+            print(f"  {fw} step {c['step']}: accuracy {evaluator(c['path']):.1%}", flush=True)
+            so_far = {"seed": seed, "start_accuracy": start, "scored": scored, "partial": True,
+                      "frameworks": partial_runs(runs, timelines, start, evaluator)}  # fmt: skip
+            so_far["comparison"] = compare(size, so_far["frameworks"], start, scored)
+            write_json(partial, {"key": key, "result": so_far})
     for fw in [f for f in args.frameworks if f != reused]:
         timeline, clock = timelines[fw]
         print(f"  {fw}:", flush=True)
@@ -1167,7 +1235,6 @@ def train_and_score(
             raise SystemExit(f"{size} seed {seed}: {fw} saved no checkpoint at a recorded "
                              f"step in {spec['out']}: nothing to score")  # fmt: skip
         runs[fw]["best_accuracy"] = max(p["accuracy"] for p in runs[fw]["curve"][1:])
-    scored = len(rows) * spec["eval_samples"]
     return {"seed": seed, "start_accuracy": start, "scored": scored, "frameworks": runs,
             "comparison": compare(size, runs, start, scored)}  # fmt: skip
 

@@ -88,6 +88,7 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
         assert seed["comparison"]["samples/s"] == pytest.approx(ratio)
     # Each finished run kept its weights, not its optimizer, scheduler or RNG states.
     runs = tmp_path / "runs" / "0.5m"
+    assert not list(runs.glob("seed_*/partial_result.json"))  # a finished seed's result.json
     assert sorted(p.name for p in runs.glob("seed_3/asyncrl/checkpoints/trainer/step_*/*")) == [
         "job", "job", "last_batch", "last_batch", "policy", "policy", "trainer.json", "trainer.json"
     ]  # fmt: skip
@@ -697,3 +698,57 @@ def test_a_training_file_edited_during_the_run_is_caught(
     monkeypatch.setattr(vs_trl, "run_to_end", edited_meanwhile)
     vs_trl.launch("asyncrl", spec)
     assert vs_trl.trained(spec) is None  # hashed at launch: not the file it now names
+
+
+def test_checkpoints_are_scored_coarse_first_each_level_alternating_sides() -> None:
+    steps = [2, 4, 6, 8, 10, 12, 14, 16]
+    order = vs_trl.coarse_first({"asyncrl": steps, "trl": steps[:3]})
+    assert order[:4] == [("asyncrl", 16), ("trl", 6), ("asyncrl", 8), ("trl", 4)]
+    assert [s for fw, s in order if fw == "asyncrl"] == [16, 8, 4, 12, 2, 6, 10, 14]
+    for n in range(20):  # every checkpoint once, whatever the grid
+        assert sorted(i for _, i in vs_trl.halvings(n)) == list(range(n))
+
+
+def test_a_stopped_scoring_leaves_a_coarser_grid_with_its_figures_and_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = _real_args(tmp_path)
+    folder = _keep_seed(args)
+    (folder / "scores.json").unlink()
+    steps = [{"step": s, "time": 1.0 + 10 * s, "samples": 8, "tokens": 80.0} for s in range(1, 9)]
+
+    def timeline(out: Path, *_: object) -> dict:
+        saved = [{"step": s, "path": f"{out}/step_{s}", "time": 1.0 + 10 * s, "save_s": 0.1}
+                 for s in (2, 4, 6, 8)]  # fmt: skip
+        return {"steps": steps, "checkpoints": saved}
+
+    accuracy = {"asyncrl/step_8": 0.3, "trl/step_8": 0.2, "asyncrl/step_4": 0.25}
+    scored: list[str] = []
+
+    def evaluate(path: str) -> float:
+        if len(scored) == 5:
+            raise KeyboardInterrupt  # stopped while scoring the sixth
+        scored.append(path)
+        return accuracy.get("/".join(Path(path).parts[-2:]), 0.1)
+
+    monkeypatch.setattr(vs_trl, "asyncrl_timeline", timeline)
+    monkeypatch.setattr(vs_trl, "trl_timeline", timeline)
+    monkeypatch.setattr(vs_trl, "make_evaluator", lambda *a: evaluate)
+    key = vs_trl.seed_key(args, "real", MODEL, 0)
+    with pytest.raises(KeyboardInterrupt):
+        vs_trl.train_and_score(args, "real", MODEL, 0, 0, key)
+    names = ["/".join(Path(p).parts[-2:]) for p in scored[1:]]
+    assert scored[0] == MODEL["path"]
+    assert names == ["asyncrl/step_8", "trl/step_8", "asyncrl/step_4", "trl/step_4"]
+    partial = json.loads((folder / "partial_result.json").read_text())
+    assert partial["key"] == key and partial["result"]["partial"]
+    runs = partial["result"]["frameworks"]
+    assert runs["asyncrl"]["scored_steps"] == runs["trl"]["scored_steps"] == [4, 8]
+    # TRL's best, 20%, is the target: asyncrl's step 4 at 40 s, TRL's step 8 at 80 s.
+    assert partial["result"]["comparison"]["time_to_accuracy"] == pytest.approx(0.5)
+    scored.clear()
+    result = vs_trl.train_and_score(args, "real", MODEL, 0, 0, key)  # goes on: the rest
+    names = ["/".join(Path(p).parts[-2:]) for p in scored]
+    assert names == ["asyncrl/step_2", "trl/step_2", "asyncrl/step_6", "trl/step_6"]
+    assert [p["step"] for p in result["frameworks"]["trl"]["curve"]] == [0, 2, 4, 6, 8]
+    assert result["comparison"]["time_to_accuracy"] == pytest.approx(0.5)
