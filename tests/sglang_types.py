@@ -19,7 +19,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from asyncrl.model_zoo import cache_dir
+from asyncrl.model_zoo import cache_dir, exclusive
 
 #: Pinned, so every machine checks against the same definitions.
 SGLANG = "0.5.23"
@@ -36,15 +36,16 @@ class Field:
 
 def _wheel() -> Path:
     folder = cache_dir().parent / "sglang"
-    found = sorted(folder.glob(f"sglang-{SGLANG}-*.whl"))
-    if not found:
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
-             "--no-deps", f"sglang=={SGLANG}", "-d", str(folder)],
-            check=True,
-        )  # fmt: skip
+    with exclusive(folder):  # the other test worker may be downloading it
         found = sorted(folder.glob(f"sglang-{SGLANG}-*.whl"))
+        if not found:
+            folder.mkdir(parents=True, exist_ok=True)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
+                 "--no-deps", f"sglang=={SGLANG}", "-d", str(folder)],
+                check=True,
+            )  # fmt: skip
+            found = sorted(folder.glob(f"sglang-{SGLANG}-*.whl"))
     return found[0]
 
 
