@@ -105,9 +105,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncrl tests bench examples
 	$(VENV)/bin/ruff format --check asyncrl tests bench examples
 
+# Two workers, each taking whole files (a module's fixtures stay in one process): alone,
+# the suite kept under one core of two busy, waiting on the processes it starts.
 # --durations: CI's log names the slowest tests (the suite's budget is 20 minutes on 2 cores).
+TEST_WORKERS ?= 2
 test: lint vllm-venv
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 bench-wire: $(STAMP)
 	$(PY) bench/wire.py

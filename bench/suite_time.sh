@@ -1,6 +1,7 @@
 #!/bin/bash
 # The test suite's time as CI sees it: a fresh clone of HEAD, `make lint vllm-venv`, then
-# pytest with every test's duration in a junit file. Alone on the machine, please.
+# pytest as make test runs it (TEST_WORKERS, default 2), with every test's duration in a junit
+# file. Alone on the machine, please.
 #   bash bench/suite_time.sh [CLONE_DIR]   -> CLONE_DIR/suite_time.txt, junit.xml
 set -u
 repo=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
@@ -10,7 +11,7 @@ start=$(date +%s)
 make lint vllm-venv > setup.log 2>&1
 setup=$(date +%s)
 /usr/bin/time -v .venv/bin/pytest -q --durations=0 --junitxml=junit.xml -p no:cacheprovider \
-    > test.log 2>&1
+    -n "${TEST_WORKERS:-2}" --dist loadfile > test.log 2>&1
 rc=$?
 end=$(date +%s)
 summary="$(git rev-parse --short HEAD) rc=$rc setup=$((setup - start))s pytest=$((end - setup))s"
