@@ -60,10 +60,12 @@ def accounted(row: dict[str, float]) -> bool:
     return row["buffer.admitted"] == live + dropped
 
 
-async def pid_once_stepping(run_dir: Path, actor: str, job: asyncio.Task) -> int:
+async def pid_once_stepping(
+    run_dir: Path, actor: str, job: asyncio.Task, within: float = 90
+) -> int:
     """The pid (a process, or a Ray worker) of ``actor`` once it runs and the trainer has
     taken a step (a kill then lands early in the run, with work in flight)."""
-    async with asyncio.timeout(90):
+    async with asyncio.timeout(within):
         while True:
             assert not job.done(), job.result()
             logs = lines(run_dir / "logs" / f"{actor}.jsonl")
@@ -80,12 +82,12 @@ LONG_RUN = ["--rollout.max-groups", "2", "--num-epoch", "10",
 
 
 async def kill_mid_run(
-    run_dir: Path, actor: str, flags: list[str], sig: int = signal.SIGKILL
+    run_dir: Path, actor: str, flags: list[str], sig: int = signal.SIGKILL, within: float = 90
 ) -> tuple[int, JobResult]:
-    """Run the job of ``flags``, send ``actor`` ``sig`` once the trainer has stepped; the
-    victim's pid and how the job ended."""
+    """Run the job of ``flags``, send ``actor`` ``sig`` once the trainer has stepped (within
+    ``within`` seconds); the victim's pid and how the job ended."""
     job = asyncio.create_task(run_job(load_config(overrides=flags)))
-    victim = await pid_once_stepping(run_dir, actor, job)
+    victim = await pid_once_stepping(run_dir, actor, job, within)
     os.kill(victim, sig)
     return victim, await job
 
