@@ -66,8 +66,8 @@ Reported per size and framework:
   ``examples/arith/evaluate.py``'s ``generate`` (``--evaluator hf``), scored by the
   task's reward. Checkpoints are scored coarse-first (each side's last, then the grid
   halved again and again, the sides alternating) and ``seed_S/partial_result.json``
-  holds the figures of those scored so far, so a scoring stopped part way leaves an
-  even, coarser grid; a rerun scores the rest;
+  holds the figures of those scored so far (no targets judged), so a scoring stopped
+  part way leaves a coarser grid; a rerun scores the rest;
 - time to accuracy: wall seconds from launch to the end of the first step whose
   checkpoint reaches the target, the highest accuracy both frameworks reach (the smaller
   of their two best); none when that is within two standard errors of the start.
@@ -875,7 +875,7 @@ def coarse_first(sides: dict[str, list[Any]]) -> list[tuple[str, Any]]:
     """Each side's checkpoints (given in step order) in the order that leaves a stopped
     scoring most use: every side's last, then the grid halved again and again (steps
     2..16: 16, then 8, then 4 and 12, then 2, 6, 10, 14), the sides alternating within a
-    level. What is scored so far is then an even, coarser grid."""
+    level. What is scored so far is then a coarser grid."""
     ranked = []
     for order, (side, items) in enumerate(sides.items()):
         levels = [level for level, _ in halvings(len(items))]
@@ -1217,23 +1217,32 @@ def train_and_score(
     start = reuse["start"] if reuse else evaluator(model["path"])
     print(f"  start: accuracy {start:.1%}", flush=True)
     scored = len(rows) * spec["eval_samples"]
-    partial = Path(spec["out"]).parent / "partial_result.json"
     sides = {fw: [c for c in timelines[fw][0]["checkpoints"] if c["time"] is not None]
              for fw in args.frameworks if fw != reused}  # fmt: skip
-    for fw, c in coarse_first(sides):  # a stopped scoring leaves an even, coarser grid
+    if empty := [fw for fw, saved in sides.items() if not saved]:
+        raise SystemExit(f"{size} seed {seed}: {empty[0]} saved no checkpoint at a recorded "
+                         f"step in {Path(spec['out']).parent}: nothing to score")  # fmt: skip
+    partial = Path(spec["out"]).parent / "partial_result.json"
+
+    def keep_partial() -> None:
+        """What is scored so far, for a person to read while the scoring runs; the targets
+        are judged on the whole grid only."""
+        so_far = partial_runs(runs, timelines, start, evaluator)
+        comparison = compare(size, so_far, start, scored)
+        comparison.pop("targets", None)
+        result = {"seed": seed, "start_accuracy": start, "scored": scored, "partial": True,
+                  "frameworks": so_far, "comparison": comparison}  # fmt: skip
+        write_json(partial, {"key": key, "trained": stamps, "result": result})
+
+    keep_partial()  # replaces one left by a scoring of other settings or another training
+    for fw, c in coarse_first(sides):  # a stopped scoring leaves a coarser grid
         if not evaluator.has(c["path"]):
             print(f"  {fw} step {c['step']}: accuracy {evaluator(c['path']):.1%}", flush=True)
-            so_far = {"seed": seed, "start_accuracy": start, "scored": scored, "partial": True,
-                      "frameworks": partial_runs(runs, timelines, start, evaluator)}  # fmt: skip
-            so_far["comparison"] = compare(size, so_far["frameworks"], start, scored)
-            write_json(partial, {"key": key, "result": so_far})
-    for fw in [f for f in args.frameworks if f != reused]:
+            keep_partial()
+    for fw in sides:
         timeline, clock = timelines[fw]
         print(f"  {fw}:", flush=True)
         runs[fw]["curve"] = accuracy_curve(timeline, clock["t0"], start, evaluator)
-        if len(runs[fw]["curve"]) < 2:
-            raise SystemExit(f"{size} seed {seed}: {fw} saved no checkpoint at a recorded "
-                             f"step in {spec['out']}: nothing to score")  # fmt: skip
         runs[fw]["best_accuracy"] = max(p["accuracy"] for p in runs[fw]["curve"][1:])
     return {"seed": seed, "start_accuracy": start, "scored": scored, "frameworks": runs,
             "comparison": compare(size, runs, start, scored)}  # fmt: skip

@@ -709,18 +709,20 @@ def test_checkpoints_are_scored_coarse_first_each_level_alternating_sides() -> N
         assert sorted(i for _, i in vs_trl.halvings(n)) == list(range(n))
 
 
-def test_a_stopped_scoring_leaves_a_coarser_grid_with_its_figures_and_goes_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _scoring_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved: dict[str, tuple[int, ...]]
+) -> tuple[argparse.Namespace, Path, list[str]]:
+    """A kept seed trained for 8 steps, each side's checkpoints at ``saved`` steps; the
+    scorer records what it scores and stops (Ctrl-C) at the sixth."""
     args = _real_args(tmp_path)
     folder = _keep_seed(args)
     (folder / "scores.json").unlink()
     steps = [{"step": s, "time": 1.0 + 10 * s, "samples": 8, "tokens": 80.0} for s in range(1, 9)]
 
     def timeline(out: Path, *_: object) -> dict:
-        saved = [{"step": s, "path": f"{out}/step_{s}", "time": 1.0 + 10 * s, "save_s": 0.1}
-                 for s in (2, 4, 6, 8)]  # fmt: skip
-        return {"steps": steps, "checkpoints": saved}
+        at = [{"step": s, "path": f"{out}/step_{s}", "time": 1.0 + 10 * s, "save_s": 0.1}
+              for s in saved[Path(out).name]]  # fmt: skip
+        return {"steps": steps, "checkpoints": at}
 
     accuracy = {"asyncrl/step_8": 0.3, "trl/step_8": 0.2, "asyncrl/step_4": 0.25}
     scored: list[str] = []
@@ -734,6 +736,14 @@ def test_a_stopped_scoring_leaves_a_coarser_grid_with_its_figures_and_goes_on(
     monkeypatch.setattr(vs_trl, "asyncrl_timeline", timeline)
     monkeypatch.setattr(vs_trl, "trl_timeline", timeline)
     monkeypatch.setattr(vs_trl, "make_evaluator", lambda *a: evaluate)
+    return args, folder, scored
+
+
+def test_a_stopped_scoring_leaves_a_coarser_grid_with_its_figures_and_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grid = (2, 4, 6, 8)
+    args, folder, scored = _scoring_only(tmp_path, monkeypatch, {"asyncrl": grid, "trl": grid})
     key = vs_trl.seed_key(args, "real", MODEL, 0)
     with pytest.raises(KeyboardInterrupt):
         vs_trl.train_and_score(args, "real", MODEL, 0, 0, key)
@@ -742,13 +752,27 @@ def test_a_stopped_scoring_leaves_a_coarser_grid_with_its_figures_and_goes_on(
     assert names == ["asyncrl/step_8", "trl/step_8", "asyncrl/step_4", "trl/step_4"]
     partial = json.loads((folder / "partial_result.json").read_text())
     assert partial["key"] == key and partial["result"]["partial"]
+    assert partial["trained"] == {"asyncrl": CLOCK["t0"], "trl": CLOCK["t0"]}
     runs = partial["result"]["frameworks"]
     assert runs["asyncrl"]["scored_steps"] == runs["trl"]["scored_steps"] == [4, 8]
     # TRL's best, 20%, is the target: asyncrl's step 4 at 40 s, TRL's step 8 at 80 s.
-    assert partial["result"]["comparison"]["time_to_accuracy"] == pytest.approx(0.5)
+    comparison = partial["result"]["comparison"]
+    assert comparison["time_to_accuracy"] == pytest.approx(0.5)
+    assert "targets" not in comparison  # judged on the whole grid only
     scored.clear()
     result = vs_trl.train_and_score(args, "real", MODEL, 0, 0, key)  # goes on: the rest
     names = ["/".join(Path(p).parts[-2:]) for p in scored]
     assert names == ["asyncrl/step_2", "trl/step_2", "asyncrl/step_6", "trl/step_6"]
     assert [p["step"] for p in result["frameworks"]["trl"]["curve"]] == [0, 2, 4, 6, 8]
     assert result["comparison"]["time_to_accuracy"] == pytest.approx(0.5)
+    assert result["comparison"]["targets"]["time_to_accuracy"]["met"] is True  # 0.5 <= 0.5
+
+
+def test_a_side_with_no_checkpoint_is_refused_before_the_other_is_scored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved = {"asyncrl": (2, 4, 6, 8), "trl": ()}
+    args, _, scored = _scoring_only(tmp_path, monkeypatch, saved)
+    with pytest.raises(SystemExit, match="trl saved no checkpoint"):
+        vs_trl.train_and_score(args, "real", MODEL, 0, 0, vs_trl.seed_key(args, "real", MODEL, 0))
+    assert scored == [MODEL["path"]]  # the start only

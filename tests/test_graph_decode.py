@@ -174,11 +174,11 @@ async def test_a_retract_requeues_the_running_rows_oldest_first(model_dir: Path,
         return [o async for o in engine.generate(request)][-1]
 
     try:
-        calls = [asyncio.create_task(one(i, b)) for i, b in enumerate([2, *[60] * 5])]
+        calls = [asyncio.create_task(one(i, b)) for i, b in enumerate([2, *[120] * 5])]
         await calls[0]
         await engine.pause("retract")
         assert [s.req.rid for s in engine.scheduler.waiting] == ["1", "2", "3", "4", "5"]
         await engine.resume()
-        assert [len(o.output_ids) for o in await asyncio.gather(*calls)] == [2, *[60] * 5]
+        assert [len(o.output_ids) for o in await asyncio.gather(*calls)] == [2, *[120] * 5]
     finally:
         task.cancel()

@@ -61,7 +61,7 @@ def accounted(row: dict[str, float]) -> bool:
 
 
 async def pid_once_stepping(
-    run_dir: Path, actor: str, job: asyncio.Task, within: float = 90
+    run_dir: Path, actor: str, job: asyncio.Task, within: float = 180
 ) -> int:
     """The pid (a process, or a Ray worker) of ``actor`` once it runs and the trainer has
     taken a step (a kill then lands early in the run, with work in flight)."""
@@ -82,7 +82,7 @@ LONG_RUN = ["--rollout.max-groups", "2", "--num-epoch", "10",
 
 
 async def kill_mid_run(
-    run_dir: Path, actor: str, flags: list[str], sig: int = signal.SIGKILL, within: float = 90
+    run_dir: Path, actor: str, flags: list[str], sig: int = signal.SIGKILL, within: float = 180
 ) -> tuple[int, JobResult]:
     """Run the job of ``flags``, send ``actor`` ``sig`` once the trainer has stepped (within
     ``within`` seconds); the victim's pid and how the job ended."""
