@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch.distributed as dist
 
@@ -123,3 +124,24 @@ def test_a_dead_follower_fails_the_leaders_next_call(world, tiny_dir):
     with pytest.raises(RuntimeError, match=r"trainer ranks exited \(rank, code\): \[\(1, -9\)\]"):
         leader.train_step(make_batch(1))
     leader.close()
+
+
+def test_the_ranks_listen_on_loopback_alone(world, tiny_dir):
+    """The group's rendezvous store (torch's own listens on every interface and answers
+    anyone, unauthenticated) and gloo's pairs: every socket the ranks open is on loopback."""
+
+    def listening(pid: int | None = None) -> set[tuple[str, int]]:
+        conns = psutil.Process(pid).net_connections(kind="inet")
+        return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+
+    before = listening()  # this process's own, from earlier tests
+    leader = create_trainer(config(tiny_dir, backend="torch", num_ranks=2), PolicyConfig())
+    assert isinstance(leader, LeaderTrainer)
+    try:
+        leader.train_step(make_batch(0))
+        opened = listening() - before
+        for follower in leader.followers:
+            opened |= listening(follower.pid)
+    finally:
+        leader.close()
+    assert opened and all(ip in ("127.0.0.1", "::1") for ip, _ in opened), opened

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,13 +20,17 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from asyncrl.buffer.dump import decode_batch, encode_batch
+from asyncrl.weights.group import serve_store
+from asyncrl.wire.sockets import free_tcp_endpoint, release_endpoints
 
 if TYPE_CHECKING:
     from asyncrl.policies import PolicyConfig
@@ -51,12 +54,6 @@ def _backend_name(config: TrainerConfig) -> str:
     return "nccl" if config.device == "cuda" else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LeaderTrainer:
     """Rank 0 of a multi-process trainer: the ``Trainer`` protocol, each call made on every
     rank (see the module docstring)."""
@@ -75,17 +72,18 @@ class LeaderTrainer:
         nccl on CUDA, where ``LOCAL_RANK`` picks each rank's GPU), build rank 0's backend."""
         from asyncrl.trainers.backends import backend
 
-        port, n = _free_port(), config.num_ranks
+        endpoint, n = free_tcp_endpoint(), config.num_ranks
         spec = json.dumps(
             {
                 "config": config.model_dump(mode="json"),
                 "algo": algo.model_dump(mode="json") if algo is not None else None,
-                "address": f"tcp://127.0.0.1:{port}",
+                "address": endpoint,
             }
         ).encode()
         followers = [_start_follower(rank, n, spec) for rank in range(1, n)]
         try:
-            group = _join(config, f"tcp://127.0.0.1:{port}", 0, n)
+            store = _store(endpoint, n)
+            group = _join(config, store, 0, n)
             trainer = backend(config, algo)
         except BaseException:
             for proc in followers:
@@ -211,9 +209,21 @@ def _receive(group: Any) -> dict[str, Any]:
     return msgspec.msgpack.decode(data.numpy().tobytes())
 
 
-def _join(config: TrainerConfig, address: str, rank: int, world: int) -> Any:
+def _store(endpoint: str, world: int, leader: bool = True) -> dist.TCPStore:
+    """The group's rendezvous store at ``endpoint``: the leader's listens on loopback alone
+    (torch's own would listen on every interface, unauthenticated); a follower's connects."""
+    host, port = urlsplit(endpoint).hostname or "127.0.0.1", urlsplit(endpoint).port or 0
+    if not leader:
+        return dist.TCPStore(host, port, world, False, timeout=default_pg_timeout)
+    try:
+        return serve_store(host, port, default_pg_timeout, world, wait_for_workers=False)
+    finally:
+        release_endpoints([endpoint])  # bound now, or failed: the claim has done its job
+
+
+def _join(config: TrainerConfig, store: dist.Store, rank: int, world: int) -> Any:
     """This process as ``rank`` of the trainer's group, and the gloo group of the calls."""
-    dist.init_process_group(_backend_name(config), init_method=address, rank=rank, world_size=world)
+    dist.init_process_group(_backend_name(config), store=store, rank=rank, world_size=world)
     return dist.new_group(backend="gloo")
 
 
@@ -251,7 +261,7 @@ def follow(spec: dict[str, Any]) -> None:
     config = TrainerConfig(**spec["config"])
     algo = PolicyConfig(**spec["algo"]) if spec["algo"] is not None else None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    group = _join(config, spec["address"], rank, world)
+    group = _join(config, _store(spec["address"], world, leader=False), rank, world)
     trainer = backend(config, algo)
     while (msg := _receive(group))["call"] != "close":
         _call(trainer, msg)
