@@ -238,9 +238,12 @@ class ProbeListeners(Chaos):
     """Once the trainer has stepped twice, records every listening socket of the job's
     processes and what each HTTP listener answers without a key; then ends the job."""
 
-    def __init__(self, run_dir: Path, routes: list[tuple[str, str]]) -> None:
+    def __init__(
+        self, run_dir: Path, routes: list[tuple[str, str]], before: list[tuple[str, str, int]]
+    ) -> None:
         super().__init__([])
         self.run_dir, self.routes = run_dir, routes
+        self.before = set(before)  # the test process's own (earlier tests'), not the job's
         self.listeners: list[tuple[str, str, int]] = []  # actor, address, port
         self.answers: dict[tuple[int, str, str], int] = {}  # (port, method, path) -> status
         self.error = ""
@@ -256,7 +259,8 @@ class ProbeListeners(Chaos):
     async def _probe(self, sup: Supervisor) -> None:
         await sup.wait_until(lambda _: sup.up)
         await sup.wait_until(lambda st: st["trainer"].version >= 2)
-        self.listeners += _listening(psutil.Process(), "controller")  # alone: the actors
+        mine = _listening(psutil.Process(), "controller")  # alone: the actors
+        self.listeners += [x for x in mine if x not in self.before]
         for name, handle in sup.handles.items():  # are its children, and so are others'
             assert handle.pid is not None
             actor = psutil.Process(handle.pid)
@@ -299,7 +303,8 @@ async def test_every_listener_of_a_job_is_on_loopback_and_its_http_routes_need_a
              "--update-weight-transport", "dist", "--rollout.num-actors", "2",
              "--rollout.engine.model-path", model, "--rollout.engine.serve", "actor",
              "--num-epoch", "1000"]  # fmt: skip
-    probe = ProbeListeners(tmp_path / "run", routes)  # it, not the data, ends the job
+    before = _listening(psutil.Process(), "controller")
+    probe = ProbeListeners(tmp_path / "run", routes, before)  # it, not the data, ends the job
     result = await run_job(load_config(overrides=flags), chaos=probe)
     assert result.ok, result.error
     assert not probe.error, probe.error

@@ -1090,12 +1090,13 @@ async def test_a_distributed_update_over_gloo_reaches_an_asyncrl_serve_process(
     """The job's path into a server: the trainer forms the group as rank 0 on its own
     store, the server joins it as SGLang does, and each bucket (a lone tensor, or several
     flattened into bytes) is announced over HTTP while the trainer broadcasts."""
+    from datetime import timedelta
+
     import torch
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from asyncrl.rollout.server_group import server_buckets
-    from asyncrl.weights.group import BroadcastGroup
+    from asyncrl.weights.group import BroadcastGroup, serve_store
     from asyncrl.wire.blob import layout
 
     other = AutoModelForCausalLM.from_pretrained(str(other_weights))
@@ -1108,7 +1109,7 @@ async def test_a_distributed_update_over_gloo_reaches_an_asyncrl_serve_process(
         before = await generate(http, url, input_ids=PROMPT, sampling_params=GREEDY)
         assert before["meta_info"]["weight_version"] == "3"
         port = free_port()
-        store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
+        store = serve_store("127.0.0.1", port, timedelta(seconds=60), wait_for_workers=False)
         async with SGLangClient(url) as client:
             joined = await client.weights.init_weights_update_group(
                 "127.0.0.1", port, world_size=2, rank_offsets={url: 1}, group_name="g",

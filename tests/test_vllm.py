@@ -20,6 +20,7 @@ import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import aiohttp
@@ -33,7 +34,7 @@ from asyncrl.engines.vllm.engine import VLLMEngine
 from asyncrl.engines.vllm.launch import vllm_command, vllm_env, vllm_python
 from asyncrl.rollout.server_group import server_buckets
 from asyncrl.runtime.forks import zygote_pids
-from asyncrl.weights.group import BroadcastGroup
+from asyncrl.weights.group import BroadcastGroup, serve_store
 from asyncrl.wire.blob import BlobManifest, layout
 from asyncrl.wire.sockets import free_tcp_endpoint
 from tests.tiny_model import build_tiny_model
@@ -332,7 +333,7 @@ async def test_a_broadcast_mid_generation_splits_a_response_between_versions(
         trainer: dict[str, BroadcastGroup] = {}
 
         def form() -> None:
-            store = torch.distributed.TCPStore("127.0.0.1", port, 2, True)
+            store = serve_store("127.0.0.1", port, timedelta(seconds=60), 2)  # loopback alone
             trainer["group"] = BroadcastGroup.form(store, 0, 2, name=name)
 
         former = threading.Thread(target=form)
