@@ -110,7 +110,8 @@ lint: $(STAMP)
 # --durations: CI's log names the slowest tests (the suite's budget is 20 minutes on 2 cores).
 TEST_WORKERS ?= 2
 test: lint vllm-venv
-	$(VENV)/bin/pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile -m "not alone"
+	$(VENV)/bin/pytest -q --durations=5 -m alone
 
 bench-wire: $(STAMP)
 	$(PY) bench/wire.py

@@ -11,10 +11,12 @@ start=$(date +%s)
 make lint vllm-venv > setup.log 2>&1
 setup=$(date +%s)
 /usr/bin/time -v .venv/bin/pytest -q --durations=0 --junitxml=junit.xml -p no:cacheprovider \
-    -n "${TEST_WORKERS:-2}" --dist loadfile > test.log 2>&1
+    -n "${TEST_WORKERS:-2}" --dist loadfile -m "not alone" > test.log 2>&1
 rc=$?
+.venv/bin/pytest -q --durations=0 --junitxml=junit-alone.xml -p no:cacheprovider -m alone \
+    >> test.log 2>&1 || rc=$?
 end=$(date +%s)
 summary="$(git rev-parse --short HEAD) rc=$rc setup=$((setup - start))s pytest=$((end - setup))s"
-summary="$summary total=$((end - start))s; $(grep -E '[0-9]+ passed' test.log | tail -1)"
+summary="$summary total=$((end - start))s; $(grep -E '[0-9]+ (passed|failed)' test.log | tr '\n' ' ')"
 echo "$summary" | tee suite_time.txt
 exit $rc

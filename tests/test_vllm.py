@@ -366,7 +366,8 @@ async def test_a_broadcast_mid_generation_splits_a_response_between_versions(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(480)  # two vLLM start-ups, beside the other test worker
+@pytest.mark.alone  # beside the other worker, the second vLLM outlasted its health checks
+@pytest.mark.timeout(300)  # two vLLM start-ups
 async def test_a_killed_vllm_engine_actor_is_restarted_and_nothing_is_lost(
     vllm_model: Path, vllm_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -398,8 +399,7 @@ async def test_a_killed_vllm_engine_actor_is_restarted_and_nothing_is_lost(
         *["--rollout.engine.server-args", json.dumps(CPU_ARGS)],
     ]  # fmt: skip
     run_dir = tmp_path / "run"
-    # vLLM's start-up alone is about a minute; beside the other test worker, more
-    victim, result = await kill_mid_run(run_dir, "engine-0", flags, within=200)
+    victim, result = await kill_mid_run(run_dir, "engine-0", flags)
     assert result.ok, result.error
     assert result.steps == steps
     assert "engine-0: killed by SIGKILL" in result.restarts, result.restarts
