@@ -197,7 +197,7 @@ def _alive(pid: int) -> bool:
 
 
 async def test_a_server_that_dies_fails_the_actor_with_the_reason(model: Path):
-    actor = engine_actor(model, type="torch", health_interval=0.1)
+    actor = engine_actor(model, type="torch", health_interval=0.1, unhealthy_after_s=0.5)
     task = asyncio.create_task(actor.main())
     async with asyncio.timeout(60):
         while actor.state != "running":
@@ -207,6 +207,34 @@ async def test_a_server_that_dies_fails_the_actor_with_the_reason(model: Path):
     async with asyncio.timeout(30):
         assert await task == 1
     assert actor.state == "failed"
+
+
+async def test_a_server_unhealthy_for_less_than_the_limit_is_kept(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A server may block for a while (joining a weight group blocks vLLM and SGLang until
+    every rank arrives): the actor fails only once no check has passed for
+    ``unhealthy_after_s``, however many failed in a row."""
+    actor = engine_actor(model, type="torch", health_interval=0.05, unhealthy_after_s=1.5)
+    task = asyncio.create_task(actor.main())
+    async with asyncio.timeout(60):
+        while actor.state != "running":
+            assert not task.done(), task.result()
+            await asyncio.sleep(0.05)
+    checks: list[float] = []
+    answers = iter([False] * 10 + [True])  # about 0.5 s without a pass, then one
+
+    async def healthy(*, limit_s: float, **_: object) -> bool:
+        checks.append(time.monotonic())
+        return next(answers, False)  # then never again
+
+    monkeypatch.setattr(actor, "_healthy", healthy)
+    async with asyncio.timeout(30):
+        assert await task == 1
+    assert actor.state == "failed"
+    failing = checks[11:]  # the checks after the one that passed
+    assert len(failing) >= 3 and failing[-1] - checks[10] >= 1.5
+    assert failing[-2] - checks[10] < 1.5  # it failed at the first check past the limit
 
 
 async def test_a_server_that_never_starts_fails_with_its_last_output(

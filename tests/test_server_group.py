@@ -4,33 +4,97 @@ SGLang server; the whole path runs for real in ``test_engine_actor.py``)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 
 from asyncrl.engines.client.sglang import SGLangClient
 from asyncrl.errors import InputError
 from asyncrl.rollout.server_group import ServerGroup, server_buckets
 from asyncrl.weights.config import GroupConfig
+from asyncrl.weights.group import GroupMembership
 from asyncrl.wire.blob import layout
+from asyncrl.wire.sockets import free_tcp_endpoint, release_endpoints
 from tests.test_sglang_client import FAST, Fake, serving
+
+
+@contextlib.contextmanager
+def rank_zero(world_size: int, join_timeout_s: float = 60.0) -> Iterator[GroupMembership]:
+    """The trainer's side: a real rank 0 serving its store on a claimed loopback port."""
+    endpoint = free_tcp_endpoint()
+    cfg = GroupConfig(world_size=world_size, join_timeout_s=join_timeout_s)
+    trainer = GroupMembership(cfg, rank=0, address=endpoint)
+    trainer.open()
+    release_endpoints([endpoint])
+    try:
+        yield trainer
+    finally:
+        if trainer._forming is not None:  # a thread inside torch at exit aborts the process
+            trainer._forming.exception(timeout=30)
+        trainer.close()
+
+
+def forming(trainer: GroupMembership) -> str:
+    """Rank 0 starts forming its next id (as before a version) and names it."""
+    assert trainer.usable() is None
+    return trainer.id
+
+
+async def given_up(trainer: GroupMembership) -> None:
+    """Wait until rank 0's forming has timed out."""
+    assert trainer._forming is not None
+    async with asyncio.timeout(30):
+        with contextlib.suppress(Exception):
+            await asyncio.wrap_future(trainer._forming)
 
 
 async def test_the_engine_joins_each_forming_group_at_the_actors_rank_and_leaves_the_last():
     async with serving(Fake()) as fake, SGLangClient(fake.url, config=FAST) as client:
-        group = ServerGroup(GroupConfig(world_size=3), rank=2, address="10.0.0.5:29500",
-                            client=client)  # fmt: skip
-        await group.check()
-        group.notice("a1-1", formed=False)
-        assert await group.for_version("a1-1", formed=True) == "asyncrl-weights-a1-1"
-        group.notice("a1-2", formed=False)  # the trainer re-formed
-        assert await group.for_version("a1-2", formed=True) == "asyncrl-weights-a1-2"
-        await group.aclose()
+        with rank_zero(world_size=3, join_timeout_s=3.0) as trainer:
+            host, port = trainer.address
+            group = ServerGroup(trainer.cfg, rank=2, address=f"{host}:{port}", client=client)
+            await group.check()
+            first = forming(trainer)
+            group.notice(first, formed=False)
+            assert await group.for_version(first, formed=True) == f"asyncrl-weights-{first}"
+            await given_up(trainer)  # rank 1 never came
+            second = forming(trainer)
+            group.notice(second, formed=False)  # the trainer re-formed
+            assert await group.for_version(second, formed=True) == f"asyncrl-weights-{second}"
+            await group.aclose()
     inits = fake.bodies("/init_weights_update_group")
-    assert [b["group_name"] for b in inits] == ["asyncrl-weights-a1-1", "asyncrl-weights-a1-2"]
-    assert inits[0] == {"master_address": "10.0.0.5", "master_port": 29500, "rank_offset": 2,
-                        "world_size": 3, "group_name": "asyncrl-weights-a1-1",
+    assert [b["group_name"] for b in inits] == [f"asyncrl-weights-{first}",
+                                                f"asyncrl-weights-{second}"]  # fmt: skip
+    assert inits[0] == {"master_address": host, "master_port": port, "rank_offset": 2,
+                        "world_size": 3, "group_name": f"asyncrl-weights-{first}",
                         "backend": "gloo"}  # fmt: skip
     destroyed = [b["group_name"] for b in fake.bodies("/destroy_weights_update_group")]
-    assert destroyed == ["asyncrl-weights-a1-1", "asyncrl-weights-a1-2"]  # on re-form, on close
+    assert destroyed == [b["group_name"] for b in inits]  # on re-form, on close
+
+
+async def test_an_id_the_trainer_gave_up_on_is_not_joined():
+    """A server blocks while it joins (vLLM, SGLang: generation too) until every rank has
+    come or its join times out: an engine that starts after the trainer gave up on an id
+    must not join it, and joins the next one."""
+    async with serving(Fake()) as fake, SGLangClient(fake.url, config=FAST) as client:
+        with rank_zero(world_size=2, join_timeout_s=1.0) as trainer:
+            host, port = trainer.address
+            group = ServerGroup(trainer.cfg, rank=1, address=f"{host}:{port}", client=client)
+            stale = forming(trainer)
+            await given_up(trainer)  # nobody came within 1 s
+            assert await group.for_version(stale, formed=False) is None
+            await group._joining
+            assert fake.bodies("/init_weights_update_group") == []
+            fresh = forming(trainer)
+            assert fresh != stale
+            group.notice(fresh, formed=False)
+            await group._joining
+            await group.aclose()
+    assert [b["group_name"] for b in fake.bodies("/init_weights_update_group")] == [
+        f"asyncrl-weights-{fresh}"
+    ]
 
 
 async def test_a_formed_group_the_actor_never_joined_is_left_and_goes_by_disk():

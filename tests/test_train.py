@@ -71,6 +71,8 @@ async def pid_once_stepping(
             logs = lines(run_dir / "logs" / f"{actor}.jsonl")
             trainer = lines(run_dir / "logs" / "trainer.jsonl")
             if any('"step"' in x for x in trainer) and any("actor running" in x for x in logs):
+                failed = [x for x in logs if '"actor failed"' in x]
+                assert not failed, f"{actor} failed before the kill: {failed[0][:500]}"
                 return int(json.loads(logs[0])["pid"])
             await asyncio.sleep(0.05)
 

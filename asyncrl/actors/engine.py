@@ -2,9 +2,9 @@
 
 It serves the SGLang HTTP API on ``engine-i.http`` for rollout-i: the embedded
 ``TorchEngine`` in this process, or an SGLang or vLLM server it launches, tethered so that
-the server dies with it (``runtime/tether.py``). A server that exits, or fails
-``HEALTH_FAILURES`` health checks in a row, fails the actor for the supervisor to restart
-(``docs/ray.md``, SGLang servers as engine actors).
+the server dies with it (``runtime/tether.py``). A server that exits, or that fails
+``HEALTH_FAILURES`` health checks in a row and passes none for ``unhealthy_after_s``, fails
+the actor for the supervisor to restart (``docs/ray.md``, SGLang servers as engine actors).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import zlib
 from collections import deque
 from typing import Any
@@ -177,15 +178,20 @@ class EngineActor(Actor):
             ) from None
 
     async def run(self) -> None:
-        failures = 0
+        failures, passed = 0, time.monotonic()
         while not self.stopping:
             await asyncio.sleep(self.cfg.health_interval)
             self._check_alive()
-            failures = (
-                0 if await self._healthy(limit_s=self.cfg.health_interval * 2) else failures + 1
-            )
-            if failures >= HEALTH_FAILURES:
-                raise RuntimeError(f"engine at {self.url} failed {failures} health checks in a row")
+            if await self._healthy(limit_s=self.cfg.health_interval * 2):
+                failures, passed = 0, time.monotonic()
+                continue
+            failures += 1
+            silent = time.monotonic() - passed
+            if failures >= HEALTH_FAILURES and silent >= self.cfg.unhealthy_after_s:
+                raise RuntimeError(
+                    f"engine at {self.url} failed {failures} health checks in a row "
+                    f"(none passed for {silent:.0f}s)"
+                )
 
     def stats(self) -> dict[str, float]:
         return {"engine.pid": float(self.proc.pid if self.proc else os.getpid())}

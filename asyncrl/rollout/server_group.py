@@ -25,7 +25,7 @@ from asyncrl.engines.sglang_wire import WeightBucket
 from asyncrl.errors import InputError
 from asyncrl.observe.logs import get_logger
 from asyncrl.weights.buckets import manifest_buckets
-from asyncrl.weights.group import group_name, split_address
+from asyncrl.weights.group import forming_id, group_name, split_address
 
 if TYPE_CHECKING:
     from asyncrl.engines.client.sglang import SGLangClient
@@ -123,11 +123,19 @@ class ServerGroup:
         await self._leave()
 
     async def _join(self, group_id: str, previous: asyncio.Task[None] | None) -> None:
+        """Ask the engine to join ``group_id`` if the trainer is still forming it: a server
+        blocks (vLLM, SGLang: generation too) until every rank arrives or the join times
+        out, and one that came after the trainer gave up would only wait out the timeout."""
         await _cancelled(previous)
         await self._leave()
         name = group_name(group_id)
         (url,) = (await self.client.weights.group_layout())[0]
         host, port = self.address
+        forming = await asyncio.to_thread(forming_id, host, port)
+        if forming != group_id:
+            log.info("weight group no longer forming; the engine joins the next", group=group_id,
+                     forming=forming)  # fmt: skip
+            return
         pending = await self.client.weights.init_weights_update_group(
             host,
             port,

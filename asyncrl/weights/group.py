@@ -41,6 +41,9 @@ log = get_logger("asyncrl.weights")
 
 #: The group name SGLang's API uses when none is given.
 DEFAULT_GROUP = "weight_update_group"
+#: Rank 0's store key naming the id it is forming now ("" between attempts): a server
+#: engine blocks while it joins, so its actor asks it to join only that id.
+FORMING_KEY = "asyncrl/forming"
 
 
 def group_name(group_id: str) -> str:
@@ -258,6 +261,20 @@ def _bind_address(host: str) -> str:
         return "127.0.0.1" if host == "localhost" else ""
 
 
+def forming_id(host: str, port: int, timeout_s: float = 5.0) -> str | None:
+    """The id rank 0's store at ``host:port`` says it is forming ("" between attempts);
+    None when no store answers within ``timeout_s``. Blocking: run it in a thread."""
+    try:
+        store = dist.TCPStore(
+            host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        if not store.check([FORMING_KEY]):
+            return ""
+        return store.get(FORMING_KEY).decode()
+    except (RuntimeError, OSError):  # torch raises DistNetworkError/DistStoreError
+        return None
+
+
 def split_address(address: str) -> tuple[str, int]:
     """``("host", port)`` of ``"host:port"`` (or ``"tcp://host:port"``)."""
     host, _, port = address.removeprefix("tcp://").rpartition(":")
@@ -286,17 +303,21 @@ class GroupMembership:
         self._epoch = 0
         self._incarnation = os.urandom(3).hex()  # rank 0: its ids differ from a predecessor's
         self._store: dist.TCPStore | None = None
+        self._keys: dist.TCPStore | None = None  # rank 0: FORMING_KEY's client
 
     def open(self) -> None:
         """Rank 0: serve the rendezvous store (blocking; the address must be free)."""
         if self.rank == 0 and self._store is None:
             host, port = self.address
             self._store = serve_store(host, port, self._join_timeout, wait_for_workers=False)
+            # A client of its own: the store's blocks while a forming thread waits on it.
+            self._keys = dist.TCPStore(host, port, None, False, timeout=self._join_timeout)
+            self._keys.set(FORMING_KEY, "")
 
     def close(self) -> None:
         """Leave the group (its members' next broadcast fails at once, and re-forms)."""
         self._drop()
-        self._forming, self._store = None, None
+        self._forming, self._store, self._keys = None, None, None
 
     # -- rank 0 ---------------------------------------------------------------------------
     def usable(self) -> BroadcastGroup | None:
@@ -370,11 +391,20 @@ class GroupMembership:
         forming: Future[BroadcastGroup] = Future()
         self._forming = forming
 
+        keys = self._keys  # rank 0 only
+        if keys is not None:  # before the announcement that names it
+            keys.set(FORMING_KEY, group_id)
+
         def run() -> None:
             try:
-                forming.set_result(self._form(group_id))
+                group = self._form(group_id)
             except BaseException as exc:  # handed to whoever waits on the future
                 forming.set_exception(exc)
+            else:
+                forming.set_result(group)
+            finally:  # formed or given up: no member may start joining it now
+                if keys is not None:
+                    keys.compare_set(FORMING_KEY, group_id, "")
 
         threading.Thread(target=run, name=f"weight-group-{group_id}", daemon=True).start()
 
