@@ -31,7 +31,10 @@ generates, then trains, in one process on all the cores); on the real model it t
 each step's batch in micro-batches of 8 samples with gradients accumulated (the whole
 batch in one forward takes 20 GB and more here). What differs is each framework's own
 design: asyncrl trains on samples up to eta versions stale (decoupled PPO correction),
-TRL on fresh ones; each shuffles the prompts with its own sampler.
+TRL on fresh ones. TRL takes the prompts in the order asyncrl's data source draws them
+(``--prompt-order shared``, ``asyncrl_order``; asyncrl's step trains the first groups to
+finish of those in flight, so its steps hold nearly the same prompts); with ``own`` each
+shuffles with its own sampler, as in the series before 2026-12-02.
 
 ``--truncated-reward R`` gives a reply cut off at ``--max-new-tokens`` the reward ``R``
 on both sides, and in scoring, unscored (DAPO's overlong punishment): without it, a
@@ -395,9 +398,28 @@ def trl_dataset(spec: dict[str, Any], tokenizer: Any) -> Any:
         text = render(row["prompt"], tokenizer, spec["chat"])
         if tokenizer(text)["input_ids"] != tokenizer(text, add_special_tokens=False)["input_ids"]:
             raise SystemExit(f"the tokenizer adds special tokens to {text!r}")
+    if spec.get("prompt_order") == "shared":
+        rows = [rows[i] for i in asyncrl_order(spec["train"], spec["seed"], trl_prompts(spec))]
     return Dataset.from_dict(
         {"prompt": [r["prompt"] for r in rows], "label": [r["label"] for r in rows]}
     )
+
+
+def trl_prompts(spec: dict[str, Any]) -> int:
+    """The prompts TRL's run draws: one group per prompt, ``groups`` a step."""
+    return spec["steps"] * spec["groups"]
+
+
+def asyncrl_order(path: str, seed: int, count: int) -> list[int]:
+    """The rows of ``path`` (0-based in the file) of the first ``count`` prompts asyncrl's
+    data source draws with ``seed``: its own draws (a permutation per epoch, seeded by
+    ``(seed, epoch)``), not a copy of the rule."""
+    from asyncrl.buffer.sources import PromptSource
+
+    rows = len(read_jsonl(Path(path)))
+    source = PromptSource.open(PromptSource.Config(path=path, seed=seed,
+                                                   num_epochs=count // rows + 1))  # fmt: skip
+    return [int(p.prompt_id.rpartition(":")[2]) for p in source.take(count)]
 
 
 def matches(kind: str, text: str, label: str) -> bool:
@@ -475,6 +497,7 @@ def trl_config(spec: dict[str, Any]) -> Any:
         scale_rewards="group", gradient_checkpointing=False, use_vllm=False,
         save_strategy="steps", save_steps=spec["save_every"], logging_steps=1,
         report_to="none", disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+        shuffle_dataset=spec.get("prompt_order") != "shared",  # shared: trl_dataset's order
     )  # fmt: skip
 
 
@@ -993,9 +1016,12 @@ def run_spec(
 def shared_extras(args: argparse.Namespace) -> dict[str, Any]:
     """Settings of both sides added since the first series: keyed only when set, so the
     seeds run without them stay valid."""
-    if args.truncated_reward is None:
-        return {}
-    return {"truncated_reward": args.truncated_reward}
+    extras: dict[str, Any] = {}
+    if args.truncated_reward is not None:
+        extras["truncated_reward"] = args.truncated_reward
+    if args.prompt_order == "shared":
+        extras["prompt_order"] = "shared"
+    return extras
 
 
 def asyncrl_only(args: argparse.Namespace, framework: str) -> dict[str, Any]:
@@ -1317,8 +1343,9 @@ def _framework_stats(seeds: list[dict[str, Any]], fw: str) -> dict[str, Any]:
 
 def _paired_difference(seeds: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """asyncrl's accuracy minus TRL's at each step both checkpointed on every seed, paired
-    by seed (a seed's two runs share the start, the prompts and the scoring stream, so
-    what varies between seeds drops out): mean +- s.e. over seeds."""
+    by seed (a seed's two runs share the start and the scoring stream, and under
+    ``--prompt-order shared`` the prompts, so what varies between seeds drops out): mean
+    +- s.e. over seeds."""
     curves = [
         [{p["step"]: p["accuracy"] for p in s["frameworks"][fw]["curve"]} for fw in FRAMEWORKS]
         for s in seeds
@@ -1511,6 +1538,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="asyncrl's staleness bound (default per size: " +
                         ", ".join(f"{k} {v.eta}" for k, v in SIZES.items()) + ")")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-order", choices=["shared", "own"], default="shared",
+                        help="shared: TRL takes the prompts in asyncrl's order; own: each "
+                        "shuffles with its own sampler (the series before 2026-12-02)")  # fmt: skip
     parser.add_argument("--dtype", choices=list(DTYPE_FLAGS), default="float32",
                         help="bf16: fp32 master weights and bf16 compute on both sides "
                         "(TRL bf16=True; asyncrl bf16-mixed and a bf16 engine)")  # fmt: skip

@@ -203,6 +203,55 @@ def test_asyncrl_filters_reach_asyncrls_spec_alone() -> None:
     assert flags[flags.index("--buffer.filters") + 1] == "[]"
 
 
+class PlainTokenizer:
+    """Character ids and no special tokens: what ``trl_dataset``'s check needs."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_trl_takes_the_prompts_in_the_order_asyncrls_job_draws_them(tmp_path: Path) -> None:
+    """``--prompt-order shared`` (the default): TRL's sampler yields the prompts in the
+    order the asyncrl job's data source draws them, across an epoch's end; ``own`` keeps
+    TRL's shuffle and is not keyed (the earlier series' seeds stay valid)."""
+    from trl.trainer.utils import RepeatSampler
+
+    from asyncrl.buffer.sources import PromptSource
+    from asyncrl.config import load_config
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n"
+                             for i in range(10)))  # fmt: skip
+    flags = ["--model", "real", "--train", str(train), "--steps", "3", "--groups", "4"]
+    spec = vs_trl.run_spec(vs_trl.parse_args(flags), "real", "m", "trl", 5)
+    assert spec["prompt_order"] == "shared"
+    spec |= {"chat": False, "out": str(tmp_path / "out")}
+    cfg = load_config(spec["config"], overrides=vs_trl.asyncrl_flags(spec))
+    assert cfg.data is not None
+    source = PromptSource.open(cfg.data.model_copy(update={"apply_chat_template": False,
+                                                           "num_epochs": 2}))  # fmt: skip
+    drawn = [p.label for p in source.take(12)]  # 12 of 10 rows: into the second epoch
+    assert drawn != [str(i) for i in range(10)] + ["0", "1"]  # shuffled
+
+    dataset = vs_trl.trl_dataset(spec, PlainTokenizer())
+    args = vs_trl.trl_config(spec)
+    sampler = RepeatSampler(dataset, mini_repeat_count=spec["samples"],
+                            batch_size=args.generation_batch_size // spec["samples"],
+                            repeat_count=args.num_iterations * args.steps_per_generation,
+                            shuffle=args.shuffle_dataset, seed=args.seed)  # fmt: skip
+    batch = sampler.batch_size * sampler.mini_repeat_count  # a generation's samples,
+    chunk = batch * sampler.repeat_count  # each batch repeated for its accumulation slices
+    every = list(sampler)
+    indices = [i for at in range(0, len(every), chunk)
+               for i in every[at : at + batch : spec["samples"]]]  # one per group  # fmt: skip
+    assert [dataset["label"][i] for i in indices][:12] == drawn
+
+    own = vs_trl.run_spec(vs_trl.parse_args([*flags, "--prompt-order", "own"]), "real", "m",
+                          "trl", 5)  # fmt: skip
+    assert "prompt_order" not in own
+    assert vs_trl.trl_config(own | {"out": str(tmp_path / "own")}).shuffle_dataset
+
+
 def test_a_truncated_reward_reaches_both_sides_and_the_scoring_and_is_keyed() -> None:
     """``--truncated-reward 0``: a reply cut off at the budget is wrong on both sides and
     in scoring, however its last number reads; a key without it is the series' as kept."""
