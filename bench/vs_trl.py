@@ -399,7 +399,7 @@ def trl_dataset(spec: dict[str, Any], tokenizer: Any) -> Any:
         if tokenizer(text)["input_ids"] != tokenizer(text, add_special_tokens=False)["input_ids"]:
             raise SystemExit(f"the tokenizer adds special tokens to {text!r}")
     if spec.get("prompt_order") == "shared":
-        rows = [rows[i] for i in asyncrl_order(spec["train"], spec["seed"], trl_prompts(spec))]
+        rows = [rows[i] for i in asyncrl_order(spec, tokenizer)]
     return Dataset.from_dict(
         {"prompt": [r["prompt"] for r in rows], "label": [r["label"] for r in rows]}
     )
@@ -410,15 +410,19 @@ def trl_prompts(spec: dict[str, Any]) -> int:
     return spec["steps"] * spec["groups"]
 
 
-def asyncrl_order(path: str, seed: int, count: int) -> list[int]:
-    """The rows of ``path`` (0-based in the file) of the first ``count`` prompts asyncrl's
-    data source draws with ``seed``: its own draws (a permutation per epoch, seeded by
-    ``(seed, epoch)``), not a copy of the rule."""
+def asyncrl_order(spec: dict[str, Any], tokenizer: Any) -> list[int]:
+    """The training file's rows (0-based) of the prompts TRL's run takes, in the order the
+    asyncrl job of ``spec`` draws them: its data source, configured as the job configures
+    it (seed, shuffle, a length limit), drawing across epochs; not a copy of the rule."""
     from asyncrl.buffer.sources import PromptSource
+    from asyncrl.config import load_config
 
-    rows = len(read_jsonl(Path(path)))
-    source = PromptSource.open(PromptSource.Config(path=path, seed=seed,
-                                                   num_epochs=count // rows + 1))  # fmt: skip
+    data = load_config(spec["config"], overrides=asyncrl_flags(spec)).data
+    if data is None:
+        raise SystemExit(f"{spec['config']}: asyncrl's job has no prompt data")
+    count = trl_prompts(spec)
+    data = data.model_copy(update={"num_epochs": count, "num_rollouts": None})
+    source = PromptSource.open(data, tokenizer if data.max_prompt_length else None)
     return [int(p.prompt_id.rpartition(":")[2]) for p in source.take(count)]
 
 
@@ -1000,7 +1004,7 @@ def run_spec(
     def pick(flag: Any, default: Any) -> Any:
         return default if flag is None else flag
 
-    return {"model": model, "config": str(task.config),
+    spec = {"model": model, "config": str(task.config),
             "train": str(pick(args.train, task.train)),
             "test": str(pick(args.test, task.test)), "reward": task.reward,
             "temperature": task.temperature, "chat": task.chat, "trl_micro": task.trl_micro,
@@ -1010,18 +1014,24 @@ def run_spec(
             "eval_samples": pick(args.eval_samples, task.eval_samples),
             "lr": pick(args.lr, sz.lr), "seed": seed, "save_every": args.save_every,
             "max_new_tokens": args.max_new_tokens, "eta": pick(args.eta, sz.eta),
-            "dtype": args.dtype} | shared_extras(args) | asyncrl_only(args, framework)  # fmt: skip
+            "dtype": args.dtype}  # fmt: skip
+    return spec | shared_extras(args) | asyncrl_only(args, framework) | trl_only(args, framework)
 
 
 def shared_extras(args: argparse.Namespace) -> dict[str, Any]:
     """Settings of both sides added since the first series: keyed only when set, so the
     seeds run without them stay valid."""
-    extras: dict[str, Any] = {}
-    if args.truncated_reward is not None:
-        extras["truncated_reward"] = args.truncated_reward
-    if args.prompt_order == "shared":
-        extras["prompt_order"] = "shared"
-    return extras
+    if args.truncated_reward is None:
+        return {}
+    return {"truncated_reward": args.truncated_reward}
+
+
+def trl_only(args: argparse.Namespace, framework: str) -> dict[str, Any]:
+    """TRL's own settings: the prompts' order (asyncrl's run does not depend on it, so a
+    kept asyncrl run stays reusable); keyed only when shared."""
+    if framework != "trl" or args.prompt_order != "shared":
+        return {}
+    return {"prompt_order": "shared"}
 
 
 def asyncrl_only(args: argparse.Namespace, framework: str) -> dict[str, Any]:

@@ -224,7 +224,9 @@ def test_trl_takes_the_prompts_in_the_order_asyncrls_job_draws_them(tmp_path: Pa
                              for i in range(10)))  # fmt: skip
     flags = ["--model", "real", "--train", str(train), "--steps", "3", "--groups", "4"]
     spec = vs_trl.run_spec(vs_trl.parse_args(flags), "real", "m", "trl", 5)
-    assert spec["prompt_order"] == "shared"
+    assert spec["prompt_order"] == "shared"  # TRL's alone: a kept asyncrl run stays valid
+    assert "prompt_order" not in vs_trl.run_spec(vs_trl.parse_args(flags), "real", "m",
+                                                 "asyncrl", 5)  # fmt: skip
     spec |= {"chat": False, "out": str(tmp_path / "out")}
     cfg = load_config(spec["config"], overrides=vs_trl.asyncrl_flags(spec))
     assert cfg.data is not None

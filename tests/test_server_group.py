@@ -52,7 +52,7 @@ async def given_up(trainer: GroupMembership) -> None:
 
 async def test_the_engine_joins_each_forming_group_at_the_actors_rank_and_leaves_the_last():
     async with serving(Fake()) as fake, SGLangClient(fake.url, config=FAST) as client:
-        with rank_zero(world_size=3, join_timeout_s=3.0) as trainer:
+        with rank_zero(world_size=3, join_timeout_s=6.0) as trainer:
             host, port = trainer.address
             group = ServerGroup(trainer.cfg, rank=2, address=f"{host}:{port}", client=client)
             await group.check()

@@ -149,11 +149,12 @@ class EngineConfig(BaseModel):
         5.0, gt=0, description="seconds between an engine actor's /health_generate checks"
     )
     unhealthy_after_s: float = Field(
-        120.0,
+        180.0,
         gt=0,
         description="an engine actor fails (for its supervisor to restart it) once its "
         "engine has passed no health check for this long (and failed 3 in a row): longer "
-        "than a weight-group join (weights join_timeout_s, 60), which blocks a server",
+        "than a weight-group join, which blocks a server until every rank arrives (the "
+        "embedded and vLLM engines wait up to 120 s)",
     )
     startup_timeout: float = Field(
         900.0, gt=0, description="seconds an engine actor's server has to become healthy"

@@ -135,6 +135,8 @@ class ServerGroup:
         if forming != group_id:
             log.info("weight group no longer forming; the engine joins the next", group=group_id,
                      forming=forming)  # fmt: skip
+            if self.id == group_id:  # so that its formed announcement takes the engine out
+                self.id = ""
             return
         pending = await self.client.weights.init_weights_update_group(
             host,

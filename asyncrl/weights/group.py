@@ -261,6 +261,21 @@ def _bind_address(host: str) -> str:
         return "127.0.0.1" if host == "localhost" else ""
 
 
+def _set_forming(keys: dist.Store | None, value: str, unless_not: str | None = None) -> None:
+    """Rank 0: name ``value`` as the id forming (``unless_not``: only if it still names
+    that one). Best effort: a member that cannot read it joins nothing, and versions go by
+    pull or disk meanwhile."""
+    if keys is None:
+        return
+    try:
+        if unless_not is None:
+            keys.set(FORMING_KEY, value)
+        else:
+            keys.compare_set(FORMING_KEY, unless_not, value)
+    except (RuntimeError, OSError) as exc:  # the store closed under a lingering join
+        log.warning("could not name the weight group forming", error=_first_line(exc))
+
+
 def forming_id(host: str, port: int, timeout_s: float = 5.0) -> str | None:
     """The id rank 0's store at ``host:port`` says it is forming ("" between attempts);
     None when no store answers within ``timeout_s``. Blocking: run it in a thread."""
@@ -387,24 +402,22 @@ class GroupMembership:
         return datetime.timedelta(seconds=self.cfg.join_timeout_s)
 
     def _start(self, group_id: str) -> None:
+        keys = self._keys  # rank 0 only
+        if keys is not None:  # before the announcement that names it
+            _set_forming(keys, group_id)
         self.id = group_id
         forming: Future[BroadcastGroup] = Future()
         self._forming = forming
-
-        keys = self._keys  # rank 0 only
-        if keys is not None:  # before the announcement that names it
-            keys.set(FORMING_KEY, group_id)
 
         def run() -> None:
             try:
                 group = self._form(group_id)
             except BaseException as exc:  # handed to whoever waits on the future
+                _set_forming(keys, "", unless_not=group_id)
                 forming.set_exception(exc)
-            else:
+            else:  # formed or given up: no member may start joining it from now
+                _set_forming(keys, "", unless_not=group_id)
                 forming.set_result(group)
-            finally:  # formed or given up: no member may start joining it now
-                if keys is not None:
-                    keys.compare_set(FORMING_KEY, group_id, "")
 
         threading.Thread(target=run, name=f"weight-group-{group_id}", daemon=True).start()
 
