@@ -70,6 +70,16 @@ def engine_actor(model: Path, api_key: str | None = None, **engine: object) -> E
     return EngineActor(spec)
 
 
+async def running(actor: EngineActor) -> asyncio.Task[int]:
+    """Start ``actor``; its task once it runs (within 60 s)."""
+    task = asyncio.create_task(actor.main())
+    async with asyncio.timeout(60):
+        while actor.state != "running":
+            assert not task.done(), task.result()
+            await asyncio.sleep(0.05)
+    return task
+
+
 def test_sglang_flags_become_the_servers_arguments():
     argv = ["train", "c.yaml", "--sglang-mem-fraction-static", "0.8", "--seed", "1",
             "--sglang-enable-torch-compile", "--sglang-tp=2"]  # fmt: skip
@@ -137,11 +147,7 @@ async def test_a_launched_server_is_served_health_checked_and_stopped(
     actor = engine_actor(
         model, api_key="k3y", type="sglang", server_args=["--tp", "1"], health_interval=0.2
     )
-    task = asyncio.create_task(actor.main())
-    async with asyncio.timeout(60):
-        while actor.state != "running":
-            assert not task.done(), task.result()
-            await asyncio.sleep(0.05)
+    task = await running(actor)
     record = json.loads((tmp_path / "argv.json").read_text())
     argv = record["argv"]
     assert argv[argv.index("--model-path") + 1] == str(model)
@@ -198,11 +204,7 @@ def _alive(pid: int) -> bool:
 
 async def test_a_server_that_dies_fails_the_actor_with_the_reason(model: Path):
     actor = engine_actor(model, type="torch", health_interval=0.1, unhealthy_after_s=0.5)
-    task = asyncio.create_task(actor.main())
-    async with asyncio.timeout(60):
-        while actor.state != "running":
-            assert not task.done(), task.result()
-            await asyncio.sleep(0.05)
+    task = await running(actor)
     await actor.server.stop()  # the server goes away under the actor
     async with asyncio.timeout(30):
         assert await task == 1
@@ -216,11 +218,7 @@ async def test_a_server_unhealthy_for_less_than_the_limit_is_kept(
     every rank arrives): the actor fails only once no check has passed for
     ``unhealthy_after_s``, however many failed in a row."""
     actor = engine_actor(model, type="torch", health_interval=0.05, unhealthy_after_s=1.5)
-    task = asyncio.create_task(actor.main())
-    async with asyncio.timeout(60):
-        while actor.state != "running":
-            assert not task.done(), task.result()
-            await asyncio.sleep(0.05)
+    task = await running(actor)
     checks: list[float] = []
     answers = iter([False] * 10 + [True])  # about 0.5 s without a pass, then one
 
