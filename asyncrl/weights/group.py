@@ -402,20 +402,21 @@ class GroupMembership:
         return datetime.timedelta(seconds=self.cfg.join_timeout_s)
 
     def _start(self, group_id: str) -> None:
-        keys = self._keys  # rank 0 only
-        if keys is not None:  # before the announcement that names it
-            _set_forming(keys, group_id)
+        keys = self._keys  # rank 0's; None for a member
+        _set_forming(keys, group_id)  # before the announcement that names it
         self.id = group_id
         forming: Future[BroadcastGroup] = Future()
         self._forming = forming
 
         def run() -> None:
+            # Formed or given up, no member may start joining it: unnamed before anyone
+            # waiting on the future learns the outcome.
             try:
                 group = self._form(group_id)
             except BaseException as exc:  # handed to whoever waits on the future
                 _set_forming(keys, "", unless_not=group_id)
                 forming.set_exception(exc)
-            else:  # formed or given up: no member may start joining it from now
+            else:
                 _set_forming(keys, "", unless_not=group_id)
                 forming.set_result(group)
 
