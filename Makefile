@@ -107,7 +107,8 @@ lint: $(STAMP)
 
 # Two workers, each taking whole files (a module's fixtures stay in one process): alone,
 # the suite kept under one core of two busy, waiting on the processes it starts.
-# --durations: CI's log names the slowest tests (the suite's budget is 20 minutes on 2 cores).
+# Tests marked `alone` (a vLLM restart under load) run after the workers, by themselves.
+# --durations: CI's log names the slowest tests (budget: 25 minutes on 2 cores, set-up included).
 TEST_WORKERS ?= 2
 test: lint vllm-venv
 	$(VENV)/bin/pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile -m "not alone"
