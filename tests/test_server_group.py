@@ -87,6 +87,11 @@ async def test_an_id_the_trainer_gave_up_on_is_not_joined():
             assert await group.for_version(stale, formed=False) is None
             await group._joining
             assert fake.bodies("/init_weights_update_group") == []
+            # Had it formed (a predecessor's join made it), our engine would be in it: out.
+            assert await group.for_version(stale, formed=True) is None
+            assert fake.bodies("/destroy_weights_update_group") == [
+                {"group_name": f"asyncrl-weights-{stale}"}
+            ]
             fresh = forming(trainer)
             assert fresh != stale
             group.notice(fresh, formed=False)
