@@ -230,6 +230,7 @@ async def test_a_subscriber_survives_a_hostile_publisher(endpoint: str):
     pub, snap = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     for sock in (pub, snap):
         sock.linger = 0
+        sock.sndhwm = 0  # no queue limit: zmq would drop what a loaded receiver has not read
     pub_ep = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
     snap_ep = f"tcp://127.0.0.1:{snap.bind_to_random_port('tcp://127.0.0.1')}"
     topic = b"weights\x00"
@@ -272,6 +273,7 @@ async def test_a_sender_survives_hostile_acks(endpoint: str):
     rng = random.Random(7)
     router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
     router.linger = 0
+    router.sndhwm = 0  # no queue limit: zmq would drop what a loaded sender has not read
     ep = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
     try:
         async with ReliableSender(ep, CODEC) as tx:
