@@ -87,6 +87,13 @@ time to accuracy <= 0.5x; at 0.5M, samples/s >= 1x. The figure (``--out`` with `
 draws every seed's held-out accuracy against wall seconds and, below, against the
 training step: learning per step, side by side, whatever each side's speed.
 
+``--train-first`` trains every seed before scoring any, then scores level by level of
+the grid across the seeds (every seed's start, then every seed's last checkpoints, then
+their midpoints, ...): a comparison stopped part way holds a coarse grid of every seed,
+not the whole grid of the first. Every seed's checkpoints are kept meanwhile (about 4 GB
+a side on the real model), so it is refused before anything trains when ``--work``'s disk
+cannot hold them.
+
 Models: ``--cache/<size>`` holds each size's starting checkpoint, built when missing with
 ``examples/arith/make_model.py``'s recipe (``build_init``: random-init Qwen2 and the
 character tokenizer; ``sft_command``: ``asyncrl sft`` with label smoothing 0.1), on SFT
@@ -903,12 +910,18 @@ def coarse_first(sides: dict[str, list[Any]]) -> list[tuple[str, Any]]:
     scoring most use: every side's last, then the grid halved again and again (steps
     2..16: 16, then 8, then 4 and 12, then 2, 6, 10, 14), the sides alternating within a
     level. What is scored so far is then a coarser grid."""
+    return [(side, item) for _, side, item in sorted(coarse_ranks(sides), key=lambda r: r[0])]
+
+
+def coarse_ranks(sides: dict[str, list[Any]]) -> list[tuple[tuple[int, int, int], str, Any]]:
+    """``coarse_first``'s order as a sort key per checkpoint: ``(level, place in the
+    level, side)``."""
     ranked = []
     for order, (side, items) in enumerate(sides.items()):
         levels = [level for level, _ in halvings(len(items))]
         for k, (level, index) in enumerate(halvings(len(items))):
             ranked.append(((level, k - levels.index(level), order), side, items[index]))
-    return [(side, item) for _, side, item in sorted(ranked, key=lambda r: r[0])]
+    return ranked
 
 
 def halvings(n: int) -> list[tuple[int, int]]:
@@ -1054,6 +1067,19 @@ def run_seed(
     """Both frameworks on ``size`` with ``seed``, back to back, then every checkpoint's
     held-out accuracy; read from ``seed_S/result.json`` when it holds these settings."""
     key = seed_key(args, size, model, seed)
+    done, reuse = kept_seed(args, size, seed, key)
+    if done is not None:
+        return done
+    result = train_and_score(args, size, model, seed, index, key, reuse)
+    return keep_seed(args, size, model, seed, key, result)
+
+
+def kept_seed(
+    args: argparse.Namespace, size: str, seed: int, key: dict[str, Any]
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """``(result, None)`` where ``seed_S/result.json`` (or ``--results-from``'s) holds these
+    settings; else ``(None, reuse)``, ``reuse`` a side lent by ``--results-from`` (see
+    ``train_and_score``) or None, this seed's own stale result deleted."""
     saved = args.work / size / f"seed_{seed}" / "result.json"
     kept = [saved] + ([args.results_from / size / f"seed_{seed}" / "result.json"]
                       if args.results_from else [])  # fmt: skip
@@ -1063,7 +1089,7 @@ def run_seed(
         if done.get("key") == key:
             print(f"{size} seed {seed}: reusing {path} (at {done['result']['commit']})",
                   flush=True)  # fmt: skip
-            return done["result"]
+            return done["result"], None
         # Only another folder lends a side: this seed's own result is replaced below.
         side = reusable_side(done, key) if path.resolve() != saved.resolve() else None
         if side and reuse is None:
@@ -1076,13 +1102,84 @@ def run_seed(
             print(f"{size} seed {seed}: not reusing {path}: it was run with other {differ}",
                   flush=True)  # fmt: skip
     saved.unlink(missing_ok=True)
-    result = train_and_score(args, size, model, seed, index, key, reuse) | {"commit": commit()}
+    return None, reuse
+
+
+def keep_seed(
+    args: argparse.Namespace,
+    size: str,
+    model: dict[str, Any],
+    seed: int,
+    key: dict[str, Any],
+    result: dict[str, Any],
+) -> dict[str, Any]:
+    """Write a scored seed's ``result.json`` (its partial one deleted) and, unless
+    ``--keep-checkpoints``, delete its checkpoints."""
+    saved = args.work / size / f"seed_{seed}" / "result.json"
+    result = result | {"commit": commit()}
     write_json(saved, {"key": key, "result": result})
     (saved.parent / "partial_result.json").unlink(missing_ok=True)
     if not args.keep_checkpoints:
         for fw in args.frameworks:
             drop_checkpoints(Path(run_spec(args, size, model["path"], fw, seed)["out"]))
     return result
+
+
+def train_first(args: argparse.Namespace, size: str, model: dict[str, Any]) -> list[dict]:
+    """``--train-first``: every seed's sides trained (or found trained), then scored
+    together: every seed's start, then each level of the coarse-first grid across all
+    seeds (``score_across``), so a stopped comparison holds a coarse grid of every seed.
+    Every seed's checkpoints are kept until the end: refused when the disk cannot hold
+    them (``checkpoint_bytes``)."""
+    found: dict[int, dict[str, Any]] = {}
+    pending: list[tuple[int, int, dict[str, Any], dict[str, Any] | None]] = []
+    for index, seed in enumerate(args.seeds):
+        key = seed_key(args, size, model, seed)
+        done, reuse = kept_seed(args, size, seed, key)
+        if done is not None:
+            found[seed] = done
+        else:
+            pending.append((seed, index, key, reuse))
+    refuse_short_disk(args, size, model, [(seed, reuse) for seed, _, _, reuse in pending])
+    scorings = [train_seed(args, size, model, seed, index, key, reuse)
+                for seed, index, key, reuse in pending]  # fmt: skip
+    score_across(size, scorings)
+    for scoring, (seed, _, key, _) in zip(scorings, pending, strict=True):
+        found[seed] = keep_seed(args, size, model, seed, key, finish_seed(size, scoring))
+    return [found[seed] for seed in args.seeds]
+
+
+def checkpoint_bytes(args: argparse.Namespace, size: str, model: dict[str, Any]) -> int:
+    """What one side's saved checkpoints take on disk, estimated: one copy of the starting
+    model's weight files (float32 on the real model, as both sides save them) for each
+    checkpoint, the last step's included."""
+    weights = sum(f.stat().st_size for f in Path(model["path"]).glob("*.safetensors"))
+    spec = run_spec(args, size, model["path"], "asyncrl", args.seeds[0])
+    return weights * math.ceil(spec["steps"] / spec["save_every"])
+
+
+def refuse_short_disk(
+    args: argparse.Namespace,
+    size: str,
+    model: dict[str, Any],
+    pending: list[tuple[int, dict[str, Any] | None]],
+) -> None:
+    """Refuse ``--train-first`` before anything trains when the free space on ``--work``
+    cannot hold the checkpoints of every side still to train (``checkpoint_bytes`` each)."""
+    sides = [(seed, fw) for seed, reuse in pending for fw in args.frameworks
+             if not (reuse and reuse["framework"] == fw)
+             and trained(run_spec(args, size, model["path"], fw, seed)) is None]  # fmt: skip
+    # + the optimizer states of the run in progress (AdamW's two moments a checkpoint, twice
+    # its weights), deleted when it ends
+    need = (len(sides) + 2 * bool(sides)) * checkpoint_bytes(args, size, model)
+    free = shutil.disk_usage(args.work).free
+    if need > free:
+        raise SystemExit(
+            f"--train-first: the {len(sides)} runs still to train save about "
+            f"{need / 1e9:.1f} GB of checkpoints, kept until every seed is scored, and "
+            f"{args.work} has {free / 1e9:.1f} GB free: run fewer --seeds, or without "
+            "--train-first (each seed's checkpoints are deleted once it is scored)"
+        )
 
 
 def forget_seeds(args: argparse.Namespace) -> None:
@@ -1216,6 +1313,41 @@ def train_and_score(
     """Both frameworks trained in this seed's order (or found trained), then every
     checkpoint scored (or found scored, under ``key``). ``reuse`` (``run_seed``) holds one
     framework's finished run and the start's score, kept from another series."""
+    scoring = train_seed(args, size, model, seed, index, key, reuse)
+    score_across(size, [scoring])
+    return finish_seed(size, scoring)
+
+
+@dataclasses.dataclass
+class SeedScoring:
+    """A trained seed on its way to its result: each side's figures and timeline, the
+    checkpoints to score (``sides``: those not lent by ``reuse``) and its kept scores."""
+
+    seed: int
+    key: dict[str, Any]
+    runs: dict[str, dict[str, Any]]
+    timelines: dict[str, tuple[dict[str, Any], dict[str, float]]]
+    sides: dict[str, list[dict[str, Any]]]
+    evaluator: ScoreCache
+    start_path: str
+    partial: Path
+    scored: int
+    lent_start: float | None = None
+    start: float | None = None
+
+
+def train_seed(
+    args: argparse.Namespace,
+    size: str,
+    model: dict[str, Any],
+    seed: int,
+    index: int,
+    key: dict[str, Any],
+    reuse: dict[str, Any] | None = None,
+) -> SeedScoring:
+    """Both frameworks trained in this seed's order (or found trained), each side's
+    figures read from its run; nothing scored yet. Refused when a side saved no
+    checkpoint at a recorded step: it would have nothing to score."""
     runs: dict[str, dict[str, Any]] = {}
     timelines: dict[str, tuple[dict[str, Any], dict[str, float]]] = {}
     reused = reuse["framework"] if reuse else None
@@ -1242,46 +1374,68 @@ def train_and_score(
         }
         runs[fw]["save_s"] = sum(c["save_s"] or 0.0 for c in timeline["checkpoints"])
         runs[fw]["timeline"] = [relative(s, clock["t0"]) for s in timeline["steps"]]
-    rows = read_jsonl(Path(spec["test"]))[: args.eval_rows]
-    scorer = make_evaluator(
-        args.evaluator, model, spec, len(rows), args.eval_dtype, args.eval_max_running
-    )
-    stamps = {fw: clock["t0"] for fw, (_, clock) in timelines.items()}
-    evaluator = ScoreCache(Path(spec["out"]).parent / "scores.json", key, scorer, stamps)
-    print(f"{size} seed {seed}: evaluating the checkpoints on {len(rows)} test rows "
-          f"({args.evaluator}) ...", flush=True)  # fmt: skip
-    start = reuse["start"] if reuse else evaluator(model["path"])
-    print(f"  start: accuracy {start:.1%}", flush=True)
-    scored = len(rows) * spec["eval_samples"]
     sides = {fw: [c for c in timelines[fw][0]["checkpoints"] if c["time"] is not None]
              for fw in args.frameworks if fw != reused}  # fmt: skip
     if empty := [fw for fw, saved in sides.items() if not saved]:
         raise SystemExit(f"{size} seed {seed}: {empty[0]} saved no checkpoint at a recorded "
                          f"step in {Path(spec['out']).parent}: nothing to score")  # fmt: skip
-    partial = Path(spec["out"]).parent / "partial_result.json"
+    rows = read_jsonl(Path(spec["test"]))[: args.eval_rows]
+    scorer = make_evaluator(
+        args.evaluator, model, spec, len(rows), args.eval_dtype, args.eval_max_running
+    )
+    stamps = {fw: clock["t0"] for fw, (_, clock) in timelines.items()}
+    folder = Path(spec["out"]).parent
+    return SeedScoring(
+        seed=seed, key=key, runs=runs, timelines=timelines, sides=sides,
+        evaluator=ScoreCache(folder / "scores.json", key, scorer, stamps),
+        start_path=model["path"], partial=folder / "partial_result.json",
+        scored=len(rows) * spec["eval_samples"], lent_start=reuse["start"] if reuse else None,
+    )  # fmt: skip
 
-    def keep_partial() -> None:
-        """What is scored so far, for a person to read while the scoring runs; the targets
-        are judged on the whole grid only."""
-        so_far = partial_runs(runs, timelines, start, evaluator)
-        comparison = compare(size, so_far, start, scored)
-        comparison.pop("targets", None)
-        result = {"seed": seed, "start_accuracy": start, "scored": scored, "partial": True,
-                  "frameworks": so_far, "comparison": comparison}  # fmt: skip
-        write_json(partial, {"key": key, "trained": stamps, "result": result})
 
-    keep_partial()  # replaces one left by a scoring of other settings or another training
-    for fw, c in coarse_first(sides):  # a stopped scoring leaves a coarser grid
-        if not evaluator.has(c["path"]):
-            print(f"  {fw} step {c['step']}: accuracy {evaluator(c['path']):.1%}", flush=True)
-            keep_partial()
-    for fw in sides:
-        timeline, clock = timelines[fw]
-        print(f"  {fw}:", flush=True)
-        runs[fw]["curve"] = accuracy_curve(timeline, clock["t0"], start, evaluator)
-        runs[fw]["best_accuracy"] = max(p["accuracy"] for p in runs[fw]["curve"][1:])
-    return {"seed": seed, "start_accuracy": start, "scored": scored, "frameworks": runs,
-            "comparison": compare(size, runs, start, scored)}  # fmt: skip
+def score_across(size: str, scorings: list[SeedScoring]) -> None:
+    """Score every seed's start, then every checkpoint not yet scored: level by level of
+    each seed's coarse-first grid (``coarse_first``), the seeds in turn within a level.
+    Each seed's ``partial_result.json`` is rewritten after each score."""
+    for s in scorings:
+        print(f"{size} seed {s.seed}: evaluating the checkpoints ({s.scored} samples) ...",
+              flush=True)  # fmt: skip
+        s.start = s.lent_start if s.lent_start is not None else s.evaluator(s.start_path)
+        print(f"  seed {s.seed} start: accuracy {s.start:.1%}", flush=True)
+        keep_partial(size, s)  # replaces one left by other settings or another training
+    ranked = [((*rank[:2], i, *rank[2:]), s, side, c)
+              for i, s in enumerate(scorings)
+              for rank, side, c in coarse_ranks(s.sides)]  # fmt: skip
+    for _, s, side, c in sorted(ranked, key=lambda r: r[0]):
+        if not s.evaluator.has(c["path"]):
+            accuracy = s.evaluator(c["path"])
+            print(f"  seed {s.seed} {side} step {c['step']}: accuracy {accuracy:.1%}", flush=True)
+            keep_partial(size, s)
+
+
+def keep_partial(size: str, s: SeedScoring) -> None:
+    """What is scored so far, for a person to read while the scoring runs; the targets are
+    judged on the whole grid only."""
+    assert s.start is not None
+    so_far = partial_runs(s.runs, s.timelines, s.start, s.evaluator)
+    comparison = compare(size, so_far, s.start, s.scored)
+    comparison.pop("targets", None)
+    result = {"seed": s.seed, "start_accuracy": s.start, "scored": s.scored, "partial": True,
+              "frameworks": so_far, "comparison": comparison}  # fmt: skip
+    write_json(s.partial, {"key": s.key, "trained": s.evaluator.trained, "result": result})
+
+
+def finish_seed(size: str, s: SeedScoring) -> dict[str, Any]:
+    """A scored seed's result: each side's held-out curve and best, and the comparison."""
+    assert s.start is not None
+    for fw in s.sides:
+        timeline, clock = s.timelines[fw]
+        print(f"  seed {s.seed} {fw}:", flush=True)
+        s.runs[fw]["curve"] = accuracy_curve(timeline, clock["t0"], s.start, s.evaluator)
+        s.runs[fw]["best_accuracy"] = max(p["accuracy"] for p in s.runs[fw]["curve"][1:])
+    comparison = compare(size, s.runs, s.start, s.scored)
+    return {"seed": s.seed, "start_accuracy": s.start, "scored": s.scored,
+            "frameworks": s.runs, "comparison": comparison}  # fmt: skip
 
 
 def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
@@ -1289,7 +1443,10 @@ def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:
     model = ensure_model(size, args.cache, args.seeds[0])
     print(f"{size}: {model['params']:,} parameters ({model['path']})", flush=True)
     refuse_other_runs(args, size, model)
-    seeds = [run_seed(args, size, model, seed, i) for i, seed in enumerate(args.seeds)]
+    if args.train_first:
+        seeds = train_first(args, size, model)
+    else:
+        seeds = [run_seed(args, size, model, seed, i) for i, seed in enumerate(args.seeds)]
     return {"model": model, "temperature": SIZES[size].task.temperature, "seeds": seeds,
             "summary": across_seeds(size, seeds, args.threshold)}  # fmt: skip
 
@@ -1597,6 +1754,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-checkpoints", action="store_true",
                         help="keep each seed's checkpoints once it is scored (default: deleted, "
                         "about 8 GB a seed on the real model; --rescore needs them)")  # fmt: skip
+    parser.add_argument("--train-first", action="store_true",
+                        help="train every seed before scoring any, then score them together, "
+                        "coarse grids first (every seed's checkpoints are kept meanwhile: "
+                        "refused when the disk cannot hold them)")  # fmt: skip
     parser.add_argument("--train", type=Path, default=None, help="default: the task's")
     parser.add_argument("--test", type=Path, default=None, help="default: the task's")
     parser.add_argument("--cache", type=Path, default=Path("runs/vs-trl/models"))

@@ -826,4 +826,89 @@ def test_a_side_with_no_checkpoint_is_refused_before_the_other_is_scored(
     args, _, scored = _scoring_only(tmp_path, monkeypatch, saved)
     with pytest.raises(SystemExit, match="trl saved no checkpoint"):
         vs_trl.train_and_score(args, "real", MODEL, 0, 0, vs_trl.seed_key(args, "real", MODEL, 0))
-    assert scored == [MODEL["path"]]  # the start only
+    assert scored == []  # not even the start
+
+
+def test_train_first_scores_every_seeds_start_then_each_grid_level_across_the_seeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = _real_args(tmp_path, "--seeds", "2", "--train-first")
+    for seed in (0, 1):  # both trained, nothing scored
+        folder = _keep_seed(args, seed)
+        (folder / "scores.json").unlink()
+        (folder / "result.json").unlink()
+    steps = [{"step": s, "time": 1.0 + 10 * s, "samples": 8, "tokens": 80.0} for s in range(1, 9)]
+
+    def timeline(out: Path, *_: object) -> dict:
+        at = [{"step": s, "path": f"{out}/step_{s}", "time": 1.0 + 10 * s, "save_s": 0.1}
+              for s in (4, 8)]  # fmt: skip
+        return {"steps": steps, "checkpoints": at}
+
+    accuracy = {"asyncrl/step_4": 0.3, "asyncrl/step_8": 0.35, "trl/step_4": 0.2,
+                "trl/step_8": 0.3}  # fmt: skip
+    scored: list[str] = []
+
+    def evaluate(path: str) -> float:
+        if len(scored) == 5:
+            raise KeyboardInterrupt  # stopped while scoring the sixth
+        scored.append("/".join(Path(path).parts[-3:]))
+        return accuracy.get("/".join(Path(path).parts[-2:]), 0.1)
+
+    monkeypatch.setattr(vs_trl, "asyncrl_timeline", timeline)
+    monkeypatch.setattr(vs_trl, "trl_timeline", timeline)
+    monkeypatch.setattr(vs_trl, "make_evaluator", lambda *a: evaluate)
+    monkeypatch.setattr(vs_trl, "ensure_model", lambda *a: MODEL)
+    monkeypatch.setattr(vs_trl, "launch", lambda *a: pytest.fail("each seed trained earlier"))
+    with pytest.raises(KeyboardInterrupt):
+        vs_trl.run_size(args, "real")
+    start = "/".join(Path(MODEL["path"]).parts[-3:])
+    assert scored == [start, start, "seed_0/asyncrl/step_8", "seed_0/trl/step_8",
+                      "seed_1/asyncrl/step_8"]  # fmt: skip
+    partial = json.loads((tmp_path / "real/seed_1/partial_result.json").read_text())["result"]
+    assert partial["frameworks"]["asyncrl"]["scored_steps"] == [8]
+    assert "trl" not in partial["frameworks"]  # none of its checkpoints scored yet
+    scored.clear()
+    result = vs_trl.run_size(args, "real")  # goes on from the next checkpoint
+    assert scored == ["seed_1/trl/step_8", "seed_0/asyncrl/step_4", "seed_0/trl/step_4",
+                      "seed_1/asyncrl/step_4", "seed_1/trl/step_4"]  # fmt: skip
+    for seed in result["seeds"]:
+        assert [p["accuracy"] for p in seed["frameworks"]["asyncrl"]["curve"]] == [0.1, 0.3, 0.35]
+        assert seed["comparison"]["time_to_accuracy"] == pytest.approx(0.5)  # 30%: 40 s vs 80 s
+        folder = tmp_path / "real" / f"seed_{seed['seed']}"
+        assert not (folder / "partial_result.json").exists()
+        assert not (folder / "asyncrl" / "checkpoints").exists()  # dropped once scored
+    assert vs_trl.run_size(args, "real")["seeds"] == result["seeds"]  # read, not scored
+    assert scored[5:] == []
+
+
+def test_train_first_is_refused_before_anything_trains_when_the_disk_is_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"0" * 1000)  # 8 checkpoints a side: 8,000 B
+    args = _real_args(tmp_path / "work", "--seeds", "2", "--train-first")
+    args.work.mkdir()
+    spec = vs_trl.run_spec(args, "real", str(model), "trl", 0)
+    Path(spec["out"]).mkdir(parents=True)
+    vs_trl.mark_trained(spec, CLOCK, vs_trl.training_files(spec))  # 3 sides left to train
+    free = {"bytes": 39_999}  # 3 x 8,000 B kept + 2 x 8,000 B of optimizer state in training
+    usage = vs_trl.shutil.disk_usage
+    monkeypatch.setattr(
+        vs_trl.shutil, "disk_usage", lambda p: usage(p)._replace(free=free["bytes"])
+    )
+    monkeypatch.setattr(vs_trl, "ensure_model", lambda *a: MODEL | {"path": str(model)})
+    launched: list[str] = []
+
+    def launch(framework: str, spec: dict, hold: int | None = None) -> dict:
+        launched.append(framework)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vs_trl, "launch", launch)
+    with pytest.raises(SystemExit, match="the 3 runs still to train"):
+        vs_trl.run_size(args, "real")
+    assert launched == []
+    free["bytes"] = 40_000
+    with pytest.raises(KeyboardInterrupt):
+        vs_trl.run_size(args, "real")
+    assert launched == ["asyncrl"]  # seed 0's first; its TRL was trained
