@@ -1070,6 +1070,7 @@ def run_seed(
     done, reuse = kept_seed(args, size, seed, key)
     if done is not None:
         return done
+    result_path(args, size, seed).unlink(missing_ok=True)  # of other settings: replaced
     result = train_and_score(args, size, model, seed, index, key, reuse)
     return keep_seed(args, size, model, seed, key, result)
 
@@ -1079,8 +1080,8 @@ def kept_seed(
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """``(result, None)`` where ``seed_S/result.json`` (or ``--results-from``'s) holds these
     settings; else ``(None, reuse)``, ``reuse`` a side lent by ``--results-from`` (see
-    ``train_and_score``) or None, this seed's own stale result deleted."""
-    saved = args.work / size / f"seed_{seed}" / "result.json"
+    ``train_and_score``) or None. A stale result is left for the caller to delete."""
+    saved = result_path(args, size, seed)
     kept = [saved] + ([args.results_from / size / f"seed_{seed}" / "result.json"]
                       if args.results_from else [])  # fmt: skip
     reuse: dict[str, Any] | None = None
@@ -1101,8 +1102,12 @@ def kept_seed(
             differ = ", ".join(key_differences(done.get("key", {}), key))
             print(f"{size} seed {seed}: not reusing {path}: it was run with other {differ}",
                   flush=True)  # fmt: skip
-    saved.unlink(missing_ok=True)
     return None, reuse
+
+
+def result_path(args: argparse.Namespace, size: str, seed: int) -> Path:
+    """Where a scored seed's result is kept (``run_seed``)."""
+    return args.work / size / f"seed_{seed}" / "result.json"
 
 
 def keep_seed(
@@ -1115,7 +1120,7 @@ def keep_seed(
 ) -> dict[str, Any]:
     """Write a scored seed's ``result.json`` (its partial one deleted) and, unless
     ``--keep-checkpoints``, delete its checkpoints."""
-    saved = args.work / size / f"seed_{seed}" / "result.json"
+    saved = result_path(args, size, seed)
     result = result | {"commit": commit()}
     write_json(saved, {"key": key, "result": result})
     (saved.parent / "partial_result.json").unlink(missing_ok=True)
@@ -1141,6 +1146,8 @@ def train_first(args: argparse.Namespace, size: str, model: dict[str, Any]) -> l
         else:
             pending.append((seed, index, key, reuse))
     refuse_short_disk(args, size, model, [(seed, reuse) for seed, _, _, reuse in pending])
+    for seed, *_ in pending:
+        result_path(args, size, seed).unlink(missing_ok=True)  # of other settings: replaced
     scorings = [train_seed(args, size, model, seed, index, key, reuse)
                 for seed, index, key, reuse in pending]  # fmt: skip
     score_across(size, scorings)
@@ -1165,14 +1172,17 @@ def refuse_short_disk(
     pending: list[tuple[int, dict[str, Any] | None]],
 ) -> None:
     """Refuse ``--train-first`` before anything trains when the free space on ``--work``
-    cannot hold the checkpoints of every side still to train (``checkpoint_bytes`` each)."""
-    sides = [(seed, fw) for seed, reuse in pending for fw in args.frameworks
-             if not (reuse and reuse["framework"] == fw)
-             and trained(run_spec(args, size, model["path"], fw, seed)) is None]  # fmt: skip
-    # + the optimizer states of the run in progress (AdamW's two moments a checkpoint, twice
-    # its weights), deleted when it ends
-    need = (len(sides) + 2 * bool(sides)) * checkpoint_bytes(args, size, model)
-    free = shutil.disk_usage(args.work).free
+    cannot hold the checkpoints of every side still to train (``checkpoint_bytes`` each),
+    the optimizer states of the run in progress (AdamW's two moments in every checkpoint
+    until it ends: twice its weights) and a tenth more (tokenizers, logs). What an
+    interrupted run left in a side's folder counts as free: ``launch`` deletes it."""
+    specs = [run_spec(args, size, model["path"], fw, seed)
+             for seed, reuse in pending for fw in args.frameworks
+             if not (reuse and reuse["framework"] == fw)]  # fmt: skip
+    sides = [Path(spec["out"]) for spec in specs if trained(spec) is None]
+    need = int(1.1 * (len(sides) + 2 * bool(sides)) * checkpoint_bytes(args, size, model))
+    left = sum(f.stat().st_size for out in sides for f in out.rglob("*") if f.is_file())
+    free = shutil.disk_usage(args.work).free + left
     if need > free:
         raise SystemExit(
             f"--train-first: the {len(sides)} runs still to train save about "
@@ -1332,6 +1342,7 @@ class SeedScoring:
     start_path: str
     partial: Path
     scored: int
+    rows: str  # what is scored, said when the scoring starts
     lent_start: float | None = None
     start: float | None = None
 
@@ -1389,7 +1400,8 @@ def train_seed(
         seed=seed, key=key, runs=runs, timelines=timelines, sides=sides,
         evaluator=ScoreCache(folder / "scores.json", key, scorer, stamps),
         start_path=model["path"], partial=folder / "partial_result.json",
-        scored=len(rows) * spec["eval_samples"], lent_start=reuse["start"] if reuse else None,
+        scored=len(rows) * spec["eval_samples"], rows=f"{len(rows)} test rows ({args.evaluator})",
+        lent_start=reuse["start"] if reuse else None,
     )  # fmt: skip
 
 
@@ -1398,8 +1410,7 @@ def score_across(size: str, scorings: list[SeedScoring]) -> None:
     each seed's coarse-first grid (``coarse_first``), the seeds in turn within a level.
     Each seed's ``partial_result.json`` is rewritten after each score."""
     for s in scorings:
-        print(f"{size} seed {s.seed}: evaluating the checkpoints ({s.scored} samples) ...",
-              flush=True)  # fmt: skip
+        print(f"{size} seed {s.seed}: evaluating the checkpoints on {s.rows} ...", flush=True)
         s.start = s.lent_start if s.lent_start is not None else s.evaluator(s.start_path)
         print(f"  seed {s.seed} start: accuracy {s.start:.1%}", flush=True)
         keep_partial(size, s)  # replaces one left by other settings or another training

@@ -833,52 +833,67 @@ def test_train_first_scores_every_seeds_start_then_each_grid_level_across_the_se
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     args = _real_args(tmp_path, "--seeds", "2", "--train-first")
-    for seed in (0, 1):  # both trained, nothing scored
+    for seed in (0, 1):  # trained, nothing scored; seed 1's TRL is trained below
         folder = _keep_seed(args, seed)
         (folder / "scores.json").unlink()
         (folder / "result.json").unlink()
+    vs_trl.clock_path(tmp_path / "real/seed_1/trl").unlink()
     steps = [{"step": s, "time": 1.0 + 10 * s, "samples": 8, "tokens": 80.0} for s in range(1, 9)]
 
     def timeline(out: Path, *_: object) -> dict:
         at = [{"step": s, "path": f"{out}/step_{s}", "time": 1.0 + 10 * s, "save_s": 0.1}
-              for s in (4, 8)]  # fmt: skip
+              for s in (2, 4, 6, 8)]  # fmt: skip
         return {"steps": steps, "checkpoints": at}
 
-    accuracy = {"asyncrl/step_4": 0.3, "asyncrl/step_8": 0.35, "trl/step_4": 0.2,
-                "trl/step_8": 0.3}  # fmt: skip
-    scored: list[str] = []
+    accuracy = {"asyncrl/step_4": 0.3, "asyncrl/step_8": 0.35, "trl/step_8": 0.3}
+    events: list[str] = []
+    stopped: list[bool] = []
 
     def evaluate(path: str) -> float:
-        if len(scored) == 5:
-            raise KeyboardInterrupt  # stopped while scoring the sixth
-        scored.append("/".join(Path(path).parts[-3:]))
+        if len(events) == 6 and not stopped:  # stopped once, scoring the fourth checkpoint
+            stopped.append(True)
+            raise KeyboardInterrupt
+        events.append("/".join(Path(path).parts[-3:]))
         return accuracy.get("/".join(Path(path).parts[-2:]), 0.1)
+
+    def launch(framework: str, spec: dict, hold: int | None = None) -> dict:
+        events.append(f"train {'/'.join(Path(spec['out']).parts[-2:])}")
+        vs_trl.mark_trained(spec, CLOCK, vs_trl.training_files(spec))
+        return CLOCK
 
     monkeypatch.setattr(vs_trl, "asyncrl_timeline", timeline)
     monkeypatch.setattr(vs_trl, "trl_timeline", timeline)
     monkeypatch.setattr(vs_trl, "make_evaluator", lambda *a: evaluate)
     monkeypatch.setattr(vs_trl, "ensure_model", lambda *a: MODEL)
-    monkeypatch.setattr(vs_trl, "launch", lambda *a: pytest.fail("each seed trained earlier"))
+    monkeypatch.setattr(vs_trl, "launch", launch)
     with pytest.raises(KeyboardInterrupt):
         vs_trl.run_size(args, "real")
     start = "/".join(Path(MODEL["path"]).parts[-3:])
-    assert scored == [start, start, "seed_0/asyncrl/step_8", "seed_0/trl/step_8",
-                      "seed_1/asyncrl/step_8"]  # fmt: skip
+    assert events == ["train seed_1/trl", start, start, "seed_0/asyncrl/step_8",
+                      "seed_0/trl/step_8", "seed_1/asyncrl/step_8"]  # fmt: skip
     partial = json.loads((tmp_path / "real/seed_1/partial_result.json").read_text())["result"]
     assert partial["frameworks"]["asyncrl"]["scored_steps"] == [8]
     assert "trl" not in partial["frameworks"]  # none of its checkpoints scored yet
-    scored.clear()
+    events.clear()
     result = vs_trl.run_size(args, "real")  # goes on from the next checkpoint
-    assert scored == ["seed_1/trl/step_8", "seed_0/asyncrl/step_4", "seed_0/trl/step_4",
-                      "seed_1/asyncrl/step_4", "seed_1/trl/step_4"]  # fmt: skip
+    assert events == [
+        "seed_1/trl/step_8",
+        *(f"seed_{seed}/{fw}/step_4" for seed in (0, 1) for fw in ("asyncrl", "trl")),
+        *(f"seed_{seed}/{fw}/step_{step}" for step in (2, 6) for seed in (0, 1)
+          for fw in ("asyncrl", "trl")),
+    ]  # fmt: skip
     for seed in result["seeds"]:
-        assert [p["accuracy"] for p in seed["frameworks"]["asyncrl"]["curve"]] == [0.1, 0.3, 0.35]
+        assert [p["accuracy"] for p in seed["frameworks"]["asyncrl"]["curve"]] == [
+            0.1, 0.1, 0.3, 0.1, 0.35
+        ]  # fmt: skip
         assert seed["comparison"]["time_to_accuracy"] == pytest.approx(0.5)  # 30%: 40 s vs 80 s
         folder = tmp_path / "real" / f"seed_{seed['seed']}"
         assert not (folder / "partial_result.json").exists()
-        assert not (folder / "asyncrl" / "checkpoints").exists()  # dropped once scored
+        for fw in vs_trl.FRAMEWORKS:  # checkpoints deleted once scored
+            assert vs_trl.read_json(vs_trl.clock_path(folder / fw))["checkpoints_dropped"]
+    events.clear()
     assert vs_trl.run_size(args, "real")["seeds"] == result["seeds"]  # read, not scored
-    assert scored[5:] == []
+    assert events == []
 
 
 def test_train_first_is_refused_before_anything_trains_when_the_disk_is_short(
@@ -892,7 +907,11 @@ def test_train_first_is_refused_before_anything_trains_when_the_disk_is_short(
     spec = vs_trl.run_spec(args, "real", str(model), "trl", 0)
     Path(spec["out"]).mkdir(parents=True)
     vs_trl.mark_trained(spec, CLOCK, vs_trl.training_files(spec))  # 3 sides left to train
-    free = {"bytes": 39_999}  # 3 x 8,000 B kept + 2 x 8,000 B of optimizer state in training
+    left = Path(vs_trl.run_spec(args, "real", str(model), "asyncrl", 1)["out"]) / "step_2"
+    left.mkdir(parents=True)
+    (left / "optimizer.pt").write_bytes(b"0" * 1000)  # an interrupted run's: deleted at launch
+    # 1.1 x (3 sides x 8,000 B kept + 2 x 8,000 B of optimizer state in training) = 44,000 B
+    free = {"bytes": 42_999}
     usage = vs_trl.shutil.disk_usage
     monkeypatch.setattr(
         vs_trl.shutil, "disk_usage", lambda p: usage(p)._replace(free=free["bytes"])
@@ -908,7 +927,7 @@ def test_train_first_is_refused_before_anything_trains_when_the_disk_is_short(
     with pytest.raises(SystemExit, match="the 3 runs still to train"):
         vs_trl.run_size(args, "real")
     assert launched == []
-    free["bytes"] = 40_000
+    free["bytes"] = 43_000
     with pytest.raises(KeyboardInterrupt):
         vs_trl.run_size(args, "real")
     assert launched == ["asyncrl"]  # seed 0's first; its TRL was trained
