@@ -34,7 +34,10 @@ design: asyncrl trains on samples up to eta versions stale (decoupled PPO correc
 TRL on fresh ones. TRL takes the prompts in the order asyncrl's data source draws them
 (``--prompt-order shared``, ``asyncrl_order``; asyncrl's step trains the first groups to
 finish of those in flight, so its steps hold nearly the same prompts); with ``own`` each
-shuffles with its own sampler, as in the series before 2026-12-02.
+shuffles with its own sampler, as in the series before 2026-12-02. Each step's prompts
+are recorded on both sides (TRL's reward sees each group's file row; asyncrl's audit log,
+``trained.jsonl``, names its groups) and a seed's ``prompts_shared`` says how alike they
+were (``shared_prompts``).
 
 ``--truncated-reward R`` gives a reply cut off at ``--max-new-tokens`` the reward ``R``
 on both sides, and in scoring, unscored (DAPO's overlong punishment): without it, a
@@ -364,7 +367,8 @@ def asyncrl_flags(spec: dict[str, Any]) -> list[str]:
             "--clip-grad", "1.0", "--weight-decay", "0", "--trainer.lr-schedule", "constant",
             "--lr-warmup-iters", "0", *DTYPE_FLAGS[spec.get("dtype", "float32")],
             "--trainer.seed", seed, "--rollout-seed", seed,
-            "--buffer.max-staleness", str(spec["eta"]), *truncated_flags(spec)]  # fmt: skip
+            "--buffer.max-staleness", str(spec["eta"]), "--train.audit-log", "true",
+            *truncated_flags(spec)]  # fmt: skip
 
 
 def truncated_flags(spec: dict[str, Any]) -> list[str]:
@@ -396,8 +400,9 @@ def render(prompt: Any, tokenizer: Any, chat: bool) -> str:
 
 
 def trl_dataset(spec: dict[str, Any], tokenizer: Any) -> Any:
-    """``prompt`` and ``label`` columns of the task's training data. Chat prompts stay
-    messages (TRL renders them with the same template); checked to give asyncrl's ids."""
+    """``prompt`` and ``label`` columns of the task's training data, and ``row``, each one's
+    row in the file (recorded by ``TaskReward``). Chat prompts stay messages (TRL renders
+    them with the same template); checked to give asyncrl's ids."""
     from datasets import Dataset
 
     rows = read_jsonl(Path(spec["train"]))
@@ -405,11 +410,12 @@ def trl_dataset(spec: dict[str, Any], tokenizer: Any) -> Any:
         text = render(row["prompt"], tokenizer, spec["chat"])
         if tokenizer(text)["input_ids"] != tokenizer(text, add_special_tokens=False)["input_ids"]:
             raise SystemExit(f"the tokenizer adds special tokens to {text!r}")
+    order = list(range(len(rows)))
     if spec.get("prompt_order") == "shared":
-        rows = [rows[i] for i in asyncrl_order(spec, tokenizer)]
-    return Dataset.from_dict(
-        {"prompt": [r["prompt"] for r in rows], "label": [r["label"] for r in rows]}
-    )
+        order = asyncrl_order(spec, tokenizer)
+    rows = [rows[i] for i in order]
+    return Dataset.from_dict({"prompt": [r["prompt"] for r in rows],
+                              "label": [r["label"] for r in rows], "row": order})  # fmt: skip
 
 
 def trl_prompts(spec: dict[str, Any]) -> int:
@@ -430,7 +436,13 @@ def asyncrl_order(spec: dict[str, Any], tokenizer: Any) -> list[int]:
     count = trl_prompts(spec)
     data = data.model_copy(update={"num_epochs": count, "num_rollouts": None})
     source = PromptSource.open(data, tokenizer if data.max_prompt_length else None)
-    return [int(p.prompt_id.rpartition(":")[2]) for p in source.take(count)]
+    return [row_of(p.prompt_id) for p in source.take(count)]
+
+
+def row_of(prompt_id: str) -> int:
+    """The training file's row (0-based) of an asyncrl prompt id or group uid:
+    ``NAME:ROW`` or ``NAME:ROW@N``."""
+    return int(prompt_id.split("@")[0].rpartition(":")[2])
 
 
 def matches(kind: str, text: str, label: str) -> bool:
@@ -451,8 +463,8 @@ def task_score(kind: str, text: str, label: str, cut_off: bool, truncated: float
 
 class TaskReward:
     """asyncrl's reward of the task for TRL; records each call's samples, completion
-    tokens, mean reward and the share of replies cut off at the budget (``budget`` tokens
-    without an end token among ``stops``)."""
+    tokens, mean reward, the share of replies cut off at the budget (``budget`` tokens
+    without an end token among ``stops``) and the training file's rows it scored."""
 
     def __init__(
         self,
@@ -474,6 +486,7 @@ class TaskReward:
         completions: list[Any],
         completion_ids: list[list[int]],
         label: list[str],
+        row: list[int] | None = None,
         **_: Any,
     ) -> list[float]:
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
@@ -484,6 +497,8 @@ class TaskReward:
         self.calls.append({"samples": len(scores), "tokens": sum(map(len, completion_ids)),
                            "reward": statistics.fmean(scores), "truncated": cut,
                            "scored_at": time.time()})  # fmt: skip  # generation's end
+        if row is not None:
+            self.calls[-1]["rows"] = list(dict.fromkeys(row))  # one a group
         return scores
 
 
@@ -679,8 +694,9 @@ def run_differences(kept: dict[str, Any], spec: dict[str, Any]) -> list[str]:
 
 
 def asyncrl_timeline(out: Path, groups: int, samples: int) -> dict[str, Any]:
-    """Steps from ``metrics.jsonl`` (trained samples: the groups not dropped as failed)
-    and checkpoints ``checkpoints/trainer/step_N/policy`` (each at its step's end; save
+    """Steps from ``metrics.jsonl`` (trained samples: the groups not dropped as failed;
+    the training file's rows of its groups from ``trained.jsonl``, the audit log) and
+    checkpoints ``checkpoints/trainer/step_N/policy`` (each at its step's end; save
     seconds from the files' modification times)."""
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "step" in r and "num_tokens" in r]
     steps = [{"step": int(r["step"]), "time": float(r["time"]),
@@ -689,6 +705,12 @@ def asyncrl_timeline(out: Path, groups: int, samples: int) -> dict[str, Any]:
               "truncated": r.get("response/truncated"), "train_s": r.get("time/step"),
               "wait_s": r.get("time/wait_data"), "publish_s": r.get("time/publish")}
              for r in rows]  # fmt: skip
+    # the audit's "version" is the step it trained, counted from 1 as metrics.jsonl's
+    trained = {int(r["version"]): [row_of(g) for g in r["groups"]]
+               for r in read_jsonl(out / "trained.jsonl") if r.get("trained")}  # fmt: skip
+    for step in steps:
+        if step["step"] in trained:
+            step["rows"] = trained[step["step"]]
     at = {s["step"]: s["time"] for s in steps}
     checkpoints = []
     for path in sorted((out / "checkpoints" / "trainer").glob("step_*")):
@@ -733,6 +755,23 @@ def trl_phases(steps: list[dict[str, Any]], saves: dict[int, float]) -> list[dic
             phase["generate_s"] = step["scored_at"] - begun
         out.append(step | phase)
     return out
+
+
+def shared_prompts(steps: dict[str, list[dict[str, Any]]]) -> dict[str, float] | None:
+    """How alike the two sides' prompts were, from each step's training-file ``rows``:
+    ``per_step``, the mean over TRL's steps of the share of its groups asyncrl trained at
+    the same step; ``run``, the share of TRL's groups asyncrl trained at any step. None
+    where a side recorded no rows (runs kept from before 2026-12-02)."""
+    rows = {fw: {s["step"]: s["rows"] for s in steps.get(fw, []) if s.get("rows")}
+            for fw in FRAMEWORKS}  # fmt: skip
+    a, t = rows["asyncrl"], rows["trl"]
+    if not (a and t):
+        return None
+    per_step = [len(set(a.get(step, ())) & set(groups)) / len(groups) for step, groups in t.items()]
+    anywhere = set().union(*a.values())
+    every = [row for groups in t.values() for row in groups]
+    return {"per_step": statistics.fmean(per_step),
+            "run": sum(row in anywhere for row in every) / len(every)}  # fmt: skip
 
 
 def relative(step: dict[str, Any], t0: float) -> dict[str, Any]:
@@ -1343,6 +1382,7 @@ class SeedScoring:
     partial: Path
     scored: int
     rows: str  # what is scored, said when the scoring starts
+    prompts_shared: dict[str, float] | None = None  # shared_prompts
     lent_start: float | None = None
     start: float | None = None
 
@@ -1396,12 +1436,17 @@ def train_seed(
     )
     stamps = {fw: clock["t0"] for fw, (_, clock) in timelines.items()}
     folder = Path(spec["out"]).parent
+    shared = shared_prompts({fw: timeline["steps"] for fw, (timeline, _) in timelines.items()})
+    if shared:
+        print(f"{size} seed {seed}: TRL's groups asyncrl trained: {shared['per_step']:.0%} "
+              f"at the same step, {shared['run']:.0%} in the run", flush=True)  # fmt: skip
     return SeedScoring(
         seed=seed, key=key, runs=runs, timelines=timelines, sides=sides,
         evaluator=ScoreCache(folder / "scores.json", key, scorer, stamps),
         start_path=model["path"], partial=folder / "partial_result.json",
         scored=len(rows) * spec["eval_samples"], rows=f"{len(rows)} test rows ({args.evaluator})",
         lent_start=reuse["start"] if reuse else None,
+        prompts_shared=shared,
     )  # fmt: skip
 
 
@@ -1432,7 +1477,8 @@ def keep_partial(size: str, s: SeedScoring) -> None:
     comparison = compare(size, so_far, s.start, s.scored)
     comparison.pop("targets", None)
     result = {"seed": s.seed, "start_accuracy": s.start, "scored": s.scored, "partial": True,
-              "frameworks": so_far, "comparison": comparison}  # fmt: skip
+              "frameworks": so_far, "comparison": comparison,
+              "prompts_shared": s.prompts_shared}  # fmt: skip
     write_json(s.partial, {"key": s.key, "trained": s.evaluator.trained, "result": result})
 
 
@@ -1446,7 +1492,8 @@ def finish_seed(size: str, s: SeedScoring) -> dict[str, Any]:
         s.runs[fw]["best_accuracy"] = max(p["accuracy"] for p in s.runs[fw]["curve"][1:])
     comparison = compare(size, s.runs, s.start, s.scored)
     return {"seed": s.seed, "start_accuracy": s.start, "scored": s.scored,
-            "frameworks": s.runs, "comparison": comparison}  # fmt: skip
+            "frameworks": s.runs, "comparison": comparison,
+            "prompts_shared": s.prompts_shared}  # fmt: skip
 
 
 def run_size(args: argparse.Namespace, size: str) -> dict[str, Any]:

@@ -86,6 +86,20 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
             assert times == sorted(times) and times[1] >= run["first_step_s"] > 0
         ratio = seed["frameworks"]["asyncrl"]["samples/s"] / seed["frameworks"]["trl"]["samples/s"]
         assert seed["comparison"]["samples/s"] == pytest.approx(ratio)
+    # TRL trained asyncrl's draws in order, 2 groups a step; asyncrl's audit log gave its own.
+    from transformers import AutoTokenizer
+
+    for seed in result["seeds"]:
+        folder = tmp_path / "runs" / "0.5m" / f"seed_{seed['seed']}"
+        spec = json.loads((folder / "trl.spec.json").read_text())
+        order = vs_trl.asyncrl_order(spec, AutoTokenizer.from_pretrained(spec["model"]))
+        trl_rows = [s["rows"] for s in seed["frameworks"]["trl"]["timeline"]]
+        assert trl_rows == [order[i : i + 2] for i in range(0, 6, 2)]
+        asyncrl_rows = [s["rows"] for s in seed["frameworks"]["asyncrl"]["timeline"]]
+        assert [len(set(rows)) for rows in asyncrl_rows] == [2, 2, 2]
+        shared = vs_trl.shared_prompts({fw: seed["frameworks"][fw]["timeline"]
+                                        for fw in vs_trl.FRAMEWORKS})  # fmt: skip
+        assert seed["prompts_shared"] == shared and 0 <= shared["per_step"] <= shared["run"] <= 1
     # Each finished run kept its weights, not its optimizer, scheduler or RNG states.
     runs = tmp_path / "runs" / "0.5m"
     assert not list(runs.glob("seed_*/partial_result.json"))  # a finished seed's result.json
@@ -252,6 +266,20 @@ def test_trl_takes_the_prompts_in_the_order_asyncrls_job_draws_them(tmp_path: Pa
                           "trl", 5)  # fmt: skip
     assert "prompt_order" not in own
     assert vs_trl.trl_config(own | {"out": str(tmp_path / "own")}).shuffle_dataset
+
+
+def test_shared_prompts_are_trls_groups_asyncrl_trained_at_its_step_and_in_the_run() -> None:
+    def steps(rows: dict[int, list[int]]) -> list[dict]:
+        return [{"step": step, "rows": groups} for step, groups in rows.items()]
+
+    trl = steps({1: [1, 2], 2: [3, 4]})
+    asyncrl = steps({1: [1, 5], 2: [2, 3]})  # 2 trained a step late, 4 never
+    shared = vs_trl.shared_prompts({"asyncrl": asyncrl, "trl": trl})
+    assert shared == {"per_step": 0.5, "run": 0.75}
+    assert vs_trl.shared_prompts({"asyncrl": asyncrl, "trl": [{"step": 1}]}) is None  # kept
+    reward = vs_trl.TaskReward("numeric")
+    reward(["p"] * 4, ["The answer is 1."] * 4, [[5]] * 4, ["1", "1", "2", "2"], row=[7, 7, 9, 9])
+    assert reward.calls[-1]["rows"] == [7, 9] and reward.calls[-1]["reward"] == 0.5
 
 
 def test_a_truncated_reward_reaches_both_sides_and_the_scoring_and_is_keyed() -> None:
