@@ -442,7 +442,7 @@ def asyncrl_order(spec: dict[str, Any], tokenizer: Any) -> list[int]:
 def row_of(prompt_id: str) -> int:
     """The training file's row (0-based) of an asyncrl prompt id or group uid:
     ``NAME:ROW`` or ``NAME:ROW@N``."""
-    return int(prompt_id.split("@")[0].rpartition(":")[2])
+    return int(prompt_id.rpartition(":")[2].partition("@")[0])
 
 
 def matches(kind: str, text: str, label: str) -> bool:
@@ -472,10 +472,12 @@ class TaskReward:
         budget: int = 0,
         stops: frozenset[int] = frozenset(),
         truncated: float | None = None,
+        samples: int = 1,
     ) -> None:
         self.kind, self.__name__ = kind, kind
         self.budget, self.stops, self.truncated = budget, stops, truncated
-        self.calls: list[dict[str, float]] = []
+        self.samples = samples  # a group's, consecutive in TRL's batch
+        self.calls: list[dict[str, Any]] = []
 
     def _cut_off(self, ids: list[int]) -> bool:
         return len(ids) >= self.budget and not (ids and ids[-1] in self.stops)
@@ -498,7 +500,7 @@ class TaskReward:
                            "reward": statistics.fmean(scores), "truncated": cut,
                            "scored_at": time.time()})  # fmt: skip  # generation's end
         if row is not None:
-            self.calls[-1]["rows"] = list(dict.fromkeys(row))  # one a group
+            self.calls[-1]["rows"] = row[:: self.samples]  # one a group
         return scores
 
 
@@ -558,7 +560,8 @@ def run_trl(spec: dict[str, Any]) -> None:
     # TRL stops on the tokenizer's end token and the generation config's: either ends a reply.
     stops = frozenset(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
     stops -= {None}
-    reward = TaskReward(spec["reward"], spec["max_new_tokens"], stops, spec.get("truncated_reward"))
+    reward = TaskReward(spec["reward"], spec["max_new_tokens"], stops,
+                        spec.get("truncated_reward"), spec["samples"])  # fmt: skip
     clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_config(spec),
                           train_dataset=trl_dataset(spec, tokenizer),
@@ -695,7 +698,7 @@ def run_differences(kept: dict[str, Any], spec: dict[str, Any]) -> list[str]:
 
 def asyncrl_timeline(out: Path, groups: int, samples: int) -> dict[str, Any]:
     """Steps from ``metrics.jsonl`` (trained samples: the groups not dropped as failed;
-    the training file's rows of its groups from ``trained.jsonl``, the audit log) and
+    the training file's rows of its batch's groups from ``trained.jsonl``, the audit log) and
     checkpoints ``checkpoints/trainer/step_N/policy`` (each at its step's end; save
     seconds from the files' modification times)."""
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "step" in r and "num_tokens" in r]
@@ -706,11 +709,11 @@ def asyncrl_timeline(out: Path, groups: int, samples: int) -> dict[str, Any]:
               "wait_s": r.get("time/wait_data"), "publish_s": r.get("time/publish")}
              for r in rows]  # fmt: skip
     # the audit's "version" is the step it trained, counted from 1 as metrics.jsonl's
-    trained = {int(r["version"]): [row_of(g) for g in r["groups"]]
+    batched = {int(r["version"]): [row_of(g) for g in r["groups"]]
                for r in read_jsonl(out / "trained.jsonl") if r.get("trained")}  # fmt: skip
     for step in steps:
-        if step["step"] in trained:
-            step["rows"] = trained[step["step"]]
+        if step["step"] in batched:
+            step["rows"] = batched[step["step"]]
     at = {s["step"]: s["time"] for s in steps}
     checkpoints = []
     for path in sorted((out / "checkpoints" / "trainer").glob("step_*")):
@@ -759,9 +762,10 @@ def trl_phases(steps: list[dict[str, Any]], saves: dict[int, float]) -> list[dic
 
 def shared_prompts(steps: dict[str, list[dict[str, Any]]]) -> dict[str, float] | None:
     """How alike the two sides' prompts were, from each step's training-file ``rows``:
-    ``per_step``, the mean over TRL's steps of the share of its groups asyncrl trained at
-    the same step; ``run``, the share of TRL's groups asyncrl trained at any step. None
-    where a side recorded no rows (runs kept from before 2026-12-02)."""
+    ``per_step``, the mean over TRL's steps of the share of its groups asyncrl batched at
+    the same step; ``run``, the share of TRL's groups asyncrl batched at any step (a group
+    whose samples all failed is batched, not trained: rare). None where a side recorded
+    no rows (a run trained before this was recorded: ``--fresh`` trains it again)."""
     rows = {fw: {s["step"]: s["rows"] for s in steps.get(fw, []) if s.get("rows")}
             for fw in FRAMEWORKS}  # fmt: skip
     a, t = rows["asyncrl"], rows["trl"]
@@ -1436,7 +1440,7 @@ def train_seed(
     )
     stamps = {fw: clock["t0"] for fw, (_, clock) in timelines.items()}
     folder = Path(spec["out"]).parent
-    shared = shared_prompts({fw: timeline["steps"] for fw, (timeline, _) in timelines.items()})
+    shared = shared_prompts({fw: run["timeline"] for fw, run in runs.items()})  # a lent one too
     if shared:
         print(f"{size} seed {seed}: TRL's groups asyncrl trained: {shared['per_step']:.0%} "
               f"at the same step, {shared['run']:.0%} in the run", flush=True)  # fmt: skip

@@ -155,6 +155,7 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
     assert {k: v for k, v in trl.items() if k not in derived} == lent  # figures, curve as kept
     assert seed["start_accuracy"] == kept["start_accuracy"]
     assert seed["frameworks"]["asyncrl"]["steps"] == 3
+    assert seed["prompts_shared"] is not None  # from the lent TRL run's recorded rows
     buffer = (tmp_path / "variant/0.5m/seed_3/asyncrl/metrics/buffer.jsonl").read_text()
     assert json.loads(buffer.splitlines()[-1])["buffer.filtered.first_group"] >= 1
 
@@ -277,9 +278,11 @@ def test_shared_prompts_are_trls_groups_asyncrl_trained_at_its_step_and_in_the_r
     shared = vs_trl.shared_prompts({"asyncrl": asyncrl, "trl": trl})
     assert shared == {"per_step": 0.5, "run": 0.75}
     assert vs_trl.shared_prompts({"asyncrl": asyncrl, "trl": [{"step": 1}]}) is None  # kept
-    reward = vs_trl.TaskReward("numeric")
-    reward(["p"] * 4, ["The answer is 1."] * 4, [[5]] * 4, ["1", "1", "2", "2"], row=[7, 7, 9, 9])
-    assert reward.calls[-1]["rows"] == [7, 9] and reward.calls[-1]["reward"] == 0.5
+    reward = vs_trl.TaskReward("numeric", samples=2)
+    reward(["p"] * 6, ["The answer is 1."] * 6, [[5]] * 6, ["1", "1", "2", "2", "1", "1"],
+           row=[7, 7, 9, 9, 7, 7])  # fmt: skip  # row 7 twice: a step across an epoch's end
+    assert reward.calls[-1]["rows"] == [7, 9, 7]
+    assert vs_trl.row_of("gsm8k@v2:5@0") == vs_trl.row_of("train:5") == 5  # "@" in a name
 
 
 def test_a_truncated_reward_reaches_both_sides_and_the_scoring_and_is_keyed() -> None:
