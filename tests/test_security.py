@@ -5,7 +5,6 @@ non-loopback bind needs them; a training job runs with every channel encrypted."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import socket
@@ -103,20 +102,22 @@ async def test_a_peer_without_the_job_key_can_neither_send_nor_receive(
     keys, endpoint: str, tmp_path: Path, curve: bool
 ):
     async with ReliableReceiver(endpoint, CODEC) as rx:
-        intruder = stranger(tmp_path, zmq.DEALER, curve)
-        intruder.connect(rx.endpoint)
         body, _ = CODEC.encode_parts(item(1))
-        env = framing.Request(v=WIRE_VERSION, id=1, nbuf=0, body=msgspec.Raw(body))
+        frame = framing.pack(framing.Request(v=WIRE_VERSION, id=1, nbuf=0, body=msgspec.Raw(body)))
         queued = 0
-        # Never blocks: its pipe is gone while each refused handshake is handled, and back
-        # at the next reconnect, so it tries until one is queued.
+        # connect() attaches the DEALER's pipe at once, so a send right after it queues;
+        # a refused handshake can leave the socket without a pipe for good (no send queued
+        # in 3 s after one, measured), so a try that lost that race takes a new socket.
         async with asyncio.timeout(10):
             while not queued:
-                for _ in range(20):
-                    with contextlib.suppress(zmq.Again):
-                        await intruder.send(framing.pack(env), flags=zmq.NOBLOCK)
-                        queued += 1
-                await asyncio.sleep(0.01)
+                intruder = stranger(tmp_path, zmq.DEALER, curve)
+                intruder.connect(rx.endpoint)
+                try:
+                    await intruder.send(frame, flags=zmq.NOBLOCK)
+                    queued += 1
+                except zmq.Again:
+                    intruder.close()
+                    await asyncio.sleep(0.01)
         assert queued > 0  # sent on its way: the receiver's silence is the refusal
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(1.0):

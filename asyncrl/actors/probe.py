@@ -63,6 +63,11 @@ class ProbeActor(Actor):
         self.rollouts = self.config.rollouts
         self.counters = {"work": 0, "results": 0, "batches": 0, "weights": 0, "blob_bytes": 0}
         self.done = False
+        if self.role != "buffer":
+            # Weights move as torch tensors. The first import takes seconds (more than the
+            # heartbeat timeout on a loaded machine) and holds the event loop, so it is
+            # done here, under the startup timeout, as the real actors do.
+            import torch  # noqa: F401
         await getattr(self, f"_setup_{self.role}")()
 
     async def run(self) -> None:
