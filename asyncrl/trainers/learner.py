@@ -28,13 +28,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from asyncrl.errors import NonFiniteTraining
 from asyncrl.trainers.base import NonFiniteStep
 from asyncrl.trainers.config import LoraConfig
+from asyncrl.trainers.direct_io import save_object, save_tensors
 from asyncrl.trainers.lora import Adapters
 from asyncrl.trainers.parallel import DataParallel
 
@@ -97,7 +98,7 @@ def write_hf_dir(
     config.save_pretrained(path)
     if generation is not None:
         generation.save_pretrained(path)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(tensors, path / "model.safetensors", metadata={"format": "pt"})
     share_files(path)
 
 
@@ -338,7 +339,7 @@ class SavedState:
         state.mkdir(parents=True, exist_ok=True)
         if self.adapters is not None:
             self.adapters.save(adapter or state / "adapter")
-        torch.save(self.optimizer, state / "optimizer.pt")
+        save_object(self.optimizer, state / "optimizer.pt")
         torch.save(self.schedule, state / "scheduler.pt")
 
 
