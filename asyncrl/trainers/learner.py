@@ -92,8 +92,8 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
 def write_hf_dir(
     path: Path, config: Any, tensors: dict[str, torch.Tensor], generation: Any = None
 ) -> None:
-    """``config.json`` (+ ``generation_config.json``) and one ``model.safetensors``,
-    readable by others (safetensors writes its file 0600)."""
+    """``config.json`` (+ ``generation_config.json``) and one ``model.safetensors``
+    (past the page cache: ``direct_io``), every file readable by others."""
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
     if generation is not None:
