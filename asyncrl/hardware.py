@@ -1,5 +1,6 @@
 """What this machine computes with, and what pays on it: its usable cores, whether its CPU
-does bf16 natively, and whether a model is wide enough for more threads or bf16 to pay.
+does bf16 natively, and whether a model is wide enough for more threads or bf16 to pay;
+and how its CPU time was spent (``cpu_times``: a VM's stolen time, for timed benches).
 
 A local job's defaults follow from these: the threads each torch process gets and the
 core loan (``job.py``), and ``dtype: auto`` (``low_precision_pays``); the start line
@@ -41,6 +42,36 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this platform
         return os.cpu_count() or 1
+
+
+#: ``/proc/stat``'s per-CPU time columns, in its order.
+CPU_COLUMNS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+CpuTimes = dict[str, int]
+
+
+def cpu_times(stat: Path = Path("/proc/stat")) -> CpuTimes | None:
+    """The whole machine's CPU time so far by kind, in clock ticks (``/proc/stat``'s
+    ``cpu`` line), or None where there is no such file."""
+    try:
+        with stat.open() as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    return dict(zip(CPU_COLUMNS, map(int, fields[1:]), strict=False))
+
+
+def cpu_shares(before: CpuTimes | None, after: CpuTimes | None) -> dict[str, float] | None:
+    """Each kind's share of the CPU time between two ``cpu_times`` readings:
+    ``share_k = (after_k - before_k) / sum_j (after_j - before_j)``. ``steal`` is the time
+    a virtual machine's cores waited for the host: a timed run beside a busy neighbour
+    shows it, where the guest's own load does not."""
+    if before is None or after is None:
+        return None
+    spent = {k: after[k] - before[k] for k in after if k in before}
+    total = sum(spent.values())
+    return {k: v / total for k, v in spent.items()} if total > 0 else None
 
 
 def available_memory(root: Path = Path("/")) -> int | None:

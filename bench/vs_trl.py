@@ -52,6 +52,9 @@ trains and is scored.
 
 Each run is a child process of this script (the same interpreter, started fresh), timed
 from just before it is launched, so start-up (imports, model load, actors) counts for both.
+The machine's CPU over each run is kept with its clock (``cpu_busy``; ``cpu_steal``, the
+share a virtual machine's host took): runs timed one after the other compare alike only
+where neither lost its cores to a neighbour.
 Both write a checkpoint every ``--save-every`` steps with weights, optimizer and scheduler
 (asyncrl's ``step_N/policy``, TRL's ``checkpoint-N``); the saves are inside the timed
 part on both sides, and their measured seconds are reported. Once a run has finished its
@@ -602,13 +605,13 @@ def launch(framework: str, spec: dict[str, Any], hold: int | None = None) -> dic
     if hold is not None:
         command += ["--hold", str(hold)]
     files = training_files(spec)  # what it trains from: a file edited meanwhile is caught
-    t0 = time.time()
+    t0, cpu0 = time.time(), hardware.cpu_times()
     rc = run_to_end(command, pass_fds=() if hold is None else (hold,))
-    end = time.time()
+    end, cpu1 = time.time(), hardware.cpu_times()
     if rc != 0:
         raise RuntimeError(f"{framework} run failed (exit {rc}): {out}")
     drop_training_state(out)
-    clock = {"t0": t0, "end": end, "commit": commit()}
+    clock = {"t0": t0, "end": end, "commit": commit(), "cpu": hardware.cpu_shares(cpu0, cpu1)}
     mark_trained(spec, clock, files)
     return clock
 
@@ -793,7 +796,7 @@ def figures(steps: list[dict[str, Any]], clock: dict[str, float]) -> dict[str, A
     keys = ("train_s", "wait_s", "publish_s", "generate_s")
     phases = {f"{k}_mean": statistics.fmean(v) for k in keys
               if (v := [s[k] for s in steady if s.get(k) is not None])}  # fmt: skip
-    return phases | {
+    run = {
         "steps": len(steps),
         "samples/s": sum(s["samples"] for s in steady) / span,
         "tokens/s": sum(s["tokens"] for s in steady) / span,
@@ -803,6 +806,17 @@ def figures(steps: list[dict[str, Any]], clock: dict[str, float]) -> dict[str, A
         "reward_first": rewards[0] if rewards else None,
         "reward_last": rewards[-1] if rewards else None,
     }
+    return phases | run | machine_shares(clock.get("cpu"))
+
+
+def machine_shares(cpu: dict[str, float] | None) -> dict[str, float]:
+    """The machine's CPU over a run: the share its cores were busy (user, nice, system)
+    and the share stolen by the host (a VM's neighbours). Runs compared one after the
+    other are only alike where both are: a kept run from before this was recorded has none."""
+    if not cpu:
+        return {}
+    busy = sum(cpu.get(k, 0.0) for k in ("user", "nice", "system"))
+    return {"cpu_busy": busy, "cpu_steal": cpu.get("steal", 0.0)}
 
 
 # -- held-out accuracy ----------------------------------------------------------------
@@ -1630,7 +1644,8 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     cols = [("samples/s", ".1f"), ("tokens/s", ".0f"), ("step_s", ".2f"),
             ("train_s_mean", ".2f"), ("generate_s_mean", ".2f"),
             ("first_step_s", ".1f"), ("wall_s", ".0f"), ("save_s", ".1f"),
-            ("best_accuracy", ".1%"), ("time_to_accuracy_s", ".0f")]  # fmt: skip
+            ("best_accuracy", ".1%"), ("time_to_accuracy_s", ".0f"),
+            ("cpu_steal", ".1%")]  # fmt: skip
     for size, res in results.items():
         print(f"\n{size}: {res['model']['params']:,} parameters")
         print(f"{'':<16}" + "".join(f"{c:>19}" for c, _ in cols))

@@ -77,6 +77,7 @@ def test_both_frameworks_train_every_seed_and_are_compared(tmp_path: Path) -> No
             assert run["steps"] == run["requested_steps"] == 3, fw  # each side really trained
             assert run["samples/s"] > 0 and run["tokens/s"] > 0 and run["step_s"] > 0
             assert run["train_s_mean"] > 0  # each step's training phase, timed on each side
+            assert 0 < run["cpu_busy"] <= 1 and 0 <= run["cpu_steal"] < 1  # the machine's CPU
             assert all(0 <= s["truncated"] <= 1 for s in run["timeline"])  # replies cut off
             assert ("generate_s_mean" in run) == (fw == "trl") == ("wait_s_mean" not in run)
             curve = run["curve"]

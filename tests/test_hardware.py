@@ -177,3 +177,20 @@ def test_available_memory_is_the_hosts_or_less_where_a_container_leaves_less(tmp
     assert hardware.available_memory(tmp_path) == 1024**3
     (tmp_path / "proc/meminfo").write_text("MemTotal: 8000000 kB\n")  # an old kernel
     assert hardware.available_memory(tmp_path) is None
+
+
+def test_cpu_shares_split_the_time_between_two_readings_by_kind(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n")
+    before = hardware.cpu_times(stat)
+    assert before == {"user": 100, "nice": 0, "system": 50, "idle": 800, "iowait": 10,
+                      "irq": 0, "softirq": 5, "steal": 35}  # fmt: skip
+    stat.write_text("cpu  250 0 100 850 10 0 5 85 0 0\n")  # 300 ticks: 150 user, 50 stolen
+    shares = hardware.cpu_shares(before, hardware.cpu_times(stat))
+    assert shares["user"] == pytest.approx(0.5) and shares["steal"] == pytest.approx(1 / 6)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert hardware.cpu_shares(before, before) is None  # no time between them
+    assert hardware.cpu_times(tmp_path / "absent") is None
+    assert hardware.cpu_shares(None, before) is None
+    real = hardware.cpu_times()
+    assert real is None or (set(real) == set(hardware.CPU_COLUMNS) and real["user"] > 0)
