@@ -12,7 +12,9 @@ trained at is kept and printed. A seed kept under other settings stops the sweep
 anything runs, unless ``--fresh`` (replace it); one sweep at a time holds ``--root``.
 Flags the config refuses (read as ``asyncrl train`` reads them) stop it before then too.
 Per seed: the eval set's ``--metric`` at each version, the gain (last version minus
-version 0), wall seconds, trained samples/s after the first step.
+version 0), wall seconds, trained samples/s after the first step, and the share of the
+machine's CPU its host took over the run (``cpu_steal``, on a VM: seeds timed one after
+another compare alike only where it stayed small).
 Across seeds, per version: mean, standard error ``stdev / sqrt(n)``, min and max; and how
 many seeds gained ``--target-gain`` or more. Writes ``ROOT/seeds.json`` and
 ``ROOT/seeds.png`` (each seed's curve and the mean). Exits 1 when a seed failed, with its
@@ -38,6 +40,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from asyncrl import hardware  # noqa: E402
 
 
 def command(args: argparse.Namespace, seed: int) -> list[str]:
@@ -121,7 +125,7 @@ def train(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         return record
     record_path.unlink(missing_ok=True)  # the folder is about to hold another run
     print(f"seed {seed}: $ asyncrl {' '.join(cmd[3:])}", flush=True)
-    start = time.time()
+    start, cpu0 = time.time(), hardware.cpu_times()
     log = args.root / f"seed_{seed}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     # The job stops when the sweep dies (a kill -9 of it included).
@@ -129,7 +133,8 @@ def train(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     with log.open("w") as sink:
         rc = run_to_end(tied, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)
     record = {"seed": seed, **want, "commit": commit(), "rc": rc, "start": start,
-              "wall_s": time.time() - start}  # fmt: skip
+              "wall_s": time.time() - start,
+              "cpu": hardware.cpu_shares(cpu0, hardware.cpu_times())}  # fmt: skip
     if rc:
         record["reason"] = log.read_text().strip().splitlines()[-5:]
     if out.is_dir():
@@ -222,6 +227,7 @@ def read_seed(
                          "row in metrics.jsonl")  # fmt: skip
     return {"seed": record["seed"], "commit": record.get("commit"),
             "wall_s": record["wall_s"], "steps": len(steps),
+            "cpu_steal": (record.get("cpu") or {}).get("steal"),
             "samples/s": trained / span if span > 0 else None,
             "tokens/s": tokens / span if span > 0 else None,
             "time_to_threshold_s": None if reached is None else ends.get(reached, 0.0),  # v0: 0
@@ -243,7 +249,7 @@ def summarize(seeds: list[dict[str, Any]], target_gain: float | None) -> dict[st
     out: dict[str, Any] = {
         "versions": {v: mean_se([s["curve"][v] for s in seeds]) for v in sorted(common)},
     }
-    for key in ("gain", "wall_s", "samples/s", "tokens/s", "time_to_threshold_s"):
+    for key in ("gain", "wall_s", "samples/s", "tokens/s", "time_to_threshold_s", "cpu_steal"):
         values = [s[key] for s in seeds if s.get(key) is not None]
         out[key] = mean_se(values) if values else None
     if out["time_to_threshold_s"] is not None:  # a mean over the seeds that got there
@@ -257,12 +263,12 @@ def summarize(seeds: list[dict[str, Any]], target_gain: float | None) -> dict[st
 def print_report(seeds: list[dict[str, Any]], summary: dict[str, Any], metric: str) -> None:
     versions = list(summary["versions"])
     cols = (("gain", "+.1%"), ("wall_s", ".0f"), ("samples/s", ".2f"), ("tokens/s", ".1f"),
-            ("time_to_threshold_s", ".0f"))  # fmt: skip
-    heads = ("gain", "wall s", "samples/s", "tokens/s", "to thr. s")
+            ("time_to_threshold_s", ".0f"), ("cpu_steal", ".1%"))  # fmt: skip
+    heads = ("gain", "wall s", "samples/s", "tokens/s", "to thr. s", "steal")
     print(f"\n{metric} per weight version" + "".join(f"{'v' + str(v):>9}" for v in versions)
           + "".join(f"{h:>11}" for h in heads))  # fmt: skip
     for s in seeds:
-        cells = ["-" if s[k] is None else format(s[k], f) for k, f in cols]
+        cells = ["-" if s.get(k) is None else format(s[k], f) for k, f in cols]
         print(f"{'seed ' + str(s['seed']):<22}"
               + "".join(f"{s['curve'].get(v, math.nan):>9.1%}" for v in versions)
               + "".join(f"{c:>11}" for c in cells))  # fmt: skip
@@ -275,7 +281,8 @@ def print_report(seeds: list[dict[str, Any]], summary: dict[str, Any], metric: s
     for key, f in cols[1:]:
         if stats := summary[key]:
             over = f"{stats['n']} of {stats['of']}" if "of" in stats else str(stats["n"])
-            print(f"{key}: {stats['mean']:{f}}{pm(stats['se'])} over {over} seeds")
+            scale = 100 if f.endswith("%") else 1  # a share's s.e. in points
+            print(f"{key}: {stats['mean']:{f}}{pm(stats['se'], scale)} over {over} seeds")
     if len(commits := sorted({str(s["commit"]) for s in seeds})) > 1:
         print(f"note: the seeds trained at {len(commits)} commits: {', '.join(commits)}")
     if "target" in summary:

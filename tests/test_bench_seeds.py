@@ -59,6 +59,7 @@ def test_each_seed_trains_its_own_run_and_a_rerun_reuses_them(tmp_path: Path) ->
         assert json.loads((run / "config.json").read_text())["seed"] == s["seed"]
         assert list(s["curve"]) == ["0", "2"] and s["steps"] == 2
         assert not (run / "checkpoints").exists()  # removed once the seed finished
+        assert 0 <= s["cpu_steal"] < 1  # the share of the machine its host took, kept
     curves = [s["curve"]["2"] for s in payload["seeds"]]
     assert payload["summary"]["versions"]["2"]["mean"] == pytest.approx(statistics.fmean(curves))
     assert payload["summary"]["target"]["met"] == 2
