@@ -811,8 +811,8 @@ def figures(steps: list[dict[str, Any]], clock: dict[str, float]) -> dict[str, A
 
 def machine_shares(cpu: dict[str, float] | None) -> dict[str, float]:
     """The machine's CPU over a run: the share its cores were busy (user, nice, system)
-    and the share stolen by the host (a VM's neighbours). Runs compared one after the
-    other are only alike where both are: a kept run from before this was recorded has none."""
+    and the share the host took (a VM's neighbours). None for a run kept from before it
+    was recorded."""
     if not cpu:
         return {}
     busy = sum(cpu.get(k, 0.0) for k in ("user", "nice", "system"))
