@@ -811,7 +811,7 @@ def figures(steps: list[dict[str, Any]], clock: dict[str, float]) -> dict[str, A
 
 def machine_shares(cpu: dict[str, float] | None) -> dict[str, float]:
     """The machine's CPU over a run: the share its cores were busy (user, nice, system)
-    and the share the host took (a VM's neighbours). None for a run kept from before it
+    and the share the host took (a VM's neighbours); empty for a run kept from before it
     was recorded."""
     if not cpu:
         return {}
