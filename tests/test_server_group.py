@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 from collections.abc import Iterator
 
 import pytest
+import torch.distributed as dist
 
 from asyncrl.engines.client.sglang import SGLangClient
 from asyncrl.errors import InputError
 from asyncrl.rollout.server_group import ServerGroup, server_buckets
 from asyncrl.weights.config import GroupConfig
-from asyncrl.weights.group import GroupMembership
+from asyncrl.weights.group import GroupMembership, claim_rank
 from asyncrl.wire.blob import layout
 from asyncrl.wire.sockets import free_tcp_endpoint, release_endpoints
 from tests.test_sglang_client import FAST, Fake, serving
@@ -97,6 +99,33 @@ async def test_an_id_the_trainer_gave_up_on_is_not_joined():
             group.notice(fresh, formed=False)
             await group._joining
             await group.aclose()
+    assert [b["group_name"] for b in fake.bodies("/init_weights_update_group")] == [
+        f"asyncrl-weights-{fresh}"
+    ]
+
+
+async def test_an_id_a_predecessor_began_joining_is_not_joined_and_rank_0_gives_it_up():
+    """The actor died while its engine was joining (and the engine with it): gloo holds
+    the dead engine's address at this rank, so its successor's engine would wait on it
+    with rank 0, generation stopped, past both timeouts. The successor asks for the next
+    id instead, and rank 0, told so, forms it at its next version."""
+    async with serving(Fake()) as fake, SGLangClient(fake.url, config=FAST) as client:
+        with rank_zero(world_size=2, join_timeout_s=15.0) as trainer:
+            host, port = trainer.address
+            doomed = forming(trainer)
+            store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=5))
+            assert claim_rank(store, doomed, 1)  # the predecessor's claim
+            group = ServerGroup(trainer.cfg, rank=1, address=f"{host}:{port}", client=client)
+            assert await group.for_version(doomed, formed=False) is None
+            await group._joining
+            assert fake.bodies("/init_weights_update_group") == []
+            doomed_forming = trainer._forming
+            fresh = forming(trainer)  # the next version: the stale id is given up
+            assert fresh != doomed and doomed_forming is not None and not doomed_forming.done()
+            group.notice(fresh, formed=False)
+            await group._joining
+            await group.aclose()
+            doomed_forming.exception(timeout=60)
     assert [b["group_name"] for b in fake.bodies("/init_weights_update_group")] == [
         f"asyncrl-weights-{fresh}"
     ]

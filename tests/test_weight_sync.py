@@ -5,15 +5,20 @@ member, and re-forming with a replacement or a restarted trainer."""
 from __future__ import annotations
 
 import asyncio
+import datetime
+import multiprocessing
 import os
+import signal
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch
+import torch.distributed as dist
 
 from asyncrl.weights.config import GroupConfig
-from asyncrl.weights.group import GroupMembership
+from asyncrl.weights.group import CLAIM_KEY, GroupMembership, split_address
 from asyncrl.weights.sync import WeightPublisher, WeightReceiver, disk_path
 from asyncrl.wire.blob import BlobServer
 from asyncrl.wire.codec import Codec
@@ -364,6 +369,78 @@ async def test_a_restarted_trainer_forms_a_new_group_with_the_same_members(tmp_p
         incarnation = formed.group.rpartition("-")[0]
         assert again.group.rpartition("-")[0] != incarnation  # its own ids
         assert all(rx.counts["broadcast"] >= 2 for rx in rig.receivers.values())
+
+
+#: Long enough that nothing below waits it out by chance.
+SLOW_JOIN = GroupConfig(world_size=3, timeout_s=20, join_timeout_s=30)
+
+
+def _join_forever(address: str, group_id: str) -> None:
+    """A member process that starts joining ``group_id`` at rank 1 and waits in it."""
+    GroupMembership(SLOW_JOIN, rank=1, address=address).notice(group_id, formed=False)
+    time.sleep(600)
+
+
+def _claimed(address: str, group_id: str, rank: int) -> bool:
+    host, port = split_address(address)
+    store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=5))
+    return store.check([CLAIM_KEY.format(group_id=group_id, rank=rank)])
+
+
+async def test_a_member_killed_in_its_join_does_not_hold_the_group_or_its_successor():
+    """SIGKILL a member inside its join: gloo keeps the dead one's address at its rank.
+    Its restarted successor must not join that id (it waited on the dead socket with
+    rank 0, past both timeouts, and a server engine stopped generating meanwhile): it is
+    refused at once and marks the id stale, so rank 0 gives the id up at its next version,
+    before its own rendezvous ends, and the next id forms with the successor."""
+    address = free_tcp_endpoint().removeprefix("tcp://")
+    trainer = GroupMembership(SLOW_JOIN, rank=0, address=address)
+    trainer.open()
+    assert trainer.usable() is None
+    doomed, doomed_forming = trainer.id, trainer._forming
+    assert doomed_forming is not None
+    killed = multiprocessing.get_context("spawn").Process(
+        target=_join_forever, args=(address, doomed)
+    )
+    killed.start()
+    try:
+        for _ in range(600):  # its spawn start-up, then its claim
+            if _claimed(address, doomed, 1):
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # inside gloo's rendezvous now, waiting for rank 2
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.join()
+        successor = GroupMembership(SLOW_JOIN, rank=1, address=address)
+        successor.notice(doomed, formed=False)
+        refused = successor._forming
+        assert refused is not None
+        with pytest.raises(RuntimeError, match="taken by an earlier join"):
+            refused.result(timeout=10)
+        assert trainer.usable() is None and trainer.id != doomed
+        assert not doomed_forming.done()  # given up on the mark, not on its timeout
+        fresh, other = trainer.id, GroupMembership(SLOW_JOIN, rank=2, address=address)
+        for member in (successor, other):
+            member.notice(fresh, formed=False)
+        group = None
+        for _ in range(int(SLOW_JOIN.join_timeout_s * 10)):
+            if (group := trainer.usable()) is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert group is not None and trainer.id == fresh, "the next id did not form"
+        groups = [await m.for_version(fresh, formed=True) for m in (successor, other)]
+        assert None not in groups
+        sent = [torch.arange(4.0), torch.zeros(4), torch.zeros(4)]
+        await asyncio.gather(*(asyncio.to_thread(g.broadcast, [t])
+                               for g, t in zip([group, *groups], sent, strict=True)))  # fmt: skip
+        assert all(torch.equal(t, sent[0]) for t in sent)
+        for g in (group, *groups):
+            g.abort()
+    finally:
+        if killed.is_alive():
+            killed.kill()
+        doomed_forming.exception(timeout=3 * SLOW_JOIN.join_timeout_s)  # no torch thread at exit
+        trainer.close()
 
 
 def test_dist_needs_rank_0_and_the_blob_server_and_a_host_port(tmp_path):

@@ -25,7 +25,7 @@ from asyncrl.engines.sglang_wire import WeightBucket
 from asyncrl.errors import InputError
 from asyncrl.observe.logs import get_logger
 from asyncrl.weights.buckets import manifest_buckets
-from asyncrl.weights.group import forming_id, group_name, split_address
+from asyncrl.weights.group import group_name, may_join, split_address
 
 if TYPE_CHECKING:
     from asyncrl.engines.client.sglang import SGLangClient
@@ -131,13 +131,14 @@ class ServerGroup:
         name = group_name(group_id)
         (url,) = (await self.client.weights.group_layout())[0]
         host, port = self.address
-        forming = await asyncio.to_thread(forming_id, host, port)
-        if forming != group_id:
-            log.info("weight group no longer forming; the engine joins the next", group=group_id,
-                     forming=forming)  # fmt: skip
+        refused = await asyncio.to_thread(may_join, host, port, group_id, self.rank)
+        if refused:
+            log.info("the engine joins the next weight group, not this one", group=group_id,
+                     reason=refused)  # fmt: skip
             if self.id == group_id:  # so that its formed announcement takes the engine out
                 self.id = ""
             return
+        log.info("engine joining the weight group", group=group_id, rank=self.rank)
         pending = await self.client.weights.init_weights_update_group(
             host,
             port,

@@ -17,6 +17,7 @@ import ipaddress
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 
@@ -44,6 +45,13 @@ DEFAULT_GROUP = "weight_update_group"
 #: Rank 0's store key naming the id it is forming now ("" between attempts): a server
 #: engine blocks while it joins, so its actor asks it to join only that id.
 FORMING_KEY = "asyncrl/forming"
+#: The store key a member sets before it joins an id at a rank (``claim_rank``).
+CLAIM_KEY = "asyncrl/claimed/{group_id}/{rank}"
+#: Set by a second joiner at a rank: rank 0 gives that id up at once (``usable``).
+STALE_KEY = "asyncrl/stale/{group_id}"
+#: Past its join timeout, rank 0 gives an id up even if gloo still waits: a connect
+#: phase follows the store phase, each with that timeout.
+FORM_GRACE_S = 10.0
 
 
 def group_name(group_id: str) -> str:
@@ -276,18 +284,36 @@ def _set_forming(keys: dist.Store | None, value: str, unless_not: str | None = N
         log.warning("could not name the weight group forming", error=_first_line(exc))
 
 
-def forming_id(host: str, port: int, timeout_s: float = 5.0) -> str | None:
-    """The id rank 0's store at ``host:port`` says it is forming ("" between attempts);
-    None when no store answers within ``timeout_s``. Blocking: run it in a thread."""
+def claim_rank(store: dist.Store, group_id: str, rank: int) -> bool:
+    """Take ``rank`` of group ``group_id`` for one join: True for its first taker only.
+
+    gloo's rendezvous keeps one address per rank. A member that died mid-join leaves its
+    own there, and a second joiner at that rank (its restarted actor) waited on the dead
+    one's socket, with rank 0, past both timeouts: a server engine stopped generating."""
+    token = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+    key = CLAIM_KEY.format(group_id=group_id, rank=rank)
+    if store.compare_set(key, "", token).decode() == token:
+        return True
+    store.set(STALE_KEY.format(group_id=group_id), f"rank {rank} joined twice")
+    return False
+
+
+def may_join(host: str, port: int, group_id: str, rank: int, timeout_s: float = 5.0) -> str:
+    """Whether a member may join ``group_id`` at ``rank`` now, as rank 0's store at
+    ``host:port`` says: "" when it may (the rank is then taken for it: ``claim_rank``),
+    else why not. Blocking: run it in a thread."""
     try:
         store = dist.TCPStore(
             host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s)
         )
-        if not store.check([FORMING_KEY]):
-            return ""
-        return store.get(FORMING_KEY).decode()
-    except (RuntimeError, OSError):  # torch raises DistNetworkError/DistStoreError
-        return None
+        forming = store.get(FORMING_KEY).decode() if store.check([FORMING_KEY]) else ""
+        if forming != group_id:
+            return f"no longer forming (forming: {forming!r})"
+        if not claim_rank(store, group_id, rank):
+            return f"rank {rank} was taken by an earlier join (a predecessor's)"
+        return ""
+    except (RuntimeError, OSError) as exc:  # torch raises DistNetworkError/DistStoreError
+        return f"rank 0's store did not answer: {_first_line(exc)}"
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -315,6 +341,7 @@ class GroupMembership:
         self.id = ""
         self.group: BroadcastGroup | None = None
         self._forming: Future[BroadcastGroup] | None = None
+        self._since = 0.0  # when the id forming began (monotonic)
         self._epoch = 0
         self._incarnation = os.urandom(3).hex()  # rank 0: its ids differ from a predecessor's
         self._store: dist.TCPStore | None = None
@@ -341,6 +368,9 @@ class GroupMembership:
         if self.group is not None:
             return self.group
         forming = self._forming
+        if forming is not None and not forming.done() and (why := self._hopeless()):
+            self._give_up(forming, why)
+            forming = None
         if forming is not None and forming.done():
             self._forming = None
             try:
@@ -358,6 +388,29 @@ class GroupMembership:
             self._epoch += 1
             self._start(f"{self._incarnation}-{self._epoch}")
         return None
+
+    def _hopeless(self) -> str:
+        """Why the id forming cannot form now ("" while it can): a rank joined it twice
+        (the first joiner died in it), or it outlasted its timeout."""
+        elapsed = time.monotonic() - self._since
+        if elapsed > self.cfg.join_timeout_s + FORM_GRACE_S:
+            return f"not formed after {elapsed:.0f}s"
+        try:
+            stale = self._keys is not None and self._keys.check(
+                [STALE_KEY.format(group_id=self.id)]
+            )
+        except (RuntimeError, OSError):  # the store is closing: nothing to give up
+            return ""
+        return "a rank joined it twice (its first joiner died in it)" if stale else ""
+
+    def _give_up(self, forming: Future[BroadcastGroup], why: str) -> None:
+        """Stop waiting for ``forming``; no member may start joining it, and should it
+        form after all, it is aborted at once."""
+        log.warning("weight group given up; versions go by pull meanwhile", group=self.id,
+                    reason=why)  # fmt: skip
+        _set_forming(self._keys, "", unless_not=self.id)
+        self._forming = None
+        forming.add_done_callback(_abort_formed)
 
     # -- ranks 1..N -----------------------------------------------------------------------
     def notice(self, group_id: str, formed: bool) -> None:
@@ -404,7 +457,7 @@ class GroupMembership:
     def _start(self, group_id: str) -> None:
         keys = self._keys  # rank 0's; None for a member
         _set_forming(keys, group_id)  # before the announcement that names it
-        self.id = group_id
+        self.id, self._since = group_id, time.monotonic()
         forming: Future[BroadcastGroup] = Future()
         self._forming = forming
 
@@ -423,10 +476,12 @@ class GroupMembership:
         threading.Thread(target=run, name=f"weight-group-{group_id}", daemon=True).start()
 
     def _form(self, group_id: str) -> BroadcastGroup:
-        store = self._store
-        if store is None:  # a member: a store client of its own per rendezvous
-            host, port = self.address
-            store = dist.TCPStore(host, port, None, False, timeout=self._join_timeout)
+        # A store client of its own per rendezvous: a client blocks while one thread
+        # waits on it, and a given-up rendezvous may still wait.
+        host, port = self.address
+        store = dist.TCPStore(host, port, None, False, timeout=self._join_timeout)
+        if self.rank and not claim_rank(store, group_id, self.rank):
+            raise RuntimeError(f"rank {self.rank} of {group_id} was taken by an earlier join")
         cfg = self.cfg
         return BroadcastGroup.form(
             store,
@@ -444,6 +499,12 @@ class GroupMembership:
         group, self.group = self.group, None
         if group is not None:
             group.abort()
+
+
+def _abort_formed(forming: Future[BroadcastGroup]) -> None:
+    """A given-up rendezvous that formed after all: its group would hold its members."""
+    if not forming.cancelled() and forming.exception() is None:
+        forming.result().abort()
 
 
 def _first_line(exc: BaseException) -> str:
