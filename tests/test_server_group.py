@@ -108,17 +108,21 @@ async def test_an_id_a_predecessor_began_joining_is_not_joined_and_rank_0_gives_
     """The actor died while its engine was joining (and the engine with it): gloo holds
     the dead engine's address at this rank, so its successor's engine would wait on it
     with rank 0, generation stopped, past both timeouts. The successor asks for the next
-    id instead, and rank 0, told so, forms it at its next version."""
+    id instead, no other rank starts joining the stale id, and rank 0, told so, forms the
+    next at its next version."""
     async with serving(Fake()) as fake, SGLangClient(fake.url, config=FAST) as client:
-        with rank_zero(world_size=2, join_timeout_s=15.0) as trainer:
+        with rank_zero(world_size=3, join_timeout_s=15.0) as trainer:
             host, port = trainer.address
             doomed = forming(trainer)
             store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=5))
-            assert claim_rank(store, doomed, 1)  # the predecessor's claim
-            group = ServerGroup(trainer.cfg, rank=1, address=f"{host}:{port}", client=client)
-            assert await group.for_version(doomed, formed=False) is None
-            await group._joining
+            assert claim_rank(store, doomed, 1) == ""  # the predecessor's claim
+            group, other = (ServerGroup(trainer.cfg, rank=r, address=f"{host}:{port}",
+                                        client=client) for r in (1, 2))  # fmt: skip
+            for member in (group, other):  # the successor, then another actor's engine
+                assert await member.for_version(doomed, formed=False) is None
+                await member._joining
             assert fake.bodies("/init_weights_update_group") == []
+            await other.aclose()
             doomed_forming = trainer._forming
             fresh = forming(trainer)  # the next version: the stale id is given up
             assert fresh != doomed and doomed_forming is not None and not doomed_forming.done()

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import signal
 import time
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import msgspec
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.weights.config import GroupConfig
-from asyncrl.weights.group import CLAIM_KEY, GroupMembership, split_address
+from asyncrl.weights.group import GroupMembership, group_name, split_address
 from asyncrl.weights.sync import WeightPublisher, WeightReceiver, disk_path
 from asyncrl.wire.blob import BlobServer
 from asyncrl.wire.codec import Codec
@@ -375,16 +376,21 @@ async def test_a_restarted_trainer_forms_a_new_group_with_the_same_members(tmp_p
 SLOW_JOIN = GroupConfig(world_size=3, timeout_s=20, join_timeout_s=30)
 
 
-def _join_forever(address: str, group_id: str) -> None:
-    """A member process that starts joining ``group_id`` at rank 1 and waits in it."""
-    GroupMembership(SLOW_JOIN, rank=1, address=address).notice(group_id, formed=False)
+def _join_when_told(address: str, ready: Event, ids: multiprocessing.Queue) -> None:
+    """A member process: says it has started, joins the id it is sent at rank 1, waits."""
+    member = GroupMembership(SLOW_JOIN, rank=1, address=address)
+    ready.set()
+    member.notice(ids.get(), formed=False)
     time.sleep(600)
 
 
-def _claimed(address: str, group_id: str, rank: int) -> bool:
+def _in_gloo(address: str, group_id: str, rank: int) -> bool:
+    """Rank ``rank`` has written its address into gloo's rendezvous for ``group_id``
+    (torch 2.13's keys under ``sglang_layout``)."""
     host, port = split_address(address)
     store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=5))
-    return store.check([CLAIM_KEY.format(group_id=group_id, rank=rank)])
+    name = group_name(group_id)
+    return store.check([f"{name}/{name}//cpu//0/{rank}"])
 
 
 async def test_a_member_killed_in_its_join_does_not_hold_the_group_or_its_successor():
@@ -394,22 +400,26 @@ async def test_a_member_killed_in_its_join_does_not_hold_the_group_or_its_succes
     refused at once and marks the id stale, so rank 0 gives the id up at its next version,
     before its own rendezvous ends, and the next id forms with the successor."""
     address = free_tcp_endpoint().removeprefix("tcp://")
+    ctx = multiprocessing.get_context("spawn")
+    ready, ids = ctx.Event(), ctx.Queue()
+    killed = ctx.Process(target=_join_when_told, args=(address, ready, ids))
+    killed.start()
     trainer = GroupMembership(SLOW_JOIN, rank=0, address=address)
     trainer.open()
-    assert trainer.usable() is None
-    doomed, doomed_forming = trainer.id, trainer._forming
-    assert doomed_forming is not None
-    killed = multiprocessing.get_context("spawn").Process(
-        target=_join_forever, args=(address, doomed)
-    )
-    killed.start()
+    doomed_forming = None
     try:
-        for _ in range(600):  # its spawn start-up, then its claim
-            if _claimed(address, doomed, 1):
+        # A spawned process starts slowly: rank 0's join timeout starts after it has.
+        assert await asyncio.to_thread(ready.wait, 120)
+        assert trainer.usable() is None
+        doomed, doomed_forming = trainer.id, trainer._forming
+        assert doomed_forming is not None
+        ids.put(doomed)
+        for _ in range(300):
+            if _in_gloo(address, doomed, 1):
                 break
             await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)  # inside gloo's rendezvous now, waiting for rank 2
-        os.kill(killed.pid, signal.SIGKILL)
+        assert _in_gloo(address, doomed, 1), "the member never reached gloo's rendezvous"
+        os.kill(killed.pid, signal.SIGKILL)  # inside the join, waiting for rank 2
         killed.join()
         successor = GroupMembership(SLOW_JOIN, rank=1, address=address)
         successor.notice(doomed, formed=False)
@@ -439,7 +449,8 @@ async def test_a_member_killed_in_its_join_does_not_hold_the_group_or_its_succes
     finally:
         if killed.is_alive():
             killed.kill()
-        doomed_forming.exception(timeout=3 * SLOW_JOIN.join_timeout_s)  # no torch thread at exit
+        if doomed_forming is not None:  # no torch thread at exit
+            doomed_forming.exception(timeout=3 * SLOW_JOIN.join_timeout_s)
         trainer.close()
 
 

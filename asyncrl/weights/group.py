@@ -49,8 +49,9 @@ FORMING_KEY = "asyncrl/forming"
 CLAIM_KEY = "asyncrl/claimed/{group_id}/{rank}"
 #: Set by a second joiner at a rank: rank 0 gives that id up at once (``usable``).
 STALE_KEY = "asyncrl/stale/{group_id}"
-#: Past its join timeout, rank 0 gives an id up even if gloo still waits: a connect
-#: phase follows the store phase, each with that timeout.
+#: Rank 0 gives an id up this long past its join timeout even if gloo still waits
+#: (gloo's store phase and its connect phase each have that timeout; the connections of
+#: ranks that arrived in time take well under a second).
 FORM_GRACE_S = 10.0
 
 
@@ -284,18 +285,25 @@ def _set_forming(keys: dist.Store | None, value: str, unless_not: str | None = N
         log.warning("could not name the weight group forming", error=_first_line(exc))
 
 
-def claim_rank(store: dist.Store, group_id: str, rank: int) -> bool:
-    """Take ``rank`` of group ``group_id`` for one join: True for its first taker only.
+def claim_rank(store: dist.Store, group_id: str, rank: int) -> str:
+    """Take ``rank`` of group ``group_id`` for one join: "" for its first taker only,
+    else why not.
 
     gloo's rendezvous keeps one address per rank. A member that died mid-join leaves its
     own there, and a second joiner at that rank (its restarted actor) waited on the dead
-    one's socket, with rank 0, past both timeouts: a server engine stopped generating."""
+    one's socket, with rank 0, past both timeouts: a server engine stopped generating.
+    The second claimant marks the id stale and unnames it, so that no other rank joins
+    it either; rank 0 gives it up at its next version (``GroupMembership.usable``)."""
+    stale = STALE_KEY.format(group_id=group_id)
+    if store.check([stale]):
+        return "a rank was joined twice (its first joiner died in it)"
     token = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
     key = CLAIM_KEY.format(group_id=group_id, rank=rank)
     if store.compare_set(key, "", token).decode() == token:
-        return True
-    store.set(STALE_KEY.format(group_id=group_id), f"rank {rank} joined twice")
-    return False
+        return ""
+    store.set(stale, f"rank {rank} joined twice")
+    store.compare_set(FORMING_KEY, group_id, "")
+    return f"rank {rank} was taken by an earlier join (a predecessor's)"
 
 
 def may_join(host: str, port: int, group_id: str, rank: int, timeout_s: float = 5.0) -> str:
@@ -309,9 +317,7 @@ def may_join(host: str, port: int, group_id: str, rank: int, timeout_s: float = 
         forming = store.get(FORMING_KEY).decode() if store.check([FORMING_KEY]) else ""
         if forming != group_id:
             return f"no longer forming (forming: {forming!r})"
-        if not claim_rank(store, group_id, rank):
-            return f"rank {rank} was taken by an earlier join (a predecessor's)"
-        return ""
+        return claim_rank(store, group_id, rank)
     except (RuntimeError, OSError) as exc:  # torch raises DistNetworkError/DistStoreError
         return f"rank 0's store did not answer: {_first_line(exc)}"
 
@@ -480,8 +486,8 @@ class GroupMembership:
         # waits on it, and a given-up rendezvous may still wait.
         host, port = self.address
         store = dist.TCPStore(host, port, None, False, timeout=self._join_timeout)
-        if self.rank and not claim_rank(store, group_id, self.rank):
-            raise RuntimeError(f"rank {self.rank} of {group_id} was taken by an earlier join")
+        if self.rank and (refused := claim_rank(store, group_id, self.rank)):
+            raise RuntimeError(f"not joining {group_id}: {refused}")
         cfg = self.cfg
         return BroadcastGroup.form(
             store,
