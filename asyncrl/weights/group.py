@@ -467,16 +467,21 @@ class GroupMembership:
         forming: Future[BroadcastGroup] = Future()
         self._forming = forming
 
+        def unname() -> None:
+            # Formed or failed, no member may start joining it: unnamed before anyone
+            # waiting on the future learns the outcome (a given-up id already is, and
+            # its store may be gone with the job).
+            if self._forming is forming:
+                _set_forming(keys, "", unless_not=group_id)
+
         def run() -> None:
-            # Formed or given up, no member may start joining it: unnamed before anyone
-            # waiting on the future learns the outcome.
             try:
                 group = self._form(group_id)
             except BaseException as exc:  # handed to whoever waits on the future
-                _set_forming(keys, "", unless_not=group_id)
+                unname()
                 forming.set_exception(exc)
             else:
-                _set_forming(keys, "", unless_not=group_id)
+                unname()
                 forming.set_result(group)
 
         threading.Thread(target=run, name=f"weight-group-{group_id}", daemon=True).start()
