@@ -16,7 +16,7 @@ from asyncrl.engines.client.sglang import SGLangClient
 from asyncrl.errors import InputError
 from asyncrl.rollout.server_group import ServerGroup, server_buckets
 from asyncrl.weights.config import GroupConfig
-from asyncrl.weights.group import GroupMembership, claim_rank
+from asyncrl.weights.group import GroupMembership, claim_rank, may_join
 from asyncrl.wire.blob import layout
 from asyncrl.wire.sockets import free_tcp_endpoint, release_endpoints
 from tests.test_sglang_client import FAST, Fake, serving
@@ -133,6 +133,22 @@ async def test_an_id_a_predecessor_began_joining_is_not_joined_and_rank_0_gives_
     assert [b["group_name"] for b in fake.bodies("/init_weights_update_group")] == [
         f"asyncrl-weights-{fresh}"
     ]
+
+
+def test_an_id_still_forming_past_its_timeout_is_given_up_at_the_next_version():
+    """gloo's store phase and connect phase each wait the join timeout: rank 0 does not
+    wait for both, and names the next id forming."""
+    with rank_zero(world_size=2, join_timeout_s=5.0) as trainer:
+        overdue = forming(trainer)
+        overdue_forming = trainer._forming
+        assert overdue_forming is not None
+        assert trainer.usable() is None and trainer.id == overdue  # within its time
+        trainer._since -= trainer.cfg.join_timeout_s + 11  # as if gloo still waited then
+        assert trainer.usable() is None and trainer.id != overdue
+        host, port = trainer.address
+        assert may_join(host, port, overdue, 1).startswith("no longer forming")
+        assert may_join(host, port, trainer.id, 1) == ""
+        overdue_forming.exception(timeout=30)
 
 
 async def test_a_formed_group_the_actor_never_joined_is_left_and_goes_by_disk():

@@ -289,11 +289,10 @@ def claim_rank(store: dist.Store, group_id: str, rank: int) -> str:
     """Take ``rank`` of group ``group_id`` for one join: "" for its first taker only,
     else why not.
 
-    gloo's rendezvous keeps one address per rank. A member that died mid-join leaves its
-    own there, and a second joiner at that rank (its restarted actor) waited on the dead
-    one's socket, with rank 0, past both timeouts: a server engine stopped generating.
-    The second claimant marks the id stale and unnames it, so that no other rank joins
-    it either; rank 0 gives it up at its next version (``GroupMembership.usable``)."""
+    gloo keeps one address per rank, so a member that died mid-join leaves a dead one
+    that a second joiner at that rank, and rank 0, would wait on past their timeouts.
+    The second claimant marks the id stale and unnames it: no rank joins it any more,
+    and rank 0 gives it up at its next version (``GroupMembership.usable``)."""
     stale = STALE_KEY.format(group_id=group_id)
     if store.check([stale]):
         return "a rank was joined twice (its first joiner died in it)"
